@@ -1,0 +1,1 @@
+//! graphpp-graph (see ../../shared/DESIGN.md).

@@ -1,0 +1,1 @@
+//! graphpp-models (see ../../shared/DESIGN.md).

@@ -1,0 +1,1 @@
+//! graphpp-runtime (see ../../shared/DESIGN.md).
