@@ -3,7 +3,13 @@
 //! No tensor library. See `shared/DESIGN.md`, "Schedule IR".
 
 pub mod action;
+pub mod costs;
+pub mod generate;
+pub mod placement;
 pub mod schedule;
 
 pub use action::{Action, ActionParseError, CommKind, ComputeKind, MicrobatchId, StageId, StageOpKind, Task};
+pub use costs::{Costs, Memory};
+pub use generate::{generate, GenerateError, Kind, Options, Shape};
+pub use placement::Placement;
 pub use schedule::{CsvError, RankId, Schedule, Step};

@@ -1,0 +1,280 @@
+//! Named schedule generators (DESIGN.md, "Schedules and reference figures").
+//!
+//! [`generate`] dispatches on [`Kind`]; each kind lives in its own module and documents its
+//! constraints. A shape a kind cannot serve is a [`GenerateError::Constraint`] naming the rule.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::costs::{Costs, Memory};
+use crate::placement::Placement;
+use crate::schedule::Schedule;
+
+mod dualpipe;
+mod gpipe;
+mod grouped;
+mod interleaved;
+mod interleaved_zb;
+mod looped_bfs;
+mod one_f_one_b;
+mod zb_auto;
+mod zb_h;
+mod zbv;
+
+/// A named schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    /// GPipe / all-forward-all-backward.
+    Gpipe,
+    /// 1F1B (PipeDream-flush).
+    OneFOneB,
+    /// Megatron interleaved 1F1B (v chunks per rank, loop placement).
+    Interleaved1F1B,
+    /// Looped BFS (breadth-first over chunks).
+    LoopedBfs,
+    /// Llama-3 style interleaving with N consecutive microbatches per chunk (`--group N`).
+    GroupedInterleaved,
+    /// Zero-bubble ZB-H1.
+    ZbH1,
+    /// Zero-bubble ZB-H2.
+    ZbH2,
+    /// Zero-bubble automatic heuristic (ZB-1p / ZB-2p) with real costs and a memory cap.
+    ZbAuto,
+    /// ZB-V (2 chunks, V placement).
+    Zbv,
+    /// Interleaved zero bubble (PyTorch `ScheduleInterleavedZeroBubble`, ZB1P).
+    InterleavedZb,
+    /// DualPipe (bidirectional, two parameter copies).
+    DualPipe,
+    /// DualPipeV (DualPipe folded onto one V-shaped pipeline).
+    DualPipeV,
+}
+
+impl Kind {
+    /// Every kind, in the order `compare` lists them.
+    pub const ALL: [Kind; 12] = [
+        Kind::Gpipe,
+        Kind::OneFOneB,
+        Kind::Interleaved1F1B,
+        Kind::LoopedBfs,
+        Kind::GroupedInterleaved,
+        Kind::ZbH1,
+        Kind::ZbH2,
+        Kind::ZbAuto,
+        Kind::Zbv,
+        Kind::InterleavedZb,
+        Kind::DualPipe,
+        Kind::DualPipeV,
+    ];
+
+    /// The canonical CLI name (`gpipe`, `1f1b`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Gpipe => "gpipe",
+            Kind::OneFOneB => "1f1b",
+            Kind::Interleaved1F1B => "interleaved-1f1b",
+            Kind::LoopedBfs => "looped-bfs",
+            Kind::GroupedInterleaved => "grouped-interleaved",
+            Kind::ZbH1 => "zb-h1",
+            Kind::ZbH2 => "zb-h2",
+            Kind::ZbAuto => "zb-auto",
+            Kind::Zbv => "zbv",
+            Kind::InterleavedZb => "interleaved-zb",
+            Kind::DualPipe => "dualpipe",
+            Kind::DualPipeV => "dualpipev",
+        }
+    }
+
+    /// PyTorch's class name for the kind, where PyTorch ships it.
+    pub fn pytorch_name(self) -> Option<&'static str> {
+        Some(match self {
+            Kind::Gpipe => "ScheduleGPipe",
+            Kind::OneFOneB => "Schedule1F1B",
+            Kind::Interleaved1F1B => "ScheduleInterleaved1F1B",
+            Kind::LoopedBfs => "ScheduleLoopedBFS",
+            Kind::InterleavedZb => "ScheduleInterleavedZeroBubble",
+            Kind::Zbv => "ScheduleZBVZeroBubble",
+            Kind::DualPipeV => "ScheduleDualPipeV",
+            _ => return None,
+        })
+    }
+
+    /// The placement the kind uses.
+    pub fn placement(self) -> Placement {
+        match self {
+            Kind::Zbv | Kind::DualPipe | Kind::DualPipeV => Placement::V,
+            _ => Placement::Loop,
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An unknown schedule kind name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown schedule kind `{0}`; known: gpipe, 1f1b, interleaved-1f1b, looped-bfs, grouped-interleaved, zb-h1, zb-h2, zb-auto, zbv, interleaved-zb, dualpipe, dualpipev (PyTorch class names accepted)")]
+pub struct UnknownKind(pub String);
+
+impl FromStr for Kind {
+    type Err = UnknownKind;
+
+    /// Canonical names, or PyTorch class names (case-insensitive, with or without `Schedule`).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let norm: String =
+            s.to_ascii_lowercase().chars().filter(|c| c.is_ascii_alphanumeric()).collect::<String>();
+        let norm = norm.strip_prefix("schedule").unwrap_or(&norm).to_string();
+        let kind = match norm.as_str() {
+            "gpipe" | "afab" => Kind::Gpipe,
+            "1f1b" => Kind::OneFOneB,
+            "interleaved1f1b" => Kind::Interleaved1F1B,
+            "loopedbfs" => Kind::LoopedBfs,
+            "groupedinterleaved" | "llama3" => Kind::GroupedInterleaved,
+            "zbh1" => Kind::ZbH1,
+            "zbh2" => Kind::ZbH2,
+            "zbauto" | "zb1p" | "zb2p" => Kind::ZbAuto,
+            "zbv" | "zbvzerobubble" => Kind::Zbv,
+            "interleavedzb" | "interleavedzerobubble" => Kind::InterleavedZb,
+            "dualpipe" => Kind::DualPipe,
+            "dualpipev" => Kind::DualPipeV,
+            _ => return Err(UnknownKind(s.to_string())),
+        };
+        Ok(kind)
+    }
+}
+
+/// The shape of a pipeline: `p` ranks, `v` stages per rank (`S = p·v`), `m` microbatches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Shape {
+    /// p.
+    pub ranks: usize,
+    /// v.
+    pub stages_per_rank: usize,
+    /// m.
+    pub microbatches: usize,
+}
+
+impl Shape {
+    /// A shape.
+    pub fn new(ranks: usize, stages_per_rank: usize, microbatches: usize) -> Self {
+        Shape { ranks, stages_per_rank, microbatches }
+    }
+    /// S = p·v.
+    pub fn stages(&self) -> usize {
+        self.ranks * self.stages_per_rank
+    }
+}
+
+/// Knobs some generators read; the rest ignore them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Options {
+    /// `grouped-interleaved`: N consecutive microbatches per chunk (default p).
+    pub group: Option<usize>,
+    /// `zb-auto`: real T_F, T_I, T_W and c.
+    pub costs: Costs,
+    /// `zb-auto`: memory model.
+    pub memory: Memory,
+    /// `zb-auto`: activation-memory cap per rank in M_B units (default p, i.e. ZB-1p).
+    pub mem_cap: Option<f64>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { group: None, costs: Costs::default(), memory: Memory::default(), mem_cap: None }
+    }
+}
+
+/// Why a generator cannot produce a schedule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GenerateError {
+    /// The shape breaks one of the kind's documented constraints.
+    #[error("{kind} cannot serve ranks={ranks}, stages-per-rank={stages_per_rank}, microbatches={microbatches}: {constraint}")]
+    Constraint {
+        /// The kind.
+        kind: Kind,
+        /// p.
+        ranks: usize,
+        /// v.
+        stages_per_rank: usize,
+        /// m.
+        microbatches: usize,
+        /// The rule that failed, e.g. `needs m >= 2p (m=6, 2p=8)`.
+        constraint: String,
+    },
+}
+
+impl GenerateError {
+    /// A constraint failure for `kind` at `shape`.
+    pub fn constraint(kind: Kind, shape: &Shape, constraint: impl Into<String>) -> Self {
+        GenerateError::Constraint {
+            kind,
+            ranks: shape.ranks,
+            stages_per_rank: shape.stages_per_rank,
+            microbatches: shape.microbatches,
+            constraint: constraint.into(),
+        }
+    }
+}
+
+/// Checks `cond`, else a [`GenerateError::Constraint`] with the message.
+pub(crate) fn require(
+    cond: bool,
+    kind: Kind,
+    shape: &Shape,
+    msg: impl FnOnce() -> String,
+) -> Result<(), GenerateError> {
+    if cond {
+        Ok(())
+    } else {
+        Err(GenerateError::constraint(kind, shape, msg()))
+    }
+}
+
+/// Checks the constraints every kind shares: p ≥ 1, v ≥ 1, m ≥ 1.
+fn check_common(kind: Kind, shape: &Shape) -> Result<(), GenerateError> {
+    require(shape.ranks >= 1, kind, shape, || "needs at least 1 rank".into())?;
+    require(shape.stages_per_rank >= 1, kind, shape, || "needs at least 1 stage per rank".into())?;
+    require(shape.microbatches >= 1, kind, shape, || "needs at least 1 microbatch".into())
+}
+
+/// Generates the compute-only schedule of `kind` for `shape`.
+///
+/// # Errors
+/// [`GenerateError::Constraint`] when the shape breaks a constraint of the kind.
+pub fn generate(kind: Kind, shape: &Shape, opts: &Options) -> Result<Schedule, GenerateError> {
+    check_common(kind, shape)?;
+    match kind {
+        Kind::Gpipe => gpipe::generate(shape),
+        Kind::OneFOneB => one_f_one_b::generate(shape),
+        Kind::Interleaved1F1B => interleaved::generate(shape),
+        Kind::LoopedBfs => looped_bfs::generate(shape),
+        Kind::GroupedInterleaved => grouped::generate(shape, opts),
+        Kind::ZbH1 => zb_h::generate_h1(shape),
+        Kind::ZbH2 => zb_h::generate_h2(shape),
+        Kind::ZbAuto => zb_auto::generate(shape, opts),
+        Kind::Zbv => zbv::generate(shape),
+        Kind::InterleavedZb => interleaved_zb::generate(shape),
+        Kind::DualPipe => dualpipe::generate_dualpipe(shape),
+        Kind::DualPipeV => dualpipe::generate_dualpipev(shape),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_aliases() {
+        for k in Kind::ALL {
+            assert_eq!(k.name().parse::<Kind>().unwrap(), k);
+            if let Some(t) = k.pytorch_name() {
+                assert_eq!(t.parse::<Kind>().unwrap(), k);
+                assert_eq!(t.to_ascii_uppercase().parse::<Kind>().unwrap(), k);
+            }
+        }
+        assert!("zz".parse::<Kind>().is_err());
+    }
+}
