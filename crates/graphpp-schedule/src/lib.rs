@@ -4,6 +4,7 @@
 
 pub mod action;
 pub mod costs;
+pub mod deps;
 pub mod generate;
 pub mod placement;
 pub mod schedule;
