@@ -7,6 +7,7 @@ pub mod costs;
 pub mod deps;
 pub mod generate;
 pub mod placement;
+pub mod render;
 pub mod schedule;
 pub mod simulate;
 pub mod timeline;
