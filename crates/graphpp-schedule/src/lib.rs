@@ -3,6 +3,7 @@
 //! No tensor library. See `shared/DESIGN.md`, "Schedule IR".
 
 pub mod action;
+pub mod compare;
 pub mod costs;
 pub mod deps;
 pub mod generate;

@@ -22,12 +22,12 @@ impl Default for GridStyle {
     }
 }
 
-/// Short cell label: kind letter and microbatch, e.g. `F3`, `I12`, `F7|B3` for an overlap, `s`/`r`
+/// Short cell label: kind letter and microbatch, e.g. `F3`, `I12`, `7&3` for an overlap of F7 and B3, `s`/`r`
 /// for SEND/RECV, `u`/`z`/`g` for UNSHARD/RESHARD/REDUCE_GRAD.
 fn label(a: &Action) -> String {
     match a {
         Action::Compute { kind, task } => format!("{kind}{}", task.mb),
-        Action::Overlap { f, b } => format!("{}|{}", f.mb, b.mb),
+        Action::Overlap { f, b } => format!("{}&{}", f.mb, b.mb),
         Action::Comm { kind, .. } => if kind.to_string().starts_with("SEND") { "s" } else { "r" }.into(),
         Action::StageOp { .. } => "g".into(),
     }
