@@ -4,7 +4,9 @@
 mod common;
 
 use common::{assert_complete, in_flight_peaks, replay, UNIT};
-use graphpp_schedule::{generate, Action, ComputeKind, GenerateError, Kind, Options, Placement, Schedule, Shape};
+use graphpp_schedule::{
+    generate, Action, ComputeKind, GenerateError, Kind, Options, Placement, Schedule, Shape,
+};
 use proptest::prelude::*;
 
 fn gen(kind: Kind, p: usize, m: usize) -> Schedule {
@@ -56,7 +58,8 @@ fn dualpipe_middle_ranks_start_phase_4_unoverlapped() {
 
 #[test]
 fn constraint_errors_name_the_rule() {
-    let err = |kind, p, v, m| generate(kind, &Shape::new(p, v, m), &Options::default()).unwrap_err().to_string();
+    let err =
+        |kind, p, v, m| generate(kind, &Shape::new(p, v, m), &Options::default()).unwrap_err().to_string();
     assert!(err(Kind::DualPipe, 3, 2, 12).contains("even number of ranks"));
     assert!(err(Kind::DualPipe, 4, 2, 9).contains("even number of microbatches"));
     assert!(err(Kind::DualPipe, 4, 2, 6).contains("needs m >= 2p (m=6, 2p=8)"));

@@ -116,7 +116,10 @@ fn constraint_errors_name_the_rule() {
     assert!(generate(Kind::ZbAuto, &Shape::new(4, 1, 8), &opts).is_err());
     let mut opts = Options::default();
     opts.memory.m_w = 2.0;
-    assert!(generate(Kind::ZbAuto, &Shape::new(4, 1, 8), &opts).unwrap_err().to_string().contains("M_W < M_B"));
+    assert!(generate(Kind::ZbAuto, &Shape::new(4, 1, 8), &opts)
+        .unwrap_err()
+        .to_string()
+        .contains("M_W < M_B"));
 }
 
 /// Number of W's of stage r done before each of its I's, then the W's after its last I.

@@ -68,9 +68,7 @@ pub fn generate_dualpipev(shape: &Shape) -> Result<Schedule, GenerateError> {
 
 fn require_two_stages_per_rank(kind: Kind, shape: &Shape) -> Result<(), GenerateError> {
     let v = shape.stages_per_rank;
-    require(v == 2, kind, shape, || {
-        format!("needs stages-per-rank = 2 (2p stages in V placement), got {v}")
-    })
+    require(v == 2, kind, shape, || format!("needs stages-per-rank = 2 (2p stages in V placement), got {v}"))
 }
 
 /// One of a rank's two chunks: its stage and the first microbatch that visits it.
@@ -128,7 +126,7 @@ impl Phases {
         // 6. (r+1) × [B_D, B_A], switching to I (W deferred) at iteration ⌊(r+1)/2⌋.
         let mut zb = false;
         for i in 0..=r {
-            let switch = i == (r + 1) / 2;
+            let switch = i == r.div_ceil(2);
             zb |= switch && r % 2 == 1;
             e.backward(cd, zb);
             zb |= switch && r % 2 == 0;

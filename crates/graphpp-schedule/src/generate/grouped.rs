@@ -14,8 +14,12 @@ use crate::schedule::Schedule;
 /// The `k`-th forward of rank `r` (`k = 0..m·v`) is chunk `(k / N) mod v`, microbatch
 /// `(k / (N·v))·N + k mod N`; the `k`-th backward uses the same order with the chunks reversed
 /// (chunk `v−1−(k / N) mod v`). Rank `r` runs `min(m·v, (v−1)·N + 2(p−1−r))` warm-up forwards —
-/// Megatron's warm-up with the round size `p` replaced by `N` — then alternates [F, B], then runs the
-/// remaining backwards. Peak in flight grows with `N`.
+/// Megatron's warm-up with the round size `p` replaced by `N` (`p−1−r`, i.e. 1F1B, when `v = 1`) —
+/// then alternates [F, B], then runs the remaining backwards. Peak in flight on rank `r` is
+/// `(v−1)·N + 2(p−1−r) + 1` (stage, mb) pairs, growing with `N` (5.5 full-stage units on rank 0 for
+/// `p = 4, v = 2, N = p`, DESIGN.md). With `N = m` the forwards are breadth-first, but backwards
+/// still start once the first microbatch is back (1F1B inside the last chunk): the peak is
+/// `(v−1)·m + 2(p−1−r) + 1`, not the `m·v` of looped BFS's all-forward-then-all-backward.
 ///
 /// # Errors
 /// [`GenerateError::Constraint`] unless `p <= N <= m` and `N` divides `m` (the tutorial seed's
@@ -35,7 +39,8 @@ pub fn generate(shape: &Shape, opts: &Options) -> Result<Schedule, GenerateError
 fn rank_program(r: usize, p: usize, v: usize, m: usize, n: usize) -> Vec<Action> {
     let stages = Placement::Loop.stages_of(r, p, v);
     let total = m * v;
-    let warmup = ((v - 1) * n + 2 * (p - 1 - r)).min(total);
+    // Megatron's interleaved warm-up; with one chunk per rank the schedule is plain 1F1B.
+    let warmup = if v == 1 { p - 1 - r } else { (v - 1) * n + 2 * (p - 1 - r) }.min(total);
     // (chunk, microbatch) of the k-th forward/backward.
     let slot = |k: usize| ((k / n) % v, (k / (n * v)) * n + k % n);
     let fwd = |k: usize| {

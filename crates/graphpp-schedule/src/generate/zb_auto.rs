@@ -55,8 +55,11 @@ pub fn generate(shape: &Shape, opts: &Options) -> Result<Schedule, GenerateError
     for allow in [true, false] {
         for prioritize in [true, false] {
             for greedy in [true, false] {
-                let flags =
-                    Flags { allow_bubble_before_first_i: allow, prioritize_i: prioritize, no_bubble_greedy: greedy };
+                let flags = Flags {
+                    allow_bubble_before_first_i: allow,
+                    prioritize_i: prioritize,
+                    no_bubble_greedy: greedy,
+                };
                 let mut h = Heuristic::new(shape, opts, cap);
                 if h.run(flags).is_some() {
                     let span = h.span();

@@ -122,7 +122,8 @@ impl Greedy {
                 && Self::done_by(self.f_done[r][ii], t)
                 && (r + 1 == self.p || Self::done_by(self.i_done[r + 1][ii], t));
             let cap = 2 * (self.p - r) - 1;
-            let f_ready = fi < self.m && fi - ii < cap && (r == 0 || Self::done_by(self.f_done[r - 1][fi], t));
+            let f_ready =
+                fi < self.m && fi - ii < cap && (r == 0 || Self::done_by(self.f_done[r - 1][fi], t));
             let action = if i_ready {
                 self.i_done[r][ii] = Some(t + 1);
                 self.next_i[r] += 1;

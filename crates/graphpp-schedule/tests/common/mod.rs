@@ -33,7 +33,8 @@ pub fn assert_complete(s: &Schedule, m: usize) -> Result<(), String> {
             let t = Task::new(stage, mb);
             let acts = seen.remove(&t).ok_or(format!("{t:?} has no action"))?;
             let of = |k: ComputeKind| acts.iter().filter(|a| a.0 == k).collect::<Vec<_>>();
-            let (f, b, i, w) = (of(ComputeKind::F), of(ComputeKind::B), of(ComputeKind::I), of(ComputeKind::W));
+            let (f, b, i, w) =
+                (of(ComputeKind::F), of(ComputeKind::B), of(ComputeKind::I), of(ComputeKind::W));
             if f.len() != 1 {
                 return Err(format!("{t:?}: {} F's", f.len()));
             }
@@ -170,9 +171,13 @@ pub fn replay(s: &Schedule, u: Unit) -> Result<Timeline, String> {
                 for (k, t) in a.computes() {
                     let route = &routes[t.mb];
                     let dep = match k {
-                        ComputeKind::F if t.stage > route.start => done.get(&(ComputeKind::F, Task::new(t.stage - 1, t.mb))).copied(),
+                        ComputeKind::F if t.stage > route.start => {
+                            done.get(&(ComputeKind::F, Task::new(t.stage - 1, t.mb))).copied()
+                        }
                         ComputeKind::F => Some(0.0),
-                        ComputeKind::B | ComputeKind::I if t.stage + 1 < route.end => bwd_done(&done, Task::new(t.stage + 1, t.mb)),
+                        ComputeKind::B | ComputeKind::I if t.stage + 1 < route.end => {
+                            bwd_done(&done, Task::new(t.stage + 1, t.mb))
+                        }
                         ComputeKind::B | ComputeKind::I => done.get(&(ComputeKind::F, t)).copied(),
                         ComputeKind::W => done.get(&(ComputeKind::I, t)).copied(),
                     };
