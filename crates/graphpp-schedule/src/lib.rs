@@ -3,13 +3,20 @@
 //! No tensor library. See `shared/DESIGN.md`, "Schedule IR".
 
 pub mod action;
+pub mod compare;
 pub mod costs;
+pub mod deps;
 pub mod generate;
 pub mod placement;
+pub mod render;
 pub mod schedule;
+pub mod simulate;
+pub mod timeline;
 
 pub use action::{Action, ActionParseError, CommKind, ComputeKind, MicrobatchId, StageId, StageOpKind, Task};
 pub use costs::{Costs, Memory};
 pub use generate::{generate, GenerateError, Kind, Options, Shape};
 pub use placement::Placement;
 pub use schedule::{CsvError, RankId, Schedule, Step};
+pub use simulate::{simulate, SimReport, SimulateError};
+pub use timeline::{Interval, Timeline};
