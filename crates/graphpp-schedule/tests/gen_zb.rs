@@ -169,7 +169,7 @@ proptest! {
         assert_complete(&s, m).map_err(TestCaseError::fail)?;
         let peaks = in_flight_peaks(&s);
         for r in 0..p {
-            prop_assert!(peaks[r] <= 2 * (p - r) - 1, "rank {} peak {}", r, peaks[r]);
+            prop_assert!(peaks[r] < 2 * (p - r), "rank {} peak {} > 2(p−r)−1", r, peaks[r]);
         }
         prop_assert_eq!(peaks[0], (2 * p - 1).min(m));
         let t = replay(&s, UNIT).map_err(TestCaseError::fail)?;
