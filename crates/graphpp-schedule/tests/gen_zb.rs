@@ -143,6 +143,26 @@ fn w_lag(prog: &[Action]) -> (Vec<usize>, usize) {
     (before_i, after_last_i)
 }
 
+/// Per-rank peak of (stage, mb) pairs whose F ran and whose W (or B) has not.
+fn held_peaks(s: &Schedule) -> Vec<usize> {
+    (0..s.num_ranks())
+        .map(|r| {
+            let (mut cur, mut peak) = (0usize, 0usize);
+            for a in s.program(r) {
+                for (k, _) in a.computes() {
+                    match k {
+                        ComputeKind::F => cur += 1,
+                        ComputeKind::B | ComputeKind::W => cur -= 1,
+                        ComputeKind::I => {}
+                    }
+                    peak = peak.max(cur);
+                }
+            }
+            peak
+        })
+        .collect()
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
@@ -172,8 +192,12 @@ proptest! {
             prop_assert!(peaks[r] < 2 * (p - r), "rank {} peak {} > 2(p−r)−1", r, peaks[r]);
         }
         prop_assert_eq!(peaks[0], (2 * p - 1).min(m));
+        // Held = F done, W not yet (in flight or waiting for W): at most 2p−1 on every rank.
+        for (r, h) in held_peaks(&s).into_iter().enumerate() {
+            prop_assert!(h < 2 * p, "rank {} holds {}", r, h);
+        }
         let t = replay(&s, UNIT).map_err(TestCaseError::fail)?;
-        if m >= 2 * p {
+        if m + 1 >= 2 * p {
             for r in 0..p {
                 prop_assert_eq!(t.steady_bubble(r), 0.0, "rank {}\n{}", r, s);
             }

@@ -45,10 +45,16 @@ pub fn generate_h1(shape: &Shape) -> Result<Schedule, GenerateError> {
 /// ZB-H2: a time-stepped greedy over unit costs (T_F = T_I = T_W = 1, c = 0), the rule of DESIGN.md
 /// and the tutorial seed's simulator: whenever rank `r` is free it runs, in order of preference,
 /// 1. the next I if it is ready (own F done; the next stage's I done, unless `r` is the last stage),
-/// 2. else the next F if fewer than `2(p−r)−1` microbatches are in flight and its input is ready,
+/// 2. else the next F if its input is ready and fewer than `2(p−r)−1` microbatches are in flight
+///    (F done, I not yet) **and** fewer than `2p−1` are held (in flight or waiting for their W),
 /// 3. else the oldest pending W,
 ///
-/// and otherwise waits one time unit. Peak in flight `≤ 2(p−r)−1`; steady-state bubble 0.
+/// and otherwise waits one time unit.
+///
+/// The second cap is ours: without it I and F are always preferred to W in the steady state, every
+/// W drifts to the end and the M_W's held grow with `m`. With it a rank holds at most `2p−1`
+/// (stage, mb) activations, so memory stays `≤ (2p−1)·M_B` (Qi et al. §3, ZB-H2) while later stages
+/// still defer more W's (up to `2r`) than earlier ones. Steady-state bubble 0 once `m ≥ 2p−1`.
 ///
 /// # Errors
 /// [`GenerateError::Constraint`] unless `stages_per_rank = 1`.
@@ -122,8 +128,11 @@ impl Greedy {
                 && Self::done_by(self.f_done[r][ii], t)
                 && (r + 1 == self.p || Self::done_by(self.i_done[r + 1][ii], t));
             let cap = 2 * (self.p - r) - 1;
-            let f_ready =
-                fi < self.m && fi - ii < cap && (r == 0 || Self::done_by(self.f_done[r - 1][fi], t));
+            let held = fi - ii + self.pending_w[r].len();
+            let f_ready = fi < self.m
+                && fi - ii < cap
+                && held < 2 * self.p - 1
+                && (r == 0 || Self::done_by(self.f_done[r - 1][fi], t));
             let action = if i_ready {
                 self.i_done[r][ii] = Some(t + 1);
                 self.next_i[r] += 1;
