@@ -102,6 +102,43 @@ fn zb_auto_1p_is_no_worse_than_zb_h1() {
 }
 
 #[test]
+fn zb_auto_matches_the_reference_illustration() {
+    // sail-sg/zero-bubble-pipeline-parallelism `auto_schedule.py` illustrates `manual_order` for
+    // p = 4, m = 12 (f = F, b = I, w = W), here reproduced with unit costs, cap 2p and M_W = 0:
+    //   fffffffbfbfbfbfbfbwbwbwbwbwbwbwwwwww
+    //    fffffbfbfbfbfbfbfbfbwbwbwbwbwwwwwwww
+    //     fffbfbfbfbfbfbfbfbfbfbwbwbwwwwwwwwww
+    //      fbfbfbfbfbfbfbfbfbfbfbfbwwwwwwwwwwww
+    // Stages 1–3 match. Stage 0 differs after its last F: the same function drains stage 0's W's
+    // before each I once all its F's are done (`if j == 0 and f[j] == nmb`), which the
+    // illustration predates.
+    let mut opts = Options { mem_cap: Some(8.0), ..Options::default() };
+    opts.memory.m_w = 0.0;
+    let s = generate(Kind::ZbAuto, &Shape::new(4, 1, 12), &opts).unwrap();
+    let letters = |r: usize| -> String {
+        s.program(r)
+            .iter()
+            .flat_map(|a| a.computes().collect::<Vec<_>>())
+            .map(|(k, _)| match k {
+                ComputeKind::F => 'f',
+                ComputeKind::I | ComputeKind::B => 'b',
+                ComputeKind::W => 'w',
+            })
+            .collect()
+    };
+    assert_eq!(letters(1), "fffffbfbfbfbfbfbfbfbwbwbwbwbwwwwwwww");
+    assert_eq!(letters(2), "fffbfbfbfbfbfbfbfbfbfbwbwbwwwwwwwwww");
+    assert_eq!(letters(3), "fbfbfbfbfbfbfbfbfbfbfbfbwwwwwwwwwwww");
+    // Stage 0 follows the illustration up to its last F, then drains every pending W before its
+    // next I.
+    let zero = letters(0);
+    let last_f = zero.rfind('f').unwrap();
+    assert_eq!(zero[..=last_f], "fffffffbfbfbfbfbfbwbwbwbwbwbwbwwwwww"[..=last_f]);
+    let pending = zero[..last_f].matches('b').count() - zero[..last_f].matches('w').count();
+    assert_eq!(zero[last_f + 1..].find('b'), Some(pending), "{zero}");
+}
+
+#[test]
 fn constraint_errors_name_the_rule() {
     for kind in [Kind::ZbH1, Kind::ZbH2, Kind::ZbAuto] {
         let e = generate(kind, &Shape::new(4, 2, 8), &Options::default()).unwrap_err();
