@@ -4,3 +4,6 @@
 pub mod transport;
 
 pub use transport::{Tag, TagKind, ThreadTransport, Transport, TransportError};
+pub mod pipeline;
+
+pub use pipeline::{run_pipeline, PipelineError, StageWork, WorkError};
