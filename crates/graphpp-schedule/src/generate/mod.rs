@@ -106,12 +106,12 @@ impl Kind {
             Kind::Gpipe | Kind::OneFOneB => "v = 1; any m",
             Kind::Interleaved1F1B => "loop placement, v >= 1",
             Kind::LoopedBfs => "loop placement, v >= 1",
-            Kind::GroupedInterleaved => "loop placement, 1 <= N <= m",
+            Kind::GroupedInterleaved => "loop placement, p <= N <= m, N divides m",
             Kind::ZbH1 | Kind::ZbH2 => "v = 1",
             Kind::ZbAuto => "v = 1; memory cap >= 1 M_B",
             Kind::Zbv => "V placement, v = 2",
             Kind::InterleavedZb => "loop placement, v >= 1",
-            Kind::DualPipe => "p even, m even, m >= 2p; two parameter copies",
+            Kind::DualPipe => "V placement, v = 2, p even, m even, m >= 2p; two parameter copies",
             Kind::DualPipeV => "V placement, v = 2, m >= 2p",
         }
     }
