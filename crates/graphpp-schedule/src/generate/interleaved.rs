@@ -135,6 +135,29 @@ mod tests {
         assert_eq!(microbatches_per_round(4, 18), 6); // ⌊18/4⌋ = 4 ∤ 18 → 3 rounds of 6
     }
 
+    /// Peak number of chunk forwards in flight (F done, B not yet) on rank `r`.
+    fn peak_in_flight(s: &Schedule, r: usize) -> usize {
+        let (mut live, mut peak) = (0usize, 0usize);
+        for a in s.program(r) {
+            for (k, _) in a.computes() {
+                match k {
+                    ComputeKind::F => live += 1,
+                    _ => live -= 1,
+                }
+                peak = peak.max(live);
+            }
+        }
+        peak
+    }
+
+    /// DESIGN.md Interleaved 1F1B row: rank 0 holds p + (p−1)/v full-stage activations, 5.5 for p = 4,
+    /// v = 2, i.e. 11 chunk activations (a chunk is 1/v of a stage).
+    #[test]
+    fn rank0_peak_memory_matches_design() {
+        let s = generate(&Shape::new(4, 2, 8)).unwrap();
+        assert_eq!(peak_in_flight(&s, 0) as f64 / 2.0, 5.5);
+    }
+
     proptest! {
         /// Every (stage, mb) of the rank's own stages gets one F then one B; forwards of a stage run
         /// in microbatch order; the first forward of chunk c+1 follows the g-th forward of chunk c.
@@ -162,6 +185,8 @@ mod tests {
                     }
                 }
                 prop_assert!(f_next.iter().chain(&b_next).all(|&x| x == m));
+                let warmup = ((v - 1) * g + 2 * (p - 1 - r)).min(v * m);
+                prop_assert_eq!(peak_in_flight(&s, r), (warmup + 1).min(v * m));
                 if v > 1 {
                     let pos = |a: Action| prog.iter().position(|&x| x == a).unwrap();
                     prop_assert!(pos(Action::f(p + r, 0)) > pos(Action::f(r, g - 1)));

@@ -120,6 +120,26 @@ mod tests {
     }
 
     proptest! {
+        /// DESIGN.md ZB-V row: memory p·M_B in full-stage units, i.e. at most 2p chunk activations
+        /// (held from F until W) on every rank, reached once m ≥ 2p − 1.
+        #[test]
+        fn peak_activations_are_p_stages(p in 1usize..8, extra in 0usize..10) {
+            let m = 2 * p - 1 + extra;
+            let s = generate(&Shape::new(p, 2, m)).unwrap();
+            for r in 0..p {
+                let (mut live, mut peak) = (0i64, 0i64);
+                for a in s.program(r) {
+                    for (k, _) in a.computes() {
+                        live += match k { F => 1, W => -1, _ => 0 };
+                        peak = peak.max(live);
+                    }
+                }
+                prop_assert_eq!(peak, 2 * p as i64);
+            }
+        }
+    }
+
+    proptest! {
         /// V placement (rank r holds r and 2p−1−r only); each (stage, mb) F, I, W once in that order;
         /// padding microbatches (m < 2p−1) are gone.
         #[test]
