@@ -6,11 +6,15 @@ pub mod action;
 pub mod costs;
 pub mod deps;
 pub mod generate;
+pub mod lower;
 pub mod placement;
 pub mod schedule;
+pub mod validate;
 
 pub use action::{Action, ActionParseError, CommKind, ComputeKind, MicrobatchId, StageId, StageOpKind, Task};
 pub use costs::{Costs, Memory};
 pub use generate::{generate, GenerateError, Kind, Options, Shape};
+pub use lower::{lower, LowerError, LowerOptions};
 pub use placement::Placement;
 pub use schedule::{CsvError, RankId, Schedule, Step};
+pub use validate::{validate, ErrorKind, Summary, ValidateOptions, ValidationError};

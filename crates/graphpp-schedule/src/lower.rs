@@ -1,0 +1,312 @@
+//! Lowering passes (DESIGN.md, "Schedule IR" → "Lowering passes"). Each pass maps a schedule to a
+//! schedule and keeps a valid schedule valid (see [`crate::validate`]).
+//!
+//! Idle steps: [`add_send_recv`], [`add_unshard_reshard`] and [`add_reduce_grad`] drop them (the
+//! output is compacted: a lowered program is an order, not a timing); [`merge_bw`] and
+//! [`split_bw`] keep them, so that `merge_bw(split_bw(s)) == s` cell for cell.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
+use crate::schedule::{RankId, Schedule, Step};
+use crate::validate::{compute_routes, stage_ranks, validate, Loc, ValidateOptions, ValidationError};
+
+/// Why a lowering pass refused a schedule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LowerError {
+    /// The input schedule is not valid (from [`lower`]'s input check, or a stage on several ranks).
+    #[error("cannot lower an invalid schedule: {0}")]
+    Invalid(Box<ValidationError>),
+    /// The input already holds actions this pass would add.
+    #[error("{pass}: the schedule already has {at}; run the pass on a schedule without them")]
+    AlreadyHas {
+        /// The pass (`add_send_recv`, `add_unshard_reshard`, `add_reduce_grad`).
+        pass: &'static str,
+        /// The first such action.
+        at: Loc,
+    },
+    /// `max_unsharded` is below the number of stages one action computes on.
+    #[error("add_unshard_reshard: {at} needs {needed} stages unsharded at once, but max_unsharded is {max}")]
+    TooFewUnsharded {
+        /// The given limit.
+        max: usize,
+        /// Stages the action touches.
+        needed: usize,
+        /// The action.
+        at: Loc,
+    },
+}
+
+impl From<ValidationError> for LowerError {
+    fn from(e: ValidationError) -> Self {
+        LowerError::Invalid(Box::new(e))
+    }
+}
+
+/// Options of [`lower`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LowerOptions {
+    /// `Some(n)`: add the FSDP actions ([`add_unshard_reshard`] with at most `n` stages unsharded
+    /// per rank, then [`add_reduce_grad`]); `None`: SEND/RECV only.
+    pub fsdp_max_unsharded: Option<usize>,
+}
+
+/// The standard lowering pipeline: validate the input, then (when asked) [`add_unshard_reshard`]
+/// and [`add_reduce_grad`], then [`add_send_recv`] (the order of PyTorch's lowering, so an UNSHARD
+/// is issued before the RECV the compute waits on).
+///
+/// # Errors
+/// [`LowerError::Invalid`] for an invalid input; the passes' errors otherwise.
+pub fn lower(s: &Schedule, opts: &LowerOptions) -> Result<Schedule, LowerError> {
+    validate(s, &ValidateOptions::default())?;
+    let s = match opts.fsdp_max_unsharded {
+        Some(n) => add_reduce_grad(&add_unshard_reshard(s, n)?)?,
+        None => s.clone(),
+    };
+    add_send_recv(&s)
+}
+
+/// The first action matching `pred`, as an [`LowerError::AlreadyHas`] of `pass`.
+fn refuse_if(s: &Schedule, pass: &'static str, pred: impl Fn(&Action) -> bool) -> Result<(), LowerError> {
+    for (rank, row) in s.ranks.iter().enumerate() {
+        for (step, cell) in row.iter().enumerate() {
+            if let Some(action) = cell.filter(|a| pred(a)) {
+                return Err(LowerError::AlreadyHas { pass, at: Loc { rank, step, action } });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where a microbatch's tensors cross ranks: stage → rank and the routes.
+struct Wiring {
+    rank_of: BTreeMap<StageId, RankId>,
+    routes: Vec<Option<Range<StageId>>>,
+}
+
+impl Wiring {
+    /// True when (stage `from`, `from + 1`) is a boundary of `mb`'s route and crosses ranks.
+    fn crosses(&self, from: StageId, mb: usize) -> bool {
+        let in_route =
+            self.routes.get(mb).cloned().flatten().is_some_and(|r| r.start <= from && from + 1 < r.end);
+        in_route && self.rank_of.get(&from) != self.rank_of.get(&(from + 1))
+    }
+
+    /// RECVs that must run right before compute `(kind, t)`.
+    fn recvs(&self, kind: ComputeKind, t: Task) -> Option<Action> {
+        match kind {
+            ComputeKind::F if t.stage > 0 && self.crosses(t.stage - 1, t.mb) => {
+                Some(Action::comm(CommKind::RecvF, t.stage, t.mb))
+            }
+            ComputeKind::B | ComputeKind::I if self.crosses(t.stage, t.mb) => {
+                Some(Action::comm(CommKind::RecvB, t.stage, t.mb))
+            }
+            _ => None,
+        }
+    }
+
+    /// SENDs that must run right after compute `(kind, t)`.
+    fn sends(&self, kind: ComputeKind, t: Task) -> Option<Action> {
+        match kind {
+            ComputeKind::F if self.crosses(t.stage, t.mb) => {
+                Some(Action::comm(CommKind::SendF, t.stage, t.mb))
+            }
+            ComputeKind::B | ComputeKind::I if t.stage > 0 && self.crosses(t.stage - 1, t.mb) => {
+                Some(Action::comm(CommKind::SendB, t.stage, t.mb))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Adds SEND/RECV for every cross-rank hand-over (DESIGN.md, "Lowering passes").
+///
+/// A SEND goes right after the action that produces the tensor (F → SEND_F, B/I → SEND_B) when
+/// the peer stage is on another rank; the matching RECV goes on the peer's rank right before the
+/// action that consumes it, so a blocking RECV never holds up unrelated compute (early RECVs
+/// deadlocked real Interleaved1F1B runs). Adjacent stages on one rank hand over locally, with no
+/// comm. For OVERLAP_F_B the RECVs of both halves (F's, then B's) go before it and the SENDs of
+/// both halves after it. Every RECV's dependencies are ones its consumer already had, so a
+/// deadlock-free schedule stays deadlock-free. Idle steps are dropped; UNSHARD/RESHARD/REDUCE_GRAD
+/// pass through.
+///
+/// # Errors
+/// [`LowerError::AlreadyHas`] if the input holds SEND/RECV; [`LowerError::Invalid`] if a stage is
+/// on several ranks.
+pub fn add_send_recv(s: &Schedule) -> Result<Schedule, LowerError> {
+    refuse_if(s, "add_send_recv", |a| matches!(a, Action::Comm { .. }))?;
+    let wiring = Wiring { rank_of: stage_ranks(s)?, routes: compute_routes(s) };
+    let programs = (0..s.num_ranks())
+        .map(|r| {
+            let mut out = Vec::new();
+            for a in s.program(r) {
+                out.extend(a.computes().filter_map(|(k, t)| wiring.recvs(k, t)));
+                out.push(a);
+                out.extend(a.computes().filter_map(|(k, t)| wiring.sends(k, t)));
+            }
+            out
+        })
+        .collect();
+    Ok(Schedule::from_programs(programs))
+}
+
+/// The next `count` distinct stages that compute actions of `rest` touch, in order of first use;
+/// all stages of `rest[0]` are always included even when they exceed `count`.
+fn upcoming_stages(rest: &[Action], count: usize) -> Vec<StageId> {
+    let mut out: Vec<StageId> = Vec::new();
+    for (i, a) in rest.iter().filter(|a| a.is_compute()).enumerate() {
+        if i > 0 && out.len() >= count {
+            break;
+        }
+        for st in a.stages() {
+            if !out.contains(&st) && (i == 0 || out.len() < count) {
+                out.push(st);
+            }
+        }
+    }
+    out
+}
+
+/// Adds UNSHARD/RESHARD per rank, keeping at most `max_unsharded` stages unsharded.
+///
+/// The policy is PyTorch's `_add_unshard_reshard` (`torch.distributed.pipelining.schedules`):
+/// before each compute action, the window is the next `max_unsharded` distinct stages that this
+/// rank's compute actions touch from here on (prefetch); stages unsharded but outside the window
+/// get RESHARD (in the order they were unsharded), window stages not yet unsharded get UNSHARD (in
+/// order of use). Every stage still unsharded at the end gets RESHARD. SEND/RECV pass through and
+/// are not counted as uses. Idle steps are dropped.
+///
+/// # Errors
+/// [`LowerError::AlreadyHas`] if the input holds UNSHARD/RESHARD; [`LowerError::TooFewUnsharded`]
+/// if one action computes on more stages than `max_unsharded` (0, or 1 with OVERLAP_F_B of two
+/// stages).
+pub fn add_unshard_reshard(s: &Schedule, max_unsharded: usize) -> Result<Schedule, LowerError> {
+    refuse_if(s, "add_unshard_reshard", |a| {
+        matches!(a, Action::StageOp { kind: StageOpKind::Unshard | StageOpKind::Reshard, .. })
+    })?;
+    let mut programs = Vec::with_capacity(s.num_ranks());
+    for (rank, row) in s.ranks.iter().enumerate() {
+        let cells: Vec<(usize, Action)> =
+            row.iter().enumerate().filter_map(|(i, c)| c.map(|a| (i, a))).collect();
+        let actions: Vec<Action> = cells.iter().map(|c| c.1).collect();
+        let mut unsharded: Vec<StageId> = Vec::new();
+        let mut out = Vec::new();
+        for (k, &(step, a)) in cells.iter().enumerate() {
+            if a.is_compute() {
+                let needed = a.stages().collect::<std::collections::BTreeSet<_>>().len();
+                if needed > max_unsharded {
+                    let at = Loc { rank, step, action: a };
+                    return Err(LowerError::TooFewUnsharded { max: max_unsharded, needed, at });
+                }
+                let window = upcoming_stages(&actions[k..], max_unsharded);
+                for st in unsharded.iter().filter(|st| !window.contains(st)) {
+                    out.push(Action::stage_op(StageOpKind::Reshard, *st));
+                }
+                unsharded.retain(|st| window.contains(st));
+                let fetch: Vec<StageId> = window.into_iter().filter(|st| !unsharded.contains(st)).collect();
+                out.extend(fetch.iter().map(|&st| Action::stage_op(StageOpKind::Unshard, st)));
+                unsharded.extend(fetch);
+            }
+            out.push(a);
+        }
+        out.extend(unsharded.into_iter().map(|st| Action::stage_op(StageOpKind::Reshard, st)));
+        programs.push(out);
+    }
+    Ok(Schedule::from_programs(programs))
+}
+
+/// Adds one REDUCE_GRAD per stage right after the stage's last backward-like action (B, I, W, or
+/// the B half of OVERLAP_F_B) on its rank (DESIGN.md, "Lowering passes"). Idle steps are dropped.
+///
+/// # Errors
+/// [`LowerError::AlreadyHas`] if the input holds REDUCE_GRAD.
+pub fn add_reduce_grad(s: &Schedule) -> Result<Schedule, LowerError> {
+    refuse_if(s, "add_reduce_grad", |a| matches!(a, Action::StageOp { kind: StageOpKind::ReduceGrad, .. }))?;
+    let programs = (0..s.num_ranks())
+        .map(|r| {
+            let prog = s.program(r);
+            // Index of each stage's last backward-like action on this rank.
+            let mut last: BTreeMap<StageId, usize> = BTreeMap::new();
+            for (i, a) in prog.iter().enumerate() {
+                for (_, t) in a.computes().filter(|(k, _)| *k != ComputeKind::F) {
+                    last.insert(t.stage, i);
+                }
+            }
+            let mut out = Vec::with_capacity(prog.len() + last.len());
+            for (i, a) in prog.into_iter().enumerate() {
+                out.push(a);
+                out.extend(
+                    last.iter()
+                        .filter(|(_, &l)| l == i)
+                        .map(|(&st, _)| Action::stage_op(StageOpKind::ReduceGrad, st)),
+                );
+            }
+            out
+        })
+        .collect();
+    Ok(Schedule::from_programs(programs))
+}
+
+/// The index of the next non-idle step after `k`.
+fn next_action(row: &[Step], k: usize) -> Option<usize> {
+    (k + 1..row.len()).find(|&i| row[i].is_some())
+}
+
+/// Merges each I(s, j) whose next non-idle step is W(s, j) into one B(s, j) in the I's cell;
+/// the W's cell is removed (idle steps between them stay). The inverse of [`split_bw`].
+///
+/// # Errors
+/// None today; `Result` keeps the pass signature uniform.
+pub fn merge_bw(s: &Schedule) -> Result<Schedule, LowerError> {
+    let ranks = s
+        .ranks
+        .iter()
+        .map(|row| {
+            let mut out = Vec::with_capacity(row.len());
+            let mut skip = None;
+            for (k, cell) in row.iter().enumerate() {
+                if skip == Some(k) {
+                    continue;
+                }
+                if let Some(Action::Compute { kind: ComputeKind::I, task }) = *cell {
+                    let n = next_action(row, k).filter(|&n| row[n] == Some(Action::w(task.stage, task.mb)));
+                    if n.is_some() {
+                        out.push(Some(Action::b(task.stage, task.mb)));
+                        skip = n;
+                        continue;
+                    }
+                }
+                out.push(*cell);
+            }
+            out
+        })
+        .collect();
+    Ok(Schedule { ranks })
+}
+
+/// Splits each full B(s, j) into I(s, j) in the B's cell and W(s, j) in a new cell right after it
+/// (zero-bubble's split backward, with W not yet moved). The B half of an OVERLAP_F_B stays.
+///
+/// # Errors
+/// None today; `Result` keeps the pass signature uniform.
+pub fn split_bw(s: &Schedule) -> Result<Schedule, LowerError> {
+    let ranks = s
+        .ranks
+        .iter()
+        .map(|row| {
+            let mut out = Vec::with_capacity(row.len());
+            for cell in row {
+                match *cell {
+                    Some(Action::Compute { kind: ComputeKind::B, task }) => {
+                        out.push(Some(Action::i(task.stage, task.mb)));
+                        out.push(Some(Action::w(task.stage, task.mb)));
+                    }
+                    other => out.push(other),
+                }
+            }
+            out
+        })
+        .collect();
+    Ok(Schedule { ranks })
+}
