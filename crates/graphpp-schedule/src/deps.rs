@@ -261,10 +261,8 @@ impl DepGraph {
                 }
             }
         }
-        for (r, p) in self.programs.iter().enumerate() {
-            for i in 1..p.len() {
-                indeg[r][i] += 1;
-            }
+        for r in indeg.iter_mut() {
+            r.iter_mut().skip(1).for_each(|d| *d += 1);
         }
         let mut ready: Vec<ActionRef> = (0..n_r)
             .filter(|&r| !self.programs[r].is_empty() && indeg[r][0] == 0)

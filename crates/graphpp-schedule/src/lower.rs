@@ -310,3 +310,123 @@ pub fn split_bw(s: &Schedule) -> Result<Schedule, LowerError> {
         .collect();
     Ok(Schedule { ranks })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sched(csv: &str) -> Schedule {
+        Schedule::from_csv(csv).unwrap()
+    }
+
+    fn row(s: &Schedule, r: RankId) -> String {
+        s.program(r).iter().map(ToString::to_string).collect::<Vec<_>>().join(" ")
+    }
+
+    fn valid(s: &Schedule) -> crate::validate::Summary {
+        validate(s, &ValidateOptions::default()).unwrap()
+    }
+
+    #[test]
+    fn send_recv_for_two_rank_1f1b() {
+        // Idle steps are dropped; RECVs sit right before their consumer, SENDs right after the producer.
+        let low = add_send_recv(&sched("0F0,0F1,,0B0,,0B1\n,1F0,1B0,1F1,1B1,\n")).unwrap();
+        assert_eq!(row(&low, 0), "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1");
+        assert_eq!(row(&low, 1), "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1");
+        valid(&low);
+    }
+
+    #[test]
+    fn local_hand_over_on_v_placement_has_no_comm() {
+        // p = 2, V placement: stages 1 and 2 both live on rank 1.
+        let s = sched("0F0,3F0,3B0,0B0\n1F0,2F0,2B0,1B0\n");
+        let low = add_send_recv(&s).unwrap();
+        assert_eq!(row(&low, 1), "1RECV_F0 1F0 2F0 2SEND_F0 2RECV_B0 2B0 1B0 1SEND_B0");
+        assert_eq!(row(&low, 0), "0F0 0SEND_F0 3RECV_F0 3F0 3B0 3SEND_B0 0RECV_B0 0B0");
+        assert_eq!(valid(&low).counts.send, 4);
+    }
+
+    #[test]
+    fn overlap_gets_both_recvs_before_and_both_sends_after() {
+        // p = 2, loop placement, v = 2: rank 0 holds stages 0 and 2, rank 1 holds 1 and 3.
+        let s = sched(
+            "0F0,0F1,2F0,(2F1;2B0)OVERLAP_F_B,2B1,0B0,0B1\n\
+             1F0,1F1,3F0,3B0,3F1,3B1,1B0,1B1\n",
+        );
+        valid(&s);
+        let low = add_send_recv(&s).unwrap();
+        assert!(
+            row(&low, 0)
+                .contains("2SEND_F0 2RECV_F1 2RECV_B0 (2F1;2B0)OVERLAP_F_B 2SEND_F1 2SEND_B0 2RECV_B1 2B1"),
+            "{}",
+            row(&low, 0)
+        );
+        valid(&low);
+    }
+
+    #[test]
+    fn send_recv_refuses_lowered_input() {
+        let e = add_send_recv(&sched("0F0,0SEND_F0\n")).unwrap_err();
+        assert!(matches!(e, LowerError::AlreadyHas { pass: "add_send_recv", at } if at.step == 1), "{e:?}");
+        let e = add_send_recv(&sched("0F0\n0B0\n")).unwrap_err();
+        assert!(
+            matches!(e, LowerError::Invalid(ref v) if v.kind() == crate::validate::ErrorKind::StageOnManyRanks)
+        );
+    }
+
+    #[test]
+    fn unshard_reshard_windows() {
+        // One rank holding stages 0 and 1 (PyTorch's window policy, worked by hand).
+        let s = sched("0F0,1F0,1B0,0B0\n");
+        let one = add_unshard_reshard(&s, 1).unwrap();
+        assert_eq!(row(&one, 0), "0UNSHARD 0F0 0RESHARD 1UNSHARD 1F0 1B0 1RESHARD 0UNSHARD 0B0 0RESHARD");
+        let two = add_unshard_reshard(&s, 2).unwrap();
+        assert_eq!(row(&two, 0), "0UNSHARD 1UNSHARD 0F0 1F0 1B0 1RESHARD 0B0 0RESHARD");
+        valid(&one);
+        valid(&two);
+        let e = add_unshard_reshard(&s, 0).unwrap_err();
+        assert!(matches!(e, LowerError::TooFewUnsharded { max: 0, needed: 1, .. }), "{e:?}");
+        let o = sched("0F0,1F0,0F1,(0F2;1B0)OVERLAP_F_B\n");
+        let e = add_unshard_reshard(&o, 1).unwrap_err();
+        assert!(matches!(e, LowerError::TooFewUnsharded { max: 1, needed: 2, at } if at.step == 3), "{e:?}");
+    }
+
+    #[test]
+    fn reduce_grad_after_last_backward_like() {
+        let s = sched("0F0,0F1,0I0,0I1,0W0,0W1\n1F0,1I0,1F1,1I1,1W1,1W0\n");
+        let low = add_reduce_grad(&s).unwrap();
+        assert_eq!(row(&low, 0), "0F0 0F1 0I0 0I1 0W0 0W1 0REDUCE_GRAD");
+        assert_eq!(row(&low, 1), "1F0 1I0 1F1 1I1 1W1 1W0 1REDUCE_GRAD");
+        let v = sched("0F0,1F0,1B0,0B0,0F1,1F1,1B1\n");
+        assert_eq!(
+            row(&add_reduce_grad(&v).unwrap(), 0),
+            "0F0 1F0 1B0 0B0 0REDUCE_GRAD 0F1 1F1 1B1 1REDUCE_GRAD"
+        );
+        let e = add_reduce_grad(&low).unwrap_err();
+        assert!(matches!(e, LowerError::AlreadyHas { pass: "add_reduce_grad", .. }), "{e:?}");
+    }
+
+    #[test]
+    fn merge_and_split() {
+        let zb = sched("0F0,0I0,,0W0,0F1,0I1,0F2,0W1\n");
+        // I0 and W0 are adjacent across an idle step; I1 is followed by F2, so it stays.
+        assert_eq!(merge_bw(&zb).unwrap(), sched("0F0,0B0,,0F1,0I1,0F2,0W1\n"));
+        let b = sched("0F0,,0B0,(0F1;0B0)OVERLAP_F_B\n");
+        assert_eq!(split_bw(&b).unwrap(), sched("0F0,,0I0,0W0,(0F1;0B0)OVERLAP_F_B\n"));
+    }
+
+    #[test]
+    fn lower_pipeline_with_fsdp() {
+        let s = sched("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n");
+        let low = lower(&s, &LowerOptions { fsdp_max_unsharded: Some(1) }).unwrap();
+        assert_eq!(
+            row(&low, 1),
+            // SEND_B1 goes right after its producer 1B1, ahead of the REDUCE_GRAD added before it.
+            "1UNSHARD 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1REDUCE_GRAD 1RESHARD"
+        );
+        let sum = valid(&low);
+        assert_eq!((sum.counts.unshard, sum.counts.reshard, sum.counts.reduce_grad), (2, 2, 2));
+        let bad = sched("0B0,0F0\n");
+        assert!(matches!(lower(&bad, &LowerOptions::default()), Err(LowerError::Invalid(_))));
+    }
+}
