@@ -153,10 +153,11 @@ pub fn add_send_recv(s: &Schedule) -> Result<Schedule, LowerError> {
 
 /// The next `count` distinct stages that compute actions of `rest` touch, in order of first use;
 /// all stages of `rest[0]` are always included even when they exceed `count`.
-fn upcoming_stages(rest: &[Action], count: usize) -> Vec<StageId> {
+/// `all` is the number of distinct stages the rank holds (the scan stops once it has them all).
+fn upcoming_stages(rest: &[Action], count: usize, all: usize) -> Vec<StageId> {
     let mut out: Vec<StageId> = Vec::new();
     for (i, a) in rest.iter().filter(|a| a.is_compute()).enumerate() {
-        if i > 0 && out.len() >= count {
+        if i > 0 && (out.len() >= count || out.len() == all) {
             break;
         }
         for st in a.stages() {
@@ -190,6 +191,7 @@ pub fn add_unshard_reshard(s: &Schedule, max_unsharded: usize) -> Result<Schedul
         let cells: Vec<(usize, Action)> =
             row.iter().enumerate().filter_map(|(i, c)| c.map(|a| (i, a))).collect();
         let actions: Vec<Action> = cells.iter().map(|c| c.1).collect();
+        let all = actions.iter().flat_map(|a| a.stages()).collect::<std::collections::BTreeSet<_>>().len();
         let mut unsharded: Vec<StageId> = Vec::new();
         let mut out = Vec::new();
         for (k, &(step, a)) in cells.iter().enumerate() {
@@ -199,7 +201,7 @@ pub fn add_unshard_reshard(s: &Schedule, max_unsharded: usize) -> Result<Schedul
                     let at = Loc { rank, step, action: a };
                     return Err(LowerError::TooFewUnsharded { max: max_unsharded, needed, at });
                 }
-                let window = upcoming_stages(&actions[k..], max_unsharded);
+                let window = upcoming_stages(&actions[k..], max_unsharded, all);
                 for st in unsharded.iter().filter(|st| !window.contains(st)) {
                     out.push(Action::stage_op(StageOpKind::Reshard, *st));
                 }

@@ -982,6 +982,14 @@ mod tests {
     }
 
     #[test]
+    fn recv_after_its_consumer_is_a_wait_inside_one_rank() {
+        let e = err("0F0,0SEND_F0,0RECV_B0,0B0\n1F0,1RECV_F0,1B0,1SEND_B0\n");
+        let ValidationError::Deadlock { cycle } = &e else { panic!("{e:?}") };
+        assert_eq!(cycle, &vec![Wait { at: at(1, 0, "1F0"), on: at(1, 1, "1RECV_F0") }]);
+        assert!(e.to_string().ends_with("rank 1 at step 0 (1F0) waits for 1RECV_F0 on rank 1"), "{e}");
+    }
+
+    #[test]
     fn sharding_errors() {
         let ok = "0UNSHARD,0F0,0B0,0RESHARD\n";
         assert_eq!(check(ok).unwrap().counts.unshard, 1);
