@@ -296,31 +296,53 @@ fn route_text(r: &Option<Range<StageId>>) -> String {
 }
 
 /// [`ValidationError`]'s variant without its data, for matching in tests and callers.
-#[allow(missing_docs)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorKind {
+    /// [`ValidationError::Empty`].
     Empty,
+    /// [`ValidationError::StageOnManyRanks`].
     StageOnManyRanks,
+    /// [`ValidationError::MicrobatchOutOfRange`].
     MicrobatchOutOfRange,
+    /// [`ValidationError::MissingMicrobatch`].
     MissingMicrobatch,
+    /// [`ValidationError::RouteMismatch`].
     RouteMismatch,
+    /// [`ValidationError::MissingCompute`].
     MissingCompute,
+    /// [`ValidationError::DuplicateCompute`].
     DuplicateCompute,
+    /// [`ValidationError::MixedBackward`].
     MixedBackward,
+    /// [`ValidationError::WWithoutI`].
     WWithoutI,
+    /// [`ValidationError::OrderViolation`].
     OrderViolation,
+    /// [`ValidationError::CommOutOfRoute`].
     CommOutOfRoute,
+    /// [`ValidationError::LocalComm`].
     LocalComm,
+    /// [`ValidationError::MissingComm`].
     MissingComm,
+    /// [`ValidationError::DuplicateComm`].
     DuplicateComm,
+    /// [`ValidationError::UnknownStage`].
     UnknownStage,
+    /// [`ValidationError::ComputeWhileSharded`].
     ComputeWhileSharded,
+    /// [`ValidationError::RedundantShardOp`].
     RedundantShardOp,
+    /// [`ValidationError::UnshardedAtEnd`].
     UnshardedAtEnd,
+    /// [`ValidationError::MissingReduceGrad`].
     MissingReduceGrad,
+    /// [`ValidationError::DuplicateReduceGrad`].
     DuplicateReduceGrad,
+    /// [`ValidationError::ReduceGradTooEarly`].
     ReduceGradTooEarly,
+    /// [`ValidationError::MissingDependency`].
     MissingDependency,
+    /// [`ValidationError::Deadlock`].
     Deadlock,
 }
 
@@ -646,6 +668,15 @@ fn check_comm(
             return Err(ValidationError::LocalComm { at: *at, from, to: from + 1 });
         }
     }
+    check_handovers(&ix, routes, placement)
+}
+
+/// Every cross-rank boundary of every route has its four comm actions.
+fn check_handovers(
+    ix: &HashMap<Action, Loc>,
+    routes: &[Option<Range<StageId>>],
+    placement: &BTreeMap<StageId, RankId>,
+) -> Result<(), ValidationError> {
     for (mb, r) in routes.iter().enumerate() {
         let Some(r) = r else { continue };
         for from in r.start..r.end.saturating_sub(1) {
