@@ -148,8 +148,11 @@ fn needs_of(kind_task: Needy, ix: &Index, route: &Range<usize>) -> Vec<Need> {
             vec![found(ix.compute.get(&(ComputeKind::F, t)), format!("{}F{}", t.stage, t.mb))]
         }
         Needy::Comm(CommKind::SendB, t) => vec![bw(t)],
+        Needy::Comm(CommKind::RecvF, t) if t.stage == 0 => {
+            vec![Err(format!("a SEND_F{} from a stage before stage 0", t.mb))]
+        }
         Needy::Comm(CommKind::RecvF, t) => {
-            let prev = Task::new(t.stage.wrapping_sub(1), t.mb);
+            let prev = Task::new(t.stage - 1, t.mb);
             match ix.comm.get(&(CommKind::SendF, prev)) {
                 Some(s) => vec![Ok(*s)],
                 None => vec![found(
@@ -258,10 +261,8 @@ impl DepGraph {
                 }
             }
         }
-        for (r, p) in self.programs.iter().enumerate() {
-            for i in 1..p.len() {
-                indeg[r][i] += 1;
-            }
+        for r in indeg.iter_mut() {
+            r.iter_mut().skip(1).for_each(|d| *d += 1);
         }
         let mut ready: Vec<ActionRef> = (0..n_r)
             .filter(|&r| !self.programs[r].is_empty() && indeg[r][0] == 0)
@@ -315,17 +316,20 @@ impl DepGraph {
 }
 
 /// Reduces a cycle of actions (each waits on the next, the last on the first) to its cross-rank
-/// waits: `(a, b)` where `a` waits on `b` and `b` runs on another rank. A cycle within one rank
-/// (an action waiting on a later action of its own rank) is kept as its one self-rank wait.
+/// waits: `(a, b)` where `a` waits on `b` and `b` runs on another rank, rotated so that the first
+/// pair's waiting action has the lowest (rank, index). A cycle within one rank (an action waiting
+/// on a later action of its own rank) is kept as its one self-rank wait.
 fn cross_rank_waits(cycle: Vec<ActionRef>) -> Vec<(ActionRef, ActionRef)> {
     let n = cycle.len();
     let pairs: Vec<(ActionRef, ActionRef)> = (0..n).map(|i| (cycle[i], cycle[(i + 1) % n])).collect();
-    let cross: Vec<_> = pairs.iter().copied().filter(|(a, b)| a.rank != b.rank).collect();
+    let mut cross: Vec<_> = pairs.iter().copied().filter(|(a, b)| a.rank != b.rank).collect();
     if cross.is_empty() {
-        pairs.into_iter().filter(|(a, b)| b.index > a.index).take(1).collect()
-    } else {
-        cross
+        return pairs.into_iter().filter(|(a, b)| b.index > a.index).take(1).collect();
     }
+    // Canonical start: the wait whose waiting action has the lowest (rank, index).
+    let first = (0..cross.len()).min_by_key(|&i| cross[i].0).unwrap_or(0);
+    cross.rotate_left(first);
+    cross
 }
 
 #[cfg(test)]

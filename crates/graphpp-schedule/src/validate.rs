@@ -1,0 +1,1055 @@
+//! Static validation of a schedule (DESIGN.md, "Schedule IR" → "Validation").
+//!
+//! [`validate`] runs the checks below in this order and returns the first failure as a typed
+//! [`ValidationError`] naming rank, step and action where one exists. A *step* is the 0-based
+//! CSV cell index in the rank's row (idle steps counted).
+//!
+//! 1. the schedule has compute actions; every stage is on exactly one rank;
+//! 2. microbatches: none beyond the expected `m`, none missing; every microbatch's route (the stages
+//!    its compute actions name, see [`Schedule::route`]) is all stages `0..S`, or one half
+//!    (`0..S/2` or `S/2..S`, DualPipe's two directions);
+//! 3. per (stage, microbatch) in the route: exactly one F and either one B (possibly the B half of
+//!    OVERLAP_F_B) or one I plus one W;
+//! 4. per stage, program order F before B/I, I before W;
+//! 5. lowered schedules (any SEND/RECV): every SEND/RECV belongs to an existing cross-rank stage
+//!    boundary of its microbatch's route, and every cross-rank boundary has exactly one
+//!    SEND_F/RECV_F/SEND_B/RECV_B each;
+//! 6. with UNSHARD/RESHARD: per rank, compute only on unsharded stages, no UNSHARD of an unsharded
+//!    stage nor RESHARD of a sharded one, all resharded at the end;
+//! 7. with REDUCE_GRAD: exactly one per stage, after the stage's last backward-like action (B/I/W);
+//! 8. cross-rank deadlock check on [`DepGraph`] (blocking RECV semantics), naming the waiting cycle.
+//!
+//! PyTorch (`torch.distributed.pipelining`, `_validate_schedule`) checks only per-stage order;
+//! checks 2, 5–8 go further, as DESIGN.md asks.
+
+// The errors are cold and some variants carry two `Loc`s so that the message can name both
+// actions; boxing them would only make matching on variants clumsier.
+#![allow(clippy::result_large_err)]
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::ops::Range;
+
+use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
+use crate::deps::{routes, DepGraph, MissingDep};
+use crate::placement::Placement;
+use crate::schedule::{RankId, Schedule};
+
+/// What the validator expects beyond the schedule itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ValidateOptions {
+    /// Expected number of microbatches `m`; `None` infers it as one more than the largest
+    /// microbatch any action names.
+    pub microbatches: Option<usize>,
+}
+
+/// Where an action sits: rank, step (0-based CSV cell index, idle steps counted) and the action.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Loc {
+    /// Rank.
+    pub rank: RankId,
+    /// 0-based cell index in the rank's row.
+    pub step: usize,
+    /// The action in that cell.
+    pub action: Action,
+}
+
+impl fmt::Display for Loc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {} step {} (`{}`)", self.rank, self.step, self.action)
+    }
+}
+
+/// One cross-rank wait of a deadlock cycle: the action at `at` waits for `on`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wait {
+    /// The waiting action.
+    pub at: Loc,
+    /// The action it waits for (on another rank, except for a cycle inside one rank).
+    pub on: Loc,
+}
+
+impl fmt::Display for Wait {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rank {} at step {} ({}) waits for {} on rank {}",
+            self.at.rank, self.at.step, self.at.action, self.on.action, self.on.rank
+        )
+    }
+}
+
+fn join<T: fmt::Display>(items: &[T], sep: &str) -> String {
+    items.iter().map(ToString::to_string).collect::<Vec<_>>().join(sep)
+}
+
+fn peer_text(peer: &Option<Loc>) -> String {
+    peer.map_or(String::new(), |p| format!(" (its peer is at {p})"))
+}
+
+/// Why a schedule is invalid. [`ValidationError::kind`] gives the variant as a plain enum.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ValidationError {
+    /// The schedule holds no compute action (F/B/I/W/OVERLAP_F_B).
+    #[error("the schedule has no compute actions")]
+    Empty,
+    /// A stage's actions appear on more than one rank.
+    #[error("stage {stage} is on rank {first_rank} and also at {at}")]
+    StageOnManyRanks {
+        /// The stage.
+        stage: StageId,
+        /// The rank of the stage's first action.
+        first_rank: RankId,
+        /// The first action of the stage on another rank.
+        at: Loc,
+    },
+    /// An action names a microbatch `>= m` (only with [`ValidateOptions::microbatches`]).
+    #[error("{at}: microbatch {mb} is out of range (expected m = {expected})")]
+    MicrobatchOutOfRange {
+        /// The offending microbatch.
+        mb: usize,
+        /// Expected m.
+        expected: usize,
+        /// Where.
+        at: Loc,
+    },
+    /// No compute action names microbatch `mb`.
+    #[error("microbatch {mb} is missing entirely (expected m = {expected})")]
+    MissingMicrobatch {
+        /// The missing microbatch.
+        mb: usize,
+        /// Expected (or inferred) m.
+        expected: usize,
+    },
+    /// A microbatch visits neither all stages nor one DualPipe half.
+    #[error("microbatch {mb} visits stages {}..{}, expected 0..{stages} (or one half of it)", route.start, route.end)]
+    RouteMismatch {
+        /// The microbatch.
+        mb: usize,
+        /// The stages its compute actions name.
+        route: Range<StageId>,
+        /// S.
+        stages: usize,
+    },
+    /// A (stage, microbatch) in a route lacks F, a backward (B or I), or the W after its I.
+    #[error("{} is missing: no rank runs it{}", missing_text(*.kind, *.task), .rank.map_or(String::new(), |r| format!(" (stage {} is on rank {r})", .task.stage)))]
+    MissingCompute {
+        /// F, B (meaning "B or I") or W.
+        kind: ComputeKind,
+        /// The (stage, microbatch).
+        task: Task,
+        /// The rank that holds the stage, if any action of the stage exists.
+        rank: Option<RankId>,
+    },
+    /// A compute (kind, stage, microbatch) runs twice.
+    #[error("{at} runs {}{}{} a second time (first at {first})", .task.stage, .kind, .task.mb)]
+    DuplicateCompute {
+        /// The kind that repeats.
+        kind: ComputeKind,
+        /// The (stage, microbatch).
+        task: Task,
+        /// The second occurrence.
+        at: Loc,
+        /// The first occurrence.
+        first: Loc,
+    },
+    /// One (stage, microbatch) has both a full B and an I.
+    #[error("{at} and {other} give {}.{} both a full B and an I", .task.stage, .task.mb)]
+    MixedBackward {
+        /// The (stage, microbatch).
+        task: Task,
+        /// The action holding the I.
+        at: Loc,
+        /// The action holding the B.
+        other: Loc,
+    },
+    /// A W whose (stage, microbatch) has no I.
+    #[error("{at}: W without an I for stage {} microbatch {}", .task.stage, .task.mb)]
+    WWithoutI {
+        /// The (stage, microbatch).
+        task: Task,
+        /// The W.
+        at: Loc,
+    },
+    /// A per-stage program-order rule is broken: F before B/I, I before W.
+    #[error("{at} runs before (or together with) {needs} at step {needs_step}, which must come first")]
+    OrderViolation {
+        /// The action that runs too early.
+        at: Loc,
+        /// What must come first, in action text (e.g. `0F3`).
+        needs: String,
+        /// The step of what must come first (same rank).
+        needs_step: usize,
+    },
+    /// A SEND/RECV for a stage boundary its microbatch's route does not have.
+    #[error("{at}: no such hand-over; microbatch {} visits stages {}", .at_mb, route_text(.route))]
+    CommOutOfRoute {
+        /// Where.
+        at: Loc,
+        /// Its microbatch.
+        at_mb: usize,
+        /// The microbatch's route (`None` if no compute names it).
+        route: Option<Range<StageId>>,
+    },
+    /// A SEND/RECV between two stages that live on the same rank (they hand over locally).
+    #[error("{at}: SEND/RECV between stages {from} and {to}, both on rank {}", .at.rank)]
+    LocalComm {
+        /// Where.
+        at: Loc,
+        /// Sending stage.
+        from: StageId,
+        /// Receiving stage.
+        to: StageId,
+    },
+    /// A cross-rank stage boundary of a lowered schedule lacks one of its four comm actions.
+    #[error("rank {rank} has no `{missing}`{}", peer_text(.peer))]
+    MissingComm {
+        /// The rank that should hold it.
+        rank: RankId,
+        /// The missing action.
+        missing: Action,
+        /// The matching action on the other rank, if present.
+        peer: Option<Loc>,
+    },
+    /// The same SEND/RECV appears twice.
+    #[error("{at} repeats {first}")]
+    DuplicateComm {
+        /// The second occurrence.
+        at: Loc,
+        /// The first occurrence.
+        first: Loc,
+    },
+    /// A SEND/RECV/UNSHARD/RESHARD/REDUCE_GRAD names a stage no compute action names.
+    #[error("{at}: stage {stage} has no compute actions (S = {stages})")]
+    UnknownStage {
+        /// Where.
+        at: Loc,
+        /// The stage.
+        stage: StageId,
+        /// S.
+        stages: usize,
+    },
+    /// Compute on a stage that is sharded at that point (schedules that use UNSHARD).
+    #[error("{at}: stage {stage} is sharded here (no UNSHARD before, or RESHARD since)")]
+    ComputeWhileSharded {
+        /// The compute action.
+        at: Loc,
+        /// The sharded stage.
+        stage: StageId,
+    },
+    /// UNSHARD of an unsharded stage, or RESHARD of a sharded one.
+    #[error("{at}: the stage is already {}", if matches!(.at.action, Action::StageOp { kind: StageOpKind::Unshard, .. }) { "unsharded" } else { "sharded" })]
+    RedundantShardOp {
+        /// Where.
+        at: Loc,
+    },
+    /// A stage is still unsharded when its rank's program ends.
+    #[error("rank {rank} ends with stage {stage} unsharded (no RESHARD after its last UNSHARD)")]
+    UnshardedAtEnd {
+        /// Rank.
+        rank: RankId,
+        /// Stage.
+        stage: StageId,
+    },
+    /// A schedule with REDUCE_GRAD lacks it for a stage.
+    #[error("stage {stage} has no REDUCE_GRAD")]
+    MissingReduceGrad {
+        /// The stage.
+        stage: StageId,
+    },
+    /// A stage's REDUCE_GRAD appears twice.
+    #[error("{at} repeats {first}")]
+    DuplicateReduceGrad {
+        /// The second occurrence.
+        at: Loc,
+        /// The first occurrence.
+        first: Loc,
+    },
+    /// A REDUCE_GRAD before its stage's last backward-like action.
+    #[error("{at} comes before the stage's last backward-like action at {last}")]
+    ReduceGradTooEarly {
+        /// The REDUCE_GRAD.
+        at: Loc,
+        /// The last B/I/W of the stage.
+        last: Loc,
+    },
+    /// An action's producer is absent (from [`DepGraph::build`]).
+    #[error(transparent)]
+    MissingDependency(#[from] MissingDep),
+    /// The ranks wait on each other in a cycle.
+    #[error("deadlock: {}", join(.cycle, "; "))]
+    Deadlock {
+        /// The cross-rank waits of the cycle, in order; the first starts on the lowest (rank, step).
+        cycle: Vec<Wait>,
+    },
+}
+
+fn missing_text(kind: ComputeKind, t: Task) -> String {
+    match kind {
+        ComputeKind::B => format!("{}B{} (or {}I{} with {}W{})", t.stage, t.mb, t.stage, t.mb, t.stage, t.mb),
+        k => format!("{}{k}{}", t.stage, t.mb),
+    }
+}
+
+fn route_text(r: &Option<Range<StageId>>) -> String {
+    r.as_ref().map_or("no stages".into(), |r| format!("{}..{}", r.start, r.end))
+}
+
+/// [`ValidationError`]'s variant without its data, for matching in tests and callers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// [`ValidationError::Empty`].
+    Empty,
+    /// [`ValidationError::StageOnManyRanks`].
+    StageOnManyRanks,
+    /// [`ValidationError::MicrobatchOutOfRange`].
+    MicrobatchOutOfRange,
+    /// [`ValidationError::MissingMicrobatch`].
+    MissingMicrobatch,
+    /// [`ValidationError::RouteMismatch`].
+    RouteMismatch,
+    /// [`ValidationError::MissingCompute`].
+    MissingCompute,
+    /// [`ValidationError::DuplicateCompute`].
+    DuplicateCompute,
+    /// [`ValidationError::MixedBackward`].
+    MixedBackward,
+    /// [`ValidationError::WWithoutI`].
+    WWithoutI,
+    /// [`ValidationError::OrderViolation`].
+    OrderViolation,
+    /// [`ValidationError::CommOutOfRoute`].
+    CommOutOfRoute,
+    /// [`ValidationError::LocalComm`].
+    LocalComm,
+    /// [`ValidationError::MissingComm`].
+    MissingComm,
+    /// [`ValidationError::DuplicateComm`].
+    DuplicateComm,
+    /// [`ValidationError::UnknownStage`].
+    UnknownStage,
+    /// [`ValidationError::ComputeWhileSharded`].
+    ComputeWhileSharded,
+    /// [`ValidationError::RedundantShardOp`].
+    RedundantShardOp,
+    /// [`ValidationError::UnshardedAtEnd`].
+    UnshardedAtEnd,
+    /// [`ValidationError::MissingReduceGrad`].
+    MissingReduceGrad,
+    /// [`ValidationError::DuplicateReduceGrad`].
+    DuplicateReduceGrad,
+    /// [`ValidationError::ReduceGradTooEarly`].
+    ReduceGradTooEarly,
+    /// [`ValidationError::MissingDependency`].
+    MissingDependency,
+    /// [`ValidationError::Deadlock`].
+    Deadlock,
+}
+
+impl ValidationError {
+    /// The variant as a plain [`ErrorKind`].
+    pub fn kind(&self) -> ErrorKind {
+        use ValidationError as V;
+        match self {
+            V::Empty => ErrorKind::Empty,
+            V::StageOnManyRanks { .. } => ErrorKind::StageOnManyRanks,
+            V::MicrobatchOutOfRange { .. } => ErrorKind::MicrobatchOutOfRange,
+            V::MissingMicrobatch { .. } => ErrorKind::MissingMicrobatch,
+            V::RouteMismatch { .. } => ErrorKind::RouteMismatch,
+            V::MissingCompute { .. } => ErrorKind::MissingCompute,
+            V::DuplicateCompute { .. } => ErrorKind::DuplicateCompute,
+            V::MixedBackward { .. } => ErrorKind::MixedBackward,
+            V::WWithoutI { .. } => ErrorKind::WWithoutI,
+            V::OrderViolation { .. } => ErrorKind::OrderViolation,
+            V::CommOutOfRoute { .. } => ErrorKind::CommOutOfRoute,
+            V::LocalComm { .. } => ErrorKind::LocalComm,
+            V::MissingComm { .. } => ErrorKind::MissingComm,
+            V::DuplicateComm { .. } => ErrorKind::DuplicateComm,
+            V::UnknownStage { .. } => ErrorKind::UnknownStage,
+            V::ComputeWhileSharded { .. } => ErrorKind::ComputeWhileSharded,
+            V::RedundantShardOp { .. } => ErrorKind::RedundantShardOp,
+            V::UnshardedAtEnd { .. } => ErrorKind::UnshardedAtEnd,
+            V::MissingReduceGrad { .. } => ErrorKind::MissingReduceGrad,
+            V::DuplicateReduceGrad { .. } => ErrorKind::DuplicateReduceGrad,
+            V::ReduceGradTooEarly { .. } => ErrorKind::ReduceGradTooEarly,
+            V::MissingDependency(_) => ErrorKind::MissingDependency,
+            V::Deadlock { .. } => ErrorKind::Deadlock,
+        }
+    }
+}
+
+/// Number of actions of each kind; an OVERLAP_F_B counts once as `overlap` and not as F or B.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ActionCounts {
+    /// F.
+    pub f: usize,
+    /// B.
+    pub b: usize,
+    /// I.
+    pub i: usize,
+    /// W.
+    pub w: usize,
+    /// OVERLAP_F_B.
+    pub overlap: usize,
+    /// SEND_F + SEND_B.
+    pub send: usize,
+    /// RECV_F + RECV_B.
+    pub recv: usize,
+    /// UNSHARD.
+    pub unshard: usize,
+    /// RESHARD.
+    pub reshard: usize,
+    /// REDUCE_GRAD.
+    pub reduce_grad: usize,
+}
+
+impl ActionCounts {
+    /// Counts the actions of a schedule.
+    pub fn of(s: &Schedule) -> Self {
+        let mut c = ActionCounts::default();
+        for (_, a) in s.actions() {
+            let slot = match a {
+                Action::Compute { kind: ComputeKind::F, .. } => &mut c.f,
+                Action::Compute { kind: ComputeKind::B, .. } => &mut c.b,
+                Action::Compute { kind: ComputeKind::I, .. } => &mut c.i,
+                Action::Compute { kind: ComputeKind::W, .. } => &mut c.w,
+                Action::Overlap { .. } => &mut c.overlap,
+                Action::Comm { kind: CommKind::SendF | CommKind::SendB, .. } => &mut c.send,
+                Action::Comm { .. } => &mut c.recv,
+                Action::StageOp { kind: StageOpKind::Unshard, .. } => &mut c.unshard,
+                Action::StageOp { kind: StageOpKind::Reshard, .. } => &mut c.reshard,
+                Action::StageOp { kind: StageOpKind::ReduceGrad, .. } => &mut c.reduce_grad,
+            };
+            *slot += 1;
+        }
+        c
+    }
+}
+
+/// What a valid schedule looks like.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Summary {
+    /// p.
+    pub ranks: usize,
+    /// S.
+    pub stages: usize,
+    /// m.
+    pub microbatches: usize,
+    /// The placement the stage → rank map matches (loop checked first), `None` for any other.
+    pub placement: Option<Placement>,
+    /// Actions by kind.
+    pub counts: ActionCounts,
+    /// True when the schedule holds any SEND/RECV/UNSHARD/RESHARD/REDUCE_GRAD.
+    pub lowered: bool,
+}
+
+/// One line: `valid: 4 ranks, 8 stages (loop placement), 8 microbatches, compute-only; 64 F, 64 B`.
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let placement = match self.placement {
+            Some(Placement::Loop) => "loop",
+            Some(Placement::V) => "V",
+            None => "other",
+        };
+        let c = &self.counts;
+        let parts: Vec<String> = [
+            (c.f, "F"),
+            (c.b, "B"),
+            (c.i, "I"),
+            (c.w, "W"),
+            (c.overlap, "OVERLAP_F_B"),
+            (c.send, "SEND"),
+            (c.recv, "RECV"),
+            (c.unshard, "UNSHARD"),
+            (c.reshard, "RESHARD"),
+            (c.reduce_grad, "REDUCE_GRAD"),
+        ]
+        .iter()
+        .filter(|(n, _)| *n > 0)
+        .map(|(n, k)| format!("{n} {k}"))
+        .collect();
+        write!(
+            f,
+            "valid: {} ranks, {} stages ({placement} placement), {} microbatches, {}; {}",
+            self.ranks,
+            self.stages,
+            self.microbatches,
+            if self.lowered { "lowered" } else { "compute-only" },
+            parts.join(", ")
+        )
+    }
+}
+
+/// Every non-idle cell, rank by rank in program order.
+fn cells(s: &Schedule) -> Vec<Loc> {
+    let mut v = Vec::new();
+    for (rank, row) in s.ranks.iter().enumerate() {
+        for (step, cell) in row.iter().enumerate() {
+            if let Some(action) = *cell {
+                v.push(Loc { rank, step, action });
+            }
+        }
+    }
+    v
+}
+
+/// The stage → rank map.
+///
+/// # Errors
+/// [`ValidationError::StageOnManyRanks`] at the first action of a stage on a second rank.
+pub fn stage_ranks(s: &Schedule) -> Result<BTreeMap<StageId, RankId>, ValidationError> {
+    let mut map = BTreeMap::new();
+    for at in cells(s) {
+        for stage in at.action.stages() {
+            let first_rank = *map.entry(stage).or_insert(at.rank);
+            if first_rank != at.rank {
+                return Err(ValidationError::StageOnManyRanks { stage, first_rank, at });
+            }
+        }
+    }
+    Ok(map)
+}
+
+/// Routes from compute actions only (see [`Schedule::route`]); index = microbatch.
+pub fn compute_routes(s: &Schedule) -> Vec<Option<Range<StageId>>> {
+    let compute = s.compute_only();
+    let programs: Vec<Vec<Action>> = (0..compute.num_ranks()).map(|r| compute.program(r)).collect();
+    routes(&programs)
+}
+
+fn mbs_of(a: &Action) -> impl Iterator<Item = usize> {
+    crate::deps::tasks_of(a).map(|t| t.mb)
+}
+
+/// The placement kind a stage → rank map matches with `p` ranks.
+fn placement_kind(map: &BTreeMap<StageId, RankId>, p: usize) -> Option<Placement> {
+    [Placement::Loop, Placement::V].into_iter().find(|pl| {
+        let s = map.len();
+        (*pl == Placement::Loop || s == 2 * p) && map.iter().all(|(&st, &r)| pl.rank_of(st, p) == r)
+    })
+}
+
+/// Checks the microbatch set; returns m.
+fn check_microbatches(
+    all: &[Loc],
+    routes: &[Option<Range<StageId>>],
+    expected: Option<usize>,
+) -> Result<usize, ValidationError> {
+    if let Some(m) = expected {
+        for at in all {
+            if let Some(mb) = mbs_of(&at.action).find(|&mb| mb >= m) {
+                return Err(ValidationError::MicrobatchOutOfRange { mb, expected: m, at: *at });
+            }
+        }
+    }
+    let m = expected.unwrap_or_else(|| all.iter().flat_map(|a| mbs_of(&a.action)).max().map_or(0, |x| x + 1));
+    match (0..m).find(|&mb| routes.get(mb).cloned().flatten().is_none()) {
+        Some(mb) => Err(ValidationError::MissingMicrobatch { mb, expected: m }),
+        None => Ok(m),
+    }
+}
+
+fn check_routes(routes: &[Option<Range<StageId>>], stages: usize) -> Result<(), ValidationError> {
+    let half = stages / 2;
+    for (mb, r) in routes.iter().enumerate() {
+        let Some(r) = r else { continue };
+        let ok = *r == (0..stages) || (stages.is_multiple_of(2) && (*r == (0..half) || *r == (half..stages)));
+        if !ok {
+            return Err(ValidationError::RouteMismatch { mb, route: r.clone(), stages });
+        }
+    }
+    Ok(())
+}
+
+/// First occurrence of every compute (kind, task).
+type ComputeIndex = HashMap<(ComputeKind, Task), Loc>;
+
+fn index_compute(all: &[Loc]) -> Result<ComputeIndex, ValidationError> {
+    let mut ix = ComputeIndex::new();
+    for at in all {
+        for (kind, task) in at.action.computes() {
+            if let Some(first) = ix.get(&(kind, task)) {
+                return Err(ValidationError::DuplicateCompute { kind, task, at: *at, first: *first });
+            }
+            ix.insert((kind, task), *at);
+        }
+    }
+    Ok(ix)
+}
+
+fn check_task(ix: &ComputeIndex, task: Task, rank: Option<RankId>) -> Result<(), ValidationError> {
+    let get = |k| ix.get(&(k, task)).copied();
+    let missing = |kind| ValidationError::MissingCompute { kind, task, rank };
+    let (b, i, w) = (get(ComputeKind::B), get(ComputeKind::I), get(ComputeKind::W));
+    if get(ComputeKind::F).is_none() {
+        return Err(missing(ComputeKind::F));
+    }
+    match (b, i, w) {
+        (Some(other), Some(at), _) => Err(ValidationError::MixedBackward { task, at, other }),
+        (_, None, Some(at)) => Err(ValidationError::WWithoutI { task, at }),
+        (None, None, None) => Err(missing(ComputeKind::B)),
+        (None, Some(_), None) => Err(missing(ComputeKind::W)),
+        _ => Ok(()),
+    }
+}
+
+fn check_tasks(
+    ix: &ComputeIndex,
+    routes: &[Option<Range<StageId>>],
+    placement: &BTreeMap<StageId, RankId>,
+) -> Result<(), ValidationError> {
+    for (mb, r) in routes.iter().enumerate() {
+        for stage in r.clone().into_iter().flatten() {
+            check_task(ix, Task::new(stage, mb), placement.get(&stage).copied())?;
+        }
+    }
+    Ok(())
+}
+
+/// F before B/I, I before W, scanning actions in rank/step order.
+fn check_order(all: &[Loc], ix: &ComputeIndex) -> Result<(), ValidationError> {
+    for at in all {
+        for (kind, task) in at.action.computes() {
+            let before = match kind {
+                ComputeKind::B | ComputeKind::I => ComputeKind::F,
+                ComputeKind::W => ComputeKind::I,
+                ComputeKind::F => continue,
+            };
+            if let Some(first) = ix.get(&(before, task)).filter(|f| f.step >= at.step) {
+                return Err(ValidationError::OrderViolation {
+                    at: *at,
+                    needs: format!("{}{before}{}", task.stage, task.mb),
+                    needs_step: first.step,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The stage boundary `(from, from + 1)` a comm action belongs to, if `stage` allows one.
+fn boundary(kind: CommKind, stage: StageId) -> Option<StageId> {
+    match kind {
+        CommKind::SendF | CommKind::RecvB => Some(stage),
+        CommKind::RecvF | CommKind::SendB => stage.checked_sub(1),
+    }
+}
+
+/// The four comm actions of the hand-over of `mb` across boundary `(from, from + 1)`: SEND_F and
+/// RECV_B on the rank of `from`, RECV_F and SEND_B on the rank of `from + 1`.
+fn handover(from: StageId, mb: usize) -> [Action; 4] {
+    [
+        Action::comm(CommKind::SendF, from, mb),
+        Action::comm(CommKind::RecvF, from + 1, mb),
+        Action::comm(CommKind::SendB, from + 1, mb),
+        Action::comm(CommKind::RecvB, from, mb),
+    ]
+}
+
+fn check_comm(
+    all: &[Loc],
+    routes: &[Option<Range<StageId>>],
+    placement: &BTreeMap<StageId, RankId>,
+) -> Result<(), ValidationError> {
+    let mut ix: HashMap<Action, Loc> = HashMap::new();
+    for at in all {
+        let Action::Comm { kind, task } = at.action else { continue };
+        if let Some(first) = ix.get(&at.action) {
+            return Err(ValidationError::DuplicateComm { at: *at, first: *first });
+        }
+        ix.insert(at.action, *at);
+        let route = routes.get(task.mb).cloned().flatten();
+        let from = boundary(kind, task.stage)
+            .filter(|&b| route.as_ref().is_some_and(|r| r.start <= b && b + 1 < r.end));
+        let Some(from) = from else {
+            return Err(ValidationError::CommOutOfRoute { at: *at, at_mb: task.mb, route });
+        };
+        if placement.get(&from) == placement.get(&(from + 1)) {
+            return Err(ValidationError::LocalComm { at: *at, from, to: from + 1 });
+        }
+    }
+    check_handovers(&ix, routes, placement)
+}
+
+/// Every cross-rank boundary of every route has its four comm actions.
+fn check_handovers(
+    ix: &HashMap<Action, Loc>,
+    routes: &[Option<Range<StageId>>],
+    placement: &BTreeMap<StageId, RankId>,
+) -> Result<(), ValidationError> {
+    for (mb, r) in routes.iter().enumerate() {
+        let Some(r) = r else { continue };
+        for from in r.start..r.end.saturating_sub(1) {
+            let (a, b) = (placement.get(&from).copied(), placement.get(&(from + 1)).copied());
+            if a == b {
+                continue;
+            }
+            let acts = handover(from, mb);
+            let peer_of = [1, 0, 3, 2];
+            for (k, act) in acts.iter().enumerate() {
+                if !ix.contains_key(act) {
+                    let rank = if matches!(k, 0 | 3) { a } else { b };
+                    return Err(ValidationError::MissingComm {
+                        rank: rank.unwrap_or_default(),
+                        missing: *act,
+                        peer: ix.get(&acts[peer_of[k]]).copied(),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_known_stages(all: &[Loc], stages: usize) -> Result<(), ValidationError> {
+    for at in all.iter().filter(|a| !a.action.is_compute()) {
+        if let Some(stage) = at.action.stages().find(|&s| s >= stages) {
+            return Err(ValidationError::UnknownStage { at: *at, stage, stages });
+        }
+    }
+    Ok(())
+}
+
+fn check_sharding(s: &Schedule, all: &[Loc]) -> Result<(), ValidationError> {
+    for rank in 0..s.num_ranks() {
+        let mut unsharded = BTreeSet::new();
+        for at in all.iter().filter(|a| a.rank == rank) {
+            let changed = match at.action {
+                Action::StageOp { kind: StageOpKind::Unshard, stage } => unsharded.insert(stage),
+                Action::StageOp { kind: StageOpKind::Reshard, stage } => unsharded.remove(&stage),
+                a => match a.stages().find(|st| a.is_compute() && !unsharded.contains(st)) {
+                    Some(stage) => return Err(ValidationError::ComputeWhileSharded { at: *at, stage }),
+                    None => true,
+                },
+            };
+            if !changed {
+                return Err(ValidationError::RedundantShardOp { at: *at });
+            }
+        }
+        if let Some(&stage) = unsharded.iter().next() {
+            return Err(ValidationError::UnshardedAtEnd { rank, stage });
+        }
+    }
+    Ok(())
+}
+
+/// The last backward-like (B, I, W, or OVERLAP_F_B's B) action of each stage.
+fn last_backward(all: &[Loc]) -> HashMap<StageId, Loc> {
+    let mut last = HashMap::new();
+    for at in all {
+        for (kind, task) in at.action.computes() {
+            if kind != ComputeKind::F {
+                last.insert(task.stage, *at);
+            }
+        }
+    }
+    last
+}
+
+fn check_reduce_grad(all: &[Loc], stages: usize) -> Result<(), ValidationError> {
+    let last = last_backward(all);
+    let mut seen: HashMap<StageId, Loc> = HashMap::new();
+    for at in all {
+        let Action::StageOp { kind: StageOpKind::ReduceGrad, stage } = at.action else { continue };
+        if let Some(first) = seen.get(&stage) {
+            return Err(ValidationError::DuplicateReduceGrad { at: *at, first: *first });
+        }
+        seen.insert(stage, *at);
+        if let Some(l) = last.get(&stage).filter(|l| l.step > at.step) {
+            return Err(ValidationError::ReduceGradTooEarly { at: *at, last: *l });
+        }
+    }
+    match (0..stages).find(|s| !seen.contains_key(s)) {
+        Some(stage) => Err(ValidationError::MissingReduceGrad { stage }),
+        None => Ok(()),
+    }
+}
+
+fn check_deadlock(s: &Schedule) -> Result<(), ValidationError> {
+    let g = DepGraph::build(s)?;
+    let loc =
+        |a: crate::deps::ActionRef| Loc { rank: a.rank, step: g.steps[a.rank][a.index], action: g.action(a) };
+    g.topo_order().map(|_| ()).map_err(|cycle| ValidationError::Deadlock {
+        cycle: cycle.into_iter().map(|(a, b)| Wait { at: loc(a), on: loc(b) }).collect(),
+    })
+}
+
+/// Validates a schedule (see the module docs for the checks and their order).
+///
+/// # Errors
+/// The first [`ValidationError`] found.
+pub fn validate(s: &Schedule, opts: &ValidateOptions) -> Result<Summary, ValidationError> {
+    let all = cells(s);
+    if !all.iter().any(|a| a.action.is_compute()) {
+        return Err(ValidationError::Empty);
+    }
+    let placement = stage_ranks(s)?;
+    let routes = compute_routes(s);
+    let m = check_microbatches(&all, &routes, opts.microbatches)?;
+    let stages = s.compute_only().num_stages();
+    check_routes(&routes, stages)?;
+    let ix = index_compute(&all)?;
+    check_tasks(&ix, &routes, &placement)?;
+    check_order(&all, &ix)?;
+    check_known_stages(&all, stages)?;
+    let counts = ActionCounts::of(s);
+    if counts.send + counts.recv > 0 {
+        check_comm(&all, &routes, &placement)?;
+    }
+    if counts.unshard + counts.reshard > 0 {
+        check_sharding(s, &all)?;
+    }
+    if counts.reduce_grad > 0 {
+        check_reduce_grad(&all, stages)?;
+    }
+    check_deadlock(s)?;
+    Ok(Summary {
+        ranks: s.num_ranks(),
+        stages,
+        microbatches: m,
+        placement: placement_kind(&placement, s.num_ranks()),
+        counts,
+        lowered: all.iter().any(|a| !a.action.is_compute()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sched(csv: &str) -> Schedule {
+        Schedule::from_csv(csv).unwrap()
+    }
+
+    fn check(csv: &str) -> Result<Summary, ValidationError> {
+        validate(&sched(csv), &ValidateOptions::default())
+    }
+
+    fn err(csv: &str) -> ValidationError {
+        check(csv).unwrap_err()
+    }
+
+    fn at(rank: RankId, step: usize, action: &str) -> Loc {
+        Loc { rank, step, action: action.parse().unwrap() }
+    }
+
+    /// 2-rank 1F1B with m = 2, lowered by hand following DESIGN.md's SEND/RECV rules.
+    const LOWERED: &str = "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n\
+                           1RECV_F0,1F0,1B0,1SEND_B0,1RECV_F1,1F1,1B1,1SEND_B1\n";
+
+    #[test]
+    fn summary_of_a_valid_schedule() {
+        let s = check("0F0,0F1,,0B0,0B1\n,1F0,1B0,1F1,1B1\n").unwrap();
+        assert_eq!((s.ranks, s.stages, s.microbatches), (2, 2, 2));
+        assert_eq!((s.counts.f, s.counts.b, s.placement, s.lowered), (4, 4, Some(Placement::Loop), false));
+        assert_eq!(
+            s.to_string(),
+            "valid: 2 ranks, 2 stages (loop placement), 2 microbatches, compute-only; 4 F, 4 B"
+        );
+        let l = check(LOWERED).unwrap();
+        assert_eq!((l.counts.send, l.counts.recv, l.lowered), (4, 4, true));
+    }
+
+    #[test]
+    fn v_placement_and_dualpipe_halves() {
+        // p = 2, V placement: rank 0 holds stages 0 and 3, rank 1 holds 1 and 2; microbatch 0
+        // runs 0..2 (first half), microbatch 1 runs 2..4 (second half), as in DualPipe.
+        let s = check("0F0,3F1,3B1,0B0\n1F0,2F1,1B0,2B1\n").unwrap();
+        assert_eq!((s.stages, s.microbatches, s.placement), (4, 2, Some(Placement::V)));
+        // A route of 1..3 is neither all stages nor a half.
+        let e = err("0F0,0B0,3F0,3B0\n1F1,2F1,2B1,1B1,1F0,2F0,2B0,1B0\n");
+        assert_eq!(e, ValidationError::RouteMismatch { mb: 1, route: 1..3, stages: 4 });
+    }
+
+    #[test]
+    fn empty() {
+        assert_eq!(err(",\n"), ValidationError::Empty);
+        assert_eq!(err("0UNSHARD,0RESHARD\n"), ValidationError::Empty);
+    }
+
+    #[test]
+    fn stage_on_many_ranks() {
+        let e = err("0F0,0B0\n1F0,0F1,1B0\n");
+        assert_eq!(e, ValidationError::StageOnManyRanks { stage: 0, first_rank: 0, at: at(1, 1, "0F1") });
+        assert!(e.to_string().contains("rank 1 step 1 (`0F1`)"), "{e}");
+    }
+
+    #[test]
+    fn microbatch_out_of_range_and_missing() {
+        let s = sched("0F0,0F1,0B0,0B1\n");
+        let e = validate(&s, &ValidateOptions { microbatches: Some(1) }).unwrap_err();
+        assert_eq!(e, ValidationError::MicrobatchOutOfRange { mb: 1, expected: 1, at: at(0, 1, "0F1") });
+        let e = validate(&s, &ValidateOptions { microbatches: Some(3) }).unwrap_err();
+        assert_eq!(e, ValidationError::MissingMicrobatch { mb: 2, expected: 3 });
+        assert_eq!(err("0F0,0F2,0B0,0B2\n"), ValidationError::MissingMicrobatch { mb: 1, expected: 3 });
+    }
+
+    #[test]
+    fn missing_compute_of_each_kind() {
+        let f = err("0F0,0B0\n1B0\n");
+        assert_eq!(
+            f,
+            ValidationError::MissingCompute { kind: ComputeKind::F, task: Task::new(1, 0), rank: Some(1) }
+        );
+        let b = err("0F0\n1F0,1B0\n");
+        assert_eq!(
+            b,
+            ValidationError::MissingCompute { kind: ComputeKind::B, task: Task::new(0, 0), rank: Some(0) }
+        );
+        assert!(b.to_string().contains("0B0 (or 0I0 with 0W0)"), "{b}");
+        let w = err("0F0,0I0\n1F0,1B0\n");
+        assert_eq!(
+            w,
+            ValidationError::MissingCompute { kind: ComputeKind::W, task: Task::new(0, 0), rank: Some(0) }
+        );
+    }
+
+    #[test]
+    fn duplicate_compute() {
+        let e = err("0F0,0B0,0F0\n");
+        assert_eq!(
+            e,
+            ValidationError::DuplicateCompute {
+                kind: ComputeKind::F,
+                task: Task::new(0, 0),
+                at: at(0, 2, "0F0"),
+                first: at(0, 0, "0F0"),
+            }
+        );
+        // The B half of an OVERLAP_F_B counts as the task's B.
+        let e = err("0F0,0F1,0B0,(0F2;0B1)OVERLAP_F_B,0B1,0B2\n");
+        assert_eq!(e.kind(), ErrorKind::DuplicateCompute);
+    }
+
+    #[test]
+    fn mixed_backward_and_w_without_i() {
+        let e = err("0F0,0B0,0I0,0W0\n");
+        assert_eq!(
+            e,
+            ValidationError::MixedBackward {
+                task: Task::new(0, 0),
+                at: at(0, 2, "0I0"),
+                other: at(0, 1, "0B0")
+            }
+        );
+        assert_eq!(
+            err("0F0,0B0,0W0\n"),
+            ValidationError::WWithoutI { task: Task::new(0, 0), at: at(0, 2, "0W0") }
+        );
+    }
+
+    #[test]
+    fn order_violations() {
+        let e = err("0B0,0F0\n");
+        assert_eq!(
+            e,
+            ValidationError::OrderViolation { at: at(0, 0, "0B0"), needs: "0F0".into(), needs_step: 1 }
+        );
+        let e = err("0F0,0W0,0I0\n");
+        assert_eq!(
+            e,
+            ValidationError::OrderViolation { at: at(0, 1, "0W0"), needs: "0I0".into(), needs_step: 2 }
+        );
+        // F and B of one (stage, mb) inside one OVERLAP_F_B: B must come strictly after F.
+        assert_eq!(err("(0F0;0B0)OVERLAP_F_B\n").kind(), ErrorKind::OrderViolation);
+    }
+
+    #[test]
+    fn comm_errors() {
+        // A SEND_F out of the last stage: there is no stage 2.
+        let e = err(&LOWERED.replace("1B1,1SEND_B1", "1B1,1SEND_B1,1SEND_F1"));
+        assert_eq!(
+            e,
+            ValidationError::CommOutOfRoute { at: at(1, 8, "1SEND_F1"), at_mb: 1, route: Some(0..2) }
+        );
+        // Two stages on one rank hand over locally.
+        let e = err("0F0,0SEND_F0,1RECV_F0,1F0,1B0,0B0\n");
+        assert_eq!(e, ValidationError::LocalComm { at: at(0, 1, "0SEND_F0"), from: 0, to: 1 });
+        // A dropped RECV_F names its peer SEND.
+        let e = err(&LOWERED.replace("1RECV_F1,", ""));
+        assert_eq!(
+            e,
+            ValidationError::MissingComm {
+                rank: 1,
+                missing: "1RECV_F1".parse().unwrap(),
+                peer: Some(at(0, 3, "0SEND_F1"))
+            }
+        );
+        assert_eq!(e.to_string(), "rank 1 has no `1RECV_F1` (its peer is at rank 0 step 3 (`0SEND_F1`))");
+        let e = err(&LOWERED.replace("0SEND_F0,", "0SEND_F0,0SEND_F0,"));
+        assert_eq!(
+            e,
+            ValidationError::DuplicateComm { at: at(0, 2, "0SEND_F0"), first: at(0, 1, "0SEND_F0") }
+        );
+        let e = err(&LOWERED.replace("0B1\n", "0B1,3REDUCE_GRAD\n"));
+        assert_eq!(e, ValidationError::UnknownStage { at: at(0, 8, "3REDUCE_GRAD"), stage: 3, stages: 2 });
+    }
+
+    #[test]
+    fn early_recv_deadlocks_with_its_cycle() {
+        // Rank 1 posts RECV_F1 before producing 1B0's gradient; rank 0 waits for that gradient
+        // before it sends 0F1's output: the early RECV deadlocks (DESIGN.md, "Lowering passes").
+        let e = err("0F0,0SEND_F0,0RECV_B0,0B0,0F1,0SEND_F1,0RECV_B1,0B1\n\
+                     1RECV_F0,1RECV_F1,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1\n");
+        let ValidationError::Deadlock { cycle } = &e else { panic!("{e:?}") };
+        let pairs: Vec<(Loc, Loc)> = cycle.iter().map(|w| (w.at, w.on)).collect();
+        assert_eq!(
+            pairs,
+            vec![(at(0, 2, "0RECV_B0"), at(1, 4, "1SEND_B0")), (at(1, 1, "1RECV_F1"), at(0, 5, "0SEND_F1"))]
+        );
+    }
+
+    #[test]
+    fn two_rank_deadlock_names_the_cycle() {
+        // Rank 0 runs 0B0 (needs 1B0) before 0F1; rank 1 runs 1F1 (needs 0F1) before 1B0.
+        let e = err("0F0,,,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n");
+        let ValidationError::Deadlock { cycle } = &e else { panic!("{e:?}") };
+        let pairs: Vec<(Loc, Loc)> = cycle.iter().map(|w| (w.at, w.on)).collect();
+        assert_eq!(pairs, vec![(at(0, 3, "0B0"), at(1, 2, "1B0")), (at(1, 0, "1F1"), at(0, 4, "0F1"))]);
+        assert_eq!(
+            e.to_string(),
+            "deadlock: rank 0 at step 3 (0B0) waits for 1B0 on rank 1; rank 1 at step 0 (1F1) waits for 0F1 on rank 0"
+        );
+    }
+
+    #[test]
+    fn recv_after_its_consumer_is_a_wait_inside_one_rank() {
+        let e = err("0F0,0SEND_F0,0RECV_B0,0B0\n1F0,1RECV_F0,1B0,1SEND_B0\n");
+        let ValidationError::Deadlock { cycle } = &e else { panic!("{e:?}") };
+        assert_eq!(cycle, &vec![Wait { at: at(1, 0, "1F0"), on: at(1, 1, "1RECV_F0") }]);
+        assert!(e.to_string().ends_with("rank 1 at step 0 (1F0) waits for 1RECV_F0 on rank 1"), "{e}");
+    }
+
+    #[test]
+    fn sharding_errors() {
+        let ok = "0UNSHARD,0F0,0B0,0RESHARD\n";
+        assert_eq!(check(ok).unwrap().counts.unshard, 1);
+        let e = err("0UNSHARD,0F0,0RESHARD,0B0\n");
+        assert_eq!(e, ValidationError::ComputeWhileSharded { at: at(0, 3, "0B0"), stage: 0 });
+        let e = err("0UNSHARD,0F0,0UNSHARD,0B0,0RESHARD\n");
+        assert_eq!(e, ValidationError::RedundantShardOp { at: at(0, 2, "0UNSHARD") });
+        assert!(e.to_string().ends_with("already unsharded"), "{e}");
+        let e = err("0UNSHARD,0F0,0B0,0RESHARD,0RESHARD\n");
+        assert_eq!(e, ValidationError::RedundantShardOp { at: at(0, 4, "0RESHARD") });
+        assert_eq!(err("0UNSHARD,0F0,0B0\n"), ValidationError::UnshardedAtEnd { rank: 0, stage: 0 });
+    }
+
+    #[test]
+    fn reduce_grad_errors() {
+        assert_eq!(check("0F0,0I0,0W0,0REDUCE_GRAD\n").unwrap().counts.reduce_grad, 1);
+        let e = err("0F0,0I0,0REDUCE_GRAD,0W0\n");
+        assert_eq!(
+            e,
+            ValidationError::ReduceGradTooEarly { at: at(0, 2, "0REDUCE_GRAD"), last: at(0, 3, "0W0") }
+        );
+        let e = err("0F0,0B0,0REDUCE_GRAD,0REDUCE_GRAD\n");
+        assert_eq!(
+            e,
+            ValidationError::DuplicateReduceGrad {
+                at: at(0, 3, "0REDUCE_GRAD"),
+                first: at(0, 2, "0REDUCE_GRAD")
+            }
+        );
+        assert_eq!(err("0F0,0B0,0REDUCE_GRAD\n1F0,1B0\n"), ValidationError::MissingReduceGrad { stage: 1 });
+    }
+}

@@ -1,0 +1,40 @@
+//! Every generator kind that accepts a shape yields a schedule that validates, lowers (with and
+//! without FSDP actions) to a valid schedule, and has a topological order (no deadlock).
+
+use graphpp_schedule::deps::DepGraph;
+use graphpp_schedule::lower::{merge_bw, split_bw};
+use graphpp_schedule::{generate, lower, validate, Kind, LowerOptions, Options, Shape, ValidateOptions};
+use proptest::prelude::*;
+
+fn check(kind: Kind, shape: Shape) -> Result<bool, TestCaseError> {
+    let Ok(s) = generate(kind, &shape, &Options::default()) else { return Ok(false) };
+    let m = shape.microbatches;
+    let sum = validate(&s, &ValidateOptions { microbatches: Some(m) })
+        .map_err(|e| TestCaseError::fail(format!("{kind} {shape:?}: {e}\n{s}")))?;
+    prop_assert_eq!(sum.ranks, shape.ranks, "{} {:?}", kind, shape);
+    prop_assert!(!sum.lowered);
+    let order = DepGraph::build(&s).unwrap().topo_order();
+    prop_assert!(order.is_ok(), "{} {:?}: no topological order", kind, shape);
+    for opts in [LowerOptions::default(), LowerOptions { fsdp_max_unsharded: Some(2) }] {
+        let low = lower(&s, &opts).map_err(|e| TestCaseError::fail(format!("{kind} {shape:?}: {e}")))?;
+        let lsum = validate(&low, &ValidateOptions { microbatches: Some(m) })
+            .map_err(|e| TestCaseError::fail(format!("{kind} {shape:?} lowered: {e}\n{low}")))?;
+        prop_assert_eq!(lsum.counts.send, lsum.counts.recv);
+        prop_assert_eq!(low.compute_only(), s.compute_only());
+    }
+    if sum.counts.i == 0 {
+        prop_assert_eq!(merge_bw(&split_bw(&s).unwrap()).unwrap(), s.clone());
+    }
+    Ok(true)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_generated_schedule_validates_and_lowers(p in 1usize..=6, v in 1usize..=3, m in 1usize..=16) {
+        for kind in Kind::ALL {
+            check(kind, Shape::new(p, v, m))?;
+        }
+    }
+}
