@@ -147,7 +147,6 @@ fn zbv_matches_pytorch() {
 // DualPipeV is implemented by another helper (generate/dualpipe.rs is still a stub on this branch);
 // the fixture keeps PyTorch's DualPipeV cases (m ≥ 2p; PyTorch rejects fewer) for when it lands.
 #[test]
-#[ignore = "DualPipeV generator is a stub on this branch (owned by another helper)"]
 fn dualpipev_matches_pytorch() {
     check_kind(Kind::DualPipeV);
 }
