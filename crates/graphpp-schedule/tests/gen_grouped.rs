@@ -81,11 +81,11 @@ proptest! {
         }
         let t = replay(&s, UNIT).map_err(TestCaseError::fail)?;
         let peaks = in_flight_peaks(&s);
-        for r in 0..p {
+        for (r, &peak) in peaks.iter().enumerate() {
             // (p−1)(t_f + t_b)/v in full-stage units = 3(p−1) chunk-units (DESIGN.md).
             prop_assert_eq!(t.idle(r), 3.0 * (p as f64 - 1.0), "rank {}", r);
             let warmup = if v == 1 { p - 1 - r } else { (v - 1) * n + 2 * (p - 1 - r) };
-            prop_assert_eq!(peaks[r], (warmup + 1).min(m * v), "rank {}", r);
+            prop_assert_eq!(peak, (warmup + 1).min(m * v), "rank {}", r);
         }
     }
 }

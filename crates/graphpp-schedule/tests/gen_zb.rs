@@ -210,8 +210,8 @@ proptest! {
         assert_complete(&s, m).map_err(TestCaseError::fail)?;
         prop_assert!(replay(&s, UNIT).is_ok());
         let peaks = in_flight_peaks(&s);
-        for r in 0..p {
-            prop_assert_eq!(peaks[r], (p - r).min(m), "rank {}", r);
+        for (r, &peak) in peaks.iter().enumerate() {
+            prop_assert_eq!(peak, (p - r).min(m), "rank {}", r);
             let (before_i, after) = w_lag(&s.program(r));
             let want: Vec<usize> = (0..m).map(|j| j.saturating_sub(r)).collect();
             prop_assert_eq!(before_i, want, "stage {} W lag", r);
@@ -225,8 +225,8 @@ proptest! {
         let s = gen(Kind::ZbH2, p, m);
         assert_complete(&s, m).map_err(TestCaseError::fail)?;
         let peaks = in_flight_peaks(&s);
-        for r in 0..p {
-            prop_assert!(peaks[r] < 2 * (p - r), "rank {} peak {} > 2(p−r)−1", r, peaks[r]);
+        for (r, &peak) in peaks.iter().enumerate() {
+            prop_assert!(peak < 2 * (p - r), "rank {} peak {} > 2(p−r)−1", r, peak);
         }
         prop_assert_eq!(peaks[0], (2 * p - 1).min(m));
         // Held = F done, W not yet (in flight or waiting for W): at most 2p−1 on every rank.

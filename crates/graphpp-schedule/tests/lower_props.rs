@@ -6,12 +6,12 @@ mod hand;
 
 use std::collections::BTreeSet;
 
-use hand::{build, rank_of, stages, Family, FAMILIES};
 use graphpp_schedule::lower::{add_send_recv, merge_bw, split_bw};
 use graphpp_schedule::{
     lower, validate, Action, CommKind, ComputeKind, LowerOptions, Schedule, StageOpKind, ValidateOptions,
     ValidationError,
 };
+use hand::{build, rank_of, stages, Family, FAMILIES};
 use proptest::prelude::*;
 
 fn shape() -> impl Strategy<Value = (Family, usize, usize)> {

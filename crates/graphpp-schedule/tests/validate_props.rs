@@ -5,9 +5,9 @@
 
 mod hand;
 
-use hand::{build, runs_to_completion, stages, Family, FAMILIES};
 use graphpp_schedule::validate::ErrorKind;
 use graphpp_schedule::{validate, Action, ComputeKind, Schedule, ValidateOptions, ValidationError};
+use hand::{build, runs_to_completion, stages, Family, FAMILIES};
 use proptest::prelude::*;
 
 fn opts() -> ValidateOptions {

@@ -186,7 +186,7 @@ impl Shape {
 }
 
 /// Knobs some generators read; the rest ignore them.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Options {
     /// `grouped-interleaved`: N consecutive microbatches per chunk (default p).
     pub group: Option<usize>,
@@ -196,12 +196,6 @@ pub struct Options {
     pub memory: Memory,
     /// `zb-auto`: activation-memory cap per rank in M_B units (default p, i.e. ZB-1p).
     pub mem_cap: Option<f64>,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Options { group: None, costs: Costs::default(), memory: Memory::default(), mem_cap: None }
-    }
 }
 
 /// Why a generator cannot produce a schedule.
