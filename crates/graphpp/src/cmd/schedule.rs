@@ -6,7 +6,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
 use graphpp_schedule::render::{chrome_trace, grid, svg, GridStyle};
-use graphpp_schedule::{generate, simulate, Costs, Kind, Memory, Options, Schedule, Shape, SimReport};
+use graphpp_schedule::{
+    generate, lower, simulate, validate, Costs, Kind, LowerOptions, Memory, Options, Schedule, Shape,
+    SimReport, ValidateOptions,
+};
 
 /// `graphpp schedule` subcommands.
 #[derive(Subcommand)]
@@ -15,9 +18,32 @@ pub enum ScheduleCmd {
     Generate {
         #[command(flatten)]
         spec: KindSpec,
+        /// Add SEND/RECV (and with --fsdp-max-unsharded, FSDP actions) before printing.
+        #[arg(long)]
+        lowered: bool,
+        /// With --lowered: add UNSHARD/RESHARD keeping at most N stages unsharded per rank, and
+        /// REDUCE_GRAD after each stage's last backward.
+        #[arg(long)]
+        fsdp_max_unsharded: Option<usize>,
         /// Output format.
         #[arg(long, value_enum, default_value_t = ScheduleFormat::Text)]
         format: ScheduleFormat,
+    },
+    /// Check a schedule file (CSV or JSON): exit 0 with a one-line summary, or exit 1 with the error.
+    Validate {
+        /// The schedule file.
+        file: PathBuf,
+        /// Expected number of microbatches (default: inferred from the actions).
+        #[arg(long)]
+        microbatches: Option<usize>,
+    },
+    /// Lower a compute-only schedule file: add SEND/RECV (and FSDP actions); prints CSV.
+    Lower {
+        /// The schedule file.
+        file: PathBuf,
+        /// Add UNSHARD/RESHARD keeping at most N stages unsharded per rank, and REDUCE_GRAD.
+        #[arg(long)]
+        fsdp_max_unsharded: Option<usize>,
     },
     /// Simulate a generated or stored schedule: makespan, bubbles, peak activations, timeline.
     Simulate {
@@ -210,8 +236,8 @@ pub fn summary(r: &SimReport) -> String {
 /// Runs one `graphpp schedule` subcommand.
 pub fn run(cmd: ScheduleCmd) -> Result<()> {
     match cmd {
-        ScheduleCmd::Generate { spec, format } => {
-            let s = generate_spec(
+        ScheduleCmd::Generate { spec, lowered, fsdp_max_unsharded, format } => {
+            let mut s = generate_spec(
                 spec.kind,
                 spec.ranks,
                 spec.stages_per_rank,
@@ -220,7 +246,26 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
                 spec.mem_cap,
                 Costs::default(),
             )?;
+            if lowered {
+                s = lower(&s, &LowerOptions { fsdp_max_unsharded })?;
+            } else if fsdp_max_unsharded.is_some() {
+                bail!("--fsdp-max-unsharded needs --lowered");
+            }
             print!("{}", format_schedule(&s, format));
+            Ok(())
+        }
+        ScheduleCmd::Validate { file, microbatches } => {
+            let s = read_schedule(&file)?;
+            let summary = validate(&s, &ValidateOptions { microbatches })
+                .with_context(|| format!("{}: invalid schedule", file.display()))?;
+            println!("{}: {summary}", file.display());
+            Ok(())
+        }
+        ScheduleCmd::Lower { file, fsdp_max_unsharded } => {
+            let s = read_schedule(&file)?;
+            validate(&s, &ValidateOptions::default())
+                .with_context(|| format!("{}: invalid schedule", file.display()))?;
+            print!("{}", lower(&s, &LowerOptions { fsdp_max_unsharded })?.to_csv());
             Ok(())
         }
         ScheduleCmd::Simulate { source, mut costs, comm_latency, m_w, format, output } => {
