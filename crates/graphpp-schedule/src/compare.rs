@@ -48,7 +48,7 @@ pub fn compare_stages_per_rank(kind: Kind) -> usize {
 
 /// Cross-rank messages per microbatch of a compute-only schedule: dependencies that hop ranks.
 pub fn messages_per_microbatch(g: &DepGraph, microbatches: usize) -> f64 {
-    let hops = g.deps.iter().flatten().flatten().filter(|d| d.hop).count();
+    let hops = g.all_deps().iter().filter(|d| d.hop).count();
     hops as f64 / microbatches.max(1) as f64
 }
 

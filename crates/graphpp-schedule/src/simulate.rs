@@ -78,7 +78,7 @@ pub fn simulate(schedule: &Schedule, costs: &Costs, memory: &Memory) -> Result<S
     for at in order {
         let a = g.programs[at.rank][at.index];
         let mut start = if at.index > 0 { end[at.rank][at.index - 1] } else { 0.0 };
-        for d in &g.deps[at.rank][at.index] {
+        for d in g.deps(at) {
             let hop = if d.hop { costs.comm } else { 0.0 };
             start = start.max(end[d.on.rank][d.on.index] + hop);
         }
