@@ -2,16 +2,16 @@
 //! SEND/RECV counts match the cross-rank boundaries, RECVs sit right before their consumer,
 //! FSDP limits hold, and `merge_bw(split_bw(s)) == s`.
 
-mod common;
+mod handmade;
 
 use std::collections::BTreeSet;
 
-use common::{build, rank_of, stages, Family, FAMILIES};
 use graphpp_schedule::lower::{add_send_recv, merge_bw, split_bw};
 use graphpp_schedule::{
     lower, validate, Action, CommKind, ComputeKind, LowerOptions, Schedule, StageOpKind, ValidateOptions,
     ValidationError,
 };
+use handmade::{build, rank_of, stages, Family, FAMILIES};
 use proptest::prelude::*;
 
 fn shape() -> impl Strategy<Value = (Family, usize, usize)> {
@@ -101,7 +101,7 @@ proptest! {
 
     #[test]
     fn merge_keeps_zb_valid(p in 1usize..=5, m in 1usize..=8) {
-        let merged = merge_bw(&common::zb(p, m)).unwrap();
+        let merged = merge_bw(&handmade::zb(p, m)).unwrap();
         let sum = validate(&merged, &ValidateOptions::default()).unwrap();
         // Rank 0 runs each W right after its I, so all of its m backward pairs merge.
         prop_assert!(sum.counts.b >= m);
