@@ -3,12 +3,16 @@
 //! No tensor library. See `shared/DESIGN.md`, "Schedule IR".
 
 pub mod action;
+pub mod compare;
 pub mod costs;
 pub mod deps;
 pub mod generate;
 pub mod lower;
 pub mod placement;
+pub mod render;
 pub mod schedule;
+pub mod simulate;
+pub mod timeline;
 pub mod validate;
 
 pub use action::{Action, ActionParseError, CommKind, ComputeKind, MicrobatchId, StageId, StageOpKind, Task};
@@ -17,4 +21,6 @@ pub use generate::{generate, GenerateError, Kind, Options, Shape};
 pub use lower::{lower, LowerError, LowerOptions};
 pub use placement::Placement;
 pub use schedule::{CsvError, RankId, Schedule, Step};
+pub use simulate::{simulate, SimReport, SimulateError};
+pub use timeline::{Interval, Timeline};
 pub use validate::{validate, ErrorKind, Summary, ValidateOptions, ValidationError};

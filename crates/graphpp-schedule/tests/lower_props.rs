@@ -2,7 +2,7 @@
 //! SEND/RECV counts match the cross-rank boundaries, RECVs sit right before their consumer,
 //! FSDP limits hold, and `merge_bw(split_bw(s)) == s`.
 
-mod handmade;
+mod hand;
 
 use std::collections::BTreeSet;
 
@@ -11,7 +11,7 @@ use graphpp_schedule::{
     lower, validate, Action, CommKind, ComputeKind, LowerOptions, Schedule, StageOpKind, ValidateOptions,
     ValidationError,
 };
-use handmade::{build, rank_of, stages, Family, FAMILIES};
+use hand::{build, rank_of, stages, Family, FAMILIES};
 use proptest::prelude::*;
 
 fn shape() -> impl Strategy<Value = (Family, usize, usize)> {
@@ -101,7 +101,7 @@ proptest! {
 
     #[test]
     fn merge_keeps_zb_valid(p in 1usize..=5, m in 1usize..=8) {
-        let merged = merge_bw(&handmade::zb(p, m)).unwrap();
+        let merged = merge_bw(&hand::zb(p, m)).unwrap();
         let sum = validate(&merged, &ValidateOptions::default()).unwrap();
         // Rank 0 runs each W right after its I, so all of its m backward pairs merge.
         prop_assert!(sum.counts.b >= m);

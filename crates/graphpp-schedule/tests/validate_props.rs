@@ -1,13 +1,13 @@
 //! Property tests of the validator: hand-made valid schedules validate, and single mutations
 //! (drop, duplicate, swap two adjacent actions of one rank) are rejected with the error kind the
 //! rules predict. The expected result is derived from the rules (and, for swaps, from the
-//! independent execution oracle in `handmade`), never from the validator.
+//! independent execution oracle in `hand`), never from the validator.
 
-mod handmade;
+mod hand;
 
 use graphpp_schedule::validate::ErrorKind;
 use graphpp_schedule::{validate, Action, ComputeKind, Schedule, ValidateOptions, ValidationError};
-use handmade::{build, runs_to_completion, stages, Family, FAMILIES};
+use hand::{build, runs_to_completion, stages, Family, FAMILIES};
 use proptest::prelude::*;
 
 fn opts() -> ValidateOptions {

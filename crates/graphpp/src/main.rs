@@ -1,1 +1,31 @@
-fn main() {}
+//! The `graphpp` binary: a thin command-line layer over the graphpp crates.
+
+use clap::{Parser, Subcommand};
+
+mod cmd;
+
+/// graphpp: graph-based pipeline-parallel training.
+#[derive(Parser)]
+#[command(name = "graphpp", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate, check, lower, simulate and compare pipeline schedules.
+    #[command(subcommand)]
+    Schedule(cmd::schedule::ScheduleCmd),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Schedule(c) => cmd::schedule::run(c),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -99,6 +99,23 @@ impl Kind {
         })
     }
 
+    /// The kind's shape constraints, as shown by `graphpp schedule compare` (each generator checks
+    /// them and names the one that failed).
+    pub fn constraints(self) -> &'static str {
+        match self {
+            Kind::Gpipe | Kind::OneFOneB => "v = 1; any m",
+            Kind::Interleaved1F1B => "loop placement, v >= 1",
+            Kind::LoopedBfs => "loop placement, v >= 1",
+            Kind::GroupedInterleaved => "loop placement, p <= N <= m, N divides m",
+            Kind::ZbH1 | Kind::ZbH2 => "v = 1",
+            Kind::ZbAuto => "v = 1; memory cap >= 1 M_B",
+            Kind::Zbv => "V placement, v = 2",
+            Kind::InterleavedZb => "loop placement, v >= 1",
+            Kind::DualPipe => "V placement, v = 2, p even, m even, m >= 2p; two parameter copies",
+            Kind::DualPipeV => "V placement, v = 2, m >= 2p",
+        }
+    }
+
     /// The placement the kind uses.
     pub fn placement(self) -> Placement {
         match self {
@@ -169,7 +186,7 @@ impl Shape {
 }
 
 /// Knobs some generators read; the rest ignore them.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Options {
     /// `grouped-interleaved`: N consecutive microbatches per chunk (default p).
     pub group: Option<usize>,
@@ -179,12 +196,6 @@ pub struct Options {
     pub memory: Memory,
     /// `zb-auto`: activation-memory cap per rank in M_B units (default p, i.e. ZB-1p).
     pub mem_cap: Option<f64>,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Options { group: None, costs: Costs::default(), memory: Memory::default(), mem_cap: None }
-    }
 }
 
 /// Why a generator cannot produce a schedule.

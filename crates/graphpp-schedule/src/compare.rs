@@ -1,0 +1,77 @@
+//! The seed tutorial's summary table (`001_…`, final comparison of schedules), computed: for one
+//! shape, every kind's bubble, peak activations and point-to-point messages.
+
+use crate::costs::{Costs, Memory};
+use crate::deps::DepGraph;
+use crate::generate::{generate, Kind, Options, Shape};
+use crate::simulate::simulate;
+
+/// One row of the comparison.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompareRow {
+    /// The kind.
+    pub kind: Kind,
+    /// v used.
+    pub stages_per_rank: usize,
+    /// Figures, or the reason the kind cannot serve the shape.
+    pub result: Result<CompareFigures, String>,
+}
+
+/// Figures of one kind at one shape (cost units; M_B units).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct CompareFigures {
+    /// Simulated makespan.
+    pub makespan: f64,
+    /// In-iteration r_bubble.
+    pub bubble_ratio: f64,
+    /// In-iteration idle fraction.
+    pub idle_fraction: f64,
+    /// Largest per-rank peak in-flight activation (M_B units).
+    pub peak_activations: f64,
+    /// Cross-rank messages (activations + gradients) per microbatch.
+    pub messages_per_microbatch: f64,
+}
+
+/// The stages per rank each kind is compared at: 2 where the kind interleaves chunks, else 1.
+pub fn compare_stages_per_rank(kind: Kind) -> usize {
+    match kind {
+        Kind::Interleaved1F1B
+        | Kind::LoopedBfs
+        | Kind::GroupedInterleaved
+        | Kind::InterleavedZb
+        | Kind::Zbv
+        | Kind::DualPipe
+        | Kind::DualPipeV => 2,
+        _ => 1,
+    }
+}
+
+/// Cross-rank messages per microbatch of a compute-only schedule: dependencies that hop ranks.
+pub fn messages_per_microbatch(g: &DepGraph, microbatches: usize) -> f64 {
+    let hops = g.deps.iter().flatten().flatten().filter(|d| d.hop).count();
+    hops as f64 / microbatches.max(1) as f64
+}
+
+/// Every kind at `p` ranks and `m` microbatches with `costs` (M_W = M_B / 2).
+pub fn compare(p: usize, m: usize, costs: &Costs) -> Vec<CompareRow> {
+    Kind::ALL
+        .iter()
+        .map(|&kind| {
+            let v = compare_stages_per_rank(kind);
+            let opts = Options { costs: *costs, ..Options::default() };
+            let result =
+                generate(kind, &Shape::new(p, v, m), &opts).map_err(|e| e.to_string()).and_then(|s| {
+                    let r = simulate(&s, costs, &Memory::default()).map_err(|e| e.to_string())?;
+                    let g = DepGraph::build(&s).map_err(|e| e.to_string())?;
+                    Ok(CompareFigures {
+                        makespan: r.makespan,
+                        bubble_ratio: r.bubble_ratio,
+                        idle_fraction: r.idle_fraction,
+                        peak_activations: r.peak_activations.iter().copied().fold(0.0, f64::max),
+                        messages_per_microbatch: messages_per_microbatch(&g, m),
+                    })
+                });
+            CompareRow { kind, stages_per_rank: v, result }
+        })
+        .collect()
+}

@@ -1,0 +1,244 @@
+//! Event-driven simulation of a schedule: makespan, per-rank busy/idle, bubble figures and peak
+//! in-flight activation memory (DESIGN.md, "Simulation").
+//!
+//! An action starts at max(its rank is free, each dependency finished + c if the dependency ran on
+//! another rank). Durations: T_F, T_B, T_I, T_W, T_overlap (default T_F + T_B); SEND/RECV and FSDP
+//! actions take `comm_action` (default 0). Memory per rank, in full-stage M_B units: F adds M_B,
+//! B frees M_B, I frees M_B − M_W, W frees M_W, each weighted 1/v where v is the number of stages
+//! the rank holds; OVERLAP_F_B counts its F before its B.
+
+use crate::action::{Action, ComputeKind};
+use crate::costs::{Costs, Memory};
+use crate::deps::{DepGraph, MissingDep};
+use crate::schedule::{RankId, Schedule};
+use crate::timeline::{Interval, Timeline};
+
+/// Why a schedule cannot be simulated.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SimulateError {
+    /// An action's producer is absent.
+    #[error(transparent)]
+    Missing(#[from] MissingDep),
+    /// The ranks wait on each other in a cycle.
+    #[error("deadlock: {0}")]
+    Deadlock(String),
+}
+
+/// The simulator's figures. All times in cost units; memory in full-stage M_B units.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SimReport {
+    /// End of the last action (every rank starts at 0).
+    pub makespan: f64,
+    /// Per-rank time spent running actions.
+    pub busy: Vec<f64>,
+    /// Per-rank in-iteration idle time: makespan − busy (global sync at iteration end).
+    pub idle: Vec<f64>,
+    /// In-iteration r_bubble = Σ idle / Σ busy (DESIGN.md glossary "bubble").
+    pub bubble_ratio: f64,
+    /// In-iteration idle fraction = Σ idle / (p · makespan).
+    pub idle_fraction: f64,
+    /// Per-rank steady-state idle: first action start → last action end, minus busy.
+    pub steady_idle: Vec<f64>,
+    /// Steady-state r_bubble = Σ steady_idle / Σ busy.
+    pub steady_bubble_ratio: f64,
+    /// Per-rank peak in-flight activations (full-stage M_B units).
+    pub peak_activations: Vec<f64>,
+    /// Per-rank peak count of in-flight (stage, microbatch) pairs (F ran, B/I not yet).
+    pub peak_in_flight: Vec<usize>,
+    /// What ran when.
+    #[serde(skip)]
+    pub timeline: Timeline,
+}
+
+/// Duration of one action.
+pub fn duration(a: &Action, c: &Costs) -> f64 {
+    match a {
+        Action::Compute { kind, .. } => match kind {
+            ComputeKind::F => c.f,
+            ComputeKind::B => c.b,
+            ComputeKind::I => c.i,
+            ComputeKind::W => c.w,
+        },
+        Action::Overlap { .. } => c.overlap(),
+        Action::Comm { .. } | Action::StageOp { .. } => c.comm_action,
+    }
+}
+
+/// Simulates `schedule` with `costs` and the memory model `memory`.
+///
+/// # Errors
+/// [`SimulateError::Missing`] when a dependency is absent, [`SimulateError::Deadlock`] naming the
+/// waiting cycle when the ranks wait on each other.
+pub fn simulate(schedule: &Schedule, costs: &Costs, memory: &Memory) -> Result<SimReport, SimulateError> {
+    let g = DepGraph::build(schedule)?;
+    let order = g.topo_order().map_err(|cycle| SimulateError::Deadlock(describe_cycle(&g, &cycle)))?;
+    let p = g.programs.len();
+    let mut end: Vec<Vec<f64>> = g.programs.iter().map(|p| vec![0.0; p.len()]).collect();
+    let mut intervals = Vec::with_capacity(order.len());
+    for at in order {
+        let a = g.programs[at.rank][at.index];
+        let mut start = if at.index > 0 { end[at.rank][at.index - 1] } else { 0.0 };
+        for d in &g.deps[at.rank][at.index] {
+            let hop = if d.hop { costs.comm } else { 0.0 };
+            start = start.max(end[d.on.rank][d.on.index] + hop);
+        }
+        let e = start + duration(&a, costs);
+        end[at.rank][at.index] = e;
+        intervals.push(Interval { rank: at.rank, start, end: e, action: a });
+    }
+    let timeline = Timeline { ranks: p, intervals, unit: "unit".into() };
+    Ok(report(timeline, schedule, memory))
+}
+
+/// Figures of a timeline (simulated or measured) and the memory of `schedule`'s programs.
+pub fn report(timeline: Timeline, schedule: &Schedule, memory: &Memory) -> SimReport {
+    let p = timeline.ranks;
+    let makespan = timeline.makespan();
+    let mut busy = vec![0.0; p];
+    let mut first = vec![f64::INFINITY; p];
+    let mut last = vec![0.0f64; p];
+    for i in &timeline.intervals {
+        busy[i.rank] += i.end - i.start;
+        first[i.rank] = first[i.rank].min(i.start);
+        last[i.rank] = last[i.rank].max(i.end);
+    }
+    let idle: Vec<f64> = busy.iter().map(|b| makespan - b).collect();
+    let steady_idle: Vec<f64> = (0..p)
+        .map(|r| if busy[r] > 0.0 || first[r].is_finite() { last[r] - first[r] - busy[r] } else { 0.0 })
+        .collect();
+    let total_busy: f64 = busy.iter().sum();
+    let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { 0.0 };
+    let (peak_activations, peak_in_flight) = (0..p).map(|r| peak_memory(schedule, r, memory)).unzip();
+    SimReport {
+        makespan,
+        bubble_ratio: ratio(idle.iter().sum(), total_busy),
+        idle_fraction: ratio(idle.iter().sum(), p as f64 * makespan),
+        steady_bubble_ratio: ratio(steady_idle.iter().sum(), total_busy),
+        busy,
+        idle,
+        steady_idle,
+        peak_activations,
+        peak_in_flight,
+        timeline,
+    }
+}
+
+/// Peak in-flight activation memory (full-stage M_B units) and peak in-flight (stage, mb) count
+/// of rank `r`, walking its program in order.
+pub fn peak_memory(schedule: &Schedule, r: RankId, memory: &Memory) -> (f64, usize) {
+    let program = schedule.program(r);
+    let mut stages: Vec<usize> = program.iter().flat_map(|a| a.stages().collect::<Vec<_>>()).collect();
+    stages.sort_unstable();
+    stages.dedup();
+    let weight = 1.0 / stages.len().max(1) as f64;
+    let (mut mem, mut peak, mut count, mut peak_count) = (0.0f64, 0.0f64, 0usize, 0usize);
+    for (kind, _) in program.iter().flat_map(|a| a.computes()) {
+        match kind {
+            ComputeKind::F => {
+                mem += memory.m_b * weight;
+                count += 1;
+            }
+            ComputeKind::B => {
+                mem -= memory.m_b * weight;
+                count = count.saturating_sub(1);
+            }
+            ComputeKind::I => {
+                mem -= (memory.m_b - memory.m_w) * weight;
+                count = count.saturating_sub(1);
+            }
+            ComputeKind::W => mem -= memory.m_w * weight,
+        }
+        peak = peak.max(mem);
+        peak_count = peak_count.max(count);
+    }
+    (peak, peak_count)
+}
+
+/// "rank 0 at step 3 (0B0) waits for 1B0 on rank 1; …" for a waiting cycle from
+/// [`DepGraph::topo_order`].
+pub fn describe_cycle(g: &DepGraph, cycle: &[(crate::deps::ActionRef, crate::deps::ActionRef)]) -> String {
+    cycle
+        .iter()
+        .map(|(a, b)| {
+            format!(
+                "rank {} at step {} ({}) waits for {} on rank {}",
+                a.rank,
+                g.steps[a.rank][a.index],
+                g.action(*a),
+                g.action(*b),
+                b.rank
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 1F1B by its DESIGN.md rule, written out independently of the generators.
+    fn one_f_one_b(p: usize, m: usize) -> Schedule {
+        let progs = (0..p)
+            .map(|r| {
+                let w = m.min(p - 1 - r);
+                let mut v: Vec<Action> = (0..w).map(|j| Action::f(r, j)).collect();
+                for j in 0..m - w {
+                    v.push(Action::f(r, j + w));
+                    v.push(Action::b(r, j));
+                }
+                v.extend((m - w..m).map(|j| Action::b(r, j)));
+                v
+            })
+            .collect();
+        Schedule::from_programs(progs)
+    }
+
+    #[test]
+    fn one_f_one_b_reference_figures() {
+        // DESIGN.md: p=4, m=8, t_f=t_b=1 → makespan 22.
+        let c = Costs { f: 1.0, b: 1.0, ..Costs::default() };
+        let r = simulate(&one_f_one_b(4, 8), &c, &Memory::default()).unwrap();
+        assert_eq!(r.makespan, 22.0);
+        assert_eq!(r.peak_in_flight, vec![4, 3, 2, 1]);
+        // r_bubble = (p-1)/m with T_B = 2 T_F: p=8, m=8 → 0.875, idle 47%.
+        let r = simulate(&one_f_one_b(8, 8), &Costs::default(), &Memory::default()).unwrap();
+        assert!((r.bubble_ratio - 0.875).abs() < 1e-12);
+        assert!((r.idle_fraction - 21.0 / 45.0).abs() < 1e-12);
+        let r = simulate(&one_f_one_b(8, 32), &Costs::default(), &Memory::default()).unwrap();
+        assert!((r.bubble_ratio - 7.0 / 32.0).abs() < 1e-12);
+        assert_eq!((r.idle_fraction * 100.0).round(), 18.0);
+        let r = simulate(&one_f_one_b(8, 64), &Costs::default(), &Memory::default()).unwrap();
+        assert_eq!((r.idle_fraction * 100.0).round(), 10.0);
+    }
+
+    #[test]
+    fn comm_latency_adds_per_hop() {
+        // Two ranks, one microbatch: F0 → hop → F1 → B1 → hop → B0.
+        let s = Schedule::from_csv("0F0,0B0\n1F0,1B0\n").unwrap();
+        let c = Costs { comm: 0.5, ..Costs::default() };
+        let r = simulate(&s, &c, &Memory::default()).unwrap();
+        assert_eq!(r.makespan, 1.0 + 0.5 + 1.0 + 2.0 + 0.5 + 2.0);
+        assert_eq!(r.steady_idle, vec![4.0, 0.0]);
+        assert_eq!(r.idle, vec![4.0, 4.0]);
+    }
+
+    #[test]
+    fn memory_model_i_and_w() {
+        // One stage: F0 F1 I0 W0 I1 W1 with M_B = 1, M_W = 0.5 → peak 2.
+        let s = Schedule::from_csv("0F0,0F1,0I0,0W0,0I1,0W1\n").unwrap();
+        let m = Memory { m_b: 1.0, m_w: 0.5 };
+        assert_eq!(peak_memory(&s, 0, &m), (2.0, 2));
+        let s = Schedule::from_csv("0F0,0I0,0F1,0I1,0W0,0W1\n").unwrap();
+        assert_eq!(peak_memory(&s, 0, &m), (1.5, 1));
+    }
+
+    #[test]
+    fn deadlock_is_named() {
+        let s = Schedule::from_csv("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n").unwrap();
+        let e = simulate(&s, &Costs::default(), &Memory::default()).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("rank 0 at step 1 (0B0) waits for 1B0 on rank 1"), "{msg}");
+        assert!(msg.contains("rank 1 at step 0 (1F1) waits for 0F1 on rank 0"), "{msg}");
+    }
+}

@@ -1,0 +1,48 @@
+//! A timeline: what each rank ran and when. The simulator produces one; the runtime records a
+//! measured one; the renderers draw either (DESIGN.md, "Renderers").
+
+use crate::action::Action;
+use crate::schedule::RankId;
+
+/// One action's execution interval on a rank.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Interval {
+    /// The rank that ran it.
+    pub rank: RankId,
+    /// Start time (timeline units).
+    pub start: f64,
+    /// End time (timeline units), `>= start`.
+    pub end: f64,
+    /// What ran.
+    pub action: Action,
+}
+
+/// Intervals of all ranks plus the unit they are measured in.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Timeline {
+    /// Number of ranks (rows).
+    pub ranks: usize,
+    /// Intervals, in no particular order.
+    pub intervals: Vec<Interval>,
+    /// The time unit: `"unit"` for simulated cost units, `"s"` for measured seconds.
+    pub unit: String,
+}
+
+impl Timeline {
+    /// End of the last interval (0 for an empty timeline).
+    pub fn makespan(&self) -> f64 {
+        self.intervals.iter().map(|i| i.end).fold(0.0, f64::max)
+    }
+
+    /// Start of the first interval (0 for an empty timeline).
+    pub fn start(&self) -> f64 {
+        self.intervals.iter().map(|i| i.start).fold(f64::INFINITY, f64::min).min(self.makespan())
+    }
+
+    /// Intervals of rank `r`, sorted by start time.
+    pub fn rank_intervals(&self, r: RankId) -> Vec<Interval> {
+        let mut v: Vec<Interval> = self.intervals.iter().filter(|i| i.rank == r).copied().collect();
+        v.sort_by(|a, b| a.start.total_cmp(&b.start));
+        v
+    }
+}

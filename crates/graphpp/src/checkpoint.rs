@@ -1,0 +1,258 @@
+//! Checkpoints: parameters and optimizer state in safetensors plus a JSON sidecar (config, step,
+//! data position, …), each written atomically (temporary file, fsync, rename) with the sidecar
+//! last, so an interrupted save never leaves a checkpoint that loads (DESIGN.md, "Models, data,
+//! training").
+//!
+//! Layout in the checkpoint folder: `step-000042.safetensors` and `step-000042.json`; the JSON
+//! records the sha256 of the safetensors file, checked on load.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, TensorView};
+
+use crate::data::sha256_file;
+
+/// A named f32 tensor: shape and row-major values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NamedTensor {
+    /// Name, e.g. `layers.0.attn.q_proj.weight` or `adam.m.layers.0.attn.q_proj.weight`.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Values, `shape.iter().product()` of them.
+    pub data: Vec<f32>,
+}
+
+/// The JSON sidecar.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Sidecar {
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// sha256 of the safetensors file.
+    pub sha256: String,
+    /// The safetensors file name (in the same folder).
+    pub tensors: String,
+    /// Everything else the run needs to resume (model config, schedule, data position, RNG…).
+    pub state: serde_json::Value,
+}
+
+/// A loaded checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    /// The sidecar.
+    pub sidecar: Sidecar,
+    /// Tensors by name.
+    pub tensors: BTreeMap<String, NamedTensor>,
+}
+
+/// Checkpoint errors, each naming the file.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// No complete checkpoint in a folder.
+    #[error("no checkpoint (step-*.json) in {0}")]
+    NotFound(PathBuf),
+    /// The sidecar is not valid JSON of the expected form.
+    #[error("{path}: corrupt checkpoint sidecar: {message}")]
+    BadSidecar {
+        /// The sidecar.
+        path: PathBuf,
+        /// Why.
+        message: String,
+    },
+    /// The tensor file does not match its recorded checksum, or does not parse.
+    #[error("{path}: corrupt checkpoint tensors: {message}")]
+    BadTensors {
+        /// The safetensors file.
+        path: PathBuf,
+        /// Why.
+        message: String,
+    },
+    /// A tensor whose data length does not match its shape.
+    #[error("tensor {name}: {len} values for shape {shape:?}")]
+    Shape {
+        /// Tensor name.
+        name: String,
+        /// Values given.
+        len: usize,
+        /// Shape given.
+        shape: Vec<usize>,
+    },
+    /// I/O failure with the path.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io { path: path.to_path_buf(), source }
+}
+
+/// Writes `bytes` to `path` atomically: a temporary sibling, fsync, rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    let res = (|| {
+        let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+        f.write_all(bytes).map_err(io(&tmp))?;
+        f.sync_all().map_err(io(&tmp))?;
+        std::fs::rename(&tmp, path).map_err(io(path))
+    })();
+    if res.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Saves a checkpoint for `step` into `dir` (created if needed) and returns the sidecar path.
+///
+/// # Errors
+/// [`CheckpointError::Shape`] for a tensor whose data does not fill its shape; I/O errors.
+pub fn save(
+    dir: &Path,
+    step: u64,
+    tensors: &[NamedTensor],
+    state: serde_json::Value,
+) -> Result<PathBuf, CheckpointError> {
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let mut views = Vec::with_capacity(tensors.len());
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|t| {
+            if t.shape.iter().product::<usize>() != t.data.len() {
+                return Err(CheckpointError::Shape {
+                    name: t.name.clone(),
+                    len: t.data.len(),
+                    shape: t.shape.clone(),
+                });
+            }
+            Ok(t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
+        })
+        .collect::<Result<_, _>>()?;
+    for (t, b) in tensors.iter().zip(&bytes) {
+        let view = TensorView::new(Dtype::F32, t.shape.clone(), b)
+            .map_err(|e| CheckpointError::BadTensors { path: dir.into(), message: e.to_string() })?;
+        views.push((t.name.clone(), view));
+    }
+    let tensor_name = format!("step-{step:06}.safetensors");
+    let tensor_path = dir.join(&tensor_name);
+    let blob = safetensors::serialize(views, None)
+        .map_err(|e| CheckpointError::BadTensors { path: tensor_path.clone(), message: e.to_string() })?;
+    write_atomic(&tensor_path, &blob)?;
+    let sha256 = sha256_file(&tensor_path)
+        .map_err(|e| CheckpointError::BadTensors { path: tensor_path.clone(), message: e.to_string() })?;
+    let sidecar = Sidecar { step, sha256, tensors: tensor_name, state };
+    let json_path = dir.join(format!("step-{step:06}.json"));
+    let json = serde_json::to_vec_pretty(&sidecar).expect("sidecar serialises");
+    write_atomic(&json_path, &json)?;
+    Ok(json_path)
+}
+
+/// The newest complete checkpoint's sidecar in `dir` (highest step number).
+///
+/// # Errors
+/// [`CheckpointError::NotFound`] when none exists.
+pub fn latest(dir: &Path) -> Result<PathBuf, CheckpointError> {
+    let mut best: Option<(u64, PathBuf)> = None;
+    for e in std::fs::read_dir(dir).map_err(io(dir))? {
+        let p = e.map_err(io(dir))?.path();
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let step =
+            name.strip_prefix("step-").and_then(|s| s.strip_suffix(".json")).and_then(|s| s.parse().ok());
+        if let Some(step) = step {
+            if best.as_ref().is_none_or(|(b, _)| step > *b) {
+                best = Some((step, p));
+            }
+        }
+    }
+    best.map(|(_, p)| p).ok_or_else(|| CheckpointError::NotFound(dir.into()))
+}
+
+/// Loads a checkpoint from a sidecar path, or the newest one in a folder; verifies the checksum.
+///
+/// # Errors
+/// [`CheckpointError::NotFound`], [`CheckpointError::BadSidecar`], [`CheckpointError::BadTensors`].
+pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
+    let json_path = if path.is_dir() { latest(path)? } else { path.to_path_buf() };
+    let text = std::fs::read(&json_path).map_err(io(&json_path))?;
+    let sidecar: Sidecar = serde_json::from_slice(&text)
+        .map_err(|e| CheckpointError::BadSidecar { path: json_path.clone(), message: e.to_string() })?;
+    let dir = json_path.parent().unwrap_or(Path::new("."));
+    let tensor_path = dir.join(&sidecar.tensors);
+    let bad = |message: String| CheckpointError::BadTensors { path: tensor_path.clone(), message };
+    let got = sha256_file(&tensor_path).map_err(|e| bad(e.to_string()))?;
+    if got != sidecar.sha256 {
+        return Err(bad(format!("sha256 {got} does not match the recorded {}", sidecar.sha256)));
+    }
+    let blob = std::fs::read(&tensor_path).map_err(io(&tensor_path))?;
+    let st = safetensors::SafeTensors::deserialize(&blob).map_err(|e| bad(e.to_string()))?;
+    let mut tensors = BTreeMap::new();
+    for (name, view) in st.tensors() {
+        if view.dtype() != Dtype::F32 {
+            return Err(bad(format!("tensor {name} is {:?}, expected F32", view.dtype())));
+        }
+        let data =
+            view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        tensors.insert(name.clone(), NamedTensor { name, shape: view.shape().to_vec(), data });
+    }
+    Ok(Checkpoint { sidecar, tensors })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensors() -> Vec<NamedTensor> {
+        vec![
+            NamedTensor { name: "a".into(), shape: vec![2, 3], data: vec![1.0, 2.0, 3.0, 4.0, 5.0, -6.5] },
+            NamedTensor { name: "b.m".into(), shape: vec![1], data: vec![0.25] },
+        ]
+    }
+
+    #[test]
+    fn round_trip_and_latest() {
+        let d = tempfile::tempdir().unwrap();
+        save(d.path(), 3, &tensors(), serde_json::json!({"lr": 0.1})).unwrap();
+        save(d.path(), 12, &tensors()[..1], serde_json::json!({"pos": 12})).unwrap();
+        let c = load(d.path()).unwrap();
+        assert_eq!(c.sidecar.step, 12);
+        assert_eq!(c.sidecar.state["pos"], 12);
+        assert_eq!(c.tensors.len(), 1);
+        let c = load(&d.path().join("step-000003.json")).unwrap();
+        assert_eq!(c.tensors["a"], tensors()[0]);
+        assert_eq!(c.tensors["b.m"].data, vec![0.25]);
+        // No temporary files left behind.
+        let names: Vec<String> = std::fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert!(names.iter().all(|n| !n.contains("tmp")), "{names:?}");
+    }
+
+    #[test]
+    fn corrupt_files_are_named_errors() {
+        let d = tempfile::tempdir().unwrap();
+        let j = save(d.path(), 1, &tensors(), serde_json::Value::Null).unwrap();
+        let t = d.path().join("step-000001.safetensors");
+        let mut bytes = std::fs::read(&t).unwrap();
+        let n = bytes.len();
+        bytes[n - 1] ^= 0xff;
+        std::fs::write(&t, bytes).unwrap();
+        assert!(matches!(load(&j), Err(CheckpointError::BadTensors { .. })));
+        std::fs::write(&j, b"{not json").unwrap();
+        assert!(matches!(load(&j), Err(CheckpointError::BadSidecar { .. })));
+        let empty = tempfile::tempdir().unwrap();
+        assert!(matches!(load(empty.path()), Err(CheckpointError::NotFound(_))));
+        let bad = [NamedTensor { name: "x".into(), shape: vec![2, 2], data: vec![1.0] }];
+        assert!(matches!(
+            save(d.path(), 2, &bad, serde_json::Value::Null),
+            Err(CheckpointError::Shape { .. })
+        ));
+        assert!(!d.path().join("step-000002.json").exists());
+    }
+}
