@@ -38,3 +38,14 @@ proptest! {
         }
     }
 }
+
+/// Not vacuous: at DESIGN.md's reference shape (p = 4, m = 8) every kind serves v = 1 or v = 2,
+/// and the checks above hold for it.
+#[test]
+fn every_kind_serves_the_reference_shape() {
+    for kind in Kind::ALL {
+        let served: Vec<usize> =
+            (1..=2).filter(|&v| check(kind, Shape::new(4, v, 8)).unwrap_or_else(|e| panic!("{e}"))).collect();
+        assert!(!served.is_empty(), "{kind} refuses p=4, m=8 with v=1 and v=2");
+    }
+}
