@@ -1,7 +1,7 @@
 //! Property tests of the validator: hand-made valid schedules validate, and single mutations
 //! (drop, duplicate, swap two adjacent actions of one rank) are rejected with the error kind the
 //! rules predict. The expected result is derived from the rules (and, for swaps, from the
-//! independent execution oracle in `common`), never from the validator.
+//! independent execution oracle in `hand`), never from the validator.
 
 mod hand;
 
