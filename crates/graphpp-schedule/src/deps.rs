@@ -194,8 +194,11 @@ fn needs_of(half: Slot, t: Task, ix: &Index, route: &Range<usize>) -> [Option<Ne
         Slot::Compute(C::W) => [Some(want(ix, Slot::Compute(C::I), t)), None],
         Slot::Comm(CommKind::SendF) => [Some(want(ix, Slot::Compute(C::F), t)), None],
         Slot::Comm(CommKind::SendB) => [Some(want_bw(ix, t)), None],
+        Slot::Comm(CommKind::RecvF) if t.stage == 0 => {
+            [Some(Err(format!("a SEND_F{} from a stage before stage 0", t.mb))), None]
+        }
         Slot::Comm(CommKind::RecvF) => {
-            let prev = Task::new(t.stage.wrapping_sub(1), t.mb);
+            let prev = Task::new(t.stage - 1, t.mb);
             match ix.get(Slot::Comm(CommKind::SendF), prev) {
                 Some(s) => [Some(Ok(s)), None],
                 None => [
