@@ -108,13 +108,12 @@ pub struct KindSpec {
 
 /// Where a schedule comes from: a generator, or a CSV/JSON file.
 #[derive(Args, Clone)]
-#[group(required = true, multiple = false)]
 pub struct Source {
-    /// Schedule kind to generate (see `generate --help`).
-    #[arg(long, requires_all = ["ranks", "microbatches"])]
+    /// Schedule kind to generate (see `generate --help`); needs --ranks and --microbatches.
+    #[arg(long)]
     kind: Option<Kind>,
     /// A schedule file: CSV (one row per rank) or JSON (`{"ranks": [[…]]}`).
-    #[arg(long, conflicts_with_all = ["kind"])]
+    #[arg(long, conflicts_with = "kind")]
     file: Option<PathBuf>,
     /// p (with --kind).
     #[arg(long)]
@@ -274,17 +273,14 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
                 bail!("--m-w must be within [0, 1] (got {m_w})");
             }
             let s = match (&source.kind, &source.file) {
-                (Some(k), _) => generate_spec(
-                    *k,
-                    source.ranks.unwrap_or_default(),
-                    source.stages_per_rank,
-                    source.microbatches.unwrap_or_default(),
-                    source.group,
-                    source.mem_cap,
-                    costs,
-                )?,
+                (Some(k), _) => {
+                    let (Some(ranks), Some(m)) = (source.ranks, source.microbatches) else {
+                        bail!("--kind needs --ranks and --microbatches");
+                    };
+                    generate_spec(*k, ranks, source.stages_per_rank, m, source.group, source.mem_cap, costs)?
+                }
                 (None, Some(f)) => read_schedule(f)?,
-                (None, None) => bail!("give --kind or --file"),
+                (None, None) => bail!("give --kind (with --ranks and --microbatches) or --file"),
             };
             let report = simulate(&s, &costs, &Memory { m_b: 1.0, m_w })?;
             let text = match format {
