@@ -52,16 +52,41 @@ pub fn messages_per_microbatch(g: &DepGraph, microbatches: usize) -> f64 {
     hops as f64 / microbatches.max(1) as f64
 }
 
-/// Every kind at `p` ranks and `m` microbatches with `costs` (M_W = M_B / 2).
+/// The factor a chunk's cost is of a full stage's: 1/v for v equal chunks per rank, 1 for
+/// DualPipe (each of its two stages per rank is a full stage of one parameter copy).
+pub fn chunk_cost_factor(kind: Kind, v: usize) -> f64 {
+    if kind == Kind::DualPipe {
+        1.0
+    } else {
+        1.0 / v as f64
+    }
+}
+
+/// `costs` with every action duration multiplied by `factor` (the hop latency c is kept).
+pub fn scale_costs(costs: &Costs, factor: f64) -> Costs {
+    Costs {
+        f: costs.f * factor,
+        b: costs.b * factor,
+        i: costs.i * factor,
+        w: costs.w * factor,
+        overlap: Some(costs.overlap() * factor),
+        ..*costs
+    }
+}
+
+/// Every kind at `p` ranks and `m` microbatches with full-stage `costs` (M_W = M_B / 2). Kinds with
+/// v chunks per rank run each chunk at 1/v of the full-stage costs (see [`chunk_cost_factor`]), so
+/// every row does the same work per rank and makespans compare directly.
 pub fn compare(p: usize, m: usize, costs: &Costs) -> Vec<CompareRow> {
     Kind::ALL
         .iter()
         .map(|&kind| {
             let v = compare_stages_per_rank(kind);
-            let opts = Options { costs: *costs, ..Options::default() };
+            let costs = scale_costs(costs, chunk_cost_factor(kind, v));
+            let opts = Options { costs, ..Options::default() };
             let result =
                 generate(kind, &Shape::new(p, v, m), &opts).map_err(|e| e.to_string()).and_then(|s| {
-                    let r = simulate(&s, costs, &Memory::default()).map_err(|e| e.to_string())?;
+                    let r = simulate(&s, &costs, &Memory::default()).map_err(|e| e.to_string())?;
                     let g = DepGraph::build(&s).map_err(|e| e.to_string())?;
                     Ok(CompareFigures {
                         makespan: r.makespan,

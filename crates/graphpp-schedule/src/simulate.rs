@@ -108,7 +108,10 @@ pub fn report(timeline: Timeline, schedule: &Schedule, memory: &Memory) -> SimRe
         .collect();
     let total_busy: f64 = busy.iter().sum();
     let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { 0.0 };
-    let (peak_activations, peak_in_flight) = (0..p).map(|r| peak_memory(schedule, r, memory)).unzip();
+    let programs: Vec<Vec<Action>> = (0..schedule.num_ranks()).map(|r| schedule.program(r)).collect();
+    let routes = crate::deps::routes(&programs);
+    let (peak_activations, peak_in_flight) =
+        programs.iter().map(|prog| peak_memory_with(prog, &routes, programs.len(), memory)).unzip();
     SimReport {
         makespan,
         bubble_ratio: ratio(idle.iter().sum(), total_busy),
@@ -125,28 +128,41 @@ pub fn report(timeline: Timeline, schedule: &Schedule, memory: &Memory) -> SimRe
 
 /// Peak in-flight activation memory (full-stage M_B units) and peak in-flight (stage, mb) count
 /// of rank `r`, walking its program in order.
+///
+/// One (stage, mb) weighs `p / len(route(mb))` full stages: 1/v for v equal chunks per rank, and
+/// 1 for DualPipe, whose two stages per rank are each a full stage of one parameter copy.
 pub fn peak_memory(schedule: &Schedule, r: RankId, memory: &Memory) -> (f64, usize) {
-    let program = schedule.program(r);
-    let mut stages: Vec<usize> = program.iter().flat_map(|a| a.stages().collect::<Vec<_>>()).collect();
-    stages.sort_unstable();
-    stages.dedup();
-    let weight = 1.0 / stages.len().max(1) as f64;
+    let routes = crate::deps::routes(
+        &schedule.ranks.iter().map(|p| p.iter().flatten().copied().collect()).collect::<Vec<_>>(),
+    );
+    peak_memory_with(&schedule.program(r), &routes, schedule.num_ranks(), memory)
+}
+
+/// [`peak_memory`] of one program, given the microbatch routes and the number of ranks `p`.
+pub fn peak_memory_with(
+    program: &[Action],
+    routes: &[Option<std::ops::Range<usize>>],
+    p: usize,
+    memory: &Memory,
+) -> (f64, usize) {
+    let weight = |mb: usize| routes.get(mb).cloned().flatten().map_or(1.0, |r| p as f64 / r.len() as f64);
     let (mut mem, mut peak, mut count, mut peak_count) = (0.0f64, 0.0f64, 0usize, 0usize);
-    for (kind, _) in program.iter().flat_map(|a| a.computes()) {
+    for (kind, task) in program.iter().flat_map(|a| a.computes()) {
+        let w = weight(task.mb);
         match kind {
             ComputeKind::F => {
-                mem += memory.m_b * weight;
+                mem += memory.m_b * w;
                 count += 1;
             }
             ComputeKind::B => {
-                mem -= memory.m_b * weight;
+                mem -= memory.m_b * w;
                 count = count.saturating_sub(1);
             }
             ComputeKind::I => {
-                mem -= (memory.m_b - memory.m_w) * weight;
+                mem -= (memory.m_b - memory.m_w) * w;
                 count = count.saturating_sub(1);
             }
-            ComputeKind::W => mem -= memory.m_w * weight,
+            ComputeKind::W => mem -= memory.m_w * w,
         }
         peak = peak.max(mem);
         peak_count = peak_count.max(count);
