@@ -29,6 +29,11 @@ pub enum RecomputePolicy {
     SaveMatmuls,
     /// Save values whose scope starts with one of these prefixes.
     SaveScopes(Vec<String>),
+    /// Checkpoints: save only values whose scope is exactly one of these (e.g. the residual
+    /// stream at each decoder layer, scope `model.layers.<l>`); everything between two
+    /// checkpoints is recomputed just before the backward of that segment (Chen et al. 2016,
+    /// "Training Deep Nets with Sublinear Memory Cost", §4).
+    Checkpoints(Vec<String>),
 }
 
 impl RecomputePolicy {
@@ -41,6 +46,7 @@ impl RecomputePolicy {
             RecomputePolicy::SaveScopes(prefixes) => {
                 prefixes.iter().any(|p| n.meta.scope.starts_with(p.as_str()))
             }
+            RecomputePolicy::Checkpoints(scopes) => scopes.iter().any(|p| n.meta.scope == *p),
         }
     }
 }
@@ -179,19 +185,37 @@ fn build_bw(
     for v in tangents {
         ex.same_input(v);
     }
+    // Backward nodes in joint order; each recomputed value is emitted just before its first use,
+    // so recomputation does not raise the live set at the start of the backward.
     for (i, n) in joint.nodes.iter().enumerate() {
-        let v = ValueId(i);
-        if matches!(n.op, Op::Input { .. }) || ex.get(v).is_some() {
-            continue;
-        }
-        if route[i] == Route::Clone {
-            ex.copy(v, Some(Phase::Recompute))?;
-        } else if n.meta.phase == Phase::Backward && live[i] {
-            ex.copy(v, None)?;
+        if n.meta.phase == Phase::Backward && live[i] && !matches!(n.op, Op::Input { .. }) {
+            emit(&mut ex, joint, route, ValueId(i))?;
         }
     }
     for o in grad_outs {
         ex.output(&o.name, o.value)?;
     }
     ex.finish()
+}
+
+/// Copies `v` into the backward after its not-yet-copied recomputed operands (depth first).
+fn emit(ex: &mut Extractor, joint: &Graph, route: &[Route], v: ValueId) -> Result<()> {
+    let mut stack = vec![(v, false)];
+    while let Some((x, expanded)) = stack.pop() {
+        if ex.get(x).is_some() {
+            continue;
+        }
+        if expanded {
+            let phase = (route[x.0] == Route::Clone).then_some(Phase::Recompute);
+            ex.copy(x, phase)?;
+        } else {
+            stack.push((x, true));
+            for &y in joint.node(x).inputs.iter().rev() {
+                if ex.get(y).is_none() {
+                    stack.push((y, false));
+                }
+            }
+        }
+    }
+    Ok(())
 }

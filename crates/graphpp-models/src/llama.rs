@@ -273,3 +273,9 @@ pub fn init_parameters(
         })
         .collect()
 }
+
+/// Checkpoint scopes of a stage for [`graphpp_graph::RecomputePolicy::Checkpoints`]: the residual
+/// stream after the attention and after the MLP of every layer (scope `model.layers.<l>`).
+pub fn layer_checkpoints(spec: &StageSpec) -> Vec<String> {
+    spec.layers.clone().map(|l| format!("model.layers.{l}")).collect()
+}
