@@ -76,3 +76,49 @@ pub fn to_json(g: &Graph) -> String {
 pub fn from_json(s: &str) -> Result<Graph, serde_json::Error> {
     serde_json::from_str(s)
 }
+
+/// Output format of [`render`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    /// One line per node.
+    Text,
+    /// Graphviz DOT.
+    Dot,
+    /// serde JSON.
+    Json,
+}
+
+/// The graph in `format`.
+pub fn render(g: &Graph, format: Format) -> String {
+    match format {
+        Format::Text => to_text(g),
+        Format::Dot => to_dot(g),
+        Format::Json => to_json(g),
+    }
+}
+
+/// Summary for `--stats`: node count, inputs by kind, outputs, matmul FLOPs, and bytes of the
+/// values of each phase, plus op counts.
+pub fn stats(g: &Graph) -> String {
+    let mut s = format!("graph {}: {} nodes, {} inputs, {} outputs\n", g.name, g.nodes.len(), g.inputs.len(), g.outputs.len());
+    let mut by_kind: std::collections::BTreeMap<String, (usize, usize)> = Default::default();
+    for spec in g.input_specs() {
+        let e = by_kind.entry(spec.kind.name().to_string()).or_default();
+        e.0 += 1;
+        e.1 += spec.ty.size_bytes();
+    }
+    for (k, (n, bytes)) in by_kind {
+        let _ = writeln!(s, "  inputs {k}: {n} ({bytes} bytes)");
+    }
+    let _ = writeln!(s, "  matmul FLOPs: {}", g.matmul_flops());
+    for p in [Phase::Forward, Phase::Backward, Phase::Recompute] {
+        let n = g.nodes.iter().filter(|n| n.meta.phase == p && !matches!(n.op, Op::Input { .. })).count();
+        if n > 0 {
+            let _ = writeln!(s, "  {} nodes: {n}", format!("{p:?}").to_lowercase());
+        }
+    }
+    let ops: Vec<String> = g.op_counts().into_iter().map(|(o, n)| format!("{o}={n}")).collect();
+    let _ = writeln!(s, "  ops: {}", ops.join(" "));
+    s
+}

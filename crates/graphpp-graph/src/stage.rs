@@ -37,3 +37,59 @@ pub fn stage_graphs(forward: &Graph, policy: &RecomputePolicy) -> Result<StageGr
         stash,
     })
 }
+
+/// Which of a stage's graphs to show (`graphpp graph --show …`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GraphKind {
+    /// Forward.
+    Fw,
+    /// Full backward.
+    FullBw,
+    /// Backward for the stage input.
+    BwDi,
+    /// Backward for the weights.
+    BwDw,
+    /// fw multiplexed with full_bw (comm-overlap order).
+    Overlap,
+}
+
+impl std::str::FromStr for GraphKind {
+    type Err = crate::error::GraphError;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "fw" => GraphKind::Fw,
+            "full_bw" => GraphKind::FullBw,
+            "bw_di" => GraphKind::BwDi,
+            "bw_dw" => GraphKind::BwDw,
+            "overlap" => GraphKind::Overlap,
+            other => {
+                return Err(crate::error::GraphError::Pass {
+                    pass: "show".into(),
+                    graph: other.into(),
+                    reason: "expected one of fw, full_bw, bw_di, bw_dw, overlap".into(),
+                })
+            }
+        })
+    }
+}
+
+impl StageGraphs {
+    /// The graph of `kind`. `Overlap` multiplexes this stage's fw with its own full_bw (two
+    /// different microbatches) in comm-overlap order. Errors: `bw_di`/`bw_dw` on a first stage
+    /// (it keeps full_bw only), or a pass error.
+    pub fn select(&self, kind: GraphKind) -> Result<Graph> {
+        let no_split = || crate::error::GraphError::Pass {
+            pass: "split_di_dw".into(),
+            graph: self.full_bw.name.clone(),
+            reason: "a first stage has no input gradient and keeps full_bw only".into(),
+        };
+        Ok(match kind {
+            GraphKind::Fw => self.fw.clone(),
+            GraphKind::FullBw => self.full_bw.clone(),
+            GraphKind::BwDi => self.di_dw.as_ref().ok_or_else(no_split)?.0.clone(),
+            GraphKind::BwDw => self.di_dw.as_ref().ok_or_else(no_split)?.1.clone(),
+            GraphKind::Overlap => crate::passes::multiplex_fw_bw(&self.fw, &self.full_bw, crate::passes::Multiplex::CommOverlap)?,
+        })
+    }
+}

@@ -279,3 +279,19 @@ pub fn init_parameters(
 pub fn layer_checkpoints(spec: &StageSpec) -> Vec<String> {
     spec.layers.clone().map(|l| format!("model.layers.{l}")).collect()
 }
+
+/// Everything `graphpp graph --model M --stages S --stage s [--layers-per-stage …]` needs: the
+/// stage's forward graph built and all its derived graphs. Errors: bad config, split or pass.
+pub fn stage_graph_set(
+    cfg: &LlamaConfig,
+    stages: usize,
+    stage: usize,
+    layers_per_stage: Option<&[usize]>,
+    opts: &StageOptions,
+    policy: &graphpp_graph::RecomputePolicy,
+) -> Result<graphpp_graph::StageGraphs, ModelError> {
+    let specs = split_layers(cfg.num_hidden_layers, stages, layers_per_stage)?;
+    let spec = specs.get(stage).ok_or_else(|| ModelError::Split(format!("stage {stage} out of range 0..{stages}")))?;
+    let fw = build_stage(cfg, spec, opts)?;
+    Ok(graphpp_graph::stage_graphs(&fw, policy)?)
+}
