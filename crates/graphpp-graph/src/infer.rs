@@ -193,7 +193,7 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
                 }
                 CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => {
                     axis_ok(ins[0], *axis)?;
-                    need(shape[*axis] % group.size == 0, || {
+                    need(shape[*axis].is_multiple_of(group.size), || {
                         format!("axis {axis} of {} not divisible by group size {}", ins[0], group.size)
                     })?;
                     if *kind == CollectiveKind::ReduceScatter {

@@ -46,7 +46,7 @@ impl RecomputePolicy {
             RecomputePolicy::SaveScopes(prefixes) => {
                 prefixes.iter().any(|p| n.meta.scope.starts_with(p.as_str()))
             }
-            RecomputePolicy::Checkpoints(scopes) => scopes.iter().any(|p| n.meta.scope == *p),
+            RecomputePolicy::Checkpoints(scopes) => scopes.contains(&n.meta.scope),
         }
     }
 }

@@ -101,7 +101,13 @@ pub fn render(g: &Graph, format: Format) -> String {
 /// Summary for `--stats`: node count, inputs by kind, outputs, matmul FLOPs, and bytes of the
 /// values of each phase, plus op counts.
 pub fn stats(g: &Graph) -> String {
-    let mut s = format!("graph {}: {} nodes, {} inputs, {} outputs\n", g.name, g.nodes.len(), g.inputs.len(), g.outputs.len());
+    let mut s = format!(
+        "graph {}: {} nodes, {} inputs, {} outputs\n",
+        g.name,
+        g.nodes.len(),
+        g.inputs.len(),
+        g.outputs.len()
+    );
     let mut by_kind: std::collections::BTreeMap<String, (usize, usize)> = Default::default();
     for spec in g.input_specs() {
         let e = by_kind.entry(spec.kind.name().to_string()).or_default();

@@ -89,7 +89,11 @@ impl StageGraphs {
             GraphKind::FullBw => self.full_bw.clone(),
             GraphKind::BwDi => self.di_dw.as_ref().ok_or_else(no_split)?.0.clone(),
             GraphKind::BwDw => self.di_dw.as_ref().ok_or_else(no_split)?.1.clone(),
-            GraphKind::Overlap => crate::passes::multiplex_fw_bw(&self.fw, &self.full_bw, crate::passes::Multiplex::CommOverlap)?,
+            GraphKind::Overlap => crate::passes::multiplex_fw_bw(
+                &self.fw,
+                &self.full_bw,
+                crate::passes::Multiplex::CommOverlap,
+            )?,
         })
     }
 }

@@ -129,13 +129,13 @@ impl LlamaConfig {
         if self.vocab_size == 0 {
             return bad("vocab_size", "must be > 0".into());
         }
-        if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 {
+        if self.num_attention_heads == 0 || !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return bad("num_attention_heads", format!("must divide hidden_size {}", self.hidden_size));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return bad("hidden_size", "head dim must be even for RoPE".into());
         }
-        if self.kv_heads() == 0 || self.num_attention_heads % self.kv_heads() != 0 {
+        if self.kv_heads() == 0 || !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
             return bad("num_key_value_heads", "must divide num_attention_heads".into());
         }
         if self.num_hidden_layers == 0 || self.intermediate_size == 0 {

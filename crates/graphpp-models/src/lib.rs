@@ -7,6 +7,6 @@ pub mod rng;
 
 pub use config::{LlamaConfig, ModelError};
 pub use llama::{
-    build_stage, init_parameters, layer_checkpoints, stage_graph_set, split_layers, stage_buffers, stage_parameters,
-    StageOptions, StageSpec,
+    build_stage, init_parameters, layer_checkpoints, split_layers, stage_buffers, stage_graph_set,
+    stage_parameters, StageOptions, StageSpec,
 };

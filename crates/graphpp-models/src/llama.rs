@@ -235,7 +235,7 @@ fn parameter(
     opts: &StageOptions,
 ) -> Result<ValueId, ModelError> {
     let Some(group) = &opts.fsdp else { return Ok(b.input(name, InputKind::Parameter, shape)?) };
-    if shape[0] % group.size != 0 {
+    if !shape[0].is_multiple_of(group.size) {
         return Err(ModelError::Split(format!(
             "{name} dim 0 = {} not divisible by FSDP group size {}",
             shape[0], group.size
@@ -291,7 +291,9 @@ pub fn stage_graph_set(
     policy: &graphpp_graph::RecomputePolicy,
 ) -> Result<graphpp_graph::StageGraphs, ModelError> {
     let specs = split_layers(cfg.num_hidden_layers, stages, layers_per_stage)?;
-    let spec = specs.get(stage).ok_or_else(|| ModelError::Split(format!("stage {stage} out of range 0..{stages}")))?;
+    let spec = specs
+        .get(stage)
+        .ok_or_else(|| ModelError::Split(format!("stage {stage} out of range 0..{stages}")))?;
     let fw = build_stage(cfg, spec, opts)?;
     Ok(graphpp_graph::stage_graphs(&fw, policy)?)
 }

@@ -2,7 +2,9 @@
 
 use graphpp_graph::print::{render, stats, Format};
 use graphpp_graph::{GraphKind, InputKind, Op, RecomputePolicy};
-use graphpp_models::{build_stage, split_layers, stage_graph_set, stage_parameters, LlamaConfig, ModelError, StageOptions};
+use graphpp_models::{
+    build_stage, split_layers, stage_graph_set, stage_parameters, LlamaConfig, ModelError, StageOptions,
+};
 
 #[test]
 fn even_and_uneven_splits() {
@@ -25,7 +27,8 @@ fn stage_interfaces_follow_the_convention() {
     let first = build_stage(&cfg, &specs[0], &opts).unwrap();
     let mid = build_stage(&cfg, &specs[1], &opts).unwrap();
     let last = build_stage(&cfg, &specs[3], &opts).unwrap();
-    let kinds = |g: &graphpp_graph::Graph| g.input_specs().into_iter().map(|s| (s.name, s.kind)).collect::<Vec<_>>();
+    let kinds =
+        |g: &graphpp_graph::Graph| g.input_specs().into_iter().map(|s| (s.name, s.kind)).collect::<Vec<_>>();
     assert_eq!(kinds(&first)[0], ("model.embed_tokens.weight".into(), InputKind::Parameter));
     assert_eq!(kinds(&first).last().unwrap(), &("tokens".to_string(), InputKind::Activation));
     assert_eq!(kinds(&mid).last().unwrap(), &("input".to_string(), InputKind::Activation));
@@ -34,7 +37,8 @@ fn stage_interfaces_follow_the_convention() {
     assert_eq!(last.output_names(), vec!["loss"]);
     assert_eq!(last.node(last.outputs[0].value).ty.shape, Vec::<usize>::new());
     // Parameter count of the whole model = sum over stages.
-    let total: usize = specs.iter().flat_map(|s| stage_parameters(&cfg, s)).map(|(_, s)| s.iter().product::<usize>()).sum();
+    let total: usize =
+        specs.iter().flat_map(|s| stage_parameters(&cfg, s)).map(|(_, s)| s.iter().product::<usize>()).sum();
     let (d, f, v, l) = (64, 176, 256, 4);
     assert_eq!(total, 2 * v * d + l * (4 * d * d + 3 * d * f + 2 * d) + d);
 }
@@ -53,7 +57,10 @@ fn show_selects_each_graph_and_the_first_stage_has_no_split() {
     let s0 = stage_graph_set(&cfg, 4, 0, None, &opts, &RecomputePolicy::SaveAll).unwrap();
     assert!(s0.select(GraphKind::BwDi).is_err());
     assert!("bw".parse::<GraphKind>().is_err());
-    assert!(matches!(stage_graph_set(&cfg, 4, 4, None, &opts, &RecomputePolicy::SaveAll), Err(ModelError::Split(_))));
+    assert!(matches!(
+        stage_graph_set(&cfg, 4, 4, None, &opts, &RecomputePolicy::SaveAll),
+        Err(ModelError::Split(_))
+    ));
     // Text form of a q_proj matmul in the documented format.
     let text = render(&sg.fw, Format::Text);
     assert!(text.lines().any(|l| l.contains("= matmul(") && l.ends_with(": f32[4,64]  # model.layers.1.self_attn.q_proj")), "{text}");

@@ -28,7 +28,7 @@ pub enum ExecError {
         /// Node scope.
         scope: String,
         /// The candle error.
-        source: candle_core::Error,
+        source: Box<candle_core::Error>,
     },
     /// An input is missing or has the wrong type.
     #[error("graph `{graph}` input `{name}`: {reason}")]
@@ -233,7 +233,7 @@ fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor], coll: &dyn Collectives)
         node: i,
         op: op.mnemonic(),
         scope: node.meta.scope.clone(),
-        source: e,
+        source: Box::new(e),
     };
     match op {
         Op::CollectiveStart { kind, group, axis } => {
@@ -334,7 +334,7 @@ pub fn named(names: &[String], tensors: &[Tensor]) -> HashMap<String, Tensor> {
 /// Ids of the nodes sorted by recorded time, longest first (for `--stats`).
 pub fn slowest_nodes(times: &[Duration], k: usize) -> Vec<(ValueId, Duration)> {
     let mut v: Vec<(ValueId, Duration)> = times.iter().enumerate().map(|(i, d)| (ValueId(i), *d)).collect();
-    v.sort_by(|a, b| b.1.cmp(&a.1));
+    v.sort_by_key(|x| std::cmp::Reverse(x.1));
     v.truncate(k);
     v
 }

@@ -16,8 +16,10 @@ fn check(dtype: DType, stages: usize, tol: f64) {
     let text = std::fs::read_to_string(format!("{DIR}/llama_fixture.json")).unwrap();
     let cfg = LlamaConfig::from_json(&text).unwrap();
     let meta: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let (b, t) = (meta["graphpp_batch"].as_u64().unwrap() as usize, meta["graphpp_seq"].as_u64().unwrap() as usize);
-    let fx = candle_core::safetensors::load(format!("{DIR}/llama_fixture.safetensors"), &Device::Cpu).unwrap();
+    let (b, t) =
+        (meta["graphpp_batch"].as_u64().unwrap() as usize, meta["graphpp_seq"].as_u64().unwrap() as usize);
+    let fx =
+        candle_core::safetensors::load(format!("{DIR}/llama_fixture.safetensors"), &Device::Cpu).unwrap();
     let opts = StageOptions { dtype, ..StageOptions::new(b, t) };
     let specs = split_layers(cfg.num_hidden_layers, stages, None).unwrap();
     let cast = |x: &Tensor| x.to_dtype(graphpp_runtime::executor::candle_dtype(dtype)).unwrap();
@@ -62,7 +64,10 @@ fn check(dtype: DType, stages: usize, tol: f64) {
         worst = worst.max(e);
         assert!(e < tol, "{dtype:?} {k}: rel err {e} (tol {tol})");
     }
-    eprintln!("{dtype:?}, {stages} stage(s): loss {} rel err {loss_err:.2e}, worst gradient rel err {worst:.2e}", to_f64(&fx["loss"]).unwrap()[0]);
+    eprintln!(
+        "{dtype:?}, {stages} stage(s): loss {} rel err {loss_err:.2e}, worst gradient rel err {worst:.2e}",
+        to_f64(&fx["loss"]).unwrap()[0]
+    );
 }
 
 fn run(g: &graphpp_graph::Graph, env: &HashMap<String, Tensor>) -> (HashMap<String, Tensor>, usize) {

@@ -14,6 +14,9 @@ use graphpp_models::rng::Rng;
 use graphpp_runtime::executor::{run_named, tensor_from_f64, to_f64, RunOptions};
 use std::collections::HashMap;
 
+/// Builds the op under test from float inputs and index inputs.
+type OpFn = Box<dyn Fn(&mut GraphBuilder, &[ValueId], &[ValueId]) -> ValueId>;
+
 /// One checked case: float input shapes, optional u32 index inputs (shape, bound), and the op.
 struct Case {
     name: &'static str,
@@ -24,7 +27,7 @@ struct Case {
     /// FD step and tolerance (relative to 1 + |FD|).
     eps: f64,
     tol: f64,
-    op: Box<dyn Fn(&mut GraphBuilder, &[ValueId], &[ValueId]) -> ValueId>,
+    op: OpFn,
 }
 
 fn case(
@@ -166,13 +169,9 @@ fn cases(seed: u64) -> Vec<Case> {
     v.push(pos(case("sqrt", vec![vec![a, b_]], |b, x, _| b.sqrt(x[0]).unwrap())));
     v.push(pos(case("recip", vec![vec![a, b_]], |b, x, _| b.recip(x[0]).unwrap())));
     v.push(pos(case("div_broadcast", vec![vec![a, b_], vec![b_]], |b, x, _| b.div(x[0], x[1]).unwrap())));
-    let mut with_idx =
-        |name,
-         floats,
-         idx: Vec<(Vec<usize>, u64)>,
-         op: Box<dyn Fn(&mut GraphBuilder, &[ValueId], &[ValueId]) -> ValueId>| {
-            v.push(Case { name, floats, indices: idx, lo: -1.0, hi: 1.0, eps: 1e-6, tol: 1e-6, op });
-        };
+    let mut with_idx = |name, floats, idx: Vec<(Vec<usize>, u64)>, op: OpFn| {
+        v.push(Case { name, floats, indices: idx, lo: -1.0, hi: 1.0, eps: 1e-6, tol: 1e-6, op });
+    };
     with_idx(
         "index_select",
         vec![vec![d, c]],

@@ -77,9 +77,8 @@ pub fn split_fsdp_collectives(fw: &Graph, bw: &Graph) -> Result<FsdpSplit> {
             }
         }
     }
-    for i in 0..fw.nodes.len() {
+    for (i, n) in fw.nodes.iter().enumerate() {
         let v = ValueId(i);
-        let n = fw.node(v);
         let in_unshard = gathered.contains_key(&v)
             || (matches!(n.op, Op::CollectiveStart { .. })
                 && users[i].iter().all(|w| gathered.contains_key(w))

@@ -58,9 +58,9 @@ pub fn split_di_dw(full_bw: &Graph) -> Result<Option<DiDw>> {
             d.same_input(v);
         }
     }
-    for i in 0..full_bw.nodes.len() {
-        if di[i] && !is_input(ValueId(i)) {
-            d.copy(ValueId(i), None)?;
+    for v in (0..full_bw.nodes.len()).map(ValueId) {
+        if di[v.0] && !is_input(v) {
+            d.copy(v, None)?;
         }
     }
     d.output(&grad_name(INPUT), dinput)?;
@@ -78,9 +78,8 @@ pub fn split_di_dw(full_bw: &Graph) -> Result<Option<DiDw>> {
     for (v, n) in stash.iter().zip(&names) {
         w.input(*v, n, InputKind::Saved);
     }
-    for i in 0..full_bw.nodes.len() {
-        let v = ValueId(i);
-        if w.get(v).is_none() && (in_dw(v) || (is_const(v) && w_live[i])) {
+    for v in (0..full_bw.nodes.len()).map(ValueId) {
+        if w.get(v).is_none() && (in_dw(v) || (is_const(v) && w_live[v.0])) {
             w.copy(v, None)?;
         }
     }
