@@ -96,8 +96,15 @@ fn first_stage_has_no_di_dw_split() {
 
 #[test]
 fn multiplexed_graph_gives_the_outputs_of_separate_runs() {
+    let plain = StageOptions::new(2, 8);
+    multiplex_case(&plain);
+    // FSDP on a single-rank group: fw holds all-gathers, bw reduce-scatters (comm regions).
+    multiplex_case(&StageOptions { fsdp: Some(CommGroup { name: "fsdp".into(), size: 1 }), ..plain });
+}
+
+fn multiplex_case(opts: &StageOptions) {
     let cfg = LlamaConfig::tiny();
-    let opts = StageOptions::new(2, 8);
+    let opts = opts.clone();
     let (sf, sb) = (spec(&cfg, 4, 1), spec(&cfg, 4, 2));
     let gf = stage_graphs(&build_stage(&cfg, &sf, &opts).unwrap(), &RecomputePolicy::SaveAll).unwrap();
     let gb = stage_graphs(&build_stage(&cfg, &sb, &opts).unwrap(), &RecomputePolicy::SaveAll).unwrap();
