@@ -4,8 +4,10 @@
 //!
 //! Live bytes = logical size (`numel × dtype size`) of every value the executor holds: node
 //! results and the inputs of kind activation / target / saved / tangent, each until its last use
-//! (outputs until the end). Parameters and buffers are stage state and are not counted. Views
-//! (reshape, permute, broadcast) are counted at their logical size.
+//! (outputs until the end). Parameters and buffers are stage state and are not counted, nor are
+//! values computed from them alone (e.g. a transposed weight: a view of the state, not an
+//! activation). Views of activations (reshape, permute, broadcast) are counted at their logical
+//! size.
 
 use candle_core::{DType as CDType, Device, Tensor};
 use graphpp_graph::{BinaryOp, CollectiveKind, CommGroup, DType, Graph, InputKind, Op, UnaryOp, ValueId};
@@ -95,6 +97,8 @@ impl Collectives for SingleRank {
 pub struct RunOptions {
     /// Record the wall time of every node.
     pub time_nodes: bool,
+    /// Record which values are live at the peak (memory debugging).
+    pub trace_peak: bool,
 }
 
 /// Outputs and measurements of one run.
@@ -106,6 +110,8 @@ pub struct RunReport {
     pub peak_live_bytes: usize,
     /// Wall time per node (index = node id) when asked for.
     pub node_times: Option<Vec<Duration>>,
+    /// Values live at the peak, when asked for.
+    pub live_at_peak: Option<Vec<ValueId>>,
 }
 
 impl RunReport {
@@ -175,11 +181,13 @@ pub fn run_with(
     for o in &graph.outputs {
         uses[o.value.0] = usize::MAX;
     }
+    let state = state_derived(graph);
     let mut vals: Vec<Option<Tensor>> = vec![None; n];
     let mut counted = vec![0usize; n];
     let (mut live, mut peak) = (0usize, 0usize);
     let mut times = opts.time_nodes.then(|| vec![Duration::ZERO; n]);
     let mut next_input = 0;
+    let mut at_peak = Vec::new();
     for (i, node) in graph.nodes.iter().enumerate() {
         let t0 = Instant::now();
         let value = if let Op::Input { name, kind, ty } = &node.op {
@@ -199,11 +207,16 @@ pub fn run_with(
         } else {
             let args: Vec<&Tensor> =
                 node.inputs.iter().map(|x| vals[x.0].as_ref().expect("live operand")).collect();
-            counted[i] = node.ty.size_bytes();
+            counted[i] = if state[i] { 0 } else { node.ty.size_bytes() };
             eval(graph, i, &node.op, &args, coll)?
         };
         live += counted[i];
-        peak = peak.max(live);
+        if live > peak {
+            peak = live;
+            if opts.trace_peak {
+                at_peak = (0..=i).filter(|&j| vals[j].is_some() || j == i).map(ValueId).collect();
+            }
+        }
         vals[i] = Some(value);
         if uses[i] == 0 {
             vals[i] = None;
@@ -223,7 +236,21 @@ pub fn run_with(
         }
     }
     let outputs = graph.outputs.iter().map(|o| vals[o.value.0].clone().expect("outputs are kept")).collect();
-    Ok(RunReport { outputs, peak_live_bytes: peak, node_times: times })
+    let live_at_peak = opts.trace_peak.then_some(at_peak);
+    Ok(RunReport { outputs, peak_live_bytes: peak, node_times: times, live_at_peak })
+}
+
+/// Values computed only from parameters and buffers (no constants, no collectives).
+fn state_derived(g: &Graph) -> Vec<bool> {
+    let mut s = vec![false; g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        s[i] = match &n.op {
+            Op::Input { kind, .. } => matches!(kind, InputKind::Parameter | InputKind::Buffer),
+            Op::Full { .. } | Op::CollectiveStart { .. } | Op::CollectiveWait => false,
+            _ => n.inputs.iter().all(|x| s[x.0]),
+        };
+    }
+    s
 }
 
 fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor], coll: &dyn Collectives) -> ExecResult<Tensor> {

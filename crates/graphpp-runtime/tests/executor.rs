@@ -17,9 +17,12 @@ fn values_are_freed_after_their_last_use() {
     let g = b.finish().unwrap();
     let data: Vec<f64> = (0..1000).map(|i| i as f64 * 1e-3).collect();
     let t = tensor_from_f64(&data, &[1000], DType::F32).unwrap();
-    let r = run(&g, &[t.clone(), t.clone()], &RunOptions { time_nodes: true }).unwrap();
+    let r = run(&g, &[t.clone(), t.clone()], &RunOptions { time_nodes: true, trace_peak: true }).unwrap();
     assert_eq!(r.peak_live_bytes, 2 * 4000, "parameters are not counted; x freed after exp");
     assert_eq!(r.node_times.as_ref().unwrap().len(), g.nodes.len());
+    // The peak is first reached while exp runs: its operand x is freed only after it.
+    let live: Vec<usize> = r.live_at_peak.unwrap().iter().map(|v| v.0).collect();
+    assert!(live.contains(&0) && live.contains(&2) && !live.contains(&3), "{live:?}");
     let out = to_f64(&r.outputs[0]).unwrap();
     assert!((out[500] + (0.5f64).exp() * 0.5).abs() < 1e-5);
 
@@ -34,6 +37,21 @@ fn values_are_freed_after_their_last_use() {
     let r = run(&g, &[t], &RunOptions::default()).unwrap();
     assert_eq!(r.peak_live_bytes, 3 * 4000);
     assert!(r.node_times.is_none());
+
+    // A transposed weight is a view of the state: not counted.
+    let mut b = GraphBuilder::new("state", DType::F32);
+    let w = b.input("w", InputKind::Parameter, vec![10, 100]).unwrap();
+    let x = b.input("x", InputKind::Activation, vec![1, 10]).unwrap();
+    let wt = b.permute(w, vec![1, 0]).unwrap();
+    let wtt = b.permute(wt, vec![1, 0]).unwrap();
+    let y = b.matmul(x, wtt).unwrap();
+    b.output("y", y);
+    let g = b.finish().unwrap();
+    let x = tensor_from_f64(&[1.0; 10], &[1, 10], DType::F32).unwrap();
+    let w = tensor_from_f64(&[0.5; 1000], &[10, 100], DType::F32).unwrap();
+    let r = run(&g, &[w, x], &RunOptions::default()).unwrap();
+    assert_eq!(r.peak_live_bytes, 40 + 400);
+    assert_eq!(to_f64(&r.outputs[0]).unwrap()[7], 5.0);
 }
 
 #[test]

@@ -148,17 +148,20 @@ fn fw_bw_peak(
 #[test]
 fn recompute_lowers_peak_live_bytes_and_keeps_gradients() {
     let cfg = LlamaConfig::tiny();
-    let opts = StageOptions::new(2, 16);
+    // Enough tokens that activations, not the (always held) gradient outputs, dominate the peak.
+    let opts = StageOptions::new(4, 64);
     let sp = spec(&cfg, 1, 0);
     let (p_all, s_all, g_all) = fw_bw_peak(&cfg, &sp, &opts, &RecomputePolicy::SaveAll);
     let (p_ck, s_ck, g_ck) =
         fw_bw_peak(&cfg, &sp, &opts, &RecomputePolicy::Checkpoints(graphpp_models::layer_checkpoints(&sp)));
     let (p_in, s_in, g_in) = fw_bw_peak(&cfg, &sp, &opts, &RecomputePolicy::SaveStageInputs);
     eprintln!(
-        "tiny, 1 stage of 4 layers, B=2 T=16 — peak live bytes fw+full_bw / saved bytes: \
+        "tiny, 1 stage of 4 layers, B=4 T=64 — peak live bytes fw+full_bw / saved bytes: \
          save-all {p_all}/{s_all}, layer checkpoints {p_ck}/{s_ck}, stage inputs only {p_in}/{s_in}"
     );
-    assert!(p_ck < p_all, "layer checkpoints should lower the peak: {p_ck} vs {p_all}");
+    assert!(p_ck < p_all / 2, "layer checkpoints should lower the peak: {p_ck} vs {p_all}");
+    // Recomputing the whole stage at once frees memory between fw and bw, not inside them.
+    assert!(p_in <= p_all, "full recompute raised the peak: {p_in} vs {p_all}");
     assert!(s_ck < s_all / 4 && s_in == 0, "saved bytes: {s_all}, {s_ck}, {s_in}");
     for (k, g) in &g_all {
         assert!(common::rel_err(&g_ck[k], g, 1e-12) < 1e-6, "{k} differs after recompute");
