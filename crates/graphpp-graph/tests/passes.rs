@@ -240,3 +240,64 @@ proptest! {
         }
     }
 }
+
+/// A random chain of `ops` (0 = exp, 1 = all_to_all start+wait, 2 = neg of an earlier value).
+fn random_comm_graph(name: &str, backward: bool, ops: &[u8]) -> Graph {
+    let mut b = GraphBuilder::new(name, DType::F32);
+    let g = CommGroup { name: "ep".into(), size: 1 };
+    let x = b.input("x", InputKind::Activation, vec![2, 2]).unwrap();
+    b.set_phase(if backward { Phase::Backward } else { Phase::Forward });
+    let mut vals = vec![x];
+    for (k, op) in ops.iter().enumerate() {
+        let last = *vals.last().unwrap();
+        let v = match op {
+            0 => b.exp(last).unwrap(),
+            1 => {
+                b.set_region(Region::Comm(format!("ep.{k}")));
+                let s = b.collective_start(CollectiveKind::AllToAll, &g, 0, last).unwrap();
+                let w = b.wait(s).unwrap();
+                b.set_region(Region::Compute);
+                w
+            }
+            _ => b.neg(vals[k / 2]).unwrap(),
+        };
+        vals.push(v);
+    }
+    let y = *vals.last().unwrap();
+    b.output("y", y);
+    b.finish().unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn comm_overlap_keeps_each_graphs_order_and_waits_before_use(
+        fops in proptest::collection::vec(0u8..3, 1..12),
+        bops in proptest::collection::vec(0u8..3, 1..12),
+    ) {
+        let fw = random_comm_graph("fw", false, &fops);
+        let bw = random_comm_graph("bw", true, &bops);
+        let m = multiplex_fw_bw(&fw, &bw, Multiplex::CommOverlap).unwrap();
+        verify(&m).unwrap();
+        prop_assert_eq!(m.nodes.len(), fw.nodes.len() + bw.nodes.len());
+        // Non-wait nodes of each source keep their relative order (compare op sequences).
+        for (src, backward) in [(&fw, false), (&bw, true)] {
+            let keep = |n: &&graphpp_graph::Node| !matches!(n.op, Op::CollectiveWait | Op::Input { .. });
+            let want: Vec<String> = src.nodes.iter().filter(keep).map(|n| n.op.mnemonic()).collect();
+            let got: Vec<String> = m.nodes.iter()
+                .filter(|n| (n.meta.phase == Phase::Backward) == backward && keep(n))
+                .map(|n| n.op.mnemonic()).collect();
+            prop_assert_eq!(got, want);
+        }
+        // Every wait that has a user sits right before its first user (dead waits go last).
+        let users = m.users();
+        for (i, n) in m.nodes.iter().enumerate() {
+            if matches!(n.op, Op::CollectiveWait) {
+                match users[i].first() {
+                    Some(u) => prop_assert_eq!(u.0, i + 1),
+                    None => prop_assert!(m.nodes[i + 1..].iter().all(|n| matches!(n.op, Op::CollectiveWait))),
+                }
+            }
+        }
+    }
+}
