@@ -225,3 +225,21 @@ fn fsdp_graphs_on_a_single_rank_group_give_the_plain_gradients() {
         assert!(common::same(g, &want[k]), "{k}");
     }
 }
+
+#[test]
+fn bf16_forward_runs_and_stays_close_to_f32() {
+    let cfg = LlamaConfig::tiny();
+    let sp = spec(&cfg, 1, 0);
+    let f32o = StageOptions::new(2, 16);
+    let bf = StageOptions { dtype: graphpp_graph::DType::BF16, ..f32o.clone() };
+    let loss = |opts: &StageOptions| {
+        let env = stage_env(&cfg, &sp, opts, 9);
+        let (o, _) = outputs(&build_stage(&cfg, &sp, opts).unwrap(), &env);
+        to_f64(&o["loss"]).unwrap()[0]
+    };
+    let (a, b) = (loss(&f32o), loss(&bf));
+    // bf16 keeps 8 significant bits: the loss itself is quantised in steps of 1/32 near 5.5, and
+    // sums of 32 token losses accumulate a few such steps.
+    assert!(b.is_finite() && (a - b).abs() < 0.1, "f32 loss {a}, bf16 loss {b}");
+    assert!(a != b, "the bf16 graph did not run in bf16");
+}
