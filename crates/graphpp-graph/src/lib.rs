@@ -1,1 +1,33 @@
-//! graphpp-graph (see ../../shared/DESIGN.md).
+//! graphpp-graph: the tensor-program graph IR and its passes, with no tensor library
+//! (see `shared/DESIGN.md`, "Graph IR").
+//!
+//! Pipeline of a stage's graphs: build the forward with [`builder::GraphBuilder`] and
+//! [`layers`] → [`autodiff::autodiff`] (joint graph) → [`partition::partition`] (`fw`, `full_bw`,
+//! saved values, recompute policy) → [`passes::split_di_dw`] (`bw_di`, `bw_dw`) →
+//! [`passes::multiplex_fw_bw`] (overlap graphs) / [`passes::split_fsdp_collectives`].
+//! [`stage_graphs`] runs the whole chain.
+
+pub mod autodiff;
+pub mod builder;
+pub mod dtype;
+pub mod error;
+pub mod extract;
+pub mod graph;
+pub mod infer;
+pub mod layers;
+pub mod names;
+pub mod op;
+pub mod partition;
+pub mod passes;
+pub mod print;
+pub mod stage;
+pub mod verify;
+
+pub use builder::GraphBuilder;
+pub use dtype::{DType, Shape, TensorType};
+pub use error::{GraphError, Result};
+pub use graph::{Graph, GraphOutput, InputSpec, Node, NodeMeta, Phase, Region, ValueId};
+pub use op::{BinaryOp, CollectiveKind, CommGroup, InputKind, Op, UnaryOp};
+pub use partition::{partition, FwBw, RecomputePolicy};
+pub use stage::{stage_graphs, GraphKind, StageGraphs};
+pub use verify::verify;

@@ -1,9 +1,10 @@
-//! graphpp-runtime: runs stage graphs and schedules — transports between ranks, the per-rank
-//! schedule executor, and (on candle tensors) the graph executor. See `shared/DESIGN.md`, "Runtime".
+//! graphpp-runtime: runs stage graphs and schedules — the graph executor on candle tensors,
+//! transports between ranks, and the per-rank schedule executor. See `shared/DESIGN.md`, "Runtime".
 
+pub mod executor;
+pub mod pipeline;
 pub mod transport;
 
-pub use transport::{Tag, TagKind, ThreadTransport, Transport, TransportError};
-pub mod pipeline;
-
+pub use executor::{run, run_named, run_with, Collectives, ExecError, RunOptions, RunReport, SingleRank};
 pub use pipeline::{run_pipeline, PipelineError, StageWork, WorkError};
+pub use transport::{Tag, TagKind, ThreadTransport, Transport, TransportError};

@@ -1,0 +1,255 @@
+//! Reverse-mode autodiff: one VJP rule per primitive; produces the joint forward+backward graph
+//! (DESIGN.md "Graph IR" → Autodiff). The joint graph's outputs are the user outputs, then
+//! `grad.<name>` for every float parameter and activation input, in input order.
+//!
+//! Seeding: a scalar output named `loss` is seeded with d loss = 1 inside the graph (the last stage
+//! seeds itself); every other float output `o` gets a tangent input `grad.<o>`.
+
+use crate::builder::GraphBuilder;
+use crate::dtype::TensorType;
+use crate::error::{GraphError, Result};
+use crate::graph::{Graph, Phase, ValueId};
+use crate::op::{BinaryOp, CollectiveKind, InputKind, Op, UnaryOp};
+use crate::verify::{at, verify};
+
+/// Name of the output that is seeded with gradient 1.
+pub const LOSS: &str = "loss";
+
+/// Name of the gradient of input or output `name`.
+pub fn grad_name(name: &str) -> String {
+    format!("grad.{name}")
+}
+
+/// Which forward values carry a gradient: float values reachable from float parameter/activation
+/// inputs through differentiable ops.
+fn requires_grad(g: &Graph) -> Vec<bool> {
+    let mut rg = vec![false; g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        rg[i] = match &n.op {
+            Op::Input { kind, ty, .. } => {
+                ty.dtype.is_float() && matches!(kind, InputKind::Parameter | InputKind::Activation)
+            }
+            Op::Full { .. } | Op::TopK { .. } | Op::Binary { f: BinaryOp::Eq } => false,
+            _ => n.ty.dtype.is_float() && n.inputs.iter().any(|x| rg[x.0]),
+        };
+    }
+    rg
+}
+
+/// Builds the joint graph of `fw`. Errors: [`GraphError::Autodiff`] when an output named `loss` is
+/// not a scalar, or a value needing a gradient has no float type.
+pub fn autodiff(fw: &Graph) -> Result<Graph> {
+    verify(fw)?;
+    let rg = requires_grad(fw);
+    let mut b = GraphBuilder::from_graph(fw.clone(), crate::dtype::DType::F32);
+    b.set_phase(Phase::Backward);
+    let mut grads: Vec<Option<ValueId>> = vec![None; fw.nodes.len()];
+    b.set_scope("seed");
+    for o in &fw.outputs {
+        if !rg[o.value.0] {
+            continue;
+        }
+        let ty = fw.node(o.value).ty.clone();
+        let seed = if o.name == LOSS {
+            if !ty.shape.is_empty() {
+                return Err(GraphError::Autodiff {
+                    at: o.name.clone(),
+                    reason: format!("loss must be a scalar, got {ty}"),
+                });
+            }
+            b.add(Op::Full { value: 1.0, ty }, &[])?
+        } else {
+            b.input_typed(&grad_name(&o.name), InputKind::Tangent, ty)?
+        };
+        accumulate(&mut b, &mut grads, o.value, seed)?;
+    }
+    for i in (0..fw.nodes.len()).rev() {
+        let Some(g) = grads[i] else { continue };
+        let node = fw.nodes[i].clone();
+        if matches!(node.op, Op::Input { .. }) {
+            continue;
+        }
+        b.set_scope(&node.meta.scope);
+        b.set_region(node.meta.region.clone());
+        let in_grads = vjp(&mut b, fw, ValueId(i), g)?;
+        for (x, dx) in node.inputs.iter().zip(in_grads) {
+            if let Some(dx) = dx {
+                if rg[x.0] {
+                    accumulate(&mut b, &mut grads, *x, dx)?;
+                }
+            }
+        }
+    }
+    b.set_scope("grad");
+    b.set_region(crate::graph::Region::Compute);
+    let mut outs = Vec::new();
+    for &v in &fw.inputs {
+        if let Op::Input { name, kind, ty } = &fw.node(v).op {
+            if rg[v.0] && matches!(kind, InputKind::Parameter | InputKind::Activation) {
+                let dv = match grads[v.0] {
+                    Some(d) => d,
+                    None => b.add(Op::Full { value: 0.0, ty: ty.clone() }, &[])?,
+                };
+                outs.push((grad_name(name), dv));
+            }
+        }
+    }
+    for (name, v) in outs {
+        b.output(&name, v);
+    }
+    let mut g = b.finish()?;
+    g.name = format!("{}.joint", fw.name);
+    Ok(g)
+}
+
+fn accumulate(b: &mut GraphBuilder, grads: &mut [Option<ValueId>], x: ValueId, dx: ValueId) -> Result<()> {
+    grads[x.0] = Some(match grads[x.0] {
+        None => dx,
+        Some(prev) => b.add2(prev, dx)?,
+    });
+    Ok(())
+}
+
+/// Reshapes/broadcasts a reduced gradient back to the reduced operand's shape.
+fn unreduce(
+    b: &mut GraphBuilder,
+    g: ValueId,
+    x_shape: &[usize],
+    axis: usize,
+    keepdim: bool,
+) -> Result<ValueId> {
+    let mut kept = x_shape.to_vec();
+    kept[axis] = 1;
+    let g = if keepdim { g } else { b.reshape(g, kept)? };
+    b.broadcast(g, x_shape.to_vec())
+}
+
+fn dual(kind: CollectiveKind) -> CollectiveKind {
+    match kind {
+        CollectiveKind::AllGather => CollectiveKind::ReduceScatter,
+        CollectiveKind::ReduceScatter => CollectiveKind::AllGather,
+        k => k,
+    }
+}
+
+/// Vector-Jacobian product of node `y` given its output gradient `g`: one optional gradient per
+/// operand (`None` = no gradient flows, e.g. into indices). Rules are the standard ones
+/// (Griewank & Walther, "Evaluating Derivatives", ch. 3); broadcasting is undone by `sum_to`.
+fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<Option<ValueId>>> {
+    let n = fw.node(y);
+    let x = |i: usize| n.inputs[i];
+    let shape = |v: ValueId| fw.node(v).ty.shape.clone();
+    Ok(match &n.op {
+        Op::Input { .. } | Op::Full { .. } | Op::TopK { .. } | Op::Binary { f: BinaryOp::Eq } => {
+            vec![None; n.inputs.len()]
+        }
+        Op::Unary { f } => vec![Some(match f {
+            UnaryOp::Neg => b.neg(g)?,
+            UnaryOp::Exp => b.mul(g, y)?,
+            UnaryOp::Log => b.div(g, x(0))?,
+            UnaryOp::Sqrt => {
+                let q = b.div(g, y)?;
+                b.scale(q, 0.5)?
+            }
+            UnaryOp::Recip => {
+                let yy = b.mul(y, y)?;
+                let t = b.mul(g, yy)?;
+                b.neg(t)?
+            }
+            UnaryOp::Sigmoid => {
+                let one_minus = b.affine(y, -1.0, 1.0)?;
+                let t = b.mul(g, y)?;
+                b.mul(t, one_minus)?
+            }
+        })],
+        Op::Affine { mul, .. } => vec![Some(b.scale(g, *mul)?)],
+        Op::Binary { f } => {
+            let (a, c) = (x(0), x(1));
+            let (da, dc) = match f {
+                BinaryOp::Add => (g, g),
+                BinaryOp::Sub => (g, b.neg(g)?),
+                BinaryOp::Mul => (b.mul(g, c)?, b.mul(g, a)?),
+                BinaryOp::Div => {
+                    let da = b.div(g, c)?;
+                    let t = b.mul(da, y)?;
+                    (da, b.neg(t)?)
+                }
+                BinaryOp::Eq => unreachable!("handled above"),
+            };
+            vec![Some(b.sum_to(da, &shape(a))?), Some(b.sum_to(dc, &shape(c))?)]
+        }
+        Op::Sum { axis, keepdim } => vec![Some(unreduce(b, g, &shape(x(0)), *axis, *keepdim)?)],
+        Op::Max { axis, keepdim } => {
+            let xs = shape(x(0));
+            let yb = unreduce(b, y, &xs, *axis, *keepdim)?;
+            let mask = b.eq(x(0), yb)?;
+            let gb = unreduce(b, g, &xs, *axis, *keepdim)?;
+            vec![Some(b.mul(mask, gb)?)]
+        }
+        Op::Matmul => {
+            let bt = b.transpose_last(x(1))?;
+            let da = b.matmul(g, bt)?;
+            let at = b.transpose_last(x(0))?;
+            let db = b.matmul(at, g)?;
+            vec![Some(da), Some(db)]
+        }
+        Op::Reshape { .. } => vec![Some(b.reshape(g, shape(x(0)))?)],
+        Op::Permute { perm } => {
+            let mut inv = vec![0; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inv[p] = i;
+            }
+            vec![Some(b.permute(g, inv)?)]
+        }
+        Op::Broadcast { .. } => vec![Some(b.sum_to(g, &shape(x(0)))?)],
+        Op::Slice { axis, start, end } => {
+            let xs = shape(x(0));
+            let mut parts = Vec::new();
+            if *start > 0 {
+                let mut s = xs.clone();
+                s[*axis] = *start;
+                parts.push(zeros(b, &n.ty, s)?);
+            }
+            parts.push(g);
+            if *end < xs[*axis] {
+                let mut s = xs.clone();
+                s[*axis] = xs[*axis] - end;
+                parts.push(zeros(b, &n.ty, s)?);
+            }
+            vec![Some(if parts.len() == 1 { g } else { b.concat(&parts, *axis)? })]
+        }
+        Op::Concat { axis } => {
+            let mut off = 0;
+            let mut out = Vec::new();
+            for &xi in &n.inputs {
+                let len = shape(xi)[*axis];
+                out.push(Some(b.slice(g, *axis, off, off + len)?));
+                off += len;
+            }
+            out
+        }
+        Op::IndexSelect { axis } => {
+            let z = b.full_like(0.0, x(0))?;
+            vec![Some(b.index_add(z, x(1), g, *axis)?), None]
+        }
+        Op::IndexAdd { axis } => vec![Some(g), None, Some(b.index_select(g, x(1), *axis)?)],
+        Op::Gather { axis } => {
+            let z = b.full_like(0.0, x(0))?;
+            vec![Some(b.scatter_add(z, x(1), g, *axis)?), None]
+        }
+        Op::ScatterAdd { axis } => vec![Some(g), None, Some(b.gather(g, x(1), *axis)?)],
+        Op::Cast { .. } => vec![Some(b.cast(g, fw.node(x(0)).ty.dtype)?)],
+        Op::CollectiveWait => {
+            let Op::CollectiveStart { kind, group, axis } = &fw.node(x(0)).op else {
+                return Err(GraphError::Autodiff { at: at(fw, y), reason: "wait without start".into() });
+            };
+            // The dual collective runs in the backward; the start passes the result through.
+            vec![Some(b.collective(dual(*kind), group, *axis, g)?)]
+        }
+        Op::CollectiveStart { .. } => vec![Some(g)],
+    })
+}
+
+fn zeros(b: &mut GraphBuilder, like: &TensorType, shape: Vec<usize>) -> Result<ValueId> {
+    b.add(Op::Full { value: 0.0, ty: TensorType::new(like.dtype, shape) }, &[])
+}

@@ -1,0 +1,132 @@
+//! Element types and static shapes of graph values, with NumPy-style broadcasting
+//! (DESIGN.md "Graph IR": static shapes, dtype kept in the IR).
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Element type of a value. `U32` holds indices (token ids, targets, top-k results).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    /// 32-bit float (default for training).
+    F32,
+    /// 64-bit float (finite-difference gradient checks).
+    F64,
+    /// bfloat16 (reserved for mixed precision).
+    BF16,
+    /// 32-bit unsigned integer (indices).
+    U32,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::U32 => 4,
+            DType::F64 => 8,
+            DType::BF16 => 2,
+        }
+    }
+
+    /// Whether values of this type carry gradients.
+    pub fn is_float(self) -> bool {
+        !matches!(self, DType::U32)
+    }
+
+    /// Short name used in the text form (`f32`, `f64`, `bf16`, `u32`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::BF16 => "bf16",
+            DType::U32 => "u32",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A static shape: dimension sizes, outermost first. Rank 0 is a scalar.
+pub type Shape = Vec<usize>;
+
+/// Type of one SSA value: dtype and static shape.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TensorType {
+    /// Element type.
+    pub dtype: DType,
+    /// Dimension sizes.
+    pub shape: Shape,
+}
+
+impl TensorType {
+    /// A type from a dtype and a shape.
+    pub fn new(dtype: DType, shape: impl Into<Shape>) -> Self {
+        TensorType { dtype, shape: shape.into() }
+    }
+
+    /// Number of elements (1 for a scalar).
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Size in bytes (`numel * dtype size`).
+    pub fn size_bytes(&self) -> usize {
+        self.numel() * self.dtype.size_bytes()
+    }
+}
+
+impl fmt::Display for TensorType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let dims: Vec<String> = self.shape.iter().map(|d| d.to_string()).collect();
+        write!(f, "{}[{}]", self.dtype, dims.join(","))
+    }
+}
+
+/// NumPy broadcasting of two shapes: align on the right; each pair of dimensions must be equal or
+/// one of them 1. Returns `None` when the shapes do not broadcast.
+pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Shape> {
+    let rank = a.len().max(b.len());
+    let mut out = vec![0; rank];
+    for i in 0..rank {
+        let da = if i < rank - a.len() { 1 } else { a[i - (rank - a.len())] };
+        let db = if i < rank - b.len() { 1 } else { b[i - (rank - b.len())] };
+        out[i] = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => return None,
+        };
+    }
+    Some(out)
+}
+
+/// Whether `from` broadcasts to exactly `to` (NumPy rules, one-directional).
+pub fn broadcasts_to(from: &[usize], to: &[usize]) -> bool {
+    from.len() <= to.len() && broadcast_shapes(from, to).as_deref() == Some(to)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broadcasting_follows_numpy() {
+        assert_eq!(broadcast_shapes(&[4, 1, 3], &[5, 1]), Some(vec![4, 5, 3]));
+        assert_eq!(broadcast_shapes(&[], &[2, 3]), Some(vec![2, 3]));
+        assert_eq!(broadcast_shapes(&[2, 3], &[3, 2]), None);
+        assert!(broadcasts_to(&[1, 3], &[2, 3]));
+        assert!(!broadcasts_to(&[2, 3], &[3]));
+    }
+
+    #[test]
+    fn type_text_and_size() {
+        let t = TensorType::new(DType::F32, vec![4, 64, 256]);
+        assert_eq!(t.to_string(), "f32[4,64,256]");
+        assert_eq!(t.size_bytes(), 4 * 64 * 256 * 4);
+        assert_eq!(TensorType::new(DType::BF16, vec![]).size_bytes(), 2);
+    }
+}

@@ -1,0 +1,256 @@
+//! Shape and dtype inference: the output type of an op from its operand types, with a reason when
+//! the operands are invalid (DESIGN.md "Graph IR": static shapes; broadcasting as in NumPy).
+
+use crate::dtype::{broadcast_shapes, broadcasts_to, DType, TensorType};
+use crate::op::{CollectiveKind, Op};
+
+fn need(cond: bool, reason: impl FnOnce() -> String) -> Result<(), String> {
+    if cond {
+        Ok(())
+    } else {
+        Err(reason())
+    }
+}
+
+fn arity(op: &Op, ins: &[&TensorType], n: usize) -> Result<(), String> {
+    need(ins.len() == n, || format!("{} takes {n} operand(s), got {}", op.mnemonic(), ins.len()))
+}
+
+fn float(t: &TensorType) -> Result<(), String> {
+    need(t.dtype.is_float(), || format!("needs a float operand, got {t}"))
+}
+
+fn axis_ok(t: &TensorType, axis: usize) -> Result<(), String> {
+    need(axis < t.shape.len(), || format!("axis {axis} out of range for {t}"))
+}
+
+fn index(t: &TensorType) -> Result<(), String> {
+    need(t.dtype == DType::U32, || format!("indices must be u32, got {t}"))
+}
+
+/// Output type of `op` applied to operands of types `ins`.
+///
+/// Errors: a human-readable reason (wrong arity, dtype, rank, axis, incompatible shapes).
+pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
+    match op {
+        Op::Input { ty, .. } | Op::Full { ty, .. } => {
+            arity(op, ins, 0)?;
+            Ok(ty.clone())
+        }
+        Op::Unary { .. } | Op::Affine { .. } => {
+            arity(op, ins, 1)?;
+            float(ins[0])?;
+            Ok(ins[0].clone())
+        }
+        Op::Binary { .. } => {
+            arity(op, ins, 2)?;
+            float(ins[0])?;
+            need(ins[0].dtype == ins[1].dtype, || format!("dtype mismatch {} vs {}", ins[0], ins[1]))?;
+            let shape = broadcast_shapes(&ins[0].shape, &ins[1].shape)
+                .ok_or_else(|| format!("shapes {} and {} do not broadcast", ins[0], ins[1]))?;
+            Ok(TensorType::new(ins[0].dtype, shape))
+        }
+        Op::Sum { axis, keepdim } | Op::Max { axis, keepdim } => {
+            arity(op, ins, 1)?;
+            float(ins[0])?;
+            axis_ok(ins[0], *axis)?;
+            let mut shape = ins[0].shape.clone();
+            if *keepdim {
+                shape[*axis] = 1;
+            } else {
+                shape.remove(*axis);
+            }
+            Ok(TensorType::new(ins[0].dtype, shape))
+        }
+        Op::Matmul => {
+            arity(op, ins, 2)?;
+            float(ins[0])?;
+            let (a, b) = (&ins[0].shape, &ins[1].shape);
+            need(a.len() >= 2 && a.len() == b.len(), || {
+                format!("matmul needs equal ranks ≥ 2: {} × {}", ins[0], ins[1])
+            })?;
+            let r = a.len();
+            need(a[..r - 2] == b[..r - 2], || format!("batch dims differ: {} × {}", ins[0], ins[1]))?;
+            need(a[r - 1] == b[r - 2], || format!("inner dims differ: {} × {}", ins[0], ins[1]))?;
+            need(ins[0].dtype == ins[1].dtype, || format!("dtype mismatch {} vs {}", ins[0], ins[1]))?;
+            let mut shape = a.clone();
+            shape[r - 1] = b[r - 1];
+            Ok(TensorType::new(ins[0].dtype, shape))
+        }
+        Op::Reshape { shape } => {
+            arity(op, ins, 1)?;
+            let n: usize = shape.iter().product();
+            need(n == ins[0].numel(), || format!("cannot reshape {} to {shape:?}", ins[0]))?;
+            Ok(TensorType::new(ins[0].dtype, shape.clone()))
+        }
+        Op::Permute { perm } => {
+            arity(op, ins, 1)?;
+            let r = ins[0].shape.len();
+            let mut seen = vec![false; r];
+            for &p in perm {
+                need(p < r && !seen[p], || format!("{perm:?} is not a permutation of {r} axes"))?;
+                seen[p] = true;
+            }
+            need(perm.len() == r, || format!("{perm:?} is not a permutation of {r} axes"))?;
+            Ok(TensorType::new(ins[0].dtype, perm.iter().map(|&p| ins[0].shape[p]).collect::<Vec<_>>()))
+        }
+        Op::Broadcast { shape } => {
+            arity(op, ins, 1)?;
+            need(broadcasts_to(&ins[0].shape, shape), || {
+                format!("{} does not broadcast to {shape:?}", ins[0])
+            })?;
+            Ok(TensorType::new(ins[0].dtype, shape.clone()))
+        }
+        Op::Slice { axis, start, end } => {
+            arity(op, ins, 1)?;
+            axis_ok(ins[0], *axis)?;
+            need(start < end && *end <= ins[0].shape[*axis], || {
+                format!("range {start}..{end} invalid for axis {axis} of {}", ins[0])
+            })?;
+            let mut shape = ins[0].shape.clone();
+            shape[*axis] = end - start;
+            Ok(TensorType::new(ins[0].dtype, shape))
+        }
+        Op::Concat { axis } => {
+            need(!ins.is_empty(), || "concat needs at least one operand".into())?;
+            axis_ok(ins[0], *axis)?;
+            let mut shape = ins[0].shape.clone();
+            for t in &ins[1..] {
+                let mut s = t.shape.clone();
+                need(s.len() == shape.len() && t.dtype == ins[0].dtype, || {
+                    format!("concat of {} and {t}", ins[0])
+                })?;
+                s[*axis] = shape[*axis];
+                need(s == shape, || format!("concat of {} and {t} along {axis}", ins[0]))?;
+                shape[*axis] += t.shape[*axis];
+            }
+            Ok(TensorType::new(ins[0].dtype, shape))
+        }
+        Op::IndexSelect { axis } => {
+            arity(op, ins, 2)?;
+            axis_ok(ins[0], *axis)?;
+            index(ins[1])?;
+            need(ins[1].shape.len() == 1, || format!("index_select ids must be 1-D, got {}", ins[1]))?;
+            let mut shape = ins[0].shape.clone();
+            shape[*axis] = ins[1].shape[0];
+            Ok(TensorType::new(ins[0].dtype, shape))
+        }
+        Op::IndexAdd { axis } => {
+            arity(op, ins, 3)?;
+            axis_ok(ins[0], *axis)?;
+            index(ins[1])?;
+            let mut want = ins[0].shape.clone();
+            need(ins[1].shape.len() == 1, || format!("index_add ids must be 1-D, got {}", ins[1]))?;
+            want[*axis] = ins[1].shape[0];
+            need(ins[2].shape == want && ins[2].dtype == ins[0].dtype, || {
+                format!("index_add source {} should be {want:?}", ins[2])
+            })?;
+            Ok(ins[0].clone())
+        }
+        Op::Gather { axis } => {
+            arity(op, ins, 2)?;
+            axis_ok(ins[0], *axis)?;
+            index(ins[1])?;
+            let ok = ins[1].shape.len() == ins[0].shape.len()
+                && ins[1].shape.iter().zip(&ins[0].shape).enumerate().all(|(i, (a, b))| i == *axis || a == b);
+            need(ok, || format!("gather index {} does not match {} off axis {axis}", ins[1], ins[0]))?;
+            Ok(TensorType::new(ins[0].dtype, ins[1].shape.clone()))
+        }
+        Op::ScatterAdd { axis } => {
+            arity(op, ins, 3)?;
+            axis_ok(ins[0], *axis)?;
+            index(ins[1])?;
+            need(ins[1].shape == ins[2].shape && ins[2].dtype == ins[0].dtype, || {
+                format!("scatter_add index {} and source {} differ", ins[1], ins[2])
+            })?;
+            let ok = ins[1].shape.len() == ins[0].shape.len()
+                && ins[1].shape.iter().zip(&ins[0].shape).enumerate().all(|(i, (a, b))| i == *axis || a == b);
+            need(ok, || format!("scatter_add index {} does not match {} off axis {axis}", ins[1], ins[0]))?;
+            Ok(ins[0].clone())
+        }
+        Op::TopK { k } => {
+            arity(op, ins, 1)?;
+            float(ins[0])?;
+            let r = ins[0].shape.len();
+            need(r >= 1 && *k >= 1 && *k <= ins[0].shape[r - 1], || format!("top-{k} of {}", ins[0]))?;
+            let mut shape = ins[0].shape.clone();
+            shape[r - 1] = *k;
+            Ok(TensorType::new(DType::U32, shape))
+        }
+        Op::Cast { dtype } => {
+            arity(op, ins, 1)?;
+            Ok(TensorType::new(*dtype, ins[0].shape.clone()))
+        }
+        Op::CollectiveStart { kind, group, axis } => {
+            arity(op, ins, 1)?;
+            need(group.size >= 1, || format!("group {} has size 0", group.name))?;
+            let mut shape = ins[0].shape.clone();
+            match kind {
+                CollectiveKind::AllReduce => {}
+                CollectiveKind::AllGather => {
+                    axis_ok(ins[0], *axis)?;
+                    shape[*axis] *= group.size;
+                }
+                CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => {
+                    axis_ok(ins[0], *axis)?;
+                    need(shape[*axis].is_multiple_of(group.size), || {
+                        format!("axis {axis} of {} not divisible by group size {}", ins[0], group.size)
+                    })?;
+                    if *kind == CollectiveKind::ReduceScatter {
+                        shape[*axis] /= group.size;
+                    }
+                }
+            }
+            Ok(TensorType::new(ins[0].dtype, shape))
+        }
+        Op::CollectiveWait => {
+            arity(op, ins, 1)?;
+            Ok(ins[0].clone())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op::BinaryOp;
+
+    fn t(s: &[usize]) -> TensorType {
+        TensorType::new(DType::F32, s.to_vec())
+    }
+
+    #[test]
+    fn matmul_and_broadcast_shapes() {
+        assert_eq!(infer(&Op::Matmul, &[&t(&[2, 3, 4]), &t(&[2, 4, 5])]).unwrap().shape, vec![2, 3, 5]);
+        assert!(infer(&Op::Matmul, &[&t(&[2, 3, 4]), &t(&[2, 5, 5])]).unwrap_err().contains("inner"));
+        let add = Op::Binary { f: BinaryOp::Add };
+        assert_eq!(infer(&add, &[&t(&[4, 1]), &t(&[3])]).unwrap().shape, vec![4, 3]);
+        assert!(infer(&add, &[&t(&[4, 2]), &t(&[3])]).is_err());
+    }
+
+    #[test]
+    fn reductions_and_layout() {
+        assert_eq!(infer(&Op::Sum { axis: 1, keepdim: false }, &[&t(&[2, 3, 4])]).unwrap().shape, vec![2, 4]);
+        assert_eq!(
+            infer(&Op::Max { axis: 2, keepdim: true }, &[&t(&[2, 3, 4])]).unwrap().shape,
+            vec![2, 3, 1]
+        );
+        assert_eq!(
+            infer(&Op::Permute { perm: vec![2, 0, 1] }, &[&t(&[2, 3, 4])]).unwrap().shape,
+            vec![4, 2, 3]
+        );
+        assert!(infer(&Op::Permute { perm: vec![0, 0, 1] }, &[&t(&[2, 3, 4])]).is_err());
+        assert!(infer(&Op::Reshape { shape: vec![5] }, &[&t(&[2, 3])]).is_err());
+        assert!(infer(&Op::Slice { axis: 0, start: 1, end: 3 }, &[&t(&[2])]).is_err());
+    }
+
+    #[test]
+    fn collective_shapes_follow_group_size() {
+        let g = crate::op::CommGroup { name: "fsdp".into(), size: 4 };
+        let ag = Op::CollectiveStart { kind: CollectiveKind::AllGather, group: g.clone(), axis: 0 };
+        assert_eq!(infer(&ag, &[&t(&[2, 8])]).unwrap().shape, vec![8, 8]);
+        let rs = Op::CollectiveStart { kind: CollectiveKind::ReduceScatter, group: g, axis: 0 };
+        assert_eq!(infer(&rs, &[&t(&[8, 8])]).unwrap().shape, vec![2, 8]);
+        assert!(infer(&rs, &[&t(&[6, 8])]).is_err());
+    }
+}

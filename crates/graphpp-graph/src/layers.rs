@@ -1,0 +1,209 @@
+//! Composite layers built from primitives (DESIGN.md "Graph IR": composite layers are built by the
+//! builder, so autodiff only needs primitive VJP rules). Formulas follow the Hugging Face Llama
+//! implementation (RMSNorm, rotate-half RoPE, SwiGLU MLP, causal softmax attention).
+
+use crate::builder::GraphBuilder;
+use crate::error::{GraphError, Result};
+use crate::graph::ValueId;
+
+/// `y = x · Wᵀ` with `x: [..., in]`, `w: [out, in]` (PyTorch / HF layout) → `[..., out]`.
+/// Lowered as reshape to 2-D, `matmul(x2d, permute(w))`, reshape back.
+pub fn linear(b: &mut GraphBuilder, x: ValueId, w: ValueId) -> Result<ValueId> {
+    let xs = b.shape(x);
+    let ws = b.shape(w);
+    let inner = *xs.last().unwrap_or(&0);
+    if ws.len() != 2 || ws[1] != inner {
+        return Err(GraphError::Shape {
+            op: "linear".into(),
+            at: b.graph().nodes.len().to_string(),
+            reason: format!("weight {ws:?} does not match input {xs:?}"),
+        });
+    }
+    let rows: usize = xs[..xs.len() - 1].iter().product();
+    let x2 = b.reshape(x, vec![rows, inner])?;
+    let wt = b.permute(w, vec![1, 0])?;
+    let y = b.matmul(x2, wt)?;
+    let mut out = xs.clone();
+    *out.last_mut().expect("rank ≥ 1") = ws[0];
+    b.reshape(y, out)
+}
+
+/// Token embedding: rows of `table: [V, D]` picked by u32 `ids` of any shape → `ids.shape + [D]`.
+pub fn embedding(b: &mut GraphBuilder, table: ValueId, ids: ValueId) -> Result<ValueId> {
+    let ishape = b.shape(ids);
+    let n: usize = ishape.iter().product();
+    let flat = b.reshape(ids, vec![n])?;
+    let rows = b.index_select(table, flat, 0)?;
+    let mut out = ishape;
+    out.push(b.shape(table)[1]);
+    b.reshape(rows, out)
+}
+
+/// RMSNorm over the last axis: `x / sqrt(mean(x²) + eps) * w` (Zhang & Sennrich 2019; HF Llama).
+pub fn rms_norm(b: &mut GraphBuilder, x: ValueId, w: ValueId, eps: f64) -> Result<ValueId> {
+    let last = b.shape(x).len() - 1;
+    let sq = b.mul(x, x)?;
+    let ms = b.mean(sq, last, true)?;
+    let ms = b.affine(ms, 1.0, eps)?;
+    let rms = b.sqrt(ms)?;
+    let inv = b.recip(rms)?;
+    let xn = b.mul(x, inv)?;
+    b.mul(xn, w)
+}
+
+/// Softmax over `axis`, max-subtracted for stability.
+pub fn softmax(b: &mut GraphBuilder, x: ValueId, axis: usize) -> Result<ValueId> {
+    let m = b.max(x, axis, true)?;
+    let z = b.sub(x, m)?;
+    let e = b.exp(z)?;
+    let s = b.sum(e, axis, true)?;
+    b.div(e, s)
+}
+
+/// SiLU `x · sigmoid(x)`.
+pub fn silu(b: &mut GraphBuilder, x: ValueId) -> Result<ValueId> {
+    let s = b.sigmoid(x)?;
+    b.mul(x, s)
+}
+
+/// SwiGLU MLP (Shazeer 2020; HF Llama): `down(silu(gate(x)) * up(x))`, scopes `gate_proj`,
+/// `up_proj`, `down_proj`.
+pub fn swiglu_mlp(
+    b: &mut GraphBuilder,
+    x: ValueId,
+    gate: ValueId,
+    up: ValueId,
+    down: ValueId,
+) -> Result<ValueId> {
+    b.push_scope("gate_proj");
+    let g = linear(b, x, gate)?;
+    b.pop_scope();
+    b.push_scope("up_proj");
+    let u = linear(b, x, up)?;
+    b.pop_scope();
+    let a = silu(b, g)?;
+    let h = b.mul(a, u)?;
+    b.push_scope("down_proj");
+    let y = linear(b, h, down)?;
+    b.pop_scope();
+    Ok(y)
+}
+
+/// Rotary position embedding, rotate-half form (Su et al. 2021; HF Llama `apply_rotary_pos_emb`):
+/// `x·cos + rotate_half(x)·sin`, `x: [B, H, T, hd]`, `cos`, `sin: [T, hd]`.
+pub fn rope(b: &mut GraphBuilder, x: ValueId, cos: ValueId, sin: ValueId) -> Result<ValueId> {
+    let s = b.shape(x);
+    let hd = s[3];
+    let x1 = b.slice(x, 3, 0, hd / 2)?;
+    let x2 = b.slice(x, 3, hd / 2, hd)?;
+    let nx2 = b.neg(x2)?;
+    let rot = b.concat(&[nx2, x1], 3)?;
+    let a = b.mul(x, cos)?;
+    let c = b.mul(rot, sin)?;
+    b.add2(a, c)
+}
+
+/// Weights of one attention block (HF layout `[out, in]`).
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionWeights {
+    /// `q_proj.weight: [H·hd, D]`
+    pub q: ValueId,
+    /// `k_proj.weight: [KV·hd, D]`
+    pub k: ValueId,
+    /// `v_proj.weight: [KV·hd, D]`
+    pub v: ValueId,
+    /// `o_proj.weight: [D, H·hd]`
+    pub o: ValueId,
+}
+
+/// Static sizes of an attention block.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionDims {
+    /// Query heads `H`.
+    pub heads: usize,
+    /// Key/value heads `KV` (divides `H`; grouped-query attention when smaller).
+    pub kv_heads: usize,
+}
+
+fn heads_split(
+    b: &mut GraphBuilder,
+    y: ValueId,
+    bsz: usize,
+    t: usize,
+    h: usize,
+    hd: usize,
+) -> Result<ValueId> {
+    let y = b.reshape(y, vec![bsz, t, h, hd])?;
+    b.permute(y, vec![0, 2, 1, 3])
+}
+
+fn repeat_kv(b: &mut GraphBuilder, x: ValueId, heads: usize) -> Result<ValueId> {
+    let s = b.shape(x);
+    let (bsz, kv, t, hd) = (s[0], s[1], s[2], s[3]);
+    if kv == heads {
+        return Ok(x);
+    }
+    let x = b.reshape(x, vec![bsz, kv, 1, t, hd])?;
+    let x = b.broadcast(x, vec![bsz, kv, heads / kv, t, hd])?;
+    b.reshape(x, vec![bsz, heads, t, hd])
+}
+
+/// Causal multi-head self-attention with RoPE (Vaswani et al. 2017; HF Llama):
+/// `x: [B, T, D]`, `cos`, `sin: [T, hd]`, additive `mask: [T, T]` (0 on/below the diagonal, a large
+/// negative number above). Scores scaled by `1/sqrt(hd)`. Scopes `q_proj` … `o_proj`.
+pub fn causal_attention(
+    b: &mut GraphBuilder,
+    x: ValueId,
+    w: AttentionWeights,
+    dims: AttentionDims,
+    cos: ValueId,
+    sin: ValueId,
+    mask: ValueId,
+) -> Result<ValueId> {
+    let s = b.shape(x);
+    let (bsz, t) = (s[0], s[1]);
+    let hd = b.shape(w.q)[0] / dims.heads;
+    let proj = |b: &mut GraphBuilder, name: &str, wt: ValueId, h: usize| -> Result<ValueId> {
+        b.push_scope(name);
+        let y = linear(b, x, wt)?;
+        let y = heads_split(b, y, bsz, t, h, hd)?;
+        b.pop_scope();
+        Ok(y)
+    };
+    let q = proj(b, "q_proj", w.q, dims.heads)?;
+    let k = proj(b, "k_proj", w.k, dims.kv_heads)?;
+    let v = proj(b, "v_proj", w.v, dims.kv_heads)?;
+    let q = rope(b, q, cos, sin)?;
+    let k = rope(b, k, cos, sin)?;
+    let k = repeat_kv(b, k, dims.heads)?;
+    let v = repeat_kv(b, v, dims.heads)?;
+    let kt = b.transpose_last(k)?;
+    let scores = b.matmul(q, kt)?;
+    let scores = b.scale(scores, 1.0 / (hd as f64).sqrt())?;
+    let scores = b.add2(scores, mask)?;
+    let p = softmax(b, scores, 3)?;
+    let o = b.matmul(p, v)?;
+    let o = b.permute(o, vec![0, 2, 1, 3])?;
+    let o = b.reshape(o, vec![bsz, t, dims.heads * hd])?;
+    b.push_scope("o_proj");
+    let y = linear(b, o, w.o)?;
+    b.pop_scope();
+    Ok(y)
+}
+
+/// Cross-entropy, mean over tokens: `logits: [N, V]`, u32 `targets: [N]` → scalar
+/// `mean(logsumexp(logits) − logits[target])`.
+pub fn cross_entropy(b: &mut GraphBuilder, logits: ValueId, targets: ValueId) -> Result<ValueId> {
+    let n = b.shape(logits)[0];
+    let m = b.max(logits, 1, true)?;
+    let z = b.sub(logits, m)?;
+    let e = b.exp(z)?;
+    let s = b.sum(e, 1, true)?;
+    let lse = b.log(s)?;
+    let t = b.reshape(targets, vec![n, 1])?;
+    let picked = b.gather(z, t, 1)?;
+    let d = b.sub(lse, picked)?;
+    let d = b.reshape(d, vec![n])?;
+    let total = b.sum(d, 0, false)?;
+    b.scale(total, 1.0 / n as f64)
+}

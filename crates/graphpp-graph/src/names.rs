@@ -1,0 +1,13 @@
+//! Conventional names of stage-graph inputs and outputs: the interface the pipeline runtime binds
+//! values by (DESIGN.md "Runtime" → Stage).
+
+/// Stage input activation `[B, T, D]` (every stage but the first); its gradient is `grad.input`.
+pub const INPUT: &str = "input";
+/// Token ids `[B, T]` u32 (first stage).
+pub const TOKENS: &str = "tokens";
+/// Target token ids `[B, T]` u32 (last stage).
+pub const TARGETS: &str = "targets";
+/// Stage output activation `[B, T, D]` (every stage but the last); its gradient input is `grad.output`.
+pub const OUTPUT: &str = "output";
+/// Scalar loss, mean over the microbatch's tokens (last stage).
+pub const LOSS: &str = crate::autodiff::LOSS;

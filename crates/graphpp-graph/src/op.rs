@@ -1,0 +1,217 @@
+//! The primitive op set (DESIGN.md "Graph IR": elementwise with broadcasting, reductions, batched
+//! matmul, layout ops, gather/scatter, top-k, collectives as start/wait pairs). Composite layers are
+//! built from these by [`crate::builder`].
+
+use crate::dtype::{DType, TensorType};
+use serde::{Deserialize, Serialize};
+
+/// Role of a graph input (DESIGN.md "Graph IR").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InputKind {
+    /// A trainable weight held by the stage.
+    Parameter,
+    /// A non-trainable constant held by the stage (RoPE tables, causal mask).
+    Buffer,
+    /// The stage input activation (or token ids on the first stage).
+    Activation,
+    /// Targets of the loss (last stage).
+    Target,
+    /// A forward value saved for the backward, or a dI value stashed for dW.
+    Saved,
+    /// Gradient of a stage output, received from the next stage.
+    Tangent,
+}
+
+impl InputKind {
+    /// Lower-case name used in the text form.
+    pub fn name(self) -> &'static str {
+        match self {
+            InputKind::Parameter => "parameter",
+            InputKind::Buffer => "buffer",
+            InputKind::Activation => "activation",
+            InputKind::Target => "target",
+            InputKind::Saved => "saved",
+            InputKind::Tangent => "tangent",
+        }
+    }
+}
+
+/// Elementwise unary ops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UnaryOp {
+    /// `-x`
+    Neg,
+    /// `e^x`
+    Exp,
+    /// natural log
+    Log,
+    /// square root
+    Sqrt,
+    /// `1/x`
+    Recip,
+    /// `1/(1+e^-x)`
+    Sigmoid,
+}
+
+/// Elementwise binary ops with NumPy broadcasting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BinaryOp {
+    /// `a + b`
+    Add,
+    /// `a - b`
+    Sub,
+    /// `a * b`
+    Mul,
+    /// `a / b`
+    Div,
+    /// `1.0` where `a == b`, else `0.0` (same float dtype; no gradient).
+    Eq,
+}
+
+/// Collective kinds; each is issued as a `CollectiveStart` and completed by a `CollectiveWait`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveKind {
+    /// Concatenate the group's shards along `axis` (output axis = input axis × group size).
+    AllGather,
+    /// Sum over the group, then keep this rank's shard along `axis` (axis ÷ group size).
+    ReduceScatter,
+    /// Sum over the group (shape unchanged).
+    AllReduce,
+    /// Split `axis` into group-size chunks, send chunk `i` to rank `i`, concatenate received chunks.
+    AllToAll,
+}
+
+impl CollectiveKind {
+    /// Name used in the text form.
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::AllToAll => "all_to_all",
+        }
+    }
+}
+
+/// A process group a collective runs over.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CommGroup {
+    /// Group name (e.g. `fsdp`, `ep`).
+    pub name: String,
+    /// Number of ranks in the group (≥ 1).
+    pub size: usize,
+}
+
+/// One primitive operation. Every node produces exactly one value (SSA).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Op {
+    /// A graph input; `name` is unique within the graph.
+    Input { name: String, kind: InputKind, ty: TensorType },
+    /// A constant filled with `value`.
+    Full { value: f64, ty: TensorType },
+    /// Elementwise unary op.
+    Unary { f: UnaryOp },
+    /// `x * mul + add` with scalar `mul`, `add`.
+    Affine { mul: f64, add: f64 },
+    /// Elementwise binary op with broadcasting.
+    Binary { f: BinaryOp },
+    /// Sum over one axis.
+    Sum { axis: usize, keepdim: bool },
+    /// Maximum over one axis.
+    Max { axis: usize, keepdim: bool },
+    /// Batched matmul `[..., m, k] × [..., k, n] → [..., m, n]`, equal batch dims.
+    Matmul,
+    /// Same elements, new shape (equal element count).
+    Reshape { shape: Vec<usize> },
+    /// Axis permutation: output axis `i` is input axis `perm[i]`.
+    Permute { perm: Vec<usize> },
+    /// Broadcast (expand) to `shape` by NumPy rules.
+    Broadcast { shape: Vec<usize> },
+    /// `x[start..end]` along `axis`.
+    Slice { axis: usize, start: usize, end: usize },
+    /// Concatenate all inputs along `axis`.
+    Concat { axis: usize },
+    /// `(src, ids[n])`: rows of `src` along `axis` picked by the 1-D u32 `ids`.
+    IndexSelect { axis: usize },
+    /// `(dst, ids[n], src)`: `dst` with `src` slices added at positions `ids` along `axis`.
+    IndexAdd { axis: usize },
+    /// `(src, idx)`: `out[..i..] = src[..idx[..i..]..]` along `axis`; `idx` u32, same rank as `src`.
+    Gather { axis: usize },
+    /// `(dst, idx, src)`: `dst` with `src` added at `idx` along `axis` (inverse of gather).
+    ScatterAdd { axis: usize },
+    /// u32 indices of the `k` largest entries along the last axis, largest first (no gradient).
+    TopK { k: usize },
+    /// Element type conversion.
+    Cast { dtype: DType },
+    /// Issue a collective over `group` along `axis`; its value is only readable through a wait.
+    CollectiveStart { kind: CollectiveKind, group: CommGroup, axis: usize },
+    /// Complete the collective started by its single input; yields the collective's result.
+    CollectiveWait,
+}
+
+impl Op {
+    /// Short mnemonic used in the text and DOT forms (`matmul`, `add`, `all_gather_start`, …).
+    pub fn mnemonic(&self) -> String {
+        match self {
+            Op::Input { kind, .. } => format!("input.{}", kind.name()),
+            Op::Full { .. } => "full".into(),
+            Op::Unary { f } => format!("{f:?}").to_lowercase(),
+            Op::Affine { .. } => "affine".into(),
+            Op::Binary { f } => format!("{f:?}").to_lowercase(),
+            Op::Sum { .. } => "sum".into(),
+            Op::Max { .. } => "max".into(),
+            Op::Matmul => "matmul".into(),
+            Op::Reshape { .. } => "reshape".into(),
+            Op::Permute { .. } => "permute".into(),
+            Op::Broadcast { .. } => "broadcast".into(),
+            Op::Slice { .. } => "slice".into(),
+            Op::Concat { .. } => "concat".into(),
+            Op::IndexSelect { .. } => "index_select".into(),
+            Op::IndexAdd { .. } => "index_add".into(),
+            Op::Gather { .. } => "gather".into(),
+            Op::ScatterAdd { .. } => "scatter_add".into(),
+            Op::TopK { .. } => "topk".into(),
+            Op::Cast { .. } => "cast".into(),
+            Op::CollectiveStart { kind, .. } => format!("{}_start", kind.name()),
+            Op::CollectiveWait => "wait".into(),
+        }
+    }
+
+    /// Attributes as `key=value` strings for the text form.
+    pub fn attrs(&self) -> Vec<String> {
+        let dims =
+            |v: &[usize]| format!("[{}]", v.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","));
+        match self {
+            Op::Input { name, .. } => vec![format!("{name:?}")],
+            Op::Full { value, .. } => vec![format!("value={value}")],
+            Op::Affine { mul, add } => vec![format!("mul={mul}"), format!("add={add}")],
+            Op::Sum { axis, keepdim } | Op::Max { axis, keepdim } => {
+                vec![format!("axis={axis}"), format!("keepdim={keepdim}")]
+            }
+            Op::Reshape { shape } | Op::Broadcast { shape } => vec![format!("shape={}", dims(shape))],
+            Op::Permute { perm } => vec![format!("perm={}", dims(perm))],
+            Op::Slice { axis, start, end } => vec![format!("axis={axis}"), format!("range={start}..{end}")],
+            Op::Concat { axis }
+            | Op::IndexSelect { axis }
+            | Op::IndexAdd { axis }
+            | Op::Gather { axis }
+            | Op::ScatterAdd { axis } => vec![format!("axis={axis}")],
+            Op::TopK { k } => vec![format!("k={k}")],
+            Op::Cast { dtype } => vec![format!("dtype={dtype}")],
+            Op::CollectiveStart { group, axis, .. } => {
+                vec![format!("group={}/{}", group.name, group.size), format!("axis={axis}")]
+            }
+            _ => vec![],
+        }
+    }
+
+    /// Whether this op starts or completes a collective.
+    pub fn is_collective(&self) -> bool {
+        matches!(self, Op::CollectiveStart { .. } | Op::CollectiveWait)
+    }
+}

@@ -1,0 +1,61 @@
+//! IR basics: text form, DOT, JSON, typed shape errors, verifier on builder output.
+
+mod common;
+
+use graphpp_graph::layers::linear;
+use graphpp_graph::print::{from_json, to_dot, to_json, to_text};
+use graphpp_graph::{DType, GraphBuilder, GraphError, InputKind, TensorType};
+
+#[test]
+fn text_form_has_one_line_per_node_in_the_documented_format() {
+    let mut b = GraphBuilder::new("fw", DType::F32);
+    let x = b.input("x", InputKind::Activation, vec![4, 64, 128]).unwrap();
+    let w = b.input("w", InputKind::Parameter, vec![4, 128, 256]).unwrap();
+    b.push_scope("layers.0");
+    b.push_scope("attn.q_proj");
+    let y = b.matmul(x, w).unwrap();
+    b.output("y", y);
+    let g = b.finish().unwrap();
+    let text = to_text(&g);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], "graph fw {");
+    assert_eq!(lines[1], "%0 = input.activation(\"x\") : f32[4,64,128]");
+    assert_eq!(lines[3], "%2 = matmul(%0, %1) : f32[4,64,256]  # layers.0.attn.q_proj");
+    assert_eq!(lines[4], "return y=%2");
+    assert_eq!(lines.len(), 2 + g.nodes.len() + 1);
+}
+
+#[test]
+fn dot_and_json_cover_every_node_and_round_trip() {
+    let g = common::block_stage(2, 4, 8, 12, 2);
+    let dot = to_dot(&g);
+    let edges = dot.matches(" -> n").count();
+    let operand_edges: usize = g.nodes.iter().map(|n| n.inputs.len()).sum();
+    assert_eq!(edges, operand_edges);
+    assert!(dot.starts_with("digraph"));
+    let back = from_json(&to_json(&g)).unwrap();
+    assert_eq!(back, g);
+}
+
+#[test]
+fn bad_shapes_give_typed_errors_naming_the_scope() {
+    let mut b = GraphBuilder::new("fw", DType::F32);
+    let x = b.input("x", InputKind::Activation, vec![3, 5]).unwrap();
+    let w = b.input("w", InputKind::Parameter, vec![7, 6]).unwrap();
+    b.push_scope("mlp.up_proj");
+    let e = linear(&mut b, x, w).unwrap_err();
+    assert!(matches!(e, GraphError::Shape { .. }), "{e}");
+    let e = b.matmul(x, x).unwrap_err().to_string();
+    assert!(e.contains("mlp.up_proj") && e.contains("inner dims"), "{e}");
+    let ids = b.input_typed("ids", InputKind::Activation, TensorType::new(DType::F32, vec![3])).unwrap();
+    let e = b.index_select(w, ids, 0).unwrap_err().to_string();
+    assert!(e.contains("u32"), "{e}");
+    assert!(b.input("x", InputKind::Activation, vec![1]).is_err(), "duplicate input name accepted");
+}
+
+#[test]
+fn stats_count_matmul_flops() {
+    let g = common::mlp_stage(8, &[16, 32, 4]);
+    // 2·n·in·out per linear: 2·8·16·32 + 2·8·32·4.
+    assert_eq!(g.matmul_flops(), 2 * 8 * 16 * 32 + 2 * 8 * 32 * 4);
+}

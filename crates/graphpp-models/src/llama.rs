@@ -1,0 +1,299 @@
+//! Llama-style dense decoder as a stage graph (DESIGN.md "Models"): embedding on the first stage,
+//! contiguous decoder layers, final RMSNorm + LM head + cross-entropy on the last. Parameter names
+//! follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, …).
+
+use crate::config::{LlamaConfig, ModelError};
+use graphpp_graph::layers::{
+    causal_attention, cross_entropy, embedding, linear, rms_norm, swiglu_mlp, AttentionDims, AttentionWeights,
+};
+use graphpp_graph::names::{INPUT, LOSS, OUTPUT, TARGETS, TOKENS};
+use graphpp_graph::{CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, TensorType, ValueId};
+use std::ops::Range;
+
+/// Microbatch shape and numeric options of a stage graph.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageOptions {
+    /// Sequences per microbatch `B`.
+    pub batch: usize,
+    /// Tokens per sequence `T`.
+    pub seq: usize,
+    /// Float dtype of parameters and activations.
+    pub dtype: DType,
+    /// When set, parameters are shards along axis 0 over this group and all-gathered before use.
+    pub fsdp: Option<CommGroup>,
+}
+
+impl StageOptions {
+    /// `B×T` microbatch in f32, no FSDP.
+    pub fn new(batch: usize, seq: usize) -> Self {
+        StageOptions { batch, seq, dtype: DType::F32, fsdp: None }
+    }
+}
+
+/// Which part of the model a stage holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageSpec {
+    /// Stage index `s` in `0..S`.
+    pub stage: usize,
+    /// Number of stages `S`.
+    pub stages: usize,
+    /// Decoder layers held.
+    pub layers: Range<usize>,
+}
+
+impl StageSpec {
+    /// Whether this stage holds the embedding.
+    pub fn is_first(&self) -> bool {
+        self.stage == 0
+    }
+    /// Whether this stage holds the final norm, LM head and loss.
+    pub fn is_last(&self) -> bool {
+        self.stage + 1 == self.stages
+    }
+}
+
+/// Splits `num_layers` into `stages` contiguous ranges: evenly (earlier stages take the remainder)
+/// or by `layers_per_stage` (`--layers-per-stage 3,3,2`). Errors: [`ModelError::Split`] when the
+/// counts do not add up, `stages` is 0, or an even split would leave a stage without layers.
+pub fn split_layers(
+    num_layers: usize,
+    stages: usize,
+    layers_per_stage: Option<&[usize]>,
+) -> Result<Vec<StageSpec>, ModelError> {
+    if stages == 0 {
+        return Err(ModelError::Split("need at least one stage".into()));
+    }
+    let counts: Vec<usize> = match layers_per_stage {
+        Some(c) => {
+            if c.len() != stages || c.iter().sum::<usize>() != num_layers {
+                return Err(ModelError::Split(format!(
+                    "layers per stage {c:?} must be {stages} numbers adding up to {num_layers}"
+                )));
+            }
+            c.to_vec()
+        }
+        None => {
+            if stages > num_layers {
+                return Err(ModelError::Split(format!("{stages} stages for {num_layers} layers")));
+            }
+            (0..stages).map(|s| num_layers / stages + usize::from(s < num_layers % stages)).collect()
+        }
+    };
+    let mut start = 0;
+    Ok(counts
+        .iter()
+        .enumerate()
+        .map(|(stage, &n)| {
+            start += n;
+            StageSpec { stage, stages, layers: start - n..start }
+        })
+        .collect())
+}
+
+/// Names and shapes (HF layout `[out, in]`) of the parameters a stage holds, in interface order.
+pub fn stage_parameters(cfg: &LlamaConfig, spec: &StageSpec) -> Vec<(String, Vec<usize>)> {
+    let (d, f, v, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim());
+    let kvd = cfg.kv_heads() * hd;
+    let mut p = Vec::new();
+    if spec.is_first() {
+        p.push(("model.embed_tokens.weight".to_string(), vec![v, d]));
+    }
+    for l in spec.layers.clone() {
+        let pre = format!("model.layers.{l}");
+        p.push((format!("{pre}.input_layernorm.weight"), vec![d]));
+        p.push((format!("{pre}.self_attn.q_proj.weight"), vec![d, d]));
+        p.push((format!("{pre}.self_attn.k_proj.weight"), vec![kvd, d]));
+        p.push((format!("{pre}.self_attn.v_proj.weight"), vec![kvd, d]));
+        p.push((format!("{pre}.self_attn.o_proj.weight"), vec![d, d]));
+        p.push((format!("{pre}.post_attention_layernorm.weight"), vec![d]));
+        p.push((format!("{pre}.mlp.gate_proj.weight"), vec![f, d]));
+        p.push((format!("{pre}.mlp.up_proj.weight"), vec![f, d]));
+        p.push((format!("{pre}.mlp.down_proj.weight"), vec![d, f]));
+    }
+    if spec.is_last() {
+        p.push(("model.norm.weight".to_string(), vec![d]));
+        p.push(("lm_head.weight".to_string(), vec![v, d]));
+    }
+    p
+}
+
+/// Buffers of every stage: `rope.cos`, `rope.sin` `[T, hd]` (HF rotate-half layout, θ =
+/// `rope_theta`) and the additive causal `mask` `[T, T]` (0 at or below the diagonal, −1e9 above).
+/// Values in f64 row-major; cast to the stage dtype by the caller.
+pub fn stage_buffers(cfg: &LlamaConfig, seq: usize) -> Vec<(String, Vec<usize>, Vec<f64>)> {
+    let hd = cfg.head_dim();
+    let (mut cos, mut sin) = (Vec::with_capacity(seq * hd), Vec::with_capacity(seq * hd));
+    for t in 0..seq {
+        for j in 0..hd {
+            let i = j % (hd / 2);
+            let inv_freq = 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64);
+            let a = t as f64 * inv_freq;
+            cos.push(a.cos());
+            sin.push(a.sin());
+        }
+    }
+    let mask = (0..seq * seq).map(|k| if k % seq > k / seq { -1e9 } else { 0.0 }).collect();
+    vec![
+        ("rope.cos".into(), vec![seq, hd], cos),
+        ("rope.sin".into(), vec![seq, hd], sin),
+        ("mask".into(), vec![seq, seq], mask),
+    ]
+}
+
+/// The forward graph of one stage. Inputs, in order: parameters ([`stage_parameters`]), buffers
+/// ([`stage_buffers`]), `tokens` `[B,T]` u32 (first stage) or `input` `[B,T,D]`, then `targets`
+/// `[B,T]` u32 (last stage). Output: `loss` (scalar, mean over the B·T tokens) on the last stage,
+/// else `output` `[B,T,D]`. Errors: invalid config or FSDP shard sizes.
+pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
+    cfg.validate()?;
+    let (bsz, t, d) = (opts.batch, opts.seq, cfg.hidden_size);
+    let mut b = GraphBuilder::new(&format!("stage{}.fw", spec.stage), opts.dtype);
+    let mut params = std::collections::HashMap::new();
+    for (name, shape) in stage_parameters(cfg, spec) {
+        let v = parameter(&mut b, &name, shape, opts)?;
+        params.insert(name, v);
+    }
+    let mut bufs = Vec::new();
+    for (name, shape, _) in stage_buffers(cfg, t) {
+        bufs.push(b.input(&name, InputKind::Buffer, shape)?);
+    }
+    let x_in = if spec.is_first() {
+        b.input_typed(TOKENS, InputKind::Activation, TensorType::new(DType::U32, vec![bsz, t]))?
+    } else {
+        b.input(INPUT, InputKind::Activation, vec![bsz, t, d])?
+    };
+    let targets = if spec.is_last() {
+        Some(b.input_typed(TARGETS, InputKind::Target, TensorType::new(DType::U32, vec![bsz, t]))?)
+    } else {
+        None
+    };
+    // FSDP all-gathers are emitted right after the inputs (their waits precede first use).
+    let p = |name: &str| params[name];
+    b.push_scope("model");
+    let mut x = if spec.is_first() {
+        b.push_scope("embed_tokens");
+        let e = embedding(&mut b, p("model.embed_tokens.weight"), x_in)?;
+        b.pop_scope();
+        e
+    } else {
+        x_in
+    };
+    let dims = AttentionDims { heads: cfg.num_attention_heads, kv_heads: cfg.kv_heads() };
+    for l in spec.layers.clone() {
+        let pre = format!("model.layers.{l}");
+        let w = |s: &str| p(&format!("{pre}.{s}.weight"));
+        b.push_scope(&format!("layers.{l}"));
+        b.push_scope("input_layernorm");
+        let h = rms_norm(&mut b, x, w("input_layernorm"), cfg.rms_norm_eps)?;
+        b.pop_scope();
+        b.push_scope("self_attn");
+        let aw = AttentionWeights {
+            q: w("self_attn.q_proj"),
+            k: w("self_attn.k_proj"),
+            v: w("self_attn.v_proj"),
+            o: w("self_attn.o_proj"),
+        };
+        let a = causal_attention(&mut b, h, aw, dims, bufs[0], bufs[1], bufs[2])?;
+        b.pop_scope();
+        x = b.add2(x, a)?;
+        b.push_scope("post_attention_layernorm");
+        let h = rms_norm(&mut b, x, w("post_attention_layernorm"), cfg.rms_norm_eps)?;
+        b.pop_scope();
+        b.push_scope("mlp");
+        let m = swiglu_mlp(&mut b, h, w("mlp.gate_proj"), w("mlp.up_proj"), w("mlp.down_proj"))?;
+        b.pop_scope();
+        x = b.add2(x, m)?;
+        b.pop_scope();
+    }
+    if let Some(targets) = targets {
+        b.push_scope("norm");
+        let h = rms_norm(&mut b, x, p("model.norm.weight"), cfg.rms_norm_eps)?;
+        b.pop_scope();
+        b.pop_scope();
+        b.push_scope("lm_head");
+        let logits = linear(&mut b, h, p("lm_head.weight"))?;
+        let logits = b.reshape(logits, vec![bsz * t, cfg.vocab_size])?;
+        let tg = b.reshape(targets, vec![bsz * t])?;
+        b.pop_scope();
+        b.push_scope("loss");
+        let loss = cross_entropy(&mut b, logits, tg)?;
+        b.pop_scope();
+        b.output(LOSS, loss);
+    } else {
+        b.pop_scope();
+        b.output(OUTPUT, x);
+    }
+    Ok(b.finish()?)
+}
+
+/// A parameter input; with FSDP the input is this rank's shard `[out/n, …]` and the returned value
+/// is its all-gather.
+fn parameter(
+    b: &mut GraphBuilder,
+    name: &str,
+    shape: Vec<usize>,
+    opts: &StageOptions,
+) -> Result<ValueId, ModelError> {
+    let Some(group) = &opts.fsdp else { return Ok(b.input(name, InputKind::Parameter, shape)?) };
+    if !shape[0].is_multiple_of(group.size) {
+        return Err(ModelError::Split(format!(
+            "{name} dim 0 = {} not divisible by FSDP group size {}",
+            shape[0], group.size
+        )));
+    }
+    let mut shard = shape;
+    shard[0] /= group.size;
+    let v = b.input(name, InputKind::Parameter, shard)?;
+    b.set_scope(name.trim_end_matches(".weight"));
+    b.set_region(graphpp_graph::Region::Comm(format!("{}.unshard", group.name)));
+    let g = b.collective(CollectiveKind::AllGather, group, 0, v)?;
+    b.set_region(graphpp_graph::Region::Compute);
+    b.set_scope("");
+    Ok(g)
+}
+
+/// Deterministic initial parameters (HF Llama init: normal(0, 0.02) for matrices, 1 for norm
+/// weights), seeded per parameter name so any stage split gives the same weights. Row-major f32.
+pub fn init_parameters(
+    cfg: &LlamaConfig,
+    spec: &StageSpec,
+    seed: u64,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    stage_parameters(cfg, spec)
+        .into_iter()
+        .map(|(name, shape)| {
+            let n: usize = shape.iter().product();
+            let data = if shape.len() == 1 {
+                vec![1.0; n]
+            } else {
+                let mut rng = crate::rng::Rng::new(seed ^ crate::rng::hash(&name));
+                (0..n).map(|_| (rng.normal() * 0.02) as f32).collect()
+            };
+            (name, shape, data)
+        })
+        .collect()
+}
+
+/// Checkpoint scopes of a stage for [`graphpp_graph::RecomputePolicy::Checkpoints`]: the residual
+/// stream after the attention and after the MLP of every layer (scope `model.layers.<l>`).
+pub fn layer_checkpoints(spec: &StageSpec) -> Vec<String> {
+    spec.layers.clone().map(|l| format!("model.layers.{l}")).collect()
+}
+
+/// Everything `graphpp graph --model M --stages S --stage s [--layers-per-stage …]` needs: the
+/// stage's forward graph built and all its derived graphs. Errors: bad config, split or pass.
+pub fn stage_graph_set(
+    cfg: &LlamaConfig,
+    stages: usize,
+    stage: usize,
+    layers_per_stage: Option<&[usize]>,
+    opts: &StageOptions,
+    policy: &graphpp_graph::RecomputePolicy,
+) -> Result<graphpp_graph::StageGraphs, ModelError> {
+    let specs = split_layers(cfg.num_hidden_layers, stages, layers_per_stage)?;
+    let spec = specs
+        .get(stage)
+        .ok_or_else(|| ModelError::Split(format!("stage {stage} out of range 0..{stages}")))?;
+    let fw = build_stage(cfg, spec, opts)?;
+    Ok(graphpp_graph::stage_graphs(&fw, policy)?)
+}

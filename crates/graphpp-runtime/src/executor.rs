@@ -1,0 +1,367 @@
+//! Graph executor (DESIGN.md "Runtime" → Executor): interprets a graph node by node on candle CPU
+//! tensors, frees each value after its last use, and reports the peak live bytes and optionally the
+//! time of every node.
+//!
+//! Live bytes = logical size (`numel × dtype size`) of every value the executor holds: node
+//! results and the inputs of kind activation / target / saved / tangent, each until its last use
+//! (outputs until the end). Parameters and buffers are stage state and are not counted, nor are
+//! values computed from them alone (e.g. a transposed weight: a view of the state, not an
+//! activation). Views of activations (reshape, permute, broadcast) are counted at their logical
+//! size.
+
+use candle_core::{DType as CDType, Device, Tensor};
+use graphpp_graph::{BinaryOp, CollectiveKind, CommGroup, DType, Graph, InputKind, Op, UnaryOp, ValueId};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// Errors of graph execution, each naming the node or input concerned.
+#[derive(Debug, Error)]
+pub enum ExecError {
+    /// A tensor kernel failed.
+    #[error("node %{node} {op} ({scope}) in graph `{graph}`: {source}")]
+    Kernel {
+        /// Graph name.
+        graph: String,
+        /// Node id.
+        node: usize,
+        /// Op mnemonic.
+        op: String,
+        /// Node scope.
+        scope: String,
+        /// The candle error.
+        source: Box<candle_core::Error>,
+    },
+    /// An input is missing or has the wrong type.
+    #[error("graph `{graph}` input `{name}`: {reason}")]
+    Input {
+        /// Graph name.
+        graph: String,
+        /// Input name.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A collective cannot run on this backend.
+    #[error("collective {kind} over group {group} (size {size}) at node %{node}: {reason}")]
+    Collective {
+        /// Collective kind.
+        kind: String,
+        /// Group name.
+        group: String,
+        /// Group size.
+        size: usize,
+        /// Node id.
+        node: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The graph failed verification.
+    #[error(transparent)]
+    Graph(#[from] graphpp_graph::GraphError),
+}
+
+/// Result alias for execution.
+pub type ExecResult<T> = std::result::Result<T, ExecError>;
+
+/// Backend for collectives. The pipeline runtime provides a multi-rank one; [`SingleRank`] runs a
+/// group of size 1 (every collective is the identity).
+pub trait Collectives {
+    /// Runs `kind` over `group` along `axis` on this rank's `x`. Errors: a reason text.
+    fn run(&self, kind: CollectiveKind, group: &CommGroup, axis: usize, x: &Tensor)
+        -> Result<Tensor, String>;
+}
+
+/// Collectives over single-rank groups only.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SingleRank;
+
+impl Collectives for SingleRank {
+    fn run(
+        &self,
+        _kind: CollectiveKind,
+        group: &CommGroup,
+        _axis: usize,
+        x: &Tensor,
+    ) -> Result<Tensor, String> {
+        if group.size == 1 {
+            Ok(x.clone())
+        } else {
+            Err("only single-rank groups run without a transport".into())
+        }
+    }
+}
+
+/// What a run reports besides its outputs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RunOptions {
+    /// Record the wall time of every node.
+    pub time_nodes: bool,
+    /// Record which values are live at the peak (memory debugging).
+    pub trace_peak: bool,
+}
+
+/// Outputs and measurements of one run.
+#[derive(Debug)]
+pub struct RunReport {
+    /// Output tensors, in the graph's output order.
+    pub outputs: Vec<Tensor>,
+    /// Peak live bytes (see the module doc).
+    pub peak_live_bytes: usize,
+    /// Wall time per node (index = node id) when asked for.
+    pub node_times: Option<Vec<Duration>>,
+    /// Values live at the peak, when asked for.
+    pub live_at_peak: Option<Vec<ValueId>>,
+}
+
+impl RunReport {
+    /// Output called `name` of `graph`.
+    pub fn output(&self, graph: &Graph, name: &str) -> Option<&Tensor> {
+        graph.outputs.iter().position(|o| o.name == name).map(|i| &self.outputs[i])
+    }
+}
+
+/// candle dtype of an IR dtype.
+pub fn candle_dtype(d: DType) -> CDType {
+    match d {
+        DType::F32 => CDType::F32,
+        DType::F64 => CDType::F64,
+        DType::BF16 => CDType::BF16,
+        DType::U32 => CDType::U32,
+    }
+}
+
+/// Runs `graph` on `inputs` (in the graph's input order) with single-rank collectives.
+pub fn run(graph: &Graph, inputs: &[Tensor], opts: &RunOptions) -> ExecResult<RunReport> {
+    run_with(graph, inputs, opts, &SingleRank)
+}
+
+/// Runs `graph` binding its inputs by name. Errors: a missing input.
+pub fn run_named(
+    graph: &Graph,
+    inputs: &HashMap<String, Tensor>,
+    opts: &RunOptions,
+) -> ExecResult<RunReport> {
+    let mut ordered = Vec::with_capacity(graph.inputs.len());
+    for name in graph.input_names() {
+        let t = inputs.get(&name).ok_or_else(|| ExecError::Input {
+            graph: graph.name.clone(),
+            name: name.clone(),
+            reason: "not provided".into(),
+        })?;
+        ordered.push(t.clone());
+    }
+    run(graph, &ordered, opts)
+}
+
+/// Runs `graph` with collectives from `coll`. Errors: wrong inputs, kernel or collective failures.
+pub fn run_with(
+    graph: &Graph,
+    inputs: &[Tensor],
+    opts: &RunOptions,
+    coll: &dyn Collectives,
+) -> ExecResult<RunReport> {
+    if cfg!(debug_assertions) {
+        graphpp_graph::verify(graph)?;
+    }
+    if inputs.len() != graph.inputs.len() {
+        return Err(ExecError::Input {
+            graph: graph.name.clone(),
+            name: "*".into(),
+            reason: format!("expected {} inputs, got {}", graph.inputs.len(), inputs.len()),
+        });
+    }
+    let n = graph.nodes.len();
+    let mut uses = vec![0usize; n];
+    for node in &graph.nodes {
+        for x in &node.inputs {
+            uses[x.0] += 1;
+        }
+    }
+    for o in &graph.outputs {
+        uses[o.value.0] = usize::MAX;
+    }
+    let state = state_derived(graph);
+    let mut vals: Vec<Option<Tensor>> = vec![None; n];
+    let mut counted = vec![0usize; n];
+    let (mut live, mut peak) = (0usize, 0usize);
+    let mut times = opts.time_nodes.then(|| vec![Duration::ZERO; n]);
+    let mut next_input = 0;
+    let mut at_peak = Vec::new();
+    for (i, node) in graph.nodes.iter().enumerate() {
+        let t0 = Instant::now();
+        let value = if let Op::Input { name, kind, ty } = &node.op {
+            let t = inputs[next_input].clone();
+            next_input += 1;
+            if t.dims() != ty.shape.as_slice() || t.dtype() != candle_dtype(ty.dtype) {
+                return Err(ExecError::Input {
+                    graph: graph.name.clone(),
+                    name: name.clone(),
+                    reason: format!("expected {ty}, got {:?} {:?}", t.dtype(), t.dims()),
+                });
+            }
+            if !matches!(kind, InputKind::Parameter | InputKind::Buffer) {
+                counted[i] = ty.size_bytes();
+            }
+            t
+        } else {
+            let args: Vec<&Tensor> =
+                node.inputs.iter().map(|x| vals[x.0].as_ref().expect("live operand")).collect();
+            counted[i] = if state[i] { 0 } else { node.ty.size_bytes() };
+            eval(graph, i, &node.op, &args, coll)?
+        };
+        live += counted[i];
+        if live > peak {
+            peak = live;
+            if opts.trace_peak {
+                at_peak = (0..=i).filter(|&j| vals[j].is_some() || j == i).map(ValueId).collect();
+            }
+        }
+        vals[i] = Some(value);
+        if uses[i] == 0 {
+            vals[i] = None;
+            live -= counted[i];
+        }
+        for x in &node.inputs {
+            if uses[x.0] != usize::MAX {
+                uses[x.0] -= 1;
+                if uses[x.0] == 0 {
+                    vals[x.0] = None;
+                    live -= counted[x.0];
+                }
+            }
+        }
+        if let Some(t) = times.as_mut() {
+            t[i] = t0.elapsed();
+        }
+    }
+    let outputs = graph.outputs.iter().map(|o| vals[o.value.0].clone().expect("outputs are kept")).collect();
+    let live_at_peak = opts.trace_peak.then_some(at_peak);
+    Ok(RunReport { outputs, peak_live_bytes: peak, node_times: times, live_at_peak })
+}
+
+/// Values computed only from parameters and buffers (no constants, no collectives).
+fn state_derived(g: &Graph) -> Vec<bool> {
+    let mut s = vec![false; g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        s[i] = match &n.op {
+            Op::Input { kind, .. } => matches!(kind, InputKind::Parameter | InputKind::Buffer),
+            Op::Full { .. } | Op::CollectiveStart { .. } | Op::CollectiveWait => false,
+            _ => n.inputs.iter().all(|x| s[x.0]),
+        };
+    }
+    s
+}
+
+fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor], coll: &dyn Collectives) -> ExecResult<Tensor> {
+    let node = &graph.nodes[i];
+    let wrap = |e: candle_core::Error| ExecError::Kernel {
+        graph: graph.name.clone(),
+        node: i,
+        op: op.mnemonic(),
+        scope: node.meta.scope.clone(),
+        source: Box::new(e),
+    };
+    match op {
+        Op::CollectiveStart { kind, group, axis } => {
+            return coll.run(*kind, group, *axis, a[0]).map_err(|reason| ExecError::Collective {
+                kind: kind.name().into(),
+                group: group.name.clone(),
+                size: group.size,
+                node: i,
+                reason,
+            })
+        }
+        Op::CollectiveWait => return Ok(a[0].clone()),
+        _ => {}
+    }
+    kernel(op, a, &node.ty).map_err(wrap)
+}
+
+fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core::Result<Tensor> {
+    Ok(match op {
+        Op::Input { .. } | Op::CollectiveStart { .. } | Op::CollectiveWait => {
+            unreachable!("handled by caller")
+        }
+        Op::Full { value, ty } => {
+            (Tensor::zeros(ty.shape.clone(), candle_dtype(ty.dtype), &Device::Cpu)? + *value)?
+        }
+        Op::Unary { f } => match f {
+            UnaryOp::Neg => a[0].neg()?,
+            UnaryOp::Exp => a[0].exp()?,
+            UnaryOp::Log => a[0].log()?,
+            UnaryOp::Sqrt => a[0].sqrt()?,
+            UnaryOp::Recip => a[0].recip()?,
+            UnaryOp::Sigmoid => (a[0].neg()?.exp()? + 1.0)?.recip()?,
+        },
+        Op::Affine { mul, add } => a[0].affine(*mul, *add)?,
+        Op::Binary { f } => match f {
+            BinaryOp::Add => a[0].broadcast_add(a[1])?,
+            BinaryOp::Sub => a[0].broadcast_sub(a[1])?,
+            BinaryOp::Mul => a[0].broadcast_mul(a[1])?,
+            BinaryOp::Div => a[0].broadcast_div(a[1])?,
+            BinaryOp::Eq => a[0].broadcast_eq(a[1])?.to_dtype(a[0].dtype())?,
+        },
+        Op::Sum { axis, keepdim } => {
+            if *keepdim {
+                a[0].sum_keepdim(*axis)?
+            } else {
+                a[0].sum(*axis)?
+            }
+        }
+        Op::Max { axis, keepdim } => {
+            if *keepdim {
+                a[0].max_keepdim(*axis)?
+            } else {
+                a[0].max(*axis)?
+            }
+        }
+        Op::Matmul => a[0].contiguous()?.matmul(&a[1].contiguous()?)?,
+        Op::Reshape { shape } => a[0].contiguous()?.reshape(shape.clone())?,
+        Op::Permute { perm } => a[0].permute(perm.clone())?,
+        Op::Broadcast { shape } => a[0].broadcast_as(shape.clone())?,
+        Op::Slice { axis, start, end } => a[0].narrow(*axis, *start, end - start)?,
+        Op::Concat { axis } => Tensor::cat(a, *axis)?,
+        Op::IndexSelect { axis } => a[0].contiguous()?.index_select(&a[1].contiguous()?, *axis)?,
+        Op::IndexAdd { axis } => {
+            a[0].contiguous()?.index_add(&a[1].contiguous()?, &a[2].contiguous()?, *axis)?
+        }
+        Op::Gather { axis } => a[0].contiguous()?.gather(&a[1].contiguous()?, *axis)?,
+        Op::ScatterAdd { axis } => {
+            a[0].contiguous()?.scatter_add(&a[1].contiguous()?, &a[2].contiguous()?, *axis)?
+        }
+        Op::TopK { k } => {
+            let last = ty.shape.len() - 1;
+            a[0].contiguous()?.arg_sort_last_dim(false)?.narrow(last, 0, *k)?.contiguous()?
+        }
+        Op::Cast { dtype } => a[0].to_dtype(candle_dtype(*dtype))?,
+    })
+}
+
+/// A tensor of IR type (`dtype`, `shape`) from f64 row-major data (cast to `dtype`).
+pub fn tensor_from_f64(data: &[f64], shape: &[usize], dtype: DType) -> candle_core::Result<Tensor> {
+    Tensor::from_slice(data, shape.to_vec(), &Device::Cpu)?.to_dtype(candle_dtype(dtype))
+}
+
+/// A u32 tensor from row-major data.
+pub fn tensor_u32(data: &[u32], shape: &[usize]) -> candle_core::Result<Tensor> {
+    Tensor::from_slice(data, shape.to_vec(), &Device::Cpu)
+}
+
+/// All elements as f64, row-major.
+pub fn to_f64(t: &Tensor) -> candle_core::Result<Vec<f64>> {
+    t.to_dtype(CDType::F64)?.flatten_all()?.to_vec1::<f64>()
+}
+
+/// Named value map from parallel names and tensors.
+pub fn named(names: &[String], tensors: &[Tensor]) -> HashMap<String, Tensor> {
+    names.iter().cloned().zip(tensors.iter().cloned()).collect::<HashMap<_, _>>()
+}
+
+/// Ids of the nodes sorted by recorded time, longest first (for `--stats`).
+pub fn slowest_nodes(times: &[Duration], k: usize) -> Vec<(ValueId, Duration)> {
+    let mut v: Vec<(ValueId, Duration)> = times.iter().enumerate().map(|(i, d)| (ValueId(i), *d)).collect();
+    v.sort_by_key(|x| std::cmp::Reverse(x.1));
+    v.truncate(k);
+    v
+}
