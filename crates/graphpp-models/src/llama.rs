@@ -52,9 +52,10 @@ impl StageSpec {
     }
 }
 
-/// Splits `num_layers` into `stages` contiguous ranges: evenly (earlier stages take the remainder)
-/// or by `layers_per_stage` (`--layers-per-stage 3,3,2`). Errors: [`ModelError::Split`] when the
-/// counts do not add up, `stages` is 0, or an even split would leave a stage without layers.
+/// Splits `num_layers` into `stages` contiguous ranges: evenly, or by `layers_per_stage`
+/// (`--layers-per-stage 3,3,2`). Errors: [`ModelError::Split`] when the counts do not add up,
+/// `stages` is 0, or no split is given and the layers do not divide evenly (the message suggests
+/// an uneven split).
 pub fn split_layers(
     num_layers: usize,
     stages: usize,
@@ -73,10 +74,17 @@ pub fn split_layers(
             c.to_vec()
         }
         None => {
-            if stages > num_layers {
-                return Err(ModelError::Split(format!("{stages} stages for {num_layers} layers")));
+            if num_layers % stages != 0 {
+                let hint: Vec<String> = (0..stages)
+                    .map(|s| (num_layers / stages + usize::from(s < num_layers % stages)).to_string())
+                    .collect();
+                return Err(ModelError::Split(format!(
+                    "{num_layers} layers do not divide into {stages} stages; give an uneven split with \
+                     --layers-per-stage (e.g. {}) or another stage count",
+                    hint.join(",")
+                )));
             }
-            (0..stages).map(|s| num_layers / stages + usize::from(s < num_layers % stages)).collect()
+            vec![num_layers / stages; stages]
         }
     };
     let mut start = 0;

@@ -8,9 +8,16 @@ use graphpp_models::{
 
 #[test]
 fn even_and_uneven_splits() {
-    let s = split_layers(10, 4, None).unwrap();
+    let s = split_layers(12, 4, None).unwrap();
     let ranges: Vec<_> = s.iter().map(|x| x.layers.clone()).collect();
-    assert_eq!(ranges, vec![0..3, 3..6, 6..8, 8..10]);
+    assert_eq!(ranges, vec![0..3, 3..6, 6..9, 9..12]);
+    // Layers that do not divide into the stages need an explicit split; the error suggests one.
+    match split_layers(10, 4, None) {
+        Err(ModelError::Split(msg)) => assert!(msg.contains("--layers-per-stage (e.g. 3,3,2,2)"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+    let s = split_layers(10, 4, Some(&[3, 3, 2, 2])).unwrap();
+    assert_eq!(s[3].layers, 8..10);
     let s = split_layers(8, 3, Some(&[4, 3, 1])).unwrap();
     assert_eq!(s[2].layers, 7..8);
     assert!(s[0].is_first() && s[2].is_last() && !s[1].is_first() && !s[1].is_last());

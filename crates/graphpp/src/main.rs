@@ -17,12 +17,15 @@ enum Command {
     /// Generate, check, lower, simulate and compare pipeline schedules.
     #[command(subcommand)]
     Schedule(cmd::schedule::ScheduleCmd),
+    /// Show a model stage's graphs (fw, full_bw, bw_di, bw_dw, overlap) and their statistics.
+    Graph(cmd::graph::GraphArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Schedule(c) => cmd::schedule::run(c),
+        Command::Graph(a) => cmd::graph::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,2 +1,3 @@
 pub mod compare;
+pub mod graph;
 pub mod schedule;

@@ -1,0 +1,129 @@
+//! `graphpp graph`: show one stage's graphs (fw, full_bw, bw_di, bw_dw, overlap) of a model as
+//! text, DOT or JSON, with `--stats` for node counts, FLOPs and saved-activation bytes.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use graphpp_graph::print::{render, stats, Format};
+use graphpp_graph::{Graph, GraphKind, RecomputePolicy, StageGraphs};
+use graphpp_models::{layer_checkpoints, split_layers, stage_graph_set, LlamaConfig, StageOptions};
+
+/// Arguments of `graphpp graph`.
+#[derive(Args)]
+pub struct GraphArgs {
+    /// Model: a preset (`tiny`, `small`) or a JSON config file with Hugging Face field names.
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Number of pipeline stages S.
+    #[arg(long, default_value_t = 1)]
+    stages: usize,
+    /// Which stage to show (0-based).
+    #[arg(long, default_value_t = 0)]
+    stage: usize,
+    /// Uneven split: decoder layers per stage, comma-separated (must sum to the model's layers).
+    #[arg(long, value_delimiter = ',')]
+    layers_per_stage: Option<Vec<usize>>,
+    /// Which graph: fw, full_bw, bw_di, bw_dw, overlap.
+    #[arg(long, default_value = "fw")]
+    show: String,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = GraphFormat::Text)]
+    format: GraphFormat,
+    /// Print statistics of every graph of the stage instead of one graph.
+    #[arg(long)]
+    stats: bool,
+    /// Sequences per microbatch B.
+    #[arg(long, default_value_t = 1)]
+    microbatch_size: usize,
+    /// Tokens per sequence T.
+    #[arg(long, default_value_t = 64)]
+    seq_len: usize,
+    /// Activation checkpointing: save-all, stage-inputs, matmuls, layers.
+    #[arg(long, value_enum, default_value_t = Recompute::SaveAll)]
+    recompute: Recompute,
+}
+
+/// Graph output formats.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum GraphFormat {
+    /// One line per node: `%12 = matmul(%3, %7) : f32[4,64,256]  # scope`.
+    Text,
+    /// Graphviz DOT.
+    Dot,
+    /// JSON.
+    Json,
+}
+
+/// Recompute (activation checkpointing) policies.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Recompute {
+    /// Save every value the backward reads.
+    SaveAll,
+    /// Save only the stage input; recompute the whole forward in the backward.
+    StageInputs,
+    /// Save matmul outputs; recompute the cheap ops.
+    Matmuls,
+    /// Save each decoder layer's output (layer checkpoints).
+    Layers,
+}
+
+/// Loads a preset or a JSON config file.
+pub fn load_config(model: &str) -> Result<LlamaConfig> {
+    if Path::new(model).is_file() {
+        let text = std::fs::read_to_string(model).with_context(|| format!("cannot read {model}"))?;
+        return LlamaConfig::from_json(&text).with_context(|| format!("{model}: bad model config"));
+    }
+    Ok(LlamaConfig::preset(model)?)
+}
+
+fn saved_bytes(g: &Graph) -> usize {
+    g.outputs.iter().filter(|o| o.name.starts_with("saved.")).map(|o| g.node(o.value).ty.size_bytes()).sum()
+}
+
+fn all_stats(sg: &StageGraphs) -> Result<String> {
+    let mut out = format!(
+        "saved activations (fw → bw): {} values, {} bytes per microbatch\n",
+        sg.saved.len(),
+        saved_bytes(&sg.fw)
+    );
+    for kind in ["fw", "full_bw", "bw_di", "bw_dw", "overlap"] {
+        match sg.select(kind.parse::<GraphKind>()?) {
+            Ok(g) => out.push_str(&stats(&g)),
+            Err(e) => out.push_str(&format!("graph {kind}: {e}\n")),
+        }
+    }
+    Ok(out)
+}
+
+/// Runs `graphpp graph`.
+pub fn run(a: GraphArgs) -> Result<()> {
+    let cfg = load_config(&a.model)?;
+    let lps = a.layers_per_stage.as_deref();
+    let policy = match a.recompute {
+        Recompute::SaveAll => RecomputePolicy::SaveAll,
+        Recompute::StageInputs => RecomputePolicy::SaveStageInputs,
+        Recompute::Matmuls => RecomputePolicy::SaveMatmuls,
+        Recompute::Layers => {
+            let specs = split_layers(cfg.num_hidden_layers, a.stages, lps)?;
+            let spec = specs
+                .get(a.stage)
+                .with_context(|| format!("stage {} out of range 0..{}", a.stage, a.stages))?;
+            RecomputePolicy::Checkpoints(layer_checkpoints(spec))
+        }
+    };
+    let opts = StageOptions::new(a.microbatch_size, a.seq_len);
+    let sg = stage_graph_set(&cfg, a.stages, a.stage, lps, &opts, &policy)?;
+    if a.stats {
+        print!("{}", all_stats(&sg)?);
+        return Ok(());
+    }
+    let g = sg.select(a.show.parse::<GraphKind>()?)?;
+    let format = match a.format {
+        GraphFormat::Text => Format::Text,
+        GraphFormat::Dot => Format::Dot,
+        GraphFormat::Json => Format::Json,
+    };
+    print!("{}", render(&g, format));
+    Ok(())
+}
