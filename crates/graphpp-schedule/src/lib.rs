@@ -8,6 +8,7 @@ pub mod costs;
 pub mod deps;
 pub mod generate;
 pub mod lower;
+pub mod measured;
 pub mod placement;
 pub mod render;
 pub mod schedule;
