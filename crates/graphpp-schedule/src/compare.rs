@@ -32,20 +32,6 @@ pub struct CompareFigures {
     pub messages_per_microbatch: f64,
 }
 
-/// The stages per rank each kind is compared at: 2 where the kind interleaves chunks, else 1.
-pub fn compare_stages_per_rank(kind: Kind) -> usize {
-    match kind {
-        Kind::Interleaved1F1B
-        | Kind::LoopedBfs
-        | Kind::GroupedInterleaved
-        | Kind::InterleavedZb
-        | Kind::Zbv
-        | Kind::DualPipe
-        | Kind::DualPipeV => 2,
-        _ => 1,
-    }
-}
-
 /// Cross-rank messages per microbatch of a compute-only schedule: dependencies that hop ranks.
 pub fn messages_per_microbatch(g: &DepGraph, microbatches: usize) -> f64 {
     let hops = g.all_deps().iter().filter(|d| d.hop).count();
@@ -81,7 +67,7 @@ pub fn compare(p: usize, m: usize, costs: &Costs) -> Vec<CompareRow> {
     Kind::ALL
         .iter()
         .map(|&kind| {
-            let v = compare_stages_per_rank(kind);
+            let v = kind.default_stages_per_rank();
             let costs = scale_costs(costs, chunk_cost_factor(kind, v));
             let opts = Options { costs, ..Options::default() };
             let result =

@@ -97,6 +97,11 @@ impl Schedule {
         self.ranks[r].iter().flatten().copied().collect()
     }
 
+    /// Rank `r`'s program as action text joined by spaces, idle steps removed (`0F0 0F1 0B0 …`).
+    pub fn program_text(&self, r: RankId) -> String {
+        self.ranks[r].iter().flatten().map(|a| a.to_string()).collect::<Vec<_>>().join(" ")
+    }
+
     /// Stage → rank map as seen in the actions (stages that appear on several ranks map to all of
     /// them; [`crate::validate`] rejects that).
     pub fn placement(&self) -> BTreeMap<StageId, Vec<RankId>> {

@@ -110,20 +110,16 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn text(s: &Schedule, r: usize) -> String {
-        s.program(r).iter().map(|a| a.to_string()).collect::<Vec<_>>().join(" ")
-    }
-
     /// p = 4, v = 2, m = 8 (rounds of 4): rank 0 runs stage 0 for microbatches 0..4, then stage 4 for
     /// 0..4, then stage 0 for 4..8 (Megatron depth-first order); its warm-up is (2−1)·4 + 2·3 = 10
     /// forwards, so the first backward (stage 4, the later chunk, mb 0) follows the 11th forward.
     #[test]
     fn depth_first_chunk_order() {
         let s = generate(&Shape::new(4, 2, 8)).unwrap();
-        let r0 = text(&s, 0);
+        let r0 = s.program_text(0);
         assert!(r0.starts_with("0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 0F4 0F5 0F6 4B0 0F7 4B1 4F4"), "{r0}");
         // Last rank: warm-up of one round only, then strict alternation on the last stage.
-        assert!(text(&s, 3).starts_with("3F0 3F1 3F2 3F3 7F0 7B0 7F1 7B1"), "{}", text(&s, 3));
+        assert!(s.program_text(3).starts_with("3F0 3F1 3F2 3F3 7F0 7B0 7F1 7B1"), "{}", s.program_text(3));
     }
 
     #[test]

@@ -116,6 +116,21 @@ impl Kind {
         }
     }
 
+    /// The stages per rank `v` the kind uses when none is given: 2 where the kind interleaves
+    /// chunks (interleaved kinds, ZB-V, DualPipe, DualPipeV), else 1.
+    pub fn default_stages_per_rank(self) -> usize {
+        match self {
+            Kind::Interleaved1F1B
+            | Kind::LoopedBfs
+            | Kind::GroupedInterleaved
+            | Kind::InterleavedZb
+            | Kind::Zbv
+            | Kind::DualPipe
+            | Kind::DualPipeV => 2,
+            _ => 1,
+        }
+    }
+
     /// The placement the kind uses.
     pub fn placement(self) -> Placement {
         match self {

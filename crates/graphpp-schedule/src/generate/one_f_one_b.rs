@@ -43,24 +43,20 @@ mod tests {
     use crate::action::ComputeKind;
     use proptest::prelude::*;
 
-    fn text(s: &Schedule, r: usize) -> String {
-        s.program(r).iter().map(|a| a.to_string()).collect::<Vec<_>>().join(" ")
-    }
-
     /// DESIGN.md 1F1B row, p = 4, m = 8.
     #[test]
     fn design_reference_programs() {
         let s = generate(&Shape::new(4, 1, 8)).unwrap();
-        assert_eq!(text(&s, 0), "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4 0B5 0B6 0B7");
-        assert!(text(&s, 3).starts_with("3F0 3B0 3F1 3B1 3F2 3B2"));
+        assert_eq!(s.program_text(0), "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4 0B5 0B6 0B7");
+        assert!(s.program_text(3).starts_with("3F0 3B0 3F1 3B1 3F2 3B2"));
     }
 
     /// Serves m < p (PyTorch rejects it): rank 0 of p = 4, m = 2 is all forwards then all backwards.
     #[test]
     fn serves_fewer_microbatches_than_ranks() {
         let s = generate(&Shape::new(4, 1, 2)).unwrap();
-        assert_eq!(text(&s, 0), "0F0 0F1 0B0 0B1");
-        assert_eq!(text(&s, 3), "3F0 3B0 3F1 3B1");
+        assert_eq!(s.program_text(0), "0F0 0F1 0B0 0B1");
+        assert_eq!(s.program_text(3), "3F0 3B0 3F1 3B1");
     }
 
     proptest! {

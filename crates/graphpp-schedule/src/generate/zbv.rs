@@ -97,20 +97,16 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn text(s: &Schedule, r: usize) -> String {
-        s.program(r).iter().map(|a| a.to_string()).collect::<Vec<_>>().join(" ")
-    }
-
     /// DESIGN.md ZB-V row at p = 4, m = 8: rank 0 warms up with 2·4−1 = 7 F of stage 0, then r = 0
     /// [F1, F0] pairs, then p − r = 4 × [F1, I1, W1] on stage 7; rank 3 with one F of stage 3, then
     /// 3 × [F(4), F(3)], then one [F1, I1, W1].
     #[test]
     fn warm_up_follows_design_row() {
         let s = generate(&Shape::new(4, 2, 8)).unwrap();
-        assert!(text(&s, 0).starts_with(
+        assert!(s.program_text(0).starts_with(
             "0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 7W2 7F3 7I3 7W3 0F7 0I0 0W0"
         ));
-        assert!(text(&s, 3).starts_with("3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4I0 4W0 3F4"));
+        assert!(s.program_text(3).starts_with("3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4I0 4W0 3F4"));
     }
 
     #[test]

@@ -156,20 +156,6 @@ pub enum SimFormat {
     Chrome,
 }
 
-/// The default v for a kind: 2 where the kind interleaves chunks, else 1.
-pub fn default_stages_per_rank(kind: Kind) -> usize {
-    match kind {
-        Kind::Interleaved1F1B
-        | Kind::LoopedBfs
-        | Kind::GroupedInterleaved
-        | Kind::InterleavedZb
-        | Kind::Zbv
-        | Kind::DualPipe
-        | Kind::DualPipeV => 2,
-        _ => 1,
-    }
-}
-
 fn generate_spec(
     kind: Kind,
     ranks: usize,
@@ -179,7 +165,7 @@ fn generate_spec(
     mem_cap: Option<f64>,
     costs: Costs,
 ) -> Result<Schedule> {
-    let shape = Shape::new(ranks, v.unwrap_or_else(|| default_stages_per_rank(kind)), m);
+    let shape = Shape::new(ranks, v.unwrap_or_else(|| kind.default_stages_per_rank()), m);
     let opts = Options { group, mem_cap, costs, ..Options::default() };
     Ok(generate(kind, &shape, &opts)?)
 }
