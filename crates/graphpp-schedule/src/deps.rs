@@ -66,18 +66,21 @@ pub struct DepGraph {
 /// microbatch that no action names.
 pub fn routes(programs: &[Vec<Action>]) -> Vec<Option<Range<usize>>> {
     let mut r: Vec<Option<Range<usize>>> = Vec::new();
-    for a in programs.iter().flatten() {
-        for t in tasks_of(a) {
-            if r.len() <= t.mb {
-                r.resize(t.mb + 1, None);
-            }
-            r[t.mb] = Some(match r[t.mb].take() {
-                None => t.stage..t.stage + 1,
-                Some(x) => x.start.min(t.stage)..x.end.max(t.stage + 1),
-            });
-        }
+    for t in programs.iter().flatten().flat_map(tasks_of) {
+        widen_route(&mut r, t);
     }
     r
+}
+
+/// Widens `routes[t.mb]` (growing `routes` as needed) to include stage `t.stage`.
+pub(crate) fn widen_route(routes: &mut Vec<Option<Range<usize>>>, t: Task) {
+    if routes.len() <= t.mb {
+        routes.resize(t.mb + 1, None);
+    }
+    routes[t.mb] = Some(match routes[t.mb].take() {
+        None => t.stage..t.stage + 1,
+        Some(x) => x.start.min(t.stage)..x.end.max(t.stage + 1),
+    });
 }
 
 /// The (stage, microbatch) tasks an action names.
