@@ -14,7 +14,8 @@
 use std::ops::Range;
 
 use crate::action::{Action, CommKind, ComputeKind, Task};
-use crate::schedule::{RankId, Schedule};
+use crate::schedule::{RankId, Schedule, Step};
+use crate::table::TaskMap;
 
 /// An action's position: rank and index into that rank's program with idle steps removed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -57,6 +58,8 @@ pub struct DepGraph {
     pub steps: Vec<Vec<usize>>,
     /// `offsets[r]`: global index of rank r's first action; `offsets[p]` = number of actions.
     offsets: Vec<usize>,
+    /// `rank_of[g]`: the rank of global index g.
+    rank_of: Vec<u32>,
     /// `dep_start[g]..dep_start[g + 1]`: the slice of `dep_list` holding action g's dependencies.
     dep_start: Vec<u32>,
     dep_list: Vec<Dep>,
@@ -65,8 +68,12 @@ pub struct DepGraph {
 /// Routes of all microbatches (see [`Schedule::route`]), computed in one pass; `None` for a
 /// microbatch that no action names.
 pub fn routes(programs: &[Vec<Action>]) -> Vec<Option<Range<usize>>> {
+    routes_of(programs)
+}
+
+fn routes_of<C: ProgramCell>(rows: &[Vec<C>]) -> Vec<Option<Range<usize>>> {
     let mut r: Vec<Option<Range<usize>>> = Vec::new();
-    for t in programs.iter().flatten().flat_map(tasks_of) {
+    for t in rows.iter().flatten().filter_map(C::action).flat_map(tasks_of) {
         widen_route(&mut r, t);
     }
     r
@@ -93,15 +100,26 @@ pub fn tasks_of(a: &Action) -> impl Iterator<Item = Task> {
     x.into_iter().chain(y)
 }
 
-const NONE: u32 = u32::MAX;
-
-/// Dense producer table: for each of the 8 (compute or comm) kinds and each (stage, mb), the
-/// global index of the first action that performs it.
-struct Index {
-    stages: usize,
-    microbatches: usize,
-    table: Vec<u32>,
+/// A program cell: an action ([`DepGraph::programs`]) or a step that may be idle ([`Schedule::ranks`]).
+trait ProgramCell {
+    fn action(&self) -> Option<&Action>;
 }
+
+impl ProgramCell for Action {
+    fn action(&self) -> Option<&Action> {
+        Some(self)
+    }
+}
+
+impl ProgramCell for Step {
+    fn action(&self) -> Option<&Action> {
+        self.as_ref()
+    }
+}
+
+/// Producer table: for each of the 8 (compute or comm) kinds and each (stage, mb), the global
+/// index (cells counted rank by rank) of the first action that performs it.
+struct Index(TaskMap<u32>);
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Slot {
@@ -125,38 +143,32 @@ impl Slot {
 }
 
 impl Index {
-    fn new(programs: &[Vec<Action>]) -> Self {
-        let (mut stages, mut microbatches) = (0, 0);
-        for t in programs.iter().flatten().flat_map(tasks_of) {
-            stages = stages.max(t.stage + 1);
-            microbatches = microbatches.max(t.mb + 1);
+    fn new<C: ProgramCell>(rows: &[Vec<C>]) -> Self {
+        let (mut stages, mut microbatches, mut cells) = (0, 0, 0);
+        for row in rows {
+            cells += row.len();
+            for t in row.iter().filter_map(C::action).flat_map(tasks_of) {
+                stages = stages.max(t.stage + 1);
+                microbatches = microbatches.max(t.mb + 1);
+            }
         }
-        let mut ix = Index { stages, microbatches, table: vec![NONE; 8 * stages * microbatches] };
-        let mut g = 0u32;
-        for a in programs.iter().flatten() {
+        let mut ix = Index(TaskMap::new(8, stages, microbatches, cells));
+        for (g, cell) in rows.iter().flatten().enumerate() {
+            let Some(a) = cell.action() else { continue };
             for (k, t) in a.computes() {
-                ix.set(Slot::Compute(k), t, g);
+                ix.set(Slot::Compute(k), t, g as u32);
             }
             if let Action::Comm { kind, task } = *a {
-                ix.set(Slot::Comm(kind), task, g);
+                ix.set(Slot::Comm(kind), task, g as u32);
             }
-            g += 1;
         }
         ix
     }
-    fn slot(&self, s: Slot, t: Task) -> Option<usize> {
-        (t.stage < self.stages && t.mb < self.microbatches)
-            .then(|| (s.id() * self.stages + t.stage) * self.microbatches + t.mb)
-    }
     fn set(&mut self, s: Slot, t: Task, g: u32) {
-        if let Some(i) = self.slot(s, t) {
-            if self.table[i] == NONE {
-                self.table[i] = g;
-            }
-        }
+        self.0.first(s.id(), t, g);
     }
     fn get(&self, s: Slot, t: Task) -> Option<u32> {
-        self.slot(s, t).map(|i| self.table[i]).filter(|&g| g != NONE)
+        self.0.get(s.id(), t)
     }
     /// The backward-like action (B, else I) of a task.
     fn backward(&self, t: Task) -> Option<u32> {
@@ -235,6 +247,148 @@ fn halves(a: &Action) -> [Option<(Slot, Task)>; 2] {
     }
 }
 
+/// `offsets[r]..offsets[r + 1]` are rank r's global indices; the rank of each global index.
+fn rank_of(offsets: &[usize]) -> Vec<u32> {
+    let mut out = Vec::with_capacity(offsets.last().copied().unwrap_or(0));
+    for (r, w) in offsets.windows(2).enumerate() {
+        out.resize(w[1], r as u32);
+    }
+    out
+}
+
+/// Global starts of each row's cells and the total (`offsets[p]`).
+fn offsets_of<C>(rows: &[Vec<C>]) -> Vec<usize> {
+    let mut offsets = Vec::with_capacity(rows.len() + 1);
+    let mut n = 0;
+    for row in rows {
+        offsets.push(n);
+        n += row.len();
+    }
+    offsets.push(n);
+    offsets
+}
+
+/// Where a rank's run under blocking semantics stopped.
+enum Stop {
+    /// Its program is done.
+    End,
+    /// It waits for the action at this global cell index.
+    Wait(usize),
+    /// An action's producer is absent.
+    Missing,
+}
+
+/// Runs a schedule's programs under blocking semantics without storing the graph: each rank runs
+/// until an action needs an unfinished producer and resumes once the producer's rank has passed
+/// it. Linear in the number of cells (plus, per rank that advances, a look at its few waiters).
+pub(crate) struct Walk<'a> {
+    rows: &'a [Vec<Step>],
+    ix: Index,
+    routes: Vec<Option<Range<usize>>>,
+    /// Global cell index of each rank's first cell (idle cells counted).
+    offsets: Vec<usize>,
+    rank_of: Vec<u32>,
+}
+
+impl<'a> Walk<'a> {
+    /// Indexes `s`'s producers.
+    pub fn new(s: &'a Schedule) -> Self {
+        let offsets = offsets_of(&s.ranks);
+        Walk {
+            rows: &s.ranks,
+            ix: Index::new(&s.ranks),
+            routes: routes_of(&s.ranks),
+            rank_of: rank_of(&offsets),
+            offsets,
+        }
+    }
+
+    /// Number of cells, idle ones included.
+    pub fn cells(&self) -> usize {
+        self.rank_of.len()
+    }
+
+    /// The global cell index of `rank`'s `step`.
+    pub fn global(&self, rank: RankId, step: usize) -> usize {
+        self.offsets[rank] + step
+    }
+
+    /// The rank of a global cell index.
+    pub fn rank(&self, g: usize) -> RankId {
+        self.rank_of[g] as usize
+    }
+
+    /// The producers (global cell indices) of action `a` in cell `me`, or `None` if one is absent.
+    fn producers(&self, a: &Action, me: usize) -> Option<([usize; 4], usize)> {
+        let (mut out, mut n) = ([0; 4], 0);
+        for (slot, t) in halves(a).into_iter().flatten() {
+            let route = self.routes[t.mb].clone()?;
+            for need in needs_of(slot, t, &self.ix, &route).into_iter().flatten() {
+                let g = need.ok()? as usize;
+                if g != me {
+                    out[n] = g;
+                    n += 1;
+                }
+            }
+        }
+        Some((out, n))
+    }
+
+    /// Runs rank `r` from `pc[r]` on; `visit` as in [`Walk::run`].
+    fn advance<F>(&self, r: RankId, pc: &mut [usize], visit: &mut F) -> Stop
+    where
+        F: FnMut(RankId, usize, &Action, &[usize]),
+    {
+        let done = |pc: &[usize], g: usize| g < self.offsets[self.rank(g)] + pc[self.rank(g)];
+        while let Some(cell) = self.rows[r].get(pc[r]) {
+            if let Some(a) = cell {
+                let Some((prods, n)) = self.producers(a, self.global(r, pc[r])) else { return Stop::Missing };
+                if let Some(&g) = prods[..n].iter().find(|&&g| !done(pc, g)) {
+                    return Stop::Wait(g);
+                }
+                visit(r, pc[r], a, &prods[..n]);
+            }
+            pc[r] += 1;
+        }
+        Stop::End
+    }
+
+    /// Runs every rank to its end, calling `visit(rank, step, action, producers)` for each action
+    /// after all its producers (global cell indices, see [`Walk::rank`]). Returns true when every
+    /// action ran: every producer exists and the ranks do not deadlock, which is what
+    /// [`DepGraph::build`] and [`DepGraph::topo_order`] check.
+    pub fn run<F>(&self, mut visit: F) -> bool
+    where
+        F: FnMut(RankId, usize, &Action, &[usize]),
+    {
+        let p = self.rows.len();
+        let mut pc = vec![0usize; p];
+        let mut waits_for = vec![0usize; p];
+        let mut waiters: Vec<Vec<RankId>> = vec![Vec::new(); p];
+        let mut ready: Vec<RankId> = (0..p).rev().collect();
+        while let Some(r) = ready.pop() {
+            match self.advance(r, &mut pc, &mut visit) {
+                Stop::Missing => return false,
+                Stop::Wait(g) => {
+                    waits_for[r] = g;
+                    waiters[self.rank(g)].push(r);
+                }
+                Stop::End => {}
+            }
+            let mut still = std::mem::take(&mut waiters[r]);
+            still.retain(|&w| {
+                let go = waits_for[w] < self.offsets[r] + pc[r];
+                if go {
+                    ready.push(w);
+                }
+                !go
+            });
+            waiters[r] = still;
+        }
+        (0..p).all(|r| pc[r] == self.rows[r].len())
+    }
+}
+
 impl DepGraph {
     /// Builds the dependency graph.
     ///
@@ -249,18 +403,14 @@ impl DepGraph {
             programs.push(a);
             steps.push(s);
         }
-        let mut offsets = Vec::with_capacity(programs.len() + 1);
-        let mut n = 0;
-        for p in &programs {
-            offsets.push(n);
-            n += p.len();
-        }
-        offsets.push(n);
+        let offsets = offsets_of(&programs);
+        let n = offsets[programs.len()];
         let ix = Index::new(&programs);
         let routes = routes(&programs);
         let mut g = DepGraph {
             programs,
             steps,
+            rank_of: rank_of(&offsets),
             offsets,
             dep_start: Vec::with_capacity(n + 1),
             dep_list: Vec::with_capacity(2 * n),
@@ -298,7 +448,7 @@ impl DepGraph {
 
     /// The action reference of a global index.
     pub fn at(&self, global: usize) -> ActionRef {
-        let rank = self.offsets.partition_point(|&o| o <= global) - 1;
+        let rank = self.rank_of[global] as usize;
         ActionRef { rank, index: global - self.offsets[rank] }
     }
 

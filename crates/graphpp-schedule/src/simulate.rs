@@ -9,7 +9,7 @@
 
 use crate::action::{Action, ComputeKind};
 use crate::costs::{Costs, Memory};
-use crate::deps::{DepGraph, MissingDep};
+use crate::deps::{DepGraph, MissingDep, Walk};
 use crate::schedule::{RankId, Schedule};
 use crate::timeline::{Interval, Timeline};
 
@@ -70,24 +70,37 @@ pub fn duration(a: &Action, c: &Costs) -> f64 {
 /// [`SimulateError::Missing`] when a dependency is absent, [`SimulateError::Deadlock`] naming the
 /// waiting cycle when the ranks wait on each other.
 pub fn simulate(schedule: &Schedule, costs: &Costs, memory: &Memory) -> Result<SimReport, SimulateError> {
-    let g = DepGraph::build(schedule)?;
-    let order = g.topo_order().map_err(|cycle| SimulateError::Deadlock(describe_cycle(&g, &cycle)))?;
-    let p = g.programs.len();
-    let mut end: Vec<Vec<f64>> = g.programs.iter().map(|p| vec![0.0; p.len()]).collect();
-    let mut intervals = Vec::with_capacity(order.len());
-    for at in order {
-        let a = g.programs[at.rank][at.index];
-        let mut start = if at.index > 0 { end[at.rank][at.index - 1] } else { 0.0 };
-        for d in g.deps(at) {
-            let hop = if d.hop { costs.comm } else { 0.0 };
-            start = start.max(end[d.on.rank][d.on.index] + hop);
+    let walk = Walk::new(schedule);
+    let mut end = vec![0.0f64; walk.cells()];
+    let mut free = vec![0.0f64; schedule.num_ranks()];
+    let mut intervals = Vec::with_capacity(walk.cells());
+    let ran_all = walk.run(|rank, step, a, producers| {
+        let mut start = free[rank];
+        for &g in producers {
+            let hop = if walk.rank(g) != rank { costs.comm } else { 0.0 };
+            start = start.max(end[g] + hop);
         }
-        let e = start + duration(&a, costs);
-        end[at.rank][at.index] = e;
-        intervals.push(Interval { rank: at.rank, start, end: e, action: a });
+        let e = start + duration(a, costs);
+        end[walk.global(rank, step)] = e;
+        free[rank] = e;
+        intervals.push(Interval { rank, start, end: e, action: *a });
+    });
+    if !ran_all {
+        return Err(failure(schedule));
     }
-    let timeline = Timeline { ranks: p, intervals, unit: "unit".into() };
+    let timeline = Timeline { ranks: schedule.num_ranks(), intervals, unit: "unit".into() };
     Ok(report(timeline, schedule, memory))
+}
+
+/// Why the ranks of `schedule` cannot all run to their end: the missing producer, or the cycle.
+fn failure(schedule: &Schedule) -> SimulateError {
+    match DepGraph::build(schedule) {
+        Err(missing) => missing.into(),
+        Ok(g) => match g.topo_order() {
+            Err(cycle) => SimulateError::Deadlock(describe_cycle(&g, &cycle)),
+            Ok(_) => SimulateError::Deadlock("the ranks stop before the end of their programs".into()),
+        },
+    }
 }
 
 /// Figures of a timeline (simulated or measured) and the memory of `schedule`'s programs.
@@ -126,13 +139,13 @@ pub fn report(timeline: Timeline, schedule: &Schedule, memory: &Memory) -> SimRe
 /// Peak in-flight activation memory (full-stage M_B units) and peak in-flight (stage, mb) count
 /// of rank `r`, walking its program in order.
 pub fn peak_memory(schedule: &Schedule, r: RankId, memory: &Memory) -> (f64, usize) {
-    let program = schedule.program(r);
-    let mut stages: Vec<usize> = program.iter().flat_map(|a| a.stages().collect::<Vec<_>>()).collect();
+    let program = || schedule.ranks[r].iter().flatten();
+    let mut stages: Vec<usize> = program().flat_map(|a| a.stages()).collect();
     stages.sort_unstable();
     stages.dedup();
     let weight = 1.0 / stages.len().max(1) as f64;
     let (mut mem, mut peak, mut count, mut peak_count) = (0.0f64, 0.0f64, 0usize, 0usize);
-    for (kind, _) in program.iter().flat_map(|a| a.computes()) {
+    for (kind, _) in program().flat_map(|a| a.computes()) {
         match kind {
             ComputeKind::F => {
                 mem += memory.m_b * weight;
