@@ -2,6 +2,8 @@
 //!
 //! Run: `cargo run --release -p graphpp-schedule --example prof -- [p v m [repeats]]`
 //! (defaults 64 2 1024, 3 repeats; each figure is the fastest repeat, in milliseconds).
+//! `PROF_KIND=zbv` (or `interleaved-1f1b`) runs only the whole pipeline of that kind `repeats`
+//! times, for `perf stat -e task-clock` on a busy machine (CPU time is steadier than wall time).
 
 use std::time::{Duration, Instant};
 
@@ -54,6 +56,16 @@ fn main() {
     let arg = |i: usize, d: usize| args.get(i).copied().unwrap_or(d);
     let shape = Shape::new(arg(0, 64), arg(1, 2), arg(2, 1024));
     let repeats = arg(3, 3);
+    if let Ok(kind) = std::env::var("PROF_KIND") {
+        let kind: Kind = kind.parse().expect("a schedule kind");
+        for _ in 0..repeats {
+            let s = generate(kind, &shape, &Options::default()).unwrap();
+            let l = lower(&s, &LowerOptions::default()).unwrap();
+            validate(&l, &ValidateOptions::default()).unwrap();
+            simulate(&l, &Costs::default(), &Memory::default()).unwrap();
+        }
+        return;
+    }
     let kinds = [Kind::Zbv, Kind::Interleaved1F1B];
     let rows: Vec<[Duration; 9]> = kinds.iter().map(|&k| profile(k, &shape, repeats)).collect();
     println!(

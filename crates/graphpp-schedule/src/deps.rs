@@ -68,12 +68,8 @@ pub struct DepGraph {
 /// Routes of all microbatches (see [`Schedule::route`]), computed in one pass; `None` for a
 /// microbatch that no action names.
 pub fn routes(programs: &[Vec<Action>]) -> Vec<Option<Range<usize>>> {
-    routes_of(programs)
-}
-
-fn routes_of<C: ProgramCell>(rows: &[Vec<C>]) -> Vec<Option<Range<usize>>> {
     let mut r: Vec<Option<Range<usize>>> = Vec::new();
-    for t in rows.iter().flatten().filter_map(C::action).flat_map(tasks_of) {
+    for t in programs.iter().flatten().flat_map(tasks_of) {
         widen_route(&mut r, t);
     }
     r
@@ -91,6 +87,7 @@ pub(crate) fn widen_route(routes: &mut Vec<Option<Range<usize>>>, t: Task) {
 }
 
 /// The (stage, microbatch) tasks an action names.
+#[inline]
 pub fn tasks_of(a: &Action) -> impl Iterator<Item = Task> {
     let (x, y) = match *a {
         Action::Compute { task, .. } | Action::Comm { task, .. } => (Some(task), None),
@@ -128,6 +125,7 @@ enum Slot {
 }
 
 impl Slot {
+    #[inline]
     fn id(self) -> usize {
         match self {
             Slot::Compute(k) => k as usize,
@@ -143,16 +141,15 @@ impl Slot {
 }
 
 impl Index {
-    fn new<C: ProgramCell>(rows: &[Vec<C>]) -> Self {
-        let (mut stages, mut microbatches, mut cells) = (0, 0, 0);
-        for row in rows {
-            cells += row.len();
-            for t in row.iter().filter_map(C::action).flat_map(tasks_of) {
-                stages = stages.max(t.stage + 1);
-                microbatches = microbatches.max(t.mb + 1);
-            }
+    /// The producer table and the routes (see [`routes`]) of `rows`, in two passes.
+    fn new<C: ProgramCell>(rows: &[Vec<C>]) -> (Self, Vec<Option<Range<usize>>>) {
+        let mut routes = Vec::new();
+        for t in rows.iter().flatten().filter_map(C::action).flat_map(tasks_of) {
+            widen_route(&mut routes, t);
         }
-        let mut ix = Index(TaskMap::new(8, stages, microbatches, cells));
+        let stages = routes.iter().flatten().map(|r| r.end).max().unwrap_or(0);
+        let cells = rows.iter().map(Vec::len).sum();
+        let mut ix = Index(TaskMap::new(8, stages, routes.len(), cells));
         for (g, cell) in rows.iter().flatten().enumerate() {
             let Some(a) = cell.action() else { continue };
             for (k, t) in a.computes() {
@@ -162,15 +159,18 @@ impl Index {
                 ix.set(Slot::Comm(kind), task, g as u32);
             }
         }
-        ix
+        (ix, routes)
     }
+    #[inline]
     fn set(&mut self, s: Slot, t: Task, g: u32) {
         self.0.first(s.id(), t, g);
     }
+    #[inline]
     fn get(&self, s: Slot, t: Task) -> Option<u32> {
         self.0.get(s.id(), t)
     }
     /// The backward-like action (B, else I) of a task.
+    #[inline]
     fn backward(&self, t: Task) -> Option<u32> {
         self.get(Slot::Compute(ComputeKind::B), t).or_else(|| self.get(Slot::Compute(ComputeKind::I), t))
     }
@@ -179,15 +179,18 @@ impl Index {
 /// What one half of an action needs: a producer global index, or the text of what is missing.
 type Need = Result<u32, String>;
 
+#[inline]
 fn want(ix: &Index, s: Slot, t: Task) -> Need {
     ix.get(s, t).ok_or_else(|| s.text(t))
 }
 
+#[inline]
 fn want_bw(ix: &Index, t: Task) -> Need {
     ix.backward(t).ok_or_else(|| format!("{}B{} or {}I{}", t.stage, t.mb, t.stage, t.mb))
 }
 
 /// The producers one compute or comm half needs (at most two).
+#[inline]
 fn needs_of(half: Slot, t: Task, ix: &Index, route: &Range<usize>) -> [Option<Need>; 2] {
     use ComputeKind as C;
     match half {
@@ -236,6 +239,7 @@ fn needs_of(half: Slot, t: Task, ix: &Index, route: &Range<usize>) -> [Option<Ne
 }
 
 /// The (slot, task) halves of an action: one, two for OVERLAP_F_B, none for stage-level actions.
+#[inline]
 fn halves(a: &Action) -> [Option<(Slot, Task)>; 2] {
     match *a {
         Action::Compute { kind, task } => [Some((Slot::Compute(kind), task)), None],
@@ -294,13 +298,8 @@ impl<'a> Walk<'a> {
     /// Indexes `s`'s producers.
     pub fn new(s: &'a Schedule) -> Self {
         let offsets = offsets_of(&s.ranks);
-        Walk {
-            rows: &s.ranks,
-            ix: Index::new(&s.ranks),
-            routes: routes_of(&s.ranks),
-            rank_of: rank_of(&offsets),
-            offsets,
-        }
+        let (ix, routes) = Index::new(&s.ranks);
+        Walk { rows: &s.ranks, ix, routes, rank_of: rank_of(&offsets), offsets }
     }
 
     /// Number of cells, idle ones included.
@@ -405,8 +404,7 @@ impl DepGraph {
         }
         let offsets = offsets_of(&programs);
         let n = offsets[programs.len()];
-        let ix = Index::new(&programs);
-        let routes = routes(&programs);
+        let (ix, routes) = Index::new(&programs);
         let mut g = DepGraph {
             programs,
             steps,

@@ -139,10 +139,12 @@ impl Wiring {
 pub fn add_send_recv(s: &Schedule) -> Result<Schedule, LowerError> {
     refuse_if(s, "add_send_recv", |a| matches!(a, Action::Comm { .. }))?;
     let wiring = Wiring { rank_of: stage_rank_table(s)?, routes: compute_routes(s) };
-    let programs = (0..s.num_ranks())
-        .map(|r| {
-            let mut out = Vec::new();
-            for a in s.program(r) {
+    let programs = s
+        .ranks
+        .iter()
+        .map(|row| {
+            let mut out = Vec::with_capacity(3 * row.len());
+            for &a in row.iter().flatten() {
                 out.extend(a.computes().filter_map(|(k, t)| wiring.recvs(k, t)));
                 out.push(a);
                 out.extend(a.computes().filter_map(|(k, t)| wiring.sends(k, t)));

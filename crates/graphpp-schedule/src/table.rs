@@ -36,6 +36,7 @@ impl<V: Copy> TaskMap<V> {
         Self::new(1, stages, 1, entries)
     }
 
+    #[inline]
     fn index(&self, slot: usize, t: Task) -> Option<usize> {
         match self {
             TaskMap::Dense { stages, mbs, cells } => {
@@ -47,6 +48,7 @@ impl<V: Copy> TaskMap<V> {
     }
 
     /// The value at (slot, t).
+    #[inline]
     pub fn get(&self, slot: usize, t: Task) -> Option<V> {
         match self {
             TaskMap::Dense { cells, .. } => self.index(slot, t).and_then(|i| cells[i]),
@@ -55,6 +57,7 @@ impl<V: Copy> TaskMap<V> {
     }
 
     /// The value of `stage` in a [`TaskMap::by_stage`] map.
+    #[inline]
     pub fn of_stage(&self, stage: usize) -> Option<V> {
         self.get(0, Task::new(stage, 0))
     }
@@ -62,6 +65,7 @@ impl<V: Copy> TaskMap<V> {
     /// Sets (slot, t) to `v` unless it holds a value; returns the value it held.
     ///
     /// A dense map ignores keys outside its ranges (callers size it to hold every key).
+    #[inline]
     pub fn first(&mut self, slot: usize, t: Task, v: V) -> Option<V> {
         let i = self.index(slot, t);
         match self {
@@ -80,6 +84,7 @@ impl<V: Copy> TaskMap<V> {
     }
 
     /// Sets (slot, t) to `v`.
+    #[inline]
     pub fn set(&mut self, slot: usize, t: Task, v: V) {
         let i = self.index(slot, t);
         match self {
