@@ -114,9 +114,24 @@ impl ProgramCell for Step {
     }
 }
 
-/// Producer table: for each of the 8 (compute or comm) kinds and each (stage, mb), the global
-/// index (cells counted rank by rank) of the first action that performs it.
-struct Index(TaskMap<u32>);
+/// A cell's rank and index in its row, packed (a schedule never has 2^32 ranks or steps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Pos {
+    /// Rank.
+    pub rank: u32,
+    /// Index in the rank's row.
+    pub index: u32,
+}
+
+impl Pos {
+    pub fn new(rank: usize, index: usize) -> Self {
+        Pos { rank: rank as u32, index: index as u32 }
+    }
+}
+
+/// Producer table: for each of the 8 (compute or comm) kinds and each (stage, mb), the position
+/// of the first action that performs it.
+struct Index(TaskMap<Pos>);
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Slot {
@@ -150,43 +165,66 @@ impl Index {
         let stages = routes.iter().flatten().map(|r| r.end).max().unwrap_or(0);
         let cells = rows.iter().map(Vec::len).sum();
         let mut ix = Index(TaskMap::new(8, stages, routes.len(), cells));
-        for (g, cell) in rows.iter().flatten().enumerate() {
-            let Some(a) = cell.action() else { continue };
-            for (k, t) in a.computes() {
-                ix.set(Slot::Compute(k), t, g as u32);
-            }
-            if let Action::Comm { kind, task } = *a {
-                ix.set(Slot::Comm(kind), task, g as u32);
+        for (rank, row) in rows.iter().enumerate() {
+            for (index, cell) in row.iter().enumerate() {
+                let Some(a) = cell.action() else { continue };
+                for (k, t) in a.computes() {
+                    ix.set(Slot::Compute(k), t, Pos::new(rank, index));
+                }
+                if let Action::Comm { kind, task } = *a {
+                    ix.set(Slot::Comm(kind), task, Pos::new(rank, index));
+                }
             }
         }
         (ix, routes)
     }
     #[inline]
-    fn set(&mut self, s: Slot, t: Task, g: u32) {
+    fn set(&mut self, s: Slot, t: Task, g: Pos) {
         self.0.first(s.id(), t, g);
     }
     #[inline]
-    fn get(&self, s: Slot, t: Task) -> Option<u32> {
+    fn get(&self, s: Slot, t: Task) -> Option<Pos> {
         self.0.get(s.id(), t)
     }
     /// The backward-like action (B, else I) of a task.
     #[inline]
-    fn backward(&self, t: Task) -> Option<u32> {
+    fn backward(&self, t: Task) -> Option<Pos> {
         self.get(Slot::Compute(ComputeKind::B), t).or_else(|| self.get(Slot::Compute(ComputeKind::I), t))
     }
 }
 
-/// What one half of an action needs: a producer global index, or the text of what is missing.
-type Need = Result<u32, String>;
+/// What is missing for one half of an action (its text is built only for the error).
+#[derive(Clone, Copy)]
+enum Missing {
+    /// This action.
+    One(Slot, Task),
+    /// The B or the I of a task.
+    Backward(Task),
+    /// The SEND_F into stage 0 of a microbatch (there is no stage before stage 0).
+    SendIntoStage0(usize),
+}
+
+impl Missing {
+    fn text(self) -> String {
+        match self {
+            Missing::One(s, t) => s.text(t),
+            Missing::Backward(t) => format!("{}B{} or {}I{}", t.stage, t.mb, t.stage, t.mb),
+            Missing::SendIntoStage0(mb) => format!("a SEND_F{mb} from a stage before stage 0"),
+        }
+    }
+}
+
+/// What one half of an action needs: a producer's position, or what is missing.
+type Need = Result<Pos, Missing>;
 
 #[inline]
 fn want(ix: &Index, s: Slot, t: Task) -> Need {
-    ix.get(s, t).ok_or_else(|| s.text(t))
+    ix.get(s, t).ok_or(Missing::One(s, t))
 }
 
 #[inline]
 fn want_bw(ix: &Index, t: Task) -> Need {
-    ix.backward(t).ok_or_else(|| format!("{}B{} or {}I{}", t.stage, t.mb, t.stage, t.mb))
+    ix.backward(t).ok_or(Missing::Backward(t))
 }
 
 /// The producers one compute or comm half needs (at most two).
@@ -212,9 +250,7 @@ fn needs_of(half: Slot, t: Task, ix: &Index, route: &Range<usize>) -> [Option<Ne
         Slot::Compute(C::W) => [Some(want(ix, Slot::Compute(C::I), t)), None],
         Slot::Comm(CommKind::SendF) => [Some(want(ix, Slot::Compute(C::F), t)), None],
         Slot::Comm(CommKind::SendB) => [Some(want_bw(ix, t)), None],
-        Slot::Comm(CommKind::RecvF) if t.stage == 0 => {
-            [Some(Err(format!("a SEND_F{} from a stage before stage 0", t.mb))), None]
-        }
+        Slot::Comm(CommKind::RecvF) if t.stage == 0 => [Some(Err(Missing::SendIntoStage0(t.mb))), None],
         Slot::Comm(CommKind::RecvF) => {
             let prev = Task::new(t.stage - 1, t.mb);
             match ix.get(Slot::Comm(CommKind::SendF), prev) {
@@ -222,7 +258,7 @@ fn needs_of(half: Slot, t: Task, ix: &Index, route: &Range<usize>) -> [Option<Ne
                 None => [
                     Some(
                         ix.get(Slot::Compute(C::F), prev)
-                            .ok_or_else(|| Slot::Comm(CommKind::SendF).text(prev)),
+                            .ok_or(Missing::One(Slot::Comm(CommKind::SendF), prev)),
                     ),
                     None,
                 ],
@@ -232,7 +268,9 @@ fn needs_of(half: Slot, t: Task, ix: &Index, route: &Range<usize>) -> [Option<Ne
             let next = Task::new(t.stage + 1, t.mb);
             match ix.get(Slot::Comm(CommKind::SendB), next) {
                 Some(s) => [Some(Ok(s)), None],
-                None => [Some(ix.backward(next).ok_or_else(|| Slot::Comm(CommKind::SendB).text(next))), None],
+                None => {
+                    [Some(ix.backward(next).ok_or(Missing::One(Slot::Comm(CommKind::SendB), next))), None]
+                }
             }
         }
     }
@@ -272,111 +310,112 @@ fn offsets_of<C>(rows: &[Vec<C>]) -> Vec<usize> {
     offsets
 }
 
-/// Where a rank's run under blocking semantics stopped.
-enum Stop {
-    /// Its program is done.
-    End,
-    /// It waits for the action at this global cell index.
-    Wait(usize),
-    /// An action's producer is absent.
-    Missing,
-}
-
-/// Runs a schedule's programs under blocking semantics without storing the graph: each rank runs
-/// until an action needs an unfinished producer and resumes once the producer's rank has passed
-/// it. Linear in the number of cells (plus, per rank that advances, a look at its few waiters).
+/// Runs a schedule's programs under blocking semantics without building a [`DepGraph`]: each
+/// rank runs until an action needs an unfinished producer and resumes once the producer's rank
+/// has passed it. Linear in the number of cells (plus, per rank that advances, a look at its few
+/// waiters). The producers are listed first, rank by rank, so the run reads them in order.
 pub(crate) struct Walk<'a> {
     rows: &'a [Vec<Step>],
-    ix: Index,
-    routes: Vec<Option<Range<usize>>>,
-    /// Global cell index of each rank's first cell (idle cells counted).
+    /// Global index of each rank's first cell (idle cells counted); `offsets[p]` = cells.
     offsets: Vec<usize>,
-    rank_of: Vec<u32>,
+    /// `start[g]..start[g + 1]`: the producers of cell g in `producers`.
+    start: Vec<u32>,
+    producers: Vec<Pos>,
+    /// Some action's producer is absent.
+    missing: bool,
 }
 
 impl<'a> Walk<'a> {
-    /// Indexes `s`'s producers.
+    /// Lists the producers of every action of `s`.
     pub fn new(s: &'a Schedule) -> Self {
-        let offsets = offsets_of(&s.ranks);
         let (ix, routes) = Index::new(&s.ranks);
-        Walk { rows: &s.ranks, ix, routes, rank_of: rank_of(&offsets), offsets }
+        let offsets = offsets_of(&s.ranks);
+        let mut w = Walk {
+            rows: &s.ranks,
+            start: Vec::with_capacity(offsets[s.ranks.len()] + 1),
+            producers: Vec::with_capacity(2 * offsets[s.ranks.len()]),
+            offsets,
+            missing: false,
+        };
+        w.start.push(0);
+        for (rank, row) in s.ranks.iter().enumerate() {
+            for (index, cell) in row.iter().enumerate() {
+                if let Some(a) = cell {
+                    w.missing |= !w.list(a, Pos::new(rank, index), &ix, &routes);
+                }
+                w.start.push(w.producers.len() as u32);
+            }
+        }
+        w
+    }
+
+    /// Appends the producers of action `a` at `me`; false if one is absent.
+    fn list(&mut self, a: &Action, me: Pos, ix: &Index, routes: &[Option<Range<usize>>]) -> bool {
+        for (slot, t) in halves(a).into_iter().flatten() {
+            let Some(route) = routes[t.mb].clone() else { return false };
+            for need in needs_of(slot, t, ix, &route).into_iter().flatten() {
+                match need {
+                    Ok(p) if p == me => {}
+                    Ok(p) => self.producers.push(p),
+                    Err(_) => return false,
+                }
+            }
+        }
+        true
     }
 
     /// Number of cells, idle ones included.
     pub fn cells(&self) -> usize {
-        self.rank_of.len()
+        self.offsets[self.rows.len()]
     }
 
-    /// The global cell index of `rank`'s `step`.
-    pub fn global(&self, rank: RankId, step: usize) -> usize {
-        self.offsets[rank] + step
+    /// The global cell index of a position.
+    pub fn global(&self, p: Pos) -> usize {
+        self.offsets[p.rank as usize] + p.index as usize
     }
 
-    /// The rank of a global cell index.
-    pub fn rank(&self, g: usize) -> RankId {
-        self.rank_of[g] as usize
-    }
-
-    /// The producers (global cell indices) of action `a` in cell `me`, or `None` if one is absent.
-    fn producers(&self, a: &Action, me: usize) -> Option<([usize; 4], usize)> {
-        let (mut out, mut n) = ([0; 4], 0);
-        for (slot, t) in halves(a).into_iter().flatten() {
-            let route = self.routes[t.mb].clone()?;
-            for need in needs_of(slot, t, &self.ix, &route).into_iter().flatten() {
-                let g = need.ok()? as usize;
-                if g != me {
-                    out[n] = g;
-                    n += 1;
-                }
-            }
-        }
-        Some((out, n))
-    }
-
-    /// Runs rank `r` from `pc[r]` on; `visit` as in [`Walk::run`].
-    fn advance<F>(&self, r: RankId, pc: &mut [usize], visit: &mut F) -> Stop
+    /// Runs rank `r` from `pc[r]` on until it ends (`None`) or waits (the producer it waits for).
+    fn advance<F>(&self, r: RankId, pc: &mut [usize], visit: &mut F) -> Option<Pos>
     where
-        F: FnMut(RankId, usize, &Action, &[usize]),
+        F: FnMut(RankId, usize, &Action, &[Pos]),
     {
-        let done = |pc: &[usize], g: usize| g < self.offsets[self.rank(g)] + pc[self.rank(g)];
         while let Some(cell) = self.rows[r].get(pc[r]) {
             if let Some(a) = cell {
-                let Some((prods, n)) = self.producers(a, self.global(r, pc[r])) else { return Stop::Missing };
-                if let Some(&g) = prods[..n].iter().find(|&&g| !done(pc, g)) {
-                    return Stop::Wait(g);
+                let g = self.offsets[r] + pc[r];
+                let producers = &self.producers[self.start[g] as usize..self.start[g + 1] as usize];
+                if let Some(&p) = producers.iter().find(|p| p.index as usize >= pc[p.rank as usize]) {
+                    return Some(p);
                 }
-                visit(r, pc[r], a, &prods[..n]);
+                visit(r, pc[r], a, producers);
             }
             pc[r] += 1;
         }
-        Stop::End
+        None
     }
 
     /// Runs every rank to its end, calling `visit(rank, step, action, producers)` for each action
-    /// after all its producers (global cell indices, see [`Walk::rank`]). Returns true when every
-    /// action ran: every producer exists and the ranks do not deadlock, which is what
-    /// [`DepGraph::build`] and [`DepGraph::topo_order`] check.
+    /// after all its producers. Returns true when every action ran: every producer exists and the
+    /// ranks do not deadlock, which is what [`DepGraph::build`] and [`DepGraph::topo_order`] check.
     pub fn run<F>(&self, mut visit: F) -> bool
     where
-        F: FnMut(RankId, usize, &Action, &[usize]),
+        F: FnMut(RankId, usize, &Action, &[Pos]),
     {
+        if self.missing {
+            return false;
+        }
         let p = self.rows.len();
         let mut pc = vec![0usize; p];
         let mut waits_for = vec![0usize; p];
         let mut waiters: Vec<Vec<RankId>> = vec![Vec::new(); p];
         let mut ready: Vec<RankId> = (0..p).rev().collect();
         while let Some(r) = ready.pop() {
-            match self.advance(r, &mut pc, &mut visit) {
-                Stop::Missing => return false,
-                Stop::Wait(g) => {
-                    waits_for[r] = g;
-                    waiters[self.rank(g)].push(r);
-                }
-                Stop::End => {}
+            if let Some(on) = self.advance(r, &mut pc, &mut visit) {
+                waits_for[r] = on.index as usize;
+                waiters[on.rank as usize].push(r);
             }
             let mut still = std::mem::take(&mut waiters[r]);
             still.retain(|&w| {
-                let go = waits_for[w] < self.offsets[r] + pc[r];
+                let go = waits_for[w] < pc[r];
                 if go {
                     ready.push(w);
                 }
@@ -417,18 +456,18 @@ impl DepGraph {
         for rank in 0..g.programs.len() {
             for index in 0..g.programs[rank].len() {
                 let a = g.programs[rank][index];
-                let me = (g.offsets[rank] + index) as u32;
+                let me = Pos::new(rank, index);
                 for (slot, t) in halves(&a).into_iter().flatten() {
                     let route = routes[t.mb].clone().expect("a named microbatch has a route");
                     for need in needs_of(slot, t, &ix, &route).into_iter().flatten() {
-                        let on = need.map_err(|needs| MissingDep {
+                        let on = need.map_err(|missing| MissingDep {
                             rank,
                             step: g.steps[rank][index],
                             action: a,
-                            needs,
+                            needs: missing.text(),
                         })?;
                         if on != me {
-                            let on = g.at(on as usize);
+                            let on = ActionRef { rank: on.rank as usize, index: on.index as usize };
                             g.dep_list.push(Dep { on, hop: on.rank != rank });
                         }
                     }
@@ -484,9 +523,9 @@ impl DepGraph {
         // In-degrees: data deps plus the program-order predecessor.
         let mut indeg: Vec<u32> = (0..n).map(|g| self.dep_start[g + 1] - self.dep_start[g]).collect();
         for r in 0..self.programs.len() {
-            for g in self.offsets[r] + 1..self.offsets[r + 1] {
-                indeg[g] += 1;
-            }
+            // Every action of the rank but its first (none for an empty rank).
+            let later = indeg.get_mut(self.offsets[r] + 1..self.offsets[r + 1]).unwrap_or_default();
+            later.iter_mut().for_each(|d| *d += 1);
         }
         // Successors of data deps in CSR form.
         let mut succ_start = vec![0u32; n + 1];

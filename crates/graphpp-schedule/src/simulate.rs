@@ -9,7 +9,7 @@
 
 use crate::action::{Action, ComputeKind};
 use crate::costs::{Costs, Memory};
-use crate::deps::{DepGraph, MissingDep, Walk};
+use crate::deps::{DepGraph, MissingDep, Pos, Walk};
 use crate::schedule::{RankId, Schedule};
 use crate::timeline::{Interval, Timeline};
 
@@ -76,12 +76,12 @@ pub fn simulate(schedule: &Schedule, costs: &Costs, memory: &Memory) -> Result<S
     let mut intervals = Vec::with_capacity(walk.cells());
     let ran_all = walk.run(|rank, step, a, producers| {
         let mut start = free[rank];
-        for &g in producers {
-            let hop = if walk.rank(g) != rank { costs.comm } else { 0.0 };
-            start = start.max(end[g] + hop);
+        for &p in producers {
+            let hop = if p.rank as usize != rank { costs.comm } else { 0.0 };
+            start = start.max(end[walk.global(p)] + hop);
         }
         let e = start + duration(a, costs);
-        end[walk.global(rank, step)] = e;
+        end[walk.global(Pos::new(rank, step))] = e;
         free[rank] = e;
         intervals.push(Interval { rank, start, end: e, action: *a });
     });
