@@ -139,20 +139,20 @@ impl Wiring {
 pub fn add_send_recv(s: &Schedule) -> Result<Schedule, LowerError> {
     refuse_if(s, "add_send_recv", |a| matches!(a, Action::Comm { .. }))?;
     let wiring = Wiring { rank_of: stage_rank_table(s)?, routes: compute_routes(s) };
-    let programs = s
+    let ranks = s
         .ranks
         .iter()
         .map(|row| {
-            let mut out = Vec::with_capacity(3 * row.len());
+            let mut out: Vec<Step> = Vec::with_capacity(3 * row.len());
             for &a in row.iter().flatten() {
-                out.extend(a.computes().filter_map(|(k, t)| wiring.recvs(k, t)));
-                out.push(a);
-                out.extend(a.computes().filter_map(|(k, t)| wiring.sends(k, t)));
+                out.extend(a.computes().filter_map(|(k, t)| wiring.recvs(k, t)).map(Some));
+                out.push(Some(a));
+                out.extend(a.computes().filter_map(|(k, t)| wiring.sends(k, t)).map(Some));
             }
             out
         })
         .collect();
-    Ok(Schedule::from_programs(programs))
+    Ok(Schedule { ranks })
 }
 
 /// The next `count` distinct stages that compute actions of `rest` touch, in order of first use;
