@@ -247,6 +247,14 @@ mod tests {
     }
 
     #[test]
+    fn huge_stage_number_is_a_missing_producer() {
+        let s = Schedule::from_csv("0F0,1000000000000F0\n").unwrap();
+        let e = simulate(&s, &Costs::default(), &Memory::default()).unwrap_err();
+        let SimulateError::Missing(m) = e else { panic!("{e:?}") };
+        assert_eq!((m.rank, m.step, m.needs.as_str()), (0, 1, "999999999999F0"));
+    }
+
+    #[test]
     fn deadlock_is_named() {
         let s = Schedule::from_csv("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n").unwrap();
         let e = simulate(&s, &Costs::default(), &Memory::default()).unwrap_err();

@@ -931,6 +931,16 @@ mod tests {
     }
 
     #[test]
+    fn huge_stage_numbers_use_the_sparse_tables() {
+        // S = 10^12 + 1: the dense tables would not fit; the error is the same as for small S.
+        let e = err("0F0,1000000000000F0\n");
+        assert_eq!(
+            e,
+            ValidationError::MissingCompute { kind: ComputeKind::B, task: Task::new(0, 0), rank: Some(0) }
+        );
+    }
+
+    #[test]
     fn empty() {
         assert_eq!(err(",\n"), ValidationError::Empty);
         assert_eq!(err("0UNSHARD,0RESHARD\n"), ValidationError::Empty);
