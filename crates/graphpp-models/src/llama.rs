@@ -74,7 +74,7 @@ pub fn split_layers(
             c.to_vec()
         }
         None => {
-            if num_layers % stages != 0 {
+            if !num_layers.is_multiple_of(stages) {
                 let hint: Vec<String> = (0..stages)
                     .map(|s| (num_layers / stages + usize::from(s < num_layers % stages)).to_string())
                     .collect();

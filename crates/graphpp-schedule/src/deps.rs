@@ -14,7 +14,8 @@
 use std::ops::Range;
 
 use crate::action::{Action, CommKind, ComputeKind, Task};
-use crate::schedule::{RankId, Schedule};
+use crate::schedule::{RankId, Schedule, Step};
+use crate::table::TaskMap;
 
 /// An action's position: rank and index into that rank's program with idle steps removed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -57,6 +58,8 @@ pub struct DepGraph {
     pub steps: Vec<Vec<usize>>,
     /// `offsets[r]`: global index of rank r's first action; `offsets[p]` = number of actions.
     offsets: Vec<usize>,
+    /// `rank_of[g]`: the rank of global index g.
+    rank_of: Vec<u32>,
     /// `dep_start[g]..dep_start[g + 1]`: the slice of `dep_list` holding action g's dependencies.
     dep_start: Vec<u32>,
     dep_list: Vec<Dep>,
@@ -65,22 +68,31 @@ pub struct DepGraph {
 /// Routes of all microbatches (see [`Schedule::route`]), computed in one pass; `None` for a
 /// microbatch that no action names.
 pub fn routes(programs: &[Vec<Action>]) -> Vec<Option<Range<usize>>> {
+    routes_of(programs.iter().flatten())
+}
+
+/// [`routes`] of any sequence of actions (e.g. a schedule's cells, idle steps skipped).
+pub fn routes_of<'a>(actions: impl IntoIterator<Item = &'a Action>) -> Vec<Option<Range<usize>>> {
     let mut r: Vec<Option<Range<usize>>> = Vec::new();
-    for a in programs.iter().flatten() {
-        for t in tasks_of(a) {
-            if r.len() <= t.mb {
-                r.resize(t.mb + 1, None);
-            }
-            r[t.mb] = Some(match r[t.mb].take() {
-                None => t.stage..t.stage + 1,
-                Some(x) => x.start.min(t.stage)..x.end.max(t.stage + 1),
-            });
-        }
+    for t in actions.into_iter().flat_map(tasks_of) {
+        widen_route(&mut r, t);
     }
     r
 }
 
+/// Widens `routes[t.mb]` (growing `routes` as needed) to include stage `t.stage`.
+pub(crate) fn widen_route(routes: &mut Vec<Option<Range<usize>>>, t: Task) {
+    if routes.len() <= t.mb {
+        routes.resize(t.mb + 1, None);
+    }
+    routes[t.mb] = Some(match routes[t.mb].take() {
+        None => t.stage..t.stage + 1,
+        Some(x) => x.start.min(t.stage)..x.end.max(t.stage + 1),
+    });
+}
+
 /// The (stage, microbatch) tasks an action names.
+#[inline]
 pub fn tasks_of(a: &Action) -> impl Iterator<Item = Task> {
     let (x, y) = match *a {
         Action::Compute { task, .. } | Action::Comm { task, .. } => (Some(task), None),
@@ -90,15 +102,41 @@ pub fn tasks_of(a: &Action) -> impl Iterator<Item = Task> {
     x.into_iter().chain(y)
 }
 
-const NONE: u32 = u32::MAX;
-
-/// Dense producer table: for each of the 8 (compute or comm) kinds and each (stage, mb), the
-/// global index of the first action that performs it.
-struct Index {
-    stages: usize,
-    microbatches: usize,
-    table: Vec<u32>,
+/// A program cell: an action ([`DepGraph::programs`]) or a step that may be idle ([`Schedule::ranks`]).
+trait ProgramCell {
+    fn action(&self) -> Option<&Action>;
 }
+
+impl ProgramCell for Action {
+    fn action(&self) -> Option<&Action> {
+        Some(self)
+    }
+}
+
+impl ProgramCell for Step {
+    fn action(&self) -> Option<&Action> {
+        self.as_ref()
+    }
+}
+
+/// A cell's rank and index in its row, packed (a schedule never has 2^32 ranks or steps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Pos {
+    /// Rank.
+    pub rank: u32,
+    /// Index in the rank's row.
+    pub index: u32,
+}
+
+impl Pos {
+    pub fn new(rank: usize, index: usize) -> Self {
+        Pos { rank: rank as u32, index: index as u32 }
+    }
+}
+
+/// Producer table: for each of the 8 (compute or comm) kinds and each (stage, mb), the position
+/// of the first action that performs it.
+struct Index(TaskMap<Pos>);
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Slot {
@@ -107,6 +145,7 @@ enum Slot {
 }
 
 impl Slot {
+    #[inline]
     fn id(self) -> usize {
         match self {
             Slot::Compute(k) => k as usize,
@@ -122,57 +161,79 @@ impl Slot {
 }
 
 impl Index {
-    fn new(programs: &[Vec<Action>]) -> Self {
-        let (mut stages, mut microbatches) = (0, 0);
-        for t in programs.iter().flatten().flat_map(tasks_of) {
-            stages = stages.max(t.stage + 1);
-            microbatches = microbatches.max(t.mb + 1);
+    /// The producer table and the routes (see [`routes`]) of `rows`, in two passes.
+    fn new<C: ProgramCell>(rows: &[Vec<C>]) -> (Self, Vec<Option<Range<usize>>>) {
+        let mut routes = Vec::new();
+        for t in rows.iter().flatten().filter_map(C::action).flat_map(tasks_of) {
+            widen_route(&mut routes, t);
         }
-        let mut ix = Index { stages, microbatches, table: vec![NONE; 8 * stages * microbatches] };
-        let mut g = 0u32;
-        for a in programs.iter().flatten() {
-            for (k, t) in a.computes() {
-                ix.set(Slot::Compute(k), t, g);
-            }
-            if let Action::Comm { kind, task } = *a {
-                ix.set(Slot::Comm(kind), task, g);
-            }
-            g += 1;
-        }
-        ix
-    }
-    fn slot(&self, s: Slot, t: Task) -> Option<usize> {
-        (t.stage < self.stages && t.mb < self.microbatches)
-            .then(|| (s.id() * self.stages + t.stage) * self.microbatches + t.mb)
-    }
-    fn set(&mut self, s: Slot, t: Task, g: u32) {
-        if let Some(i) = self.slot(s, t) {
-            if self.table[i] == NONE {
-                self.table[i] = g;
+        let stages = routes.iter().flatten().map(|r| r.end).max().unwrap_or(0);
+        let cells = rows.iter().map(Vec::len).sum();
+        let mut ix = Index(TaskMap::new(8, stages, routes.len(), cells));
+        for (rank, row) in rows.iter().enumerate() {
+            for (index, cell) in row.iter().enumerate() {
+                let Some(a) = cell.action() else { continue };
+                for (k, t) in a.computes() {
+                    ix.set(Slot::Compute(k), t, Pos::new(rank, index));
+                }
+                if let Action::Comm { kind, task } = *a {
+                    ix.set(Slot::Comm(kind), task, Pos::new(rank, index));
+                }
             }
         }
+        (ix, routes)
     }
-    fn get(&self, s: Slot, t: Task) -> Option<u32> {
-        self.slot(s, t).map(|i| self.table[i]).filter(|&g| g != NONE)
+    #[inline]
+    fn set(&mut self, s: Slot, t: Task, g: Pos) {
+        self.0.first(s.id(), t, g);
+    }
+    #[inline]
+    fn get(&self, s: Slot, t: Task) -> Option<Pos> {
+        self.0.get(s.id(), t)
     }
     /// The backward-like action (B, else I) of a task.
-    fn backward(&self, t: Task) -> Option<u32> {
+    #[inline]
+    fn backward(&self, t: Task) -> Option<Pos> {
         self.get(Slot::Compute(ComputeKind::B), t).or_else(|| self.get(Slot::Compute(ComputeKind::I), t))
     }
 }
 
-/// What one half of an action needs: a producer global index, or the text of what is missing.
-type Need = Result<u32, String>;
-
-fn want(ix: &Index, s: Slot, t: Task) -> Need {
-    ix.get(s, t).ok_or_else(|| s.text(t))
+/// What is missing for one half of an action (its text is built only for the error).
+#[derive(Clone, Copy)]
+enum Missing {
+    /// This action.
+    One(Slot, Task),
+    /// The B or the I of a task.
+    Backward(Task),
+    /// The SEND_F into stage 0 of a microbatch (there is no stage before stage 0).
+    SendIntoStage0(usize),
 }
 
+impl Missing {
+    fn text(self) -> String {
+        match self {
+            Missing::One(s, t) => s.text(t),
+            Missing::Backward(t) => format!("{}B{} or {}I{}", t.stage, t.mb, t.stage, t.mb),
+            Missing::SendIntoStage0(mb) => format!("a SEND_F{mb} from a stage before stage 0"),
+        }
+    }
+}
+
+/// What one half of an action needs: a producer's position, or what is missing.
+type Need = Result<Pos, Missing>;
+
+#[inline]
+fn want(ix: &Index, s: Slot, t: Task) -> Need {
+    ix.get(s, t).ok_or(Missing::One(s, t))
+}
+
+#[inline]
 fn want_bw(ix: &Index, t: Task) -> Need {
-    ix.backward(t).ok_or_else(|| format!("{}B{} or {}I{}", t.stage, t.mb, t.stage, t.mb))
+    ix.backward(t).ok_or(Missing::Backward(t))
 }
 
 /// The producers one compute or comm half needs (at most two).
+#[inline]
 fn needs_of(half: Slot, t: Task, ix: &Index, route: &Range<usize>) -> [Option<Need>; 2] {
     use ComputeKind as C;
     match half {
@@ -194,9 +255,7 @@ fn needs_of(half: Slot, t: Task, ix: &Index, route: &Range<usize>) -> [Option<Ne
         Slot::Compute(C::W) => [Some(want(ix, Slot::Compute(C::I), t)), None],
         Slot::Comm(CommKind::SendF) => [Some(want(ix, Slot::Compute(C::F), t)), None],
         Slot::Comm(CommKind::SendB) => [Some(want_bw(ix, t)), None],
-        Slot::Comm(CommKind::RecvF) if t.stage == 0 => {
-            [Some(Err(format!("a SEND_F{} from a stage before stage 0", t.mb))), None]
-        }
+        Slot::Comm(CommKind::RecvF) if t.stage == 0 => [Some(Err(Missing::SendIntoStage0(t.mb))), None],
         Slot::Comm(CommKind::RecvF) => {
             let prev = Task::new(t.stage - 1, t.mb);
             match ix.get(Slot::Comm(CommKind::SendF), prev) {
@@ -204,7 +263,7 @@ fn needs_of(half: Slot, t: Task, ix: &Index, route: &Range<usize>) -> [Option<Ne
                 None => [
                     Some(
                         ix.get(Slot::Compute(C::F), prev)
-                            .ok_or_else(|| Slot::Comm(CommKind::SendF).text(prev)),
+                            .ok_or(Missing::One(Slot::Comm(CommKind::SendF), prev)),
                     ),
                     None,
                 ],
@@ -214,13 +273,16 @@ fn needs_of(half: Slot, t: Task, ix: &Index, route: &Range<usize>) -> [Option<Ne
             let next = Task::new(t.stage + 1, t.mb);
             match ix.get(Slot::Comm(CommKind::SendB), next) {
                 Some(s) => [Some(Ok(s)), None],
-                None => [Some(ix.backward(next).ok_or_else(|| Slot::Comm(CommKind::SendB).text(next))), None],
+                None => {
+                    [Some(ix.backward(next).ok_or(Missing::One(Slot::Comm(CommKind::SendB), next))), None]
+                }
             }
         }
     }
 }
 
 /// The (slot, task) halves of an action: one, two for OVERLAP_F_B, none for stage-level actions.
+#[inline]
 fn halves(a: &Action) -> [Option<(Slot, Task)>; 2] {
     match *a {
         Action::Compute { kind, task } => [Some((Slot::Compute(kind), task)), None],
@@ -229,6 +291,144 @@ fn halves(a: &Action) -> [Option<(Slot, Task)>; 2] {
         }
         Action::Comm { kind, task } => [Some((Slot::Comm(kind), task)), None],
         Action::StageOp { .. } => [None, None],
+    }
+}
+
+/// `offsets[r]..offsets[r + 1]` are rank r's global indices; the rank of each global index.
+fn rank_of(offsets: &[usize]) -> Vec<u32> {
+    let mut out = Vec::with_capacity(offsets.last().copied().unwrap_or(0));
+    for (r, w) in offsets.windows(2).enumerate() {
+        out.resize(w[1], r as u32);
+    }
+    out
+}
+
+/// Global starts of each row's cells and the total (`offsets[p]`).
+fn offsets_of<C>(rows: &[Vec<C>]) -> Vec<usize> {
+    let mut offsets = Vec::with_capacity(rows.len() + 1);
+    let mut n = 0;
+    for row in rows {
+        offsets.push(n);
+        n += row.len();
+    }
+    offsets.push(n);
+    offsets
+}
+
+/// Runs a schedule's programs under blocking semantics without building a [`DepGraph`]: each
+/// rank runs until an action needs an unfinished producer and resumes once the producer's rank
+/// has passed it. Linear in the number of cells (plus, per rank that advances, a look at its few
+/// waiters). The producers are listed first, rank by rank, so the run reads them in order.
+pub(crate) struct Walk<'a> {
+    rows: &'a [Vec<Step>],
+    /// Global index of each rank's first cell (idle cells counted); `offsets[p]` = cells.
+    offsets: Vec<usize>,
+    /// `start[g]..start[g + 1]`: the producers of cell g in `producers`.
+    start: Vec<u32>,
+    producers: Vec<Pos>,
+    /// Some action's producer is absent.
+    missing: bool,
+}
+
+impl<'a> Walk<'a> {
+    /// Lists the producers of every action of `s`.
+    pub fn new(s: &'a Schedule) -> Self {
+        let (ix, routes) = Index::new(&s.ranks);
+        let offsets = offsets_of(&s.ranks);
+        let mut w = Walk {
+            rows: &s.ranks,
+            start: Vec::with_capacity(offsets[s.ranks.len()] + 1),
+            producers: Vec::with_capacity(2 * offsets[s.ranks.len()]),
+            offsets,
+            missing: false,
+        };
+        w.start.push(0);
+        for (rank, row) in s.ranks.iter().enumerate() {
+            for (index, cell) in row.iter().enumerate() {
+                if let Some(a) = cell {
+                    w.missing |= !w.list(a, Pos::new(rank, index), &ix, &routes);
+                }
+                w.start.push(w.producers.len() as u32);
+            }
+        }
+        w
+    }
+
+    /// Appends the producers of action `a` at `me`; false if one is absent.
+    fn list(&mut self, a: &Action, me: Pos, ix: &Index, routes: &[Option<Range<usize>>]) -> bool {
+        for (slot, t) in halves(a).into_iter().flatten() {
+            let Some(route) = routes[t.mb].clone() else { return false };
+            for need in needs_of(slot, t, ix, &route).into_iter().flatten() {
+                match need {
+                    Ok(p) if p == me => {}
+                    Ok(p) => self.producers.push(p),
+                    Err(_) => return false,
+                }
+            }
+        }
+        true
+    }
+
+    /// Number of cells, idle ones included.
+    pub fn cells(&self) -> usize {
+        self.offsets[self.rows.len()]
+    }
+
+    /// The global cell index of a position.
+    pub fn global(&self, p: Pos) -> usize {
+        self.offsets[p.rank as usize] + p.index as usize
+    }
+
+    /// Runs rank `r` from `pc[r]` on until it ends (`None`) or waits (the producer it waits for).
+    fn advance<F>(&self, r: RankId, pc: &mut [usize], visit: &mut F) -> Option<Pos>
+    where
+        F: FnMut(RankId, usize, &Action, &[Pos]),
+    {
+        while let Some(cell) = self.rows[r].get(pc[r]) {
+            if let Some(a) = cell {
+                let g = self.offsets[r] + pc[r];
+                let producers = &self.producers[self.start[g] as usize..self.start[g + 1] as usize];
+                if let Some(&p) = producers.iter().find(|p| p.index as usize >= pc[p.rank as usize]) {
+                    return Some(p);
+                }
+                visit(r, pc[r], a, producers);
+            }
+            pc[r] += 1;
+        }
+        None
+    }
+
+    /// Runs every rank to its end, calling `visit(rank, step, action, producers)` for each action
+    /// after all its producers. Returns true when every action ran: every producer exists and the
+    /// ranks do not deadlock, which is what [`DepGraph::build`] and [`DepGraph::topo_order`] check.
+    pub fn run<F>(&self, mut visit: F) -> bool
+    where
+        F: FnMut(RankId, usize, &Action, &[Pos]),
+    {
+        if self.missing {
+            return false;
+        }
+        let p = self.rows.len();
+        let mut pc = vec![0usize; p];
+        let mut waits_for = vec![0usize; p];
+        let mut waiters: Vec<Vec<RankId>> = vec![Vec::new(); p];
+        let mut ready: Vec<RankId> = (0..p).rev().collect();
+        while let Some(r) = ready.pop() {
+            if let Some(on) = self.advance(r, &mut pc, &mut visit) {
+                waits_for[r] = on.index as usize;
+                waiters[on.rank as usize].push(r);
+            }
+            let mut still = std::mem::take(&mut waiters[r]);
+            still.retain(|&w| {
+                let go = waits_for[w] < pc[r];
+                if go {
+                    ready.push(w);
+                }
+                !go
+            });
+            waiters[r] = still;
+        }
+        (0..p).all(|r| pc[r] == self.rows[r].len())
     }
 }
 
@@ -246,18 +446,13 @@ impl DepGraph {
             programs.push(a);
             steps.push(s);
         }
-        let mut offsets = Vec::with_capacity(programs.len() + 1);
-        let mut n = 0;
-        for p in &programs {
-            offsets.push(n);
-            n += p.len();
-        }
-        offsets.push(n);
-        let ix = Index::new(&programs);
-        let routes = routes(&programs);
+        let offsets = offsets_of(&programs);
+        let n = offsets[programs.len()];
+        let (ix, routes) = Index::new(&programs);
         let mut g = DepGraph {
             programs,
             steps,
+            rank_of: rank_of(&offsets),
             offsets,
             dep_start: Vec::with_capacity(n + 1),
             dep_list: Vec::with_capacity(2 * n),
@@ -266,18 +461,18 @@ impl DepGraph {
         for rank in 0..g.programs.len() {
             for index in 0..g.programs[rank].len() {
                 let a = g.programs[rank][index];
-                let me = (g.offsets[rank] + index) as u32;
+                let me = Pos::new(rank, index);
                 for (slot, t) in halves(&a).into_iter().flatten() {
                     let route = routes[t.mb].clone().expect("a named microbatch has a route");
                     for need in needs_of(slot, t, &ix, &route).into_iter().flatten() {
-                        let on = need.map_err(|needs| MissingDep {
+                        let on = need.map_err(|missing| MissingDep {
                             rank,
                             step: g.steps[rank][index],
                             action: a,
-                            needs,
+                            needs: missing.text(),
                         })?;
                         if on != me {
-                            let on = g.at(on as usize);
+                            let on = ActionRef { rank: on.rank as usize, index: on.index as usize };
                             g.dep_list.push(Dep { on, hop: on.rank != rank });
                         }
                     }
@@ -295,7 +490,7 @@ impl DepGraph {
 
     /// The action reference of a global index.
     pub fn at(&self, global: usize) -> ActionRef {
-        let rank = self.offsets.partition_point(|&o| o <= global) - 1;
+        let rank = self.rank_of[global] as usize;
         ActionRef { rank, index: global - self.offsets[rank] }
     }
 
@@ -333,9 +528,9 @@ impl DepGraph {
         // In-degrees: data deps plus the program-order predecessor.
         let mut indeg: Vec<u32> = (0..n).map(|g| self.dep_start[g + 1] - self.dep_start[g]).collect();
         for r in 0..self.programs.len() {
-            for g in self.offsets[r] + 1..self.offsets[r + 1] {
-                indeg[g] += 1;
-            }
+            // Every action of the rank but its first (none for an empty rank).
+            let later = indeg.get_mut(self.offsets[r] + 1..self.offsets[r + 1]).unwrap_or_default();
+            later.iter_mut().for_each(|d| *d += 1);
         }
         // Successors of data deps in CSR form.
         let mut succ_start = vec![0u32; n + 1];

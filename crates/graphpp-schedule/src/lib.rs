@@ -13,6 +13,7 @@ pub mod placement;
 pub mod render;
 pub mod schedule;
 pub mod simulate;
+mod table;
 pub mod timeline;
 pub mod validate;
 

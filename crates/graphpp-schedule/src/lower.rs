@@ -9,8 +9,10 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 
 use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
-use crate::schedule::{RankId, Schedule, Step};
-use crate::validate::{compute_routes, stage_ranks, validate, Loc, ValidateOptions, ValidationError};
+use crate::schedule::{Schedule, Step};
+use crate::validate::{
+    compute_routes, stage_rank_table, validate, Loc, StageRanks, ValidateOptions, ValidationError,
+};
 
 /// Why a lowering pass refused a schedule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -81,7 +83,7 @@ fn refuse_if(s: &Schedule, pass: &'static str, pred: impl Fn(&Action) -> bool) -
 
 /// Where a microbatch's tensors cross ranks: stage → rank and the routes.
 struct Wiring {
-    rank_of: BTreeMap<StageId, RankId>,
+    rank_of: StageRanks,
     routes: Vec<Option<Range<StageId>>>,
 }
 
@@ -90,7 +92,7 @@ impl Wiring {
     fn crosses(&self, from: StageId, mb: usize) -> bool {
         let in_route =
             self.routes.get(mb).cloned().flatten().is_some_and(|r| r.start <= from && from + 1 < r.end);
-        in_route && self.rank_of.get(&from) != self.rank_of.get(&(from + 1))
+        in_route && self.rank_of.of_stage(from) != self.rank_of.of_stage(from + 1)
     }
 
     /// RECVs that must run right before compute `(kind, t)`.
@@ -136,19 +138,21 @@ impl Wiring {
 /// on several ranks.
 pub fn add_send_recv(s: &Schedule) -> Result<Schedule, LowerError> {
     refuse_if(s, "add_send_recv", |a| matches!(a, Action::Comm { .. }))?;
-    let wiring = Wiring { rank_of: stage_ranks(s)?, routes: compute_routes(s) };
-    let programs = (0..s.num_ranks())
-        .map(|r| {
-            let mut out = Vec::new();
-            for a in s.program(r) {
-                out.extend(a.computes().filter_map(|(k, t)| wiring.recvs(k, t)));
-                out.push(a);
-                out.extend(a.computes().filter_map(|(k, t)| wiring.sends(k, t)));
+    let wiring = Wiring { rank_of: stage_rank_table(s)?, routes: compute_routes(s) };
+    let ranks = s
+        .ranks
+        .iter()
+        .map(|row| {
+            let mut out: Vec<Step> = Vec::with_capacity(3 * row.len());
+            for &a in row.iter().flatten() {
+                out.extend(a.computes().filter_map(|(k, t)| wiring.recvs(k, t)).map(Some));
+                out.push(Some(a));
+                out.extend(a.computes().filter_map(|(k, t)| wiring.sends(k, t)).map(Some));
             }
             out
         })
         .collect();
-    Ok(Schedule::from_programs(programs))
+    Ok(Schedule { ranks })
 }
 
 /// The next `count` distinct stages that compute actions of `rest` touch, in order of first use;
@@ -316,6 +320,7 @@ pub fn split_bw(s: &Schedule) -> Result<Schedule, LowerError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::schedule::RankId;
 
     fn sched(csv: &str) -> Schedule {
         Schedule::from_csv(csv).unwrap()

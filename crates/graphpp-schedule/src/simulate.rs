@@ -9,7 +9,7 @@
 
 use crate::action::{Action, ComputeKind};
 use crate::costs::{Costs, Memory};
-use crate::deps::{DepGraph, MissingDep};
+use crate::deps::{DepGraph, MissingDep, Pos, Walk};
 use crate::schedule::{RankId, Schedule};
 use crate::timeline::{Interval, Timeline};
 
@@ -70,24 +70,37 @@ pub fn duration(a: &Action, c: &Costs) -> f64 {
 /// [`SimulateError::Missing`] when a dependency is absent, [`SimulateError::Deadlock`] naming the
 /// waiting cycle when the ranks wait on each other.
 pub fn simulate(schedule: &Schedule, costs: &Costs, memory: &Memory) -> Result<SimReport, SimulateError> {
-    let g = DepGraph::build(schedule)?;
-    let order = g.topo_order().map_err(|cycle| SimulateError::Deadlock(describe_cycle(&g, &cycle)))?;
-    let p = g.programs.len();
-    let mut end: Vec<Vec<f64>> = g.programs.iter().map(|p| vec![0.0; p.len()]).collect();
-    let mut intervals = Vec::with_capacity(order.len());
-    for at in order {
-        let a = g.programs[at.rank][at.index];
-        let mut start = if at.index > 0 { end[at.rank][at.index - 1] } else { 0.0 };
-        for d in g.deps(at) {
-            let hop = if d.hop { costs.comm } else { 0.0 };
-            start = start.max(end[d.on.rank][d.on.index] + hop);
+    let walk = Walk::new(schedule);
+    let mut end = vec![0.0f64; walk.cells()];
+    let mut free = vec![0.0f64; schedule.num_ranks()];
+    let mut intervals = Vec::with_capacity(walk.cells());
+    let ran_all = walk.run(|rank, step, a, producers| {
+        let mut start = free[rank];
+        for &p in producers {
+            let hop = if p.rank as usize != rank { costs.comm } else { 0.0 };
+            start = start.max(end[walk.global(p)] + hop);
         }
-        let e = start + duration(&a, costs);
-        end[at.rank][at.index] = e;
-        intervals.push(Interval { rank: at.rank, start, end: e, action: a });
+        let e = start + duration(a, costs);
+        end[walk.global(Pos::new(rank, step))] = e;
+        free[rank] = e;
+        intervals.push(Interval { rank, start, end: e, action: *a });
+    });
+    if !ran_all {
+        return Err(failure(schedule));
     }
-    let timeline = Timeline { ranks: p, intervals, unit: "unit".into() };
+    let timeline = Timeline { ranks: schedule.num_ranks(), intervals, unit: "unit".into() };
     Ok(report(timeline, schedule, memory))
+}
+
+/// Why the ranks of `schedule` cannot all run to their end: the missing producer, or the cycle.
+fn failure(schedule: &Schedule) -> SimulateError {
+    match DepGraph::build(schedule) {
+        Err(missing) => missing.into(),
+        Ok(g) => match g.topo_order() {
+            Err(cycle) => SimulateError::Deadlock(describe_cycle(&g, &cycle)),
+            Ok(_) => SimulateError::Deadlock("the ranks stop before the end of their programs".into()),
+        },
+    }
 }
 
 /// Figures of a timeline (simulated or measured) and the memory of `schedule`'s programs.
@@ -108,10 +121,13 @@ pub fn report(timeline: Timeline, schedule: &Schedule, memory: &Memory) -> SimRe
         .collect();
     let total_busy: f64 = busy.iter().sum();
     let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { 0.0 };
-    let programs: Vec<Vec<Action>> = (0..schedule.num_ranks()).map(|r| schedule.program(r)).collect();
-    let routes = crate::deps::routes(&programs);
-    let (peak_activations, peak_in_flight) =
-        programs.iter().map(|prog| peak_memory_with(prog, &routes, programs.len(), memory)).unzip();
+    let routes = crate::deps::routes_of(schedule.ranks.iter().flatten().flatten());
+    let p_ranks = schedule.num_ranks();
+    let (peak_activations, peak_in_flight) = schedule
+        .ranks
+        .iter()
+        .map(|prog| peak_memory_with(prog.iter().flatten(), &routes, p_ranks, memory))
+        .unzip();
     SimReport {
         makespan,
         bubble_ratio: ratio(idle.iter().sum(), total_busy),
@@ -132,22 +148,20 @@ pub fn report(timeline: Timeline, schedule: &Schedule, memory: &Memory) -> SimRe
 /// One (stage, mb) weighs `p / len(route(mb))` full stages: 1/v for v equal chunks per rank, and
 /// 1 for DualPipe, whose two stages per rank are each a full stage of one parameter copy.
 pub fn peak_memory(schedule: &Schedule, r: RankId, memory: &Memory) -> (f64, usize) {
-    let routes = crate::deps::routes(
-        &schedule.ranks.iter().map(|p| p.iter().flatten().copied().collect()).collect::<Vec<_>>(),
-    );
-    peak_memory_with(&schedule.program(r), &routes, schedule.num_ranks(), memory)
+    let routes = crate::deps::routes_of(schedule.ranks.iter().flatten().flatten());
+    peak_memory_with(schedule.ranks[r].iter().flatten(), &routes, schedule.num_ranks(), memory)
 }
 
 /// [`peak_memory`] of one program, given the microbatch routes and the number of ranks `p`.
-pub fn peak_memory_with(
-    program: &[Action],
+pub fn peak_memory_with<'a>(
+    program: impl IntoIterator<Item = &'a Action>,
     routes: &[Option<std::ops::Range<usize>>],
     p: usize,
     memory: &Memory,
 ) -> (f64, usize) {
     let weight = |mb: usize| routes.get(mb).cloned().flatten().map_or(1.0, |r| p as f64 / r.len() as f64);
     let (mut mem, mut peak, mut count, mut peak_count) = (0.0f64, 0.0f64, 0usize, 0usize);
-    for (kind, task) in program.iter().flat_map(|a| a.computes()) {
+    for (kind, task) in program.into_iter().flat_map(|a| a.computes()) {
         let w = weight(task.mb);
         match kind {
             ComputeKind::F => {
@@ -247,6 +261,14 @@ mod tests {
         assert_eq!(peak_memory(&s, 0, &m), (2.0, 2));
         let s = Schedule::from_csv("0F0,0I0,0F1,0I1,0W0,0W1\n").unwrap();
         assert_eq!(peak_memory(&s, 0, &m), (1.5, 1));
+    }
+
+    #[test]
+    fn huge_stage_number_is_a_missing_producer() {
+        let s = Schedule::from_csv("0F0,1000000000000F0\n").unwrap();
+        let e = simulate(&s, &Costs::default(), &Memory::default()).unwrap_err();
+        let SimulateError::Missing(m) = e else { panic!("{e:?}") };
+        assert_eq!((m.rank, m.step, m.needs.as_str()), (0, 1, "999999999999F0"));
     }
 
     #[test]

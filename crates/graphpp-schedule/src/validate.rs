@@ -26,14 +26,15 @@
 // actions; boxing them would only make matching on variants clumsier.
 #![allow(clippy::result_large_err)]
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::ops::Range;
 
 use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
-use crate::deps::{routes, DepGraph, MissingDep};
+use crate::deps::{widen_route, DepGraph, MissingDep, Walk};
 use crate::placement::Placement;
 use crate::schedule::{RankId, Schedule};
+use crate::table::TaskMap;
 
 /// What the validator expects beyond the schedule itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -480,28 +481,58 @@ impl fmt::Display for Summary {
     }
 }
 
-/// Every non-idle cell, rank by rank in program order.
-fn cells(s: &Schedule) -> Vec<Loc> {
-    let mut v = Vec::new();
-    for (rank, row) in s.ranks.iter().enumerate() {
-        for (step, cell) in row.iter().enumerate() {
-            if let Some(action) = *cell {
-                v.push(Loc { rank, step, action });
-            }
-        }
-    }
-    v
+/// Rank `rank`'s non-idle cells in program order.
+fn row_cells(s: &Schedule, rank: RankId) -> impl Iterator<Item = Loc> + '_ {
+    let row = &s.ranks[rank];
+    row.iter().enumerate().filter_map(move |(step, cell)| cell.map(|action| Loc { rank, step, action }))
 }
 
-/// The stage → rank map.
+/// Every non-idle cell, rank by rank in program order.
+fn cells(s: &Schedule) -> impl Iterator<Item = Loc> + '_ {
+    (0..s.num_ranks()).flat_map(|rank| row_cells(s, rank))
+}
+
+/// Number of cells (idle steps included): the size hint of the lookup tables.
+fn cell_count(s: &Schedule) -> usize {
+    s.ranks.iter().map(Vec::len).sum()
+}
+
+/// A cell's rank and step, packed for the lookup tables (a schedule never has 2^32 ranks or steps).
+#[derive(Debug, Clone, Copy)]
+struct Cell {
+    rank: u32,
+    step: u32,
+}
+
+impl Cell {
+    fn of(at: &Loc) -> Self {
+        Cell { rank: at.rank as u32, step: at.step as u32 }
+    }
+
+    fn step(self) -> usize {
+        self.step as usize
+    }
+
+    /// The full location, reading the action back from `s`.
+    fn loc(self, s: &Schedule) -> Loc {
+        let (rank, step) = (self.rank as usize, self.step as usize);
+        Loc { rank, step, action: s.ranks[rank][step].expect("a table cell names a non-idle step") }
+    }
+}
+
+/// Stage → rank lookup table (see [`TaskMap::by_stage`]).
+pub(crate) type StageRanks = TaskMap<RankId>;
+
+/// The stage → rank table.
 ///
 /// # Errors
 /// [`ValidationError::StageOnManyRanks`] at the first action of a stage on a second rank.
-pub fn stage_ranks(s: &Schedule) -> Result<BTreeMap<StageId, RankId>, ValidationError> {
-    let mut map = BTreeMap::new();
+pub(crate) fn stage_rank_table(s: &Schedule) -> Result<StageRanks, ValidationError> {
+    let stages = s.actions().flat_map(|(_, a)| a.stages()).max().map_or(0, |x| x + 1);
+    let mut map = TaskMap::by_stage(stages, cell_count(s));
     for at in cells(s) {
         for stage in at.action.stages() {
-            let first_rank = *map.entry(stage).or_insert(at.rank);
+            let first_rank = map.first(0, Task::new(stage, 0), at.rank).unwrap_or(at.rank);
             if first_rank != at.rank {
                 return Err(ValidationError::StageOnManyRanks { stage, first_rank, at });
             }
@@ -510,39 +541,52 @@ pub fn stage_ranks(s: &Schedule) -> Result<BTreeMap<StageId, RankId>, Validation
     Ok(map)
 }
 
+/// The stage → rank map.
+///
+/// # Errors
+/// [`ValidationError::StageOnManyRanks`] at the first action of a stage on a second rank.
+pub fn stage_ranks(s: &Schedule) -> Result<BTreeMap<StageId, RankId>, ValidationError> {
+    let table = stage_rank_table(s)?;
+    let stages = s.actions().flat_map(|(_, a)| a.stages());
+    Ok(stages.filter_map(|st| table.of_stage(st).map(|r| (st, r))).collect())
+}
+
 /// Routes from compute actions only (see [`Schedule::route`]); index = microbatch.
 pub fn compute_routes(s: &Schedule) -> Vec<Option<Range<StageId>>> {
-    let compute = s.compute_only();
-    let programs: Vec<Vec<Action>> = (0..compute.num_ranks()).map(|r| compute.program(r)).collect();
-    routes(&programs)
+    let mut routes = Vec::new();
+    for (_, task) in s.actions().flat_map(|(_, a)| a.computes()) {
+        widen_route(&mut routes, task);
+    }
+    routes
 }
 
 fn mbs_of(a: &Action) -> impl Iterator<Item = usize> {
     crate::deps::tasks_of(a).map(|t| t.mb)
 }
 
-/// The placement kind a stage → rank map matches with `p` ranks.
-fn placement_kind(map: &BTreeMap<StageId, RankId>, p: usize) -> Option<Placement> {
+/// The placement kind the stage → rank table of stages `0..stages` matches with `p` ranks.
+fn placement_kind(map: &StageRanks, stages: usize, p: usize) -> Option<Placement> {
+    let held: Vec<(StageId, RankId)> =
+        (0..stages).filter_map(|st| map.of_stage(st).map(|r| (st, r))).collect();
     [Placement::Loop, Placement::V].into_iter().find(|pl| {
-        let s = map.len();
-        (*pl == Placement::Loop || s == 2 * p) && map.iter().all(|(&st, &r)| pl.rank_of(st, p) == r)
+        (*pl == Placement::Loop || held.len() == 2 * p) && held.iter().all(|&(st, r)| pl.rank_of(st, p) == r)
     })
 }
 
 /// Checks the microbatch set; returns m.
 fn check_microbatches(
-    all: &[Loc],
+    s: &Schedule,
     routes: &[Option<Range<StageId>>],
     expected: Option<usize>,
 ) -> Result<usize, ValidationError> {
     if let Some(m) = expected {
-        for at in all {
+        for at in cells(s) {
             if let Some(mb) = mbs_of(&at.action).find(|&mb| mb >= m) {
-                return Err(ValidationError::MicrobatchOutOfRange { mb, expected: m, at: *at });
+                return Err(ValidationError::MicrobatchOutOfRange { mb, expected: m, at });
             }
         }
     }
-    let m = expected.unwrap_or_else(|| all.iter().flat_map(|a| mbs_of(&a.action)).max().map_or(0, |x| x + 1));
+    let m = expected.unwrap_or_else(|| s.actions().flat_map(|(_, a)| mbs_of(a)).max().map_or(0, |x| x + 1));
     match (0..m).find(|&mb| routes.get(mb).cloned().flatten().is_none()) {
         Some(mb) => Err(ValidationError::MissingMicrobatch { mb, expected: m }),
         None => Ok(m),
@@ -561,32 +605,39 @@ fn check_routes(routes: &[Option<Range<StageId>>], stages: usize) -> Result<(), 
     Ok(())
 }
 
-/// First occurrence of every compute (kind, task).
-type ComputeIndex = HashMap<(ComputeKind, Task), Loc>;
+/// First occurrence of every compute (kind, task), slot = [`ComputeKind`] as index.
+type ComputeIndex = TaskMap<Cell>;
 
-fn index_compute(all: &[Loc]) -> Result<ComputeIndex, ValidationError> {
-    let mut ix = ComputeIndex::new();
-    for at in all {
+/// Indexes the compute actions; `stages` and `mbs` bound their stages and microbatches.
+fn index_compute(s: &Schedule, stages: usize, mbs: usize) -> Result<ComputeIndex, ValidationError> {
+    let mut ix = TaskMap::new(4, stages, mbs, cell_count(s));
+    for at in cells(s) {
         for (kind, task) in at.action.computes() {
-            if let Some(first) = ix.get(&(kind, task)) {
-                return Err(ValidationError::DuplicateCompute { kind, task, at: *at, first: *first });
+            if let Some(first) = ix.first(kind as usize, task, Cell::of(&at)) {
+                return Err(ValidationError::DuplicateCompute { kind, task, at, first: first.loc(s) });
             }
-            ix.insert((kind, task), *at);
         }
     }
     Ok(ix)
 }
 
-fn check_task(ix: &ComputeIndex, task: Task, rank: Option<RankId>) -> Result<(), ValidationError> {
-    let get = |k| ix.get(&(k, task)).copied();
+fn check_task(
+    s: &Schedule,
+    ix: &ComputeIndex,
+    task: Task,
+    rank: Option<RankId>,
+) -> Result<(), ValidationError> {
+    let get = |k: ComputeKind| ix.get(k as usize, task);
     let missing = |kind| ValidationError::MissingCompute { kind, task, rank };
     let (b, i, w) = (get(ComputeKind::B), get(ComputeKind::I), get(ComputeKind::W));
     if get(ComputeKind::F).is_none() {
         return Err(missing(ComputeKind::F));
     }
     match (b, i, w) {
-        (Some(other), Some(at), _) => Err(ValidationError::MixedBackward { task, at, other }),
-        (_, None, Some(at)) => Err(ValidationError::WWithoutI { task, at }),
+        (Some(other), Some(at), _) => {
+            Err(ValidationError::MixedBackward { task, at: at.loc(s), other: other.loc(s) })
+        }
+        (_, None, Some(at)) => Err(ValidationError::WWithoutI { task, at: at.loc(s) }),
         (None, None, None) => Err(missing(ComputeKind::B)),
         (None, Some(_), None) => Err(missing(ComputeKind::W)),
         _ => Ok(()),
@@ -594,32 +645,33 @@ fn check_task(ix: &ComputeIndex, task: Task, rank: Option<RankId>) -> Result<(),
 }
 
 fn check_tasks(
+    s: &Schedule,
     ix: &ComputeIndex,
     routes: &[Option<Range<StageId>>],
-    placement: &BTreeMap<StageId, RankId>,
+    placement: &StageRanks,
 ) -> Result<(), ValidationError> {
     for (mb, r) in routes.iter().enumerate() {
         for stage in r.clone().into_iter().flatten() {
-            check_task(ix, Task::new(stage, mb), placement.get(&stage).copied())?;
+            check_task(s, ix, Task::new(stage, mb), placement.of_stage(stage))?;
         }
     }
     Ok(())
 }
 
 /// F before B/I, I before W, scanning actions in rank/step order.
-fn check_order(all: &[Loc], ix: &ComputeIndex) -> Result<(), ValidationError> {
-    for at in all {
+fn check_order(s: &Schedule, ix: &ComputeIndex) -> Result<(), ValidationError> {
+    for at in cells(s) {
         for (kind, task) in at.action.computes() {
             let before = match kind {
                 ComputeKind::B | ComputeKind::I => ComputeKind::F,
                 ComputeKind::W => ComputeKind::I,
                 ComputeKind::F => continue,
             };
-            if let Some(first) = ix.get(&(before, task)).filter(|f| f.step >= at.step) {
+            if let Some(first) = ix.get(before as usize, task).filter(|f| f.step() >= at.step) {
                 return Err(ValidationError::OrderViolation {
-                    at: *at,
+                    at,
                     needs: format!("{}{before}{}", task.stage, task.mb),
-                    needs_step: first.step,
+                    needs_step: first.step(),
                 });
             }
         }
@@ -646,53 +698,65 @@ fn handover(from: StageId, mb: usize) -> [Action; 4] {
     ]
 }
 
+/// First occurrence of every SEND/RECV, slot = [`CommKind`] as index.
+type CommIndex = TaskMap<Cell>;
+
+fn comm_cell(ix: &CommIndex, a: &Action) -> Option<Cell> {
+    match *a {
+        Action::Comm { kind, task } => ix.get(kind as usize, task),
+        _ => None,
+    }
+}
+
+/// SEND/RECV checks; every stage is below `stages` and every microbatch below `routes.len()`.
 fn check_comm(
-    all: &[Loc],
+    s: &Schedule,
     routes: &[Option<Range<StageId>>],
-    placement: &BTreeMap<StageId, RankId>,
+    placement: &StageRanks,
+    stages: usize,
 ) -> Result<(), ValidationError> {
-    let mut ix: HashMap<Action, Loc> = HashMap::new();
-    for at in all {
+    let mut ix = TaskMap::new(4, stages, routes.len(), cell_count(s));
+    for at in cells(s) {
         let Action::Comm { kind, task } = at.action else { continue };
-        if let Some(first) = ix.get(&at.action) {
-            return Err(ValidationError::DuplicateComm { at: *at, first: *first });
+        if let Some(first) = ix.first(kind as usize, task, Cell::of(&at)) {
+            return Err(ValidationError::DuplicateComm { at, first: first.loc(s) });
         }
-        ix.insert(at.action, *at);
         let route = routes.get(task.mb).cloned().flatten();
         let from = boundary(kind, task.stage)
             .filter(|&b| route.as_ref().is_some_and(|r| r.start <= b && b + 1 < r.end));
         let Some(from) = from else {
-            return Err(ValidationError::CommOutOfRoute { at: *at, at_mb: task.mb, route });
+            return Err(ValidationError::CommOutOfRoute { at, at_mb: task.mb, route });
         };
-        if placement.get(&from) == placement.get(&(from + 1)) {
-            return Err(ValidationError::LocalComm { at: *at, from, to: from + 1 });
+        if placement.of_stage(from) == placement.of_stage(from + 1) {
+            return Err(ValidationError::LocalComm { at, from, to: from + 1 });
         }
     }
-    check_handovers(&ix, routes, placement)
+    check_handovers(s, &ix, routes, placement)
 }
 
 /// Every cross-rank boundary of every route has its four comm actions.
 fn check_handovers(
-    ix: &HashMap<Action, Loc>,
+    s: &Schedule,
+    ix: &CommIndex,
     routes: &[Option<Range<StageId>>],
-    placement: &BTreeMap<StageId, RankId>,
+    placement: &StageRanks,
 ) -> Result<(), ValidationError> {
     for (mb, r) in routes.iter().enumerate() {
         let Some(r) = r else { continue };
         for from in r.start..r.end.saturating_sub(1) {
-            let (a, b) = (placement.get(&from).copied(), placement.get(&(from + 1)).copied());
+            let (a, b) = (placement.of_stage(from), placement.of_stage(from + 1));
             if a == b {
                 continue;
             }
             let acts = handover(from, mb);
             let peer_of = [1, 0, 3, 2];
             for (k, act) in acts.iter().enumerate() {
-                if !ix.contains_key(act) {
+                if comm_cell(ix, act).is_none() {
                     let rank = if matches!(k, 0 | 3) { a } else { b };
                     return Err(ValidationError::MissingComm {
                         rank: rank.unwrap_or_default(),
                         missing: *act,
-                        peer: ix.get(&acts[peer_of[k]]).copied(),
+                        peer: comm_cell(ix, &acts[peer_of[k]]).map(|c| c.loc(s)),
                     });
                 }
             }
@@ -701,29 +765,29 @@ fn check_handovers(
     Ok(())
 }
 
-fn check_known_stages(all: &[Loc], stages: usize) -> Result<(), ValidationError> {
-    for at in all.iter().filter(|a| !a.action.is_compute()) {
+fn check_known_stages(s: &Schedule, stages: usize) -> Result<(), ValidationError> {
+    for at in cells(s).filter(|a| !a.action.is_compute()) {
         if let Some(stage) = at.action.stages().find(|&s| s >= stages) {
-            return Err(ValidationError::UnknownStage { at: *at, stage, stages });
+            return Err(ValidationError::UnknownStage { at, stage, stages });
         }
     }
     Ok(())
 }
 
-fn check_sharding(s: &Schedule, all: &[Loc]) -> Result<(), ValidationError> {
+fn check_sharding(s: &Schedule) -> Result<(), ValidationError> {
     for rank in 0..s.num_ranks() {
         let mut unsharded = BTreeSet::new();
-        for at in all.iter().filter(|a| a.rank == rank) {
+        for at in row_cells(s, rank) {
             let changed = match at.action {
                 Action::StageOp { kind: StageOpKind::Unshard, stage } => unsharded.insert(stage),
                 Action::StageOp { kind: StageOpKind::Reshard, stage } => unsharded.remove(&stage),
                 a => match a.stages().find(|st| a.is_compute() && !unsharded.contains(st)) {
-                    Some(stage) => return Err(ValidationError::ComputeWhileSharded { at: *at, stage }),
+                    Some(stage) => return Err(ValidationError::ComputeWhileSharded { at, stage }),
                     None => true,
                 },
             };
             if !changed {
-                return Err(ValidationError::RedundantShardOp { at: *at });
+                return Err(ValidationError::RedundantShardOp { at });
             }
         }
         if let Some(&stage) = unsharded.iter().next() {
@@ -733,39 +797,44 @@ fn check_sharding(s: &Schedule, all: &[Loc]) -> Result<(), ValidationError> {
     Ok(())
 }
 
-/// The last backward-like (B, I, W, or OVERLAP_F_B's B) action of each stage.
-fn last_backward(all: &[Loc]) -> HashMap<StageId, Loc> {
-    let mut last = HashMap::new();
-    for at in all {
+/// The last backward-like (B, I, W, or OVERLAP_F_B's B) action of each stage below `stages`.
+fn last_backward(s: &Schedule, stages: usize) -> TaskMap<Cell> {
+    let mut last = TaskMap::by_stage(stages, cell_count(s));
+    for at in cells(s) {
         for (kind, task) in at.action.computes() {
             if kind != ComputeKind::F {
-                last.insert(task.stage, *at);
+                last.set(0, Task::new(task.stage, 0), Cell::of(&at));
             }
         }
     }
     last
 }
 
-fn check_reduce_grad(all: &[Loc], stages: usize) -> Result<(), ValidationError> {
-    let last = last_backward(all);
-    let mut seen: HashMap<StageId, Loc> = HashMap::new();
-    for at in all {
+/// REDUCE_GRAD checks; every stage is below `stages`.
+fn check_reduce_grad(s: &Schedule, stages: usize) -> Result<(), ValidationError> {
+    let last = last_backward(s, stages);
+    let mut seen: TaskMap<Cell> = TaskMap::by_stage(stages, cell_count(s));
+    for at in cells(s) {
         let Action::StageOp { kind: StageOpKind::ReduceGrad, stage } = at.action else { continue };
-        if let Some(first) = seen.get(&stage) {
-            return Err(ValidationError::DuplicateReduceGrad { at: *at, first: *first });
+        if let Some(first) = seen.first(0, Task::new(stage, 0), Cell::of(&at)) {
+            return Err(ValidationError::DuplicateReduceGrad { at, first: first.loc(s) });
         }
-        seen.insert(stage, *at);
-        if let Some(l) = last.get(&stage).filter(|l| l.step > at.step) {
-            return Err(ValidationError::ReduceGradTooEarly { at: *at, last: *l });
+        if let Some(l) = last.of_stage(stage).filter(|l| l.step() > at.step) {
+            return Err(ValidationError::ReduceGradTooEarly { at, last: l.loc(s) });
         }
     }
-    match (0..stages).find(|s| !seen.contains_key(s)) {
+    match (0..stages).find(|&st| seen.of_stage(st).is_none()) {
         Some(stage) => Err(ValidationError::MissingReduceGrad { stage }),
         None => Ok(()),
     }
 }
 
+/// Missing producers and deadlocks: a [`Walk`] when the schedule runs to its end, else the
+/// [`DepGraph`] (built only then) names the missing producer or the waiting cycle.
 fn check_deadlock(s: &Schedule) -> Result<(), ValidationError> {
+    if Walk::new(s).run(|_, _, _, _| {}) {
+        return Ok(());
+    }
     let g = DepGraph::build(s)?;
     let loc =
         |a: crate::deps::ActionRef| Loc { rank: a.rank, step: g.steps[a.rank][a.index], action: g.action(a) };
@@ -779,37 +848,37 @@ fn check_deadlock(s: &Schedule) -> Result<(), ValidationError> {
 /// # Errors
 /// The first [`ValidationError`] found.
 pub fn validate(s: &Schedule, opts: &ValidateOptions) -> Result<Summary, ValidationError> {
-    let all = cells(s);
-    if !all.iter().any(|a| a.action.is_compute()) {
+    if !s.actions().any(|(_, a)| a.is_compute()) {
         return Err(ValidationError::Empty);
     }
-    let placement = stage_ranks(s)?;
+    let placement = stage_rank_table(s)?;
     let routes = compute_routes(s);
-    let m = check_microbatches(&all, &routes, opts.microbatches)?;
-    let stages = s.compute_only().num_stages();
+    let m = check_microbatches(s, &routes, opts.microbatches)?;
+    let stages = routes.iter().flatten().map(|r| r.end).max().unwrap_or(0);
     check_routes(&routes, stages)?;
-    let ix = index_compute(&all)?;
-    check_tasks(&ix, &routes, &placement)?;
-    check_order(&all, &ix)?;
-    check_known_stages(&all, stages)?;
+    let ix = index_compute(s, stages, routes.len())?;
+    check_tasks(s, &ix, &routes, &placement)?;
+    check_order(s, &ix)?;
+    check_known_stages(s, stages)?;
     let counts = ActionCounts::of(s);
     if counts.send + counts.recv > 0 {
-        check_comm(&all, &routes, &placement)?;
+        check_comm(s, &routes, &placement, stages)?;
     }
     if counts.unshard + counts.reshard > 0 {
-        check_sharding(s, &all)?;
+        check_sharding(s)?;
     }
     if counts.reduce_grad > 0 {
-        check_reduce_grad(&all, stages)?;
+        check_reduce_grad(s, stages)?;
     }
     check_deadlock(s)?;
+    let lowered = counts.send + counts.recv + counts.unshard + counts.reshard + counts.reduce_grad > 0;
     Ok(Summary {
         ranks: s.num_ranks(),
         stages,
         microbatches: m,
-        placement: placement_kind(&placement, s.num_ranks()),
+        placement: placement_kind(&placement, stages, s.num_ranks()),
         counts,
-        lowered: all.iter().any(|a| !a.action.is_compute()),
+        lowered,
     })
 }
 
@@ -859,6 +928,16 @@ mod tests {
         // A route of 1..3 is neither all stages nor a half.
         let e = err("0F0,0B0,3F0,3B0\n1F1,2F1,2B1,1B1,1F0,2F0,2B0,1B0\n");
         assert_eq!(e, ValidationError::RouteMismatch { mb: 1, route: 1..3, stages: 4 });
+    }
+
+    #[test]
+    fn huge_stage_numbers_use_the_sparse_tables() {
+        // S = 10^12 + 1: the dense tables would not fit; the error is the same as for small S.
+        let e = err("0F0,1000000000000F0\n");
+        assert_eq!(
+            e,
+            ValidationError::MissingCompute { kind: ComputeKind::B, task: Task::new(0, 0), rank: Some(0) }
+        );
     }
 
     #[test]

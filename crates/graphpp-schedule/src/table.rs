@@ -1,0 +1,123 @@
+//! A map keyed by (slot, stage, microbatch), the lookup table of the validator, the lowering
+//! passes and the dependency graph.
+//!
+//! Stages and microbatches are small dense ranges in real schedules, so the map is a flat vector
+//! indexed by `(slot · S + stage) · m + mb`. When the key ranges are far larger than the number of
+//! entries expected (bad input such as stage 10^12) it is a hash map instead, so that no input can
+//! make it allocate more than a few slots per action.
+
+use std::collections::HashMap;
+
+use crate::action::Task;
+
+/// Values keyed by (slot, [`Task`]); `slot` is a small kind index (e.g. a [`crate::ComputeKind`]).
+#[derive(Debug, Clone)]
+pub(crate) enum TaskMap<V> {
+    /// `slots × stages × mbs` cells.
+    Dense { stages: usize, mbs: usize, cells: Vec<Option<V>> },
+    /// Any key.
+    Sparse(HashMap<(usize, Task), V>),
+}
+
+impl<V: Copy> TaskMap<V> {
+    /// A map for keys with `slot < slots`, `stage < stages` and `mb < mbs`, expected to hold about
+    /// `entries` values; dense unless the key space is much larger than that.
+    pub fn new(slots: usize, stages: usize, mbs: usize, entries: usize) -> Self {
+        let keys = slots.saturating_mul(stages).saturating_mul(mbs);
+        if keys <= entries.saturating_mul(4).saturating_add(1024) {
+            TaskMap::Dense { stages, mbs, cells: vec![None; keys] }
+        } else {
+            TaskMap::Sparse(HashMap::new())
+        }
+    }
+
+    /// A map keyed by stage only (slot 0, microbatch 0).
+    pub fn by_stage(stages: usize, entries: usize) -> Self {
+        Self::new(1, stages, 1, entries)
+    }
+
+    #[inline]
+    fn index(&self, slot: usize, t: Task) -> Option<usize> {
+        match self {
+            TaskMap::Dense { stages, mbs, cells } => {
+                let i = (t.stage < *stages && t.mb < *mbs).then(|| (slot * stages + t.stage) * mbs + t.mb);
+                i.filter(|&i| i < cells.len())
+            }
+            TaskMap::Sparse(_) => None,
+        }
+    }
+
+    /// The value at (slot, t).
+    #[inline]
+    pub fn get(&self, slot: usize, t: Task) -> Option<V> {
+        match self {
+            TaskMap::Dense { cells, .. } => self.index(slot, t).and_then(|i| cells[i]),
+            TaskMap::Sparse(map) => map.get(&(slot, t)).copied(),
+        }
+    }
+
+    /// The value of `stage` in a [`TaskMap::by_stage`] map.
+    #[inline]
+    pub fn of_stage(&self, stage: usize) -> Option<V> {
+        self.get(0, Task::new(stage, 0))
+    }
+
+    /// Sets (slot, t) to `v` unless it holds a value; returns the value it held.
+    ///
+    /// A dense map ignores keys outside its ranges (callers size it to hold every key).
+    #[inline]
+    pub fn first(&mut self, slot: usize, t: Task, v: V) -> Option<V> {
+        let i = self.index(slot, t);
+        match self {
+            TaskMap::Dense { cells, .. } => {
+                let cell = &mut cells[i?];
+                let old = *cell;
+                cell.get_or_insert(v);
+                old
+            }
+            TaskMap::Sparse(map) => {
+                let old = map.get(&(slot, t)).copied();
+                map.entry((slot, t)).or_insert(v);
+                old
+            }
+        }
+    }
+
+    /// Sets (slot, t) to `v`.
+    #[inline]
+    pub fn set(&mut self, slot: usize, t: Task, v: V) {
+        let i = self.index(slot, t);
+        match self {
+            TaskMap::Dense { cells, .. } => {
+                if let Some(i) = i {
+                    cells[i] = Some(v);
+                }
+            }
+            TaskMap::Sparse(map) => {
+                map.insert((slot, t), v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dense_and_sparse_agree() {
+        let dense: TaskMap<u32> = TaskMap::new(2, 3, 4, 24);
+        let sparse: TaskMap<u32> = TaskMap::new(2, 1 << 40, 1 << 20, 24);
+        assert!(matches!(dense, TaskMap::Dense { .. }));
+        assert!(matches!(sparse, TaskMap::Sparse(_)));
+        for mut m in [dense, sparse] {
+            assert_eq!(m.first(1, Task::new(2, 3), 7), None);
+            assert_eq!(m.first(1, Task::new(2, 3), 8), Some(7));
+            assert_eq!(m.get(1, Task::new(2, 3)), Some(7));
+            assert_eq!(m.get(0, Task::new(2, 3)), None);
+            assert_eq!(m.get(1, Task::new(3, 2)), None);
+            m.set(1, Task::new(2, 3), 9);
+            assert_eq!(m.get(1, Task::new(2, 3)), Some(9));
+        }
+    }
+}
