@@ -127,6 +127,37 @@ mod tests {
         assert!((a[0] - 1.5).abs() < 1e-6 && (a[1] - 2.0).abs() < 1e-6, "{a:?}");
     }
 
+    proptest::proptest! {
+        /// Any split of the gradients over ranks gives the single-rank squared norm (up to f64
+        /// rounding), and after clipping with the combined scale the global norm is at most max_norm.
+        #[test]
+        fn any_rank_split_clips_to_max_norm(
+            data in proptest::collection::vec(-50.0f32..50.0, 1..40),
+            ranks in proptest::collection::vec(0usize..4, 40),
+            max_norm in 0.01f64..100.0,
+        ) {
+            let mut per_rank: Vec<HashMap<String, Tensor>> = vec![HashMap::new(); 4];
+            for (i, x) in data.iter().enumerate() {
+                per_rank[ranks[i]].extend(grads(&[(&format!("g{i}"), &[*x])]));
+            }
+            let whole: f64 = data.iter().map(|x| (*x as f64).powi(2)).sum();
+            let total: f64 = per_rank.iter().map(|g| local_sq_norm(g).unwrap()).sum();
+            proptest::prop_assert!((total - whole).abs() <= 1e-12 * whole.max(1.0));
+            let s = clip_scale(total, max_norm).unwrap();
+            let mut after = 0.0;
+            for g in per_rank.iter_mut() {
+                scale_grads(g, s).unwrap();
+                after += local_sq_norm(g).unwrap();
+            }
+            proptest::prop_assert!(after.sqrt() <= max_norm * (1.0 + 1e-6), "{} > {max_norm}", after.sqrt());
+            if whole.sqrt() > max_norm * 1.01 {
+                proptest::prop_assert!((after.sqrt() - max_norm).abs() <= 1e-5 * max_norm);
+            } else if whole.sqrt() < max_norm * 0.99 {
+                proptest::prop_assert_eq!(s, 1.0);
+            }
+        }
+    }
+
     #[test]
     fn bad_inputs_are_typed_errors() {
         assert!(matches!(clip_scale(1.0, 0.0), Err(OptimError::BadMaxNorm { .. })));

@@ -268,8 +268,7 @@ impl AdamW {
             if key == STEP_KEY || !key.starts_with("adam.") {
                 continue;
             }
-            if key.starts_with(V_PREFIX) {
-                let name = &key[V_PREFIX.len()..];
+            if let Some(name) = key.strip_prefix(V_PREFIX) {
                 if !state.contains_key(&format!("{M_PREFIX}{name}")) {
                     return Err(bad(key, "second moment without a first moment"));
                 }
