@@ -237,12 +237,12 @@ impl AdamW {
     }
 
     /// The state as named tensors for a checkpoint: `adam.m.<param>` and `adam.v.<param>` (f32,
-    /// the parameter's shape) for every parameter, and `adam.step` (i64 scalar, steps taken).
+    /// the parameter's shape and device) for every parameter, and `adam.step` (i64 scalar on the
+    /// CPU, steps taken).
     /// Hyperparameters are not included (they belong to the run's config).
     pub fn state_dict(&self) -> Result<HashMap<String, Tensor>, OptimError> {
         let step = i64::try_from(self.step).unwrap_or(i64::MAX);
-        let dev = self.moments.values().next().map(|(m, _)| m.device().clone());
-        let step = Tensor::new(step, &dev.unwrap_or(candle_core::Device::Cpu)).map_err(kernel(STEP_KEY))?;
+        let step = Tensor::new(step, &candle_core::Device::Cpu).map_err(kernel(STEP_KEY))?;
         let mut out = HashMap::from([(STEP_KEY.to_string(), step)]);
         for (name, (m, v)) in &self.moments {
             out.insert(format!("{M_PREFIX}{name}"), m.clone());
@@ -252,7 +252,8 @@ impl AdamW {
     }
 
     /// Replaces the state with one exported by [`AdamW::state_dict`]; keys not starting with
-    /// `adam.` are ignored (a checkpoint may hold parameters in the same file). Errors:
+    /// `adam.` are ignored (a checkpoint may hold parameters in the same file). Moments are used on
+    /// the device they come on: move them to the parameters' device first. Errors:
     /// [`OptimError::BadState`] for a missing or non-integer `adam.step`, an unknown `adam.` key,
     /// an `m` without its `v` (or the reverse), differing shapes, or a non-f32 moment.
     pub fn load_state_dict(&mut self, state: &HashMap<String, Tensor>) -> Result<(), OptimError> {
