@@ -1,10 +1,18 @@
 //! graphpp-runtime: runs stage graphs and schedules — the graph executor on candle tensors,
 //! transports between ranks, and the per-rank schedule executor. See `shared/DESIGN.md`, "Runtime".
 
+pub mod clip;
 pub mod executor;
+pub mod lr;
+pub mod optim;
 pub mod pipeline;
+pub mod sample;
 pub mod transport;
 
+pub use clip::{clip_grad_norm, clip_scale, local_sq_norm, scale_grads};
 pub use executor::{run, run_named, run_with, Collectives, ExecError, RunOptions, RunReport, SingleRank};
+pub use lr::{CosineSchedule, LrError};
+pub use optim::{AdamW, AdamWConfig, OptimError};
 pub use pipeline::{run_pipeline, PipelineError, StageWork, WorkError};
+pub use sample::{sample_next, SampleError};
 pub use transport::{Tag, TagKind, ThreadTransport, Transport, TransportError};
