@@ -3,8 +3,12 @@
 
 pub mod executor;
 pub mod pipeline;
+pub mod stage;
 pub mod transport;
+pub mod verify;
 
 pub use executor::{run, run_named, run_with, Collectives, ExecError, RunOptions, RunReport, SingleRank};
+pub use stage::{GraphStages, Microbatches, Stage, StageError};
+pub use verify::{verify_step, VerifyError, VerifyReport, VerifySetup};
 pub use pipeline::{run_pipeline, PipelineError, StageWork, WorkError};
 pub use transport::{Tag, TagKind, ThreadTransport, Transport, TransportError};

@@ -17,12 +17,15 @@ enum Command {
     /// Generate, check, lower, simulate and compare pipeline schedules.
     #[command(subcommand)]
     Schedule(cmd::schedule::ScheduleCmd),
+    /// Run one step pipelined and on one device; compare losses and gradients (exit 1 above tolerance).
+    Verify(cmd::verify::VerifyArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Schedule(c) => cmd::schedule::run(c),
+        Command::Verify(a) => cmd::verify::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,2 +1,3 @@
 pub mod compare;
 pub mod schedule;
+pub mod verify;
