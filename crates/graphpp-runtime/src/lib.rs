@@ -8,7 +8,7 @@ pub mod transport;
 pub mod verify;
 
 pub use executor::{run, run_named, run_with, Collectives, ExecError, RunOptions, RunReport, SingleRank};
-pub use stage::{GraphStages, Microbatches, Stage, StageError};
-pub use verify::{verify_step, VerifyError, VerifyReport, VerifySetup};
 pub use pipeline::{run_pipeline, PipelineError, StageWork, WorkError};
+pub use stage::{GraphStages, Microbatches, Stage, StageError};
 pub use transport::{Tag, TagKind, ThreadTransport, Transport, TransportError};
+pub use verify::{verify_step, VerifyError, VerifyReport, VerifySetup};

@@ -153,8 +153,11 @@ fn grad_of(name: &str) -> String {
 }
 
 fn run_graph(g: &Graph, env: &Env, t: Task) -> Result<Env, StageError> {
-    let r = run_named(g, env, &RunOptions::default())
-        .map_err(|source| StageError::Exec { stage: t.stage, mb: t.mb, source })?;
+    let r = run_named(g, env, &RunOptions::default()).map_err(|source| StageError::Exec {
+        stage: t.stage,
+        mb: t.mb,
+        source,
+    })?;
     Ok(g.output_names().into_iter().zip(r.outputs).collect())
 }
 
@@ -360,11 +363,21 @@ impl GraphStages {
 impl StageWork for GraphStages {
     type Tensor = Tensor;
 
-    fn forward(&mut self, stage: usize, mb: usize, input: Option<Tensor>) -> Result<Option<Tensor>, WorkError> {
+    fn forward(
+        &mut self,
+        stage: usize,
+        mb: usize,
+        input: Option<Tensor>,
+    ) -> Result<Option<Tensor>, WorkError> {
         Ok(self.forward_task(Task::new(stage, mb), input)?)
     }
 
-    fn backward(&mut self, stage: usize, mb: usize, grad: Option<Tensor>) -> Result<Option<Tensor>, WorkError> {
+    fn backward(
+        &mut self,
+        stage: usize,
+        mb: usize,
+        grad: Option<Tensor>,
+    ) -> Result<Option<Tensor>, WorkError> {
         Ok(self.backward_task(Task::new(stage, mb), grad)?)
     }
 

@@ -23,9 +23,12 @@ use graphpp_graph::names::{LOSS, TARGETS, TOKENS};
 use graphpp_graph::{stage_graphs, GraphError, RecomputePolicy};
 use graphpp_models::rng::Rng;
 use graphpp_models::{
-    build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, ModelError, StageOptions, StageSpec,
+    build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, ModelError, StageOptions,
+    StageSpec,
 };
-use graphpp_schedule::{generate, lower, GenerateError, Kind, LowerError, LowerOptions, Options, Schedule, Shape};
+use graphpp_schedule::{
+    generate, lower, GenerateError, Kind, LowerError, LowerOptions, Options, Schedule, Shape,
+};
 
 use crate::executor::{run_named, tensor_from_f64, tensor_u32, to_f64, ExecError, RunOptions};
 use crate::pipeline::{run_pipeline, PipelineError};
@@ -192,7 +195,12 @@ pub fn random_microbatches(
 }
 
 /// Parameters (from `seed`) and buffers of a stage, as tensors of the stage dtype.
-pub fn stage_state(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions, seed: u64) -> Result<Env, VerifyError> {
+pub fn stage_state(
+    cfg: &LlamaConfig,
+    spec: &StageSpec,
+    opts: &StageOptions,
+    seed: u64,
+) -> Result<Env, VerifyError> {
     let mut env = Env::new();
     for (name, shape, data) in init_parameters(cfg, spec, seed) {
         let d: Vec<f64> = data.iter().map(|&x| x as f64).collect();
@@ -214,7 +222,8 @@ pub fn pipeline_workers(
     data: Arc<Microbatches>,
 ) -> Result<Vec<GraphStages>, VerifyError> {
     let placement = schedule.placement();
-    let mut per_rank: Vec<BTreeMap<usize, Stage>> = (0..schedule.num_ranks()).map(|_| BTreeMap::new()).collect();
+    let mut per_rank: Vec<BTreeMap<usize, Stage>> =
+        (0..schedule.num_ranks()).map(|_| BTreeMap::new()).collect();
     for (stage, ranks) in placement {
         let spec = specs
             .get(stage)
@@ -332,4 +341,3 @@ pub fn verify_step(setup: &VerifySetup) -> Result<VerifyReport, VerifyError> {
     let b = single_device_step(setup)?;
     compare(&a, &b)
 }
-

@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 use graphpp_models::{LlamaConfig, StageOptions};
 use graphpp_runtime::stage::Microbatches;
 use graphpp_runtime::verify::{
-    compare, pipeline_workers, pipelined_step, random_microbatches, single_device_step, stage_specs, TOLERANCE,
+    compare, pipeline_workers, pipelined_step, random_microbatches, single_device_step, stage_specs,
+    StepResult, TOLERANCE,
 };
 use graphpp_runtime::{run_pipeline, PipelineError, VerifyError, VerifySetup};
-use graphpp_schedule::{generate, lower, GenerateError, Kind, LowerOptions, Options, Shape};
+use graphpp_schedule::{generate, lower, Action, GenerateError, Kind, LowerOptions, Options, Shape};
 
 /// A model small enough for a sweep in debug: one decoder layer per model stage.
 fn micro(layers: usize) -> LlamaConfig {
@@ -54,7 +55,8 @@ fn every_kind_and_shape_matches_the_single_device_step() {
             for &v in stages_per_rank(kind) {
                 for m in [p, 2 * p + 1, 4 * p] {
                     let shape = Shape::new(p, v, m);
-                    if let Err(GenerateError::Constraint { .. }) = generate(kind, &shape, &Options::default()) {
+                    if let Err(GenerateError::Constraint { .. }) = generate(kind, &shape, &Options::default())
+                    {
                         continue;
                     }
                     let s = setup(kind, shape, 1 + (m % 2));
@@ -81,14 +83,34 @@ fn every_kind_and_shape_matches_the_single_device_step() {
 #[test]
 fn dualpipe_sums_the_two_parameter_copies() {
     // Each copy alone sees half the microbatches: its gradient differs from the full one, and
-    // only the sum of both copies matches one device.
+    // only the sum of both copies matches one device. DualPipe also runs OVERLAP_F_B actions.
     let s = setup(Kind::DualPipe, Shape::new(2, 2, 4), 1);
-    let a = pipelined_step(&s).unwrap();
-    let b = single_device_step(&s).unwrap();
-    assert!(compare(&a, &b).unwrap().passes(TOLERANCE));
+    let schedule = lower(&generate(s.kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
+    assert!(schedule.actions().any(|(_, a)| matches!(a, Action::Overlap { .. })));
     let specs = stage_specs(&s.model, s.kind, &s.shape).unwrap();
-    assert_eq!(specs.len(), 4);
     assert_eq!(specs[2].layers, specs[0].layers, "stage p + i holds stage i's layers");
+    let data = Arc::new(random_microbatches(32, 4, 1, 8, s.seed).unwrap());
+    let ws = pipeline_workers(&s.model, &schedule, &specs, &StageOptions::new(1, 8), s.seed, data).unwrap();
+    let (ws, _) = run_pipeline(&schedule, ws, s.timeout).unwrap();
+    let b = single_device_step(&s).unwrap();
+    let copy0 = StepResult {
+        loss: b.loss,
+        microbatch_losses: vec![],
+        grads: ws[0].stages()[&0].grads().iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+    };
+    let partial = StepResult {
+        grads: b
+            .grads
+            .iter()
+            .filter(|(k, _)| copy0.grads.contains_key(*k))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+        loss: b.loss,
+        microbatch_losses: vec![],
+    };
+    let r = compare(&copy0, &partial).unwrap();
+    assert!(r.max_rel > 1e-2, "one copy alone should not match: {r:?}");
+    assert!(compare(&pipelined_step(&s).unwrap(), &b).unwrap().passes(TOLERANCE));
 }
 
 #[test]
@@ -124,7 +146,8 @@ fn caches_are_freed_after_the_step() {
     for kind in [Kind::ZbH1, Kind::DualPipeV, Kind::OneFOneB] {
         let v = if kind == Kind::DualPipeV { 2 } else { 1 };
         let s = setup(kind, Shape::new(2, v, 4), 1);
-        let schedule = lower(&generate(kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
+        let schedule =
+            lower(&generate(kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
         let specs = stage_specs(&s.model, kind, &s.shape).unwrap();
         let data = Arc::new(random_microbatches(32, 4, 1, 8, 1).unwrap());
         let ws = pipeline_workers(&s.model, &schedule, &specs, &StageOptions::new(1, 8), 0, data).unwrap();
@@ -142,7 +165,8 @@ fn a_failing_stage_is_named_and_nothing_hangs() {
     let mut data: Microbatches = random_microbatches(32, 3, 1, 8, 1).unwrap();
     // Microbatch 1's tokens have a bad shape [1, 5] instead of [1, 8].
     data.tokens[1] = graphpp_runtime::executor::tensor_u32(&[1, 2, 3, 4, 5], &[1, 5]).unwrap();
-    let ws = pipeline_workers(&s.model, &schedule, &specs, &StageOptions::new(1, 8), 0, Arc::new(data)).unwrap();
+    let ws =
+        pipeline_workers(&s.model, &schedule, &specs, &StageOptions::new(1, 8), 0, Arc::new(data)).unwrap();
     let t0 = Instant::now();
     let e = run_pipeline(&schedule, ws, Duration::from_secs(20)).unwrap_err();
     assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());

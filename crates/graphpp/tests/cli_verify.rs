@@ -18,7 +18,18 @@ fn number(out: &str, line: &str, key: &str) -> f64 {
 fn pipelined_steps_match_one_device() {
     for args in [
         &["--schedule", "dualpipev", "--ranks", "2", "--stages-per-rank", "2", "--microbatches", "5"][..],
-        &["--schedule", "ScheduleInterleaved1F1B", "--ranks", "4", "--stages-per-rank", "2", "--microbatches", "8", "--layers", "8"],
+        &[
+            "--schedule",
+            "ScheduleInterleaved1F1B",
+            "--ranks",
+            "4",
+            "--stages-per-rank",
+            "2",
+            "--microbatches",
+            "8",
+            "--layers",
+            "8",
+        ],
     ] {
         let out = verify(args);
         let text = String::from_utf8(out.stdout).unwrap();
@@ -35,7 +46,16 @@ fn pipelined_steps_match_one_device() {
 
 #[test]
 fn too_few_layers_names_both_numbers() {
-    let out = verify(&["--schedule", "interleaved-1f1b", "--ranks", "4", "--stages-per-rank", "2", "--microbatches", "8"]);
+    let out = verify(&[
+        "--schedule",
+        "interleaved-1f1b",
+        "--ranks",
+        "4",
+        "--stages-per-rank",
+        "2",
+        "--microbatches",
+        "8",
+    ]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8(out.stderr).unwrap();
     assert!(err.contains("4 decoder layers") && err.contains("8 pipeline stages"), "{err}");
@@ -51,7 +71,8 @@ fn difference_above_tolerance_exits_1() {
 
 #[test]
 fn a_shape_the_kind_rejects_is_reported() {
-    let out = verify(&["--schedule", "dualpipe", "--ranks", "3", "--stages-per-rank", "2", "--microbatches", "6"]);
+    let out =
+        verify(&["--schedule", "dualpipe", "--ranks", "3", "--stages-per-rank", "2", "--microbatches", "6"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("dualpipe cannot serve"), "{out:?}");
 }
