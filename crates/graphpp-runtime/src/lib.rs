@@ -7,7 +7,9 @@ pub mod lr;
 pub mod optim;
 pub mod pipeline;
 pub mod sample;
+pub mod stage;
 pub mod transport;
+pub mod verify;
 
 pub use clip::{clip_grad_norm, clip_scale, local_sq_norm, scale_grads};
 pub use executor::{run, run_named, run_with, Collectives, ExecError, RunOptions, RunReport, SingleRank};
@@ -15,4 +17,6 @@ pub use lr::{CosineSchedule, LrError};
 pub use optim::{AdamW, AdamWConfig, OptimError};
 pub use pipeline::{run_pipeline, PipelineError, StageWork, WorkError};
 pub use sample::{sample_next, SampleError};
+pub use stage::{GraphStages, Microbatches, Stage, StageError};
 pub use transport::{Tag, TagKind, ThreadTransport, Transport, TransportError};
+pub use verify::{verify_step, VerifyError, VerifyReport, VerifySetup};

@@ -1,3 +1,4 @@
 pub mod compare;
 pub mod graph;
 pub mod schedule;
+pub mod verify;

@@ -1,0 +1,406 @@
+//! The stages one rank holds, run as real stage graphs under the schedule executor
+//! (DESIGN.md "Runtime" → Stage).
+//!
+//! A [`Stage`] is its callables (fw, full_bw, bw_di, bw_dw from [`StageGraphs`]) and its state
+//! (parameters and buffers, gradient accumulators). [`GraphStages`] holds a rank's stages (loop
+//! or V placement: any set of stage ids) and the per-(stage, microbatch) caches: the values the
+//! backward reads (stage input or tokens/targets, `saved.*`) kept from F until its B or I, and
+//! the dI → dW stash kept from I until W. Each cache entry is removed by its last use.
+//!
+//! Loss scaling (DESIGN.md "Runtime" → Semantics): a microbatch's loss is the mean over its
+//! tokens (the last stage's fw computes it and its full_bw seeds d loss = 1); the step loss is the
+//! mean over the `m` microbatches, so every gradient a route's last stage produces (`grad.input`,
+//! `grad.<param>`) is multiplied by 1/m — which scales every upstream gradient too, as backward
+//! is linear in the seed. Accumulators then hold d(step loss)/dθ.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use graphpp_graph::names::{INPUT, LOSS, OUTPUT, TARGETS, TOKENS};
+use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
+use graphpp_graph::{Graph, GraphError, StageGraphs};
+use graphpp_schedule::Task;
+
+use crate::executor::{run_named, to_f64, ExecError, RunOptions};
+use crate::pipeline::{StageWork, WorkError};
+
+/// Values by name (graph inputs or outputs).
+pub type Env = HashMap<String, Tensor>;
+
+/// Why a stage computation failed; names the stage and microbatch.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    /// A value the action needs is not there (e.g. B before F, W before I, a stage this rank
+    /// does not hold, a microbatch without data).
+    #[error("stage {stage} mb {mb}: missing {what}")]
+    Missing {
+        /// Stage id.
+        stage: usize,
+        /// Microbatch id.
+        mb: usize,
+        /// What is missing.
+        what: String,
+    },
+    /// Executing a graph failed (wrong input shape, kernel error).
+    #[error("stage {stage} mb {mb}: {source}")]
+    Exec {
+        /// Stage id.
+        stage: usize,
+        /// Microbatch id.
+        mb: usize,
+        /// The executor's error.
+        source: ExecError,
+    },
+    /// Building the overlap graph failed.
+    #[error("overlap graph of stages {f} and {b}: {source}")]
+    Overlap {
+        /// Stage of the forward half.
+        f: usize,
+        /// Stage of the backward half.
+        b: usize,
+        /// The pass error.
+        source: GraphError,
+    },
+    /// A tensor operation (gradient accumulation or scaling) failed.
+    #[error("stage {stage}: {source}")]
+    Tensor {
+        /// Stage id.
+        stage: usize,
+        /// candle's error.
+        source: candle_core::Error,
+    },
+}
+
+/// Token ids and targets of every microbatch of one step: `tokens[j]`, `targets[j]` are
+/// `[B, T]` u32 tensors for microbatch `j`.
+#[derive(Debug, Clone)]
+pub struct Microbatches {
+    /// Input token ids per microbatch.
+    pub tokens: Vec<Tensor>,
+    /// Target token ids per microbatch.
+    pub targets: Vec<Tensor>,
+}
+
+impl Microbatches {
+    /// Number of microbatches `m`.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+}
+
+/// One stage: its graphs, parameters + buffers, and gradient accumulators.
+#[derive(Debug)]
+pub struct Stage {
+    graphs: Arc<StageGraphs>,
+    state: Env,
+    grads: Env,
+    /// Names the backward graphs read that are neither state nor tangents.
+    bw_reads: HashSet<String>,
+    /// Names bw_dw reads (kept in the stash after I).
+    dw_reads: HashSet<String>,
+    first: bool,
+    last: bool,
+}
+
+impl Stage {
+    /// A stage from its graphs and its `state`: every parameter and buffer input of `graphs.fw`
+    /// by name. The stage reads `tokens` when fw has that input (a model's first stage) and
+    /// produces the loss when fw outputs `loss` (its last stage).
+    pub fn new(graphs: StageGraphs, state: Env) -> Self {
+        let mut bw_reads: HashSet<String> = graphs.full_bw.input_names().into_iter().collect();
+        let mut dw_reads = HashSet::new();
+        if let Some((di, dw)) = &graphs.di_dw {
+            bw_reads.extend(di.input_names());
+            dw_reads.extend(dw.input_names().into_iter().filter(|n| !state.contains_key(n)));
+            bw_reads.extend(dw_reads.iter().cloned());
+        }
+        bw_reads.retain(|n| !state.contains_key(n));
+        let first = graphs.fw.input_by_name(TOKENS).is_some();
+        let last = graphs.fw.output_by_name(LOSS).is_some();
+        Stage { graphs: Arc::new(graphs), state, grads: Env::new(), bw_reads, dw_reads, first, last }
+    }
+
+    /// Accumulated gradients `grad.<param>` (d step loss / dθ summed over the microbatches run so
+    /// far); a parameter appears once its stage ran a backward.
+    pub fn grads(&self) -> &Env {
+        &self.grads
+    }
+
+    /// Parameters and buffers by name.
+    pub fn state(&self) -> &Env {
+        &self.state
+    }
+}
+
+/// The stages one rank holds and their per-microbatch caches; implements [`StageWork`].
+#[derive(Debug)]
+pub struct GraphStages {
+    stages: BTreeMap<usize, Stage>,
+    data: Arc<Microbatches>,
+    saved: HashMap<Task, Env>,
+    stash: HashMap<Task, Env>,
+    losses: BTreeMap<usize, f64>,
+    overlap: HashMap<(usize, usize), Arc<Graph>>,
+}
+
+fn grad_of(name: &str) -> String {
+    format!("grad.{name}")
+}
+
+fn run_graph(g: &Graph, env: &Env, t: Task) -> Result<Env, StageError> {
+    let r = run_named(g, env, &RunOptions::default()).map_err(|source| StageError::Exec {
+        stage: t.stage,
+        mb: t.mb,
+        source,
+    })?;
+    Ok(g.output_names().into_iter().zip(r.outputs).collect())
+}
+
+fn missing(t: Task, what: &str) -> StageError {
+    StageError::Missing { stage: t.stage, mb: t.mb, what: what.into() }
+}
+
+impl GraphStages {
+    /// A rank's `stages` (by stage id) for one step over `data` (m = `data.len()`).
+    pub fn new(stages: BTreeMap<usize, Stage>, data: Arc<Microbatches>) -> Self {
+        GraphStages {
+            stages,
+            data,
+            saved: HashMap::new(),
+            stash: HashMap::new(),
+            losses: BTreeMap::new(),
+            overlap: HashMap::new(),
+        }
+    }
+
+    /// The stages, by stage id.
+    pub fn stages(&self) -> &BTreeMap<usize, Stage> {
+        &self.stages
+    }
+
+    /// Loss (mean over its tokens) of each microbatch whose route ends on this rank.
+    pub fn losses(&self) -> &BTreeMap<usize, f64> {
+        &self.losses
+    }
+
+    /// Number of (stage, microbatch) cache entries still held (saved activations + dI→dW
+    /// stashes); 0 after a complete step.
+    pub fn live_caches(&self) -> usize {
+        self.saved.len() + self.stash.len()
+    }
+
+    fn stage(&self, t: Task) -> Result<&Stage, StageError> {
+        self.stages.get(&t.stage).ok_or_else(|| missing(t, "stage (not held by this rank)"))
+    }
+
+    /// fw inputs of `t`: state, then tokens (first stage) or the received input, then targets.
+    fn fw_env(&self, t: Task, input: Option<Tensor>) -> Result<Env, StageError> {
+        let st = self.stage(t)?;
+        let mut env = st.state.clone();
+        let data = |v: &Vec<Tensor>| v.get(t.mb).cloned().ok_or_else(|| missing(t, "microbatch data"));
+        if st.first {
+            env.insert(TOKENS.into(), data(&self.data.tokens)?);
+        } else {
+            env.insert(INPUT.into(), input.ok_or_else(|| missing(t, "input activation"))?);
+        }
+        if st.last {
+            env.insert(TARGETS.into(), data(&self.data.targets)?);
+        }
+        Ok(env)
+    }
+
+    /// Keeps what the backward reads, records the loss; returns the output for the next stage.
+    fn after_fw(&mut self, t: Task, mut env: Env, outs: Env) -> Result<Option<Tensor>, StageError> {
+        let st = self.stage(t)?;
+        env.extend(outs);
+        let loss = if st.last {
+            let loss = env.get(LOSS).ok_or_else(|| missing(t, "loss output"))?;
+            Some(to_f64(loss).map_err(|source| StageError::Tensor { stage: t.stage, source })?[0])
+        } else {
+            None
+        };
+        let out = match loss {
+            Some(_) => None,
+            None => Some(env.get(OUTPUT).cloned().ok_or_else(|| missing(t, "output"))?),
+        };
+        let keep: Env = env.into_iter().filter(|(k, _)| st.bw_reads.contains(k)).collect();
+        if let Some(l) = loss {
+            self.losses.insert(t.mb, l);
+        }
+        self.saved.insert(t, keep);
+        Ok(out)
+    }
+
+    /// Backward inputs of `t`: state, the cache F kept (removed), and `grad.output`.
+    fn bw_env(&mut self, t: Task, grad: Option<Tensor>) -> Result<Env, StageError> {
+        let cache = self.saved.remove(&t).ok_or_else(|| missing(t, "saved activations (F not run)"))?;
+        let st = self.stage(t)?;
+        let mut env = st.state.clone();
+        env.extend(cache);
+        if !st.last {
+            env.insert(grad_of(OUTPUT), grad.ok_or_else(|| missing(t, "output gradient"))?);
+        }
+        Ok(env)
+    }
+
+    /// Multiplies by 1/m on a route's last stage (see the module doc).
+    fn scaled(&self, t: Task, g: Tensor) -> Result<Tensor, StageError> {
+        let m = self.data.len().max(1);
+        if !self.stage(t)?.last || m == 1 {
+            return Ok(g);
+        }
+        g.affine(1.0 / m as f64, 0.0).map_err(|source| StageError::Tensor { stage: t.stage, source })
+    }
+
+    /// Accumulates the `grad.<param>` outputs; returns `grad.input` (scaled), if any.
+    fn after_bw(&mut self, t: Task, outs: Env) -> Result<Option<Tensor>, StageError> {
+        let gin_name = grad_of(INPUT);
+        let mut gin = None;
+        for (name, g) in outs {
+            let g = self.scaled(t, g)?;
+            if name == gin_name {
+                gin = Some(g);
+                continue;
+            }
+            let st = self.stages.get_mut(&t.stage).ok_or_else(|| missing(t, "stage"))?;
+            let acc = match st.grads.remove(&name) {
+                Some(a) => a.add(&g).map_err(|source| StageError::Tensor { stage: t.stage, source })?,
+                None => g,
+            };
+            st.grads.insert(name, acc);
+        }
+        Ok(gin)
+    }
+
+    fn overlap_graph(&mut self, f: usize, b: usize) -> Result<Arc<Graph>, StageError> {
+        if let Some(g) = self.overlap.get(&(f, b)) {
+            return Ok(Arc::clone(g));
+        }
+        let get = |s: usize| self.stages.get(&s).ok_or_else(|| missing(Task::new(s, 0), "stage"));
+        let g = multiplex_fw_bw(&get(f)?.graphs.fw, &get(b)?.graphs.full_bw, Multiplex::CommOverlap)
+            .map_err(|source| StageError::Overlap { f, b, source })?;
+        let g = Arc::new(g);
+        self.overlap.insert((f, b), Arc::clone(&g));
+        Ok(g)
+    }
+
+    fn forward_task(&mut self, t: Task, input: Option<Tensor>) -> Result<Option<Tensor>, StageError> {
+        let env = self.fw_env(t, input)?;
+        let g = Arc::clone(&self.stage(t)?.graphs);
+        let outs = run_graph(&g.fw, &env, t)?;
+        self.after_fw(t, env, outs)
+    }
+
+    fn backward_task(&mut self, t: Task, grad: Option<Tensor>) -> Result<Option<Tensor>, StageError> {
+        let env = self.bw_env(t, grad)?;
+        let g = Arc::clone(&self.stage(t)?.graphs);
+        let outs = run_graph(&g.full_bw, &env, t)?;
+        self.after_bw(t, outs)
+    }
+
+    /// I: runs bw_di and stashes what bw_dw reads. A stage without the split (a model's first
+    /// stage has no input gradient) stashes its backward inputs and runs full_bw at W.
+    fn input_task(&mut self, t: Task, grad: Option<Tensor>) -> Result<Option<Tensor>, StageError> {
+        let env = self.bw_env(t, grad)?;
+        let st = self.stage(t)?;
+        let g = Arc::clone(&st.graphs);
+        let Some((di, _)) = &g.di_dw else {
+            let keep: Env = env.into_iter().filter(|(k, _)| !st.state.contains_key(k)).collect();
+            self.stash.insert(t, keep);
+            return Ok(None);
+        };
+        let mut outs = run_graph(di, &env, t)?;
+        let gin = outs.remove(&grad_of(INPUT)).ok_or_else(|| missing(t, "grad.input output of bw_di"))?;
+        outs.extend(env.into_iter().filter(|(k, _)| st.dw_reads.contains(k)));
+        self.stash.insert(t, outs);
+        Ok(Some(self.scaled(t, gin)?))
+    }
+
+    fn weight_task(&mut self, t: Task) -> Result<(), StageError> {
+        let stash = self.stash.remove(&t).ok_or_else(|| missing(t, "dI→dW stash (I not run)"))?;
+        let st = self.stage(t)?;
+        let g = Arc::clone(&st.graphs);
+        let mut env = st.state.clone();
+        env.extend(stash);
+        let graph = g.di_dw.as_ref().map(|(_, dw)| dw).unwrap_or(&g.full_bw);
+        let outs = run_graph(graph, &env, t)?;
+        self.after_bw(t, outs).map(|_| ())
+    }
+
+    /// OVERLAP_F_B: one run of the multiplexed graph (fw of `f`, full_bw of `b`; inputs and
+    /// outputs prefixed `f.` / `b.`).
+    fn overlap_task(
+        &mut self,
+        f: Task,
+        input: Option<Tensor>,
+        b: Task,
+        grad: Option<Tensor>,
+    ) -> Result<(Option<Tensor>, Option<Tensor>), StageError> {
+        let g = self.overlap_graph(f.stage, b.stage)?;
+        let fenv = self.fw_env(f, input)?;
+        let benv = self.bw_env(b, grad)?;
+        let mut env: Env = fenv.iter().map(|(k, v)| (format!("f.{k}"), v.clone())).collect();
+        env.extend(benv.into_iter().map(|(k, v)| (format!("b.{k}"), v)));
+        let (mut fo, mut bo) = (Env::new(), Env::new());
+        for (k, v) in run_graph(&g, &env, f)? {
+            if let Some(n) = k.strip_prefix("f.") {
+                fo.insert(n.to_string(), v);
+            } else if let Some(n) = k.strip_prefix("b.") {
+                bo.insert(n.to_string(), v);
+            }
+        }
+        let out = self.after_fw(f, fenv, fo)?;
+        let gin = self.after_bw(b, bo)?;
+        Ok((out, gin))
+    }
+}
+
+impl StageWork for GraphStages {
+    type Tensor = Tensor;
+
+    fn forward(
+        &mut self,
+        stage: usize,
+        mb: usize,
+        input: Option<Tensor>,
+    ) -> Result<Option<Tensor>, WorkError> {
+        Ok(self.forward_task(Task::new(stage, mb), input)?)
+    }
+
+    fn backward(
+        &mut self,
+        stage: usize,
+        mb: usize,
+        grad: Option<Tensor>,
+    ) -> Result<Option<Tensor>, WorkError> {
+        Ok(self.backward_task(Task::new(stage, mb), grad)?)
+    }
+
+    fn backward_input(
+        &mut self,
+        stage: usize,
+        mb: usize,
+        grad: Option<Tensor>,
+    ) -> Result<Option<Tensor>, WorkError> {
+        Ok(self.input_task(Task::new(stage, mb), grad)?)
+    }
+
+    fn backward_weight(&mut self, stage: usize, mb: usize) -> Result<(), WorkError> {
+        Ok(self.weight_task(Task::new(stage, mb))?)
+    }
+
+    fn overlap(
+        &mut self,
+        f: Task,
+        input: Option<Tensor>,
+        b: Task,
+        grad: Option<Tensor>,
+    ) -> Result<(Option<Tensor>, Option<Tensor>), WorkError> {
+        Ok(self.overlap_task(f, input, b, grad)?)
+    }
+}

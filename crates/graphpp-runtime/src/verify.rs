@@ -1,0 +1,344 @@
+//! One training step of the Llama-style model run pipelined under a schedule and on a single
+//! device from the same weights and batch, and the comparison of their losses and gradients —
+//! the core invariant of DESIGN.md "Runtime" → Semantics (`graphpp verify`, tests).
+//!
+//! Pipelined: the schedule of `kind` for `shape` is generated and lowered (SEND/RECV), every
+//! schedule stage gets its [`Stage`] (graphs under [`RecomputePolicy::SaveAll`], weights from
+//! [`init_parameters`] with the step's seed — seeded per parameter name, so any split gives the
+//! same weights) and [`run_pipeline`] runs one [`GraphStages`] per rank on threads.
+//! Single device: one stage holding every layer runs the m microbatches concatenated along the
+//! batch axis (`[m·B, T]`), fw then full_bw.
+//!
+//! DualPipe holds two parameter copies: schedule stage `p + i` is a second copy of stage `i`'s
+//! layers (same names, same initial weights; microbatches `m/2..m` route through stages `p..2p`).
+//! Its gradient for a parameter is the sum of the two copies' gradients, which is what one device
+//! computes for the shared parameter. Every other kind splits the model into `S = p·v` stages.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::Tensor;
+use graphpp_graph::names::{LOSS, TARGETS, TOKENS};
+use graphpp_graph::{stage_graphs, GraphError, RecomputePolicy};
+use graphpp_models::rng::Rng;
+use graphpp_models::{
+    build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, ModelError, StageOptions,
+    StageSpec,
+};
+use graphpp_schedule::{
+    generate, lower, GenerateError, Kind, LowerError, LowerOptions, Options, Schedule, Shape,
+};
+
+use crate::executor::{run_named, tensor_from_f64, tensor_u32, to_f64, ExecError, RunOptions};
+use crate::pipeline::{run_pipeline, PipelineError};
+use crate::stage::{Env, GraphStages, Microbatches, Stage};
+
+/// Default tolerance of `graphpp verify`: relative difference (see [`VerifyReport`]) in f32.
+/// Source: the acceptance criterion of issue 4 (1e-5 relative, f32).
+pub const TOLERANCE: f64 = 1e-5;
+
+/// Floor of the reference scale in relative differences (avoids 0/0 on an all-zero gradient).
+const SCALE_FLOOR: f64 = 1e-12;
+
+/// Why a verification step could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum VerifyError {
+    /// More pipeline stages than decoder layers.
+    #[error(
+        "the model has {layers} decoder layers, too few for {stages} pipeline stages (one layer at \
+         least per stage); use a model with more layers (--layers) or a shape with fewer stages"
+    )]
+    TooFewLayers {
+        /// Decoder layers of the model.
+        layers: usize,
+        /// Model stages the shape needs (S = p·v, or p for DualPipe).
+        stages: usize,
+    },
+    /// The kind cannot serve the shape.
+    #[error(transparent)]
+    Generate(#[from] GenerateError),
+    /// Lowering failed.
+    #[error(transparent)]
+    Lower(#[from] LowerError),
+    /// Bad model config or split.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// A graph pass failed.
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+    /// The single-device step failed.
+    #[error("single-device step: {0}")]
+    Exec(#[from] ExecError),
+    /// The pipelined step failed (names rank, step and action).
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
+    /// A tensor operation failed.
+    #[error("tensor: {0}")]
+    Tensor(#[from] candle_core::Error),
+    /// The two steps do not produce the same set of values (a missing loss or gradient).
+    #[error("pipelined and single-device steps disagree on {0}")]
+    Mismatch(String),
+}
+
+/// What one verification step runs: the model, the schedule and the data.
+#[derive(Debug, Clone)]
+pub struct VerifySetup {
+    /// The model.
+    pub model: LlamaConfig,
+    /// Schedule kind.
+    pub kind: Kind,
+    /// Pipeline shape (p, v, m).
+    pub shape: Shape,
+    /// Generator options (group size, zb-auto costs).
+    pub options: Options,
+    /// Sequences per microbatch `B`.
+    pub batch: usize,
+    /// Tokens per sequence `T`.
+    pub seq: usize,
+    /// Seed of the weights and of the batch.
+    pub seed: u64,
+    /// Bound on every RECV of the pipelined run.
+    pub timeout: Duration,
+}
+
+impl VerifySetup {
+    /// A setup with default generator options, seed 0 and a 60 s RECV timeout.
+    pub fn new(model: LlamaConfig, kind: Kind, shape: Shape, batch: usize, seq: usize) -> Self {
+        VerifySetup {
+            model,
+            kind,
+            shape,
+            options: Options::default(),
+            batch,
+            seq,
+            seed: 0,
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Loss and gradients of one step.
+#[derive(Debug)]
+pub struct StepResult {
+    /// Step loss: mean over microbatches of the per-microbatch mean token loss.
+    pub loss: f64,
+    /// Per-microbatch losses (pipelined step only; empty for the single-device step).
+    pub microbatch_losses: Vec<f64>,
+    /// d loss / dθ by name `grad.<param>`.
+    pub grads: BTreeMap<String, Tensor>,
+}
+
+/// The comparison of a pipelined and a single-device step.
+///
+/// Relative differences are taken per value against the single-device reference `b`:
+/// `max_i |a_i − b_i| / max(max_i |b_i|, 1e-12)` (the reference tensor's scale, so a tiny element
+/// does not blow up the ratio); `max_rel` is the largest over all gradient tensors.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VerifyReport {
+    /// Step loss of the pipelined run.
+    pub loss_pipelined: f64,
+    /// Step loss on one device.
+    pub loss_single: f64,
+    /// |loss_pipelined − loss_single| / max(|loss_single|, 1e-12).
+    pub loss_rel: f64,
+    /// Largest absolute gradient difference over every element of every gradient.
+    pub max_abs: f64,
+    /// Largest relative gradient difference (see the type doc).
+    pub max_rel: f64,
+    /// The gradient with the largest relative difference.
+    pub worst: String,
+    /// Number of gradient tensors compared.
+    pub gradients: usize,
+}
+
+impl VerifyReport {
+    /// Whether the loss and every gradient are within `tol` relative.
+    pub fn passes(&self, tol: f64) -> bool {
+        self.loss_rel <= tol && self.max_rel <= tol
+    }
+}
+
+/// The model stage each schedule stage runs: `S = p·v` stages over the layers, except DualPipe,
+/// whose `2p` schedule stages hold two copies of a `p`-stage split (stage `p + i` ≡ stage `i`).
+/// Errors: [`VerifyError::TooFewLayers`] when the model has fewer layers than model stages.
+pub fn stage_specs(cfg: &LlamaConfig, kind: Kind, shape: &Shape) -> Result<Vec<StageSpec>, VerifyError> {
+    let s = shape.stages();
+    let model_stages = if kind == Kind::DualPipe { shape.ranks } else { s };
+    if model_stages > cfg.num_hidden_layers {
+        return Err(VerifyError::TooFewLayers { layers: cfg.num_hidden_layers, stages: model_stages });
+    }
+    let specs = split_layers(cfg.num_hidden_layers, model_stages, None)?;
+    Ok((0..s).map(|st| specs[st % model_stages].clone()).collect())
+}
+
+/// Random token ids and targets (uniform below the vocabulary) for `m` microbatches of
+/// `[batch, seq]`, from `seed`.
+pub fn random_microbatches(
+    vocab: usize,
+    m: usize,
+    batch: usize,
+    seq: usize,
+    seed: u64,
+) -> Result<Microbatches, VerifyError> {
+    let mut rng = Rng::new(seed ^ 0x5eed_da7a);
+    let mut draw = || -> candle_core::Result<Tensor> {
+        let ids: Vec<u32> = (0..batch * seq).map(|_| rng.below(vocab as u64) as u32).collect();
+        tensor_u32(&ids, &[batch, seq])
+    };
+    let (mut tokens, mut targets) = (Vec::with_capacity(m), Vec::with_capacity(m));
+    for _ in 0..m {
+        tokens.push(draw()?);
+        targets.push(draw()?);
+    }
+    Ok(Microbatches { tokens, targets })
+}
+
+/// Parameters (from `seed`) and buffers of a stage, as tensors of the stage dtype.
+pub fn stage_state(
+    cfg: &LlamaConfig,
+    spec: &StageSpec,
+    opts: &StageOptions,
+    seed: u64,
+) -> Result<Env, VerifyError> {
+    let mut env = Env::new();
+    for (name, shape, data) in init_parameters(cfg, spec, seed) {
+        let d: Vec<f64> = data.iter().map(|&x| x as f64).collect();
+        env.insert(name, tensor_from_f64(&d, &shape, opts.dtype)?);
+    }
+    for (name, shape, data) in stage_buffers(cfg, opts.seq) {
+        env.insert(name, tensor_from_f64(&data, &shape, opts.dtype)?);
+    }
+    Ok(env)
+}
+
+/// One [`GraphStages`] per rank of `schedule`, schedule stage `s` running `specs[s]`.
+pub fn pipeline_workers(
+    cfg: &LlamaConfig,
+    schedule: &Schedule,
+    specs: &[StageSpec],
+    opts: &StageOptions,
+    seed: u64,
+    data: Arc<Microbatches>,
+) -> Result<Vec<GraphStages>, VerifyError> {
+    let placement = schedule.placement();
+    let mut per_rank: Vec<BTreeMap<usize, Stage>> =
+        (0..schedule.num_ranks()).map(|_| BTreeMap::new()).collect();
+    for (stage, ranks) in placement {
+        let spec = specs
+            .get(stage)
+            .ok_or_else(|| VerifyError::Mismatch(format!("stage {stage}: no model stage for it")))?;
+        for r in ranks {
+            let graphs = stage_graphs(&build_stage(cfg, spec, opts)?, &RecomputePolicy::SaveAll)?;
+            per_rank[r].insert(stage, Stage::new(graphs, stage_state(cfg, spec, opts, seed)?));
+        }
+    }
+    Ok(per_rank.into_iter().map(|st| GraphStages::new(st, Arc::clone(&data))).collect())
+}
+
+/// Sums each gradient over all stages of all ranks (DualPipe's two copies add up).
+fn collect_grads(workers: &[GraphStages]) -> Result<BTreeMap<String, Tensor>, VerifyError> {
+    let mut out: BTreeMap<String, Tensor> = BTreeMap::new();
+    for st in workers.iter().flat_map(|w| w.stages().values()) {
+        for (name, g) in st.grads() {
+            let sum = match out.remove(name) {
+                Some(a) => a.add(g)?,
+                None => g.clone(),
+            };
+            out.insert(name.clone(), sum);
+        }
+    }
+    Ok(out)
+}
+
+/// Runs one step of `setup` pipelined. Errors: generation, lowering, graph building, or the
+/// first failing rank ([`PipelineError`]).
+pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
+    // The schedule first: a shape the kind cannot serve is the more useful error.
+    let schedule = lower(&generate(setup.kind, &setup.shape, &setup.options)?, &LowerOptions::default())?;
+    let specs = stage_specs(&setup.model, setup.kind, &setup.shape)?;
+    let m = setup.shape.microbatches;
+    let data = Arc::new(random_microbatches(setup.model.vocab_size, m, setup.batch, setup.seq, setup.seed)?);
+    let opts = StageOptions::new(setup.batch, setup.seq);
+    let workers = pipeline_workers(&setup.model, &schedule, &specs, &opts, setup.seed, data)?;
+    let (workers, _) = run_pipeline(&schedule, workers, setup.timeout)?;
+    let mut losses = BTreeMap::new();
+    for w in &workers {
+        losses.extend(w.losses().iter().map(|(&k, &v)| (k, v)));
+    }
+    if losses.len() != m {
+        return Err(VerifyError::Mismatch(format!("losses: {} of {m} microbatches", losses.len())));
+    }
+    let microbatch_losses: Vec<f64> = losses.into_values().collect();
+    let loss = microbatch_losses.iter().sum::<f64>() / m as f64;
+    Ok(StepResult { loss, microbatch_losses, grads: collect_grads(&workers)? })
+}
+
+/// Runs the same step on one device: one stage with every layer over the m microbatches
+/// concatenated along the batch axis.
+pub fn single_device_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
+    let cfg = &setup.model;
+    let m = setup.shape.microbatches;
+    let spec = split_layers(cfg.num_hidden_layers, 1, None)?.remove(0);
+    let opts = StageOptions::new(setup.batch * m, setup.seq);
+    let graphs = stage_graphs(&build_stage(cfg, &spec, &opts)?, &RecomputePolicy::SaveAll)?;
+    let data = random_microbatches(cfg.vocab_size, m, setup.batch, setup.seq, setup.seed)?;
+    let mut env = stage_state(cfg, &spec, &opts, setup.seed)?;
+    env.insert(TOKENS.into(), Tensor::cat(&data.tokens, 0)?);
+    env.insert(TARGETS.into(), Tensor::cat(&data.targets, 0)?);
+    let f = run_named(&graphs.fw, &env, &RunOptions::default())?;
+    let loss = to_f64(f.output(&graphs.fw, LOSS).ok_or_else(|| VerifyError::Mismatch("loss".into()))?)?[0];
+    env.extend(graphs.fw.output_names().into_iter().zip(f.outputs));
+    let b = run_named(&graphs.full_bw, &env, &RunOptions::default())?;
+    let grads = graphs.full_bw.output_names().into_iter().zip(b.outputs).collect();
+    Ok(StepResult { loss, microbatch_losses: Vec::new(), grads })
+}
+
+/// Max |a − b| and max |a − b| / max(max |b|, floor) of two tensors of the same shape.
+fn diff(a: &Tensor, b: &Tensor) -> Result<(f64, f64), VerifyError> {
+    let (a, b) = (to_f64(a)?, to_f64(b)?);
+    if a.len() != b.len() {
+        return Err(VerifyError::Mismatch(format!("sizes {} vs {}", a.len(), b.len())));
+    }
+    let scale = b.iter().fold(SCALE_FLOOR, |s, x| s.max(x.abs()));
+    let abs = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+    Ok((abs, abs / scale))
+}
+
+/// Compares a pipelined step `a` with the single-device step `b`. Errors:
+/// [`VerifyError::Mismatch`] when they hold different gradient names or shapes.
+pub fn compare(a: &StepResult, b: &StepResult) -> Result<VerifyReport, VerifyError> {
+    let names = |r: &StepResult| r.grads.keys().cloned().collect::<Vec<_>>();
+    if names(a) != names(b) {
+        return Err(VerifyError::Mismatch(format!("gradient names: {:?} vs {:?}", names(a), names(b))));
+    }
+    let mut r = VerifyReport {
+        loss_pipelined: a.loss,
+        loss_single: b.loss,
+        loss_rel: (a.loss - b.loss).abs() / b.loss.abs().max(SCALE_FLOOR),
+        max_abs: 0.0,
+        max_rel: 0.0,
+        worst: String::new(),
+        gradients: b.grads.len(),
+    };
+    for (name, gb) in &b.grads {
+        let ga = &a.grads[name];
+        if ga.dims() != gb.dims() {
+            return Err(VerifyError::Mismatch(format!("{name}: shape {:?} vs {:?}", ga.dims(), gb.dims())));
+        }
+        let (abs, rel) = diff(ga, gb)?;
+        r.max_abs = r.max_abs.max(abs);
+        if rel >= r.max_rel {
+            r.max_rel = rel;
+            r.worst = name.clone();
+        }
+    }
+    Ok(r)
+}
+
+/// Runs `setup` pipelined and on one device and compares them (what `graphpp verify` prints).
+pub fn verify_step(setup: &VerifySetup) -> Result<VerifyReport, VerifyError> {
+    let a = pipelined_step(setup)?;
+    let b = single_device_step(setup)?;
+    compare(&a, &b)
+}

@@ -1,0 +1,85 @@
+//! `graphpp verify`: one training step pipelined under a schedule and one on a single device from
+//! the same weights and batch; prints both losses and the largest gradient differences, and fails
+//! (exit 1) above the tolerance (DESIGN.md "Runtime" → Semantics).
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use graphpp_models::LlamaConfig;
+use graphpp_runtime::verify::{verify_step, VerifySetup, TOLERANCE};
+use graphpp_schedule::{Kind, Shape};
+
+/// Arguments of `graphpp verify`.
+#[derive(Args)]
+pub struct VerifyArgs {
+    /// Schedule kind (`1f1b`, `zbv`, `dualpipev`, …; PyTorch class names accepted).
+    #[arg(long)]
+    schedule: Kind,
+    /// p: ranks in the pipeline (one thread each).
+    #[arg(long)]
+    ranks: usize,
+    /// v: stages per rank (S = p·v; DualPipe's 2p stages hold two copies of a p-stage split).
+    #[arg(long, default_value_t = 1)]
+    stages_per_rank: usize,
+    /// m: microbatches in the step.
+    #[arg(long)]
+    microbatches: usize,
+    /// Model preset (`tiny`, `small`).
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Override the preset's number of decoder layers (it must be at least the model stages).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// B: sequences per microbatch.
+    #[arg(long, default_value_t = 1)]
+    microbatch_size: usize,
+    /// T: tokens per sequence.
+    #[arg(long, default_value_t = 16)]
+    seq_len: usize,
+    /// Seed of the initial weights and of the random batch.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Largest accepted relative difference of the loss and of any gradient, where the relative
+    /// difference of a tensor is max|a − b| / max(max|b|, 1e-12) against the single-device `b`.
+    #[arg(long, default_value_t = TOLERANCE)]
+    tolerance: f64,
+}
+
+/// Runs `graphpp verify`. Errors: bad shape or model (typed, with the numbers), a failing rank,
+/// or a difference above the tolerance.
+pub fn run(a: VerifyArgs) -> Result<()> {
+    let mut model = LlamaConfig::preset(&a.model)?;
+    if let Some(l) = a.layers {
+        model.num_hidden_layers = l;
+    }
+    let shape = Shape::new(a.ranks, a.stages_per_rank, a.microbatches);
+    let mut setup = VerifySetup::new(model, a.schedule, shape, a.microbatch_size, a.seq_len);
+    setup.seed = a.seed;
+    let t0 = Instant::now();
+    let r = verify_step(&setup)?;
+    println!(
+        "verify {} p={} v={} m={} (model {}, {} layers, B={} T={}, seed {}, f32)",
+        a.schedule,
+        a.ranks,
+        a.stages_per_rank,
+        a.microbatches,
+        a.model,
+        setup.model.num_hidden_layers,
+        a.microbatch_size,
+        a.seq_len,
+        a.seed
+    );
+    println!("loss pipelined     {:.9}", r.loss_pipelined);
+    println!("loss single device {:.9}   (relative difference {:.3e})", r.loss_single, r.loss_rel);
+    println!(
+        "gradients: {} tensors, max abs difference {:.3e}, max relative difference {:.3e} ({})",
+        r.gradients, r.max_abs, r.max_rel, r.worst
+    );
+    println!("wall time {:.2} s", t0.elapsed().as_secs_f64());
+    if !r.passes(a.tolerance) {
+        bail!("FAIL: difference above tolerance {:e} relative", a.tolerance);
+    }
+    println!("PASS (tolerance {:e} relative)", a.tolerance);
+    Ok(())
+}

@@ -1,0 +1,78 @@
+//! `graphpp verify` end to end: a pipelined step equals the single-device step (exit 0), the
+//! printed numbers are consistent, bad shapes and differences above tolerance exit 1.
+
+use assert_cmd::Command;
+
+fn verify(args: &[&str]) -> std::process::Output {
+    Command::cargo_bin("graphpp").expect("binary builds").arg("verify").args(args).output().unwrap()
+}
+
+/// The number after `key` on the line starting with `line`.
+fn number(out: &str, line: &str, key: &str) -> f64 {
+    let l = out.lines().find(|l| l.starts_with(line)).unwrap_or_else(|| panic!("no {line}: {out}"));
+    let rest = &l[l.find(key).unwrap_or_else(|| panic!("no {key} in {l}")) + key.len()..];
+    rest.split_whitespace().next().unwrap().trim_end_matches(',').parse().unwrap()
+}
+
+#[test]
+fn pipelined_steps_match_one_device() {
+    for args in [
+        &["--schedule", "dualpipev", "--ranks", "2", "--stages-per-rank", "2", "--microbatches", "5"][..],
+        &[
+            "--schedule",
+            "ScheduleInterleaved1F1B",
+            "--ranks",
+            "4",
+            "--stages-per-rank",
+            "2",
+            "--microbatches",
+            "8",
+            "--layers",
+            "8",
+        ],
+    ] {
+        let out = verify(args);
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(out.status.success(), "{args:?}: {text}{}", String::from_utf8_lossy(&out.stderr));
+        let a = number(&text, "loss pipelined", "pipelined");
+        let b = number(&text, "loss single device", "device");
+        // Random tokens over tiny's 256-token vocabulary at init: loss near ln 256.
+        assert!((b - 256f64.ln()).abs() < 0.2, "{text}");
+        assert!((a - b).abs() / b < 1e-5, "{text}");
+        assert!(number(&text, "gradients:", "max relative difference") <= 1e-5, "{text}");
+        assert!(text.contains("PASS"), "{text}");
+    }
+}
+
+#[test]
+fn too_few_layers_names_both_numbers() {
+    let out = verify(&[
+        "--schedule",
+        "interleaved-1f1b",
+        "--ranks",
+        "4",
+        "--stages-per-rank",
+        "2",
+        "--microbatches",
+        "8",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("4 decoder layers") && err.contains("8 pipeline stages"), "{err}");
+}
+
+#[test]
+fn difference_above_tolerance_exits_1() {
+    // f32 summation order differs between the two steps, so a zero tolerance cannot hold.
+    let out = verify(&["--schedule", "1f1b", "--ranks", "4", "--microbatches", "8", "--tolerance", "0"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("FAIL"));
+}
+
+#[test]
+fn a_shape_the_kind_rejects_is_reported() {
+    let out =
+        verify(&["--schedule", "dualpipe", "--ranks", "3", "--stages-per-rank", "2", "--microbatches", "6"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("dualpipe cannot serve"), "{out:?}");
+}
