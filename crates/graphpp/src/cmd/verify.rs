@@ -6,7 +6,6 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use graphpp_models::LlamaConfig;
 use graphpp_runtime::verify::{verify_step, VerifySetup, TOLERANCE};
 use graphpp_schedule::{Kind, Shape};
 
@@ -19,13 +18,14 @@ pub struct VerifyArgs {
     /// p: ranks in the pipeline (one thread each).
     #[arg(long)]
     ranks: usize,
-    /// v: stages per rank (S = p·v; DualPipe's 2p stages hold two copies of a p-stage split).
-    #[arg(long, default_value_t = 1)]
-    stages_per_rank: usize,
+    /// v: stages per rank (S = p·v; DualPipe's 2p stages hold two copies of a p-stage split);
+    /// default 2 for interleaved kinds, ZB-V and DualPipe(V), else 1.
+    #[arg(long)]
+    stages_per_rank: Option<usize>,
     /// m: microbatches in the step.
     #[arg(long)]
     microbatches: usize,
-    /// Model preset (`tiny`, `small`).
+    /// Model: a preset (`tiny`, `small`) or a JSON config file with Hugging Face field names.
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Override the preset's number of decoder layers (it must be at least the model stages).
@@ -49,11 +49,12 @@ pub struct VerifyArgs {
 /// Runs `graphpp verify`. Errors: bad shape or model (typed, with the numbers), a failing rank,
 /// or a difference above the tolerance.
 pub fn run(a: VerifyArgs) -> Result<()> {
-    let mut model = LlamaConfig::preset(&a.model)?;
+    let mut model = crate::cmd::graph::load_config(&a.model)?;
     if let Some(l) = a.layers {
         model.num_hidden_layers = l;
     }
-    let shape = Shape::new(a.ranks, a.stages_per_rank, a.microbatches);
+    let v = a.stages_per_rank.unwrap_or_else(|| a.schedule.default_stages_per_rank());
+    let shape = Shape::new(a.ranks, v, a.microbatches);
     let mut setup = VerifySetup::new(model, a.schedule, shape, a.microbatch_size, a.seq_len);
     setup.seed = a.seed;
     let t0 = Instant::now();
@@ -62,7 +63,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         "verify {} p={} v={} m={} (model {}, {} layers, B={} T={}, seed {}, f32)",
         a.schedule,
         a.ranks,
-        a.stages_per_rank,
+        v,
         a.microbatches,
         a.model,
         setup.model.num_hidden_layers,
