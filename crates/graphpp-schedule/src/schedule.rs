@@ -23,7 +23,7 @@ pub struct Schedule {
 
 /// A CSV cell that did not parse; `row` is the rank (0-based) and `column` the 1-based cell index.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("row {row} (rank {row}), cell {column}: {source}")]
+#[error("rank {row} (line {}), cell {column}", .row + 1)]
 pub struct CsvError {
     /// 0-based row, which is the rank.
     pub row: usize,

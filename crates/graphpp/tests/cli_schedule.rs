@@ -51,7 +51,10 @@ fn validate_summarises_or_names_the_deadlock() {
     assert!(err.contains("rank 1 at step 0 (1F1) waits for 0F1 on rank 0"), "{err}");
     std::fs::write(&f, "0F0,0B0\n1F0,1BW0\n").unwrap();
     let err = failure(&["schedule", "validate", f.to_str().unwrap()]);
-    assert!(err.contains("row 1") && err.contains("cell 2") && err.contains("1BW0"), "{err}");
+    assert!(
+        err.contains("rank 1 (line 2), cell 2") && err.contains("column 3") && err.contains("1BW0"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -77,7 +77,8 @@ pub fn grid(t: &Timeline, style: &GridStyle) -> String {
         }
         out.push('\n');
     }
-    let _ = writeln!(out, "one column = {quantum} {}; makespan {makespan} {}", t.unit, t.unit);
+    let unit = if t.unit == "unit" { "cost units" } else { t.unit.as_str() };
+    let _ = writeln!(out, "one column = {quantum} {unit}; makespan {makespan} {unit}");
     out
 }
 

@@ -70,6 +70,10 @@ pub enum Recompute {
 
 /// Loads a preset or a JSON config file.
 pub fn load_config(model: &str) -> Result<LlamaConfig> {
+    let looks_like_path = model.contains('/') || model.ends_with(".json");
+    if looks_like_path && !Path::new(model).exists() {
+        anyhow::bail!("model config file {model} does not exist (or give a preset: tiny, small)");
+    }
     if Path::new(model).is_file() {
         let text = std::fs::read_to_string(model).with_context(|| format!("cannot read {model}"))?;
         return LlamaConfig::from_json(&text).with_context(|| format!("{model}: bad model config"));
@@ -115,8 +119,7 @@ pub fn run(a: GraphArgs) -> Result<()> {
     let opts = StageOptions::new(a.microbatch_size, a.seq_len);
     let sg = stage_graph_set(&cfg, a.stages, a.stage, lps, &opts, &policy)?;
     if a.stats {
-        print!("{}", all_stats(&sg)?);
-        return Ok(());
+        return crate::cmd::emit(&all_stats(&sg)?);
     }
     let g = sg.select(a.show.parse::<GraphKind>()?)?;
     let format = match a.format {
@@ -124,6 +127,5 @@ pub fn run(a: GraphArgs) -> Result<()> {
         GraphFormat::Dot => Format::Dot,
         GraphFormat::Json => Format::Json,
     };
-    print!("{}", render(&g, format));
-    Ok(())
+    crate::cmd::emit(&render(&g, format))
 }

@@ -52,9 +52,9 @@ pub enum ScheduleCmd {
         /// Action costs, e.g. `F=1,B=2,I=1,W=1` (a missing B is I+W; OVERLAP defaults to F+B).
         #[arg(long, default_value = "F=1,B=2,I=1,W=1")]
         costs: Costs,
-        /// Latency c of one cross-rank hop, in cost units.
-        #[arg(long, default_value_t = 0.0)]
-        comm_latency: f64,
+        /// Latency c of one cross-rank hop, in cost units (overrides `C=` in --costs; default 0).
+        #[arg(long)]
+        comm_latency: Option<f64>,
         /// M_W as a fraction of M_B (activation still held between I and W).
         #[arg(long, default_value_t = 0.5)]
         m_w: f64,
@@ -76,9 +76,9 @@ pub enum ScheduleCmd {
         /// Action costs, e.g. `F=1,B=2,I=1,W=1`.
         #[arg(long, default_value = "F=1,B=2,I=1,W=1")]
         costs: Costs,
-        /// Latency c of one cross-rank hop.
-        #[arg(long, default_value_t = 0.0)]
-        comm_latency: f64,
+        /// Latency c of one cross-rank hop (overrides `C=` in --costs; default 0).
+        #[arg(long)]
+        comm_latency: Option<f64>,
     },
 }
 
@@ -183,10 +183,7 @@ pub fn read_schedule(path: &Path) -> Result<Schedule> {
 fn write_out(output: Option<&Path>, text: &str) -> Result<()> {
     match output {
         Some(p) => std::fs::write(p, text).with_context(|| format!("cannot write {}", p.display())),
-        None => {
-            print!("{text}");
-            Ok(())
-        }
+        None => crate::cmd::emit(text),
     }
 }
 
@@ -236,25 +233,24 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
             } else if fsdp_max_unsharded.is_some() {
                 bail!("--fsdp-max-unsharded needs --lowered");
             }
-            print!("{}", format_schedule(&s, format));
-            Ok(())
+            crate::cmd::emit(&format_schedule(&s, format))
         }
         ScheduleCmd::Validate { file, microbatches } => {
             let s = read_schedule(&file)?;
             let summary = validate(&s, &ValidateOptions { microbatches })
                 .with_context(|| format!("{}: invalid schedule", file.display()))?;
-            println!("{}: {summary}", file.display());
-            Ok(())
+            crate::cmd::emit(&format!("{}: {summary}\n", file.display()))
         }
         ScheduleCmd::Lower { file, fsdp_max_unsharded } => {
             let s = read_schedule(&file)?;
             validate(&s, &ValidateOptions::default())
                 .with_context(|| format!("{}: invalid schedule", file.display()))?;
-            print!("{}", lower(&s, &LowerOptions { fsdp_max_unsharded })?.to_csv());
-            Ok(())
+            crate::cmd::emit(&lower(&s, &LowerOptions { fsdp_max_unsharded })?.to_csv())
         }
         ScheduleCmd::Simulate { source, mut costs, comm_latency, m_w, format, output } => {
-            costs.comm = comm_latency;
+            if let Some(c) = comm_latency {
+                costs.comm = c;
+            }
             if !(0.0..=1.0).contains(&m_w) {
                 bail!("--m-w must be within [0, 1] (got {m_w})");
             }
@@ -284,9 +280,10 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
             write_out(output.as_deref(), &text)
         }
         ScheduleCmd::Compare { ranks, microbatches, mut costs, comm_latency } => {
-            costs.comm = comm_latency;
-            print!("{}", crate::cmd::compare::table(ranks, microbatches, &costs));
-            Ok(())
+            if let Some(c) = comm_latency {
+                costs.comm = c;
+            }
+            crate::cmd::emit(&crate::cmd::compare::table(ranks, microbatches, &costs))
         }
     }
 }
