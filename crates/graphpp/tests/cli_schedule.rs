@@ -141,6 +141,10 @@ fn bad_input_is_a_clear_error() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown schedule kind `nope`"));
+    let err = failure(&["schedule", "validate", TORCH_CASE, "--microbatches", "0"]);
+    assert!(err.contains("--microbatches must be at least 1"), "{err}");
+    let err = failure(&["schedule", "validate", TORCH_CASE, "--microbatches", "12"]);
+    assert!(err.contains("microbatch 10") || err.contains("missing"), "{err}");
     let err = failure(&["schedule", "validate", "/nonexistent/schedule.csv"]);
     assert!(err.contains("cannot read /nonexistent/schedule.csv"), "{err}");
     let ok =

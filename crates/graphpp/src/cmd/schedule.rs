@@ -236,6 +236,9 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
             crate::cmd::emit(&format_schedule(&s, format))
         }
         ScheduleCmd::Validate { file, microbatches } => {
+            if microbatches == Some(0) {
+                bail!("--microbatches must be at least 1");
+            }
             let s = read_schedule(&file)?;
             let summary = validate(&s, &ValidateOptions { microbatches })
                 .with_context(|| format!("{}: invalid schedule", file.display()))?;
