@@ -122,8 +122,7 @@ impl Layout {
             }
             rank_of.insert(stage, ranks[0]);
         }
-        let programs: Vec<Vec<Action>> = (0..s.num_ranks()).map(|r| s.program(r)).collect();
-        Ok(Layout { rank_of, routes: graphpp_schedule::deps::routes(&programs) })
+        Ok(Layout { rank_of, routes: s.routes() })
     }
     fn route(&self, mb: usize) -> Range<usize> {
         self.routes.get(mb).cloned().flatten().unwrap_or(0..0)

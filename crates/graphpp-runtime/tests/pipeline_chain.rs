@@ -74,7 +74,7 @@ fn workers(schedule: &Schedule) -> Vec<Chain> {
     let m = schedule.num_microbatches();
     let data: Vec<f64> = (0..m).map(|j| 1.0 + j as f64).collect();
     let s = schedule.num_stages();
-    let lasts: HashSet<usize> = (0..m).filter_map(|j| schedule.route(j)).map(|r| r.end - 1).collect();
+    let lasts: HashSet<usize> = schedule.routes().into_iter().flatten().map(|r| r.end - 1).collect();
     (0..schedule.num_ranks())
         .map(|r| {
             let stages: Vec<usize> = (0..s).filter(|st| schedule.placement()[st].contains(&r)).collect();

@@ -71,20 +71,12 @@ impl Schedule {
     /// Every schedule but DualPipe routes all microbatches through `0..S`; DualPipe's two directions
     /// are stages `0..p` (microbatches `0..m/2`) and `p..2p` (microbatches `m/2..m`), V placement.
     pub fn route(&self, mb: usize) -> Option<std::ops::Range<StageId>> {
-        let mut lo = usize::MAX;
-        let mut hi = 0;
-        for (_, a) in self.actions() {
-            let tasks: [Option<crate::Task>; 2] = match *a {
-                Action::Compute { task, .. } | Action::Comm { task, .. } => [Some(task), None],
-                Action::Overlap { f, b } => [Some(f), Some(b)],
-                Action::StageOp { .. } => [None, None],
-            };
-            for t in tasks.into_iter().flatten().filter(|t| t.mb == mb) {
-                lo = lo.min(t.stage);
-                hi = hi.max(t.stage);
-            }
-        }
-        (lo <= hi).then_some(lo..hi + 1)
+        self.routes().get(mb).cloned().flatten()
+    }
+
+    /// Routes of all microbatches in one pass (index = microbatch; see [`Schedule::route`]).
+    pub fn routes(&self) -> Vec<Option<std::ops::Range<StageId>>> {
+        crate::deps::routes_of(self.ranks.iter().flatten().flatten())
     }
 
     /// Every non-idle action with its rank, rank by rank in program order.

@@ -121,7 +121,7 @@ pub fn report(timeline: Timeline, schedule: &Schedule, memory: &Memory) -> SimRe
         .collect();
     let total_busy: f64 = busy.iter().sum();
     let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { 0.0 };
-    let routes = crate::deps::routes_of(schedule.ranks.iter().flatten().flatten());
+    let routes = schedule.routes();
     let p_ranks = schedule.num_ranks();
     let (peak_activations, peak_in_flight) = schedule
         .ranks
@@ -148,7 +148,7 @@ pub fn report(timeline: Timeline, schedule: &Schedule, memory: &Memory) -> SimRe
 /// One (stage, mb) weighs `p / len(route(mb))` full stages: 1/v for v equal chunks per rank, and
 /// 1 for DualPipe, whose two stages per rank are each a full stage of one parameter copy.
 pub fn peak_memory(schedule: &Schedule, r: RankId, memory: &Memory) -> (f64, usize) {
-    let routes = crate::deps::routes_of(schedule.ranks.iter().flatten().flatten());
+    let routes = schedule.routes();
     peak_memory_with(schedule.ranks[r].iter().flatten(), &routes, schedule.num_ranks(), memory)
 }
 
