@@ -11,3 +11,5 @@ pub const TARGETS: &str = "targets";
 pub const OUTPUT: &str = "output";
 /// Scalar loss, mean over the microbatch's tokens (last stage).
 pub const LOSS: &str = crate::autodiff::LOSS;
+/// Next-token logits `[B·T, V]` of an inference graph's last stage (no targets, no loss).
+pub const LOGITS: &str = "logits";

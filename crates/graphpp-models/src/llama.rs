@@ -6,7 +6,7 @@ use crate::config::{LlamaConfig, ModelError};
 use graphpp_graph::layers::{
     causal_attention, cross_entropy, embedding, linear, rms_norm, swiglu_mlp, AttentionDims, AttentionWeights,
 };
-use graphpp_graph::names::{INPUT, LOSS, OUTPUT, TARGETS, TOKENS};
+use graphpp_graph::names::{INPUT, LOGITS, LOSS, OUTPUT, TARGETS, TOKENS};
 use graphpp_graph::{CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, TensorType, ValueId};
 use std::ops::Range;
 
@@ -21,12 +21,15 @@ pub struct StageOptions {
     pub dtype: DType,
     /// When set, parameters are shards along axis 0 over this group and all-gathered before use.
     pub fsdp: Option<CommGroup>,
+    /// On the last stage, output `logits` `[B·T, V]` instead of the loss and take no `targets`
+    /// (inference: validation sampling and text generation).
+    pub logits: bool,
 }
 
 impl StageOptions {
     /// `B×T` microbatch in f32, no FSDP.
     pub fn new(batch: usize, seq: usize) -> Self {
-        StageOptions { batch, seq, dtype: DType::F32, fsdp: None }
+        StageOptions { batch, seq, dtype: DType::F32, fsdp: None, logits: false }
     }
 }
 
@@ -150,8 +153,8 @@ pub fn stage_buffers(cfg: &LlamaConfig, seq: usize) -> Vec<(String, Vec<usize>, 
 
 /// The forward graph of one stage. Inputs, in order: parameters ([`stage_parameters`]), buffers
 /// ([`stage_buffers`]), `tokens` `[B,T]` u32 (first stage) or `input` `[B,T,D]`, then `targets`
-/// `[B,T]` u32 (last stage). Output: `loss` (scalar, mean over the B·T tokens) on the last stage,
-/// else `output` `[B,T,D]`. Errors: invalid config or FSDP shard sizes.
+/// `[B,T]` u32 (last stage, unless `opts.logits`). Output: `loss` (scalar, mean over the B·T
+/// tokens) on the last stage — `logits` `[B·T, V]` with `opts.logits` — else `output` `[B,T,D]`. Errors: invalid config or FSDP shard sizes.
 pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
     cfg.validate()?;
     let (bsz, t, d) = (opts.batch, opts.seq, cfg.hidden_size);
@@ -170,7 +173,7 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
     } else {
         b.input(INPUT, InputKind::Activation, vec![bsz, t, d])?
     };
-    let targets = if spec.is_last() {
+    let targets = if spec.is_last() && !opts.logits {
         Some(b.input_typed(TARGETS, InputKind::Target, TensorType::new(DType::U32, vec![bsz, t]))?)
     } else {
         None
@@ -213,7 +216,7 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
         x = b.add2(x, m)?;
         b.pop_scope();
     }
-    if let Some(targets) = targets {
+    if spec.is_last() {
         b.push_scope("norm");
         let h = rms_norm(&mut b, x, p("model.norm.weight"), cfg.rms_norm_eps)?;
         b.pop_scope();
@@ -221,12 +224,20 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
         b.push_scope("lm_head");
         let logits = linear(&mut b, h, p("lm_head.weight"))?;
         let logits = b.reshape(logits, vec![bsz * t, cfg.vocab_size])?;
-        let tg = b.reshape(targets, vec![bsz * t])?;
-        b.pop_scope();
-        b.push_scope("loss");
-        let loss = cross_entropy(&mut b, logits, tg)?;
-        b.pop_scope();
-        b.output(LOSS, loss);
+        match targets {
+            Some(targets) => {
+                let tg = b.reshape(targets, vec![bsz * t])?;
+                b.pop_scope();
+                b.push_scope("loss");
+                let loss = cross_entropy(&mut b, logits, tg)?;
+                b.pop_scope();
+                b.output(LOSS, loss);
+            }
+            None => {
+                b.pop_scope();
+                b.output(LOGITS, logits);
+            }
+        }
     } else {
         b.pop_scope();
         b.output(OUTPUT, x);

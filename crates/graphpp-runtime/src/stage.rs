@@ -19,7 +19,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 use graphpp_graph::names::{INPUT, LOSS, OUTPUT, TARGETS, TOKENS};
 use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
-use graphpp_graph::{Graph, GraphError, StageGraphs};
+use graphpp_graph::{Graph, GraphError, InputKind, StageGraphs};
 use graphpp_schedule::Task;
 
 use crate::executor::{run_named, to_f64, ExecError, RunOptions};
@@ -62,6 +62,14 @@ pub enum StageError {
         /// The pass error.
         source: GraphError,
     },
+    /// A parameter given to [`Stage::set_parameters`] is missing or has the wrong shape or dtype.
+    #[error("parameter {name}: {reason}")]
+    Parameter {
+        /// Parameter name.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A tensor operation (gradient accumulation or scaling) failed.
     #[error("stage {stage}: {source}")]
     Tensor {
@@ -103,6 +111,8 @@ pub struct Stage {
     bw_reads: HashSet<String>,
     /// Names bw_dw reads (kept in the stash after I).
     dw_reads: HashSet<String>,
+    /// Names of the parameter inputs of fw (what the optimizer updates), in input order.
+    params: Vec<String>,
     first: bool,
     last: bool,
 }
@@ -122,7 +132,53 @@ impl Stage {
         bw_reads.retain(|n| !state.contains_key(n));
         let first = graphs.fw.input_by_name(TOKENS).is_some();
         let last = graphs.fw.output_by_name(LOSS).is_some();
-        Stage { graphs: Arc::new(graphs), state, grads: Env::new(), bw_reads, dw_reads, first, last }
+        let params = graphs
+            .fw
+            .input_specs()
+            .into_iter()
+            .filter(|i| i.kind == InputKind::Parameter)
+            .map(|i| i.name)
+            .collect();
+        Stage { graphs: Arc::new(graphs), state, grads: Env::new(), bw_reads, dw_reads, params, first, last }
+    }
+
+    /// Names of the stage's parameters (the fw inputs of kind parameter), in input order.
+    pub fn parameter_names(&self) -> &[String] {
+        &self.params
+    }
+
+    /// The parameters by name (tensor handles; no copy).
+    pub fn parameters(&self) -> Env {
+        self.params.iter().filter_map(|n| self.state.get(n).map(|t| (n.clone(), t.clone()))).collect()
+    }
+
+    /// Replaces every parameter of the stage with the tensor of the same name in `params` (other
+    /// names are ignored). Errors: [`StageError::Parameter`] naming the first parameter `params`
+    /// lacks or whose shape or dtype differs; nothing changes then.
+    pub fn set_parameters(&mut self, params: &Env) -> Result<(), StageError> {
+        for n in &self.params {
+            let bad = |reason: String| StageError::Parameter { name: n.clone(), reason };
+            let new = params.get(n).ok_or_else(|| bad("missing".into()))?;
+            let old = &self.state[n];
+            if new.dims() != old.dims() || new.dtype() != old.dtype() {
+                return Err(bad(format!(
+                    "given {:?} {:?}, the stage holds {:?} {:?}",
+                    new.dims(),
+                    new.dtype(),
+                    old.dims(),
+                    old.dtype()
+                )));
+            }
+        }
+        for n in &self.params {
+            self.state.insert(n.clone(), params[n].clone());
+        }
+        Ok(())
+    }
+
+    /// Moves the accumulated gradients out (the accumulators restart at zero for the next step).
+    pub fn take_grads(&mut self) -> Env {
+        std::mem::take(&mut self.grads)
     }
 
     /// Accumulated gradients `grad.<param>` (d step loss / dθ summed over the microbatches run so
@@ -181,6 +237,20 @@ impl GraphStages {
     /// The stages, by stage id.
     pub fn stages(&self) -> &BTreeMap<usize, Stage> {
         &self.stages
+    }
+
+    /// The stages, by stage id, mutable (the optimizer updates their parameters between steps).
+    pub fn stages_mut(&mut self) -> &mut BTreeMap<usize, Stage> {
+        &mut self.stages
+    }
+
+    /// Prepares the next step over `data`: forgets the last step's losses and any cache a failed
+    /// step left. Gradients are not touched (take them with [`Stage::take_grads`]).
+    pub fn start_step(&mut self, data: Arc<Microbatches>) {
+        self.data = data;
+        self.losses.clear();
+        self.saved.clear();
+        self.stash.clear();
     }
 
     /// Loss (mean over its tokens) of each microbatch whose route ends on this rank.

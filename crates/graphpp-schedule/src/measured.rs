@@ -1,12 +1,67 @@
-//! Measured versus predicted: fit per-kind costs to a measured timeline, simulate the same
+//! Measured versus predicted: fit per-action costs to a measured timeline, simulate the same
 //! schedule with them, and compare the bubbles (issue 4: "the end summary gives the measured bubble
 //! beside the simulator's prediction from the measured per-action times").
+//!
+//! Costs are fitted per (action kind, stage): stages differ (the first holds the embedding, the
+//! last the LM head and the loss), and one mean per kind would predict a balanced pipeline where
+//! the measured one is not. SEND/RECV intervals of an in-process run are mostly a RECV waiting for
+//! its message, so they count as idle in the measured figures and cost 0 in the prediction.
 
-use crate::action::{Action, ComputeKind};
+use std::collections::HashMap;
+
+use crate::action::{Action, ComputeKind, StageId};
 use crate::costs::{Costs, Memory};
 use crate::schedule::Schedule;
-use crate::simulate::{report, simulate, SimReport, SimulateError};
+use crate::simulate::{report, simulate_with, SimReport, SimulateError};
 use crate::timeline::Timeline;
+
+/// What a fitted cost is keyed by: the compute kind (or OVERLAP_F_B) and the stage(s) it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum CostKey {
+    Compute(ComputeKind, StageId),
+    Overlap(StageId, StageId),
+}
+
+fn key(a: &Action) -> Option<CostKey> {
+    match *a {
+        Action::Compute { kind, task } => Some(CostKey::Compute(kind, task.stage)),
+        Action::Overlap { f, b } => Some(CostKey::Overlap(f.stage, b.stage)),
+        Action::Comm { .. } | Action::StageOp { .. } => None,
+    }
+}
+
+/// Mean measured duration of every (kind, stage) of a timeline, in the timeline's unit.
+#[derive(Debug, Clone)]
+pub struct MeasuredCosts {
+    means: HashMap<CostKey, f64>,
+    /// Per-kind means over all stages (for a summary line, and for an action that never ran).
+    pub per_kind: Costs,
+}
+
+impl MeasuredCosts {
+    /// Fits the means of `t`'s compute and OVERLAP_F_B intervals.
+    pub fn fit(t: &Timeline) -> Self {
+        let mut acc: HashMap<CostKey, (f64, usize)> = HashMap::new();
+        for i in &t.intervals {
+            if let Some(k) = key(&i.action) {
+                let e = acc.entry(k).or_default();
+                e.0 += i.end - i.start;
+                e.1 += 1;
+            }
+        }
+        let means = acc.into_iter().map(|(k, (s, n))| (k, s / n as f64)).collect();
+        MeasuredCosts { means, per_kind: fit_costs(t) }
+    }
+
+    /// The fitted duration of `a`: its (kind, stage) mean, else its kind's mean; 0 for SEND, RECV
+    /// and FSDP stage operations.
+    pub fn duration(&self, a: &Action) -> f64 {
+        match key(a) {
+            Some(k) => self.means.get(&k).copied().unwrap_or_else(|| crate::simulate::duration(a, &self.per_kind)),
+            None => 0.0,
+        }
+    }
+}
 
 /// Mean measured duration of each action kind (F, B, I, W, OVERLAP_F_B, and SEND/RECV/FSDP as
 /// `comm_action`) in the timeline's unit. A kind that never ran keeps the default ratio to T_F
@@ -45,15 +100,16 @@ pub fn fit_costs(t: &Timeline) -> Costs {
 #[derive(Debug, Clone)]
 pub struct MeasuredVsPredicted {
     /// Costs fitted to the measured timeline.
-    pub costs: Costs,
-    /// Figures of the measured timeline.
+    pub costs: MeasuredCosts,
+    /// Figures of the measured timeline (compute and OVERLAP_F_B busy; SEND/RECV time idle).
     pub measured: SimReport,
-    /// Figures the simulator predicts with the fitted costs.
+    /// Figures the simulator predicts with the fitted per-(kind, stage) costs.
     pub predicted: SimReport,
 }
 
 /// Fits costs to `measured` (a timeline of running `schedule`), simulates `schedule` with them and
-/// returns both reports. The measured timeline is shifted to start at 0.
+/// returns both reports. The measured timeline is shifted to start at 0 and its SEND/RECV/FSDP
+/// intervals are dropped (see the module doc).
 ///
 /// # Errors
 /// The simulator's errors for an invalid schedule.
@@ -61,20 +117,22 @@ pub fn measured_vs_predicted(
     schedule: &Schedule,
     measured: &Timeline,
 ) -> Result<MeasuredVsPredicted, SimulateError> {
-    let costs = fit_costs(measured);
+    let costs = MeasuredCosts::fit(measured);
     let t0 = measured.start();
     let mut shifted = measured.clone();
+    shifted.intervals.retain(|i| key(&i.action).is_some());
     for i in &mut shifted.intervals {
         i.start -= t0;
         i.end -= t0;
     }
-    let predicted = simulate(schedule, &costs, &Memory::default())?;
+    let predicted = simulate_with(schedule, |a| costs.duration(a), 0.0, &Memory::default())?;
     Ok(MeasuredVsPredicted { costs, measured: report(shifted, schedule, &Memory::default()), predicted })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::simulate::simulate;
 
     #[test]
     fn simulated_timeline_is_its_own_prediction() {
@@ -88,7 +146,7 @@ mod tests {
             i.end += 10.0;
         }
         let r = measured_vs_predicted(&s, &t).unwrap();
-        assert_eq!((r.costs.f, r.costs.b), (1.5, 2.5));
+        assert_eq!((r.costs.per_kind.f, r.costs.per_kind.b), (1.5, 2.5));
         assert_eq!(r.measured.makespan, run.makespan);
         assert_eq!(r.predicted.makespan, run.makespan);
         assert!((r.measured.bubble_ratio - r.predicted.bubble_ratio).abs() < 1e-12);
@@ -99,5 +157,46 @@ mod tests {
         let t = Timeline { ranks: 1, unit: "s".into(), intervals: vec![] };
         let c = fit_costs(&t);
         assert_eq!((c.f, c.b, c.i, c.w, c.overlap()), (1.0, 2.0, 1.0, 1.0, 3.0));
+    }
+
+    /// A pipeline whose last stage is 3× slower: per-stage fitting reproduces the run, one mean
+    /// per kind would not (it predicts a balanced pipeline).
+    #[test]
+    fn per_stage_costs_predict_an_unbalanced_run() {
+        let s = crate::generate(crate::Kind::OneFOneB, &crate::Shape::new(2, 1, 4), &Default::default()).unwrap();
+        let slow = |a: &Action| match a {
+            Action::Compute { kind, task } => {
+                let base = if *kind == ComputeKind::F { 1.0 } else { 2.0 };
+                base * if task.stage == 1 { 3.0 } else { 1.0 }
+            }
+            _ => 0.0,
+        };
+        let run = simulate_with(&s, slow, 0.0, &Memory::default()).unwrap();
+        let r = measured_vs_predicted(&s, &run.timeline).unwrap();
+        assert!((r.predicted.makespan - run.makespan).abs() < 1e-12);
+        assert!((r.predicted.bubble_ratio - run.bubble_ratio).abs() < 1e-12);
+        let per_kind = simulate(&s, &r.costs.per_kind, &Memory::default()).unwrap();
+        assert!((per_kind.makespan - run.makespan).abs() > 1.0, "{} vs {}", per_kind.makespan, run.makespan);
+    }
+
+    /// RECV time (waiting for a message) is idle in the measured figures.
+    #[test]
+    fn recv_waiting_is_idle() {
+        let s = Schedule::from_csv("0F0,0SEND_F0\n1RECV_F0,1F0\n").unwrap();
+        let iv = |rank, start, end, a: &str| crate::Interval { rank, start, end, action: a.parse().unwrap() };
+        let t = Timeline {
+            ranks: 2,
+            unit: "s".into(),
+            intervals: vec![
+                iv(0, 0.0, 1.0, "0F0"),
+                iv(0, 1.0, 1.0, "0SEND_F0"),
+                iv(1, 0.0, 1.0, "1RECV_F0"),
+                iv(1, 1.0, 2.0, "1F0"),
+            ],
+        };
+        let r = measured_vs_predicted(&s, &t).unwrap();
+        assert_eq!(r.measured.busy, vec![1.0, 1.0]);
+        assert_eq!(r.measured.idle, vec![1.0, 1.0]);
+        assert_eq!(r.predicted.makespan, 2.0);
     }
 }

@@ -70,6 +70,20 @@ pub fn duration(a: &Action, c: &Costs) -> f64 {
 /// [`SimulateError::Missing`] when a dependency is absent, [`SimulateError::Deadlock`] naming the
 /// waiting cycle when the ranks wait on each other.
 pub fn simulate(schedule: &Schedule, costs: &Costs, memory: &Memory) -> Result<SimReport, SimulateError> {
+    simulate_with(schedule, |a| duration(a, costs), costs.comm, memory)
+}
+
+/// Simulates `schedule` with a duration per action (`duration(a)`, e.g. measured per stage) and a
+/// hop latency `comm` added to every cross-rank dependency.
+///
+/// # Errors
+/// As [`simulate`].
+pub fn simulate_with(
+    schedule: &Schedule,
+    duration: impl Fn(&Action) -> f64,
+    comm: f64,
+    memory: &Memory,
+) -> Result<SimReport, SimulateError> {
     let walk = Walk::new(schedule);
     let mut end = vec![0.0f64; walk.cells()];
     let mut free = vec![0.0f64; schedule.num_ranks()];
@@ -77,10 +91,10 @@ pub fn simulate(schedule: &Schedule, costs: &Costs, memory: &Memory) -> Result<S
     let ran_all = walk.run(|rank, step, a, producers| {
         let mut start = free[rank];
         for &p in producers {
-            let hop = if p.rank as usize != rank { costs.comm } else { 0.0 };
+            let hop = if p.rank as usize != rank { comm } else { 0.0 };
             start = start.max(end[walk.global(p)] + hop);
         }
-        let e = start + duration(a, costs);
+        let e = start + duration(a);
         end[walk.global(Pos::new(rank, step))] = e;
         free[rank] = e;
         intervals.push(Interval { rank, start, end: e, action: *a });
