@@ -12,7 +12,7 @@ with loss = mean cross-entropy over a microbatch's tokens (the schedule's defaul
 scale_grads=True divides the summed microbatch gradients by m, so the gradient is that of the
 mean over the whole batch). One training step is
   schedule.step(...)  (m microbatches of B windows of T tokens; 1F1B by default)
-  clip_grad_norm_(this rank's parameters, --clip)   (local norm per rank, not the global norm)
+  clip to global L2 norm --clip (1.0) over both ranks' gradients (clip_global: one all_reduce)
   AdamW(lr, betas (0.9, 0.95), eps 1e-8, weight_decay 0.1 on every parameter).step(); zero_grad()
 at a constant learning rate. Parameters start as in graphpp (normal(0, 0.02) matrices, norm
 weights 1), from torch seed 0. Each step draws m*B windows of T+1 tokens at random positions
@@ -26,6 +26,10 @@ barriers and prints
 where tokens per step = m*B*T and the losses are the batch mean loss of the first and last
 timed step.
 
+The ranks run with OMP_WAIT_POLICY=PASSIVE unless the caller sets it: with --threads 2 on this
+2-core machine the default spin-waiting OpenMP threads of the two ranks starve each other (and the
+gloo receives), about 14x slower per step. It makes no difference at --threads 1.
+
 --schedule also takes GPipe (2 stages), Interleaved1F1B (4 one-layer stages, rank r holds
 stages r and r+2) and ZBVZeroBubble (4 one-layer stages in a V: rank 0 holds stages 0 and 3,
 rank 1 holds 1 and 2); for 4 stages the embedding joins stage 0 and the final norm + LM head
@@ -34,7 +38,11 @@ join stage 3.
 Usage:
   /work/venv-torch/bin/python tools/torch/pipelining_tokens_per_sec.py \
       [--microbatches 8] [--microbatch-size 8] [--seq-len 64] [--steps 30] [--warmup 5] \
-      [--lr 3e-3] [--threads 1] [--data PATH] [--schedule 1F1B]
+      [--lr 3e-3] [--clip 1.0] [--threads 1] [--data PATH] [--schedule 1F1B]
+  /work/venv-torch/bin/python tools/torch/pipelining_tokens_per_sec.py --check
+--check runs no pipeline: it compares the stage modules, chained, with llama_fixture.forward
+(float64) in loss and every gradient, for the 2- and 4-stage splits, and exits non-zero if they
+differ.
 """
 import argparse
 import math
@@ -42,13 +50,16 @@ import os
 import socket
 import sys
 import time
+import warnings
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.pipelining import (
+# This venv has no numpy; torch warns about it at import (in every spawned rank). Not needed here.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.pipelining import (  # noqa: E402
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
@@ -356,6 +367,9 @@ def main():
         ap.error(f"--microbatches must be >= {WORLD} (the number of ranks)")
     if a.data and not os.path.exists(a.data):
         ap.error(f"--data {a.data}: no such file or folder")
+    # Two ranks x K OpenMP threads spin-waiting on 2 busy cores ran 14x slower (threads=2:
+    # 4.7 s/step active vs 0.29 passive); an explicit OMP_WAIT_POLICY in the caller's env wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     mp.spawn(worker, args=(a, free_port()), nprocs=WORLD, join=True)
 
 
