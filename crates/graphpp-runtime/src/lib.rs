@@ -8,6 +8,7 @@ pub mod optim;
 pub mod pipeline;
 pub mod sample;
 pub mod stage;
+pub mod train;
 pub mod transport;
 pub mod verify;
 
@@ -18,5 +19,6 @@ pub use optim::{AdamW, AdamWConfig, OptimError};
 pub use pipeline::{run_pipeline, PipelineError, StageWork, WorkError};
 pub use sample::{sample_next, SampleError};
 pub use stage::{GraphStages, Microbatches, Stage, StageError};
+pub use train::{StepReport, TrainError, TrainSetup, Trainer};
 pub use transport::{Tag, TagKind, ThreadTransport, Transport, TransportError};
 pub use verify::{verify_step, VerifyError, VerifyReport, VerifySetup};

@@ -152,10 +152,10 @@ impl Stage {
         self.params.iter().filter_map(|n| self.state.get(n).map(|t| (n.clone(), t.clone()))).collect()
     }
 
-    /// Replaces every parameter of the stage with the tensor of the same name in `params` (other
-    /// names are ignored). Errors: [`StageError::Parameter`] naming the first parameter `params`
-    /// lacks or whose shape or dtype differs; nothing changes then.
-    pub fn set_parameters(&mut self, params: &Env) -> Result<(), StageError> {
+    /// Checks that `params` holds every parameter of the stage with its shape and dtype (other
+    /// names are ignored). Errors: [`StageError::Parameter`] naming the first one missing or
+    /// misshapen.
+    pub fn check_parameters(&self, params: &Env) -> Result<(), StageError> {
         for n in &self.params {
             let bad = |reason: String| StageError::Parameter { name: n.clone(), reason };
             let new = params.get(n).ok_or_else(|| bad("missing".into()))?;
@@ -170,15 +170,26 @@ impl Stage {
                 )));
             }
         }
+        Ok(())
+    }
+
+    /// Replaces every parameter of the stage with the tensor of the same name in `params` (other
+    /// names are ignored). Errors: as [`Stage::check_parameters`]; nothing changes then.
+    pub fn set_parameters(&mut self, params: &Env) -> Result<(), StageError> {
+        self.check_parameters(params)?;
         for n in &self.params {
             self.state.insert(n.clone(), params[n].clone());
         }
         Ok(())
     }
 
-    /// Moves the accumulated gradients out (the accumulators restart at zero for the next step).
+    /// Moves the accumulated gradients out, keyed by parameter name (without the `grad.`
+    /// prefix of [`Stage::grads`]); the accumulators restart at zero for the next step.
     pub fn take_grads(&mut self) -> Env {
         std::mem::take(&mut self.grads)
+            .into_iter()
+            .map(|(k, v)| (k.strip_prefix("grad.").map(str::to_string).unwrap_or(k), v))
+            .collect()
     }
 
     /// Accumulated gradients `grad.<param>` (d step loss / dθ summed over the microbatches run so

@@ -100,6 +100,8 @@ pub struct VerifySetup {
     pub seed: u64,
     /// Bound on every RECV of the pipelined run.
     pub timeout: Duration,
+    /// Decoder layers of each model stage (`--layers-per-stage 2,1,1`); `None` splits evenly.
+    pub layers_per_stage: Option<Vec<usize>>,
 }
 
 impl VerifySetup {
@@ -114,6 +116,7 @@ impl VerifySetup {
             seq,
             seed: 0,
             timeout: Duration::from_secs(60),
+            layers_per_stage: None,
         }
     }
 }
@@ -161,14 +164,22 @@ impl VerifyReport {
 
 /// The model stage each schedule stage runs: `S = p·v` stages over the layers, except DualPipe,
 /// whose `2p` schedule stages hold two copies of a `p`-stage split (stage `p + i` ≡ stage `i`).
-/// Errors: [`VerifyError::TooFewLayers`] when the model has fewer layers than model stages.
-pub fn stage_specs(cfg: &LlamaConfig, kind: Kind, shape: &Shape) -> Result<Vec<StageSpec>, VerifyError> {
+/// `layers_per_stage` gives each model stage's layer count (`None`: an even split).
+/// Errors: [`VerifyError::TooFewLayers`] when the model has fewer layers than model stages;
+/// [`ModelError::Split`] (as [`VerifyError::Model`]) when the layers do not divide into the
+/// stages or the given counts do not add up.
+pub fn stage_specs(
+    cfg: &LlamaConfig,
+    kind: Kind,
+    shape: &Shape,
+    layers_per_stage: Option<&[usize]>,
+) -> Result<Vec<StageSpec>, VerifyError> {
     let s = shape.stages();
     let model_stages = if kind == Kind::DualPipe { shape.ranks } else { s };
     if model_stages > cfg.num_hidden_layers {
         return Err(VerifyError::TooFewLayers { layers: cfg.num_hidden_layers, stages: model_stages });
     }
-    let specs = split_layers(cfg.num_hidden_layers, model_stages, None)?;
+    let specs = split_layers(cfg.num_hidden_layers, model_stages, layers_per_stage)?;
     Ok((0..s).map(|st| specs[st % model_stages].clone()).collect())
 }
 
@@ -237,7 +248,7 @@ pub fn pipeline_workers(
 }
 
 /// Sums each gradient over all stages of all ranks (DualPipe's two copies add up).
-fn collect_grads(workers: &[GraphStages]) -> Result<BTreeMap<String, Tensor>, VerifyError> {
+pub(crate) fn collect_grads(workers: &[GraphStages]) -> Result<BTreeMap<String, Tensor>, VerifyError> {
     let mut out: BTreeMap<String, Tensor> = BTreeMap::new();
     for st in workers.iter().flat_map(|w| w.stages().values()) {
         for (name, g) in st.grads() {
@@ -256,7 +267,7 @@ fn collect_grads(workers: &[GraphStages]) -> Result<BTreeMap<String, Tensor>, Ve
 pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     // The schedule first: a shape the kind cannot serve is the more useful error.
     let schedule = lower(&generate(setup.kind, &setup.shape, &setup.options)?, &LowerOptions::default())?;
-    let specs = stage_specs(&setup.model, setup.kind, &setup.shape)?;
+    let specs = stage_specs(&setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
     let m = setup.shape.microbatches;
     let data = Arc::new(random_microbatches(setup.model.vocab_size, m, setup.batch, setup.seq, setup.seed)?);
     let opts = StageOptions::new(setup.batch, setup.seq);

@@ -87,7 +87,7 @@ fn dualpipe_sums_the_two_parameter_copies() {
     let s = setup(Kind::DualPipe, Shape::new(2, 2, 4), 1);
     let schedule = lower(&generate(s.kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
     assert!(schedule.actions().any(|(_, a)| matches!(a, Action::Overlap { .. })));
-    let specs = stage_specs(&s.model, s.kind, &s.shape).unwrap();
+    let specs = stage_specs(&s.model, s.kind, &s.shape, None).unwrap();
     assert_eq!(specs[2].layers, specs[0].layers, "stage p + i holds stage i's layers");
     let data = Arc::new(random_microbatches(32, 4, 1, 8, s.seed).unwrap());
     let ws = pipeline_workers(&s.model, &schedule, &specs, &StageOptions::new(1, 8), s.seed, data).unwrap();
@@ -148,7 +148,7 @@ fn caches_are_freed_after_the_step() {
         let s = setup(kind, Shape::new(2, v, 4), 1);
         let schedule =
             lower(&generate(kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
-        let specs = stage_specs(&s.model, kind, &s.shape).unwrap();
+        let specs = stage_specs(&s.model, kind, &s.shape, None).unwrap();
         let data = Arc::new(random_microbatches(32, 4, 1, 8, 1).unwrap());
         let ws = pipeline_workers(&s.model, &schedule, &specs, &StageOptions::new(1, 8), 0, data).unwrap();
         let (ws, tl) = run_pipeline(&schedule, ws, s.timeout).unwrap();
@@ -161,7 +161,7 @@ fn caches_are_freed_after_the_step() {
 fn a_failing_stage_is_named_and_nothing_hangs() {
     let s = setup(Kind::OneFOneB, Shape::new(2, 1, 3), 1);
     let schedule = lower(&generate(s.kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
-    let specs = stage_specs(&s.model, s.kind, &s.shape).unwrap();
+    let specs = stage_specs(&s.model, s.kind, &s.shape, None).unwrap();
     let mut data: Microbatches = random_microbatches(32, 3, 1, 8, 1).unwrap();
     // Microbatch 1's tokens have a bad shape [1, 5] instead of [1, 8].
     data.tokens[1] = graphpp_runtime::executor::tensor_u32(&[1, 2, 3, 4, 5], &[1, 5]).unwrap();
@@ -184,8 +184,8 @@ fn a_failing_stage_is_named_and_nothing_hangs() {
 #[test]
 fn too_few_layers_is_a_typed_error() {
     let cfg = LlamaConfig::tiny();
-    let e = stage_specs(&cfg, Kind::Interleaved1F1B, &Shape::new(4, 2, 8)).unwrap_err();
+    let e = stage_specs(&cfg, Kind::Interleaved1F1B, &Shape::new(4, 2, 8), None).unwrap_err();
     assert!(matches!(e, VerifyError::TooFewLayers { layers: 4, stages: 8 }), "{e}");
     // DualPipe needs p model stages only.
-    assert_eq!(stage_specs(&cfg, Kind::DualPipe, &Shape::new(4, 2, 8)).unwrap().len(), 8);
+    assert_eq!(stage_specs(&cfg, Kind::DualPipe, &Shape::new(4, 2, 8), None).unwrap().len(), 8);
 }

@@ -1,0 +1,354 @@
+//! Training steps under a pipeline schedule: the per-step loop that `graphpp train` drives
+//! (DESIGN.md "Runtime" → Executor of a schedule; issue 4, "Schedule executor").
+//!
+//! A [`Trainer`] holds the lowered schedule, one [`GraphStages`] per rank (graphs built once,
+//! reused every step) and one [`AdamW`] per rank. [`Trainer::step`] runs the m microbatches of a
+//! step with [`run_pipeline`], then, as Megatron-LM does after the last backward:
+//! 1. gradients of a parameter held by two ranks (DualPipe's two copies) are summed — the
+//!    all-reduce between the copies, done in-process with the thread transport;
+//! 2. the global L2 norm over all distinct parameters is taken (each rank's
+//!    [`local_sq_norm`] summed) and every gradient is scaled by [`clip_scale`];
+//! 3. every rank takes an AdamW step at the rate [`CosineSchedule::lr_at`] gives for this step.
+//!
+//! Both DualPipe copies receive the same summed gradient and have the same optimizer state, so
+//! they stay bitwise equal. Evaluation and text generation run one forward of the whole model on
+//! one device from the current parameters.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::Tensor;
+use graphpp_graph::names::{LOGITS, LOSS, TARGETS, TOKENS};
+use graphpp_graph::Graph;
+use graphpp_models::{build_stage, split_layers, stage_buffers, LlamaConfig, StageOptions};
+use graphpp_schedule::{generate, lower, Kind, LowerOptions, Options, Schedule, Shape, Timeline};
+
+use crate::clip::{clip_scale, local_sq_norm, scale_grads};
+use crate::executor::{run_named, tensor_from_f64, tensor_u32, to_f64, RunOptions};
+use crate::lr::CosineSchedule;
+use crate::optim::{AdamW, AdamWConfig, OptimError, M_PREFIX, STEP_KEY, V_PREFIX};
+use crate::pipeline::run_pipeline;
+use crate::sample::{sample_next, SampleError};
+use crate::stage::{Env, GraphStages, Microbatches, StageError};
+use crate::verify::{pipeline_workers, stage_specs, VerifyError};
+
+/// Why training could not start or a step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// Building the schedule, the stage split or the stage graphs failed, or a step's pipeline run
+    /// failed (the latter names the rank, step and action).
+    #[error(transparent)]
+    Setup(#[from] VerifyError),
+    /// The optimizer, clipping or a loaded optimizer state was rejected.
+    #[error("optimizer: {0}")]
+    Optim(#[from] OptimError),
+    /// A stage rejected loaded parameters.
+    #[error("loading parameters: {0}")]
+    Stage(#[from] StageError),
+    /// Sampling a token failed (e.g. NaN logits after a diverged run).
+    #[error("generation: {0}")]
+    Sample(#[from] SampleError),
+    /// A tensor operation failed.
+    #[error("tensor: {0}")]
+    Tensor(#[from] candle_core::Error),
+    /// A step's data does not fit the trainer (wrong microbatch count, shape or token id).
+    #[error("bad step data: {0}")]
+    Data(String),
+    /// A previous step failed; its stages were lost with the failing ranks.
+    #[error("the trainer's stages were lost in an earlier failed step; start a new run")]
+    Poisoned,
+}
+
+/// Everything a training run is built from.
+#[derive(Debug, Clone)]
+pub struct TrainSetup {
+    /// The model.
+    pub model: LlamaConfig,
+    /// Schedule kind.
+    pub kind: Kind,
+    /// Pipeline shape (p ranks, v stages per rank, m microbatches per step).
+    pub shape: Shape,
+    /// Generator options (group size, zb-auto costs).
+    pub options: Options,
+    /// Decoder layers of each model stage; `None` splits evenly.
+    pub layers_per_stage: Option<Vec<usize>>,
+    /// Sequences per microbatch `B`.
+    pub batch: usize,
+    /// Tokens per sequence `T`.
+    pub seq: usize,
+    /// Seed of the initial weights.
+    pub seed: u64,
+    /// AdamW hyperparameters.
+    pub adamw: AdamWConfig,
+    /// Learning rate per step.
+    pub lr: CosineSchedule,
+    /// Global gradient-norm bound (`clip_grad_norm_`'s `max_norm`); `None` disables clipping.
+    pub max_grad_norm: Option<f64>,
+    /// Bound on every RECV of a step.
+    pub timeout: Duration,
+}
+
+/// What one step did.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    /// Optimizer steps completed, this one included (1-based).
+    pub step: u64,
+    /// Step loss: mean over the microbatches of their mean token loss (nats per token).
+    pub loss: f64,
+    /// Global L2 norm of the gradients before clipping.
+    pub grad_norm: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Measured timeline of the pipeline run (seconds since the step began).
+    pub timeline: Timeline,
+}
+
+/// A training run in progress: schedule, stages and optimizer state (see the module doc).
+#[derive(Debug)]
+pub struct Trainer {
+    setup: TrainSetup,
+    schedule: Schedule,
+    workers: Vec<GraphStages>,
+    optim: Vec<AdamW>,
+    step: u64,
+    /// Single-device inference graphs by (batch, logits?), built on first use.
+    inference: HashMap<(usize, bool), Arc<Graph>>,
+}
+
+impl Trainer {
+    /// Builds the lowered schedule, the stage graphs and the initial weights (from `setup.seed`).
+    ///
+    /// # Errors
+    /// [`TrainError::Setup`] when the kind cannot serve the shape, the layers do not divide into
+    /// the stages, or a graph fails to build; [`TrainError::Optim`] for bad AdamW settings.
+    pub fn new(setup: TrainSetup) -> Result<Self, TrainError> {
+        let schedule = generate(setup.kind, &setup.shape, &setup.options).map_err(VerifyError::from)?;
+        let schedule = lower(&schedule, &LowerOptions::default()).map_err(VerifyError::from)?;
+        let specs = stage_specs(&setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
+        let opts = StageOptions::new(setup.batch, setup.seq);
+        let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
+        let workers = pipeline_workers(&setup.model, &schedule, &specs, &opts, setup.seed, empty)?;
+        let optim = (0..workers.len()).map(|_| AdamW::new(setup.adamw)).collect::<Result<_, _>>()?;
+        Ok(Trainer { setup, schedule, workers, optim, step: 0, inference: HashMap::new() })
+    }
+
+    /// The lowered schedule every step runs.
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// The setup the trainer was built from.
+    pub fn setup(&self) -> &TrainSetup {
+        &self.setup
+    }
+
+    /// Each rank's stages (index = rank).
+    pub fn ranks(&self) -> &[GraphStages] {
+        &self.workers
+    }
+
+    /// Optimizer steps completed.
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    /// One training step over `data` (m microbatches of `[B, T]` token ids and targets).
+    ///
+    /// # Errors
+    /// [`TrainError::Data`] for a wrong microbatch count; a failing rank
+    /// ([`TrainError::Setup`] wrapping the pipeline error that names rank, step and action — the
+    /// trainer is then [`TrainError::Poisoned`]); [`TrainError::Optim`] for a non-finite gradient
+    /// norm (the step is not applied).
+    pub fn step(&mut self, data: Microbatches) -> Result<StepReport, TrainError> {
+        let m = self.setup.shape.microbatches;
+        if data.len() != m || data.targets.len() != m {
+            return Err(TrainError::Data(format!("{} microbatches given, the schedule runs {m}", data.len())));
+        }
+        if self.workers.is_empty() {
+            return Err(TrainError::Poisoned);
+        }
+        let data = Arc::new(data);
+        for w in &mut self.workers {
+            w.start_step(Arc::clone(&data));
+        }
+        let workers = std::mem::take(&mut self.workers);
+        let (workers, timeline) =
+            run_pipeline(&self.schedule, workers, self.setup.timeout).map_err(VerifyError::from)?;
+        self.workers = workers;
+        let losses: BTreeMap<usize, f64> =
+            self.workers.iter().flat_map(|w| w.losses().iter().map(|(&k, &v)| (k, v))).collect();
+        if losses.len() != m {
+            return Err(TrainError::Data(format!("losses of {} of {m} microbatches", losses.len())));
+        }
+        let loss = losses.values().sum::<f64>() / m as f64;
+        let (grad_norm, lr) = self.apply_update()?;
+        Ok(StepReport { step: self.step, loss, grad_norm, lr, timeline })
+    }
+
+    /// Sums copies' gradients, clips, and steps every rank's AdamW; returns (norm, lr).
+    fn apply_update(&mut self) -> Result<(f64, f64), TrainError> {
+        let per_rank: Vec<Env> = self
+            .workers
+            .iter_mut()
+            .map(|w| w.stages_mut().values_mut().flat_map(|s| s.take_grads()).collect())
+            .collect();
+        let mut total: HashMap<String, Tensor> = HashMap::new();
+        for (name, g) in per_rank.iter().flatten() {
+            let sum = match total.remove(name) {
+                Some(a) => a.add(g)?,
+                None => g.clone(),
+            };
+            total.insert(name.clone(), sum);
+        }
+        let sq = local_sq_norm(&total)?;
+        if let Some(max_norm) = self.setup.max_grad_norm {
+            scale_grads(&mut total, clip_scale(sq, max_norm)?)?;
+        } else if !sq.is_finite() {
+            return Err(OptimError::NonFiniteNorm { sq_norm: sq }.into());
+        }
+        let lr = self.setup.lr.lr_at(self.step + 1);
+        for (w, opt) in self.workers.iter_mut().zip(&mut self.optim) {
+            let mut params: Env = w.stages().values().flat_map(|s| s.parameters()).collect();
+            let grads: Env = params.keys().filter_map(|n| total.get(n).map(|g| (n.clone(), g.clone()))).collect();
+            opt.step(&mut params, &grads, lr)?;
+            for s in w.stages_mut().values_mut() {
+                s.set_parameters(&params)?;
+            }
+        }
+        self.step += 1;
+        Ok((sq.sqrt(), lr))
+    }
+
+    /// Every distinct parameter of the model by name (DualPipe's copies are equal; one is taken).
+    pub fn parameters(&self) -> BTreeMap<String, Tensor> {
+        self.workers.iter().flat_map(|w| w.stages().values()).flat_map(|s| s.parameters()).collect()
+    }
+
+    /// The optimizer state of every distinct parameter (`adam.m.<name>`, `adam.v.<name>`) and
+    /// `adam.step` (i64 scalar).
+    ///
+    /// # Errors
+    /// [`TrainError::Optim`] from [`AdamW::state_dict`].
+    pub fn optimizer_state(&self) -> Result<BTreeMap<String, Tensor>, TrainError> {
+        let mut out = BTreeMap::new();
+        for opt in &self.optim {
+            out.extend(opt.state_dict()?);
+        }
+        Ok(out)
+    }
+
+    /// Restores parameters and optimizer state saved from [`Trainer::parameters`] and
+    /// [`Trainer::optimizer_state`] of a run with the same model and split (any schedule): every
+    /// stage takes its parameters, every rank the `adam.*` entries of its parameters, and the step
+    /// count continues from `adam.step`.
+    ///
+    /// # Errors
+    /// [`TrainError::Stage`] for a missing or misshapen parameter, [`TrainError::Optim`] for a
+    /// missing or inconsistent optimizer entry; nothing changes then.
+    pub fn load_state(&mut self, tensors: &HashMap<String, Tensor>) -> Result<(), TrainError> {
+        for s in self.workers.iter().flat_map(|w| w.stages().values()) {
+            s.check_parameters(tensors)?;
+        }
+        let mut optim = Vec::with_capacity(self.optim.len());
+        for (w, opt) in self.workers.iter().zip(&self.optim) {
+            let names = w.stages().values().flat_map(|s| s.parameter_names().iter());
+            let keys = std::iter::once(STEP_KEY.to_string())
+                .chain(names.flat_map(|n| [format!("{M_PREFIX}{n}"), format!("{V_PREFIX}{n}")]));
+            let state: HashMap<String, Tensor> =
+                keys.filter_map(|k| tensors.get(&k).map(|t| (k, t.clone()))).collect();
+            let mut opt = opt.clone();
+            opt.load_state_dict(&state)?;
+            optim.push(opt);
+        }
+        for w in &mut self.workers {
+            for s in w.stages_mut().values_mut() {
+                s.set_parameters(tensors)?;
+            }
+        }
+        self.optim = optim;
+        self.step = self.optim.first().map(|o| o.step_count()).unwrap_or(0);
+        Ok(())
+    }
+
+    /// The whole model as one single-device graph over `[batch, T]`, with `logits` outputs or the
+    /// loss; built once per (batch, logits).
+    fn inference_graph(&mut self, batch: usize, logits: bool) -> Result<Arc<Graph>, TrainError> {
+        if let Some(g) = self.inference.get(&(batch, logits)) {
+            return Ok(Arc::clone(g));
+        }
+        let cfg = &self.setup.model;
+        let spec = split_layers(cfg.num_hidden_layers, 1, None).map_err(VerifyError::from)?.remove(0);
+        let opts = StageOptions { logits, ..StageOptions::new(batch, self.setup.seq) };
+        let g = Arc::new(build_stage(cfg, &spec, &opts).map_err(VerifyError::from)?);
+        self.inference.insert((batch, logits), Arc::clone(&g));
+        Ok(g)
+    }
+
+    /// Parameters and buffers for an inference graph.
+    fn inference_env(&self) -> Result<Env, TrainError> {
+        let mut env: Env = self.parameters().into_iter().collect();
+        for (name, shape, data) in stage_buffers(&self.setup.model, self.setup.seq) {
+            env.insert(name, tensor_from_f64(&data, &shape, graphpp_graph::DType::F32)?);
+        }
+        Ok(env)
+    }
+
+    /// Mean token loss (nats per token) of the current parameters over `batches`, each a pair
+    /// (inputs, targets) of `batch × T` row-major token ids, on one device.
+    ///
+    /// # Errors
+    /// [`TrainError::Data`] for a batch of the wrong length or no batches.
+    pub fn evaluate(&mut self, batches: &[(Vec<u32>, Vec<u32>)], batch: usize) -> Result<f64, TrainError> {
+        let n = batch * self.setup.seq;
+        if batches.is_empty() || batches.iter().any(|(x, y)| x.len() != n || y.len() != n) {
+            return Err(TrainError::Data(format!("evaluation needs batches of {batch}×{} tokens", self.setup.seq)));
+        }
+        let g = self.inference_graph(batch, false)?;
+        let mut env = self.inference_env()?;
+        let mut sum = 0.0;
+        for (x, y) in batches {
+            env.insert(TOKENS.into(), tensor_u32(x, &[batch, self.setup.seq])?);
+            env.insert(TARGETS.into(), tensor_u32(y, &[batch, self.setup.seq])?);
+            let r = run_named(&g, &env, &RunOptions::default()).map_err(VerifyError::from)?;
+            let loss = r.output(&g, LOSS).ok_or_else(|| TrainError::Data("no loss output".into()))?;
+            sum += to_f64(loss)?[0];
+        }
+        Ok(sum / batches.len() as f64)
+    }
+
+    /// Continues `prompt` by `count` tokens: each step runs the model over the last `T` tokens
+    /// (right-padded with 0 while shorter; causal attention keeps the padding invisible) and
+    /// draws from the logits at the last real position with [`sample_next`].
+    ///
+    /// # Errors
+    /// [`TrainError::Data`] for an empty prompt or a token id outside the vocabulary;
+    /// [`TrainError::Sample`] for NaN logits.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        count: usize,
+        temperature: f32,
+        top_k: usize,
+        rng: &mut u64,
+    ) -> Result<Vec<u32>, TrainError> {
+        let (t, vocab) = (self.setup.seq, self.setup.model.vocab_size);
+        if prompt.is_empty() || prompt.iter().any(|&x| x as usize >= vocab) {
+            return Err(TrainError::Data(format!("a prompt needs 1 or more token ids below {vocab}")));
+        }
+        let g = self.inference_graph(1, true)?;
+        let mut env = self.inference_env()?;
+        let mut text = prompt.to_vec();
+        for _ in 0..count {
+            let window = &text[text.len().saturating_sub(t)..];
+            let mut ids = window.to_vec();
+            ids.resize(t, 0);
+            env.insert(TOKENS.into(), tensor_u32(&ids, &[1, t])?);
+            let r = run_named(&g, &env, &RunOptions::default()).map_err(VerifyError::from)?;
+            let logits = r.output(&g, LOGITS).ok_or_else(|| TrainError::Data("no logits output".into()))?;
+            let row: Vec<f32> = logits.get(window.len() - 1)?.to_vec1()?;
+            text.push(sample_next(&row, temperature, top_k, rng)?);
+        }
+        Ok(text.split_off(prompt.len()))
+    }
+}
