@@ -2,9 +2,11 @@
 //! schedule with them, and compare the bubbles (issue 4: "the end summary gives the measured bubble
 //! beside the simulator's prediction from the measured per-action times").
 //!
-//! Costs are fitted per (action kind, stage): stages differ (the first holds the embedding, the
-//! last the LM head and the loss), and one mean per kind would predict a balanced pipeline where
-//! the measured one is not. SEND/RECV intervals of an in-process run are mostly a RECV waiting for
+//! The prediction gives every compute action the duration it was measured to take (so stage
+//! imbalance — the first stage holds the embedding, the last the LM head and the loss — and
+//! per-microbatch variation carry over); an action absent from the timeline takes the mean of its
+//! (kind, stage), else of its kind. What the prediction leaves out is what the runtime adds on
+//! its own: hand-over latency and waiting that the schedule's dependencies do not imply. SEND/RECV intervals of an in-process run are mostly a RECV waiting for
 //! its message, so they count as idle in the measured figures and cost 0 in the prediction.
 
 use std::collections::HashMap;
@@ -30,9 +32,11 @@ fn key(a: &Action) -> Option<CostKey> {
     }
 }
 
-/// Mean measured duration of every (kind, stage) of a timeline, in the timeline's unit.
+/// Measured durations of a timeline's compute actions, in the timeline's unit: each action's own
+/// (its mean if the timeline holds several steps), and the mean of every (kind, stage).
 #[derive(Debug, Clone)]
 pub struct MeasuredCosts {
+    actions: HashMap<Action, f64>,
     means: HashMap<CostKey, f64>,
     /// Per-kind means over all stages (for a summary line, and for an action that never ran).
     pub per_kind: Costs,
@@ -42,24 +46,32 @@ impl MeasuredCosts {
     /// Fits the means of `t`'s compute and OVERLAP_F_B intervals.
     pub fn fit(t: &Timeline) -> Self {
         let mut acc: HashMap<CostKey, (f64, usize)> = HashMap::new();
+        let mut actions = HashMap::new();
         for i in &t.intervals {
             if let Some(k) = key(&i.action) {
                 let e = acc.entry(k).or_default();
                 e.0 += i.end - i.start;
                 e.1 += 1;
+                let e = actions.entry(i.action).or_insert((0.0, 0usize));
+                e.0 += i.end - i.start;
+                e.1 += 1;
             }
         }
-        let means = acc.into_iter().map(|(k, (s, n))| (k, s / n as f64)).collect();
-        MeasuredCosts { means, per_kind: fit_costs(t) }
+        let mean = |(s, n): (f64, usize)| s / n as f64;
+        let actions = actions.into_iter().map(|(a, x)| (a, mean(x))).collect();
+        let means = acc.into_iter().map(|(k, x)| (k, mean(x))).collect();
+        MeasuredCosts { actions, means, per_kind: fit_costs(t) }
     }
 
-    /// The fitted duration of `a`: its (kind, stage) mean, else its kind's mean; 0 for SEND, RECV
-    /// and FSDP stage operations.
+    /// The duration of `a`: as measured, else its (kind, stage) mean, else its kind's mean; 0 for
+    /// SEND, RECV and FSDP stage operations.
     pub fn duration(&self, a: &Action) -> f64 {
-        match key(a) {
-            Some(k) => self.means.get(&k).copied().unwrap_or_else(|| crate::simulate::duration(a, &self.per_kind)),
-            None => 0.0,
-        }
+        let Some(k) = key(a) else { return 0.0 };
+        self.actions
+            .get(a)
+            .or_else(|| self.means.get(&k))
+            .copied()
+            .unwrap_or_else(|| crate::simulate::duration(a, &self.per_kind))
     }
 }
 
@@ -103,7 +115,7 @@ pub struct MeasuredVsPredicted {
     pub costs: MeasuredCosts,
     /// Figures of the measured timeline (compute and OVERLAP_F_B busy; SEND/RECV time idle).
     pub measured: SimReport,
-    /// Figures the simulator predicts with the fitted per-(kind, stage) costs.
+    /// Figures the simulator predicts with the measured action durations.
     pub predicted: SimReport,
 }
 

@@ -3,3 +3,4 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod train;

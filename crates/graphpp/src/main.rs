@@ -19,6 +19,8 @@ enum Command {
     Schedule(cmd::schedule::ScheduleCmd),
     /// Show a model stage's graphs (fw, full_bw, bw_di, bw_dw, overlap) and their statistics.
     Graph(cmd::graph::GraphArgs),
+    /// Train a model on text under a pipeline schedule (one thread per rank).
+    Train(Box<cmd::train::TrainArgs>),
     /// Run one step pipelined and on one device; compare losses and gradients (exit 1 above tolerance).
     Verify(cmd::verify::VerifyArgs),
 }
@@ -29,6 +31,7 @@ fn main() {
         Command::Schedule(c) => cmd::schedule::run(c),
         Command::Graph(a) => cmd::graph::run(a),
         Command::Verify(a) => cmd::verify::run(a),
+        Command::Train(a) => cmd::train::run(*a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

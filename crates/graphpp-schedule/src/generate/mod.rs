@@ -151,6 +151,21 @@ impl fmt::Display for Kind {
 #[error("unknown schedule kind `{0}`; known: gpipe, 1f1b, interleaved-1f1b, looped-bfs, grouped-interleaved, zb-h1, zb-h2, zb-auto, zbv, interleaved-zb, dualpipe, dualpipev (PyTorch class names accepted)")]
 pub struct UnknownKind(pub String);
 
+/// Serialised as its canonical name (`"zbv"`, `"1f1b"`, …).
+impl serde::Serialize for Kind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+/// Deserialised from any name [`Kind::from_str`] accepts.
+impl<'de> serde::Deserialize<'de> for Kind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 impl FromStr for Kind {
     type Err = UnknownKind;
 

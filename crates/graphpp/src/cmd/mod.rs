@@ -3,6 +3,7 @@
 pub mod compare;
 pub mod graph;
 pub mod schedule;
+pub mod train;
 pub mod verify;
 
 use std::io::Write;

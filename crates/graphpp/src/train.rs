@@ -1,0 +1,414 @@
+//! A training run on text: the corpus, the sampler, the pipelined [`Trainer`], evaluation,
+//! checkpoints and resume — what `graphpp train` drives step by step (issue 4; DESIGN.md "Models,
+//! data, training").
+//!
+//! Each step draws `m·B` windows of `T + 1` byte tokens from the training split with a
+//! [`Batcher`] (batch `k` depends only on (seed, k)) and cuts them into `m` microbatches of `B`.
+//! Validation uses a fixed set of windows of the validation split (the last 10% of the corpus),
+//! the same for every seed, so curves of different runs compare.
+//!
+//! A checkpoint holds every distinct parameter and its AdamW moments (safetensors, f32) and a JSON
+//! sidecar with the optimizer step, the sampler position and the run's settings. Resuming checks
+//! that the settings that decide the loss sequence match (model, B, T, m, seed, data, learning
+//! rate schedule); the schedule kind and the number of ranks may differ — a checkpoint does not
+//! depend on the pipeline layout.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use candle_core::Tensor;
+use graphpp_models::LlamaConfig;
+use graphpp_runtime::executor::{tensor_u32, to_f64};
+use graphpp_runtime::{
+    AdamWConfig, CosineSchedule, LrError, Microbatches, StepReport, TrainError, TrainSetup, Trainer,
+};
+use graphpp_schedule::{Kind, Options, Shape};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{self, CheckpointError, NamedTensor};
+use crate::data::{self, Batcher, ByteTokenizer, DataError};
+
+/// Fraction of the corpus (its end) held out for validation.
+pub const VAL_FRACTION: f64 = 0.1;
+/// Validation windows: sequences of `T` tokens evaluated at every evaluation.
+pub const VAL_SEQUENCES: usize = 64;
+/// Stream of the validation windows (independent of `--seed`).
+const VAL_STREAM: u64 = 0x7a1d_a7e5;
+
+/// Why a run could not start or continue; each names the input at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// A setting is out of range (`--ranks 0`, `--steps 0`, …).
+    #[error("{0}")]
+    Config(String),
+    /// The corpus could not be read or fetched.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// A checkpoint could not be written or read.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The checkpoint was written by a run with other settings.
+    #[error("{path}: cannot resume: {reason}")]
+    Resume {
+        /// The checkpoint sidecar.
+        path: PathBuf,
+        /// Which setting differs.
+        reason: String,
+    },
+    /// Bad learning-rate settings.
+    #[error("learning rate: {0}")]
+    Lr(#[from] LrError),
+    /// Building the pipeline or a step failed.
+    #[error(transparent)]
+    Train(#[from] TrainError),
+    /// A tensor operation failed.
+    #[error("tensor: {0}")]
+    Tensor(#[from] candle_core::Error),
+}
+
+/// The settings of a run (the `graphpp train` flags); the ones that decide the loss sequence are
+/// recorded in every checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunConfig {
+    /// Model name as given (`tiny`, `small` or a config path), for display.
+    pub model_name: String,
+    /// The model.
+    pub model: LlamaConfig,
+    /// Schedule kind.
+    pub kind: Kind,
+    /// p: ranks (one thread each).
+    pub ranks: usize,
+    /// v: stages per rank.
+    pub stages_per_rank: usize,
+    /// m: microbatches per step.
+    pub microbatches: usize,
+    /// B: sequences per microbatch.
+    pub microbatch_size: usize,
+    /// T: tokens per sequence.
+    pub seq_len: usize,
+    /// Decoder layers of each model stage; `None` splits evenly.
+    pub layers_per_stage: Option<Vec<usize>>,
+    /// Optimizer steps of the whole run (the cosine schedule ends here).
+    pub steps: u64,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate (the cosine floor).
+    pub min_lr: f64,
+    /// Linear warm-up steps.
+    pub warmup: u64,
+    /// AdamW decoupled weight decay.
+    pub weight_decay: f64,
+    /// Global gradient-norm bound; `None` disables clipping.
+    pub grad_clip: Option<f64>,
+    /// Seed of the weights and of the training windows.
+    pub seed: u64,
+    /// Corpus file or folder; `None` is the Shakespeare corpus from the cache.
+    pub data: Option<PathBuf>,
+}
+
+impl RunConfig {
+    /// Checks the ranges the pipeline and the optimizer need. Errors: [`RunError::Config`]
+    /// naming the flag.
+    pub fn validate(&self) -> Result<(), RunError> {
+        let positive = [
+            ("--ranks", self.ranks),
+            ("--stages-per-rank", self.stages_per_rank),
+            ("--microbatches", self.microbatches),
+            ("--microbatch-size", self.microbatch_size),
+            ("--seq-len", self.seq_len),
+        ];
+        if let Some((flag, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(RunError::Config(format!("{flag} must be at least 1")));
+        }
+        if self.steps == 0 {
+            return Err(RunError::Config("--steps must be at least 1".into()));
+        }
+        if self.seq_len > self.model.max_position_embeddings {
+            return Err(RunError::Config(format!(
+                "--seq-len {} exceeds the model's max_position_embeddings {}",
+                self.seq_len, self.model.max_position_embeddings
+            )));
+        }
+        if self.model.vocab_size < ByteTokenizer::VOCAB {
+            return Err(RunError::Config(format!(
+                "the model's vocab_size {} is below the byte tokenizer's {}",
+                self.model.vocab_size,
+                ByteTokenizer::VOCAB
+            )));
+        }
+        Ok(())
+    }
+
+    /// Tokens per optimizer step: m·B·T.
+    pub fn tokens_per_step(&self) -> usize {
+        self.microbatches * self.microbatch_size * self.seq_len
+    }
+
+    /// What must match for a resumed run to continue the same loss sequence: everything but the
+    /// pipeline layout (kind, ranks, v, layer split) and the display name.
+    fn resume_key(&self) -> RunConfig {
+        RunConfig {
+            model_name: String::new(),
+            kind: Kind::Gpipe,
+            ranks: 0,
+            stages_per_rank: 0,
+            layers_per_stage: None,
+            ..self.clone()
+        }
+    }
+}
+
+/// What a checkpoint's sidecar records besides the step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct SavedState {
+    config: RunConfig,
+    /// Training batches drawn (the [`Batcher`] position).
+    batches: u64,
+    /// Validation loss at this step, if evaluated.
+    val_loss: Option<f64>,
+}
+
+/// A training run: corpus splits, sampler and trainer.
+#[derive(Debug)]
+pub struct Run {
+    config: RunConfig,
+    trainer: Trainer,
+    train: Vec<u32>,
+    val: Vec<(Vec<u32>, Vec<u32>)>,
+    batcher: Batcher,
+}
+
+impl Run {
+    /// Reads the corpus (fetching Shakespeare on first use), builds the pipeline and the initial
+    /// weights. Nothing is written.
+    ///
+    /// # Errors
+    /// [`RunError::Config`], [`RunError::Data`] (missing path, not UTF-8, too short),
+    /// [`RunError::Lr`], [`RunError::Train`] (the schedule does not fit the shape, the layers do
+    /// not divide into the stages).
+    pub fn new(config: RunConfig) -> Result<Self, RunError> {
+        config.validate()?;
+        let text_path = match &config.data {
+            Some(p) => p.clone(),
+            None => data::shakespeare(&data::cache_dir())?,
+        };
+        let tokens = ByteTokenizer.encode(&data::read_text(&text_path)?);
+        let (train, val) = data::split(&tokens, VAL_FRACTION);
+        let t = config.seq_len;
+        if train.len() <= t || val.len() <= t {
+            return Err(RunError::Config(format!(
+                "{}: {} tokens are too few for --seq-len {t} (train and validation splits each need more than {t})",
+                text_path.display(),
+                tokens.len()
+            )));
+        }
+        let (x, y) = data::sample(val, VAL_SEQUENCES, t, VAL_STREAM);
+        let val = x.chunks(t * 8).zip(y.chunks(t * 8)).map(|(a, b)| (a.to_vec(), b.to_vec())).collect();
+        let trainer = Trainer::new(train_setup(&config)?)?;
+        let batcher = Batcher { seed: config.seed, position: 0 };
+        Ok(Run { train: train.to_vec(), val, batcher, trainer, config })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &RunConfig {
+        &self.config
+    }
+
+    /// The trainer (schedule, stages).
+    pub fn trainer(&self) -> &Trainer {
+        &self.trainer
+    }
+
+    /// Optimizer steps completed.
+    pub fn steps_done(&self) -> u64 {
+        self.trainer.steps_done()
+    }
+
+    /// The next step's microbatches: `m·B` windows from the sampler, `B` per microbatch.
+    fn next_microbatches(&mut self) -> Result<Microbatches, RunError> {
+        let c = &self.config;
+        let (b, t, m) = (c.microbatch_size, c.seq_len, c.microbatches);
+        let (x, y) = self.batcher.next_batch(&self.train, m * b, t);
+        let cut = |v: &[u32]| -> Result<Vec<Tensor>, RunError> {
+            v.chunks(b * t).map(|c| tensor_u32(c, &[b, t]).map_err(RunError::from)).collect()
+        };
+        Ok(Microbatches { tokens: cut(&x)?, targets: cut(&y)? })
+    }
+
+    /// Runs one training step.
+    ///
+    /// # Errors
+    /// [`RunError::Train`] naming the failing rank and action, or a non-finite gradient norm.
+    pub fn step(&mut self) -> Result<StepReport, RunError> {
+        let data = self.next_microbatches()?;
+        Ok(self.trainer.step(data)?)
+    }
+
+    /// Validation loss (nats per byte) over the fixed validation windows.
+    ///
+    /// # Errors
+    /// [`RunError::Train`] when the forward fails.
+    pub fn evaluate(&mut self) -> Result<f64, RunError> {
+        Ok(self.trainer.evaluate(&self.val, 8)?)
+    }
+
+    /// Continues `prompt` by `count` bytes (temperature 0.8, top-k 40, seeded by the run's seed).
+    ///
+    /// # Errors
+    /// [`RunError::Train`] for an empty prompt or NaN logits.
+    pub fn sample(&mut self, prompt: &str, count: usize) -> Result<String, RunError> {
+        let mut rng = self.config.seed ^ 0x5A3D_1E00;
+        let ids = self.trainer.generate(&ByteTokenizer.encode(prompt), count, 0.8, 40, &mut rng)?;
+        Ok(ByteTokenizer.decode(&ids))
+    }
+
+    /// Writes a checkpoint of the current step into `dir` atomically; returns the sidecar path.
+    ///
+    /// # Errors
+    /// [`RunError::Checkpoint`] for I/O failures.
+    pub fn save(&self, dir: &Path, val_loss: Option<f64>) -> Result<PathBuf, RunError> {
+        let mut tensors = Vec::new();
+        let mut all = self.trainer.parameters();
+        all.extend(self.trainer.optimizer_state()?);
+        for (name, t) in all {
+            if name == graphpp_runtime::optim::STEP_KEY {
+                continue;
+            }
+            let data = to_f64(&t)?.into_iter().map(|x| x as f32).collect();
+            tensors.push(NamedTensor { name, shape: t.dims().to_vec(), data });
+        }
+        let state = SavedState { config: self.config.clone(), batches: self.batcher.position, val_loss };
+        let state = serde_json::to_value(state).map_err(|e| RunError::Config(e.to_string()))?;
+        Ok(checkpoint::save(dir, self.steps_done(), &tensors, state)?)
+    }
+
+    /// Continues from the checkpoint at `path` (a sidecar, or a folder: its newest checkpoint).
+    ///
+    /// # Errors
+    /// [`RunError::Checkpoint`] for a missing or corrupt checkpoint, [`RunError::Resume`] when it
+    /// comes from a run with other settings, [`RunError::Train`] when its tensors do not fit.
+    pub fn resume(&mut self, path: &Path) -> Result<u64, RunError> {
+        let ck = checkpoint::load(path)?;
+        let sidecar_path = if path.is_dir() { checkpoint::latest(path)? } else { path.to_path_buf() };
+        let bad = |reason: String| RunError::Resume { path: sidecar_path.clone(), reason };
+        let saved: SavedState =
+            serde_json::from_value(ck.sidecar.state.clone()).map_err(|e| bad(format!("sidecar state: {e}")))?;
+        if saved.config.resume_key() != self.config.resume_key() {
+            return Err(bad(describe_difference(&saved.config, &self.config)));
+        }
+        let mut tensors = HashMap::new();
+        for (name, t) in &ck.tensors {
+            tensors.insert(name.clone(), Tensor::from_vec(t.data.clone(), t.shape.clone(), &candle_core::Device::Cpu)?);
+        }
+        let step = i64::try_from(ck.sidecar.step).map_err(|_| bad("step out of range".into()))?;
+        tensors.insert(graphpp_runtime::optim::STEP_KEY.into(), Tensor::new(step, &candle_core::Device::Cpu)?);
+        self.trainer.load_state(&tensors)?;
+        self.batcher.position = saved.batches;
+        Ok(ck.sidecar.step)
+    }
+}
+
+/// The first setting that differs between a checkpoint's run and this one.
+fn describe_difference(saved: &RunConfig, now: &RunConfig) -> String {
+    let (a, b) = (serde_json::to_value(saved.resume_key()), serde_json::to_value(now.resume_key()));
+    if let (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) = (a, b) {
+        if let Some((k, v)) = a.iter().find(|(k, v)| b.get(*k) != Some(v)) {
+            return format!("it was written with {k} = {v}, this run has {}", b.get(k).unwrap_or(&serde_json::Value::Null));
+        }
+    }
+    "its settings differ from this run's".into()
+}
+
+/// The runtime setup of `c`.
+fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
+    Ok(TrainSetup {
+        model: c.model.clone(),
+        kind: c.kind,
+        shape: Shape::new(c.ranks, c.stages_per_rank, c.microbatches),
+        options: Options::default(),
+        layers_per_stage: c.layers_per_stage.clone(),
+        batch: c.microbatch_size,
+        seq: c.seq_len,
+        seed: c.seed,
+        adamw: AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: c.weight_decay },
+        lr: CosineSchedule::new(c.lr, c.min_lr, c.warmup.min(c.steps), c.steps)?,
+        max_grad_norm: c.grad_clip,
+        timeout: Duration::from_secs(300),
+    })
+}
+
+/// Measured bubble of a run's steps beside the simulator's prediction from the same steps'
+/// measured per-(kind, stage) action times, averaged over the steps given.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BubbleSummary {
+    /// Steps averaged.
+    pub steps: usize,
+    /// Mean measured step time (makespan of the compute intervals), seconds.
+    pub measured_makespan: f64,
+    /// Mean predicted step time, seconds.
+    pub predicted_makespan: f64,
+    /// Mean measured in-iteration bubble r = Σ idle / Σ busy (SEND/RECV waiting counts idle).
+    pub measured_bubble: f64,
+    /// Mean predicted r.
+    pub predicted_bubble: f64,
+    /// Mean measured idle fraction Σ idle / (p · makespan).
+    pub measured_idle: f64,
+    /// Mean predicted idle fraction.
+    pub predicted_idle: f64,
+}
+
+/// Averages [`graphpp_schedule::measured::measured_vs_predicted`] over `timelines` (each one
+/// step of `schedule`). Errors: [`RunError::Config`] for no timelines or a schedule the simulator
+/// rejects.
+pub fn bubble_summary(schedule: &graphpp_schedule::Schedule, timelines: &[graphpp_schedule::Timeline]) -> Result<BubbleSummary, RunError> {
+    if timelines.is_empty() {
+        return Err(RunError::Config("no measured steps to summarise".into()));
+    }
+    let mut s = BubbleSummary {
+        steps: timelines.len(),
+        measured_makespan: 0.0,
+        predicted_makespan: 0.0,
+        measured_bubble: 0.0,
+        predicted_bubble: 0.0,
+        measured_idle: 0.0,
+        predicted_idle: 0.0,
+    };
+    for t in timelines {
+        let r = graphpp_schedule::measured::measured_vs_predicted(schedule, t)
+            .map_err(|e| RunError::Config(format!("simulating the measured schedule: {e}")))?;
+        s.measured_makespan += r.measured.makespan;
+        s.predicted_makespan += r.predicted.makespan;
+        s.measured_bubble += r.measured.bubble_ratio;
+        s.predicted_bubble += r.predicted.bubble_ratio;
+        s.measured_idle += r.measured.idle_fraction;
+        s.predicted_idle += r.predicted.idle_fraction;
+    }
+    let n = timelines.len() as f64;
+    for x in [
+        &mut s.measured_makespan,
+        &mut s.predicted_makespan,
+        &mut s.measured_bubble,
+        &mut s.predicted_bubble,
+        &mut s.measured_idle,
+        &mut s.predicted_idle,
+    ] {
+        *x /= n;
+    }
+    Ok(s)
+}
+
+/// Lays step timelines end to end: step `k`'s intervals shifted by its `offset` (seconds since
+/// the run began), one timeline for a Chrome trace.
+pub fn joined_timeline(steps: &[(f64, graphpp_schedule::Timeline)]) -> graphpp_schedule::Timeline {
+    let ranks = steps.iter().map(|(_, t)| t.ranks).max().unwrap_or(0);
+    let mut intervals = Vec::new();
+    for (offset, t) in steps {
+        intervals.extend(t.intervals.iter().map(|i| graphpp_schedule::Interval {
+            start: i.start + offset,
+            end: i.end + offset,
+            ..*i
+        }));
+    }
+    graphpp_schedule::Timeline { ranks, intervals, unit: "s".into() }
+}
