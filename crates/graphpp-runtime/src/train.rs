@@ -163,7 +163,10 @@ impl Trainer {
     pub fn step(&mut self, data: Microbatches) -> Result<StepReport, TrainError> {
         let m = self.setup.shape.microbatches;
         if data.len() != m || data.targets.len() != m {
-            return Err(TrainError::Data(format!("{} microbatches given, the schedule runs {m}", data.len())));
+            return Err(TrainError::Data(format!(
+                "{} microbatches given, the schedule runs {m}",
+                data.len()
+            )));
         }
         if self.workers.is_empty() {
             return Err(TrainError::Poisoned);
@@ -210,7 +213,8 @@ impl Trainer {
         let lr = self.setup.lr.lr_at(self.step + 1);
         for (w, opt) in self.workers.iter_mut().zip(&mut self.optim) {
             let mut params: Env = w.stages().values().flat_map(|s| s.parameters()).collect();
-            let grads: Env = params.keys().filter_map(|n| total.get(n).map(|g| (n.clone(), g.clone()))).collect();
+            let grads: Env =
+                params.keys().filter_map(|n| total.get(n).map(|g| (n.clone(), g.clone()))).collect();
             opt.step(&mut params, &grads, lr)?;
             for s in w.stages_mut().values_mut() {
                 s.set_parameters(&params)?;
@@ -302,7 +306,10 @@ impl Trainer {
     pub fn evaluate(&mut self, batches: &[(Vec<u32>, Vec<u32>)], batch: usize) -> Result<f64, TrainError> {
         let n = batch * self.setup.seq;
         if batches.is_empty() || batches.iter().any(|(x, y)| x.len() != n || y.len() != n) {
-            return Err(TrainError::Data(format!("evaluation needs batches of {batch}×{} tokens", self.setup.seq)));
+            return Err(TrainError::Data(format!(
+                "evaluation needs batches of {batch}×{} tokens",
+                self.setup.seq
+            )));
         }
         let g = self.inference_graph(batch, false)?;
         let mut env = self.inference_env()?;

@@ -175,7 +175,8 @@ mod tests {
     /// per kind would not (it predicts a balanced pipeline).
     #[test]
     fn per_stage_costs_predict_an_unbalanced_run() {
-        let s = crate::generate(crate::Kind::OneFOneB, &crate::Shape::new(2, 1, 4), &Default::default()).unwrap();
+        let s =
+            crate::generate(crate::Kind::OneFOneB, &crate::Shape::new(2, 1, 4), &Default::default()).unwrap();
         let slow = |a: &Action| match a {
             Action::Compute { kind, task } => {
                 let base = if *kind == ComputeKind::F { 1.0 } else { 2.0 };

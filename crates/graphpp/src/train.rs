@@ -292,17 +292,21 @@ impl Run {
         let ck = checkpoint::load(path)?;
         let sidecar_path = if path.is_dir() { checkpoint::latest(path)? } else { path.to_path_buf() };
         let bad = |reason: String| RunError::Resume { path: sidecar_path.clone(), reason };
-        let saved: SavedState =
-            serde_json::from_value(ck.sidecar.state.clone()).map_err(|e| bad(format!("sidecar state: {e}")))?;
+        let saved: SavedState = serde_json::from_value(ck.sidecar.state.clone())
+            .map_err(|e| bad(format!("sidecar state: {e}")))?;
         if saved.config.resume_key() != self.config.resume_key() {
             return Err(bad(describe_difference(&saved.config, &self.config)));
         }
         let mut tensors = HashMap::new();
         for (name, t) in &ck.tensors {
-            tensors.insert(name.clone(), Tensor::from_vec(t.data.clone(), t.shape.clone(), &candle_core::Device::Cpu)?);
+            tensors.insert(
+                name.clone(),
+                Tensor::from_vec(t.data.clone(), t.shape.clone(), &candle_core::Device::Cpu)?,
+            );
         }
         let step = i64::try_from(ck.sidecar.step).map_err(|_| bad("step out of range".into()))?;
-        tensors.insert(graphpp_runtime::optim::STEP_KEY.into(), Tensor::new(step, &candle_core::Device::Cpu)?);
+        tensors
+            .insert(graphpp_runtime::optim::STEP_KEY.into(), Tensor::new(step, &candle_core::Device::Cpu)?);
         self.trainer.load_state(&tensors)?;
         self.batcher.position = saved.batches;
         Ok(ck.sidecar.step)
@@ -314,7 +318,10 @@ fn describe_difference(saved: &RunConfig, now: &RunConfig) -> String {
     let (a, b) = (serde_json::to_value(saved.resume_key()), serde_json::to_value(now.resume_key()));
     if let (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) = (a, b) {
         if let Some((k, v)) = a.iter().find(|(k, v)| b.get(*k) != Some(v)) {
-            return format!("it was written with {k} = {v}, this run has {}", b.get(k).unwrap_or(&serde_json::Value::Null));
+            return format!(
+                "it was written with {k} = {v}, this run has {}",
+                b.get(k).unwrap_or(&serde_json::Value::Null)
+            );
         }
     }
     "its settings differ from this run's".into()
@@ -361,7 +368,10 @@ pub struct BubbleSummary {
 /// Averages [`graphpp_schedule::measured::measured_vs_predicted`] over `timelines` (each one
 /// step of `schedule`). Errors: [`RunError::Config`] for no timelines or a schedule the simulator
 /// rejects.
-pub fn bubble_summary(schedule: &graphpp_schedule::Schedule, timelines: &[graphpp_schedule::Timeline]) -> Result<BubbleSummary, RunError> {
+pub fn bubble_summary(
+    schedule: &graphpp_schedule::Schedule,
+    timelines: &[graphpp_schedule::Timeline],
+) -> Result<BubbleSummary, RunError> {
     if timelines.is_empty() {
         return Err(RunError::Config("no measured steps to summarise".into()));
     }

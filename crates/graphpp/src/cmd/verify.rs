@@ -31,6 +31,9 @@ pub struct VerifyArgs {
     /// Override the preset's number of decoder layers (it must be at least the model stages).
     #[arg(long)]
     layers: Option<usize>,
+    /// Decoder layers of each model stage, e.g. `2,1,1` (default: an even split).
+    #[arg(long, value_delimiter = ',')]
+    layers_per_stage: Option<Vec<usize>>,
     /// B: sequences per microbatch.
     #[arg(long, default_value_t = 1)]
     microbatch_size: usize,
@@ -57,6 +60,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     let shape = Shape::new(a.ranks, v, a.microbatches);
     let mut setup = VerifySetup::new(model, a.schedule, shape, a.microbatch_size, a.seq_len);
     setup.seed = a.seed;
+    setup.layers_per_stage = a.layers_per_stage.clone();
     let t0 = Instant::now();
     let r = verify_step(&setup)?;
     println!(

@@ -1,0 +1,207 @@
+//! `graphpp train` end to end on a small corpus: outputs, checkpoints, exact resume, the trace,
+//! and the errors bad input gets (with no checkpoint written).
+
+use std::path::{Path, PathBuf};
+
+use assert_cmd::Command;
+use graphpp::train::{Run, RunConfig, RunError};
+use graphpp_models::LlamaConfig;
+use graphpp_schedule::Kind;
+
+fn graphpp() -> Command {
+    Command::cargo_bin("graphpp").expect("binary builds")
+}
+
+/// A 24 KB corpus with learnable structure.
+fn corpus(dir: &Path) -> PathBuf {
+    let lines = [
+        "To be, or not to be, that is the question:\n",
+        "Whether 'tis nobler in the mind to suffer\n",
+        "The slings and arrows of outrageous fortune,\n",
+        "Or to take arms against a sea of troubles\n",
+    ];
+    let text: String = (0..150).map(|i| lines[i % 4]).collect();
+    let path = dir.join("corpus.txt");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Small-shape flags shared by the CLI tests.
+const SMALL: [&str; 8] =
+    ["--microbatch-size", "2", "--seq-len", "16", "--microbatches", "4", "--sample-bytes", "20"];
+
+fn config(data: PathBuf, kind: Kind) -> RunConfig {
+    RunConfig {
+        model_name: "tiny".into(),
+        model: LlamaConfig::tiny(),
+        kind,
+        ranks: 2,
+        stages_per_rank: kind.default_stages_per_rank(),
+        microbatches: 4,
+        microbatch_size: 2,
+        seq_len: 16,
+        layers_per_stage: None,
+        steps: 15,
+        lr: 1e-2,
+        min_lr: 1e-3,
+        warmup: 3,
+        weight_decay: 0.01,
+        grad_clip: Some(1.0),
+        seed: 4,
+        data: Some(data),
+    }
+}
+
+/// A checkpoint after step 5 and a resumed run give bitwise the losses of steps 6..15 of an
+/// uninterrupted run, and the same validation loss at the end.
+#[test]
+fn resume_reproduces_the_next_ten_losses() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = config(corpus(d.path()), Kind::Zbv);
+    let mut straight = Run::new(cfg.clone()).unwrap();
+    let losses: Vec<f64> = (0..15).map(|_| straight.step().unwrap().loss).collect();
+    assert!(losses[14] < losses[0] - 0.5, "the run learns: {losses:?}");
+    let mut first = Run::new(cfg.clone()).unwrap();
+    for _ in 0..5 {
+        first.step().unwrap();
+    }
+    let ck = d.path().join("ck");
+    first.save(&ck, None).unwrap();
+    let mut resumed = Run::new(cfg).unwrap();
+    assert_eq!(resumed.resume(&ck).unwrap(), 5);
+    let again: Vec<f64> = (0..10).map(|_| resumed.step().unwrap().loss).collect();
+    assert_eq!(again, losses[5..].to_vec());
+    assert_eq!(resumed.evaluate().unwrap(), straight.evaluate().unwrap());
+}
+
+/// A checkpoint does not depend on the pipeline layout: resumed under 1F1B (p = 2, v = 1) the
+/// losses continue within f32 rounding of the ZB-V run.
+#[test]
+fn resume_under_another_schedule() {
+    let d = tempfile::tempdir().unwrap();
+    let zbv = config(corpus(d.path()), Kind::Zbv);
+    let mut straight = Run::new(zbv.clone()).unwrap();
+    let losses: Vec<f64> = (0..8).map(|_| straight.step().unwrap().loss).collect();
+    let mut first = Run::new(zbv.clone()).unwrap();
+    for _ in 0..4 {
+        first.step().unwrap();
+    }
+    first.save(d.path(), None).unwrap();
+    let mut other = Run::new(RunConfig { kind: Kind::OneFOneB, stages_per_rank: 1, ..zbv }).unwrap();
+    other.resume(d.path()).unwrap();
+    for want in &losses[4..] {
+        let got = other.step().unwrap().loss;
+        assert!((got - want).abs() < 1e-5 * want, "{got} vs {want}");
+    }
+}
+
+/// Resuming with a setting that changes the loss sequence names the setting.
+#[test]
+fn resume_with_other_settings_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = config(corpus(d.path()), Kind::Zbv);
+    let mut run = Run::new(cfg.clone()).unwrap();
+    run.step().unwrap();
+    run.save(d.path(), None).unwrap();
+    let mut other = Run::new(RunConfig { seq_len: 8, ..cfg }).unwrap();
+    match other.resume(d.path()) {
+        Err(e @ RunError::Resume { .. }) => assert!(e.to_string().contains("seq_len = 16"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn trains_evaluates_checkpoints_and_traces() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let trace = d.path().join("trace.json");
+    let ck = d.path().join("ck");
+    let out = graphpp()
+        .args(["train", "--data", data.to_str().unwrap(), "--steps", "6", "--eval-every", "3"])
+        .args(SMALL)
+        .args(["--trace", trace.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("schedule zbv p=2 v=2 m=4, B=2 T=16 (128 tokens/step)"), "{stdout}");
+    let evals: Vec<&str> = stdout.lines().filter(|l| l.contains("val loss")).collect();
+    assert_eq!(evals.len(), 2, "{stdout}");
+    assert!(evals[0].starts_with("step      3") && evals[1].starts_with("step      6"), "{stdout}");
+    assert!(stdout.contains("sample (temperature 0.8, top-k 40):\nROMEO:"), "{stdout}");
+    assert!(stdout.contains("bubble over the last 6 steps: measured r = "), "{stdout}");
+    for step in ["000003", "000006"] {
+        assert!(ck.join(format!("step-{step}.json")).is_file());
+        assert!(ck.join(format!("step-{step}.safetensors")).is_file());
+    }
+    let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().or(t.as_array()).unwrap();
+    let names: Vec<&str> =
+        events.iter().filter(|e| e["ph"] == "X").filter_map(|e| e["name"].as_str()).collect();
+    // 6 steps × (2 ranks × 2 stages × 4 microbatches) × F, I, W, plus SEND/RECV.
+    for kind in ["F", "I", "W"] {
+        let is = |n: &str| {
+            let body = n.trim_start_matches(|c: char| c.is_ascii_digit());
+            body.strip_prefix(kind).is_some_and(|mb| mb.chars().all(|c| c.is_ascii_digit()))
+        };
+        let n = names.iter().filter(|n| is(n)).count();
+        assert_eq!(n, 6 * 16, "{kind} events");
+    }
+}
+
+/// Each bad input fails with exit 1, an error naming the problem, and no checkpoint.
+#[test]
+fn bad_input_is_a_clear_error_without_checkpoints() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let data = data.to_str().unwrap();
+    let ck = d.path().join("ck");
+    let cases: [(&[&str], &str); 5] = [
+        (&["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
+        (&["--data", data, "--ranks", "0"], "--ranks must be at least 1"),
+        (&["--data", data, "--schedule", "1f1b", "--ranks", "3"], "--layers-per-stage"),
+        (&["--data", data, "--schedule", "dualpipev", "--ranks", "4"], "m >= 2p"),
+        (&["--data", data, "--layers-per-stage", "2,2,1,1"], "must be 4 numbers adding up to 4"),
+    ];
+    for (args, want) in cases {
+        let out = graphpp()
+            .arg("train")
+            .args(SMALL)
+            .args(args)
+            .args(["--steps", "2", "--checkpoint-dir", ck.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!ck.exists(), "{args:?} wrote a checkpoint");
+    }
+}
+
+/// A corrupt checkpoint (tensor bytes changed after saving) is refused naming the file.
+#[test]
+fn corrupt_checkpoint_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let ck = d.path().join("ck");
+    let run = |extra: &[&str]| {
+        graphpp()
+            .args(["train", "--data", data.to_str().unwrap(), "--steps", "2", "--eval-every", "1"])
+            .args(SMALL)
+            .args(["--checkpoint-dir", ck.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    assert!(run(&["--stop-after", "1"]).status.success());
+    let st = ck.join("step-000001.safetensors");
+    let mut bytes = std::fs::read(&st).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0x55;
+    std::fs::write(&st, bytes).unwrap();
+    let out = run(&["--resume"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("step-000001.safetensors") && err.contains("corrupt checkpoint"), "{err}");
+    assert!(!ck.join("step-000002.json").exists(), "no checkpoint after a failed resume");
+}
