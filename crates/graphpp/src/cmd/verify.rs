@@ -52,6 +52,7 @@ pub struct VerifyArgs {
 /// Runs `graphpp verify`. Errors: bad shape or model (typed, with the numbers), a failing rank,
 /// or a difference above the tolerance.
 pub fn run(a: VerifyArgs) -> Result<()> {
+    crate::cmd::set_op_threads(a.ranks, None);
     let mut model = crate::cmd::graph::load_config(&a.model)?;
     if let Some(l) = a.layers {
         model.num_hidden_layers = l;
