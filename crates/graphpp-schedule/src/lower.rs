@@ -21,7 +21,7 @@ pub enum LowerError {
     #[error("cannot lower an invalid schedule: {0}")]
     Invalid(Box<ValidationError>),
     /// The input already holds actions this pass would add.
-    #[error("{pass}: the schedule already has {at}; run the pass on a schedule without them")]
+    #[error("the schedule already has {at}, which lowering adds itself ({pass}); give a compute-only schedule")]
     AlreadyHas {
         /// The pass (`add_send_recv`, `add_unshard_reshard`, `add_reduce_grad`).
         pass: &'static str,
@@ -29,7 +29,10 @@ pub enum LowerError {
         at: Loc,
     },
     /// `max_unsharded` is below the number of stages one action computes on.
-    #[error("add_unshard_reshard: {at} needs {needed} stages unsharded at once, but max_unsharded is {max}")]
+    #[error(
+        "{at} computes on {needed} stages at once, but at most {max} may be unsharded per rank \
+         (--fsdp-max-unsharded)"
+    )]
     TooFewUnsharded {
         /// The given limit.
         max: usize,

@@ -469,12 +469,13 @@ impl fmt::Display for Summary {
         .filter(|(n, _)| *n > 0)
         .map(|(n, k)| format!("{n} {k}"))
         .collect();
+        let n = |count: usize, one: &str, many: &str| format!("{count} {}", if count == 1 { one } else { many });
         write!(
             f,
-            "valid: {} ranks, {} stages ({placement} placement), {} microbatches, {}; {}",
-            self.ranks,
-            self.stages,
-            self.microbatches,
+            "valid: {}, {} ({placement} placement), {}, {}; {}",
+            n(self.ranks, "rank", "ranks"),
+            n(self.stages, "stage", "stages"),
+            n(self.microbatches, "microbatch", "microbatches"),
             if self.lowered { "lowered" } else { "compute-only" },
             parts.join(", ")
         )
@@ -915,6 +916,8 @@ mod tests {
             s.to_string(),
             "valid: 2 ranks, 2 stages (loop placement), 2 microbatches, compute-only; 4 F, 4 B"
         );
+        let one = check("0F0,0B0\n").unwrap().to_string();
+        assert!(one.starts_with("valid: 1 rank, 1 stage (loop placement), 1 microbatch,"), "{one}");
         let l = check(LOWERED).unwrap();
         assert_eq!((l.counts.send, l.counts.recv, l.lowered), (4, 4, true));
     }
