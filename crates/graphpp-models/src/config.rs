@@ -129,6 +129,9 @@ impl LlamaConfig {
         if self.vocab_size == 0 {
             return bad("vocab_size", "must be > 0".into());
         }
+        if self.hidden_size == 0 {
+            return bad("hidden_size", "must be > 0".into());
+        }
         if self.num_attention_heads == 0 || !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return bad("num_attention_heads", format!("must divide hidden_size {}", self.hidden_size));
         }
@@ -164,5 +167,7 @@ mod tests {
             .unwrap_err();
         assert!(matches!(e, ModelError::Field { field: "num_attention_heads", .. }));
         assert!(matches!(LlamaConfig::preset("huge"), Err(ModelError::Preset(_))));
+        let zero = LlamaConfig { hidden_size: 0, ..LlamaConfig::tiny() };
+        assert!(matches!(zero.validate(), Err(ModelError::Field { field: "hidden_size", .. })));
     }
 }

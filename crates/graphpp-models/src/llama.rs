@@ -74,6 +74,11 @@ pub fn split_layers(
                     "layers per stage {c:?} must be {stages} numbers adding up to {num_layers}"
                 )));
             }
+            if let Some(stage) = c.iter().position(|&n| n == 0) {
+                return Err(ModelError::Split(format!(
+                    "layers per stage {c:?}: stage {stage} holds no decoder layer (each stage needs one at least)"
+                )));
+            }
             c.to_vec()
         }
         None => {

@@ -24,6 +24,10 @@ fn even_and_uneven_splits() {
     assert!(matches!(split_layers(8, 3, Some(&[4, 3])), Err(ModelError::Split(_))));
     assert!(matches!(split_layers(8, 3, Some(&[4, 3, 2])), Err(ModelError::Split(_))));
     assert!(matches!(split_layers(2, 3, None), Err(ModelError::Split(_))));
+    match split_layers(4, 2, Some(&[4, 0])) {
+        Err(ModelError::Split(m)) => assert!(m.contains("stage 1 holds no decoder layer"), "{m}"),
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]

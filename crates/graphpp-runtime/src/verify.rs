@@ -47,7 +47,7 @@ pub enum VerifyError {
     /// More pipeline stages than decoder layers.
     #[error(
         "the model has {layers} decoder layers, too few for {stages} pipeline stages (one layer at \
-         least per stage); use a model with more layers (--layers) or a shape with fewer stages"
+         least per stage); use a model with more layers (--layers) or fewer stages"
     )]
     TooFewLayers {
         /// Decoder layers of the model.

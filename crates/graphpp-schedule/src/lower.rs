@@ -21,7 +21,9 @@ pub enum LowerError {
     #[error("cannot lower an invalid schedule: {0}")]
     Invalid(Box<ValidationError>),
     /// The input already holds actions this pass would add.
-    #[error("the schedule already has {at}, which lowering adds itself ({pass}); give a compute-only schedule")]
+    #[error(
+        "the schedule already has {at}, which lowering adds itself ({pass}); give a compute-only schedule"
+    )]
     AlreadyHas {
         /// The pass (`add_send_recv`, `add_unshard_reshard`, `add_reduce_grad`).
         pass: &'static str,

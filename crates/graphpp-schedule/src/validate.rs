@@ -469,7 +469,8 @@ impl fmt::Display for Summary {
         .filter(|(n, _)| *n > 0)
         .map(|(n, k)| format!("{n} {k}"))
         .collect();
-        let n = |count: usize, one: &str, many: &str| format!("{count} {}", if count == 1 { one } else { many });
+        let n =
+            |count: usize, one: &str, many: &str| format!("{count} {}", if count == 1 { one } else { many });
         write!(
             f,
             "valid: {}, {} ({placement} placement), {}, {}; {}",

@@ -28,7 +28,7 @@ pub enum DataError {
         offset: usize,
     },
     /// A folder without any text.
-    #[error("{0} holds no text files")]
+    #[error("{0}: no text (an empty file, or a folder without text files)")]
     Empty(PathBuf),
     /// The downloaded archive has the wrong checksum.
     #[error("{path}: sha256 {got} does not match the expected {expected}")]

@@ -34,7 +34,23 @@ fn main() {
         Command::Train(a) => cmd::train::run(*a),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", message(&e));
         std::process::exit(1);
     }
+}
+
+/// The error and its causes joined by `: `, skipping a cause whose text the message already
+/// holds (typed errors often print their source themselves).
+fn message(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if !text.contains(&c) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&c);
+        }
+    }
+    text
 }

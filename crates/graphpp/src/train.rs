@@ -289,6 +289,9 @@ impl Run {
     /// [`RunError::Checkpoint`] for a missing or corrupt checkpoint, [`RunError::Resume`] when it
     /// comes from a run with other settings, [`RunError::Train`] when its tensors do not fit.
     pub fn resume(&mut self, path: &Path) -> Result<u64, RunError> {
+        if !path.exists() {
+            return Err(CheckpointError::NotFound(path.to_path_buf()).into());
+        }
         let ck = checkpoint::load(path)?;
         let sidecar_path = if path.is_dir() { checkpoint::latest(path)? } else { path.to_path_buf() };
         let bad = |reason: String| RunError::Resume { path: sidecar_path.clone(), reason };
@@ -346,26 +349,27 @@ fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
 }
 
 /// Measured bubble of a run's steps beside the simulator's prediction from the same steps'
-/// measured per-(kind, stage) action times, averaged over the steps given.
+/// measured action times: the median over the steps given of each figure (a step slowed by
+/// another process on the machine does not move it).
 #[derive(Debug, Clone, PartialEq)]
 pub struct BubbleSummary {
     /// Steps averaged.
     pub steps: usize,
-    /// Mean measured step time (makespan of the compute intervals), seconds.
+    /// Measured step time (makespan of the compute intervals), seconds.
     pub measured_makespan: f64,
-    /// Mean predicted step time, seconds.
+    /// Predicted step time, seconds.
     pub predicted_makespan: f64,
-    /// Mean measured in-iteration bubble r = Σ idle / Σ busy (SEND/RECV waiting counts idle).
+    /// Measured in-iteration bubble r = Σ idle / Σ busy (SEND/RECV waiting counts idle).
     pub measured_bubble: f64,
-    /// Mean predicted r.
+    /// Predicted r.
     pub predicted_bubble: f64,
-    /// Mean measured idle fraction Σ idle / (p · makespan).
+    /// Measured idle fraction Σ idle / (p · makespan).
     pub measured_idle: f64,
-    /// Mean predicted idle fraction.
+    /// Predicted idle fraction.
     pub predicted_idle: f64,
 }
 
-/// Averages [`graphpp_schedule::measured::measured_vs_predicted`] over `timelines` (each one
+/// Medians of [`graphpp_schedule::measured::measured_vs_predicted`] over `timelines` (each one
 /// step of `schedule`). Errors: [`RunError::Config`] for no timelines or a schedule the simulator
 /// rejects.
 pub fn bubble_summary(
@@ -375,37 +379,38 @@ pub fn bubble_summary(
     if timelines.is_empty() {
         return Err(RunError::Config("no measured steps to summarise".into()));
     }
-    let mut s = BubbleSummary {
-        steps: timelines.len(),
-        measured_makespan: 0.0,
-        predicted_makespan: 0.0,
-        measured_bubble: 0.0,
-        predicted_bubble: 0.0,
-        measured_idle: 0.0,
-        predicted_idle: 0.0,
-    };
+    let mut rows = Vec::with_capacity(timelines.len());
     for t in timelines {
         let r = graphpp_schedule::measured::measured_vs_predicted(schedule, t)
             .map_err(|e| RunError::Config(format!("simulating the measured schedule: {e}")))?;
-        s.measured_makespan += r.measured.makespan;
-        s.predicted_makespan += r.predicted.makespan;
-        s.measured_bubble += r.measured.bubble_ratio;
-        s.predicted_bubble += r.predicted.bubble_ratio;
-        s.measured_idle += r.measured.idle_fraction;
-        s.predicted_idle += r.predicted.idle_fraction;
+        rows.push([
+            r.measured.makespan,
+            r.predicted.makespan,
+            r.measured.bubble_ratio,
+            r.predicted.bubble_ratio,
+            r.measured.idle_fraction,
+            r.predicted.idle_fraction,
+        ]);
     }
-    let n = timelines.len() as f64;
-    for x in [
-        &mut s.measured_makespan,
-        &mut s.predicted_makespan,
-        &mut s.measured_bubble,
-        &mut s.predicted_bubble,
-        &mut s.measured_idle,
-        &mut s.predicted_idle,
-    ] {
-        *x /= n;
-    }
-    Ok(s)
+    let median = |k: usize| {
+        let mut v: Vec<f64> = rows.iter().map(|r| r[k]).collect();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        }
+    };
+    Ok(BubbleSummary {
+        steps: timelines.len(),
+        measured_makespan: median(0),
+        predicted_makespan: median(1),
+        measured_bubble: median(2),
+        predicted_bubble: median(3),
+        measured_idle: median(4),
+        predicted_idle: median(5),
+    })
 }
 
 /// Lays step timelines end to end: step `k`'s intervals shifted by its `offset` (seconds since
@@ -421,4 +426,35 @@ pub fn joined_timeline(steps: &[(f64, graphpp_schedule::Timeline)]) -> graphpp_s
         }));
     }
     graphpp_schedule::Timeline { ranks, intervals, unit: "s".into() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use graphpp_schedule::{generate, simulate, Costs, Memory};
+
+    /// Steps whose timelines follow the schedule exactly are predicted exactly; one step delayed
+    /// by an outside stall (a RECV waiting 10 units longer) does not move the medians.
+    #[test]
+    fn bubble_summary_takes_medians() {
+        let s = generate(Kind::OneFOneB, &Shape::new(2, 1, 4), &Options::default()).unwrap();
+        let s = graphpp_schedule::lower(&s, &Default::default()).unwrap();
+        let run = simulate(&s, &Costs::default(), &Memory::default()).unwrap();
+        let mut stalled = run.timeline.clone();
+        for i in &mut stalled.intervals {
+            if i.rank == 1 {
+                i.start += 10.0;
+                i.end += 10.0;
+            }
+        }
+        let steps = vec![run.timeline.clone(), stalled, run.timeline.clone()];
+        let b = bubble_summary(&s, &steps).unwrap();
+        assert_eq!(b.steps, 3);
+        assert_eq!(b.measured_makespan, run.makespan);
+        assert!((b.measured_bubble - run.bubble_ratio).abs() < 1e-12);
+        assert!((b.predicted_bubble - run.bubble_ratio).abs() < 1e-12);
+        let stalled_only = bubble_summary(&s, &steps[1..2]).unwrap();
+        assert!(stalled_only.measured_bubble > run.bubble_ratio + 0.1);
+        assert!(bubble_summary(&s, &[]).is_err());
+    }
 }

@@ -129,7 +129,7 @@ fn trains_evaluates_checkpoints_and_traces() {
     assert_eq!(evals.len(), 2, "{stdout}");
     assert!(evals[0].starts_with("step      3") && evals[1].starts_with("step      6"), "{stdout}");
     assert!(stdout.contains("sample (temperature 0.8, top-k 40):\nROMEO:"), "{stdout}");
-    assert!(stdout.contains("bubble over the last 6 steps: measured r = "), "{stdout}");
+    assert!(stdout.contains("bubble (median of the last 6 steps): measured r = "), "{stdout}");
     for step in ["000003", "000006"] {
         assert!(ck.join(format!("step-{step}.json")).is_file());
         assert!(ck.join(format!("step-{step}.safetensors")).is_file());
@@ -156,12 +156,16 @@ fn bad_input_is_a_clear_error_without_checkpoints() {
     let data = corpus(d.path());
     let data = data.to_str().unwrap();
     let ck = d.path().join("ck");
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 9] = [
         (&["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
         (&["--data", data, "--ranks", "0"], "--ranks must be at least 1"),
         (&["--data", data, "--schedule", "1f1b", "--ranks", "3"], "--layers-per-stage"),
         (&["--data", data, "--schedule", "dualpipev", "--ranks", "4"], "m >= 2p"),
         (&["--data", data, "--layers-per-stage", "2,2,1,1"], "must be 4 numbers adding up to 4"),
+        (&["--data", data, "--prompt", ""], "--prompt is empty"),
+        (&["--data", data, "--grad-clip", "-1"], "--grad-clip -1 must be a finite number >= 0"),
+        (&["--data", data, "--trace", "/nonexistent/dir/t.json"], "/nonexistent/dir is not a folder"),
+        (&["--data", data, "--lr", "0"], "peak learning rate 0 must be finite and > 0"),
     ];
     for (args, want) in cases {
         let out = graphpp()
@@ -174,6 +178,7 @@ fn bad_input_is_a_clear_error_without_checkpoints() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: {err}");
+        assert_eq!(err.matches(want).count(), 1, "the cause is not repeated: {err}");
         assert!(!ck.exists(), "{args:?} wrote a checkpoint");
     }
 }
@@ -204,4 +209,30 @@ fn corrupt_checkpoint_is_refused() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("step-000001.safetensors") && err.contains("corrupt checkpoint"), "{err}");
     assert!(!ck.join("step-000002.json").exists(), "no checkpoint after a failed resume");
+}
+
+/// Output paths are checked before the first step: a checkpoint "folder" that is a file, and
+/// resuming from a folder that does not exist.
+#[test]
+fn bad_output_paths_fail_before_training() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let file = d.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let run = |extra: &[&str]| {
+        let out = graphpp()
+            .args(["train", "--data", data.to_str().unwrap(), "--steps", "2"])
+            .args(SMALL)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("val loss"), "no step ran");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(&["--checkpoint-dir", file.to_str().unwrap()]);
+    assert!(err.contains("--checkpoint-dir") && err.contains("cannot create the folder"), "{err}");
+    let missing = d.path().join("none");
+    let err = run(&["--checkpoint-dir", missing.to_str().unwrap(), "--resume"]);
+    assert!(err.contains("no checkpoint") && err.contains("none"), "{err}");
 }

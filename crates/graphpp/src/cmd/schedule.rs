@@ -283,6 +283,9 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
             write_out(output.as_deref(), &text)
         }
         ScheduleCmd::Compare { ranks, microbatches, mut costs, comm_latency } => {
+            if ranks == 0 || microbatches == 0 {
+                bail!("--ranks and --microbatches must be at least 1 (got {ranks} and {microbatches})");
+            }
             if let Some(c) = comm_latency {
                 costs.comm = c;
             }

@@ -22,6 +22,9 @@ pub struct TrainArgs {
     /// Model: a preset (`tiny`, `small`) or a JSON config file with Hugging Face field names.
     #[arg(long, default_value = "tiny")]
     model: String,
+    /// Override the model's number of decoder layers.
+    #[arg(long)]
+    layers: Option<usize>,
     /// Schedule kind (`zbv`, `1f1b`, `dualpipev`, …; PyTorch class names accepted).
     #[arg(long, default_value = "zbv")]
     schedule: Kind,
@@ -47,19 +50,19 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1500)]
     steps: u64,
     /// Peak learning rate (AdamW, β = (0.9, 0.95)).
-    #[arg(long, default_value_t = 3e-3)]
+    #[arg(long, default_value_t = 3e-3, allow_hyphen_values = true)]
     lr: f64,
     /// Final learning rate of the cosine decay (default lr/10).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     min_lr: Option<f64>,
-    /// Linear warm-up steps.
-    #[arg(long, default_value_t = 50)]
-    warmup: u64,
+    /// Linear warm-up steps (default: 50, or a tenth of --steps when that is less).
+    #[arg(long)]
+    warmup: Option<u64>,
     /// AdamW decoupled weight decay.
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = 0.01, allow_hyphen_values = true)]
     weight_decay: f64,
     /// Global gradient-norm bound (0 disables clipping).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
     grad_clip: f64,
     /// Corpus: a UTF-8 file or folder (default: the Shakespeare corpus, fetched once into the cache).
     #[arg(long)]
@@ -86,8 +89,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 200)]
     sample_bytes: usize,
     /// Intra-op threads per rank (default: cores / ranks, at least 1; or CANDLE_NUM_THREADS).
-    #[arg(long)]
-    threads_per_rank: Option<usize>,
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    threads_per_rank: Option<u64>,
     /// Prompt of the generated sample.
     #[arg(long, default_value = "ROMEO:")]
     prompt: String,
@@ -95,7 +98,20 @@ pub struct TrainArgs {
 
 impl TrainArgs {
     fn config(&self) -> Result<RunConfig> {
-        let model = crate::cmd::graph::load_config(&self.model)?;
+        let mut model = crate::cmd::graph::load_config(&self.model)?;
+        if let Some(l) = self.layers {
+            model.num_hidden_layers = l;
+        }
+        if !(self.grad_clip >= 0.0 && self.grad_clip.is_finite()) {
+            bail!("--grad-clip {} must be a finite number >= 0 (0 disables clipping)", self.grad_clip);
+        }
+        let warmup = self.warmup.unwrap_or((self.steps / 10).min(50));
+        if warmup > self.steps {
+            bail!("--warmup {warmup} exceeds --steps {}", self.steps);
+        }
+        if self.sample_bytes > 0 && self.prompt.is_empty() {
+            bail!("--prompt is empty: the sample needs one byte of prompt at least (or --sample-bytes 0)");
+        }
         Ok(RunConfig {
             model_name: self.model.clone(),
             model,
@@ -109,7 +125,7 @@ impl TrainArgs {
             steps: self.steps,
             lr: self.lr,
             min_lr: self.min_lr.unwrap_or(self.lr / 10.0),
-            warmup: self.warmup,
+            warmup,
             weight_decay: self.weight_decay,
             grad_clip: (self.grad_clip > 0.0).then_some(self.grad_clip),
             seed: self.seed,
@@ -131,9 +147,10 @@ fn progress(steps: u64, done: u64) -> ProgressBar {
 /// Runs `graphpp train`. Errors: bad settings, data or checkpoint (typed, naming the input), a
 /// failing rank (naming rank, step and action).
 pub fn run(a: TrainArgs) -> Result<()> {
-    let threads = crate::cmd::set_op_threads(a.ranks, a.threads_per_rank);
+    let threads = crate::cmd::set_op_threads(a.ranks, a.threads_per_rank.map(|n| n as usize));
     let config = a.config()?;
     let mut run = Run::new(config)?;
+    prepare_outputs(&a)?;
     let c = run.config().clone();
     if a.resume {
         let dir = a.checkpoint_dir.as_ref().expect("clap requires --checkpoint-dir with --resume");
@@ -181,10 +198,35 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
     }
     pb.finish_and_clear();
+    if run.steps_done() == first {
+        let v = run.evaluate()?;
+        val = Some(v);
+        println!("nothing to train: the run is at step {first} and ends at step {last}");
+    }
     let ran = run.steps_done() - first;
     summarise(&a, &mut run, &kept, val)?;
     let wall = t_run.elapsed().as_secs_f64();
     println!("{ran} steps in {wall:.1} s: {:.0} tokens/s", ran as f64 * tokens / wall.max(1e-9));
+    Ok(())
+}
+
+/// Checks the output paths before any training: the trace's folder must exist, the checkpoint
+/// folder is created.
+fn prepare_outputs(a: &TrainArgs) -> Result<()> {
+    if let Some(path) = &a.trace {
+        let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        if !parent.is_dir() || path.is_dir() {
+            bail!(
+                "--trace {}: {} is not a folder one can write the trace into",
+                path.display(),
+                parent.display()
+            );
+        }
+    }
+    if let Some(dir) = &a.checkpoint_dir {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("--checkpoint-dir {}: cannot create the folder", dir.display()))?;
+    }
     Ok(())
 }
 
@@ -237,7 +279,7 @@ fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val
     if !timelines.is_empty() {
         let s = bubble_summary(run.trainer().schedule(), &timelines)?;
         println!(
-            "bubble over the last {} steps: measured r = {:.3} (idle {:.1}%), predicted from the measured per-action times r = {:.3} (idle {:.1}%); step time measured {:.1} ms, predicted {:.1} ms",
+            "bubble (median of the last {} steps): measured r = {:.3} (idle {:.1}%), predicted from the measured per-action times r = {:.3} (idle {:.1}%); step time measured {:.1} ms, predicted {:.1} ms",
             s.steps,
             s.measured_bubble,
             100.0 * s.measured_idle,
