@@ -253,6 +253,21 @@ fn state_derived(g: &Graph) -> Vec<bool> {
     s
 }
 
+/// Batched matmul on the operands' own strides (a transposed weight is read in place, as gemm
+/// takes any row or column stride); operands whose layout candle's matmul cannot take (e.g. a
+/// permuted 4-D view) are made contiguous first.
+fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    match a.matmul(b) {
+        Err(candle_core::Error::MatMulUnexpectedStriding(_)) => a.contiguous()?.matmul(&b.contiguous()?),
+        Err(candle_core::Error::WithBacktrace { inner, .. })
+            if matches!(*inner, candle_core::Error::MatMulUnexpectedStriding(_)) =>
+        {
+            a.contiguous()?.matmul(&b.contiguous()?)
+        }
+        r => r,
+    }
+}
+
 fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor], coll: &dyn Collectives) -> ExecResult<Tensor> {
     let node = &graph.nodes[i];
     let wrap = |e: candle_core::Error| ExecError::Kernel {
@@ -316,7 +331,7 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
                 a[0].max(*axis)?
             }
         }
-        Op::Matmul => a[0].contiguous()?.matmul(&a[1].contiguous()?)?,
+        Op::Matmul => matmul(a[0], a[1])?,
         Op::Reshape { shape } => a[0].contiguous()?.reshape(shape.clone())?,
         Op::Permute { perm } => a[0].permute(perm.clone())?,
         Op::Broadcast { shape } => a[0].broadcast_as(shape.clone())?,
