@@ -120,6 +120,7 @@ fn trains_evaluates_checkpoints_and_traces() {
         .args(["train", "--data", data.to_str().unwrap(), "--steps", "6", "--eval-every", "3"])
         .args(SMALL)
         .args(["--trace", trace.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()])
+        .args(["--metrics", d.path().join("m.jsonl").to_str().unwrap()])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -130,6 +131,12 @@ fn trains_evaluates_checkpoints_and_traces() {
     assert!(evals[0].starts_with("step      3") && evals[1].starts_with("step      6"), "{stdout}");
     assert!(stdout.contains("sample (temperature 0.8, top-k 40):\nROMEO:"), "{stdout}");
     assert!(stdout.contains("bubble (median of the last 6 steps): measured r = "), "{stdout}");
+    let metrics = losses(&d.path().join("m.jsonl"));
+    assert_eq!(metrics.iter().map(|m| m["step"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
+    let vals: Vec<bool> = metrics.iter().map(|m| m["val_loss"].is_f64()).collect();
+    assert_eq!(vals, [false, false, true, false, false, true]);
+    let last = format!("val loss {:.4}", metrics[5]["val_loss"].as_f64().unwrap());
+    assert!(evals[1].contains(&last), "{} vs {last}", evals[1]);
     for step in ["000003", "000006"] {
         assert!(ck.join(format!("step-{step}.json")).is_file());
         assert!(ck.join(format!("step-{step}.safetensors")).is_file());
@@ -146,6 +153,40 @@ fn trains_evaluates_checkpoints_and_traces() {
         };
         let n = names.iter().filter(|n| is(n)).count();
         assert_eq!(n, 6 * 16, "{kind} events");
+    }
+}
+
+fn losses(path: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// Through the CLI: stopped after step 5 and resumed, the run logs bitwise the train losses,
+/// learning rates and validation losses of an uninterrupted run for steps 6..15.
+#[test]
+fn cli_resume_continues_the_loss_sequence() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let ck = d.path().join("ck");
+    let run = |metrics: &str, extra: &[&str]| {
+        let out = graphpp()
+            .args(["train", "--data", data.to_str().unwrap(), "--steps", "15", "--eval-every", "5"])
+            .args(SMALL)
+            .args(["--metrics", d.path().join(metrics).to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    };
+    run("a.jsonl", &[]);
+    run("b.jsonl", &["--stop-after", "5", "--checkpoint-dir", ck.to_str().unwrap()]);
+    run("b.jsonl", &["--resume", "--checkpoint-dir", ck.to_str().unwrap()]);
+    let (a, b) = (losses(&d.path().join("a.jsonl")), losses(&d.path().join("b.jsonl")));
+    assert_eq!(b.len(), 15);
+    for (x, y) in a.iter().zip(&b) {
+        for key in ["step", "loss", "lr", "grad_norm", "val_loss"] {
+            assert_eq!(x[key], y[key], "{key} at step {}", x["step"]);
+        }
     }
 }
 

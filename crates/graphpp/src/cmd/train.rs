@@ -4,6 +4,7 @@
 //! last measured steps; the summary puts the measured bubble beside the simulator's prediction.
 
 use std::collections::VecDeque;
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -82,6 +83,10 @@ pub struct TrainArgs {
     /// Stop after this many steps of the run (the learning-rate schedule still spans --steps).
     #[arg(long)]
     stop_after: Option<u64>,
+    /// Append one JSON line per step to PATH (step, loss, lr, grad_norm, step_s, tokens_per_s,
+    /// elapsed_s, and val_loss at evaluations); truncated unless --resume.
+    #[arg(long)]
+    metrics: Option<PathBuf>,
     /// Write a Chrome trace (Perfetto, chrome://tracing) of the last measured steps to PATH.
     #[arg(long)]
     trace: Option<PathBuf>,
@@ -150,7 +155,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let threads = crate::cmd::set_op_threads(a.ranks, a.threads_per_rank.map(|n| n as usize));
     let config = a.config()?;
     let mut run = Run::new(config)?;
-    prepare_outputs(&a)?;
+    let mut metrics = prepare_outputs(&a)?;
     let c = run.config().clone();
     if a.resume {
         let dir = a.checkpoint_dir.as_ref().expect("clap requires --checkpoint-dir with --resume");
@@ -179,8 +184,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
             kept.pop_front();
         }
         let at_eval = a.eval_every > 0 && r.step % a.eval_every == 0;
-        if at_eval || r.step == last {
-            let v = run.evaluate()?;
+        let v = if at_eval || r.step == last { Some(run.evaluate()?) } else { None };
+        let elapsed = t_run.elapsed().as_secs_f64();
+        if let Some(m) = metrics.as_mut() {
+            let line = serde_json::json!({
+                "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "step_s": secs,
+                "tokens_per_s": tokens / secs, "elapsed_s": elapsed, "val_loss": v,
+            });
+            writeln!(m, "{line}").context("writing --metrics")?;
+        }
+        if let Some(v) = v {
             val = Some(v);
             say(&pb, format!(
                 "step {:>6}  train loss {:.4}  val loss {:.4}  lr {:.2e}  grad norm {:.3}  {:.0} tok/s  {:.0} s",
@@ -190,7 +203,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 r.lr,
                 r.grad_norm,
                 tokens / secs,
-                t_run.elapsed().as_secs_f64()
+                elapsed
             ));
             if let Some(dir) = &a.checkpoint_dir {
                 run.save(dir, Some(v))?;
@@ -211,8 +224,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
 }
 
 /// Checks the output paths before any training: the trace's folder must exist, the checkpoint
-/// folder is created.
-fn prepare_outputs(a: &TrainArgs) -> Result<()> {
+/// folder is created, the metrics file opened (appended to when resuming).
+fn prepare_outputs(a: &TrainArgs) -> Result<Option<std::io::LineWriter<std::fs::File>>> {
     if let Some(path) = &a.trace {
         let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
         if !parent.is_dir() || path.is_dir() {
@@ -227,7 +240,15 @@ fn prepare_outputs(a: &TrainArgs) -> Result<()> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("--checkpoint-dir {}: cannot create the folder", dir.display()))?;
     }
-    Ok(())
+    let Some(path) = &a.metrics else { return Ok(None) };
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(a.resume)
+        .write(true)
+        .truncate(!a.resume)
+        .open(path)
+        .with_context(|| format!("--metrics {}: cannot open the file", path.display()))?;
+    Ok(Some(std::io::LineWriter::new(file)))
 }
 
 /// Prints above the progress bar, or plainly when there is no bar (output not a terminal).
