@@ -11,6 +11,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use graphpp::train::{bubble_summary, joined_timeline, Run, RunConfig};
+use graphpp_runtime::StepReport;
 use graphpp_schedule::{render::chrome_trace, Kind, Timeline};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -179,35 +180,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
         if !r.loss.is_finite() {
             bail!("step {}: the loss is {} (diverged); lower --lr", r.step, r.loss);
         }
+        let at_eval = (a.eval_every > 0 && r.step % a.eval_every == 0) || r.step == last;
+        let timing = (secs, t_run.elapsed().as_secs_f64());
+        if let Some(v) = after_step(&a, &mut run, &r, at_eval, timing, &pb, metrics.as_mut())? {
+            val = Some(v);
+        }
         kept.push_back((start, r.timeline));
         if kept.len() > TRACE_STEPS {
             kept.pop_front();
-        }
-        let at_eval = a.eval_every > 0 && r.step % a.eval_every == 0;
-        let v = if at_eval || r.step == last { Some(run.evaluate()?) } else { None };
-        let elapsed = t_run.elapsed().as_secs_f64();
-        if let Some(m) = metrics.as_mut() {
-            let line = serde_json::json!({
-                "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "step_s": secs,
-                "tokens_per_s": tokens / secs, "elapsed_s": elapsed, "val_loss": v,
-            });
-            writeln!(m, "{line}").context("writing --metrics")?;
-        }
-        if let Some(v) = v {
-            val = Some(v);
-            say(&pb, format!(
-                "step {:>6}  train loss {:.4}  val loss {:.4}  lr {:.2e}  grad norm {:.3}  {:.0} tok/s  {:.0} s",
-                r.step,
-                r.loss,
-                v,
-                r.lr,
-                r.grad_norm,
-                tokens / secs,
-                elapsed
-            ));
-            if let Some(dir) = &a.checkpoint_dir {
-                run.save(dir, Some(v))?;
-            }
         }
     }
     pb.finish_and_clear();
@@ -221,6 +201,46 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let wall = t_run.elapsed().as_secs_f64();
     println!("{ran} steps in {wall:.1} s: {:.0} tokens/s", ran as f64 * tokens / wall.max(1e-9));
     Ok(())
+}
+
+/// After a step: evaluates when `at_eval` (printing a line and writing a checkpoint), and logs
+/// the step to `--metrics`; returns the validation loss if evaluated. `timing` = (step seconds,
+/// seconds since the run began).
+fn after_step(
+    a: &TrainArgs,
+    run: &mut Run,
+    r: &StepReport,
+    at_eval: bool,
+    (secs, elapsed): (f64, f64),
+    pb: &ProgressBar,
+    metrics: Option<&mut std::io::LineWriter<std::fs::File>>,
+) -> Result<Option<f64>> {
+    let tokens = run.config().tokens_per_step() as f64;
+    let v = if at_eval { Some(run.evaluate()?) } else { None };
+    if let Some(m) = metrics {
+        let line = serde_json::json!({
+            "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "step_s": secs,
+            "tokens_per_s": tokens / secs, "elapsed_s": elapsed, "val_loss": v,
+        });
+        writeln!(m, "{line}").context("writing --metrics")?;
+    }
+    if let Some(v) = v {
+        say(
+            pb,
+            format!(
+                "step {:>6}  train loss {:.4}  val loss {v:.4}  lr {:.2e}  grad norm {:.3}  {:.0} tok/s  {elapsed:.0} s",
+                r.step,
+                r.loss,
+                r.lr,
+                r.grad_norm,
+                tokens / secs,
+            ),
+        );
+        if let Some(dir) = &a.checkpoint_dir {
+            run.save(dir, Some(v))?;
+        }
+    }
+    Ok(v)
 }
 
 /// Checks the output paths before any training: the trace's folder must exist, the checkpoint
