@@ -158,19 +158,45 @@ pub fn save(
 /// # Errors
 /// [`CheckpointError::NotFound`] when none exists.
 pub fn latest(dir: &Path) -> Result<PathBuf, CheckpointError> {
-    let mut best: Option<(u64, PathBuf)> = None;
+    let all = sidecars(dir)?;
+    all.last().map(|(_, p)| p.clone()).ok_or_else(|| CheckpointError::NotFound(dir.into()))
+}
+
+/// The sidecars `step-N.json` in `dir`, by step, oldest first.
+fn sidecars(dir: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
+    let mut out = Vec::new();
     for e in std::fs::read_dir(dir).map_err(io(dir))? {
         let p = e.map_err(io(dir))?.path();
         let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
         let step =
             name.strip_prefix("step-").and_then(|s| s.strip_suffix(".json")).and_then(|s| s.parse().ok());
         if let Some(step) = step {
-            if best.as_ref().is_none_or(|(b, _)| step > *b) {
-                best = Some((step, p));
-            }
+            out.push((step, p));
         }
     }
-    best.map(|(_, p)| p).ok_or_else(|| CheckpointError::NotFound(dir.into()))
+    out.sort();
+    Ok(out)
+}
+
+/// Deletes all but the newest `keep` checkpoints of `dir` (sidecar first, so a half-deleted
+/// checkpoint never loads); returns the sidecars removed. `keep == 0` keeps everything.
+///
+/// # Errors
+/// I/O errors naming the file.
+pub fn prune(dir: &Path, keep: usize) -> Result<Vec<PathBuf>, CheckpointError> {
+    let all = sidecars(dir)?;
+    if keep == 0 || all.len() <= keep {
+        return Ok(Vec::new());
+    }
+    let old = &all[..all.len() - keep];
+    for (_, json) in old {
+        std::fs::remove_file(json).map_err(io(json))?;
+        let tensors = json.with_extension("safetensors");
+        if tensors.exists() {
+            std::fs::remove_file(&tensors).map_err(io(&tensors))?;
+        }
+    }
+    Ok(old.iter().map(|(_, p)| p.clone()).collect())
 }
 
 /// Loads a checkpoint from a sidecar path, or the newest one in a folder; verifies the checksum.
@@ -254,5 +280,20 @@ mod tests {
             Err(CheckpointError::Shape { .. })
         ));
         assert!(!d.path().join("step-000002.json").exists());
+    }
+
+    #[test]
+    fn prune_keeps_the_newest() {
+        let d = tempfile::tempdir().unwrap();
+        let t = [NamedTensor { name: "w".into(), shape: vec![1], data: vec![1.0] }];
+        for step in [3, 10, 7] {
+            save(d.path(), step, &t, serde_json::json!({})).unwrap();
+        }
+        assert!(prune(d.path(), 0).unwrap().is_empty());
+        let removed = prune(d.path(), 2).unwrap();
+        assert_eq!(removed, vec![d.path().join("step-000003.json")]);
+        assert!(!d.path().join("step-000003.safetensors").exists());
+        assert_eq!(latest(d.path()).unwrap(), d.path().join("step-000010.json"));
+        assert_eq!(load(&d.path().join("step-000007.json")).unwrap().sidecar.step, 7);
     }
 }

@@ -78,6 +78,9 @@ pub struct TrainArgs {
     /// Folder for checkpoints (written at every evaluation and at the end).
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
+    /// Keep only the newest N checkpoints in --checkpoint-dir (0: keep all).
+    #[arg(long, default_value_t = 0)]
+    keep_checkpoints: usize,
     /// Continue from the newest checkpoint in --checkpoint-dir.
     #[arg(long, requires = "checkpoint_dir")]
     resume: bool,
@@ -238,6 +241,7 @@ fn after_step(
         );
         if let Some(dir) = &a.checkpoint_dir {
             run.save(dir, Some(v))?;
+            graphpp::checkpoint::prune(dir, a.keep_checkpoints)?;
         }
     }
     Ok(v)
