@@ -103,7 +103,7 @@ pub fn simulate_with(
         return Err(failure(schedule));
     }
     let timeline = Timeline { ranks: schedule.num_ranks(), intervals, unit: "unit".into() };
-    Ok(report(timeline, schedule, memory))
+    Ok(report_with(timeline, schedule, memory, &walk.routes))
 }
 
 /// Why the ranks of `schedule` cannot all run to their end: the missing producer, or the cycle.
@@ -119,6 +119,16 @@ fn failure(schedule: &Schedule) -> SimulateError {
 
 /// Figures of a timeline (simulated or measured) and the memory of `schedule`'s programs.
 pub fn report(timeline: Timeline, schedule: &Schedule, memory: &Memory) -> SimReport {
+    report_with(timeline, schedule, memory, &schedule.routes())
+}
+
+/// [`report`] given `schedule`'s routes ([`Schedule::routes`]).
+fn report_with(
+    timeline: Timeline,
+    schedule: &Schedule,
+    memory: &Memory,
+    routes: &[Option<std::ops::Range<usize>>],
+) -> SimReport {
     let p = timeline.ranks;
     let makespan = timeline.makespan();
     let mut busy = vec![0.0; p];
@@ -135,12 +145,11 @@ pub fn report(timeline: Timeline, schedule: &Schedule, memory: &Memory) -> SimRe
         .collect();
     let total_busy: f64 = busy.iter().sum();
     let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { 0.0 };
-    let routes = schedule.routes();
     let p_ranks = schedule.num_ranks();
     let (peak_activations, peak_in_flight) = schedule
         .ranks
         .iter()
-        .map(|prog| peak_memory_with(prog.iter().flatten(), &routes, p_ranks, memory))
+        .map(|prog| peak_memory_with(prog.iter().flatten(), routes, p_ranks, memory))
         .unzip();
     SimReport {
         makespan,
