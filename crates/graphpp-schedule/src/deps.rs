@@ -131,6 +131,18 @@ pub(crate) struct Pos {
     pub index: u32,
 }
 
+impl crate::table::Packed for Pos {
+    #[inline]
+    fn pack(self) -> u64 {
+        crate::table::pack_pair(self.rank, self.index)
+    }
+    #[inline]
+    fn unpack(x: u64) -> Self {
+        let (rank, index) = crate::table::unpack_pair(x);
+        Pos { rank, index }
+    }
+}
+
 impl Pos {
     pub fn new(rank: usize, index: usize) -> Self {
         Pos { rank: rank as u32, index: index as u32 }

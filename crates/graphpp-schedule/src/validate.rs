@@ -558,6 +558,18 @@ struct Cell {
     step: u32,
 }
 
+impl crate::table::Packed for Cell {
+    #[inline]
+    fn pack(self) -> u64 {
+        crate::table::pack_pair(self.rank, self.step)
+    }
+    #[inline]
+    fn unpack(x: u64) -> Self {
+        let (rank, step) = crate::table::unpack_pair(x);
+        Cell { rank, step }
+    }
+}
+
 impl Cell {
     fn of(at: &Loc) -> Self {
         Cell { rank: at.rank as u32, step: at.step as u32 }
