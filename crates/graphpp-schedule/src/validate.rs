@@ -462,20 +462,35 @@ impl Survey {
         };
         for a in s.ranks.iter().flatten().flatten() {
             v.counts.add(a);
-            for stage in a.stages() {
-                v.stages_named = v.stages_named.max(stage.saturating_add(1));
-                if !a.is_compute() {
-                    v.other_stages = v.other_stages.max(stage.saturating_add(1));
+            match *a {
+                Action::Compute { task, .. } => v.compute(task),
+                Action::Overlap { f, b } => {
+                    v.compute(f);
+                    v.compute(b);
                 }
-            }
-            for mb in mbs_of(a) {
-                v.mbs_named = v.mbs_named.max(mb.saturating_add(1));
-            }
-            for (_, task) in a.computes() {
-                widen_route(&mut v.routes, task);
+                Action::Comm { task, .. } => {
+                    v.other(task.stage);
+                    v.mbs_named = v.mbs_named.max(task.mb.saturating_add(1));
+                }
+                Action::StageOp { stage, .. } => v.other(stage),
             }
         }
         v
+    }
+
+    /// Notes a compute task.
+    #[inline]
+    fn compute(&mut self, t: Task) {
+        self.stages_named = self.stages_named.max(t.stage.saturating_add(1));
+        self.mbs_named = self.mbs_named.max(t.mb.saturating_add(1));
+        widen_route(&mut self.routes, t);
+    }
+
+    /// Notes the stage of a non-compute action.
+    #[inline]
+    fn other(&mut self, stage: StageId) {
+        self.stages_named = self.stages_named.max(stage.saturating_add(1));
+        self.other_stages = self.other_stages.max(stage.saturating_add(1));
     }
 }
 
@@ -601,11 +616,19 @@ pub(crate) fn stage_rank_table(s: &Schedule) -> Result<StageRanks, ValidationErr
 /// [`stage_rank_table`] given `stages`, one more than the largest stage any action names.
 fn stage_rank_table_of(s: &Schedule, stages: usize) -> Result<StageRanks, ValidationError> {
     let mut map = TaskMap::by_stage(stages, cell_count(s));
-    for at in cells(s) {
-        for stage in at.action.stages() {
-            let first_rank = map.first(0, Task::new(stage, 0), at.rank).unwrap_or(at.rank);
-            if first_rank != at.rank {
-                return Err(ValidationError::StageOnManyRanks { stage, first_rank, at });
+    for rank in 0..s.num_ranks() {
+        // The two stages this rank's latest actions named, already in the table with this rank.
+        let mut recent: [Option<StageId>; 2] = [None, None];
+        for at in row_cells(s, rank) {
+            for stage in at.action.stages() {
+                if recent.contains(&Some(stage)) {
+                    continue;
+                }
+                let first_rank = map.first(0, Task::new(stage, 0), rank).unwrap_or(rank);
+                if first_rank != rank {
+                    return Err(ValidationError::StageOnManyRanks { stage, first_rank, at });
+                }
+                recent = [Some(stage), recent[0]];
             }
         }
     }
