@@ -85,10 +85,13 @@ pub(crate) fn widen_route(routes: &mut Vec<Option<Range<usize>>>, t: Task) {
     if routes.len() <= t.mb {
         routes.resize(t.mb + 1, None);
     }
-    routes[t.mb] = Some(match routes[t.mb].take() {
-        None => t.stage..t.stage + 1,
-        Some(x) => x.start.min(t.stage)..x.end.max(t.stage + 1),
-    });
+    match &mut routes[t.mb] {
+        Some(x) => {
+            x.start = x.start.min(t.stage);
+            x.end = x.end.max(t.stage + 1);
+        }
+        r => *r = Some(t.stage..t.stage + 1),
+    }
 }
 
 /// The (stage, microbatch) tasks an action names.
@@ -126,6 +129,18 @@ pub(crate) struct Pos {
     pub rank: u32,
     /// Index in the rank's row.
     pub index: u32,
+}
+
+impl crate::table::Packed for Pos {
+    #[inline]
+    fn pack(self) -> u64 {
+        crate::table::pack_pair(self.rank, self.index)
+    }
+    #[inline]
+    fn unpack(x: u64) -> Self {
+        let (rank, index) = crate::table::unpack_pair(x);
+        Pos { rank, index }
+    }
 }
 
 impl Pos {
@@ -167,6 +182,11 @@ impl Index {
         for t in rows.iter().flatten().filter_map(C::action).flat_map(tasks_of) {
             widen_route(&mut routes, t);
         }
+        (Self::with_routes(rows, &routes), routes)
+    }
+
+    /// The producer table of `rows` given their routes (see [`routes`]).
+    fn with_routes<C: ProgramCell>(rows: &[Vec<C>], routes: &[Option<Range<usize>>]) -> Self {
         let stages = routes.iter().flatten().map(|r| r.end).max().unwrap_or(0);
         let cells = rows.iter().map(Vec::len).sum();
         let mut ix = Index(TaskMap::new(8, stages, routes.len(), cells));
@@ -181,7 +201,7 @@ impl Index {
                 }
             }
         }
-        (ix, routes)
+        ix
     }
     #[inline]
     fn set(&mut self, s: Slot, t: Task, g: Pos) {
@@ -328,12 +348,19 @@ pub(crate) struct Walk<'a> {
     producers: Vec<Pos>,
     /// Some action's producer is absent.
     missing: bool,
+    /// The routes of every microbatch (see [`routes`]).
+    pub routes: Vec<Option<Range<usize>>>,
 }
 
 impl<'a> Walk<'a> {
     /// Lists the producers of every action of `s`.
     pub fn new(s: &'a Schedule) -> Self {
-        let (ix, routes) = Index::new(&s.ranks);
+        Self::with_routes(s, routes_of(s.ranks.iter().flatten().flatten()))
+    }
+
+    /// [`Walk::new`] given the routes of `s` (see [`routes`]: every task any action names).
+    pub fn with_routes(s: &'a Schedule, routes: Vec<Option<Range<usize>>>) -> Self {
+        let ix = Index::with_routes(&s.ranks, &routes);
         let offsets = offsets_of(&s.ranks);
         let mut w = Walk {
             rows: &s.ranks,
@@ -341,6 +368,7 @@ impl<'a> Walk<'a> {
             producers: Vec::with_capacity(2 * offsets[s.ranks.len()]),
             offsets,
             missing: false,
+            routes: Vec::new(),
         };
         w.start.push(0);
         for (rank, row) in s.ranks.iter().enumerate() {
@@ -351,14 +379,15 @@ impl<'a> Walk<'a> {
                 w.start.push(w.producers.len() as u32);
             }
         }
+        w.routes = routes;
         w
     }
 
     /// Appends the producers of action `a` at `me`; false if one is absent.
     fn list(&mut self, a: &Action, me: Pos, ix: &Index, routes: &[Option<Range<usize>>]) -> bool {
         for (slot, t) in halves(a).into_iter().flatten() {
-            let Some(route) = routes[t.mb].clone() else { return false };
-            for need in needs_of(slot, t, ix, &route).into_iter().flatten() {
+            let Some(route) = &routes[t.mb] else { return false };
+            for need in needs_of(slot, t, ix, route).into_iter().flatten() {
                 match need {
                     Ok(p) if p == me => {}
                     Ok(p) => self.producers.push(p),

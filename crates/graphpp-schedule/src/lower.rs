@@ -11,7 +11,7 @@ use std::ops::Range;
 use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
 use crate::schedule::{Schedule, Step};
 use crate::validate::{
-    compute_routes, stage_rank_table, validate, Loc, StageRanks, ValidateOptions, ValidationError,
+    compute_routes, stage_rank_table, validate_tables, Loc, StageRanks, ValidateOptions, ValidationError,
 };
 
 /// Why a lowering pass refused a schedule.
@@ -66,12 +66,22 @@ pub struct LowerOptions {
 /// # Errors
 /// [`LowerError::Invalid`] for an invalid input; the passes' errors otherwise.
 pub fn lower(s: &Schedule, opts: &LowerOptions) -> Result<Schedule, LowerError> {
-    validate(s, &ValidateOptions::default())?;
-    let s = match opts.fsdp_max_unsharded {
-        Some(n) => add_reduce_grad(&add_unshard_reshard(s, n)?)?,
-        None => s.clone(),
-    };
-    add_send_recv(&s)
+    let (summary, rank_of, routes) = validate_tables(s, &ValidateOptions::default())?;
+    match opts.fsdp_max_unsharded {
+        Some(n) => add_send_recv(&add_reduce_grad(&add_unshard_reshard(s, n)?)?),
+        None => {
+            // The input is valid: its stage → rank table and routes are the ones validation built.
+            if summary.counts.send + summary.counts.recv > 0 {
+                refuse_comm(s)?;
+            }
+            Ok(send_recv_with(s, &Wiring { rank_of, routes }))
+        }
+    }
+}
+
+/// [`add_send_recv`]'s refusal of an input that holds SEND/RECV.
+fn refuse_comm(s: &Schedule) -> Result<(), LowerError> {
+    refuse_if(s, "add_send_recv", |a| matches!(a, Action::Comm { .. }))
 }
 
 /// The first action matching `pred`, as an [`LowerError::AlreadyHas`] of `pass`.
@@ -142,8 +152,13 @@ impl Wiring {
 /// [`LowerError::AlreadyHas`] if the input holds SEND/RECV; [`LowerError::Invalid`] if a stage is
 /// on several ranks.
 pub fn add_send_recv(s: &Schedule) -> Result<Schedule, LowerError> {
-    refuse_if(s, "add_send_recv", |a| matches!(a, Action::Comm { .. }))?;
+    refuse_comm(s)?;
     let wiring = Wiring { rank_of: stage_rank_table(s)?, routes: compute_routes(s) };
+    Ok(send_recv_with(s, &wiring))
+}
+
+/// [`add_send_recv`]'s output given the input's wiring (the input holds no SEND/RECV).
+fn send_recv_with(s: &Schedule, wiring: &Wiring) -> Schedule {
     let ranks = s
         .ranks
         .iter()
@@ -157,7 +172,7 @@ pub fn add_send_recv(s: &Schedule) -> Result<Schedule, LowerError> {
             out
         })
         .collect();
-    Ok(Schedule { ranks })
+    Schedule { ranks }
 }
 
 /// The next `count` distinct stages that compute actions of `rest` touch, in order of first use;
@@ -336,7 +351,7 @@ mod tests {
     }
 
     fn valid(s: &Schedule) -> crate::validate::Summary {
-        validate(s, &ValidateOptions::default()).unwrap()
+        crate::validate::validate(s, &ValidateOptions::default()).unwrap()
     }
 
     #[test]

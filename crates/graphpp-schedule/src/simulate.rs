@@ -88,6 +88,7 @@ pub fn simulate_with(
     let mut end = vec![0.0f64; walk.cells()];
     let mut free = vec![0.0f64; schedule.num_ranks()];
     let mut intervals = Vec::with_capacity(walk.cells());
+    let mut totals = Totals::new(schedule.num_ranks());
     let ran_all = walk.run(|rank, step, a, producers| {
         let mut start = free[rank];
         for &p in producers {
@@ -97,13 +98,50 @@ pub fn simulate_with(
         let e = start + duration(a);
         end[walk.global(Pos::new(rank, step))] = e;
         free[rank] = e;
+        totals.add(rank, start, e);
         intervals.push(Interval { rank, start, end: e, action: *a });
     });
     if !ran_all {
         return Err(failure(schedule));
     }
     let timeline = Timeline { ranks: schedule.num_ranks(), intervals, unit: "unit".into() };
-    Ok(report(timeline, schedule, memory))
+    Ok(report_with(timeline, schedule, memory, &walk.routes, totals))
+}
+
+/// Per-rank sums of a timeline's intervals, gathered in interval order.
+struct Totals {
+    /// End of the last interval (0 for none).
+    makespan: f64,
+    /// Per-rank Σ (end − start).
+    busy: Vec<f64>,
+    /// Per-rank earliest start (∞ for none).
+    first: Vec<f64>,
+    /// Per-rank latest end (0 for none).
+    last: Vec<f64>,
+}
+
+impl Totals {
+    fn new(p: usize) -> Self {
+        Totals { makespan: 0.0, busy: vec![0.0; p], first: vec![f64::INFINITY; p], last: vec![0.0; p] }
+    }
+
+    /// Adds an interval of `rank` from `start` to `end`.
+    #[inline]
+    fn add(&mut self, rank: RankId, start: f64, end: f64) {
+        self.makespan = self.makespan.max(end);
+        self.busy[rank] += end - start;
+        self.first[rank] = self.first[rank].min(start);
+        self.last[rank] = self.last[rank].max(end);
+    }
+
+    /// The totals of `timeline`.
+    fn of(timeline: &Timeline) -> Self {
+        let mut t = Totals::new(timeline.ranks);
+        for i in &timeline.intervals {
+            t.add(i.rank, i.start, i.end);
+        }
+        t
+    }
 }
 
 /// Why the ranks of `schedule` cannot all run to their end: the missing producer, or the cycle.
@@ -119,29 +157,31 @@ fn failure(schedule: &Schedule) -> SimulateError {
 
 /// Figures of a timeline (simulated or measured) and the memory of `schedule`'s programs.
 pub fn report(timeline: Timeline, schedule: &Schedule, memory: &Memory) -> SimReport {
+    let totals = Totals::of(&timeline);
+    report_with(timeline, schedule, memory, &schedule.routes(), totals)
+}
+
+/// [`report`] given `schedule`'s routes ([`Schedule::routes`]) and the timeline's [`Totals`].
+fn report_with(
+    timeline: Timeline,
+    schedule: &Schedule,
+    memory: &Memory,
+    routes: &[Option<std::ops::Range<usize>>],
+    totals: Totals,
+) -> SimReport {
     let p = timeline.ranks;
-    let makespan = timeline.makespan();
-    let mut busy = vec![0.0; p];
-    let mut first = vec![f64::INFINITY; p];
-    let mut last = vec![0.0f64; p];
-    for i in &timeline.intervals {
-        busy[i.rank] += i.end - i.start;
-        first[i.rank] = first[i.rank].min(i.start);
-        last[i.rank] = last[i.rank].max(i.end);
-    }
+    let Totals { makespan, busy, first, last } = totals;
     let idle: Vec<f64> = busy.iter().map(|b| makespan - b).collect();
     let steady_idle: Vec<f64> = (0..p)
         .map(|r| if busy[r] > 0.0 || first[r].is_finite() { last[r] - first[r] - busy[r] } else { 0.0 })
         .collect();
     let total_busy: f64 = busy.iter().sum();
     let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { 0.0 };
-    let routes = schedule.routes();
     let p_ranks = schedule.num_ranks();
-    let (peak_activations, peak_in_flight) = schedule
-        .ranks
-        .iter()
-        .map(|prog| peak_memory_with(prog.iter().flatten(), &routes, p_ranks, memory))
-        .unzip();
+    let weights: Vec<f64> = routes.iter().map(|r| route_weight(r, p_ranks)).collect();
+    let weight = |mb: usize| weights.get(mb).copied().unwrap_or(1.0);
+    let (peak_activations, peak_in_flight) =
+        schedule.ranks.iter().map(|prog| peak_of(prog.iter().flatten(), weight, memory)).unzip();
     SimReport {
         makespan,
         bubble_ratio: ratio(idle.iter().sum(), total_busy),
@@ -173,7 +213,21 @@ pub fn peak_memory_with<'a>(
     p: usize,
     memory: &Memory,
 ) -> (f64, usize) {
-    let weight = |mb: usize| routes.get(mb).cloned().flatten().map_or(1.0, |r| p as f64 / r.len() as f64);
+    peak_of(program, |mb| routes.get(mb).map_or(1.0, |r| route_weight(r, p)), memory)
+}
+
+/// The weight of one (stage, mb) whose microbatch has route `route`, in full stages (see
+/// [`peak_memory`]): `p / len(route)`, 1 for a microbatch without a route.
+fn route_weight(route: &Option<std::ops::Range<usize>>, p: usize) -> f64 {
+    route.as_ref().map_or(1.0, |r| p as f64 / r.len() as f64)
+}
+
+/// [`peak_memory_with`] given the weight of each microbatch's (stage, mb).
+fn peak_of<'a>(
+    program: impl IntoIterator<Item = &'a Action>,
+    weight: impl Fn(usize) -> f64,
+    memory: &Memory,
+) -> (f64, usize) {
     let (mut mem, mut peak, mut count, mut peak_count) = (0.0f64, 0.0f64, 0usize, 0usize);
     for (kind, task) in program.into_iter().flat_map(|a| a.computes()) {
         let w = weight(task.mb);

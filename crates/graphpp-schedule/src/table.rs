@@ -5,27 +5,73 @@
 //! indexed by `(slot · S + stage) · m + mb`. When the key ranges are far larger than the number of
 //! entries expected (bad input such as stage 10^12) it is a hash map instead, so that no input can
 //! make it allocate more than a few slots per action.
+//!
+//! A dense cell is one `u64` ([`Packed`]), 0 meaning empty: the zeroed table comes from the
+//! allocator as untouched zero pages, so slots a schedule never uses (e.g. B in a ZB schedule, the
+//! comm kinds of a compute-only one) cost no page faults.
 
 use std::collections::HashMap;
 
 use crate::action::Task;
 
+/// A value stored in a dense [`TaskMap`] cell as a non-zero `u64`.
+pub(crate) trait Packed: Copy {
+    /// The value as a non-zero `u64`.
+    fn pack(self) -> u64;
+    /// The value of a non-zero `u64` from [`Packed::pack`].
+    fn unpack(x: u64) -> Self;
+}
+
+impl Packed for usize {
+    #[inline]
+    fn pack(self) -> u64 {
+        self as u64 + 1
+    }
+    #[inline]
+    fn unpack(x: u64) -> Self {
+        (x - 1) as usize
+    }
+}
+
+impl Packed for u32 {
+    #[inline]
+    fn pack(self) -> u64 {
+        u64::from(self) + 1
+    }
+    #[inline]
+    fn unpack(x: u64) -> Self {
+        (x - 1) as u32
+    }
+}
+
+/// Packs two `u32`s (e.g. rank and step) as a non-zero `u64`: `(a + 1) · 2^32 + b`.
+#[inline]
+pub(crate) fn pack_pair(a: u32, b: u32) -> u64 {
+    ((u64::from(a) + 1) << 32) | u64::from(b)
+}
+
+/// The two `u32`s of [`pack_pair`].
+#[inline]
+pub(crate) fn unpack_pair(x: u64) -> (u32, u32) {
+    (((x >> 32) - 1) as u32, x as u32)
+}
+
 /// Values keyed by (slot, [`Task`]); `slot` is a small kind index (e.g. a [`crate::ComputeKind`]).
 #[derive(Debug, Clone)]
 pub(crate) enum TaskMap<V> {
-    /// `slots × stages × mbs` cells.
-    Dense { stages: usize, mbs: usize, cells: Vec<Option<V>> },
+    /// `slots × stages × mbs` cells, 0 = empty, else [`Packed::pack`] of the value.
+    Dense { stages: usize, mbs: usize, cells: Vec<u64> },
     /// Any key.
     Sparse(HashMap<(usize, Task), V>),
 }
 
-impl<V: Copy> TaskMap<V> {
+impl<V: Packed> TaskMap<V> {
     /// A map for keys with `slot < slots`, `stage < stages` and `mb < mbs`, expected to hold about
     /// `entries` values; dense unless the key space is much larger than that.
     pub fn new(slots: usize, stages: usize, mbs: usize, entries: usize) -> Self {
         let keys = slots.saturating_mul(stages).saturating_mul(mbs);
         if keys <= entries.saturating_mul(4).saturating_add(1024) {
-            TaskMap::Dense { stages, mbs, cells: vec![None; keys] }
+            TaskMap::Dense { stages, mbs, cells: vec![0; keys] }
         } else {
             TaskMap::Sparse(HashMap::new())
         }
@@ -36,7 +82,7 @@ impl<V: Copy> TaskMap<V> {
         Self::new(1, stages, 1, entries)
     }
 
-    #[inline]
+    #[inline(always)]
     fn index(&self, slot: usize, t: Task) -> Option<usize> {
         match self {
             TaskMap::Dense { stages, mbs, cells } => {
@@ -48,10 +94,12 @@ impl<V: Copy> TaskMap<V> {
     }
 
     /// The value at (slot, t).
-    #[inline]
+    #[inline(always)]
     pub fn get(&self, slot: usize, t: Task) -> Option<V> {
         match self {
-            TaskMap::Dense { cells, .. } => self.index(slot, t).and_then(|i| cells[i]),
+            TaskMap::Dense { cells, .. } => {
+                self.index(slot, t).map(|i| cells[i]).filter(|&x| x != 0).map(V::unpack)
+            }
             TaskMap::Sparse(map) => map.get(&(slot, t)).copied(),
         }
     }
@@ -65,15 +113,17 @@ impl<V: Copy> TaskMap<V> {
     /// Sets (slot, t) to `v` unless it holds a value; returns the value it held.
     ///
     /// A dense map ignores keys outside its ranges (callers size it to hold every key).
-    #[inline]
+    #[inline(always)]
     pub fn first(&mut self, slot: usize, t: Task, v: V) -> Option<V> {
         let i = self.index(slot, t);
         match self {
             TaskMap::Dense { cells, .. } => {
                 let cell = &mut cells[i?];
-                let old = *cell;
-                cell.get_or_insert(v);
-                old
+                if *cell != 0 {
+                    return Some(V::unpack(*cell));
+                }
+                *cell = v.pack();
+                None
             }
             TaskMap::Sparse(map) => {
                 let old = map.get(&(slot, t)).copied();
@@ -90,7 +140,7 @@ impl<V: Copy> TaskMap<V> {
         match self {
             TaskMap::Dense { cells, .. } => {
                 if let Some(i) = i {
-                    cells[i] = Some(v);
+                    cells[i] = v.pack();
                 }
             }
             TaskMap::Sparse(map) => {

@@ -409,6 +409,16 @@ impl ActionCounts {
     pub fn of(s: &Schedule) -> Self {
         let mut c = ActionCounts::default();
         for (_, a) in s.actions() {
+            c.add(a);
+        }
+        c
+    }
+
+    /// Counts one action.
+    #[inline]
+    fn add(&mut self, a: &Action) {
+        let c = self;
+        {
             let slot = match a {
                 Action::Compute { kind: ComputeKind::F, .. } => &mut c.f,
                 Action::Compute { kind: ComputeKind::B, .. } => &mut c.b,
@@ -423,7 +433,64 @@ impl ActionCounts {
             };
             *slot += 1;
         }
-        c
+    }
+}
+
+/// What one pass over the cells gathers before the checks (none of it can fail): the counts,
+/// the largest stage and microbatch named, the compute routes and the largest stage a
+/// non-compute action names.
+struct Survey {
+    counts: ActionCounts,
+    /// One more than the largest stage any action names (0 if none).
+    stages_named: usize,
+    /// One more than the largest microbatch any action names (0 if none).
+    mbs_named: usize,
+    /// [`compute_routes`].
+    routes: Vec<Option<Range<StageId>>>,
+    /// One more than the largest stage a SEND/RECV/UNSHARD/RESHARD/REDUCE_GRAD names (0 if none).
+    other_stages: usize,
+}
+
+impl Survey {
+    fn of(s: &Schedule) -> Self {
+        let mut v = Survey {
+            counts: ActionCounts::default(),
+            stages_named: 0,
+            mbs_named: 0,
+            routes: Vec::new(),
+            other_stages: 0,
+        };
+        for a in s.ranks.iter().flatten().flatten() {
+            v.counts.add(a);
+            match *a {
+                Action::Compute { task, .. } => v.compute(task),
+                Action::Overlap { f, b } => {
+                    v.compute(f);
+                    v.compute(b);
+                }
+                Action::Comm { task, .. } => {
+                    v.other(task.stage);
+                    v.mbs_named = v.mbs_named.max(task.mb.saturating_add(1));
+                }
+                Action::StageOp { stage, .. } => v.other(stage),
+            }
+        }
+        v
+    }
+
+    /// Notes a compute task.
+    #[inline]
+    fn compute(&mut self, t: Task) {
+        self.stages_named = self.stages_named.max(t.stage.saturating_add(1));
+        self.mbs_named = self.mbs_named.max(t.mb.saturating_add(1));
+        widen_route(&mut self.routes, t);
+    }
+
+    /// Notes the stage of a non-compute action.
+    #[inline]
+    fn other(&mut self, stage: StageId) {
+        self.stages_named = self.stages_named.max(stage.saturating_add(1));
+        self.other_stages = self.other_stages.max(stage.saturating_add(1));
     }
 }
 
@@ -506,6 +573,18 @@ struct Cell {
     step: u32,
 }
 
+impl crate::table::Packed for Cell {
+    #[inline]
+    fn pack(self) -> u64 {
+        crate::table::pack_pair(self.rank, self.step)
+    }
+    #[inline]
+    fn unpack(x: u64) -> Self {
+        let (rank, step) = crate::table::unpack_pair(x);
+        Cell { rank, step }
+    }
+}
+
 impl Cell {
     fn of(at: &Loc) -> Self {
         Cell { rank: at.rank as u32, step: at.step as u32 }
@@ -531,12 +610,25 @@ pub(crate) type StageRanks = TaskMap<RankId>;
 /// [`ValidationError::StageOnManyRanks`] at the first action of a stage on a second rank.
 pub(crate) fn stage_rank_table(s: &Schedule) -> Result<StageRanks, ValidationError> {
     let stages = s.actions().flat_map(|(_, a)| a.stages()).max().map_or(0, |x| x + 1);
+    stage_rank_table_of(s, stages)
+}
+
+/// [`stage_rank_table`] given `stages`, one more than the largest stage any action names.
+fn stage_rank_table_of(s: &Schedule, stages: usize) -> Result<StageRanks, ValidationError> {
     let mut map = TaskMap::by_stage(stages, cell_count(s));
-    for at in cells(s) {
-        for stage in at.action.stages() {
-            let first_rank = map.first(0, Task::new(stage, 0), at.rank).unwrap_or(at.rank);
-            if first_rank != at.rank {
-                return Err(ValidationError::StageOnManyRanks { stage, first_rank, at });
+    for rank in 0..s.num_ranks() {
+        // The two stages this rank's latest actions named, already in the table with this rank.
+        let mut recent: [Option<StageId>; 2] = [None, None];
+        for at in row_cells(s, rank) {
+            for stage in at.action.stages() {
+                if recent.contains(&Some(stage)) {
+                    continue;
+                }
+                let first_rank = map.first(0, Task::new(stage, 0), rank).unwrap_or(rank);
+                if first_rank != rank {
+                    return Err(ValidationError::StageOnManyRanks { stage, first_rank, at });
+                }
+                recent = [Some(stage), recent[0]];
             }
         }
     }
@@ -578,17 +670,18 @@ fn placement_kind(map: &StageRanks, stages: usize, p: usize) -> Option<Placement
 /// Checks the microbatch set; returns m.
 fn check_microbatches(
     s: &Schedule,
-    routes: &[Option<Range<StageId>>],
+    survey: &Survey,
     expected: Option<usize>,
 ) -> Result<usize, ValidationError> {
-    if let Some(m) = expected {
+    let routes = &survey.routes;
+    if let Some(m) = expected.filter(|&m| survey.mbs_named > m) {
         for at in cells(s) {
             if let Some(mb) = mbs_of(&at.action).find(|&mb| mb >= m) {
                 return Err(ValidationError::MicrobatchOutOfRange { mb, expected: m, at });
             }
         }
     }
-    let m = expected.unwrap_or_else(|| s.actions().flat_map(|(_, a)| mbs_of(a)).max().map_or(0, |x| x + 1));
+    let m = expected.unwrap_or(survey.mbs_named);
     match (0..m).find(|&mb| routes.get(mb).cloned().flatten().is_none()) {
         Some(mb) => Err(ValidationError::MissingMicrobatch { mb, expected: m }),
         None => Ok(m),
@@ -610,17 +703,40 @@ fn check_routes(routes: &[Option<Range<StageId>>], stages: usize) -> Result<(), 
 /// First occurrence of every compute (kind, task), slot = [`ComputeKind`] as index.
 type ComputeIndex = TaskMap<Cell>;
 
+/// The first program-order violation in rank/step order: the action, and the (kind, task) that
+/// must come before it.
+type EarlyAction = Option<(Loc, ComputeKind, Task)>;
+
 /// Indexes the compute actions; `stages` and `mbs` bound their stages and microbatches.
-fn index_compute(s: &Schedule, stages: usize, mbs: usize) -> Result<ComputeIndex, ValidationError> {
+///
+/// Also finds the first action (in rank/step order) whose per-stage predecessor (F before B/I,
+/// I before W) has not run at an earlier step. Every stage is on one rank here (checked before),
+/// so the predecessor, if it exists, is on the same rank and already indexed iff it ran earlier.
+fn index_compute(
+    s: &Schedule,
+    stages: usize,
+    mbs: usize,
+) -> Result<(ComputeIndex, EarlyAction), ValidationError> {
     let mut ix = TaskMap::new(4, stages, mbs, cell_count(s));
+    let mut early = None;
     for at in cells(s) {
         for (kind, task) in at.action.computes() {
             if let Some(first) = ix.first(kind as usize, task, Cell::of(&at)) {
                 return Err(ValidationError::DuplicateCompute { kind, task, at, first: first.loc(s) });
             }
+            if early.is_none() {
+                let before = match kind {
+                    ComputeKind::B | ComputeKind::I => ComputeKind::F,
+                    ComputeKind::W => ComputeKind::I,
+                    ComputeKind::F => continue,
+                };
+                if ix.get(before as usize, task).is_none_or(|f| f.step() >= at.step) {
+                    early = Some((at, before, task));
+                }
+            }
         }
     }
-    Ok(ix)
+    Ok((ix, early))
 }
 
 fn check_task(
@@ -660,8 +776,22 @@ fn check_tasks(
     Ok(())
 }
 
+/// F before B/I, I before W: the first violation [`index_compute`] found ([`check_tasks`] has
+/// made sure every predecessor exists; should one not, a full scan decides).
+fn check_order(s: &Schedule, ix: &ComputeIndex, early: EarlyAction) -> Result<(), ValidationError> {
+    let Some((at, before, task)) = early else { return Ok(()) };
+    match ix.get(before as usize, task) {
+        Some(first) => Err(ValidationError::OrderViolation {
+            at,
+            needs: format!("{}{before}{}", task.stage, task.mb),
+            needs_step: first.step(),
+        }),
+        None => check_order_scan(s, ix),
+    }
+}
+
 /// F before B/I, I before W, scanning actions in rank/step order.
-fn check_order(s: &Schedule, ix: &ComputeIndex) -> Result<(), ValidationError> {
+fn check_order_scan(s: &Schedule, ix: &ComputeIndex) -> Result<(), ValidationError> {
     for at in cells(s) {
         for (kind, task) in at.action.computes() {
             let before = match kind {
@@ -767,7 +897,10 @@ fn check_handovers(
     Ok(())
 }
 
-fn check_known_stages(s: &Schedule, stages: usize) -> Result<(), ValidationError> {
+fn check_known_stages(s: &Schedule, survey: &Survey, stages: usize) -> Result<(), ValidationError> {
+    if survey.other_stages <= stages {
+        return Ok(());
+    }
     for at in cells(s).filter(|a| !a.action.is_compute()) {
         if let Some(stage) = at.action.stages().find(|&s| s >= stages) {
             return Err(ValidationError::UnknownStage { at, stage, stages });
@@ -833,8 +966,11 @@ fn check_reduce_grad(s: &Schedule, stages: usize) -> Result<(), ValidationError>
 
 /// Missing producers and deadlocks: a [`Walk`] when the schedule runs to its end, else the
 /// [`DepGraph`] (built only then) names the missing producer or the waiting cycle.
-fn check_deadlock(s: &Schedule) -> Result<(), ValidationError> {
-    if Walk::new(s).run(|_, _, _, _| {}) {
+///
+/// `routes` are the schedule's compute routes, which every other action's tasks lie within once
+/// the checks before have passed.
+fn check_deadlock(s: &Schedule, routes: &[Option<Range<StageId>>]) -> Result<(), ValidationError> {
+    if Walk::with_routes(s, routes.to_vec()).run(|_, _, _, _| {}) {
         return Ok(());
     }
     let g = DepGraph::build(s)?;
@@ -850,21 +986,36 @@ fn check_deadlock(s: &Schedule) -> Result<(), ValidationError> {
 /// # Errors
 /// The first [`ValidationError`] found.
 pub fn validate(s: &Schedule, opts: &ValidateOptions) -> Result<Summary, ValidationError> {
-    if !s.actions().any(|(_, a)| a.is_compute()) {
+    validate_tables(s, opts).map(|(summary, ..)| summary)
+}
+
+/// The tables a valid schedule's [`Summary`] comes with: stage → rank, and the compute routes.
+pub(crate) type Tables = (Summary, StageRanks, Vec<Option<Range<StageId>>>);
+
+/// [`validate`], also returning the stage → rank table ([`stage_rank_table`]) and the routes
+/// ([`compute_routes`]) for passes that need them next.
+///
+/// # Errors
+/// As [`validate`].
+pub(crate) fn validate_tables(s: &Schedule, opts: &ValidateOptions) -> Result<Tables, ValidationError> {
+    let survey = Survey::of(s);
+    let c = &survey.counts;
+    if c.f + c.b + c.i + c.w + c.overlap == 0 {
         return Err(ValidationError::Empty);
     }
-    let placement = stage_rank_table(s)?;
-    let routes = compute_routes(s);
-    let m = check_microbatches(s, &routes, opts.microbatches)?;
+    let placement = stage_rank_table_of(s, survey.stages_named)?;
+    let m = check_microbatches(s, &survey, opts.microbatches)?;
+    let routes = &survey.routes;
     let stages = routes.iter().flatten().map(|r| r.end).max().unwrap_or(0);
-    check_routes(&routes, stages)?;
-    let ix = index_compute(s, stages, routes.len())?;
-    check_tasks(s, &ix, &routes, &placement)?;
-    check_order(s, &ix)?;
-    check_known_stages(s, stages)?;
-    let counts = ActionCounts::of(s);
+    check_routes(routes, stages)?;
+    let (ix, early) = index_compute(s, stages, routes.len())?;
+    check_tasks(s, &ix, routes, &placement)?;
+    check_order(s, &ix, early)?;
+    check_known_stages(s, &survey, stages)?;
+    let counts = survey.counts;
+    let routes = &survey.routes;
     if counts.send + counts.recv > 0 {
-        check_comm(s, &routes, &placement, stages)?;
+        check_comm(s, routes, &placement, stages)?;
     }
     if counts.unshard + counts.reshard > 0 {
         check_sharding(s)?;
@@ -872,16 +1023,17 @@ pub fn validate(s: &Schedule, opts: &ValidateOptions) -> Result<Summary, Validat
     if counts.reduce_grad > 0 {
         check_reduce_grad(s, stages)?;
     }
-    check_deadlock(s)?;
+    check_deadlock(s, routes)?;
     let lowered = counts.send + counts.recv + counts.unshard + counts.reshard + counts.reduce_grad > 0;
-    Ok(Summary {
+    let summary = Summary {
         ranks: s.num_ranks(),
         stages,
         microbatches: m,
         placement: placement_kind(&placement, stages, s.num_ranks()),
         counts,
         lowered,
-    })
+    };
+    Ok((summary, placement, survey.routes))
 }
 
 #[cfg(test)]
