@@ -253,6 +253,42 @@ fn state_derived(g: &Graph) -> Vec<bool> {
     s
 }
 
+/// σ(x) = 1 / (1 + e^(−x)) in one pass over a contiguous f32/f64 tensor (the same arithmetic as
+/// the four-op form used otherwise: negate, exp, add 1, reciprocal).
+fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
+    if x.is_contiguous() && matches!(x.dtype(), CDType::F32 | CDType::F64) {
+        x.apply_op1_no_bwd(&SigmoidOp)
+    } else {
+        (x.neg()?.exp()? + 1.0)?.recip()
+    }
+}
+
+/// The one-pass CPU sigmoid kernel of [`sigmoid`].
+struct SigmoidOp;
+
+impl candle_core::CustomOp1 for SigmoidOp {
+    fn name(&self) -> &'static str {
+        "sigmoid"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::CpuStorage as S;
+        let Some((lo, hi)) = layout.contiguous_offsets() else {
+            candle_core::bail!("sigmoid kernel needs a contiguous input")
+        };
+        let out = match storage {
+            S::F32(v) => S::F32(v[lo..hi].iter().map(|&x| 1.0 / ((-x).exp() + 1.0)).collect()),
+            S::F64(v) => S::F64(v[lo..hi].iter().map(|&x| 1.0 / ((-x).exp() + 1.0)).collect()),
+            _ => candle_core::bail!("sigmoid kernel takes f32 or f64"),
+        };
+        Ok((out, layout.shape().clone()))
+    }
+}
+
 /// Batched matmul on the operands' own strides (a transposed weight is read in place, as gemm
 /// takes any row or column stride); operands whose layout candle's matmul cannot take (e.g. a
 /// permuted 4-D view) are made contiguous first.
@@ -307,7 +343,7 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
             UnaryOp::Log => a[0].log()?,
             UnaryOp::Sqrt => a[0].sqrt()?,
             UnaryOp::Recip => a[0].recip()?,
-            UnaryOp::Sigmoid => (a[0].neg()?.exp()? + 1.0)?.recip()?,
+            UnaryOp::Sigmoid => sigmoid(a[0])?,
         },
         Op::Affine { mul, add } => a[0].affine(*mul, *add)?,
         Op::Binary { f } => match f {
