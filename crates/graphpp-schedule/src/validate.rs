@@ -31,7 +31,7 @@ use std::fmt;
 use std::ops::Range;
 
 use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
-use crate::deps::{widen_route, DepGraph, MissingDep, Walk};
+use crate::deps::{widen_route, DepGraph, MissingDep, Pos, Walk};
 use crate::placement::Placement;
 use crate::schedule::{RankId, Schedule};
 use crate::table::TaskMap;
@@ -566,39 +566,15 @@ fn cell_count(s: &Schedule) -> usize {
     s.ranks.iter().map(Vec::len).sum()
 }
 
-/// A cell's rank and step, packed for the lookup tables (a schedule never has 2^32 ranks or steps).
-#[derive(Debug, Clone, Copy)]
-struct Cell {
-    rank: u32,
-    step: u32,
+/// The full location of a table cell, reading the action back from `s`.
+fn loc(s: &Schedule, p: Pos) -> Loc {
+    let (rank, step) = (p.rank as usize, p.index as usize);
+    Loc { rank, step, action: s.ranks[rank][step].expect("a table cell names a non-idle step") }
 }
 
-impl crate::table::Packed for Cell {
-    #[inline]
-    fn pack(self) -> u64 {
-        crate::table::pack_pair(self.rank, self.step)
-    }
-    #[inline]
-    fn unpack(x: u64) -> Self {
-        let (rank, step) = crate::table::unpack_pair(x);
-        Cell { rank, step }
-    }
-}
-
-impl Cell {
-    fn of(at: &Loc) -> Self {
-        Cell { rank: at.rank as u32, step: at.step as u32 }
-    }
-
-    fn step(self) -> usize {
-        self.step as usize
-    }
-
-    /// The full location, reading the action back from `s`.
-    fn loc(self, s: &Schedule) -> Loc {
-        let (rank, step) = (self.rank as usize, self.step as usize);
-        Loc { rank, step, action: s.ranks[rank][step].expect("a table cell names a non-idle step") }
-    }
+/// The table cell of a location.
+fn pos(at: &Loc) -> Pos {
+    Pos::new(at.rank, at.step)
 }
 
 /// Stage → rank lookup table (see [`TaskMap::by_stage`]).
@@ -701,7 +677,7 @@ fn check_routes(routes: &[Option<Range<StageId>>], stages: usize) -> Result<(), 
 }
 
 /// First occurrence of every compute (kind, task), slot = [`ComputeKind`] as index.
-type ComputeIndex = TaskMap<Cell>;
+type ComputeIndex = TaskMap<Pos>;
 
 /// The first program-order violation in rank/step order: the action, and the (kind, task) that
 /// must come before it.
@@ -721,8 +697,8 @@ fn index_compute(
     let mut early = None;
     for at in cells(s) {
         for (kind, task) in at.action.computes() {
-            if let Some(first) = ix.first(kind as usize, task, Cell::of(&at)) {
-                return Err(ValidationError::DuplicateCompute { kind, task, at, first: first.loc(s) });
+            if let Some(first) = ix.first(kind as usize, task, pos(&at)) {
+                return Err(ValidationError::DuplicateCompute { kind, task, at, first: loc(s, first) });
             }
             if early.is_none() {
                 let before = match kind {
@@ -730,7 +706,7 @@ fn index_compute(
                     ComputeKind::W => ComputeKind::I,
                     ComputeKind::F => continue,
                 };
-                if ix.get(before as usize, task).is_none_or(|f| f.step() >= at.step) {
+                if ix.get(before as usize, task).is_none_or(|f| f.index as usize >= at.step) {
                     early = Some((at, before, task));
                 }
             }
@@ -753,9 +729,9 @@ fn check_task(
     }
     match (b, i, w) {
         (Some(other), Some(at), _) => {
-            Err(ValidationError::MixedBackward { task, at: at.loc(s), other: other.loc(s) })
+            Err(ValidationError::MixedBackward { task, at: loc(s, at), other: loc(s, other) })
         }
-        (_, None, Some(at)) => Err(ValidationError::WWithoutI { task, at: at.loc(s) }),
+        (_, None, Some(at)) => Err(ValidationError::WWithoutI { task, at: loc(s, at) }),
         (None, None, None) => Err(missing(ComputeKind::B)),
         (None, Some(_), None) => Err(missing(ComputeKind::W)),
         _ => Ok(()),
@@ -784,7 +760,7 @@ fn check_order(s: &Schedule, ix: &ComputeIndex, early: EarlyAction) -> Result<()
         Some(first) => Err(ValidationError::OrderViolation {
             at,
             needs: format!("{}{before}{}", task.stage, task.mb),
-            needs_step: first.step(),
+            needs_step: first.index as usize,
         }),
         None => check_order_scan(s, ix),
     }
@@ -799,11 +775,11 @@ fn check_order_scan(s: &Schedule, ix: &ComputeIndex) -> Result<(), ValidationErr
                 ComputeKind::W => ComputeKind::I,
                 ComputeKind::F => continue,
             };
-            if let Some(first) = ix.get(before as usize, task).filter(|f| f.step() >= at.step) {
+            if let Some(first) = ix.get(before as usize, task).filter(|f| f.index as usize >= at.step) {
                 return Err(ValidationError::OrderViolation {
                     at,
                     needs: format!("{}{before}{}", task.stage, task.mb),
-                    needs_step: first.step(),
+                    needs_step: first.index as usize,
                 });
             }
         }
@@ -831,9 +807,9 @@ fn handover(from: StageId, mb: usize) -> [Action; 4] {
 }
 
 /// First occurrence of every SEND/RECV, slot = [`CommKind`] as index.
-type CommIndex = TaskMap<Cell>;
+type CommIndex = TaskMap<Pos>;
 
-fn comm_cell(ix: &CommIndex, a: &Action) -> Option<Cell> {
+fn comm_cell(ix: &CommIndex, a: &Action) -> Option<Pos> {
     match *a {
         Action::Comm { kind, task } => ix.get(kind as usize, task),
         _ => None,
@@ -850,8 +826,8 @@ fn check_comm(
     let mut ix = TaskMap::new(4, stages, routes.len(), cell_count(s));
     for at in cells(s) {
         let Action::Comm { kind, task } = at.action else { continue };
-        if let Some(first) = ix.first(kind as usize, task, Cell::of(&at)) {
-            return Err(ValidationError::DuplicateComm { at, first: first.loc(s) });
+        if let Some(first) = ix.first(kind as usize, task, pos(&at)) {
+            return Err(ValidationError::DuplicateComm { at, first: loc(s, first) });
         }
         let route = routes.get(task.mb).cloned().flatten();
         let from = boundary(kind, task.stage)
@@ -888,7 +864,7 @@ fn check_handovers(
                     return Err(ValidationError::MissingComm {
                         rank: rank.unwrap_or_default(),
                         missing: *act,
-                        peer: comm_cell(ix, &acts[peer_of[k]]).map(|c| c.loc(s)),
+                        peer: comm_cell(ix, &acts[peer_of[k]]).map(|c| loc(s, c)),
                     });
                 }
             }
@@ -933,12 +909,12 @@ fn check_sharding(s: &Schedule) -> Result<(), ValidationError> {
 }
 
 /// The last backward-like (B, I, W, or OVERLAP_F_B's B) action of each stage below `stages`.
-fn last_backward(s: &Schedule, stages: usize) -> TaskMap<Cell> {
+fn last_backward(s: &Schedule, stages: usize) -> TaskMap<Pos> {
     let mut last = TaskMap::by_stage(stages, cell_count(s));
     for at in cells(s) {
         for (kind, task) in at.action.computes() {
             if kind != ComputeKind::F {
-                last.set(0, Task::new(task.stage, 0), Cell::of(&at));
+                last.set(0, Task::new(task.stage, 0), pos(&at));
             }
         }
     }
@@ -948,14 +924,14 @@ fn last_backward(s: &Schedule, stages: usize) -> TaskMap<Cell> {
 /// REDUCE_GRAD checks; every stage is below `stages`.
 fn check_reduce_grad(s: &Schedule, stages: usize) -> Result<(), ValidationError> {
     let last = last_backward(s, stages);
-    let mut seen: TaskMap<Cell> = TaskMap::by_stage(stages, cell_count(s));
+    let mut seen: TaskMap<Pos> = TaskMap::by_stage(stages, cell_count(s));
     for at in cells(s) {
         let Action::StageOp { kind: StageOpKind::ReduceGrad, stage } = at.action else { continue };
-        if let Some(first) = seen.first(0, Task::new(stage, 0), Cell::of(&at)) {
-            return Err(ValidationError::DuplicateReduceGrad { at, first: first.loc(s) });
+        if let Some(first) = seen.first(0, Task::new(stage, 0), pos(&at)) {
+            return Err(ValidationError::DuplicateReduceGrad { at, first: loc(s, first) });
         }
-        if let Some(l) = last.of_stage(stage).filter(|l| l.step() > at.step) {
-            return Err(ValidationError::ReduceGradTooEarly { at, last: l.loc(s) });
+        if let Some(l) = last.of_stage(stage).filter(|l| l.index as usize > at.step) {
+            return Err(ValidationError::ReduceGradTooEarly { at, last: loc(s, l) });
         }
     }
     match (0..stages).find(|&st| seen.of_stage(st).is_none()) {
