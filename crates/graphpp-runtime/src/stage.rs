@@ -28,6 +28,20 @@ use crate::pipeline::{StageWork, WorkError};
 /// Values by name (graph inputs or outputs).
 pub type Env = HashMap<String, Tensor>;
 
+/// Sums tensors of the same name (a parameter's gradients from several stages or ranks, e.g.
+/// DualPipe's two copies). Errors: candle's, for tensors of one name with different shapes.
+pub fn sum_by_name(items: impl IntoIterator<Item = (String, Tensor)>) -> candle_core::Result<Env> {
+    let mut out = Env::new();
+    for (name, g) in items {
+        let sum = match out.remove(&name) {
+            Some(a) => a.add(&g)?,
+            None => g,
+        };
+        out.insert(name, sum);
+    }
+    Ok(out)
+}
+
 /// Why a stage computation failed; names the stage and microbatch.
 #[derive(Debug, thiserror::Error)]
 pub enum StageError {

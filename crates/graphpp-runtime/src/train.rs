@@ -30,7 +30,7 @@ use crate::lr::CosineSchedule;
 use crate::optim::{AdamW, AdamWConfig, OptimError, M_PREFIX, STEP_KEY, V_PREFIX};
 use crate::pipeline::run_pipeline;
 use crate::sample::{sample_next, SampleError};
-use crate::stage::{Env, GraphStages, Microbatches, StageError};
+use crate::stage::{sum_by_name, Env, GraphStages, Microbatches, StageError};
 use crate::verify::{pipeline_workers, stage_specs, VerifyError};
 
 /// Why training could not start or a step failed.
@@ -191,19 +191,12 @@ impl Trainer {
 
     /// Sums copies' gradients, clips, and steps every rank's AdamW; returns (norm, lr).
     fn apply_update(&mut self) -> Result<(f64, f64), TrainError> {
-        let per_rank: Vec<Env> = self
+        let grads: Vec<(String, Tensor)> = self
             .workers
             .iter_mut()
-            .map(|w| w.stages_mut().values_mut().flat_map(|s| s.take_grads()).collect())
+            .flat_map(|w| w.stages_mut().values_mut().flat_map(|s| s.take_grads()).collect::<Vec<_>>())
             .collect();
-        let mut total: HashMap<String, Tensor> = HashMap::new();
-        for (name, g) in per_rank.iter().flatten() {
-            let sum = match total.remove(name) {
-                Some(a) => a.add(g)?,
-                None => g.clone(),
-            };
-            total.insert(name.clone(), sum);
-        }
+        let mut total = sum_by_name(grads)?;
         let sq = local_sq_norm(&total)?;
         if let Some(max_norm) = self.setup.max_grad_norm {
             scale_grads(&mut total, clip_scale(sq, max_norm)?)?;

@@ -32,7 +32,7 @@ use graphpp_schedule::{
 
 use crate::executor::{run_named, tensor_from_f64, tensor_u32, to_f64, ExecError, RunOptions};
 use crate::pipeline::{run_pipeline, PipelineError};
-use crate::stage::{Env, GraphStages, Microbatches, Stage};
+use crate::stage::{sum_by_name, Env, GraphStages, Microbatches, Stage};
 
 /// Default tolerance of `graphpp verify`: relative difference (see [`VerifyReport`]) in f32.
 /// Source: the acceptance criterion of issue 4 (1e-5 relative, f32).
@@ -248,18 +248,9 @@ pub fn pipeline_workers(
 }
 
 /// Sums each gradient over all stages of all ranks (DualPipe's two copies add up).
-pub(crate) fn collect_grads(workers: &[GraphStages]) -> Result<BTreeMap<String, Tensor>, VerifyError> {
-    let mut out: BTreeMap<String, Tensor> = BTreeMap::new();
-    for st in workers.iter().flat_map(|w| w.stages().values()) {
-        for (name, g) in st.grads() {
-            let sum = match out.remove(name) {
-                Some(a) => a.add(g)?,
-                None => g.clone(),
-            };
-            out.insert(name.clone(), sum);
-        }
-    }
-    Ok(out)
+fn collect_grads(workers: &[GraphStages]) -> Result<BTreeMap<String, Tensor>, VerifyError> {
+    let grads = workers.iter().flat_map(|w| w.stages().values()).flat_map(|st| st.grads().clone());
+    Ok(sum_by_name(grads)?.into_iter().collect())
 }
 
 /// Runs one step of `setup` pipelined. Errors: generation, lowering, graph building, or the
