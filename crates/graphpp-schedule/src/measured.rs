@@ -4,74 +4,54 @@
 //!
 //! The prediction gives every compute action the duration it was measured to take (so stage
 //! imbalance — the first stage holds the embedding, the last the LM head and the loss — and
-//! per-microbatch variation carry over); an action absent from the timeline takes the mean of its
-//! (kind, stage), else of its kind. What the prediction leaves out is what the runtime adds on
-//! its own: hand-over latency and waiting that the schedule's dependencies do not imply. SEND/RECV intervals of an in-process run are mostly a RECV waiting for
-//! its message, so they count as idle in the measured figures and cost 0 in the prediction.
+//! per-microbatch variation carry over); an action absent from the timeline takes its kind's mean.
+//! What the prediction leaves out is what the runtime adds on its own: hand-over latency and
+//! waiting that the schedule's dependencies do not imply. SEND/RECV intervals of an in-process
+//! run are mostly a RECV waiting for its message, so they count as idle in the measured figures
+//! and cost 0 in the prediction.
 
 use std::collections::HashMap;
 
-use crate::action::{Action, ComputeKind, StageId};
+use crate::action::{Action, ComputeKind};
 use crate::costs::{Costs, Memory};
 use crate::schedule::Schedule;
 use crate::simulate::{report, simulate_with, SimReport, SimulateError};
 use crate::timeline::Timeline;
 
-/// What a fitted cost is keyed by: the compute kind (or OVERLAP_F_B) and the stage(s) it runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum CostKey {
-    Compute(ComputeKind, StageId),
-    Overlap(StageId, StageId),
-}
-
-fn key(a: &Action) -> Option<CostKey> {
-    match *a {
-        Action::Compute { kind, task } => Some(CostKey::Compute(kind, task.stage)),
-        Action::Overlap { f, b } => Some(CostKey::Overlap(f.stage, b.stage)),
-        Action::Comm { .. } | Action::StageOp { .. } => None,
-    }
+/// Whether `a` computes (F, B, I, W, OVERLAP_F_B) rather than moves data or shards.
+fn computes(a: &Action) -> bool {
+    matches!(a, Action::Compute { .. } | Action::Overlap { .. })
 }
 
 /// Measured durations of a timeline's compute actions, in the timeline's unit: each action's own
-/// (its mean if the timeline holds several steps), and the mean of every (kind, stage).
+/// (its mean if the timeline holds several steps).
 #[derive(Debug, Clone)]
 pub struct MeasuredCosts {
     actions: HashMap<Action, f64>,
-    means: HashMap<CostKey, f64>,
-    /// Per-kind means over all stages (for a summary line, and for an action that never ran).
+    /// Per-kind means over all stages (for an action that never ran).
     pub per_kind: Costs,
 }
 
 impl MeasuredCosts {
-    /// Fits the means of `t`'s compute and OVERLAP_F_B intervals.
+    /// Fits the durations of `t`'s compute and OVERLAP_F_B intervals.
     pub fn fit(t: &Timeline) -> Self {
-        let mut acc: HashMap<CostKey, (f64, usize)> = HashMap::new();
-        let mut actions = HashMap::new();
-        for i in &t.intervals {
-            if let Some(k) = key(&i.action) {
-                let e = acc.entry(k).or_default();
-                e.0 += i.end - i.start;
-                e.1 += 1;
-                let e = actions.entry(i.action).or_insert((0.0, 0usize));
-                e.0 += i.end - i.start;
-                e.1 += 1;
-            }
+        let mut acc: HashMap<Action, (f64, usize)> = HashMap::new();
+        for i in t.intervals.iter().filter(|i| computes(&i.action)) {
+            let e = acc.entry(i.action).or_default();
+            e.0 += i.end - i.start;
+            e.1 += 1;
         }
-        let mean = |(s, n): (f64, usize)| s / n as f64;
-        let actions = actions.into_iter().map(|(a, x)| (a, mean(x))).collect();
-        let means = acc.into_iter().map(|(k, x)| (k, mean(x))).collect();
-        MeasuredCosts { actions, means, per_kind: fit_costs(t) }
+        let actions = acc.into_iter().map(|(a, (s, n))| (a, s / n as f64)).collect();
+        MeasuredCosts { actions, per_kind: fit_costs(t) }
     }
 
-    /// The duration of `a`: as measured, else its (kind, stage) mean, else its kind's mean; 0 for
-    /// SEND, RECV and FSDP stage operations.
+    /// The duration of `a`: as measured, else its kind's mean; 0 for SEND, RECV and FSDP stage
+    /// operations.
     pub fn duration(&self, a: &Action) -> f64 {
-        let Some(k) = key(a) else { return 0.0 };
-        self.actions
-            .get(a)
-            .or_else(|| self.means.get(&k))
-            .copied()
-            .unwrap_or_else(|| crate::simulate::duration(a, &self.per_kind))
+        if !computes(a) {
+            return 0.0;
+        }
+        self.actions.get(a).copied().unwrap_or_else(|| crate::simulate::duration(a, &self.per_kind))
     }
 }
 
@@ -132,7 +112,7 @@ pub fn measured_vs_predicted(
     let costs = MeasuredCosts::fit(measured);
     let t0 = measured.start();
     let mut shifted = measured.clone();
-    shifted.intervals.retain(|i| key(&i.action).is_some());
+    shifted.intervals.retain(|i| computes(&i.action));
     for i in &mut shifted.intervals {
         i.start -= t0;
         i.end -= t0;
@@ -171,10 +151,10 @@ mod tests {
         assert_eq!((c.f, c.b, c.i, c.w, c.overlap()), (1.0, 2.0, 1.0, 1.0, 3.0));
     }
 
-    /// A pipeline whose last stage is 3× slower: per-stage fitting reproduces the run, one mean
+    /// A pipeline whose last stage is 3× slower: per-action fitting reproduces the run, one mean
     /// per kind would not (it predicts a balanced pipeline).
     #[test]
-    fn per_stage_costs_predict_an_unbalanced_run() {
+    fn per_action_costs_predict_an_unbalanced_run() {
         let s =
             crate::generate(crate::Kind::OneFOneB, &crate::Shape::new(2, 1, 4), &Default::default()).unwrap();
         let slow = |a: &Action| match a {
