@@ -41,6 +41,8 @@ pub struct Sidecar {
 /// A loaded checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Checkpoint {
+    /// The sidecar it was loaded from (a folder given to [`load`] resolves to its newest).
+    pub path: PathBuf,
     /// The sidecar.
     pub sidecar: Sidecar,
     /// Tensors by name.
@@ -226,7 +228,7 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
             view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         tensors.insert(name.clone(), NamedTensor { name, shape: view.shape().to_vec(), data });
     }
-    Ok(Checkpoint { sidecar, tensors })
+    Ok(Checkpoint { path: json_path, sidecar, tensors })
 }
 
 #[cfg(test)]

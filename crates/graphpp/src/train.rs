@@ -301,8 +301,7 @@ impl Run {
             return Err(CheckpointError::NotFound(path.to_path_buf()).into());
         }
         let ck = checkpoint::load(path)?;
-        let sidecar_path = if path.is_dir() { checkpoint::latest(path)? } else { path.to_path_buf() };
-        let bad = |reason: String| RunError::Resume { path: sidecar_path.clone(), reason };
+        let bad = |reason: String| RunError::Resume { path: ck.path.clone(), reason };
         let saved: SavedState = serde_json::from_value(ck.sidecar.state.clone())
             .map_err(|e| bad(format!("sidecar state: {e}")))?;
         if saved.config.resume_key() != self.config.resume_key() {
