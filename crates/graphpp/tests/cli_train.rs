@@ -52,21 +52,29 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
     }
 }
 
+/// Runs `steps` steps of `cfg`, writing a checkpoint into `dir` after step `at`; returns the run
+/// and its losses.
+fn run_saving_at(cfg: RunConfig, steps: usize, at: usize, dir: &Path) -> (Run, Vec<f64>) {
+    let mut run = Run::new(cfg).unwrap();
+    let mut losses = Vec::new();
+    for k in 1..=steps {
+        losses.push(run.step().unwrap().loss);
+        if k == at {
+            run.save(dir, None).unwrap();
+        }
+    }
+    (run, losses)
+}
+
 /// A checkpoint after step 5 and a resumed run give bitwise the losses of steps 6..15 of an
 /// uninterrupted run, and the same validation loss at the end.
 #[test]
 fn resume_reproduces_the_next_ten_losses() {
     let d = tempfile::tempdir().unwrap();
     let cfg = config(corpus(d.path()), Kind::Zbv);
-    let mut straight = Run::new(cfg.clone()).unwrap();
-    let losses: Vec<f64> = (0..15).map(|_| straight.step().unwrap().loss).collect();
-    assert!(losses[14] < losses[0] - 0.5, "the run learns: {losses:?}");
-    let mut first = Run::new(cfg.clone()).unwrap();
-    for _ in 0..5 {
-        first.step().unwrap();
-    }
     let ck = d.path().join("ck");
-    first.save(&ck, None).unwrap();
+    let (mut straight, losses) = run_saving_at(cfg.clone(), 15, 5, &ck);
+    assert!(losses[14] < losses[0] - 0.5, "the run learns: {losses:?}");
     let mut resumed = Run::new(cfg).unwrap();
     assert_eq!(resumed.resume(&ck).unwrap(), 5);
     let again: Vec<f64> = (0..10).map(|_| resumed.step().unwrap().loss).collect();
@@ -80,13 +88,7 @@ fn resume_reproduces_the_next_ten_losses() {
 fn resume_under_another_schedule() {
     let d = tempfile::tempdir().unwrap();
     let zbv = config(corpus(d.path()), Kind::Zbv);
-    let mut straight = Run::new(zbv.clone()).unwrap();
-    let losses: Vec<f64> = (0..8).map(|_| straight.step().unwrap().loss).collect();
-    let mut first = Run::new(zbv.clone()).unwrap();
-    for _ in 0..4 {
-        first.step().unwrap();
-    }
-    first.save(d.path(), None).unwrap();
+    let (_, losses) = run_saving_at(zbv.clone(), 8, 4, d.path());
     let mut other = Run::new(RunConfig { kind: Kind::OneFOneB, stages_per_rank: 1, ..zbv }).unwrap();
     other.resume(d.path()).unwrap();
     for want in &losses[4..] {
