@@ -105,7 +105,7 @@ def sweep():
                     yield name, p, v, m
             for name in V_SHAPED:
                 yield name, p, 2, m
-    # the shared DualPipeV reference case (shared/cases/torch/dualpipev_4rank_10mb.csv)
+    # PyTorch's own expected DualPipeV case (crates/graphpp-schedule/tests/data/torch_dualpipev/dualpipev_4rank_10mb.csv)
     yield "ScheduleDualPipeV", 4, 2, 10
 
 

@@ -36,10 +36,10 @@ rank 1 holds 1 and 2); for 4 stages the embedding joins stage 0 and the final no
 join stage 3.
 
 Usage:
-  /work/venv-torch/bin/python tools/torch/pipelining_tokens_per_sec.py \
+  python tools/torch/pipelining_tokens_per_sec.py \
       [--microbatches 8] [--microbatch-size 8] [--seq-len 64] [--steps 30] [--warmup 5] \
       [--lr 3e-3] [--clip 1.0] [--threads 1] [--data PATH] [--schedule 1F1B]
-  /work/venv-torch/bin/python tools/torch/pipelining_tokens_per_sec.py --check
+  python tools/torch/pipelining_tokens_per_sec.py --check
 --check runs no pipeline: it compares the stage modules, chained, with llama_fixture.forward
 (float64) in loss and every gradient, for the 2- and 4-stage splits, and exits non-zero if they
 differ.

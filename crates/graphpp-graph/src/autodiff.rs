@@ -1,5 +1,5 @@
 //! Reverse-mode autodiff: one VJP rule per primitive; produces the joint forward+backward graph
-//! (DESIGN.md "Graph IR" → Autodiff). The joint graph's outputs are the user outputs, then
+//! (docs/ARCHITECTURE.md "Graph IR" → Autodiff). The joint graph's outputs are the user outputs, then
 //! `grad.<name>` for every float parameter and activation input, in input order.
 //!
 //! Seeding: a scalar output named `loss` is seeded with d loss = 1 inside the graph (the last stage

@@ -1,5 +1,5 @@
 //! Element types and static shapes of graph values, with NumPy-style broadcasting
-//! (DESIGN.md "Graph IR": static shapes, dtype kept in the IR).
+//! (docs/ARCHITECTURE.md "Graph IR": static shapes, dtype kept in the IR).
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

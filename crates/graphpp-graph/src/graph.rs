@@ -1,5 +1,5 @@
 //! The graph IR container: SSA nodes in topological order, ordered inputs and named outputs,
-//! per-node scope / phase / region metadata (DESIGN.md "Graph IR").
+//! per-node scope / phase / region metadata (docs/ARCHITECTURE.md "Graph IR").
 
 use crate::dtype::TensorType;
 use crate::op::{InputKind, Op};

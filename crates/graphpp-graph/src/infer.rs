@@ -1,5 +1,5 @@
 //! Shape and dtype inference: the output type of an op from its operand types, with a reason when
-//! the operands are invalid (DESIGN.md "Graph IR": static shapes; broadcasting as in NumPy).
+//! the operands are invalid (docs/ARCHITECTURE.md "Graph IR": static shapes; broadcasting as in NumPy).
 
 use crate::dtype::{broadcast_shapes, broadcasts_to, DType, TensorType};
 use crate::op::{CollectiveKind, Op};

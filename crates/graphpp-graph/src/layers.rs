@@ -1,4 +1,4 @@
-//! Composite layers built from primitives (DESIGN.md "Graph IR": composite layers are built by the
+//! Composite layers built from primitives (docs/ARCHITECTURE.md "Graph IR": composite layers are built by the
 //! builder, so autodiff only needs primitive VJP rules). Formulas follow the Hugging Face Llama
 //! implementation (RMSNorm, rotate-half RoPE, SwiGLU MLP, causal softmax attention).
 

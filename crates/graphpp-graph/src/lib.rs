@@ -1,5 +1,5 @@
 //! graphpp-graph: the tensor-program graph IR and its passes, with no tensor library
-//! (see `shared/DESIGN.md`, "Graph IR").
+//! (see `docs/ARCHITECTURE.md`, "Graph IR").
 //!
 //! Pipeline of a stage's graphs: build the forward with [`builder::GraphBuilder`] and
 //! [`layers`] → [`autodiff::autodiff`] (joint graph) → [`partition::partition`] (`fw`, `full_bw`,

@@ -1,5 +1,5 @@
 //! Conventional names of stage-graph inputs and outputs: the interface the pipeline runtime binds
-//! values by (DESIGN.md "Runtime" → Stage).
+//! values by (docs/ARCHITECTURE.md "Runtime" → Stage).
 
 /// Stage input activation `[B, T, D]` (every stage but the first); its gradient is `grad.input`.
 pub const INPUT: &str = "input";

@@ -1,11 +1,11 @@
-//! The primitive op set (DESIGN.md "Graph IR": elementwise with broadcasting, reductions, batched
+//! The primitive op set (docs/ARCHITECTURE.md "Graph IR": elementwise with broadcasting, reductions, batched
 //! matmul, layout ops, gather/scatter, top-k, collectives as start/wait pairs). Composite layers are
 //! built from these by [`crate::builder`].
 
 use crate::dtype::{DType, TensorType};
 use serde::{Deserialize, Serialize};
 
-/// Role of a graph input (DESIGN.md "Graph IR").
+/// Role of a graph input (docs/ARCHITECTURE.md "Graph IR").
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum InputKind {

@@ -1,5 +1,5 @@
 //! Partition of a joint graph into `fw` and `full_bw` with explicit saved values, and the
-//! recompute policy (activation checkpointing) (DESIGN.md "Graph IR" → Partition).
+//! recompute policy (activation checkpointing) (docs/ARCHITECTURE.md "Graph IR" → Partition).
 //!
 //! * `fw` keeps every input of the forward (the stage interface) and computes the user outputs
 //!   plus one output `saved.<n>` per saved value.

@@ -1,5 +1,5 @@
 //! Text form (one line per node, `%12 = matmul(%3, %7) : f32[4,64,256]  # layers.0.attn.q_proj`),
-//! DOT export and JSON (DESIGN.md "Graph IR").
+//! DOT export and JSON (docs/ARCHITECTURE.md "Graph IR").
 
 use crate::graph::{Graph, Phase, Region};
 use crate::op::Op;

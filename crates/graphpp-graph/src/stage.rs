@@ -1,5 +1,5 @@
 //! One call from a stage's forward graph to every graph the pipeline runtime needs:
-//! {fw, full_bw, bw_di, bw_dw} (DESIGN.md "Runtime" → Stage).
+//! {fw, full_bw, bw_di, bw_dw} (docs/ARCHITECTURE.md "Runtime" → Stage).
 
 use crate::autodiff::autodiff;
 use crate::error::Result;

@@ -1,4 +1,4 @@
-//! The verifier (DESIGN.md "Graph IR"): topological order, one definition per value, shapes that
+//! The verifier (docs/ARCHITECTURE.md "Graph IR"): topological order, one definition per value, shapes that
 //! match inference, a consistent input list, unique input/output names, and collective pairing
 //! (a start is read only by waits; a wait reads a start).
 

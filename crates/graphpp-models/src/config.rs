@@ -1,5 +1,5 @@
 //! Llama-style decoder configuration with Hugging Face `config.json` field names
-//! (DESIGN.md "Models, data, training").
+//! (docs/ARCHITECTURE.md "Models, data, training").
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;

@@ -1,5 +1,5 @@
 //! graphpp-models: Llama-style decoders built with the graph builder, configs with Hugging Face
-//! field names, and the split of a model into pipeline stages (see `shared/DESIGN.md`, "Models").
+//! field names, and the split of a model into pipeline stages (see `docs/ARCHITECTURE.md`, "Models, data, training").
 
 pub mod config;
 pub mod llama;

@@ -1,4 +1,4 @@
-//! Llama-style dense decoder as a stage graph (DESIGN.md "Models"): embedding on the first stage,
+//! Llama-style dense decoder as a stage graph (docs/ARCHITECTURE.md "Models, data, training"): embedding on the first stage,
 //! contiguous decoder layers, final RMSNorm + LM head + cross-entropy on the last. Parameter names
 //! follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, …).
 

@@ -1,4 +1,4 @@
-//! Graph executor (DESIGN.md "Runtime" → Executor): interprets a graph node by node on candle CPU
+//! Graph executor (docs/ARCHITECTURE.md "Runtime" → Executor): interprets a graph node by node on candle CPU
 //! tensors, frees each value after its last use, and reports the peak live bytes and optionally the
 //! time of every node.
 //!

@@ -1,5 +1,5 @@
 //! graphpp-runtime: runs stage graphs and schedules — the graph executor on candle tensors,
-//! transports between ranks, and the per-rank schedule executor. See `shared/DESIGN.md`, "Runtime".
+//! transports between ranks, and the per-rank schedule executor. See `docs/ARCHITECTURE.md`, "Runtime".
 
 pub mod clip;
 pub mod executor;

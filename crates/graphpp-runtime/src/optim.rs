@@ -3,7 +3,7 @@
 //! `torch.optim.AdamW` (single-tensor path) so that runs match PyTorch step for step.
 //!
 //! The optimizer state (first moment `m`, second moment `v` per parameter, and the step count) exports
-//! to named tensors (`adam.m.<param>`, `adam.v.<param>`, `adam.step`) for checkpoints (DESIGN.md,
+//! to named tensors (`adam.m.<param>`, `adam.v.<param>`, `adam.step`) for checkpoints (docs/ARCHITECTURE.md,
 //! "Models, data, training": resume continues the exact loss sequence).
 
 use candle_core::{DType, Tensor};

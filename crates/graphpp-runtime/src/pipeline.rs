@@ -1,5 +1,5 @@
 //! The schedule executor: runs each rank's lowered program on its own OS thread over a
-//! [`Transport`], calling a [`StageWork`] for the compute (DESIGN.md, "Runtime").
+//! [`Transport`], calling a [`StageWork`] for the compute (docs/ARCHITECTURE.md, "Runtime").
 //!
 //! Per (stage, microbatch) it keeps the received input, the received output gradient, the output
 //! waiting for its SEND_F and the input gradient waiting for its SEND_B; each is dropped as soon as

@@ -1,5 +1,5 @@
 //! The stages one rank holds, run as real stage graphs under the schedule executor
-//! (DESIGN.md "Runtime" → Stage).
+//! (docs/ARCHITECTURE.md "Runtime" → Stage).
 //!
 //! A [`Stage`] is its callables (fw, full_bw, bw_di, bw_dw from [`StageGraphs`]) and its state
 //! (parameters and buffers, gradient accumulators). [`GraphStages`] holds a rank's stages (loop
@@ -7,7 +7,7 @@
 //! backward reads (stage input or tokens/targets, `saved.*`) kept from F until its B or I, and
 //! the dI → dW stash kept from I until W. Each cache entry is removed by its last use.
 //!
-//! Loss scaling (DESIGN.md "Runtime" → Semantics): a microbatch's loss is the mean over its
+//! Loss scaling (docs/ARCHITECTURE.md "Runtime" → Semantics): a microbatch's loss is the mean over its
 //! tokens (the last stage's fw computes it and its full_bw seeds d loss = 1); the step loss is the
 //! mean over the `m` microbatches, so every gradient a route's last stage produces (`grad.input`,
 //! `grad.<param>`) is multiplied by 1/m — which scales every upstream gradient too, as backward

@@ -1,5 +1,5 @@
 //! Training steps under a pipeline schedule: the per-step loop that `graphpp train` drives
-//! (DESIGN.md "Runtime" → Executor of a schedule; issue 4, "Schedule executor").
+//! (docs/ARCHITECTURE.md "Runtime" → Executor of a schedule; issue 4, "Schedule executor").
 //!
 //! A [`Trainer`] holds the lowered schedule, one [`GraphStages`] per rank (graphs built once,
 //! reused every step) and one [`AdamW`] per rank. [`Trainer::step`] runs the m microbatches of a

@@ -1,5 +1,5 @@
 //! Transports: point-to-point messages by (peer, tag) between ranks, plus the abort signal that
-//! stops every rank when one fails (DESIGN.md, "Runtime": Transport trait).
+//! stops every rank when one fails (docs/ARCHITECTURE.md, "Runtime": Transport trait).
 //!
 //! [`ThreadTransport`] connects ranks that are OS threads in one process: sends never block
 //! (unbounded mailboxes), receives block until the message arrives, the timeout passes, or some

@@ -1,6 +1,6 @@
 //! One training step of the Llama-style model run pipelined under a schedule and on a single
 //! device from the same weights and batch, and the comparison of their losses and gradients —
-//! the core invariant of DESIGN.md "Runtime" → Semantics (`graphpp verify`, tests).
+//! the core invariant of docs/ARCHITECTURE.md "Runtime" → Semantics (`graphpp verify`, tests).
 //!
 //! Pipelined: the schedule of `kind` for `shape` is generated and lowered (SEND/RECV), every
 //! schedule stage gets its [`Stage`] (graphs under [`RecomputePolicy::SaveAll`], weights from

@@ -1,5 +1,5 @@
 //! Real stage graphs under every schedule kind: one pipelined step's loss and every gradient must
-//! equal the single-device step on the whole batch (DESIGN.md "Runtime" → Semantics) within
+//! equal the single-device step on the whole batch (docs/ARCHITECTURE.md "Runtime" → Semantics) within
 //! 1e-5 relative in f32; a failing stage stops the pipeline naming rank and action.
 
 use std::collections::BTreeSet;

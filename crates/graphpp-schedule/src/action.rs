@@ -4,7 +4,7 @@
 //! `_Action.from_str`): `{stage}{KIND}{microbatch}` for per-microbatch actions (`0F1`, `2I1`, `1W0`,
 //! `3B2`, `1SEND_F3`, `2RECV_B0`), `{stage}{KIND}` for stage-level actions (`0UNSHARD`, `0RESHARD`,
 //! `0REDUCE_GRAD`) and `({f};{b})OVERLAP_F_B` for an overlapped forward/backward pair.
-//! Unlike PyTorch, trailing junk (`2BW0`) is rejected (DESIGN.md, "Schedule IR").
+//! Unlike PyTorch, trailing junk (`2BW0`) is rejected (docs/ARCHITECTURE.md, "Schedule IR").
 
 use std::fmt;
 use std::str::FromStr;

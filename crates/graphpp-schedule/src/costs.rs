@@ -1,6 +1,6 @@
 //! Per-action costs and the activation-memory model shared by generators (ZB auto) and the simulator.
 //!
-//! Units are arbitrary time units (DESIGN.md uses T_F = T_I = T_W = 1, so T_B = 2) and activation
+//! Units are arbitrary time units (docs/ARCHITECTURE.md uses T_F = T_I = T_W = 1, so T_B = 2) and activation
 //! units of one full stage's M_B.
 
 use std::fmt;
@@ -17,7 +17,7 @@ pub struct Costs {
     pub i: f64,
     /// T_W: weight-gradient backward.
     pub w: f64,
-    /// T_overlap: one OVERLAP_F_B; `None` means T_F + T_B (DESIGN.md, "Simulation").
+    /// T_overlap: one OVERLAP_F_B; `None` means T_F + T_B (docs/ARCHITECTURE.md, "Simulation").
     pub overlap: Option<f64>,
     /// c: latency of one cross-rank hop (SEND→RECV on different ranks).
     pub comm: f64,
@@ -26,7 +26,7 @@ pub struct Costs {
 }
 
 impl Default for Costs {
-    /// T_F = T_I = T_W = 1, T_B = 2, c = 0 (DESIGN.md reference costs).
+    /// T_F = T_I = T_W = 1, T_B = 2, c = 0 (docs/ARCHITECTURE.md reference costs).
     fn default() -> Self {
         Costs { f: 1.0, b: 2.0, i: 1.0, w: 1.0, overlap: None, comm: 0.0, comm_action: 0.0 }
     }
@@ -100,7 +100,7 @@ impl fmt::Display for Costs {
 }
 
 /// Activation memory of one full stage's (stage, microbatch): `m_b` held from F until B (or I),
-/// `m_w` still held between I and W (`m_w < m_b`). DESIGN.md glossary "M_B, M_W".
+/// `m_w` still held between I and W (`m_w < m_b`). docs/ARCHITECTURE.md glossary "M_B, M_W".
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Memory {
     /// M_B.

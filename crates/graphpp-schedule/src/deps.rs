@@ -1,6 +1,6 @@
 //! Cross-rank dependencies of a schedule and their topological order.
 //!
-//! The dependency rules are DESIGN.md's ("Validation"): F(s,j) needs F(s−1,j); B/I(s,j) needs
+//! The dependency rules are docs/ARCHITECTURE.md's ("Validation"): F(s,j) needs F(s−1,j); B/I(s,j) needs
 //! B/I(s+1,j), and the last stage of a microbatch's route needs its own F(s,j); W(s,j) needs I(s,j).
 //! In a lowered schedule the cross-rank edges go through SEND/RECV: a compute action whose input
 //! comes from another rank waits for its rank's RECV, and the RECV waits for the peer's SEND

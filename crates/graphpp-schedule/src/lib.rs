@@ -1,6 +1,6 @@
 //! graphpp-schedule: the schedule IR of graphpp — actions and their text/CSV/JSON forms,
 //! named generators, validation, lowering passes, simulation and timeline renderers.
-//! No tensor library. See `shared/DESIGN.md`, "Schedule IR".
+//! No tensor library. See `docs/ARCHITECTURE.md`, "Schedule IR".
 
 pub mod action;
 pub mod compare;

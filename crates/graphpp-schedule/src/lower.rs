@@ -1,4 +1,4 @@
-//! Lowering passes (DESIGN.md, "Schedule IR" → "Lowering passes"). Each pass maps a schedule to a
+//! Lowering passes (docs/ARCHITECTURE.md, "Schedule IR" → "Lowering passes"). Each pass maps a schedule to a
 //! schedule and keeps a valid schedule valid (see [`crate::validate`]).
 //!
 //! Idle steps: [`add_send_recv`], [`add_unshard_reshard`] and [`add_reduce_grad`] drop them (the
@@ -137,7 +137,7 @@ impl Wiring {
     }
 }
 
-/// Adds SEND/RECV for every cross-rank hand-over (DESIGN.md, "Lowering passes").
+/// Adds SEND/RECV for every cross-rank hand-over (docs/ARCHITECTURE.md, "Lowering passes").
 ///
 /// A SEND goes right after the action that produces the tensor (F → SEND_F, B/I → SEND_B) when
 /// the peer stage is on another rank; the matching RECV goes on the peer's rank right before the
@@ -243,7 +243,7 @@ pub fn add_unshard_reshard(s: &Schedule, max_unsharded: usize) -> Result<Schedul
 }
 
 /// Adds one REDUCE_GRAD per stage right after the stage's last backward-like action (B, I, W, or
-/// the B half of OVERLAP_F_B) on its rank (DESIGN.md, "Lowering passes"). Idle steps are dropped.
+/// the B half of OVERLAP_F_B) on its rank (docs/ARCHITECTURE.md, "Lowering passes"). Idle steps are dropped.
 ///
 /// # Errors
 /// [`LowerError::AlreadyHas`] if the input holds REDUCE_GRAD.

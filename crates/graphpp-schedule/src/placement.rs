@@ -1,4 +1,4 @@
-//! Stage → rank placement (DESIGN.md glossary, "placement").
+//! Stage → rank placement (docs/ARCHITECTURE.md glossary, "placement").
 
 /// How stages map to ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]

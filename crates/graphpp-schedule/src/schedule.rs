@@ -1,6 +1,6 @@
 //! A schedule: one program (list of steps) per rank, and its CSV / JSON / text forms.
 //!
-//! CSV (DESIGN.md, "Schedule IR"): one row per rank, one cell per step, an empty cell is an idle
+//! CSV (docs/ARCHITECTURE.md, "Schedule IR"): one row per rank, one cell per step, an empty cell is an idle
 //! step; rows end in `\n` or `\r\n` (PyTorch writes `\r\n`). JSON: `{"ranks": [["0F0", null, …], …]}`.
 
 use std::collections::BTreeMap;

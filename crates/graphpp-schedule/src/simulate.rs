@@ -1,5 +1,5 @@
 //! Event-driven simulation of a schedule: makespan, per-rank busy/idle, bubble figures and peak
-//! in-flight activation memory (DESIGN.md, "Simulation").
+//! in-flight activation memory (docs/ARCHITECTURE.md, "Simulation").
 //!
 //! An action starts at max(its rank is free, each dependency finished + c if the dependency ran on
 //! another rank). Durations: T_F, T_B, T_I, T_W, T_overlap (default T_F + T_B); SEND/RECV and FSDP
@@ -33,7 +33,7 @@ pub struct SimReport {
     pub busy: Vec<f64>,
     /// Per-rank in-iteration idle time: makespan − busy (global sync at iteration end).
     pub idle: Vec<f64>,
-    /// In-iteration r_bubble = Σ idle / Σ busy (DESIGN.md glossary "bubble").
+    /// In-iteration r_bubble = Σ idle / Σ busy (docs/ARCHITECTURE.md glossary "bubble").
     pub bubble_ratio: f64,
     /// In-iteration idle fraction = Σ idle / (p · makespan).
     pub idle_fraction: f64,
@@ -275,7 +275,7 @@ pub fn describe_cycle(g: &DepGraph, cycle: &[(crate::deps::ActionRef, crate::dep
 mod tests {
     use super::*;
 
-    /// 1F1B by its DESIGN.md rule, written out independently of the generators.
+    /// 1F1B by its docs/ARCHITECTURE.md rule, written out independently of the generators.
     fn one_f_one_b(p: usize, m: usize) -> Schedule {
         let progs = (0..p)
             .map(|r| {
@@ -294,7 +294,7 @@ mod tests {
 
     #[test]
     fn one_f_one_b_reference_figures() {
-        // DESIGN.md: p=4, m=8, t_f=t_b=1 → makespan 22.
+        // docs/ARCHITECTURE.md: p=4, m=8, t_f=t_b=1 → makespan 22.
         let c = Costs { f: 1.0, b: 1.0, ..Costs::default() };
         let r = simulate(&one_f_one_b(4, 8), &c, &Memory::default()).unwrap();
         assert_eq!(r.makespan, 22.0);

@@ -1,5 +1,5 @@
 //! A timeline: what each rank ran and when. The simulator produces one; the runtime records a
-//! measured one; the renderers draw either (DESIGN.md, "Renderers").
+//! measured one; the renderers draw either (docs/ARCHITECTURE.md, "Renderers").
 
 use crate::action::Action;
 use crate::schedule::RankId;

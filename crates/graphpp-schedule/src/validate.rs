@@ -1,4 +1,4 @@
-//! Static validation of a schedule (DESIGN.md, "Schedule IR" → "Validation").
+//! Static validation of a schedule (docs/ARCHITECTURE.md, "Schedule IR" → "Validation").
 //!
 //! [`validate`] runs the checks below in this order and returns the first failure as a typed
 //! [`ValidationError`] naming rank, step and action where one exists. A *step* is the 0-based
@@ -20,7 +20,7 @@
 //! 8. cross-rank deadlock check on [`DepGraph`] (blocking RECV semantics), naming the waiting cycle.
 //!
 //! PyTorch (`torch.distributed.pipelining`, `_validate_schedule`) checks only per-stage order;
-//! checks 2, 5–8 go further, as DESIGN.md asks.
+//! checks 2, 5–8 go further, as docs/ARCHITECTURE.md asks.
 
 // The errors are cold and some variants carry two `Loc`s so that the message can name both
 // actions; boxing them would only make matching on variants clumsier.
@@ -1032,7 +1032,7 @@ mod tests {
         Loc { rank, step, action: action.parse().unwrap() }
     }
 
-    /// 2-rank 1F1B with m = 2, lowered by hand following DESIGN.md's SEND/RECV rules.
+    /// 2-rank 1F1B with m = 2, lowered by hand following docs/ARCHITECTURE.md's SEND/RECV rules.
     const LOWERED: &str = "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n\
                            1RECV_F0,1F0,1B0,1SEND_B0,1RECV_F1,1F1,1B1,1SEND_B1\n";
 
@@ -1199,7 +1199,7 @@ mod tests {
     #[test]
     fn early_recv_deadlocks_with_its_cycle() {
         // Rank 1 posts RECV_F1 before producing 1B0's gradient; rank 0 waits for that gradient
-        // before it sends 0F1's output: the early RECV deadlocks (DESIGN.md, "Lowering passes").
+        // before it sends 0F1's output: the early RECV deadlocks (docs/ARCHITECTURE.md, "Lowering passes").
         let e = err("0F0,0SEND_F0,0RECV_B0,0B0,0F1,0SEND_F1,0RECV_B1,0B1\n\
                      1RECV_F0,1RECV_F1,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1\n");
         let ValidationError::Deadlock { cycle } = &e else { panic!("{e:?}") };

@@ -1,13 +1,14 @@
 //! DualPipeV must reproduce PyTorch's schedules byte for byte: PyTorch's own expected case
-//! (`shared/cases/torch/dualpipev_4rank_10mb.csv`: 4 ranks, 8 stages, 10 microbatches, `\n` line
-//! ends, trailing newline) and the sweep in `tests/data/torch_dualpipev/` (see its README).
+//! (`tests/data/torch_dualpipev/dualpipev_4rank_10mb.csv`, copied from PyTorch's
+//! `test/distributed/pipelining/artifacts/`: 4 ranks, 8 stages, 10 microbatches, `\n` line ends,
+//! trailing newline) and the sweep in the same folder (see its README).
 
 use std::path::PathBuf;
 
 use graphpp_schedule::{generate, Kind, Options, Schedule, Shape};
 
 fn case_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/cases/torch/dualpipev_4rank_10mb.csv")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_dualpipev/dualpipev_4rank_10mb.csv")
 }
 
 #[test]
@@ -44,5 +45,5 @@ fn dualpipev_matches_pytorch_sweep() {
         assert_eq!(s.to_csv(), expected, "{name}");
         checked += 1;
     }
-    assert_eq!(checked, 18, "expected 18 PyTorch cases in {}", dir.display());
+    assert_eq!(checked, 19, "expected 19 PyTorch cases in {}", dir.display());
 }

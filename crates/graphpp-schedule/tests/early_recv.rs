@@ -1,4 +1,4 @@
-//! DESIGN.md ("Lowering passes"): early RECV placement deadlocked real Interleaved1F1B runs.
+//! docs/ARCHITECTURE.md ("Lowering passes"): early RECV placement deadlocked real Interleaved1F1B runs.
 //! `add_send_recv` puts each RECV right before its consumer; moving every RECV just one compute
 //! action earlier turns the generated Interleaved1F1B (p = 4, v = 2, m = 8) into a deadlock, and
 //! the validator names a cycle through all four ranks.

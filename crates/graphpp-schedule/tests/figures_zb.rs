@@ -1,4 +1,4 @@
-//! DESIGN.md figures for ZB-H1, ZB-H2, ZB auto, grouped interleaving and DualPipe(V), measured with
+//! docs/ARCHITECTURE.md figures for ZB-H1, ZB-H2, ZB auto, grouped interleaving and DualPipe(V), measured with
 //! the crate's simulator (`simulate`) on generated schedules; and a cross-check of the simulator
 //! against the test-side replay in `common`. Unit costs T_F = T_I = T_W = 1, T_B = 2, c = 0 unless
 //! said; memory M_B = 1, M_W = 0.5.

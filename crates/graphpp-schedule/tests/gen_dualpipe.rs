@@ -1,4 +1,4 @@
-//! DualPipe and DualPipeV: routes, completeness, placement, in-flight bounds, the DESIGN.md bubble
+//! DualPipe and DualPipeV: routes, completeness, placement, in-flight bounds, the docs/ARCHITECTURE.md bubble
 //! (p/2−1)(T_{F&B} + T_B − 3T_W) and the shape constraints.
 
 mod common;
@@ -34,7 +34,7 @@ fn dualpipe_bubble_is_p_minus_2_with_unit_costs() {
 
 #[test]
 fn dualpipev_bubble_is_dualpipe_with_2p_stages() {
-    // DESIGN.md: "as DualPipe with p ↦ 2p stages": (p−1)·2 = 2p − 2 idle per rank.
+    // docs/ARCHITECTURE.md: "as DualPipe with p ↦ 2p stages": (p−1)·2 = 2p − 2 idle per rank.
     for (p, m) in [(2, 4), (4, 8), (4, 10), (4, 20), (8, 16)] {
         let t = replay(&gen(Kind::DualPipeV, p, m), UNIT).unwrap();
         for r in 0..p {

@@ -26,7 +26,7 @@ fn n_equal_p_is_megatron_depth_first() {
     // Default group is p.
     let d = generate(Kind::GroupedInterleaved, &Shape::new(4, 2, 8), &Options::default()).unwrap();
     assert_eq!(d, s);
-    // DESIGN.md: stage-0 peak p + (p−1)/v = 5.5 full-stage units = 11 chunk units.
+    // docs/ARCHITECTURE.md: stage-0 peak p + (p−1)/v = 5.5 full-stage units = 11 chunk units.
     assert_eq!(in_flight_peaks(&s)[0], 11);
 }
 
@@ -82,7 +82,7 @@ proptest! {
         let t = replay(&s, UNIT).map_err(TestCaseError::fail)?;
         let peaks = in_flight_peaks(&s);
         for (r, &peak) in peaks.iter().enumerate() {
-            // (p−1)(t_f + t_b)/v in full-stage units = 3(p−1) chunk-units (DESIGN.md).
+            // (p−1)(t_f + t_b)/v in full-stage units = 3(p−1) chunk-units (docs/ARCHITECTURE.md).
             prop_assert_eq!(t.idle(r), 3.0 * (p as f64 - 1.0), "rank {}", r);
             let warmup = if v == 1 { p - 1 - r } else { (v - 1) * n + 2 * (p - 1 - r) };
             prop_assert_eq!(peak, (warmup + 1).min(m * v), "rank {}", r);

@@ -1,4 +1,4 @@
-//! ZB-H1, ZB-H2 and ZB auto: completeness, in-flight / memory bounds and the DESIGN.md figures,
+//! ZB-H1, ZB-H2 and ZB auto: completeness, in-flight / memory bounds and the docs/ARCHITECTURE.md figures,
 //! checked on the generated programs with the test-side replay in `common`.
 
 mod common;
@@ -11,7 +11,7 @@ fn gen(kind: Kind, p: usize, m: usize) -> Schedule {
     generate(kind, &Shape::new(p, 1, m), &Options::default()).unwrap()
 }
 
-/// 1F1B built from DESIGN.md's rule (w = min(m, p−1−r) warm-up F, (F, B) pairs, w B's): the baseline
+/// 1F1B built from docs/ARCHITECTURE.md's rule (w = min(m, p−1−r) warm-up F, (F, B) pairs, w B's): the baseline
 /// for the ZB-H1 figure.
 fn one_f_one_b(p: usize, m: usize) -> Schedule {
     Schedule::from_programs(
@@ -32,7 +32,7 @@ fn one_f_one_b(p: usize, m: usize) -> Schedule {
 
 #[test]
 fn zb_h1_idles_3_per_rank_vs_9_for_1f1b() {
-    // DESIGN.md: p=4, m=8, T_F=T_I=T_W=1: ZB-H1 idle 3 per rank, 1F1B 9 (24 units of work each).
+    // docs/ARCHITECTURE.md: p=4, m=8, T_F=T_I=T_W=1: ZB-H1 idle 3 per rank, 1F1B 9 (24 units of work each).
     let zb = replay(&gen(Kind::ZbH1, 4, 8), UNIT).unwrap();
     let base = replay(&one_f_one_b(4, 8), UNIT).unwrap();
     for r in 0..4 {
@@ -45,7 +45,7 @@ fn zb_h1_idles_3_per_rank_vs_9_for_1f1b() {
 
 #[test]
 fn zb_h1_bubble_matches_closed_form() {
-    // (p−1)(T_F + T_I − T_W) per rank (DESIGN.md), here with T_F=2, T_I=2, T_W=1 → 3(p−1).
+    // (p−1)(T_F + T_I − T_W) per rank (docs/ARCHITECTURE.md), here with T_F=2, T_I=2, T_W=1 → 3(p−1).
     let u = Unit { f: 2.0, b: 3.0, i: 2.0, w: 1.0 };
     for p in [2, 4, 6] {
         let t = replay(&gen(Kind::ZbH1, p, 3 * p), u).unwrap();

@@ -49,7 +49,7 @@ proptest! {
     }
 }
 
-/// Not vacuous: at DESIGN.md's reference shape (p = 4, m = 8) every kind serves v = 1 or v = 2,
+/// Not vacuous: at docs/ARCHITECTURE.md's reference shape (p = 4, m = 8) every kind serves v = 1 or v = 2,
 /// and the checks above hold for it.
 #[test]
 fn every_kind_serves_the_reference_shape() {

@@ -1,14 +1,14 @@
-//! PyTorch's own DualPipeV case (`shared/cases/torch/dualpipev_4rank_10mb.csv`, 4 ranks, 8 stages
+//! PyTorch's own DualPipeV case (`tests/data/torch_dualpipev/dualpipev_4rank_10mb.csv`, 4 ranks, 8 stages
 //! in V placement, 10 microbatches) validates, and lowers to a valid schedule whose SEND/RECV
-//! counts follow from the placement (DESIGN.md: adjacent stages on one rank hand over locally).
+//! counts follow from the placement (docs/ARCHITECTURE.md: adjacent stages on one rank hand over locally).
 
 use std::path::PathBuf;
 
 use graphpp_schedule::{lower, validate, LowerOptions, Placement, Schedule, ValidateOptions};
 
 fn case() -> Schedule {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/cases/torch/dualpipev_4rank_10mb.csv");
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_dualpipev/dualpipev_4rank_10mb.csv");
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reference case {} is missing: {e}", path.display()));
     Schedule::from_csv(&text).unwrap()

@@ -1,4 +1,4 @@
-//! DESIGN.md's reference figures ("Schedules and reference figures"), reproduced by the simulator
+//! docs/ARCHITECTURE.md's reference figures ("Schedules and reference figures"), reproduced by the simulator
 //! from generated schedules. Unit costs T_F = T_I = T_W = 1 (T_B = 2), c = 0 unless said.
 
 use graphpp_schedule::{generate, simulate, Costs, Kind, Memory, Options, Schedule, Shape, SimReport};

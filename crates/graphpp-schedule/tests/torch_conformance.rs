@@ -111,7 +111,7 @@ fn gpipe_matches_pytorch() {
     check_kind(Kind::Gpipe);
 }
 
-/// PyTorch rejects m < p; we serve it (DESIGN.md: w = min(m, p−1−r)).
+/// PyTorch rejects m < p; we serve it (docs/ARCHITECTURE.md: w = min(m, p−1−r)).
 #[test]
 fn one_f_one_b_matches_pytorch_and_serves_m_below_p() {
     let (_, both_reject, served) = check_kind(Kind::OneFOneB);

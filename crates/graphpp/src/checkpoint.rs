@@ -1,6 +1,6 @@
 //! Checkpoints: parameters and optimizer state in safetensors plus a JSON sidecar (config, step,
 //! data position, …), each written atomically (temporary file, fsync, rename) with the sidecar
-//! last, so an interrupted save never leaves a checkpoint that loads (DESIGN.md, "Models, data,
+//! last, so an interrupted save never leaves a checkpoint that loads (docs/ARCHITECTURE.md, "Models, data,
 //! training").
 //!
 //! Layout in the checkpoint folder: `step-000042.safetensors` and `step-000042.json`; the JSON
@@ -96,19 +96,28 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     move |source| CheckpointError::Io { path: path.to_path_buf(), source }
 }
 
-/// Writes `bytes` to `path` atomically: a temporary sibling, fsync, rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+/// Writes `bytes` to `path` atomically: a temporary sibling, fsync, rename. A reader (or a
+/// process killed mid-write) sees the old file or the new one, never a part.
+///
+/// # Errors
+/// The I/O error of the temporary file or of the rename (the temporary file is removed).
+pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
     let res = (|| {
-        let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
-        f.write_all(bytes).map_err(io(&tmp))?;
-        f.sync_all().map_err(io(&tmp))?;
-        std::fs::rename(&tmp, path).map_err(io(path))
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
     })();
     if res.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
     res
+}
+
+/// [`write_file_atomic`] with the error naming `path`.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    write_file_atomic(path, bytes).map_err(io(path))
 }
 
 /// Saves a checkpoint for `step` into `dir` (created if needed) and returns the sidecar path.
@@ -165,7 +174,10 @@ pub fn latest(dir: &Path) -> Result<PathBuf, CheckpointError> {
 }
 
 /// The sidecars `step-N.json` in `dir`, by step, oldest first.
-fn sidecars(dir: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
+///
+/// # Errors
+/// [`CheckpointError::Io`] when `dir` cannot be read.
+pub fn sidecars(dir: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).map_err(io(dir))? {
         let p = e.map_err(io(dir))?.path();
@@ -201,15 +213,60 @@ pub fn prune(dir: &Path, keep: usize) -> Result<Vec<PathBuf>, CheckpointError> {
     Ok(old.iter().map(|(_, p)| p.clone()).collect())
 }
 
+/// Deletes every checkpoint in `dir` (sidecars first, so none is left half) and the temporary
+/// files of interrupted writes; other files stay.
+///
+/// # Errors
+/// I/O errors naming the file.
+pub fn remove_all(dir: &Path) -> Result<(), CheckpointError> {
+    for (_, json) in sidecars(dir)? {
+        std::fs::remove_file(&json).map_err(io(&json))?;
+    }
+    for e in std::fs::read_dir(dir).map_err(io(dir))? {
+        let p = e.map_err(io(dir))?.path();
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.starts_with("step-") && (name.ends_with(".safetensors") || name.contains(".tmp-")) {
+            std::fs::remove_file(&p).map_err(io(&p))?;
+        }
+    }
+    Ok(())
+}
+
+/// Checks that files can be created in `dir` — or, when it does not exist yet, in the nearest
+/// existing folder above it — by creating and removing a probe file, so that an unwritable
+/// output folder is reported before training instead of at the first save.
+///
+/// # Errors
+/// [`CheckpointError::Io`] naming the folder probed.
+pub fn check_writable(dir: &Path) -> Result<(), CheckpointError> {
+    if dir.exists() && !dir.is_dir() {
+        let e = std::io::Error::new(std::io::ErrorKind::NotADirectory, "exists and is not a folder");
+        return Err(io(dir)(e));
+    }
+    let existing = dir.ancestors().find(|d| d.is_dir()).unwrap_or(Path::new("."));
+    let existing = if existing.as_os_str().is_empty() { Path::new(".") } else { existing };
+    let probe = existing.join(format!(".graphpp-write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(io(existing))?;
+    std::fs::remove_file(&probe).map_err(io(&probe))
+}
+
+/// Reads and parses a sidecar (no tensors, no checksum).
+///
+/// # Errors
+/// [`CheckpointError::Io`], [`CheckpointError::BadSidecar`].
+pub fn load_sidecar(json_path: &Path) -> Result<Sidecar, CheckpointError> {
+    let text = std::fs::read(json_path).map_err(io(json_path))?;
+    serde_json::from_slice(&text)
+        .map_err(|e| CheckpointError::BadSidecar { path: json_path.to_path_buf(), message: e.to_string() })
+}
+
 /// Loads a checkpoint from a sidecar path, or the newest one in a folder; verifies the checksum.
 ///
 /// # Errors
 /// [`CheckpointError::NotFound`], [`CheckpointError::BadSidecar`], [`CheckpointError::BadTensors`].
 pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
     let json_path = if path.is_dir() { latest(path)? } else { path.to_path_buf() };
-    let text = std::fs::read(&json_path).map_err(io(&json_path))?;
-    let sidecar: Sidecar = serde_json::from_slice(&text)
-        .map_err(|e| CheckpointError::BadSidecar { path: json_path.clone(), message: e.to_string() })?;
+    let sidecar = load_sidecar(&json_path)?;
     let dir = json_path.parent().unwrap_or(Path::new("."));
     let tensor_path = dir.join(&sidecar.tensors);
     let bad = |message: String| CheckpointError::BadTensors { path: tensor_path.clone(), message };

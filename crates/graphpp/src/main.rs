@@ -34,6 +34,10 @@ fn main() {
         Command::Train(a) => cmd::train::run(*a),
     };
     if let Err(e) = result {
+        if let Some(stopped) = e.downcast_ref::<graphpp::stop::Interrupted>() {
+            eprintln!("{stopped}");
+            std::process::exit(stopped.signal.exit_status());
+        }
         eprintln!("error: {}", message(&e));
         std::process::exit(1);
     }

@@ -1,5 +1,5 @@
 //! A training run on text: the corpus, the sampler, the pipelined [`Trainer`], evaluation,
-//! checkpoints and resume — what `graphpp train` drives step by step (issue 4; DESIGN.md "Models,
+//! checkpoints and resume — what `graphpp train` drives step by step (issue 4; docs/ARCHITECTURE.md "Models,
 //! data, training").
 //!
 //! Each step draws `m·B` windows of `T + 1` byte tokens from the training split with a
@@ -59,6 +59,19 @@ pub enum RunError {
     /// Bad learning-rate settings.
     #[error("learning rate: {0}")]
     Lr(#[from] LrError),
+    /// A fresh run was pointed at a checkpoint folder that holds another run's checkpoints.
+    #[error(
+        "--checkpoint-dir {dir} holds checkpoints of run {run_id} (newest: step {step}); continue it with \
+         --resume, choose another folder, or pass --start-over to delete them"
+    )]
+    FolderInUse {
+        /// The folder.
+        dir: PathBuf,
+        /// The identity of the run whose checkpoints it holds.
+        run_id: String,
+        /// Its newest checkpoint's step.
+        step: u64,
+    },
     /// Building the pipeline or a step failed.
     #[error(transparent)]
     Train(#[from] TrainError),
@@ -146,7 +159,9 @@ impl RunConfig {
     }
 
     /// What must match for a resumed run to continue the same loss sequence: everything but the
-    /// pipeline layout (kind, ranks, v, layer split) and the display name.
+    /// pipeline layout (kind, ranks, v, layer split), the display name and the run's length
+    /// (`--steps` may grow to extend a finished run: the learning-rate schedule is then the new
+    /// one from the resumed step on).
     fn resume_key(&self) -> RunConfig {
         RunConfig {
             model_name: String::new(),
@@ -154,6 +169,7 @@ impl RunConfig {
             ranks: 0,
             stages_per_rank: 0,
             layers_per_stage: None,
+            steps: 0,
             ..self.clone()
         }
     }
@@ -162,6 +178,9 @@ impl RunConfig {
 /// What a checkpoint's sidecar records besides the step.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct SavedState {
+    /// The identity of the run that wrote it (one per checkpoint folder).
+    #[serde(default)]
+    run_id: String,
     config: RunConfig,
     /// Training batches drawn (the [`Batcher`] position).
     batches: u64,
@@ -172,6 +191,8 @@ struct SavedState {
 /// A training run: corpus splits, sampler and trainer.
 #[derive(Debug)]
 pub struct Run {
+    /// This run's identity, written into every checkpoint; a resumed run takes the checkpoint's.
+    run_id: String,
     config: RunConfig,
     trainer: Trainer,
     /// Tokens of the validation split.
@@ -210,7 +231,20 @@ impl Run {
         let val = x.chunks(t * 8).zip(y.chunks(t * 8)).map(|(a, b)| (a.to_vec(), b.to_vec())).collect();
         let trainer = Trainer::new(train_setup(&config)?)?;
         let batcher = Batcher { seed: config.seed, position: 0 };
-        Ok(Run { val_tokens: val_split_len, train: train.to_vec(), val, batcher, trainer, config })
+        Ok(Run {
+            run_id: new_run_id(),
+            val_tokens: val_split_len,
+            train: train.to_vec(),
+            val,
+            batcher,
+            trainer,
+            config,
+        })
+    }
+
+    /// This run's identity (16 hex digits), recorded in its checkpoints.
+    pub fn run_id(&self) -> &str {
+        &self.run_id
     }
 
     /// The settings.
@@ -286,7 +320,12 @@ impl Run {
             let data = to_f64(&t)?.into_iter().map(|x| x as f32).collect();
             tensors.push(NamedTensor { name, shape: t.dims().to_vec(), data });
         }
-        let state = SavedState { config: self.config.clone(), batches: self.batcher.position, val_loss };
+        let state = SavedState {
+            run_id: self.run_id.clone(),
+            config: self.config.clone(),
+            batches: self.batcher.position,
+            val_loss,
+        };
         let state = serde_json::to_value(state).map_err(|e| RunError::Config(e.to_string()))?;
         Ok(checkpoint::save(dir, self.steps_done(), &tensors, state)?)
     }
@@ -319,8 +358,52 @@ impl Run {
             .insert(graphpp_runtime::optim::STEP_KEY.into(), Tensor::new(step, &candle_core::Device::Cpu)?);
         self.trainer.load_state(&tensors)?;
         self.batcher.position = saved.batches;
+        self.run_id = saved.run_id;
         Ok(ck.sidecar.step)
     }
+}
+
+/// The newest checkpoint in `dir`, if any: its step, the identity of the run that wrote it and
+/// that run's settings. Reads the sidecar only (no tensors). `None` when `dir` does not exist
+/// or holds no checkpoint.
+///
+/// # Errors
+/// [`RunError::Checkpoint`] for an unreadable folder or sidecar.
+pub fn newest_checkpoint(dir: &Path) -> Result<Option<(u64, String, RunConfig)>, RunError> {
+    if !dir.is_dir() {
+        return Ok(None);
+    }
+    let Some(path) = checkpoint::sidecars(dir)?.pop().map(|(_, p)| p) else { return Ok(None) };
+    let sidecar = checkpoint::load_sidecar(&path)?;
+    let saved: SavedState = serde_json::from_value(sidecar.state).map_err(|e| {
+        RunError::Checkpoint(CheckpointError::BadSidecar { path: path.clone(), message: e.to_string() })
+    })?;
+    Ok(Some((sidecar.step, saved.run_id, saved.config)))
+}
+
+/// Checks `dir` for a fresh run, changing nothing: a folder that holds another run's
+/// checkpoints is refused (resuming it later would mix the two runs) unless `start_over` (the
+/// caller then deletes them with [`checkpoint::remove_all`] once the run is built); the folder,
+/// or the nearest existing folder above it, must accept new files.
+///
+/// # Errors
+/// [`RunError::FolderInUse`] naming the other run; [`RunError::Checkpoint`] for I/O failures.
+pub fn check_checkpoint_dir(dir: &Path, start_over: bool) -> Result<(), RunError> {
+    if let Some((step, run_id, _)) = newest_checkpoint(dir)? {
+        if !start_over {
+            return Err(RunError::FolderInUse { dir: dir.to_path_buf(), run_id, step });
+        }
+    }
+    checkpoint::check_writable(dir)?;
+    Ok(())
+}
+
+/// A fresh run identity: 16 hex digits of a hash of the clock and the process id.
+fn new_run_id() -> String {
+    use sha2::Digest;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let seed = format!("{}-{}", now.as_nanos(), std::process::id());
+    sha2::Sha256::digest(seed.as_bytes()).iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
 /// The first setting that differs between a checkpoint's run and this one.

@@ -18,12 +18,15 @@ fn failure(args: &[&str]) -> String {
     String::from_utf8(out.stderr).unwrap()
 }
 
-const TORCH_CASE: &str =
-    concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/cases/torch/dualpipev_4rank_10mb.csv");
+const TORCH_CASE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../graphpp-schedule/tests/data/torch_dualpipev/dualpipev_4rank_10mb.csv"
+);
 
 #[test]
 fn generates_pytorch_dualpipev_case_byte_for_byte() {
-    let want = std::fs::read_to_string(TORCH_CASE).expect("shared/cases/torch is beside the repository");
+    let want = std::fs::read_to_string(TORCH_CASE)
+        .expect("the PyTorch DualPipeV case is in the schedule crate's test data");
     let got = stdout(&[
         "schedule",
         "generate",

@@ -207,7 +207,10 @@ fn bad_input_is_a_clear_error_without_checkpoints() {
         (&["--data", data, "--layers-per-stage", "2,2,1,1"], "must be 4 numbers adding up to 4"),
         (&["--data", data, "--prompt", ""], "--prompt is empty"),
         (&["--data", data, "--grad-clip", "-1"], "--grad-clip -1 must be a finite number >= 0"),
-        (&["--data", data, "--trace", "/nonexistent/dir/t.json"], "/nonexistent/dir is not a folder"),
+        (
+            &["--data", data, "--trace", "/nonexistent/dir/t.json"],
+            "the folder /nonexistent/dir does not exist",
+        ),
         (&["--data", data, "--lr", "0"], "peak learning rate 0 must be finite and > 0"),
     ];
     for (args, want) in cases {
@@ -254,8 +257,8 @@ fn corrupt_checkpoint_is_refused() {
     assert!(!ck.join("step-000002.json").exists(), "no checkpoint after a failed resume");
 }
 
-/// Output paths are checked before the first step: a checkpoint "folder" that is a file, and
-/// resuming from a folder that does not exist.
+/// Output paths are checked before the first step: a checkpoint "folder" that is a file,
+/// resuming from a folder that does not exist (which is not created), unwritable folders.
 #[test]
 fn bad_output_paths_fail_before_training() {
     let d = tempfile::tempdir().unwrap();
@@ -274,8 +277,19 @@ fn bad_output_paths_fail_before_training() {
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
     let err = run(&["--checkpoint-dir", file.to_str().unwrap()]);
-    assert!(err.contains("--checkpoint-dir") && err.contains("cannot create the folder"), "{err}");
+    assert!(err.contains("--checkpoint-dir") && err.contains("exists and is not a folder"), "{err}");
     let missing = d.path().join("none");
     let err = run(&["--checkpoint-dir", missing.to_str().unwrap(), "--resume"]);
     assert!(err.contains("no checkpoint") && err.contains("none"), "{err}");
+    assert!(!missing.exists(), "--resume of a missing folder created it");
+    // Folders nobody can write into (even root: /proc takes no new files), and a folder given
+    // as the trace file.
+    let err = run(&["--trace", "/proc/graphpp-trace.json"]);
+    assert!(err.contains("--trace /proc/graphpp-trace.json: cannot write into /proc"), "{err}");
+    let err = run(&["--checkpoint-dir", "/proc/graphpp-ck"]);
+    assert!(err.contains("--checkpoint-dir /proc/graphpp-ck: cannot write there"), "{err}");
+    let err = run(&["--trace", d.path().to_str().unwrap()]);
+    assert!(err.contains("is a folder; give a file path"), "{err}");
+    let err = run(&["--metrics", "/proc/graphpp-metrics.jsonl"]);
+    assert!(err.contains("--metrics /proc/graphpp-metrics.jsonl: cannot write into /proc"), "{err}");
 }

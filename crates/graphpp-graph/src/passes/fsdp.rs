@@ -1,4 +1,4 @@
-//! `split_fsdp_collectives` (DESIGN.md "Graph IR"; Zhao et al., "PyTorch FSDP", VLDB 2023 §3):
+//! `split_fsdp_collectives` (docs/ARCHITECTURE.md "Graph IR"; Zhao et al., "PyTorch FSDP", VLDB 2023 §3):
 //! parameter all-gathers leave `fw` for an `unshard` graph, gradient reduce-scatters leave the
 //! backward for a `reduce_grad` graph, so the schedule can issue them as UNSHARD / REDUCE_GRAD.
 //!

@@ -1,4 +1,4 @@
-//! `multiplex_fw_bw` (DESIGN.md "Graph IR"; DeepSeek-V3 report §3.2.2 DualPipe overlap): one graph
+//! `multiplex_fw_bw` (docs/ARCHITECTURE.md "Graph IR"; DeepSeek-V3 report §3.2.2 DualPipe overlap): one graph
 //! that runs the forward of one (stage, microbatch) and the backward of another.
 //!
 //! Interface: inputs `f.<name>` for every fw input then `b.<name>` for every bw input; outputs

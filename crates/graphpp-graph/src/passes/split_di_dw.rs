@@ -1,4 +1,4 @@
-//! `split_di_dw` (DESIGN.md "Graph IR"; Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024,
+//! `split_di_dw` (docs/ARCHITECTURE.md "Graph IR"; Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024,
 //! §2): `full_bw` → `bw_di` (the nodes the stage-input gradient needs; on the critical path) +
 //! `bw_dw` (the rest: weight gradients, movable into bubbles). The dI-set values that `bw_dw` reads
 //! are returned by `bw_di` as `stash.<n>` outputs and taken by `bw_dw` as `Saved` inputs.

@@ -1,5 +1,5 @@
 //! DualPipe (bidirectional, two parameter copies) and DualPipeV (DualPipe folded onto one V-shaped
-//! pipeline), both built from the same 8 phases (DESIGN.md, "DualPipe / DualPipeV phases"; the
+//! pipeline), both built from the same 8 phases (docs/ARCHITECTURE.md, "DualPipe / DualPipeV phases"; the
 //! reference is `step()` of deepseek-ai/DualPipe `dualpipe.py` / `dualpipev.py`, and PyTorch's
 //! `ScheduleDualPipeV`).
 //!
@@ -27,7 +27,7 @@ use crate::schedule::Schedule;
 ///
 /// # Errors
 /// [`GenerateError::Constraint`] unless `stages_per_rank = 2`, `p` is even, `m` is even and
-/// `m >= 2p` (DESIGN.md table; `dualpipe.py` asserts the same).
+/// `m >= 2p` (docs/ARCHITECTURE.md table; `dualpipe.py` asserts the same).
 pub fn generate_dualpipe(shape: &Shape) -> Result<Schedule, GenerateError> {
     let kind = Kind::DualPipe;
     let (p, m) = (shape.ranks, shape.microbatches);
@@ -49,7 +49,7 @@ pub fn generate_dualpipe(shape: &Shape) -> Result<Schedule, GenerateError> {
 /// DualPipeV for `p` ranks, `2p` stages (V placement) and `m` microbatches.
 ///
 /// # Errors
-/// [`GenerateError::Constraint`] unless `stages_per_rank = 2` and `m >= 2p` (DESIGN.md table;
+/// [`GenerateError::Constraint`] unless `stages_per_rank = 2` and `m >= 2p` (docs/ARCHITECTURE.md table;
 /// PyTorch's `ScheduleDualPipeV` asserts the same).
 pub fn generate_dualpipev(shape: &Shape) -> Result<Schedule, GenerateError> {
     let kind = Kind::DualPipeV;
@@ -87,7 +87,7 @@ struct Phases {
 }
 
 impl Phases {
-    /// Rank program for chunks `a` (seen first) and `d`, phases 1–8 of DESIGN.md.
+    /// Rank program for chunks `a` (seen first) and `d`, phases 1–8 of docs/ARCHITECTURE.md.
     fn program(&self, a: Chunk, d: Chunk) -> Vec<Action> {
         let (h, r, n) = (self.h, self.r, self.n);
         let mut e = Emitter::new([a, d]);

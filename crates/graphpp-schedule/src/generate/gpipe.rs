@@ -1,6 +1,6 @@
 //! GPipe (all-forward-all-backward): every rank runs all `m` forwards, then all `m` full backwards.
 //!
-//! Source: Huang et al., "GPipe" (2019), §2.2; DESIGN.md, "Schedules and reference figures" (GPipe row);
+//! Source: Huang et al., "GPipe" (2019), §2.2; docs/ARCHITECTURE.md, "Schedules and reference figures" (GPipe row);
 //! PyTorch `ScheduleGPipe` (forwards in microbatch order, then backwards in microbatch order).
 //! One stage per rank (`v = 1`), stage `r` on rank `r`. Any `m ≥ 1` is served.
 

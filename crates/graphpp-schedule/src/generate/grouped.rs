@@ -17,7 +17,7 @@ use crate::schedule::Schedule;
 /// Megatron's warm-up with the round size `p` replaced by `N` (`p−1−r`, i.e. 1F1B, when `v = 1`) —
 /// then alternates [F, B], then runs the remaining backwards. Peak in flight on rank `r` is
 /// `(v−1)·N + 2(p−1−r) + 1` (stage, mb) pairs, growing with `N` (5.5 full-stage units on rank 0 for
-/// `p = 4, v = 2, N = p`, DESIGN.md). With `N = m` the forwards are breadth-first, but backwards
+/// `p = 4, v = 2, N = p`, docs/ARCHITECTURE.md). With `N = m` the forwards are breadth-first, but backwards
 /// still start once the first microbatch is back (1F1B inside the last chunk): the peak is
 /// `(v−1)·m + 2(p−1−r) + 1`, not the `m·v` of looped BFS's all-forward-then-all-backward.
 ///

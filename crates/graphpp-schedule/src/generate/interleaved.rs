@@ -2,7 +2,7 @@
 //! per-rank builder it shares with [`super::interleaved_zb`].
 //!
 //! Source: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-//! Megatron-LM" (SC'21), §2.2.2; DESIGN.md, "Schedules and reference figures" (Interleaved 1F1B row);
+//! Megatron-LM" (SC'21), §2.2.2; docs/ARCHITECTURE.md, "Schedules and reference figures" (Interleaved 1F1B row);
 //! PyTorch `torch/distributed/pipelining/schedules.py` (flexible rounds, warm-up count).
 //!
 //! Loop placement: rank `r` holds stages `r, r+p, …, r+(v−1)p` (chunk `c` is stage `c·p + r`).
@@ -146,7 +146,7 @@ mod tests {
         peak
     }
 
-    /// DESIGN.md Interleaved 1F1B row: rank 0 holds p + (p−1)/v full-stage activations, 5.5 for p = 4,
+    /// docs/ARCHITECTURE.md Interleaved 1F1B row: rank 0 holds p + (p−1)/v full-stage activations, 5.5 for p = 4,
     /// v = 2, i.e. 11 chunk activations (a chunk is 1/v of a stage).
     #[test]
     fn rank0_peak_memory_matches_design() {

@@ -1,7 +1,7 @@
 //! Interleaved zero bubble (ZB1P; PyTorch `ScheduleInterleavedZeroBubble`).
 //!
 //! Source: Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), §3 (ZB-H1 on interleaved
-//! chunks); DESIGN.md, "Schedules and reference figures" (Interleaved zero bubble row); PyTorch
+//! chunks); docs/ARCHITECTURE.md, "Schedules and reference figures" (Interleaved zero bubble row); PyTorch
 //! `torch/distributed/pipelining/schedules.py`. Interleaved 1F1B (see [`super::interleaved`]) with a
 //! warm-up of one forward per hop instead of two, each backward split into `I` and `W`: after the
 //! `k`-th `I`, once `k ≥ r`, rank `r` runs the `W` of its oldest backward still without one; the rest

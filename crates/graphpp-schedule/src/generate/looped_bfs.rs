@@ -1,6 +1,6 @@
 //! Looped BFS (breadth-first pipeline parallelism; PyTorch `ScheduleLoopedBFS`).
 //!
-//! Source: Lamy-Poirier, "Breadth-First Pipeline Parallelism" (MLSys 2023), §3; DESIGN.md, "Schedules
+//! Source: Lamy-Poirier, "Breadth-First Pipeline Parallelism" (MLSys 2023), §3; docs/ARCHITECTURE.md, "Schedules
 //! and reference figures" (Looped BFS row); PyTorch `torch/distributed/pipelining/schedules.py`.
 //! Loop placement. Rank `r` runs all `m` forwards of its chunk 0 (stage `r`), then of chunk 1 (stage
 //! `r+p`), …; then the backwards chunk by chunk in reverse (last chunk first), each chunk's

@@ -1,4 +1,4 @@
-//! Named schedule generators (DESIGN.md, "Schedules and reference figures").
+//! Named schedule generators (docs/ARCHITECTURE.md, "Schedules and reference figures").
 //!
 //! [`generate`] dispatches on [`Kind`]; each kind lives in its own module and documents its
 //! constraints. A shape a kind cannot serve is a [`GenerateError::Constraint`] naming the rule.

@@ -1,7 +1,7 @@
 //! 1F1B (PipeDream-flush): a warm-up of forwards, then one forward and one backward alternately,
 //! then the remaining backwards.
 //!
-//! Source: Narayanan et al., "PipeDream-2BW / flush" (2021), §3; DESIGN.md, "Schedules and reference
+//! Source: Narayanan et al., "PipeDream-2BW / flush" (2021), §3; docs/ARCHITECTURE.md, "Schedules and reference
 //! figures" (1F1B row: `w = min(m, p−1−r)` warm-up forwards, then (F, B) pairs, then `w` backwards).
 //! PyTorch `Schedule1F1B` gives the same order. Unlike PyTorch, which rejects `m < p`, every `m ≥ 1` is
 //! served: the warm-up is capped by `m`.
@@ -43,7 +43,7 @@ mod tests {
     use crate::action::ComputeKind;
     use proptest::prelude::*;
 
-    /// DESIGN.md 1F1B row, p = 4, m = 8.
+    /// docs/ARCHITECTURE.md 1F1B row, p = 4, m = 8.
     #[test]
     fn design_reference_programs() {
         let s = generate(&Shape::new(4, 1, 8)).unwrap();

@@ -1,7 +1,7 @@
 //! Zero-bubble automatic schedule (ZB-1p / ZB-2p): the heuristic of Qi et al. 2024, "Zero Bubble
 //! Pipeline Parallelism", §3.1 ("heuristic algorithm"), as in the initial solution of
 //! sail-sg/zero-bubble-pipeline-parallelism `auto_schedule.py` (`manual_order` / `initial_solution`),
-//! summarised in DESIGN.md: F's in warm-up while memory allows, then 1F1B, a W into every gap of at
+//! summarised in docs/ARCHITECTURE.md: F's in warm-up while memory allows, then 1F1B, a W into every gap of at
 //! least T_W and whenever memory hits the cap, the remaining W's at the end; three flags are tried in
 //! all combinations and the shortest schedule is kept.
 //!

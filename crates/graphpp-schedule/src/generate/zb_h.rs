@@ -1,5 +1,5 @@
 //! Zero-bubble handcrafted schedules ZB-H1 and ZB-H2 (Qi et al. 2024, "Zero Bubble Pipeline
-//! Parallelism", §3; DESIGN.md table "Schedules and reference figures"; the tutorial seed `001_…`,
+//! Parallelism", §3; docs/ARCHITECTURE.md table "Schedules and reference figures"; the tutorial seed `001_…`,
 //! "ZB-H1" / "ZB-H2"). One stage per rank (`v = 1`), stage `r` on rank `r`; the backward is split
 //! into I (input gradient) and W (weight gradient).
 
@@ -42,7 +42,7 @@ pub fn generate_h1(shape: &Shape) -> Result<Schedule, GenerateError> {
     Ok(Schedule::from_programs(programs))
 }
 
-/// ZB-H2: a time-stepped greedy over unit costs (T_F = T_I = T_W = 1, c = 0), the rule of DESIGN.md
+/// ZB-H2: a time-stepped greedy over unit costs (T_F = T_I = T_W = 1, c = 0), the rule of docs/ARCHITECTURE.md
 /// and the tutorial seed's simulator: whenever rank `r` is free it runs, in order of preference,
 /// 1. the next I if it is ready (own F done; the next stage's I done, unless `r` is the last stage),
 /// 2. else the next F if its input is ready and fewer than `2(p−r)−1` microbatches are in flight

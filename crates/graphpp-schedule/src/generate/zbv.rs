@@ -1,7 +1,7 @@
 //! ZB-V (zero bubble, V placement; PyTorch `ScheduleZBVZeroBubble`).
 //!
 //! Source: Qi et al., "Pipeline Parallelism with Controllable Memory" (NeurIPS 2024), §4 (V-shape
-//! schedule); DESIGN.md, "Schedules and reference figures" (ZB-V row); PyTorch
+//! schedule); docs/ARCHITECTURE.md, "Schedules and reference figures" (ZB-V row); PyTorch
 //! `torch/distributed/pipelining/schedules.py`. Rank `r` holds chunk 0 = stage `r` and chunk 1 =
 //! stage `2p−1−r`. With `n = max(2p−1, m)` microbatches:
 //! warm-up `2(p−r)−1` × F(chunk 0), `r` × [F1, F0], `p−r` × [F1, I1, W1];
@@ -97,7 +97,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// DESIGN.md ZB-V row at p = 4, m = 8: rank 0 warms up with 2·4−1 = 7 F of stage 0, then r = 0
+    /// docs/ARCHITECTURE.md ZB-V row at p = 4, m = 8: rank 0 warms up with 2·4−1 = 7 F of stage 0, then r = 0
     /// [F1, F0] pairs, then p − r = 4 × [F1, I1, W1] on stage 7; rank 3 with one F of stage 3, then
     /// 3 × [F(4), F(3)], then one [F1, I1, W1].
     #[test]
@@ -116,7 +116,7 @@ mod tests {
     }
 
     proptest! {
-        /// DESIGN.md ZB-V row: memory p·M_B in full-stage units, i.e. at most 2p chunk activations
+        /// docs/ARCHITECTURE.md ZB-V row: memory p·M_B in full-stage units, i.e. at most 2p chunk activations
         /// (held from F until W) on every rank, reached once m ≥ 2p − 1.
         #[test]
         fn peak_activations_are_p_stages(p in 1usize..8, extra in 0usize..10) {

@@ -1,4 +1,4 @@
-//! Timeline renderers (DESIGN.md, "Renderers"): a terminal grid, SVG, and Chrome trace JSON. Each
+//! Timeline renderers (docs/ARCHITECTURE.md, "Renderers"): a terminal grid, SVG, and Chrome trace JSON. Each
 //! draws any [`Timeline`](crate::timeline::Timeline), simulated or measured.
 
 mod chrome;

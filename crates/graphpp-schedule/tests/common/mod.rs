@@ -1,5 +1,5 @@
 //! Test-side checks computed directly from a schedule's programs: completeness and per-stage order,
-//! per-rank in-flight peaks, and a small as-soon-as-possible timing replay (DESIGN.md "Simulation"
+//! per-rank in-flight peaks, and a small as-soon-as-possible timing replay (docs/ARCHITECTURE.md "Simulation"
 //! rule: an action starts at max(its rank is free, its dependencies finished); c = 0).
 //!
 //! The replay is independent of the generators so that the figure checks can fail.
@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use graphpp_schedule::{Action, ComputeKind, Schedule, Task};
 
-/// Asserts DESIGN.md's validation rules for a compute-only schedule over `m` microbatches: every
+/// Asserts docs/ARCHITECTURE.md's validation rules for a compute-only schedule over `m` microbatches: every
 /// (stage, mb) of the microbatch's route has exactly one F and either one B (possibly inside
 /// OVERLAP_F_B) or one I plus one W, all on one rank, F before B/I and I before W in program order;
 /// no action names a (stage, mb) outside its route.
@@ -119,7 +119,7 @@ pub struct Unit {
     pub w: f64,
 }
 
-/// T_F = T_I = T_W = 1, T_B = 2 (DESIGN.md reference costs).
+/// T_F = T_I = T_W = 1, T_B = 2 (docs/ARCHITECTURE.md reference costs).
 pub const UNIT: Unit = Unit { f: 1.0, b: 2.0, i: 1.0, w: 1.0 };
 
 /// Per-rank timeline of the replay: (start, end) of each action in program order.

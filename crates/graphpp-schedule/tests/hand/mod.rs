@@ -1,5 +1,5 @@
 //! Hand-made schedules and an independent execution oracle for the validation/lowering tests.
-//! The builders follow DESIGN.md's rules ("Schedules and reference figures"), written out
+//! The builders follow docs/ARCHITECTURE.md's rules ("Schedules and reference figures"), written out
 //! directly here so that the tests do not depend on the generators.
 
 #![allow(dead_code)]
@@ -15,7 +15,7 @@ pub fn gpipe(p: usize, m: usize) -> Schedule {
     )
 }
 
-/// 1F1B (DESIGN.md): w = min(m, p-1-r) warm-up F, then (F, B) pairs, then the w remaining B.
+/// 1F1B (docs/ARCHITECTURE.md): w = min(m, p-1-r) warm-up F, then (F, B) pairs, then the w remaining B.
 pub fn one_f_one_b(p: usize, m: usize) -> Schedule {
     Schedule::from_programs((0..p).map(|r| one_f_one_b_rank(p, m, r, false)).collect())
 }
@@ -123,7 +123,7 @@ pub fn rank_of(f: Family, p: usize, stage: usize) -> usize {
 }
 
 /// Independent oracle: runs every rank's compute program in order, one ready action at a time,
-/// with DESIGN.md's dependency rules on full routes `0..S` (F(s,j) needs F(s-1,j); B/I(s,j) needs
+/// with docs/ARCHITECTURE.md's dependency rules on full routes `0..S` (F(s,j) needs F(s-1,j); B/I(s,j) needs
 /// F(s,j) and B/I(s+1,j) unless s is last; W(s,j) needs I(s,j)). True when every rank finishes.
 pub fn runs_to_completion(s: &Schedule, stages: usize) -> bool {
     use std::collections::HashSet;

@@ -4,13 +4,17 @@
 //! last measured steps; the summary puts the measured bubble beside the simulator's prediction.
 
 use std::collections::VecDeque;
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use graphpp::train::{bubble_summary, joined_timeline, Run, RunConfig};
+use graphpp::checkpoint::CheckpointError;
+use graphpp::metrics::{MetricsLog, StepRecord};
+use graphpp::stop::{Interrupted, StopRequest, StopSignal};
+use graphpp::train::{
+    bubble_summary, check_checkpoint_dir, joined_timeline, newest_checkpoint, Run, RunConfig, RunError,
+};
 use graphpp_runtime::StepReport;
 use graphpp_schedule::{render::chrome_trace, Kind, Timeline};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -81,14 +85,24 @@ pub struct TrainArgs {
     /// Keep only the newest N checkpoints in --checkpoint-dir (0: keep all).
     #[arg(long, default_value_t = 0)]
     keep_checkpoints: usize,
-    /// Continue from the newest checkpoint in --checkpoint-dir.
-    #[arg(long, requires = "checkpoint_dir")]
+    /// Continue from the newest checkpoint in --checkpoint-dir (which must hold one). A larger
+    /// --steps extends a finished run; the learning-rate schedule is then the new one.
+    #[arg(long, requires = "checkpoint_dir", conflicts_with_all = ["resume_if_present", "start_over"])]
     resume: bool,
+    /// Continue from the newest checkpoint in --checkpoint-dir if there is one, else start
+    /// fresh: one command line for a job that a cluster scheduler restarts.
+    #[arg(long, requires = "checkpoint_dir", conflicts_with = "start_over")]
+    resume_if_present: bool,
+    /// Delete the checkpoints in --checkpoint-dir and start a fresh run there (without it a
+    /// folder holding another run's checkpoints is refused).
+    #[arg(long, requires = "checkpoint_dir")]
+    start_over: bool,
     /// Stop after this many steps of the run (the learning-rate schedule still spans --steps).
     #[arg(long)]
     stop_after: Option<u64>,
-    /// Append one JSON line per step to PATH (step, loss, lr, grad_norm, step_s, tokens_per_s,
-    /// elapsed_s, and val_loss at evaluations); truncated unless --resume.
+    /// Write one JSON line per step to PATH (step, loss, lr, grad_norm, step_s, tokens_per_s,
+    /// elapsed_s, and val_loss at evaluations); a resumed run keeps the lines up to its
+    /// checkpoint's step, a fresh one truncates the file.
     #[arg(long)]
     metrics: Option<PathBuf>,
     /// Write a Chrome trace (Perfetto, chrome://tracing) of the last measured steps to PATH.
@@ -106,7 +120,10 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
-    fn config(&self) -> Result<RunConfig> {
+    /// The run's settings. `resumed` is the checkpoint's run when resuming: a flag left at its
+    /// default whose default depends on --steps (--warmup) takes the checkpoint's value, so
+    /// extending a run with a larger --steps keeps its warm-up.
+    fn config(&self, resumed: Option<&RunConfig>) -> Result<RunConfig> {
         let mut model = crate::cmd::graph::load_config(&self.model)?;
         if let Some(l) = self.layers {
             model.num_hidden_layers = l;
@@ -114,7 +131,7 @@ impl TrainArgs {
         if !(self.grad_clip >= 0.0 && self.grad_clip.is_finite()) {
             bail!("--grad-clip {} must be a finite number >= 0 (0 disables clipping)", self.grad_clip);
         }
-        let warmup = self.warmup.unwrap_or((self.steps / 10).min(50));
+        let warmup = self.warmup.or(resumed.map(|r| r.warmup)).unwrap_or((self.steps / 10).min(50));
         if warmup > self.steps {
             bail!("--warmup {warmup} exceeds --steps {}", self.steps);
         }
@@ -154,18 +171,36 @@ fn progress(steps: u64, done: u64) -> ProgressBar {
 }
 
 /// Runs `graphpp train`. Errors: bad settings, data or checkpoint (typed, naming the input), a
-/// failing rank (naming rank, step and action).
+/// failing rank (naming rank, step and action); [`graphpp::stop::Interrupted`] after SIGINT /
+/// SIGTERM, once the current step is finished and saved.
 pub fn run(a: TrainArgs) -> Result<()> {
+    let stop = StopRequest::install().context("installing the SIGINT/SIGTERM handlers")?;
     let threads = crate::cmd::set_op_threads(a.ranks, a.threads_per_rank.map(|n| n as usize));
-    let config = a.config()?;
+    let resume_from = resume_point(&a)?;
+    let config = a.config(resume_from.as_ref().map(|(_, c)| c))?;
+    config.validate()?;
+    check_outputs(&a, resume_from.is_some())?;
     let mut run = Run::new(config)?;
-    let mut metrics = prepare_outputs(&a)?;
-    let c = run.config().clone();
-    if a.resume {
-        let dir = a.checkpoint_dir.as_ref().expect("clap requires --checkpoint-dir with --resume");
-        let step = run.resume(dir)?;
-        println!("resumed from {} at step {step}", dir.display());
+    if let Some(dir) = a.checkpoint_dir.as_ref().filter(|d| a.start_over && d.is_dir()) {
+        graphpp::checkpoint::remove_all(dir)?;
     }
+    if let (Some((step, saved)), Some(dir)) = (&resume_from, &a.checkpoint_dir) {
+        let at = run.resume(dir)?;
+        println!("resumed run {} from {} at step {at}", run.run_id(), dir.display());
+        if saved.steps != run.config().steps {
+            println!(
+                "the run now ends at step {} (it was {}): the learning-rate schedule is the new one from step {}",
+                run.config().steps,
+                saved.steps,
+                step + 1
+            );
+        }
+    }
+    let mut metrics = match &a.metrics {
+        Some(path) => MetricsLog::open(path, run.steps_done())?,
+        None => MetricsLog::in_memory(),
+    };
+    let c = run.config().clone();
     print_header(&run, threads);
     let last = a.stop_after.map_or(c.steps, |s| s.min(c.steps));
     let pb = progress(last, run.steps_done());
@@ -173,6 +208,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let t_run = Instant::now();
     let mut kept: VecDeque<(f64, Timeline)> = VecDeque::new();
     let mut val = None;
+    let mut saved_at = None;
     let first = run.steps_done();
     while run.steps_done() < last {
         let start = t_run.elapsed().as_secs_f64();
@@ -185,12 +221,17 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
         let at_eval = (a.eval_every > 0 && r.step % a.eval_every == 0) || r.step == last;
         let timing = (secs, t_run.elapsed().as_secs_f64());
-        if let Some(v) = after_step(&a, &mut run, &r, at_eval, timing, &pb, metrics.as_mut())? {
+        if let Some((v, path)) = after_step(&a, &mut run, &r, at_eval, timing, &pb, &mut metrics)? {
             val = Some(v);
+            saved_at = path.map(|p| (r.step, p));
         }
         kept.push_back((start, r.timeline));
         if kept.len() > TRACE_STEPS {
             kept.pop_front();
+        }
+        if let Some(signal) = stop.requested() {
+            pb.finish_and_clear();
+            return Err(interrupted(&a, &run, signal, saved_at)?.into());
         }
     }
     pb.finish_and_clear();
@@ -206,9 +247,40 @@ pub fn run(a: TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// The checkpoint to continue from: with --resume the newest in --checkpoint-dir (an error when
+/// there is none — the folder is never created); with --resume-if-present that one or none.
+/// Returns its step and its run's settings.
+fn resume_point(a: &TrainArgs) -> Result<Option<(u64, RunConfig)>> {
+    let Some(dir) = a.checkpoint_dir.as_ref().filter(|_| a.resume || a.resume_if_present) else {
+        return Ok(None);
+    };
+    match newest_checkpoint(dir)? {
+        Some((step, _, config)) => Ok(Some((step, config))),
+        None if a.resume => Err(CheckpointError::NotFound(dir.clone()).into()),
+        None => Ok(None),
+    }
+}
+
+/// After SIGINT / SIGTERM: saves the step just finished (unless it was just saved) and returns
+/// the error that makes the binary exit with 128 + the signal number.
+fn interrupted(
+    a: &TrainArgs,
+    run: &Run,
+    signal: StopSignal,
+    saved_at: Option<(u64, PathBuf)>,
+) -> Result<Interrupted> {
+    let step = run.steps_done();
+    let saved = match (&a.checkpoint_dir, saved_at) {
+        (Some(_), Some((at, path))) if at == step => Some(path),
+        (Some(dir), _) => Some(run.save(dir, None)?),
+        (None, _) => None,
+    };
+    Ok(Interrupted { signal, step, saved })
+}
+
 /// After a step: evaluates when `at_eval` (printing a line and writing a checkpoint), and logs
-/// the step to `--metrics`; returns the validation loss if evaluated. `timing` = (step seconds,
-/// seconds since the run began).
+/// the step; returns the validation loss and the checkpoint written, if evaluated. `timing` =
+/// (step seconds, seconds since the run began).
 fn after_step(
     a: &TrainArgs,
     run: &mut Run,
@@ -216,63 +288,81 @@ fn after_step(
     at_eval: bool,
     (secs, elapsed): (f64, f64),
     pb: &ProgressBar,
-    metrics: Option<&mut std::io::LineWriter<std::fs::File>>,
-) -> Result<Option<f64>> {
+    metrics: &mut MetricsLog,
+) -> Result<Option<(f64, Option<PathBuf>)>> {
     let tokens = run.config().tokens_per_step() as f64;
     let v = if at_eval { Some(run.evaluate()?) } else { None };
-    if let Some(m) = metrics {
-        let line = serde_json::json!({
-            "step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "step_s": secs,
-            "tokens_per_s": tokens / secs, "elapsed_s": elapsed, "val_loss": v,
-        });
-        writeln!(m, "{line}").context("writing --metrics")?;
+    metrics.push(StepRecord {
+        step: r.step,
+        loss: r.loss,
+        lr: r.lr,
+        grad_norm: r.grad_norm,
+        step_s: secs,
+        tokens_per_s: tokens / secs,
+        elapsed_s: elapsed,
+        val_loss: v,
+        peak_bytes: None,
+        flops_per_s: None,
+    })?;
+    let Some(v) = v else { return Ok(None) };
+    say(
+        pb,
+        format!(
+            "step {:>6}  train loss {:.4}  val loss {v:.4}  lr {:.2e}  grad norm {:.3}  {:.0} tok/s  {elapsed:.0} s",
+            r.step,
+            r.loss,
+            r.lr,
+            r.grad_norm,
+            tokens / secs,
+        ),
+    );
+    let mut saved = None;
+    if let Some(dir) = &a.checkpoint_dir {
+        saved = Some(run.save(dir, Some(v))?);
+        graphpp::checkpoint::prune(dir, a.keep_checkpoints)?;
     }
-    if let Some(v) = v {
-        say(
-            pb,
-            format!(
-                "step {:>6}  train loss {:.4}  val loss {v:.4}  lr {:.2e}  grad norm {:.3}  {:.0} tok/s  {elapsed:.0} s",
-                r.step,
-                r.loss,
-                r.lr,
-                r.grad_norm,
-                tokens / secs,
-            ),
-        );
-        if let Some(dir) = &a.checkpoint_dir {
-            run.save(dir, Some(v))?;
-            graphpp::checkpoint::prune(dir, a.keep_checkpoints)?;
-        }
-    }
-    Ok(v)
+    Ok(Some((v, saved)))
 }
 
-/// Checks the output paths before any training: the trace's folder must exist, the checkpoint
-/// folder is created, the metrics file opened (appended to when resuming).
-fn prepare_outputs(a: &TrainArgs) -> Result<Option<std::io::LineWriter<std::fs::File>>> {
+/// Checks every output path before any training, so that a bad one fails in the first second
+/// rather than after the run: the trace's folder must exist and be writable (and the path not
+/// be a folder); the checkpoint folder must be writable and, for a fresh run, hold no other
+/// run's checkpoints (`--start-over` allows that: they are deleted once the run is built); the
+/// metrics file's folder must be writable. Creates nothing.
+fn check_outputs(a: &TrainArgs, resuming: bool) -> Result<()> {
     if let Some(path) = &a.trace {
-        let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-        if !parent.is_dir() || path.is_dir() {
-            bail!(
-                "--trace {}: {} is not a folder one can write the trace into",
-                path.display(),
-                parent.display()
-            );
-        }
+        check_output_file("--trace", path)?;
+    }
+    if let Some(path) = &a.metrics {
+        check_output_file("--metrics", path)?;
     }
     if let Some(dir) = &a.checkpoint_dir {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("--checkpoint-dir {}: cannot create the folder", dir.display()))?;
+        // A resumed run continues its own folder; a fresh one must not take another run's.
+        check_checkpoint_dir(dir, resuming || a.start_over).map_err(|e| match e {
+            RunError::Checkpoint(io @ CheckpointError::Io { .. }) => {
+                anyhow::anyhow!("--checkpoint-dir {}: cannot write there: {io}", dir.display())
+            }
+            other => other.into(),
+        })?;
     }
-    let Some(path) = &a.metrics else { return Ok(None) };
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(a.resume)
-        .write(true)
-        .truncate(!a.resume)
-        .open(path)
-        .with_context(|| format!("--metrics {}: cannot open the file", path.display()))?;
-    Ok(Some(std::io::LineWriter::new(file)))
+    Ok(())
+}
+
+/// `path` names a file (not a folder) in an existing folder that accepts new files.
+fn check_output_file(flag: &str, path: &std::path::Path) -> Result<()> {
+    if path.is_dir() {
+        bail!(
+            "{flag} {}: is a folder; give a file path such as {}",
+            path.display(),
+            path.join("out.json").display()
+        );
+    }
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    if !parent.is_dir() {
+        bail!("{flag} {}: the folder {} does not exist", path.display(), parent.display());
+    }
+    graphpp::checkpoint::check_writable(parent)
+        .with_context(|| format!("{flag} {}: cannot write into {}", path.display(), parent.display()))
 }
 
 /// Prints above the progress bar, or plainly when there is no bar (output not a terminal).

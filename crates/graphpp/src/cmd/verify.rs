@@ -1,6 +1,6 @@
 //! `graphpp verify`: one training step pipelined under a schedule and one on a single device from
 //! the same weights and batch; prints both losses and the largest gradient differences, and fails
-//! (exit 1) above the tolerance (DESIGN.md "Runtime" → Semantics).
+//! (exit 1) above the tolerance (docs/ARCHITECTURE.md "Runtime" → Semantics).
 
 use std::time::Instant;
 
