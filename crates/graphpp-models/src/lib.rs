@@ -2,11 +2,15 @@
 //! field names, and the split of a model into pipeline stages (see `docs/ARCHITECTURE.md`, "Models, data, training").
 
 pub mod config;
+pub mod flops;
 pub mod llama;
+pub mod recompute;
 pub mod rng;
 
 pub use config::{LlamaConfig, ModelError};
+pub use flops::flops_per_token;
 pub use llama::{
     build_stage, init_parameters, layer_checkpoints, split_layers, stage_buffers, stage_graph_set,
     stage_parameters, StageOptions, StageSpec,
 };
+pub use recompute::Recompute;

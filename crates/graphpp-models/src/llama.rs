@@ -3,6 +3,7 @@
 //! follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, …).
 
 use crate::config::{LlamaConfig, ModelError};
+use crate::recompute::Recompute;
 use graphpp_graph::layers::{
     causal_attention, cross_entropy, embedding, linear, rms_norm, swiglu_mlp, AttentionDims, AttentionWeights,
 };
@@ -24,12 +25,22 @@ pub struct StageOptions {
     /// On the last stage, output `logits` `[B·T, V]` instead of the loss and take no `targets`
     /// (inference: validation sampling and text generation).
     pub logits: bool,
+    /// What the forward saves for the backward; the runtime derives the stage's backward graphs
+    /// under [`Recompute::policy`].
+    pub recompute: Recompute,
 }
 
 impl StageOptions {
     /// `B×T` microbatch in f32, no FSDP.
     pub fn new(batch: usize, seq: usize) -> Self {
-        StageOptions { batch, seq, dtype: DType::F32, fsdp: None, logits: false }
+        StageOptions {
+            batch,
+            seq,
+            dtype: DType::F32,
+            fsdp: None,
+            logits: false,
+            recompute: Recompute::SaveAll,
+        }
     }
 }
 

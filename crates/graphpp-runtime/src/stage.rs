@@ -227,19 +227,27 @@ pub struct GraphStages {
     stash: HashMap<Task, Env>,
     losses: BTreeMap<usize, f64>,
     overlap: HashMap<(usize, usize), Arc<Graph>>,
+    /// Peak activation bytes of the step so far (see [`GraphStages::peak_activation_bytes`]).
+    peak_activation_bytes: usize,
 }
 
 fn grad_of(name: &str) -> String {
     format!("grad.{name}")
 }
 
-fn run_graph(g: &Graph, env: &Env, t: Task) -> Result<Env, StageError> {
+/// Runs `g`; returns its outputs by name and its peak live bytes.
+fn run_graph(g: &Graph, env: &Env, t: Task) -> Result<(Env, usize), StageError> {
     let r = run_named(g, env, &RunOptions::default()).map_err(|source| StageError::Exec {
         stage: t.stage,
         mb: t.mb,
         source,
     })?;
-    Ok(g.output_names().into_iter().zip(r.outputs).collect())
+    Ok((g.output_names().into_iter().zip(r.outputs).collect(), r.peak_live_bytes))
+}
+
+/// Logical bytes (`numel × dtype size`) of the tensors of `env`.
+pub fn env_bytes<'a>(env: impl IntoIterator<Item = &'a Tensor>) -> usize {
+    env.into_iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
 }
 
 fn missing(t: Task, what: &str) -> StageError {
@@ -256,7 +264,29 @@ impl GraphStages {
             stash: HashMap::new(),
             losses: BTreeMap::new(),
             overlap: HashMap::new(),
+            peak_activation_bytes: 0,
         }
+    }
+
+    /// Peak activation memory of this rank in the current step, bytes: the largest, over the
+    /// actions run, of the per-microbatch caches held by other (stage, microbatch) pairs (saved
+    /// activations, dI→dW stashes) plus the running graph's peak live bytes (see
+    /// [`crate::executor`]: activations only, no parameters). Reset by [`GraphStages::start_step`].
+    pub fn peak_activation_bytes(&self) -> usize {
+        self.peak_activation_bytes
+    }
+
+    /// Bytes of this rank's stage state (parameters and buffers) and gradient accumulators.
+    pub fn state_bytes(&self) -> usize {
+        self.stages.values().map(|s| env_bytes(s.state.values()) + env_bytes(s.grads.values())).sum()
+    }
+
+    /// Runs `g` for `t` and records the rank's activation peak during it.
+    fn run_graph(&mut self, g: &Graph, env: &Env, t: Task) -> Result<Env, StageError> {
+        let (outs, graph_peak) = run_graph(g, env, t)?;
+        let cached = env_bytes(self.saved.values().chain(self.stash.values()).flat_map(|e| e.values()));
+        self.peak_activation_bytes = self.peak_activation_bytes.max(cached + graph_peak);
+        Ok(outs)
     }
 
     /// The stages, by stage id.
@@ -276,6 +306,7 @@ impl GraphStages {
         self.losses.clear();
         self.saved.clear();
         self.stash.clear();
+        self.peak_activation_bytes = 0;
     }
 
     /// Loss (mean over its tokens) of each microbatch whose route ends on this rank.
@@ -387,14 +418,14 @@ impl GraphStages {
     fn forward_task(&mut self, t: Task, input: Option<Tensor>) -> Result<Option<Tensor>, StageError> {
         let env = self.fw_env(t, input)?;
         let g = Arc::clone(&self.stage(t)?.graphs);
-        let outs = run_graph(&g.fw, &env, t)?;
+        let outs = self.run_graph(&g.fw, &env, t)?;
         self.after_fw(t, env, outs)
     }
 
     fn backward_task(&mut self, t: Task, grad: Option<Tensor>) -> Result<Option<Tensor>, StageError> {
         let env = self.bw_env(t, grad)?;
         let g = Arc::clone(&self.stage(t)?.graphs);
-        let outs = run_graph(&g.full_bw, &env, t)?;
+        let outs = self.run_graph(&g.full_bw, &env, t)?;
         self.after_bw(t, outs)
     }
 
@@ -409,9 +440,10 @@ impl GraphStages {
             self.stash.insert(t, keep);
             return Ok(None);
         };
-        let mut outs = run_graph(di, &env, t)?;
+        let mut outs = self.run_graph(di, &env, t)?;
         let gin = outs.remove(&grad_of(INPUT)).ok_or_else(|| missing(t, "grad.input output of bw_di"))?;
-        outs.extend(env.into_iter().filter(|(k, _)| st.dw_reads.contains(k)));
+        let dw_reads = &self.stage(t)?.dw_reads;
+        outs.extend(env.into_iter().filter(|(k, _)| dw_reads.contains(k)));
         self.stash.insert(t, outs);
         Ok(Some(self.scaled(t, gin)?))
     }
@@ -423,7 +455,7 @@ impl GraphStages {
         let mut env = st.state.clone();
         env.extend(stash);
         let graph = g.di_dw.as_ref().map(|(_, dw)| dw).unwrap_or(&g.full_bw);
-        let outs = run_graph(graph, &env, t)?;
+        let outs = self.run_graph(graph, &env, t)?;
         self.after_bw(t, outs).map(|_| ())
     }
 
@@ -442,7 +474,7 @@ impl GraphStages {
         let mut env: Env = fenv.iter().map(|(k, v)| (format!("f.{k}"), v.clone())).collect();
         env.extend(benv.into_iter().map(|(k, v)| (format!("b.{k}"), v)));
         let (mut fo, mut bo) = (Env::new(), Env::new());
-        for (k, v) in run_graph(&g, &env, f)? {
+        for (k, v) in self.run_graph(&g, &env, f)? {
             if let Some(n) = k.strip_prefix("f.") {
                 fo.insert(n.to_string(), v);
             } else if let Some(n) = k.strip_prefix("b.") {

@@ -21,7 +21,7 @@ use std::time::Duration;
 use candle_core::Tensor;
 use graphpp_graph::names::{LOGITS, LOSS, TARGETS, TOKENS};
 use graphpp_graph::Graph;
-use graphpp_models::{build_stage, split_layers, stage_buffers, LlamaConfig, StageOptions};
+use graphpp_models::{build_stage, split_layers, stage_buffers, LlamaConfig, Recompute, StageOptions};
 use graphpp_schedule::{generate, lower, Kind, LowerOptions, Options, Schedule, Shape, Timeline};
 
 use crate::clip::{clip_scale, local_sq_norm, scale_grads};
@@ -30,7 +30,7 @@ use crate::lr::CosineSchedule;
 use crate::optim::{AdamW, AdamWConfig, OptimError, M_PREFIX, STEP_KEY, V_PREFIX};
 use crate::pipeline::run_pipeline;
 use crate::sample::{sample_next, SampleError};
-use crate::stage::{sum_by_name, Env, GraphStages, Microbatches, StageError};
+use crate::stage::{env_bytes, sum_by_name, Env, GraphStages, Microbatches, StageError};
 use crate::verify::{pipeline_workers, stage_specs, VerifyError};
 
 /// Why training could not start or a step failed.
@@ -85,6 +85,8 @@ pub struct TrainSetup {
     pub lr: CosineSchedule,
     /// Global gradient-norm bound (`clip_grad_norm_`'s `max_norm`); `None` disables clipping.
     pub max_grad_norm: Option<f64>,
+    /// Activation recomputation of every stage.
+    pub recompute: Recompute,
     /// Bound on every RECV of a step.
     pub timeout: Duration,
 }
@@ -102,6 +104,10 @@ pub struct StepReport {
     pub lr: f64,
     /// Measured timeline of the pipeline run (seconds since the step began).
     pub timeline: Timeline,
+    /// Peak memory of each rank during the step, bytes (index = rank): parameters, buffers,
+    /// gradient accumulators and AdamW moments, plus the rank's activation peak
+    /// ([`GraphStages::peak_activation_bytes`]). Logical tensor sizes, not allocator figures.
+    pub peak_bytes: Vec<u64>,
 }
 
 /// A training run in progress: schedule, stages and optimizer state (see the module doc).
@@ -126,7 +132,7 @@ impl Trainer {
         let schedule = generate(setup.kind, &setup.shape, &setup.options).map_err(VerifyError::from)?;
         let schedule = lower(&schedule, &LowerOptions::default()).map_err(VerifyError::from)?;
         let specs = stage_specs(&setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
-        let opts = StageOptions::new(setup.batch, setup.seq);
+        let opts = StageOptions { recompute: setup.recompute, ..StageOptions::new(setup.batch, setup.seq) };
         let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
         let workers = pipeline_workers(&setup.model, &schedule, &specs, &opts, setup.seed, empty)?;
         let optim = (0..workers.len()).map(|_| AdamW::new(setup.adamw)).collect::<Result<_, _>>()?;
@@ -185,8 +191,24 @@ impl Trainer {
             return Err(TrainError::Data(format!("losses of {} of {m} microbatches", losses.len())));
         }
         let loss = losses.values().sum::<f64>() / m as f64;
+        let peak_bytes = self.peak_bytes();
         let (grad_norm, lr) = self.apply_update()?;
-        Ok(StepReport { step: self.step, loss, grad_norm, lr, timeline })
+        Ok(StepReport { step: self.step, loss, grad_norm, lr, timeline, peak_bytes })
+    }
+
+    /// Each rank's peak memory in the step just run (see [`StepReport::peak_bytes`]); taken
+    /// before the update, while the gradient accumulators are full. AdamW's two moments per
+    /// parameter are counted from the first step on (they exist from its update).
+    fn peak_bytes(&self) -> Vec<u64> {
+        let params = |w: &GraphStages| {
+            env_bytes(
+                w.stages().values().flat_map(|s| s.parameter_names().iter().filter_map(|n| s.state().get(n))),
+            )
+        };
+        self.workers
+            .iter()
+            .map(|w| (w.state_bytes() + 2 * params(w) + w.peak_activation_bytes()) as u64)
+            .collect()
     }
 
     /// Sums copies' gradients, clips, and steps every rank's AdamW; returns (norm, lr).

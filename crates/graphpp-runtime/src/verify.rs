@@ -3,7 +3,7 @@
 //! the core invariant of docs/ARCHITECTURE.md "Runtime" → Semantics (`graphpp verify`, tests).
 //!
 //! Pipelined: the schedule of `kind` for `shape` is generated and lowered (SEND/RECV), every
-//! schedule stage gets its [`Stage`] (graphs under [`RecomputePolicy::SaveAll`], weights from
+//! schedule stage gets its [`Stage`] (graphs under the options' recompute policy, weights from
 //! [`init_parameters`] with the step's seed — seeded per parameter name, so any split gives the
 //! same weights) and [`run_pipeline`] runs one [`GraphStages`] per rank on threads.
 //! Single device: one stage holding every layer runs the m microbatches concatenated along the
@@ -240,7 +240,7 @@ pub fn pipeline_workers(
             .get(stage)
             .ok_or_else(|| VerifyError::Mismatch(format!("stage {stage}: no model stage for it")))?;
         for r in ranks {
-            let graphs = stage_graphs(&build_stage(cfg, spec, opts)?, &RecomputePolicy::SaveAll)?;
+            let graphs = stage_graphs(&build_stage(cfg, spec, opts)?, &opts.recompute.policy(spec))?;
             per_rank[r].insert(stage, Stage::new(graphs, stage_state(cfg, spec, opts, seed)?));
         }
     }

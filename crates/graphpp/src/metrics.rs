@@ -26,10 +26,11 @@ pub struct StepRecord {
     pub elapsed_s: f64,
     /// Validation loss (nats per token), at evaluation steps.
     pub val_loss: Option<f64>,
-    /// Peak live tensor bytes per rank during the step, at evaluation steps.
+    /// Peak memory of each rank during the step, bytes (parameters, gradients, AdamW moments and
+    /// the activation peak; see `graphpp_runtime::StepReport::peak_bytes`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_bytes: Option<Vec<u64>>,
-    /// Achieved model FLOP/s of the step (model FLOPs per token × tokens/s).
+    /// Achieved model FLOP/s of the step (`graphpp_models::flops_per_token` × tokens/s).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops_per_s: Option<f64>,
 }

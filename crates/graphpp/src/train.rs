@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use candle_core::Tensor;
-use graphpp_models::LlamaConfig;
+use graphpp_models::{LlamaConfig, Recompute};
 use graphpp_runtime::executor::{tensor_u32, to_f64};
 use graphpp_runtime::{
     AdamWConfig, CosineSchedule, LrError, Microbatches, StepReport, TrainError, TrainSetup, Trainer,
@@ -118,6 +118,9 @@ pub struct RunConfig {
     pub seed: u64,
     /// Corpus file or folder; `None` is the Shakespeare corpus from the cache.
     pub data: Option<PathBuf>,
+    /// Activation recomputation (memory for compute; the losses do not change).
+    #[serde(default)]
+    pub recompute: Recompute,
 }
 
 impl RunConfig {
@@ -159,7 +162,7 @@ impl RunConfig {
     }
 
     /// What must match for a resumed run to continue the same loss sequence: everything but the
-    /// pipeline layout (kind, ranks, v, layer split), the display name and the run's length
+    /// pipeline layout (kind, ranks, v, layer split), the recompute policy, the display name and the run's length
     /// (`--steps` may grow to extend a finished run: the learning-rate schedule is then the new
     /// one from the resumed step on).
     fn resume_key(&self) -> RunConfig {
@@ -170,6 +173,7 @@ impl RunConfig {
             stages_per_rank: 0,
             layers_per_stage: None,
             steps: 0,
+            recompute: Recompute::SaveAll,
             ..self.clone()
         }
     }
@@ -260,6 +264,11 @@ impl Run {
     /// Optimizer steps completed.
     pub fn steps_done(&self) -> u64 {
         self.trainer.steps_done()
+    }
+
+    /// Model FLOPs per training token ([`graphpp_models::flops_per_token`] at `--seq-len`).
+    pub fn flops_per_token(&self) -> f64 {
+        graphpp_models::flops_per_token(&self.config.model, self.config.seq_len)
     }
 
     /// Tokens (bytes) of the (training, validation) splits.
@@ -434,6 +443,7 @@ fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         adamw: AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: c.weight_decay },
         lr: CosineSchedule::new(c.lr, c.min_lr, c.warmup.min(c.steps), c.steps)?,
         max_grad_norm: c.grad_clip,
+        recompute: c.recompute,
         timeout: Duration::from_secs(300),
     })
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use assert_cmd::Command;
 use graphpp::train::{Run, RunConfig, RunError};
-use graphpp_models::LlamaConfig;
+use graphpp_models::{LlamaConfig, Recompute};
 use graphpp_schedule::Kind;
 
 fn graphpp() -> Command {
@@ -49,6 +49,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         grad_clip: Some(1.0),
         seed: 4,
         data: Some(data),
+        recompute: Recompute::SaveAll,
     }
 }
 
@@ -292,4 +293,53 @@ fn bad_output_paths_fail_before_training() {
     assert!(err.contains("is a folder; give a file path"), "{err}");
     let err = run(&["--metrics", "/proc/graphpp-metrics.jsonl"]);
     assert!(err.contains("--metrics /proc/graphpp-metrics.jsonl: cannot write into /proc"), "{err}");
+}
+
+/// Each evaluation line shows the achieved model FLOP/s and the peak memory of every rank; the
+/// metrics log them per step (FLOP/s = model FLOPs per token × tokens/s); `--recompute` is in
+/// the header and gives the same losses as saving everything.
+#[test]
+fn eval_lines_show_flops_and_memory_and_recompute_keeps_losses() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let run = |metrics: &str, recompute: &str| {
+        let out = graphpp()
+            .args(["train", "--data", data.to_str().unwrap(), "--steps", "4", "--eval-every", "2"])
+            .args(SMALL)
+            .args(["--recompute", recompute, "--metrics", d.path().join(metrics).to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let stdout = run("a.jsonl", "save-all");
+    assert!(stdout.contains("recompute save-all"), "{stdout}");
+    let evals: Vec<&str> = stdout.lines().filter(|l| l.contains("val loss")).collect();
+    assert_eq!(evals.len(), 2, "{stdout}");
+    let per_token = graphpp_models::flops_per_token(&LlamaConfig::tiny(), 16);
+    for m in losses(&d.path().join("a.jsonl")) {
+        let peaks: Vec<u64> =
+            m["peak_bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).collect();
+        assert_eq!(peaks.len(), 2, "one figure per rank");
+        // Each rank holds half the tiny model's 0.23M parameters: 4 copies of f32 ≈ 1.8 MB.
+        assert!(peaks.iter().all(|&b| b > 1_500_000 && b < 10_000_000), "{peaks:?}");
+        let want = per_token * m["tokens_per_s"].as_f64().unwrap();
+        assert!((m["flops_per_s"].as_f64().unwrap() / want - 1.0).abs() < 1e-9);
+        if let Some(v) = m["val_loss"].as_f64() {
+            let line = evals
+                .iter()
+                .find(|l| l.starts_with(&format!("step {:>6}", m["step"].as_u64().unwrap())))
+                .unwrap();
+            let mib: Vec<String> = peaks.iter().map(|b| format!("{:.2}", *b as f64 / 1048576.0)).collect();
+            assert!(line.contains(&format!("peak MiB/rank {}", mib.join("/"))), "{line}");
+            assert!(line.contains(" GFLOP/s") && line.contains(&format!("val loss {v:.4}")), "{line}");
+        }
+    }
+    let stdout = run("b.jsonl", "layers");
+    assert!(stdout.contains("recompute layers"), "{stdout}");
+    let (a, b) = (losses(&d.path().join("a.jsonl")), losses(&d.path().join("b.jsonl")));
+    for (x, y) in a.iter().zip(&b) {
+        let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+        assert!((lx - ly).abs() <= 1e-6 * lx.abs(), "step {}: {lx} vs {ly}", x["step"]);
+    }
 }

