@@ -1,8 +1,9 @@
-//! The `graphpp` command-line crate's library part: data, tokenizer and checkpoint handling used by
-//! the binary (docs/ARCHITECTURE.md, "Workspace layout": the CLI crate holds data, tokenizer, checkpoints).
+//! The `graphpp` command-line crate's library part: data, tokenizer, checkpoint handling and the run
+//! report used by the binary (docs/ARCHITECTURE.md, "Workspace layout": the CLI crate holds data, tokenizer, checkpoints).
 
 pub mod checkpoint;
 pub mod data;
 pub mod metrics;
+pub mod report;
 pub mod stop;
 pub mod train;

@@ -137,7 +137,7 @@ mod tests {
             step_s: 0.1,
             tokens_per_s: 100.0,
             elapsed_s: step as f64,
-            val_loss: (step % 2 == 0).then_some(4.0),
+            val_loss: step.is_multiple_of(2).then_some(4.0),
             peak_bytes: None,
             flops_per_s: None,
         }

@@ -17,8 +17,12 @@ fn files(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap().to_string_lossy().to_string();
+        // `.git` is a folder in a clone and a file (pointing outside) in a work tree or submodule.
+        if name == ".git" {
+            continue;
+        }
         if path.is_dir() {
-            if name != ".git" && !name.starts_with("target") {
+            if !name.starts_with("target") {
                 files(&path, out);
             }
         } else {
@@ -138,7 +142,8 @@ fn every_cited_section_of_the_architecture_document_exists() {
             doc.match_indices("**")
                 .collect::<Vec<_>>()
                 .chunks(2)
-                .filter_map(|c| (c.len() == 2).then(|| &doc[c[0].0 + 2..c[1].0])),
+                .filter(|c| c.len() == 2)
+                .map(|c| &doc[c[0].0 + 2..c[1].0]),
         )
         .collect();
     let cited = cited_sections();

@@ -11,6 +11,23 @@ pub use svg::svg;
 
 use crate::action::{Action, ComputeKind};
 
+/// `s` with the five XML/HTML special characters (`& < > " '`) replaced by entities, for text and
+/// attribute values of SVG and HTML output.
+pub fn xml_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// The category of an action for colouring and trace grouping: `F`, `B`, `I`, `W`, `F&B`, `comm`
 /// or `fsdp`.
 pub fn category(a: &Action) -> &'static str {

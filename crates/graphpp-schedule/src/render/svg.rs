@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use super::{category, rgb};
+use super::{category, rgb, xml_escape};
 use crate::timeline::Timeline;
 
 const LANE: f64 = 28.0;
@@ -32,20 +32,30 @@ pub fn svg(t: &Timeline) -> String {
         let _ = writeln!(
             out,
             r#"<g><title>{a} [{s}, {e}] {u}</title><rect x="{x:.2}" y="{y}" width="{w:.2}" height="{h}" fill="rgb({r},{g},{b})" stroke="white" stroke-width="0.5"/>"#,
-            a = i.action,
+            a = xml_escape(&i.action.to_string()),
             s = i.start,
             e = i.end,
-            u = t.unit,
+            u = xml_escape(&t.unit),
             h = LANE - 4.0
         );
         if w > 18.0 {
-            let _ =
-                writeln!(out, r#"<text x="{:.2}" y="{}">{}</text>"#, x + 2.0, y + LANE / 2.0 + 1.0, i.action);
+            let _ = writeln!(
+                out,
+                r#"<text x="{:.2}" y="{}">{}</text>"#,
+                x + 2.0,
+                y + LANE / 2.0 + 1.0,
+                xml_escape(&i.action.to_string())
+            );
         }
         out.push_str("</g>\n");
     }
-    let _ =
-        writeln!(out, r#"<text x="{LEFT}" y="{}">makespan {} {}</text>"#, height - 8.0, t.makespan(), t.unit);
+    let _ = writeln!(
+        out,
+        r#"<text x="{LEFT}" y="{}">makespan {} {}</text>"#,
+        height - 8.0,
+        t.makespan(),
+        xml_escape(&t.unit)
+    );
     out.push_str("</svg>\n");
     out
 }
@@ -70,5 +80,16 @@ mod tests {
         assert_eq!(s.matches("<rect").count(), 2);
         assert!(s.contains(r#"x="370.00" y="10" width="900.00""#), "{s}");
         assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>"));
+    }
+
+    #[test]
+    fn the_unit_is_escaped() {
+        let t = Timeline {
+            ranks: 1,
+            unit: "<s&'\"".into(),
+            intervals: vec![Interval { rank: 0, start: 0.0, end: 1.0, action: Action::f(0, 0) }],
+        };
+        let s = svg(&t);
+        assert!(s.contains("makespan 1 &lt;s&amp;&#39;&quot;</text>"), "{s}");
     }
 }
