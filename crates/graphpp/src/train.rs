@@ -65,6 +65,9 @@ pub enum RunError {
     /// A tensor operation failed.
     #[error("tensor: {0}")]
     Tensor(#[from] candle_core::Error),
+    /// The `--init-from` model folder could not be loaded.
+    #[error("--init-from: {0}")]
+    Pretrained(#[from] crate::pretrained::PretrainedError),
 }
 
 /// The settings of a run (the `graphpp train` flags); the ones that decide the loss sequence are
@@ -105,6 +108,10 @@ pub struct RunConfig {
     pub seed: u64,
     /// Corpus file or folder; `None` is the Shakespeare corpus from the cache.
     pub data: Option<PathBuf>,
+    /// Hugging Face model folder whose weights replace the seeded initial ones (`--init-from`);
+    /// `model` must be its `config.json`.
+    #[serde(default)]
+    pub init_from: Option<PathBuf>,
 }
 
 impl RunConfig {
@@ -146,7 +153,8 @@ impl RunConfig {
     }
 
     /// What must match for a resumed run to continue the same loss sequence: everything but the
-    /// pipeline layout (kind, ranks, v, layer split) and the display name.
+    /// pipeline layout (kind, ranks, v, layer split), the display name and the `--init-from`
+    /// folder (the checkpoint's parameters replace the initial ones; the model must match).
     fn resume_key(&self) -> RunConfig {
         RunConfig {
             model_name: String::new(),
@@ -154,6 +162,7 @@ impl RunConfig {
             ranks: 0,
             stages_per_rank: 0,
             layers_per_stage: None,
+            init_from: None,
             ..self.clone()
         }
     }
@@ -208,7 +217,11 @@ impl Run {
         let val_split_len = val.len();
         let (x, y) = data::sample(val, VAL_SEQUENCES, t, VAL_STREAM);
         let val = x.chunks(t * 8).zip(y.chunks(t * 8)).map(|(a, b)| (a.to_vec(), b.to_vec())).collect();
-        let trainer = Trainer::new(train_setup(&config)?)?;
+        let mut trainer = Trainer::new(train_setup(&config)?)?;
+        if let Some(dir) = &config.init_from {
+            let weights = crate::pretrained::load_weights(dir, &config.model)?;
+            trainer.load_parameters(&weights.into_iter().collect())?;
+        }
         let batcher = Batcher { seed: config.seed, position: 0 };
         Ok(Run { val_tokens: val_split_len, train: train.to_vec(), val, batcher, trainer, config })
     }

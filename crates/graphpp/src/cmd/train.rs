@@ -27,6 +27,10 @@ pub struct TrainArgs {
     /// Override the model's number of decoder layers.
     #[arg(long)]
     layers: Option<usize>,
+    /// Start from a Hugging Face model folder (config.json + model.safetensors): its config is
+    /// the model and its weights the initial parameters (excludes --model and --layers).
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "layers"])]
+    init_from: Option<PathBuf>,
     /// Schedule kind (`zbv`, `1f1b`, `dualpipev`, …; PyTorch class names accepted).
     #[arg(long, default_value = "zbv")]
     schedule: Kind,
@@ -107,7 +111,10 @@ pub struct TrainArgs {
 
 impl TrainArgs {
     fn config(&self) -> Result<RunConfig> {
-        let mut model = crate::cmd::graph::load_config(&self.model)?;
+        let mut model = match &self.init_from {
+            Some(dir) => graphpp::pretrained::load_config(dir).context("--init-from")?,
+            None => crate::cmd::graph::load_config(&self.model)?,
+        };
         if let Some(l) = self.layers {
             model.num_hidden_layers = l;
         }
@@ -122,7 +129,7 @@ impl TrainArgs {
             bail!("--prompt is empty: the sample needs one byte of prompt at least (or --sample-bytes 0)");
         }
         Ok(RunConfig {
-            model_name: self.model.clone(),
+            model_name: self.init_from.as_ref().map_or(self.model.clone(), |d| d.display().to_string()),
             model,
             kind: self.schedule,
             ranks: self.ranks,
@@ -139,6 +146,7 @@ impl TrainArgs {
             grad_clip: (self.grad_clip > 0.0).then_some(self.grad_clip),
             seed: self.seed,
             data: self.data.clone(),
+            init_from: self.init_from.clone(),
         })
     }
 }
