@@ -16,8 +16,9 @@ model's logits for a fixed token sequence next to it (logits.safetensors):
 Both have vocab_size 256 (graphpp's byte tokenizer) and 2 decoder layers. Weights: seed 0, then
 every matrix redrawn from normal(0, 0.3), every bias from normal(0, 0.1), every norm weight from
 1 + normal(0, 0.1), so biases, norms and attention patterns all matter (HF's own init, 0.02 and
-zero biases, gives almost uniform logits). The bf16 model's logits come from its bf16 weights
-converted to f32, which is what graphpp loads.
+zero biases, gives almost uniform logits). The logits come from the saved folder reloaded with
+`from_pretrained(dir, dtype=torch.float32)`: the bf16 model's weights converted to f32, which is
+what graphpp loads.
 
 logits.safetensors holds
   tokens, targets  int64 [2, 8]        (seed 1; targets = the next token, last one random)
@@ -110,8 +111,10 @@ def main():
         perturb(model)
         model = model.to(spec["dtype"])
         model.save_pretrained(out, safe_serialization=True)
-        # What graphpp loads: the stored weights converted to f32.
-        model = model.float()
+        # The reference is what transformers computes from the saved folder in f32 (the stored
+        # weights converted to f32, RoPE tables computed afresh: a bf16 model's own inv_freq
+        # buffer was rounded to bf16).
+        model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
         with torch.no_grad():
             logits = model(input_ids=tokens).logits.reshape(B * T, -1)
             logits64 = model.double()(input_ids=tokens).logits.reshape(B * T, -1)
