@@ -28,10 +28,11 @@ logits.safetensors holds
   loss             f32 scalar          mean cross-entropy of `logits` against `targets`
   loss_f64         f64 scalar          the same from `logits_f64`
 
-Run (CPU, no GPU needed; about 10 s):
-  python3 -m venv /tmp/venv-torch && /tmp/venv-torch/bin/pip install torch transformers safetensors
-  /tmp/venv-torch/bin/python tools/torch/hf_llama_logits.py
-Made with torch 2.15.0, transformers 5.24.0, safetensors 0.8.0 (Python 3.11).
+Run from the repository root (CPU, no GPU needed; a few seconds), in a virtual environment with
+`pip install torch transformers safetensors` (all from PyPI):
+  python tools/torch/hf_llama_logits.py
+The committed fixtures were made with torch 2.15.0, transformers 5.24.0, safetensors 0.8.0 on
+Python 3.11; rerunning with those versions reproduces them byte for byte.
 """
 import json
 import os
