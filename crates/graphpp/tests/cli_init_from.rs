@@ -17,9 +17,11 @@ fn graphpp(args: &[&str]) -> (bool, Option<i32>, String, String) {
 #[test]
 fn verify_a_tied_pretrained_model_under_pipelines() {
     // 1F1B: embedding on rank 0, its LM-head copy on rank 1; ZB-V on 1 rank: both on rank 0;
-    // DualPipeV: the first and last stage on rank 0 of 2 — all equal one device.
+    // DualPipeV on 1 rank likewise; DualPipe: two pipeline copies, so four copies of the matrix
+    // whose gradients add up — all equal one device.
     for args in [
         &["--schedule", "1f1b", "--ranks", "2", "--microbatches", "4"][..],
+        &["--schedule", "dualpipe", "--ranks", "2", "--microbatches", "4"],
         &["--schedule", "zbv", "--ranks", "1", "--microbatches", "3"],
         &["--schedule", "dualpipev", "--ranks", "1", "--microbatches", "2"],
     ] {
