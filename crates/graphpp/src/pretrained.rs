@@ -131,7 +131,7 @@ pub struct Pretrained {
 /// every layer).
 ///
 /// # Errors
-/// [`PretrainedError::Config`]-free: only a model without layers fails ([`ModelError::Split`]).
+/// [`ModelError::Split`] for a config without decoder layers.
 pub fn model_parameters(cfg: &LlamaConfig) -> Result<Vec<(String, Vec<usize>)>, ModelError> {
     let spec = split_layers(cfg.num_hidden_layers, 1, None)?.remove(0);
     Ok(stage_parameters(cfg, &spec))
