@@ -23,8 +23,8 @@ what graphpp loads.
 logits.safetensors holds
   tokens, targets  int64 [2, 8]        (seed 1; targets = the next token, last one random)
   logits           f32 [16, 256]       the f32 model's logits (eager attention), rows = B*T
-  logits_f64       f64 [16, 256]       the same model in float64 (transformers still computes the
-                                       RoPE cos/sin in f32 there)
+  logits_f64       f64 [16, 256]       the same model in float64 throughout (see all_float64:
+                                       transformers otherwise keeps RoPE, RMSNorm and softmax in f32)
   loss             f32 scalar          mean cross-entropy of `logits` against `targets`
   loss_f64         f64 scalar          the same from `logits_f64`
 
@@ -34,6 +34,7 @@ Run from the repository root (CPU, no GPU needed; a few seconds), in a virtual e
 The committed fixtures were made with torch 2.15.0, transformers 5.24.0, safetensors 0.8.0 on
 Python 3.11; rerunning with those versions reproduces them byte for byte.
 """
+import contextlib
 import json
 import os
 
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama import modeling_llama as ml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = os.path.join(HERE, "..", "..", "crates", "graphpp", "tests", "fixtures")
@@ -85,6 +87,34 @@ FIXTURES = {
 B, T = 2, 8
 
 
+@contextlib.contextmanager
+def all_float64():
+    """transformers computes three things in f32 even in a float64 model: the RoPE tables
+    (LlamaRotaryEmbedding.forward), RMSNorm (LlamaRMSNorm.forward casts to f32) and the eager
+    attention softmax (dtype=torch.float32). Inside this block they run in the model's dtype, with
+    the same formulas, so a float64 model is float64 throughout."""
+    rope, norm, softmax = ml.LlamaRotaryEmbedding.forward, ml.LlamaRMSNorm.forward, F.softmax
+
+    def rope64(self, x, position_ids):
+        dim = self.inv_freq.shape[0] * 2
+        base = self.config.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        emb = position_ids[..., None].double() * inv_freq
+        emb = torch.cat((emb, emb), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def norm64(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    ml.LlamaRotaryEmbedding.forward, ml.LlamaRMSNorm.forward = rope64, norm64
+    torch.nn.functional.softmax = lambda x, dim=None, dtype=None: softmax(x, dim=dim)
+    try:
+        yield
+    finally:
+        ml.LlamaRotaryEmbedding.forward, ml.LlamaRMSNorm.forward = rope, norm
+        torch.nn.functional.softmax = softmax
+
+
 def perturb(model):
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -118,7 +148,8 @@ def main():
         model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
         with torch.no_grad():
             logits = model(input_ids=tokens).logits.reshape(B * T, -1)
-            logits64 = model.double()(input_ids=tokens).logits.reshape(B * T, -1)
+            with all_float64():
+                logits64 = model.double()(input_ids=tokens).logits.reshape(B * T, -1)
         loss = F.cross_entropy(logits, targets.reshape(-1))
         loss64 = F.cross_entropy(logits64, targets.reshape(-1))
         save_file(
