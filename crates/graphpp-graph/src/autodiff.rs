@@ -161,6 +161,14 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
                 let t = b.mul(g, y)?;
                 b.mul(t, one_minus)?
             }
+            UnaryOp::Erf => {
+                // d erf(x)/dx = 2/√π · e^(−x²)
+                let xx = b.mul(x(0), x(0))?;
+                let e = b.affine(xx, -1.0, 0.0)?;
+                let e = b.exp(e)?;
+                let t = b.scale(e, std::f64::consts::FRAC_2_SQRT_PI)?;
+                b.mul(g, t)?
+            }
         })],
         Op::Affine { mul, .. } => vec![Some(b.scale(g, *mul)?)],
         Op::Binary { f } => {

@@ -140,6 +140,10 @@ impl GraphBuilder {
     pub fn sigmoid(&mut self, x: ValueId) -> Result<ValueId> {
         self.unary(UnaryOp::Sigmoid, x)
     }
+    /// Gauss error function `erf x`.
+    pub fn erf(&mut self, x: ValueId) -> Result<ValueId> {
+        self.unary(UnaryOp::Erf, x)
+    }
     /// `x * mul + add`
     pub fn affine(&mut self, x: ValueId, mul: f64, add: f64) -> Result<ValueId> {
         self.add(Op::Affine { mul, add }, &[x])

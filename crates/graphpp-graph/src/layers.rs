@@ -28,6 +28,15 @@ pub fn linear(b: &mut GraphBuilder, x: ValueId, w: ValueId) -> Result<ValueId> {
     b.reshape(y, out)
 }
 
+/// [`linear`] plus an optional `bias: [out]` added to every row (`nn.Linear(bias=True)`).
+pub fn linear_bias(b: &mut GraphBuilder, x: ValueId, w: ValueId, bias: Option<ValueId>) -> Result<ValueId> {
+    let y = linear(b, x, w)?;
+    match bias {
+        Some(bias) => b.add2(y, bias),
+        None => Ok(y),
+    }
+}
+
 /// Token embedding: rows of `table: [V, D]` picked by u32 `ids` of any shape → `ids.shape + [D]`.
 pub fn embedding(b: &mut GraphBuilder, table: ValueId, ids: ValueId) -> Result<ValueId> {
     let ishape = b.shape(ids);
@@ -66,8 +75,82 @@ pub fn silu(b: &mut GraphBuilder, x: ValueId) -> Result<ValueId> {
     b.mul(x, s)
 }
 
-/// SwiGLU MLP (Shazeer 2020; HF Llama): `down(silu(gate(x)) * up(x))`, scopes `gate_proj`,
+/// Exact GELU (Hendrycks & Gimpel 2016; PyTorch `gelu(approximate='none')`, HF `hidden_act:
+/// gelu`): `x · ½ (1 + erf(x / √2))`.
+pub fn gelu(b: &mut GraphBuilder, x: ValueId) -> Result<ValueId> {
+    let s = b.scale(x, std::f64::consts::FRAC_1_SQRT_2)?;
+    let e = b.erf(s)?;
+    let phi = b.affine(e, 0.5, 0.5)?;
+    b.mul(x, phi)
+}
+
+/// Tanh-approximated GELU (PyTorch `gelu(approximate='tanh')`, HF `gelu_pytorch_tanh`):
+/// `½ x (1 + tanh(u))` with `u = √(2/π) (x + 0.044715 x³)`, computed through the identity
+/// `½ (1 + tanh u) = σ(2u)` as `x · σ(2√(2/π) · x · (1 + 0.044715 x²))`.
+pub fn gelu_tanh(b: &mut GraphBuilder, x: ValueId) -> Result<ValueId> {
+    let xx = b.mul(x, x)?;
+    let p = b.affine(xx, 0.044715, 1.0)?;
+    let inner = b.mul(x, p)?;
+    let z = b.scale(inner, 2.0 * (2.0 / std::f64::consts::PI).sqrt())?;
+    let s = b.sigmoid(z)?;
+    b.mul(x, s)
+}
+
+/// Activation of the gated MLP (Hugging Face `hidden_act`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// [`silu`] (`silu`, `swish`).
+    Silu,
+    /// Exact [`gelu`] (`gelu`).
+    Gelu,
+    /// [`gelu_tanh`] (`gelu_pytorch_tanh`, `gelu_new`).
+    GeluTanh,
+}
+
+/// Applies `act` elementwise.
+pub fn activation(b: &mut GraphBuilder, x: ValueId, act: Activation) -> Result<ValueId> {
+    match act {
+        Activation::Silu => silu(b, x),
+        Activation::Gelu => gelu(b, x),
+        Activation::GeluTanh => gelu_tanh(b, x),
+    }
+}
+
+/// Weights of a gated MLP (HF layout `[out, in]`, biases `[out]` when the config has `mlp_bias`).
+#[derive(Clone, Copy, Debug)]
+pub struct MlpWeights {
+    /// `gate_proj.weight: [F, D]`
+    pub gate: ValueId,
+    /// `up_proj.weight: [F, D]`
+    pub up: ValueId,
+    /// `down_proj.weight: [D, F]`
+    pub down: ValueId,
+    /// `gate_proj.bias: [F]`
+    pub gate_bias: Option<ValueId>,
+    /// `up_proj.bias: [F]`
+    pub up_bias: Option<ValueId>,
+    /// `down_proj.bias: [D]`
+    pub down_bias: Option<ValueId>,
+}
+
+/// Gated MLP (Shazeer 2020; HF `LlamaMLP`): `down(act(gate(x)) * up(x))`, scopes `gate_proj`,
 /// `up_proj`, `down_proj`.
+pub fn gated_mlp(b: &mut GraphBuilder, x: ValueId, w: MlpWeights, act: Activation) -> Result<ValueId> {
+    b.push_scope("gate_proj");
+    let g = linear_bias(b, x, w.gate, w.gate_bias)?;
+    b.pop_scope();
+    b.push_scope("up_proj");
+    let u = linear_bias(b, x, w.up, w.up_bias)?;
+    b.pop_scope();
+    let a = activation(b, g, act)?;
+    let h = b.mul(a, u)?;
+    b.push_scope("down_proj");
+    let y = linear_bias(b, h, w.down, w.down_bias)?;
+    b.pop_scope();
+    Ok(y)
+}
+
+/// SwiGLU MLP (Shazeer 2020; HF Llama): [`gated_mlp`] with SiLU and no biases.
 pub fn swiglu_mlp(
     b: &mut GraphBuilder,
     x: ValueId,
@@ -75,18 +158,8 @@ pub fn swiglu_mlp(
     up: ValueId,
     down: ValueId,
 ) -> Result<ValueId> {
-    b.push_scope("gate_proj");
-    let g = linear(b, x, gate)?;
-    b.pop_scope();
-    b.push_scope("up_proj");
-    let u = linear(b, x, up)?;
-    b.pop_scope();
-    let a = silu(b, g)?;
-    let h = b.mul(a, u)?;
-    b.push_scope("down_proj");
-    let y = linear(b, h, down)?;
-    b.pop_scope();
-    Ok(y)
+    let w = MlpWeights { gate, up, down, gate_bias: None, up_bias: None, down_bias: None };
+    gated_mlp(b, x, w, Activation::Silu)
 }
 
 /// Rotary position embedding, rotate-half form (Su et al. 2021; HF Llama `apply_rotary_pos_emb`):
@@ -103,7 +176,9 @@ pub fn rope(b: &mut GraphBuilder, x: ValueId, cos: ValueId, sin: ValueId) -> Res
     b.add2(a, c)
 }
 
-/// Weights of one attention block (HF layout `[out, in]`).
+/// Weights of one attention block (HF layout `[out, in]`; the head width `hd` may differ from
+/// `D / H`, HF `head_dim`). Biases `[out]` when the config has `attention_bias` (HF Llama then
+/// puts one on all four projections).
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionWeights {
     /// `q_proj.weight: [H·hd, D]`
@@ -114,6 +189,21 @@ pub struct AttentionWeights {
     pub v: ValueId,
     /// `o_proj.weight: [D, H·hd]`
     pub o: ValueId,
+    /// `q_proj.bias: [H·hd]`
+    pub q_bias: Option<ValueId>,
+    /// `k_proj.bias: [KV·hd]`
+    pub k_bias: Option<ValueId>,
+    /// `v_proj.bias: [KV·hd]`
+    pub v_bias: Option<ValueId>,
+    /// `o_proj.bias: [D]`
+    pub o_bias: Option<ValueId>,
+}
+
+impl AttentionWeights {
+    /// Projections without biases.
+    pub fn new(q: ValueId, k: ValueId, v: ValueId, o: ValueId) -> Self {
+        AttentionWeights { q, k, v, o, q_bias: None, k_bias: None, v_bias: None, o_bias: None }
+    }
 }
 
 /// Static sizes of an attention block.
@@ -150,7 +240,9 @@ fn repeat_kv(b: &mut GraphBuilder, x: ValueId, heads: usize) -> Result<ValueId> 
 
 /// Causal multi-head self-attention with RoPE (Vaswani et al. 2017; HF Llama):
 /// `x: [B, T, D]`, `cos`, `sin: [T, hd]`, additive `mask: [T, T]` (0 on/below the diagonal, a large
-/// negative number above). Scores scaled by `1/sqrt(hd)`. Scopes `q_proj` … `o_proj`.
+/// negative number above). `hd` = rows of `q_proj` / `H`; scores scaled by `1/sqrt(hd)`; key and
+/// value heads repeated `H / KV` times (HF `repeat_kv`: query head `h` reads kv head `h / (H/KV)`).
+/// Scopes `q_proj` … `o_proj`.
 pub fn causal_attention(
     b: &mut GraphBuilder,
     x: ValueId,
@@ -163,16 +255,17 @@ pub fn causal_attention(
     let s = b.shape(x);
     let (bsz, t) = (s[0], s[1]);
     let hd = b.shape(w.q)[0] / dims.heads;
-    let proj = |b: &mut GraphBuilder, name: &str, wt: ValueId, h: usize| -> Result<ValueId> {
-        b.push_scope(name);
-        let y = linear(b, x, wt)?;
-        let y = heads_split(b, y, bsz, t, h, hd)?;
-        b.pop_scope();
-        Ok(y)
-    };
-    let q = proj(b, "q_proj", w.q, dims.heads)?;
-    let k = proj(b, "k_proj", w.k, dims.kv_heads)?;
-    let v = proj(b, "v_proj", w.v, dims.kv_heads)?;
+    let proj =
+        |b: &mut GraphBuilder, name: &str, wt: ValueId, bias: Option<ValueId>, h: usize| -> Result<ValueId> {
+            b.push_scope(name);
+            let y = linear_bias(b, x, wt, bias)?;
+            let y = heads_split(b, y, bsz, t, h, hd)?;
+            b.pop_scope();
+            Ok(y)
+        };
+    let q = proj(b, "q_proj", w.q, w.q_bias, dims.heads)?;
+    let k = proj(b, "k_proj", w.k, w.k_bias, dims.kv_heads)?;
+    let v = proj(b, "v_proj", w.v, w.v_bias, dims.kv_heads)?;
     let q = rope(b, q, cos, sin)?;
     let k = rope(b, k, cos, sin)?;
     let k = repeat_kv(b, k, dims.heads)?;
@@ -186,7 +279,7 @@ pub fn causal_attention(
     let o = b.permute(o, vec![0, 2, 1, 3])?;
     let o = b.reshape(o, vec![bsz, t, dims.heads * hd])?;
     b.push_scope("o_proj");
-    let y = linear(b, o, w.o)?;
+    let y = linear_bias(b, o, w.o, w.o_bias)?;
     b.pop_scope();
     Ok(y)
 }

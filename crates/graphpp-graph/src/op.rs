@@ -53,6 +53,9 @@ pub enum UnaryOp {
     Recip,
     /// `1/(1+e^-x)`
     Sigmoid,
+    /// Gauss error function `erf x = 2/√π ∫₀ˣ e^(−t²) dt` (for the exact GELU of Hugging Face's
+    /// `hidden_act: gelu`, which no composition of the other ops gives exactly).
+    Erf,
 }
 
 /// Elementwise binary ops with NumPy broadcasting.

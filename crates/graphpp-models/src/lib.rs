@@ -7,10 +7,10 @@ pub mod llama;
 pub mod recompute;
 pub mod rng;
 
-pub use config::{LlamaConfig, ModelError};
+pub use config::{check_supported, HiddenAct, LlamaConfig, ModelError};
 pub use flops::flops_per_token;
 pub use llama::{
     build_stage, init_parameters, layer_checkpoints, split_layers, stage_buffers, stage_graph_set,
-    stage_parameters, StageOptions, StageSpec,
+    stage_parameters, StageOptions, StageSpec, EMBED, LM_HEAD,
 };
 pub use recompute::Recompute;

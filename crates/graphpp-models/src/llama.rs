@@ -5,11 +5,17 @@
 use crate::config::{LlamaConfig, ModelError};
 use crate::recompute::Recompute;
 use graphpp_graph::layers::{
-    causal_attention, cross_entropy, embedding, linear, rms_norm, swiglu_mlp, AttentionDims, AttentionWeights,
+    causal_attention, cross_entropy, embedding, gated_mlp, linear, rms_norm, AttentionDims, AttentionWeights,
+    MlpWeights,
 };
 use graphpp_graph::names::{INPUT, LOGITS, LOSS, OUTPUT, TARGETS, TOKENS};
 use graphpp_graph::{CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, TensorType, ValueId};
 use std::ops::Range;
+
+/// HF name of the token embedding (and, with `tie_word_embeddings`, of the LM head's matrix).
+pub const EMBED: &str = "model.embed_tokens.weight";
+/// HF name of the untied LM head.
+pub const LM_HEAD: &str = "lm_head.weight";
 
 /// Microbatch shape and numeric options of a stage graph.
 #[derive(Clone, Debug, PartialEq)]
@@ -117,29 +123,44 @@ pub fn split_layers(
         .collect())
 }
 
-/// Names and shapes (HF layout `[out, in]`) of the parameters a stage holds, in interface order.
+/// Names and shapes (HF layout `[out, in]`) of the parameters a stage holds, in interface order:
+/// per projection its `.weight`, then its `.bias` when the config has `attention_bias` /
+/// `mlp_bias`. With `tie_word_embeddings` there is no `lm_head.weight`: the LM head reads
+/// `model.embed_tokens.weight`, which the last stage then holds too (its own copy when it is not
+/// also the first stage; the trainer sums the copies' gradients by name, so they stay equal).
 pub fn stage_parameters(cfg: &LlamaConfig, spec: &StageSpec) -> Vec<(String, Vec<usize>)> {
     let (d, f, v, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim());
-    let kvd = cfg.kv_heads() * hd;
+    let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.kv_heads() * hd);
     let mut p = Vec::new();
     if spec.is_first() {
-        p.push(("model.embed_tokens.weight".to_string(), vec![v, d]));
+        p.push((EMBED.to_string(), vec![v, d]));
     }
+    let proj = |p: &mut Vec<(String, Vec<usize>)>, name: String, out: usize, inp: usize, bias: bool| {
+        p.push((format!("{name}.weight"), vec![out, inp]));
+        if bias {
+            p.push((format!("{name}.bias"), vec![out]));
+        }
+    };
+    let (ab, mb) = (cfg.attention_bias, cfg.mlp_bias);
     for l in spec.layers.clone() {
         let pre = format!("model.layers.{l}");
         p.push((format!("{pre}.input_layernorm.weight"), vec![d]));
-        p.push((format!("{pre}.self_attn.q_proj.weight"), vec![d, d]));
-        p.push((format!("{pre}.self_attn.k_proj.weight"), vec![kvd, d]));
-        p.push((format!("{pre}.self_attn.v_proj.weight"), vec![kvd, d]));
-        p.push((format!("{pre}.self_attn.o_proj.weight"), vec![d, d]));
+        proj(&mut p, format!("{pre}.self_attn.q_proj"), qd, d, ab);
+        proj(&mut p, format!("{pre}.self_attn.k_proj"), kvd, d, ab);
+        proj(&mut p, format!("{pre}.self_attn.v_proj"), kvd, d, ab);
+        proj(&mut p, format!("{pre}.self_attn.o_proj"), d, qd, ab);
         p.push((format!("{pre}.post_attention_layernorm.weight"), vec![d]));
-        p.push((format!("{pre}.mlp.gate_proj.weight"), vec![f, d]));
-        p.push((format!("{pre}.mlp.up_proj.weight"), vec![f, d]));
-        p.push((format!("{pre}.mlp.down_proj.weight"), vec![d, f]));
+        proj(&mut p, format!("{pre}.mlp.gate_proj"), f, d, mb);
+        proj(&mut p, format!("{pre}.mlp.up_proj"), f, d, mb);
+        proj(&mut p, format!("{pre}.mlp.down_proj"), d, f, mb);
     }
     if spec.is_last() {
         p.push(("model.norm.weight".to_string(), vec![d]));
-        p.push(("lm_head.weight".to_string(), vec![v, d]));
+        if !cfg.tie_word_embeddings {
+            p.push((LM_HEAD.to_string(), vec![v, d]));
+        } else if !spec.is_first() {
+            p.push((EMBED.to_string(), vec![v, d]));
+        }
     }
     p
 }
@@ -199,7 +220,7 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
     b.push_scope("model");
     let mut x = if spec.is_first() {
         b.push_scope("embed_tokens");
-        let e = embedding(&mut b, p("model.embed_tokens.weight"), x_in)?;
+        let e = embedding(&mut b, p(EMBED), x_in)?;
         b.pop_scope();
         e
     } else {
@@ -209,6 +230,7 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
     for l in spec.layers.clone() {
         let pre = format!("model.layers.{l}");
         let w = |s: &str| p(&format!("{pre}.{s}.weight"));
+        let bias = |s: &str| params.get(&format!("{pre}.{s}.bias")).copied();
         b.push_scope(&format!("layers.{l}"));
         b.push_scope("input_layernorm");
         let h = rms_norm(&mut b, x, w("input_layernorm"), cfg.rms_norm_eps)?;
@@ -219,6 +241,10 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
             k: w("self_attn.k_proj"),
             v: w("self_attn.v_proj"),
             o: w("self_attn.o_proj"),
+            q_bias: bias("self_attn.q_proj"),
+            k_bias: bias("self_attn.k_proj"),
+            v_bias: bias("self_attn.v_proj"),
+            o_bias: bias("self_attn.o_proj"),
         };
         let a = causal_attention(&mut b, h, aw, dims, bufs[0], bufs[1], bufs[2])?;
         b.pop_scope();
@@ -227,7 +253,15 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
         let h = rms_norm(&mut b, x, w("post_attention_layernorm"), cfg.rms_norm_eps)?;
         b.pop_scope();
         b.push_scope("mlp");
-        let m = swiglu_mlp(&mut b, h, w("mlp.gate_proj"), w("mlp.up_proj"), w("mlp.down_proj"))?;
+        let mw = MlpWeights {
+            gate: w("mlp.gate_proj"),
+            up: w("mlp.up_proj"),
+            down: w("mlp.down_proj"),
+            gate_bias: bias("mlp.gate_proj"),
+            up_bias: bias("mlp.up_proj"),
+            down_bias: bias("mlp.down_proj"),
+        };
+        let m = gated_mlp(&mut b, h, mw, cfg.hidden_act.activation())?;
         b.pop_scope();
         x = b.add2(x, m)?;
         b.pop_scope();
@@ -238,7 +272,8 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
         b.pop_scope();
         b.pop_scope();
         b.push_scope("lm_head");
-        let logits = linear(&mut b, h, p("lm_head.weight"))?;
+        let head = p(if cfg.tie_word_embeddings { EMBED } else { LM_HEAD });
+        let logits = linear(&mut b, h, head)?;
         let logits = b.reshape(logits, vec![bsz * t, cfg.vocab_size])?;
         match targets {
             Some(targets) => {
@@ -279,7 +314,7 @@ fn parameter(
     let mut shard = shape;
     shard[0] /= group.size;
     let v = b.input(name, InputKind::Parameter, shard)?;
-    b.set_scope(name.trim_end_matches(".weight"));
+    b.set_scope(name.trim_end_matches(".weight").trim_end_matches(".bias"));
     b.set_region(graphpp_graph::Region::Comm(format!("{}.unshard", group.name)));
     let g = b.collective(CollectiveKind::AllGather, group, 0, v)?;
     b.set_region(graphpp_graph::Region::Compute);
@@ -287,8 +322,10 @@ fn parameter(
     Ok(g)
 }
 
-/// Deterministic initial parameters (HF Llama init: normal(0, 0.02) for matrices, 1 for norm
-/// weights), seeded per parameter name so any stage split gives the same weights. Row-major f32.
+/// Deterministic initial parameters (HF `LlamaPreTrainedModel._init_weights`: normal(0,
+/// `initializer_range`) for matrices, 0 for biases, 1 for norm weights), seeded per parameter
+/// name so any stage split gives the same weights (and a tied embedding's copies are equal).
+/// Row-major f32.
 pub fn init_parameters(
     cfg: &LlamaConfig,
     spec: &StageSpec,
@@ -298,11 +335,13 @@ pub fn init_parameters(
         .into_iter()
         .map(|(name, shape)| {
             let n: usize = shape.iter().product();
-            let data = if shape.len() == 1 {
+            let data = if name.ends_with(".bias") {
+                vec![0.0; n]
+            } else if shape.len() == 1 {
                 vec![1.0; n]
             } else {
                 let mut rng = crate::rng::Rng::new(seed ^ crate::rng::hash(&name));
-                (0..n).map(|_| (rng.normal() * 0.02) as f32).collect()
+                (0..n).map(|_| (rng.normal() * cfg.initializer_range) as f32).collect()
             };
             (name, shape, data)
         })

@@ -77,3 +77,78 @@ fn show_selects_each_graph_and_the_first_stage_has_no_split() {
     assert!(text.lines().any(|l| l.contains("= matmul(") && l.ends_with(": f32[4,64]  # model.layers.1.self_attn.q_proj")), "{text}");
     assert!(sg.fw.nodes.iter().any(|n| matches!(n.op, Op::Matmul)));
 }
+
+/// Shapes of the parameters of a model with every HF Llama option graphpp implements.
+fn options_config() -> LlamaConfig {
+    LlamaConfig {
+        vocab_size: 32,
+        hidden_size: 16,
+        intermediate_size: 24,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: Some(2),
+        head_dim: Some(6),
+        attention_bias: true,
+        mlp_bias: true,
+        tie_word_embeddings: true,
+        ..LlamaConfig::tiny()
+    }
+}
+
+#[test]
+fn head_dim_and_biases_set_the_projection_shapes() {
+    let cfg = options_config();
+    let spec = &split_layers(2, 1, None).unwrap()[0];
+    let p: std::collections::HashMap<String, Vec<usize>> = stage_parameters(&cfg, spec).into_iter().collect();
+    let l = "model.layers.1";
+    // q_proj out = heads·head_dim = 24 (≠ hidden 16); o_proj in = 24; k/v out = kv·head_dim = 12.
+    assert_eq!(p[&format!("{l}.self_attn.q_proj.weight")], vec![24, 16]);
+    assert_eq!(p[&format!("{l}.self_attn.k_proj.weight")], vec![12, 16]);
+    assert_eq!(p[&format!("{l}.self_attn.v_proj.weight")], vec![12, 16]);
+    assert_eq!(p[&format!("{l}.self_attn.o_proj.weight")], vec![16, 24]);
+    assert_eq!(p[&format!("{l}.self_attn.q_proj.bias")], vec![24]);
+    assert_eq!(p[&format!("{l}.self_attn.k_proj.bias")], vec![12]);
+    assert_eq!(p[&format!("{l}.self_attn.o_proj.bias")], vec![16]);
+    assert_eq!(p[&format!("{l}.mlp.gate_proj.bias")], vec![24]);
+    assert_eq!(p[&format!("{l}.mlp.down_proj.bias")], vec![16]);
+    // 9 matrices/norms + 7 biases per layer, embedding, final norm; tied: no lm_head.
+    assert_eq!(p.len(), 2 * 16 + 2);
+    assert!(!p.contains_key("lm_head.weight"));
+    let untied = LlamaConfig { attention_bias: false, mlp_bias: false, tie_word_embeddings: false, ..cfg };
+    let q: Vec<String> = stage_parameters(&untied, spec).into_iter().map(|(n, _)| n).collect();
+    assert!(q.iter().all(|n| !n.ends_with(".bias")) && q.contains(&"lm_head.weight".to_string()));
+}
+
+#[test]
+fn tied_embeddings_the_last_stage_holds_a_copy_named_like_the_embedding() {
+    let cfg = options_config();
+    let specs = split_layers(2, 2, None).unwrap();
+    let names = |s| stage_parameters(&cfg, &specs[s]).into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+    assert_eq!(names(0)[0], "model.embed_tokens.weight");
+    assert_eq!(names(1).last().unwrap(), "model.embed_tokens.weight");
+    assert!(!names(1).contains(&"lm_head.weight".to_string()));
+    // On one stage the LM head reads the embedding input itself: one parameter, used twice.
+    let opts = StageOptions::new(1, 4);
+    let g = build_stage(&cfg, &split_layers(2, 1, None).unwrap()[0], &opts).unwrap();
+    let embeds = g.input_specs().into_iter().filter(|s| s.name == "model.embed_tokens.weight").count();
+    assert_eq!(embeds, 1);
+    let last = build_stage(&cfg, &specs[1], &opts).unwrap();
+    assert!(last.input_by_name("model.embed_tokens.weight").is_some());
+    assert!(last.input_by_name("lm_head.weight").is_none());
+}
+
+#[test]
+fn init_is_hf_style_biases_zero_norms_one_matrices_initializer_range() {
+    let cfg = LlamaConfig { initializer_range: 0.5, ..options_config() };
+    let spec = &split_layers(2, 1, None).unwrap()[0];
+    for (name, _, data) in graphpp_models::init_parameters(&cfg, spec, 3) {
+        if name.ends_with(".bias") {
+            assert!(data.iter().all(|&x| x == 0.0), "{name}");
+        } else if name.ends_with("norm.weight") {
+            assert!(data.iter().all(|&x| x == 1.0), "{name}");
+        } else {
+            let sd = (data.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / data.len() as f64).sqrt();
+            assert!((sd - 0.5).abs() < 0.1, "{name}: sd {sd}");
+        }
+    }
+}

@@ -344,6 +344,7 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
             UnaryOp::Sqrt => a[0].sqrt()?,
             UnaryOp::Recip => a[0].recip()?,
             UnaryOp::Sigmoid => sigmoid(a[0])?,
+            UnaryOp::Erf => a[0].erf()?,
         },
         Op::Affine { mul, add } => a[0].affine(*mul, *add)?,
         Op::Binary { f } => match f {

@@ -134,7 +134,7 @@ impl Trainer {
         let specs = stage_specs(&setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
         let opts = StageOptions { recompute: setup.recompute, ..StageOptions::new(setup.batch, setup.seq) };
         let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
-        let workers = pipeline_workers(&setup.model, &schedule, &specs, &opts, setup.seed, empty)?;
+        let workers = pipeline_workers(&setup.model, &schedule, &specs, &opts, setup.seed, None, empty)?;
         let optim = (0..workers.len()).map(|_| AdamW::new(setup.adamw)).collect::<Result<_, _>>()?;
         Ok(Trainer { setup, schedule, workers, optim, step: 0, inference: HashMap::new() })
     }
@@ -255,6 +255,24 @@ impl Trainer {
             out.extend(opt.state_dict()?);
         }
         Ok(out)
+    }
+
+    /// Replaces every parameter of every stage with the tensor of the same name in `params` (e.g.
+    /// pretrained weights; a tied embedding's copies on the first and last stage both take
+    /// `model.embed_tokens.weight`); other names are ignored. Call it before the first step: the
+    /// optimizer state is not touched.
+    ///
+    /// # Errors
+    /// [`TrainError::Stage`] naming the first parameter missing or of another shape or dtype;
+    /// nothing changes then.
+    pub fn load_parameters(&mut self, params: &HashMap<String, Tensor>) -> Result<(), TrainError> {
+        for s in self.workers.iter().flat_map(|w| w.stages().values()) {
+            s.check_parameters(params)?;
+        }
+        for s in self.workers.iter_mut().flat_map(|w| w.stages_mut().values_mut()) {
+            s.set_parameters(params)?;
+        }
+        Ok(())
     }
 
     /// Restores parameters and optimizer state saved from [`Trainer::parameters`] and

@@ -5,7 +5,7 @@
 //! Pipelined: the schedule of `kind` for `shape` is generated and lowered (SEND/RECV), every
 //! schedule stage gets its [`Stage`] (graphs under the options' recompute policy, weights from
 //! [`init_parameters`] with the step's seed — seeded per parameter name, so any split gives the
-//! same weights) and [`run_pipeline`] runs one [`GraphStages`] per rank on threads.
+//! same weights — or the given [`VerifySetup::weights`]) and [`run_pipeline`] runs one [`GraphStages`] per rank on threads.
 //! Single device: one stage holding every layer runs the m microbatches concatenated along the
 //! batch axis (`[m·B, T]`), fw then full_bw.
 //!
@@ -23,8 +23,8 @@ use graphpp_graph::names::{LOSS, TARGETS, TOKENS};
 use graphpp_graph::{stage_graphs, GraphError, RecomputePolicy};
 use graphpp_models::rng::Rng;
 use graphpp_models::{
-    build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, ModelError, StageOptions,
-    StageSpec,
+    build_stage, init_parameters, split_layers, stage_buffers, stage_parameters, LlamaConfig, ModelError,
+    StageOptions, StageSpec,
 };
 use graphpp_schedule::{
     generate, lower, GenerateError, Kind, LowerError, LowerOptions, Options, Schedule, Shape,
@@ -102,6 +102,9 @@ pub struct VerifySetup {
     pub timeout: Duration,
     /// Decoder layers of each model stage (`--layers-per-stage 2,1,1`); `None` splits evenly.
     pub layers_per_stage: Option<Vec<usize>>,
+    /// Initial parameters by name (e.g. pretrained weights, `--init-from`), f32, HF shapes;
+    /// `None` draws them from `seed` ([`init_parameters`]).
+    pub weights: Option<Arc<Env>>,
 }
 
 impl VerifySetup {
@@ -117,6 +120,7 @@ impl VerifySetup {
             seed: 0,
             timeout: Duration::from_secs(60),
             layers_per_stage: None,
+            weights: None,
         }
     }
 }
@@ -205,17 +209,39 @@ pub fn random_microbatches(
     Ok(Microbatches { tokens, targets })
 }
 
-/// Parameters (from `seed`) and buffers of a stage, as tensors of the stage dtype.
+/// Parameters and buffers of a stage, as tensors of the stage dtype: the parameters from `given`
+/// (by name; a tied embedding's copies both read `model.embed_tokens.weight`) or else drawn from
+/// `seed`. Errors: [`VerifyError::Mismatch`] for a parameter `given` lacks or holds in another
+/// shape.
 pub fn stage_state(
     cfg: &LlamaConfig,
     spec: &StageSpec,
     opts: &StageOptions,
     seed: u64,
+    given: Option<&Env>,
 ) -> Result<Env, VerifyError> {
     let mut env = Env::new();
-    for (name, shape, data) in init_parameters(cfg, spec, seed) {
-        let d: Vec<f64> = data.iter().map(|&x| x as f64).collect();
-        env.insert(name, tensor_from_f64(&d, &shape, opts.dtype)?);
+    match given {
+        None => {
+            for (name, shape, data) in init_parameters(cfg, spec, seed) {
+                let d: Vec<f64> = data.iter().map(|&x| x as f64).collect();
+                env.insert(name, tensor_from_f64(&d, &shape, opts.dtype)?);
+            }
+        }
+        Some(given) => {
+            for (name, shape) in stage_parameters(cfg, spec) {
+                let t = given
+                    .get(&name)
+                    .ok_or_else(|| VerifyError::Mismatch(format!("initial parameter {name}: not given")))?;
+                if t.dims() != shape.as_slice() {
+                    return Err(VerifyError::Mismatch(format!(
+                        "initial parameter {name}: shape {:?}, the model needs {shape:?}",
+                        t.dims()
+                    )));
+                }
+                env.insert(name, t.to_dtype(crate::executor::candle_dtype(opts.dtype))?);
+            }
+        }
     }
     for (name, shape, data) in stage_buffers(cfg, opts.seq) {
         env.insert(name, tensor_from_f64(&data, &shape, opts.dtype)?);
@@ -223,13 +249,15 @@ pub fn stage_state(
     Ok(env)
 }
 
-/// One [`GraphStages`] per rank of `schedule`, schedule stage `s` running `specs[s]`.
+/// One [`GraphStages`] per rank of `schedule`, schedule stage `s` running `specs[s]`, with the
+/// parameters of [`stage_state`] (`given`, else drawn from `seed`).
 pub fn pipeline_workers(
     cfg: &LlamaConfig,
     schedule: &Schedule,
     specs: &[StageSpec],
     opts: &StageOptions,
     seed: u64,
+    given: Option<&Env>,
     data: Arc<Microbatches>,
 ) -> Result<Vec<GraphStages>, VerifyError> {
     let placement = schedule.placement();
@@ -241,7 +269,7 @@ pub fn pipeline_workers(
             .ok_or_else(|| VerifyError::Mismatch(format!("stage {stage}: no model stage for it")))?;
         for r in ranks {
             let graphs = stage_graphs(&build_stage(cfg, spec, opts)?, &opts.recompute.policy(spec))?;
-            per_rank[r].insert(stage, Stage::new(graphs, stage_state(cfg, spec, opts, seed)?));
+            per_rank[r].insert(stage, Stage::new(graphs, stage_state(cfg, spec, opts, seed, given)?));
         }
     }
     Ok(per_rank.into_iter().map(|st| GraphStages::new(st, Arc::clone(&data))).collect())
@@ -262,7 +290,8 @@ pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     let m = setup.shape.microbatches;
     let data = Arc::new(random_microbatches(setup.model.vocab_size, m, setup.batch, setup.seq, setup.seed)?);
     let opts = StageOptions::new(setup.batch, setup.seq);
-    let workers = pipeline_workers(&setup.model, &schedule, &specs, &opts, setup.seed, data)?;
+    let given = setup.weights.as_deref();
+    let workers = pipeline_workers(&setup.model, &schedule, &specs, &opts, setup.seed, given, data)?;
     let (workers, _) = run_pipeline(&schedule, workers, setup.timeout)?;
     let mut losses = BTreeMap::new();
     for w in &workers {
@@ -285,7 +314,7 @@ pub fn single_device_step(setup: &VerifySetup) -> Result<StepResult, VerifyError
     let opts = StageOptions::new(setup.batch * m, setup.seq);
     let graphs = stage_graphs(&build_stage(cfg, &spec, &opts)?, &RecomputePolicy::SaveAll)?;
     let data = random_microbatches(cfg.vocab_size, m, setup.batch, setup.seq, setup.seed)?;
-    let mut env = stage_state(cfg, &spec, &opts, setup.seed)?;
+    let mut env = stage_state(cfg, &spec, &opts, setup.seed, setup.weights.as_deref())?;
     env.insert(TOKENS.into(), Tensor::cat(&data.tokens, 0)?);
     env.insert(TARGETS.into(), Tensor::cat(&data.targets, 0)?);
     let f = run_named(&graphs.fw, &env, &RunOptions::default())?;

@@ -124,6 +124,7 @@ fn cases(seed: u64) -> Vec<Case> {
         case("neg", vec![vec![a, b_]], |b, x, _| b.neg(x[0]).unwrap()),
         case("exp", vec![vec![a, b_]], |b, x, _| b.exp(x[0]).unwrap()),
         case("sigmoid", vec![vec![a, b_, c]], |b, x, _| b.sigmoid(x[0]).unwrap()),
+        case("erf", vec![vec![a, b_, c]], |b, x, _| b.erf(x[0]).unwrap()),
         case("affine", vec![vec![a, b_]], |b, x, _| b.affine(x[0], -1.5, 0.25).unwrap()),
         case("add_broadcast", vec![vec![a, b_, c], vec![b_, 1]], |b, x, _| b.add2(x[0], x[1]).unwrap()),
         case("sub_broadcast", vec![vec![c], vec![a, b_, c]], |b, x, _| b.sub(x[0], x[1]).unwrap()),
@@ -231,12 +232,70 @@ fn composite_layers_match_finite_differences() {
             vec![vec![bsz, t, d], vec![d, d], vec![hd, d], vec![hd, d], vec![d, d], vec![t, hd], vec![t, hd]],
             move |b, x, _| {
                 let mask = b.full(0.0, vec![t, t]).unwrap();
-                let w = layers::AttentionWeights { q: x[1], k: x[2], v: x[3], o: x[4] };
+                let w = layers::AttentionWeights::new(x[1], x[2], x[3], x[4]);
                 let dims = layers::AttentionDims { heads, kv_heads: 1 };
                 layers::causal_attention(b, x[0], w, dims, x[5], x[6], mask).unwrap()
             },
         ),
     ];
+    // HF `head_dim` 3 ≠ D/H = 4 (q_proj [H·3, D], o_proj [D, H·3]), biases on all four projections.
+    let hd3 = 6;
+    cs.push(case(
+        "attention_head_dim_bias",
+        vec![
+            vec![bsz, t, d],
+            vec![heads * hd3, d],
+            vec![hd3, d],
+            vec![hd3, d],
+            vec![d, heads * hd3],
+            vec![t, hd3],
+            vec![t, hd3],
+            vec![heads * hd3],
+            vec![hd3],
+            vec![hd3],
+            vec![d],
+        ],
+        move |b, x, _| {
+            let mask = b.full(0.0, vec![t, t]).unwrap();
+            let w = layers::AttentionWeights {
+                q_bias: Some(x[7]),
+                k_bias: Some(x[8]),
+                v_bias: Some(x[9]),
+                o_bias: Some(x[10]),
+                ..layers::AttentionWeights::new(x[1], x[2], x[3], x[4])
+            };
+            let dims = layers::AttentionDims { heads, kv_heads: 1 };
+            layers::causal_attention(b, x[0], w, dims, x[5], x[6], mask).unwrap()
+        },
+    ));
+    for (name, act) in [
+        ("gated_mlp_gelu_bias", layers::Activation::Gelu),
+        ("gated_mlp_gelu_tanh_bias", layers::Activation::GeluTanh),
+    ] {
+        cs.push(case(
+            name,
+            vec![vec![bsz, t, d], vec![f, d], vec![f, d], vec![d, f], vec![f], vec![f], vec![d]],
+            move |b, x, _| {
+                let w = layers::MlpWeights {
+                    gate: x[1],
+                    up: x[2],
+                    down: x[3],
+                    gate_bias: Some(x[4]),
+                    up_bias: Some(x[5]),
+                    down_bias: Some(x[6]),
+                };
+                layers::gated_mlp(b, x[0], w, act).unwrap()
+            },
+        ));
+    }
+    let mut wide = |name, op: fn(&mut GraphBuilder, ValueId) -> ValueId| {
+        let mut c = case(name, vec![vec![bsz, t, d]], move |b, x, _| op(b, x[0]));
+        c.lo = -3.0;
+        c.hi = 3.0;
+        cs.push(c);
+    };
+    wide("gelu", |b, x| layers::gelu(b, x).unwrap());
+    wide("gelu_tanh", |b, x| layers::gelu_tanh(b, x).unwrap());
     cs.push(Case {
         name: "cross_entropy",
         floats: vec![vec![bsz * t, v]],

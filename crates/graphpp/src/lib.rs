@@ -4,6 +4,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod metrics;
+pub mod pretrained;
 pub mod report;
 pub mod stop;
 pub mod train;

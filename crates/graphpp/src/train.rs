@@ -78,6 +78,9 @@ pub enum RunError {
     /// A tensor operation failed.
     #[error("tensor: {0}")]
     Tensor(#[from] candle_core::Error),
+    /// The `--init-from` model folder could not be loaded.
+    #[error("--init-from: {0}")]
+    Pretrained(#[from] crate::pretrained::PretrainedError),
 }
 
 /// The settings of a run (the `graphpp train` flags); the ones that decide the loss sequence are
@@ -121,6 +124,10 @@ pub struct RunConfig {
     /// Activation recomputation (memory for compute; the losses do not change).
     #[serde(default)]
     pub recompute: Recompute,
+    /// Hugging Face model folder whose weights replace the seeded initial ones (`--init-from`);
+    /// `model` must be its `config.json`.
+    #[serde(default)]
+    pub init_from: Option<PathBuf>,
 }
 
 impl RunConfig {
@@ -162,9 +169,10 @@ impl RunConfig {
     }
 
     /// What must match for a resumed run to continue the same loss sequence: everything but the
-    /// pipeline layout (kind, ranks, v, layer split), the recompute policy, the display name and the run's length
-    /// (`--steps` may grow to extend a finished run: the learning-rate schedule is then the new
-    /// one from the resumed step on).
+    /// pipeline layout (kind, ranks, v, layer split), the recompute policy, the display name, the
+    /// `--init-from` folder (the checkpoint's parameters replace the initial ones; the model must
+    /// match) and the run's length (`--steps` may grow to extend a finished run: the
+    /// learning-rate schedule is then the new one from the resumed step on).
     fn resume_key(&self) -> RunConfig {
         RunConfig {
             model_name: String::new(),
@@ -174,6 +182,7 @@ impl RunConfig {
             layers_per_stage: None,
             steps: 0,
             recompute: Recompute::SaveAll,
+            init_from: None,
             ..self.clone()
         }
     }
@@ -233,7 +242,11 @@ impl Run {
         let val_split_len = val.len();
         let (x, y) = data::sample(val, VAL_SEQUENCES, t, VAL_STREAM);
         let val = x.chunks(t * 8).zip(y.chunks(t * 8)).map(|(a, b)| (a.to_vec(), b.to_vec())).collect();
-        let trainer = Trainer::new(train_setup(&config)?)?;
+        let mut trainer = Trainer::new(train_setup(&config)?)?;
+        if let Some(dir) = &config.init_from {
+            let weights = crate::pretrained::load_weights(dir, &config.model)?;
+            trainer.load_parameters(&weights.into_iter().collect())?;
+        }
         let batcher = Batcher { seed: config.seed, position: 0 };
         Ok(Run {
             run_id: new_run_id(),

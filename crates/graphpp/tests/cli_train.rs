@@ -50,6 +50,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         seed: 4,
         data: Some(data),
         recompute: Recompute::SaveAll,
+        init_from: None,
     }
 }
 

@@ -31,7 +31,7 @@ pub fn block_stage(b_: usize, t: usize, d: usize, f: usize, heads: usize) -> Gra
     let a = causal_attention(
         &mut b,
         h,
-        AttentionWeights { q, k, v, o },
+        AttentionWeights::new(q, k, v, o),
         AttentionDims { heads, kv_heads: heads },
         cos,
         sin,

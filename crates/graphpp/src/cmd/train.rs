@@ -35,6 +35,10 @@ pub struct TrainArgs {
     /// Override the model's number of decoder layers.
     #[arg(long)]
     layers: Option<usize>,
+    /// Start from a Hugging Face model folder (config.json + model.safetensors): its config is
+    /// the model and its weights the initial parameters (excludes --model and --layers).
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "layers"])]
+    init_from: Option<PathBuf>,
     /// Schedule kind (`zbv`, `1f1b`, `dualpipev`, …; PyTorch class names accepted).
     #[arg(long, default_value = "zbv")]
     schedule: Kind,
@@ -138,7 +142,10 @@ impl TrainArgs {
     /// default whose default depends on --steps (--warmup) takes the checkpoint's value, so
     /// extending a run with a larger --steps keeps its warm-up.
     fn config(&self, resumed: Option<&RunConfig>) -> Result<RunConfig> {
-        let mut model = crate::cmd::graph::load_config(&self.model)?;
+        let mut model = match &self.init_from {
+            Some(dir) => graphpp::pretrained::load_config(dir).context("--init-from")?,
+            None => crate::cmd::graph::load_config(&self.model)?,
+        };
         if let Some(l) = self.layers {
             model.num_hidden_layers = l;
         }
@@ -153,7 +160,7 @@ impl TrainArgs {
             bail!("--prompt is empty: the sample needs one byte of prompt at least (or --sample-bytes 0)");
         }
         Ok(RunConfig {
-            model_name: self.model.clone(),
+            model_name: self.init_from.as_ref().map_or(self.model.clone(), |d| d.display().to_string()),
             model,
             kind: self.schedule,
             ranks: self.ranks,
@@ -171,6 +178,7 @@ impl TrainArgs {
             seed: self.seed,
             data: self.data.clone(),
             recompute: self.recompute,
+            init_from: self.init_from.clone(),
         })
     }
 }

@@ -2,9 +2,11 @@
 //! the same weights and batch; prints both losses and the largest gradient differences, and fails
 //! (exit 1) above the tolerance (docs/ARCHITECTURE.md "Runtime" → Semantics).
 
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use graphpp_runtime::verify::{verify_step, VerifySetup, TOLERANCE};
 use graphpp_schedule::{Kind, Shape};
@@ -31,6 +33,10 @@ pub struct VerifyArgs {
     /// Override the preset's number of decoder layers (it must be at least the model stages).
     #[arg(long)]
     layers: Option<usize>,
+    /// Run the step from a Hugging Face model folder (config.json + model.safetensors): its config
+    /// is the model and its weights the parameters (excludes --model and --layers).
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "layers"])]
+    init_from: Option<PathBuf>,
     /// Decoder layers of each model stage, e.g. `2,1,1` (default: an even split).
     #[arg(long, value_delimiter = ',')]
     layers_per_stage: Option<Vec<usize>>,
@@ -53,7 +59,13 @@ pub struct VerifyArgs {
 /// or a difference above the tolerance.
 pub fn run(a: VerifyArgs) -> Result<()> {
     crate::cmd::set_op_threads(a.ranks, None);
-    let mut model = crate::cmd::graph::load_config(&a.model)?;
+    let (mut model, weights, name) = match &a.init_from {
+        Some(dir) => {
+            let p = graphpp::pretrained::load(dir).context("--init-from")?;
+            (p.config, Some(Arc::new(p.tensors.into_iter().collect())), dir.display().to_string())
+        }
+        None => (crate::cmd::graph::load_config(&a.model)?, None, a.model.clone()),
+    };
     if let Some(l) = a.layers {
         model.num_hidden_layers = l;
     }
@@ -62,6 +74,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     let mut setup = VerifySetup::new(model, a.schedule, shape, a.microbatch_size, a.seq_len);
     setup.seed = a.seed;
     setup.layers_per_stage = a.layers_per_stage.clone();
+    setup.weights = weights;
     let t0 = Instant::now();
     let r = verify_step(&setup)?;
     println!(
@@ -70,7 +83,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         a.ranks,
         v,
         a.microbatches,
-        a.model,
+        name,
         setup.model.num_hidden_layers,
         a.microbatch_size,
         a.seq_len,

@@ -1,0 +1,271 @@
+//! Pretrained weights from a Hugging Face Llama-style model folder (`graphpp train --init-from
+//! DIR`, `graphpp verify --init-from DIR`; issue 9).
+//!
+//! The folder holds `config.json` (parsed by [`LlamaConfig::from_json`], which refuses settings
+//! graphpp does not implement) and the weights: `model.safetensors`, or the shards a
+//! `model.safetensors.index.json` lists (`weight_map`), as `save_pretrained` writes them. Tensor
+//! names and layouts are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, `[out, in]`),
+//! which are graphpp's parameter names; f32, f16, bf16 and f64 tensors are converted to f32.
+//!
+//! The tensors must be exactly the parameters the config describes ([`stage_parameters`] of the
+//! whole model): a missing tensor, one of another shape and an extra one are errors naming them.
+//! Two tolerances, both about what `transformers` itself writes: `…rotary_emb.inv_freq` buffers
+//! (older versions saved them; graphpp computes RoPE from `rope_theta`) are skipped, and with
+//! `tie_word_embeddings` an `lm_head.weight` equal to `model.embed_tokens.weight` is dropped.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use graphpp_models::{split_layers, stage_parameters, LlamaConfig, ModelError, EMBED, LM_HEAD};
+
+/// The config file of a model folder.
+pub const CONFIG_FILE: &str = "config.json";
+/// The single-file weights of a model folder.
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// The index of sharded weights (`{"weight_map": {tensor name: shard file}}`).
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Why a model folder could not be loaded; each names the file and the tensor or field.
+#[derive(Debug, thiserror::Error)]
+pub enum PretrainedError {
+    /// A file the folder must hold is not there.
+    #[error("{}: missing (a Hugging Face model folder holds {CONFIG_FILE} and {WEIGHTS_FILE} or {INDEX_FILE})", path.display())]
+    MissingFile {
+        /// The missing file.
+        path: PathBuf,
+    },
+    /// A file could not be read.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// `config.json` is malformed or asks for something graphpp does not implement.
+    #[error("{}: {source}", path.display())]
+    Config {
+        /// The config file.
+        path: PathBuf,
+        /// The model error (names the field).
+        source: ModelError,
+    },
+    /// A weights file or the shard index is not valid.
+    #[error("{}: not a valid weights file: {reason}", path.display())]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A tensor of an element type that is not converted.
+    #[error("{}: tensor `{name}` has dtype {dtype}; f32, f16, bf16 and f64 are read", path.display())]
+    DType {
+        /// The weights file.
+        path: PathBuf,
+        /// Tensor name.
+        name: String,
+        /// Its dtype.
+        dtype: String,
+    },
+    /// Parameters of the model the config describes that no file holds.
+    #[error("{}: {} tensor(s) missing that the config's model needs: {}", dir.display(), names.len(), list(names))]
+    MissingTensors {
+        /// The model folder.
+        dir: PathBuf,
+        /// The missing names.
+        names: Vec<String>,
+    },
+    /// A tensor whose shape is not the one the config gives.
+    #[error("{}: tensor `{name}` has shape {found:?}, the config gives {expected:?}", dir.display())]
+    Shape {
+        /// The model folder.
+        dir: PathBuf,
+        /// Tensor name.
+        name: String,
+        /// Shape in the file.
+        found: Vec<usize>,
+        /// Shape from the config.
+        expected: Vec<usize>,
+    },
+    /// Tensors that are not parameters of the model the config describes.
+    #[error("{}: {} unexpected tensor(s), not in the model the config describes: {}", dir.display(), names.len(), list(names))]
+    Unexpected {
+        /// The model folder.
+        dir: PathBuf,
+        /// The extra names.
+        names: Vec<String>,
+    },
+    /// `tie_word_embeddings` is set but the file's `lm_head.weight` is another matrix.
+    #[error("{}: tie_word_embeddings is true but `{LM_HEAD}` differs from `{EMBED}`", dir.display())]
+    TiedMismatch {
+        /// The model folder.
+        dir: PathBuf,
+    },
+    /// A tensor operation failed.
+    #[error("tensor: {0}")]
+    Tensor(#[from] candle_core::Error),
+}
+
+/// Up to 8 names, then how many more.
+fn list(names: &[String]) -> String {
+    let mut s = names.iter().take(8).map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ");
+    if names.len() > 8 {
+        s.push_str(&format!(" and {} more", names.len() - 8));
+    }
+    s
+}
+
+/// A loaded model folder.
+#[derive(Debug, Clone)]
+pub struct Pretrained {
+    /// The model from `config.json`.
+    pub config: LlamaConfig,
+    /// Every parameter by HF name (once; a tied LM head reads `model.embed_tokens.weight`), f32
+    /// CPU tensors of the shapes of [`model_parameters`].
+    pub tensors: BTreeMap<String, Tensor>,
+}
+
+/// Names and shapes of every parameter of `cfg`'s model, in interface order (one stage holding
+/// every layer).
+///
+/// # Errors
+/// [`ModelError::Split`] for a config without decoder layers.
+pub fn model_parameters(cfg: &LlamaConfig) -> Result<Vec<(String, Vec<usize>)>, ModelError> {
+    let spec = split_layers(cfg.num_hidden_layers, 1, None)?.remove(0);
+    Ok(stage_parameters(cfg, &spec))
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, PretrainedError> {
+    if !path.is_file() {
+        return Err(PretrainedError::MissingFile { path: path.to_path_buf() });
+    }
+    std::fs::read(path).map_err(|source| PretrainedError::Io { path: path.to_path_buf(), source })
+}
+
+/// Reads `DIR/config.json`.
+///
+/// # Errors
+/// [`PretrainedError::MissingFile`], [`PretrainedError::Io`], [`PretrainedError::Config`] (bad
+/// JSON, an unsupported field such as `rope_scaling` named with its value, bad sizes).
+pub fn load_config(dir: &Path) -> Result<LlamaConfig, PretrainedError> {
+    let path = dir.join(CONFIG_FILE);
+    let bytes = read(&path)?;
+    let text = String::from_utf8_lossy(&bytes);
+    LlamaConfig::from_json(&text).map_err(|source| PretrainedError::Config { path, source })
+}
+
+/// The weight files of `dir`: `model.safetensors`, else the shards of the index.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, PretrainedError> {
+    let single = dir.join(WEIGHTS_FILE);
+    let index = dir.join(INDEX_FILE);
+    if single.is_file() || !index.is_file() {
+        return Ok(vec![single]);
+    }
+    let bad = |reason: String| PretrainedError::Format { path: index.clone(), reason };
+    let v: serde_json::Value =
+        serde_json::from_slice(&read(&index)?).map_err(|e| bad(format!("JSON: {e}")))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| bad("no `weight_map` object".into()))?;
+    let mut files = BTreeSet::new();
+    for (name, file) in map {
+        let file = file.as_str().ok_or_else(|| bad(format!("`{name}` maps to {file}, not a file name")))?;
+        if file.contains(['/', '\\']) || file.starts_with('.') {
+            return Err(bad(format!("`{name}` maps to {file:?}, not a file in the folder")));
+        }
+        files.insert(dir.join(file));
+    }
+    Ok(files.into_iter().collect())
+}
+
+/// Reads every tensor of one safetensors file, converted to f32.
+fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>, PretrainedError> {
+    let bytes = read(path)?;
+    let bad = |reason: String| PretrainedError::Format { path: path.to_path_buf(), reason };
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
+    let mut out = Vec::new();
+    for (name, view) in st.tensors() {
+        use safetensors::Dtype as S;
+        let dtype = match view.dtype() {
+            S::F32 => DType::F32,
+            S::F16 => DType::F16,
+            S::BF16 => DType::BF16,
+            S::F64 => DType::F64,
+            other => {
+                return Err(PretrainedError::DType {
+                    path: path.to_path_buf(),
+                    name,
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        let t = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), &Device::Cpu)
+            .map_err(|e| bad(format!("tensor `{name}`: {e}")))?;
+        out.push((name, t.to_dtype(DType::F32)?));
+    }
+    Ok(out)
+}
+
+/// Reads the weights of `dir` for the model `cfg` and checks them against it (see the module
+/// doc): every parameter present with its shape, nothing else.
+///
+/// # Errors
+/// [`PretrainedError::MissingFile`] (no `model.safetensors` nor index, or a shard), `Io`,
+/// `Format`, `DType`, `MissingTensors`, `Shape`, `Unexpected`, `TiedMismatch`.
+pub fn load_weights(dir: &Path, cfg: &LlamaConfig) -> Result<BTreeMap<String, Tensor>, PretrainedError> {
+    let expected = model_parameters(cfg)
+        .map_err(|source| PretrainedError::Config { path: dir.join(CONFIG_FILE), source })?;
+    let mut tensors = BTreeMap::new();
+    for file in weight_files(dir)? {
+        for (name, t) in read_tensors(&file)? {
+            if name.ends_with(".rotary_emb.inv_freq") {
+                continue;
+            }
+            tensors.insert(name, t);
+        }
+    }
+    if cfg.tie_word_embeddings {
+        if let (Some(head), Some(embed)) = (tensors.get(LM_HEAD), tensors.get(EMBED)) {
+            let same = head.dims() == embed.dims() && head.eq(embed)?.min_all()?.to_scalar::<u8>()? == 1;
+            if !same {
+                return Err(PretrainedError::TiedMismatch { dir: dir.to_path_buf() });
+            }
+            tensors.remove(LM_HEAD);
+        }
+    }
+    let missing: Vec<String> =
+        expected.iter().filter(|(n, _)| !tensors.contains_key(n)).map(|(n, _)| n.clone()).collect();
+    if !missing.is_empty() {
+        return Err(PretrainedError::MissingTensors { dir: dir.to_path_buf(), names: missing });
+    }
+    for (name, shape) in &expected {
+        let found = tensors[name].dims();
+        if found != shape.as_slice() {
+            return Err(PretrainedError::Shape {
+                dir: dir.to_path_buf(),
+                name: name.clone(),
+                found: found.to_vec(),
+                expected: shape.clone(),
+            });
+        }
+    }
+    let known: BTreeSet<&String> = expected.iter().map(|(n, _)| n).collect();
+    let extra: Vec<String> = tensors.keys().filter(|n| !known.contains(n)).cloned().collect();
+    if !extra.is_empty() {
+        return Err(PretrainedError::Unexpected { dir: dir.to_path_buf(), names: extra });
+    }
+    Ok(tensors)
+}
+
+/// Reads a whole model folder: [`load_config`] then [`load_weights`].
+///
+/// # Errors
+/// Those of [`load_config`] and [`load_weights`].
+pub fn load(dir: &Path) -> Result<Pretrained, PretrainedError> {
+    let config = load_config(dir)?;
+    let tensors = load_weights(dir, &config)?;
+    Ok(Pretrained { config, tensors })
+}

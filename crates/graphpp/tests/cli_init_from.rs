@@ -1,0 +1,123 @@
+//! `--init-from DIR` end to end: `graphpp verify` and `graphpp train` start from a Hugging Face
+//! model folder (the fixture written by `tools/torch/hf_llama_logits.py`: tied embeddings, GQA,
+//! head_dim ≠ hidden/heads, biases, GELU); `--model` with it is a usage error; an unsupported
+//! config field fails naming the field.
+
+use assert_cmd::Command;
+use std::path::Path;
+
+const GELU: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny-llama-gelu");
+
+fn graphpp(args: &[&str]) -> (bool, Option<i32>, String, String) {
+    let out = Command::cargo_bin("graphpp").expect("binary builds").args(args).output().unwrap();
+    let s = |b: Vec<u8>| String::from_utf8(b).unwrap();
+    (out.status.success(), out.status.code(), s(out.stdout), s(out.stderr))
+}
+
+#[test]
+fn verify_a_tied_pretrained_model_under_pipelines() {
+    // 1F1B: embedding on rank 0, its LM-head copy on rank 1; ZB-V on 1 rank: both on rank 0;
+    // DualPipeV on 1 rank likewise; DualPipe: two pipeline copies, so four copies of the matrix
+    // whose gradients add up — all equal one device.
+    for args in [
+        &["--schedule", "1f1b", "--ranks", "2", "--microbatches", "4"][..],
+        &["--schedule", "dualpipe", "--ranks", "2", "--microbatches", "4"],
+        &["--schedule", "zbv", "--ranks", "1", "--microbatches", "3"],
+        &["--schedule", "dualpipev", "--ranks", "1", "--microbatches", "2"],
+    ] {
+        let mut all = vec!["verify", "--init-from", GELU, "--seq-len", "8", "--microbatch-size", "2"];
+        all.extend_from_slice(args);
+        let (ok, _, out, err) = graphpp(&all);
+        assert!(ok, "{args:?}: {out}{err}");
+        assert!(out.contains("hf-tiny-llama-gelu, 2 layers") && out.contains("PASS"), "{out}");
+        // The fixture's weights, not a seeded init: the loss on random tokens is far above ln 256
+        // (its large weights give confident, mostly wrong logits).
+        let line = out.lines().find(|l| l.starts_with("loss single device")).unwrap();
+        let loss: f64 = line.split_whitespace().nth(3).unwrap().parse().unwrap();
+        assert!(loss > 6.0, "{line}");
+    }
+}
+
+#[test]
+fn train_from_a_pretrained_folder_and_checkpoint_the_tied_matrix_once() {
+    let d = tempfile::tempdir().unwrap();
+    let data = d.path().join("corpus.txt");
+    let text: String =
+        (0..300).map(|i| format!("{i}: a small corpus for a tiny pretrained model.\n")).collect();
+    std::fs::write(&data, text).unwrap();
+    let ck = d.path().join("ck");
+    let (ok, _, out, err) = graphpp(&[
+        "train",
+        "--init-from",
+        GELU,
+        "--schedule",
+        "1f1b",
+        "--ranks",
+        "2",
+        "--steps",
+        "2",
+        "--microbatches",
+        "2",
+        "--microbatch-size",
+        "2",
+        "--seq-len",
+        "8",
+        "--sample-bytes",
+        "4",
+        "--data",
+        data.to_str().unwrap(),
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("hf-tiny-llama-gelu (2 layers"), "{out}");
+    let st = candle_core::safetensors::load(ck.join("step-000002.safetensors"), &candle_core::Device::Cpu)
+        .unwrap();
+    assert!(st.contains_key("model.embed_tokens.weight"), "{:?}", st.keys());
+    assert!(!st.contains_key("lm_head.weight"));
+    assert!(st.contains_key("model.layers.1.self_attn.q_proj.bias"));
+    assert_eq!(st["model.layers.1.self_attn.q_proj.weight"].dims(), &[32, 24]);
+}
+
+#[test]
+fn init_from_excludes_model_and_layers() {
+    for extra in [&["--model", "tiny"][..], &["--layers", "1"]] {
+        for cmd in [&["train"][..], &["verify", "--schedule", "1f1b", "--ranks", "1", "--microbatches", "1"]]
+        {
+            let mut args = cmd.to_vec();
+            args.extend_from_slice(&["--init-from", GELU]);
+            args.extend_from_slice(extra);
+            let (ok, code, _, err) = graphpp(&args);
+            assert!(!ok && code == Some(2), "{args:?}: {err}");
+            assert!(err.contains("--init-from") && err.contains("cannot be used with"), "{err}");
+        }
+    }
+}
+
+#[test]
+fn an_unsupported_config_field_fails_naming_it() {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::copy(Path::new(GELU).join("model.safetensors"), d.path().join("model.safetensors")).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(Path::new(GELU).join("config.json")).unwrap()).unwrap();
+    cfg["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": 2.0});
+    std::fs::write(d.path().join("config.json"), cfg.to_string()).unwrap();
+    let dir = d.path().to_str().unwrap();
+    for args in [
+        &["train", "--init-from", dir][..],
+        &["verify", "--init-from", dir, "--schedule", "1f1b", "--ranks", "1", "--microbatches", "1"],
+    ] {
+        let (ok, code, _, err) = graphpp(args);
+        assert!(!ok && code == Some(1), "{err}");
+        assert!(
+            err.contains("config.json") && err.contains("`rope_scaling`") && err.contains("linear"),
+            "{err}"
+        );
+    }
+    // A folder without weights names the missing file.
+    std::fs::remove_file(d.path().join("model.safetensors")).unwrap();
+    std::fs::copy(Path::new(GELU).join("config.json"), d.path().join("config.json")).unwrap();
+    let (ok, _, _, err) =
+        graphpp(&["verify", "--init-from", dir, "--schedule", "1f1b", "--ranks", "1", "--microbatches", "1"]);
+    assert!(!ok && err.contains("model.safetensors: missing"), "{err}");
+}
