@@ -11,14 +11,25 @@ use graphpp_graph::{CollectiveKind, CommGroup, DType, Graph, GraphBuilder, Input
 use std::ops::Range;
 
 /// Microbatch shape and numeric options of a stage graph.
+///
+/// Mixed precision (`dtype` bf16, `master_dtype` f32, as [`StageOptions::mixed`] sets): the
+/// parameter inputs are f32 master weights and the graph casts each to bf16 right after its
+/// input (the embedding table after the row gather, so its gradient is scattered in f32); the
+/// activations, matmuls, saved values and the stage output (the activation sent to the next
+/// stage; its gradient comes back in bf16) are bf16; RMSNorm's normalisation, the attention
+/// softmax and the loss run in f32 ([`DType::wide`]). Autodiff turns each cast into a cast
+/// back, so every `grad.<param>` is f32. With FSDP the f32 shard is all-gathered, then cast.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StageOptions {
     /// Sequences per microbatch `B`.
     pub batch: usize,
     /// Tokens per sequence `T`.
     pub seq: usize,
-    /// Float dtype of parameters and activations.
+    /// Float dtype of activations and compute (and of the buffers).
     pub dtype: DType,
+    /// Dtype of the parameter inputs (the master weights) when it differs from `dtype`; each
+    /// parameter is then cast to `dtype` in the graph. `None`: parameters are `dtype` too.
+    pub master_dtype: Option<DType>,
     /// When set, parameters are shards along axis 0 over this group and all-gathered before use.
     pub fsdp: Option<CommGroup>,
     /// On the last stage, output `logits` `[B·T, V]` instead of the loss and take no `targets`
@@ -29,9 +40,24 @@ pub struct StageOptions {
 impl StageOptions {
     /// `B×T` microbatch in f32, no FSDP.
     pub fn new(batch: usize, seq: usize) -> Self {
-        StageOptions { batch, seq, dtype: DType::F32, fsdp: None, logits: false }
+        StageOptions { batch, seq, dtype: DType::F32, master_dtype: None, fsdp: None, logits: false }
+    }
+
+    /// `B×T` microbatch computed in `dtype` from f32 master weights (mixed precision when `dtype`
+    /// is bf16; exactly [`StageOptions::new`] when it is f32).
+    pub fn mixed(batch: usize, seq: usize, dtype: DType) -> Self {
+        let master_dtype = (dtype != DType::F32).then_some(DType::F32);
+        StageOptions { dtype, master_dtype, ..StageOptions::new(batch, seq) }
+    }
+
+    /// Dtype of the parameter inputs: `master_dtype`, else `dtype`.
+    pub fn parameter_dtype(&self) -> DType {
+        self.master_dtype.unwrap_or(self.dtype)
     }
 }
+
+/// Name of the token embedding table (the first stage's first parameter).
+const EMBED: &str = "model.embed_tokens.weight";
 
 /// Which part of the model a stage holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -112,7 +138,7 @@ pub fn stage_parameters(cfg: &LlamaConfig, spec: &StageSpec) -> Vec<(String, Vec
     let kvd = cfg.kv_heads() * hd;
     let mut p = Vec::new();
     if spec.is_first() {
-        p.push(("model.embed_tokens.weight".to_string(), vec![v, d]));
+        p.push((EMBED.to_string(), vec![v, d]));
     }
     for l in spec.layers.clone() {
         let pre = format!("model.layers.{l}");
@@ -156,17 +182,26 @@ pub fn stage_buffers(cfg: &LlamaConfig, seq: usize) -> Vec<(String, Vec<usize>, 
     ]
 }
 
-/// The forward graph of one stage. Inputs, in order: parameters ([`stage_parameters`]), buffers
-/// ([`stage_buffers`]), `tokens` `[B,T]` u32 (first stage) or `input` `[B,T,D]`, then `targets`
-/// `[B,T]` u32 (last stage, unless `opts.logits`). Output: `loss` (scalar, mean over the B·T
-/// tokens) on the last stage — `logits` `[B·T, V]` with `opts.logits` — else `output` `[B,T,D]`. Errors: invalid config or FSDP shard sizes.
+/// The forward graph of one stage. Inputs, in order: parameters ([`stage_parameters`], of
+/// [`StageOptions::parameter_dtype`]), buffers ([`stage_buffers`], of `opts.dtype`), `tokens`
+/// `[B,T]` u32 (first stage) or `input` `[B,T,D]` (`opts.dtype`), then `targets` `[B,T]` u32
+/// (last stage, unless `opts.logits`). Output: `loss` (scalar, mean over the B·T tokens) on the
+/// last stage — `logits` `[B·T, V]` with `opts.logits` — both in [`DType::wide`] of `opts.dtype`
+/// (f32 for bf16), else `output` `[B,T,D]` in `opts.dtype`. Errors: invalid config or FSDP shard
+/// sizes.
 pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
     cfg.validate()?;
     let (bsz, t, d) = (opts.batch, opts.seq, cfg.hidden_size);
     let mut b = GraphBuilder::new(&format!("stage{}.fw", spec.stage), opts.dtype);
     let mut params = std::collections::HashMap::new();
     for (name, shape) in stage_parameters(cfg, spec) {
-        let v = parameter(&mut b, &name, shape, opts)?;
+        let mut v = parameter(&mut b, &name, shape, opts)?;
+        // The embedding table is cast after its row gather (see `StageOptions`).
+        if name != EMBED {
+            b.set_scope(name.trim_end_matches(".weight"));
+            v = b.cast(v, opts.dtype)?;
+            b.set_scope("");
+        }
         params.insert(name, v);
     }
     let mut bufs = Vec::new();
@@ -188,7 +223,8 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
     b.push_scope("model");
     let mut x = if spec.is_first() {
         b.push_scope("embed_tokens");
-        let e = embedding(&mut b, p("model.embed_tokens.weight"), x_in)?;
+        let e = embedding(&mut b, p(EMBED), x_in)?;
+        let e = b.cast(e, opts.dtype)?;
         b.pop_scope();
         e
     } else {
@@ -229,6 +265,7 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
         b.push_scope("lm_head");
         let logits = linear(&mut b, h, p("lm_head.weight"))?;
         let logits = b.reshape(logits, vec![bsz * t, cfg.vocab_size])?;
+        let logits = b.cast(logits, opts.dtype.wide())?;
         match targets {
             Some(targets) => {
                 let tg = b.reshape(targets, vec![bsz * t])?;
@@ -258,7 +295,8 @@ fn parameter(
     shape: Vec<usize>,
     opts: &StageOptions,
 ) -> Result<ValueId, ModelError> {
-    let Some(group) = &opts.fsdp else { return Ok(b.input(name, InputKind::Parameter, shape)?) };
+    let ty = |shape: Vec<usize>| TensorType::new(opts.parameter_dtype(), shape);
+    let Some(group) = &opts.fsdp else { return Ok(b.input_typed(name, InputKind::Parameter, ty(shape))?) };
     if !shape[0].is_multiple_of(group.size) {
         return Err(ModelError::Split(format!(
             "{name} dim 0 = {} not divisible by FSDP group size {}",
@@ -267,7 +305,7 @@ fn parameter(
     }
     let mut shard = shape;
     shard[0] /= group.size;
-    let v = b.input(name, InputKind::Parameter, shard)?;
+    let v = b.input_typed(name, InputKind::Parameter, ty(shard))?;
     b.set_scope(name.trim_end_matches(".weight"));
     b.set_region(graphpp_graph::Region::Comm(format!("{}.unshard", group.name)));
     let g = b.collective(CollectiveKind::AllGather, group, 0, v)?;

@@ -254,8 +254,12 @@ fn state_derived(g: &Graph) -> Vec<bool> {
 }
 
 /// σ(x) = 1 / (1 + e^(−x)) in one pass over a contiguous f32/f64 tensor (the same arithmetic as
-/// the four-op form used otherwise: negate, exp, add 1, reciprocal).
+/// the four-op form used otherwise: negate, exp, add 1, reciprocal). A bf16 operand is computed
+/// in f32 and rounded to bf16 once, as a GPU kernel does (the four-op form would round four times).
 fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
+    if x.dtype() == CDType::BF16 {
+        return sigmoid(&x.to_dtype(CDType::F32)?)?.to_dtype(CDType::BF16);
+    }
     if x.is_contiguous() && matches!(x.dtype(), CDType::F32 | CDType::F64) {
         x.apply_op1_no_bwd(&SigmoidOp)
     } else {
@@ -302,6 +306,15 @@ fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
         }
         r => r,
     }
+}
+
+/// Sum over `axis`. A bf16 operand is summed in f32 and the result rounded to bf16 once (candle's
+/// CPU sum would accumulate in bf16, losing the small terms of a long sum; GPU reductions
+/// accumulate in f32).
+fn sum(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tensor> {
+    let wide = if x.dtype() == CDType::BF16 { x.to_dtype(CDType::F32)? } else { x.clone() };
+    let s = if keepdim { wide.sum_keepdim(axis)? } else { wide.sum(axis)? };
+    s.to_dtype(x.dtype())
 }
 
 fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor], coll: &dyn Collectives) -> ExecResult<Tensor> {
@@ -353,13 +366,7 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
             BinaryOp::Div => a[0].broadcast_div(a[1])?,
             BinaryOp::Eq => a[0].broadcast_eq(a[1])?.to_dtype(a[0].dtype())?,
         },
-        Op::Sum { axis, keepdim } => {
-            if *keepdim {
-                a[0].sum_keepdim(*axis)?
-            } else {
-                a[0].sum(*axis)?
-            }
-        }
+        Op::Sum { axis, keepdim } => sum(a[0], *axis, *keepdim)?,
         Op::Max { axis, keepdim } => {
             if *keepdim {
                 a[0].max_keepdim(*axis)?

@@ -25,6 +25,7 @@ fn setup(kind: Kind, p: usize, v: usize, m: usize) -> TrainSetup {
         lr: CosineSchedule::new(1e-2, 1e-3, 2, 6).unwrap(),
         max_grad_norm: Some(0.5),
         timeout: Duration::from_secs(60),
+        dtype: graphpp_graph::DType::F32,
     }
 }
 

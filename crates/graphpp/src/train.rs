@@ -105,6 +105,10 @@ pub struct RunConfig {
     pub seed: u64,
     /// Corpus file or folder; `None` is the Shakespeare corpus from the cache.
     pub data: Option<PathBuf>,
+    /// Compute dtype of the stage graphs (`--dtype`); absent in checkpoints made before it
+    /// existed, which were f32.
+    #[serde(default)]
+    pub dtype: graphpp_graph::DType,
 }
 
 impl RunConfig {
@@ -352,6 +356,7 @@ fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         lr: CosineSchedule::new(c.lr, c.min_lr, c.warmup.min(c.steps), c.steps)?,
         max_grad_norm: c.grad_clip,
         timeout: Duration::from_secs(300),
+        dtype: c.dtype,
     })
 }
 

@@ -49,6 +49,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         grad_clip: Some(1.0),
         seed: 4,
         data: Some(data),
+        dtype: graphpp_graph::DType::F32,
     }
 }
 
