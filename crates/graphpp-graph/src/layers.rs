@@ -41,10 +41,10 @@ pub fn embedding(b: &mut GraphBuilder, table: ValueId, ids: ValueId) -> Result<V
 
 /// RMSNorm over the last axis: `x / sqrt(mean(x²) + eps) * w` (Zhang & Sennrich 2019; HF Llama).
 ///
-/// Mixed precision: the normalisation runs in [`DType::wide`](crate::DType::wide) of `x`'s dtype — for bf16 `x` is
-/// cast to f32, normalised, and cast back before the multiplication by `w`, as HF's
-/// `LlamaRMSNorm` does (`hidden_states.to(float32)` … `weight * hidden_states.to(input_dtype)`).
-/// For f32 and f64 no cast node is added.
+/// Mixed precision: the normalisation runs in [`DType::wide`](crate::DType::wide) of `x`'s
+/// dtype — for bf16 `x` is cast to f32, normalised, and cast back before the multiplication by
+/// `w`, as HF's `LlamaRMSNorm` does (`hidden_states.to(float32)` … `weight *
+/// hidden_states.to(input_dtype)`). For f32 and f64 no cast node is added.
 pub fn rms_norm(b: &mut GraphBuilder, x: ValueId, w: ValueId, eps: f64) -> Result<ValueId> {
     let dtype = b.ty(x).dtype;
     let last = b.shape(x).len() - 1;
@@ -159,7 +159,8 @@ fn repeat_kv(b: &mut GraphBuilder, x: ValueId, heads: usize) -> Result<ValueId> 
 /// Causal multi-head self-attention with RoPE (Vaswani et al. 2017; HF Llama):
 /// `x: [B, T, D]`, `cos`, `sin: [T, hd]`, additive `mask: [T, T]` (0 on/below the diagonal, a large
 /// negative number above). Scores scaled by `1/sqrt(hd)`. Scopes `q_proj` … `o_proj`. The
-/// softmax runs in [`DType::wide`](crate::DType::wide) of the scores' dtype (f32 for bf16; no cast otherwise).
+/// softmax runs in [`DType::wide`](crate::DType::wide) of the scores' dtype (f32 for bf16; no
+/// cast otherwise).
 pub fn causal_attention(
     b: &mut GraphBuilder,
     x: ValueId,
@@ -205,9 +206,9 @@ pub fn causal_attention(
 }
 
 /// Cross-entropy, mean over tokens: `logits: [N, V]`, u32 `targets: [N]` → scalar
-/// `mean(logsumexp(logits) − logits[target])`, computed in [`DType::wide`](crate::DType::wide) of the logits' dtype:
-/// bf16 logits are cast to f32 first (HF's `logits.float()` before the loss), so the loss and its
-/// log-softmax are f32; f32 and f64 logits get no cast.
+/// `mean(logsumexp(logits) − logits[target])`, computed in [`DType::wide`](crate::DType::wide)
+/// of the logits' dtype: bf16 logits are cast to f32 first (HF's `logits.float()` before the
+/// loss), so the loss and its log-softmax are f32; f32 and f64 logits get no cast.
 pub fn cross_entropy(b: &mut GraphBuilder, logits: ValueId, targets: ValueId) -> Result<ValueId> {
     let wide = b.ty(logits).dtype.wide();
     let logits = b.cast(logits, wide)?;
