@@ -3,16 +3,19 @@
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
+use std::str::FromStr;
 
 /// Element type of a value. `U32` holds indices (token ids, targets, top-k results).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     /// 32-bit float (default for training).
+    #[default]
     F32,
     /// 64-bit float (finite-difference gradient checks).
     F64,
-    /// bfloat16 (reserved for mixed precision).
+    /// bfloat16: the compute dtype of mixed-precision stage graphs (8 significant bits, f32's
+    /// exponent range).
     BF16,
     /// 32-bit unsigned integer (indices).
     U32,
@@ -33,6 +36,17 @@ impl DType {
         !matches!(self, DType::U32)
     }
 
+    /// The dtype in which the precision-sensitive parts of a computation on values of this dtype
+    /// run: RMSNorm's mean of squares, the attention softmax, the loss. `f32` for `bf16` (as
+    /// Hugging Face Llama upcasts in `LlamaRMSNorm`, `softmax(…, dtype=float32)` and the logits
+    /// before the loss); the dtype itself otherwise.
+    pub fn wide(self) -> DType {
+        match self {
+            DType::BF16 => DType::F32,
+            d => d,
+        }
+    }
+
     /// Short name used in the text form (`f32`, `f64`, `bf16`, `u32`).
     pub fn name(self) -> &'static str {
         match self {
@@ -41,6 +55,23 @@ impl DType {
             DType::BF16 => "bf16",
             DType::U32 => "u32",
         }
+    }
+}
+
+/// A name that is not one of `f32`, `f64`, `bf16`, `u32`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown dtype `{0}` (expected f32, f64, bf16 or u32)")]
+pub struct UnknownDType(pub String);
+
+impl FromStr for DType {
+    type Err = UnknownDType;
+
+    /// Parses the text-form name ([`DType::name`]), case-insensitively.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        [DType::F32, DType::F64, DType::BF16, DType::U32]
+            .into_iter()
+            .find(|d| d.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| UnknownDType(s.to_string()))
     }
 }
 
@@ -128,5 +159,17 @@ mod tests {
         assert_eq!(t.to_string(), "f32[4,64,256]");
         assert_eq!(t.size_bytes(), 4 * 64 * 256 * 4);
         assert_eq!(TensorType::new(DType::BF16, vec![]).size_bytes(), 2);
+    }
+
+    #[test]
+    fn names_parse_back_and_bf16_widens_to_f32() {
+        for d in [DType::F32, DType::F64, DType::BF16, DType::U32] {
+            assert_eq!(d.name().parse::<DType>(), Ok(d));
+        }
+        assert_eq!("BF16".parse::<DType>(), Ok(DType::BF16));
+        assert_eq!("fp16".parse::<DType>(), Err(UnknownDType("fp16".into())));
+        assert_eq!(DType::BF16.wide(), DType::F32);
+        assert_eq!(DType::F64.wide(), DType::F64);
+        assert_eq!(DType::default(), DType::F32);
     }
 }

@@ -49,14 +49,22 @@ pub fn embedding(b: &mut GraphBuilder, table: ValueId, ids: ValueId) -> Result<V
 }
 
 /// RMSNorm over the last axis: `x / sqrt(mean(x²) + eps) * w` (Zhang & Sennrich 2019; HF Llama).
+///
+/// Mixed precision: the normalisation runs in [`DType::wide`](crate::DType::wide) of `x`'s
+/// dtype — for bf16 `x` is cast to f32, normalised, and cast back before the multiplication by
+/// `w`, as HF's `LlamaRMSNorm` does (`hidden_states.to(float32)` … `weight *
+/// hidden_states.to(input_dtype)`). For f32 and f64 no cast node is added.
 pub fn rms_norm(b: &mut GraphBuilder, x: ValueId, w: ValueId, eps: f64) -> Result<ValueId> {
+    let dtype = b.ty(x).dtype;
     let last = b.shape(x).len() - 1;
-    let sq = b.mul(x, x)?;
+    let xw = b.cast(x, dtype.wide())?;
+    let sq = b.mul(xw, xw)?;
     let ms = b.mean(sq, last, true)?;
     let ms = b.affine(ms, 1.0, eps)?;
     let rms = b.sqrt(ms)?;
     let inv = b.recip(rms)?;
-    let xn = b.mul(x, inv)?;
+    let xn = b.mul(xw, inv)?;
+    let xn = b.cast(xn, dtype)?;
     b.mul(xn, w)
 }
 
@@ -242,7 +250,8 @@ fn repeat_kv(b: &mut GraphBuilder, x: ValueId, heads: usize) -> Result<ValueId> 
 /// `x: [B, T, D]`, `cos`, `sin: [T, hd]`, additive `mask: [T, T]` (0 on/below the diagonal, a large
 /// negative number above). `hd` = rows of `q_proj` / `H`; scores scaled by `1/sqrt(hd)`; key and
 /// value heads repeated `H / KV` times (HF `repeat_kv`: query head `h` reads kv head `h / (H/KV)`).
-/// Scopes `q_proj` … `o_proj`.
+/// Scopes `q_proj` … `o_proj`. The softmax runs in [`DType::wide`](crate::DType::wide) of the
+/// scores' dtype (f32 for bf16; no cast otherwise).
 pub fn causal_attention(
     b: &mut GraphBuilder,
     x: ValueId,
@@ -274,7 +283,11 @@ pub fn causal_attention(
     let scores = b.matmul(q, kt)?;
     let scores = b.scale(scores, 1.0 / (hd as f64).sqrt())?;
     let scores = b.add2(scores, mask)?;
+    // Softmax in the wide dtype (f32 for bf16), as HF's `softmax(…, dtype=torch.float32)`.
+    let dtype = b.ty(scores).dtype;
+    let scores = b.cast(scores, dtype.wide())?;
     let p = softmax(b, scores, 3)?;
+    let p = b.cast(p, dtype)?;
     let o = b.matmul(p, v)?;
     let o = b.permute(o, vec![0, 2, 1, 3])?;
     let o = b.reshape(o, vec![bsz, t, dims.heads * hd])?;
@@ -285,8 +298,12 @@ pub fn causal_attention(
 }
 
 /// Cross-entropy, mean over tokens: `logits: [N, V]`, u32 `targets: [N]` → scalar
-/// `mean(logsumexp(logits) − logits[target])`.
+/// `mean(logsumexp(logits) − logits[target])`, computed in [`DType::wide`](crate::DType::wide)
+/// of the logits' dtype: bf16 logits are cast to f32 first (HF's `logits.float()` before the
+/// loss), so the loss and its log-softmax are f32; f32 and f64 logits get no cast.
 pub fn cross_entropy(b: &mut GraphBuilder, logits: ValueId, targets: ValueId) -> Result<ValueId> {
+    let wide = b.ty(logits).dtype.wide();
+    let logits = b.cast(logits, wide)?;
     let n = b.shape(logits)[0];
     let m = b.max(logits, 1, true)?;
     let z = b.sub(logits, m)?;

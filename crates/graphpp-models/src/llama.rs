@@ -18,14 +18,25 @@ pub const EMBED: &str = "model.embed_tokens.weight";
 pub const LM_HEAD: &str = "lm_head.weight";
 
 /// Microbatch shape and numeric options of a stage graph.
+///
+/// Mixed precision (`dtype` bf16, `master_dtype` f32, as [`StageOptions::mixed`] sets): the
+/// parameter inputs are f32 master weights and the graph casts each to bf16 right after its
+/// input (the embedding table after the row gather, so its gradient is scattered in f32); the
+/// activations, matmuls, saved values and the stage output (the activation sent to the next
+/// stage; its gradient comes back in bf16) are bf16; RMSNorm's normalisation, the attention
+/// softmax and the loss run in f32 ([`DType::wide`]). Autodiff turns each cast into a cast
+/// back, so every `grad.<param>` is f32. With FSDP the f32 shard is all-gathered, then cast.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StageOptions {
     /// Sequences per microbatch `B`.
     pub batch: usize,
     /// Tokens per sequence `T`.
     pub seq: usize,
-    /// Float dtype of parameters and activations.
+    /// Float dtype of activations and compute (and of the buffers).
     pub dtype: DType,
+    /// Dtype of the parameter inputs (the master weights) when it differs from `dtype`; each
+    /// parameter is then cast to `dtype` in the graph. `None`: parameters are `dtype` too.
+    pub master_dtype: Option<DType>,
     /// When set, parameters are shards along axis 0 over this group and all-gathered before use.
     pub fsdp: Option<CommGroup>,
     /// On the last stage, output `logits` `[B·T, V]` instead of the loss and take no `targets`
@@ -43,10 +54,23 @@ impl StageOptions {
             batch,
             seq,
             dtype: DType::F32,
+            master_dtype: None,
             fsdp: None,
             logits: false,
             recompute: Recompute::SaveAll,
         }
+    }
+
+    /// `B×T` microbatch computed in `dtype` from f32 master weights (mixed precision when `dtype`
+    /// is bf16; exactly [`StageOptions::new`] when it is f32).
+    pub fn mixed(batch: usize, seq: usize, dtype: DType) -> Self {
+        let master_dtype = (dtype != DType::F32).then_some(DType::F32);
+        StageOptions { dtype, master_dtype, ..StageOptions::new(batch, seq) }
+    }
+
+    /// Dtype of the parameter inputs: `master_dtype`, else `dtype`.
+    pub fn parameter_dtype(&self) -> DType {
+        self.master_dtype.unwrap_or(self.dtype)
     }
 }
 
@@ -188,17 +212,26 @@ pub fn stage_buffers(cfg: &LlamaConfig, seq: usize) -> Vec<(String, Vec<usize>, 
     ]
 }
 
-/// The forward graph of one stage. Inputs, in order: parameters ([`stage_parameters`]), buffers
-/// ([`stage_buffers`]), `tokens` `[B,T]` u32 (first stage) or `input` `[B,T,D]`, then `targets`
-/// `[B,T]` u32 (last stage, unless `opts.logits`). Output: `loss` (scalar, mean over the B·T
-/// tokens) on the last stage — `logits` `[B·T, V]` with `opts.logits` — else `output` `[B,T,D]`. Errors: invalid config or FSDP shard sizes.
+/// The forward graph of one stage. Inputs, in order: parameters ([`stage_parameters`], of
+/// [`StageOptions::parameter_dtype`]), buffers ([`stage_buffers`], of `opts.dtype`), `tokens`
+/// `[B,T]` u32 (first stage) or `input` `[B,T,D]` (`opts.dtype`), then `targets` `[B,T]` u32
+/// (last stage, unless `opts.logits`). Output: `loss` (scalar, mean over the B·T tokens) on the
+/// last stage — `logits` `[B·T, V]` with `opts.logits` — both in [`DType::wide`] of `opts.dtype`
+/// (f32 for bf16), else `output` `[B,T,D]` in `opts.dtype`. Errors: invalid config or FSDP shard
+/// sizes.
 pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
     cfg.validate()?;
     let (bsz, t, d) = (opts.batch, opts.seq, cfg.hidden_size);
     let mut b = GraphBuilder::new(&format!("stage{}.fw", spec.stage), opts.dtype);
     let mut params = std::collections::HashMap::new();
     for (name, shape) in stage_parameters(cfg, spec) {
-        let v = parameter(&mut b, &name, shape, opts)?;
+        let mut v = parameter(&mut b, &name, shape, opts)?;
+        // The embedding table is cast after its row gather (see `StageOptions`).
+        if name != EMBED {
+            b.set_scope(name.trim_end_matches(".weight"));
+            v = b.cast(v, opts.dtype)?;
+            b.set_scope("");
+        }
         params.insert(name, v);
     }
     let mut bufs = Vec::new();
@@ -221,6 +254,7 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
     let mut x = if spec.is_first() {
         b.push_scope("embed_tokens");
         let e = embedding(&mut b, p(EMBED), x_in)?;
+        let e = b.cast(e, opts.dtype)?;
         b.pop_scope();
         e
     } else {
@@ -272,9 +306,11 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
         b.pop_scope();
         b.pop_scope();
         b.push_scope("lm_head");
-        let head = p(if cfg.tie_word_embeddings { EMBED } else { LM_HEAD });
+        // A tied head reads the f32 embedding table, cast like every other matrix.
+        let head = if cfg.tie_word_embeddings { b.cast(p(EMBED), opts.dtype)? } else { p(LM_HEAD) };
         let logits = linear(&mut b, h, head)?;
         let logits = b.reshape(logits, vec![bsz * t, cfg.vocab_size])?;
+        let logits = b.cast(logits, opts.dtype.wide())?;
         match targets {
             Some(targets) => {
                 let tg = b.reshape(targets, vec![bsz * t])?;
@@ -304,7 +340,8 @@ fn parameter(
     shape: Vec<usize>,
     opts: &StageOptions,
 ) -> Result<ValueId, ModelError> {
-    let Some(group) = &opts.fsdp else { return Ok(b.input(name, InputKind::Parameter, shape)?) };
+    let ty = |shape: Vec<usize>| TensorType::new(opts.parameter_dtype(), shape);
+    let Some(group) = &opts.fsdp else { return Ok(b.input_typed(name, InputKind::Parameter, ty(shape))?) };
     if !shape[0].is_multiple_of(group.size) {
         return Err(ModelError::Split(format!(
             "{name} dim 0 = {} not divisible by FSDP group size {}",
@@ -313,7 +350,7 @@ fn parameter(
     }
     let mut shard = shape;
     shard[0] /= group.size;
-    let v = b.input(name, InputKind::Parameter, shard)?;
+    let v = b.input_typed(name, InputKind::Parameter, ty(shard))?;
     b.set_scope(name.trim_end_matches(".weight").trim_end_matches(".bias"));
     b.set_region(graphpp_graph::Region::Comm(format!("{}.unshard", group.name)));
     let g = b.collective(CollectiveKind::AllGather, group, 0, v)?;

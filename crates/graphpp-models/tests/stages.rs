@@ -152,3 +152,75 @@ fn init_is_hf_style_biases_zero_norms_one_matrices_initializer_range() {
         }
     }
 }
+
+/// bf16 mixed precision, read off the graph: f32 parameter inputs each cast to bf16 (the
+/// embedding after its gather), bf16 matmuls and stage output, f32 RMSNorm reduction, attention
+/// softmax and loss; the derived backward returns f32 parameter gradients and a bf16 input
+/// gradient. f32 options build exactly the graph they built before (no cast node).
+#[test]
+fn bf16_stage_graphs_say_where_precision_changes() {
+    use graphpp_graph::{stage_graphs, DType, UnaryOp};
+    let cfg = LlamaConfig::tiny();
+    let specs = split_layers(4, 2, None).unwrap();
+    let opts = StageOptions::mixed(2, 8, DType::BF16);
+    assert_eq!(opts.parameter_dtype(), DType::F32);
+    let first = build_stage(&cfg, &specs[0], &opts).unwrap();
+    let last = build_stage(&cfg, &specs[1], &opts).unwrap();
+    for g in [&first, &last] {
+        for s in g.input_specs() {
+            let want = match s.kind {
+                InputKind::Parameter => DType::F32,
+                InputKind::Buffer => DType::BF16,
+                _ if s.name == "input" => DType::BF16,
+                _ => DType::U32,
+            };
+            assert_eq!(s.ty.dtype, want, "{}: {}", g.name, s.name);
+        }
+        for n in &g.nodes {
+            let d = n.ty.dtype;
+            match &n.op {
+                Op::Matmul => assert_eq!(d, DType::BF16, "{} matmul", n.meta.scope),
+                Op::Sum { .. } | Op::Max { .. } | Op::Unary { .. } if n.meta.scope.ends_with("layernorm") => {
+                    assert_eq!(d, DType::F32, "{} {}", n.meta.scope, n.op.mnemonic())
+                }
+                Op::Unary { .. } | Op::Sum { .. } | Op::Max { .. } if n.meta.scope == "model.norm" => {
+                    assert_eq!(d, DType::F32)
+                }
+                Op::Unary { f: UnaryOp::Exp } | Op::Sum { .. } | Op::Max { .. }
+                    if n.meta.scope.ends_with("self_attn") =>
+                {
+                    assert_eq!(d, DType::F32, "softmax in {}", n.meta.scope)
+                }
+                _ if n.meta.scope.starts_with("loss") && d != DType::U32 => {
+                    assert_eq!(d, DType::F32, "loss {}", n.op.mnemonic())
+                }
+                _ => {}
+            }
+        }
+    }
+    // 1 embedding cast + 9 per layer (7 weights + 2 norms) + 1 per RMSNorm down and 1 up +
+    // 2 per softmax; last stage: + final norm weight, lm_head, norm casts and the logits cast.
+    let casts = |g: &graphpp_graph::Graph| g.nodes.iter().filter(|n| matches!(n.op, Op::Cast { .. })).count();
+    assert_eq!(casts(&first), 1 + 2 * (9 + 4 + 2));
+    assert_eq!(casts(&last), 2 * (9 + 4 + 2) + 2 + 2 + 1);
+    let dtype_of = |g: &graphpp_graph::Graph, name: &str| g.node(g.output_by_name(name).unwrap()).ty.dtype;
+    assert_eq!(dtype_of(&first, "output"), DType::BF16);
+    assert_eq!(dtype_of(&last, "loss"), DType::F32);
+    let logits = build_stage(&cfg, &specs[1], &StageOptions { logits: true, ..opts.clone() }).unwrap();
+    assert_eq!(dtype_of(&logits, "logits"), DType::F32);
+    let bw = stage_graphs(&last, &RecomputePolicy::SaveAll).unwrap().full_bw;
+    for name in bw.output_names() {
+        let want = if name == "grad.input" { DType::BF16 } else { DType::F32 };
+        assert_eq!(dtype_of(&bw, &name), want, "{name}");
+    }
+    // Saved activations are bf16 but for the f32 islands (norm statistics, softmax, loss).
+    let saved: Vec<_> = bw.input_specs().into_iter().filter(|s| s.kind == InputKind::Saved).collect();
+    let bf = saved.iter().filter(|s| s.ty.dtype == DType::BF16).count();
+    assert!(bf * 2 > saved.len(), "{bf} of {} saved values are bf16", saved.len());
+
+    let f32o = StageOptions::new(2, 8);
+    assert_eq!(StageOptions::mixed(2, 8, DType::F32), f32o);
+    let plain = build_stage(&cfg, &specs[1], &f32o).unwrap();
+    assert_eq!(casts(&plain), 0);
+    assert!(plain.nodes.iter().all(|n| matches!(n.ty.dtype, DType::F32 | DType::U32)));
+}

@@ -254,8 +254,12 @@ fn state_derived(g: &Graph) -> Vec<bool> {
 }
 
 /// σ(x) = 1 / (1 + e^(−x)) in one pass over a contiguous f32/f64 tensor (the same arithmetic as
-/// the four-op form used otherwise: negate, exp, add 1, reciprocal).
+/// the four-op form used otherwise: negate, exp, add 1, reciprocal). A bf16 operand is computed
+/// in f32 and rounded to bf16 once, as a GPU kernel does (the four-op form would round four times).
 fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
+    if x.dtype() == CDType::BF16 {
+        return sigmoid(&x.to_dtype(CDType::F32)?)?.to_dtype(CDType::BF16);
+    }
     if x.is_contiguous() && matches!(x.dtype(), CDType::F32 | CDType::F64) {
         x.apply_op1_no_bwd(&SigmoidOp)
     } else {
@@ -304,6 +308,31 @@ fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
+/// `a f b` with broadcasting for the arithmetic ops.
+///
+/// bf16 operands are widened to f32 by the caller and the f32 result rounded once: the same
+/// values candle's bf16 kernels produce (they compute each element in f32 and round), but its
+/// CPU bf16 add re-detects the CPU's bf16 instructions per 8 elements and ran ~5× slower than
+/// widening (`perf` of `graphpp train --dtype bf16`: half the step time in that add).
+fn arithmetic(f: BinaryOp, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    match f {
+        BinaryOp::Add => a.broadcast_add(b),
+        BinaryOp::Sub => a.broadcast_sub(b),
+        BinaryOp::Mul => a.broadcast_mul(b),
+        BinaryOp::Div => a.broadcast_div(b),
+        BinaryOp::Eq => a.broadcast_eq(b)?.to_dtype(a.dtype()),
+    }
+}
+
+/// Sum over `axis`. A bf16 operand is summed in f32 and the result rounded to bf16 once (candle's
+/// CPU sum would accumulate in bf16, losing the small terms of a long sum; GPU reductions
+/// accumulate in f32).
+fn sum(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tensor> {
+    let wide = if x.dtype() == CDType::BF16 { x.to_dtype(CDType::F32)? } else { x.clone() };
+    let s = if keepdim { wide.sum_keepdim(axis)? } else { wide.sum(axis)? };
+    s.to_dtype(x.dtype())
+}
+
 fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor], coll: &dyn Collectives) -> ExecResult<Tensor> {
     let node = &graph.nodes[i];
     let wrap = |e: candle_core::Error| ExecError::Kernel {
@@ -347,20 +376,13 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
             UnaryOp::Erf => a[0].erf()?,
         },
         Op::Affine { mul, add } => a[0].affine(*mul, *add)?,
-        Op::Binary { f } => match f {
-            BinaryOp::Add => a[0].broadcast_add(a[1])?,
-            BinaryOp::Sub => a[0].broadcast_sub(a[1])?,
-            BinaryOp::Mul => a[0].broadcast_mul(a[1])?,
-            BinaryOp::Div => a[0].broadcast_div(a[1])?,
-            BinaryOp::Eq => a[0].broadcast_eq(a[1])?.to_dtype(a[0].dtype())?,
-        },
-        Op::Sum { axis, keepdim } => {
-            if *keepdim {
-                a[0].sum_keepdim(*axis)?
-            } else {
-                a[0].sum(*axis)?
-            }
+        Op::Binary { f: BinaryOp::Eq } => a[0].broadcast_eq(a[1])?.to_dtype(a[0].dtype())?,
+        Op::Binary { f } if a[0].dtype() == CDType::BF16 => {
+            let (x, y) = (a[0].to_dtype(CDType::F32)?, a[1].to_dtype(CDType::F32)?);
+            arithmetic(*f, &x, &y)?.to_dtype(CDType::BF16)?
         }
+        Op::Binary { f } => arithmetic(*f, a[0], a[1])?,
+        Op::Sum { axis, keepdim } => sum(a[0], *axis, *keepdim)?,
         Op::Max { axis, keepdim } => {
             if *keepdim {
                 a[0].max_keepdim(*axis)?

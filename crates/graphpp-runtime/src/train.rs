@@ -89,6 +89,10 @@ pub struct TrainSetup {
     pub recompute: Recompute,
     /// Bound on every RECV of a step.
     pub timeout: Duration,
+    /// Compute dtype of the stage graphs: f32, or bf16 for mixed precision (f32 master weights,
+    /// gradients and AdamW state; bf16 activations and messages; f32 loss — see
+    /// [`StageOptions::mixed`]). Evaluation and generation compute in it too.
+    pub dtype: graphpp_graph::DType,
 }
 
 /// What one step did.
@@ -132,7 +136,10 @@ impl Trainer {
         let schedule = generate(setup.kind, &setup.shape, &setup.options).map_err(VerifyError::from)?;
         let schedule = lower(&schedule, &LowerOptions::default()).map_err(VerifyError::from)?;
         let specs = stage_specs(&setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
-        let opts = StageOptions { recompute: setup.recompute, ..StageOptions::new(setup.batch, setup.seq) };
+        let opts = StageOptions {
+            recompute: setup.recompute,
+            ..StageOptions::mixed(setup.batch, setup.seq, setup.dtype)
+        };
         let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
         let workers = pipeline_workers(&setup.model, &schedule, &specs, &opts, setup.seed, None, empty)?;
         let optim = (0..workers.len()).map(|_| AdamW::new(setup.adamw)).collect::<Result<_, _>>()?;
@@ -316,7 +323,7 @@ impl Trainer {
         }
         let cfg = &self.setup.model;
         let spec = split_layers(cfg.num_hidden_layers, 1, None).map_err(VerifyError::from)?.remove(0);
-        let opts = StageOptions { logits, ..StageOptions::new(batch, self.setup.seq) };
+        let opts = StageOptions { logits, ..StageOptions::mixed(batch, self.setup.seq, self.setup.dtype) };
         let g = Arc::new(build_stage(cfg, &spec, &opts).map_err(VerifyError::from)?);
         self.inference.insert((batch, logits), Arc::clone(&g));
         Ok(g)
@@ -326,7 +333,7 @@ impl Trainer {
     fn inference_env(&self) -> Result<Env, TrainError> {
         let mut env: Env = self.parameters().into_iter().collect();
         for (name, shape, data) in stage_buffers(&self.setup.model, self.setup.seq) {
-            env.insert(name, tensor_from_f64(&data, &shape, graphpp_graph::DType::F32)?);
+            env.insert(name, tensor_from_f64(&data, &shape, self.setup.dtype)?);
         }
         Ok(env)
     }

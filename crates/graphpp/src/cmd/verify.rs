@@ -8,7 +8,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use graphpp_runtime::verify::{verify_step, VerifySetup, TOLERANCE};
+use graphpp_graph::DType;
+use graphpp_runtime::verify::{default_tolerance, verify_step, VerifySetup};
 use graphpp_schedule::{Kind, Shape};
 
 /// Arguments of `graphpp verify`.
@@ -49,10 +50,18 @@ pub struct VerifyArgs {
     /// Seed of the initial weights and of the random batch.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Compute dtype of the pipelined step: `f32`, or `bf16` mixed precision (f32 master weights
+    /// and gradients, bf16 activations and messages, f32 loss).
+    #[arg(long, default_value = "f32", value_parser = crate::cmd::parse_compute_dtype)]
+    dtype: DType,
+    /// Compute dtype of the single-device reference step.
+    #[arg(long, default_value = "f32", value_parser = crate::cmd::parse_compute_dtype)]
+    reference_dtype: DType,
     /// Largest accepted relative difference of the loss and of any gradient, where the relative
-    /// difference of a tensor is max|a − b| / max(max|b|, 1e-12) against the single-device `b`.
-    #[arg(long, default_value_t = TOLERANCE)]
-    tolerance: f64,
+    /// difference of a tensor is max|a − b| / max(max|b|, 1e-12) against the single-device `b`
+    /// (default 1e-5, or 5e-2 when either step computes in bf16).
+    #[arg(long)]
+    tolerance: Option<f64>,
 }
 
 /// Runs `graphpp verify`. Errors: bad shape or model (typed, with the numbers), a failing rank,
@@ -75,10 +84,13 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     setup.seed = a.seed;
     setup.layers_per_stage = a.layers_per_stage.clone();
     setup.weights = weights;
+    setup.dtype = a.dtype;
+    setup.reference_dtype = a.reference_dtype;
+    let tolerance = a.tolerance.unwrap_or_else(|| default_tolerance(a.dtype, a.reference_dtype));
     let t0 = Instant::now();
     let r = verify_step(&setup)?;
     println!(
-        "verify {} p={} v={} m={} (model {}, {} layers, B={} T={}, seed {}, f32)",
+        "verify {} p={} v={} m={} (model {}, {} layers, B={} T={}, seed {}, {})",
         a.schedule,
         a.ranks,
         v,
@@ -87,7 +99,12 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         setup.model.num_hidden_layers,
         a.microbatch_size,
         a.seq_len,
-        a.seed
+        a.seed,
+        if a.dtype == a.reference_dtype {
+            a.dtype.to_string()
+        } else {
+            format!("pipelined {} vs single device {}", a.dtype, a.reference_dtype)
+        }
     );
     println!("loss pipelined     {:.9}", r.loss_pipelined);
     println!("loss single device {:.9}   (relative difference {:.3e})", r.loss_single, r.loss_rel);
@@ -96,9 +113,9 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         r.gradients, r.max_abs, r.max_rel, r.worst
     );
     println!("wall time {:.2} s", t0.elapsed().as_secs_f64());
-    if !r.passes(a.tolerance) {
-        bail!("FAIL: difference above tolerance {:e} relative", a.tolerance);
+    if !r.passes(tolerance) {
+        bail!("FAIL: difference above tolerance {tolerance:e} relative");
     }
-    println!("PASS (tolerance {:e} relative)", a.tolerance);
+    println!("PASS (tolerance {tolerance:e} relative)");
     Ok(())
 }
