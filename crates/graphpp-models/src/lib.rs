@@ -3,10 +3,11 @@
 
 pub mod config;
 pub mod llama;
+pub mod memory;
 pub mod rng;
 
 pub use config::{LlamaConfig, ModelError};
 pub use llama::{
-    build_stage, init_parameters, layer_checkpoints, split_layers, stage_buffers, stage_graph_set,
-    stage_parameters, StageOptions, StageSpec,
+    build_stage, check_shape, init_parameters, layer_checkpoints, split_layers, stage_buffer_shapes,
+    stage_buffers, stage_graph_set, stage_parameters, StageOptions, StageSpec,
 };
