@@ -48,14 +48,15 @@ pub fn chunk_cost_factor(kind: Kind, v: usize) -> f64 {
     }
 }
 
-/// `costs` with every action duration multiplied by `factor` (the hop latency c is kept).
+/// `costs` with every action duration multiplied by `factor` (the hop latency c is kept; an unset
+/// T_overlap stays T_F + T_B of the scaled costs).
 pub fn scale_costs(costs: &Costs, factor: f64) -> Costs {
     Costs {
         f: costs.f * factor,
         b: costs.b * factor,
         i: costs.i * factor,
         w: costs.w * factor,
-        overlap: Some(costs.overlap() * factor),
+        overlap: costs.overlap.map(|o| o * factor),
         ..*costs
     }
 }

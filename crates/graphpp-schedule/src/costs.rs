@@ -69,7 +69,7 @@ pub const MAX_COST: f64 = 1e9;
 
 /// A cost (`--costs` entry or `--comm-latency`) that cannot be a duration.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{name} = {value}: {problem}")]
+#[error("{name} = {}: {problem}", value_text(*.value))]
 pub struct CostError {
     /// The `--costs` key or the flag.
     pub name: String,
@@ -91,6 +91,15 @@ pub enum CostProblem {
     /// Above [`MAX_COST`].
     #[error("a cost must be at most 1e9 cost units (costs are relative; scale them down)")]
     TooLarge,
+}
+
+/// A cost as given, in scientific notation when fixed notation would run long (`1e300`).
+fn value_text(v: f64) -> String {
+    if v.is_finite() && v != 0.0 && (v.abs() >= 1e9 || v.abs() < 1e-3) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
 }
 
 /// `value` if it is a usable duration or latency: finite, `>= 0` and at most [`MAX_COST`].
@@ -224,6 +233,8 @@ mod tests {
 
     #[test]
     fn costs_are_finite_non_negative_and_bounded() {
+        let e = "F=1e300".parse::<Costs>().unwrap_err();
+        assert!(e.message.starts_with("F = 1e300: ") && e.message.len() < 120, "printed short: {e}");
         for (text, problem) in [
             ("F=1e300", CostProblem::TooLarge),
             ("C=-1", CostProblem::Negative),
