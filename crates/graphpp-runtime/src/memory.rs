@@ -73,31 +73,35 @@ pub enum SizeError {
     #[error(transparent)]
     Schedule(#[from] GenerateError),
     /// The step would need more memory than the budget.
-    #[error(
-        "one step with B={batch} sequences of T={seq} tokens per microbatch would need at least {} of \
-         memory (activations of one microbatch {}, stage buffers {}, parameters and optimizer state \
-         {}, token batch {}); the limit is {} ({}): lower --microbatch-size, --seq-len, \
-         --microbatches or the model size",
-        human_bytes(.need.total()),
-        human_bytes(.need.activations),
-        human_bytes(.need.buffers),
-        human_bytes(.need.parameters),
-        human_bytes(.need.batch),
-        human_bytes(*.budget),
-        .source_of_budget
-    )]
-    Memory {
-        /// B.
-        batch: usize,
-        /// T.
-        seq: usize,
-        /// The estimate.
-        need: StepMemory,
-        /// The budget in bytes.
-        budget: u128,
-        /// Where the budget comes from (`3/4 of the 23 GB of memory`).
-        source_of_budget: String,
-    },
+    #[error(transparent)]
+    Memory(Box<MemoryShortfall>),
+}
+
+/// A step's memory estimate above the budget.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "one step with B={batch} sequences of T={seq} tokens per microbatch would need at least {} of \
+     memory (activations of one microbatch {}, stage buffers {}, parameters and optimizer state {}, \
+     token batch {}); the limit is {} ({source_of_budget}): lower --microbatch-size, --seq-len, \
+     --microbatches or the model size",
+    human_bytes(.need.total()),
+    human_bytes(.need.activations),
+    human_bytes(.need.buffers),
+    human_bytes(.need.parameters),
+    human_bytes(.need.batch),
+    human_bytes(*.budget)
+)]
+pub struct MemoryShortfall {
+    /// B.
+    pub batch: usize,
+    /// T.
+    pub seq: usize,
+    /// The estimate.
+    pub need: StepMemory,
+    /// The budget in bytes.
+    pub budget: u128,
+    /// Where the budget comes from (`3/4 of the 25 GB of memory`).
+    pub source_of_budget: String,
 }
 
 /// The budget of a step in bytes and where it comes from: 3/4 of [`machine_memory`], or of
@@ -152,7 +156,13 @@ pub fn check_step_with(
     check_size(kind, shape)?;
     let need = StepMemory::estimate(cfg, kind, shape, batch, seq, single_device);
     if need.total() > budget {
-        return Err(SizeError::Memory { batch, seq, need, budget, source_of_budget });
+        return Err(SizeError::Memory(Box::new(MemoryShortfall {
+            batch,
+            seq,
+            need,
+            budget,
+            source_of_budget,
+        })));
     }
     Ok(need)
 }
@@ -185,8 +195,8 @@ mod tests {
         let tiny = LlamaConfig::tiny();
         let shape = Shape::new(2, 2, 8);
         let e = check_step_with(&tiny, Kind::Zbv, &shape, (100_000, 64), false, budget(96)).unwrap_err();
-        let SizeError::Memory { need, .. } = &e else { panic!("{e:?}") };
-        assert_eq!(need.activations, 273_356_800_000);
+        let SizeError::Memory(short) = &e else { panic!("{e:?}") };
+        assert_eq!(short.need.activations, 273_356_800_000);
         let text = e.to_string();
         assert!(
             text.contains("B=100000") && text.contains("273 GB") && text.contains("96 GB for the test"),

@@ -9,25 +9,6 @@ pub use chrome::chrome_trace;
 pub use grid::{grid, GridStyle};
 pub use svg::svg;
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn numbers_print_short_and_plurals_agree() {
-        assert_eq!(fixed(27.0, 3), "27.000");
-        assert_eq!(fixed(1e300, 3), "1.0000e300");
-        assert_eq!(short(1.0), "1");
-        assert_eq!(short(0.5), "0.5");
-        assert_eq!(short(1.0 / 3.0), "0.3333");
-        assert_eq!(short(1e300), "1e300");
-        assert_eq!(short(2.5e-6), "2.5e-6");
-        assert_eq!(count(1.0, "cost unit", "cost units"), "1 cost unit");
-        assert_eq!(count(27.0, "cost unit", "cost units"), "27 cost units");
-        assert_eq!(count(0.0, "step", "steps"), "0 steps");
-    }
-}
-
 use crate::action::{Action, ComputeKind};
 
 /// `x` with `decimals` decimals, or in scientific notation (`1.2346e12`) from 10^9 on, where fixed
@@ -89,5 +70,24 @@ fn rgb(category: &str) -> (u8, u8, u8) {
         "F&B" => (165, 105, 189),
         "comm" => (180, 180, 180),
         _ => (120, 120, 120),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_print_short_and_plurals_agree() {
+        assert_eq!(fixed(27.0, 3), "27.000");
+        assert_eq!(fixed(1e300, 3), "1.0000e300");
+        assert_eq!(short(1.0), "1");
+        assert_eq!(short(0.5), "0.5");
+        assert_eq!(short(1.0 / 3.0), "0.3333");
+        assert_eq!(short(1e300), "1e300");
+        assert_eq!(short(2.5e-6), "2.5e-6");
+        assert_eq!(count(1.0, "cost unit", "cost units"), "1 cost unit");
+        assert_eq!(count(27.0, "cost unit", "cost units"), "27 cost units");
+        assert_eq!(count(0.0, "step", "steps"), "0 steps");
     }
 }
