@@ -29,5 +29,5 @@ pub use error::{GraphError, Result};
 pub use graph::{Graph, GraphOutput, InputSpec, Node, NodeMeta, Phase, Region, ValueId};
 pub use op::{BinaryOp, CollectiveKind, CommGroup, InputKind, Op, UnaryOp};
 pub use partition::{partition, FwBw, RecomputePolicy};
-pub use stage::{stage_graphs, GraphKind, StageGraphs};
+pub use stage::{stage_graphs, GraphKind, StageGraphs, UnknownGraphKind};
 pub use verify::verify;

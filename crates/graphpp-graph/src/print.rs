@@ -101,12 +101,13 @@ pub fn render(g: &Graph, format: Format) -> String {
 /// Summary for `--stats`: node count, inputs by kind, outputs, matmul FLOPs, and bytes of the
 /// values of each phase, plus op counts.
 pub fn stats(g: &Graph) -> String {
+    let n = |count: usize, noun: &str| format!("{count} {noun}{}", if count == 1 { "" } else { "s" });
     let mut s = format!(
-        "graph {}: {} nodes, {} inputs, {} outputs\n",
+        "graph {}: {}, {}, {}\n",
         g.name,
-        g.nodes.len(),
-        g.inputs.len(),
-        g.outputs.len()
+        n(g.nodes.len(), "node"),
+        n(g.inputs.len(), "input"),
+        n(g.outputs.len(), "output")
     );
     let mut by_kind: std::collections::BTreeMap<String, (usize, usize)> = Default::default();
     for spec in g.input_specs() {

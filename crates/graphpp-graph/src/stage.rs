@@ -54,23 +54,32 @@ pub enum GraphKind {
     Overlap,
 }
 
+impl GraphKind {
+    /// Every kind, in the order `graphpp graph --stats` lists them.
+    pub const ALL: [GraphKind; 5] =
+        [GraphKind::Fw, GraphKind::FullBw, GraphKind::BwDi, GraphKind::BwDw, GraphKind::Overlap];
+
+    /// The name `--show` takes (`fw`, `full_bw`, `bw_di`, `bw_dw`, `overlap`).
+    pub fn name(self) -> &'static str {
+        match self {
+            GraphKind::Fw => "fw",
+            GraphKind::FullBw => "full_bw",
+            GraphKind::BwDi => "bw_di",
+            GraphKind::BwDw => "bw_dw",
+            GraphKind::Overlap => "overlap",
+        }
+    }
+}
+
+/// A graph name that is not one of [`GraphKind::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown graph `{0}`; a stage's graphs are fw, full_bw, bw_di, bw_dw, overlap")]
+pub struct UnknownGraphKind(pub String);
+
 impl std::str::FromStr for GraphKind {
-    type Err = crate::error::GraphError;
-    fn from_str(s: &str) -> Result<Self> {
-        Ok(match s {
-            "fw" => GraphKind::Fw,
-            "full_bw" => GraphKind::FullBw,
-            "bw_di" => GraphKind::BwDi,
-            "bw_dw" => GraphKind::BwDw,
-            "overlap" => GraphKind::Overlap,
-            other => {
-                return Err(crate::error::GraphError::Pass {
-                    pass: "show".into(),
-                    graph: other.into(),
-                    reason: "expected one of fw, full_bw, bw_di, bw_dw, overlap".into(),
-                })
-            }
-        })
+    type Err = UnknownGraphKind;
+    fn from_str(s: &str) -> std::result::Result<Self, UnknownGraphKind> {
+        GraphKind::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| UnknownGraphKind(s.to_string()))
     }
 }
 
@@ -95,5 +104,22 @@ impl StageGraphs {
                 crate::passes::Multiplex::CommOverlap,
             )?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn graph_kind_names_round_trip_and_unknown_lists_the_valid_ones() {
+        for k in GraphKind::ALL {
+            assert_eq!(k.name().parse::<GraphKind>().unwrap(), k);
+        }
+        let e = "bogus".parse::<GraphKind>().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "unknown graph `bogus`; a stage's graphs are fw, full_bw, bw_di, bw_dw, overlap"
+        );
     }
 }

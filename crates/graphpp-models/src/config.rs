@@ -36,6 +36,9 @@ pub enum ModelError {
     /// The stage split is impossible.
     #[error("stage split: {0}")]
     Split(String),
+    /// The microbatch shape does not fit the model (e.g. `T` above `max_position_embeddings`).
+    #[error("microbatch shape: {0}")]
+    Shape(String),
     /// Building the graph failed.
     #[error(transparent)]
     Graph(#[from] graphpp_graph::GraphError),

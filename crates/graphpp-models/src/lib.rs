@@ -4,13 +4,14 @@
 pub mod config;
 pub mod flops;
 pub mod llama;
+pub mod memory;
 pub mod recompute;
 pub mod rng;
 
 pub use config::{check_supported, HiddenAct, LlamaConfig, ModelError};
 pub use flops::flops_per_token;
 pub use llama::{
-    build_stage, init_parameters, layer_checkpoints, split_layers, stage_buffers, stage_graph_set,
-    stage_parameters, StageOptions, StageSpec, EMBED, LM_HEAD,
+    build_stage, check_shape, init_parameters, layer_checkpoints, split_layers, stage_buffer_shapes,
+    stage_buffers, stage_graph_set, stage_parameters, StageOptions, StageSpec, EMBED, LM_HEAD,
 };
 pub use recompute::Recompute;

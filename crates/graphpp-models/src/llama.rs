@@ -98,8 +98,8 @@ impl StageSpec {
 
 /// Splits `num_layers` into `stages` contiguous ranges: evenly, or by `layers_per_stage`
 /// (`--layers-per-stage 3,3,2`). Errors: [`ModelError::Split`] when the counts do not add up,
-/// `stages` is 0, or no split is given and the layers do not divide evenly (the message suggests
-/// an uneven split).
+/// `stages` is 0 or above `num_layers`, or no split is given and the layers do not divide evenly
+/// (the message suggests an uneven split, which then has one layer at least per stage).
 pub fn split_layers(
     num_layers: usize,
     stages: usize,
@@ -123,6 +123,13 @@ pub fn split_layers(
             c.to_vec()
         }
         None => {
+            if stages > num_layers {
+                return Err(ModelError::Split(format!(
+                    "{stages} stages exceed the model's {} (each stage needs one at least); use at \
+                     most {num_layers} stages or a model with more layers",
+                    plural(num_layers, "decoder layer", "decoder layers")
+                )));
+            }
             if !num_layers.is_multiple_of(stages) {
                 let hint: Vec<String> = (0..stages)
                     .map(|s| (num_layers / stages + usize::from(s < num_layers % stages)).to_string())
@@ -189,9 +196,21 @@ pub fn stage_parameters(cfg: &LlamaConfig, spec: &StageSpec) -> Vec<(String, Vec
     p
 }
 
+/// Names and shapes of the buffers of every stage ([`stage_buffers`] without their values):
+/// `rope.cos`, `rope.sin` `[T, hd]` and `mask` `[T, T]`.
+pub fn stage_buffer_shapes(cfg: &LlamaConfig, seq: usize) -> Vec<(String, Vec<usize>)> {
+    let hd = cfg.head_dim();
+    vec![
+        ("rope.cos".into(), vec![seq, hd]),
+        ("rope.sin".into(), vec![seq, hd]),
+        ("mask".into(), vec![seq, seq]),
+    ]
+}
+
 /// Buffers of every stage: `rope.cos`, `rope.sin` `[T, hd]` (HF rotate-half layout, θ =
 /// `rope_theta`) and the additive causal `mask` `[T, T]` (0 at or below the diagonal, −1e9 above).
-/// Values in f64 row-major; cast to the stage dtype by the caller.
+/// Values in f64 row-major (`8·(T² + 2·T·hd)` bytes: check [`crate::memory`] first for large `T`);
+/// cast to the stage dtype by the caller.
 pub fn stage_buffers(cfg: &LlamaConfig, seq: usize) -> Vec<(String, Vec<usize>, Vec<f64>)> {
     let hd = cfg.head_dim();
     let (mut cos, mut sin) = (Vec::with_capacity(seq * hd), Vec::with_capacity(seq * hd));
@@ -205,11 +224,34 @@ pub fn stage_buffers(cfg: &LlamaConfig, seq: usize) -> Vec<(String, Vec<usize>, 
         }
     }
     let mask = (0..seq * seq).map(|k| if k % seq > k / seq { -1e9 } else { 0.0 }).collect();
-    vec![
-        ("rope.cos".into(), vec![seq, hd], cos),
-        ("rope.sin".into(), vec![seq, hd], sin),
-        ("mask".into(), vec![seq, seq], mask),
-    ]
+    stage_buffer_shapes(cfg, seq)
+        .into_iter()
+        .zip([cos, sin, mask])
+        .map(|((name, shape), values)| (name, shape, values))
+        .collect()
+}
+
+/// `"{n} {one}"` or `"{n} {many}"`.
+fn plural(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// Checks the microbatch shape against the model: `B, T >= 1` and `T <= max_position_embeddings`.
+/// Errors: [`ModelError::Shape`].
+pub fn check_shape(cfg: &LlamaConfig, opts: &StageOptions) -> Result<(), ModelError> {
+    if opts.batch == 0 || opts.seq == 0 {
+        return Err(ModelError::Shape(format!(
+            "a microbatch needs at least 1 sequence of at least 1 token (B={}, T={})",
+            opts.batch, opts.seq
+        )));
+    }
+    if opts.seq > cfg.max_position_embeddings {
+        return Err(ModelError::Shape(format!(
+            "sequence length T={} (--seq-len) exceeds the model's max_position_embeddings {}",
+            opts.seq, cfg.max_position_embeddings
+        )));
+    }
+    Ok(())
 }
 
 /// The forward graph of one stage. Inputs, in order: parameters ([`stage_parameters`], of
@@ -217,10 +259,12 @@ pub fn stage_buffers(cfg: &LlamaConfig, seq: usize) -> Vec<(String, Vec<usize>, 
 /// `[B,T]` u32 (first stage) or `input` `[B,T,D]` (`opts.dtype`), then `targets` `[B,T]` u32
 /// (last stage, unless `opts.logits`). Output: `loss` (scalar, mean over the B·T tokens) on the
 /// last stage — `logits` `[B·T, V]` with `opts.logits` — both in [`DType::wide`] of `opts.dtype`
-/// (f32 for bf16), else `output` `[B,T,D]` in `opts.dtype`. Errors: invalid config or FSDP shard
-/// sizes.
+/// (f32 for bf16), else `output` `[B,T,D]` in `opts.dtype`. Only shapes are built (no tensor
+/// data), so any `T` costs the same. Errors: invalid config, a shape [`check_shape`] rejects, or
+/// FSDP shard sizes.
 pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
     cfg.validate()?;
+    check_shape(cfg, opts)?;
     let (bsz, t, d) = (opts.batch, opts.seq, cfg.hidden_size);
     let mut b = GraphBuilder::new(&format!("stage{}.fw", spec.stage), opts.dtype);
     let mut params = std::collections::HashMap::new();
@@ -235,7 +279,7 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
         params.insert(name, v);
     }
     let mut bufs = Vec::new();
-    for (name, shape, _) in stage_buffers(cfg, t) {
+    for (name, shape) in stage_buffer_shapes(cfg, t) {
         bufs.push(b.input(&name, InputKind::Buffer, shape)?);
     }
     let x_in = if spec.is_first() {

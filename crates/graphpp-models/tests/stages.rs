@@ -30,6 +30,51 @@ fn even_and_uneven_splits() {
     }
 }
 
+/// More stages than layers: no split can work, so the message says so instead of suggesting one
+/// with an empty stage (`1,1,1,1,0`, which the split then rejected).
+#[test]
+fn more_stages_than_layers_says_so() {
+    for (layers, stages, want) in
+        [(4, 5, "5 stages exceed the model's 4 decoder layers"), (1, 2, "model's 1 decoder layer ")]
+    {
+        match split_layers(layers, stages, None) {
+            Err(ModelError::Split(m)) => {
+                assert!(m.contains(want) && !m.contains("--layers-per-stage"), "{m}");
+                assert!(!m.contains(",0"), "no suggestion with an empty stage: {m}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // Every suggestion the split makes is a split it accepts.
+    for layers in 1..12 {
+        for stages in 1..=layers {
+            if let Err(ModelError::Split(m)) = split_layers(layers, stages, None) {
+                let hint = m.split("(e.g. ").nth(1).and_then(|h| h.split(')').next()).expect("a suggestion");
+                let counts: Vec<usize> = hint.split(',').map(|c| c.parse().unwrap()).collect();
+                assert!(split_layers(layers, stages, Some(&counts)).is_ok(), "{layers} into {stages}: {m}");
+            }
+        }
+    }
+}
+
+/// A graph holds shapes only: building one for T = 100000 allocates nothing of size T² (the mask
+/// values were once computed just to read their shape, 80 GB), and T beyond the model's
+/// positions is an error naming both numbers.
+#[test]
+fn long_sequences_are_checked_not_allocated() {
+    let cfg = LlamaConfig { max_position_embeddings: 1_000_000, ..LlamaConfig::tiny() };
+    let spec = &split_layers(4, 1, None).unwrap()[0];
+    let g = build_stage(&cfg, spec, &StageOptions::new(1, 100_000)).unwrap();
+    assert!(g.nodes.len() > 100);
+    let e = build_stage(&LlamaConfig::tiny(), spec, &StageOptions::new(1, 100_000)).unwrap_err();
+    assert!(
+        matches!(&e, ModelError::Shape(m) if m.contains("T=100000") && m.contains("max_position_embeddings 512")),
+        "{e}"
+    );
+    let e = build_stage(&LlamaConfig::tiny(), spec, &StageOptions::new(0, 8)).unwrap_err();
+    assert!(matches!(e, ModelError::Shape(_)), "{e}");
+}
+
 #[test]
 fn stage_interfaces_follow_the_convention() {
     let cfg = LlamaConfig::tiny();

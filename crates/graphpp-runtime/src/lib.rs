@@ -4,6 +4,7 @@
 pub mod clip;
 pub mod executor;
 pub mod lr;
+pub mod memory;
 pub mod optim;
 pub mod pipeline;
 pub mod sample;
@@ -15,6 +16,7 @@ pub mod verify;
 pub use clip::{clip_grad_norm, clip_scale, local_sq_norm, scale_grads};
 pub use executor::{run, run_named, run_with, Collectives, ExecError, RunOptions, RunReport, SingleRank};
 pub use lr::{CosineSchedule, LrError};
+pub use memory::{check_step, SizeError, StepMemory};
 pub use optim::{AdamW, AdamWConfig, OptimError};
 pub use pipeline::{run_pipeline, PipelineError, StageWork, WorkError};
 pub use sample::{sample_next, SampleError};

@@ -11,7 +11,7 @@ pub enum LrError {
     #[error("min_lr {min_lr} must be finite and in [0, lr = {lr}]")]
     BadMinLr { min_lr: f64, lr: f64 },
     /// Warm-up longer than the whole schedule.
-    #[error("warmup ({warmup} steps) exceeds total ({total} steps)")]
+    #[error("warmup ({warmup} steps) exceeds total ({total} {})", if *.total == 1 { "step" } else { "steps" })]
     WarmupExceedsTotal { warmup: u64, total: u64 },
     /// A schedule of zero steps.
     #[error("total must be at least 1 step")]

@@ -40,6 +40,9 @@ pub enum TrainError {
     /// failed (the latter names the rank, step and action).
     #[error(transparent)]
     Setup(#[from] VerifyError),
+    /// The step would be too large to run (schedule size or memory), from estimates.
+    #[error(transparent)]
+    Size(#[from] crate::memory::SizeError),
     /// The optimizer, clipping or a loaded optimizer state was rejected.
     #[error("optimizer: {0}")]
     Optim(#[from] OptimError),
@@ -130,9 +133,11 @@ impl Trainer {
     /// Builds the lowered schedule, the stage graphs and the initial weights (from `setup.seed`).
     ///
     /// # Errors
-    /// [`TrainError::Setup`] when the kind cannot serve the shape, the layers do not divide into
-    /// the stages, or a graph fails to build; [`TrainError::Optim`] for bad AdamW settings.
+    /// [`TrainError::Size`] (before anything is built) when the schedule or the step would be too
+    /// large; [`TrainError::Setup`] when the kind cannot serve the shape, the layers do not divide
+    /// into the stages, or a graph fails to build; [`TrainError::Optim`] for bad AdamW settings.
     pub fn new(setup: TrainSetup) -> Result<Self, TrainError> {
+        crate::memory::check_step(&setup.model, setup.kind, &setup.shape, setup.batch, setup.seq, false)?;
         let schedule = generate(setup.kind, &setup.shape, &setup.options).map_err(VerifyError::from)?;
         let schedule = lower(&schedule, &LowerOptions::default()).map_err(VerifyError::from)?;
         let specs = stage_specs(&setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;

@@ -36,6 +36,7 @@ use graphpp_schedule::{
 };
 
 use crate::executor::{run_named, tensor_from_f64, tensor_u32, to_f64, ExecError, RunOptions};
+use crate::memory::{check_step, SizeError};
 use crate::pipeline::{run_pipeline, PipelineError};
 use crate::stage::{sum_by_name, Env, GraphStages, Microbatches, Stage};
 
@@ -72,8 +73,9 @@ const SCALE_FLOOR: f64 = 1e-12;
 pub enum VerifyError {
     /// More pipeline stages than decoder layers.
     #[error(
-        "the model has {layers} decoder layers, too few for {stages} pipeline stages (one layer at \
-         least per stage); use a model with more layers (--layers) or fewer stages"
+        "the model has {layers} decoder {}, too few for {stages} pipeline stages (one layer at \
+         least per stage); use a model with more layers (--layers) or fewer stages",
+        if *.layers == 1 { "layer" } else { "layers" }
     )]
     TooFewLayers {
         /// Decoder layers of the model.
@@ -84,6 +86,12 @@ pub enum VerifyError {
     /// The kind cannot serve the shape.
     #[error(transparent)]
     Generate(#[from] GenerateError),
+    /// The step would be too large to run (schedule size or memory), from estimates.
+    #[error(transparent)]
+    Size(#[from] SizeError),
+    /// The tolerance is not a finite number >= 0.
+    #[error("--tolerance {0}: the tolerance must be a finite number >= 0 (a relative difference)")]
+    Tolerance(f64),
     /// Lowering failed.
     #[error(transparent)]
     Lower(#[from] LowerError),
@@ -190,6 +198,19 @@ pub struct VerifyReport {
     pub worst: String,
     /// Number of gradient tensors compared.
     pub gradients: usize,
+}
+
+/// `tol` if it can be a tolerance: a finite number `>= 0` (NaN would fail every comparison, a
+/// negative one every step).
+///
+/// # Errors
+/// [`VerifyError::Tolerance`].
+pub fn check_tolerance(tol: f64) -> Result<f64, VerifyError> {
+    if tol.is_finite() && tol >= 0.0 {
+        Ok(tol)
+    } else {
+        Err(VerifyError::Tolerance(tol))
+    }
 }
 
 impl VerifyReport {
@@ -401,7 +422,10 @@ pub fn compare(a: &StepResult, b: &StepResult) -> Result<VerifyReport, VerifyErr
 }
 
 /// Runs `setup` pipelined and on one device and compares them (what `graphpp verify` prints).
+/// Errors: [`VerifyError::Size`] (before anything is built) when the schedule or the step would be
+/// too large ([`check_step`]), else those of the two steps.
 pub fn verify_step(setup: &VerifySetup) -> Result<VerifyReport, VerifyError> {
+    check_step(&setup.model, setup.kind, &setup.shape, setup.batch, setup.seq, true)?;
     let a = pipelined_step(setup)?;
     let b = single_device_step(setup)?;
     compare(&a, &b)

@@ -4,7 +4,9 @@
 //! `_Action.from_str`): `{stage}{KIND}{microbatch}` for per-microbatch actions (`0F1`, `2I1`, `1W0`,
 //! `3B2`, `1SEND_F3`, `2RECV_B0`), `{stage}{KIND}` for stage-level actions (`0UNSHARD`, `0RESHARD`,
 //! `0REDUCE_GRAD`) and `({f};{b})OVERLAP_F_B` for an overlapped forward/backward pair.
-//! Unlike PyTorch, trailing junk (`2BW0`) is rejected (docs/ARCHITECTURE.md, "Schedule IR").
+//! Like PyTorch, whitespace around the text and around each half of an overlapped pair is ignored
+//! (`(0F3; 3B1)OVERLAP_F_B`); unlike PyTorch, trailing junk (`2BW0`) is rejected (docs/ARCHITECTURE.md,
+//! "Schedule IR").
 
 use std::fmt;
 use std::str::FromStr;
@@ -298,9 +300,13 @@ fn parse_overlap(text: &str) -> Result<Action, ActionParseError> {
     let Some(semi) = inner.find(';') else {
         return Err(err(1, "expected `;` between the forward and the backward of OVERLAP_F_B"));
     };
-    let first = parse_simple(&inner[..semi], 1).map_err(|e| ActionParseError { text: text.into(), ..e })?;
-    let second = parse_simple(&inner[semi + 1..], semi + 2)
-        .map_err(|e| ActionParseError { text: text.into(), ..e })?;
+    // Whitespace around each half is allowed, as PyTorch strips it: `(0F3; 3B1)OVERLAP_F_B`.
+    let half = |part: &str, base: usize| {
+        let lead = part.len() - part.trim_start().len();
+        parse_simple(part.trim(), base + lead).map_err(|e| ActionParseError { text: text.into(), ..e })
+    };
+    let first = half(&inner[..semi], 1)?;
+    let second = half(&inner[semi + 1..], semi + 2)?;
     match (first, second) {
         (
             Action::Compute { kind: ComputeKind::F, task: f },
@@ -383,6 +389,21 @@ mod tests {
         assert_eq!(e.column, 9);
         let e = "0F1x".parse::<Action>().unwrap_err();
         assert_eq!(e.column, 4);
+    }
+
+    #[test]
+    fn overlap_halves_may_have_spaces_around_them() {
+        let want = Action::overlap(Task::new(0, 3), Task::new(3, 1));
+        for t in ["(0F3; 3B1)OVERLAP_F_B", "( 0F3 ;3B1 )OVERLAP_F_B", " (0F3;\t3B1)OVERLAP_F_B "] {
+            assert_eq!(t.parse::<Action>().unwrap(), want, "{t}");
+        }
+        // Columns still point into the original text: `x` is the 8th character.
+        let e = "(0F3; 3Bx)OVERLAP_F_B".parse::<Action>().unwrap_err();
+        assert_eq!(e.column, 9, "{e}");
+        assert!(e.message.contains("microbatch"), "{e}");
+        // Spaces inside a half, or before OVERLAP_F_B, stay errors (PyTorch rejects them too).
+        assert_eq!("(0 F3;3B1)OVERLAP_F_B".parse::<Action>().unwrap_err().column, 3);
+        assert!("(0F3;3B1) OVERLAP_F_B".parse::<Action>().is_err());
     }
 
     #[test]

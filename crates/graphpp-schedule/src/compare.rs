@@ -3,7 +3,7 @@
 
 use crate::costs::{Costs, Memory};
 use crate::deps::DepGraph;
-use crate::generate::{generate, Kind, Options, Shape};
+use crate::generate::{check_size, generate, GenerateError, Kind, Options, Shape};
 use crate::simulate::simulate;
 
 /// One row of the comparison.
@@ -48,14 +48,15 @@ pub fn chunk_cost_factor(kind: Kind, v: usize) -> f64 {
     }
 }
 
-/// `costs` with every action duration multiplied by `factor` (the hop latency c is kept).
+/// `costs` with every action duration multiplied by `factor` (the hop latency c is kept; an unset
+/// T_overlap stays T_F + T_B of the scaled costs).
 pub fn scale_costs(costs: &Costs, factor: f64) -> Costs {
     Costs {
         f: costs.f * factor,
         b: costs.b * factor,
         i: costs.i * factor,
         w: costs.w * factor,
-        overlap: Some(costs.overlap() * factor),
+        overlap: costs.overlap.map(|o| o * factor),
         ..*costs
     }
 }
@@ -63,8 +64,15 @@ pub fn scale_costs(costs: &Costs, factor: f64) -> Costs {
 /// Every kind at `p` ranks and `m` microbatches with full-stage `costs` (M_W = M_B / 2). Kinds with
 /// v chunks per rank run each chunk at 1/v of the full-stage costs (see [`chunk_cost_factor`]), so
 /// every row does the same work per rank and makespans compare directly.
-pub fn compare(p: usize, m: usize, costs: &Costs) -> Vec<CompareRow> {
-    Kind::ALL
+///
+/// # Errors
+/// [`GenerateError::TooLarge`] for the first kind whose schedule would be too large to build
+/// (checked for every kind before any is built; the table is all or nothing).
+pub fn compare(p: usize, m: usize, costs: &Costs) -> Result<Vec<CompareRow>, GenerateError> {
+    for kind in Kind::ALL {
+        check_size(kind, &Shape::new(p, kind.default_stages_per_rank(), m))?;
+    }
+    Ok(Kind::ALL
         .iter()
         .map(|&kind| {
             let v = kind.default_stages_per_rank();
@@ -84,5 +92,18 @@ pub fn compare(p: usize, m: usize, costs: &Costs) -> Vec<CompareRow> {
                 });
             CompareRow { kind, stages_per_rank: v, result }
         })
-        .collect()
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shape_too_large_for_one_kind_is_refused_before_building() {
+        // ZB-V pads to 2p − 1 microbatches: 10^5 ranks would build 1.2·10^11 actions.
+        let e = compare(100_000, 8, &Costs::default()).unwrap_err();
+        assert!(matches!(e, GenerateError::TooLarge { kind: Kind::Zbv, ranks: 100_000, .. }), "{e:?}");
+        assert_eq!(compare(4, 8, &Costs::default()).unwrap().len(), Kind::ALL.len());
+    }
 }

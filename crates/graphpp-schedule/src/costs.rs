@@ -37,6 +37,86 @@ impl Costs {
     pub fn overlap(&self) -> f64 {
         self.overlap.unwrap_or(self.f + self.b)
     }
+
+    /// Checks every duration and the hop latency with [`check_cost`].
+    ///
+    /// # Errors
+    /// [`CostError`] naming the first bad one by its `--costs` key (`F`, `B`, `I`, `W`, `OVERLAP`,
+    /// `C`; `comm_action` is `COMM_ACTION`).
+    pub fn check(&self) -> Result<(), CostError> {
+        let named = [("F", self.f), ("B", self.b), ("I", self.i), ("W", self.w), ("C", self.comm)];
+        for (name, v) in named.into_iter().chain(self.overlap.map(|o| ("OVERLAP", o))) {
+            check_cost(name, v)?;
+        }
+        check_cost("COMM_ACTION", self.comm_action)?;
+        Ok(())
+    }
+
+    /// These costs with the hop latency `c` set to `latency` (`--comm-latency`), checked with
+    /// [`check_cost`] under the name `name`.
+    ///
+    /// # Errors
+    /// [`CostError`] when `latency` is not a finite number in `0..=MAX_COST`.
+    pub fn with_comm_latency(self, name: &str, latency: f64) -> Result<Costs, CostError> {
+        Ok(Costs { comm: check_cost(name, latency)?, ..self })
+    }
+}
+
+/// Largest accepted cost or latency, in cost units: 10^9 (a nanosecond clock's second). Costs are
+/// relative durations, so any real ratio fits; the bound keeps makespans (at most
+/// [`crate::generate::MAX_ACTIONS`] actions of this cost) far from overflow and printable.
+pub const MAX_COST: f64 = 1e9;
+
+/// A cost (`--costs` entry or `--comm-latency`) that cannot be a duration.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{name} = {}: {problem}", value_text(*.value))]
+pub struct CostError {
+    /// The `--costs` key or the flag.
+    pub name: String,
+    /// The value given.
+    pub value: f64,
+    /// What is wrong.
+    pub problem: CostProblem,
+}
+
+/// What is wrong with a cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum CostProblem {
+    /// NaN or ±infinity.
+    #[error("a cost must be a finite number")]
+    NotFinite,
+    /// Below 0 (a negative latency would let an action start before its input exists).
+    #[error("a cost must be >= 0 (a duration or a latency)")]
+    Negative,
+    /// Above [`MAX_COST`].
+    #[error("a cost must be at most 1e9 cost units (costs are relative; scale them down)")]
+    TooLarge,
+}
+
+/// A cost as given, in scientific notation when fixed notation would run long (`1e300`).
+fn value_text(v: f64) -> String {
+    if v.is_finite() && v != 0.0 && (v.abs() >= 1e9 || v.abs() < 1e-3) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
+}
+
+/// `value` if it is a usable duration or latency: finite, `>= 0` and at most [`MAX_COST`].
+///
+/// # Errors
+/// [`CostError`] naming `name` and the [`CostProblem`].
+pub fn check_cost(name: &str, value: f64) -> Result<f64, CostError> {
+    let problem = if !value.is_finite() {
+        CostProblem::NotFinite
+    } else if value < 0.0 {
+        CostProblem::Negative
+    } else if value > MAX_COST {
+        CostProblem::TooLarge
+    } else {
+        return Ok(value);
+    };
+    Err(CostError { name: name.to_string(), value, problem })
 }
 
 /// A malformed `--costs` string.
@@ -52,19 +132,32 @@ pub struct CostsParseError {
 impl FromStr for Costs {
     type Err = CostsParseError;
 
-    /// Parses `F=1,B=2,I=1,W=1[,OVERLAP=3][,C=0.1]` (keys case-insensitive, any subset; the rest keep
-    /// their defaults, except that a given I and W without B set B = I + W).
+    /// Parses `F=1,B=2,I=1,W=1[,OVERLAP=3][,C=0.1]` (keys case-insensitive, any subset, each at
+    /// most once; the rest keep their defaults, except that a given I and W without B set
+    /// B = I + W). Every value must pass [`check_cost`].
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let err = |m: String| CostsParseError { text: s.to_string(), message: m };
         let mut c = Costs::default();
         let mut b_given = false;
+        let mut seen: Vec<&'static str> = Vec::new();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (k, v) = part.split_once('=').ok_or_else(|| err(format!("`{part}` is not KEY=VALUE")))?;
-            let v: f64 = v.trim().parse().map_err(|_| err(format!("`{v}` is not a number")))?;
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(err(format!("`{part}`: costs must be finite and >= 0")));
+            let key = match k.trim().to_ascii_uppercase().as_str() {
+                "F" => "F",
+                "B" => "B",
+                "I" => "I",
+                "W" => "W",
+                "OVERLAP" | "F&B" | "FB" => "OVERLAP",
+                "C" | "COMM" => "C",
+                other => return Err(err(format!("unknown key `{other}`"))),
+            };
+            if seen.contains(&key) {
+                return Err(err(format!("{key} is given twice (`{part}`); give each cost once")));
             }
-            match k.trim().to_ascii_uppercase().as_str() {
+            seen.push(key);
+            let v: f64 = v.trim().parse().map_err(|_| err(format!("`{}` is not a number", v.trim())))?;
+            let v = check_cost(key, v).map_err(|e| err(e.to_string()))?;
+            match key {
                 "F" => c.f = v,
                 "B" => {
                     c.b = v;
@@ -72,9 +165,8 @@ impl FromStr for Costs {
                 }
                 "I" => c.i = v,
                 "W" => c.w = v,
-                "OVERLAP" | "F&B" | "FB" => c.overlap = Some(v),
-                "C" | "COMM" => c.comm = v,
-                other => return Err(err(format!("unknown key `{other}`"))),
+                "OVERLAP" => c.overlap = Some(v),
+                _ => c.comm = v,
             }
         }
         if !b_given {
@@ -129,5 +221,40 @@ mod tests {
         assert!("F=x".parse::<Costs>().unwrap_err().message.contains("not a number"));
         assert!("Q=1".parse::<Costs>().unwrap_err().message.contains("unknown key"));
         assert!("F=-1".parse::<Costs>().is_err());
+    }
+
+    #[test]
+    fn a_cost_given_twice_is_refused() {
+        for text in ["F=1,F=2", "c=1,COMM=2", "OVERLAP=3,F&B=4", "b=2,B=2"] {
+            let e = text.parse::<Costs>().unwrap_err();
+            assert!(e.message.contains("given twice"), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn costs_are_finite_non_negative_and_bounded() {
+        let e = "F=1e300".parse::<Costs>().unwrap_err();
+        assert!(e.message.starts_with("F = 1e300: ") && e.message.len() < 120, "printed short: {e}");
+        for (text, problem) in [
+            ("F=1e300", CostProblem::TooLarge),
+            ("C=-1", CostProblem::Negative),
+            ("W=nan", CostProblem::NotFinite),
+            ("B=inf", CostProblem::NotFinite),
+        ] {
+            let e = text.parse::<Costs>().unwrap_err();
+            assert!(e.message.contains(&problem.to_string()), "{text}: {e}");
+        }
+        assert_eq!("F=1e9".parse::<Costs>().unwrap().f, MAX_COST);
+        let e = Costs::default().with_comm_latency("--comm-latency", -1.0).unwrap_err();
+        assert_eq!((e.name.as_str(), e.problem), ("--comm-latency", CostProblem::Negative));
+        assert_eq!(e.to_string(), "--comm-latency = -1: a cost must be >= 0 (a duration or a latency)");
+        for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            let e = Costs::default().with_comm_latency("c", bad).unwrap_err();
+            assert_eq!(e.problem, CostProblem::NotFinite, "{bad}");
+        }
+        assert_eq!(Costs::default().with_comm_latency("c", 0.5).unwrap().comm, 0.5);
+        let c = Costs { overlap: Some(f64::NAN), ..Costs::default() };
+        assert_eq!(c.check().unwrap_err().name, "OVERLAP");
+        assert!(Costs::default().check().is_ok());
     }
 }

@@ -18,11 +18,11 @@ pub mod timeline;
 pub mod validate;
 
 pub use action::{Action, ActionParseError, CommKind, ComputeKind, MicrobatchId, StageId, StageOpKind, Task};
-pub use costs::{Costs, Memory};
-pub use generate::{generate, GenerateError, Kind, Options, Shape};
+pub use costs::{check_cost, CostError, CostProblem, Costs, Memory, MAX_COST};
+pub use generate::{check_size, generate, GenerateError, Kind, Options, Shape};
 pub use lower::{lower, LowerError, LowerOptions};
 pub use placement::Placement;
-pub use schedule::{CsvError, RankId, Schedule, Step};
+pub use schedule::{CsvError, CsvProblem, RankId, Schedule, ScheduleParseError, Step};
 pub use simulate::{simulate, SimReport, SimulateError};
 pub use timeline::{Interval, Timeline};
 pub use validate::{validate, ErrorKind, Summary, ValidateOptions, ValidationError};

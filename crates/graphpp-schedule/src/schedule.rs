@@ -1,8 +1,13 @@
 //! A schedule: one program (list of steps) per rank, and its CSV / JSON / text forms.
 //!
 //! CSV (docs/ARCHITECTURE.md, "Schedule IR"): one row per rank, one cell per step, an empty cell is an idle
-//! step; rows end in `\n` or `\r\n` (PyTorch writes `\r\n`). JSON: `{"ranks": [["0F0", null, …], …]}`.
+//! step; rows end in `\n` or `\r\n` (PyTorch writes `\r\n`). Cells may be quoted as spreadsheets
+//! write them (RFC 4180: `"0F0"`, a `""` inside a quoted cell is one `"`, a quoted cell may hold `,`
+//! and line breaks), which PyTorch's loader (`csv.reader`) reads too; a UTF-8 byte-order mark at the
+//! start is skipped. JSON: `{"ranks": [["0F0", null, …], …]}`. [`Schedule::parse`] tells the two
+//! apart.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 
@@ -14,6 +19,9 @@ pub type RankId = usize;
 /// One step of a rank's program: an action, or `None` for an idle step.
 pub type Step = Option<Action>;
 
+/// The UTF-8 byte-order mark some editors and spreadsheets put at the start of a file.
+const BOM: char = '\u{feff}';
+
 /// A schedule: `ranks[r]` is rank `r`'s program in execution order.
 #[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Schedule {
@@ -21,17 +29,126 @@ pub struct Schedule {
     pub ranks: Vec<Vec<Step>>,
 }
 
-/// A CSV cell that did not parse; `row` is the rank (0-based) and `column` the 1-based cell index.
+/// A CSV cell that did not parse: `row` is the rank (0-based), `line` the 1-based line of the file
+/// the cell starts on (it differs from `row + 1` only after a quoted cell holding a line break) and
+/// `column` the 1-based cell index in the row.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("rank {row} (line {}), cell {column}", .row + 1)]
+#[error("rank {row} (line {line}), cell {column}")]
 pub struct CsvError {
     /// 0-based row, which is the rank.
     pub row: usize,
+    /// 1-based line of the file where the cell starts.
+    pub line: usize,
     /// 1-based cell index within the row (the step + 1).
     pub column: usize,
-    /// The cell's parse error.
+    /// What is wrong with the cell.
     #[source]
-    pub source: ActionParseError,
+    pub problem: CsvProblem,
+}
+
+/// What is wrong with a CSV cell.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CsvProblem {
+    /// The cell's text is not an action.
+    #[error(transparent)]
+    Action(#[from] ActionParseError),
+    /// A quoted cell whose closing `"` never comes.
+    #[error("the quoted cell has no closing `\"`")]
+    UnclosedQuote,
+    /// Text between a quoted cell's closing `"` and the next `,` or line end.
+    #[error("text `{0}` after the closing `\"` of a quoted cell (a `\"` inside quotes is written `\"\"`)")]
+    AfterQuote(String),
+}
+
+/// Why a schedule file's text did not parse, in the format [`Schedule::parse`] recognised.
+#[derive(Debug, thiserror::Error)]
+pub enum ScheduleParseError {
+    /// JSON text (first character `{` or `[`) that is not a JSON schedule.
+    #[error("bad JSON schedule: {source}{hint}")]
+    Json {
+        /// serde_json's error, with line and column.
+        source: serde_json::Error,
+        /// Empty, or how a JSON schedule looks when the text is not a JSON object.
+        hint: &'static str,
+    },
+    /// CSV text with a cell that does not parse.
+    #[error("bad CSV schedule: {0}")]
+    Csv(#[from] CsvError),
+}
+
+/// What [`ScheduleParseError::Json`] adds when the JSON is not an object.
+const JSON_HINT: &str = " (a JSON schedule is an object: {\"ranks\": [[\"0F0\", null, …], …]})";
+
+/// One cell of CSV text: its text with quotes resolved, and the 1-based line it starts on.
+struct Cell<'a> {
+    text: Cow<'a, str>,
+    line: usize,
+}
+
+/// Splits CSV text into rows of cells (RFC 4180 quoting, `\n` or `\r\n` line ends). A final line
+/// end does not start another row. Errors: (row, line, cell, problem) of a malformed quoted cell.
+fn csv_cells(text: &str) -> Result<Vec<Vec<Cell<'_>>>, CsvError> {
+    let mut rows = Vec::new();
+    let mut row: Vec<Cell<'_>> = Vec::new();
+    let mut line = 1;
+    let mut rest = text;
+    loop {
+        let start_line = line;
+        let fail = |row_cells: &Vec<Cell<'_>>, rows: &Vec<Vec<Cell<'_>>>, problem| CsvError {
+            row: rows.len(),
+            line: start_line,
+            column: row_cells.len() + 1,
+            problem,
+        };
+        let cell = if let Some(quoted) = rest.strip_prefix('"') {
+            let mut value = String::new();
+            let mut inner = quoted;
+            loop {
+                let Some(q) = inner.find('"') else {
+                    return Err(fail(&row, &rows, CsvProblem::UnclosedQuote));
+                };
+                value.push_str(&inner[..q]);
+                line += inner[..q].matches('\n').count();
+                inner = &inner[q + 1..];
+                match inner.strip_prefix('"') {
+                    Some(after) => {
+                        value.push('"');
+                        inner = after;
+                    }
+                    None => break,
+                }
+            }
+            let end = inner.find([',', '\n']).unwrap_or(inner.len());
+            let junk = &inner[..end];
+            let at_line_end = inner[end..].starts_with('\n') || end == inner.len();
+            if !(junk.is_empty() || (junk == "\r" && at_line_end)) {
+                return Err(fail(&row, &rows, CsvProblem::AfterQuote(junk.to_string())));
+            }
+            rest = &inner[end..];
+            Cow::Owned(value)
+        } else {
+            let end = rest.find([',', '\n']).unwrap_or(rest.len());
+            let mut value = &rest[..end];
+            if !rest[end..].starts_with(',') {
+                value = value.strip_suffix('\r').unwrap_or(value);
+            }
+            rest = &rest[end..];
+            Cow::Borrowed(value)
+        };
+        row.push(Cell { text: cell, line: start_line });
+        if let Some(after) = rest.strip_prefix(',') {
+            rest = after;
+        } else {
+            rows.push(std::mem::take(&mut row));
+            match rest.strip_prefix('\n') {
+                Some(after) if !after.is_empty() => {
+                    rest = after;
+                    line += 1;
+                }
+                _ => return Ok(rows),
+            }
+        }
+    }
 }
 
 impl Schedule {
@@ -124,33 +241,59 @@ impl Schedule {
         )
     }
 
-    /// Parses CSV text: one row per rank, cells separated by `,`, empty cell = idle step. Trailing
-    /// empty cells are kept as idle steps except on a fully empty last line (end of file).
+    /// Parses CSV text: one row per rank, cells separated by `,`, empty cell = idle step, quoted
+    /// cells and a leading byte-order mark allowed (see the module docs). Trailing empty cells are
+    /// kept as idle steps; empty lines at the end of the text are dropped.
     ///
     /// # Errors
-    /// [`CsvError`] naming the row (rank) and cell of the first cell that does not parse.
+    /// [`CsvError`] naming the row (rank), line and cell of the first cell that does not parse.
     pub fn from_csv(text: &str) -> Result<Schedule, CsvError> {
-        let mut lines: Vec<&str> = text.split('\n').map(|l| l.strip_suffix('\r').unwrap_or(l)).collect();
-        while lines.last().is_some_and(|l| l.is_empty()) {
-            lines.pop();
+        let text = text.strip_prefix(BOM).unwrap_or(text);
+        let mut rows = csv_cells(text)?;
+        while rows.last().is_some_and(|r| r.len() == 1 && r[0].text.is_empty()) {
+            rows.pop();
         }
-        let ranks = lines
+        let ranks = rows
             .iter()
             .enumerate()
-            .map(|(row, line)| {
-                line.split(',')
+            .map(|(row, cells)| {
+                cells
+                    .iter()
                     .enumerate()
                     .map(|(col, cell)| {
-                        if cell.trim().is_empty() {
+                        if cell.text.trim().is_empty() {
                             Ok(None)
                         } else {
-                            cell.parse().map(Some).map_err(|source| CsvError { row, column: col + 1, source })
+                            cell.text.parse().map(Some).map_err(|e| CsvError {
+                                row,
+                                line: cell.line,
+                                column: col + 1,
+                                problem: CsvProblem::Action(e),
+                            })
                         }
                     })
                     .collect::<Result<Vec<_>, _>>()
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Schedule { ranks })
+    }
+
+    /// Parses a schedule file's text: JSON when its first character that is not whitespace (after
+    /// a byte-order mark) is `{` or `[`, else CSV.
+    ///
+    /// # Errors
+    /// [`ScheduleParseError::Json`] (with a hint when the JSON is not an object) or
+    /// [`ScheduleParseError::Csv`].
+    pub fn parse(text: &str) -> Result<Schedule, ScheduleParseError> {
+        let body = text.strip_prefix(BOM).unwrap_or(text).trim_start();
+        if body.starts_with(['{', '[']) {
+            Schedule::from_json(body).map_err(|source| ScheduleParseError::Json {
+                source,
+                hint: if body.starts_with('{') { "" } else { JSON_HINT },
+            })
+        } else {
+            Ok(Schedule::from_csv(text)?)
+        }
     }
 
     /// Writes CSV with `\n` line ends (one row per rank, empty cell for idle steps).
@@ -179,7 +322,7 @@ impl Schedule {
     /// # Errors
     /// The `serde_json` error (with line and column) for malformed JSON or a bad action string.
     pub fn from_json(text: &str) -> Result<Schedule, serde_json::Error> {
-        serde_json::from_str(text)
+        serde_json::from_str(text.strip_prefix(BOM).unwrap_or(text))
     }
 }
 
@@ -220,8 +363,57 @@ mod tests {
     #[test]
     fn csv_error_names_row_and_cell() {
         let e = Schedule::from_csv("0F0,0B0\n1F0,1BW0\n").unwrap_err();
+        assert_eq!((e.row, e.line, e.column), (1, 2, 2));
+        let CsvProblem::Action(a) = &e.problem else { panic!("{e:?}") };
+        assert_eq!(a.column, 3);
+        // The same junk inside quotes: still an error, at the same cell.
+        let e = Schedule::from_csv("\"0F0\",\"0B0\"\r\n\"1F0\",\"1BW0\"\r\n").unwrap_err();
+        assert_eq!((e.row, e.line, e.column), (1, 2, 2));
+        assert!(matches!(&e.problem, CsvProblem::Action(a) if a.column == 3 && a.text == "1BW0"), "{e:?}");
+    }
+
+    #[test]
+    fn quoted_cells_follow_csv_rules() {
+        let plain = Schedule::from_csv("0F0,0F1,,0B0\n,1F0,1B0,\n").unwrap();
+        let quoted = "\"0F0\",\"0F1\",\"\",\"0B0\"\r\n\"\",\"1F0\",\"1B0\",\"\"\r\n";
+        assert_eq!(Schedule::from_csv(quoted).unwrap(), plain);
+        // A quoted cell may hold a comma or a line break: one cell, and lines are counted.
+        let e = Schedule::from_csv("0F0,\"a,\nb\",0B0\n1F0,1X0\n").unwrap_err();
+        assert_eq!((e.row, e.line, e.column), (0, 1, 2));
+        assert!(matches!(&e.problem, CsvProblem::Action(a) if a.text == "a,\nb"), "{e:?}");
+        let e = Schedule::from_csv("\"0F0\",\"0F1\n\"\n1F0,1X0\n").unwrap_err();
+        assert_eq!((e.row, e.line, e.column), (1, 3, 2), "{e:?}");
+        // `""` inside quotes is one `"`.
+        let e = Schedule::from_csv("\"0F\"\"0\"\n").unwrap_err();
+        assert!(matches!(&e.problem, CsvProblem::Action(a) if a.text == "0F\"0"), "{e:?}");
+        // Malformed quoting names the cell.
+        let e = Schedule::from_csv("0F0,\"0F1\n").unwrap_err();
+        assert_eq!((e.row, e.line, e.column, e.problem), (0, 1, 2, CsvProblem::UnclosedQuote));
+        let e = Schedule::from_csv("0F0\n1F0,\"1B0\"x,1F1\n").unwrap_err();
         assert_eq!((e.row, e.column), (1, 2));
-        assert_eq!(e.source.column, 3);
+        assert_eq!(e.problem, CsvProblem::AfterQuote("x".into()));
+    }
+
+    #[test]
+    fn byte_order_mark_is_skipped() {
+        let s = Schedule::from_csv("\u{feff}0F0,0B0\n1F0,1B0\n").unwrap();
+        assert_eq!(s, Schedule::from_csv("0F0,0B0\n1F0,1B0\n").unwrap());
+        assert_eq!(Schedule::parse("\u{feff}0F0,0B0\n").unwrap().ranks[0].len(), 2);
+        assert_eq!(Schedule::parse(&format!("\u{feff}{}", s.to_json())).unwrap(), s);
+    }
+
+    #[test]
+    fn parse_tells_json_from_csv() {
+        let s = Schedule::from_csv("0F0,,0B0\n").unwrap();
+        assert_eq!(Schedule::parse(&format!("  \n{}", s.to_json())).unwrap(), s);
+        assert_eq!(Schedule::parse(&s.to_csv()).unwrap(), s);
+        let e = Schedule::parse("[[\"0F0\", null]]").unwrap_err();
+        assert!(matches!(e, ScheduleParseError::Json { hint: JSON_HINT, .. }), "{e:?}");
+        let text = e.to_string();
+        assert!(text.starts_with("bad JSON schedule: ") && text.contains("{\"ranks\": [["), "{text}");
+        let e = Schedule::parse("{\"ranks\": [[\"0X0\"]]}").unwrap_err();
+        assert!(matches!(e, ScheduleParseError::Json { hint: "", .. }), "{e:?}");
+        assert!(matches!(Schedule::parse("0F0,0X0\n"), Err(ScheduleParseError::Csv(_))));
     }
 
     #[test]

@@ -8,14 +8,18 @@
 //! the rank holds; OVERLAP_F_B counts its F before its B.
 
 use crate::action::{Action, ComputeKind};
-use crate::costs::{Costs, Memory};
+use crate::costs::{check_cost, CostError, Costs, Memory};
 use crate::deps::{DepGraph, MissingDep, Pos, Walk};
 use crate::schedule::{RankId, Schedule};
 use crate::timeline::{Interval, Timeline};
 
 /// Why a schedule cannot be simulated.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SimulateError {
+    /// A cost or the hop latency is not a duration (negative, NaN, infinite or above
+    /// [`crate::costs::MAX_COST`]).
+    #[error("costs: {0}")]
+    Costs(#[from] CostError),
     /// An action's producer is absent.
     #[error(transparent)]
     Missing(#[from] MissingDep),
@@ -67,9 +71,11 @@ pub fn duration(a: &Action, c: &Costs) -> f64 {
 /// Simulates `schedule` with `costs` and the memory model `memory`.
 ///
 /// # Errors
-/// [`SimulateError::Missing`] when a dependency is absent, [`SimulateError::Deadlock`] naming the
-/// waiting cycle when the ranks wait on each other.
+/// [`SimulateError::Costs`] when a cost fails [`Costs::check`], [`SimulateError::Missing`] when a
+/// dependency is absent, [`SimulateError::Deadlock`] naming the waiting cycle when the ranks wait on
+/// each other.
 pub fn simulate(schedule: &Schedule, costs: &Costs, memory: &Memory) -> Result<SimReport, SimulateError> {
+    costs.check()?;
     simulate_with(schedule, |a| duration(a, costs), costs.comm, memory)
 }
 
@@ -77,13 +83,14 @@ pub fn simulate(schedule: &Schedule, costs: &Costs, memory: &Memory) -> Result<S
 /// hop latency `comm` added to every cross-rank dependency.
 ///
 /// # Errors
-/// As [`simulate`].
+/// As [`simulate`]; the latency `comm` must pass [`check_cost`] (durations are the caller's).
 pub fn simulate_with(
     schedule: &Schedule,
     duration: impl Fn(&Action) -> f64,
     comm: f64,
     memory: &Memory,
 ) -> Result<SimReport, SimulateError> {
+    check_cost("C", comm)?;
     let walk = Walk::new(schedule);
     let mut end = vec![0.0f64; walk.cells()];
     let mut free = vec![0.0f64; schedule.num_ranks()];
@@ -319,6 +326,27 @@ mod tests {
         assert_eq!(r.makespan, 1.0 + 0.5 + 1.0 + 2.0 + 0.5 + 2.0);
         assert_eq!(r.steady_idle, vec![4.0, 0.0]);
         assert_eq!(r.idle, vec![4.0, 4.0]);
+    }
+
+    #[test]
+    fn a_latency_that_is_not_a_duration_is_refused() {
+        // A negative c made the 2-rank makespan 7 < 9 (the zero-latency one); NaN let rank 1 start
+        // F0 at t = 0 before its input existed.
+        let s = Schedule::from_csv("0F0,0B0\n1F0,1B0\n").unwrap();
+        for (c, problem) in [
+            (-1.0, crate::costs::CostProblem::Negative),
+            (f64::NAN, crate::costs::CostProblem::NotFinite),
+            (f64::INFINITY, crate::costs::CostProblem::NotFinite),
+        ] {
+            let costs = Costs { comm: c, ..Costs::default() };
+            let e = simulate(&s, &costs, &Memory::default()).unwrap_err();
+            assert!(
+                matches!(&e, SimulateError::Costs(ce) if ce.problem == problem && ce.name == "C"),
+                "{e:?}"
+            );
+        }
+        let r = simulate(&s, &Costs::default(), &Memory::default()).unwrap();
+        assert_eq!(r.makespan, 6.0);
     }
 
     #[test]

@@ -63,6 +63,17 @@ fn constraint_errors_name_the_rule() {
     assert!(err(4, 2, 8, 2).contains("needs group N >= p (N=2, p=4)"));
     assert!(err(4, 2, 8, 16).contains("needs group N <= m (N=16, m=8)"));
     assert!(err(4, 2, 10, 4).contains("multiple of group N (m=10, N=4)"));
+    // Without a group (train and verify have no --group) the rule is said in ranks and microbatches.
+    let default = |p, m| {
+        generate(Kind::GroupedInterleaved, &Shape::new(p, 2, m), &Options::default()).unwrap_err().to_string()
+    };
+    let e = default(4, 2);
+    assert!(
+        e.contains("needs at least as many microbatches as ranks (m=2, p=4)") && !e.contains("group N"),
+        "{e}"
+    );
+    let e = default(4, 6);
+    assert!(e.contains("multiple of ranks p (m=6, p=4)") && !e.contains("group N"), "{e}");
 }
 
 proptest! {

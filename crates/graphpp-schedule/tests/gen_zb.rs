@@ -148,6 +148,12 @@ fn constraint_errors_name_the_rule() {
     let e = generate(Kind::ZbAuto, &Shape::new(4, 1, 8), &opts).unwrap_err();
     assert!(matches!(e, GenerateError::Constraint { kind: Kind::ZbAuto, .. }));
     assert!(e.to_string().contains("at least 1 M_B"), "{e}");
+    // An infinite or NaN cap is not "below 1 M_B": it is not a number of M_B units at all.
+    for cap in [f64::INFINITY, f64::NAN] {
+        let opts = Options { mem_cap: Some(cap), ..Options::default() };
+        let e = generate(Kind::ZbAuto, &Shape::new(4, 1, 8), &opts).unwrap_err().to_string();
+        assert!(e.contains("must be a finite number of M_B units") && !e.contains("at least 1"), "{e}");
+    }
     let mut opts = Options::default();
     opts.costs.w = f64::NAN;
     assert!(generate(Kind::ZbAuto, &Shape::new(4, 1, 8), &opts).is_err());

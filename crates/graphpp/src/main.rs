@@ -1,5 +1,6 @@
 //! The `graphpp` binary: a thin command-line layer over the graphpp crates.
 
+use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
 
 mod cmd;
@@ -26,7 +27,7 @@ enum Command {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = Cli::try_parse().unwrap_or_else(|e| exit_for(e));
     let result = match cli.command {
         Command::Schedule(c) => cmd::schedule::run(c),
         Command::Graph(a) => cmd::graph::run(a),
@@ -41,6 +42,15 @@ fn main() {
         eprintln!("error: {}", message(&e));
         std::process::exit(1);
     }
+}
+
+/// Prints clap's error and exits: status 1 when a value graphpp parses was rejected (`--ranks -1`,
+/// `--kind nope`, `--costs F=1,F=2`: an input graphpp rejects, and the message names the flag and
+/// the problem), else clap's own status (2 for a malformed command line, 0 for `--help`).
+fn exit_for(e: clap::Error) -> ! {
+    let code = if e.kind() == ErrorKind::ValueValidation { 1 } else { e.exit_code() };
+    let _ = e.print();
+    std::process::exit(code)
 }
 
 /// The error and its causes joined by `: `, skipping a cause whose text the message already

@@ -135,8 +135,9 @@ pub struct RunConfig {
 }
 
 impl RunConfig {
-    /// Checks the ranges the pipeline and the optimizer need. Errors: [`RunError::Config`]
-    /// naming the flag.
+    /// Checks the ranges the pipeline and the optimizer need, then the sizes from estimates (before
+    /// the corpus is read or anything is built). Errors: [`RunError::Config`] naming the flag;
+    /// [`RunError::Train`] ([`TrainError::Size`]) when the schedule or the step would be too large.
     pub fn validate(&self) -> Result<(), RunError> {
         let positive = [
             ("--ranks", self.ranks),
@@ -164,6 +165,16 @@ impl RunConfig {
                 ByteTokenizer::VOCAB
             )));
         }
+        let shape = Shape::new(self.ranks, self.stages_per_rank, self.microbatches);
+        graphpp_runtime::check_step(
+            &self.model,
+            self.kind,
+            &shape,
+            self.microbatch_size,
+            self.seq_len,
+            false,
+        )
+        .map_err(TrainError::from)?;
         Ok(())
     }
 

@@ -23,11 +23,21 @@ use crate::schedule::Schedule;
 ///
 /// # Errors
 /// [`GenerateError::Constraint`] unless `p <= N <= m` and `N` divides `m` (the tutorial seed's
-/// simulator rule; with `N < p` the first microbatch cannot come back to rank 0 in time).
+/// simulator rule; with `N < p` the first microbatch cannot come back to rank 0 in time). Without a
+/// group (`N = p`) the message says `p <= m` and `p` divides `m`, for commands with no `--group`.
 pub fn generate(shape: &Shape, opts: &Options) -> Result<Schedule, GenerateError> {
     let kind = Kind::GroupedInterleaved;
     let (p, v, m) = (shape.ranks, shape.stages_per_rank, shape.microbatches);
-    let n = opts.group.unwrap_or(p);
+    let Some(n) = opts.group else {
+        // The group defaults to p: say the rules in terms of p and m, the flags every command has.
+        require(p <= m, kind, shape, || {
+            format!("needs at least as many microbatches as ranks (m={m}, p={p}): each chunk runs p consecutive microbatches")
+        })?;
+        require(m % p == 0, kind, shape, || {
+            format!("needs microbatches m to be a multiple of ranks p (m={m}, p={p}): each chunk runs p consecutive microbatches")
+        })?;
+        return Ok(Schedule::from_programs((0..p).map(|r| rank_program(r, p, v, m, p)).collect()));
+    };
     require(n >= p, kind, shape, || format!("needs group N >= p (N={n}, p={p})"))?;
     require(n <= m, kind, shape, || format!("needs group N <= m (N={n}, m={m})"))?;
     require(m % n == 0, kind, shape, || format!("needs m to be a multiple of group N (m={m}, N={n})"))?;

@@ -10,6 +10,8 @@ use crate::costs::{Costs, Memory};
 use crate::placement::Placement;
 use crate::schedule::Schedule;
 
+pub use size::{check_size, estimate, human_bytes, ScheduleSize, BYTES_PER_ACTION, MAX_ACTIONS};
+
 mod dualpipe;
 mod gpipe;
 mod grouped;
@@ -17,6 +19,7 @@ mod interleaved;
 mod interleaved_zb;
 mod looped_bfs;
 mod one_f_one_b;
+mod size;
 mod zb_auto;
 mod zb_h;
 mod zbv;
@@ -231,6 +234,40 @@ pub struct Options {
 /// Why a generator cannot produce a schedule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GenerateError {
+    /// The schedule would be too large to build (see [`check_size`]); nothing was allocated.
+    #[error(
+        "{kind} at ranks={ranks}, stages-per-rank={stages_per_rank}, microbatches={microbatches} would \
+         build {:.1e} actions (≈ {} of memory); the limit is {:.1e} actions (≈ {}): lower --ranks, \
+         --stages-per-rank or --microbatches",
+        *.actions as f64,
+        human_bytes(*.bytes),
+        MAX_ACTIONS as f64,
+        human_bytes(MAX_ACTIONS * BYTES_PER_ACTION)
+    )]
+    TooLarge {
+        /// The kind.
+        kind: Kind,
+        /// p.
+        ranks: usize,
+        /// v.
+        stages_per_rank: usize,
+        /// m.
+        microbatches: usize,
+        /// Actions the generator would build ([`ScheduleSize::built`]).
+        actions: u128,
+        /// Estimated bytes ([`ScheduleSize::bytes`]).
+        bytes: u128,
+    },
+    /// An option was given to a kind that does not read it (it would be silently ignored).
+    #[error("{kind} does not use {option}; it applies to {applies_to} only")]
+    UnusedOption {
+        /// The kind.
+        kind: Kind,
+        /// The option, with its flag (`a group size (--group)`).
+        option: &'static str,
+        /// The kind that reads it.
+        applies_to: Kind,
+    },
     /// The shape breaks one of the kind's documented constraints.
     #[error("{kind} cannot serve ranks={ranks}, stages-per-rank={stages_per_rank}, microbatches={microbatches}: {constraint}")]
     Constraint {
@@ -281,12 +318,29 @@ fn check_common(kind: Kind, shape: &Shape) -> Result<(), GenerateError> {
     require(shape.microbatches >= 1, kind, shape, || "needs at least 1 microbatch".into())
 }
 
+/// Refuses an option `kind` does not read: `group` outside grouped-interleaved, `mem_cap` outside
+/// zb-auto (`costs` and `memory` are shared with the simulator and never refused).
+fn check_options(kind: Kind, opts: &Options) -> Result<(), GenerateError> {
+    let unused = [
+        (opts.group.is_some(), "a group size (--group)", Kind::GroupedInterleaved),
+        (opts.mem_cap.is_some(), "a memory cap (--mem-cap)", Kind::ZbAuto),
+    ];
+    match unused.into_iter().find(|&(given, _, reader)| given && reader != kind) {
+        Some((_, option, applies_to)) => Err(GenerateError::UnusedOption { kind, option, applies_to }),
+        None => Ok(()),
+    }
+}
+
 /// Generates the compute-only schedule of `kind` for `shape`.
 ///
 /// # Errors
-/// [`GenerateError::Constraint`] when the shape breaks a constraint of the kind.
+/// [`GenerateError::Constraint`] when the shape breaks a constraint of the kind,
+/// [`GenerateError::UnusedOption`] for an option the kind does not read, [`GenerateError::TooLarge`]
+/// (before allocating) when the schedule would exceed [`MAX_ACTIONS`].
 pub fn generate(kind: Kind, shape: &Shape, opts: &Options) -> Result<Schedule, GenerateError> {
     check_common(kind, shape)?;
+    check_options(kind, opts)?;
+    check_size(kind, shape)?;
     match kind {
         Kind::Gpipe => gpipe::generate(shape),
         Kind::OneFOneB => one_f_one_b::generate(shape),
@@ -317,5 +371,30 @@ mod tests {
             }
         }
         assert!("zz".parse::<Kind>().is_err());
+    }
+
+    #[test]
+    fn an_option_the_kind_ignores_is_refused() {
+        let shape = Shape::new(2, 2, 4);
+        let e = generate(Kind::Zbv, &shape, &Options { group: Some(2), ..Options::default() }).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "zbv does not use a group size (--group); it applies to grouped-interleaved only"
+        );
+        let e = generate(
+            Kind::OneFOneB,
+            &Shape::new(2, 1, 4),
+            &Options { mem_cap: Some(3.0), ..Options::default() },
+        )
+        .unwrap_err();
+        assert!(matches!(e, GenerateError::UnusedOption { applies_to: Kind::ZbAuto, .. }), "{e:?}");
+        assert!(generate(
+            Kind::GroupedInterleaved,
+            &shape,
+            &Options { group: Some(2), ..Options::default() }
+        )
+        .is_ok());
+        let zb = Options { mem_cap: Some(3.0), ..Options::default() };
+        assert!(generate(Kind::ZbAuto, &Shape::new(2, 1, 4), &zb).is_ok());
     }
 }

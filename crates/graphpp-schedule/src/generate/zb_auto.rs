@@ -48,9 +48,10 @@ pub fn generate(shape: &Shape, opts: &Options) -> Result<Schedule, GenerateError
         format!("memory needs 0 <= M_W < M_B (M_B={}, M_W={})", mem.m_b, mem.m_w)
     })?;
     let cap = opts.mem_cap.unwrap_or(p as f64);
-    require(cap.is_finite() && cap >= 1.0, kind, shape, || {
-        format!("memory cap must be at least 1 M_B (cap={cap})")
+    require(cap.is_finite(), kind, shape, || {
+        format!("the memory cap must be a finite number of M_B units (cap={cap}); omit --mem-cap for the default p")
     })?;
+    require(cap >= 1.0, kind, shape, || format!("memory cap must be at least 1 M_B (cap={cap})"))?;
     let mut best: Option<(f64, Vec<Vec<Action>>)> = None;
     for allow in [true, false] {
         for prioritize in [true, false] {

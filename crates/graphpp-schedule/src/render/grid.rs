@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use super::{category, rgb};
+use super::{category, count, rgb, short};
 use crate::action::Action;
 use crate::timeline::Timeline;
 
@@ -77,8 +77,14 @@ pub fn grid(t: &Timeline, style: &GridStyle) -> String {
         }
         out.push('\n');
     }
-    let unit = if t.unit == "unit" { "cost units" } else { t.unit.as_str() };
-    let _ = writeln!(out, "one column = {quantum} {unit}; makespan {makespan} {unit}");
+    let amount = |x: f64| {
+        if t.unit == "unit" {
+            count(x, "cost unit", "cost units")
+        } else {
+            format!("{} {}", short(x), t.unit)
+        }
+    };
+    let _ = writeln!(out, "one column = {}; makespan {}", amount(quantum), amount(makespan));
     out
 }
 
@@ -108,5 +114,6 @@ mod tests {
         let lines: Vec<&str> = g.lines().collect();
         assert_eq!(lines[0], "rank  0 |F0|. |. |B0|B0|");
         assert_eq!(lines[1], "rank  1 |. |F0|s |. |. |");
+        assert_eq!(lines[2], "one column = 1 cost unit; makespan 5 cost units");
     }
 }

@@ -28,6 +28,39 @@ pub fn xml_escape(s: &str) -> String {
     out
 }
 
+/// `x` with `decimals` decimals, or in scientific notation (`1.2346e12`) from 10^9 on, where fixed
+/// notation stops being readable (costs are at most [`crate::costs::MAX_COST`], makespans sums of them).
+pub fn fixed(x: f64, decimals: usize) -> String {
+    if x.is_finite() && x.abs() >= 1e9 {
+        format!("{x:.4e}")
+    } else {
+        format!("{x:.decimals$}")
+    }
+}
+
+/// `x` in at most 4 decimals with trailing zeros dropped (`1`, `0.5`, `0.3333`), scientific from
+/// 10^9 on and below 10^-3 (`1e-6`).
+pub fn short(x: f64) -> String {
+    if x != 0.0 && x.is_finite() && (x.abs() >= 1e9 || x.abs() < 1e-3) {
+        let s = format!("{x:.3e}");
+        let (mantissa, exp) = s.split_once('e').unwrap_or((&s, "0"));
+        let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
+        return format!("{mantissa}e{exp}");
+    }
+    let s = format!("{x:.4}");
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
+}
+
+/// `"{n} {noun}"` with the noun in the plural unless `n` is exactly 1 (`1 step`, `0 steps`,
+/// `2.5 cost units`); `n` is shown with [`short`].
+pub fn count(n: f64, one: &str, many: &str) -> String {
+    format!("{} {}", short(n), if n == 1.0 { one } else { many })
+}
+
 /// The category of an action for colouring and trace grouping: `F`, `B`, `I`, `W`, `F&B`, `comm`
 /// or `fsdp`.
 pub fn category(a: &Action) -> &'static str {
@@ -54,5 +87,24 @@ fn rgb(category: &str) -> (u8, u8, u8) {
         "F&B" => (165, 105, 189),
         "comm" => (180, 180, 180),
         _ => (120, 120, 120),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_print_short_and_plurals_agree() {
+        assert_eq!(fixed(27.0, 3), "27.000");
+        assert_eq!(fixed(1e300, 3), "1.0000e300");
+        assert_eq!(short(1.0), "1");
+        assert_eq!(short(0.5), "0.5");
+        assert_eq!(short(1.0 / 3.0), "0.3333");
+        assert_eq!(short(1e300), "1e300");
+        assert_eq!(short(2.5e-6), "2.5e-6");
+        assert_eq!(count(1.0, "cost unit", "cost units"), "1 cost unit");
+        assert_eq!(count(27.0, "cost unit", "cost units"), "27 cost units");
+        assert_eq!(count(0.0, "step", "steps"), "0 steps");
     }
 }

@@ -3,10 +3,14 @@
 use std::fmt::Write;
 
 use graphpp_schedule::compare::compare;
-use graphpp_schedule::Costs;
+use graphpp_schedule::render::fixed;
+use graphpp_schedule::{Costs, GenerateError};
 
 /// The comparison table for `p` ranks and `m` microbatches.
-pub fn table(p: usize, m: usize, costs: &Costs) -> String {
+///
+/// # Errors
+/// [`GenerateError::TooLarge`] when some kind's schedule would be too large to build.
+pub fn table(p: usize, m: usize, costs: &Costs) -> Result<String, GenerateError> {
     let mut out = String::new();
     let _ = writeln!(out, "p={p} m={m} costs {costs}; bubble = in-iteration r_bubble (idle fraction)");
     let _ = writeln!(
@@ -14,16 +18,16 @@ pub fn table(p: usize, m: usize, costs: &Costs) -> String {
         "{:<20} {:>2} {:>9} {:>17} {:>10} {:>9}  constraints",
         "schedule", "v", "makespan", "bubble", "peak act", "msgs/mb"
     );
-    for row in compare(p, m, costs) {
+    for row in compare(p, m, costs)? {
         let c = row.kind.constraints();
         match row.result {
             Ok(f) => {
                 let _ = writeln!(
                     out,
-                    "{:<20} {:>2} {:>9.2} {:>8.3} ({:>5.1}%) {:>10.2} {:>9.1}  {c}",
+                    "{:<20} {:>2} {:>9} {:>8.3} ({:>5.1}%) {:>10.2} {:>9.1}  {c}",
                     row.kind.name(),
                     row.stages_per_rank,
-                    f.makespan,
+                    fixed(f.makespan, 2),
                     f.bubble_ratio,
                     f.idle_fraction * 100.0,
                     f.peak_activations,
@@ -35,5 +39,5 @@ pub fn table(p: usize, m: usize, costs: &Costs) -> String {
             }
         }
     }
-    out
+    Ok(out)
 }

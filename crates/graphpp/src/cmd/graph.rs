@@ -9,6 +9,8 @@ use graphpp_graph::print::{render, stats, Format};
 use graphpp_graph::{Graph, GraphKind, StageGraphs};
 use graphpp_models::{split_layers, stage_graph_set, LlamaConfig, Recompute, StageOptions};
 
+use crate::cmd::value::count;
+
 /// Arguments of `graphpp graph`.
 #[derive(Args)]
 pub struct GraphArgs {
@@ -16,17 +18,17 @@ pub struct GraphArgs {
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Number of pipeline stages S.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = count::<usize>)]
     stages: usize,
     /// Which stage to show (0-based).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = count::<usize>)]
     stage: usize,
     /// Uneven split: decoder layers per stage, comma-separated (must sum to the model's layers).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = count::<usize>)]
     layers_per_stage: Option<Vec<usize>>,
     /// Which graph: fw, full_bw, bw_di, bw_dw, overlap.
     #[arg(long, default_value = "fw")]
-    show: String,
+    show: GraphKind,
     /// Output format.
     #[arg(long, value_enum, default_value_t = GraphFormat::Text)]
     format: GraphFormat,
@@ -34,10 +36,10 @@ pub struct GraphArgs {
     #[arg(long)]
     stats: bool,
     /// Sequences per microbatch B.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = count::<usize>)]
     microbatch_size: usize,
     /// Tokens per sequence T.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = count::<usize>)]
     seq_len: usize,
     /// Activation checkpointing: save-all, stage-inputs, matmuls, layers.
     #[arg(long, default_value = "save-all")]
@@ -73,15 +75,16 @@ fn saved_bytes(g: &Graph) -> usize {
 }
 
 fn all_stats(sg: &StageGraphs) -> Result<String> {
+    let values = sg.saved.len();
     let mut out = format!(
-        "saved activations (fw → bw): {} values, {} bytes per microbatch\n",
-        sg.saved.len(),
+        "saved activations (fw → bw): {values} value{}, {} bytes per microbatch\n",
+        if values == 1 { "" } else { "s" },
         saved_bytes(&sg.fw)
     );
-    for kind in ["fw", "full_bw", "bw_di", "bw_dw", "overlap"] {
-        match sg.select(kind.parse::<GraphKind>()?) {
+    for kind in GraphKind::ALL {
+        match sg.select(kind) {
             Ok(g) => out.push_str(&stats(&g)),
-            Err(e) => out.push_str(&format!("graph {kind}: {e}\n")),
+            Err(e) => out.push_str(&format!("graph {}: {e}\n", kind.name())),
         }
     }
     Ok(out)
@@ -100,7 +103,7 @@ pub fn run(a: GraphArgs) -> Result<()> {
     if a.stats {
         return crate::cmd::emit(&all_stats(&sg)?);
     }
-    let g = sg.select(a.show.parse::<GraphKind>()?)?;
+    let g = sg.select(a.show)?;
     let format = match a.format {
         GraphFormat::Text => Format::Text,
         GraphFormat::Dot => Format::Dot,

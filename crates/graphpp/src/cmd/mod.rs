@@ -4,6 +4,7 @@ pub mod compare;
 pub mod graph;
 pub mod schedule;
 pub mod train;
+pub mod value;
 pub mod verify;
 
 use std::io::Write;
@@ -37,6 +38,12 @@ pub fn set_op_threads(ranks: usize, explicit: Option<usize>) -> usize {
         }
     }
     std::env::var("CANDLE_NUM_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(n)
+}
+
+/// `"{n} {one}"` or `"{n} {many}"`: the noun in the plural unless `n` is 1 (`1 step`, `2 steps`).
+pub fn plural(n: impl Into<u128>, one: &str, many: &str) -> String {
+    let n = n.into();
+    format!("{n} {}", if n == 1 { one } else { many })
 }
 
 /// Writes `text` to standard output. A closed pipe (`graphpp … | head`) ends the output quietly

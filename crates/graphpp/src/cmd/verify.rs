@@ -9,8 +9,10 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use graphpp_graph::DType;
-use graphpp_runtime::verify::{default_tolerance, verify_step, VerifySetup};
+use graphpp_runtime::verify::{check_tolerance, default_tolerance, verify_step, VerifySetup};
 use graphpp_schedule::{Kind, Shape};
+
+use crate::cmd::value::count;
 
 /// Arguments of `graphpp verify`.
 #[derive(Args)]
@@ -19,36 +21,36 @@ pub struct VerifyArgs {
     #[arg(long)]
     schedule: Kind,
     /// p: ranks in the pipeline (one thread each).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     ranks: usize,
     /// v: stages per rank (S = p·v; DualPipe's 2p stages hold two copies of a p-stage split);
     /// default 2 for interleaved kinds, ZB-V and DualPipe(V), else 1.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     stages_per_rank: Option<usize>,
     /// m: microbatches in the step.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     microbatches: usize,
     /// Model: a preset (`tiny`, `small`) or a JSON config file with Hugging Face field names.
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Override the preset's number of decoder layers (it must be at least the model stages).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     layers: Option<usize>,
     /// Run the step from a Hugging Face model folder (config.json + model.safetensors): its config
     /// is the model and its weights the parameters (excludes --model and --layers).
     #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "layers"])]
     init_from: Option<PathBuf>,
     /// Decoder layers of each model stage, e.g. `2,1,1` (default: an even split).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = count::<usize>)]
     layers_per_stage: Option<Vec<usize>>,
     /// B: sequences per microbatch.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = count::<usize>)]
     microbatch_size: usize,
     /// T: tokens per sequence.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = count::<usize>)]
     seq_len: usize,
     /// Seed of the initial weights and of the random batch.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = count::<u64>)]
     seed: u64,
     /// Compute dtype of the pipelined step: `f32`, or `bf16` mixed precision (f32 master weights
     /// and gradients, bf16 activations and messages, f32 loss).
@@ -60,13 +62,16 @@ pub struct VerifyArgs {
     /// Largest accepted relative difference of the loss and of any gradient, where the relative
     /// difference of a tensor is max|a − b| / max(max|b|, 1e-12) against the single-device `b`
     /// (default 1e-5, or 5e-2 when either step computes in bf16).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     tolerance: Option<f64>,
 }
 
 /// Runs `graphpp verify`. Errors: bad shape or model (typed, with the numbers), a failing rank,
 /// or a difference above the tolerance.
 pub fn run(a: VerifyArgs) -> Result<()> {
+    if let Some(t) = a.tolerance {
+        check_tolerance(t)?;
+    }
     crate::cmd::set_op_threads(a.ranks, None);
     let (mut model, weights, name) = match &a.init_from {
         Some(dir) => {
@@ -90,13 +95,14 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     let t0 = Instant::now();
     let r = verify_step(&setup)?;
     println!(
-        "verify {} p={} v={} m={} (model {}, {} layers, B={} T={}, seed {}, {})",
+        "verify {} p={} v={} m={} (model {}, {} layer{}, B={} T={}, seed {}, {})",
         a.schedule,
         a.ranks,
         v,
         a.microbatches,
         name,
         setup.model.num_hidden_layers,
+        if setup.model.num_hidden_layers == 1 { "" } else { "s" },
         a.microbatch_size,
         a.seq_len,
         a.seed,
@@ -109,8 +115,12 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     println!("loss pipelined     {:.9}", r.loss_pipelined);
     println!("loss single device {:.9}   (relative difference {:.3e})", r.loss_single, r.loss_rel);
     println!(
-        "gradients: {} tensors, max abs difference {:.3e}, max relative difference {:.3e} ({})",
-        r.gradients, r.max_abs, r.max_rel, r.worst
+        "gradients: {} tensor{}, max abs difference {:.3e}, max relative difference {:.3e} ({})",
+        r.gradients,
+        if r.gradients == 1 { "" } else { "s" },
+        r.max_abs,
+        r.max_rel,
+        r.worst
     );
     println!("wall time {:.2} s", t0.elapsed().as_secs_f64());
     if !r.passes(tolerance) {

@@ -1,0 +1,135 @@
+//! Bytes a Llama-style model needs for one microbatch, from its config and the microbatch shape
+//! alone, so that a shape too large to run is refused before any tensor is allocated
+//! (`--microbatch-size 100000` once asked the allocator for 1.6 GB per tensor, `--seq-len 100000`
+//! for an 80 GB mask).
+//!
+//! All figures are f32 (4 bytes a value) with token ids u32. With `B` sequences of `T` tokens,
+//! `D = hidden_size`, `F = intermediate_size`, `H = num_attention_heads`, `V = vocab_size`:
+//! - activations saved from the forward for the backward, per decoder layer,
+//!   `4·B·(T·(13·D + 5·F + 2·H + 4) + 3·H·T²)` bytes (residual stream, norms, q/k/v and their
+//!   rotations, attention scores, masked scores and probabilities per head, the SwiGLU
+//!   intermediates); plus `4·B·T` for the token ids on the first stage and `4·B·T·(2·V + 3·D + 5)`
+//!   for the final norm, logits and loss on the last stage. This is exactly what the graphs save
+//!   under `RecomputePolicy::SaveAll` (tested against [`crate::stage_graph_set`]);
+//! - buffers of each stage: the causal mask `T²` and the RoPE tables `2·T·hd` values, built in f64
+//!   before the cast ([`crate::stage_buffers`]).
+
+use crate::config::LlamaConfig;
+use crate::llama::StageSpec;
+
+/// Bytes of one f32 value.
+const F32: u128 = 4;
+
+/// Saved-activation bytes of one microbatch of `batch` sequences of `seq` tokens through the layers
+/// of `spec` (with the embedding's token ids on a first stage and the head on a last stage),
+/// counting the stage's input as saved. Saturating.
+pub fn stage_activation_bytes(cfg: &LlamaConfig, spec: &StageSpec, batch: usize, seq: usize) -> u128 {
+    let (b, t) = (batch as u128, seq as u128);
+    let (d, f, h, v) = (
+        cfg.hidden_size as u128,
+        cfg.intermediate_size as u128,
+        cfg.num_attention_heads as u128,
+        cfg.vocab_size as u128,
+    );
+    let per_token_layer = 13 * d + 5 * f + 2 * h + 4;
+    let layer = t
+        .saturating_mul(per_token_layer)
+        .saturating_add(3u128.saturating_mul(h).saturating_mul(t).saturating_mul(t));
+    let mut values = layer.saturating_mul(spec.layers.len() as u128);
+    if spec.is_first() {
+        values = values.saturating_add(t);
+    }
+    if spec.is_last() {
+        values = values.saturating_add(t.saturating_mul(2 * v + 3 * d + 5));
+    }
+    values.saturating_mul(b).saturating_mul(F32)
+}
+
+/// Saved-activation bytes of one microbatch through the whole model (all layers on one stage).
+pub fn model_activation_bytes(cfg: &LlamaConfig, batch: usize, seq: usize) -> u128 {
+    let whole = StageSpec { stage: 0, stages: 1, layers: 0..cfg.num_hidden_layers };
+    stage_activation_bytes(cfg, &whole, batch, seq)
+}
+
+/// Bytes of one stage's buffers (mask and RoPE tables) in f32; building them takes twice that
+/// again for a moment (their f64 values, [`crate::stage_buffers`]).
+pub fn buffer_bytes(cfg: &LlamaConfig, seq: usize) -> u128 {
+    let t = seq as u128;
+    let values =
+        t.saturating_mul(t).saturating_add(2u128.saturating_mul(t).saturating_mul(cfg.head_dim() as u128));
+    values.saturating_mul(F32)
+}
+
+/// Number of parameters of the whole model (one copy).
+pub fn parameter_count(cfg: &LlamaConfig) -> u128 {
+    let whole = StageSpec { stage: 0, stages: 1, layers: 0..cfg.num_hidden_layers };
+    crate::llama::stage_parameters(cfg, &whole)
+        .iter()
+        .map(|(_, shape)| shape.iter().fold(1u128, |n, &x| n.saturating_mul(x as u128)))
+        .fold(0u128, u128::saturating_add)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llama::{split_layers, stage_graph_set, StageOptions};
+    use graphpp_graph::RecomputePolicy;
+
+    /// Bytes of the values a stage's forward saves for its backward, from the graph itself.
+    fn graph_saved_bytes(cfg: &LlamaConfig, stages: usize, stage: usize, b: usize, t: usize) -> u128 {
+        let sg =
+            stage_graph_set(cfg, stages, stage, None, &StageOptions::new(b, t), &RecomputePolicy::SaveAll)
+                .unwrap();
+        let fw = &sg.fw;
+        fw.outputs
+            .iter()
+            .filter(|o| o.name.starts_with("saved."))
+            .map(|o| fw.node(o.value).ty.size_bytes() as u128)
+            .sum()
+    }
+
+    #[test]
+    fn formula_matches_the_saved_values_of_the_graphs() {
+        let gqa = LlamaConfig {
+            num_key_value_heads: Some(2),
+            intermediate_size: 96,
+            vocab_size: 300,
+            ..LlamaConfig::tiny()
+        };
+        for cfg in [LlamaConfig::tiny(), LlamaConfig::small(), gqa] {
+            for (b, t) in [(1, 8), (2, 16), (3, 5)] {
+                assert_eq!(
+                    model_activation_bytes(&cfg, b, t),
+                    graph_saved_bytes(&cfg, 1, 0, b, t),
+                    "B={b} T={t}"
+                );
+                // Split in stages: each stage saves the same, less its input (an input, not a saved
+                // value of the graph, though the runtime keeps it for the backward all the same).
+                let stages = 2;
+                for spec in split_layers(cfg.num_hidden_layers, stages, None).unwrap() {
+                    let input = if spec.is_first() { 0 } else { (4 * b * t * cfg.hidden_size) as u128 };
+                    let got = graph_saved_bytes(&cfg, stages, spec.stage, b, t);
+                    assert_eq!(
+                        stage_activation_bytes(&cfg, &spec, b, t) - input,
+                        got,
+                        "stage {}",
+                        spec.stage
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiny_figures() {
+        let tiny = LlamaConfig::tiny();
+        // graphpp graph --stats: 2733568 bytes per microbatch at B=1, T=64.
+        assert_eq!(model_activation_bytes(&tiny, 1, 64), 2_733_568);
+        // --microbatch-size 100000: 273 GB for one microbatch.
+        assert_eq!(model_activation_bytes(&tiny, 100_000, 64), 273_356_800_000);
+        // --seq-len 100000: the mask alone is 10^10 values (40 GB in f32, 80 GB in f64).
+        assert_eq!(buffer_bytes(&tiny, 100_000), 4 * (100_000u128 * 100_000 + 2 * 100_000 * 16));
+        assert_eq!(parameter_count(&tiny), 234_048);
+        assert_eq!(model_activation_bytes(&tiny, usize::MAX, usize::MAX), u128::MAX);
+    }
+}

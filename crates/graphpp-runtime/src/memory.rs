@@ -1,0 +1,240 @@
+//! Whether a step fits in memory, checked from estimates before anything is built: the schedule's
+//! size ([`graphpp_schedule::check_size`]) and the bytes of one step ([`StepMemory`], from the
+//! model's formulas in [`graphpp_models::memory`]) against a budget of 3/4 of the machine's memory.
+//! A shape above it is an error naming the estimate, not an abort or a swap storm.
+
+use graphpp_models::memory::{buffer_bytes, model_activation_bytes, parameter_count};
+use graphpp_models::LlamaConfig;
+use graphpp_schedule::generate::human_bytes;
+use graphpp_schedule::{check_size, GenerateError, Kind, Shape};
+
+/// Fraction of the machine's memory a step may use: 3/4 (the rest for the system and the corpus).
+pub const BUDGET_NUMERATOR: u128 = 3;
+/// Denominator of the budget fraction.
+pub const BUDGET_DENOMINATOR: u128 = 4;
+/// Memory assumed where it cannot be read (not Linux): 16 GiB.
+pub const ASSUMED_MEMORY: u64 = 16 << 30;
+
+/// Bytes of one step, at least: every figure is a lower bound of what the runtime holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepMemory {
+    /// Saved activations of one microbatch through every stage (all stages hold it at once when
+    /// the last stage runs its forward); for `verify`, the larger of that and the single-device
+    /// step over all `m` microbatches at once.
+    pub activations: u128,
+    /// Mask and RoPE tables of every schedule stage (f32), plus one f64 build of them.
+    pub buffers: u128,
+    /// Parameters, gradients and the two AdamW moments (f32) of every parameter copy.
+    pub parameters: u128,
+    /// Token ids and targets of the `m` microbatches (u32).
+    pub batch: u128,
+}
+
+impl StepMemory {
+    /// The estimate of a step of `kind` at `shape` with `batch` sequences of `seq` tokens per
+    /// microbatch; `single_device` adds `verify`'s step over all microbatches on one device.
+    pub fn estimate(
+        cfg: &LlamaConfig,
+        kind: Kind,
+        shape: &Shape,
+        batch: usize,
+        seq: usize,
+        single_device: bool,
+    ) -> StepMemory {
+        let (m, stages) = (shape.microbatches as u128, shape.stages() as u128);
+        let copies: u128 = if kind == Kind::DualPipe { 2 } else { 1 };
+        let mut activations = model_activation_bytes(cfg, batch, seq);
+        if single_device {
+            activations =
+                activations.max(model_activation_bytes(cfg, batch.saturating_mul(shape.microbatches), seq));
+        }
+        let per_stage = buffer_bytes(cfg, seq);
+        StepMemory {
+            activations,
+            buffers: per_stage.saturating_mul(stages).saturating_add(per_stage.saturating_mul(2)),
+            parameters: parameter_count(cfg).saturating_mul(16).saturating_mul(copies),
+            batch: m.saturating_mul(batch as u128).saturating_mul(seq as u128).saturating_mul(8),
+        }
+    }
+
+    /// The sum of the parts.
+    pub fn total(&self) -> u128 {
+        self.activations
+            .saturating_add(self.buffers)
+            .saturating_add(self.parameters)
+            .saturating_add(self.batch)
+    }
+}
+
+/// Why a step is too large to run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    /// The schedule would be too large to build.
+    #[error(transparent)]
+    Schedule(#[from] GenerateError),
+    /// The step would need more memory than the budget.
+    #[error(transparent)]
+    Memory(Box<MemoryShortfall>),
+}
+
+/// A step's memory estimate above the budget.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "one step with B={batch} sequences of T={seq} tokens per microbatch would need at least {} of \
+     memory (activations of one microbatch {}, stage buffers {}, parameters and optimizer state {}, \
+     token batch {}); the limit is {} ({source_of_budget}): lower --microbatch-size, --seq-len, \
+     --microbatches or the model size",
+    human_bytes(.need.total()),
+    human_bytes(.need.activations),
+    human_bytes(.need.buffers),
+    human_bytes(.need.parameters),
+    human_bytes(.need.batch),
+    human_bytes(*.budget)
+)]
+pub struct MemoryShortfall {
+    /// B.
+    pub batch: usize,
+    /// T.
+    pub seq: usize,
+    /// The estimate.
+    pub need: StepMemory,
+    /// The budget in bytes.
+    pub budget: u128,
+    /// Where the budget comes from (`3/4 of the 25 GB of memory`).
+    pub source_of_budget: String,
+}
+
+/// The budget of a step in bytes and where it comes from: 3/4 of [`machine_memory`], or of
+/// [`ASSUMED_MEMORY`] when that cannot be read.
+pub fn memory_budget() -> (u128, String) {
+    let (total, known) = match machine_memory() {
+        Some(b) => (b, true),
+        None => (ASSUMED_MEMORY, false),
+    };
+    let budget = u128::from(total) * BUDGET_NUMERATOR / BUDGET_DENOMINATOR;
+    let what = if known { "of memory" } else { "of memory assumed (it could not be read)" };
+    (budget, format!("3/4 of the {} {what}", human_bytes(u128::from(total))))
+}
+
+/// The machine's memory in bytes: `MemTotal` of `/proc/meminfo`, or the cgroup (v2) limit
+/// `/sys/fs/cgroup/memory.max` when that is lower; `None` where neither can be read.
+pub fn machine_memory() -> Option<u64> {
+    let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| parse_meminfo(&t));
+    let cgroup =
+        std::fs::read_to_string("/sys/fs/cgroup/memory.max").ok().and_then(|t| t.trim().parse::<u64>().ok());
+    match (total, cgroup) {
+        (Some(t), Some(c)) => Some(t.min(c)),
+        (t, c) => t.or(c),
+    }
+}
+
+/// `MemTotal` in bytes from the text of `/proc/meminfo` (`MemTotal:   24555520 kB`).
+pub fn parse_meminfo(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let mut words = line["MemTotal:".len()..].split_whitespace();
+    let n: u64 = words.next()?.parse().ok()?;
+    match words.next() {
+        Some("kB") => n.checked_mul(1024),
+        None => Some(n),
+        Some(_) => None,
+    }
+}
+
+/// Checks a step before anything is built: the schedule's size, then [`StepMemory::estimate`]
+/// against `budget` bytes (`source_of_budget` says where it comes from; see [`memory_budget`]).
+///
+/// # Errors
+/// [`SizeError::Schedule`] or [`SizeError::Memory`].
+pub fn check_step_with(
+    cfg: &LlamaConfig,
+    kind: Kind,
+    shape: &Shape,
+    (batch, seq): (usize, usize),
+    single_device: bool,
+    (budget, source_of_budget): (u128, String),
+) -> Result<StepMemory, SizeError> {
+    check_size(kind, shape)?;
+    let need = StepMemory::estimate(cfg, kind, shape, batch, seq, single_device);
+    if need.total() > budget {
+        return Err(SizeError::Memory(Box::new(MemoryShortfall {
+            batch,
+            seq,
+            need,
+            budget,
+            source_of_budget,
+        })));
+    }
+    Ok(need)
+}
+
+/// [`check_step_with`] against this machine's [`memory_budget`].
+///
+/// # Errors
+/// As [`check_step_with`].
+pub fn check_step(
+    cfg: &LlamaConfig,
+    kind: Kind,
+    shape: &Shape,
+    batch: usize,
+    seq: usize,
+    single_device: bool,
+) -> Result<StepMemory, SizeError> {
+    check_step_with(cfg, kind, shape, (batch, seq), single_device, memory_budget())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn budget(gb: u128) -> (u128, String) {
+        (gb * 1_000_000_000, format!("{gb} GB for the test"))
+    }
+
+    #[test]
+    fn a_huge_microbatch_is_refused_naming_the_estimate() {
+        let tiny = LlamaConfig::tiny();
+        let shape = Shape::new(2, 2, 8);
+        let e = check_step_with(&tiny, Kind::Zbv, &shape, (100_000, 64), false, budget(96)).unwrap_err();
+        let SizeError::Memory(short) = &e else { panic!("{e:?}") };
+        assert_eq!(short.need.activations, 273_356_800_000);
+        let text = e.to_string();
+        assert!(
+            text.contains("B=100000") && text.contains("273 GB") && text.contains("96 GB for the test"),
+            "{text}"
+        );
+        // The default shape of `graphpp train` fits in a few MB.
+        let ok = check_step_with(&tiny, Kind::Zbv, &shape, (8, 64), false, budget(1)).unwrap();
+        assert!(ok.total() < 50_000_000, "{ok:?}");
+    }
+
+    #[test]
+    fn verify_counts_the_single_device_step_over_all_microbatches() {
+        let tiny = LlamaConfig::tiny();
+        let shape = Shape::new(2, 1, 1000);
+        let pipelined = StepMemory::estimate(&tiny, Kind::OneFOneB, &shape, 100, 64, false);
+        let verify = StepMemory::estimate(&tiny, Kind::OneFOneB, &shape, 100, 64, true);
+        assert_eq!(verify.activations, 1000 * pipelined.activations);
+    }
+
+    #[test]
+    fn a_schedule_too_large_is_refused_first() {
+        let e = check_step_with(
+            &LlamaConfig::tiny(),
+            Kind::Zbv,
+            &Shape::new(10_000, 2, 8),
+            (8, 64),
+            false,
+            budget(96),
+        )
+        .unwrap_err();
+        assert!(matches!(e, SizeError::Schedule(GenerateError::TooLarge { ranks: 10_000, .. })), "{e:?}");
+    }
+
+    #[test]
+    fn meminfo_is_read_in_bytes() {
+        assert_eq!(parse_meminfo("MemTotal:       24555520 kB\nMemFree: 1 kB\n"), Some(24_555_520 * 1024));
+        assert_eq!(parse_meminfo("MemFree: 1 kB\n"), None);
+        let (b, what) = memory_budget();
+        assert!(b > 0 && what.starts_with("3/4 of the "), "{what}");
+    }
+}

@@ -1,0 +1,288 @@
+//! Inputs are checked up front (issue 9): sizes from estimates before anything is allocated,
+//! numbers finite and in range and given once, messages that name the flag and say the problem in
+//! the command's own terms, and the CSV that spreadsheets write. Every rejection exits with
+//! status 1 (status 2 is left to clap for a malformed command line).
+
+use std::path::{Path, PathBuf};
+
+use assert_cmd::Command;
+
+/// Runs graphpp with `args`; asserts exit status 1 and returns standard error.
+fn rejected(args: &[&str]) -> String {
+    let out = Command::cargo_bin("graphpp").unwrap().args(args).output().unwrap();
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{args:?} should exit 1: {err}");
+    err
+}
+
+/// Runs graphpp with `args`; asserts success and returns standard output.
+fn accepted(args: &[&str]) -> String {
+    let out = Command::cargo_bin("graphpp").unwrap().args(args).output().unwrap();
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn has_all(text: &str, words: &[&str]) {
+    for w in words {
+        assert!(text.contains(w), "`{w}` missing from: {text}");
+    }
+}
+
+/// A small UTF-8 corpus, so that no test would fetch the default one.
+fn corpus(dir: &Path) -> PathBuf {
+    let path = dir.join("corpus.txt");
+    std::fs::write(&path, "To be, or not to be, that is the question.\n".repeat(200)).unwrap();
+    path
+}
+
+fn train(extra: &[&str]) -> String {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let mut args = vec!["train", "--data", data.to_str().unwrap(), "--steps", "1"];
+    args.extend_from_slice(extra);
+    rejected(&args)
+}
+
+// ---- sizes: refused from an estimate before allocating ----
+
+#[test]
+fn train_with_too_many_ranks_is_refused_from_the_schedule_size() {
+    // ZB-V pads to 2p − 1 microbatches per rank: 1.2e9 actions to build.
+    let err = train(&["--ranks", "10000"]);
+    has_all(&err, &["ranks=10000", "1.2e9 actions", "the limit is 3.0e7 actions"]);
+}
+
+#[test]
+fn train_with_a_billion_microbatches_is_refused() {
+    let err = train(&["--microbatches", "1000000000"]);
+    has_all(&err, &["microbatches=1000000000", "1.2e10 actions", "the limit is"]);
+}
+
+#[test]
+fn train_with_a_huge_microbatch_is_refused_from_the_memory_estimate() {
+    // One microbatch of 100000 × 64 tokens saves 273 GB of activations in the tiny model (more
+    // than 3/4 of any machine up to 364 GB).
+    let err = train(&["--microbatch-size", "100000"]);
+    has_all(&err, &["B=100000", "activations of one microbatch 273 GB", "the limit is", "--microbatch-size"]);
+}
+
+#[test]
+fn generate_with_a_billion_microbatches_is_refused() {
+    let err =
+        rejected(&["schedule", "generate", "--kind", "1f1b", "--ranks", "4", "--microbatches", "1000000000"]);
+    has_all(&err, &["8.0e9 actions", "1.3 TB", "the limit is 3.0e7 actions"]);
+}
+
+#[test]
+fn compare_with_a_hundred_thousand_ranks_is_refused() {
+    let err = rejected(&["schedule", "compare", "--ranks", "100000", "--microbatches", "8"]);
+    has_all(&err, &["zbv", "ranks=100000", "1.2e11 actions", "the limit is"]);
+}
+
+#[test]
+fn graph_with_a_long_sequence_is_refused_without_allocating() {
+    let err = rejected(&["graph", "--seq-len", "100000", "--stats"]);
+    has_all(&err, &["T=100000", "--seq-len", "max_position_embeddings 512"]);
+}
+
+// ---- numbers: finite, in range, given once ----
+
+fn simulate<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["schedule", "simulate", "--kind", "1f1b", "--ranks", "2", "--microbatches", "2"];
+    args.extend_from_slice(extra);
+    args
+}
+
+#[test]
+fn comm_latency_must_be_a_finite_non_negative_number() {
+    // -1 made the makespan 7, below the zero-latency 9; NaN started rank 1 before its input.
+    let err = rejected(&simulate(&["--comm-latency", "-1"]));
+    has_all(&err, &["--comm-latency = -1", "must be >= 0"]);
+    for bad in ["nan", "inf"] {
+        let err = rejected(&simulate(&["--comm-latency", bad]));
+        has_all(&err, &["--comm-latency", "must be a finite number"]);
+    }
+    let err =
+        rejected(&["schedule", "compare", "--ranks", "2", "--microbatches", "2", "--comm-latency", "-0.5"]);
+    has_all(&err, &["--comm-latency = -0.5", "must be >= 0"]);
+    let ok = accepted(&simulate(&["--comm-latency", "0.5", "--format", "json"]));
+    assert!(ok.contains("\"makespan\": 10.0"), "{ok}");
+}
+
+#[test]
+fn verify_numbers_reach_graphpp_checks() {
+    let base = ["verify", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "2"];
+    for bad in ["nan", "-1", "inf"] {
+        let mut args = base.to_vec();
+        args.extend(["--tolerance", bad]);
+        has_all(&rejected(&args), &["--tolerance", "must be a finite number >= 0"]);
+    }
+    let err = rejected(&["verify", "--schedule", "1f1b", "--ranks", "-1", "--microbatches", "2"]);
+    has_all(&err, &["--ranks", "-1", "must be >= 0, not negative"]);
+    assert!(!err.contains("unexpected argument"), "{err}");
+}
+
+#[test]
+fn costs_are_bounded_and_given_once() {
+    let err = rejected(&simulate(&["--costs", "F=1e300"]));
+    has_all(&err, &["--costs", "F = 1e300", "at most 1e9"]);
+    assert!(err.len() < 400 && !err.contains("00000000000"), "printed short: {err}");
+    let err = rejected(&simulate(&["--costs", "F=1,F=2"]));
+    has_all(&err, &["--costs", "F is given twice"]);
+    // The largest accepted cost prints in a readable form.
+    let ok = accepted(&simulate(&["--costs", "F=1e9,B=1e9"]));
+    assert!(ok.starts_with("makespan            6.0000e9\n"), "{ok}");
+}
+
+#[test]
+fn an_infinite_memory_cap_is_refused_for_not_being_finite() {
+    let err = rejected(&[
+        "schedule",
+        "generate",
+        "--kind",
+        "zb-auto",
+        "--ranks",
+        "2",
+        "--microbatches",
+        "4",
+        "--mem-cap",
+        "inf",
+    ]);
+    has_all(&err, &["memory cap must be a finite number of M_B units"]);
+    assert!(!err.contains("at least 1 M_B"), "{err}");
+}
+
+// ---- messages ----
+
+#[test]
+fn more_stages_than_layers_suggests_nothing_invalid() {
+    let err = rejected(&["graph", "--stages", "5"]);
+    has_all(&err, &["5 stages exceed the model's 4 decoder layers"]);
+    assert!(!err.contains("--layers-per-stage"), "{err}");
+}
+
+#[test]
+fn grouped_interleaved_speaks_in_the_flags_of_train_and_verify() {
+    let err =
+        train(&["--schedule", "grouped-interleaved", "--ranks", "4", "--microbatches", "2", "--layers", "8"]);
+    has_all(&err, &["at least as many microbatches as ranks (m=2, p=4)"]);
+    assert!(!err.contains("group N"), "{err}");
+    let err = rejected(&[
+        "verify",
+        "--schedule",
+        "grouped-interleaved",
+        "--ranks",
+        "4",
+        "--microbatches",
+        "2",
+        "--layers",
+        "8",
+    ]);
+    has_all(&err, &["at least as many microbatches as ranks (m=2, p=4)"]);
+    assert!(!err.contains("group N"), "{err}");
+}
+
+#[test]
+fn an_option_the_kind_ignores_is_refused() {
+    let err = rejected(&[
+        "schedule",
+        "generate",
+        "--kind",
+        "zbv",
+        "--ranks",
+        "2",
+        "--microbatches",
+        "4",
+        "--group",
+        "2",
+    ]);
+    has_all(&err, &["zbv does not use a group size (--group)", "grouped-interleaved only"]);
+    let err = rejected(&simulate(&["--mem-cap", "3"]));
+    has_all(&err, &["1f1b does not use a memory cap (--mem-cap)", "zb-auto only"]);
+}
+
+#[test]
+fn a_json_array_schedule_gets_a_json_error() {
+    let d = tempfile::tempdir().unwrap();
+    let f = d.path().join("s.json");
+    std::fs::write(&f, "[[\"0F0\", \"0B0\"]]\n").unwrap();
+    let err = rejected(&["schedule", "validate", f.to_str().unwrap()]);
+    has_all(&err, &["bad JSON schedule", "{\"ranks\": [["]);
+    assert!(!err.contains("CSV"), "{err}");
+}
+
+#[test]
+fn an_unknown_graph_names_the_flag_and_the_valid_ones() {
+    let err = rejected(&["graph", "--show", "bogus"]);
+    has_all(&err, &["--show", "bogus", "fw, full_bw, bw_di, bw_dw, overlap"]);
+}
+
+#[test]
+fn counts_of_one_are_singular() {
+    let out = accepted(&simulate(&[]));
+    has_all(&out, &["one column = 1 cost unit; makespan 9 cost units"]);
+    let out =
+        accepted(&["verify", "--schedule", "1f1b", "--ranks", "1", "--microbatches", "1", "--layers", "1"]);
+    has_all(&out, &["(model tiny, 1 layer, B=1"]);
+    let out = accepted(&["graph", "--stats", "--recompute", "stage-inputs", "--stages", "4", "--stage", "1"]);
+    has_all(&out, &["graph fw: 94 nodes, 13 inputs, 1 output\n"]);
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let out = accepted(&[
+        "train",
+        "--data",
+        data.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--microbatch-size",
+        "1",
+        "--seq-len",
+        "16",
+        "--microbatches",
+        "2",
+        "--sample-bytes",
+        "0",
+        "--threads-per-rank",
+        "1",
+    ]);
+    has_all(&out, &["1 step, 1 thread per rank", "1 step in "]);
+    assert!(!out.contains("1 steps") && !out.contains("thread(s)"), "{out}");
+}
+
+// ---- PyTorch CSV interop ----
+
+#[test]
+fn spreadsheet_csv_validates_and_simulates() {
+    let d = tempfile::tempdir().unwrap();
+    let f = d.path().join("s.csv");
+    // DualPipeV p=2 m=4 as a spreadsheet saves it: BOM, every cell quoted, CRLF, spaced overlaps.
+    let csv = accepted(&[
+        "schedule",
+        "generate",
+        "--kind",
+        "dualpipev",
+        "--ranks",
+        "2",
+        "--microbatches",
+        "4",
+        "--format",
+        "csv",
+    ]);
+    assert!(csv.contains(";"), "the case has overlaps: {csv}");
+    let mut text = String::from("\u{feff}");
+    for line in csv.lines() {
+        let cells: Vec<String> = line.split(',').map(|c| format!("\"{}\"", c.replace(';', "; "))).collect();
+        text.push_str(&cells.join(","));
+        text.push_str("\r\n");
+    }
+    std::fs::write(&f, &text).unwrap();
+    let out = accepted(&["schedule", "validate", f.to_str().unwrap()]);
+    has_all(&out, &["valid: 2 ranks, 4 stages (V placement), 4 microbatches"]);
+    let lowered = accepted(&["schedule", "lower", f.to_str().unwrap()]);
+    assert!(lowered.contains("SEND_F"), "{lowered}");
+    // Junk stays an error with row and cell, quoted or not.
+    std::fs::write(&f, "\u{feff}\"0F0\",\"0B0\"\r\n\"1F0\",\"1BW0\"\r\n").unwrap();
+    let err = rejected(&["schedule", "validate", f.to_str().unwrap()]);
+    has_all(&err, &["bad CSV schedule", "rank 1 (line 2), cell 2", "column 3", "1BW0"]);
+    assert!(!err.contains('\u{feff}'), "{err}");
+}
