@@ -173,9 +173,9 @@ fn memory_step(kind: Kind, recompute: Recompute) -> (f64, Vec<u64>, Vec<usize>, 
     (r.loss, r.peak_bytes, act, params)
 }
 
-/// Peak memory per rank = parameters + gradients + AdamW moments (4 × the f32 parameter bytes)
-/// + buffers + the activation peak. GPipe keeps all 8 microbatches' activations on rank 0,
-/// 1F1B at most 2 (p); recomputing from the stage inputs keeps less on rank 0, with the same loss.
+/// Peak memory per rank = parameters, gradients and AdamW moments (4 × the f32 parameter bytes),
+/// buffers and the activation peak. GPipe keeps all 8 microbatches' activations on rank 0, 1F1B
+/// at most 2 (p); recomputing from the stage inputs keeps less on rank 0, with the same loss.
 #[test]
 fn peak_memory_follows_the_schedule_and_recompute() {
     let (l_gpipe, peak_gpipe, act_gpipe, params) = memory_step(Kind::Gpipe, Recompute::SaveAll);
