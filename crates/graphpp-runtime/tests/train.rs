@@ -172,8 +172,8 @@ fn memory_step(kind: Kind, recompute: Recompute) -> (f64, Vec<u64>, Vec<usize>, 
     (r.loss, r.peak_bytes, act, params)
 }
 
-/// Peak memory per rank = parameters + gradients + AdamW moments (4 × the f32 parameter bytes)
-/// + buffers + the activation peak. GPipe keeps all 8 microbatches' activations on rank 0,
+/// Peak memory per rank = parameters + gradients + AdamW moments (4 × the f32 parameter bytes) +
+/// buffers + the activation peak. GPipe keeps all 8 microbatches' activations on rank 0,
 /// 1F1B at most 2 (p); recomputing from the stage inputs keeps less on rank 0, with the same loss.
 #[test]
 fn peak_memory_follows_the_schedule_and_recompute() {

@@ -3,7 +3,7 @@
 //! Point-to-point messages go through one mailbox per receiving rank (a mutex-guarded map from
 //! (sender, tag) to a queue, plus a condition variable), as in `transport.rs`. Collectives go
 //! through one shared rendezvous table keyed by (group, sequence number): a start posts this
-//! rank's [`Contribution`] into its group-rank slot; a wait blocks until every slot is filled,
+//! rank's contribution into its group-rank slot; a wait blocks until every slot is filled,
 //! takes the contributions (cheap `Tensor` clones) and combines them itself, outside the lock
 //! (`combine.rs`), so every rank computes the same result in group order. The entry is removed
 //! once every member has taken its result (or dropped its handle).

@@ -300,6 +300,13 @@ mod tests {
     }
 
     #[test]
+    fn non_contiguous_tensors_travel_in_row_major_order() {
+        let t = Tensor::new(&[[1i64, 2, 3], [4, 5, 6]], &Device::Cpu).unwrap().t().unwrap();
+        let d = decode(&encode(&t).unwrap()).unwrap();
+        assert_eq!(d.to_vec2::<i64>().unwrap(), vec![vec![1, 4], vec![2, 5], vec![3, 6]]);
+    }
+
+    #[test]
     fn scalars_and_empty_tensors_round_trip() {
         let s = Tensor::new(2.5f64, &Device::Cpu).unwrap();
         let d = decode(&encode(&s).unwrap()).unwrap();
