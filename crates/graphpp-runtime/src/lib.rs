@@ -1,10 +1,13 @@
 //! graphpp-runtime: runs stage graphs and schedules — the graph executor on candle tensors,
-//! transports between ranks, and the per-rank schedule executor. See `docs/ARCHITECTURE.md`, "Runtime".
+//! transports and communicators between ranks, the device mesh, and the per-rank schedule
+//! executor. See `docs/ARCHITECTURE.md`, "Runtime".
 
 pub mod clip;
+pub mod comm;
 pub mod executor;
 pub mod lr;
 pub mod memory;
+pub mod mesh;
 pub mod optim;
 pub mod pipeline;
 pub mod sample;
@@ -14,9 +17,13 @@ pub mod transport;
 pub mod verify;
 
 pub use clip::{clip_grad_norm, clip_scale, local_sq_norm, scale_grads};
+pub use comm::{
+    AllToAllOutput, Awaited, CollectiveOp, Comm, CommError, Group, Pending, PendingOp, TensorDesc, ThreadComm,
+};
 pub use executor::{run, run_named, run_with, Collectives, ExecError, RunOptions, RunReport, SingleRank};
 pub use lr::{CosineSchedule, LrError};
 pub use memory::{check_step, SizeError, StepMemory};
+pub use mesh::{Coords, Mesh, MeshAxis, MeshError};
 pub use optim::{AdamW, AdamWConfig, OptimError};
 pub use pipeline::{run_pipeline, PipelineError, StageWork, WorkError};
 pub use sample::{sample_next, SampleError};

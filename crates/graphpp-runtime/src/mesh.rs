@@ -1,0 +1,278 @@
+//! The device mesh: which world ranks form each pipeline and each data-parallel group, from the
+//! degrees pp (pipeline ranks) and dp (pipeline replicas) (docs/ARCHITECTURE.md, "Runtime": Mesh).
+//!
+//! # Rank order
+//!
+//! `rank = dp_index · pp + pp_index`: the pp index varies fastest, so each pipeline replica is a
+//! block of consecutive ranks (`[d·pp, (d+1)·pp)`) and a data-parallel group is strided
+//! (`{p, p + pp, p + 2·pp, …}`). With pp = 2, dp = 2: pipelines `[0,1]` and `[2,3]`, data-parallel
+//! groups `[0,2]` and `[1,3]`.
+//!
+//! Megatron-LM's default is the other way round: `initialize_model_parallel(order =
+//! "tp-cp-ep-dp-pp")` makes tp fastest and pp slowest, i.e. (without tp/cp/ep)
+//! `rank = pp_index · dp + dp_index`, pipeline groups strided and data-parallel groups
+//! contiguous — it keeps the heavy tensor- and data-parallel collectives on the fast links inside a
+//! node. Megatron also accepts `order = "tp-cp-pp-ep-dp"` (its other tested order), which is the
+//! convention here. We follow it because (1) with dp = 1 the world rank *is* the pipeline rank, so
+//! every schedule keeps today's rank numbering; (2) `mpirun` fills hosts with consecutive ranks,
+//! so a replica's per-microbatch activation and gradient messages (latency-bound, many per step)
+//! stay inside a host while the data-parallel gradient reduction (one per stage per step, started
+//! early and overlapped with compute) crosses hosts; (3) there is no tensor parallelism here for
+//! the fast links to serve. Changing the order means changing [`Mesh::rank_of`] and
+//! [`Mesh::coords`] only.
+//!
+//! Expert parallelism (ep) will add one more axis; [`MeshAxis`] is non-exhaustive for it.
+
+use crate::comm::Group;
+
+/// Bad mesh degrees or a rank outside the mesh.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum MeshError {
+    /// A degree of 0.
+    #[error("mesh degree {axis} must be at least 1, got 0")]
+    ZeroDegree {
+        /// `pp` or `dp`.
+        axis: MeshAxis,
+    },
+    /// pp × dp overflows.
+    #[error("mesh pp = {pp} × dp = {dp} is too large")]
+    TooLarge {
+        /// Pipeline degree.
+        pp: usize,
+        /// Data-parallel degree.
+        dp: usize,
+    },
+    /// The world size is not pp × dp.
+    #[error("world size {world} does not equal pp × dp = {pp} × {dp} = {}", pp.saturating_mul(*dp))]
+    WorldMismatch {
+        /// Number of ranks present.
+        world: usize,
+        /// Pipeline degree.
+        pp: usize,
+        /// Data-parallel degree.
+        dp: usize,
+    },
+    /// A rank outside `0..world`.
+    #[error("rank {rank} is outside the mesh (world size {world})")]
+    RankOutOfRange {
+        /// The rank.
+        rank: usize,
+        /// pp × dp.
+        world: usize,
+    },
+    /// A coordinate beyond its degree.
+    #[error("{axis} index {index} is outside the mesh ({axis} = {degree})")]
+    CoordOutOfRange {
+        /// The axis.
+        axis: MeshAxis,
+        /// The index given.
+        index: usize,
+        /// The axis's degree.
+        degree: usize,
+    },
+}
+
+/// A mesh axis: the kind of group it forms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MeshAxis {
+    /// Pipeline ranks of one replica (`pp`); its group is named `pp`.
+    Pipeline,
+    /// Replicas of one pipeline rank (`dp`); its group is named `dp`.
+    DataParallel,
+}
+
+impl MeshAxis {
+    /// The axis's short name, also the name of its groups: `pp`, `dp`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MeshAxis::Pipeline => "pp",
+            MeshAxis::DataParallel => "dp",
+        }
+    }
+}
+
+impl std::fmt::Display for MeshAxis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A rank's position in the mesh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Coords {
+    /// Which pipeline replica (`0..dp`).
+    pub dp: usize,
+    /// Which rank of its pipeline (`0..pp`).
+    pub pp: usize,
+}
+
+/// pp pipeline ranks × dp replicas; world size = pp · dp. See the module doc for the rank order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Mesh {
+    pp: usize,
+    dp: usize,
+}
+
+impl Mesh {
+    /// The mesh of `pp` pipeline ranks and `dp` replicas.
+    ///
+    /// # Errors
+    /// [`MeshError::ZeroDegree`]; [`MeshError::TooLarge`] when pp · dp overflows.
+    pub fn new(pp: usize, dp: usize) -> Result<Mesh, MeshError> {
+        for (axis, d) in [(MeshAxis::Pipeline, pp), (MeshAxis::DataParallel, dp)] {
+            if d == 0 {
+                return Err(MeshError::ZeroDegree { axis });
+            }
+        }
+        pp.checked_mul(dp).ok_or(MeshError::TooLarge { pp, dp })?;
+        Ok(Mesh { pp, dp })
+    }
+
+    /// The mesh of `pp` × `dp` for a run of `world` ranks (e.g. `mpirun -n world`).
+    ///
+    /// # Errors
+    /// As [`Mesh::new`]; [`MeshError::WorldMismatch`] when `world ≠ pp · dp`.
+    pub fn for_world(world: usize, pp: usize, dp: usize) -> Result<Mesh, MeshError> {
+        let m = Mesh::new(pp, dp)?;
+        if m.world() != world {
+            return Err(MeshError::WorldMismatch { world, pp, dp });
+        }
+        Ok(m)
+    }
+
+    /// Pipeline degree.
+    pub fn pp(&self) -> usize {
+        self.pp
+    }
+
+    /// Data-parallel degree.
+    pub fn dp(&self) -> usize {
+        self.dp
+    }
+
+    /// Number of ranks, pp · dp.
+    pub fn world(&self) -> usize {
+        self.pp * self.dp
+    }
+
+    /// The world rank at `c`: `c.dp · pp + c.pp`.
+    ///
+    /// # Errors
+    /// [`MeshError::CoordOutOfRange`].
+    pub fn rank_of(&self, c: Coords) -> Result<usize, MeshError> {
+        for (axis, index, degree) in
+            [(MeshAxis::Pipeline, c.pp, self.pp), (MeshAxis::DataParallel, c.dp, self.dp)]
+        {
+            if index >= degree {
+                return Err(MeshError::CoordOutOfRange { axis, index, degree });
+            }
+        }
+        Ok(c.dp * self.pp + c.pp)
+    }
+
+    /// The coordinates of world rank `rank`.
+    ///
+    /// # Errors
+    /// [`MeshError::RankOutOfRange`].
+    pub fn coords(&self, rank: usize) -> Result<Coords, MeshError> {
+        if rank >= self.world() {
+            return Err(MeshError::RankOutOfRange { rank, world: self.world() });
+        }
+        Ok(Coords { dp: rank / self.pp, pp: rank % self.pp })
+    }
+
+    /// The group along `axis` through `rank`, named after the axis, members in index order along
+    /// the axis (group rank = the pp or dp index).
+    ///
+    /// # Errors
+    /// [`MeshError::RankOutOfRange`].
+    pub fn group(&self, axis: MeshAxis, rank: usize) -> Result<Group, MeshError> {
+        let c = self.coords(rank)?;
+        let ranks: Vec<usize> = match axis {
+            MeshAxis::Pipeline => (0..self.pp).map(|p| c.dp * self.pp + p).collect(),
+            MeshAxis::DataParallel => (0..self.dp).map(|d| d * self.pp + c.pp).collect(),
+        };
+        // Non-empty and duplicate-free by construction (degrees ≥ 1, distinct indices).
+        Ok(Group::checked_by_caller(axis.name(), ranks))
+    }
+
+    /// The pipeline (replica) `rank` belongs to: `pp[d·pp, …, d·pp + pp − 1]`.
+    ///
+    /// # Errors
+    /// [`MeshError::RankOutOfRange`].
+    pub fn pipeline_group(&self, rank: usize) -> Result<Group, MeshError> {
+        self.group(MeshAxis::Pipeline, rank)
+    }
+
+    /// The ranks holding the same pipeline position as `rank` in every replica:
+    /// `dp[p, p + pp, …]` (gradients are reduced over it).
+    ///
+    /// # Errors
+    /// [`MeshError::RankOutOfRange`].
+    pub fn data_parallel_group(&self, rank: usize) -> Result<Group, MeshError> {
+        self.group(MeshAxis::DataParallel, rank)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ranks(g: Result<Group, MeshError>) -> (String, Vec<usize>) {
+        let g = g.unwrap();
+        (g.name().to_string(), g.ranks().to_vec())
+    }
+
+    #[test]
+    fn pp2_dp2_groups() {
+        let m = Mesh::for_world(4, 2, 2).unwrap();
+        let pp = [vec![0, 1], vec![0, 1], vec![2, 3], vec![2, 3]];
+        let dp = [vec![0, 2], vec![1, 3], vec![0, 2], vec![1, 3]];
+        for r in 0..4 {
+            assert_eq!(ranks(m.pipeline_group(r)), ("pp".into(), pp[r].clone()), "rank {r}");
+            assert_eq!(ranks(m.data_parallel_group(r)), ("dp".into(), dp[r].clone()), "rank {r}");
+        }
+        assert_eq!(m.coords(3).unwrap(), Coords { dp: 1, pp: 1 });
+        assert_eq!(m.coords(2).unwrap(), Coords { dp: 1, pp: 0 });
+        assert_eq!(m.rank_of(Coords { dp: 1, pp: 0 }).unwrap(), 2);
+    }
+
+    #[test]
+    fn pp4_dp1_groups() {
+        let m = Mesh::new(4, 1).unwrap();
+        for r in 0..4 {
+            assert_eq!(ranks(m.pipeline_group(r)).1, vec![0, 1, 2, 3]);
+            assert_eq!(ranks(m.data_parallel_group(r)).1, vec![r]);
+            assert_eq!(m.coords(r).unwrap(), Coords { dp: 0, pp: r });
+        }
+    }
+
+    #[test]
+    fn pp2_dp3_round_trips_coords() {
+        let m = Mesh::new(2, 3).unwrap();
+        assert_eq!(ranks(m.data_parallel_group(5)).1, vec![1, 3, 5]);
+        assert_eq!(ranks(m.pipeline_group(5)).1, vec![4, 5]);
+        for r in 0..6 {
+            assert_eq!(m.rank_of(m.coords(r).unwrap()).unwrap(), r);
+        }
+    }
+
+    #[test]
+    fn bad_degrees_and_ranks_are_typed_errors() {
+        assert_eq!(Mesh::new(0, 2), Err(MeshError::ZeroDegree { axis: MeshAxis::Pipeline }));
+        assert_eq!(Mesh::new(2, 0), Err(MeshError::ZeroDegree { axis: MeshAxis::DataParallel }));
+        assert_eq!(Mesh::for_world(3, 2, 2), Err(MeshError::WorldMismatch { world: 3, pp: 2, dp: 2 }));
+        assert_eq!(Mesh::new(usize::MAX, 2), Err(MeshError::TooLarge { pp: usize::MAX, dp: 2 }));
+        let m = Mesh::new(2, 2).unwrap();
+        assert_eq!(m.pipeline_group(4), Err(MeshError::RankOutOfRange { rank: 4, world: 4 }));
+        assert_eq!(
+            m.rank_of(Coords { dp: 2, pp: 0 }),
+            Err(MeshError::CoordOutOfRange { axis: MeshAxis::DataParallel, index: 2, degree: 2 })
+        );
+        assert_eq!(
+            Mesh::for_world(3, 2, 2).unwrap_err().to_string(),
+            "world size 3 does not equal pp × dp = 2 × 2 = 4"
+        );
+    }
+}
