@@ -204,30 +204,7 @@ fn progress(steps: u64, done: u64) -> ProgressBar {
 pub fn run(a: TrainArgs) -> Result<()> {
     let stop = StopRequest::install().context("installing the SIGINT/SIGTERM handlers")?;
     let threads = crate::cmd::set_op_threads(a.ranks, a.threads_per_rank.map(|n| n as usize));
-    let resume_from = resume_point(&a)?;
-    let config = a.config(resume_from.as_ref().map(|(_, c)| c))?;
-    config.validate()?;
-    check_outputs(&a, resume_from.is_some())?;
-    let mut run = Run::new(config)?;
-    if let Some(dir) = a.checkpoint_dir.as_ref().filter(|d| a.start_over && d.is_dir()) {
-        graphpp::checkpoint::remove_all(dir)?;
-    }
-    if let (Some((step, saved)), Some(dir)) = (&resume_from, &a.checkpoint_dir) {
-        let at = run.resume(dir)?;
-        println!("resumed run {} from {} at step {at}", run.run_id(), dir.display());
-        if saved.steps != run.config().steps {
-            println!(
-                "the run now ends at step {} (it was {}): the learning-rate schedule is the new one from step {}",
-                run.config().steps,
-                saved.steps,
-                step + 1
-            );
-        }
-    }
-    let mut metrics = match &a.metrics {
-        Some(path) => MetricsLog::open(path, run.steps_done())?,
-        None => MetricsLog::in_memory(),
-    };
+    let (mut run, mut metrics) = start(&a)?;
     let c = run.config().clone();
     print_header(&run, threads);
     let last = a.stop_after.map_or(c.steps, |s| s.min(c.steps));
@@ -278,6 +255,36 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let ran_steps = crate::cmd::plural(ran, "step", "steps");
     println!("{ran_steps} in {wall:.1} s: {:.0} tokens/s", ran as f64 * tokens / wall.max(1e-9));
     Ok(())
+}
+
+/// Everything before step 1: the settings, every output path, the run (fresh, or resumed from
+/// its checkpoint, saying so) and its metrics log. Nothing is written before the run is built.
+fn start(a: &TrainArgs) -> Result<(Run, MetricsLog)> {
+    let resume_from = resume_point(a)?;
+    let config = a.config(resume_from.as_ref().map(|(_, c)| c))?;
+    config.validate()?;
+    check_outputs(a, resume_from.is_some())?;
+    let mut run = Run::new(config)?;
+    if let Some(dir) = a.checkpoint_dir.as_ref().filter(|d| a.start_over && d.is_dir()) {
+        graphpp::checkpoint::remove_all(dir)?;
+    }
+    if let (Some((step, saved)), Some(dir)) = (&resume_from, &a.checkpoint_dir) {
+        let at = run.resume(dir)?;
+        println!("resumed run {} from {} at step {at}", run.run_id(), dir.display());
+        if saved.steps != run.config().steps {
+            println!(
+                "the run now ends at step {} (it was {}): the learning-rate schedule is the new one from step {}",
+                run.config().steps,
+                saved.steps,
+                step + 1
+            );
+        }
+    }
+    let metrics = match &a.metrics {
+        Some(path) => MetricsLog::open(path, run.steps_done())?,
+        None => MetricsLog::in_memory(),
+    };
+    Ok((run, metrics))
 }
 
 /// The checkpoint to continue from: with --resume the newest in --checkpoint-dir (an error when
