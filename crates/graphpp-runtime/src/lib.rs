@@ -1,5 +1,5 @@
 //! graphpp-runtime: runs stage graphs and schedules — the graph executor on candle tensors,
-//! transports and communicators between ranks, the device mesh, and the per-rank schedule
+//! the communicator between ranks, the device mesh, and the per-rank schedule
 //! executor. See `docs/ARCHITECTURE.md`, "Runtime".
 
 pub mod clip;
@@ -13,21 +13,20 @@ pub mod pipeline;
 pub mod sample;
 pub mod stage;
 pub mod train;
-pub mod transport;
 pub mod verify;
 
 pub use clip::{clip_grad_norm, clip_scale, local_sq_norm, scale_grads};
 pub use comm::{
-    AllToAllOutput, Awaited, CollectiveOp, Comm, CommError, Group, Pending, PendingOp, TensorDesc, ThreadComm,
+    AllToAllOutput, Awaited, CollectiveOp, Comm, CommError, Group, Pending, PendingOp, Tag, TagKind,
+    TensorDesc, ThreadComm,
 };
 pub use executor::{run, run_named, run_with, Collectives, ExecError, RunOptions, RunReport, SingleRank};
 pub use lr::{CosineSchedule, LrError};
 pub use memory::{check_step, SizeError, StepMemory};
 pub use mesh::{Coords, Mesh, MeshAxis, MeshError};
 pub use optim::{AdamW, AdamWConfig, OptimError};
-pub use pipeline::{run_pipeline, PipelineError, StageWork, WorkError};
+pub use pipeline::{run_pipeline, run_rank, PipelineError, RankOptions, RankOutcome, StageWork, WorkError};
 pub use sample::{sample_next, SampleError};
 pub use stage::{GraphStages, Microbatches, Stage, StageError};
 pub use train::{StepReport, TrainError, TrainSetup, Trainer};
-pub use transport::{Tag, TagKind, ThreadTransport, Transport, TransportError};
 pub use verify::{verify_step, VerifyError, VerifyReport, VerifySetup};

@@ -488,8 +488,6 @@ impl GraphStages {
 }
 
 impl StageWork for GraphStages {
-    type Tensor = Tensor;
-
     fn forward(
         &mut self,
         stage: usize,

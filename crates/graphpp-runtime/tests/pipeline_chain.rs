@@ -1,11 +1,13 @@
 //! The schedule executor on a scalar chain model: stage s computes y = w_s · x, the last stage of a
 //! route takes loss 0.5·y² / m per microbatch. Gradients from any schedule must equal the
 //! closed-form single-device gradients; failures must stop every rank and name the culprit.
+//! Activations and gradients travel as 0-dimensional f64 tensors.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use graphpp_runtime::{run_pipeline, PipelineError, StageWork, WorkError};
+use candle_core::{Device, Tensor};
+use graphpp_runtime::{run_pipeline, CommError, PipelineError, StageWork, WorkError};
 use graphpp_schedule::{Schedule, Task};
 
 #[derive(Default, Clone, Debug)]
@@ -27,9 +29,24 @@ impl Chain {
     }
 }
 
+/// The value of a 0-dimensional f64 tensor.
+fn scalar(t: Option<Tensor>) -> Result<Option<f64>, WorkError> {
+    Ok(t.map(|t| t.to_scalar::<f64>()).transpose()?)
+}
+
+/// A 0-dimensional f64 tensor.
+fn tensor(x: f64) -> Result<Tensor, WorkError> {
+    Ok(Tensor::new(x, &Device::Cpu)?)
+}
+
 impl StageWork for Chain {
-    type Tensor = f64;
-    fn forward(&mut self, stage: usize, mb: usize, input: Option<f64>) -> Result<Option<f64>, WorkError> {
+    fn forward(
+        &mut self,
+        stage: usize,
+        mb: usize,
+        input: Option<Tensor>,
+    ) -> Result<Option<Tensor>, WorkError> {
+        let input = scalar(input)?;
         let t = Task::new(stage, mb);
         if let Some((ft, panic)) = self.fail_at {
             if ft == t {
@@ -43,9 +60,14 @@ impl StageWork for Chain {
         let y = self.w[&stage] * x;
         self.saved_x.insert(t, x);
         self.saved_y.insert(t, y);
-        Ok((!self.last.contains(&stage)).then_some(y))
+        (!self.last.contains(&stage)).then(|| tensor(y)).transpose()
     }
-    fn backward(&mut self, stage: usize, mb: usize, grad: Option<f64>) -> Result<Option<f64>, WorkError> {
+    fn backward(
+        &mut self,
+        stage: usize,
+        mb: usize,
+        grad: Option<Tensor>,
+    ) -> Result<Option<Tensor>, WorkError> {
         let gin = self.backward_input(stage, mb, grad)?;
         self.backward_weight(stage, mb)?;
         Ok(gin)
@@ -54,11 +76,11 @@ impl StageWork for Chain {
         &mut self,
         stage: usize,
         mb: usize,
-        grad: Option<f64>,
-    ) -> Result<Option<f64>, WorkError> {
-        let gy = self.gy(stage, mb, grad);
+        grad: Option<Tensor>,
+    ) -> Result<Option<Tensor>, WorkError> {
+        let gy = self.gy(stage, mb, scalar(grad)?);
         self.saved_gy.insert(Task::new(stage, mb), gy);
-        Ok(Some(gy * self.w[&stage]))
+        Ok(Some(tensor(gy * self.w[&stage])?))
     }
     fn backward_weight(&mut self, stage: usize, mb: usize) -> Result<(), WorkError> {
         let t = Task::new(stage, mb);
@@ -152,6 +174,9 @@ fn failing_rank_stops_all_and_is_named() {
 fn unmatched_recv_times_out_naming_rank() {
     let s = Schedule::from_csv("0F0\n1RECV_F0,1F0\n").unwrap();
     let e = run_pipeline(&s, workers(&s), Duration::from_millis(100)).unwrap_err();
-    assert!(matches!(e, PipelineError::Action { rank: 1, step: 0, .. }), "{e}");
+    assert!(
+        matches!(e, PipelineError::Comm { rank: 1, step: 0, source: CommError::Timeout { rank: 1, .. }, .. }),
+        "{e}"
+    );
     assert!(e.to_string().contains("timed out"), "{e}");
 }

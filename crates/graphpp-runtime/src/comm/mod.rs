@@ -30,8 +30,28 @@ use std::time::Duration;
 use candle_core::{DType, Tensor};
 use graphpp_graph::CollectiveKind;
 
-pub use crate::transport::{Tag, TagKind};
 pub use thread::ThreadComm;
+
+/// What a point-to-point message carries, so that a forward activation and a backward gradient
+/// of the same (stage, microbatch) never mix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TagKind {
+    /// Activation flowing forward into `stage`.
+    Activation,
+    /// Gradient flowing backward into `stage` (the gradient of its output).
+    Gradient,
+}
+
+/// A point-to-point message tag: kind, receiving stage, microbatch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tag {
+    /// What the message carries.
+    pub kind: TagKind,
+    /// The stage that consumes it.
+    pub stage: usize,
+    /// The microbatch.
+    pub mb: usize,
+}
 
 /// An ordered list of world ranks that run collectives together, with a name.
 ///

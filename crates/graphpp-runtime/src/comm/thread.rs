@@ -1,7 +1,7 @@
 //! [`ThreadComm`]: the communicator of ranks that are OS threads of one process.
 //!
 //! Point-to-point messages go through one mailbox per receiving rank (a mutex-guarded map from
-//! (sender, tag) to a queue, plus a condition variable), as in `transport.rs`. Collectives go
+//! (sender, tag) to a queue, plus a condition variable). Collectives go
 //! through one shared rendezvous table keyed by (group, sequence number): a start posts this
 //! rank's contribution into its group-rank slot; a wait blocks until every slot is filled,
 //! takes the contributions (cheap `Tensor` clones) and combines them itself, outside the lock
