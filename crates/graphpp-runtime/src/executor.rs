@@ -8,7 +8,16 @@
 //! values computed from them alone (e.g. a transposed weight: a view of the state, not an
 //! activation). Views of activations (reshape, permute, broadcast) are counted at their logical
 //! size.
+//!
+//! Collectives: a `*_start` node over a graph group of size 1 is the identity (no communication).
+//! Over a larger group it resolves the group through the [`Mesh`] to world ranks and starts the
+//! collective on the rank's [`Comm`] ([`run_with`]); the matching wait — or any other node that
+//! reads the started value — completes it. The `Comm` splits and joins along dim 0, so a
+//! collective along another axis is run on the tensor with that axis swapped to dim 0, and the
+//! result swapped back. A graph all-to-all sends equal parts to every member.
 
+use crate::comm::{AllToAllOutput, Comm, CommError, Pending};
+use crate::mesh::{Mesh, MeshError};
 use candle_core::{DType as CDType, Device, Tensor};
 use graphpp_graph::{BinaryOp, CollectiveKind, CommGroup, DType, Graph, InputKind, Op, UnaryOp, ValueId};
 use std::collections::HashMap;
@@ -42,19 +51,19 @@ pub enum ExecError {
         /// What is wrong.
         reason: String,
     },
-    /// A collective cannot run on this backend.
-    #[error("collective {kind} over group {group} (size {size}) at node %{node}: {reason}")]
+    /// A collective could not be started or completed.
+    #[error("collective {kind} over group {group} (size {size}) at node %{node}: {source}")]
     Collective {
         /// Collective kind.
         kind: String,
-        /// Group name.
+        /// Graph group name.
         group: String,
-        /// Group size.
+        /// Graph group size.
         size: usize,
-        /// Node id.
+        /// Node id of the start.
         node: usize,
-        /// What is wrong.
-        reason: String,
+        /// What went wrong.
+        source: CollectiveError,
     },
     /// The graph failed verification.
     #[error(transparent)]
@@ -64,32 +73,109 @@ pub enum ExecError {
 /// Result alias for execution.
 pub type ExecResult<T> = std::result::Result<T, ExecError>;
 
-/// Backend for collectives. The pipeline runtime provides a multi-rank one; [`SingleRank`] runs a
-/// group of size 1 (every collective is the identity).
-pub trait Collectives {
-    /// Runs `kind` over `group` along `axis` on this rank's `x`. Errors: a reason text.
-    fn run(&self, kind: CollectiveKind, group: &CommGroup, axis: usize, x: &Tensor)
-        -> Result<Tensor, String>;
+/// Why a graph collective failed.
+#[derive(Debug, Error)]
+pub enum CollectiveError {
+    /// A group of more than one rank in a run without a communicator ([`run`], [`run_named`]).
+    #[error("groups of more than one rank need a communicator (run_with)")]
+    NoComm,
+    /// The graph group does not resolve through the mesh (unknown name, wrong size).
+    #[error(transparent)]
+    Group(#[from] MeshError),
+    /// The communicator failed (timeout, abort by another rank, mismatched contributions).
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// Swapping the collective's axis to dim 0 or back failed.
+    #[error("moving the axis to dim 0: {0}")]
+    Axis(Box<candle_core::Error>),
 }
 
-/// Collectives over single-rank groups only.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SingleRank;
+/// Where a graph's collectives run for one rank: its communicator, the mesh its graph groups
+/// resolve through ([`Mesh::resolve`]), and how long a wait may take.
+#[derive(Clone, Copy)]
+pub struct GraphComm<'a> {
+    /// This rank's communicator.
+    pub comm: &'a dyn Comm,
+    /// The mesh of the run.
+    pub mesh: &'a Mesh,
+    /// Bound on each collective's wait.
+    pub timeout: Duration,
+}
 
-impl Collectives for SingleRank {
-    fn run(
-        &self,
-        _kind: CollectiveKind,
-        group: &CommGroup,
-        _axis: usize,
-        x: &Tensor,
-    ) -> Result<Tensor, String> {
-        if group.size == 1 {
-            Ok(x.clone())
-        } else {
-            Err("only single-rank groups run without a transport".into())
-        }
+/// A started collective's handle.
+enum Handle {
+    Tensor(Pending<Tensor>),
+    AllToAll(Pending<AllToAllOutput>),
+}
+
+/// A started collective: its handle, the start node and the axis to swap back to.
+struct InFlight {
+    handle: Handle,
+    node: usize,
+    axis: usize,
+}
+
+/// A node's value: a tensor, or a collective still in flight.
+enum Value {
+    Ready(Tensor),
+    InFlight(InFlight),
+}
+
+/// Swaps `axis` and dim 0 (its own inverse).
+fn swap0(x: &Tensor, axis: usize) -> Result<Tensor, CollectiveError> {
+    if axis == 0 {
+        Ok(x.clone())
+    } else {
+        x.transpose(0, axis).map_err(|e| CollectiveError::Axis(Box::new(e)))
     }
+}
+
+/// Starts `kind` over `group` along `axis` on `x` (identity for a group of size 1).
+fn start(
+    comm: Option<&GraphComm>,
+    kind: CollectiveKind,
+    group: &CommGroup,
+    axis: usize,
+    x: &Tensor,
+    node: usize,
+) -> Result<Value, CollectiveError> {
+    if group.size == 1 {
+        return Ok(Value::Ready(x.clone()));
+    }
+    let c = comm.ok_or(CollectiveError::NoComm)?;
+    let g = c.mesh.resolve(group, c.comm.rank())?;
+    // All-reduce keeps the shape: no axis to move.
+    let axis = if kind == CollectiveKind::AllReduce { 0 } else { axis };
+    let x = swap0(x, axis)?;
+    let handle = match kind {
+        CollectiveKind::AllReduce => Handle::Tensor(c.comm.all_reduce(&g, &x)?),
+        CollectiveKind::AllGather => Handle::Tensor(c.comm.all_gather(&g, &x)?),
+        CollectiveKind::ReduceScatter => Handle::Tensor(c.comm.reduce_scatter(&g, &x)?),
+        CollectiveKind::AllToAll => {
+            let rows = x.dims().first().copied().unwrap_or(0);
+            let counts = vec![rows / g.size(); g.size()];
+            Handle::AllToAll(c.comm.all_to_all(&g, &x, &counts)?)
+        }
+    };
+    Ok(Value::InFlight(InFlight { handle, node, axis }))
+}
+
+/// Waits for a started collective and swaps its axis back.
+fn complete(f: InFlight, timeout: Duration) -> Result<Tensor, CollectiveError> {
+    let t = match f.handle {
+        Handle::Tensor(p) => p.wait(timeout)?,
+        Handle::AllToAll(p) => p.wait(timeout)?.data,
+    };
+    swap0(&t, f.axis)
+}
+
+/// The [`ExecError::Collective`] of the collective started at `node`.
+fn collective_error(graph: &Graph, node: usize, source: CollectiveError) -> ExecError {
+    let (kind, group) = match &graph.nodes[node].op {
+        Op::CollectiveStart { kind, group, .. } => (kind.name().to_string(), group.clone()),
+        other => (other.mnemonic(), CommGroup { name: "?".into(), size: 0 }),
+    };
+    ExecError::Collective { kind, group: group.name, size: group.size, node, source }
 }
 
 /// What a run reports besides its outputs.
@@ -131,9 +217,11 @@ pub fn candle_dtype(d: DType) -> CDType {
     }
 }
 
-/// Runs `graph` on `inputs` (in the graph's input order) with single-rank collectives.
+/// Runs `graph` on `inputs` (in the graph's input order) without a communicator: collectives
+/// over groups of size 1 only. Errors: wrong inputs, kernel failures,
+/// [`CollectiveError::NoComm`] for a larger group.
 pub fn run(graph: &Graph, inputs: &[Tensor], opts: &RunOptions) -> ExecResult<RunReport> {
-    run_with(graph, inputs, opts, &SingleRank)
+    exec(graph, inputs, opts, None)
 }
 
 /// Runs `graph` binding its inputs by name. Errors: a missing input.
@@ -154,12 +242,24 @@ pub fn run_named(
     run(graph, &ordered, opts)
 }
 
-/// Runs `graph` with collectives from `coll`. Errors: wrong inputs, kernel or collective failures.
+/// Runs `graph` as one rank of a run: collectives over groups of more than one rank go through
+/// `comm` (see the module doc); every member rank must run the same collectives in the same
+/// order. Errors: wrong inputs, kernel failures, [`ExecError::Collective`] (a group the mesh does
+/// not resolve, a timeout, an abort by another rank).
 pub fn run_with(
     graph: &Graph,
     inputs: &[Tensor],
     opts: &RunOptions,
-    coll: &dyn Collectives,
+    comm: &GraphComm,
+) -> ExecResult<RunReport> {
+    exec(graph, inputs, opts, Some(comm))
+}
+
+fn exec(
+    graph: &Graph,
+    inputs: &[Tensor],
+    opts: &RunOptions,
+    comm: Option<&GraphComm>,
 ) -> ExecResult<RunReport> {
     if cfg!(debug_assertions) {
         graphpp_graph::verify(graph)?;
@@ -182,7 +282,7 @@ pub fn run_with(
         uses[o.value.0] = usize::MAX;
     }
     let state = state_derived(graph);
-    let mut vals: Vec<Option<Tensor>> = vec![None; n];
+    let mut vals: Vec<Option<Value>> = (0..n).map(|_| None).collect();
     let mut counted = vec![0usize; n];
     let (mut live, mut peak) = (0usize, 0usize);
     let mut times = opts.time_nodes.then(|| vec![Duration::ZERO; n]);
@@ -203,12 +303,33 @@ pub fn run_with(
             if !matches!(kind, InputKind::Parameter | InputKind::Buffer) {
                 counted[i] = ty.size_bytes();
             }
-            t
+            Value::Ready(t)
         } else {
-            let args: Vec<&Tensor> =
-                node.inputs.iter().map(|x| vals[x.0].as_ref().expect("live operand")).collect();
+            // A collective in flight completes when a node first reads it (normally its wait).
+            for x in &node.inputs {
+                if let Some(Value::InFlight(_)) = vals[x.0] {
+                    let Some(Value::InFlight(f)) = vals[x.0].take() else { unreachable!("matched above") };
+                    let start = f.node;
+                    let timeout = comm.map_or(Duration::ZERO, |c| c.timeout);
+                    let t = complete(f, timeout).map_err(|e| collective_error(graph, start, e))?;
+                    vals[x.0] = Some(Value::Ready(t));
+                }
+            }
+            let args: Vec<&Tensor> = node
+                .inputs
+                .iter()
+                .map(|x| match &vals[x.0] {
+                    Some(Value::Ready(t)) => t,
+                    _ => unreachable!("live operand, completed above"),
+                })
+                .collect();
             counted[i] = if state[i] { 0 } else { node.ty.size_bytes() };
-            eval(graph, i, &node.op, &args, coll)?
+            match &node.op {
+                Op::CollectiveStart { kind, group, axis } => {
+                    start(comm, *kind, group, *axis, args[0], i).map_err(|e| collective_error(graph, i, e))?
+                }
+                op => Value::Ready(eval(graph, i, op, &args)?),
+            }
         };
         live += counted[i];
         if live > peak {
@@ -235,7 +356,21 @@ pub fn run_with(
             t[i] = t0.elapsed();
         }
     }
-    let outputs = graph.outputs.iter().map(|o| vals[o.value.0].clone().expect("outputs are kept")).collect();
+    let mut outputs = Vec::with_capacity(graph.outputs.len());
+    for o in &graph.outputs {
+        let t = match vals[o.value.0].take() {
+            Some(Value::Ready(t)) => t,
+            // An output read straight from a start: complete it here.
+            Some(Value::InFlight(f)) => {
+                let start = f.node;
+                let timeout = comm.map_or(Duration::ZERO, |c| c.timeout);
+                complete(f, timeout).map_err(|e| collective_error(graph, start, e))?
+            }
+            None => unreachable!("outputs are kept"),
+        };
+        vals[o.value.0] = Some(Value::Ready(t.clone()));
+        outputs.push(t);
+    }
     let live_at_peak = opts.trace_peak.then_some(at_peak);
     Ok(RunReport { outputs, peak_live_bytes: peak, node_times: times, live_at_peak })
 }
@@ -333,7 +468,7 @@ fn sum(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tensor> {
     s.to_dtype(x.dtype())
 }
 
-fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor], coll: &dyn Collectives) -> ExecResult<Tensor> {
+fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor]) -> ExecResult<Tensor> {
     let node = &graph.nodes[i];
     let wrap = |e: candle_core::Error| ExecError::Kernel {
         graph: graph.name.clone(),
@@ -342,18 +477,9 @@ fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor], coll: &dyn Collectives)
         scope: node.meta.scope.clone(),
         source: Box::new(e),
     };
-    match op {
-        Op::CollectiveStart { kind, group, axis } => {
-            return coll.run(*kind, group, *axis, a[0]).map_err(|reason| ExecError::Collective {
-                kind: kind.name().into(),
-                group: group.name.clone(),
-                size: group.size,
-                node: i,
-                reason,
-            })
-        }
-        Op::CollectiveWait => return Ok(a[0].clone()),
-        _ => {}
+    if let Op::CollectiveWait = op {
+        // The start's value was completed when this node read it.
+        return Ok(a[0].clone());
     }
     kernel(op, a, &node.ty).map_err(wrap)
 }

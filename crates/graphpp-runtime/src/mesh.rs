@@ -22,6 +22,14 @@
 //! [`Mesh::coords`] only.
 //!
 //! Expert parallelism (ep) will add one more axis; [`MeshAxis`] is non-exhaustive for it.
+//!
+//! # Graph groups
+//!
+//! A graph's collectives name a [`CommGroup`] (name + size); [`Mesh::resolve`] maps it, for one
+//! rank, to the world ranks it runs over: `pp` → the rank's pipeline, `dp` and `fsdp` → its
+//! data-parallel group (FSDP shards over the replicas), `world` → every rank.
+
+use graphpp_graph::CommGroup;
 
 use crate::comm::Group;
 
@@ -69,6 +77,24 @@ pub enum MeshError {
         index: usize,
         /// The axis's degree.
         degree: usize,
+    },
+    /// A graph group name the mesh does not know.
+    #[error("graph group `{name}` is not a mesh group (pp, dp, fsdp, world)")]
+    UnknownGroup {
+        /// The graph group's name.
+        name: String,
+    },
+    /// A graph group whose size differs from the mesh group it names.
+    #[error("graph group `{name}` has size {graph_size} but the mesh's {name} group of rank {rank} is {mesh_group}")]
+    GroupSize {
+        /// The graph group's name.
+        name: String,
+        /// Its size in the graph.
+        graph_size: usize,
+        /// The rank resolving it.
+        rank: usize,
+        /// The mesh group, as `name[ranks]`.
+        mesh_group: String,
     },
 }
 
@@ -215,6 +241,37 @@ impl Mesh {
     }
 }
 
+impl Mesh {
+    /// The world ranks that `rank` runs the graph group `group`'s collectives over (see the
+    /// module doc), as a [`Group`] named after the graph group — so collectives of different
+    /// graph groups (`dp`, `fsdp`) keep separate call sequences even over the same ranks.
+    ///
+    /// # Errors
+    /// [`MeshError::UnknownGroup`]; [`MeshError::RankOutOfRange`]; [`MeshError::GroupSize`] when
+    /// the graph was built for another degree.
+    pub fn resolve(&self, group: &CommGroup, rank: usize) -> Result<Group, MeshError> {
+        let ranks = match group.name.as_str() {
+            "pp" => self.pipeline_group(rank)?.ranks().to_vec(),
+            "dp" | "fsdp" => self.data_parallel_group(rank)?.ranks().to_vec(),
+            "world" => {
+                self.coords(rank)?;
+                (0..self.world()).collect()
+            }
+            _ => return Err(MeshError::UnknownGroup { name: group.name.clone() }),
+        };
+        let g = Group::checked_by_caller(&group.name, ranks);
+        if g.size() != group.size {
+            return Err(MeshError::GroupSize {
+                name: group.name.clone(),
+                graph_size: group.size,
+                rank,
+                mesh_group: g.to_string(),
+            });
+        }
+        Ok(g)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -256,6 +313,32 @@ mod tests {
         for r in 0..6 {
             assert_eq!(m.rank_of(m.coords(r).unwrap()).unwrap(), r);
         }
+    }
+
+    #[test]
+    fn graph_groups_resolve_to_world_ranks() {
+        let m = Mesh::new(2, 3).unwrap();
+        let cg = |name: &str, size| CommGroup { name: name.into(), size };
+        assert_eq!(ranks(m.resolve(&cg("dp", 3), 3)), ("dp".into(), vec![1, 3, 5]));
+        assert_eq!(ranks(m.resolve(&cg("fsdp", 3), 4)), ("fsdp".into(), vec![0, 2, 4]));
+        assert_eq!(ranks(m.resolve(&cg("pp", 2), 3)), ("pp".into(), vec![2, 3]));
+        assert_eq!(ranks(m.resolve(&cg("world", 6), 0)).1, vec![0, 1, 2, 3, 4, 5]);
+        assert_eq!(m.resolve(&cg("ep", 2), 0), Err(MeshError::UnknownGroup { name: "ep".into() }));
+        assert_eq!(m.resolve(&cg("world", 6), 6), Err(MeshError::RankOutOfRange { rank: 6, world: 6 }));
+        let e = m.resolve(&cg("dp", 2), 1).unwrap_err();
+        assert_eq!(
+            e,
+            MeshError::GroupSize {
+                name: "dp".into(),
+                graph_size: 2,
+                rank: 1,
+                mesh_group: "dp[1,3,5]".into()
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            "graph group `dp` has size 2 but the mesh's dp group of rank 1 is dp[1,3,5]"
+        );
     }
 
     #[test]

@@ -1,8 +1,14 @@
 //! Executor behaviour: frees values after their last use (exact peak), per-node times, kernels
-//! without gradients (top-k, eq), and typed errors for bad inputs and multi-rank collectives.
+//! without gradients (top-k, eq), typed errors for bad inputs, and graph collectives over a
+//! `Comm` (ranks as threads; groups resolved through the mesh; axes other than 0).
 
-use graphpp_graph::{CollectiveKind, CommGroup, DType, GraphBuilder, InputKind, TensorType};
-use graphpp_runtime::executor::{run, tensor_from_f64, tensor_u32, to_f64, ExecError, RunOptions};
+use std::time::Duration;
+
+use graphpp_graph::{CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, TensorType};
+use graphpp_runtime::executor::{
+    run, run_with, tensor_from_f64, tensor_u32, to_f64, CollectiveError, ExecError, GraphComm, RunOptions,
+};
+use graphpp_runtime::{Comm, CommError, Mesh, MeshError, ThreadComm};
 
 #[test]
 fn values_are_freed_after_their_last_use() {
@@ -80,7 +86,9 @@ fn bad_inputs_and_multi_rank_collectives_are_typed_errors() {
     let g = b.finish().unwrap();
     let ok = tensor_from_f64(&[0.0; 6], &[2, 3], DType::F32).unwrap();
     match run(&g, &[ok], &RunOptions::default()) {
-        Err(ExecError::Collective { size: 2, group, .. }) => assert_eq!(group, "fsdp"),
+        Err(ExecError::Collective { size: 2, group, node: 1, source: CollectiveError::NoComm, .. }) => {
+            assert_eq!(group, "fsdp")
+        }
         other => panic!("expected a collective error, got {other:?}"),
     }
     let wrong = tensor_u32(&[0; 6], &[2, 3]).unwrap();
@@ -90,4 +98,147 @@ fn bad_inputs_and_multi_rank_collectives_are_typed_errors() {
     }
     assert!(matches!(run(&g, &[], &RunOptions::default()), Err(ExecError::Input { .. })));
     let _ = TensorType::new(DType::F32, vec![1]);
+}
+
+/// `x: f32[shape]` → one collective over `group` along `axis` (start, then wait) → output `y`.
+fn one_collective(kind: CollectiveKind, group: &CommGroup, axis: usize, shape: &[usize]) -> Graph {
+    let mut b = GraphBuilder::new("coll", DType::F32);
+    let x = b.input("x", InputKind::Activation, shape.to_vec()).unwrap();
+    let y = b.collective(kind, group, axis, x).unwrap();
+    b.output("y", y);
+    b.finish().unwrap()
+}
+
+/// Runs `graph` on every rank of `mesh` as threads over one `ThreadComm` world; rank r's input is
+/// `input(r)`. Returns each rank's output (or error).
+fn on_threads(
+    graph: &Graph,
+    mesh: Mesh,
+    input: impl Fn(usize) -> Vec<f64> + Sync,
+    shape: &[usize],
+) -> Vec<Result<Vec<f64>, ExecError>> {
+    let input = &input;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = ThreadComm::world(mesh.world())
+            .into_iter()
+            .map(|comm| {
+                let mesh = &mesh;
+                s.spawn(move || {
+                    let x = tensor_from_f64(&input(comm.rank()), shape, DType::F32).unwrap();
+                    let gc = GraphComm { comm: &comm, mesh, timeout: Duration::from_secs(20) };
+                    let r = run_with(graph, &[x], &RunOptions::default(), &gc)?;
+                    Ok(to_f64(&r.outputs[0]).unwrap())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn all_reduce_over_two_ranks_gives_the_sum_on_both() {
+    let dp = CommGroup { name: "dp".into(), size: 2 };
+    let g = one_collective(CollectiveKind::AllReduce, &dp, 0, &[2, 3]);
+    let input = |r: usize| (0..6).map(|i| (10 * r + i) as f64).collect::<Vec<_>>();
+    let out = on_threads(&g, Mesh::new(1, 2).unwrap(), input, &[2, 3]);
+    let sum: Vec<f64> = (0..6).map(|i| (10 + 2 * i) as f64).collect();
+    for (r, o) in out.into_iter().enumerate() {
+        assert_eq!(o.unwrap(), sum, "rank {r}");
+    }
+}
+
+#[test]
+fn collectives_along_axis_1_move_it_to_dim_0_and_back() {
+    // pp = 2, dp = 2: ranks 0 and 2 form dp[0,2], ranks 1 and 3 dp[1,3].
+    let mesh = Mesh::new(2, 2).unwrap();
+    let dp = CommGroup { name: "dp".into(), size: 2 };
+    // x_r = [[r, r+1, r+2], [r+3, r+4, r+5]] (rows of 3): all-gather along axis 1 puts the
+    // members' rows side by side.
+    let input = |r: usize| (0..6).map(|i| (r * 100 + i) as f64).collect::<Vec<_>>();
+    let g = one_collective(CollectiveKind::AllGather, &dp, 1, &[2, 3]);
+    let out: Vec<Vec<f64>> = on_threads(&g, mesh, input, &[2, 3]).into_iter().map(Result::unwrap).collect();
+    let gathered = |a: usize, b: usize| {
+        let (x, y) = (input(a), input(b));
+        [&x[0..3], &y[0..3], &x[3..6], &y[3..6]].concat()
+    };
+    assert_eq!(out[0], gathered(0, 2));
+    assert_eq!(out[2], gathered(0, 2));
+    assert_eq!(out[1], gathered(1, 3));
+    assert_eq!(out[3], gathered(1, 3));
+
+    // Reduce-scatter along axis 1 of [2, 4]: group rank i keeps columns [2i, 2i+2) of the sum.
+    let g = one_collective(CollectiveKind::ReduceScatter, &dp, 1, &[2, 4]);
+    let input = |r: usize| (0..8).map(|i| (r * 100 + i) as f64).collect::<Vec<_>>();
+    let out: Vec<Vec<f64>> = on_threads(&g, mesh, input, &[2, 4]).into_iter().map(Result::unwrap).collect();
+    let sum =
+        |a: usize, b: usize| -> Vec<f64> { input(a).iter().zip(input(b)).map(|(x, y)| x + y).collect() };
+    let s02 = sum(0, 2);
+    assert_eq!(out[0], vec![s02[0], s02[1], s02[4], s02[5]]);
+    assert_eq!(out[2], vec![s02[2], s02[3], s02[6], s02[7]]);
+    let s13 = sum(1, 3);
+    assert_eq!(out[3], vec![s13[2], s13[3], s13[6], s13[7]]);
+}
+
+#[test]
+fn a_size_one_group_needs_no_communication_and_keeps_the_bits() {
+    // A group the mesh does not know, of size 1: the identity, bitwise, with or without a Comm.
+    let ep = CommGroup { name: "ep".into(), size: 1 };
+    let data = [0.1, -2.5e-7, 3.0, f64::from(f32::MAX), 1e-30, -0.0];
+    let x = tensor_from_f64(&data, &[2, 3], DType::F32).unwrap();
+    let bits = |t: &candle_core::Tensor| -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+    };
+    for kind in [CollectiveKind::AllReduce, CollectiveKind::AllGather, CollectiveKind::AllToAll] {
+        let g = one_collective(kind, &ep, 1, &[2, 3]);
+        let plain = run(&g, &[x.clone()], &RunOptions::default()).unwrap();
+        assert_eq!(bits(&plain.outputs[0]), bits(&x), "{kind:?}");
+        let comm = ThreadComm::world(1).pop().unwrap();
+        let mesh = Mesh::new(1, 1).unwrap();
+        let gc = GraphComm { comm: &comm, mesh: &mesh, timeout: Duration::from_secs(1) };
+        let with = run_with(&g, &[x.clone()], &RunOptions::default(), &gc).unwrap();
+        assert_eq!(bits(&with.outputs[0]), bits(&x), "{kind:?}");
+    }
+}
+
+#[test]
+fn graph_collective_errors_are_typed() {
+    // A group the mesh does not resolve.
+    let ep = CommGroup { name: "ep".into(), size: 2 };
+    let g = one_collective(CollectiveKind::AllReduce, &ep, 0, &[2]);
+    let out = on_threads(&g, Mesh::new(1, 2).unwrap(), |_| vec![1.0, 2.0], &[2]);
+    for o in out {
+        match o {
+            Err(ExecError::Collective {
+                source: CollectiveError::Group(MeshError::UnknownGroup { name }),
+                ..
+            }) => {
+                assert_eq!(name, "ep")
+            }
+            other => panic!("expected an unknown-group error, got {other:?}"),
+        }
+    }
+    // Another rank aborts while this one waits in the collective.
+    let dp = CommGroup { name: "dp".into(), size: 2 };
+    let g = one_collective(CollectiveKind::AllReduce, &dp, 0, &[2]);
+    let mesh = Mesh::new(1, 2).unwrap();
+    let mut comms = ThreadComm::world(2);
+    let c1 = comms.pop().unwrap();
+    let c0 = comms.pop().unwrap();
+    let e = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let x = tensor_from_f64(&[1.0, 2.0], &[2], DType::F32).unwrap();
+            let gc = GraphComm { comm: &c0, mesh: &mesh, timeout: Duration::from_secs(600) };
+            run_with(&g, &[x], &RunOptions::default(), &gc)
+        });
+        c1.abort("rank 1 ran out of memory");
+        h.join().unwrap().unwrap_err()
+    });
+    match e {
+        ExecError::Collective {
+            node: 1,
+            source: CollectiveError::Comm(CommError::Aborted { failed_rank: 1, reason }),
+            ..
+        } => assert_eq!(reason, "rank 1 ran out of memory"),
+        other => panic!("expected an abort naming rank 1, got {other:?}"),
+    }
 }
