@@ -177,6 +177,16 @@ fn collectives_along_axis_1_move_it_to_dim_0_and_back() {
     assert_eq!(out[2], vec![s02[2], s02[3], s02[6], s02[7]]);
     let s13 = sum(1, 3);
     assert_eq!(out[3], vec![s13[2], s13[3], s13[6], s13[7]]);
+
+    // All-to-all along axis 1 of [2, 4]: member j gets every member's columns [2j, 2j+2), side by
+    // side in group order.
+    let g = one_collective(CollectiveKind::AllToAll, &dp, 1, &[2, 4]);
+    let out: Vec<Vec<f64>> = on_threads(&g, mesh, input, &[2, 4]).into_iter().map(Result::unwrap).collect();
+    let cols = |r: usize, j: usize, row: usize| input(r)[row * 4 + 2 * j..row * 4 + 2 * j + 2].to_vec();
+    for (me, (a, b), j) in [(0, (0, 2), 0), (2, (0, 2), 1), (1, (1, 3), 0), (3, (1, 3), 1)] {
+        let want = [cols(a, j, 0), cols(b, j, 0), cols(a, j, 1), cols(b, j, 1)].concat();
+        assert_eq!(out[me], want, "rank {me}");
+    }
 }
 
 #[test]

@@ -4,11 +4,14 @@
 //! Activations and gradients travel as 0-dimensional f64 tensors.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use graphpp_runtime::{run_pipeline, CommError, PipelineError, StageWork, WorkError};
-use graphpp_schedule::{Schedule, Task};
+use graphpp_runtime::{
+    run_pipeline, run_rank, Comm, CommError, Group, Mesh, PipelineError, RankOptions, RankOutcome, StageWork,
+    Tag, TagKind, ThreadComm, WorkError,
+};
+use graphpp_schedule::{generate, lower, Kind, LowerOptions, Options, Schedule, Shape, Task};
 
 #[derive(Default, Clone, Debug)]
 struct Chain {
@@ -179,4 +182,103 @@ fn unmatched_recv_times_out_naming_rank() {
         "{e}"
     );
     assert!(e.to_string().contains("timed out"), "{e}");
+}
+
+/// Runs every rank of `schedule` with `run_rank` on its own thread over `ThreadComm::world(p)`
+/// (pipeline = all ranks); results by rank.
+fn each_rank(
+    schedule: &Schedule,
+    ws: Vec<Chain>,
+    timeout: Duration,
+) -> Vec<Result<RankOutcome<Chain>, PipelineError>> {
+    let p = schedule.num_ranks();
+    let pipeline = Mesh::new(p, 1).unwrap().pipeline_group(0).unwrap();
+    let opts = RankOptions::new(timeout);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = ws
+            .into_iter()
+            .zip(ThreadComm::world(p))
+            .map(|(w, comm)| {
+                let (pipeline, opts) = (&pipeline, &opts);
+                s.spawn(move || run_rank(schedule, pipeline, w, &comm, opts))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_failing_rank_aborts_every_other_run_rank_naming_it() {
+    let s = lower(
+        &generate(Kind::OneFOneB, &Shape::new(4, 1, 4), &Options::default()).unwrap(),
+        &LowerOptions::default(),
+    )
+    .unwrap();
+    for panic in [false, true] {
+        let mut ws = workers(&s);
+        ws[2].fail_at = Some((Task::new(2, 1), panic));
+        // A long receive timeout: the other ranks must stop on the abort, not on the timeout.
+        let t0 = Instant::now();
+        let results = each_rank(&s, ws, Duration::from_secs(600));
+        assert!(t0.elapsed() < Duration::from_secs(60), "took {:?}", t0.elapsed());
+        for (r, res) in results.into_iter().enumerate() {
+            match (r, res) {
+                (2, Err(PipelineError::Action { rank: 2, action, message, .. })) if !panic => {
+                    assert_eq!((action.as_str(), message.as_str()), ("2F1", "shape mismatch in 2F1"))
+                }
+                (2, Err(PipelineError::Panic { rank: 2, action, message, .. })) if panic => {
+                    assert_eq!((action.as_str(), message.as_str()), ("2F1", "boom in 2F1"))
+                }
+                (_, Err(PipelineError::Aborted { rank, failed_rank: 2, reason, .. })) if r != 2 => {
+                    assert_eq!(rank, r);
+                    assert!(reason.starts_with("rank 2 "), "{reason}");
+                }
+                (r, other) => panic!("rank {r}: {:?}", other.map(|_| ())),
+            }
+        }
+        // The harness reports the failing rank's own error, not the echoes.
+        let mut ws = workers(&s);
+        ws[2].fail_at = Some((Task::new(2, 1), panic));
+        match run_pipeline(&s, ws, Duration::from_secs(600)).unwrap_err() {
+            PipelineError::Action { rank: 2, action, .. } if !panic => assert_eq!(action, "2F1"),
+            PipelineError::Panic { rank: 2, action, .. } if panic => assert_eq!(action, "2F1"),
+            other => panic!("{other}"),
+        }
+    }
+}
+
+#[test]
+fn run_rank_gives_run_pipeline_gradients_and_checks_its_group() {
+    let s = lower(
+        &generate(Kind::OneFOneB, &Shape::new(4, 1, 4), &Options::default()).unwrap(),
+        &LowerOptions::default(),
+    )
+    .unwrap();
+    let ws: Vec<Chain> =
+        each_rank(&s, workers(&s), Duration::from_secs(30)).into_iter().map(|r| r.unwrap().work).collect();
+    let (g, e) = (grads(&ws, 4), expected_grads(4, 4));
+    for k in 0..4 {
+        assert!((g[k] - e[k]).abs() < 1e-12, "stage {k}: {} vs {}", g[k], e[k]);
+    }
+    // A pipeline group without this rank, or of the wrong size, is a setup error that also
+    // aborts the communicator (so the other ranks would not wait for this one).
+    let comms = ThreadComm::world(2);
+    let s2 = Schedule::from_csv(ONE_F_ONE_B_2X2).unwrap();
+    let opts = RankOptions::new(Duration::from_secs(1));
+    let other = Group::new("pp", vec![1, 2]).unwrap();
+    let e = run_rank(&s2, &other, workers(&s2).remove(0), &comms[0], &opts).unwrap_err();
+    assert!(
+        matches!(e, PipelineError::Setup(ref m) if m == "rank 0 is not in its pipeline group pp[1,2]"),
+        "{e}"
+    );
+    let wrong = Group::new("pp", vec![1]).unwrap();
+    let e = run_rank(&s2, &wrong, workers(&s2).remove(0), &comms[0], &opts).unwrap_err();
+    assert!(
+        matches!(e, PipelineError::Setup(ref m) if m.contains("pp[1] has 1 ranks, the schedule 2")),
+        "{e}"
+    );
+    match comms[1].recv(0, Tag { kind: TagKind::Activation, stage: 1, mb: 0 }, Duration::from_secs(600)) {
+        Err(CommError::Aborted { failed_rank: 0, .. }) => {}
+        other => panic!("{other:?}"),
+    }
 }

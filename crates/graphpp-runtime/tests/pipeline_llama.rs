@@ -1,19 +1,25 @@
 //! Real stage graphs under every schedule kind: one pipelined step's loss and every gradient must
 //! equal the single-device step on the whole batch (docs/ARCHITECTURE.md "Runtime" → Semantics) within
-//! 1e-5 relative in f32; a failing stage stops the pipeline naming rank and action.
+//! 1e-5 relative in f32; a failing stage stops the pipeline naming rank and action; every rank run
+//! with `run_rank` on its own thread gives `run_pipeline`'s results bitwise.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use graphpp_models::{LlamaConfig, StageOptions};
-use graphpp_runtime::stage::Microbatches;
+use graphpp_runtime::executor::to_f64;
+use graphpp_runtime::stage::{GraphStages, Microbatches};
 use graphpp_runtime::verify::{
     compare, pipeline_workers, pipelined_step, random_microbatches, single_device_step, stage_specs,
     StepResult, TOLERANCE,
 };
-use graphpp_runtime::{run_pipeline, PipelineError, VerifyError, VerifySetup};
-use graphpp_schedule::{generate, lower, Action, GenerateError, Kind, LowerOptions, Options, Shape};
+use graphpp_runtime::{
+    run_pipeline, run_rank, Mesh, PipelineError, RankOptions, ThreadComm, VerifyError, VerifySetup,
+};
+use graphpp_schedule::{
+    generate, lower, Action, GenerateError, Kind, LowerOptions, Options, Schedule, Shape,
+};
 
 /// A model small enough for a sweep in debug: one decoder layer per model stage.
 fn micro(layers: usize) -> LlamaConfig {
@@ -190,4 +196,74 @@ fn too_few_layers_is_a_typed_error() {
     assert!(matches!(e, VerifyError::TooFewLayers { layers: 4, stages: 8 }), "{e}");
     // DualPipe needs p model stages only.
     assert_eq!(stage_specs(&cfg, Kind::DualPipe, &Shape::new(4, 2, 8), None).unwrap().len(), 8);
+}
+
+/// Every microbatch loss and every gradient (as f64 bits) of a step's workers, by stage.
+#[allow(clippy::type_complexity)]
+fn results(ws: &[GraphStages]) -> (Vec<(usize, u64)>, Vec<(usize, String, Vec<u64>)>) {
+    let losses = ws.iter().flat_map(|w| w.losses().iter().map(|(&mb, l)| (mb, l.to_bits()))).collect();
+    let mut grads = Vec::new();
+    for w in ws {
+        for (&stage, st) in w.stages() {
+            for (name, g) in st.grads() {
+                grads.push((stage, name.clone(), to_f64(g).unwrap().iter().map(|v| v.to_bits()).collect()));
+            }
+        }
+    }
+    grads.sort();
+    (losses, grads)
+}
+
+/// One step with every rank run by `run_rank` on its own thread over `ThreadComm::world(p)`.
+fn run_each_rank(schedule: &Schedule, ws: Vec<GraphStages>, timeout: Duration) -> Vec<GraphStages> {
+    let p = schedule.num_ranks();
+    let mesh = Mesh::new(p, 1).unwrap();
+    let opts = RankOptions::new(timeout);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = ws
+            .into_iter()
+            .zip(ThreadComm::world(p))
+            .enumerate()
+            .map(|(rank, (w, comm))| {
+                let opts = &opts;
+                s.spawn(move || {
+                    let pipeline = mesh.pipeline_group(rank).unwrap();
+                    run_rank(schedule, &pipeline, w, &comm, opts).unwrap().work
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn run_rank_on_threads_gives_run_pipeline_results_bitwise() {
+    for (kind, shape) in [(Kind::OneFOneB, Shape::new(4, 1, 6)), (Kind::Zbv, Shape::new(2, 2, 4))] {
+        let s = setup(kind, shape, 1);
+        let schedule =
+            lower(&generate(kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
+        let specs = stage_specs(&s.model, kind, &s.shape, None).unwrap();
+        let data = Arc::new(random_microbatches(32, shape.microbatches, 1, 8, 3).unwrap());
+        let build = || {
+            pipeline_workers(
+                &s.model,
+                &schedule,
+                &specs,
+                &StageOptions::new(1, 8),
+                5,
+                None,
+                Arc::clone(&data),
+            )
+            .unwrap()
+        };
+        let (a, _) = run_pipeline(&schedule, build(), s.timeout).unwrap();
+        let b = run_each_rank(&schedule, build(), s.timeout);
+        let (la, ga) = results(&a);
+        let (lb, gb) = results(&b);
+        assert_eq!(la.len(), shape.microbatches, "{kind}");
+        assert!(ga.len() >= 9 + 3, "{kind}: {} gradients", ga.len());
+        assert_eq!(la, lb, "{kind}: losses differ");
+        assert_eq!(ga, gb, "{kind}: gradients differ");
+        assert!(b.iter().all(|w| w.live_caches() == 0), "{kind}: caches left");
+    }
 }
