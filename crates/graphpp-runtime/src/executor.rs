@@ -62,8 +62,8 @@ pub enum ExecError {
         size: usize,
         /// Node id of the start.
         node: usize,
-        /// What went wrong.
-        source: CollectiveError,
+        /// What went wrong (boxed: a communicator error is large).
+        source: Box<CollectiveError>,
     },
     /// The graph failed verification.
     #[error(transparent)]
@@ -175,7 +175,7 @@ fn collective_error(graph: &Graph, node: usize, source: CollectiveError) -> Exec
         Op::CollectiveStart { kind, group, .. } => (kind.name().to_string(), group.clone()),
         other => (other.mnemonic(), CommGroup { name: "?".into(), size: 0 }),
     };
-    ExecError::Collective { kind, group: group.name, size: group.size, node, source }
+    ExecError::Collective { kind, group: group.name, size: group.size, node, source: Box::new(source) }
 }
 
 /// What a run reports besides its outputs.

@@ -118,8 +118,8 @@ pub enum PipelineError {
         step: usize,
         /// The action text.
         action: String,
-        /// The communicator's error.
-        source: CommError,
+        /// The communicator's error (boxed: it is large).
+        source: Box<CommError>,
     },
     /// This rank stopped because another rank failed and aborted the communicator.
     #[error("rank {rank} stopped at step {step} ({action}) because rank {failed_rank} failed: {reason}")]
@@ -389,7 +389,9 @@ impl<W: StageWork> RankRunner<'_, W> {
                     // Another rank failed; it reports its own error. Nothing to abort.
                     return Err(PipelineError::Aborted { rank, step, action, failed_rank, reason });
                 }
-                Ok(Err(StepError::Comm(source))) => Some(PipelineError::Comm { rank, step, action, source }),
+                Ok(Err(StepError::Comm(e))) => {
+                    Some(PipelineError::Comm { rank, step, action, source: Box::new(e) })
+                }
                 Err(p) => Some(PipelineError::Panic { rank, step, action, message: panic_message(&p) }),
             };
             if let Some(err) = err {

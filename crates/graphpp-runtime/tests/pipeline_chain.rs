@@ -178,7 +178,8 @@ fn unmatched_recv_times_out_naming_rank() {
     let s = Schedule::from_csv("0F0\n1RECV_F0,1F0\n").unwrap();
     let e = run_pipeline(&s, workers(&s), Duration::from_millis(100)).unwrap_err();
     assert!(
-        matches!(e, PipelineError::Comm { rank: 1, step: 0, source: CommError::Timeout { rank: 1, .. }, .. }),
+        matches!(&e, PipelineError::Comm { rank: 1, step: 0, source, .. }
+            if matches!(**source, CommError::Timeout { rank: 1, .. })),
         "{e}"
     );
     assert!(e.to_string().contains("timed out"), "{e}");
