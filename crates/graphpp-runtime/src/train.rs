@@ -3,9 +3,10 @@
 //!
 //! A [`Trainer`] holds the lowered schedule, one [`GraphStages`] per rank (graphs built once,
 //! reused every step) and one [`AdamW`] per rank. [`Trainer::step`] runs the m microbatches of a
-//! step with [`run_pipeline`], then, as Megatron-LM does after the last backward:
+//! step with [`run_pipeline`] (every rank a thread), then, as Megatron-LM does after the last
+//! backward:
 //! 1. gradients of a parameter held by two ranks (DualPipe's two copies) are summed — the
-//!    all-reduce between the copies, done in-process with the thread transport;
+//!    all-reduce between the copies, done in memory across the ranks' workers;
 //! 2. the global L2 norm over all distinct parameters is taken (each rank's
 //!    [`local_sq_norm`] summed) and every gradient is scaled by [`clip_scale`];
 //! 3. every rank takes an AdamW step at the rate [`CosineSchedule::lr_at`] gives for this step.
