@@ -81,6 +81,9 @@ pub enum CheckpointError {
         /// Shape given.
         shape: Vec<usize>,
     },
+    /// Another process holds the folder's lock (a second run into one checkpoint folder).
+    #[error("{0}: another graphpp run is using this checkpoint folder (its lock file .lock is held)")]
+    Locked(PathBuf),
     /// I/O failure with the path.
     #[error("{path}: {source}")]
     Io {
@@ -248,6 +251,29 @@ pub fn check_writable(dir: &Path) -> Result<(), CheckpointError> {
     let probe = existing.join(format!(".graphpp-write-probe-{}", std::process::id()));
     std::fs::write(&probe, b"").map_err(io(existing))?;
     std::fs::remove_file(&probe).map_err(io(&probe))
+}
+
+/// Takes the exclusive lock of checkpoint folder `dir` (created if needed) for as long as the
+/// returned file is open, so two runs — e.g. a job a scheduler requeued while the old one still
+/// drains — never write into one folder. An advisory `flock` on `dir/.lock`, released by the OS
+/// when the process ends, however it ends.
+///
+/// # Errors
+/// [`CheckpointError::Locked`] when another process holds it; I/O errors naming the path.
+pub fn lock(dir: &Path) -> Result<std::fs::File, CheckpointError> {
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let path = dir.join(".lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io(&path))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(CheckpointError::Locked(dir.to_path_buf())),
+        Err(std::fs::TryLockError::Error(e)) => Err(io(&path)(e)),
+    }
 }
 
 /// Reads and parses a sidecar (no tensors, no checksum).

