@@ -1,15 +1,16 @@
 //! Training steps under a pipeline schedule: the per-step loop that `graphpp train` drives
 //! (docs/ARCHITECTURE.md "Runtime" → Executor of a schedule; issue 4, "Schedule executor").
 //!
-//! A [`Trainer`] holds the lowered schedule, one [`GraphStages`] per rank (graphs built once,
-//! reused every step) and one [`AdamW`] per rank. [`Trainer::step`] runs the m microbatches of a
-//! step with [`run_pipeline`] (every rank a thread), then, as Megatron-LM does after the last
-//! backward:
-//! 1. gradients of a parameter held by two ranks (DualPipe's two copies) are summed — the
-//!    all-reduce between the copies, done in memory across the ranks' workers;
-//! 2. the global L2 norm over all distinct parameters is taken (each rank's
-//!    [`local_sq_norm`] summed) and every gradient is scaled by [`clip_scale`];
-//! 3. every rank takes an AdamW step at the rate [`CosineSchedule::lr_at`] gives for this step.
+//! A [`Trainer`] is a harness over [`RankTrainer`]s: the lowered schedule and one rank trainer
+//! per rank (graphs built once, reused every step), each over its end of a
+//! [`ThreadComm::world`]. [`Trainer::step`] runs every rank's [`RankTrainer::step_at`] on its own
+//! thread: the pipeline run, then, as Megatron-LM does after the last backward, the copies'
+//! gradient all-reduce, the global norm clip and the local AdamW step — all over the
+//! communicator (see [`crate::rank_train`]).
+//!
+//! State access ([`Trainer::parameters`], [`Trainer::optimizer_state`], [`Trainer::load_state`],
+//! [`Trainer::evaluate`], [`Trainer::generate`]) still gathers from the rank trainers in this
+//! process.
 //!
 //! Both DualPipe copies receive the same summed gradient and have the same optimizer state, so
 //! they stay bitwise equal. Evaluation and text generation run one forward of the whole model on
