@@ -39,13 +39,18 @@ use crate::stage::{env_bytes, sum_by_name, Env, GraphStages, Microbatches};
 use crate::train::{TrainError, TrainSetup};
 use crate::verify::{rank_worker, stage_specs, VerifyError};
 
-/// Checks the step's size and builds the lowered schedule of `setup` (the same on every rank).
+/// Checks that dp divides the batch and the step's size, and builds the lowered schedule of `setup` (the same on every rank).
 ///
 /// # Errors
+/// [`TrainError::BatchNotDivisible`] when dp is 0 or does not divide the batch;
 /// [`TrainError::Size`] when the schedule or the step would be too large;
 /// [`TrainError::Setup`] when the kind cannot serve the shape.
 pub fn train_schedule(setup: &TrainSetup) -> Result<Schedule, TrainError> {
-    crate::memory::check_step(&setup.model, setup.kind, &setup.shape, setup.batch, setup.seq, false)?;
+    if setup.dp == 0 || !setup.batch.is_multiple_of(setup.dp) {
+        return Err(TrainError::BatchNotDivisible { batch: setup.batch, dp: setup.dp });
+    }
+    let local = setup.batch / setup.dp;
+    crate::memory::check_step(&setup.model, setup.kind, &setup.shape, local, setup.seq, false)?;
     let schedule = generate(setup.kind, &setup.shape, &setup.options).map_err(VerifyError::from)?;
     Ok(lower(&schedule, &LowerOptions::default()).map_err(VerifyError::from)?)
 }
@@ -83,6 +88,10 @@ pub struct RankTrainer {
     comm: Arc<dyn Comm>,
     pipeline: Group,
     world: Group,
+    /// The data-parallel group (the same pipeline position in every replica).
+    data_parallel: Group,
+    /// This rank's replica (`0..dp`).
+    replica: usize,
     /// `None` after a failed step (the stages were lost or are inconsistent).
     work: Option<GraphStages>,
     optim: AdamW,
@@ -136,12 +145,17 @@ impl RankTrainer {
         }
         let pipeline = mesh.pipeline_group(rank).map_err(|e| mismatch(e.to_string()))?;
         let world = Group::world(comm.world())?;
+        let data_parallel = mesh.data_parallel_group(rank).map_err(|e| mismatch(e.to_string()))?;
+        let replica = mesh.coords(rank).map_err(|e| mismatch(e.to_string()))?.dp;
+        if setup.dp != mesh.dp() || setup.dp == 0 || !setup.batch.is_multiple_of(setup.dp) {
+            return Err(TrainError::BatchNotDivisible { batch: setup.batch, dp: mesh.dp() });
+        }
         let me =
             pipeline.index_of(rank).ok_or_else(|| mismatch(format!("rank {rank} outside {pipeline}")))?;
         let specs = stage_specs(&setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
         let opts = StageOptions {
             recompute: setup.recompute,
-            ..StageOptions::mixed(setup.batch, setup.seq, setup.dtype)
+            ..StageOptions::mixed(setup.batch / setup.dp, setup.seq, setup.dtype)
         };
         let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
         let work = rank_worker(&setup.model, &schedule, &specs, &opts, setup.seed, None, empty, me)?;
@@ -181,6 +195,8 @@ impl RankTrainer {
             comm,
             pipeline,
             world,
+            data_parallel,
+            replica,
             work: Some(work),
             optim,
             step: 0,
@@ -243,6 +259,7 @@ impl RankTrainer {
                 data.len()
             )));
         }
+        let data = if self.setup.dp > 1 { Arc::new(self.slice(&data)?) } else { data };
         let mut work = self.work.take().ok_or(TrainError::Poisoned)?;
         work.start_step(data);
         let opts = RankOptions { timeout: self.setup.timeout, start };
@@ -268,6 +285,27 @@ impl RankTrainer {
         }
     }
 
+    /// This replica's rows of every microbatch (`B / dp` sequences from row `replica · B / dp`).
+    fn slice(&self, data: &Microbatches) -> Result<Microbatches, TrainError> {
+        let b = self.setup.batch / self.setup.dp;
+        let cut = |ts: &[Tensor]| -> Result<Vec<Tensor>, TrainError> {
+            ts.iter()
+                .enumerate()
+                .map(|(mb, t)| {
+                    if t.dims().first() != Some(&self.setup.batch) {
+                        return Err(TrainError::Data(format!(
+                            "microbatch {mb} has shape {:?}, [{}, T] expected",
+                            t.dims(),
+                            self.setup.batch
+                        )));
+                    }
+                    Ok(t.narrow(0, self.replica * b, b)?)
+                })
+                .collect()
+        };
+        Ok(Microbatches { tokens: cut(&data.tokens)?, targets: cut(&data.targets)? })
+    }
+
     /// The collectives and the optimizer step after the pipeline run; returns (loss, norm, lr,
     /// peak bytes).
     fn update(&mut self, work: &mut GraphStages) -> Result<(f64, f64, f64, u64), TrainError> {
@@ -284,14 +322,14 @@ impl RankTrainer {
         let t = Tensor::from_vec(rows, (2, m), &Device::Cpu)?;
         let summed = self.comm.all_reduce(&self.world, &t)?.wait(timeout)?.to_dtype(DType::F64)?;
         let summed: Vec<Vec<f64>> = summed.to_vec2()?;
-        let replicas = (self.comm.world() / self.pipeline.size()) as f64;
+        let replicas = self.setup.dp as f64;
         if let Some(mb) = summed[1].iter().position(|&c| c != replicas) {
             return Err(TrainError::Data(format!(
                 "microbatch {mb} has {} losses, {replicas} expected",
                 summed[1][mb]
             )));
         }
-        let loss = summed[0].iter().sum::<f64>() / m as f64;
+        let loss = summed[0].iter().sum::<f64>() / (m * self.setup.dp) as f64;
         let params_bytes = env_bytes(
             work.stages().values().flat_map(|s| s.parameter_names().iter().filter_map(|n| s.state().get(n))),
         );
@@ -311,10 +349,26 @@ impl RankTrainer {
         for (name, p) in pending {
             grads.insert(name, p.wait(timeout)?);
         }
-        // Global norm: one entry per distinct parameter, from its lowest holder.
+        // Data parallelism: the mean over the replicas, parameter by parameter in name order.
+        if self.setup.dp > 1 {
+            let mut names: Vec<String> = grads.keys().cloned().collect();
+            names.sort();
+            let pending = names
+                .into_iter()
+                .map(|n| {
+                    let p = self.comm.all_reduce(&self.data_parallel, &grads[&n])?;
+                    Ok((n, p))
+                })
+                .collect::<Result<Vec<_>, TrainError>>()?;
+            let inv = 1.0 / self.setup.dp as f64;
+            for (name, p) in pending {
+                grads.insert(name, p.wait(timeout)?.affine(inv, 0.0)?);
+            }
+        }
+        // Global norm: one entry per distinct parameter, from its lowest holder in replica 0.
         let mut sq = vec![0.0f64; self.all_names.len()];
         for (i, name) in self.all_names.iter().enumerate() {
-            if self.counts_here[i] {
+            if self.counts_here[i] && self.replica == 0 {
                 let g = grads.get(name).ok_or_else(|| mismatch(format!("no gradient of {name}")))?;
                 sq[i] = local_sq_norm(&HashMap::from([(name.clone(), g.clone())]))?;
             }

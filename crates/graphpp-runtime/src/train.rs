@@ -64,7 +64,15 @@ pub enum TrainError {
     Data(String),
     /// A collective after the pipeline run failed (a timeout, another rank's abort).
     #[error("collective: {0}")]
-    Comm(#[from] crate::comm::CommError),
+    Comm(Box<crate::comm::CommError>),
+    /// The microbatch's sequences do not split evenly over the data-parallel replicas.
+    #[error("batch {batch} does not divide into {dp} data-parallel replicas (dp must be ≥ 1 and divide the batch)")]
+    BatchNotDivisible {
+        /// Sequences per microbatch.
+        batch: usize,
+        /// Data-parallel replicas.
+        dp: usize,
+    },
     /// A previous step failed; its stages were lost with the failing ranks.
     #[error("the trainer's stages were lost in an earlier failed step; start a new run")]
     Poisoned,
@@ -83,8 +91,11 @@ pub struct TrainSetup {
     pub options: Options,
     /// Decoder layers of each model stage; `None` splits evenly.
     pub layers_per_stage: Option<Vec<usize>>,
-    /// Sequences per microbatch `B`.
+    /// Sequences per microbatch `B` (the global microbatch: each data-parallel replica runs
+    /// `B / dp` of them).
     pub batch: usize,
+    /// Data-parallel replicas of the pipeline (1: none); the world is `p × dp` ranks.
+    pub dp: usize,
     /// Tokens per sequence `T`.
     pub seq: usize,
     /// Seed of the initial weights.
@@ -105,6 +116,12 @@ pub struct TrainSetup {
     pub dtype: graphpp_graph::DType,
 }
 
+impl From<crate::comm::CommError> for TrainError {
+    fn from(e: crate::comm::CommError) -> Self {
+        TrainError::Comm(Box::new(e))
+    }
+}
+
 /// What one step did.
 #[derive(Debug, Clone)]
 pub struct StepReport {
@@ -118,7 +135,7 @@ pub struct StepReport {
     pub lr: f64,
     /// Measured timeline of the pipeline run (seconds since the step began).
     pub timeline: Timeline,
-    /// Peak memory of each rank during the step, bytes (index = rank): parameters, buffers,
+    /// Peak memory of each rank during the step, bytes (index = world rank): parameters, buffers,
     /// gradient accumulators and AdamW moments, plus the rank's activation peak
     /// ([`GraphStages::peak_activation_bytes`]). Logical tensor sizes, not allocator figures.
     pub peak_bytes: Vec<u64>,
@@ -141,14 +158,15 @@ impl Trainer {
     /// Builds the lowered schedule, the stage graphs and the initial weights (from `setup.seed`).
     ///
     /// # Errors
-    /// [`TrainError::Size`] (before anything is built) when the schedule or the step would be too
+    /// [`TrainError::BatchNotDivisible`] and [`TrainError::Size`] (before anything is built)
+    /// when dp is 0 or does not divide the batch, or the schedule or the step would be too
     /// large; [`TrainError::Setup`] when the kind cannot serve the shape, the layers do not divide
     /// into the stages, or a graph fails to build; [`TrainError::Optim`] for bad AdamW settings.
     pub fn new(setup: TrainSetup) -> Result<Self, TrainError> {
         let schedule = Arc::new(train_schedule(&setup)?);
         let p = schedule.num_ranks();
-        let mesh = Mesh::new(p, 1).map_err(|e| VerifyError::Mismatch(e.to_string()))?;
-        let ranks = ThreadComm::world(p)
+        let mesh = Mesh::new(p, setup.dp).map_err(|e| VerifyError::Mismatch(e.to_string()))?;
+        let ranks = ThreadComm::world(mesh.world())
             .into_iter()
             .map(|c| RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, Arc::new(c)))
             .collect::<Result<_, _>>()?;
@@ -226,7 +244,9 @@ impl Trainer {
         }
         let first = reports[0].clone();
         let peak_bytes = reports.iter().map(|r| r.peak_bytes).collect();
-        let intervals = reports.into_iter().flat_map(|r| r.intervals).collect();
+        // The timeline of replica 0 (ranks 0..p; the other replicas run the same program).
+        let p = self.schedule.num_ranks();
+        let intervals = reports.into_iter().take(p).flat_map(|r| r.intervals).collect();
         self.step = first.step;
         Ok(StepReport {
             step: first.step,
@@ -392,7 +412,7 @@ fn first_train_failure(mut errors: Vec<TrainError>) -> TrainError {
     }
     let echo = |e: &TrainError| {
         pipeline(e).is_some_and(PipelineError::is_aborted)
-            || matches!(e, TrainError::Comm(crate::comm::CommError::Aborted { .. }))
+            || matches!(e, TrainError::Comm(c) if matches!(**c, crate::comm::CommError::Aborted { .. }))
     };
     let culprit = errors.iter().filter_map(pipeline).find_map(|p| match p {
         PipelineError::Aborted { failed_rank, .. } => Some(*failed_rank),

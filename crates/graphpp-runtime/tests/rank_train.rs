@@ -21,6 +21,7 @@ fn setup(kind: Kind, p: usize, v: usize, m: usize) -> TrainSetup {
         options: Options::default(),
         layers_per_stage: None,
         batch: 1,
+        dp: 1,
         seq: 8,
         seed: 3,
         adamw: AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },
@@ -128,4 +129,44 @@ fn global_norm_equals_the_one_device_norm() {
         let n = Trainer::new(setup(kind, p, v, 4)).unwrap().step(data.clone()).unwrap().grad_norm;
         assert!((n - one).abs() / one < 1e-5, "{kind}: norm {n} vs one device {one}");
     }
+}
+
+/// dp = 2 × pp = 2 (each replica runs half of every microbatch's sequences) gives the losses and
+/// parameters (relative L2 distance per tensor) of dp = 1 × pp = 2 on the same global batch after
+/// 3 steps, for 1F1B and ZB-V.
+#[test]
+fn data_parallel_equals_one_replica() {
+    for (kind, v) in [(Kind::OneFOneB, 1), (Kind::Zbv, 2)] {
+        let run = |dp: usize| {
+            let mut t = Trainer::new(TrainSetup { batch: 2, dp, ..setup(kind, 2, v, 4) }).unwrap();
+            let losses: Vec<f64> = (0..3)
+                .map(|k| t.step(random_microbatches(256, 4, 2, 8, 10 + k).unwrap()).unwrap().loss)
+                .collect();
+            (losses, t.parameters(), t.rank_trainers().len())
+        };
+        let (l1, p1, w1) = run(1);
+        let (l2, p2, w2) = run(2);
+        assert_eq!((w1, w2), (2, 4), "{kind}: world sizes");
+        for (a, b) in l2.iter().zip(&l1) {
+            assert!((a - b).abs() / b.abs() <= 1e-5, "{kind}: losses {l2:?} vs {l1:?}");
+        }
+        assert_eq!(p1.len(), p2.len());
+        for (name, t) in &p1 {
+            let (x, y) = (to_f64(t).unwrap(), to_f64(&p2[name]).unwrap());
+            // Relative L2 distance of the whole tensor: AdamW turns rounding noise in a gradient
+            // entry near 0 into a step of up to lr, so single entries may differ more.
+            let d = x.iter().zip(&y).map(|(p, q)| (p - q) * (p - q)).sum::<f64>().sqrt();
+            let n = x.iter().map(|p| p * p).sum::<f64>().sqrt();
+            assert!(d / n <= 1e-5, "{kind}: {name} differs by {:e} relative", d / n);
+        }
+    }
+}
+
+/// A batch that does not split over the replicas is a typed error before anything is built.
+#[test]
+fn dp_must_divide_the_batch() {
+    let e = Trainer::new(TrainSetup { batch: 3, dp: 2, ..setup(Kind::OneFOneB, 2, 1, 2) }).unwrap_err();
+    assert!(matches!(e, graphpp_runtime::TrainError::BatchNotDivisible { batch: 3, dp: 2 }), "{e}");
+    let e = Trainer::new(TrainSetup { dp: 0, ..setup(Kind::OneFOneB, 2, 1, 2) }).unwrap_err();
+    assert!(matches!(e, graphpp_runtime::TrainError::BatchNotDivisible { batch: 1, dp: 0 }), "{e}");
 }

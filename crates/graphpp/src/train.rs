@@ -466,6 +466,7 @@ fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         options: Options::default(),
         layers_per_stage: c.layers_per_stage.clone(),
         batch: c.microbatch_size,
+        dp: 1,
         seq: c.seq_len,
         seed: c.seed,
         adamw: AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: c.weight_decay },
