@@ -1,15 +1,16 @@
 //! Training steps under a pipeline schedule: the per-step loop that `graphpp train` drives
 //! (docs/ARCHITECTURE.md "Runtime" → Executor of a schedule; issue 4, "Schedule executor").
 //!
-//! A [`Trainer`] holds the lowered schedule, one [`GraphStages`] per rank (graphs built once,
-//! reused every step) and one [`AdamW`] per rank. [`Trainer::step`] runs the m microbatches of a
-//! step with [`run_pipeline`] (every rank a thread), then, as Megatron-LM does after the last
-//! backward:
-//! 1. gradients of a parameter held by two ranks (DualPipe's two copies) are summed — the
-//!    all-reduce between the copies, done in memory across the ranks' workers;
-//! 2. the global L2 norm over all distinct parameters is taken (each rank's
-//!    [`local_sq_norm`] summed) and every gradient is scaled by [`clip_scale`];
-//! 3. every rank takes an AdamW step at the rate [`CosineSchedule::lr_at`] gives for this step.
+//! A [`Trainer`] is a harness over [`RankTrainer`]s: the lowered schedule and one rank trainer
+//! per rank (graphs built once, reused every step), each over its end of a
+//! [`ThreadComm::world`]. [`Trainer::step`] runs every rank's [`RankTrainer::step_at`] on its own
+//! thread: the pipeline run, then, as Megatron-LM does after the last backward, the copies'
+//! gradient all-reduce, the global norm clip and the local AdamW step — all over the
+//! communicator (see [`crate::rank_train`]).
+//!
+//! State access ([`Trainer::parameters`], [`Trainer::optimizer_state`], [`Trainer::load_state`],
+//! [`Trainer::evaluate`], [`Trainer::generate`]) still gathers from the rank trainers in this
+//! process.
 //!
 //! Both DualPipe copies receive the same summed gradient and have the same optimizer state, so
 //! they stay bitwise equal. Evaluation and text generation run one forward of the whole model on
@@ -17,22 +18,24 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use graphpp_graph::names::{LOGITS, LOSS, TARGETS, TOKENS};
 use graphpp_graph::Graph;
 use graphpp_models::{build_stage, split_layers, stage_buffers, LlamaConfig, Recompute, StageOptions};
-use graphpp_schedule::{generate, lower, Kind, LowerOptions, Options, Schedule, Shape, Timeline};
+use graphpp_schedule::{Kind, Options, Schedule, Shape, Timeline};
 
-use crate::clip::{clip_scale, local_sq_norm, scale_grads};
+use crate::comm::ThreadComm;
 use crate::executor::{run_named, tensor_from_f64, tensor_u32, to_f64, RunOptions};
 use crate::lr::CosineSchedule;
-use crate::optim::{AdamW, AdamWConfig, OptimError, M_PREFIX, STEP_KEY, V_PREFIX};
-use crate::pipeline::run_pipeline;
+use crate::mesh::Mesh;
+use crate::optim::{AdamWConfig, OptimError};
+use crate::pipeline::PipelineError;
+use crate::rank_train::{train_schedule, RankStepReport, RankTrainer};
 use crate::sample::{sample_next, SampleError};
-use crate::stage::{env_bytes, sum_by_name, Env, GraphStages, Microbatches, StageError};
-use crate::verify::{pipeline_workers, stage_specs, VerifyError};
+use crate::stage::{Env, GraphStages, Microbatches, StageError};
+use crate::verify::VerifyError;
 
 /// Why training could not start or a step failed.
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +62,17 @@ pub enum TrainError {
     /// A step's data does not fit the trainer (wrong microbatch count, shape or token id).
     #[error("bad step data: {0}")]
     Data(String),
+    /// A collective after the pipeline run failed (a timeout, another rank's abort).
+    #[error("collective: {0}")]
+    Comm(Box<crate::comm::CommError>),
+    /// The microbatch's sequences do not split evenly over the data-parallel replicas.
+    #[error("batch {batch} does not divide into {dp} data-parallel replicas (dp must be ≥ 1 and divide the batch)")]
+    BatchNotDivisible {
+        /// Sequences per microbatch.
+        batch: usize,
+        /// Data-parallel replicas.
+        dp: usize,
+    },
     /// A previous step failed; its stages were lost with the failing ranks.
     #[error("the trainer's stages were lost in an earlier failed step; start a new run")]
     Poisoned,
@@ -77,8 +91,11 @@ pub struct TrainSetup {
     pub options: Options,
     /// Decoder layers of each model stage; `None` splits evenly.
     pub layers_per_stage: Option<Vec<usize>>,
-    /// Sequences per microbatch `B`.
+    /// Sequences per microbatch `B` (the global microbatch: each data-parallel replica runs
+    /// `B / dp` of them).
     pub batch: usize,
+    /// Data-parallel replicas of the pipeline (1: none); the world is `p × dp` ranks.
+    pub dp: usize,
     /// Tokens per sequence `T`.
     pub seq: usize,
     /// Seed of the initial weights.
@@ -99,6 +116,12 @@ pub struct TrainSetup {
     pub dtype: graphpp_graph::DType,
 }
 
+impl From<crate::comm::CommError> for TrainError {
+    fn from(e: crate::comm::CommError) -> Self {
+        TrainError::Comm(Box::new(e))
+    }
+}
+
 /// What one step did.
 #[derive(Debug, Clone)]
 pub struct StepReport {
@@ -112,19 +135,20 @@ pub struct StepReport {
     pub lr: f64,
     /// Measured timeline of the pipeline run (seconds since the step began).
     pub timeline: Timeline,
-    /// Peak memory of each rank during the step, bytes (index = rank): parameters, buffers,
+    /// Peak memory of each rank during the step, bytes (index = world rank): parameters, buffers,
     /// gradient accumulators and AdamW moments, plus the rank's activation peak
     /// ([`GraphStages::peak_activation_bytes`]). Logical tensor sizes, not allocator figures.
     pub peak_bytes: Vec<u64>,
 }
 
-/// A training run in progress: schedule, stages and optimizer state (see the module doc).
+/// A training run in progress: one [`RankTrainer`] per rank, each on its own thread over its end
+/// of a [`ThreadComm::world`] (see the module doc).
 #[derive(Debug)]
 pub struct Trainer {
     setup: TrainSetup,
-    schedule: Schedule,
-    workers: Vec<GraphStages>,
-    optim: Vec<AdamW>,
+    schedule: Arc<Schedule>,
+    ranks: Vec<RankTrainer>,
+    poisoned: bool,
     step: u64,
     /// Single-device inference graphs by (batch, logits?), built on first use.
     inference: HashMap<(usize, bool), Arc<Graph>>,
@@ -134,22 +158,19 @@ impl Trainer {
     /// Builds the lowered schedule, the stage graphs and the initial weights (from `setup.seed`).
     ///
     /// # Errors
-    /// [`TrainError::Size`] (before anything is built) when the schedule or the step would be too
+    /// [`TrainError::BatchNotDivisible`] and [`TrainError::Size`] (before anything is built)
+    /// when dp is 0 or does not divide the batch, or the schedule or the step would be too
     /// large; [`TrainError::Setup`] when the kind cannot serve the shape, the layers do not divide
     /// into the stages, or a graph fails to build; [`TrainError::Optim`] for bad AdamW settings.
     pub fn new(setup: TrainSetup) -> Result<Self, TrainError> {
-        crate::memory::check_step(&setup.model, setup.kind, &setup.shape, setup.batch, setup.seq, false)?;
-        let schedule = generate(setup.kind, &setup.shape, &setup.options).map_err(VerifyError::from)?;
-        let schedule = lower(&schedule, &LowerOptions::default()).map_err(VerifyError::from)?;
-        let specs = stage_specs(&setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
-        let opts = StageOptions {
-            recompute: setup.recompute,
-            ..StageOptions::mixed(setup.batch, setup.seq, setup.dtype)
-        };
-        let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
-        let workers = pipeline_workers(&setup.model, &schedule, &specs, &opts, setup.seed, None, empty)?;
-        let optim = (0..workers.len()).map(|_| AdamW::new(setup.adamw)).collect::<Result<_, _>>()?;
-        Ok(Trainer { setup, schedule, workers, optim, step: 0, inference: HashMap::new() })
+        let schedule = Arc::new(train_schedule(&setup)?);
+        let p = schedule.num_ranks();
+        let mesh = Mesh::new(p, setup.dp).map_err(|e| VerifyError::Mismatch(e.to_string()))?;
+        let ranks = ThreadComm::world(mesh.world())
+            .into_iter()
+            .map(|c| RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, Arc::new(c)))
+            .collect::<Result<_, _>>()?;
+        Ok(Trainer { setup, schedule, ranks, poisoned: false, step: 0, inference: HashMap::new() })
     }
 
     /// The lowered schedule every step runs.
@@ -162,9 +183,14 @@ impl Trainer {
         &self.setup
     }
 
-    /// Each rank's stages (index = rank).
-    pub fn ranks(&self) -> &[GraphStages] {
-        &self.workers
+    /// Each rank's stages (index = rank); empty after a failed step.
+    pub fn ranks(&self) -> Vec<&GraphStages> {
+        self.ranks.iter().filter_map(|r| r.stages()).collect()
+    }
+
+    /// The rank trainers (index = world rank).
+    pub fn rank_trainers(&self) -> &[RankTrainer] {
+        &self.ranks
     }
 
     /// Optimizer steps completed.
@@ -172,7 +198,8 @@ impl Trainer {
         self.step
     }
 
-    /// One training step over `data` (m microbatches of `[B, T]` token ids and targets).
+    /// One training step over `data` (m microbatches of `[B, T]` token ids and targets): every
+    /// rank's [`RankTrainer::step_at`] on its own thread, from the same start instant.
     ///
     /// # Errors
     /// [`TrainError::Data`] for a wrong microbatch count; a failing rank
@@ -187,85 +214,65 @@ impl Trainer {
                 data.len()
             )));
         }
-        if self.workers.is_empty() {
+        if self.poisoned {
             return Err(TrainError::Poisoned);
         }
         let data = Arc::new(data);
-        for w in &mut self.workers {
-            w.start_step(Arc::clone(&data));
-        }
-        let workers = std::mem::take(&mut self.workers);
-        let (workers, timeline) =
-            run_pipeline(&self.schedule, workers, self.setup.timeout).map_err(VerifyError::from)?;
-        self.workers = workers;
-        let losses: BTreeMap<usize, f64> =
-            self.workers.iter().flat_map(|w| w.losses().iter().map(|(&k, &v)| (k, v))).collect();
-        if losses.len() != m {
-            return Err(TrainError::Data(format!("losses of {} of {m} microbatches", losses.len())));
-        }
-        let loss = losses.values().sum::<f64>() / m as f64;
-        let peak_bytes = self.peak_bytes();
-        let (grad_norm, lr) = self.apply_update()?;
-        Ok(StepReport { step: self.step, loss, grad_norm, lr, timeline, peak_bytes })
-    }
-
-    /// Each rank's peak memory in the step just run (see [`StepReport::peak_bytes`]); taken
-    /// before the update, while the gradient accumulators are full. AdamW's two moments per
-    /// parameter are counted from the first step on (they exist from its update).
-    fn peak_bytes(&self) -> Vec<u64> {
-        let params = |w: &GraphStages| {
-            env_bytes(
-                w.stages().values().flat_map(|s| s.parameter_names().iter().filter_map(|n| s.state().get(n))),
-            )
-        };
-        self.workers
-            .iter()
-            .map(|w| (w.state_bytes() + 2 * params(w) + w.peak_activation_bytes()) as u64)
-            .collect()
-    }
-
-    /// Sums copies' gradients, clips, and steps every rank's AdamW; returns (norm, lr).
-    fn apply_update(&mut self) -> Result<(f64, f64), TrainError> {
-        let grads: Vec<(String, Tensor)> = self
-            .workers
-            .iter_mut()
-            .flat_map(|w| w.stages_mut().values_mut().flat_map(|s| s.take_grads()).collect::<Vec<_>>())
-            .collect();
-        let mut total = sum_by_name(grads)?;
-        let sq = local_sq_norm(&total)?;
-        if let Some(max_norm) = self.setup.max_grad_norm {
-            scale_grads(&mut total, clip_scale(sq, max_norm)?)?;
-        } else if !sq.is_finite() {
-            return Err(OptimError::NonFiniteNorm { sq_norm: sq }.into());
-        }
-        let lr = self.setup.lr.lr_at(self.step + 1);
-        for (w, opt) in self.workers.iter_mut().zip(&mut self.optim) {
-            let mut params: Env = w.stages().values().flat_map(|s| s.parameters()).collect();
-            let grads: Env =
-                params.keys().filter_map(|n| total.get(n).map(|g| (n.clone(), g.clone()))).collect();
-            opt.step(&mut params, &grads, lr)?;
-            for s in w.stages_mut().values_mut() {
-                s.set_parameters(&params)?;
+        let start = Instant::now();
+        let results: Vec<Result<RankStepReport, TrainError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .ranks
+                .iter_mut()
+                .map(|r| {
+                    let data = Arc::clone(&data);
+                    scope.spawn(move || r.step_at(data, start))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("a rank step does not panic")).collect()
+        });
+        let mut reports = Vec::with_capacity(results.len());
+        let mut errors = Vec::new();
+        for r in results {
+            match r {
+                Ok(rep) => reports.push(rep),
+                Err(e) => errors.push(e),
             }
         }
-        self.step += 1;
-        Ok((sq.sqrt(), lr))
+        if !errors.is_empty() {
+            self.poisoned = true;
+            return Err(first_train_failure(errors));
+        }
+        let first = reports[0].clone();
+        let peak_bytes = reports.iter().map(|r| r.peak_bytes).collect();
+        // The timeline of replica 0 (ranks 0..p; the other replicas run the same program).
+        let p = self.schedule.num_ranks();
+        let intervals = reports.into_iter().take(p).flat_map(|r| r.intervals).collect();
+        self.step = first.step;
+        Ok(StepReport {
+            step: first.step,
+            loss: first.loss,
+            grad_norm: first.grad_norm,
+            lr: first.lr,
+            timeline: Timeline { ranks: self.schedule.num_ranks(), intervals, unit: "s".into() },
+            peak_bytes,
+        })
     }
 
-    /// Every distinct parameter of the model by name (DualPipe's copies are equal; one is taken).
+    /// Every distinct parameter of the model by name (DualPipe's copies are equal; one is taken),
+    /// gathered from the rank trainers.
     pub fn parameters(&self) -> BTreeMap<String, Tensor> {
-        self.workers.iter().flat_map(|w| w.stages().values()).flat_map(|s| s.parameters()).collect()
+        self.ranks.iter().filter_map(|r| r.parameters().ok()).flatten().collect()
     }
 
     /// The optimizer state of every distinct parameter (`adam.m.<name>`, `adam.v.<name>`) and
-    /// `adam.step` (i64 scalar).
+    /// `adam.step` (i64 scalar), gathered from the rank trainers.
     ///
     /// # Errors
-    /// [`TrainError::Optim`] from [`AdamW::state_dict`].
+    /// [`TrainError::Optim`] from [`AdamW::state_dict`](crate::AdamW::state_dict).
     pub fn optimizer_state(&self) -> Result<BTreeMap<String, Tensor>, TrainError> {
         let mut out = BTreeMap::new();
-        for opt in &self.optim {
-            out.extend(opt.state_dict()?);
+        for r in &self.ranks {
+            out.extend(r.optimizer_state()?);
         }
         Ok(out)
     }
@@ -279,11 +286,11 @@ impl Trainer {
     /// [`TrainError::Stage`] naming the first parameter missing or of another shape or dtype;
     /// nothing changes then.
     pub fn load_parameters(&mut self, params: &HashMap<String, Tensor>) -> Result<(), TrainError> {
-        for s in self.workers.iter().flat_map(|w| w.stages().values()) {
-            s.check_parameters(params)?;
+        for r in &self.ranks {
+            r.check_parameters(params)?;
         }
-        for s in self.workers.iter_mut().flat_map(|w| w.stages_mut().values_mut()) {
-            s.set_parameters(params)?;
+        for r in &mut self.ranks {
+            r.load_parameters(params)?;
         }
         Ok(())
     }
@@ -297,27 +304,14 @@ impl Trainer {
     /// [`TrainError::Stage`] for a missing or misshapen parameter, [`TrainError::Optim`] for a
     /// missing or inconsistent optimizer entry; nothing changes then.
     pub fn load_state(&mut self, tensors: &HashMap<String, Tensor>) -> Result<(), TrainError> {
-        for s in self.workers.iter().flat_map(|w| w.stages().values()) {
-            s.check_parameters(tensors)?;
+        for r in &self.ranks {
+            r.check_parameters(tensors)?;
         }
-        let mut optim = Vec::with_capacity(self.optim.len());
-        for (w, opt) in self.workers.iter().zip(&self.optim) {
-            let names = w.stages().values().flat_map(|s| s.parameter_names().iter());
-            let keys = std::iter::once(STEP_KEY.to_string())
-                .chain(names.flat_map(|n| [format!("{M_PREFIX}{n}"), format!("{V_PREFIX}{n}")]));
-            let state: HashMap<String, Tensor> =
-                keys.filter_map(|k| tensors.get(&k).map(|t| (k, t.clone()))).collect();
-            let mut opt = opt.clone();
-            opt.load_state_dict(&state)?;
-            optim.push(opt);
+        let optim = self.ranks.iter().map(|r| r.prepare_state(tensors)).collect::<Result<Vec<_>, _>>()?;
+        for (r, opt) in self.ranks.iter_mut().zip(optim) {
+            r.commit_state(tensors, opt)?;
         }
-        for w in &mut self.workers {
-            for s in w.stages_mut().values_mut() {
-                s.set_parameters(tensors)?;
-            }
-        }
-        self.optim = optim;
-        self.step = self.optim.first().map(|o| o.step_count()).unwrap_or(0);
+        self.step = self.ranks.first().map(|r| r.steps_done()).unwrap_or(0);
         Ok(())
     }
 
@@ -404,4 +398,32 @@ impl Trainer {
         }
         Ok(text.split_off(prompt.len()))
     }
+}
+
+/// Of the errors of a step's ranks (in rank order), the one to report: the pipeline error of the
+/// rank the others name as failed, else the first error that is not an echo of another rank's
+/// abort, else the first.
+fn first_train_failure(mut errors: Vec<TrainError>) -> TrainError {
+    fn pipeline(e: &TrainError) -> Option<&PipelineError> {
+        match e {
+            TrainError::Setup(VerifyError::Pipeline(p)) => Some(p),
+            _ => None,
+        }
+    }
+    let echo = |e: &TrainError| {
+        pipeline(e).is_some_and(PipelineError::is_aborted)
+            || matches!(e, TrainError::Comm(c) if matches!(**c, crate::comm::CommError::Aborted { .. }))
+    };
+    let culprit = errors.iter().filter_map(pipeline).find_map(|p| match p {
+        PipelineError::Aborted { failed_rank, .. } => Some(*failed_rank),
+        _ => None,
+    });
+    let pos = errors
+        .iter()
+        .position(|e| {
+            !echo(e) && culprit.is_some_and(|c| pipeline(e).and_then(PipelineError::rank) == Some(c))
+        })
+        .or_else(|| errors.iter().position(|e| !echo(e)))
+        .unwrap_or(0);
+    errors.swap_remove(pos)
 }

@@ -314,19 +314,36 @@ pub fn pipeline_workers(
     given: Option<&Env>,
     data: Arc<Microbatches>,
 ) -> Result<Vec<GraphStages>, VerifyError> {
-    let placement = schedule.placement();
-    let mut per_rank: Vec<BTreeMap<usize, Stage>> =
-        (0..schedule.num_ranks()).map(|_| BTreeMap::new()).collect();
-    for (stage, ranks) in placement {
+    (0..schedule.num_ranks())
+        .map(|r| rank_worker(cfg, schedule, specs, opts, seed, given, Arc::clone(&data), r))
+        .collect()
+}
+
+/// The [`GraphStages`] of schedule rank `rank` alone (the stages the schedule places on it), as
+/// [`pipeline_workers`] builds them.
+#[allow(clippy::too_many_arguments)]
+pub fn rank_worker(
+    cfg: &LlamaConfig,
+    schedule: &Schedule,
+    specs: &[StageSpec],
+    opts: &StageOptions,
+    seed: u64,
+    given: Option<&Env>,
+    data: Arc<Microbatches>,
+    rank: usize,
+) -> Result<GraphStages, VerifyError> {
+    let mut stages = BTreeMap::new();
+    for (stage, ranks) in schedule.placement() {
+        if !ranks.contains(&rank) {
+            continue;
+        }
         let spec = specs
             .get(stage)
             .ok_or_else(|| VerifyError::Mismatch(format!("stage {stage}: no model stage for it")))?;
-        for r in ranks {
-            let graphs = stage_graphs(&build_stage(cfg, spec, opts)?, &opts.recompute.policy(spec))?;
-            per_rank[r].insert(stage, Stage::new(graphs, stage_state(cfg, spec, opts, seed, given)?));
-        }
+        let graphs = stage_graphs(&build_stage(cfg, spec, opts)?, &opts.recompute.policy(spec))?;
+        stages.insert(stage, Stage::new(graphs, stage_state(cfg, spec, opts, seed, given)?));
     }
-    Ok(per_rank.into_iter().map(|st| GraphStages::new(st, Arc::clone(&data))).collect())
+    Ok(GraphStages::new(stages, data))
 }
 
 /// Sums each gradient over all stages of all ranks (DualPipe's two copies add up).

@@ -214,6 +214,7 @@ fn bf16_training_lowers_the_loss() {
         options: Options::default(),
         layers_per_stage: None,
         batch: 1,
+        dp: 1,
         seq: 8,
         seed: 3,
         adamw: AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },

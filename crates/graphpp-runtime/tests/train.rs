@@ -19,6 +19,7 @@ fn setup(kind: Kind, p: usize, v: usize, m: usize) -> TrainSetup {
         options: Options::default(),
         layers_per_stage: None,
         batch: 1,
+        dp: 1,
         seq: 8,
         seed: 3,
         adamw: AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },

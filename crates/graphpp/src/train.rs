@@ -99,8 +99,12 @@ pub struct RunConfig {
     pub stages_per_rank: usize,
     /// m: microbatches per step.
     pub microbatches: usize,
-    /// B: sequences per microbatch.
+    /// B: sequences per microbatch (split over the data-parallel replicas).
     pub microbatch_size: usize,
+    /// Data-parallel replicas of the pipeline (`--dp`; world = ranks × dp threads); absent in
+    /// checkpoints made before it existed (1).
+    #[serde(default = "one")]
+    pub dp: usize,
     /// T: tokens per sequence.
     pub seq_len: usize,
     /// Decoder layers of each model stage; `None` splits evenly.
@@ -134,6 +138,11 @@ pub struct RunConfig {
     pub dtype: graphpp_graph::DType,
 }
 
+/// The default of [`RunConfig::dp`].
+fn one() -> usize {
+    1
+}
+
 impl RunConfig {
     /// Checks the ranges the pipeline and the optimizer need, then the sizes from estimates (before
     /// the corpus is read or anything is built). Errors: [`RunError::Config`] naming the flag;
@@ -145,9 +154,16 @@ impl RunConfig {
             ("--microbatches", self.microbatches),
             ("--microbatch-size", self.microbatch_size),
             ("--seq-len", self.seq_len),
+            ("--dp", self.dp),
         ];
         if let Some((flag, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(RunError::Config(format!("{flag} must be at least 1")));
+        }
+        if !self.microbatch_size.is_multiple_of(self.dp) {
+            return Err(RunError::Config(format!(
+                "--dp {} does not divide --microbatch-size {}: each replica runs B/dp sequences",
+                self.dp, self.microbatch_size
+            )));
         }
         if self.steps == 0 {
             return Err(RunError::Config("--steps must be at least 1".into()));
@@ -170,7 +186,7 @@ impl RunConfig {
             &self.model,
             self.kind,
             &shape,
-            self.microbatch_size,
+            self.microbatch_size / self.dp,
             self.seq_len,
             false,
         )
@@ -184,7 +200,7 @@ impl RunConfig {
     }
 
     /// What must match for a resumed run to continue the same loss sequence: everything but the
-    /// pipeline layout (kind, ranks, v, layer split), the recompute policy, the display name, the
+    /// pipeline layout (kind, ranks, v, layer split, dp replicas), the recompute policy, the display name, the
     /// `--init-from` folder (the checkpoint's parameters replace the initial ones; the model must
     /// match) and the run's length (`--steps` may grow to extend a finished run: the
     /// learning-rate schedule is then the new one from the resumed step on).
@@ -194,6 +210,7 @@ impl RunConfig {
             kind: Kind::Gpipe,
             ranks: 0,
             stages_per_rank: 0,
+            dp: 0,
             layers_per_stage: None,
             steps: 0,
             recompute: Recompute::SaveAll,
@@ -466,6 +483,7 @@ fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         options: Options::default(),
         layers_per_stage: c.layers_per_stage.clone(),
         batch: c.microbatch_size,
+        dp: c.dp,
         seq: c.seq_len,
         seed: c.seed,
         adamw: AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: c.weight_decay },

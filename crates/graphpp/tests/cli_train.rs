@@ -39,6 +39,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         stages_per_rank: kind.default_stages_per_rank(),
         microbatches: 4,
         microbatch_size: 2,
+        dp: 1,
         seq_len: 16,
         layers_per_stage: None,
         steps: 15,
@@ -96,6 +97,21 @@ fn resume_under_another_schedule() {
     other.resume(d.path()).unwrap();
     for want in &losses[4..] {
         let got = other.step().unwrap().loss;
+        assert!((got - want).abs() < 1e-5 * want, "{got} vs {want}");
+    }
+}
+
+/// Data parallelism is a layout too: a dp = 1 checkpoint resumed with dp = 2 (each replica runs
+/// one of the two sequences of every microbatch) continues the losses within f32 rounding.
+#[test]
+fn resume_with_data_parallel_replicas() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = config(corpus(d.path()), Kind::OneFOneB);
+    let (_, losses) = run_saving_at(cfg.clone(), 6, 3, d.path());
+    let mut dp = Run::new(RunConfig { dp: 2, ..cfg }).unwrap();
+    dp.resume(d.path()).unwrap();
+    for want in &losses[3..] {
+        let got = dp.step().unwrap().loss;
         assert!((got - want).abs() < 1e-5 * want, "{got} vs {want}");
     }
 }
@@ -216,7 +232,7 @@ fn bad_input_is_a_clear_error_without_checkpoints() {
     let data = corpus(d.path());
     let data = data.to_str().unwrap();
     let ck = d.path().join("ck");
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 10] = [
         (&["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
         (&["--data", data, "--ranks", "0"], "--ranks must be at least 1"),
         (&["--data", data, "--schedule", "1f1b", "--ranks", "3"], "--layers-per-stage"),
@@ -229,6 +245,7 @@ fn bad_input_is_a_clear_error_without_checkpoints() {
             "the folder /nonexistent/dir does not exist",
         ),
         (&["--data", data, "--lr", "0"], "peak learning rate 0 must be finite and > 0"),
+        (&["--data", data, "--dp", "3"], "--dp 3 does not divide --microbatch-size 2"),
     ];
     for (args, want) in cases {
         let out = graphpp()

@@ -304,6 +304,7 @@ fn run_config(data: PathBuf, kind: Kind, ranks: usize) -> RunConfig {
         stages_per_rank: kind.default_stages_per_rank(),
         microbatches: 4,
         microbatch_size: 2,
+        dp: 1,
         seq_len: 8,
         layers_per_stage: None,
         steps: 3,

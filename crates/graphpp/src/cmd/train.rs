@@ -62,6 +62,9 @@ pub struct TrainArgs {
     /// B: sequences per microbatch.
     #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     microbatch_size: usize,
+    /// Data-parallel replicas of the pipeline (world = ranks × dp threads); must divide B.
+    #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
+    dp: usize,
     /// T: tokens (bytes) per sequence.
     #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     seq_len: usize,
@@ -180,6 +183,7 @@ impl TrainArgs {
             stages_per_rank: self.stages_per_rank.unwrap_or_else(|| self.schedule.default_stages_per_rank()),
             microbatches: self.microbatches,
             microbatch_size: self.microbatch_size,
+            dp: self.dp,
             seq_len: self.seq_len,
             layers_per_stage: self.layers_per_stage.clone(),
             steps: self.steps,

@@ -1,0 +1,172 @@
+//! One rank's training step over a communicator: RankTrainers on explicit threads reproduce the
+//! Trainer harness bitwise, copies of a parameter form one all-reduce group of their holders, and
+//! the global gradient norm counts each copy once (it equals the one-device norm).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use graphpp_models::{LlamaConfig, Recompute};
+use graphpp_runtime::executor::to_f64;
+use graphpp_runtime::verify::random_microbatches;
+use graphpp_runtime::{
+    train_schedule, AdamWConfig, CosineSchedule, Mesh, RankTrainer, ThreadComm, TrainSetup, Trainer,
+};
+use graphpp_schedule::{Kind, Options, Shape};
+
+fn setup(kind: Kind, p: usize, v: usize, m: usize) -> TrainSetup {
+    TrainSetup {
+        model: LlamaConfig::tiny(),
+        kind,
+        shape: Shape::new(p, v, m),
+        options: Options::default(),
+        layers_per_stage: None,
+        batch: 1,
+        dp: 1,
+        seq: 8,
+        seed: 3,
+        adamw: AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },
+        lr: CosineSchedule::new(1e-2, 1e-3, 2, 6).unwrap(),
+        max_grad_norm: Some(0.5),
+        recompute: Recompute::SaveAll,
+        timeout: Duration::from_secs(60),
+        dtype: graphpp_graph::DType::F32,
+    }
+}
+
+/// Builds one RankTrainer per rank of a ThreadComm world (dp = 1).
+fn rank_trainers(s: &TrainSetup) -> Vec<RankTrainer> {
+    let schedule = Arc::new(train_schedule(s).unwrap());
+    let p = schedule.num_ranks();
+    let mesh = Mesh::new(p, 1).unwrap();
+    ThreadComm::world(p)
+        .into_iter()
+        .map(|c| RankTrainer::new(s.clone(), Arc::clone(&schedule), mesh, Arc::new(c)).unwrap())
+        .collect()
+}
+
+/// RankTrainers stepped on threads spawned here give every rank the same loss and norm, and the
+/// losses, norms and parameters of the Trainer harness bitwise (ZB-V and DualPipe, 3 steps).
+#[test]
+fn rank_trainers_on_threads_equal_the_harness_bitwise() {
+    for kind in [Kind::Zbv, Kind::DualPipe] {
+        let s = setup(kind, 2, 2, 4);
+        let mut harness = Trainer::new(s.clone()).unwrap();
+        let mut ranks = rank_trainers(&s);
+        for k in 0..3 {
+            let data = random_microbatches(256, 4, 1, 8, k).unwrap();
+            let want = harness.step(data.clone()).unwrap();
+            let data = Arc::new(data);
+            let start = Instant::now();
+            let reports: Vec<_> = std::thread::scope(|scope| {
+                let hs: Vec<_> = ranks
+                    .iter_mut()
+                    .map(|r| {
+                        let d = Arc::clone(&data);
+                        scope.spawn(move || r.step_at(d, start).unwrap())
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for r in &reports {
+                assert_eq!(r.step, k + 1);
+                assert_eq!(r.loss.to_bits(), want.loss.to_bits(), "{kind} step {k}: loss");
+                assert_eq!(r.grad_norm.to_bits(), want.grad_norm.to_bits(), "{kind} step {k}: norm");
+            }
+        }
+        let want = harness.parameters();
+        for r in &ranks {
+            for (name, t) in r.parameters().unwrap() {
+                assert_eq!(to_f64(&t).unwrap(), to_f64(&want[&name]).unwrap(), "{kind}: {name}");
+            }
+        }
+    }
+}
+
+/// Under DualPipe p=2 every parameter of a rank is also on the other rank: one group
+/// `copies.<name>[0,1]` per parameter name; under 1F1B (no tied embedding in the tiny model) none.
+#[test]
+fn copies_form_one_group_per_name_of_their_holders() {
+    let ranks = rank_trainers(&setup(Kind::DualPipe, 2, 2, 4));
+    for r in &ranks {
+        let names = r.parameters().unwrap();
+        let groups: Vec<String> = r.copy_groups().iter().map(|g| g.to_string()).collect();
+        let want: Vec<String> = names.keys().map(|n| format!("copies.{n}[0,1]")).collect();
+        assert_eq!(groups, want, "rank {}", r.rank());
+    }
+    for r in &rank_trainers(&setup(Kind::OneFOneB, 2, 1, 2)) {
+        assert!(r.copy_groups().is_empty(), "rank {}: {:?}", r.rank(), r.copy_groups());
+    }
+    // A tied embedding: the first and the last stage hold `model.embed_tokens.weight`.
+    let mut s = setup(Kind::OneFOneB, 2, 1, 2);
+    s.model.tie_word_embeddings = true;
+    let mut ranks = rank_trainers(&s);
+    for r in &ranks {
+        let groups: Vec<String> = r.copy_groups().iter().map(|g| g.to_string()).collect();
+        assert_eq!(groups, vec!["copies.model.embed_tokens.weight[0,1]".to_string()]);
+    }
+    // Its two copies get the summed gradient and stay bitwise equal.
+    let data = Arc::new(random_microbatches(256, 2, 1, 8, 1).unwrap());
+    std::thread::scope(|scope| {
+        for r in ranks.iter_mut() {
+            let d = Arc::clone(&data);
+            scope.spawn(move || r.step(d).unwrap());
+        }
+    });
+    let e: Vec<Vec<f64>> = ranks
+        .iter()
+        .map(|r| to_f64(&r.parameters().unwrap()["model.embed_tokens.weight"]).unwrap())
+        .collect();
+    assert_eq!(e[0], e[1]);
+}
+
+/// The global gradient norm of a pipelined step (each copy counted once) equals the norm one
+/// device computes for the same batch: DualPipe p=2 (two copies of every parameter) and ZB-V.
+#[test]
+fn global_norm_equals_the_one_device_norm() {
+    let data = random_microbatches(256, 4, 1, 8, 7).unwrap();
+    let one = Trainer::new(setup(Kind::Gpipe, 1, 1, 4)).unwrap().step(data.clone()).unwrap().grad_norm;
+    for (kind, p, v) in [(Kind::DualPipe, 2, 2), (Kind::Zbv, 2, 2)] {
+        let n = Trainer::new(setup(kind, p, v, 4)).unwrap().step(data.clone()).unwrap().grad_norm;
+        assert!((n - one).abs() / one < 1e-5, "{kind}: norm {n} vs one device {one}");
+    }
+}
+
+/// dp = 2 × pp = 2 (each replica runs half of every microbatch's sequences) gives the losses and
+/// parameters (relative L2 distance per tensor) of dp = 1 × pp = 2 on the same global batch after
+/// 3 steps, for 1F1B and ZB-V.
+#[test]
+fn data_parallel_equals_one_replica() {
+    for (kind, v) in [(Kind::OneFOneB, 1), (Kind::Zbv, 2)] {
+        let run = |dp: usize| {
+            let mut t = Trainer::new(TrainSetup { batch: 2, dp, ..setup(kind, 2, v, 4) }).unwrap();
+            let losses: Vec<f64> = (0..3)
+                .map(|k| t.step(random_microbatches(256, 4, 2, 8, 10 + k).unwrap()).unwrap().loss)
+                .collect();
+            (losses, t.parameters(), t.rank_trainers().len())
+        };
+        let (l1, p1, w1) = run(1);
+        let (l2, p2, w2) = run(2);
+        assert_eq!((w1, w2), (2, 4), "{kind}: world sizes");
+        for (a, b) in l2.iter().zip(&l1) {
+            assert!((a - b).abs() / b.abs() <= 1e-5, "{kind}: losses {l2:?} vs {l1:?}");
+        }
+        assert_eq!(p1.len(), p2.len());
+        for (name, t) in &p1 {
+            let (x, y) = (to_f64(t).unwrap(), to_f64(&p2[name]).unwrap());
+            // Relative L2 distance of the whole tensor: AdamW turns rounding noise in a gradient
+            // entry near 0 into a step of up to lr, so single entries may differ more.
+            let d = x.iter().zip(&y).map(|(p, q)| (p - q) * (p - q)).sum::<f64>().sqrt();
+            let n = x.iter().map(|p| p * p).sum::<f64>().sqrt();
+            assert!(d / n <= 1e-5, "{kind}: {name} differs by {:e} relative", d / n);
+        }
+    }
+}
+
+/// A batch that does not split over the replicas is a typed error before anything is built.
+#[test]
+fn dp_must_divide_the_batch() {
+    let e = Trainer::new(TrainSetup { batch: 3, dp: 2, ..setup(Kind::OneFOneB, 2, 1, 2) }).unwrap_err();
+    assert!(matches!(e, graphpp_runtime::TrainError::BatchNotDivisible { batch: 3, dp: 2 }), "{e}");
+    let e = Trainer::new(TrainSetup { dp: 0, ..setup(Kind::OneFOneB, 2, 1, 2) }).unwrap_err();
+    assert!(matches!(e, graphpp_runtime::TrainError::BatchNotDivisible { batch: 1, dp: 0 }), "{e}");
+}
