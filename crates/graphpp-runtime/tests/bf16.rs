@@ -11,6 +11,8 @@
 //!   accumulation over microbatches, one device rounds the whole batch's once);
 //! * bf16 under different schedules, m = 4: equal up to the order of the f32 accumulation.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,7 +26,7 @@ use graphpp_runtime::verify::{
     compare, pipeline_workers, pipelined_step, random_microbatches, single_device_step, stage_specs,
     StepResult, BF16_TOLERANCE,
 };
-use graphpp_runtime::{AdamWConfig, CosineSchedule, StageWork, TrainSetup, Trainer, VerifySetup};
+use graphpp_runtime::{CosineSchedule, StageWork, TrainSetup, Trainer, VerifySetup};
 use graphpp_schedule::{generate, lower, Kind, LowerOptions, Options, Shape};
 
 /// `x` rounded to the nearest bf16 (ties to even), through candle's conversion.
@@ -208,21 +210,10 @@ fn pipelined_bf16_matches_one_device_bf16() {
 #[test]
 fn bf16_training_lowers_the_loss() {
     let setup = |dtype| TrainSetup {
-        model: LlamaConfig::tiny(),
-        kind: Kind::OneFOneB,
-        shape: Shape::new(2, 1, 4),
-        options: Options::default(),
-        layers_per_stage: None,
-        batch: 1,
-        dp: 1,
-        seq: 8,
-        seed: 3,
-        adamw: AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },
         lr: CosineSchedule::new(1e-2, 1e-3, 2, 8).unwrap(),
         max_grad_norm: Some(1.0),
-        recompute: graphpp_models::Recompute::SaveAll,
-        timeout: Duration::from_secs(60),
         dtype,
+        ..common::tiny_setup(Kind::OneFOneB, 2, 1, 4)
     };
     let train = |dtype| {
         let mut t = Trainer::new(setup(dtype)).unwrap();

@@ -2,35 +2,18 @@
 //! Trainer harness bitwise, copies of a parameter form one all-reduce group of their holders, and
 //! the global gradient norm counts each copy once (it equals the one-device norm).
 
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+mod common;
 
-use graphpp_models::{LlamaConfig, Recompute};
+use std::sync::Arc;
+use std::time::Instant;
+
 use graphpp_runtime::executor::to_f64;
 use graphpp_runtime::verify::random_microbatches;
-use graphpp_runtime::{
-    train_schedule, AdamWConfig, CosineSchedule, Mesh, RankTrainer, ThreadComm, TrainSetup, Trainer,
-};
-use graphpp_schedule::{Kind, Options, Shape};
+use graphpp_runtime::{train_schedule, Mesh, RankTrainer, ThreadComm, TrainSetup, Trainer};
+use graphpp_schedule::Kind;
 
 fn setup(kind: Kind, p: usize, v: usize, m: usize) -> TrainSetup {
-    TrainSetup {
-        model: LlamaConfig::tiny(),
-        kind,
-        shape: Shape::new(p, v, m),
-        options: Options::default(),
-        layers_per_stage: None,
-        batch: 1,
-        dp: 1,
-        seq: 8,
-        seed: 3,
-        adamw: AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },
-        lr: CosineSchedule::new(1e-2, 1e-3, 2, 6).unwrap(),
-        max_grad_norm: Some(0.5),
-        recompute: Recompute::SaveAll,
-        timeout: Duration::from_secs(60),
-        dtype: graphpp_graph::DType::F32,
-    }
+    common::tiny_setup(kind, p, v, m)
 }
 
 /// Builds one RankTrainer per rank of a ThreadComm world (dp = 1).

@@ -2,33 +2,18 @@
 //! gives the same parameters as one device, DualPipe's two copies stay equal, and restoring the
 //! saved state continues the exact loss sequence.
 
-use std::collections::HashMap;
-use std::time::Duration;
+mod common;
 
-use graphpp_models::{LlamaConfig, Recompute};
+use std::collections::HashMap;
+
+use graphpp_models::Recompute;
 use graphpp_runtime::executor::to_f64;
 use graphpp_runtime::verify::random_microbatches;
-use graphpp_runtime::{AdamWConfig, CosineSchedule, TrainSetup, Trainer};
-use graphpp_schedule::{Kind, Options, Shape};
+use graphpp_runtime::{TrainSetup, Trainer};
+use graphpp_schedule::Kind;
 
 fn setup(kind: Kind, p: usize, v: usize, m: usize) -> TrainSetup {
-    TrainSetup {
-        model: LlamaConfig::tiny(),
-        kind,
-        shape: Shape::new(p, v, m),
-        options: Options::default(),
-        layers_per_stage: None,
-        batch: 1,
-        dp: 1,
-        seq: 8,
-        seed: 3,
-        adamw: AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },
-        lr: CosineSchedule::new(1e-2, 1e-3, 2, 6).unwrap(),
-        max_grad_norm: Some(0.5),
-        recompute: Recompute::SaveAll,
-        timeout: Duration::from_secs(60),
-        dtype: graphpp_graph::DType::F32,
-    }
+    common::tiny_setup(kind, p, v, m)
 }
 
 /// Runs `steps` steps on one random batch (so the loss can fall); returns the losses and the

@@ -54,3 +54,25 @@ pub fn same(a: &Tensor, b: &Tensor) -> bool {
 pub fn is_data(k: InputKind) -> bool {
     !matches!(k, InputKind::Saved | InputKind::Tangent)
 }
+
+/// The small training setup the trainer tests share: tiny Llama, B=1, T=8, seed 3, AdamW (0.9,
+/// 0.95, wd 0.1), cosine 1e-2 → 1e-3 over 6 steps with 2 of warm-up, clipping at 0.5, f32, dp 1.
+pub fn tiny_setup(kind: graphpp_schedule::Kind, p: usize, v: usize, m: usize) -> graphpp_runtime::TrainSetup {
+    graphpp_runtime::TrainSetup {
+        model: graphpp_models::LlamaConfig::tiny(),
+        kind,
+        shape: graphpp_schedule::Shape::new(p, v, m),
+        options: graphpp_schedule::Options::default(),
+        layers_per_stage: None,
+        batch: 1,
+        dp: 1,
+        seq: 8,
+        seed: 3,
+        adamw: graphpp_runtime::AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },
+        lr: graphpp_runtime::CosineSchedule::new(1e-2, 1e-3, 2, 6).unwrap(),
+        max_grad_norm: Some(0.5),
+        recompute: graphpp_models::Recompute::SaveAll,
+        timeout: std::time::Duration::from_secs(60),
+        dtype: graphpp_graph::DType::F32,
+    }
+}
