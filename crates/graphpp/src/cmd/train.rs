@@ -324,6 +324,9 @@ fn resume_point(a: &TrainArgs) -> Result<Option<(u64, RunConfig)>> {
     };
     match newest_checkpoint(dir)? {
         Some((step, _, config)) => Ok(Some((step, config))),
+        None if a.resume && !dir.exists() => {
+            bail!("--resume: the checkpoint folder {} does not exist (nothing to resume)", dir.display())
+        }
         None if a.resume => Err(CheckpointError::NotFound(dir.clone()).into()),
         None => Ok(None),
     }
