@@ -1,9 +1,12 @@
-//! `ThreadComm` with ranks as threads: collectives against serial references (bitwise), matching
+//! Every communicator with ranks as threads — `ThreadComm`, and `LinkComm` over in-process
+//! channels (`loopback`: every message through its byte form, as between MPI processes), each
+//! test run on both: collectives against serial references (bitwise), matching
 //! by group and sequence number, start/compute/wait overlap, abort, and typed errors.
 
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
+use graphpp_runtime::comm::loopback;
 use graphpp_runtime::comm::{
     Awaited, CollectiveOp, Comm, CommError, Group, Tag, TagKind, TensorDesc, ThreadComm,
 };
@@ -12,11 +15,50 @@ use graphpp_runtime::Mesh;
 /// Generous: nothing in these tests should come near it.
 const T: Duration = Duration::from_secs(20);
 
-/// Runs `f` on every rank of a fresh `n`-rank world, one thread per rank; results by rank.
-fn ranks<R: Send>(n: usize, f: impl Fn(ThreadComm) -> R + Sync) -> Vec<R> {
+/// Builds an `n`-rank world of one communicator kind.
+type World = fn(usize) -> Vec<Box<dyn Comm>>;
+
+fn threads(n: usize) -> Vec<Box<dyn Comm>> {
+    ThreadComm::world(n).into_iter().map(|c| Box::new(c) as Box<dyn Comm>).collect()
+}
+
+fn link(n: usize) -> Vec<Box<dyn Comm>> {
+    loopback(n).into_iter().map(|c| Box::new(c) as Box<dyn Comm>).collect()
+}
+
+/// Each test function `name(world)` runs as `threads::name` and `link::name`.
+macro_rules! on_every_comm {
+    ($($name:ident),* $(,)?) => {
+        mod on_threads {
+            $(#[test] fn $name() { super::$name(super::threads) })*
+        }
+        mod on_link {
+            $(#[test] fn $name() { super::$name(super::link) })*
+        }
+    };
+}
+
+on_every_comm!(
+    all_reduce_is_the_serial_sum_bitwise_on_every_rank_whatever_the_timing,
+    bf16_and_f64_all_reduce_sum_in_group_order,
+    all_gather_of_reduce_scatter_equals_all_reduce_bitwise,
+    reduce_scatter_of_all_gather_is_group_size_times_own_shard,
+    all_to_all_with_variable_counts_delivers_exactly_the_rows_sent,
+    all_to_all_that_receives_nothing_keeps_dtype_and_trailing_dims,
+    concurrent_collectives_on_disjoint_groups_do_not_mix,
+    groups_with_the_same_ranks_but_different_names_are_independent,
+    start_then_point_to_point_then_wait_overlaps,
+    successive_collectives_on_one_group_match_by_sequence_number,
+    abort_fails_every_pending_wait_and_recv_at_once_naming_the_failed_rank,
+    mismatched_contributions_are_typed_errors_naming_both_ranks,
+    bad_peers_groups_and_inputs_are_typed_errors,
+);
+
+/// Runs `f` on every rank of a fresh `n`-rank `world`, one thread per rank; results by rank.
+fn ranks<R: Send>(world: World, n: usize, f: impl Fn(Box<dyn Comm>) -> R + Sync) -> Vec<R> {
     let f = &f;
     std::thread::scope(|s| {
-        let hs: Vec<_> = ThreadComm::world(n).into_iter().map(|c| s.spawn(move || f(c))).collect();
+        let hs: Vec<_> = world(n).into_iter().map(|c| s.spawn(move || f(c))).collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
@@ -61,8 +103,7 @@ fn flat(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
 
-#[test]
-fn all_reduce_is_the_serial_sum_bitwise_on_every_rank_whatever_the_timing() {
+fn all_reduce_is_the_serial_sum_bitwise_on_every_rank_whatever_the_timing(world: World) {
     let (rows, cols) = (3, 17);
     for iter in 0..6u64 {
         let inputs: Vec<Vec<f32>> = (0..4).map(|r| random(100 * iter + r, rows * cols)).collect();
@@ -70,7 +111,7 @@ fn all_reduce_is_the_serial_sum_bitwise_on_every_rank_whatever_the_timing() {
         let serial: Vec<u32> = (0..rows * cols)
             .map(|i| (((inputs[0][i] + inputs[1][i]) + inputs[2][i]) + inputs[3][i]).to_bits())
             .collect();
-        let results = ranks(4, |c| {
+        let results = ranks(world, 4, |c| {
             let mut rng = Rng::new(7 * iter + c.rank() as u64 + 1000);
             let g = Group::world(4).unwrap();
             rng.sleep(3);
@@ -84,8 +125,7 @@ fn all_reduce_is_the_serial_sum_bitwise_on_every_rank_whatever_the_timing() {
     }
 }
 
-#[test]
-fn bf16_and_f64_all_reduce_sum_in_group_order() {
+fn bf16_and_f64_all_reduce_sum_in_group_order(world: World) {
     let inputs: Vec<Vec<f32>> = (0..4).map(|r| random(r + 17, 40)).collect();
     // bf16: widened to f32, summed in order, rounded once.
     let rounded: Vec<Vec<f32>> =
@@ -101,7 +141,7 @@ fn bf16_and_f64_all_reduce_sum_in_group_order() {
             (((x(0) + x(1)) + x(2)) + x(3)).to_bits()
         })
         .collect();
-    let results = ranks(4, |c| {
+    let results = ranks(world, 4, |c| {
         let g = Group::world(4).unwrap();
         let x = t2(&inputs[c.rank()], 4, 10);
         let b = c.all_reduce(&g, &x.to_dtype(DType::BF16).unwrap()).unwrap();
@@ -129,10 +169,9 @@ fn bf16_and_f64_all_reduce_sum_in_group_order() {
     }
 }
 
-#[test]
-fn all_gather_of_reduce_scatter_equals_all_reduce_bitwise() {
+fn all_gather_of_reduce_scatter_equals_all_reduce_bitwise(world: World) {
     let inputs: Vec<Vec<f32>> = (0..4).map(|r| random(r + 40, 8 * 5)).collect();
-    let results = ranks(4, |c| {
+    let results = ranks(world, 4, |c| {
         let g = Group::world(4).unwrap();
         let x = t2(&inputs[c.rank()], 8, 5);
         // Both in flight on one group at once: sequence numbers keep them apart.
@@ -153,11 +192,10 @@ fn all_gather_of_reduce_scatter_equals_all_reduce_bitwise() {
     }
 }
 
-#[test]
-fn reduce_scatter_of_all_gather_is_group_size_times_own_shard() {
+fn reduce_scatter_of_all_gather_is_group_size_times_own_shard(world: World) {
     // Integer-valued floats: the sums are exact.
     let shard = |r: usize| (0..6).map(|i| (10 * r + i) as f32).collect::<Vec<f32>>();
-    let results = ranks(4, |c| {
+    let results = ranks(world, 4, |c| {
         let g = Group::world(4).unwrap();
         let full = c.all_gather(&g, &t2(&shard(c.rank()), 2, 3)).unwrap().wait(T).unwrap();
         let back = c.reduce_scatter(&g, &full).unwrap().wait(T).unwrap();
@@ -171,11 +209,10 @@ fn reduce_scatter_of_all_gather_is_group_size_times_own_shard() {
     }
 }
 
-#[test]
-fn all_to_all_with_variable_counts_delivers_exactly_the_rows_sent() {
+fn all_to_all_with_variable_counts_delivers_exactly_the_rows_sent(world: World) {
     // Rank i sends i + j rows to rank j; row k of that piece is [i, j, k].
     let piece = |i: usize, j: usize| (0..i + j).flat_map(move |k| [i as f32, j as f32, k as f32]);
-    let results = ranks(4, |c| {
+    let results = ranks(world, 4, |c| {
         let i = c.rank();
         let g = Group::world(4).unwrap();
         let data: Vec<f32> = (0..4).flat_map(|j| piece(i, j)).collect();
@@ -192,9 +229,8 @@ fn all_to_all_with_variable_counts_delivers_exactly_the_rows_sent() {
     }
 }
 
-#[test]
-fn all_to_all_that_receives_nothing_keeps_dtype_and_trailing_dims() {
-    let results = ranks(2, |c| {
+fn all_to_all_that_receives_nothing_keeps_dtype_and_trailing_dims(world: World) {
+    let results = ranks(world, 2, |c| {
         let g = Group::world(2).unwrap();
         // Rank 0 sends its 2 rows to rank 1; rank 1 sends nothing.
         let (x, counts) = match c.rank() {
@@ -208,11 +244,10 @@ fn all_to_all_that_receives_nothing_keeps_dtype_and_trailing_dims() {
     assert_eq!(results[1], (vec![2, 4], DType::F64, vec![2, 0]));
 }
 
-#[test]
-fn concurrent_collectives_on_disjoint_groups_do_not_mix() {
+fn concurrent_collectives_on_disjoint_groups_do_not_mix(world: World) {
     let mesh = Mesh::new(2, 2).unwrap();
     for iter in 0..4u64 {
-        let results = ranks(4, |c| {
+        let results = ranks(world, 4, |c| {
             let mut rng = Rng::new(iter * 10 + c.rank() as u64);
             let r = c.rank();
             let dp = mesh.data_parallel_group(r).unwrap();
@@ -238,9 +273,8 @@ fn concurrent_collectives_on_disjoint_groups_do_not_mix() {
     }
 }
 
-#[test]
-fn groups_with_the_same_ranks_but_different_names_are_independent() {
-    let results = ranks(2, |c| {
+fn groups_with_the_same_ranks_but_different_names_are_independent(world: World) {
+    let results = ranks(world, 2, |c| {
         let a = Group::new("a", vec![0, 1]).unwrap();
         let b = Group::new("b", vec![0, 1]).unwrap();
         let one = |v: f32| Tensor::new(&[v], &Device::Cpu).unwrap();
@@ -258,13 +292,12 @@ fn groups_with_the_same_ranks_but_different_names_are_independent() {
     assert_eq!(results, vec![(3.0, 201.0), (3.0, 201.0)]);
 }
 
-#[test]
-fn start_then_point_to_point_then_wait_overlaps() {
+fn start_then_point_to_point_then_wait_overlaps(world: World) {
     // Rank r > 0 starts the all-reduce only after a token from rank r - 1, so rank 0's handle
     // cannot be complete while rank 0 still has to send the first token: the start did not
     // block, and point-to-point traffic flows while the collective is in flight.
     let tag = |mb| Tag { kind: TagKind::Activation, stage: 0, mb };
-    let results = ranks(4, |c| {
+    let results = ranks(world, 4, |c| {
         let r = c.rank();
         let g = Group::world(4).unwrap();
         let x = Tensor::new(&[r as f32 + 1.0], &Device::Cpu).unwrap();
@@ -292,9 +325,8 @@ fn start_then_point_to_point_then_wait_overlaps() {
     assert_eq!(results, vec![10.0; 4]);
 }
 
-#[test]
-fn successive_collectives_on_one_group_match_by_sequence_number() {
-    let results = ranks(2, |c| {
+fn successive_collectives_on_one_group_match_by_sequence_number(world: World) {
+    let results = ranks(world, 2, |c| {
         let g = Group::world(2).unwrap();
         let scale = if c.rank() == 0 { 1.0 } else { 10.0 };
         let hs: Vec<_> = (1..=3)
@@ -314,10 +346,9 @@ fn successive_collectives_on_one_group_match_by_sequence_number() {
     assert_eq!(results, vec![[11.0, 22.0, 33.0]; 2]);
 }
 
-#[test]
-fn abort_fails_every_pending_wait_and_recv_at_once_naming_the_failed_rank() {
+fn abort_fails_every_pending_wait_and_recv_at_once_naming_the_failed_rank(world: World) {
     let timeout = Duration::from_secs(30);
-    let results = ranks(4, |c| {
+    let results = ranks(world, 4, |c| {
         let g = Group::world(4).unwrap();
         let x = Tensor::new(&[1f32], &Device::Cpu).unwrap();
         let t0 = Instant::now();
@@ -350,9 +381,8 @@ fn abort_fails_every_pending_wait_and_recv_at_once_naming_the_failed_rank() {
     }
 }
 
-#[test]
-fn mismatched_contributions_are_typed_errors_naming_both_ranks() {
-    let results = ranks(4, |c| {
+fn mismatched_contributions_are_typed_errors_naming_both_ranks(world: World) {
+    let results = ranks(world, 4, |c| {
         let g = Group::world(4).unwrap();
         let shape = if c.rank() == 2 { (3, 2) } else { (2, 3) };
         let x = Tensor::zeros(shape, DType::F32, &Device::Cpu).unwrap();
@@ -446,9 +476,8 @@ fn timeouts_name_what_was_awaited() {
     }
 }
 
-#[test]
-fn bad_peers_groups_and_inputs_are_typed_errors() {
-    let comms = ThreadComm::world(4);
+fn bad_peers_groups_and_inputs_are_typed_errors(world: World) {
+    let comms = world(4);
     let c = &comms[1];
     let x = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
     let tag = Tag { kind: TagKind::Activation, stage: 0, mb: 0 };

@@ -6,6 +6,8 @@
 //!   object safe (`&dyn Comm`): a collective returns a [`Pending`] handle that owns whatever the
 //!   backend needs to finish it.
 //! - [`ThreadComm`] connects ranks that are threads of one process (the embedded default).
+//! - [`LinkComm`] is a rank that is its own process, over a byte [`Link`]; [`mpi::MpiComm`]
+//!   (cargo feature `mpi`) is one over Open MPI, [`loopback`] one over in-process channels.
 //! - [`wire`] is the byte form of a tensor (dtype + shape header, little-endian data) for backends
 //!   whose ranks are processes (MPI).
 //!
@@ -21,6 +23,10 @@
 //! bitwise identical on every rank and independent of arrival order.
 
 mod combine;
+pub mod envelope;
+pub mod link;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod thread;
 pub mod wire;
 
@@ -30,6 +36,9 @@ use std::time::Duration;
 use candle_core::{DType, Tensor};
 use graphpp_graph::CollectiveKind;
 
+pub use link::{loopback, Inbox, Link, LinkComm};
+#[cfg(feature = "mpi")]
+pub use mpi::MpiComm;
 pub use thread::ThreadComm;
 
 /// What a point-to-point message carries, so that a forward activation and a backward gradient

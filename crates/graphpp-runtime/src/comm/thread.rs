@@ -109,6 +109,11 @@ impl ThreadComm {
             .collect()
     }
 
+    /// The abort every rank of this world sees, if any rank aborted.
+    pub(crate) fn aborted(&self) -> Option<CommError> {
+        self.shared.aborted()
+    }
+
     fn check_peer(&self, peer: usize) -> Result<(), CommError> {
         let world = self.world();
         if peer < world {

@@ -85,6 +85,12 @@ pub enum WireError {
         /// The dtype.
         dtype: DType,
     },
+    /// A malformed message envelope between rank processes ([`super::envelope`]).
+    #[error("malformed message envelope: {message}")]
+    Envelope {
+        /// What is wrong.
+        message: String,
+    },
     /// Reading the tensor's elements or building the tensor failed.
     #[error("tensor wire form: {message}")]
     Tensor {
