@@ -30,8 +30,10 @@ use candle_core::{DType, Device, Tensor};
 use graphpp_models::{stage_parameters, StageOptions};
 use graphpp_schedule::{generate, lower, Interval, LowerOptions, Schedule};
 
+use crate::mesh::Coords;
+
 use crate::clip::{clip_scale, local_sq_norm, scale_grads};
-use crate::comm::{Comm, Group, Pending};
+use crate::comm::{Comm, Group, Pending, Tag, TagKind};
 use crate::mesh::Mesh;
 use crate::optim::{AdamW, OptimError, M_PREFIX, STEP_KEY, V_PREFIX};
 use crate::pipeline::{run_rank, RankOptions};
@@ -68,10 +70,26 @@ pub struct RankStepReport {
     pub grad_norm: f64,
     /// Learning rate used.
     pub lr: f64,
-    /// This rank's measured intervals (seconds since the step's start, `rank` = schedule rank).
+    /// Measured intervals (seconds since the step's start on the rank that ran them, `rank` =
+    /// schedule rank): on the leader (world rank 0) those of every rank of replica 0, gathered;
+    /// on any other rank its own.
     pub intervals: Vec<Interval>,
-    /// Peak memory of this rank during the step, bytes (see [`crate::StepReport::peak_bytes`]).
-    pub peak_bytes: u64,
+    /// Peak memory of every rank during the step, bytes, index = world rank (see
+    /// [`crate::StepReport::peak_bytes`]); the same on every rank.
+    pub peak_bytes: Vec<u64>,
+}
+
+/// What a [`TagKind::Gather`] message carries (its tag's `stage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gathered {
+    /// A step's intervals: `[n, 2]` f64 (start, end) in program order.
+    Intervals = 0,
+    /// A parameter or optimizer-moment tensor, in the sender's [`RankTrainer::owned`] order.
+    State = 1,
+}
+
+fn gather_tag(what: Gathered, item: usize) -> Tag {
+    Tag { kind: TagKind::Gather, stage: what as usize, mb: item }
 }
 
 /// A parameter held on more than one rank: the group of its holders.
@@ -92,6 +110,10 @@ pub struct RankTrainer {
     data_parallel: Group,
     /// This rank's replica (`0..dp`).
     replica: usize,
+    mesh: Mesh,
+    /// For every world rank of replica 0, the parameters it is the lowest holder of (it sends
+    /// them and their optimizer moments to the leader), names sorted.
+    owned: BTreeMap<usize, Vec<String>>,
     /// `None` after a failed step (the stages were lost or are inconsistent).
     work: Option<GraphStages>,
     optim: AdamW,
@@ -179,7 +201,12 @@ impl RankTrainer {
         let mut copies = Vec::new();
         let mut all_names = Vec::with_capacity(holders.len());
         let mut counts_here = Vec::with_capacity(holders.len());
+        let mut owned: BTreeMap<usize, Vec<String>> = BTreeMap::new();
         for (name, hs) in holders {
+            if let Some(&first) = hs.first() {
+                let owner = mesh.rank_of(Coords { pp: first, dp: 0 }).map_err(|e| mismatch(e.to_string()))?;
+                owned.entry(owner).or_default().push(name.clone());
+            }
             if hs.len() > 1 && hs.contains(&me) {
                 let ranks = hs.iter().map(|&r| pipeline.ranks()[r]).collect();
                 copies
@@ -197,6 +224,8 @@ impl RankTrainer {
             world,
             data_parallel,
             replica,
+            mesh,
+            owned,
             work: Some(work),
             optim,
             step: 0,
@@ -266,17 +295,11 @@ impl RankTrainer {
         let outcome =
             run_rank(&self.schedule, &self.pipeline, work, &*self.comm, &opts).map_err(VerifyError::from)?;
         let mut work = outcome.work;
-        match self.update(&mut work) {
-            Ok((loss, grad_norm, lr, peak_bytes)) => {
+        let updated = self.update(&mut work).and_then(|u| Ok((u, self.gather_intervals(outcome.intervals)?)));
+        match updated {
+            Ok(((loss, grad_norm, lr, peak_bytes), intervals)) => {
                 self.work = Some(work);
-                Ok(RankStepReport {
-                    step: self.step,
-                    loss,
-                    grad_norm,
-                    lr,
-                    intervals: outcome.intervals,
-                    peak_bytes,
-                })
+                Ok(RankStepReport { step: self.step, loss, grad_norm, lr, intervals, peak_bytes })
             }
             Err(e) => {
                 self.comm.abort(&format!("rank {}: {e}", self.comm.rank()));
@@ -307,33 +330,40 @@ impl RankTrainer {
     }
 
     /// The collectives and the optimizer step after the pipeline run; returns (loss, norm, lr,
-    /// peak bytes).
-    fn update(&mut self, work: &mut GraphStages) -> Result<(f64, f64, f64, u64), TrainError> {
+    /// peak bytes of every rank).
+    fn update(&mut self, work: &mut GraphStages) -> Result<(f64, f64, f64, Vec<u64>), TrainError> {
         let timeout = self.setup.timeout;
         let m = self.setup.shape.microbatches;
-        // Loss: [2, m] (loss, count) summed over the world.
-        let mut rows = vec![0.0f64; 2 * m];
+        let world = self.comm.world();
+        // Summed over the world: m losses, m counts (where this rank holds the last stage), then
+        // each rank's peak bytes at its own index.
+        let mut rows = vec![0.0f64; 2 * m + world];
         for (&mb, &l) in work.losses() {
             if mb < m {
                 rows[mb] = l;
                 rows[m + mb] = 1.0;
             }
         }
-        let t = Tensor::from_vec(rows, (2, m), &Device::Cpu)?;
-        let summed = self.comm.all_reduce(&self.world, &t)?.wait(timeout)?.to_dtype(DType::F64)?;
-        let summed: Vec<Vec<f64>> = summed.to_vec2()?;
-        let replicas = self.setup.dp as f64;
-        if let Some(mb) = summed[1].iter().position(|&c| c != replicas) {
-            return Err(TrainError::Data(format!(
-                "microbatch {mb} has {} losses, {replicas} expected",
-                summed[1][mb]
-            )));
-        }
-        let loss = summed[0].iter().sum::<f64>() / (m * self.setup.dp) as f64;
         let params_bytes = env_bytes(
             work.stages().values().flat_map(|s| s.parameter_names().iter().filter_map(|n| s.state().get(n))),
         );
-        let peak = (work.state_bytes() + 2 * params_bytes + work.peak_activation_bytes()) as u64;
+        rows[2 * m + self.comm.rank()] =
+            (work.state_bytes() + 2 * params_bytes + work.peak_activation_bytes()) as f64;
+        let n = rows.len();
+        let t = Tensor::from_vec(rows, n, &Device::Cpu)?;
+        let summed: Vec<f64> =
+            self.comm.all_reduce(&self.world, &t)?.wait(timeout)?.to_dtype(DType::F64)?.to_vec1()?;
+        let (losses, rest) = summed.split_at(m);
+        let (counts, peaks) = rest.split_at(m);
+        let replicas = self.setup.dp as f64;
+        if let Some(mb) = counts.iter().position(|&c| c != replicas) {
+            return Err(TrainError::Data(format!(
+                "microbatch {mb} has {} losses, {replicas} expected",
+                counts[mb]
+            )));
+        }
+        let loss = losses.iter().sum::<f64>() / (m * self.setup.dp) as f64;
+        let peak: Vec<u64> = peaks.iter().map(|&b| b as u64).collect();
         // Sum of the copies' gradients.
         let local: Vec<(String, Tensor)> =
             work.stages_mut().values_mut().flat_map(|s| s.take_grads()).collect();
@@ -391,6 +421,108 @@ impl RankTrainer {
         }
         self.step += 1;
         Ok((loss, sq.sqrt(), lr, peak))
+    }
+
+    /// The leader (world rank 0) receives the intervals of every other rank of replica 0 and
+    /// returns all of replica 0's; every other rank of replica 0 sends its own (an `[n, 2]` f64
+    /// tensor of start and end in program order, matched with the schedule's program there).
+    /// Other replicas keep theirs.
+    fn gather_intervals(&self, mine: Vec<Interval>) -> Result<Vec<Interval>, TrainError> {
+        let (rank, timeout) = (self.comm.rank(), self.setup.timeout);
+        let coords = self.mesh.coords(rank).map_err(|e| mismatch(e.to_string()))?;
+        if coords.dp != 0 {
+            return Ok(mine);
+        }
+        if rank != 0 {
+            let times: Vec<f64> = mine.iter().flat_map(|i| [i.start, i.end]).collect();
+            let t = Tensor::from_vec(times, (mine.len(), 2), &Device::Cpu)?;
+            self.comm.send(0, gather_tag(Gathered::Intervals, 0), t)?;
+            return Ok(mine);
+        }
+        let mut all = mine;
+        for pp in 1..self.mesh.pp() {
+            let from = self.mesh.rank_of(Coords { pp, dp: 0 }).map_err(|e| mismatch(e.to_string()))?;
+            let times: Vec<Vec<f64>> =
+                self.comm.recv(from, gather_tag(Gathered::Intervals, 0), timeout)?.to_vec2()?;
+            let program = self.schedule.program(pp);
+            if times.len() != program.len() {
+                return Err(mismatch(format!(
+                    "rank {from} reported {} intervals for a program of {} actions",
+                    times.len(),
+                    program.len()
+                )));
+            }
+            all.extend(program.iter().zip(times).map(|(a, t)| Interval {
+                rank: pp,
+                start: t[0],
+                end: t[1],
+                action: *a,
+            }));
+        }
+        Ok(all)
+    }
+
+    /// The names this rank sends in [`RankTrainer::gather_state`], in order: each parameter it
+    /// owns, then (with `optimizer`) its AdamW moments.
+    fn owned_keys(&self, rank: usize, optimizer: bool) -> Vec<String> {
+        let names = self.owned.get(&rank).map(Vec::as_slice).unwrap_or_default();
+        let mut keys: Vec<String> = names.to_vec();
+        if optimizer {
+            keys.extend(names.iter().flat_map(|n| [format!("{M_PREFIX}{n}"), format!("{V_PREFIX}{n}")]));
+        }
+        keys
+    }
+
+    /// Every distinct parameter of the model (and, with `optimizer`, its AdamW moments and
+    /// `adam.step`), gathered to the leader: every rank of the world calls it at the same point;
+    /// each parameter's owner (its lowest holder in replica 0) sends its tensors to world rank
+    /// 0, which returns them all; the others return `None`.
+    ///
+    /// # Errors
+    /// [`TrainError::Poisoned`]; [`TrainError::Comm`] (a timeout, an abort);
+    /// [`TrainError::Optim`] for a missing moment.
+    pub fn gather_state(&self, optimizer: bool) -> Result<Option<BTreeMap<String, Tensor>>, TrainError> {
+        let rank = self.comm.rank();
+        let mut local = self.parameters()?;
+        if optimizer {
+            local.extend(self.optimizer_state()?);
+        }
+        let mine = self.owned_keys(rank, optimizer);
+        let missing = |k: &String| mismatch(format!("rank {rank} holds no {k} to gather"));
+        if rank != 0 {
+            for (i, k) in mine.iter().enumerate() {
+                let t = local.get(k).ok_or_else(|| missing(k))?;
+                self.comm.send(0, gather_tag(Gathered::State, i), t.clone())?;
+            }
+            return Ok(None);
+        }
+        let mut out = BTreeMap::new();
+        for k in &mine {
+            out.insert(k.clone(), local.get(k).ok_or_else(|| missing(k))?.clone());
+        }
+        if optimizer {
+            out.insert(
+                STEP_KEY.to_string(),
+                local.get(STEP_KEY).ok_or_else(|| missing(&STEP_KEY.to_string()))?.clone(),
+            );
+        }
+        for &from in self.owned.keys().filter(|&&r| r != 0) {
+            for (i, k) in self.owned_keys(from, optimizer).into_iter().enumerate() {
+                let t = self.comm.recv(from, gather_tag(Gathered::State, i), self.setup.timeout)?;
+                out.insert(k, t);
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// Whether `flag` is set on any rank of the world (an all-reduce; every rank calls it).
+    ///
+    /// # Errors
+    /// [`TrainError::Comm`].
+    pub fn any(&self, flag: bool) -> Result<bool, TrainError> {
+        let t = Tensor::new(&[if flag { 1f32 } else { 0.0 }], &Device::Cpu)?;
+        let sum: Vec<f32> = self.comm.all_reduce(&self.world, &t)?.wait(self.setup.timeout)?.to_vec1()?;
+        Ok(sum[0] > 0.0)
     }
 
     /// This rank's parameters by name (copies on one rank are equal; one is taken).

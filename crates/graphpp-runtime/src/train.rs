@@ -1,16 +1,20 @@
 //! Training steps under a pipeline schedule: the per-step loop that `graphpp train` drives
 //! (docs/ARCHITECTURE.md "Runtime" → Executor of a schedule; issue 4, "Schedule executor").
 //!
-//! A [`Trainer`] is a harness over [`RankTrainer`]s: the lowered schedule and one rank trainer
-//! per rank (graphs built once, reused every step), each over its end of a
-//! [`ThreadComm::world`]. [`Trainer::step`] runs every rank's [`RankTrainer::step_at`] on its own
-//! thread: the pipeline run, then, as Megatron-LM does after the last backward, the copies'
-//! gradient all-reduce, the global norm clip and the local AdamW step — all over the
-//! communicator (see [`crate::rank_train`]).
+//! A [`Trainer`] is the part of a training run that lives in this process: the lowered schedule
+//! and the [`RankTrainer`]s of the ranks this process runs (graphs built once, reused every
+//! step) — every rank, each over its end of a [`ThreadComm::world`] ([`Trainer::new`]), or one
+//! rank over a communicator whose other ranks are other processes ([`Trainer::on_comm`], e.g.
+//! `MpiComm` under `mpirun`). [`Trainer::step`] runs each local rank's [`RankTrainer::step_at`]
+//! (on its own thread when there are several): the pipeline run, then, as Megatron-LM does
+//! after the last backward, the copies' gradient all-reduce, the data-parallel mean, the global
+//! norm clip and the local AdamW step — all over the communicator (see [`crate::rank_train`]).
 //!
-//! State access ([`Trainer::parameters`], [`Trainer::optimizer_state`], [`Trainer::load_state`],
-//! [`Trainer::evaluate`], [`Trainer::generate`]) still gathers from the rank trainers in this
-//! process.
+//! Whole-model work happens on the *leader*, the process that runs world rank 0: every process
+//! calls [`Trainer::gather_state`], [`Trainer::evaluate`] and [`Trainer::generate`] at the same
+//! point of the run; the parameters travel to the leader, which returns the result, and the
+//! other processes get `None`. [`Trainer::load_state`] is local: every process reads the same
+//! saved state and takes what its ranks hold.
 //!
 //! Both DualPipe copies receive the same summed gradient and have the same optimizer state, so
 //! they stay bitwise equal. Evaluation and text generation run one forward of the whole model on
@@ -26,7 +30,7 @@ use graphpp_graph::Graph;
 use graphpp_models::{build_stage, split_layers, stage_buffers, LlamaConfig, Recompute, StageOptions};
 use graphpp_schedule::{Kind, Options, Schedule, Shape, Timeline};
 
-use crate::comm::ThreadComm;
+use crate::comm::{Comm, ThreadComm};
 use crate::executor::{run_named, tensor_from_f64, tensor_u32, to_f64, RunOptions};
 use crate::lr::CosineSchedule;
 use crate::mesh::Mesh;
@@ -133,20 +137,21 @@ pub struct StepReport {
     pub grad_norm: f64,
     /// Learning rate used.
     pub lr: f64,
-    /// Measured timeline of the pipeline run (seconds since the step began).
+    /// Measured timeline of the pipeline run of replica 0 (seconds since the step began on each
+    /// rank); complete on the leader, only this process's ranks elsewhere.
     pub timeline: Timeline,
-    /// Peak memory of each rank during the step, bytes (index = world rank): parameters, buffers,
+    /// Peak memory of every rank during the step, bytes (index = world rank): parameters, buffers,
     /// gradient accumulators and AdamW moments, plus the rank's activation peak
     /// ([`GraphStages::peak_activation_bytes`]). Logical tensor sizes, not allocator figures.
     pub peak_bytes: Vec<u64>,
 }
 
-/// A training run in progress: one [`RankTrainer`] per rank, each on its own thread over its end
-/// of a [`ThreadComm::world`] (see the module doc).
+/// This process's part of a training run: the [`RankTrainer`]s of its ranks (see the module doc).
 #[derive(Debug)]
 pub struct Trainer {
     setup: TrainSetup,
     schedule: Arc<Schedule>,
+    /// This process's ranks, in world-rank order.
     ranks: Vec<RankTrainer>,
     poisoned: bool,
     step: u64,
@@ -171,6 +176,80 @@ impl Trainer {
             .map(|c| RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, Arc::new(c)))
             .collect::<Result<_, _>>()?;
         Ok(Trainer { setup, schedule, ranks, poisoned: false, step: 0, inference: HashMap::new() })
+    }
+
+    /// Builds the one rank `comm.rank()` of a world of processes (world = p × dp ranks).
+    ///
+    /// # Errors
+    /// As [`Trainer::new`]; [`TrainError::Setup`] when the communicator's world is not p × dp.
+    pub fn on_comm(setup: TrainSetup, comm: Arc<dyn Comm>) -> Result<Self, TrainError> {
+        let schedule = Arc::new(train_schedule(&setup)?);
+        let p = schedule.num_ranks();
+        let mesh =
+            Mesh::for_world(comm.world(), p, setup.dp).map_err(|e| VerifyError::Mismatch(e.to_string()))?;
+        let rank = RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, comm)?;
+        Ok(Trainer {
+            setup,
+            schedule,
+            ranks: vec![rank],
+            poisoned: false,
+            step: 0,
+            inference: HashMap::new(),
+        })
+    }
+
+    /// Whether this process runs world rank 0, where gathered state and results arrive.
+    pub fn is_leader(&self) -> bool {
+        self.ranks.first().is_some_and(|r| r.rank() == 0)
+    }
+
+    /// Whether this process runs every rank of the world.
+    fn holds_world(&self) -> bool {
+        self.ranks.len() == self.schedule.num_ranks() * self.setup.dp
+    }
+
+    /// Runs `f` on every local rank, on its own thread when there are several; results in rank
+    /// order.
+    fn on_each<R: Send>(&mut self, f: impl Fn(&mut RankTrainer) -> R + Sync) -> Vec<R> {
+        if let [one] = self.ranks.as_mut_slice() {
+            return vec![f(one)];
+        }
+        let f = &f;
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = self.ranks.iter_mut().map(|r| scope.spawn(move || f(r))).collect();
+            handles.into_iter().map(|h| h.join().expect("a rank does not panic")).collect()
+        })
+    }
+
+    /// Whether `flag` is set in any process of the run (e.g. a stop request seen by one
+    /// process); every process calls it at the same point.
+    ///
+    /// # Errors
+    /// [`TrainError::Comm`]; [`TrainError::Poisoned`].
+    pub fn any(&self, flag: bool) -> Result<bool, TrainError> {
+        if self.holds_world() {
+            return Ok(flag);
+        }
+        self.ranks.first().ok_or(TrainError::Poisoned)?.any(flag)
+    }
+
+    /// Every distinct parameter (and, with `optimizer`, its AdamW moments and `adam.step`),
+    /// gathered to the leader (see [`RankTrainer::gather_state`]); `None` in other processes.
+    /// Every process calls it at the same point.
+    ///
+    /// # Errors
+    /// [`TrainError::Poisoned`] after a failed step; [`TrainError::Comm`].
+    pub fn gather_state(&mut self, optimizer: bool) -> Result<Option<BTreeMap<String, Tensor>>, TrainError> {
+        if self.poisoned {
+            return Err(TrainError::Poisoned);
+        }
+        let mut leader = None;
+        for r in self.on_each(|r| r.gather_state(optimizer)) {
+            if let Some(state) = r? {
+                leader = Some(state);
+            }
+        }
+        Ok(leader)
     }
 
     /// The lowered schedule every step runs.
@@ -219,17 +298,8 @@ impl Trainer {
         }
         let data = Arc::new(data);
         let start = Instant::now();
-        let results: Vec<Result<RankStepReport, TrainError>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = self
-                .ranks
-                .iter_mut()
-                .map(|r| {
-                    let data = Arc::clone(&data);
-                    scope.spawn(move || r.step_at(data, start))
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("a rank step does not panic")).collect()
-        });
+        let results: Vec<Result<RankStepReport, TrainError>> =
+            self.on_each(|r| r.step_at(Arc::clone(&data), start));
         let mut reports = Vec::with_capacity(results.len());
         let mut errors = Vec::new();
         for r in results {
@@ -242,30 +312,32 @@ impl Trainer {
             self.poisoned = true;
             return Err(first_train_failure(errors));
         }
-        let first = reports[0].clone();
-        let peak_bytes = reports.iter().map(|r| r.peak_bytes).collect();
-        // The timeline of replica 0 (ranks 0..p; the other replicas run the same program).
-        let p = self.schedule.num_ranks();
-        let intervals = reports.into_iter().take(p).flat_map(|r| r.intervals).collect();
+        // The first local rank: the leader where it is local, whose intervals are replica 0's.
+        let first = reports.swap_remove(0);
         self.step = first.step;
         Ok(StepReport {
             step: first.step,
             loss: first.loss,
             grad_norm: first.grad_norm,
             lr: first.lr,
-            timeline: Timeline { ranks: self.schedule.num_ranks(), intervals, unit: "s".into() },
-            peak_bytes,
+            timeline: Timeline {
+                ranks: self.schedule.num_ranks(),
+                intervals: first.intervals,
+                unit: "s".into(),
+            },
+            peak_bytes: first.peak_bytes,
         })
     }
 
-    /// Every distinct parameter of the model by name (DualPipe's copies are equal; one is taken),
-    /// gathered from the rank trainers.
+    /// The parameters held in this process by name (DualPipe's copies are equal; one is taken):
+    /// every distinct parameter of the model when this process runs every rank
+    /// ([`Trainer::new`]); see [`Trainer::gather_state`] otherwise.
     pub fn parameters(&self) -> BTreeMap<String, Tensor> {
         self.ranks.iter().filter_map(|r| r.parameters().ok()).flatten().collect()
     }
 
-    /// The optimizer state of every distinct parameter (`adam.m.<name>`, `adam.v.<name>`) and
-    /// `adam.step` (i64 scalar), gathered from the rank trainers.
+    /// The optimizer state of the parameters held in this process (`adam.m.<name>`,
+    /// `adam.v.<name>`) and `adam.step` (i64 scalar); see [`Trainer::parameters`].
     ///
     /// # Errors
     /// [`TrainError::Optim`] from [`AdamW::state_dict`](crate::AdamW::state_dict).
@@ -329,21 +401,28 @@ impl Trainer {
         Ok(g)
     }
 
-    /// Parameters and buffers for an inference graph.
-    fn inference_env(&self) -> Result<Env, TrainError> {
-        let mut env: Env = self.parameters().into_iter().collect();
+    /// Parameters (gathered to the leader) and buffers for an inference graph; `None` outside
+    /// the leader.
+    fn inference_env(&mut self) -> Result<Option<Env>, TrainError> {
+        let Some(params) = self.gather_state(false)? else { return Ok(None) };
+        let mut env: Env = params.into_iter().collect();
         for (name, shape, data) in stage_buffers(&self.setup.model, self.setup.seq) {
             env.insert(name, tensor_from_f64(&data, &shape, self.setup.dtype)?);
         }
-        Ok(env)
+        Ok(Some(env))
     }
 
     /// Mean token loss (nats per token) of the current parameters over `batches`, each a pair
-    /// (inputs, targets) of `batch × T` row-major token ids, on one device.
+    /// (inputs, targets) of `batch × T` row-major token ids, on the leader's device; `None` in
+    /// the other processes (every process calls it at the same point).
     ///
     /// # Errors
     /// [`TrainError::Data`] for a batch of the wrong length or no batches.
-    pub fn evaluate(&mut self, batches: &[(Vec<u32>, Vec<u32>)], batch: usize) -> Result<f64, TrainError> {
+    pub fn evaluate(
+        &mut self,
+        batches: &[(Vec<u32>, Vec<u32>)],
+        batch: usize,
+    ) -> Result<Option<f64>, TrainError> {
         let n = batch * self.setup.seq;
         if batches.is_empty() || batches.iter().any(|(x, y)| x.len() != n || y.len() != n) {
             return Err(TrainError::Data(format!(
@@ -351,8 +430,8 @@ impl Trainer {
                 self.setup.seq
             )));
         }
+        let Some(mut env) = self.inference_env()? else { return Ok(None) };
         let g = self.inference_graph(batch, false)?;
-        let mut env = self.inference_env()?;
         let mut sum = 0.0;
         for (x, y) in batches {
             env.insert(TOKENS.into(), tensor_u32(x, &[batch, self.setup.seq])?);
@@ -361,12 +440,13 @@ impl Trainer {
             let loss = r.output(&g, LOSS).ok_or_else(|| TrainError::Data("no loss output".into()))?;
             sum += to_f64(loss)?[0];
         }
-        Ok(sum / batches.len() as f64)
+        Ok(Some(sum / batches.len() as f64))
     }
 
     /// Continues `prompt` by `count` tokens: each step runs the model over the last `T` tokens
     /// (right-padded with 0 while shorter; causal attention keeps the padding invisible) and
-    /// draws from the logits at the last real position with [`sample_next`].
+    /// draws from the logits at the last real position with [`sample_next`]. On the leader;
+    /// `None` in the other processes (every process calls it at the same point).
     ///
     /// # Errors
     /// [`TrainError::Data`] for an empty prompt or a token id outside the vocabulary;
@@ -378,13 +458,13 @@ impl Trainer {
         temperature: f32,
         top_k: usize,
         rng: &mut u64,
-    ) -> Result<Vec<u32>, TrainError> {
+    ) -> Result<Option<Vec<u32>>, TrainError> {
         let (t, vocab) = (self.setup.seq, self.setup.model.vocab_size);
         if prompt.is_empty() || prompt.iter().any(|&x| x as usize >= vocab) {
             return Err(TrainError::Data(format!("a prompt needs 1 or more token ids below {vocab}")));
         }
+        let Some(mut env) = self.inference_env()? else { return Ok(None) };
         let g = self.inference_graph(1, true)?;
-        let mut env = self.inference_env()?;
         let mut text = prompt.to_vec();
         for _ in 0..count {
             let window = &text[text.len().saturating_sub(t)..];
@@ -396,7 +476,7 @@ impl Trainer {
             let row: Vec<f32> = logits.get(window.len() - 1)?.to_vec1()?;
             text.push(sample_next(&row, temperature, top_k, rng)?);
         }
-        Ok(text.split_off(prompt.len()))
+        Ok(Some(text.split_off(prompt.len())))
     }
 }
 

@@ -153,3 +153,70 @@ fn dp_must_divide_the_batch() {
     let e = Trainer::new(TrainSetup { dp: 0, ..setup(Kind::OneFOneB, 2, 1, 2) }).unwrap_err();
     assert!(matches!(e, graphpp_runtime::TrainError::BatchNotDivisible { batch: 1, dp: 0 }), "{e}");
 }
+
+/// One `Trainer::on_comm` per rank over `loopback` (every message through its byte form, as
+/// between MPI processes), DualPipe p=2 × dp=2: losses and norms equal the thread harness
+/// bitwise; only the leader gets the gathered state, equal to the harness's parameters and
+/// AdamW state; the leader's timeline holds every action of replica 0; peak bytes cover the
+/// world on every rank; a stop flag set on one rank is seen by all.
+#[test]
+fn process_trainers_over_a_byte_link_equal_the_harness_and_gather_to_the_leader() {
+    use graphpp_runtime::comm::{loopback, Comm};
+    let s = TrainSetup { batch: 2, dp: 2, ..setup(Kind::DualPipe, 2, 2, 4) };
+    let mut harness = Trainer::new(s.clone()).unwrap();
+    let comms: Vec<Arc<dyn Comm>> = loopback(4).into_iter().map(|c| Arc::new(c) as Arc<dyn Comm>).collect();
+    let mut trainers: Vec<Trainer> =
+        comms.into_iter().map(|c| Trainer::on_comm(s.clone(), c).unwrap()).collect();
+    assert_eq!(trainers.iter().map(Trainer::is_leader).collect::<Vec<_>>(), [true, false, false, false]);
+    let schedule = harness.schedule().clone();
+    for k in 0..2 {
+        let data = random_microbatches(256, 4, 2, 8, 20 + k).unwrap();
+        let want = harness.step(data.clone()).unwrap();
+        let reports: Vec<_> = std::thread::scope(|scope| {
+            let hs: Vec<_> = trainers
+                .iter_mut()
+                .map(|t| {
+                    let d = data.clone();
+                    scope.spawn(move || t.step(d).unwrap())
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, r) in reports.iter().enumerate() {
+            assert_eq!(r.loss.to_bits(), want.loss.to_bits(), "step {k} rank {rank}: loss");
+            assert_eq!(r.grad_norm.to_bits(), want.grad_norm.to_bits(), "step {k} rank {rank}: norm");
+            assert_eq!(r.peak_bytes.len(), 4);
+            assert_eq!(r.peak_bytes, want.peak_bytes, "step {k} rank {rank}: peaks");
+        }
+        let actions = |t: &graphpp_schedule::Timeline, rank: usize| {
+            t.intervals.iter().filter(|i| i.rank == rank).count()
+        };
+        for pp in 0..2 {
+            assert_eq!(
+                actions(&reports[0].timeline, pp),
+                schedule.program(pp).len(),
+                "leader's timeline, rank {pp}"
+            );
+        }
+        assert_eq!(actions(&reports[1].timeline, 0), 0, "rank 1 keeps only its own intervals");
+    }
+    let gathered: Vec<_> = std::thread::scope(|scope| {
+        let hs: Vec<_> =
+            trainers.iter_mut().map(|t| scope.spawn(move || t.gather_state(true).unwrap())).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(gathered[1..].iter().all(Option::is_none));
+    let got = gathered[0].as_ref().unwrap();
+    let mut want = harness.parameters();
+    want.extend(harness.optimizer_state().unwrap());
+    assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+    for (name, t) in &want {
+        assert!(common::same(&got[name], t), "{name} differs");
+    }
+    let stops: Vec<bool> = std::thread::scope(|scope| {
+        let hs: Vec<_> =
+            trainers.iter().enumerate().map(|(r, t)| scope.spawn(move || t.any(r == 3).unwrap())).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(stops, [true; 4]);
+}

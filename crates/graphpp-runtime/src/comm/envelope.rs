@@ -6,7 +6,7 @@
 //! 0       2      magic b"GE"
 //! 2       1      format version (1)
 //! 3       1      kind: 0 message, 1 contribution, 2 abort
-//! message:       tag kind u8 (0 activation, 1 gradient), stage u64, mb u64, tensor (wire form)
+//! message:       tag kind u8 (0 activation, 1 gradient, 2 gather), stage u64, mb u64, tensor (wire form)
 //! contribution:  op u8 (CollectiveOp code), seq u64, group name (u32 length + UTF-8),
 //!                ranks (u32 count + u64 each), has-tensor u8, tensor (wire form) when 1
 //! abort:         reason (u32 length + UTF-8)
@@ -87,6 +87,7 @@ impl Envelope {
                 out.push(match tag.kind {
                     TagKind::Activation => 0,
                     TagKind::Gradient => 1,
+                    TagKind::Gather => 2,
                 });
                 out.extend_from_slice(&(tag.stage as u64).to_le_bytes());
                 out.extend_from_slice(&(tag.mb as u64).to_le_bytes());
@@ -138,6 +139,7 @@ impl Envelope {
                 let kind = match r.u8()? {
                     0 => TagKind::Activation,
                     1 => TagKind::Gradient,
+                    2 => TagKind::Gather,
                     k => return Err(bad(format!("unknown tag kind {k}"))),
                 };
                 let stage = r.usize()?;

@@ -49,6 +49,10 @@ pub enum TagKind {
     Activation,
     /// Gradient flowing backward into `stage` (the gradient of its output).
     Gradient,
+    /// State or measurements sent to the leader (world rank 0) outside the schedule — a
+    /// checkpoint's tensors, a step's intervals: `stage` names what is gathered
+    /// (`crate::rank_train`), `mb` the item.
+    Gather,
 }
 
 /// A point-to-point message tag: kind, receiving stage, microbatch.
