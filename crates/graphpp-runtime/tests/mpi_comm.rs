@@ -118,7 +118,7 @@ fn collectives_and_messages_between_processes_equal_the_serial_results() {
     }
     c.barrier(&world).unwrap().wait(T).unwrap();
     println!("rank {me} ok");
-    c.finish(false);
+    c.finish();
 }
 
 #[test]
@@ -146,5 +146,5 @@ fn an_abort_reaches_every_process_at_once_naming_the_failed_rank() {
         println!("rank {me} ok");
     }
     // Every rank still finalizes cleanly: the abort is graphpp's, not MPI's.
-    c.finish(false);
+    c.finish();
 }

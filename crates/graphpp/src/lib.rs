@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod launch;
 pub mod metrics;
 pub mod pretrained;
 pub mod report;

@@ -15,13 +15,14 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::Tensor;
 use graphpp_models::{LlamaConfig, Recompute};
 use graphpp_runtime::executor::{tensor_u32, to_f64};
 use graphpp_runtime::{
-    AdamWConfig, CosineSchedule, LrError, Microbatches, StepReport, TrainError, TrainSetup, Trainer,
+    AdamWConfig, Comm, CosineSchedule, LrError, Microbatches, StepReport, TrainError, TrainSetup, Trainer,
 };
 use graphpp_schedule::{Kind, Options, Shape};
 use serde::{Deserialize, Serialize};
@@ -248,14 +249,23 @@ pub struct Run {
 }
 
 impl Run {
-    /// Reads the corpus (fetching Shakespeare on first use), builds the pipeline and the initial
-    /// weights. Nothing is written.
+    /// Reads the corpus (fetching Shakespeare on first use), builds the pipeline, every rank a
+    /// thread of this process, and the initial weights. Nothing is written.
     ///
     /// # Errors
     /// [`RunError::Config`], [`RunError::Data`] (missing path, not UTF-8, too short),
     /// [`RunError::Lr`], [`RunError::Train`] (the schedule does not fit the shape, the layers do
     /// not divide into the stages).
     pub fn new(config: RunConfig) -> Result<Self, RunError> {
+        Run::with_comm(config, None)
+    }
+
+    /// As [`Run::new`]; with `comm`, this process runs only the rank `comm.rank()` of a world of
+    /// processes (ranks × dp of them), each of which builds its `Run` with the same settings.
+    ///
+    /// # Errors
+    /// As [`Run::new`]; [`RunError::Train`] when the world is not ranks × dp.
+    pub fn with_comm(config: RunConfig, comm: Option<Arc<dyn Comm>>) -> Result<Self, RunError> {
         config.validate()?;
         let text_path = match &config.data {
             Some(p) => p.clone(),
@@ -274,7 +284,11 @@ impl Run {
         let val_split_len = val.len();
         let (x, y) = data::sample(val, VAL_SEQUENCES, t, VAL_STREAM);
         let val = x.chunks(t * 8).zip(y.chunks(t * 8)).map(|(a, b)| (a.to_vec(), b.to_vec())).collect();
-        let mut trainer = Trainer::new(train_setup(&config)?)?;
+        let setup = train_setup(&config)?;
+        let mut trainer = match comm {
+            Some(c) => Trainer::on_comm(setup, c)?,
+            None => Trainer::new(setup)?,
+        };
         if let Some(dir) = &config.init_from {
             let weights = crate::pretrained::load_weights(dir, &config.model)?;
             trainer.load_parameters(&weights.into_iter().collect())?;
@@ -304,6 +318,12 @@ impl Run {
     /// The trainer (schedule, stages).
     pub fn trainer(&self) -> &Trainer {
         &self.trainer
+    }
+
+    /// Whether this process is the run's leader (world rank 0): it gets the gathered results
+    /// and writes the checkpoints.
+    pub fn is_leader(&self) -> bool {
+        self.trainer.is_leader()
     }
 
     /// Optimizer steps completed.
@@ -341,32 +361,35 @@ impl Run {
         Ok(self.trainer.step(data)?)
     }
 
-    /// Validation loss (nats per byte) over the fixed validation windows.
+    /// Validation loss (nats per byte) over the fixed validation windows, on the leader; `None`
+    /// in the other processes (every process calls it at the same point).
     ///
     /// # Errors
     /// [`RunError::Train`] when the forward fails.
-    pub fn evaluate(&mut self) -> Result<f64, RunError> {
+    pub fn evaluate(&mut self) -> Result<Option<f64>, RunError> {
         Ok(self.trainer.evaluate(&self.val, 8)?)
     }
 
-    /// Continues `prompt` by `count` bytes (temperature 0.8, top-k 40, seeded by the run's seed).
+    /// Continues `prompt` by `count` bytes (temperature 0.8, top-k 40, seeded by the run's seed),
+    /// on the leader; `None` in the other processes.
     ///
     /// # Errors
     /// [`RunError::Train`] for an empty prompt or NaN logits.
-    pub fn sample(&mut self, prompt: &str, count: usize) -> Result<String, RunError> {
+    pub fn sample(&mut self, prompt: &str, count: usize) -> Result<Option<String>, RunError> {
         let mut rng = self.config.seed ^ 0x5A3D_1E00;
         let ids = self.trainer.generate(&ByteTokenizer.encode(prompt), count, 0.8, 40, &mut rng)?;
-        Ok(ByteTokenizer.decode(&ids))
+        Ok(ids.map(|ids| ByteTokenizer.decode(&ids)))
     }
 
-    /// Writes a checkpoint of the current step into `dir` atomically; returns the sidecar path.
+    /// Writes a checkpoint of the current step into `dir` atomically: the state is gathered to
+    /// the leader, which writes it and returns the sidecar path; `None` in the other processes
+    /// (every process calls it at the same point).
     ///
     /// # Errors
-    /// [`RunError::Checkpoint`] for I/O failures.
-    pub fn save(&self, dir: &Path, val_loss: Option<f64>) -> Result<PathBuf, RunError> {
+    /// [`RunError::Checkpoint`] for I/O failures; [`RunError::Train`] when gathering fails.
+    pub fn save(&mut self, dir: &Path, val_loss: Option<f64>) -> Result<Option<PathBuf>, RunError> {
+        let Some(all) = self.trainer.gather_state(true)? else { return Ok(None) };
         let mut tensors = Vec::new();
-        let mut all = self.trainer.parameters();
-        all.extend(self.trainer.optimizer_state()?);
         for (name, t) in all {
             if name == graphpp_runtime::optim::STEP_KEY {
                 continue;
@@ -381,7 +404,7 @@ impl Run {
             val_loss,
         };
         let state = serde_json::to_value(state).map_err(|e| RunError::Config(e.to_string()))?;
-        Ok(checkpoint::save(dir, self.steps_done(), &tensors, state)?)
+        Ok(Some(checkpoint::save(dir, self.steps_done(), &tensors, state)?))
     }
 
     /// Continues from the checkpoint at `path` (a sidecar, or a folder: its newest checkpoint).

