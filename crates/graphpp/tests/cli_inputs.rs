@@ -286,3 +286,21 @@ fn spreadsheet_csv_validates_and_simulates() {
     has_all(&err, &["bad CSV schedule", "rank 1 (line 2), cell 2", "column 3", "1BW0"]);
     assert!(!err.contains('\u{feff}'), "{err}");
 }
+
+/// Started by `mpirun` (its environment says a world of 2) in a build without the `mpi`
+/// feature: refused before anything runs, saying how to build with MPI.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn mpirun_without_the_mpi_feature_is_refused() {
+    let out = Command::cargo_bin("graphpp")
+        .unwrap()
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .args(["train", "--steps", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("one of 2 processes, but this graphpp was built without MPI"), "{e}");
+    assert!(e.contains("--features mpi"), "{e}");
+    assert!(out.stdout.is_empty());
+}

@@ -237,7 +237,7 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { a.ranks * a.dp };
     let threads = crate::cmd::set_op_threads(local_ranks, a.threads_per_rank.map(|n| n as usize));
     // `_lock` holds the checkpoint folder for the whole run.
-    let (mut run, mut metrics, _lock) = start(&a, launch)?;
+    let (mut run, mut metrics, _lock) = start(a, launch)?;
     let c = run.config().clone();
     print_header(&run, threads)?;
     let last = a.stop_after.map_or(c.steps, |s| s.min(c.steps));
@@ -261,7 +261,7 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
         }
         let at_eval = (a.eval_every > 0 && r.step % a.eval_every == 0) || r.step == last;
         let timing = (secs, before + t_run.elapsed().as_secs_f64());
-        if let Some((v, path)) = after_step(&a, &mut run, &r, at_eval, timing, &pb, &mut metrics)? {
+        if let Some((v, path)) = after_step(a, &mut run, &r, at_eval, timing, &pb, &mut metrics)? {
             val = Some(v);
             saved_at = path.map(|p| (r.step, p));
         }
@@ -274,7 +274,7 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
         if run.trainer().any(signal.is_some())? {
             pb.finish_and_clear();
             let signal = signal.unwrap_or(StopSignal::Terminate);
-            return Err(interrupted(&a, &mut run, signal, saved_at)?.into());
+            return Err(interrupted(a, &mut run, signal, saved_at)?.into());
         }
     }
     pb.finish_and_clear();
@@ -284,7 +284,7 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
         out!("nothing to train: the run is at step {first} and ends at step {last}");
     }
     let ran = run.steps_done() - first;
-    summarise(&a, &mut run, &kept, val)?;
+    summarise(a, &mut run, &kept, val)?;
     if !run.is_leader() {
         return Ok(());
     }

@@ -1,0 +1,257 @@
+//! `graphpp train` with one process per rank under Open MPI's `mpirun` (cargo feature `mpi`;
+//! issue 8): the same losses as the threads run, checkpoints that resume under another layout,
+//! a world that does not fit the mesh refused before step 1, a killed rank that stops the run.
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use graphpp::checkpoint;
+
+fn exe() -> PathBuf {
+    assert_cmd::cargo::cargo_bin("graphpp")
+}
+
+/// `mpirun -n n graphpp …`, as root, more processes than cores allowed.
+fn mpirun(n: usize) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["--allow-run-as-root", "--oversubscribe", "-n", &n.to_string()]).arg(exe());
+    c
+}
+
+/// A 24 KB corpus with learnable structure.
+fn corpus(dir: &Path) -> PathBuf {
+    let lines =
+        ["To be, or not to be, that is the question:\n", "Whether 'tis nobler in the mind to suffer\n"];
+    let text: String = (0..300).map(|i| lines[i % 2]).collect();
+    let path = dir.join("corpus.txt");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The `graphpp train` arguments of these tests, plus `extra`.
+fn train_args(data: &Path, extra: &[&str]) -> Vec<String> {
+    let base = ["train", "--data", data.to_str().unwrap(), "--microbatch-size", "2", "--seq-len", "16"];
+    let more = ["--microbatches", "4", "--sample-bytes", "0", "--threads-per-rank", "1"];
+    base.iter().chain(&more).chain(extra).map(|s| s.to_string()).collect()
+}
+
+/// Runs `cmd`; returns (success, stdout, stderr).
+fn run(mut cmd: Command) -> (bool, String, String) {
+    let out = cmd.output().expect("mpirun runs (Debian: openmpi-bin)");
+    let o = String::from_utf8_lossy(&out.stdout).into_owned();
+    let e = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out.status.success(), o, e)
+}
+
+/// Each step's (loss, grad norm) from a `--metrics` file.
+fn losses(path: &Path) -> Vec<(f64, f64)> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["loss"].as_f64().unwrap(), v["grad_norm"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+fn assert_close(a: &[(f64, f64)], b: &[(f64, f64)], rel: f64, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: {a:?} vs {b:?}");
+    for (x, y) in a.iter().zip(b) {
+        assert!((x.0 - y.0).abs() <= rel * y.0.abs(), "{what}: losses {a:?} vs {b:?}");
+        assert!((x.1 - y.1).abs() <= rel * y.1.abs(), "{what}: grad norms {a:?} vs {b:?}");
+    }
+}
+
+/// `mpirun -n 2 graphpp train --steps 20` logs the losses and gradient norms of the threads run
+/// of the same command (bitwise: the reductions run in the same order), prints once, and its
+/// summary and final validation loss equal the threads run's.
+#[test]
+fn processes_log_the_losses_of_threads() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let (m_threads, m_mpi) = (d.path().join("threads.jsonl"), d.path().join("mpi.jsonl"));
+    let args = |m: &Path| {
+        train_args(&data, &["--schedule", "1f1b", "--steps", "20", "--metrics", m.to_str().unwrap()])
+    };
+    let (ok, threads_out, e) = run({
+        let mut c = Command::new(exe());
+        c.args(args(&m_threads));
+        c
+    });
+    assert!(ok, "{e}");
+    let (ok, mpi_out, e) = run({
+        let mut c = mpirun(2);
+        c.args(args(&m_mpi));
+        c
+    });
+    assert!(ok, "{mpi_out}\n{e}");
+    let (a, b) = (losses(&m_mpi), losses(&m_threads));
+    assert_eq!(a.len(), 20);
+    assert_close(&a, &b, 0.0, "mpirun -n 2 vs threads");
+    assert_eq!(mpi_out.matches("graphpp train: model").count(), 1, "printed once:\n{mpi_out}");
+    let val = |out: &str| out.lines().find(|l| l.starts_with("validation loss")).map(str::to_string);
+    assert_eq!(val(&mpi_out), val(&threads_out));
+    assert!(val(&mpi_out).is_some());
+}
+
+/// DualPipeV at pp=2 × dp=2 as four processes: the losses of the threads run with dp=2 and,
+/// within 1e-5, of dp=1 on the same global batch; its checkpoint (step 3) resumes as threads
+/// under ZB-V at dp=1 and continues the uninterrupted run's losses.
+#[test]
+fn data_parallel_processes_and_a_checkpoint_that_changes_layout() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let ck = d.path().join("ck");
+    let m = |name: &str| d.path().join(name);
+    let common = ["--schedule", "dualpipev", "--steps", "6"];
+    let (ok, o, e) = run({
+        let mut c = mpirun(4);
+        let extra = [&common[..], &["--dp", "2", "--stop-after", "3", "--checkpoint-dir"]].concat();
+        c.args(train_args(&data, &extra)).arg(&ck).arg("--metrics").arg(m("mpi.jsonl"));
+        c
+    });
+    assert!(ok, "{o}\n{e}");
+    let sidecars = checkpoint::sidecars(&ck).unwrap();
+    assert_eq!(sidecars.iter().map(|(s, _)| *s).collect::<Vec<_>>(), [3], "one checkpoint, written once");
+    let (ok, o, e) = run({
+        let mut c = Command::new(exe());
+        c.args(train_args(&data, &["--schedule", "zbv", "--steps", "6", "--resume", "--checkpoint-dir"]))
+            .arg(&ck)
+            .arg("--metrics")
+            .arg(m("mpi.jsonl"));
+        c
+    });
+    assert!(ok, "{o}\n{e}");
+    let (ok, o, e) = run({
+        let mut c = Command::new(exe());
+        c.args(train_args(&data, &common)).arg("--metrics").arg(m("dp1.jsonl"));
+        c
+    });
+    assert!(ok, "{o}\n{e}");
+    let (ok, o, e) = run({
+        let mut c = Command::new(exe());
+        c.args(train_args(&data, &[&common[..], &["--dp", "2"]].concat()))
+            .arg("--metrics")
+            .arg(m("dp2.jsonl"));
+        c
+    });
+    assert!(ok, "{o}\n{e}");
+    let (resumed, dp1, dp2) = (losses(&m("mpi.jsonl")), losses(&m("dp1.jsonl")), losses(&m("dp2.jsonl")));
+    assert_close(&resumed[..3], &dp2[..3], 0.0, "mpirun -n 4 dp=2 vs threads dp=2");
+    assert_close(&dp2, &dp1, 1e-5, "dp=2 vs dp=1");
+    assert_close(&resumed, &dp1, 1e-5, "resumed as threads under zbv vs uninterrupted");
+}
+
+/// A world that does not fit pp × dp is refused by every process before anything is built or
+/// written.
+#[test]
+fn a_world_that_does_not_fit_the_mesh_is_refused_before_step_1() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let ck = d.path().join("ck");
+    let (ok, o, e) = run({
+        let mut c = mpirun(3);
+        c.args(train_args(&data, &["--ranks", "2", "--dp", "2", "--steps", "2", "--checkpoint-dir"]))
+            .arg(&ck);
+        c
+    });
+    assert!(!ok);
+    let msg = "mpirun started 3 processes, but --ranks 2 × --dp 2 = 4 ranks";
+    assert!(e.matches(msg).count() >= 1, "{o}\n{e}");
+    assert!(!o.contains("step "), "no step ran:\n{o}");
+    assert!(!ck.exists(), "nothing written");
+}
+
+/// A rank killed with SIGKILL mid-run: the run ends within seconds with a non-zero status that
+/// names the rank; every checkpoint left loads; `--resume` continues from the newest.
+#[test]
+fn a_killed_rank_stops_the_run_and_the_last_checkpoint_resumes() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let ck = d.path().join("ck");
+    let metrics = d.path().join("m.jsonl");
+    let mut child = mpirun(2)
+        .args(train_args(
+            &data,
+            &["--schedule", "1f1b", "--steps", "100000", "--eval-every", "5", "--checkpoint-dir"],
+        ))
+        .arg(&ck)
+        .arg("--metrics")
+        .arg(&metrics)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for two checkpoints, then kill rank 1 (the second `graphpp` child of mpirun).
+    let t0 = Instant::now();
+    while checkpoint::sidecars(&ck).map_or(0, |s| s.len()) < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no checkpoints appeared");
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut e = String::new();
+            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut e).unwrap();
+            panic!("the run ended early ({status}):\n{e}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ranks = pids_of_rank(child.id());
+    let victim = ranks.iter().find(|(_, r)| *r == 1).expect("rank 1 runs").0;
+    let killed = Instant::now();
+    Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let waited = killed.elapsed();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(waited < Duration::from_secs(30), "took {waited:?} to stop");
+    assert!(e.contains("rank 1") && e.contains("signal 9"), "{e}");
+    let saved = checkpoint::sidecars(&ck).unwrap();
+    for (_, path) in &saved {
+        checkpoint::load(path).unwrap();
+    }
+    let newest = saved.last().unwrap().0;
+    let (ok, o, e) = run({
+        let mut c = Command::new(exe());
+        let stop = (newest + 2).to_string();
+        let extra = [
+            "--schedule",
+            "1f1b",
+            "--steps",
+            "100000",
+            "--stop-after",
+            &stop,
+            "--resume",
+            "--checkpoint-dir",
+        ];
+        c.args(train_args(&data, &extra)).arg(&ck);
+        c
+    });
+    assert!(ok, "{o}\n{e}");
+    assert!(o.contains(&format!("from {} at step {newest}", ck.display())), "{o}");
+}
+
+/// The `graphpp` processes under `mpirun` pid `parent`, with their world rank (from their
+/// `OMPI_COMM_WORLD_RANK` environment).
+fn pids_of_rank(parent: u32) -> Vec<(u32, usize)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // Field 4 (after the parenthesised name) is the parent pid.
+        let ppid =
+            stat.rsplit(')').next().and_then(|r| r.split_whitespace().nth(1)).and_then(|p| p.parse().ok());
+        if ppid != Some(parent) {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let rank = env
+            .split(|&b| b == 0)
+            .filter_map(|kv| std::str::from_utf8(kv).ok())
+            .find_map(|kv| kv.strip_prefix("OMPI_COMM_WORLD_RANK=")?.parse().ok());
+        if let Some(r) = rank {
+            out.push((pid, r));
+        }
+    }
+    out
+}
