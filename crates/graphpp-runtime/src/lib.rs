@@ -4,6 +4,7 @@
 
 pub mod clip;
 pub mod comm;
+pub mod data_parallel;
 pub mod executor;
 pub mod lr;
 pub mod memory;

@@ -34,10 +34,11 @@ use crate::mesh::Coords;
 
 use crate::clip::{clip_scale, local_sq_norm, scale_grads};
 use crate::comm::{Comm, Group, Pending, Tag, TagKind};
+use crate::data_parallel::DataParallel;
 use crate::mesh::Mesh;
 use crate::optim::{AdamW, OptimError, M_PREFIX, STEP_KEY, V_PREFIX};
 use crate::pipeline::{run_rank, RankOptions};
-use crate::stage::{env_bytes, sum_by_name, Env, GraphStages, Microbatches};
+use crate::stage::{env_bytes, sum_by_name, Env, GraphStages, Microbatches, StageError};
 use crate::train::{TrainError, TrainSetup};
 use crate::verify::{rank_worker, stage_specs, VerifyError};
 
@@ -54,7 +55,18 @@ pub fn train_schedule(setup: &TrainSetup) -> Result<Schedule, TrainError> {
     let local = setup.batch / setup.dp;
     crate::memory::check_step(&setup.model, setup.kind, &setup.shape, local, setup.seq, false)?;
     let schedule = generate(setup.kind, &setup.shape, &setup.options).map_err(VerifyError::from)?;
-    Ok(lower(&schedule, &LowerOptions::default()).map_err(VerifyError::from)?)
+    Ok(lower(&schedule, &lower_options(setup)).map_err(VerifyError::from)?)
+}
+
+/// The lowering a run needs: REDUCE_GRAD with data parallelism; UNSHARD / RESHARD too with
+/// FSDP, keeping every stage of a rank unsharded once gathered (one all-gather per stage and
+/// step, as FSDP2 without resharding after forward).
+pub fn lower_options(setup: &TrainSetup) -> LowerOptions {
+    let dp = setup.dp > 1;
+    LowerOptions {
+        fsdp_max_unsharded: (dp && setup.fsdp).then_some(setup.shape.stages_per_rank.max(1)),
+        reduce_grad: dp,
+    }
 }
 
 /// What one rank's step did.
@@ -77,6 +89,9 @@ pub struct RankStepReport {
     /// Peak memory of every rank during the step, bytes, index = world rank (see
     /// [`crate::StepReport::peak_bytes`]); the same on every rank.
     pub peak_bytes: Vec<u64>,
+    /// Resident training state of every rank, bytes, index = world rank (see
+    /// [`crate::StepReport::resident_bytes`]); the same on every rank.
+    pub resident_bytes: Vec<u64>,
 }
 
 /// What a [`TagKind::Gather`] message carries (its tag's `stage`).
@@ -86,6 +101,12 @@ enum Gathered {
     Intervals = 0,
     /// A parameter or optimizer-moment tensor, in the sender's [`RankTrainer::owned`] order.
     State = 1,
+}
+
+/// The parameter an optimizer-state key belongs to (`adam.m.<name>` → `<name>`); a parameter
+/// name is its own.
+fn parameter_of(key: &str) -> &str {
+    key.strip_prefix(M_PREFIX).or_else(|| key.strip_prefix(V_PREFIX)).unwrap_or(key)
 }
 
 fn gather_tag(what: Gathered, item: usize) -> Tag {
@@ -106,8 +127,6 @@ pub struct RankTrainer {
     comm: Arc<dyn Comm>,
     pipeline: Group,
     world: Group,
-    /// The data-parallel group (the same pipeline position in every replica).
-    data_parallel: Group,
     /// This rank's replica (`0..dp`).
     replica: usize,
     mesh: Mesh,
@@ -180,7 +199,11 @@ impl RankTrainer {
             ..StageOptions::mixed(setup.batch / setup.dp, setup.seq, setup.dtype)
         };
         let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
-        let work = rank_worker(&setup.model, &schedule, &specs, &opts, setup.seed, None, empty, me)?;
+        let mut work = rank_worker(&setup.model, &schedule, &specs, &opts, setup.seed, None, empty, me)?;
+        if setup.dp > 1 {
+            let dp = DataParallel::new(Arc::clone(&comm), data_parallel.clone(), setup.fsdp, setup.timeout)?;
+            work.set_data_parallel(dp)?;
+        }
         // Holders (schedule ranks) of every parameter name.
         let mut holders: BTreeMap<String, BTreeSet<usize>> = BTreeMap::new();
         for (stage, ranks) in schedule.placement() {
@@ -222,7 +245,6 @@ impl RankTrainer {
             comm,
             pipeline,
             world,
-            data_parallel,
             replica,
             mesh,
             owned,
@@ -297,9 +319,17 @@ impl RankTrainer {
         let mut work = outcome.work;
         let updated = self.update(&mut work).and_then(|u| Ok((u, self.gather_intervals(outcome.intervals)?)));
         match updated {
-            Ok(((loss, grad_norm, lr, peak_bytes), intervals)) => {
+            Ok(((loss, grad_norm, lr, (peak_bytes, resident_bytes)), intervals)) => {
                 self.work = Some(work);
-                Ok(RankStepReport { step: self.step, loss, grad_norm, lr, intervals, peak_bytes })
+                Ok(RankStepReport {
+                    step: self.step,
+                    loss,
+                    grad_norm,
+                    lr,
+                    intervals,
+                    peak_bytes,
+                    resident_bytes,
+                })
             }
             Err(e) => {
                 self.comm.abort(&format!("rank {}: {e}", self.comm.rank()));
@@ -330,14 +360,20 @@ impl RankTrainer {
     }
 
     /// The collectives and the optimizer step after the pipeline run; returns (loss, norm, lr,
-    /// peak bytes of every rank).
-    fn update(&mut self, work: &mut GraphStages) -> Result<(f64, f64, f64, Vec<u64>), TrainError> {
+    /// (peak, resident) bytes of every rank).
+    #[allow(clippy::type_complexity)]
+    fn update(
+        &mut self,
+        work: &mut GraphStages,
+    ) -> Result<(f64, f64, f64, (Vec<u64>, Vec<u64>)), TrainError> {
         let timeout = self.setup.timeout;
         let m = self.setup.shape.microbatches;
         let world = self.comm.world();
+        // The data-parallel reductions REDUCE_GRAD started.
+        work.finish_data_parallel()?;
         // Summed over the world: m losses, m counts (where this rank holds the last stage), then
-        // each rank's peak bytes at its own index.
-        let mut rows = vec![0.0f64; 2 * m + world];
+        // each rank's peak bytes and resident bytes at its own index.
+        let mut rows = vec![0.0f64; 2 * m + 2 * world];
         for (&mb, &l) in work.losses() {
             if mb < m {
                 rows[mb] = l;
@@ -349,12 +385,16 @@ impl RankTrainer {
         );
         rows[2 * m + self.comm.rank()] =
             (work.state_bytes() + 2 * params_bytes + work.peak_activation_bytes()) as f64;
+        // Parameters, their gradients and two AdamW moments, all f32 (shards with FSDP).
+        let distinct: Env = work.stages().values().flat_map(|s| s.parameters()).collect();
+        rows[2 * m + world + self.comm.rank()] = (4 * env_bytes(distinct.values())) as f64;
         let n = rows.len();
         let t = Tensor::from_vec(rows, n, &Device::Cpu)?;
         let summed: Vec<f64> =
             self.comm.all_reduce(&self.world, &t)?.wait(timeout)?.to_dtype(DType::F64)?.to_vec1()?;
         let (losses, rest) = summed.split_at(m);
-        let (counts, peaks) = rest.split_at(m);
+        let (counts, rest) = rest.split_at(m);
+        let (peaks, resident) = rest.split_at(world);
         let replicas = self.setup.dp as f64;
         if let Some(mb) = counts.iter().position(|&c| c != replicas) {
             return Err(TrainError::Data(format!(
@@ -364,6 +404,7 @@ impl RankTrainer {
         }
         let loss = losses.iter().sum::<f64>() / (m * self.setup.dp) as f64;
         let peak: Vec<u64> = peaks.iter().map(|&b| b as u64).collect();
+        let resident: Vec<u64> = resident.iter().map(|&b| b as u64).collect();
         // Sum of the copies' gradients.
         let local: Vec<(String, Tensor)> =
             work.stages_mut().values_mut().flat_map(|s| s.take_grads()).collect();
@@ -379,26 +420,13 @@ impl RankTrainer {
         for (name, p) in pending {
             grads.insert(name, p.wait(timeout)?);
         }
-        // Data parallelism: the mean over the replicas, parameter by parameter in name order.
-        if self.setup.dp > 1 {
-            let mut names: Vec<String> = grads.keys().cloned().collect();
-            names.sort();
-            let pending = names
-                .into_iter()
-                .map(|n| {
-                    let p = self.comm.all_reduce(&self.data_parallel, &grads[&n])?;
-                    Ok((n, p))
-                })
-                .collect::<Result<Vec<_>, TrainError>>()?;
-            let inv = 1.0 / self.setup.dp as f64;
-            for (name, p) in pending {
-                grads.insert(name, p.wait(timeout)?.affine(inv, 0.0)?);
-            }
-        }
-        // Global norm: one entry per distinct parameter, from its lowest holder in replica 0.
+        // Data parallelism: REDUCE_GRAD already averaged the gradients over the replicas.
+        // Global norm: one entry per distinct parameter, from its lowest holder in replica 0 —
+        // or, with FSDP, in every replica (each adds its shard).
+        let sharded = work.data_parallel().is_some_and(|d| d.fsdp());
         let mut sq = vec![0.0f64; self.all_names.len()];
         for (i, name) in self.all_names.iter().enumerate() {
-            if self.counts_here[i] && self.replica == 0 {
+            if self.counts_here[i] && (self.replica == 0 || sharded) {
                 let g = grads.get(name).ok_or_else(|| mismatch(format!("no gradient of {name}")))?;
                 sq[i] = local_sq_norm(&HashMap::from([(name.clone(), g.clone())]))?;
             }
@@ -420,7 +448,7 @@ impl RankTrainer {
             s.set_parameters(&params)?;
         }
         self.step += 1;
-        Ok((loss, sq.sqrt(), lr, peak))
+        Ok((loss, sq.sqrt(), lr, (peak, resident)))
     }
 
     /// The leader (world rank 0) receives the intervals of every other rank of replica 0 and
@@ -487,6 +515,7 @@ impl RankTrainer {
         if optimizer {
             local.extend(self.optimizer_state()?);
         }
+        let local = self.unsharded(local)?;
         let mine = self.owned_keys(rank, optimizer);
         let missing = |k: &String| mismatch(format!("rank {rank} holds no {k} to gather"));
         if rank != 0 {
@@ -513,6 +542,42 @@ impl RankTrainer {
             }
         }
         Ok(Some(out))
+    }
+
+    /// With FSDP, this rank's data parallelism (it holds shards).
+    fn sharding(&self) -> Option<&DataParallel> {
+        self.work.as_ref()?.data_parallel().filter(|d| d.fsdp())
+    }
+
+    /// The full tensors of this rank's parameters and moments `local` (by name): with FSDP
+    /// all-gathered over the data-parallel group, in name order (every member calls it).
+    fn unsharded(&self, local: BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>, TrainError> {
+        let Some(dp) = self.sharding() else { return Ok(local) };
+        let (step, shards): (Vec<_>, Vec<_>) = local.into_iter().partition(|(k, _)| k == STEP_KEY);
+        let full = dp.gather_full(&shards, |k| parameter_of(k).to_string()).map_err(StageError::from)?;
+        Ok(full.into_iter().chain(step).collect())
+    }
+
+    /// This rank's view of full tensors `full` (parameters, moments by name): with FSDP each one
+    /// of its parameters or their moments is checked against the parameter's full shape and
+    /// replaced by this rank's shard; other names are dropped.
+    fn localize(&self, full: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>, TrainError> {
+        let Some(dp) = self.sharding() else { return Ok(full.clone()) };
+        let mut out = HashMap::new();
+        for (k, t) in full {
+            let Some(shape) = dp.full_shape(parameter_of(k)) else {
+                if k == STEP_KEY {
+                    out.insert(k.clone(), t.clone());
+                }
+                continue;
+            };
+            if t.dims() != shape {
+                let reason = format!("given {:?}, the model's parameter is {shape:?}", t.dims());
+                return Err(StageError::Parameter { name: k.clone(), reason }.into());
+            }
+            out.insert(k.clone(), dp.shard_of(t).map_err(StageError::from)?);
+        }
+        Ok(out)
     }
 
     /// Whether `flag` is set on any rank of the world (an all-reduce; every rank calls it).
@@ -549,8 +614,9 @@ impl RankTrainer {
     /// [`TrainError::Poisoned`].
     pub fn check_parameters(&self, params: &HashMap<String, Tensor>) -> Result<(), TrainError> {
         let w = self.work.as_ref().ok_or(TrainError::Poisoned)?;
+        let local = self.localize(params)?;
         for s in w.stages().values() {
-            s.check_parameters(params)?;
+            s.check_parameters(&local)?;
         }
         Ok(())
     }
@@ -562,9 +628,10 @@ impl RankTrainer {
     /// As [`RankTrainer::check_parameters`]; nothing changes then.
     pub fn load_parameters(&mut self, params: &HashMap<String, Tensor>) -> Result<(), TrainError> {
         self.check_parameters(params)?;
+        let local = self.localize(params)?;
         let w = self.work.as_mut().ok_or(TrainError::Poisoned)?;
         for s in w.stages_mut().values_mut() {
-            s.set_parameters(params)?;
+            s.set_parameters(&local)?;
         }
         Ok(())
     }
@@ -576,6 +643,7 @@ impl RankTrainer {
     /// As [`RankTrainer::load_state`].
     pub fn prepare_state(&self, tensors: &HashMap<String, Tensor>) -> Result<AdamW, TrainError> {
         self.check_parameters(tensors)?;
+        let tensors = &self.localize(tensors)?;
         let w = self.work.as_ref().ok_or(TrainError::Poisoned)?;
         let names = w.stages().values().flat_map(|s| s.parameter_names().iter());
         let keys = std::iter::once(STEP_KEY.to_string())
@@ -604,6 +672,7 @@ impl RankTrainer {
         tensors: &HashMap<String, Tensor>,
         opt: AdamW,
     ) -> Result<(), TrainError> {
+        let tensors = &self.localize(tensors)?;
         let w = self.work.as_mut().ok_or(TrainError::Poisoned)?;
         for s in w.stages_mut().values_mut() {
             s.set_parameters(tensors)?;

@@ -22,8 +22,10 @@ use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
 use graphpp_graph::{Graph, GraphError, InputKind, StageGraphs};
 use graphpp_schedule::Task;
 
+use crate::data_parallel::{DataParallel, DataParallelError};
 use crate::executor::{run_named, to_f64, ExecError, RunOptions};
 use crate::pipeline::{StageWork, WorkError};
+use graphpp_schedule::StageOpKind;
 
 /// Values by name (graph inputs or outputs).
 pub type Env = HashMap<String, Tensor>;
@@ -83,6 +85,18 @@ pub enum StageError {
         name: String,
         /// What is wrong.
         reason: String,
+    },
+    /// A data-parallel reduction, gather or shard failed.
+    #[error(transparent)]
+    DataParallel(#[from] DataParallelError),
+    /// The schedule holds UNSHARD / RESHARD / REDUCE_GRAD but the rank has no data-parallel
+    /// group ([`GraphStages::set_data_parallel`]): running them as no-ops would be wrong.
+    #[error("stage {stage}: {op} needs a data-parallel group, and this rank has none")]
+    NoDataParallel {
+        /// Stage id.
+        stage: usize,
+        /// The stage op.
+        op: String,
     },
     /// A tensor operation (gradient accumulation or scaling) failed.
     #[error("stage {stage}: {source}")]
@@ -229,6 +243,8 @@ pub struct GraphStages {
     overlap: HashMap<(usize, usize), Arc<Graph>>,
     /// Peak activation bytes of the step so far (see [`GraphStages::peak_activation_bytes`]).
     peak_activation_bytes: usize,
+    /// Data parallelism / FSDP of this rank, if any.
+    dp: Option<DataParallel>,
 }
 
 fn grad_of(name: &str) -> String {
@@ -265,7 +281,91 @@ impl GraphStages {
             losses: BTreeMap::new(),
             overlap: HashMap::new(),
             peak_activation_bytes: 0,
+            dp: None,
         }
+    }
+
+    /// Makes this rank a member of a data-parallel group: the schedule's REDUCE_GRAD (and, with
+    /// FSDP, UNSHARD / RESHARD) then run over it ([`crate::data_parallel`]). With FSDP every
+    /// parameter of every stage is replaced by this rank's shard.
+    ///
+    /// # Errors
+    /// [`StageError::DataParallel`] when a parameter cannot be sharded.
+    pub fn set_data_parallel(&mut self, mut dp: DataParallel) -> Result<(), StageError> {
+        if dp.fsdp() {
+            for st in self.stages.values_mut() {
+                for n in &st.params {
+                    if let Some(full) = st.state.get(n) {
+                        let shard = dp.to_shard(n, full)?;
+                        st.state.insert(n.clone(), shard);
+                    }
+                }
+            }
+        }
+        self.dp = Some(dp);
+        Ok(())
+    }
+
+    /// This rank's data parallelism, if any.
+    pub fn data_parallel(&self) -> Option<&DataParallel> {
+        self.dp.as_ref()
+    }
+
+    /// Waits for the gradient reductions the step's REDUCE_GRAD actions started and puts the
+    /// replicas' mean (with FSDP, this rank's shard of it) into each stage's accumulators.
+    /// Nothing to do without data parallelism.
+    ///
+    /// # Errors
+    /// [`StageError::DataParallel`] (a timeout, another rank's abort).
+    pub fn finish_data_parallel(&mut self) -> Result<(), StageError> {
+        let Some(dp) = self.dp.as_mut() else { return Ok(()) };
+        for (stage, name, mean) in dp.finish()? {
+            let st = self.stages.get_mut(&stage).ok_or_else(|| missing(Task::new(stage, 0), "stage"))?;
+            st.grads.insert(grad_of(&name), mean);
+        }
+        Ok(())
+    }
+
+    /// Before a compute on `stage`: waits for the all-gathers an UNSHARD started and puts the
+    /// full parameters into its state.
+    fn ready(&mut self, stage: usize) -> Result<(), StageError> {
+        let Some(dp) = self.dp.as_mut() else { return Ok(()) };
+        let full = dp.wait_unshard(stage)?;
+        if let Some(st) = self.stages.get_mut(&stage) {
+            st.state.extend(full);
+        }
+        Ok(())
+    }
+
+    /// UNSHARD / RESHARD / REDUCE_GRAD of `stage` (see [`crate::data_parallel`]).
+    fn run_stage_op(&mut self, kind: StageOpKind, stage: usize) -> Result<(), StageError> {
+        if self.dp.is_none() {
+            return Err(StageError::NoDataParallel { stage, op: format!("{kind:?}") });
+        }
+        let t = Task::new(stage, 0);
+        match kind {
+            StageOpKind::Unshard => {
+                let st =
+                    self.stages.get_mut(&stage).ok_or_else(|| missing(t, "stage (not held by this rank)"))?;
+                let shards: Vec<(String, Tensor)> =
+                    st.params.iter().filter_map(|n| st.state.remove(n).map(|s| (n.clone(), s))).collect();
+                self.dp.as_mut().map_or(Ok(()), |dp| dp.start_unshard(stage, shards))?;
+            }
+            StageOpKind::Reshard => {
+                self.ready(stage)?;
+                let shards = self.dp.as_mut().map(|dp| dp.reshard(stage)).unwrap_or_default();
+                let st =
+                    self.stages.get_mut(&stage).ok_or_else(|| missing(t, "stage (not held by this rank)"))?;
+                st.state.extend(shards);
+            }
+            StageOpKind::ReduceGrad => {
+                let st =
+                    self.stages.get_mut(&stage).ok_or_else(|| missing(t, "stage (not held by this rank)"))?;
+                let grads: Vec<(String, Tensor)> = st.take_grads().into_iter().collect();
+                self.dp.as_mut().map_or(Ok(()), |dp| dp.start_reduce(stage, grads))?;
+            }
+        }
+        Ok(())
     }
 
     /// Peak activation memory of this rank in the current step, bytes: the largest, over the
@@ -416,6 +516,7 @@ impl GraphStages {
     }
 
     fn forward_task(&mut self, t: Task, input: Option<Tensor>) -> Result<Option<Tensor>, StageError> {
+        self.ready(t.stage)?;
         let env = self.fw_env(t, input)?;
         let g = Arc::clone(&self.stage(t)?.graphs);
         let outs = self.run_graph(&g.fw, &env, t)?;
@@ -423,6 +524,7 @@ impl GraphStages {
     }
 
     fn backward_task(&mut self, t: Task, grad: Option<Tensor>) -> Result<Option<Tensor>, StageError> {
+        self.ready(t.stage)?;
         let env = self.bw_env(t, grad)?;
         let g = Arc::clone(&self.stage(t)?.graphs);
         let outs = self.run_graph(&g.full_bw, &env, t)?;
@@ -432,6 +534,7 @@ impl GraphStages {
     /// I: runs bw_di and stashes what bw_dw reads. A stage without the split (a model's first
     /// stage has no input gradient) stashes its backward inputs and runs full_bw at W.
     fn input_task(&mut self, t: Task, grad: Option<Tensor>) -> Result<Option<Tensor>, StageError> {
+        self.ready(t.stage)?;
         let env = self.bw_env(t, grad)?;
         let st = self.stage(t)?;
         let g = Arc::clone(&st.graphs);
@@ -449,6 +552,7 @@ impl GraphStages {
     }
 
     fn weight_task(&mut self, t: Task) -> Result<(), StageError> {
+        self.ready(t.stage)?;
         let stash = self.stash.remove(&t).ok_or_else(|| missing(t, "dI→dW stash (I not run)"))?;
         let st = self.stage(t)?;
         let g = Arc::clone(&st.graphs);
@@ -468,6 +572,8 @@ impl GraphStages {
         b: Task,
         grad: Option<Tensor>,
     ) -> Result<(Option<Tensor>, Option<Tensor>), StageError> {
+        self.ready(f.stage)?;
+        self.ready(b.stage)?;
         let g = self.overlap_graph(f.stage, b.stage)?;
         let fenv = self.fw_env(f, input)?;
         let benv = self.bw_env(b, grad)?;
@@ -527,5 +633,9 @@ impl StageWork for GraphStages {
         grad: Option<Tensor>,
     ) -> Result<(Option<Tensor>, Option<Tensor>), WorkError> {
         Ok(self.overlap_task(f, input, b, grad)?)
+    }
+
+    fn stage_op(&mut self, kind: StageOpKind, stage: usize) -> Result<(), WorkError> {
+        Ok(self.run_stage_op(kind, stage)?)
     }
 }

@@ -100,6 +100,9 @@ pub struct TrainSetup {
     pub batch: usize,
     /// Data-parallel replicas of the pipeline (1: none); the world is `p × dp` ranks.
     pub dp: usize,
+    /// FSDP (ZeRO-3) over the data-parallel replicas: parameters, gradients and AdamW state
+    /// sharded ([`crate::data_parallel`]); with dp = 1 the same as without.
+    pub fsdp: bool,
     /// Tokens per sequence `T`.
     pub seq: usize,
     /// Seed of the initial weights.
@@ -144,6 +147,9 @@ pub struct StepReport {
     /// gradient accumulators and AdamW moments, plus the rank's activation peak
     /// ([`GraphStages::peak_activation_bytes`]). Logical tensor sizes, not allocator figures.
     pub peak_bytes: Vec<u64>,
+    /// Resident training state of every rank, bytes (index = world rank): its distinct
+    /// parameters, their gradients and the two AdamW moments, all f32 — with FSDP, the shards.
+    pub resident_bytes: Vec<u64>,
 }
 
 /// This process's part of a training run: the [`RankTrainer`]s of its ranks (see the module doc).
@@ -326,6 +332,7 @@ impl Trainer {
                 unit: "s".into(),
             },
             peak_bytes: first.peak_bytes,
+            resident_bytes: first.resident_bytes,
         })
     }
 

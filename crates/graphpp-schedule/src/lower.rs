@@ -57,6 +57,10 @@ pub struct LowerOptions {
     /// `Some(n)`: add the FSDP actions ([`add_unshard_reshard`] with at most `n` stages unsharded
     /// per rank, then [`add_reduce_grad`]); `None`: SEND/RECV only.
     pub fsdp_max_unsharded: Option<usize>,
+    /// Add [`add_reduce_grad`] without UNSHARD/RESHARD (data parallelism without FSDP: each
+    /// stage's gradient all-reduce starts right after its last backward); implied by
+    /// `fsdp_max_unsharded`.
+    pub reduce_grad: bool,
 }
 
 /// The standard lowering pipeline: validate the input, then (when asked) [`add_unshard_reshard`]
@@ -69,6 +73,7 @@ pub fn lower(s: &Schedule, opts: &LowerOptions) -> Result<Schedule, LowerError> 
     let (summary, rank_of, routes) = validate_tables(s, &ValidateOptions::default())?;
     match opts.fsdp_max_unsharded {
         Some(n) => add_send_recv(&add_reduce_grad(&add_unshard_reshard(s, n)?)?),
+        None if opts.reduce_grad => add_send_recv(&add_reduce_grad(s)?),
         None => {
             // The input is valid: its stage → rank table and routes are the ones validation built.
             if summary.counts.send + summary.counts.recv > 0 {
@@ -445,7 +450,7 @@ mod tests {
     #[test]
     fn lower_pipeline_with_fsdp() {
         let s = sched("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n");
-        let low = lower(&s, &LowerOptions { fsdp_max_unsharded: Some(1) }).unwrap();
+        let low = lower(&s, &LowerOptions { fsdp_max_unsharded: Some(1), ..Default::default() }).unwrap();
         assert_eq!(
             row(&low, 1),
             // SEND_B1 goes right after its producer 1B1, ahead of the REDUCE_GRAD added before it.
@@ -455,5 +460,15 @@ mod tests {
         assert_eq!((sum.counts.unshard, sum.counts.reshard, sum.counts.reduce_grad), (2, 2, 2));
         let bad = sched("0B0,0F0\n");
         assert!(matches!(lower(&bad, &LowerOptions::default()), Err(LowerError::Invalid(_))));
+    }
+
+    #[test]
+    fn lower_pipeline_with_reduce_grad_only() {
+        let s = sched("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n");
+        let low = lower(&s, &LowerOptions { reduce_grad: true, ..Default::default() }).unwrap();
+        assert_eq!(row(&low, 1), "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1REDUCE_GRAD");
+        assert_eq!(row(&low, 0), "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0REDUCE_GRAD");
+        let sum = valid(&low);
+        assert_eq!((sum.counts.unshard, sum.counts.reshard, sum.counts.reduce_grad), (0, 0, 2));
     }
 }

@@ -15,7 +15,8 @@ fn check(kind: Kind, shape: Shape) -> Result<bool, TestCaseError> {
     prop_assert!(!sum.lowered);
     let order = DepGraph::build(&s).unwrap().topo_order();
     prop_assert!(order.is_ok(), "{} {:?}: no topological order", kind, shape);
-    for opts in [LowerOptions::default(), LowerOptions { fsdp_max_unsharded: Some(2) }] {
+    for opts in [LowerOptions::default(), LowerOptions { fsdp_max_unsharded: Some(2), ..Default::default() }]
+    {
         let low = lower(&s, &opts).map_err(|e| TestCaseError::fail(format!("{kind} {shape:?}: {e}")))?;
         let lsum = validate(&low, &ValidateOptions { microbatches: Some(m) })
             .map_err(|e| TestCaseError::fail(format!("{kind} {shape:?} lowered: {e}\n{low}")))?;

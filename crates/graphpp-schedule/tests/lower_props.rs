@@ -72,7 +72,7 @@ proptest! {
     #[test]
     fn fsdp_lowering_stays_valid_and_bounded((f, p, m) in shape(), n in 1usize..=3) {
         let s = build(f, p, m);
-        let low = lower(&s, &LowerOptions { fsdp_max_unsharded: Some(n) }).unwrap();
+        let low = lower(&s, &LowerOptions { fsdp_max_unsharded: Some(n), ..Default::default() }).unwrap();
         let sum = validate(&low, &ValidateOptions::default()).unwrap();
         prop_assert_eq!(sum.counts.reduce_grad, stages(f, p));
         prop_assert_eq!(sum.counts.unshard, sum.counts.reshard);

@@ -32,7 +32,7 @@ fn pytorch_dualpipev_case_lowers_to_a_valid_schedule() {
     let m = 10;
     let s = case();
     for fsdp in [None, Some(2), Some(3)] {
-        let low = lower(&s, &LowerOptions { fsdp_max_unsharded: fsdp }).unwrap();
+        let low = lower(&s, &LowerOptions { fsdp_max_unsharded: fsdp, ..Default::default() }).unwrap();
         let sum = validate(&low, &ValidateOptions { microbatches: Some(m) }).unwrap();
         // 7 stage boundaries, of which 3→4 is on rank 3: 6 cross-rank, each with a SEND_F and a
         // SEND_B (and matching RECVs) per microbatch.

@@ -57,7 +57,9 @@ fn pytorch_lowered_schedules_validate() {
         assert_eq!(sum.counts.reduce_grad, stages, "{name}");
         assert_eq!(sum.counts.unshard, sum.counts.reshard, "{name}");
         // Our own lowering of PyTorch's compute order is valid as well, with the same comm counts.
-        let ours = lower(&s.compute_only(), &LowerOptions { fsdp_max_unsharded: Some(3) }).unwrap();
+        let ours =
+            lower(&s.compute_only(), &LowerOptions { fsdp_max_unsharded: Some(3), ..Default::default() })
+                .unwrap();
         let ours_sum = validate(&ours, &ValidateOptions { microbatches: Some(m) })
             .unwrap_or_else(|e| panic!("{name}, our lowering: {e}"));
         assert_eq!(

@@ -507,6 +507,7 @@ fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         layers_per_stage: c.layers_per_stage.clone(),
         batch: c.microbatch_size,
         dp: c.dp,
+        fsdp: c.fsdp,
         seq: c.seq_len,
         seed: c.seed,
         adamw: AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: c.weight_decay },

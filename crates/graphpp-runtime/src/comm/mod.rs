@@ -397,7 +397,7 @@ pub enum CommError {
 }
 
 /// The backend's half of a started collective (see [`Pending`]); implemented by each [`Comm`].
-pub trait PendingOp<T>: Send {
+pub trait PendingOp<T>: Send + Sync {
     /// Blocks until the collective completes, `timeout` passes or a rank aborts.
     ///
     /// # Errors

@@ -228,7 +228,7 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
                 Costs::default(),
             )?;
             if lowered {
-                s = lower(&s, &LowerOptions { fsdp_max_unsharded })?;
+                s = lower(&s, &LowerOptions { fsdp_max_unsharded, ..Default::default() })?;
             } else if fsdp_max_unsharded.is_some() {
                 bail!("--fsdp-max-unsharded needs --lowered");
             }
@@ -247,7 +247,7 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
             let s = read_schedule(&file)?;
             validate(&s, &ValidateOptions::default())
                 .with_context(|| format!("{}: invalid schedule", file.display()))?;
-            crate::cmd::emit(&lower(&s, &LowerOptions { fsdp_max_unsharded })?.to_csv())
+            crate::cmd::emit(&lower(&s, &LowerOptions { fsdp_max_unsharded, ..Default::default() })?.to_csv())
         }
         ScheduleCmd::Simulate { source, mut costs, comm_latency, m_w, format, output } => {
             if let Some(c) = comm_latency {

@@ -1,0 +1,329 @@
+//! Data parallelism and FSDP (ZeRO-3) inside one rank's stages: what the lowered schedule's
+//! REDUCE_GRAD, UNSHARD and RESHARD actions do (docs/ARCHITECTURE.md "Runtime": data
+//! parallelism and FSDP; issue 8).
+//!
+//! Every rank of a data-parallel group holds the same stages (the same pipeline position in
+//! each replica) and runs the same schedule, so the members call the same collectives in the
+//! same order.
+//!
+//! - **REDUCE_GRAD(s)** (placed right after stage s's last backward-like action) takes the
+//!   stage's accumulated gradients and *starts* their reduction over the group — an all-reduce
+//!   (plain data parallelism) or a reduce-scatter (FSDP) per parameter, in name order — so it
+//!   runs while the rank computes its other stages. [`DataParallel::finish`] waits for them
+//!   after the pipeline run and puts back the mean over the replicas (the sum × 1/dp).
+//! - With **FSDP**, a parameter lives as a *shard*: the parameter flattened, zero-padded to a
+//!   multiple of dp elements, and cut into dp equal pieces; group rank i keeps piece i. Between
+//!   steps a stage's state holds shards, and so do its gradients after the reduce-scatter and the
+//!   AdamW moments (the optimizer updates shards only).
+//!   **UNSHARD(s)** starts an all-gather of each of the stage's shards; the stage's next compute
+//!   waits for it and puts the full tensor (the gathered pieces, unpadded and reshaped) in the
+//!   state. **RESHARD(s)** drops the full tensors and puts the shards back.
+//!
+//! The reductions sum in group order in f32 ([`crate::comm`]), so the result does not depend on
+//! which replica finishes first.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::Tensor;
+
+use crate::comm::{Comm, CommError, Group, Pending};
+
+/// Why a data-parallel operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DataParallelError {
+    /// A collective failed (a timeout, another rank's abort, mismatched contributions).
+    #[error("data-parallel {what} of stage {stage}: {source}")]
+    Comm {
+        /// What was running (`reduce_grad`, `unshard`).
+        what: &'static str,
+        /// The stage.
+        stage: usize,
+        /// The communicator's error.
+        source: Box<CommError>,
+    },
+    /// A tensor operation (flatten, pad, scale) failed.
+    #[error("data-parallel {name}: {source}")]
+    Tensor {
+        /// The parameter.
+        name: String,
+        /// candle's error.
+        source: candle_core::Error,
+    },
+    /// A parameter whose full shape was never recorded (not sharded by this rank).
+    #[error("FSDP: parameter {name} is not sharded on this rank")]
+    Unknown {
+        /// The parameter.
+        name: String,
+    },
+}
+
+/// Rows of the padded, flattened parameter each of `size` members keeps: ⌈numel / size⌉.
+pub fn shard_len(numel: usize, size: usize) -> usize {
+    numel.div_ceil(size.max(1))
+}
+
+/// Group rank `index`'s shard of `full` among `size` members (see the module doc): a 1-D tensor
+/// of [`shard_len`] elements.
+///
+/// # Errors
+/// candle's, for a tensor it cannot flatten or pad.
+pub fn shard(full: &Tensor, size: usize, index: usize) -> candle_core::Result<Tensor> {
+    let flat = full.flatten_all()?;
+    let n = flat.elem_count();
+    let len = shard_len(n, size);
+    let padded = if len * size > n {
+        let pad = Tensor::zeros(len * size - n, flat.dtype(), flat.device())?;
+        Tensor::cat(&[&flat, &pad], 0)?
+    } else {
+        flat
+    };
+    padded.narrow(0, index * len, len)
+}
+
+/// The full tensor of `shape` from the concatenated shards of every member (an all-gather's
+/// result): the padding dropped, reshaped.
+///
+/// # Errors
+/// candle's, when `gathered` holds fewer elements than `shape`.
+pub fn unshard(gathered: &Tensor, shape: &[usize]) -> candle_core::Result<Tensor> {
+    let n: usize = shape.iter().product();
+    gathered.narrow(0, 0, n)?.reshape(shape)
+}
+
+/// One rank's data-parallel state (see the module doc).
+pub struct DataParallel {
+    comm: Arc<dyn Comm>,
+    group: Group,
+    index: usize,
+    fsdp: bool,
+    timeout: Duration,
+    /// FSDP: the full shape of every parameter of this rank.
+    shapes: HashMap<String, Vec<usize>>,
+    /// FSDP: the shards of the stages that are unsharded now, by (stage, name).
+    kept: HashMap<(usize, String), Tensor>,
+    /// FSDP: all-gathers started by UNSHARD and not yet waited for, by stage.
+    gathering: HashMap<usize, Vec<(String, Pending<Tensor>)>>,
+    /// Gradient reductions started by REDUCE_GRAD: (stage, name, handle).
+    reducing: Vec<(usize, String, Pending<Tensor>)>,
+}
+
+impl std::fmt::Debug for DataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataParallel")
+            .field("group", &self.group.to_string())
+            .field("fsdp", &self.fsdp)
+            .field("reducing", &self.reducing.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn comm_err(what: &'static str, stage: usize) -> impl Fn(CommError) -> DataParallelError {
+    move |e| DataParallelError::Comm { what, stage, source: Box::new(e) }
+}
+
+fn tensor_err(name: &str) -> impl Fn(candle_core::Error) -> DataParallelError + '_ {
+    move |source| DataParallelError::Tensor { name: name.to_string(), source }
+}
+
+impl DataParallel {
+    /// Data parallelism of `comm`'s rank over `group` (this rank must be a member), FSDP when
+    /// `fsdp`; waits at most `timeout` for a collective.
+    ///
+    /// # Errors
+    /// [`CommError::NotInGroup`].
+    pub fn new(comm: Arc<dyn Comm>, group: Group, fsdp: bool, timeout: Duration) -> Result<Self, CommError> {
+        let index = group
+            .index_of(comm.rank())
+            .ok_or_else(|| CommError::NotInGroup { rank: comm.rank(), group: group.to_string() })?;
+        Ok(DataParallel {
+            comm,
+            group,
+            index,
+            fsdp,
+            timeout,
+            shapes: HashMap::new(),
+            kept: HashMap::new(),
+            gathering: HashMap::new(),
+            reducing: Vec::new(),
+        })
+    }
+
+    /// Whether parameters are sharded.
+    pub fn fsdp(&self) -> bool {
+        self.fsdp
+    }
+
+    /// Number of replicas.
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// The full shape of parameter `name` (FSDP), if this rank shards it.
+    pub fn full_shape(&self, name: &str) -> Option<&[usize]> {
+        self.shapes.get(name).map(Vec::as_slice)
+    }
+
+    /// This rank's shard of the full tensor `full` of parameter `name`, recording its shape.
+    ///
+    /// # Errors
+    /// [`DataParallelError::Tensor`].
+    pub fn to_shard(&mut self, name: &str, full: &Tensor) -> Result<Tensor, DataParallelError> {
+        self.shapes.insert(name.to_string(), full.dims().to_vec());
+        shard(full, self.size(), self.index).map_err(tensor_err(name))
+    }
+
+    /// This rank's shard of `full` (no shape recorded).
+    ///
+    /// # Errors
+    /// [`DataParallelError::Tensor`].
+    pub fn shard_of(&self, full: &Tensor) -> Result<Tensor, DataParallelError> {
+        shard(full, self.size(), self.index)
+            .map_err(|source| DataParallelError::Tensor { name: "(loaded tensor)".into(), source })
+    }
+
+    /// UNSHARD: starts the all-gather of each `(name, shard)` of `stage` (the shards are kept
+    /// until [`DataParallel::reshard`]).
+    ///
+    /// # Errors
+    /// [`DataParallelError::Comm`] when a start fails.
+    pub fn start_unshard(
+        &mut self,
+        stage: usize,
+        shards: Vec<(String, Tensor)>,
+    ) -> Result<(), DataParallelError> {
+        let mut pending = Vec::with_capacity(shards.len());
+        for (name, s) in shards {
+            pending.push((
+                name.clone(),
+                self.comm.all_gather(&self.group, &s).map_err(comm_err("unshard", stage))?,
+            ));
+            self.kept.insert((stage, name), s);
+        }
+        self.gathering.insert(stage, pending);
+        Ok(())
+    }
+
+    /// Waits for `stage`'s all-gathers, if any are in flight; returns the full tensors by name.
+    ///
+    /// # Errors
+    /// [`DataParallelError::Comm`]; [`DataParallelError::Unknown`].
+    pub fn wait_unshard(&mut self, stage: usize) -> Result<Vec<(String, Tensor)>, DataParallelError> {
+        let Some(pending) = self.gathering.remove(&stage) else { return Ok(Vec::new()) };
+        let mut full = Vec::with_capacity(pending.len());
+        for (name, p) in pending {
+            let gathered = p.wait(self.timeout).map_err(comm_err("unshard", stage))?;
+            let shape =
+                self.shapes.get(&name).ok_or_else(|| DataParallelError::Unknown { name: name.clone() })?;
+            full.push((name.clone(), unshard(&gathered, shape).map_err(tensor_err(&name))?));
+        }
+        Ok(full)
+    }
+
+    /// RESHARD: the shards of `stage` kept since UNSHARD, by name.
+    pub fn reshard(&mut self, stage: usize) -> Vec<(String, Tensor)> {
+        let names: Vec<(usize, String)> = self.kept.keys().filter(|(s, _)| *s == stage).cloned().collect();
+        names.into_iter().filter_map(|k| self.kept.remove(&k).map(|t| (k.1, t))).collect()
+    }
+
+    /// REDUCE_GRAD: starts the reduction of each `(name, gradient)` of `stage` (name order):
+    /// all-reduce, or with FSDP the reduce-scatter of the padded, flattened gradient.
+    ///
+    /// # Errors
+    /// [`DataParallelError::Comm`], [`DataParallelError::Tensor`].
+    pub fn start_reduce(
+        &mut self,
+        stage: usize,
+        mut grads: Vec<(String, Tensor)>,
+    ) -> Result<(), DataParallelError> {
+        grads.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, g) in grads {
+            let p = if self.fsdp {
+                let padded = pad_flat(&g, self.size()).map_err(tensor_err(&name))?;
+                self.comm.reduce_scatter(&self.group, &padded)
+            } else {
+                self.comm.all_reduce(&self.group, &g)
+            };
+            self.reducing.push((stage, name, p.map_err(comm_err("reduce_grad", stage))?));
+        }
+        Ok(())
+    }
+
+    /// Waits for every reduction REDUCE_GRAD started; returns `(stage, name, mean)`: the
+    /// gradient averaged over the replicas (with FSDP, this rank's shard of it).
+    ///
+    /// # Errors
+    /// [`DataParallelError::Comm`], [`DataParallelError::Tensor`].
+    pub fn finish(&mut self) -> Result<Vec<(usize, String, Tensor)>, DataParallelError> {
+        let inv = 1.0 / self.size() as f64;
+        let mut out = Vec::with_capacity(self.reducing.len());
+        for (stage, name, p) in std::mem::take(&mut self.reducing) {
+            let sum = p.wait(self.timeout).map_err(comm_err("reduce_grad", stage))?;
+            let mean = sum.affine(inv, 0.0).map_err(tensor_err(&name))?;
+            out.push((stage, name, mean));
+        }
+        Ok(out)
+    }
+
+    /// The full tensors of this rank's shards `shards` (by name, sorted), all-gathered over the
+    /// group: every member calls it with the same names.
+    ///
+    /// # Errors
+    /// [`DataParallelError::Comm`], [`DataParallelError::Unknown`] for a name without a shape
+    /// (`shape_of` maps e.g. an AdamW moment to its parameter).
+    pub fn gather_full(
+        &self,
+        shards: &[(String, Tensor)],
+        shape_of: impl Fn(&str) -> String,
+    ) -> Result<Vec<(String, Tensor)>, DataParallelError> {
+        let pending = shards
+            .iter()
+            .map(|(n, s)| Ok((n, self.comm.all_gather(&self.group, s).map_err(comm_err("gather", 0))?)))
+            .collect::<Result<Vec<_>, DataParallelError>>()?;
+        pending
+            .into_iter()
+            .map(|(name, p)| {
+                let gathered = p.wait(self.timeout).map_err(comm_err("gather", 0))?;
+                let param = shape_of(name);
+                let shape = self.shapes.get(&param).ok_or(DataParallelError::Unknown { name: param })?;
+                Ok((name.clone(), unshard(&gathered, shape).map_err(tensor_err(name))?))
+            })
+            .collect()
+    }
+}
+
+/// `g` flattened and zero-padded to a multiple of `size` elements.
+fn pad_flat(g: &Tensor, size: usize) -> candle_core::Result<Tensor> {
+    let flat = g.flatten_all()?;
+    let n = flat.elem_count();
+    let len = shard_len(n, size) * size;
+    if len == n {
+        return Ok(flat);
+    }
+    let pad = Tensor::zeros(len - n, flat.dtype(), flat.device())?;
+    Tensor::cat(&[&flat, &pad], 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn shards_cover_the_tensor_with_zero_padding() {
+        let full = Tensor::arange(0f32, 10.0, &Device::Cpu).unwrap().reshape((2, 5)).unwrap();
+        assert_eq!(shard_len(10, 3), 4);
+        let parts: Vec<Vec<f32>> = (0..3).map(|i| shard(&full, 3, i).unwrap().to_vec1().unwrap()).collect();
+        assert_eq!(parts, [vec![0.0, 1.0, 2.0, 3.0], vec![4.0, 5.0, 6.0, 7.0], vec![8.0, 9.0, 0.0, 0.0]]);
+        let cat = Tensor::cat(
+            &parts.iter().map(|p| Tensor::new(p.as_slice(), &Device::Cpu).unwrap()).collect::<Vec<_>>(),
+            0,
+        )
+        .unwrap();
+        let back = unshard(&cat, &[2, 5]).unwrap();
+        assert_eq!(back.to_vec2::<f32>().unwrap(), full.to_vec2::<f32>().unwrap());
+        assert_eq!(pad_flat(&full, 4).unwrap().dims(), &[12]);
+        assert_eq!(pad_flat(&full, 5).unwrap().dims(), &[10]);
+    }
+}
