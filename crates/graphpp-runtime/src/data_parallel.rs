@@ -174,6 +174,12 @@ impl DataParallel {
         shard(full, self.size(), self.index).map_err(tensor_err(name))
     }
 
+    /// Bytes of the full f32 parameters this rank shards: what its unsharded stages hold on top
+    /// of the shards between UNSHARD and RESHARD (every stage at once, as the run lowers it).
+    pub fn full_bytes(&self) -> usize {
+        self.shapes.values().map(|s| s.iter().product::<usize>() * 4).sum()
+    }
+
     /// This rank's shard of `full` (no shape recorded).
     ///
     /// # Errors

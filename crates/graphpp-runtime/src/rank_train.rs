@@ -383,8 +383,10 @@ impl RankTrainer {
         let params_bytes = env_bytes(
             work.stages().values().flat_map(|s| s.parameter_names().iter().filter_map(|n| s.state().get(n))),
         );
+        // With FSDP the unsharded stages hold the full parameters during the step as well.
+        let gathered = work.data_parallel().filter(|d| d.fsdp()).map_or(0, |d| d.full_bytes());
         rows[2 * m + self.comm.rank()] =
-            (work.state_bytes() + 2 * params_bytes + work.peak_activation_bytes()) as f64;
+            (work.state_bytes() + 2 * params_bytes + gathered + work.peak_activation_bytes()) as f64;
         // Parameters, their gradients and two AdamW moments, all f32 (shards with FSDP).
         let distinct: Env = work.stages().values().flat_map(|s| s.parameters()).collect();
         rows[2 * m + world + self.comm.rank()] = (4 * env_bytes(distinct.values())) as f64;

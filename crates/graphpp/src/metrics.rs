@@ -30,6 +30,10 @@ pub struct StepRecord {
     /// the activation peak; see `graphpp_runtime::StepReport::peak_bytes`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_bytes: Option<Vec<u64>>,
+    /// Resident training state of each rank, bytes (parameters, gradients, AdamW moments; with
+    /// FSDP the shards; see `graphpp_runtime::StepReport::resident_bytes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resident_bytes: Option<Vec<u64>>,
     /// Achieved model FLOP/s of the step (`graphpp_models::flops_per_token` × tokens/s).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops_per_s: Option<f64>,
@@ -140,6 +144,7 @@ mod tests {
             val_loss: step.is_multiple_of(2).then_some(4.0),
             peak_bytes: None,
             flops_per_s: None,
+            resident_bytes: None,
         }
     }
 

@@ -106,6 +106,10 @@ pub struct RunConfig {
     /// checkpoints made before it existed (1).
     #[serde(default = "one")]
     pub dp: usize,
+    /// FSDP over the data-parallel replicas (`--fsdp`); a layout setting, free to change on
+    /// resume.
+    #[serde(default)]
+    pub fsdp: bool,
     /// T: tokens per sequence.
     pub seq_len: usize,
     /// Decoder layers of each model stage; `None` splits evenly.
@@ -212,6 +216,7 @@ impl RunConfig {
             ranks: 0,
             stages_per_rank: 0,
             dp: 0,
+            fsdp: false,
             layers_per_stage: None,
             steps: 0,
             recompute: Recompute::SaveAll,

@@ -40,6 +40,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         microbatches: 4,
         microbatch_size: 2,
         dp: 1,
+        fsdp: false,
         seq_len: 16,
         layers_per_stage: None,
         steps: 15,

@@ -305,6 +305,7 @@ fn run_config(data: PathBuf, kind: Kind, ranks: usize) -> RunConfig {
         microbatches: 4,
         microbatch_size: 2,
         dp: 1,
+        fsdp: false,
         seq_len: 8,
         layers_per_stage: None,
         steps: 3,

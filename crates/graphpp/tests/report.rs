@@ -18,6 +18,7 @@ fn rec(step: u64, loss: f64, val_loss: Option<f64>, tokens_per_s: f64) -> StepRe
         elapsed_s: step as f64 * 0.2,
         val_loss,
         peak_bytes: None,
+        resident_bytes: None,
         flops_per_s: None,
     }
 }

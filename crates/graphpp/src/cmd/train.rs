@@ -69,6 +69,11 @@ pub struct TrainArgs {
     /// mpirun); must divide B.
     #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     dp: usize,
+    /// FSDP (ZeRO-3) over the --dp replicas: parameters, gradients and AdamW state sharded,
+    /// all-gathered before a stage computes (UNSHARD) and reduce-scattered after its last
+    /// backward (REDUCE_GRAD). With --dp 1 the same as without.
+    #[arg(long)]
+    fsdp: bool,
     /// T: tokens (bytes) per sequence.
     #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     seq_len: usize,
@@ -188,6 +193,7 @@ impl TrainArgs {
             microbatches: self.microbatches,
             microbatch_size: self.microbatch_size,
             dp: self.dp,
+            fsdp: self.fsdp,
             seq_len: self.seq_len,
             layers_per_stage: self.layers_per_stage.clone(),
             steps: self.steps,
@@ -407,6 +413,7 @@ fn after_step(
         elapsed_s: elapsed,
         val_loss: v,
         peak_bytes: Some(r.peak_bytes.clone()),
+        resident_bytes: Some(r.resident_bytes.clone()),
         flops_per_s: Some(flops_per_s),
     })?;
     let Some(v) = v else { return Ok(None) };
@@ -419,17 +426,23 @@ fn after_step(
     say(
         pb,
         format!(
-            "step {:>6}  train loss {:.4}  val loss {v:.4}  lr {:.2e}  grad norm {:.3}  {:.0} tok/s  {:.3} GFLOP/s  peak MiB/rank {}  {elapsed:.0} s",
+            "step {:>6}  train loss {:.4}  val loss {v:.4}  lr {:.2e}  grad norm {:.3}  {:.0} tok/s  {:.3} GFLOP/s  peak MiB/rank {}  state MiB/rank {}  {elapsed:.0} s",
             r.step,
             r.loss,
             r.lr,
             r.grad_norm,
             tokens / secs,
             flops_per_s / 1e9,
-            r.peak_bytes.iter().map(|b| format!("{:.2}", *b as f64 / MIB)).collect::<Vec<_>>().join("/"),
+            mib(&r.peak_bytes),
+            mib(&r.resident_bytes),
         ),
     )?;
     Ok(Some((v, saved)))
+}
+
+/// Bytes per rank as `a/b/…` MiB with two decimals.
+fn mib(bytes: &[u64]) -> String {
+    bytes.iter().map(|b| format!("{:.2}", *b as f64 / MIB)).collect::<Vec<_>>().join("/")
 }
 
 /// Checks every output path before any training, so that a bad one fails in the first second
