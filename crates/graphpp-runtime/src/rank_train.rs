@@ -338,6 +338,46 @@ impl RankTrainer {
         }
     }
 
+    /// One forward and backward over `data` without an optimizer step (`graphpp verify`): the
+    /// step loss (the same on every rank) and, on the leader, every distinct parameter's
+    /// gradient d(step loss)/dθ — reduced over the data-parallel replicas and the copies, full
+    /// (FSDP shards gathered) — gathered as in [`RankTrainer::gather_state`]; `None` elsewhere.
+    /// The gradients are consumed; parameters do not change.
+    ///
+    /// # Errors
+    /// As [`RankTrainer::step_at`].
+    #[allow(clippy::type_complexity)]
+    pub fn gradient_step(
+        &mut self,
+        data: Arc<Microbatches>,
+    ) -> Result<(f64, Option<BTreeMap<String, Tensor>>), TrainError> {
+        let m = self.setup.shape.microbatches;
+        if data.len() != m || data.targets.len() != m {
+            return Err(TrainError::Data(format!(
+                "{} microbatches given, the schedule runs {m}",
+                data.len()
+            )));
+        }
+        let data = if self.setup.dp > 1 { Arc::new(self.slice(&data)?) } else { data };
+        let mut work = self.work.take().ok_or(TrainError::Poisoned)?;
+        work.start_step(data);
+        let opts = RankOptions { timeout: self.setup.timeout, start: Instant::now() };
+        let outcome =
+            run_rank(&self.schedule, &self.pipeline, work, &*self.comm, &opts).map_err(VerifyError::from)?;
+        let mut work = outcome.work;
+        let result = (|| {
+            let (loss, _, _) = self.reduce_loss(&work)?;
+            let grads = self.reduce_grads(&mut work)?;
+            let local = Self::unsharded_in(Some(&work), grads.into_iter().collect())?;
+            Ok((loss, self.send_to_leader(local, false)?))
+        })();
+        self.work = Some(work);
+        if let Err(e) = &result {
+            self.comm.abort(&format!("rank {}: {e}", self.comm.rank()));
+        }
+        result
+    }
+
     /// This replica's rows of every microbatch (`B / dp` sequences from row `replica · B / dp`).
     fn slice(&self, data: &Microbatches) -> Result<Microbatches, TrainError> {
         let b = self.setup.batch / self.setup.dp;
@@ -366,11 +406,17 @@ impl RankTrainer {
         &mut self,
         work: &mut GraphStages,
     ) -> Result<(f64, f64, f64, (Vec<u64>, Vec<u64>)), TrainError> {
+        let (loss, peak, resident) = self.reduce_loss(work)?;
+        let mut grads = self.reduce_grads(work)?;
+        self.apply(work, &mut grads).map(|(norm, lr)| (loss, norm, lr, (peak, resident)))
+    }
+
+    /// The step loss and each rank's (peak, resident) bytes, summed over the world.
+    #[allow(clippy::type_complexity)]
+    fn reduce_loss(&self, work: &GraphStages) -> Result<(f64, Vec<u64>, Vec<u64>), TrainError> {
         let timeout = self.setup.timeout;
         let m = self.setup.shape.microbatches;
         let world = self.comm.world();
-        // The data-parallel reductions REDUCE_GRAD started.
-        work.finish_data_parallel()?;
         // Summed over the world: m losses, m counts (where this rank holds the last stage), then
         // each rank's peak bytes and resident bytes at its own index.
         let mut rows = vec![0.0f64; 2 * m + 2 * world];
@@ -407,7 +453,15 @@ impl RankTrainer {
         let loss = losses.iter().sum::<f64>() / (m * self.setup.dp) as f64;
         let peak: Vec<u64> = peaks.iter().map(|&b| b as u64).collect();
         let resident: Vec<u64> = resident.iter().map(|&b| b as u64).collect();
-        // Sum of the copies' gradients.
+        Ok((loss, peak, resident))
+    }
+
+    /// This rank's gradients of the step by name, complete: the data-parallel mean REDUCE_GRAD
+    /// started (this rank's shard with FSDP), summed over the stages of this rank holding the
+    /// parameter and over the ranks holding copies of it.
+    fn reduce_grads(&self, work: &mut GraphStages) -> Result<Env, TrainError> {
+        let timeout = self.setup.timeout;
+        work.finish_data_parallel()?;
         let local: Vec<(String, Tensor)> =
             work.stages_mut().values_mut().flat_map(|s| s.take_grads()).collect();
         let mut grads = sum_by_name(local)?;
@@ -422,6 +476,12 @@ impl RankTrainer {
         for (name, p) in pending {
             grads.insert(name, p.wait(timeout)?);
         }
+        Ok(grads)
+    }
+
+    /// Clips `grads` by the global norm and applies the AdamW step; returns (norm, lr).
+    fn apply(&mut self, work: &mut GraphStages, grads: &mut Env) -> Result<(f64, f64), TrainError> {
+        let timeout = self.setup.timeout;
         // Data parallelism: REDUCE_GRAD already averaged the gradients over the replicas.
         // Global norm: one entry per distinct parameter, from its lowest holder in replica 0 —
         // or, with FSDP, in every replica (each adds its shard).
@@ -438,7 +498,7 @@ impl RankTrainer {
         let sq_all: Vec<f64> = self.comm.all_reduce(&self.world, &sq_t)?.wait(timeout)?.to_vec1()?;
         let sq = sq_all.iter().fold(0.0, |a, &x| a + x);
         if let Some(max_norm) = self.setup.max_grad_norm {
-            scale_grads(&mut grads, clip_scale(sq, max_norm)?)?;
+            scale_grads(grads, clip_scale(sq, max_norm)?)?;
         } else if !sq.is_finite() {
             return Err(OptimError::NonFiniteNorm { sq_norm: sq }.into());
         }
@@ -450,7 +510,7 @@ impl RankTrainer {
             s.set_parameters(&params)?;
         }
         self.step += 1;
-        Ok((loss, sq.sqrt(), lr, (peak, resident)))
+        Ok((sq.sqrt(), lr))
     }
 
     /// The leader (world rank 0) receives the intervals of every other rank of replica 0 and
@@ -512,12 +572,22 @@ impl RankTrainer {
     /// [`TrainError::Poisoned`]; [`TrainError::Comm`] (a timeout, an abort);
     /// [`TrainError::Optim`] for a missing moment.
     pub fn gather_state(&self, optimizer: bool) -> Result<Option<BTreeMap<String, Tensor>>, TrainError> {
-        let rank = self.comm.rank();
         let mut local = self.parameters()?;
         if optimizer {
             local.extend(self.optimizer_state()?);
         }
         let local = self.unsharded(local)?;
+        self.send_to_leader(local, optimizer)
+    }
+
+    /// The owner half of [`RankTrainer::gather_state`]: each rank sends the entries of `local`
+    /// it owns to the leader, which returns them all.
+    fn send_to_leader(
+        &self,
+        local: BTreeMap<String, Tensor>,
+        optimizer: bool,
+    ) -> Result<Option<BTreeMap<String, Tensor>>, TrainError> {
+        let rank = self.comm.rank();
         let mine = self.owned_keys(rank, optimizer);
         let missing = |k: &String| mismatch(format!("rank {rank} holds no {k} to gather"));
         if rank != 0 {
@@ -554,7 +624,15 @@ impl RankTrainer {
     /// The full tensors of this rank's parameters and moments `local` (by name): with FSDP
     /// all-gathered over the data-parallel group, in name order (every member calls it).
     fn unsharded(&self, local: BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>, TrainError> {
-        let Some(dp) = self.sharding() else { return Ok(local) };
+        Self::unsharded_in(self.work.as_ref(), local)
+    }
+
+    /// [`RankTrainer::unsharded`] with the stages `work`.
+    fn unsharded_in(
+        work: Option<&GraphStages>,
+        local: BTreeMap<String, Tensor>,
+    ) -> Result<BTreeMap<String, Tensor>, TrainError> {
+        let Some(dp) = work.and_then(|w| w.data_parallel()).filter(|d| d.fsdp()) else { return Ok(local) };
         let (step, shards): (Vec<_>, Vec<_>) = local.into_iter().partition(|(k, _)| k == STEP_KEY);
         let full = dp.gather_full(&shards, |k| parameter_of(k).to_string()).map_err(StageError::from)?;
         Ok(full.into_iter().chain(step).collect())

@@ -239,6 +239,40 @@ impl Trainer {
         self.ranks.first().ok_or(TrainError::Poisoned)?.any(flag)
     }
 
+    /// One forward and backward without an optimizer step (see
+    /// [`RankTrainer::gradient_step`]): the step loss and, on the leader, every distinct
+    /// parameter's reduced, full gradient; `None` in the other processes.
+    ///
+    /// # Errors
+    /// As [`Trainer::step`].
+    #[allow(clippy::type_complexity)]
+    pub fn gradient_step(
+        &mut self,
+        data: Microbatches,
+    ) -> Result<(f64, Option<BTreeMap<String, Tensor>>), TrainError> {
+        if self.poisoned {
+            return Err(TrainError::Poisoned);
+        }
+        let data = Arc::new(data);
+        let results = self.on_each(|r| r.gradient_step(Arc::clone(&data)));
+        let mut out = (f64::NAN, None);
+        let mut errors = Vec::new();
+        for r in results {
+            match r {
+                Ok((loss, grads)) => {
+                    out.0 = loss;
+                    out.1 = out.1.or(grads);
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+        if !errors.is_empty() {
+            self.poisoned = true;
+            return Err(first_train_failure(errors));
+        }
+        Ok(out)
+    }
+
     /// Every distinct parameter (and, with `optimizer`, its AdamW moments and `adam.step`),
     /// gathered to the leader (see [`RankTrainer::gather_state`]); `None` in other processes.
     /// Every process calls it at the same point.

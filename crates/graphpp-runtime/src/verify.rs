@@ -113,6 +113,9 @@ pub enum VerifyError {
     /// The two steps do not produce the same set of values (a missing loss or gradient).
     #[error("pipelined and single-device steps disagree on {0}")]
     Mismatch(String),
+    /// The step run as a training run's ranks failed ([`data_parallel_step`]).
+    #[error(transparent)]
+    Train(Box<crate::train::TrainError>),
 }
 
 /// What one verification step runs: the model, the schedule and the data.
@@ -144,6 +147,11 @@ pub struct VerifySetup {
     pub dtype: DType,
     /// Compute dtype of the single-device reference step.
     pub reference_dtype: DType,
+    /// Data-parallel replicas (each runs `batch / dp` sequences of every microbatch); above 1
+    /// the pipelined step runs as a training run's ranks do ([`data_parallel_step`]).
+    pub dp: usize,
+    /// FSDP over the replicas.
+    pub fsdp: bool,
 }
 
 impl VerifySetup {
@@ -162,6 +170,8 @@ impl VerifySetup {
             weights: None,
             dtype: DType::F32,
             reference_dtype: DType::F32,
+            dp: 1,
+            fsdp: false,
         }
     }
 }
@@ -438,12 +448,67 @@ pub fn compare(a: &StepResult, b: &StepResult) -> Result<VerifyReport, VerifyErr
     Ok(r)
 }
 
+/// The pipelined step run as a training run's ranks run it — [`crate::Trainer::gradient_step`]:
+/// the schedule lowered with REDUCE_GRAD (and FSDP's UNSHARD/RESHARD), each replica on its
+/// `batch / dp` rows, the gradients reduced over the replicas and the copies — every rank a
+/// thread here, or (with `comm`) this process's rank of a world of `p × dp` processes. Returns
+/// the step's loss and gradients on the leader, `None` elsewhere.
+///
+/// # Errors
+/// [`VerifyError::Train`] (a batch that does not split over dp, a failing rank).
+pub fn data_parallel_step(
+    setup: &VerifySetup,
+    comm: Option<Arc<dyn crate::comm::Comm>>,
+) -> Result<Option<StepResult>, VerifyError> {
+    let train = |e: crate::train::TrainError| VerifyError::Train(Box::new(e));
+    let lr =
+        crate::lr::CosineSchedule::new(1e-3, 0.0, 0, 1).map_err(|e| VerifyError::Mismatch(e.to_string()))?;
+    let ts = crate::train::TrainSetup {
+        model: setup.model.clone(),
+        kind: setup.kind,
+        shape: setup.shape,
+        options: setup.options,
+        layers_per_stage: setup.layers_per_stage.clone(),
+        batch: setup.batch,
+        dp: setup.dp,
+        fsdp: setup.fsdp,
+        seq: setup.seq,
+        seed: setup.seed,
+        adamw: crate::optim::AdamWConfig::default(),
+        lr,
+        max_grad_norm: None,
+        recompute: graphpp_models::Recompute::SaveAll,
+        timeout: setup.timeout,
+        dtype: setup.dtype,
+    };
+    let mut t = match comm {
+        Some(c) => crate::train::Trainer::on_comm(ts, c),
+        None => crate::train::Trainer::new(ts),
+    }
+    .map_err(train)?;
+    if let Some(w) = &setup.weights {
+        t.load_parameters(w).map_err(train)?;
+    }
+    let m = setup.shape.microbatches;
+    let data = random_microbatches(setup.model.vocab_size, m, setup.batch, setup.seq, setup.seed)?;
+    let (loss, grads) = t.gradient_step(data).map_err(train)?;
+    Ok(grads.map(|g| StepResult {
+        loss,
+        microbatch_losses: Vec::new(),
+        grads: g.into_iter().map(|(n, t)| (format!("grad.{n}"), t)).collect(),
+    }))
+}
+
 /// Runs `setup` pipelined and on one device and compares them (what `graphpp verify` prints).
 /// Errors: [`VerifyError::Size`] (before anything is built) when the schedule or the step would be
 /// too large ([`check_step`]), else those of the two steps.
 pub fn verify_step(setup: &VerifySetup) -> Result<VerifyReport, VerifyError> {
-    check_step(&setup.model, setup.kind, &setup.shape, setup.batch, setup.seq, true)?;
-    let a = pipelined_step(setup)?;
+    check_step(&setup.model, setup.kind, &setup.shape, setup.batch / setup.dp.max(1), setup.seq, true)?;
+    let a = if setup.dp > 1 || setup.fsdp {
+        data_parallel_step(setup, None)?.ok_or_else(|| VerifyError::Mismatch("no leader".into()))?
+    } else {
+        pipelined_step(setup)?
+    };
     let b = single_device_step(setup)?;
     compare(&a, &b)
 }

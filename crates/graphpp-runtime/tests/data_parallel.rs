@@ -118,3 +118,21 @@ fn an_fsdp_checkpoint_resumes_under_another_layout() {
         assert!(rel_l2(&again[name], t) == 0.0, "{name} changed through sharding");
     }
 }
+
+/// `verify_step` with dp = 2, with and without FSDP, for the kinds the issue names at pp = 2:
+/// the replicas' reduced gradients equal one device's on the whole batch within 1e-5.
+#[test]
+fn verify_with_data_parallelism_matches_one_device() {
+    use graphpp_runtime::verify::{verify_step, VerifySetup, TOLERANCE};
+    let model = graphpp_models::LlamaConfig::tiny();
+    for kind in [Kind::Gpipe, Kind::OneFOneB, Kind::Interleaved1F1B, Kind::Zbv, Kind::DualPipeV, Kind::ZbH1] {
+        for fsdp in [false, true] {
+            let shape = graphpp_schedule::Shape::new(2, kind.default_stages_per_rank(), 4);
+            let setup =
+                VerifySetup { dp: 2, fsdp, seed: 3, ..VerifySetup::new(model.clone(), kind, shape, 2, 8) };
+            let r = verify_step(&setup).unwrap();
+            assert!(r.passes(TOLERANCE), "{kind} fsdp={fsdp}: {r:?}");
+            assert_eq!(r.gradients, 39, "{kind}: every gradient compared");
+        }
+    }
+}

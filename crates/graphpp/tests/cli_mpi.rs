@@ -97,9 +97,9 @@ fn processes_log_the_losses_of_threads() {
     assert!(val(&mpi_out).is_some());
 }
 
-/// DualPipeV at pp=2 × dp=2 as four processes: the losses of the threads run with dp=2 and,
-/// within 1e-5, of dp=1 on the same global batch; its checkpoint (step 3) resumes as threads
-/// under ZB-V at dp=1 and continues the uninterrupted run's losses.
+/// DualPipeV at pp=2 × dp=2 with FSDP as four processes: within 1e-5 the losses of the threads
+/// runs with dp=2 and with dp=1 on the same global batch; its checkpoint (step 3, full
+/// tensors) resumes as threads under ZB-V at dp=1 and continues the uninterrupted run's losses.
 #[test]
 fn data_parallel_processes_and_a_checkpoint_that_changes_layout() {
     let d = tempfile::tempdir().unwrap();
@@ -109,7 +109,7 @@ fn data_parallel_processes_and_a_checkpoint_that_changes_layout() {
     let common = ["--schedule", "dualpipev", "--steps", "6"];
     let (ok, o, e) = run({
         let mut c = mpirun(4);
-        let extra = [&common[..], &["--dp", "2", "--stop-after", "3", "--checkpoint-dir"]].concat();
+        let extra = [&common[..], &["--dp", "2", "--fsdp", "--stop-after", "3", "--checkpoint-dir"]].concat();
         c.args(train_args(&data, &extra)).arg(&ck).arg("--metrics").arg(m("mpi.jsonl"));
         c
     });
@@ -140,7 +140,7 @@ fn data_parallel_processes_and_a_checkpoint_that_changes_layout() {
     });
     assert!(ok, "{o}\n{e}");
     let (resumed, dp1, dp2) = (losses(&m("mpi.jsonl")), losses(&m("dp1.jsonl")), losses(&m("dp2.jsonl")));
-    assert_close(&resumed[..3], &dp2[..3], 0.0, "mpirun -n 4 dp=2 vs threads dp=2");
+    assert_close(&resumed[..3], &dp2[..3], 1e-5, "mpirun -n 4 dp=2 fsdp vs threads dp=2");
     assert_close(&dp2, &dp1, 1e-5, "dp=2 vs dp=1");
     assert_close(&resumed, &dp1, 1e-5, "resumed as threads under zbv vs uninterrupted");
 }
@@ -254,4 +254,31 @@ fn pids_of_rank(parent: u32) -> Vec<(u32, usize)> {
         }
     }
     out
+}
+
+/// `mpirun -n 4 graphpp verify --dp 2` (and `--fsdp`) for every kind the issue names at pp = 2:
+/// four processes, the leader compares the reduced gradients with one device (≤ 1e-5) and
+/// prints once.
+#[test]
+fn verify_as_four_processes_with_data_parallelism_and_fsdp() {
+    for kind in ["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev", "zb-h1"] {
+        for fsdp in [false, true] {
+            let (ok, o, e) = run({
+                let mut c = mpirun(4);
+                c.args(["verify", "--schedule", kind, "--ranks", "2", "--microbatches", "4"]).args([
+                    "--microbatch-size",
+                    "2",
+                    "--dp",
+                    "2",
+                ]);
+                if fsdp {
+                    c.arg("--fsdp");
+                }
+                c
+            });
+            assert!(ok, "{kind} fsdp={fsdp}:\n{o}\n{e}");
+            assert_eq!(o.matches("PASS").count(), 1, "{kind}: printed once:\n{o}");
+            assert!(o.contains("dp=2") && o.contains("4 processes"), "{o}");
+        }
+    }
 }

@@ -76,3 +76,40 @@ fn a_shape_the_kind_rejects_is_reported() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("dualpipe cannot serve"), "{out:?}");
 }
+
+/// `--dp 2` and `--dp 2 --fsdp`: the replicas' reduced gradients equal one device's on the whole
+/// batch (the printed differences are below 1e-5); a batch that does not split over dp is
+/// refused naming both flags.
+#[test]
+fn data_parallel_and_fsdp_steps_match_one_device() {
+    for extra in [&["--dp", "2"][..], &["--dp", "2", "--fsdp"][..]] {
+        let base = ["--schedule", "zbv", "--ranks", "2", "--microbatches", "4", "--microbatch-size", "2"];
+        let out = verify(&[&base[..], extra].concat());
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            text.starts_with(&format!(
+                "verify zbv p=2 v=2 m=4 dp=2{}",
+                if extra.len() == 3 { " fsdp" } else { "" }
+            )),
+            "{text}"
+        );
+        assert!(number(&text, "gradients:", "max relative difference") <= 1e-5, "{text}");
+        assert!(number(&text, "gradients:", "gradients:") == 39.0, "{text}");
+    }
+    let out = verify(&[
+        "--schedule",
+        "1f1b",
+        "--ranks",
+        "2",
+        "--microbatches",
+        "2",
+        "--microbatch-size",
+        "3",
+        "--dp",
+        "2",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("--dp 2 does not divide --microbatch-size 3"), "{e}");
+}

@@ -1,6 +1,9 @@
 //! `graphpp verify`: one training step pipelined under a schedule and one on a single device from
 //! the same weights and batch; prints both losses and the largest gradient differences, and fails
-//! (exit 1) above the tolerance (docs/ARCHITECTURE.md "Runtime" → Semantics).
+//! (exit 1) above the tolerance (docs/ARCHITECTURE.md "Runtime" → Semantics). With `--dp N`
+//! (and `--fsdp`) the pipelined step runs as a training run's ranks do, each replica on its
+//! share of the batch; under `mpirun -n W` (W = ranks × dp) one rank per process, the leader
+//! comparing and printing.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -8,8 +11,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use graphpp::launch::Launch;
 use graphpp_graph::DType;
-use graphpp_runtime::verify::{check_tolerance, default_tolerance, verify_step, VerifySetup};
+use graphpp_runtime::verify::{
+    check_tolerance, compare, data_parallel_step, default_tolerance, single_device_step, verify_step,
+    VerifySetup,
+};
 use graphpp_schedule::{Kind, Shape};
 
 use crate::cmd::value::count;
@@ -20,7 +27,7 @@ pub struct VerifyArgs {
     /// Schedule kind (`1f1b`, `zbv`, `dualpipev`, …; PyTorch class names accepted).
     #[arg(long)]
     schedule: Kind,
-    /// p: ranks in the pipeline (one thread each).
+    /// p: ranks in the pipeline (one thread each; under mpirun, one process each).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     ranks: usize,
     /// v: stages per rank (S = p·v; DualPipe's 2p stages hold two copies of a p-stage split);
@@ -43,9 +50,16 @@ pub struct VerifyArgs {
     /// Decoder layers of each model stage, e.g. `2,1,1` (default: an even split).
     #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = count::<usize>)]
     layers_per_stage: Option<Vec<usize>>,
-    /// B: sequences per microbatch.
+    /// B: sequences per microbatch (split over the --dp replicas).
     #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = count::<usize>)]
     microbatch_size: usize,
+    /// Data-parallel replicas of the pipeline (world = ranks × dp); must divide B.
+    #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = count::<usize>)]
+    dp: usize,
+    /// FSDP (ZeRO-3) over the --dp replicas (the gradients are then reduce-scattered shards,
+    /// gathered for the comparison).
+    #[arg(long)]
+    fsdp: bool,
     /// T: tokens per sequence.
     #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = count::<usize>)]
     seq_len: usize,
@@ -66,13 +80,38 @@ pub struct VerifyArgs {
     tolerance: Option<f64>,
 }
 
+/// A difference above the tolerance: the step ran, so no rank failed.
+#[derive(Debug, thiserror::Error)]
+#[error("FAIL: difference above tolerance {0:e} relative")]
+struct AboveTolerance(f64);
+
 /// Runs `graphpp verify`. Errors: bad shape or model (typed, with the numbers), a failing rank,
 /// or a difference above the tolerance.
 pub fn run(a: VerifyArgs) -> Result<()> {
+    let launch = Launch::detect()?;
+    if !launch.is_leader() {
+        crate::cmd::quiet();
+    }
+    let result = verify(&a, &launch);
+    let failure = result.as_ref().err().filter(|e| e.downcast_ref::<AboveTolerance>().is_none());
+    launch.finish(failure.map(|e| format!("{e:#}")).as_deref());
+    result
+}
+
+fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     if let Some(t) = a.tolerance {
         check_tolerance(t)?;
     }
-    crate::cmd::set_op_threads(a.ranks, None);
+    if a.dp == 0 || !a.microbatch_size.is_multiple_of(a.dp) {
+        bail!(
+            "--dp {} does not divide --microbatch-size {}: each replica runs B/dp sequences",
+            a.dp,
+            a.microbatch_size
+        );
+    }
+    launch.check_world(a.ranks, a.dp)?;
+    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { a.ranks * a.dp };
+    crate::cmd::set_op_threads(local_ranks, None);
     let (mut model, weights, name) = match &a.init_from {
         Some(dir) => {
             let p = graphpp::pretrained::load(dir).context("--init-from")?;
@@ -91,11 +130,29 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     setup.weights = weights;
     setup.dtype = a.dtype;
     setup.reference_dtype = a.reference_dtype;
+    setup.dp = a.dp;
+    setup.fsdp = a.fsdp;
     let tolerance = a.tolerance.unwrap_or_else(|| default_tolerance(a.dtype, a.reference_dtype));
     let t0 = Instant::now();
-    let r = verify_step(&setup)?;
+    let r = if launch.world() > 1 {
+        let local = a.microbatch_size / a.dp;
+        graphpp_runtime::check_step(&setup.model, a.schedule, &shape, local, a.seq_len, true)?;
+        // Every process runs its rank; the leader gets the gradients and compares.
+        let Some(pipelined) = data_parallel_step(&setup, launch.comm())? else { return Ok(()) };
+        compare(&pipelined, &single_device_step(&setup)?)?
+    } else {
+        verify_step(&setup)?
+    };
+    let layout = match (a.dp, a.fsdp, launch.world()) {
+        (1, _, 1) => String::new(),
+        (dp, fsdp, w) => format!(
+            " dp={dp}{}{}",
+            if fsdp { " fsdp" } else { "" },
+            if w > 1 { format!(", {w} processes") } else { String::new() }
+        ),
+    };
     println!(
-        "verify {} p={} v={} m={} (model {}, {} layer{}, B={} T={}, seed {}, {})",
+        "verify {} p={} v={} m={}{layout} (model {}, {} layer{}, B={} T={}, seed {}, {})",
         a.schedule,
         a.ranks,
         v,
@@ -124,7 +181,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     );
     println!("wall time {:.2} s", t0.elapsed().as_secs_f64());
     if !r.passes(tolerance) {
-        bail!("FAIL: difference above tolerance {tolerance:e} relative");
+        return Err(AboveTolerance(tolerance).into());
     }
     println!("PASS (tolerance {tolerance:e} relative)");
     Ok(())
