@@ -24,7 +24,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use graphpp_models::{stage_parameters, StageOptions};
@@ -92,6 +92,24 @@ pub struct RankStepReport {
     /// Resident training state of every rank, bytes, index = world rank (see
     /// [`crate::StepReport::resident_bytes`]); the same on every rank.
     pub resident_bytes: Vec<u64>,
+    /// Seconds this rank was blocked at the iteration boundary: waiting for the world-wide loss
+    /// and gradient-norm reductions (what `--post-validate` overlaps with the optimizer step).
+    pub boundary_wait_s: f64,
+    /// Whether post-validation rolled the optimistic optimizer step back (clipping applied, so
+    /// the step was redone with the clipped gradients).
+    pub rolled_back: bool,
+}
+
+/// What [`RankTrainer::update`] did.
+struct Update {
+    loss: f64,
+    norm: f64,
+    lr: f64,
+    peak: Vec<u64>,
+    resident: Vec<u64>,
+    /// Time blocked on the world-wide loss and norm reductions.
+    waited: Duration,
+    rolled_back: bool,
 }
 
 /// What a [`TagKind::Gather`] message carries (its tag's `stage`).
@@ -319,17 +337,25 @@ impl RankTrainer {
         let mut work = outcome.work;
         let updated = self.update(&mut work).and_then(|u| Ok((u, self.gather_intervals(outcome.intervals)?)));
         match updated {
-            Ok(((loss, grad_norm, lr, (peak_bytes, resident_bytes)), intervals)) => {
+            Ok((u, intervals)) => {
                 self.work = Some(work);
                 Ok(RankStepReport {
                     step: self.step,
-                    loss,
-                    grad_norm,
-                    lr,
+                    loss: u.loss,
+                    grad_norm: u.norm,
+                    lr: u.lr,
                     intervals,
-                    peak_bytes,
-                    resident_bytes,
+                    peak_bytes: u.peak,
+                    resident_bytes: u.resident,
+                    boundary_wait_s: u.waited.as_secs_f64(),
+                    rolled_back: u.rolled_back,
                 })
+            }
+            Err(e) if e.is_skipped_step() => {
+                // Every rank reached the same verdict from the same global norm: nothing to
+                // abort, and nothing was applied.
+                self.work = Some(work);
+                Err(e)
             }
             Err(e) => {
                 self.comm.abort(&format!("rank {}: {e}", self.comm.rank()));
@@ -366,7 +392,7 @@ impl RankTrainer {
             run_rank(&self.schedule, &self.pipeline, work, &*self.comm, &opts).map_err(VerifyError::from)?;
         let mut work = outcome.work;
         let result = (|| {
-            let (loss, _, _) = self.reduce_loss(&work)?;
+            let (loss, _, _) = self.finish_loss(self.start_loss(&work)?)?;
             let grads = self.reduce_grads(&mut work)?;
             let local = Self::unsharded_in(Some(&work), grads.into_iter().collect())?;
             Ok((loss, self.send_to_leader(local, false)?))
@@ -399,22 +425,99 @@ impl RankTrainer {
         Ok(Microbatches { tokens: cut(&data.tokens)?, targets: cut(&data.targets)? })
     }
 
-    /// The collectives and the optimizer step after the pipeline run; returns (loss, norm, lr,
-    /// (peak, resident) bytes of every rank).
-    #[allow(clippy::type_complexity)]
-    fn update(
-        &mut self,
-        work: &mut GraphStages,
-    ) -> Result<(f64, f64, f64, (Vec<u64>, Vec<u64>)), TrainError> {
-        let (loss, peak, resident) = self.reduce_loss(work)?;
+    /// The collectives and the optimizer step after the pipeline run (see the module doc).
+    fn update(&mut self, work: &mut GraphStages) -> Result<Update, TrainError> {
+        let loss = self.start_loss(work)?;
+        if self.setup.post_validate {
+            // The world-wide loss (in effect a barrier) is waited for after the optimistic
+            // optimizer step.
+            let grads = self.reduce_grads(work)?;
+            return self.post_validated(work, loss, grads);
+        }
+        let t = Instant::now();
+        let (loss, peak, resident) = self.finish_loss(loss)?;
+        let mut waited = t.elapsed();
         let mut grads = self.reduce_grads(work)?;
-        self.apply(work, &mut grads).map(|(norm, lr)| (loss, norm, lr, (peak, resident)))
+        let norm = self.start_norm(work, &grads)?;
+        let t = Instant::now();
+        let sq = self.finish_norm(norm)?;
+        waited += t.elapsed();
+        let lr = self.setup.lr.lr_at(self.step + 1);
+        let scale = self.checked_scale(sq)?;
+        scale_grads(&mut grads, scale)?;
+        let (params, optim) = self.optimizer_step(work, &grads, lr)?;
+        self.commit(work, params, optim)?;
+        Ok(Update { loss, norm: sq.sqrt(), lr, peak, resident, waited, rolled_back: false })
     }
 
-    /// The step loss and each rank's (peak, resident) bytes, summed over the world.
-    #[allow(clippy::type_complexity)]
-    fn reduce_loss(&self, work: &GraphStages) -> Result<(f64, Vec<u64>, Vec<u64>), TrainError> {
-        let timeout = self.setup.timeout;
+    /// The zero-bubble paper's optimizer post-validation (Qi et al. 2024, "Zero Bubble Pipeline
+    /// Parallelism", section 4): the world-wide loss and gradient-norm reductions are started,
+    /// the AdamW step is taken at once from this rank's unclipped gradients, and only then are
+    /// the reductions waited for. When the global check says the step was wrong — a gradient
+    /// norm above `max_grad_norm` (clipping) or a non-finite one — the step is rolled back
+    /// (parameters and moments restored) and redone with the clipped gradients, or the step
+    /// fails. The result is bitwise the synchronous step's.
+    fn post_validated(
+        &mut self,
+        work: &mut GraphStages,
+        loss: Pending<Tensor>,
+        mut grads: Env,
+    ) -> Result<Update, TrainError> {
+        let norm = self.start_norm(work, &grads)?;
+        let lr = self.setup.lr.lr_at(self.step + 1);
+        let optimistic = self.optimizer_step(work, &grads, lr);
+        let t = Instant::now();
+        let (loss, peak, resident) = self.finish_loss(loss)?;
+        let sq = self.finish_norm(norm)?;
+        let waited = t.elapsed();
+        let scale = self.checked_scale(sq)?;
+        let (step, rolled_back) = match optimistic {
+            Ok(step) if scale == 1.0 => (step, false),
+            // Roll back: the optimistic step is dropped, the clipped one taken.
+            _ => {
+                scale_grads(&mut grads, scale)?;
+                (self.optimizer_step(work, &grads, lr)?, true)
+            }
+        };
+        self.commit(work, step.0, step.1)?;
+        Ok(Update { loss, norm: sq.sqrt(), lr, peak, resident, waited, rolled_back })
+    }
+
+    /// The clipping scale of the global squared norm `sq` (1 without clipping).
+    ///
+    /// # Errors
+    /// [`TrainError::Optim`] for a non-finite norm (the step is not applied).
+    fn checked_scale(&self, sq: f64) -> Result<f32, TrainError> {
+        match self.setup.max_grad_norm {
+            Some(max_norm) => Ok(clip_scale(sq, max_norm)?),
+            None if sq.is_finite() => Ok(1.0),
+            None => Err(OptimError::NonFiniteNorm { sq_norm: sq }.into()),
+        }
+    }
+
+    /// The AdamW step from `grads` at `lr` on copies: the new parameters and optimizer; nothing
+    /// changes until [`RankTrainer::commit`].
+    fn optimizer_step(&self, work: &GraphStages, grads: &Env, lr: f64) -> Result<(Env, AdamW), TrainError> {
+        let mut params: Env = work.stages().values().flat_map(|s| s.parameters()).collect();
+        let grads: Env = params.keys().filter_map(|n| grads.get(n).map(|g| (n.clone(), g.clone()))).collect();
+        let mut optim = self.optim.clone();
+        optim.step(&mut params, &grads, lr)?;
+        Ok((params, optim))
+    }
+
+    /// Installs a step's parameters and optimizer.
+    fn commit(&mut self, work: &mut GraphStages, params: Env, optim: AdamW) -> Result<(), TrainError> {
+        for s in work.stages_mut().values_mut() {
+            s.set_parameters(&params)?;
+        }
+        self.optim = optim;
+        self.step += 1;
+        Ok(())
+    }
+
+    /// Starts the world-wide sum of the microbatch losses and each rank's (peak, resident)
+    /// bytes ([`RankTrainer::finish_loss`] waits for it).
+    fn start_loss(&self, work: &GraphStages) -> Result<Pending<Tensor>, TrainError> {
         let m = self.setup.shape.microbatches;
         let world = self.comm.world();
         // Summed over the world: m losses, m counts (where this rank holds the last stage), then
@@ -438,8 +541,17 @@ impl RankTrainer {
         rows[2 * m + world + self.comm.rank()] = (4 * env_bytes(distinct.values())) as f64;
         let n = rows.len();
         let t = Tensor::from_vec(rows, n, &Device::Cpu)?;
-        let summed: Vec<f64> =
-            self.comm.all_reduce(&self.world, &t)?.wait(timeout)?.to_dtype(DType::F64)?.to_vec1()?;
+        Ok(self.comm.all_reduce(&self.world, &t)?)
+    }
+
+    /// The step loss and each rank's (peak, resident) bytes from the sum [`RankTrainer::start_loss`] started.
+    ///
+    /// # Errors
+    /// [`TrainError::Comm`]; [`TrainError::Data`] for a microbatch without its losses.
+    #[allow(clippy::type_complexity)]
+    fn finish_loss(&self, pending: Pending<Tensor>) -> Result<(f64, Vec<u64>, Vec<u64>), TrainError> {
+        let (m, world) = (self.setup.shape.microbatches, self.comm.world());
+        let summed: Vec<f64> = pending.wait(self.setup.timeout)?.to_dtype(DType::F64)?.to_vec1()?;
         let (losses, rest) = summed.split_at(m);
         let (counts, rest) = rest.split_at(m);
         let (peaks, resident) = rest.split_at(world);
@@ -479,12 +591,10 @@ impl RankTrainer {
         Ok(grads)
     }
 
-    /// Clips `grads` by the global norm and applies the AdamW step; returns (norm, lr).
-    fn apply(&mut self, work: &mut GraphStages, grads: &mut Env) -> Result<(f64, f64), TrainError> {
-        let timeout = self.setup.timeout;
-        // Data parallelism: REDUCE_GRAD already averaged the gradients over the replicas.
-        // Global norm: one entry per distinct parameter, from its lowest holder in replica 0 —
-        // or, with FSDP, in every replica (each adds its shard).
+    /// Starts the world-wide sum of the squared gradient norms: one entry per distinct parameter,
+    /// from its lowest holder in replica 0 — or, with FSDP, in every replica (each adds its
+    /// shard). Data parallelism: REDUCE_GRAD already averaged the gradients over the replicas.
+    fn start_norm(&self, work: &GraphStages, grads: &Env) -> Result<Pending<Tensor>, TrainError> {
         let sharded = work.data_parallel().is_some_and(|d| d.fsdp());
         let mut sq = vec![0.0f64; self.all_names.len()];
         for (i, name) in self.all_names.iter().enumerate() {
@@ -494,23 +604,14 @@ impl RankTrainer {
             }
         }
         let n = sq.len();
-        let sq_t = Tensor::from_vec(sq, n, &Device::Cpu)?;
-        let sq_all: Vec<f64> = self.comm.all_reduce(&self.world, &sq_t)?.wait(timeout)?.to_vec1()?;
-        let sq = sq_all.iter().fold(0.0, |a, &x| a + x);
-        if let Some(max_norm) = self.setup.max_grad_norm {
-            scale_grads(grads, clip_scale(sq, max_norm)?)?;
-        } else if !sq.is_finite() {
-            return Err(OptimError::NonFiniteNorm { sq_norm: sq }.into());
-        }
-        let lr = self.setup.lr.lr_at(self.step + 1);
-        let mut params: Env = work.stages().values().flat_map(|s| s.parameters()).collect();
-        let grads: Env = params.keys().filter_map(|n| grads.get(n).map(|g| (n.clone(), g.clone()))).collect();
-        self.optim.step(&mut params, &grads, lr)?;
-        for s in work.stages_mut().values_mut() {
-            s.set_parameters(&params)?;
-        }
-        self.step += 1;
-        Ok((sq.sqrt(), lr))
+        Ok(self.comm.all_reduce(&self.world, &Tensor::from_vec(sq, n, &Device::Cpu)?)?)
+    }
+
+    /// The global squared norm: the entries of [`RankTrainer::start_norm`]'s sum added in name
+    /// order.
+    fn finish_norm(&self, pending: Pending<Tensor>) -> Result<f64, TrainError> {
+        let sq_all: Vec<f64> = pending.wait(self.setup.timeout)?.to_vec1()?;
+        Ok(sq_all.iter().fold(0.0, |a, &x| a + x))
     }
 
     /// The leader (world rank 0) receives the intervals of every other rank of replica 0 and

@@ -103,6 +103,9 @@ pub struct TrainSetup {
     /// FSDP (ZeRO-3) over the data-parallel replicas: parameters, gradients and AdamW state
     /// sharded ([`crate::data_parallel`]); with dp = 1 the same as without.
     pub fsdp: bool,
+    /// Optimizer post-validation (`--post-validate`, [`RankTrainer`]): step at once, validate
+    /// the global norm after, roll back when clipping or a non-finite gradient says so.
+    pub post_validate: bool,
     /// Tokens per sequence `T`.
     pub seq: usize,
     /// Seed of the initial weights.
@@ -121,6 +124,15 @@ pub struct TrainSetup {
     /// gradients and AdamW state; bf16 activations and messages; f32 loss — see
     /// [`StageOptions::mixed`]). Evaluation and generation compute in it too.
     pub dtype: graphpp_graph::DType,
+}
+
+impl TrainError {
+    /// Whether the step was refused as a whole and not applied — a non-finite global gradient
+    /// norm, which every rank sees alike — so the trainer is intact and the next step may run
+    /// (a caller may skip such a step, as mixed-precision loss scaling does).
+    pub fn is_skipped_step(&self) -> bool {
+        matches!(self, TrainError::Optim(OptimError::NonFiniteNorm { .. }))
+    }
 }
 
 impl From<crate::comm::CommError> for TrainError {
@@ -150,6 +162,13 @@ pub struct StepReport {
     /// Resident training state of every rank, bytes (index = world rank): its distinct
     /// parameters, their gradients and the two AdamW moments, all f32 — with FSDP, the shards.
     pub resident_bytes: Vec<u64>,
+    /// Seconds each rank of this process was blocked at the iteration boundary (index = world
+    /// rank for a thread run; this process's rank alone otherwise): see
+    /// [`RankStepReport::boundary_wait_s`].
+    pub boundary_wait_s: Vec<f64>,
+    /// Whether post-validation rolled the optimistic step back (see
+    /// [`RankStepReport::rolled_back`]).
+    pub rolled_back: bool,
 }
 
 /// This process's part of a training run: the [`RankTrainer`]s of its ranks (see the module doc).
@@ -324,7 +343,8 @@ impl Trainer {
     /// [`TrainError::Data`] for a wrong microbatch count; a failing rank
     /// ([`TrainError::Setup`] wrapping the pipeline error that names rank, step and action — the
     /// trainer is then [`TrainError::Poisoned`]); [`TrainError::Optim`] for a non-finite gradient
-    /// norm (the step is not applied).
+    /// norm (the step is not applied; the trainer stays usable, see
+    /// [`TrainError::is_skipped_step`]).
     pub fn step(&mut self, data: Microbatches) -> Result<StepReport, TrainError> {
         let m = self.setup.shape.microbatches;
         if data.len() != m || data.targets.len() != m {
@@ -349,9 +369,10 @@ impl Trainer {
             }
         }
         if !errors.is_empty() {
-            self.poisoned = true;
+            self.poisoned = !errors.iter().all(TrainError::is_skipped_step);
             return Err(first_train_failure(errors));
         }
+        let boundary_wait_s = reports.iter().map(|r| r.boundary_wait_s).collect();
         // The first local rank: the leader where it is local, whose intervals are replica 0's.
         let first = reports.swap_remove(0);
         self.step = first.step;
@@ -367,6 +388,8 @@ impl Trainer {
             },
             peak_bytes: first.peak_bytes,
             resident_bytes: first.resident_bytes,
+            boundary_wait_s,
+            rolled_back: first.rolled_back,
         })
     }
 

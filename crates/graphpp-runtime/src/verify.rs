@@ -472,6 +472,7 @@ pub fn data_parallel_step(
         batch: setup.batch,
         dp: setup.dp,
         fsdp: setup.fsdp,
+        post_validate: false,
         seq: setup.seq,
         seed: setup.seed,
         adamw: crate::optim::AdamWConfig::default(),

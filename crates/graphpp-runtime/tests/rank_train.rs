@@ -220,3 +220,57 @@ fn process_trainers_over_a_byte_link_equal_the_harness_and_gather_to_the_leader(
     });
     assert_eq!(stops, [true; 4]);
 }
+
+/// `post_validate`: the optimistic AdamW step checked after the fact is bitwise the synchronous
+/// step — never rolled back when no step clips, rolled back at every step when every step clips
+/// (1F1B dp = 1 and DualPipeV dp = 2) — and a non-finite gradient fails the step like the
+/// synchronous one, leaving the parameters as they were.
+#[test]
+fn post_validation_equals_the_synchronous_step_and_rolls_back_when_it_must() {
+    for (kind, v, dp) in [(Kind::OneFOneB, 1, 1), (Kind::DualPipeV, 2, 2)] {
+        for (max_norm, clips) in [(1e9, false), (1e-3, true)] {
+            let base = TrainSetup { batch: 2, dp, max_grad_norm: Some(max_norm), ..setup(kind, 2, v, 4) };
+            let mut sync = Trainer::new(base.clone()).unwrap();
+            let mut post = Trainer::new(TrainSetup { post_validate: true, ..base }).unwrap();
+            for k in 0..3 {
+                let data = random_microbatches(256, 4, 2, 8, 70 + k).unwrap();
+                let (a, b) = (sync.step(data.clone()).unwrap(), post.step(data).unwrap());
+                assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{kind} step {k}: loss");
+                assert_eq!(a.grad_norm.to_bits(), b.grad_norm.to_bits(), "{kind} step {k}: norm");
+                assert!(!a.rolled_back, "the synchronous step never rolls back");
+                assert_eq!(b.rolled_back, clips, "{kind} step {k}: norm {} vs max {max_norm}", b.grad_norm);
+                assert_eq!(b.boundary_wait_s.len(), 2 * dp);
+            }
+            let (pa, pb) = (sync.parameters(), post.parameters());
+            for (name, t) in &pa {
+                assert!(common::same(t, &pb[name]), "{kind}: {name} differs");
+            }
+        }
+    }
+    // A NaN weight gives a NaN loss and gradient norm: both fail the step; neither applies it.
+    for post_validate in [false, true] {
+        let s = TrainSetup { max_grad_norm: None, post_validate, ..setup(Kind::OneFOneB, 2, 1, 2) };
+        let mut t = Trainer::new(s).unwrap();
+        let mut params: std::collections::HashMap<_, _> = t.parameters().into_iter().collect();
+        let w = &params["model.norm.weight"];
+        let nan = (w.ones_like().unwrap() * f64::NAN).unwrap();
+        params.insert("model.norm.weight".into(), nan);
+        t.load_parameters(&params).unwrap();
+        let before = t.parameters();
+        let e = t.step(random_microbatches(256, 2, 1, 8, 5).unwrap()).unwrap_err();
+        assert!(
+            e.is_skipped_step() && e.to_string().contains("not finite"),
+            "post_validate={post_validate}: {e}"
+        );
+        for (name, p) in t.rank_trainers().iter().flat_map(|r| r.parameters().unwrap()) {
+            assert!(
+                to_f64(&p)
+                    .unwrap()
+                    .iter()
+                    .zip(to_f64(&before[&name]).unwrap())
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name} changed"
+            );
+        }
+    }
+}

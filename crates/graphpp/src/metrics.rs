@@ -34,6 +34,11 @@ pub struct StepRecord {
     /// FSDP the shards; see `graphpp_runtime::StepReport::resident_bytes`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resident_bytes: Option<Vec<u64>>,
+    /// Seconds each rank of the leader's process was blocked at the iteration boundary (the
+    /// world-wide loss and gradient-norm reductions; see
+    /// `graphpp_runtime::StepReport::boundary_wait_s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boundary_wait_s: Option<Vec<f64>>,
     /// Achieved model FLOP/s of the step (`graphpp_models::flops_per_token` × tokens/s).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops_per_s: Option<f64>,
@@ -145,6 +150,7 @@ mod tests {
             peak_bytes: None,
             flops_per_s: None,
             resident_bytes: None,
+            boundary_wait_s: None,
         }
     }
 

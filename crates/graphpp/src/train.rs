@@ -110,6 +110,10 @@ pub struct RunConfig {
     /// resume.
     #[serde(default)]
     pub fsdp: bool,
+    /// Optimizer post-validation (`--post-validate`); bitwise the synchronous step, free to
+    /// change on resume.
+    #[serde(default)]
+    pub post_validate: bool,
     /// T: tokens per sequence.
     pub seq_len: usize,
     /// Decoder layers of each model stage; `None` splits evenly.
@@ -217,6 +221,7 @@ impl RunConfig {
             stages_per_rank: 0,
             dp: 0,
             fsdp: false,
+            post_validate: false,
             layers_per_stage: None,
             steps: 0,
             recompute: Recompute::SaveAll,
@@ -513,6 +518,7 @@ fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         batch: c.microbatch_size,
         dp: c.dp,
         fsdp: c.fsdp,
+        post_validate: c.post_validate,
         seq: c.seq_len,
         seed: c.seed,
         adamw: AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: c.weight_decay },

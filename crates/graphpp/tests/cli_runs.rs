@@ -276,3 +276,28 @@ fn a_held_folder_and_a_shorter_run_are_refused() {
     assert!(err.contains("--steps 3 is below the checkpoint's step 4"), "{err}");
     output(train(&data, &[&["--steps", "6", "--resume"], &ck_flag[..]].concat()), 0);
 }
+
+/// `--post-validate` logs the losses and gradient norms of the synchronous run bitwise, under
+/// data parallelism with FSDP too; the summary counts the rolled-back steps (every step clips at
+/// `--grad-clip 0.01`).
+#[test]
+fn post_validation_logs_the_synchronous_losses() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let run = |name: &str, extra: &[&str]| {
+        let m = d.path().join(name);
+        let base = ["--schedule", "dualpipev", "--steps", "5", "--dp", "2", "--fsdp", "--grad-clip", "0.01"];
+        let (out, _) =
+            output(train(&data, &[&base[..], extra, &["--metrics", m.to_str().unwrap()]].concat()), 0);
+        let rows: Vec<(u64, u64)> = metrics(&m)
+            .iter()
+            .map(|r| (r["loss"].as_f64().unwrap().to_bits(), r["grad_norm"].as_f64().unwrap().to_bits()))
+            .collect();
+        (rows, out)
+    };
+    let (sync, _) = run("sync.jsonl", &[]);
+    let (post, out) = run("post.jsonl", &["--post-validate"]);
+    assert_eq!(sync.len(), 5);
+    assert_eq!(post, sync);
+    assert!(out.contains("post-validation rolled back 5 steps"), "{out}");
+}

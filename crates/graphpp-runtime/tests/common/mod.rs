@@ -67,6 +67,7 @@ pub fn tiny_setup(kind: graphpp_schedule::Kind, p: usize, v: usize, m: usize) ->
         batch: 1,
         dp: 1,
         fsdp: false,
+        post_validate: false,
         seq: 8,
         seed: 3,
         adamw: graphpp_runtime::AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },

@@ -74,6 +74,11 @@ pub struct TrainArgs {
     /// backward (REDUCE_GRAD). With --dp 1 the same as without.
     #[arg(long)]
     fsdp: bool,
+    /// Optimizer post-validation (zero-bubble paper, section 4): each rank takes its AdamW step
+    /// while the global gradient norm and the NaN/inf check are reduced, and rolls it back when
+    /// they say so (clipping, a non-finite gradient); the results equal the synchronous step.
+    #[arg(long)]
+    post_validate: bool,
     /// T: tokens (bytes) per sequence.
     #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     seq_len: usize,
@@ -194,6 +199,7 @@ impl TrainArgs {
             microbatch_size: self.microbatch_size,
             dp: self.dp,
             fsdp: self.fsdp,
+            post_validate: self.post_validate,
             seq_len: self.seq_len,
             layers_per_stage: self.layers_per_stage.clone(),
             steps: self.steps,
@@ -253,6 +259,9 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     // Seconds of training before this process (a resumed run's log continues its clock).
     let before = metrics.records().last().map_or(0.0, |r| r.elapsed_s);
     let mut kept: VecDeque<(f64, Timeline)> = VecDeque::new();
+    // Per step: the longest any local rank was blocked at the iteration boundary, and rollbacks.
+    let mut boundary: Vec<f64> = Vec::new();
+    let mut rollbacks = 0u64;
     let mut val = None;
     let mut saved_at = None;
     let first = run.steps_done();
@@ -271,6 +280,8 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
             val = Some(v);
             saved_at = path.map(|p| (r.step, p));
         }
+        boundary.push(r.boundary_wait_s.iter().copied().fold(0.0, f64::max));
+        rollbacks += u64::from(r.rolled_back);
         kept.push_back((start, r.timeline));
         if kept.len() > TRACE_STEPS {
             kept.pop_front();
@@ -291,6 +302,18 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     }
     let ran = run.steps_done() - first;
     summarise(a, &mut run, &kept, val)?;
+    if run.is_leader() && !boundary.is_empty() {
+        boundary.sort_by(f64::total_cmp);
+        out!(
+            "iteration boundary: ranks blocked {:.2} ms per step (median of the per-step maximum){}",
+            1e3 * boundary[boundary.len() / 2],
+            if a.post_validate {
+                format!(", post-validation rolled back {}", crate::cmd::plural(rollbacks, "step", "steps"))
+            } else {
+                String::new()
+            }
+        );
+    }
     if !run.is_leader() {
         return Ok(());
     }
@@ -414,6 +437,7 @@ fn after_step(
         val_loss: v,
         peak_bytes: Some(r.peak_bytes.clone()),
         resident_bytes: Some(r.resident_bytes.clone()),
+        boundary_wait_s: Some(r.boundary_wait_s.clone()),
         flops_per_s: Some(flops_per_s),
     })?;
     let Some(v) = v else { return Ok(None) };
