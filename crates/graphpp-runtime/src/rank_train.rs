@@ -95,6 +95,10 @@ pub struct RankStepReport {
     /// Seconds this rank was blocked at the iteration boundary: waiting for the world-wide loss
     /// and gradient-norm reductions (what `--post-validate` overlaps with the optimizer step).
     pub boundary_wait_s: f64,
+    /// Seconds this rank waited, after its pipeline run, for the data-parallel gradient
+    /// reductions its REDUCE_GRAD actions started (the part of them not hidden behind compute;
+    /// 0 without data parallelism).
+    pub reduce_wait_s: f64,
     /// Whether post-validation rolled the optimistic optimizer step back (clipping applied, so
     /// the step was redone with the clipped gradients).
     pub rolled_back: bool,
@@ -109,6 +113,8 @@ struct Update {
     resident: Vec<u64>,
     /// Time blocked on the world-wide loss and norm reductions.
     waited: Duration,
+    /// Time blocked on the data-parallel gradient reductions after the pipeline run.
+    reduce_wait: Duration,
     rolled_back: bool,
 }
 
@@ -348,6 +354,7 @@ impl RankTrainer {
                     peak_bytes: u.peak,
                     resident_bytes: u.resident,
                     boundary_wait_s: u.waited.as_secs_f64(),
+                    reduce_wait_s: u.reduce_wait.as_secs_f64(),
                     rolled_back: u.rolled_back,
                 })
             }
@@ -393,7 +400,7 @@ impl RankTrainer {
         let mut work = outcome.work;
         let result = (|| {
             let (loss, _, _) = self.finish_loss(self.start_loss(&work)?)?;
-            let grads = self.reduce_grads(&mut work)?;
+            let (grads, _) = self.reduce_grads(&mut work)?;
             let local = Self::unsharded_in(Some(&work), grads.into_iter().collect())?;
             Ok((loss, self.send_to_leader(local, false)?))
         })();
@@ -431,13 +438,13 @@ impl RankTrainer {
         if self.setup.post_validate {
             // The world-wide loss (in effect a barrier) is waited for after the optimistic
             // optimizer step.
-            let grads = self.reduce_grads(work)?;
-            return self.post_validated(work, loss, grads);
+            let (grads, reduce_wait) = self.reduce_grads(work)?;
+            return self.post_validated(work, loss, grads).map(|u| Update { reduce_wait, ..u });
         }
         let t = Instant::now();
         let (loss, peak, resident) = self.finish_loss(loss)?;
         let mut waited = t.elapsed();
-        let mut grads = self.reduce_grads(work)?;
+        let (mut grads, reduce_wait) = self.reduce_grads(work)?;
         let norm = self.start_norm(work, &grads)?;
         let t = Instant::now();
         let sq = self.finish_norm(norm)?;
@@ -447,7 +454,7 @@ impl RankTrainer {
         scale_grads(&mut grads, scale)?;
         let (params, optim) = self.optimizer_step(work, &grads, lr)?;
         self.commit(work, params, optim)?;
-        Ok(Update { loss, norm: sq.sqrt(), lr, peak, resident, waited, rolled_back: false })
+        Ok(Update { loss, norm: sq.sqrt(), lr, peak, resident, waited, reduce_wait, rolled_back: false })
     }
 
     /// The zero-bubble paper's optimizer post-validation (Qi et al. 2024, "Zero Bubble Pipeline
@@ -480,7 +487,16 @@ impl RankTrainer {
             }
         };
         self.commit(work, step.0, step.1)?;
-        Ok(Update { loss, norm: sq.sqrt(), lr, peak, resident, waited, rolled_back })
+        Ok(Update {
+            loss,
+            norm: sq.sqrt(),
+            lr,
+            peak,
+            resident,
+            waited,
+            reduce_wait: Duration::ZERO,
+            rolled_back,
+        })
     }
 
     /// The clipping scale of the global squared norm `sq` (1 without clipping).
@@ -571,9 +587,13 @@ impl RankTrainer {
     /// This rank's gradients of the step by name, complete: the data-parallel mean REDUCE_GRAD
     /// started (this rank's shard with FSDP), summed over the stages of this rank holding the
     /// parameter and over the ranks holding copies of it.
-    fn reduce_grads(&self, work: &mut GraphStages) -> Result<Env, TrainError> {
+    /// Also returns how long the data-parallel reductions kept the rank waiting after its
+    /// pipeline run (what REDUCE_GRAD did not hide behind compute).
+    fn reduce_grads(&self, work: &mut GraphStages) -> Result<(Env, Duration), TrainError> {
         let timeout = self.setup.timeout;
+        let t = Instant::now();
         work.finish_data_parallel()?;
+        let reduce_wait = t.elapsed();
         let local: Vec<(String, Tensor)> =
             work.stages_mut().values_mut().flat_map(|s| s.take_grads()).collect();
         let mut grads = sum_by_name(local)?;
@@ -588,7 +608,7 @@ impl RankTrainer {
         for (name, p) in pending {
             grads.insert(name, p.wait(timeout)?);
         }
-        Ok(grads)
+        Ok((grads, reduce_wait))
     }
 
     /// Starts the world-wide sum of the squared gradient norms: one entry per distinct parameter,

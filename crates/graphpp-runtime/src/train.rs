@@ -166,6 +166,9 @@ pub struct StepReport {
     /// rank for a thread run; this process's rank alone otherwise): see
     /// [`RankStepReport::boundary_wait_s`].
     pub boundary_wait_s: Vec<f64>,
+    /// Seconds each rank of this process waited for its data-parallel gradient reductions after
+    /// its pipeline run (see [`RankStepReport::reduce_wait_s`]); indexed as `boundary_wait_s`.
+    pub reduce_wait_s: Vec<f64>,
     /// Whether post-validation rolled the optimistic step back (see
     /// [`RankStepReport::rolled_back`]).
     pub rolled_back: bool,
@@ -373,6 +376,7 @@ impl Trainer {
             return Err(first_train_failure(errors));
         }
         let boundary_wait_s = reports.iter().map(|r| r.boundary_wait_s).collect();
+        let reduce_wait_s = reports.iter().map(|r| r.reduce_wait_s).collect();
         // The first local rank: the leader where it is local, whose intervals are replica 0's.
         let first = reports.swap_remove(0);
         self.step = first.step;
@@ -389,6 +393,7 @@ impl Trainer {
             peak_bytes: first.peak_bytes,
             resident_bytes: first.resident_bytes,
             boundary_wait_s,
+            reduce_wait_s,
             rolled_back: first.rolled_back,
         })
     }

@@ -261,6 +261,7 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     let mut kept: VecDeque<(f64, Timeline)> = VecDeque::new();
     // Per step: the longest any local rank was blocked at the iteration boundary, and rollbacks.
     let mut boundary: Vec<f64> = Vec::new();
+    let mut exposed: Vec<f64> = Vec::new();
     let mut rollbacks = 0u64;
     let mut val = None;
     let mut saved_at = None;
@@ -281,6 +282,7 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
             saved_at = path.map(|p| (r.step, p));
         }
         boundary.push(r.boundary_wait_s.iter().copied().fold(0.0, f64::max));
+        exposed.push(r.reduce_wait_s.iter().copied().fold(0.0, f64::max) / secs.max(1e-12));
         rollbacks += u64::from(r.rolled_back);
         kept.push_back((start, r.timeline));
         if kept.len() > TRACE_STEPS {
@@ -313,6 +315,13 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
                 String::new()
             }
         );
+        if a.dp > 1 {
+            exposed.sort_by(f64::total_cmp);
+            out!(
+                "data-parallel gradient reduction: {:.1}% of the step spent waiting for it after the pipeline (median over steps; the rest ran behind compute)",
+                100.0 * exposed[exposed.len() / 2]
+            );
+        }
     }
     if !run.is_leader() {
         return Ok(());
