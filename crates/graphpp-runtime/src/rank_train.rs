@@ -37,7 +37,7 @@ use crate::comm::{Comm, Group, Pending, Tag, TagKind};
 use crate::data_parallel::DataParallel;
 use crate::mesh::Mesh;
 use crate::optim::{AdamW, OptimError, M_PREFIX, STEP_KEY, V_PREFIX};
-use crate::pipeline::{run_rank, RankOptions};
+use crate::pipeline::{run_rank, RankOptions, RankOutcome};
 use crate::stage::{env_bytes, sum_by_name, Env, GraphStages, Microbatches, StageError};
 use crate::train::{TrainError, TrainSetup};
 use crate::verify::{rank_worker, stage_specs, VerifyError};
@@ -327,19 +327,7 @@ impl RankTrainer {
     /// applied). On any failure after the pipeline run the communicator is aborted, so the other
     /// ranks stop too, and this rank is poisoned.
     pub fn step_at(&mut self, data: Arc<Microbatches>, start: Instant) -> Result<RankStepReport, TrainError> {
-        let m = self.setup.shape.microbatches;
-        if data.len() != m || data.targets.len() != m {
-            return Err(TrainError::Data(format!(
-                "{} microbatches given, the schedule runs {m}",
-                data.len()
-            )));
-        }
-        let data = if self.setup.dp > 1 { Arc::new(self.slice(&data)?) } else { data };
-        let mut work = self.work.take().ok_or(TrainError::Poisoned)?;
-        work.start_step(data);
-        let opts = RankOptions { timeout: self.setup.timeout, start };
-        let outcome =
-            run_rank(&self.schedule, &self.pipeline, work, &*self.comm, &opts).map_err(VerifyError::from)?;
+        let outcome = self.run_pipeline(data, start)?;
         let mut work = outcome.work;
         let updated = self.update(&mut work).and_then(|u| Ok((u, self.gather_intervals(outcome.intervals)?)));
         match updated {
@@ -384,19 +372,7 @@ impl RankTrainer {
         &mut self,
         data: Arc<Microbatches>,
     ) -> Result<(f64, Option<BTreeMap<String, Tensor>>), TrainError> {
-        let m = self.setup.shape.microbatches;
-        if data.len() != m || data.targets.len() != m {
-            return Err(TrainError::Data(format!(
-                "{} microbatches given, the schedule runs {m}",
-                data.len()
-            )));
-        }
-        let data = if self.setup.dp > 1 { Arc::new(self.slice(&data)?) } else { data };
-        let mut work = self.work.take().ok_or(TrainError::Poisoned)?;
-        work.start_step(data);
-        let opts = RankOptions { timeout: self.setup.timeout, start: Instant::now() };
-        let outcome =
-            run_rank(&self.schedule, &self.pipeline, work, &*self.comm, &opts).map_err(VerifyError::from)?;
+        let outcome = self.run_pipeline(data, Instant::now())?;
         let mut work = outcome.work;
         let result = (|| {
             let (loss, _, _) = self.finish_loss(self.start_loss(&work)?)?;
@@ -409,6 +385,27 @@ impl RankTrainer {
             self.comm.abort(&format!("rank {}: {e}", self.comm.rank()));
         }
         result
+    }
+
+    /// Runs this rank's program over `data` (this replica's rows), intervals measured from
+    /// `start`; the stages are out of `self.work` until the caller puts them back.
+    fn run_pipeline(
+        &mut self,
+        data: Arc<Microbatches>,
+        start: Instant,
+    ) -> Result<RankOutcome<GraphStages>, TrainError> {
+        let m = self.setup.shape.microbatches;
+        if data.len() != m || data.targets.len() != m {
+            return Err(TrainError::Data(format!(
+                "{} microbatches given, the schedule runs {m}",
+                data.len()
+            )));
+        }
+        let data = if self.setup.dp > 1 { Arc::new(self.slice(&data)?) } else { data };
+        let mut work = self.work.take().ok_or(TrainError::Poisoned)?;
+        work.start_step(data);
+        let opts = RankOptions { timeout: self.setup.timeout, start };
+        Ok(run_rank(&self.schedule, &self.pipeline, work, &*self.comm, &opts).map_err(VerifyError::from)?)
     }
 
     /// This replica's rows of every microbatch (`B / dp` sequences from row `replica · B / dp`).

@@ -140,6 +140,28 @@ impl Launch {
         Ok(())
     }
 
+    /// Runs a command's body `f` as this process's part of a run: detects the launch, silences
+    /// standard output outside the leader (`quiet`), and afterwards [`Launch::finish`]es —
+    /// aborting the other ranks when `f` failed, unless `benign` says the error is not a rank
+    /// failure (an interruption, a verdict).
+    ///
+    /// # Errors
+    /// [`LaunchError`] (as `anyhow`), or `f`'s.
+    pub fn run(
+        quiet: impl FnOnce(),
+        benign: impl Fn(&anyhow::Error) -> bool,
+        f: impl FnOnce(&Launch) -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        let launch = Launch::detect()?;
+        if !launch.is_leader() {
+            quiet();
+        }
+        let result = f(&launch);
+        let failure = result.as_ref().err().filter(|e| !benign(e));
+        launch.finish(failure.map(|e| format!("{e:#}")).as_deref());
+        result
+    }
+
     /// Ends this process's part: after a failure, tells every other rank to stop (`reason`
     /// names this rank and the error); then ends MPI. Nothing to do for threads.
     pub fn finish(&self, failure: Option<&str>) {

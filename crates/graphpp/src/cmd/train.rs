@@ -232,14 +232,7 @@ fn progress(steps: u64, done: u64) -> ProgressBar {
 /// SIGTERM, once the current step is finished and saved. Under `mpirun` a failing process tells
 /// every other one to stop, naming its rank.
 pub fn run(a: TrainArgs) -> Result<()> {
-    let launch = Launch::detect()?;
-    if !launch.is_leader() {
-        crate::cmd::quiet();
-    }
-    let result = train(&a, &launch);
-    let failure = result.as_ref().err().filter(|e| e.downcast_ref::<Interrupted>().is_none());
-    launch.finish(failure.map(|e| format!("{e:#}")).as_deref());
-    result
+    Launch::run(crate::cmd::quiet, |e| e.downcast_ref::<Interrupted>().is_some(), |launch| train(&a, launch))
 }
 
 /// The run itself (see [`run`]).

@@ -88,14 +88,11 @@ struct AboveTolerance(f64);
 /// Runs `graphpp verify`. Errors: bad shape or model (typed, with the numbers), a failing rank,
 /// or a difference above the tolerance.
 pub fn run(a: VerifyArgs) -> Result<()> {
-    let launch = Launch::detect()?;
-    if !launch.is_leader() {
-        crate::cmd::quiet();
-    }
-    let result = verify(&a, &launch);
-    let failure = result.as_ref().err().filter(|e| e.downcast_ref::<AboveTolerance>().is_none());
-    launch.finish(failure.map(|e| format!("{e:#}")).as_deref());
-    result
+    Launch::run(
+        crate::cmd::quiet,
+        |e| e.downcast_ref::<AboveTolerance>().is_some(),
+        |launch| verify(&a, launch),
+    )
 }
 
 fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
