@@ -5,6 +5,7 @@ pub mod config;
 pub mod flops;
 pub mod llama;
 pub mod memory;
+pub mod model;
 pub mod recompute;
 pub mod rng;
 
@@ -14,4 +15,5 @@ pub use llama::{
     build_stage, check_shape, init_parameters, layer_checkpoints, split_layers, stage_buffer_shapes,
     stage_buffers, stage_graph_set, stage_parameters, StageOptions, StageSpec, EMBED, LM_HEAD,
 };
+pub use model::Model;
 pub use recompute::Recompute;

@@ -3,11 +3,15 @@
 //! model's formulas in [`graphpp_models::memory`]) against a budget of 3/4 of the machine's memory.
 //! A shape above it is an error naming the estimate, not an abort or a swap storm.
 
-use graphpp_models::memory::{buffer_bytes, model_activation_bytes, parameter_count};
-use graphpp_models::LlamaConfig;
+use graphpp_models::{Model, StageSpec};
 use graphpp_schedule::generate::human_bytes;
 use graphpp_schedule::{check_size, GenerateError, Kind, Shape};
 
+/// Saved-activation bytes of one microbatch through the whole model (all layers on one stage).
+fn whole_model_activation_bytes(model: &dyn Model, batch: usize, seq: usize) -> u128 {
+    let whole = StageSpec { stage: 0, stages: 1, layers: 0..model.num_layers() };
+    model.stage_activation_bytes(&whole, batch, seq)
+}
 /// Fraction of the machine's memory a step may use: 3/4 (the rest for the system and the corpus).
 pub const BUDGET_NUMERATOR: u128 = 3;
 /// Denominator of the budget fraction.
@@ -34,7 +38,7 @@ impl StepMemory {
     /// The estimate of a step of `kind` at `shape` with `batch` sequences of `seq` tokens per
     /// microbatch; `single_device` adds `verify`'s step over all microbatches on one device.
     pub fn estimate(
-        cfg: &LlamaConfig,
+        cfg: &dyn Model,
         kind: Kind,
         shape: &Shape,
         batch: usize,
@@ -43,16 +47,19 @@ impl StepMemory {
     ) -> StepMemory {
         let (m, stages) = (shape.microbatches as u128, shape.stages() as u128);
         let copies: u128 = if kind == Kind::DualPipe { 2 } else { 1 };
-        let mut activations = model_activation_bytes(cfg, batch, seq);
+        let mut activations = whole_model_activation_bytes(cfg, batch, seq);
         if single_device {
-            activations =
-                activations.max(model_activation_bytes(cfg, batch.saturating_mul(shape.microbatches), seq));
+            activations = activations.max(whole_model_activation_bytes(
+                cfg,
+                batch.saturating_mul(shape.microbatches),
+                seq,
+            ));
         }
-        let per_stage = buffer_bytes(cfg, seq);
+        let per_stage = cfg.buffer_bytes(seq);
         StepMemory {
             activations,
             buffers: per_stage.saturating_mul(stages).saturating_add(per_stage.saturating_mul(2)),
-            parameters: parameter_count(cfg).saturating_mul(16).saturating_mul(copies),
+            parameters: cfg.parameter_count().saturating_mul(16).saturating_mul(copies),
             batch: m.saturating_mul(batch as u128).saturating_mul(seq as u128).saturating_mul(8),
         }
     }
@@ -146,7 +153,7 @@ pub fn parse_meminfo(text: &str) -> Option<u64> {
 /// # Errors
 /// [`SizeError::Schedule`] or [`SizeError::Memory`].
 pub fn check_step_with(
-    cfg: &LlamaConfig,
+    cfg: &dyn Model,
     kind: Kind,
     shape: &Shape,
     (batch, seq): (usize, usize),
@@ -172,7 +179,7 @@ pub fn check_step_with(
 /// # Errors
 /// As [`check_step_with`].
 pub fn check_step(
-    cfg: &LlamaConfig,
+    cfg: &dyn Model,
     kind: Kind,
     shape: &Shape,
     batch: usize,
@@ -185,6 +192,7 @@ pub fn check_step(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use graphpp_models::LlamaConfig;
 
     fn budget(gb: u128) -> (u128, String) {
         (gb * 1_000_000_000, format!("{gb} GB for the test"))

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use graphpp_models::{stage_parameters, StageOptions};
+use graphpp_models::StageOptions;
 use graphpp_schedule::{generate, lower, Interval, LowerOptions, Schedule};
 
 use crate::mesh::Coords;
@@ -53,7 +53,7 @@ pub fn train_schedule(setup: &TrainSetup) -> Result<Schedule, TrainError> {
         return Err(TrainError::BatchNotDivisible { batch: setup.batch, dp: setup.dp });
     }
     let local = setup.batch / setup.dp;
-    crate::memory::check_step(&setup.model, setup.kind, &setup.shape, local, setup.seq, false)?;
+    crate::memory::check_step(&*setup.model, setup.kind, &setup.shape, local, setup.seq, false)?;
     let schedule = generate(setup.kind, &setup.shape, &setup.options).map_err(VerifyError::from)?;
     Ok(lower(&schedule, &lower_options(setup)).map_err(VerifyError::from)?)
 }
@@ -217,13 +217,13 @@ impl RankTrainer {
         }
         let me =
             pipeline.index_of(rank).ok_or_else(|| mismatch(format!("rank {rank} outside {pipeline}")))?;
-        let specs = stage_specs(&setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
+        let specs = stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
         let opts = StageOptions {
             recompute: setup.recompute,
             ..StageOptions::mixed(setup.batch / setup.dp, setup.seq, setup.dtype)
         };
         let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
-        let mut work = rank_worker(&setup.model, &schedule, &specs, &opts, setup.seed, None, empty, me)?;
+        let mut work = rank_worker(&*setup.model, &schedule, &specs, &opts, setup.seed, None, empty, me)?;
         if setup.dp > 1 {
             let dp = DataParallel::new(Arc::clone(&comm), data_parallel.clone(), setup.fsdp, setup.timeout)?;
             work.set_data_parallel(dp)?;
@@ -234,7 +234,7 @@ impl RankTrainer {
             let spec =
                 specs.get(stage).ok_or_else(|| mismatch(format!("stage {stage}: no model stage for it")))?;
             let names: BTreeSet<String> =
-                stage_parameters(&setup.model, spec).into_iter().map(|(n, _)| n).collect();
+                setup.model.stage_parameters(spec).into_iter().map(|(n, _)| n).collect();
             if let Some(st) = work.stages().get(&stage) {
                 let held: BTreeSet<String> = st.parameter_names().iter().cloned().collect();
                 if held != names {

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use graphpp_graph::names::{LOGITS, LOSS, TARGETS, TOKENS};
 use graphpp_graph::Graph;
-use graphpp_models::{build_stage, split_layers, stage_buffers, LlamaConfig, Recompute, StageOptions};
+use graphpp_models::{split_layers, Model, Recompute, StageOptions};
 use graphpp_schedule::{Kind, Options, Schedule, Shape, Timeline};
 
 use crate::comm::{Comm, ThreadComm};
@@ -85,8 +85,8 @@ pub enum TrainError {
 /// Everything a training run is built from.
 #[derive(Debug, Clone)]
 pub struct TrainSetup {
-    /// The model.
-    pub model: LlamaConfig,
+    /// The model (any [`Model`]; the Llama config implements it).
+    pub model: Arc<dyn Model>,
     /// Schedule kind.
     pub kind: Kind,
     /// Pipeline shape (p ranks, v stages per rank, m microbatches per step).
@@ -462,10 +462,10 @@ impl Trainer {
         if let Some(g) = self.inference.get(&(batch, logits)) {
             return Ok(Arc::clone(g));
         }
-        let cfg = &self.setup.model;
-        let spec = split_layers(cfg.num_hidden_layers, 1, None).map_err(VerifyError::from)?.remove(0);
+        let model = &self.setup.model;
+        let spec = split_layers(model.num_layers(), 1, None).map_err(VerifyError::from)?.remove(0);
         let opts = StageOptions { logits, ..StageOptions::mixed(batch, self.setup.seq, self.setup.dtype) };
-        let g = Arc::new(build_stage(cfg, &spec, &opts).map_err(VerifyError::from)?);
+        let g = Arc::new(model.build_stage(&spec, &opts).map_err(VerifyError::from)?);
         self.inference.insert((batch, logits), Arc::clone(&g));
         Ok(g)
     }
@@ -475,7 +475,7 @@ impl Trainer {
     fn inference_env(&mut self) -> Result<Option<Env>, TrainError> {
         let Some(params) = self.gather_state(false)? else { return Ok(None) };
         let mut env: Env = params.into_iter().collect();
-        for (name, shape, data) in stage_buffers(&self.setup.model, self.setup.seq) {
+        for (name, shape, data) in self.setup.model.stage_buffers(self.setup.seq) {
             env.insert(name, tensor_from_f64(&data, &shape, self.setup.dtype)?);
         }
         Ok(Some(env))
@@ -528,7 +528,7 @@ impl Trainer {
         top_k: usize,
         rng: &mut u64,
     ) -> Result<Option<Vec<u32>>, TrainError> {
-        let (t, vocab) = (self.setup.seq, self.setup.model.vocab_size);
+        let (t, vocab) = (self.setup.seq, self.setup.model.vocab_size());
         if prompt.is_empty() || prompt.iter().any(|&x| x as usize >= vocab) {
             return Err(TrainError::Data(format!("a prompt needs 1 or more token ids below {vocab}")));
         }

@@ -27,10 +27,7 @@ use candle_core::Tensor;
 use graphpp_graph::names::{LOSS, TARGETS, TOKENS};
 use graphpp_graph::{stage_graphs, DType, GraphError, RecomputePolicy};
 use graphpp_models::rng::Rng;
-use graphpp_models::{
-    build_stage, init_parameters, split_layers, stage_buffers, stage_parameters, LlamaConfig, ModelError,
-    StageOptions, StageSpec,
-};
+use graphpp_models::{split_layers, Model, ModelError, StageOptions, StageSpec};
 use graphpp_schedule::{
     generate, lower, GenerateError, Kind, LowerError, LowerOptions, Options, Schedule, Shape,
 };
@@ -121,8 +118,8 @@ pub enum VerifyError {
 /// What one verification step runs: the model, the schedule and the data.
 #[derive(Debug, Clone)]
 pub struct VerifySetup {
-    /// The model.
-    pub model: LlamaConfig,
+    /// The model (any [`Model`]; the Llama config implements it).
+    pub model: Arc<dyn Model>,
     /// Schedule kind.
     pub kind: Kind,
     /// Pipeline shape (p, v, m).
@@ -156,9 +153,9 @@ pub struct VerifySetup {
 
 impl VerifySetup {
     /// A setup with default generator options, seed 0, a 60 s RECV timeout, both steps in f32.
-    pub fn new(model: LlamaConfig, kind: Kind, shape: Shape, batch: usize, seq: usize) -> Self {
+    pub fn new(model: impl Model + 'static, kind: Kind, shape: Shape, batch: usize, seq: usize) -> Self {
         VerifySetup {
-            model,
+            model: Arc::new(model),
             kind,
             shape,
             options: Options::default(),
@@ -237,17 +234,17 @@ impl VerifyReport {
 /// [`ModelError::Split`] (as [`VerifyError::Model`]) when the layers do not divide into the
 /// stages or the given counts do not add up.
 pub fn stage_specs(
-    cfg: &LlamaConfig,
+    cfg: &dyn Model,
     kind: Kind,
     shape: &Shape,
     layers_per_stage: Option<&[usize]>,
 ) -> Result<Vec<StageSpec>, VerifyError> {
     let s = shape.stages();
     let model_stages = if kind == Kind::DualPipe { shape.ranks } else { s };
-    if model_stages > cfg.num_hidden_layers {
-        return Err(VerifyError::TooFewLayers { layers: cfg.num_hidden_layers, stages: model_stages });
+    if model_stages > cfg.num_layers() {
+        return Err(VerifyError::TooFewLayers { layers: cfg.num_layers(), stages: model_stages });
     }
-    let specs = split_layers(cfg.num_hidden_layers, model_stages, layers_per_stage)?;
+    let specs = split_layers(cfg.num_layers(), model_stages, layers_per_stage)?;
     Ok((0..s).map(|st| specs[st % model_stages].clone()).collect())
 }
 
@@ -278,7 +275,7 @@ pub fn random_microbatches(
 /// [`StageOptions::parameter_dtype`]; buffers as tensors of the compute dtype `opts.dtype`.
 /// Errors: [`VerifyError::Mismatch`] for a parameter `given` lacks or holds in another shape.
 pub fn stage_state(
-    cfg: &LlamaConfig,
+    cfg: &dyn Model,
     spec: &StageSpec,
     opts: &StageOptions,
     seed: u64,
@@ -287,13 +284,13 @@ pub fn stage_state(
     let mut env = Env::new();
     match given {
         None => {
-            for (name, shape, data) in init_parameters(cfg, spec, seed) {
+            for (name, shape, data) in cfg.init_parameters(spec, seed) {
                 let d: Vec<f64> = data.iter().map(|&x| x as f64).collect();
                 env.insert(name, tensor_from_f64(&d, &shape, opts.parameter_dtype())?);
             }
         }
         Some(given) => {
-            for (name, shape) in stage_parameters(cfg, spec) {
+            for (name, shape) in cfg.stage_parameters(spec) {
                 let t = given
                     .get(&name)
                     .ok_or_else(|| VerifyError::Mismatch(format!("initial parameter {name}: not given")))?;
@@ -307,7 +304,7 @@ pub fn stage_state(
             }
         }
     }
-    for (name, shape, data) in stage_buffers(cfg, opts.seq) {
+    for (name, shape, data) in cfg.stage_buffers(opts.seq) {
         env.insert(name, tensor_from_f64(&data, &shape, opts.dtype)?);
     }
     Ok(env)
@@ -316,7 +313,7 @@ pub fn stage_state(
 /// One [`GraphStages`] per rank of `schedule`, schedule stage `s` running `specs[s]`, with the
 /// parameters of [`stage_state`] (`given`, else drawn from `seed`).
 pub fn pipeline_workers(
-    cfg: &LlamaConfig,
+    cfg: &dyn Model,
     schedule: &Schedule,
     specs: &[StageSpec],
     opts: &StageOptions,
@@ -333,7 +330,7 @@ pub fn pipeline_workers(
 /// [`pipeline_workers`] builds them.
 #[allow(clippy::too_many_arguments)]
 pub fn rank_worker(
-    cfg: &LlamaConfig,
+    cfg: &dyn Model,
     schedule: &Schedule,
     specs: &[StageSpec],
     opts: &StageOptions,
@@ -350,7 +347,7 @@ pub fn rank_worker(
         let spec = specs
             .get(stage)
             .ok_or_else(|| VerifyError::Mismatch(format!("stage {stage}: no model stage for it")))?;
-        let graphs = stage_graphs(&build_stage(cfg, spec, opts)?, &opts.recompute.policy(spec))?;
+        let graphs = stage_graphs(&cfg.build_stage(spec, opts)?, &opts.recompute.policy(spec))?;
         stages.insert(stage, Stage::new(graphs, stage_state(cfg, spec, opts, seed, given)?));
     }
     Ok(GraphStages::new(stages, data))
@@ -367,12 +364,13 @@ fn collect_grads(workers: &[GraphStages]) -> Result<BTreeMap<String, Tensor>, Ve
 pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     // The schedule first: a shape the kind cannot serve is the more useful error.
     let schedule = lower(&generate(setup.kind, &setup.shape, &setup.options)?, &LowerOptions::default())?;
-    let specs = stage_specs(&setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
+    let specs = stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
     let m = setup.shape.microbatches;
-    let data = Arc::new(random_microbatches(setup.model.vocab_size, m, setup.batch, setup.seq, setup.seed)?);
+    let data =
+        Arc::new(random_microbatches(setup.model.vocab_size(), m, setup.batch, setup.seq, setup.seed)?);
     let opts = StageOptions::mixed(setup.batch, setup.seq, setup.dtype);
     let given = setup.weights.as_deref();
-    let workers = pipeline_workers(&setup.model, &schedule, &specs, &opts, setup.seed, given, data)?;
+    let workers = pipeline_workers(&*setup.model, &schedule, &specs, &opts, setup.seed, given, data)?;
     let (workers, _) = run_pipeline(&schedule, workers, setup.timeout)?;
     let mut losses = BTreeMap::new();
     for w in &workers {
@@ -389,12 +387,12 @@ pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
 /// Runs the same step on one device, computing in `setup.reference_dtype`: one stage with every
 /// layer over the m microbatches concatenated along the batch axis.
 pub fn single_device_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
-    let cfg = &setup.model;
+    let cfg = &*setup.model;
     let m = setup.shape.microbatches;
-    let spec = split_layers(cfg.num_hidden_layers, 1, None)?.remove(0);
+    let spec = split_layers(cfg.num_layers(), 1, None)?.remove(0);
     let opts = StageOptions::mixed(setup.batch * m, setup.seq, setup.reference_dtype);
-    let graphs = stage_graphs(&build_stage(cfg, &spec, &opts)?, &RecomputePolicy::SaveAll)?;
-    let data = random_microbatches(cfg.vocab_size, m, setup.batch, setup.seq, setup.seed)?;
+    let graphs = stage_graphs(&cfg.build_stage(&spec, &opts)?, &RecomputePolicy::SaveAll)?;
+    let data = random_microbatches(cfg.vocab_size(), m, setup.batch, setup.seq, setup.seed)?;
     let mut env = stage_state(cfg, &spec, &opts, setup.seed, setup.weights.as_deref())?;
     env.insert(TOKENS.into(), Tensor::cat(&data.tokens, 0)?);
     env.insert(TARGETS.into(), Tensor::cat(&data.targets, 0)?);
@@ -491,7 +489,7 @@ pub fn data_parallel_step(
         t.load_parameters(w).map_err(train)?;
     }
     let m = setup.shape.microbatches;
-    let data = random_microbatches(setup.model.vocab_size, m, setup.batch, setup.seq, setup.seed)?;
+    let data = random_microbatches(setup.model.vocab_size(), m, setup.batch, setup.seq, setup.seed)?;
     let (loss, grads) = t.gradient_step(data).map_err(train)?;
     Ok(grads.map(|g| StepResult {
         loss,
@@ -504,7 +502,7 @@ pub fn data_parallel_step(
 /// Errors: [`VerifyError::Size`] (before anything is built) when the schedule or the step would be
 /// too large ([`check_step`]), else those of the two steps.
 pub fn verify_step(setup: &VerifySetup) -> Result<VerifyReport, VerifyError> {
-    check_step(&setup.model, setup.kind, &setup.shape, setup.batch / setup.dp.max(1), setup.seq, true)?;
+    check_step(&*setup.model, setup.kind, &setup.shape, setup.batch / setup.dp.max(1), setup.seq, true)?;
     let a = if setup.dp > 1 || setup.fsdp {
         data_parallel_step(setup, None)?.ok_or_else(|| VerifyError::Mismatch("no leader".into()))?
     } else {

@@ -135,10 +135,10 @@ fn bf16_messages_between_ranks_and_f32_loss_and_gradients() {
     let s = bf16_setup(Kind::OneFOneB, 2, 1, 1);
     let schedule =
         lower(&generate(s.kind, &s.shape, &Options::default()).unwrap(), &LowerOptions::default()).unwrap();
-    let specs = stage_specs(&s.model, s.kind, &s.shape, None).unwrap();
+    let specs = stage_specs(&*s.model, s.kind, &s.shape, None).unwrap();
     let data = Arc::new(random_microbatches(256, 1, 1, 16, 5).unwrap());
     let opts = StageOptions::mixed(1, 16, DType::BF16);
-    let mut w = pipeline_workers(&s.model, &schedule, &specs, &opts, 0, None, data).unwrap();
+    let mut w = pipeline_workers(&*s.model, &schedule, &specs, &opts, 0, None, data).unwrap();
     let act = w[0].forward(0, 0, None).unwrap().expect("stage 0 sends its output");
     assert_eq!((act.dtype(), act.dims()), (CDType::BF16, &[1, 16, 64][..]));
     assert!(w[1].forward(1, 0, Some(act)).unwrap().is_none());

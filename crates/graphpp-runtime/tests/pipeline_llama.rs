@@ -93,11 +93,11 @@ fn dualpipe_sums_the_two_parameter_copies() {
     let s = setup(Kind::DualPipe, Shape::new(2, 2, 4), 1);
     let schedule = lower(&generate(s.kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
     assert!(schedule.actions().any(|(_, a)| matches!(a, Action::Overlap { .. })));
-    let specs = stage_specs(&s.model, s.kind, &s.shape, None).unwrap();
+    let specs = stage_specs(&*s.model, s.kind, &s.shape, None).unwrap();
     assert_eq!(specs[2].layers, specs[0].layers, "stage p + i holds stage i's layers");
     let data = Arc::new(random_microbatches(32, 4, 1, 8, s.seed).unwrap());
     let ws =
-        pipeline_workers(&s.model, &schedule, &specs, &StageOptions::new(1, 8), s.seed, None, data).unwrap();
+        pipeline_workers(&*s.model, &schedule, &specs, &StageOptions::new(1, 8), s.seed, None, data).unwrap();
     let (ws, _) = run_pipeline(&schedule, ws, s.timeout).unwrap();
     let b = single_device_step(&s).unwrap();
     let copy0 = StepResult {
@@ -155,10 +155,10 @@ fn caches_are_freed_after_the_step() {
         let s = setup(kind, Shape::new(2, v, 4), 1);
         let schedule =
             lower(&generate(kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
-        let specs = stage_specs(&s.model, kind, &s.shape, None).unwrap();
+        let specs = stage_specs(&*s.model, kind, &s.shape, None).unwrap();
         let data = Arc::new(random_microbatches(32, 4, 1, 8, 1).unwrap());
         let ws =
-            pipeline_workers(&s.model, &schedule, &specs, &StageOptions::new(1, 8), 0, None, data).unwrap();
+            pipeline_workers(&*s.model, &schedule, &specs, &StageOptions::new(1, 8), 0, None, data).unwrap();
         let (ws, tl) = run_pipeline(&schedule, ws, s.timeout).unwrap();
         assert!(ws.iter().all(|w| w.live_caches() == 0), "{kind}: caches left");
         assert!(!tl.intervals.is_empty());
@@ -169,12 +169,13 @@ fn caches_are_freed_after_the_step() {
 fn a_failing_stage_is_named_and_nothing_hangs() {
     let s = setup(Kind::OneFOneB, Shape::new(2, 1, 3), 1);
     let schedule = lower(&generate(s.kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
-    let specs = stage_specs(&s.model, s.kind, &s.shape, None).unwrap();
+    let specs = stage_specs(&*s.model, s.kind, &s.shape, None).unwrap();
     let mut data: Microbatches = random_microbatches(32, 3, 1, 8, 1).unwrap();
     // Microbatch 1's tokens have a bad shape [1, 5] instead of [1, 8].
     data.tokens[1] = graphpp_runtime::executor::tensor_u32(&[1, 2, 3, 4, 5], &[1, 5]).unwrap();
-    let ws = pipeline_workers(&s.model, &schedule, &specs, &StageOptions::new(1, 8), 0, None, Arc::new(data))
-        .unwrap();
+    let ws =
+        pipeline_workers(&*s.model, &schedule, &specs, &StageOptions::new(1, 8), 0, None, Arc::new(data))
+            .unwrap();
     let t0 = Instant::now();
     let e = run_pipeline(&schedule, ws, Duration::from_secs(20)).unwrap_err();
     assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
@@ -242,11 +243,11 @@ fn run_rank_on_threads_gives_run_pipeline_results_bitwise() {
         let s = setup(kind, shape, 1);
         let schedule =
             lower(&generate(kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
-        let specs = stage_specs(&s.model, kind, &s.shape, None).unwrap();
+        let specs = stage_specs(&*s.model, kind, &s.shape, None).unwrap();
         let data = Arc::new(random_microbatches(32, shape.microbatches, 1, 8, 3).unwrap());
         let build = || {
             pipeline_workers(
-                &s.model,
+                &*s.model,
                 &schedule,
                 &specs,
                 &StageOptions::new(1, 8),

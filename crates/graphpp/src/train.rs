@@ -510,7 +510,7 @@ fn describe_difference(saved: &RunConfig, now: &RunConfig) -> String {
 /// The runtime setup of `c`.
 fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
     Ok(TrainSetup {
-        model: c.model.clone(),
+        model: Arc::new(c.model.clone()),
         kind: c.kind,
         shape: Shape::new(c.ranks, c.stages_per_rank, c.microbatches),
         options: Options::default(),

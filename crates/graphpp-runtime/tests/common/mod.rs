@@ -59,7 +59,7 @@ pub fn is_data(k: InputKind) -> bool {
 /// 0.95, wd 0.1), cosine 1e-2 → 1e-3 over 6 steps with 2 of warm-up, clipping at 0.5, f32, dp 1.
 pub fn tiny_setup(kind: graphpp_schedule::Kind, p: usize, v: usize, m: usize) -> graphpp_runtime::TrainSetup {
     graphpp_runtime::TrainSetup {
-        model: graphpp_models::LlamaConfig::tiny(),
+        model: std::sync::Arc::new(graphpp_models::LlamaConfig::tiny()),
         kind,
         shape: graphpp_schedule::Shape::new(p, v, m),
         options: graphpp_schedule::Options::default(),

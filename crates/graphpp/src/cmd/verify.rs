@@ -133,7 +133,7 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     let t0 = Instant::now();
     let r = if launch.world() > 1 {
         let local = a.microbatch_size / a.dp;
-        graphpp_runtime::check_step(&setup.model, a.schedule, &shape, local, a.seq_len, true)?;
+        graphpp_runtime::check_step(&*setup.model, a.schedule, &shape, local, a.seq_len, true)?;
         // Every process runs its rank; the leader gets the gradients and compares.
         let Some(pipelined) = data_parallel_step(&setup, launch.comm())? else { return Ok(()) };
         compare(&pipelined, &single_device_step(&setup)?)?
@@ -155,8 +155,8 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
         v,
         a.microbatches,
         name,
-        setup.model.num_hidden_layers,
-        if setup.model.num_hidden_layers == 1 { "" } else { "s" },
+        setup.model.num_layers(),
+        if setup.model.num_layers() == 1 { "" } else { "s" },
         a.microbatch_size,
         a.seq_len,
         a.seed,

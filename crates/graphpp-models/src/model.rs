@@ -1,0 +1,129 @@
+//! [`Model`]: what the runtime needs of a model to pipeline it — the unit of its stage split,
+//! each stage's forward graph, the names, shapes and initial values of its parameters, its
+//! buffers, and the sizes the pre-flight checks estimate (docs/ARCHITECTURE.md "Models, data,
+//! training"). The runtime (trainer, verification, memory checks) holds an `Arc<dyn Model>` and
+//! is not typed on any one model; [`LlamaConfig`] implements it.
+
+use graphpp_graph::Graph;
+
+use crate::config::{LlamaConfig, ModelError};
+use crate::llama::{StageOptions, StageSpec};
+
+/// A model the runtime can split into pipeline stages and train (see the module doc).
+///
+/// A stage covers a contiguous range of decoder layers ([`StageSpec`]); the first stage also
+/// embeds the token ids, the last also computes the logits and the loss. Parameter names are
+/// global (the same name on every stage that holds the parameter, e.g. a tied embedding), so
+/// any split of the same model has the same parameters.
+pub trait Model: std::fmt::Debug + Send + Sync {
+    /// A short description for logs (`llama, 4 layers, hidden 64`).
+    fn describe(&self) -> String;
+
+    /// Vocabulary size: token ids and targets are below it.
+    fn vocab_size(&self) -> usize;
+
+    /// Decoder layers, the unit of the stage split.
+    fn num_layers(&self) -> usize;
+
+    /// The longest sequence the model takes (its position table).
+    fn max_seq_len(&self) -> usize;
+
+    /// The forward graph of stage `spec` for microbatches of `opts.batch × opts.seq` tokens.
+    ///
+    /// # Errors
+    /// [`ModelError`] for a shape or option the model cannot serve.
+    fn build_stage(&self, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError>;
+
+    /// Names and shapes of the parameters of stage `spec`, in the stage graph's input order.
+    fn stage_parameters(&self, spec: &StageSpec) -> Vec<(String, Vec<usize>)>;
+
+    /// Deterministic initial values of the parameters of `spec` from `seed`, row-major f32,
+    /// seeded per parameter name (any split gives the same weights).
+    fn init_parameters(&self, spec: &StageSpec, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)>;
+
+    /// The stage graphs' buffers (inputs that are neither parameters nor data, e.g. RoPE tables
+    /// and the causal mask) for sequences of `seq` tokens: name, shape, row-major values.
+    fn stage_buffers(&self, seq: usize) -> Vec<(String, Vec<usize>, Vec<f64>)>;
+
+    /// Parameters of the whole model (one copy of each).
+    fn parameter_count(&self) -> u128;
+
+    /// Saved-activation bytes (f32) of one microbatch of `batch × seq` tokens through stage
+    /// `spec` (an estimate for the pre-flight memory check).
+    fn stage_activation_bytes(&self, spec: &StageSpec, batch: usize, seq: usize) -> u128;
+
+    /// Bytes (f32) of one stage's buffers at `seq` tokens.
+    fn buffer_bytes(&self, seq: usize) -> u128;
+
+    /// Model FLOPs per trained token at `seq` tokens (forward and backward).
+    fn flops_per_token(&self, seq: usize) -> f64;
+}
+
+impl Model for LlamaConfig {
+    fn describe(&self) -> String {
+        format!("llama, {} layers, hidden {}", self.num_hidden_layers, self.hidden_size)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn num_layers(&self) -> usize {
+        self.num_hidden_layers
+    }
+
+    fn max_seq_len(&self) -> usize {
+        self.max_position_embeddings
+    }
+
+    fn build_stage(&self, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
+        crate::llama::build_stage(self, spec, opts)
+    }
+
+    fn stage_parameters(&self, spec: &StageSpec) -> Vec<(String, Vec<usize>)> {
+        crate::llama::stage_parameters(self, spec)
+    }
+
+    fn init_parameters(&self, spec: &StageSpec, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        crate::llama::init_parameters(self, spec, seed)
+    }
+
+    fn stage_buffers(&self, seq: usize) -> Vec<(String, Vec<usize>, Vec<f64>)> {
+        crate::llama::stage_buffers(self, seq)
+    }
+
+    fn parameter_count(&self) -> u128 {
+        crate::memory::parameter_count(self)
+    }
+
+    fn stage_activation_bytes(&self, spec: &StageSpec, batch: usize, seq: usize) -> u128 {
+        crate::memory::stage_activation_bytes(self, spec, batch, seq)
+    }
+
+    fn buffer_bytes(&self, seq: usize) -> u128 {
+        crate::memory::buffer_bytes(self, seq)
+    }
+
+    fn flops_per_token(&self, seq: usize) -> f64 {
+        crate::flops::flops_per_token(self, seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    /// Through the trait object the Llama model answers as its own functions do.
+    #[test]
+    fn llama_through_the_trait_object() {
+        let m: Arc<dyn Model> = Arc::new(LlamaConfig::tiny());
+        assert_eq!((m.vocab_size(), m.num_layers()), (256, 4));
+        assert_eq!(m.parameter_count(), 234_048);
+        let spec = crate::split_layers(4, 2, None).unwrap().remove(1);
+        let names: Vec<String> = m.stage_parameters(&spec).into_iter().map(|(n, _)| n).collect();
+        assert!(names.contains(&"lm_head.weight".to_string()) && !names.iter().any(|n| n.contains("embed")));
+        assert_eq!(m.init_parameters(&spec, 1).len(), names.len());
+        assert!(m.describe().starts_with("llama, 4 layers"));
+    }
+}
