@@ -32,6 +32,7 @@ use graphpp_schedule::{generate, lower, Interval, LowerOptions, Schedule};
 
 use crate::mesh::Coords;
 
+use crate::build::{stage_specs, StageBuild};
 use crate::clip::{clip_scale, local_sq_norm, scale_grads};
 use crate::comm::{Comm, Group, Pending, Tag, TagKind};
 use crate::data_parallel::DataParallel;
@@ -40,7 +41,7 @@ use crate::optim::{AdamW, OptimError, M_PREFIX, STEP_KEY, V_PREFIX};
 use crate::pipeline::{run_rank, RankOptions, RankOutcome};
 use crate::stage::{env_bytes, sum_by_name, Env, GraphStages, Microbatches, StageError};
 use crate::train::{TrainError, TrainSetup};
-use crate::verify::{rank_worker, stage_specs, VerifyError};
+use crate::verify::VerifyError;
 
 /// Checks that dp divides the batch and the step's size, and builds the lowered schedule of `setup` (the same on every rank).
 ///
@@ -223,7 +224,9 @@ impl RankTrainer {
             ..StageOptions::mixed(setup.batch / setup.dp, setup.seq, setup.dtype)
         };
         let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
-        let mut work = rank_worker(&*setup.model, &schedule, &specs, &opts, setup.seed, None, empty, me)?;
+        let build =
+            StageBuild { model: &*setup.model, specs: &specs, opts: &opts, seed: setup.seed, given: None };
+        let mut work = build.rank(&schedule, empty, me)?;
         if setup.dp > 1 {
             let dp = DataParallel::new(Arc::clone(&comm), data_parallel.clone(), setup.fsdp, setup.timeout)?;
             work.set_data_parallel(dp)?;

@@ -27,15 +27,14 @@ use candle_core::Tensor;
 use graphpp_graph::names::{LOSS, TARGETS, TOKENS};
 use graphpp_graph::{stage_graphs, DType, GraphError, RecomputePolicy};
 use graphpp_models::rng::Rng;
-use graphpp_models::{split_layers, Model, ModelError, StageOptions, StageSpec};
-use graphpp_schedule::{
-    generate, lower, GenerateError, Kind, LowerError, LowerOptions, Options, Schedule, Shape,
-};
+use graphpp_models::{split_layers, Model, ModelError, StageOptions};
+use graphpp_schedule::{generate, lower, GenerateError, Kind, LowerError, LowerOptions, Options, Shape};
 
-use crate::executor::{run_named, tensor_from_f64, tensor_u32, to_f64, ExecError, RunOptions};
+use crate::build::{stage_specs, StageBuild};
+use crate::executor::{run_named, tensor_u32, to_f64, ExecError, RunOptions};
 use crate::memory::{check_step, SizeError};
 use crate::pipeline::{run_pipeline, PipelineError};
-use crate::stage::{sum_by_name, Env, GraphStages, Microbatches, Stage};
+use crate::stage::{sum_by_name, Env, GraphStages, Microbatches};
 
 /// Default tolerance of `graphpp verify`: relative difference (see [`VerifyReport`]) in f32.
 /// Source: the acceptance criterion of issue 4 (1e-5 relative, f32).
@@ -227,27 +226,6 @@ impl VerifyReport {
     }
 }
 
-/// The model stage each schedule stage runs: `S = p·v` stages over the layers, except DualPipe,
-/// whose `2p` schedule stages hold two copies of a `p`-stage split (stage `p + i` ≡ stage `i`).
-/// `layers_per_stage` gives each model stage's layer count (`None`: an even split).
-/// Errors: [`VerifyError::TooFewLayers`] when the model has fewer layers than model stages;
-/// [`ModelError::Split`] (as [`VerifyError::Model`]) when the layers do not divide into the
-/// stages or the given counts do not add up.
-pub fn stage_specs(
-    cfg: &dyn Model,
-    kind: Kind,
-    shape: &Shape,
-    layers_per_stage: Option<&[usize]>,
-) -> Result<Vec<StageSpec>, VerifyError> {
-    let s = shape.stages();
-    let model_stages = if kind == Kind::DualPipe { shape.ranks } else { s };
-    if model_stages > cfg.num_layers() {
-        return Err(VerifyError::TooFewLayers { layers: cfg.num_layers(), stages: model_stages });
-    }
-    let specs = split_layers(cfg.num_layers(), model_stages, layers_per_stage)?;
-    Ok((0..s).map(|st| specs[st % model_stages].clone()).collect())
-}
-
 /// Random token ids and targets (uniform below the vocabulary) for `m` microbatches of
 /// `[batch, seq]`, from `seed`.
 pub fn random_microbatches(
@@ -270,89 +248,6 @@ pub fn random_microbatches(
     Ok(Microbatches { tokens, targets })
 }
 
-/// Parameters and buffers of a stage: the parameters from `given` (by name; a tied embedding's
-/// copies both read `model.embed_tokens.weight`) or else drawn from `seed`, as tensors of
-/// [`StageOptions::parameter_dtype`]; buffers as tensors of the compute dtype `opts.dtype`.
-/// Errors: [`VerifyError::Mismatch`] for a parameter `given` lacks or holds in another shape.
-pub fn stage_state(
-    cfg: &dyn Model,
-    spec: &StageSpec,
-    opts: &StageOptions,
-    seed: u64,
-    given: Option<&Env>,
-) -> Result<Env, VerifyError> {
-    let mut env = Env::new();
-    match given {
-        None => {
-            for (name, shape, data) in cfg.init_parameters(spec, seed) {
-                let d: Vec<f64> = data.iter().map(|&x| x as f64).collect();
-                env.insert(name, tensor_from_f64(&d, &shape, opts.parameter_dtype())?);
-            }
-        }
-        Some(given) => {
-            for (name, shape) in cfg.stage_parameters(spec) {
-                let t = given
-                    .get(&name)
-                    .ok_or_else(|| VerifyError::Mismatch(format!("initial parameter {name}: not given")))?;
-                if t.dims() != shape.as_slice() {
-                    return Err(VerifyError::Mismatch(format!(
-                        "initial parameter {name}: shape {:?}, the model needs {shape:?}",
-                        t.dims()
-                    )));
-                }
-                env.insert(name, t.to_dtype(crate::executor::candle_dtype(opts.parameter_dtype()))?);
-            }
-        }
-    }
-    for (name, shape, data) in cfg.stage_buffers(opts.seq) {
-        env.insert(name, tensor_from_f64(&data, &shape, opts.dtype)?);
-    }
-    Ok(env)
-}
-
-/// One [`GraphStages`] per rank of `schedule`, schedule stage `s` running `specs[s]`, with the
-/// parameters of [`stage_state`] (`given`, else drawn from `seed`).
-pub fn pipeline_workers(
-    cfg: &dyn Model,
-    schedule: &Schedule,
-    specs: &[StageSpec],
-    opts: &StageOptions,
-    seed: u64,
-    given: Option<&Env>,
-    data: Arc<Microbatches>,
-) -> Result<Vec<GraphStages>, VerifyError> {
-    (0..schedule.num_ranks())
-        .map(|r| rank_worker(cfg, schedule, specs, opts, seed, given, Arc::clone(&data), r))
-        .collect()
-}
-
-/// The [`GraphStages`] of schedule rank `rank` alone (the stages the schedule places on it), as
-/// [`pipeline_workers`] builds them.
-#[allow(clippy::too_many_arguments)]
-pub fn rank_worker(
-    cfg: &dyn Model,
-    schedule: &Schedule,
-    specs: &[StageSpec],
-    opts: &StageOptions,
-    seed: u64,
-    given: Option<&Env>,
-    data: Arc<Microbatches>,
-    rank: usize,
-) -> Result<GraphStages, VerifyError> {
-    let mut stages = BTreeMap::new();
-    for (stage, ranks) in schedule.placement() {
-        if !ranks.contains(&rank) {
-            continue;
-        }
-        let spec = specs
-            .get(stage)
-            .ok_or_else(|| VerifyError::Mismatch(format!("stage {stage}: no model stage for it")))?;
-        let graphs = stage_graphs(&cfg.build_stage(spec, opts)?, &opts.recompute.policy(spec))?;
-        stages.insert(stage, Stage::new(graphs, stage_state(cfg, spec, opts, seed, given)?));
-    }
-    Ok(GraphStages::new(stages, data))
-}
-
 /// Sums each gradient over all stages of all ranks (DualPipe's two copies add up).
 fn collect_grads(workers: &[GraphStages]) -> Result<BTreeMap<String, Tensor>, VerifyError> {
     let grads = workers.iter().flat_map(|w| w.stages().values()).flat_map(|st| st.grads().clone());
@@ -370,7 +265,8 @@ pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
         Arc::new(random_microbatches(setup.model.vocab_size(), m, setup.batch, setup.seq, setup.seed)?);
     let opts = StageOptions::mixed(setup.batch, setup.seq, setup.dtype);
     let given = setup.weights.as_deref();
-    let workers = pipeline_workers(&*setup.model, &schedule, &specs, &opts, setup.seed, given, data)?;
+    let build = StageBuild { model: &*setup.model, specs: &specs, opts: &opts, seed: setup.seed, given };
+    let workers = build.all_ranks(&schedule, data)?;
     let (workers, _) = run_pipeline(&schedule, workers, setup.timeout)?;
     let mut losses = BTreeMap::new();
     for w in &workers {
@@ -393,7 +289,10 @@ pub fn single_device_step(setup: &VerifySetup) -> Result<StepResult, VerifyError
     let opts = StageOptions::mixed(setup.batch * m, setup.seq, setup.reference_dtype);
     let graphs = stage_graphs(&cfg.build_stage(&spec, &opts)?, &RecomputePolicy::SaveAll)?;
     let data = random_microbatches(cfg.vocab_size(), m, setup.batch, setup.seq, setup.seed)?;
-    let mut env = stage_state(cfg, &spec, &opts, setup.seed, setup.weights.as_deref())?;
+    let given = setup.weights.as_deref();
+    let build =
+        StageBuild { model: cfg, specs: std::slice::from_ref(&spec), opts: &opts, seed: setup.seed, given };
+    let mut env = build.state(&spec)?;
     env.insert(TOKENS.into(), Tensor::cat(&data.tokens, 0)?);
     env.insert(TARGETS.into(), Tensor::cat(&data.targets, 0)?);
     let f = run_named(&graphs.fw, &env, &RunOptions::default())?;

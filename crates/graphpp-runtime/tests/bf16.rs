@@ -21,10 +21,10 @@ use candle_core::{DType as CDType, Device, Tensor};
 use graphpp_graph::autodiff::autodiff;
 use graphpp_graph::{DType, GraphBuilder, InputKind, TensorType};
 use graphpp_models::{LlamaConfig, StageOptions};
+use graphpp_runtime::build::{stage_specs, StageBuild};
 use graphpp_runtime::executor::{run, tensor_from_f64, to_f64, RunOptions};
 use graphpp_runtime::verify::{
-    compare, pipeline_workers, pipelined_step, random_microbatches, single_device_step, stage_specs,
-    StepResult, BF16_TOLERANCE,
+    compare, pipelined_step, random_microbatches, single_device_step, StepResult, BF16_TOLERANCE,
 };
 use graphpp_runtime::{CosineSchedule, StageWork, TrainSetup, Trainer, VerifySetup};
 use graphpp_schedule::{generate, lower, Kind, LowerOptions, Options, Shape};
@@ -138,7 +138,9 @@ fn bf16_messages_between_ranks_and_f32_loss_and_gradients() {
     let specs = stage_specs(&*s.model, s.kind, &s.shape, None).unwrap();
     let data = Arc::new(random_microbatches(256, 1, 1, 16, 5).unwrap());
     let opts = StageOptions::mixed(1, 16, DType::BF16);
-    let mut w = pipeline_workers(&*s.model, &schedule, &specs, &opts, 0, None, data).unwrap();
+    let mut w = StageBuild { model: &*s.model, specs: &specs, opts: &opts, seed: 0, given: None }
+        .all_ranks(&schedule, data)
+        .unwrap();
     let act = w[0].forward(0, 0, None).unwrap().expect("stage 0 sends its output");
     assert_eq!((act.dtype(), act.dims()), (CDType::BF16, &[1, 16, 64][..]));
     assert!(w[1].forward(1, 0, Some(act)).unwrap().is_none());

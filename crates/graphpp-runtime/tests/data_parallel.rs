@@ -141,7 +141,8 @@ fn verify_with_data_parallelism_matches_one_device() {
 /// UNSHARD, naming the stage — the stage ops are never silently skipped.
 #[test]
 fn fsdp_stage_ops_without_a_data_parallel_group_are_an_error() {
-    use graphpp_runtime::verify::{pipeline_workers, random_microbatches, stage_specs};
+    use graphpp_runtime::build::{stage_specs, StageBuild};
+    use graphpp_runtime::verify::random_microbatches;
     use graphpp_schedule::{generate, lower, LowerOptions, Shape};
     use std::sync::Arc;
     let model = graphpp_models::LlamaConfig::tiny();
@@ -151,7 +152,9 @@ fn fsdp_stage_ops_without_a_data_parallel_group_are_an_error() {
     let specs = stage_specs(&model, Kind::OneFOneB, &shape, None).unwrap();
     let opts = graphpp_models::StageOptions::mixed(1, 8, graphpp_graph::DType::F32);
     let data = Arc::new(random_microbatches(256, 2, 1, 8, 0).unwrap());
-    let workers = pipeline_workers(&model, &lowered, &specs, &opts, 0, None, data).unwrap();
+    let workers = StageBuild { model: &model, specs: &specs, opts: &opts, seed: 0, given: None }
+        .all_ranks(&lowered, data)
+        .unwrap();
     let e = graphpp_runtime::run_pipeline(&lowered, workers, std::time::Duration::from_secs(20)).unwrap_err();
     let msg = e.to_string();
     assert!(msg.contains("UNSHARD") && msg.contains("needs a data-parallel group"), "{msg}");

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use graphpp_models::{LlamaConfig, StageOptions};
+use graphpp_runtime::build::{stage_specs, StageBuild};
 use graphpp_runtime::executor::to_f64;
 use graphpp_runtime::stage::{GraphStages, Microbatches};
 use graphpp_runtime::verify::{
-    compare, pipeline_workers, pipelined_step, random_microbatches, single_device_step, stage_specs,
-    StepResult, TOLERANCE,
+    compare, pipelined_step, random_microbatches, single_device_step, StepResult, TOLERANCE,
 };
 use graphpp_runtime::{
     run_pipeline, run_rank, Mesh, PipelineError, RankOptions, ThreadComm, VerifyError, VerifySetup,
@@ -96,8 +96,15 @@ fn dualpipe_sums_the_two_parameter_copies() {
     let specs = stage_specs(&*s.model, s.kind, &s.shape, None).unwrap();
     assert_eq!(specs[2].layers, specs[0].layers, "stage p + i holds stage i's layers");
     let data = Arc::new(random_microbatches(32, 4, 1, 8, s.seed).unwrap());
-    let ws =
-        pipeline_workers(&*s.model, &schedule, &specs, &StageOptions::new(1, 8), s.seed, None, data).unwrap();
+    let ws = StageBuild {
+        model: &*s.model,
+        specs: &specs,
+        opts: &StageOptions::new(1, 8),
+        seed: s.seed,
+        given: None,
+    }
+    .all_ranks(&schedule, data)
+    .unwrap();
     let (ws, _) = run_pipeline(&schedule, ws, s.timeout).unwrap();
     let b = single_device_step(&s).unwrap();
     let copy0 = StepResult {
@@ -157,8 +164,15 @@ fn caches_are_freed_after_the_step() {
             lower(&generate(kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
         let specs = stage_specs(&*s.model, kind, &s.shape, None).unwrap();
         let data = Arc::new(random_microbatches(32, 4, 1, 8, 1).unwrap());
-        let ws =
-            pipeline_workers(&*s.model, &schedule, &specs, &StageOptions::new(1, 8), 0, None, data).unwrap();
+        let ws = StageBuild {
+            model: &*s.model,
+            specs: &specs,
+            opts: &StageOptions::new(1, 8),
+            seed: 0,
+            given: None,
+        }
+        .all_ranks(&schedule, data)
+        .unwrap();
         let (ws, tl) = run_pipeline(&schedule, ws, s.timeout).unwrap();
         assert!(ws.iter().all(|w| w.live_caches() == 0), "{kind}: caches left");
         assert!(!tl.intervals.is_empty());
@@ -174,7 +188,8 @@ fn a_failing_stage_is_named_and_nothing_hangs() {
     // Microbatch 1's tokens have a bad shape [1, 5] instead of [1, 8].
     data.tokens[1] = graphpp_runtime::executor::tensor_u32(&[1, 2, 3, 4, 5], &[1, 5]).unwrap();
     let ws =
-        pipeline_workers(&*s.model, &schedule, &specs, &StageOptions::new(1, 8), 0, None, Arc::new(data))
+        StageBuild { model: &*s.model, specs: &specs, opts: &StageOptions::new(1, 8), seed: 0, given: None }
+            .all_ranks(&schedule, Arc::new(data))
             .unwrap();
     let t0 = Instant::now();
     let e = run_pipeline(&schedule, ws, Duration::from_secs(20)).unwrap_err();
@@ -246,15 +261,14 @@ fn run_rank_on_threads_gives_run_pipeline_results_bitwise() {
         let specs = stage_specs(&*s.model, kind, &s.shape, None).unwrap();
         let data = Arc::new(random_microbatches(32, shape.microbatches, 1, 8, 3).unwrap());
         let build = || {
-            pipeline_workers(
-                &*s.model,
-                &schedule,
-                &specs,
-                &StageOptions::new(1, 8),
-                5,
-                None,
-                Arc::clone(&data),
-            )
+            StageBuild {
+                model: &*s.model,
+                specs: &specs,
+                opts: &StageOptions::new(1, 8),
+                seed: 5,
+                given: None,
+            }
+            .all_ranks(&schedule, Arc::clone(&data))
             .unwrap()
         };
         let (a, _) = run_pipeline(&schedule, build(), s.timeout).unwrap();

@@ -1,0 +1,130 @@
+//! Building a rank's stages from a [`Model`]: which model stage each schedule stage runs, the
+//! stage graphs under the recompute policy, and their parameters and buffers — what the
+//! trainer, `graphpp verify` and the tests share (docs/ARCHITECTURE.md "Runtime" → Stage).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use graphpp_graph::stage_graphs;
+use graphpp_models::{split_layers, Model, StageOptions, StageSpec};
+use graphpp_schedule::{Kind, Schedule, Shape};
+
+use crate::executor::tensor_from_f64;
+use crate::stage::{Env, GraphStages, Microbatches, Stage};
+use crate::verify::VerifyError;
+
+/// The model stage each schedule stage runs: `S = p·v` stages over the layers, except DualPipe,
+/// whose `2p` schedule stages hold two copies of a `p`-stage split (stage `p + i` ≡ stage `i`).
+/// `layers_per_stage` gives each model stage's layer count (`None`: an even split).
+/// Errors: [`VerifyError::TooFewLayers`] when the model has fewer layers than model stages;
+/// [`ModelError::Split`] (as [`VerifyError::Model`]) when the layers do not divide into the
+/// stages or the given counts do not add up.
+pub fn stage_specs(
+    cfg: &dyn Model,
+    kind: Kind,
+    shape: &Shape,
+    layers_per_stage: Option<&[usize]>,
+) -> Result<Vec<StageSpec>, VerifyError> {
+    let s = shape.stages();
+    let model_stages = if kind == Kind::DualPipe { shape.ranks } else { s };
+    if model_stages > cfg.num_layers() {
+        return Err(VerifyError::TooFewLayers { layers: cfg.num_layers(), stages: model_stages });
+    }
+    let specs = split_layers(cfg.num_layers(), model_stages, layers_per_stage)?;
+    Ok((0..s).map(|st| specs[st % model_stages].clone()).collect())
+}
+
+/// What a rank's stages are built from: the model, the model stage each schedule stage runs
+/// (`specs[s]`, from [`stage_specs`]), the stage options and the initial weights — `given` by
+/// name (e.g. pretrained; a tied embedding's copies both read `model.embed_tokens.weight`), else
+/// drawn from `seed` ([`Model::init_parameters`], seeded per name so any split agrees).
+#[derive(Clone, Copy)]
+pub struct StageBuild<'a> {
+    /// The model.
+    pub model: &'a dyn Model,
+    /// The model stage of each schedule stage.
+    pub specs: &'a [StageSpec],
+    /// Batch, sequence length, dtypes and recompute policy of the stage graphs.
+    pub opts: &'a StageOptions,
+    /// Seed of the initial weights when none are given.
+    pub seed: u64,
+    /// Initial parameters by name, f32, the model's shapes.
+    pub given: Option<&'a Env>,
+}
+
+impl StageBuild<'_> {
+    /// Parameters and buffers of stage `spec`: the parameters as tensors of
+    /// [`StageOptions::parameter_dtype`], the buffers of the compute dtype.
+    ///
+    /// # Errors
+    /// [`VerifyError::Mismatch`] for a parameter `given` lacks or holds in another shape.
+    pub fn state(&self, spec: &StageSpec) -> Result<Env, VerifyError> {
+        let (model, opts) = (self.model, self.opts);
+        let mut env = Env::new();
+        match self.given {
+            None => {
+                for (name, shape, data) in model.init_parameters(spec, self.seed) {
+                    let d: Vec<f64> = data.iter().map(|&x| x as f64).collect();
+                    env.insert(name, tensor_from_f64(&d, &shape, opts.parameter_dtype())?);
+                }
+            }
+            Some(given) => {
+                for (name, shape) in model.stage_parameters(spec) {
+                    let t = given.get(&name).ok_or_else(|| {
+                        VerifyError::Mismatch(format!("initial parameter {name}: not given"))
+                    })?;
+                    if t.dims() != shape.as_slice() {
+                        return Err(VerifyError::Mismatch(format!(
+                            "initial parameter {name}: shape {:?}, the model needs {shape:?}",
+                            t.dims()
+                        )));
+                    }
+                    env.insert(name, t.to_dtype(crate::executor::candle_dtype(opts.parameter_dtype()))?);
+                }
+            }
+        }
+        for (name, shape, data) in model.stage_buffers(opts.seq) {
+            env.insert(name, tensor_from_f64(&data, &shape, opts.dtype)?);
+        }
+        Ok(env)
+    }
+
+    /// The [`GraphStages`] of schedule rank `rank`: the stages the schedule places on it, each
+    /// with its graphs (under the options' recompute policy) and [`StageBuild::state`].
+    ///
+    /// # Errors
+    /// [`VerifyError::Mismatch`] for a schedule stage without a model stage; graph building.
+    pub fn rank(
+        &self,
+        schedule: &Schedule,
+        data: Arc<Microbatches>,
+        rank: usize,
+    ) -> Result<GraphStages, VerifyError> {
+        let mut stages = BTreeMap::new();
+        for (stage, ranks) in schedule.placement() {
+            if !ranks.contains(&rank) {
+                continue;
+            }
+            let spec = self
+                .specs
+                .get(stage)
+                .ok_or_else(|| VerifyError::Mismatch(format!("stage {stage}: no model stage for it")))?;
+            let graphs =
+                stage_graphs(&self.model.build_stage(spec, self.opts)?, &self.opts.recompute.policy(spec))?;
+            stages.insert(stage, Stage::new(graphs, self.state(spec)?));
+        }
+        Ok(GraphStages::new(stages, data))
+    }
+
+    /// One [`GraphStages`] per rank of `schedule` ([`StageBuild::rank`]), all over `data`.
+    ///
+    /// # Errors
+    /// As [`StageBuild::rank`].
+    pub fn all_ranks(
+        &self,
+        schedule: &Schedule,
+        data: Arc<Microbatches>,
+    ) -> Result<Vec<GraphStages>, VerifyError> {
+        (0..schedule.num_ranks()).map(|r| self.rank(schedule, Arc::clone(&data), r)).collect()
+    }
+}
