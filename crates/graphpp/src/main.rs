@@ -36,12 +36,19 @@ fn main() {
     };
     if let Err(e) = result {
         if let Some(stopped) = e.downcast_ref::<graphpp::stop::Interrupted>() {
-            eprintln!("{stopped}");
+            report(&stopped.to_string());
             std::process::exit(stopped.signal.exit_status());
         }
-        eprintln!("error: {}", message(&e));
+        report(&format!("error: {}", message(&e)));
         std::process::exit(1);
     }
+}
+
+/// Writes `line` to standard error in one write, so that the lines of several ranks under
+/// `mpirun` (which merges their standard error) do not interleave.
+fn report(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
 
 /// Prints clap's error and exits: status 1 when a value graphpp parses was rejected (`--ranks -1`,

@@ -282,3 +282,29 @@ fn verify_as_four_processes_with_data_parallelism_and_fsdp() {
         }
     }
 }
+
+/// A rank that fails on its own (here rank 1 is given a corpus that does not exist, an MPMD
+/// command line as a misconfigured host would be): it reports its error; rank 0, already waiting
+/// in step 1, stops within seconds with an error naming rank 1; the job exits non-zero.
+#[test]
+fn a_rank_that_fails_alone_stops_the_others_naming_it() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let missing = d.path().join("missing.txt");
+    let args = train_args(&data, &["--schedule", "1f1b", "--steps", "5"]);
+    let mut bad = args.clone();
+    let at = bad.iter().position(|a| a == "--data").unwrap() + 1;
+    bad[at] = missing.to_str().unwrap().to_string();
+    let t0 = Instant::now();
+    let (ok, o, e) = run({
+        let mut c = Command::new("mpirun");
+        c.args(["--allow-run-as-root", "--oversubscribe", "-n", "1"]).arg(exe()).args(&args);
+        c.args([":", "-n", "1"]).arg(exe()).args(&bad);
+        c
+    });
+    assert!(!ok, "{o}\n{e}");
+    assert!(t0.elapsed() < Duration::from_secs(60), "took {:?}", t0.elapsed());
+    assert!(e.contains("missing.txt"), "rank 1 names its problem:\n{e}");
+    assert!(e.contains("rank 1 failed") || e.contains("because rank 1"), "rank 0 names rank 1:\n{e}");
+    assert!(!o.contains("step      5"), "{o}");
+}
