@@ -86,7 +86,7 @@ pub trait StageWork: Send {
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {
     /// A compute action (or a stage op) failed on a rank.
-    #[error("rank {rank} failed at step {step} ({action}): {message}")]
+    #[error("rank {rank} failed at action {step} of its schedule ({action}): {message}")]
     Action {
         /// The world rank.
         rank: usize,
@@ -98,7 +98,7 @@ pub enum PipelineError {
         message: String,
     },
     /// An action panicked on a rank.
-    #[error("rank {rank} panicked at step {step} ({action}): {message}")]
+    #[error("rank {rank} panicked at action {step} of its schedule ({action}): {message}")]
     Panic {
         /// The world rank.
         rank: usize,
@@ -110,7 +110,7 @@ pub enum PipelineError {
         message: String,
     },
     /// A SEND or RECV failed on the communicator (a receive timeout, a bad peer).
-    #[error("rank {rank} failed at step {step} ({action}): {source}")]
+    #[error("rank {rank} failed at action {step} of its schedule ({action}): {source}")]
     Comm {
         /// The world rank.
         rank: usize,
@@ -122,7 +122,7 @@ pub enum PipelineError {
         source: Box<CommError>,
     },
     /// This rank stopped because another rank failed and aborted the communicator.
-    #[error("rank {rank} stopped at step {step} ({action}) because rank {failed_rank} failed: {reason}")]
+    #[error("rank {rank} stopped at action {step} of its schedule ({action}) because rank {failed_rank} failed: {reason}")]
     Aborted {
         /// The world rank that stopped.
         rank: usize,
