@@ -20,14 +20,15 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use candle_core::Tensor;
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::request::{Request, StaticScope};
 use mpi::topology::Communicator;
 use mpi::Threading;
 
 use super::link::{Inbox, Link, LinkComm};
-use super::{AllToAllOutput, Comm, CommError, Group, Pending, Tag};
+#[cfg(doc)]
+use super::Comm;
+use super::CommError;
 
 /// How long [`MpiComm::finish`] waits for queued sends to complete.
 const DRAIN: Duration = Duration::from_secs(10);
@@ -55,10 +56,11 @@ enum Command {
     Stop,
 }
 
-/// The [`Link`] of an [`MpiComm`]: a queue to the progress thread.
+/// The [`Link`] of an [`MpiComm`]: a queue to the progress thread, and that thread.
 #[derive(Debug)]
 pub struct MpiLink {
     tx: Mutex<Sender<Command>>,
+    progress: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Link for MpiLink {
@@ -71,19 +73,27 @@ impl Link for MpiLink {
     }
 }
 
-/// One rank of a world of Open MPI processes (see the module doc).
-pub struct MpiComm {
-    inner: LinkComm<MpiLink>,
-    progress: Mutex<Option<JoinHandle<()>>>,
-}
-
-impl std::fmt::Debug for MpiComm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MpiComm").field("rank", &self.rank()).field("world", &self.world()).finish()
+impl MpiLink {
+    /// Stops the progress thread (see [`MpiComm::finish`]) and waits for it.
+    fn stop(&self) {
+        let handle = self.progress.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = self.tx.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Stop);
+            let _ = h.join();
+        }
     }
 }
 
-impl MpiComm {
+impl Drop for MpiLink {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// One rank of a world of Open MPI processes: a [`LinkComm`] over MPI (see the module doc).
+pub type MpiComm = LinkComm<MpiLink>;
+
+impl LinkComm<MpiLink> {
     /// Initializes MPI and starts the progress thread; rank and world are `MPI_COMM_WORLD`'s.
     ///
     /// # Errors
@@ -98,30 +108,18 @@ impl MpiComm {
             .spawn(move || progress(ready_tx, inbox_rx, rx))
             .map_err(|e| MpiError::Thread(e.to_string()))?;
         let (rank, world) = ready_rx.recv().map_err(|_| MpiError::Thread("it exited".into()))??;
-        let link = MpiLink { tx: Mutex::new(tx) };
-        let (inner, inbox) = LinkComm::new(rank, world, link).map_err(|e| MpiError::Thread(e.to_string()))?;
+        let link = MpiLink { tx: Mutex::new(tx), progress: Mutex::new(Some(handle)) };
+        let (comm, inbox) = LinkComm::new(rank, world, link).map_err(|e| MpiError::Thread(e.to_string()))?;
         inbox_tx.send(inbox).map_err(|_| MpiError::Thread("it exited".into()))?;
-        Ok(MpiComm { inner, progress: Mutex::new(Some(handle)) })
+        Ok(comm)
     }
 
     /// Drains the queued sends, then calls `MPI_Finalize`; when a send has not completed after
     /// 10 s (its receiver is gone) it calls `MPI_Abort` instead, which makes `mpirun` stop every
     /// rank. Call it once, when the rank is done (after [`Comm::abort`] if it failed); later
-    /// communication fails with [`CommError::Aborted`].
+    /// communication fails with [`CommError::Aborted`]. Dropping the communicator does the same.
     pub fn finish(&self) {
-        let handle = self.progress.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(h) = handle {
-            let tx = self.inner.link().tx.lock().unwrap_or_else(|e| e.into_inner());
-            let _ = tx.send(Command::Stop);
-            drop(tx);
-            let _ = h.join();
-        }
-    }
-}
-
-impl Drop for MpiComm {
-    fn drop(&mut self) {
-        self.finish();
+        self.link().stop();
     }
 }
 
@@ -218,52 +216,5 @@ fn progress(
                 std::thread::yield_now();
             }
         }
-    }
-}
-
-impl Comm for MpiComm {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-
-    fn world(&self) -> usize {
-        self.inner.world()
-    }
-
-    fn send(&self, peer: usize, tag: Tag, x: Tensor) -> Result<(), CommError> {
-        self.inner.send(peer, tag, x)
-    }
-
-    fn recv(&self, peer: usize, tag: Tag, timeout: Duration) -> Result<Tensor, CommError> {
-        self.inner.recv(peer, tag, timeout)
-    }
-
-    fn all_reduce(&self, group: &Group, x: &Tensor) -> Result<Pending<Tensor>, CommError> {
-        self.inner.all_reduce(group, x)
-    }
-
-    fn all_gather(&self, group: &Group, x: &Tensor) -> Result<Pending<Tensor>, CommError> {
-        self.inner.all_gather(group, x)
-    }
-
-    fn reduce_scatter(&self, group: &Group, x: &Tensor) -> Result<Pending<Tensor>, CommError> {
-        self.inner.reduce_scatter(group, x)
-    }
-
-    fn all_to_all(
-        &self,
-        group: &Group,
-        x: &Tensor,
-        send_counts: &[usize],
-    ) -> Result<Pending<AllToAllOutput>, CommError> {
-        self.inner.all_to_all(group, x, send_counts)
-    }
-
-    fn barrier(&self, group: &Group) -> Result<Pending<()>, CommError> {
-        self.inner.barrier(group)
-    }
-
-    fn abort(&self, reason: &str) {
-        self.inner.abort(reason)
     }
 }
