@@ -4,7 +4,9 @@
 //! both; under `mpirun` only the leader (world rank 0) prints and writes files.
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use graphpp_runtime::comm::{CommError, Group};
 use graphpp_runtime::Comm;
 
 /// Environment variables through which `mpirun` (Open MPI; MPICH and PMIx launchers) gives a
@@ -44,6 +46,37 @@ pub enum LaunchError {
         /// Data-parallel replicas.
         dp: usize,
     },
+    /// The processes do not run the same thing (see [`Launch::agree`]).
+    #[error(
+        "the processes disagree on {what}: ranks {ranks:?} differ from rank 0; every process must \
+         run the same command line and, to resume, find the same newest checkpoint"
+    )]
+    Disagree {
+        /// What was compared.
+        what: String,
+        /// The ranks whose value differs from rank 0's.
+        ranks: Vec<usize>,
+    },
+    /// The comparison itself failed (another rank stopped, a timeout).
+    #[error("comparing the processes' settings: {0}")]
+    Comm(#[from] CommError),
+}
+
+/// How long [`Launch::agree`] waits for the slowest process (it may still be reading its data).
+const AGREE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// A 64-bit fingerprint of this process's command line (after the program name) and `extra`
+/// (e.g. the checkpoint it would resume from), for [`Launch::agree`].
+pub fn command_fingerprint(extra: &str) -> u64 {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for a in std::env::args_os().skip(1) {
+        h.update(a.as_encoded_bytes());
+        h.update([0u8]);
+    }
+    h.update(extra.as_bytes());
+    let d = h.finalize();
+    u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
 }
 
 fn env_count(vars: &[&str]) -> Option<usize> {
@@ -140,26 +173,54 @@ impl Launch {
         Ok(())
     }
 
-    /// Runs a command's body `f` as this process's part of a run: detects the launch, silences
-    /// standard output outside the leader (`quiet`), and afterwards [`Launch::finish`]es —
+    /// Runs a command's body `f` as this process's part of a run: detects the launch, tells
+    /// `announce` (which silences standard output outside the leader and names the rank in
+    /// error lines), and afterwards [`Launch::finish`]es —
     /// aborting the other ranks when `f` failed, unless `benign` says the error is not a rank
     /// failure (an interruption, a verdict).
     ///
     /// # Errors
     /// [`LaunchError`] (as `anyhow`), or `f`'s.
     pub fn run(
-        quiet: impl FnOnce(),
+        announce: impl FnOnce(&Launch),
         benign: impl Fn(&anyhow::Error) -> bool,
         f: impl FnOnce(&Launch) -> anyhow::Result<()>,
     ) -> anyhow::Result<()> {
         let launch = Launch::detect()?;
-        if !launch.is_leader() {
-            quiet();
-        }
+        announce(&launch);
         let result = f(&launch);
         let failure = result.as_ref().err().filter(|e| !benign(e));
         launch.finish(failure.map(|e| format!("{e:#}")).as_deref());
         result
+    }
+
+    /// Checks that every process holds the same `fingerprint` of `what` (e.g.
+    /// [`command_fingerprint`]): an all-reduce of every rank's value at its own index, 16 bits per
+    /// f32 entry (exact). Nothing to do for threads.
+    ///
+    /// # Errors
+    /// [`LaunchError::Disagree`] on every process, naming the ranks that differ from rank 0;
+    /// [`LaunchError::Comm`].
+    pub fn agree(&self, what: &str, fingerprint: u64) -> Result<(), LaunchError> {
+        let Some(comm) = &self.comm else { return Ok(()) };
+        let world = comm.world();
+        let mut v = vec![0f32; 4 * world];
+        for k in 0..4 {
+            v[4 * comm.rank() + k] = ((fingerprint >> (16 * k)) & 0xffff) as f32;
+        }
+        let t = candle_core::Tensor::from_vec(v, 4 * world, &candle_core::Device::Cpu).map_err(|e| {
+            CommError::Wire(graphpp_runtime::comm::wire::WireError::Tensor { message: e.to_string() })
+        })?;
+        let all: Vec<f32> =
+            comm.all_reduce(&Group::world(world)?, &t)?.wait(AGREE_TIMEOUT)?.to_vec1().map_err(|e| {
+                CommError::Wire(graphpp_runtime::comm::wire::WireError::Tensor { message: e.to_string() })
+            })?;
+        let ranks: Vec<usize> = (1..world).filter(|&r| all[4 * r..4 * r + 4] != all[..4]).collect();
+        if ranks.is_empty() {
+            Ok(())
+        } else {
+            Err(LaunchError::Disagree { what: what.to_string(), ranks })
+        }
     }
 
     /// Ends this process's part: after a failure, tells every other rank to stop (`reason`

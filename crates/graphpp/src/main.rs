@@ -36,10 +36,13 @@ fn main() {
     };
     if let Err(e) = result {
         if let Some(stopped) = e.downcast_ref::<graphpp::stop::Interrupted>() {
-            report(&stopped.to_string());
+            // The leader reports what was saved; the other ranks of a run say nothing.
+            if !cmd::is_quiet() {
+                report(&stopped.to_string());
+            }
             std::process::exit(stopped.signal.exit_status());
         }
-        report(&format!("error: {}", message(&e)));
+        report(&format!("error: {}{}", cmd::rank_prefix(), message(&e)));
         std::process::exit(1);
     }
 }

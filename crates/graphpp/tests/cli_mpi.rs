@@ -283,28 +283,84 @@ fn verify_as_four_processes_with_data_parallelism_and_fsdp() {
     }
 }
 
-/// A rank that fails on its own (here rank 1 is given a corpus that does not exist, an MPMD
-/// command line as a misconfigured host would be): it reports its error; rank 0, already waiting
-/// in step 1, stops within seconds with an error naming rank 1; the job exits non-zero.
+/// A rank that fails on its own — the same command line, but rank 1's working folder has no
+/// corpus at the relative `--data` path, as on a misconfigured host: it reports its error naming
+/// itself; rank 0, already waiting in step 1, stops within seconds with an error naming rank 1;
+/// the job exits non-zero.
 #[test]
 fn a_rank_that_fails_alone_stops_the_others_naming_it() {
     let d = tempfile::tempdir().unwrap();
-    let data = corpus(d.path());
-    let missing = d.path().join("missing.txt");
-    let args = train_args(&data, &["--schedule", "1f1b", "--steps", "5"]);
-    let mut bad = args.clone();
-    let at = bad.iter().position(|a| a == "--data").unwrap() + 1;
-    bad[at] = missing.to_str().unwrap().to_string();
+    let (w0, w1) = (d.path().join("w0"), d.path().join("w1"));
+    std::fs::create_dir_all(&w0).unwrap();
+    std::fs::create_dir_all(&w1).unwrap();
+    corpus(&w0);
+    let args = train_args(Path::new("corpus.txt"), &["--schedule", "1f1b", "--steps", "5"]);
     let t0 = Instant::now();
     let (ok, o, e) = run({
         let mut c = Command::new("mpirun");
-        c.args(["--allow-run-as-root", "--oversubscribe", "-n", "1"]).arg(exe()).args(&args);
-        c.args([":", "-n", "1"]).arg(exe()).args(&bad);
+        c.args(["--allow-run-as-root", "--oversubscribe", "-n", "1", "-wdir"])
+            .arg(&w0)
+            .arg(exe())
+            .args(&args);
+        c.args([":", "-n", "1", "-wdir"]).arg(&w1).arg(exe()).args(&args);
         c
     });
     assert!(!ok, "{o}\n{e}");
     assert!(t0.elapsed() < Duration::from_secs(60), "took {:?}", t0.elapsed());
-    assert!(e.contains("missing.txt"), "rank 1 names its problem:\n{e}");
-    assert!(e.contains("rank 1 failed") || e.contains("because rank 1"), "rank 0 names rank 1:\n{e}");
+    assert!(e.contains("error: rank 1: data path corpus.txt does not exist"), "rank 1 names itself:\n{e}");
+    assert!(
+        e.contains("error: rank 0: step 1: rank 0 stopped at action") && e.contains("because rank 1 failed"),
+        "{e}"
+    );
     assert!(!o.contains("step      5"), "{o}");
+}
+
+/// Processes that do not run the same command (here rank 1 asks for fewer steps), or that would
+/// resume from different checkpoints (rank 1's working folder holds none), are refused before
+/// step 1 by every process, naming rank 1 — not a hang, not silently different losses.
+#[test]
+fn processes_that_disagree_are_refused_before_step_1() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let args = train_args(&data, &["--schedule", "1f1b", "--steps", "6"]);
+    let mut fewer = args.clone();
+    let at = fewer.iter().position(|a| a == "6").unwrap();
+    fewer[at] = "3".into();
+    let (ok, o, e) = run({
+        let mut c = Command::new("mpirun");
+        c.args(["--allow-run-as-root", "--oversubscribe", "-n", "1"]).arg(exe()).args(&args);
+        c.args([":", "-n", "1"]).arg(exe()).args(&fewer);
+        c
+    });
+    assert!(!ok);
+    assert!(
+        e.contains("disagree on the command line or the checkpoint to resume: ranks [1] differ from rank 0"),
+        "{e}"
+    );
+    assert!(!o.contains("step "), "{o}");
+    // A checkpoint in rank 0's working folder only.
+    let (w0, w1) = (d.path().join("w0"), d.path().join("w1"));
+    std::fs::create_dir_all(&w1).unwrap();
+    let mut first = Command::new(exe());
+    first
+        .current_dir(d.path())
+        .args(train_args(&data, &["--schedule", "1f1b", "--steps", "6", "--stop-after", "2"]));
+    first.args(["--checkpoint-dir", w0.join("ck").to_str().unwrap()]);
+    assert!(first.status().unwrap().success());
+    let resume = train_args(
+        &data,
+        &["--schedule", "1f1b", "--steps", "6", "--resume-if-present", "--checkpoint-dir", "ck"],
+    );
+    let (ok, o, e) = run({
+        let mut c = Command::new("mpirun");
+        c.args(["--allow-run-as-root", "--oversubscribe", "-n", "1", "-wdir"])
+            .arg(&w0)
+            .arg(exe())
+            .args(&resume);
+        c.args([":", "-n", "1", "-wdir"]).arg(&w1).arg(exe()).args(&resume);
+        c
+    });
+    assert!(!ok);
+    assert!(e.contains("ranks [1] differ from rank 0"), "{o}\n{e}");
+    assert!(!o.contains("step      4"), "{o}");
 }

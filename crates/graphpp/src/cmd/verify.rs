@@ -89,7 +89,7 @@ struct AboveTolerance(f64);
 /// or a difference above the tolerance.
 pub fn run(a: VerifyArgs) -> Result<()> {
     Launch::run(
-        crate::cmd::quiet,
+        crate::cmd::announce,
         |e| e.downcast_ref::<AboveTolerance>().is_some(),
         |launch| verify(&a, launch),
     )
@@ -107,6 +107,7 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
         );
     }
     launch.check_world(a.ranks, a.dp)?;
+    launch.agree("the command line", graphpp::launch::command_fingerprint(""))?;
     let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { a.ranks * a.dp };
     crate::cmd::set_op_threads(local_ranks, None);
     let (mut model, weights, name) = match &a.init_from {
