@@ -159,3 +159,17 @@ fn fsdp_stage_ops_without_a_data_parallel_group_are_an_error() {
     let msg = e.to_string();
     assert!(msg.contains("UNSHARD") && msg.contains("needs a data-parallel group"), "{msg}");
 }
+
+/// `fsdp` with one replica is allowed and is the plain run: no stage ops, bitwise the same losses.
+#[test]
+fn fsdp_with_one_replica_equals_no_fsdp() {
+    let mut plain = Trainer::new(setup(Kind::Zbv, 1, false)).unwrap();
+    let mut fsdp = Trainer::new(setup(Kind::Zbv, 1, true)).unwrap();
+    assert_eq!(stage_ops(&fsdp), [0, 0, 0]);
+    for k in 0..2 {
+        let data = random_microbatches(256, 4, 2, 8, 90 + k).unwrap();
+        let (a, b) = (plain.step(data.clone()).unwrap(), fsdp.step(data).unwrap());
+        assert_eq!(a.loss.to_bits(), b.loss.to_bits());
+        assert_eq!(a.resident_bytes, b.resident_bytes);
+    }
+}
