@@ -383,9 +383,11 @@ impl RankTrainer {
             let local = Self::unsharded_in(Some(&work), grads.into_iter().collect())?;
             Ok((loss, self.send_to_leader(local, false)?))
         })();
-        self.work = Some(work);
-        if let Err(e) = &result {
-            self.comm.abort(&format!("rank {}: {e}", self.comm.rank()));
+        match &result {
+            // The stages are kept only when the step completed: a failure may leave reductions
+            // in flight and gradients behind, so the rank is poisoned, as in `step_at`.
+            Ok(_) => self.work = Some(work),
+            Err(e) => self.comm.abort(&format!("rank {}: {e}", self.comm.rank())),
         }
         result
     }

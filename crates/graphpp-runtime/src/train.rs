@@ -400,13 +400,16 @@ impl Trainer {
 
     /// The parameters held in this process by name (DualPipe's copies are equal; one is taken):
     /// every distinct parameter of the model when this process runs every rank
-    /// ([`Trainer::new`]); see [`Trainer::gather_state`] otherwise.
+    /// ([`Trainer::new`]) without FSDP. With FSDP they are 1-D shards (one replica's wins the
+    /// name), and in a process of a multi-process run only its rank's: use
+    /// [`Trainer::gather_state`] for the full tensors.
     pub fn parameters(&self) -> BTreeMap<String, Tensor> {
         self.ranks.iter().filter_map(|r| r.parameters().ok()).flatten().collect()
     }
 
     /// The optimizer state of the parameters held in this process (`adam.m.<name>`,
-    /// `adam.v.<name>`) and `adam.step` (i64 scalar); see [`Trainer::parameters`].
+    /// `adam.v.<name>`) and `adam.step` (i64 scalar); shards with FSDP — see
+    /// [`Trainer::parameters`] and [`Trainer::gather_state`].
     ///
     /// # Errors
     /// [`TrainError::Optim`] from [`AdamW::state_dict`](crate::AdamW::state_dict).
