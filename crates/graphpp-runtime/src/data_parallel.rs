@@ -70,16 +70,8 @@ pub fn shard_len(numel: usize, size: usize) -> usize {
 /// # Errors
 /// candle's, for a tensor it cannot flatten or pad.
 pub fn shard(full: &Tensor, size: usize, index: usize) -> candle_core::Result<Tensor> {
-    let flat = full.flatten_all()?;
-    let n = flat.elem_count();
-    let len = shard_len(n, size);
-    let padded = if len * size > n {
-        let pad = Tensor::zeros(len * size - n, flat.dtype(), flat.device())?;
-        Tensor::cat(&[&flat, &pad], 0)?
-    } else {
-        flat
-    };
-    padded.narrow(0, index * len, len)
+    let len = shard_len(full.elem_count(), size);
+    pad_flat(full, size)?.narrow(0, index * len, len)
 }
 
 /// The full tensor of `shape` from the concatenated shards of every member (an all-gather's

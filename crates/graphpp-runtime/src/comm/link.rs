@@ -134,6 +134,13 @@ impl Inbox {
     }
 }
 
+/// What [`LinkComm::spread`] sends: the same tensor (or none, a barrier) to every member, or a
+/// piece per member (all-to-all).
+enum Contribution<'a> {
+    Same(Option<&'a Tensor>),
+    Pieces(&'a dyn Fn(usize) -> Result<Tensor, CommError>),
+}
+
 /// One rank's communicator over a [`Link`] (see the module doc).
 pub struct LinkComm<L: Link> {
     inbox: Arc<Inbox>,
@@ -170,21 +177,26 @@ impl<L: Link> LinkComm<L> {
         &self.inbox.ends[self.inbox.rank]
     }
 
-    /// Sends this rank's contribution to every other member of `group`; `piece(j)` is what group
-    /// rank j gets. On failure the rank aborts (the members that got it would wait forever).
+    /// Sends this rank's contribution to every other member of `group`: `x` to all (encoded
+    /// once), or with `pieces` piece j to group rank j. On failure the rank aborts (the members
+    /// that got it would wait forever).
     fn spread(
         &self,
         op: CollectiveOp,
         group: &Group,
         seq: u64,
-        piece: impl Fn(usize) -> Result<Option<Tensor>, CommError>,
+        contribution: Contribution<'_>,
     ) -> Result<(), CommError> {
         let me = self.inbox.rank;
-        let result = group.ranks().iter().enumerate().filter(|&(_, &r)| r != me).try_for_each(|(j, &r)| {
-            let bytes =
-                Envelope::Contribution { op, group: group.clone(), seq, tensor: piece(j)? }.encode()?;
-            self.link.post(r, bytes)
-        });
+        let envelope = |tensor| Envelope::Contribution { op, group: group.clone(), seq, tensor }.encode();
+        let to_others = |bytes: &dyn Fn(usize) -> Result<Vec<u8>, CommError>| {
+            let mut others = group.ranks().iter().enumerate().filter(|&(_, &r)| r != me);
+            others.try_for_each(|(j, &r)| self.link.post(r, bytes(j)?))
+        };
+        let result = match contribution {
+            Contribution::Same(x) => envelope(x.cloned()).and_then(|b| to_others(&|_| Ok(b.clone()))),
+            Contribution::Pieces(piece) => to_others(&|j| envelope(Some(piece(j)?))),
+        };
         if let Err(e) = &result {
             self.abort(&format!("rank {me}: sending {op} #{seq} on {group}: {e}"));
         }
@@ -219,19 +231,19 @@ impl<L: Link> Comm for LinkComm<L> {
 
     fn all_reduce(&self, group: &Group, x: &Tensor) -> Result<Pending<Tensor>, CommError> {
         let p = self.local().all_reduce(group, x)?;
-        self.spread(p.op(), group, p.seq(), |_| Ok(Some(x.clone())))?;
+        self.spread(p.op(), group, p.seq(), Contribution::Same(Some(x)))?;
         Ok(p)
     }
 
     fn all_gather(&self, group: &Group, x: &Tensor) -> Result<Pending<Tensor>, CommError> {
         let p = self.local().all_gather(group, x)?;
-        self.spread(p.op(), group, p.seq(), |_| Ok(Some(x.clone())))?;
+        self.spread(p.op(), group, p.seq(), Contribution::Same(Some(x)))?;
         Ok(p)
     }
 
     fn reduce_scatter(&self, group: &Group, x: &Tensor) -> Result<Pending<Tensor>, CommError> {
         let p = self.local().reduce_scatter(group, x)?;
-        self.spread(p.op(), group, p.seq(), |_| Ok(Some(x.clone())))?;
+        self.spread(p.op(), group, p.seq(), Contribution::Same(Some(x)))?;
         Ok(p)
     }
 
@@ -245,16 +257,17 @@ impl<L: Link> Comm for LinkComm<L> {
         // The local start checked the counts: they cover x's rows, one per member.
         let starts: Vec<usize> =
             send_counts.iter().scan(0, |a, &c| Some(std::mem::replace(a, *a + c))).collect();
-        self.spread(p.op(), group, p.seq(), |j| {
-            let piece = x.narrow(0, starts[j], send_counts[j]);
-            Ok(Some(piece.map_err(|e| WireError::Tensor { message: e.to_string() })?))
-        })?;
+        let piece = |j: usize| {
+            x.narrow(0, starts[j], send_counts[j])
+                .map_err(|e| WireError::Tensor { message: e.to_string() }.into())
+        };
+        self.spread(p.op(), group, p.seq(), Contribution::Pieces(&piece))?;
         Ok(p)
     }
 
     fn barrier(&self, group: &Group) -> Result<Pending<()>, CommError> {
         let p = self.local().barrier(group)?;
-        self.spread(p.op(), group, p.seq(), |_| Ok(None))?;
+        self.spread(p.op(), group, p.seq(), Contribution::Same(None))?;
         Ok(p)
     }
 
