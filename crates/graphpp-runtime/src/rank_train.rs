@@ -441,7 +441,7 @@ impl RankTrainer {
             // The world-wide loss (in effect a barrier) is waited for after the optimistic
             // optimizer step.
             let (grads, reduce_wait) = self.reduce_grads(work)?;
-            return self.post_validated(work, loss, grads).map(|u| Update { reduce_wait, ..u });
+            return self.post_validated(work, loss, grads, reduce_wait);
         }
         let t = Instant::now();
         let (loss, peak, resident) = self.finish_loss(loss)?;
@@ -471,6 +471,7 @@ impl RankTrainer {
         work: &mut GraphStages,
         loss: Pending<Tensor>,
         mut grads: Env,
+        reduce_wait: Duration,
     ) -> Result<Update, TrainError> {
         let norm = self.start_norm(work, &grads)?;
         let lr = self.setup.lr.lr_at(self.step + 1);
@@ -489,16 +490,7 @@ impl RankTrainer {
             }
         };
         self.commit(work, step.0, step.1)?;
-        Ok(Update {
-            loss,
-            norm: sq.sqrt(),
-            lr,
-            peak,
-            resident,
-            waited,
-            reduce_wait: Duration::ZERO,
-            rolled_back,
-        })
+        Ok(Update { loss, norm: sq.sqrt(), lr, peak, resident, waited, reduce_wait, rolled_back })
     }
 
     /// The clipping scale of the global squared norm `sq` (1 without clipping).

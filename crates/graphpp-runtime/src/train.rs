@@ -278,21 +278,23 @@ impl Trainer {
         let data = Arc::new(data);
         let results = self.on_each(|r| r.gradient_step(Arc::clone(&data)));
         let mut out = (f64::NAN, None);
-        let mut errors = Vec::new();
-        for r in results {
-            match r {
-                Ok((loss, grads)) => {
-                    out.0 = loss;
-                    out.1 = out.1.or(grads);
-                }
-                Err(e) => errors.push(e),
-            }
-        }
-        if !errors.is_empty() {
-            self.poisoned = true;
-            return Err(first_train_failure(errors));
+        for (loss, grads) in self.settle(results)? {
+            out.0 = loss;
+            out.1 = out.1.or(grads);
         }
         Ok(out)
+    }
+
+    /// The local ranks' results of one collective action, or the error to report: the trainer is
+    /// poisoned unless every failure was a skipped step ([`TrainError::is_skipped_step`]).
+    fn settle<R>(&mut self, results: Vec<Result<R, TrainError>>) -> Result<Vec<R>, TrainError> {
+        let (ok, errors): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
+        let errors: Vec<TrainError> = errors.into_iter().filter_map(Result::err).collect();
+        if errors.is_empty() {
+            return Ok(ok.into_iter().filter_map(Result::ok).collect());
+        }
+        self.poisoned = !errors.iter().all(TrainError::is_skipped_step);
+        Err(first_train_failure(errors))
     }
 
     /// Every distinct parameter (and, with `optimizer`, its AdamW moments and `adam.step`),
@@ -361,20 +363,8 @@ impl Trainer {
         }
         let data = Arc::new(data);
         let start = Instant::now();
-        let results: Vec<Result<RankStepReport, TrainError>> =
-            self.on_each(|r| r.step_at(Arc::clone(&data), start));
-        let mut reports = Vec::with_capacity(results.len());
-        let mut errors = Vec::new();
-        for r in results {
-            match r {
-                Ok(rep) => reports.push(rep),
-                Err(e) => errors.push(e),
-            }
-        }
-        if !errors.is_empty() {
-            self.poisoned = !errors.iter().all(TrainError::is_skipped_step);
-            return Err(first_train_failure(errors));
-        }
+        let results = self.on_each(|r| r.step_at(Arc::clone(&data), start));
+        let mut reports: Vec<RankStepReport> = self.settle(results)?;
         let boundary_wait_s = reports.iter().map(|r| r.boundary_wait_s).collect();
         let reduce_wait_s = reports.iter().map(|r| r.reduce_wait_s).collect();
         // The first local rank: the leader where it is local, whose intervals are replica 0's.
