@@ -2,6 +2,8 @@
 //! checkpoints, checkpoints from before `--dtype` resuming as f32, and `graphpp verify --dtype
 //! bf16` against the one-device f32 step.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use assert_cmd::Command;
@@ -10,14 +12,9 @@ fn graphpp() -> Command {
     Command::cargo_bin("graphpp").expect("binary builds")
 }
 
-/// A 12 KB corpus with learnable structure.
+/// The corpus of these tests ([`common::corpus`]).
 fn corpus(dir: &Path) -> PathBuf {
-    let lines =
-        ["To be, or not to be, that is the question:\n", "Whether 'tis nobler in the mind to suffer\n"];
-    let text: String = (0..150).map(|i| lines[i % 2]).collect();
-    let path = dir.join("corpus.txt");
-    std::fs::write(&path, text).unwrap();
-    path
+    common::corpus(dir, 150)
 }
 
 const SMALL: [&str; 10] = [

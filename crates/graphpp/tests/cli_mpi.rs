@@ -3,6 +3,8 @@
 //! a world that does not fit the mesh refused before step 1, a killed rank that stops the run.
 #![cfg(feature = "mpi")]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -20,14 +22,9 @@ fn mpirun(n: usize) -> Command {
     c
 }
 
-/// A 24 KB corpus with learnable structure.
+/// The corpus of these tests ([`common::corpus`]).
 fn corpus(dir: &Path) -> PathBuf {
-    let lines =
-        ["To be, or not to be, that is the question:\n", "Whether 'tis nobler in the mind to suffer\n"];
-    let text: String = (0..300).map(|i| lines[i % 2]).collect();
-    let path = dir.join("corpus.txt");
-    std::fs::write(&path, text).unwrap();
-    path
+    common::corpus(dir, 300)
 }
 
 /// The `graphpp train` arguments of these tests, plus `extra`.

@@ -3,6 +3,8 @@
 //! `--metrics` holds each step once; `--resume` extends a finished run; `--resume-if-present`
 //! serves a job that a cluster scheduler restarts.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
@@ -14,14 +16,9 @@ fn graphpp() -> std::process::Command {
     std::process::Command::cargo_bin("graphpp").expect("binary builds")
 }
 
-/// A 24 KB corpus with learnable structure.
+/// The corpus of these tests ([`common::corpus`]).
 fn corpus(dir: &Path) -> PathBuf {
-    let lines =
-        ["To be, or not to be, that is the question:\n", "Whether 'tis nobler in the mind to suffer\n"];
-    let text: String = (0..300).map(|i| lines[i % 2]).collect();
-    let path = dir.join("corpus.txt");
-    std::fs::write(&path, text).unwrap();
-    path
+    common::corpus(dir, 300)
 }
 
 /// `graphpp train` on the small corpus with small shapes, plus `extra`.
