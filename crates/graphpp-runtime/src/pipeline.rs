@@ -367,6 +367,9 @@ impl<W: StageWork> RankRunner<'_, W> {
                 let msg = self.comm.recv(peer, tag, self.timeout)?;
                 self.buf.grad.insert(t, msg);
             }
+            // A send is complete when `Comm::send` returns (the communicator owns the message
+            // from then on), so PyTorch's completion wait has nothing left to wait for.
+            CommKind::WaitSendF | CommKind::WaitSendB => {}
         }
         Ok(())
     }

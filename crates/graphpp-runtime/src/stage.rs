@@ -364,6 +364,9 @@ impl GraphStages {
                 let grads: Vec<(String, Tensor)> = st.take_grads().into_iter().collect();
                 self.dp.as_mut().map_or(Ok(()), |dp| dp.start_reduce(stage, grads))?;
             }
+            // Every started reduction is awaited at the end of the step
+            // ([`GraphStages::finish_data_parallel`]); waiting earlier changes no value.
+            StageOpKind::WaitReduceGrad => {}
         }
         Ok(())
     }

@@ -2,8 +2,11 @@
 //!
 //! The text form is PyTorch-compatible (`torch.distributed.pipelining`, `_Action.__repr__` /
 //! `_Action.from_str`): `{stage}{KIND}{microbatch}` for per-microbatch actions (`0F1`, `2I1`, `1W0`,
-//! `3B2`, `1SEND_F3`, `2RECV_B0`), `{stage}{KIND}` for stage-level actions (`0UNSHARD`, `0RESHARD`,
-//! `0REDUCE_GRAD`) and `({f};{b})OVERLAP_F_B` for an overlapped forward/backward pair.
+//! `3B2`, `1SEND_F3`, `2RECV_B0`, `1WAIT_SEND_F3`), `{stage}{KIND}` for stage-level actions
+//! (`0UNSHARD`, `0RESHARD`, `0REDUCE_GRAD`, `0WAIT_REDUCE_GRAD`) and `({f};{b})OVERLAP_F_B` for an
+//! overlapped forward/backward pair. The WAIT_* kinds are PyTorch 2.15's completion waits of an
+//! asynchronous send or gradient reduction (its lowered schedules hold one after every SEND and
+//! REDUCE_GRAD).
 //! Like PyTorch, whitespace around the text and around each half of an overlapped pair is ignored
 //! (`(0F3; 3B1)OVERLAP_F_B`); unlike PyTorch, trailing junk (`2BW0`) is rejected (docs/ARCHITECTURE.md,
 //! "Schedule IR").
@@ -40,6 +43,23 @@ pub enum CommKind {
     SendB,
     /// Receive the output gradient of `stage` from the rank holding `stage + 1`.
     RecvB,
+    /// Wait until the `SendF` of the same (stage, microbatch) has completed, i.e. the rank holding
+    /// `stage + 1` has received it (PyTorch's `WAIT_SEND_F`: the send buffer may be reused).
+    WaitSendF,
+    /// Wait until the `SendB` of the same (stage, microbatch) has been received by the rank
+    /// holding `stage - 1` (PyTorch's `WAIT_SEND_B`).
+    WaitSendB,
+}
+
+impl CommKind {
+    /// The SEND a WAIT_SEND waits for; `None` for the four transfers themselves.
+    pub fn waits_for(self) -> Option<CommKind> {
+        match self {
+            CommKind::WaitSendF => Some(CommKind::SendF),
+            CommKind::WaitSendB => Some(CommKind::SendB),
+            _ => None,
+        }
+    }
 }
 
 /// A stage-level action (no microbatch): FSDP parameter and gradient handling.
@@ -51,6 +71,8 @@ pub enum StageOpKind {
     Reshard,
     /// Reduce-scatter the stage's accumulated gradients.
     ReduceGrad,
+    /// Wait until the stage's REDUCE_GRAD has completed (PyTorch's `WAIT_REDUCE_GRAD`).
+    WaitReduceGrad,
 }
 
 /// One (stage, microbatch) pair.
@@ -86,14 +108,14 @@ pub enum Action {
         /// The full-backward half.
         b: Task,
     },
-    /// SEND/RECV of an activation or a gradient.
+    /// SEND/RECV of an activation or a gradient, or the wait for a SEND's completion.
     Comm {
         /// Which transfer.
         kind: CommKind,
         /// The (stage, microbatch) whose tensor moves (see [`CommKind`]).
         task: Task,
     },
-    /// UNSHARD / RESHARD / REDUCE_GRAD of a stage.
+    /// UNSHARD / RESHARD / REDUCE_GRAD / WAIT_REDUCE_GRAD of a stage.
     StageOp {
         /// Which operation.
         kind: StageOpKind,
@@ -181,6 +203,8 @@ impl fmt::Display for CommKind {
             CommKind::RecvF => "RECV_F",
             CommKind::SendB => "SEND_B",
             CommKind::RecvB => "RECV_B",
+            CommKind::WaitSendF => "WAIT_SEND_F",
+            CommKind::WaitSendB => "WAIT_SEND_B",
         })
     }
 }
@@ -191,6 +215,7 @@ impl fmt::Display for StageOpKind {
             StageOpKind::Unshard => "UNSHARD",
             StageOpKind::Reshard => "RESHARD",
             StageOpKind::ReduceGrad => "REDUCE_GRAD",
+            StageOpKind::WaitReduceGrad => "WAIT_REDUCE_GRAD",
         })
     }
 }
@@ -221,8 +246,9 @@ pub struct ActionParseError {
 }
 
 /// Kinds that carry a microbatch, longest first so that `SEND_F` wins over `F`.
-const MB_KINDS: [&str; 8] = ["SEND_F", "RECV_F", "SEND_B", "RECV_B", "F", "B", "I", "W"];
-const STAGE_KINDS: [&str; 3] = ["UNSHARD", "RESHARD", "REDUCE_GRAD"];
+const MB_KINDS: [&str; 10] =
+    ["WAIT_SEND_F", "WAIT_SEND_B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "F", "B", "I", "W"];
+const STAGE_KINDS: [&str; 4] = ["UNSHARD", "RESHARD", "REDUCE_GRAD", "WAIT_REDUCE_GRAD"];
 const OVERLAP_SUFFIX: &str = ")OVERLAP_F_B";
 
 struct Cursor<'a> {
@@ -262,7 +288,8 @@ fn parse_simple(text: &str, base: usize) -> Result<Action, ActionParseError> {
         let kind = match *kind {
             "UNSHARD" => StageOpKind::Unshard,
             "RESHARD" => StageOpKind::Reshard,
-            _ => StageOpKind::ReduceGrad,
+            "REDUCE_GRAD" => StageOpKind::ReduceGrad,
+            _ => StageOpKind::WaitReduceGrad,
         };
         return Ok(Action::StageOp { kind, stage });
     }
@@ -283,7 +310,9 @@ fn parse_simple(text: &str, base: usize) -> Result<Action, ActionParseError> {
         "SEND_F" => Action::Comm { kind: CommKind::SendF, task },
         "RECV_F" => Action::Comm { kind: CommKind::RecvF, task },
         "SEND_B" => Action::Comm { kind: CommKind::SendB, task },
-        _ => Action::Comm { kind: CommKind::RecvB, task },
+        "RECV_B" => Action::Comm { kind: CommKind::RecvB, task },
+        "WAIT_SEND_F" => Action::Comm { kind: CommKind::WaitSendF, task },
+        _ => Action::Comm { kind: CommKind::WaitSendB, task },
     })
 }
 
@@ -363,6 +392,9 @@ mod tests {
             "0UNSHARD",
             "0RESHARD",
             "10REDUCE_GRAD",
+            "4WAIT_SEND_F0",
+            "2WAIT_SEND_B11",
+            "5WAIT_REDUCE_GRAD",
             "(0F7;7B3)OVERLAP_F_B",
         ] {
             let a: Action = t.parse().unwrap();
@@ -378,6 +410,12 @@ mod tests {
             Action::overlap(Task::new(1, 6), Task::new(6, 2))
         );
         assert_eq!("3SEND_B2".parse::<Action>().unwrap(), Action::comm(CommKind::SendB, 3, 2));
+        assert_eq!("4WAIT_SEND_F0".parse::<Action>().unwrap(), Action::comm(CommKind::WaitSendF, 4, 0));
+        assert_eq!("1WAIT_SEND_B7".parse::<Action>().unwrap(), Action::comm(CommKind::WaitSendB, 1, 7));
+        assert_eq!(
+            "5WAIT_REDUCE_GRAD".parse::<Action>().unwrap(),
+            Action::stage_op(StageOpKind::WaitReduceGrad, 5)
+        );
     }
 
     #[test]

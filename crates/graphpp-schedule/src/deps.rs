@@ -4,7 +4,8 @@
 //! B/I(s+1,j), and the last stage of a microbatch's route needs its own F(s,j); W(s,j) needs I(s,j).
 //! In a lowered schedule the cross-rank edges go through SEND/RECV: a compute action whose input
 //! comes from another rank waits for its rank's RECV, and the RECV waits for the peer's SEND
-//! (blocking RECV semantics). Each rank also runs its program in order. Both the validator's
+//! (blocking RECV semantics); a WAIT_SEND waits for its SEND and for the peer's matching RECV (a
+//! send completes once it is received). Each rank also runs its program in order. Both the validator's
 //! deadlock check and the simulator walk this graph.
 //!
 //! Storage is flat (one global index per action, dependencies in one array) and the producer
@@ -149,7 +150,7 @@ impl Pos {
     }
 }
 
-/// Producer table: for each of the 8 (compute or comm) kinds and each (stage, mb), the position
+/// Producer table: for each of the 10 (compute or comm) kinds and each (stage, mb), the position
 /// of the first action that performs it.
 struct Index(TaskMap<Pos>);
 
@@ -189,7 +190,7 @@ impl Index {
     fn with_routes<C: ProgramCell>(rows: &[Vec<C>], routes: &[Option<Range<usize>>]) -> Self {
         let stages = routes.iter().flatten().map(|r| r.end).max().unwrap_or(0);
         let cells = rows.iter().map(Vec::len).sum();
-        let mut ix = Index(TaskMap::new(8, stages, routes.len(), cells));
+        let mut ix = Index(TaskMap::new(10, stages, routes.len(), cells));
         for (rank, row) in rows.iter().enumerate() {
             for (index, cell) in row.iter().enumerate() {
                 let Some(a) = cell.action() else { continue };
@@ -289,6 +290,18 @@ fn needs_of(half: Slot, t: Task, ix: &Index, route: &Range<usize>) -> [Option<Ne
                 ],
             }
         }
+        // A send completes once its peer has received it.
+        Slot::Comm(CommKind::WaitSendF) => [
+            Some(want(ix, Slot::Comm(CommKind::SendF), t)),
+            Some(want(ix, Slot::Comm(CommKind::RecvF), Task::new(t.stage + 1, t.mb))),
+        ],
+        Slot::Comm(CommKind::WaitSendB) if t.stage == 0 => {
+            [Some(want(ix, Slot::Comm(CommKind::SendB), t)), None]
+        }
+        Slot::Comm(CommKind::WaitSendB) => [
+            Some(want(ix, Slot::Comm(CommKind::SendB), t)),
+            Some(want(ix, Slot::Comm(CommKind::RecvB), Task::new(t.stage - 1, t.mb))),
+        ],
         Slot::Comm(CommKind::RecvB) => {
             let next = Task::new(t.stage + 1, t.mb);
             match ix.get(Slot::Comm(CommKind::SendB), next) {

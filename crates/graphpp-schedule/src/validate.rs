@@ -4,19 +4,24 @@
 //! [`ValidationError`] naming rank, step and action where one exists. A *step* is the 0-based
 //! CSV cell index in the rank's row (idle steps counted).
 //!
-//! 1. the schedule has compute actions; every stage is on exactly one rank;
-//! 2. microbatches: none beyond the expected `m`, none missing; every microbatch's route (the stages
-//!    its compute actions name, see [`Schedule::route`]) is all stages `0..S`, or one half
-//!    (`0..S/2` or `S/2..S`, DualPipe's two directions);
+//! 1. the schedule has compute actions; the expected number of ranks ([`ValidateOptions::ranks`]),
+//!    each with a compute action; every stage is on exactly one rank;
+//! 2. microbatches: none beyond the expected `m`, none missing; the routes (the stages each
+//!    microbatch's compute actions name, see [`Schedule::route`]) follow from the placement, checked
+//!    for the whole schedule: either every route is all stages `0..S` (one pipeline) or every route
+//!    is one half, `0..S/2` or `S/2..S`, with both halves used (DualPipe's two directions); `S` is
+//!    the expected number of stages when given ([`ValidateOptions::stages`]);
 //! 3. per (stage, microbatch) in the route: exactly one F and either one B (possibly the B half of
 //!    OVERLAP_F_B) or one I plus one W;
 //! 4. per stage, program order F before B/I, I before W;
 //! 5. lowered schedules (any SEND/RECV): every SEND/RECV belongs to an existing cross-rank stage
 //!    boundary of its microbatch's route, and every cross-rank boundary has exactly one
-//!    SEND_F/RECV_F/SEND_B/RECV_B each;
+//!    SEND_F/RECV_F/SEND_B/RECV_B each; a WAIT_SEND_F/B (PyTorch 2.15's completion wait) comes at
+//!    most once, after its SEND on the same rank;
 //! 6. with UNSHARD/RESHARD: per rank, compute only on unsharded stages, no UNSHARD of an unsharded
 //!    stage nor RESHARD of a sharded one, all resharded at the end;
 //! 7. with REDUCE_GRAD: exactly one per stage, after the stage's last backward-like action (B/I/W);
+//!    a WAIT_REDUCE_GRAD at most once per stage, after its REDUCE_GRAD;
 //! 8. cross-rank deadlock check on [`DepGraph`] (blocking RECV semantics), naming the waiting cycle.
 //!
 //! PyTorch (`torch.distributed.pipelining`, `_validate_schedule`) checks only per-stage order;
@@ -36,12 +41,25 @@ use crate::placement::Placement;
 use crate::schedule::{RankId, Schedule};
 use crate::table::TaskMap;
 
-/// What the validator expects beyond the schedule itself.
+/// What the validator expects beyond the schedule itself: the intended shape, where known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ValidateOptions {
     /// Expected number of microbatches `m`; `None` infers it as one more than the largest
     /// microbatch any action names.
     pub microbatches: Option<usize>,
+    /// Expected number of ranks `p`: the schedule must have exactly this many rows, each with a
+    /// compute action. `None` accepts any number and lists ranks without compute in
+    /// [`Summary::idle_ranks`].
+    pub ranks: Option<usize>,
+    /// Expected number of stages `S`; `None` infers it from the largest stage a compute names.
+    pub stages: Option<usize>,
+}
+
+impl ValidateOptions {
+    /// Only the number of microbatches is known.
+    pub fn microbatches(m: usize) -> Self {
+        ValidateOptions { microbatches: Some(m), ..Default::default() }
+    }
 }
 
 /// Where an action sits: rank, step (0-based CSV cell index, idle steps counted) and the action.
@@ -122,6 +140,30 @@ pub enum ValidationError {
         /// Expected (or inferred) m.
         expected: usize,
     },
+    /// The schedule has another number of ranks than expected.
+    #[error("the schedule has {found} ranks, expected {expected}")]
+    RankCount {
+        /// Expected p.
+        expected: usize,
+        /// Rows in the schedule.
+        found: usize,
+    },
+    /// A rank has no compute action although the expected shape counts it.
+    #[error("rank {rank} has no compute action (expected {ranks} ranks, each running stages)")]
+    IdleRank {
+        /// The rank.
+        rank: RankId,
+        /// Expected p.
+        ranks: usize,
+    },
+    /// The compute actions name another number of stages than expected.
+    #[error("the schedule's compute actions name {found} stages (0..{found}), expected {expected}")]
+    StageCount {
+        /// Expected S.
+        expected: usize,
+        /// One more than the largest stage a compute action names.
+        found: usize,
+    },
     /// A microbatch visits neither all stages nor one DualPipe half.
     #[error("microbatch {mb} visits stages {}..{}, expected 0..{stages} (or one half of it)", route.start, route.end)]
     RouteMismatch {
@@ -129,6 +171,29 @@ pub enum ValidationError {
         mb: usize,
         /// The stages its compute actions name.
         route: Range<StageId>,
+        /// S.
+        stages: usize,
+    },
+    /// A stage below S that no compute action names.
+    #[error("stage {stage} has no compute action (S = {stages})")]
+    StageWithoutCompute {
+        /// The stage.
+        stage: StageId,
+        /// S.
+        stages: usize,
+    },
+    /// Some microbatches visit all stages and others one half: the schedule is neither one
+    /// pipeline nor DualPipe's two directions.
+    #[error("microbatch {mb} visits stages {}..{} but microbatch {other_mb} visits {}..{}: every microbatch visits all {stages} stages (one pipeline), or each visits one half with both halves used (DualPipe's two directions)", .route.start, .route.end, .other_route.start, .other_route.end)]
+    MixedRoutes {
+        /// The microbatch whose route does not fit.
+        mb: usize,
+        /// Its route.
+        route: Range<StageId>,
+        /// A microbatch whose route sets the schedule's kind of route.
+        other_mb: usize,
+        /// That microbatch's route.
+        other_route: Range<StageId>,
         /// S.
         stages: usize,
     },
@@ -220,6 +285,15 @@ pub enum ValidationError {
         /// The first occurrence.
         first: Loc,
     },
+    /// A WAIT_SEND_F/B or WAIT_REDUCE_GRAD whose SEND or REDUCE_GRAD has not run before it on
+    /// its rank.
+    #[error("{at} waits for `{start}`, which its rank has not started before it")]
+    WaitBeforeStart {
+        /// The wait.
+        at: Loc,
+        /// The action it waits for.
+        start: Action,
+    },
     /// A SEND/RECV/UNSHARD/RESHARD/REDUCE_GRAD names a stage no compute action names.
     #[error("{at}: stage {stage} has no compute actions (S = {stages})")]
     UnknownStage {
@@ -307,8 +381,20 @@ pub enum ErrorKind {
     MicrobatchOutOfRange,
     /// [`ValidationError::MissingMicrobatch`].
     MissingMicrobatch,
+    /// [`ValidationError::RankCount`].
+    RankCount,
+    /// [`ValidationError::IdleRank`].
+    IdleRank,
+    /// [`ValidationError::StageCount`].
+    StageCount,
     /// [`ValidationError::RouteMismatch`].
     RouteMismatch,
+    /// [`ValidationError::MixedRoutes`].
+    MixedRoutes,
+    /// [`ValidationError::StageWithoutCompute`].
+    StageWithoutCompute,
+    /// [`ValidationError::WaitBeforeStart`].
+    WaitBeforeStart,
     /// [`ValidationError::MissingCompute`].
     MissingCompute,
     /// [`ValidationError::DuplicateCompute`].
@@ -356,7 +442,13 @@ impl ValidationError {
             V::StageOnManyRanks { .. } => ErrorKind::StageOnManyRanks,
             V::MicrobatchOutOfRange { .. } => ErrorKind::MicrobatchOutOfRange,
             V::MissingMicrobatch { .. } => ErrorKind::MissingMicrobatch,
+            V::RankCount { .. } => ErrorKind::RankCount,
+            V::IdleRank { .. } => ErrorKind::IdleRank,
+            V::StageCount { .. } => ErrorKind::StageCount,
             V::RouteMismatch { .. } => ErrorKind::RouteMismatch,
+            V::MixedRoutes { .. } => ErrorKind::MixedRoutes,
+            V::StageWithoutCompute { .. } => ErrorKind::StageWithoutCompute,
+            V::WaitBeforeStart { .. } => ErrorKind::WaitBeforeStart,
             V::MissingCompute { .. } => ErrorKind::MissingCompute,
             V::DuplicateCompute { .. } => ErrorKind::DuplicateCompute,
             V::MixedBackward { .. } => ErrorKind::MixedBackward,
@@ -402,6 +494,10 @@ pub struct ActionCounts {
     pub reshard: usize,
     /// REDUCE_GRAD.
     pub reduce_grad: usize,
+    /// WAIT_SEND_F + WAIT_SEND_B.
+    pub wait_send: usize,
+    /// WAIT_REDUCE_GRAD.
+    pub wait_reduce_grad: usize,
 }
 
 impl ActionCounts {
@@ -426,10 +522,12 @@ impl ActionCounts {
                 Action::Compute { kind: ComputeKind::W, .. } => &mut c.w,
                 Action::Overlap { .. } => &mut c.overlap,
                 Action::Comm { kind: CommKind::SendF | CommKind::SendB, .. } => &mut c.send,
-                Action::Comm { .. } => &mut c.recv,
+                Action::Comm { kind: CommKind::RecvF | CommKind::RecvB, .. } => &mut c.recv,
+                Action::Comm { kind: CommKind::WaitSendF | CommKind::WaitSendB, .. } => &mut c.wait_send,
                 Action::StageOp { kind: StageOpKind::Unshard, .. } => &mut c.unshard,
                 Action::StageOp { kind: StageOpKind::Reshard, .. } => &mut c.reshard,
                 Action::StageOp { kind: StageOpKind::ReduceGrad, .. } => &mut c.reduce_grad,
+                Action::StageOp { kind: StageOpKind::WaitReduceGrad, .. } => &mut c.wait_reduce_grad,
             };
             *slot += 1;
         }
@@ -507,8 +605,11 @@ pub struct Summary {
     pub placement: Option<Placement>,
     /// Actions by kind.
     pub counts: ActionCounts,
-    /// True when the schedule holds any SEND/RECV/UNSHARD/RESHARD/REDUCE_GRAD.
+    /// True when the schedule holds any SEND/RECV/UNSHARD/RESHARD/REDUCE_GRAD/WAIT.
     pub lowered: bool,
+    /// Ranks without a compute action (only when [`ValidateOptions::ranks`] is not given; with it
+    /// such a rank is [`ValidationError::IdleRank`]). Callers should warn about them.
+    pub idle_ranks: Vec<RankId>,
 }
 
 /// One line: `valid: 4 ranks, 8 stages (loop placement), 8 microbatches, compute-only; 64 F, 64 B`.
@@ -531,6 +632,8 @@ impl fmt::Display for Summary {
             (c.unshard, "UNSHARD"),
             (c.reshard, "RESHARD"),
             (c.reduce_grad, "REDUCE_GRAD"),
+            (c.wait_send, "WAIT_SEND"),
+            (c.wait_reduce_grad, "WAIT_REDUCE_GRAD"),
         ]
         .iter()
         .filter(|(n, _)| *n > 0)
@@ -664,16 +767,47 @@ fn check_microbatches(
     }
 }
 
+/// The routes of the whole schedule: all `0..S`, or all halves with both halves used (see the
+/// module docs, check 2). The first microbatch's route decides which is expected.
 fn check_routes(routes: &[Option<Range<StageId>>], stages: usize) -> Result<(), ValidationError> {
     let half = stages / 2;
-    for (mb, r) in routes.iter().enumerate() {
-        let Some(r) = r else { continue };
-        let ok = *r == (0..stages) || (stages.is_multiple_of(2) && (*r == (0..half) || *r == (half..stages)));
-        if !ok {
-            return Err(ValidationError::RouteMismatch { mb, route: r.clone(), stages });
+    let is_half = |r: &Range<StageId>| stages.is_multiple_of(2) && (*r == (0..half) || *r == (half..stages));
+    let named = || routes.iter().enumerate().filter_map(|(mb, r)| r.clone().map(|r| (mb, r)));
+    for (mb, r) in named() {
+        if r != (0..stages) && !is_half(&r) {
+            return Err(ValidationError::RouteMismatch { mb, route: r, stages });
         }
     }
-    Ok(())
+    let Some((first_mb, first)) = named().next() else { return Ok(()) };
+    let mixed = |(_, r): &(usize, Range<StageId>)| (*r == (0..stages)) != (first == (0..stages));
+    if let Some((mb, route)) = named().find(mixed) {
+        return Err(ValidationError::MixedRoutes {
+            mb,
+            route,
+            other_mb: first_mb,
+            other_route: first,
+            stages,
+        });
+    }
+    // Halves only: the lower one must be used too, or stages 0..S/2 run nothing.
+    match first != (0..stages) && !named().any(|(_, r)| r.start == 0) {
+        true => Err(ValidationError::StageWithoutCompute { stage: 0, stages }),
+        false => Ok(()),
+    }
+}
+
+/// The expected number of ranks, each with a compute action; without it, the ranks that have none.
+fn check_ranks(s: &Schedule, expected: Option<usize>) -> Result<Vec<RankId>, ValidationError> {
+    let found = s.num_ranks();
+    if let Some(expected) = expected.filter(|&p| p != found) {
+        return Err(ValidationError::RankCount { expected, found });
+    }
+    let idle: Vec<RankId> =
+        (0..found).filter(|&r| !s.ranks[r].iter().flatten().any(Action::is_compute)).collect();
+    match (expected, idle.first()) {
+        (Some(ranks), Some(&rank)) => Err(ValidationError::IdleRank { rank, ranks }),
+        _ => Ok(idle),
+    }
 }
 
 /// First occurrence of every compute (kind, task), slot = [`ComputeKind`] as index.
@@ -790,8 +924,8 @@ fn check_order_scan(s: &Schedule, ix: &ComputeIndex) -> Result<(), ValidationErr
 /// The stage boundary `(from, from + 1)` a comm action belongs to, if `stage` allows one.
 fn boundary(kind: CommKind, stage: StageId) -> Option<StageId> {
     match kind {
-        CommKind::SendF | CommKind::RecvB => Some(stage),
-        CommKind::RecvF | CommKind::SendB => stage.checked_sub(1),
+        CommKind::SendF | CommKind::RecvB | CommKind::WaitSendF => Some(stage),
+        CommKind::RecvF | CommKind::SendB | CommKind::WaitSendB => stage.checked_sub(1),
     }
 }
 
@@ -806,7 +940,7 @@ fn handover(from: StageId, mb: usize) -> [Action; 4] {
     ]
 }
 
-/// First occurrence of every SEND/RECV, slot = [`CommKind`] as index.
+/// First occurrence of every SEND/RECV/WAIT_SEND, slot = [`CommKind`] as index.
 type CommIndex = TaskMap<Pos>;
 
 fn comm_cell(ix: &CommIndex, a: &Action) -> Option<Pos> {
@@ -823,7 +957,7 @@ fn check_comm(
     placement: &StageRanks,
     stages: usize,
 ) -> Result<(), ValidationError> {
-    let mut ix = TaskMap::new(4, stages, routes.len(), cell_count(s));
+    let mut ix = TaskMap::new(6, stages, routes.len(), cell_count(s));
     for at in cells(s) {
         let Action::Comm { kind, task } = at.action else { continue };
         if let Some(first) = ix.first(kind as usize, task, pos(&at)) {
@@ -837,6 +971,11 @@ fn check_comm(
         };
         if placement.of_stage(from) == placement.of_stage(from + 1) {
             return Err(ValidationError::LocalComm { at, from, to: from + 1 });
+        }
+        // Cells go rank by rank in program order and a stage is on one rank, so a SEND that runs
+        // before its WAIT_SEND is indexed by now.
+        if let Some(send) = kind.waits_for().filter(|&k| ix.get(k as usize, task).is_none()) {
+            return Err(ValidationError::WaitBeforeStart { at, start: Action::Comm { kind: send, task } });
         }
     }
     check_handovers(s, &ix, routes, placement)
@@ -921,20 +1060,30 @@ fn last_backward(s: &Schedule, stages: usize) -> TaskMap<Pos> {
     last
 }
 
-/// REDUCE_GRAD checks; every stage is below `stages`.
+/// REDUCE_GRAD and WAIT_REDUCE_GRAD checks; every stage is below `stages`.
 fn check_reduce_grad(s: &Schedule, stages: usize) -> Result<(), ValidationError> {
     let last = last_backward(s, stages);
-    let mut seen: TaskMap<Pos> = TaskMap::by_stage(stages, cell_count(s));
+    // Slot 0: REDUCE_GRAD, slot 1: WAIT_REDUCE_GRAD.
+    let mut seen: TaskMap<Pos> = TaskMap::new(2, stages, 1, cell_count(s));
     for at in cells(s) {
-        let Action::StageOp { kind: StageOpKind::ReduceGrad, stage } = at.action else { continue };
-        if let Some(first) = seen.first(0, Task::new(stage, 0), pos(&at)) {
+        let Action::StageOp { kind, stage } = at.action else { continue };
+        let slot = match kind {
+            StageOpKind::ReduceGrad => 0,
+            StageOpKind::WaitReduceGrad => 1,
+            _ => continue,
+        };
+        if let Some(first) = seen.first(slot, Task::new(stage, 0), pos(&at)) {
             return Err(ValidationError::DuplicateReduceGrad { at, first: loc(s, first) });
         }
-        if let Some(l) = last.of_stage(stage).filter(|l| l.index as usize > at.step) {
+        if slot == 1 && seen.get(0, Task::new(stage, 0)).is_none() {
+            let start = Action::stage_op(StageOpKind::ReduceGrad, stage);
+            return Err(ValidationError::WaitBeforeStart { at, start });
+        }
+        if let Some(l) = last.of_stage(stage).filter(|l| slot == 0 && l.index as usize > at.step) {
             return Err(ValidationError::ReduceGradTooEarly { at, last: loc(s, l) });
         }
     }
-    match (0..stages).find(|&st| seen.of_stage(st).is_none()) {
+    match (0..stages).find(|&st| seen.get(0, Task::new(st, 0)).is_none()) {
         Some(stage) => Err(ValidationError::MissingReduceGrad { stage }),
         None => Ok(()),
     }
@@ -979,10 +1128,14 @@ pub(crate) fn validate_tables(s: &Schedule, opts: &ValidateOptions) -> Result<Ta
     if c.f + c.b + c.i + c.w + c.overlap == 0 {
         return Err(ValidationError::Empty);
     }
+    let idle_ranks = check_ranks(s, opts.ranks)?;
     let placement = stage_rank_table_of(s, survey.stages_named)?;
     let m = check_microbatches(s, &survey, opts.microbatches)?;
     let routes = &survey.routes;
     let stages = routes.iter().flatten().map(|r| r.end).max().unwrap_or(0);
+    if let Some(expected) = opts.stages.filter(|&e| e != stages) {
+        return Err(ValidationError::StageCount { expected, found: stages });
+    }
     check_routes(routes, stages)?;
     let (ix, early) = index_compute(s, stages, routes.len())?;
     check_tasks(s, &ix, routes, &placement)?;
@@ -990,17 +1143,24 @@ pub(crate) fn validate_tables(s: &Schedule, opts: &ValidateOptions) -> Result<Ta
     check_known_stages(s, &survey, stages)?;
     let counts = survey.counts;
     let routes = &survey.routes;
-    if counts.send + counts.recv > 0 {
+    if counts.send + counts.recv + counts.wait_send > 0 {
         check_comm(s, routes, &placement, stages)?;
     }
     if counts.unshard + counts.reshard > 0 {
         check_sharding(s)?;
     }
-    if counts.reduce_grad > 0 {
+    if counts.reduce_grad + counts.wait_reduce_grad > 0 {
         check_reduce_grad(s, stages)?;
     }
     check_deadlock(s, routes)?;
-    let lowered = counts.send + counts.recv + counts.unshard + counts.reshard + counts.reduce_grad > 0;
+    let lowered = counts.send
+        + counts.recv
+        + counts.wait_send
+        + counts.unshard
+        + counts.reshard
+        + counts.reduce_grad
+        + counts.wait_reduce_grad
+        > 0;
     let summary = Summary {
         ranks: s.num_ranks(),
         stages,
@@ -1008,6 +1168,7 @@ pub(crate) fn validate_tables(s: &Schedule, opts: &ValidateOptions) -> Result<Ta
         placement: placement_kind(&placement, stages, s.num_ranks()),
         counts,
         lowered,
+        idle_ranks,
     };
     Ok((summary, placement, survey.routes))
 }
@@ -1063,6 +1224,102 @@ mod tests {
     }
 
     #[test]
+    fn a_microbatch_that_skips_stages_is_refused() {
+        // PyTorch's test suite: stage 1 runs F for microbatch 0 only (expected 2).
+        let e =
+            validate(&sched("0F0,0F1,0B0,0B1\n1F0,1B0\n"), &ValidateOptions::microbatches(2)).unwrap_err();
+        assert_eq!(
+            e,
+            ValidationError::MixedRoutes { mb: 1, route: 0..1, other_mb: 0, other_route: 0..2, stages: 2 }
+        );
+        assert!(
+            e.to_string().starts_with("microbatch 1 visits stages 0..1 but microbatch 0 visits 0..2"),
+            "{e}"
+        );
+        // Microbatch 0 only on stage 0.
+        let e = err("0F0,0F1,0B0,0B1\n1F1,1B1\n");
+        assert_eq!(
+            e,
+            ValidationError::MixedRoutes { mb: 1, route: 0..2, other_mb: 0, other_route: 0..1, stages: 2 }
+        );
+        // Four stages, microbatch 1 only on the first two: a half, but the others are full routes.
+        let e = err("0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n2F0,2B0\n3F0,3B0\n");
+        assert_eq!(e.kind(), ErrorKind::MixedRoutes, "{e}");
+        // Only the upper half of a DualPipe layout: stages 0..2 run nothing.
+        let e = err("3F0,3B0\n2F0,2B0\n");
+        assert_eq!(e, ValidationError::StageWithoutCompute { stage: 0, stages: 4 });
+    }
+
+    #[test]
+    fn the_intended_shape_is_checked() {
+        let idle = sched("0F0,0B0\n,,\n");
+        // Without a shape: valid, the idle rank listed for a warning.
+        let sum = validate(&idle, &ValidateOptions::default()).unwrap();
+        assert_eq!((sum.ranks, sum.stages, sum.idle_ranks.clone()), (2, 1, vec![1]));
+        let shape =
+            |ranks, stages| ValidateOptions { microbatches: None, ranks: Some(ranks), stages: Some(stages) };
+        assert_eq!(
+            validate(&idle, &shape(2, 2)).unwrap_err(),
+            ValidationError::IdleRank { rank: 1, ranks: 2 }
+        );
+        assert_eq!(
+            validate(&idle, &shape(3, 1)).unwrap_err(),
+            ValidationError::RankCount { expected: 3, found: 2 }
+        );
+        let two = sched("0F0,0B0\n1F0,1B0\n");
+        assert_eq!(
+            validate(&two, &shape(2, 3)).unwrap_err(),
+            ValidationError::StageCount { expected: 3, found: 2 }
+        );
+        assert!(validate(&two, &shape(2, 2)).unwrap().idle_ranks.is_empty());
+    }
+
+    #[test]
+    fn pytorch_wait_actions() {
+        let waited = LOWERED
+            .replace("0SEND_F1,", "0SEND_F1,0WAIT_SEND_F0,")
+            .replace("1SEND_B1\n", "1SEND_B1,1WAIT_SEND_B1\n");
+        let sum = check(&waited).unwrap();
+        assert_eq!((sum.counts.wait_send, sum.counts.send), (2, 4));
+        assert!(sum.to_string().ends_with("4 SEND, 4 RECV, 2 WAIT_SEND"), "{sum}");
+        // A wait before its send, a repeated wait, a wait for a hand-over that does not exist.
+        let e = err(&LOWERED.replace("0F0,0SEND_F0,", "0F0,0WAIT_SEND_F0,0SEND_F0,"));
+        assert_eq!(
+            e,
+            ValidationError::WaitBeforeStart {
+                at: at(0, 1, "0WAIT_SEND_F0"),
+                start: "0SEND_F0".parse().unwrap()
+            }
+        );
+        let e = err(&waited.replace("0WAIT_SEND_F0,", "0WAIT_SEND_F0,0WAIT_SEND_F0,"));
+        assert_eq!(e.kind(), ErrorKind::DuplicateComm);
+        let e = err(&waited.replace("1WAIT_SEND_B1", "1WAIT_SEND_F1"));
+        assert_eq!(e.kind(), ErrorKind::CommOutOfRoute);
+        // A send completes when its peer receives it: waiting for it before the peer can get to
+        // its RECV deadlocks, where the same schedule without the wait is valid.
+        let early = "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n\
+                     1RECV_F1,1F1,1RECV_F0,1F0,1B0,1SEND_B0,1B1,1SEND_B1\n";
+        assert!(check(early).is_ok());
+        let e = err(&early.replace("0F0,0SEND_F0,", "0F0,0SEND_F0,0WAIT_SEND_F0,"));
+        let ValidationError::Deadlock { cycle } = &e else { panic!("{e:?}") };
+        assert_eq!(cycle[0].at, at(0, 2, "0WAIT_SEND_F0"));
+        // WAIT_REDUCE_GRAD: after its REDUCE_GRAD, once.
+        assert_eq!(check("0F0,0B0,0REDUCE_GRAD,0WAIT_REDUCE_GRAD\n").unwrap().counts.wait_reduce_grad, 1);
+        let e = err("0F0,0B0,0WAIT_REDUCE_GRAD,0REDUCE_GRAD\n");
+        assert_eq!(
+            e,
+            ValidationError::WaitBeforeStart {
+                at: at(0, 2, "0WAIT_REDUCE_GRAD"),
+                start: "0REDUCE_GRAD".parse().unwrap()
+            }
+        );
+        let e = err("0F0,0B0,0REDUCE_GRAD,0WAIT_REDUCE_GRAD,0WAIT_REDUCE_GRAD\n");
+        assert_eq!(e.kind(), ErrorKind::DuplicateReduceGrad);
+        // A wait alone does not make REDUCE_GRAD required where the schedule has none.
+        assert_eq!(err("0F0,0B0,0WAIT_REDUCE_GRAD\n").kind(), ErrorKind::WaitBeforeStart);
+    }
+
+    #[test]
     fn huge_stage_numbers_use_the_sparse_tables() {
         // S = 10^12 + 1: the dense tables would not fit; the error is the same as for small S.
         let e = err("0F0,1000000000000F0\n");
@@ -1088,9 +1345,9 @@ mod tests {
     #[test]
     fn microbatch_out_of_range_and_missing() {
         let s = sched("0F0,0F1,0B0,0B1\n");
-        let e = validate(&s, &ValidateOptions { microbatches: Some(1) }).unwrap_err();
+        let e = validate(&s, &ValidateOptions::microbatches(1)).unwrap_err();
         assert_eq!(e, ValidationError::MicrobatchOutOfRange { mb: 1, expected: 1, at: at(0, 1, "0F1") });
-        let e = validate(&s, &ValidateOptions { microbatches: Some(3) }).unwrap_err();
+        let e = validate(&s, &ValidateOptions::microbatches(3)).unwrap_err();
         assert_eq!(e, ValidationError::MissingMicrobatch { mb: 2, expected: 3 });
         assert_eq!(err("0F0,0F2,0B0,0B2\n"), ValidationError::MissingMicrobatch { mb: 1, expected: 3 });
     }

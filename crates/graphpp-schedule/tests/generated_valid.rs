@@ -9,7 +9,7 @@ use proptest::prelude::*;
 fn check(kind: Kind, shape: Shape) -> Result<bool, TestCaseError> {
     let Ok(s) = generate(kind, &shape, &Options::default()) else { return Ok(false) };
     let m = shape.microbatches;
-    let sum = validate(&s, &ValidateOptions { microbatches: Some(m) })
+    let sum = validate(&s, &ValidateOptions::microbatches(m))
         .map_err(|e| TestCaseError::fail(format!("{kind} {shape:?}: {e}\n{s}")))?;
     prop_assert_eq!(sum.ranks, shape.ranks, "{} {:?}", kind, shape);
     prop_assert!(!sum.lowered);
@@ -18,7 +18,7 @@ fn check(kind: Kind, shape: Shape) -> Result<bool, TestCaseError> {
     for opts in [LowerOptions::default(), LowerOptions { fsdp_max_unsharded: Some(2), ..Default::default() }]
     {
         let low = lower(&s, &opts).map_err(|e| TestCaseError::fail(format!("{kind} {shape:?}: {e}")))?;
-        let lsum = validate(&low, &ValidateOptions { microbatches: Some(m) })
+        let lsum = validate(&low, &ValidateOptions::microbatches(m))
             .map_err(|e| TestCaseError::fail(format!("{kind} {shape:?} lowered: {e}\n{low}")))?;
         // One SEND_F and one SEND_B (and their RECVs) per cross-rank boundary of each route.
         let p = shape.ranks;

@@ -42,7 +42,7 @@ proptest! {
     fn send_recv_lowering_stays_valid_with_expected_counts((f, p, m) in shape()) {
         let s = build(f, p, m);
         let low = lower(&s, &LowerOptions::default()).unwrap();
-        let sum = validate(&low, &ValidateOptions { microbatches: Some(m) }).unwrap();
+        let sum = validate(&low, &ValidateOptions::microbatches(m)).unwrap();
         let expected = cross_boundaries(f, p) * m * 2;
         prop_assert_eq!(sum.counts.send, expected);
         prop_assert_eq!(sum.counts.recv, expected);

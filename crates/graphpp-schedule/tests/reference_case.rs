@@ -17,7 +17,7 @@ fn case() -> Schedule {
 #[test]
 fn pytorch_dualpipev_case_validates() {
     let (p, stages, m) = (4, 8, 10);
-    let sum = validate(&case(), &ValidateOptions { microbatches: Some(m) }).unwrap();
+    let sum = validate(&case(), &ValidateOptions::microbatches(m)).unwrap();
     assert_eq!((sum.ranks, sum.stages, sum.microbatches, sum.placement), (p, stages, m, Some(Placement::V)));
     let c = sum.counts;
     // Every (stage, microbatch) runs one forward and one backward (full, overlapped, or I + W).
@@ -33,7 +33,7 @@ fn pytorch_dualpipev_case_lowers_to_a_valid_schedule() {
     let s = case();
     for fsdp in [None, Some(2), Some(3)] {
         let low = lower(&s, &LowerOptions { fsdp_max_unsharded: fsdp, ..Default::default() }).unwrap();
-        let sum = validate(&low, &ValidateOptions { microbatches: Some(m) }).unwrap();
+        let sum = validate(&low, &ValidateOptions::microbatches(m)).unwrap();
         // 7 stage boundaries, of which 3→4 is on rank 3: 6 cross-rank, each with a SEND_F and a
         // SEND_B (and matching RECVs) per microbatch.
         assert_eq!((sum.counts.send, sum.counts.recv), (6 * m * 2, 6 * m * 2));

@@ -39,7 +39,7 @@ proptest! {
     #[test]
     fn hand_made_schedules_validate(f in prop::sample::select(FAMILIES.to_vec()), p in 1usize..=6, m in 1usize..=10) {
         let s = build(f, p, m);
-        let sum = validate(&s, &ValidateOptions { microbatches: Some(m) }).unwrap();
+        let sum = validate(&s, &ValidateOptions::microbatches(m)).unwrap();
         let st = stages(f, p);
         prop_assert_eq!((sum.ranks, sum.stages, sum.microbatches), (p, st, m));
         prop_assert_eq!(sum.counts.f, st * m);

@@ -4,7 +4,7 @@
 use std::fmt::Write;
 
 use super::{category, count, rgb, short};
-use crate::action::Action;
+use crate::action::{Action, CommKind};
 use crate::timeline::Timeline;
 
 /// How to draw the grid.
@@ -22,13 +22,18 @@ impl Default for GridStyle {
     }
 }
 
-/// Short cell label: kind letter and microbatch, e.g. `F3`, `I12`, `7&3` for an overlap of F7 and B3, `s`/`r`
-/// for SEND/RECV, `u`/`z`/`g` for UNSHARD/RESHARD/REDUCE_GRAD.
+/// Short cell label: kind letter and microbatch, e.g. `F3`, `I12`, `7&3` for an overlap of F7 and B3,
+/// `s`/`r`/`w` for SEND/RECV/WAIT_SEND, `g` for stage-level actions.
 fn label(a: &Action) -> String {
     match a {
         Action::Compute { kind, task } => format!("{kind}{}", task.mb),
         Action::Overlap { f, b } => format!("{}&{}", f.mb, b.mb),
-        Action::Comm { kind, .. } => if kind.to_string().starts_with("SEND") { "s" } else { "r" }.into(),
+        Action::Comm { kind, .. } => match kind {
+            CommKind::SendF | CommKind::SendB => "s",
+            CommKind::RecvF | CommKind::RecvB => "r",
+            CommKind::WaitSendF | CommKind::WaitSendB => "w",
+        }
+        .into(),
         Action::StageOp { .. } => "g".into(),
     }
 }

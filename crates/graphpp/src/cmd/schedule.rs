@@ -239,7 +239,7 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
                 bail!("--microbatches must be at least 1");
             }
             let s = read_schedule(&file)?;
-            let summary = validate(&s, &ValidateOptions { microbatches })
+            let summary = validate(&s, &ValidateOptions { microbatches, ..Default::default() })
                 .with_context(|| format!("{}: invalid schedule", file.display()))?;
             crate::cmd::emit(&format!("{}: {summary}\n", file.display()))
         }
