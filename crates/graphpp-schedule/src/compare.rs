@@ -61,14 +61,15 @@ pub fn scale_costs(costs: &Costs, factor: f64) -> Costs {
     }
 }
 
-/// Every kind at `p` ranks and `m` microbatches with full-stage `costs` (M_W = M_B / 2). Kinds with
-/// v chunks per rank run each chunk at 1/v of the full-stage costs (see [`chunk_cost_factor`]), so
+/// Every kind at `p` ranks and `m` microbatches with full-stage `costs` and the memory model
+/// `memory` (both reach the cost- and memory-aware generators and the simulator). Kinds with v
+/// chunks per rank run each chunk at 1/v of the full-stage costs (see [`chunk_cost_factor`]), so
 /// every row does the same work per rank and makespans compare directly.
 ///
 /// # Errors
 /// [`GenerateError::TooLarge`] for the first kind whose schedule would be too large to build
 /// (checked for every kind before any is built; the table is all or nothing).
-pub fn compare(p: usize, m: usize, costs: &Costs) -> Result<Vec<CompareRow>, GenerateError> {
+pub fn compare(p: usize, m: usize, costs: &Costs, memory: &Memory) -> Result<Vec<CompareRow>, GenerateError> {
     for kind in Kind::ALL {
         check_size(kind, &Shape::new(p, kind.default_stages_per_rank(), m))?;
     }
@@ -77,10 +78,10 @@ pub fn compare(p: usize, m: usize, costs: &Costs) -> Result<Vec<CompareRow>, Gen
         .map(|&kind| {
             let v = kind.default_stages_per_rank();
             let costs = scale_costs(costs, chunk_cost_factor(kind, v));
-            let opts = Options { costs, ..Options::default() };
+            let opts = Options { costs, memory: *memory, ..Options::default() };
             let result =
                 generate(kind, &Shape::new(p, v, m), &opts).map_err(|e| e.to_string()).and_then(|s| {
-                    let r = simulate(&s, &costs, &Memory::default()).map_err(|e| e.to_string())?;
+                    let r = simulate(&s, &costs, memory).map_err(|e| e.to_string())?;
                     let g = DepGraph::build(&s).map_err(|e| e.to_string())?;
                     Ok(CompareFigures {
                         makespan: r.makespan,
@@ -102,8 +103,8 @@ mod tests {
     #[test]
     fn a_shape_too_large_for_one_kind_is_refused_before_building() {
         // ZB-V pads to 2p − 1 microbatches: 10^5 ranks would build 1.2·10^11 actions.
-        let e = compare(100_000, 8, &Costs::default()).unwrap_err();
+        let e = compare(100_000, 8, &Costs::default(), &Memory::default()).unwrap_err();
         assert!(matches!(e, GenerateError::TooLarge { kind: Kind::Zbv, ranks: 100_000, .. }), "{e:?}");
-        assert_eq!(compare(4, 8, &Costs::default()).unwrap().len(), Kind::ALL.len());
+        assert_eq!(compare(4, 8, &Costs::default(), &Memory::default()).unwrap().len(), Kind::ALL.len());
     }
 }

@@ -154,3 +154,130 @@ fn bad_input_is_a_clear_error() {
         stdout(&["schedule", "generate", "--kind", "Schedule1F1B", "--ranks", "4", "--microbatches", "2"]);
     assert!(ok.starts_with("rank 0: 0F0 0F1 0B0 0B1"), "PyTorch alias and m < p served: {ok}");
 }
+
+/// Writes `csv` to a file in `dir` and returns its path.
+fn schedule_file(dir: &tempfile::TempDir, name: &str, csv: &str) -> String {
+    let f = dir.path().join(name);
+    std::fs::write(&f, csv).unwrap();
+    f.to_str().unwrap().to_string()
+}
+
+#[test]
+fn every_command_that_reads_a_schedule_validates_it_first() {
+    let dir = tempfile::tempdir().unwrap();
+    // Microbatch 1 never reaches stage 1 (PyTorch: "stage 1 has 1 F, expected 2").
+    let skip = schedule_file(&dir, "skip.csv", "0F0,0F1,0B0,0B1\n1F0,1B0\n");
+    for cmd in [&["schedule", "validate", "--microbatches", "2", &skip][..], &["schedule", "lower", &skip]] {
+        let err = failure(cmd);
+        assert!(err.contains("microbatch 1 visits stages 0..1 but microbatch 0 visits 0..2"), "{err}");
+    }
+    // A RECV_B without its SEND_B, its mirror, and a duplicate F: simulate refuses all three.
+    for (csv, want) in [
+        ("0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0\n", "rank 1 has no `1SEND_B0`"),
+        ("0F0,0SEND_F0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n", "rank 0 has no `0RECV_B0`"),
+        ("0F0,0F0,0B0\n", "runs 0F0 a second time"),
+    ] {
+        let f = schedule_file(&dir, "bad.csv", csv);
+        let err = failure(&["schedule", "simulate", "--file", &f]);
+        assert!(err.contains("invalid schedule") && err.contains(want), "{csv}: {err}");
+    }
+}
+
+#[test]
+fn an_idle_rank_warns_and_the_intended_shape_is_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let idle = schedule_file(&dir, "idle.csv", "0F0,0B0\n,,\n");
+    let out = graphpp().args(["schedule", "validate", &idle]).output().unwrap();
+    assert!(out.status.success());
+    let warning = String::from_utf8_lossy(&out.stderr);
+    assert!(warning.contains("warning:") && warning.contains("rank 1 has no compute action"), "{warning}");
+    for cmd in [
+        &["schedule", "validate", "--ranks", "2", "--stages", "2", &idle][..],
+        &["schedule", "lower", "--ranks", "2", &idle],
+        &["schedule", "simulate", "--file", &idle, "--ranks", "2"],
+    ] {
+        let err = failure(cmd);
+        assert!(err.contains("rank 1 has no compute action (expected 2 ranks"), "{cmd:?}: {err}");
+    }
+    let two = schedule_file(&dir, "two.csv", "0F0,0B0\n1F0,1B0\n");
+    let err = failure(&["schedule", "validate", "--stages", "4", &two]);
+    assert!(err.contains("name 2 stages (0..2), expected 4"), "{err}");
+    let err = failure(&["schedule", "simulate", "--file", &two, "--ranks", "3"]);
+    assert!(err.contains("the schedule has 2 ranks, expected 3"), "{err}");
+    assert!(
+        stdout(&["schedule", "validate", "--ranks", "2", "--stages", "2", &two]).contains("valid: 2 ranks")
+    );
+}
+
+#[test]
+fn pytorch_lowered_csv_with_waits_is_read_and_written_back() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../graphpp-schedule/tests/data/torch_lowered/ScheduleInterleaved1F1B_p4_v2_m8.csv"
+    );
+    let out = stdout(&["schedule", "validate", "--ranks", "4", "--stages", "8", "--microbatches", "8", path]);
+    assert!(out.contains("WAIT_SEND") && out.contains("8 WAIT_REDUCE_GRAD"), "{out}");
+    let sim = stdout(&["schedule", "simulate", "--file", path, "--format", "json"]);
+    let v: serde_json::Value = serde_json::from_str(&sim).unwrap();
+    assert!(v["makespan"].as_f64().unwrap() > 0.0);
+}
+
+/// The peak activation of a `simulate --format json` run, M_B units.
+fn peak(args: &[&str]) -> f64 {
+    let v: serde_json::Value = serde_json::from_str(&stdout(args)).unwrap();
+    v["peak_activations"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).fold(0.0, f64::max)
+}
+
+#[test]
+fn the_memory_model_reaches_the_generator() {
+    // Built for M_W = 0.5 this schedule peaked at 10.2 M_B under a cap of 8.
+    for (p, m, cap) in [("4", "8", "8"), ("8", "16", "16")] {
+        let got = peak(&[
+            "schedule",
+            "simulate",
+            "--kind",
+            "zb-auto",
+            "--ranks",
+            p,
+            "--microbatches",
+            m,
+            "--mem-cap",
+            cap,
+            "--m-w",
+            "0.8",
+            "--format",
+            "json",
+        ]);
+        assert!(got <= cap.parse::<f64>().unwrap() + 1e-9, "p={p}: peak {got} above the cap {cap}");
+    }
+    // generate and compare take the same model.
+    let a = stdout(&[
+        "schedule",
+        "generate",
+        "--kind",
+        "zb-auto",
+        "--ranks",
+        "4",
+        "--microbatches",
+        "8",
+        "--mem-cap",
+        "5",
+    ]);
+    let b = stdout(&[
+        "schedule",
+        "generate",
+        "--kind",
+        "zb-auto",
+        "--ranks",
+        "4",
+        "--microbatches",
+        "8",
+        "--mem-cap",
+        "5",
+        "--m-w",
+        "0.8",
+    ]);
+    assert_ne!(a, b, "M_W must change what zb-auto builds under a binding cap");
+    let table = stdout(&["schedule", "compare", "--ranks", "4", "--microbatches", "8", "--m-w", "0.8"]);
+    assert!(table.contains("M_W = 0.8 M_B"), "{table}");
+}

@@ -4,21 +4,25 @@ use std::fmt::Write;
 
 use graphpp_schedule::compare::compare;
 use graphpp_schedule::render::fixed;
-use graphpp_schedule::{Costs, GenerateError};
+use graphpp_schedule::{Costs, GenerateError, Memory};
 
 /// The comparison table for `p` ranks and `m` microbatches.
 ///
 /// # Errors
 /// [`GenerateError::TooLarge`] when some kind's schedule would be too large to build.
-pub fn table(p: usize, m: usize, costs: &Costs) -> Result<String, GenerateError> {
+pub fn table(p: usize, m: usize, costs: &Costs, memory: &Memory) -> Result<String, GenerateError> {
     let mut out = String::new();
-    let _ = writeln!(out, "p={p} m={m} costs {costs}; bubble = in-iteration r_bubble (idle fraction)");
+    let _ = writeln!(
+        out,
+        "p={p} m={m} costs {costs}, M_W = {} M_B; bubble = in-iteration r_bubble (idle fraction)",
+        memory.m_w / memory.m_b
+    );
     let _ = writeln!(
         out,
         "{:<20} {:>2} {:>9} {:>17} {:>10} {:>9}  constraints",
         "schedule", "v", "makespan", "bubble", "peak act", "msgs/mb"
     );
-    for row in compare(p, m, costs)? {
+    for row in compare(p, m, costs, memory)? {
         let c = row.kind.constraints();
         match row.result {
             Ok(f) => {

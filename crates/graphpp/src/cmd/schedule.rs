@@ -8,7 +8,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use graphpp_schedule::render::{chrome_trace, fixed, grid, svg, GridStyle};
 use graphpp_schedule::{
     generate, lower, simulate, validate, Costs, Kind, LowerOptions, Memory, Options, Schedule, Shape,
-    SimReport, ValidateOptions,
+    SimReport, Summary, ValidateOptions,
 };
 
 use crate::cmd::value::count;
@@ -20,6 +20,8 @@ pub enum ScheduleCmd {
     Generate {
         #[command(flatten)]
         spec: KindSpec,
+        #[command(flatten)]
+        model: CostModel,
         /// Add SEND/RECV (and with --fsdp-max-unsharded, FSDP actions) before printing.
         #[arg(long)]
         lowered: bool,
@@ -35,14 +37,15 @@ pub enum ScheduleCmd {
     Validate {
         /// The schedule file.
         file: PathBuf,
-        /// Expected number of microbatches (default: inferred from the actions).
-        #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
-        microbatches: Option<usize>,
+        #[command(flatten)]
+        shape: Expected,
     },
     /// Lower a compute-only schedule file: add SEND/RECV (and FSDP actions); prints CSV.
     Lower {
         /// The schedule file.
         file: PathBuf,
+        #[command(flatten)]
+        shape: Expected,
         /// Add UNSHARD/RESHARD keeping at most N stages unsharded per rank, and REDUCE_GRAD.
         #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
         fsdp_max_unsharded: Option<usize>,
@@ -51,15 +54,8 @@ pub enum ScheduleCmd {
     Simulate {
         #[command(flatten)]
         source: Source,
-        /// Action costs, e.g. `F=1,B=2,I=1,W=1` (a missing B is I+W; OVERLAP defaults to F+B).
-        #[arg(long, default_value = "F=1,B=2,I=1,W=1")]
-        costs: Costs,
-        /// Latency c of one cross-rank hop, in cost units (overrides `C=` in --costs; default 0).
-        #[arg(long, allow_hyphen_values = true)]
-        comm_latency: Option<f64>,
-        /// M_W as a fraction of M_B (activation still held between I and W).
-        #[arg(long, default_value_t = 0.5, allow_hyphen_values = true)]
-        m_w: f64,
+        #[command(flatten)]
+        model: CostModel,
         /// Output format.
         #[arg(long, value_enum, default_value_t = SimFormat::Text)]
         format: SimFormat,
@@ -75,13 +71,66 @@ pub enum ScheduleCmd {
         /// m: microbatches per step.
         #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
         microbatches: usize,
-        /// Action costs, e.g. `F=1,B=2,I=1,W=1`.
-        #[arg(long, default_value = "F=1,B=2,I=1,W=1")]
-        costs: Costs,
-        /// Latency c of one cross-rank hop (overrides `C=` in --costs; default 0).
-        #[arg(long, allow_hyphen_values = true)]
-        comm_latency: Option<f64>,
+        #[command(flatten)]
+        model: CostModel,
     },
+}
+
+/// The cost and memory model: what the simulator charges, and what the cost- and memory-aware
+/// generators (zb-auto, zbv-auto) build for.
+#[derive(Args, Clone)]
+pub struct CostModel {
+    /// Action costs, e.g. `F=1,B=2,I=1,W=1` (a missing B is I+W; OVERLAP defaults to F+B).
+    #[arg(long, default_value = "F=1,B=2,I=1,W=1")]
+    costs: Costs,
+    /// Latency c of one cross-rank hop, in cost units (overrides `C=` in --costs; default 0).
+    #[arg(long, allow_hyphen_values = true)]
+    comm_latency: Option<f64>,
+    /// M_W as a fraction of M_B (activation still held between I and W).
+    #[arg(long, default_value_t = 0.5, allow_hyphen_values = true)]
+    m_w: f64,
+}
+
+impl CostModel {
+    /// The costs (with --comm-latency applied) and the memory model (M_B = 1).
+    fn resolve(&self) -> Result<(Costs, Memory)> {
+        let costs = match self.comm_latency {
+            Some(c) => self.costs.with_comm_latency("--comm-latency", c)?,
+            None => self.costs,
+        };
+        if !(0.0..=1.0).contains(&self.m_w) {
+            bail!("--m-w must be within [0, 1] (got {})", self.m_w);
+        }
+        Ok((costs, Memory { m_b: 1.0, m_w: self.m_w }))
+    }
+}
+
+/// The shape a schedule file is meant to have; each one given is checked.
+#[derive(Args, Clone, Copy)]
+pub struct Expected {
+    /// Expected p: this many ranks, each running a compute action (without it, a rank with
+    /// none is a warning).
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    ranks: Option<usize>,
+    /// Expected S: the stages the compute actions name.
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    stages: Option<usize>,
+    /// Expected m (default: inferred from the actions).
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    microbatches: Option<usize>,
+}
+
+impl Expected {
+    fn options(self) -> Result<ValidateOptions> {
+        for (v, flag) in
+            [(self.ranks, "--ranks"), (self.stages, "--stages"), (self.microbatches, "--microbatches")]
+        {
+            if v == Some(0) {
+                bail!("{flag} must be at least 1");
+            }
+        }
+        Ok(ValidateOptions { microbatches: self.microbatches, ranks: self.ranks, stages: self.stages })
+    }
 }
 
 /// A named kind and shape.
@@ -103,7 +152,7 @@ pub struct KindSpec {
     /// grouped-interleaved: consecutive microbatches per chunk (default p).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub group: Option<usize>,
-    /// zb-auto: activation-memory cap per rank in M_B units (default p).
+    /// zb-auto, zbv-auto: activation-memory cap per rank in M_B units (default p).
     #[arg(long, allow_hyphen_values = true)]
     pub mem_cap: Option<f64>,
 }
@@ -117,19 +166,22 @@ pub struct Source {
     /// A schedule file: CSV (one row per rank) or JSON (`{"ranks": [[…]]}`).
     #[arg(long, conflicts_with = "kind")]
     file: Option<PathBuf>,
-    /// p (with --kind).
+    /// p (with --kind; with --file, the expected number of ranks, each running a compute action).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     ranks: Option<usize>,
     /// v (with --kind).
-    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, conflicts_with = "file")]
     stages_per_rank: Option<usize>,
-    /// m (with --kind).
+    /// S, the expected number of stages (with --file).
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, conflicts_with = "kind")]
+    stages: Option<usize>,
+    /// m (with --kind; with --file, the expected number of microbatches).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     microbatches: Option<usize>,
     /// grouped-interleaved: microbatches per chunk group.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     group: Option<usize>,
-    /// zb-auto: memory cap in M_B units.
+    /// zb-auto, zbv-auto: memory cap in M_B units.
     #[arg(long, allow_hyphen_values = true)]
     mem_cap: Option<f64>,
 }
@@ -158,6 +210,7 @@ pub enum SimFormat {
     Chrome,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn generate_spec(
     kind: Kind,
     ranks: usize,
@@ -166,17 +219,28 @@ fn generate_spec(
     group: Option<usize>,
     mem_cap: Option<f64>,
     costs: Costs,
+    memory: Memory,
 ) -> Result<Schedule> {
     let shape = Shape::new(ranks, v.unwrap_or_else(|| kind.default_stages_per_rank()), m);
-    let opts = Options { group, mem_cap, costs, ..Options::default() };
+    let opts = Options { group, mem_cap, costs, memory };
     Ok(generate(kind, &shape, &opts)?)
 }
 
 /// Reads a CSV or JSON schedule file ([`Schedule::parse`]: JSON when the first non-blank character
-/// is `{` or `[`).
-pub fn read_schedule(path: &Path) -> Result<Schedule> {
+/// is `{` or `[`) and validates it against the expected shape: every command that reads a
+/// schedule file checks it the same way first. Ranks without a compute action are a warning on
+/// standard error when no rank count is expected.
+pub fn read_schedule(path: &Path, expected: &ValidateOptions) -> Result<(Schedule, Summary)> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    Schedule::parse(&text).with_context(|| path.display().to_string())
+    let s = Schedule::parse(&text).with_context(|| path.display().to_string())?;
+    let summary = validate(&s, expected).with_context(|| format!("{}: invalid schedule", path.display()))?;
+    for r in &summary.idle_ranks {
+        eprintln!(
+            "warning: {}: rank {r} has no compute action (give --ranks to make this an error)",
+            path.display()
+        );
+    }
+    Ok((s, summary))
 }
 
 fn write_out(output: Option<&Path>, text: &str) -> Result<()> {
@@ -217,7 +281,8 @@ pub fn summary(r: &SimReport) -> String {
 /// Runs one `graphpp schedule` subcommand.
 pub fn run(cmd: ScheduleCmd) -> Result<()> {
     match cmd {
-        ScheduleCmd::Generate { spec, lowered, fsdp_max_unsharded, format } => {
+        ScheduleCmd::Generate { spec, model, lowered, fsdp_max_unsharded, format } => {
+            let (costs, memory) = model.resolve()?;
             let mut s = generate_spec(
                 spec.kind,
                 spec.ranks,
@@ -225,7 +290,8 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
                 spec.microbatches,
                 spec.group,
                 spec.mem_cap,
-                Costs::default(),
+                costs,
+                memory,
             )?;
             if lowered {
                 s = lower(&s, &LowerOptions { fsdp_max_unsharded, ..Default::default() })?;
@@ -234,39 +300,38 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
             }
             crate::cmd::emit(&format_schedule(&s, format))
         }
-        ScheduleCmd::Validate { file, microbatches } => {
-            if microbatches == Some(0) {
-                bail!("--microbatches must be at least 1");
-            }
-            let s = read_schedule(&file)?;
-            let summary = validate(&s, &ValidateOptions { microbatches, ..Default::default() })
-                .with_context(|| format!("{}: invalid schedule", file.display()))?;
+        ScheduleCmd::Validate { file, shape } => {
+            let (_, summary) = read_schedule(&file, &shape.options()?)?;
             crate::cmd::emit(&format!("{}: {summary}\n", file.display()))
         }
-        ScheduleCmd::Lower { file, fsdp_max_unsharded } => {
-            let s = read_schedule(&file)?;
-            validate(&s, &ValidateOptions::default())
-                .with_context(|| format!("{}: invalid schedule", file.display()))?;
+        ScheduleCmd::Lower { file, shape, fsdp_max_unsharded } => {
+            let (s, _) = read_schedule(&file, &shape.options()?)?;
             crate::cmd::emit(&lower(&s, &LowerOptions { fsdp_max_unsharded, ..Default::default() })?.to_csv())
         }
-        ScheduleCmd::Simulate { source, mut costs, comm_latency, m_w, format, output } => {
-            if let Some(c) = comm_latency {
-                costs = costs.with_comm_latency("--comm-latency", c)?;
-            }
-            if !(0.0..=1.0).contains(&m_w) {
-                bail!("--m-w must be within [0, 1] (got {m_w})");
-            }
+        ScheduleCmd::Simulate { source, model, format, output } => {
+            let (costs, memory) = model.resolve()?;
             let s = match (&source.kind, &source.file) {
                 (Some(k), _) => {
                     let (Some(ranks), Some(m)) = (source.ranks, source.microbatches) else {
                         bail!("--kind needs --ranks and --microbatches");
                     };
-                    generate_spec(*k, ranks, source.stages_per_rank, m, source.group, source.mem_cap, costs)?
+                    let (v, group, cap) = (source.stages_per_rank, source.group, source.mem_cap);
+                    generate_spec(*k, ranks, v, m, group, cap, costs, memory)?
                 }
-                (None, Some(f)) => read_schedule(f)?,
+                (None, Some(f)) => {
+                    if source.group.is_some() || source.mem_cap.is_some() {
+                        bail!("--group and --mem-cap apply to --kind, not to a schedule --file");
+                    }
+                    let expected = Expected {
+                        ranks: source.ranks,
+                        stages: source.stages,
+                        microbatches: source.microbatches,
+                    };
+                    read_schedule(f, &expected.options()?)?.0
+                }
                 (None, None) => bail!("give --kind (with --ranks and --microbatches) or --file"),
             };
-            let report = simulate(&s, &costs, &Memory { m_b: 1.0, m_w })?;
+            let report = simulate(&s, &costs, &memory)?;
             let text = match format {
                 SimFormat::Text => {
                     let style = GridStyle {
@@ -281,14 +346,12 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
             };
             write_out(output.as_deref(), &text)
         }
-        ScheduleCmd::Compare { ranks, microbatches, mut costs, comm_latency } => {
+        ScheduleCmd::Compare { ranks, microbatches, model } => {
             if ranks == 0 || microbatches == 0 {
                 bail!("--ranks and --microbatches must be at least 1 (got {ranks} and {microbatches})");
             }
-            if let Some(c) = comm_latency {
-                costs = costs.with_comm_latency("--comm-latency", c)?;
-            }
-            crate::cmd::emit(&crate::cmd::compare::table(ranks, microbatches, &costs)?)
+            let (costs, memory) = model.resolve()?;
+            crate::cmd::emit(&crate::cmd::compare::table(ranks, microbatches, &costs, &memory)?)
         }
     }
 }
