@@ -20,9 +20,11 @@ mod interleaved_zb;
 mod looped_bfs;
 mod one_f_one_b;
 mod size;
+mod tolerance;
 mod zb_auto;
 mod zb_h;
 mod zbv;
+mod zbv_auto;
 
 /// A named schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -43,8 +45,10 @@ pub enum Kind {
     ZbH2,
     /// Zero-bubble automatic heuristic (ZB-1p / ZB-2p) with real costs and a memory cap.
     ZbAuto,
-    /// ZB-V (2 chunks, V placement).
+    /// ZB-V (2 chunks, V placement): PyTorch's fixed order.
     Zbv,
+    /// Cost-adaptive ZB-V: the zero-bubble authors' V heuristic with real costs and a memory cap.
+    ZbvAuto,
     /// Interleaved zero bubble (PyTorch `ScheduleInterleavedZeroBubble`, ZB1P).
     InterleavedZb,
     /// DualPipe (bidirectional, two parameter copies).
@@ -55,7 +59,7 @@ pub enum Kind {
 
 impl Kind {
     /// Every kind, in the order `compare` lists them.
-    pub const ALL: [Kind; 12] = [
+    pub const ALL: [Kind; 13] = [
         Kind::Gpipe,
         Kind::OneFOneB,
         Kind::Interleaved1F1B,
@@ -65,6 +69,7 @@ impl Kind {
         Kind::ZbH2,
         Kind::ZbAuto,
         Kind::Zbv,
+        Kind::ZbvAuto,
         Kind::InterleavedZb,
         Kind::DualPipe,
         Kind::DualPipeV,
@@ -82,6 +87,7 @@ impl Kind {
             Kind::ZbH2 => "zb-h2",
             Kind::ZbAuto => "zb-auto",
             Kind::Zbv => "zbv",
+            Kind::ZbvAuto => "zbv-auto",
             Kind::InterleavedZb => "interleaved-zb",
             Kind::DualPipe => "dualpipe",
             Kind::DualPipeV => "dualpipev",
@@ -113,6 +119,7 @@ impl Kind {
             Kind::ZbH1 | Kind::ZbH2 => "v = 1",
             Kind::ZbAuto => "v = 1; memory cap >= 1 M_B",
             Kind::Zbv => "V placement, v = 2",
+            Kind::ZbvAuto => "V placement, v = 2; memory cap >= 1 M_B",
             Kind::InterleavedZb => "loop placement, v >= 1",
             Kind::DualPipe => "V placement, v = 2, p even, m even, m >= 2p; two parameter copies",
             Kind::DualPipeV => "V placement, v = 2, m >= 2p",
@@ -128,6 +135,7 @@ impl Kind {
             | Kind::GroupedInterleaved
             | Kind::InterleavedZb
             | Kind::Zbv
+            | Kind::ZbvAuto
             | Kind::DualPipe
             | Kind::DualPipeV => 2,
             _ => 1,
@@ -137,7 +145,7 @@ impl Kind {
     /// The placement the kind uses.
     pub fn placement(self) -> Placement {
         match self {
-            Kind::Zbv | Kind::DualPipe | Kind::DualPipeV => Placement::V,
+            Kind::Zbv | Kind::ZbvAuto | Kind::DualPipe | Kind::DualPipeV => Placement::V,
             _ => Placement::Loop,
         }
     }
@@ -151,7 +159,7 @@ impl fmt::Display for Kind {
 
 /// An unknown schedule kind name.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown schedule kind `{0}`; known: gpipe, 1f1b, interleaved-1f1b, looped-bfs, grouped-interleaved, zb-h1, zb-h2, zb-auto, zbv, interleaved-zb, dualpipe, dualpipev (PyTorch class names accepted)")]
+#[error("unknown schedule kind `{0}`; known: gpipe, 1f1b, interleaved-1f1b, looped-bfs, grouped-interleaved, zb-h1, zb-h2, zb-auto, zbv, zbv-auto, interleaved-zb, dualpipe, dualpipev (PyTorch class names accepted)")]
 pub struct UnknownKind(pub String);
 
 /// Serialised as its canonical name (`"zbv"`, `"1f1b"`, …).
@@ -187,6 +195,7 @@ impl FromStr for Kind {
             "zbh2" => Kind::ZbH2,
             "zbauto" | "zb1p" | "zb2p" => Kind::ZbAuto,
             "zbv" | "zbvzerobubble" => Kind::Zbv,
+            "zbvauto" => Kind::ZbvAuto,
             "interleavedzb" | "interleavedzerobubble" => Kind::InterleavedZb,
             "dualpipe" => Kind::DualPipe,
             "dualpipev" => Kind::DualPipeV,
@@ -223,11 +232,12 @@ impl Shape {
 pub struct Options {
     /// `grouped-interleaved`: N consecutive microbatches per chunk (default p).
     pub group: Option<usize>,
-    /// `zb-auto`: real T_F, T_I, T_W and c.
+    /// `zb-auto`, `zbv-auto`: real T_F, T_I, T_W and c (per action, i.e. per chunk for zbv-auto).
     pub costs: Costs,
-    /// `zb-auto`: memory model.
+    /// `zb-auto`, `zbv-auto`: memory model.
     pub memory: Memory,
-    /// `zb-auto`: activation-memory cap per rank in M_B units (default p, i.e. ZB-1p).
+    /// `zb-auto`, `zbv-auto`: activation-memory cap per rank in M_B units (default p: ZB-1p, and
+    /// ZB-V at 1F1B's peak).
     pub mem_cap: Option<f64>,
 }
 
@@ -259,14 +269,14 @@ pub enum GenerateError {
         bytes: u128,
     },
     /// An option was given to a kind that does not read it (it would be silently ignored).
-    #[error("{kind} does not use {option}; it applies to {applies_to} only")]
+    #[error("{kind} does not use {option}; it applies to {} only", kind_list(.applies_to))]
     UnusedOption {
         /// The kind.
         kind: Kind,
         /// The option, with its flag (`a group size (--group)`).
         option: &'static str,
-        /// The kind that reads it.
-        applies_to: Kind,
+        /// The kinds that read it.
+        applies_to: &'static [Kind],
     },
     /// The shape breaks one of the kind's documented constraints.
     #[error("{kind} cannot serve ranks={ranks}, stages-per-rank={stages_per_rank}, microbatches={microbatches}: {constraint}")]
@@ -318,14 +328,18 @@ fn check_common(kind: Kind, shape: &Shape) -> Result<(), GenerateError> {
     require(shape.microbatches >= 1, kind, shape, || "needs at least 1 microbatch".into())
 }
 
+fn kind_list(kinds: &[Kind]) -> String {
+    kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join(", ")
+}
+
 /// Refuses an option `kind` does not read: `group` outside grouped-interleaved, `mem_cap` outside
-/// zb-auto (`costs` and `memory` are shared with the simulator and never refused).
+/// zb-auto and zbv-auto (`costs` and `memory` are shared with the simulator and never refused).
 fn check_options(kind: Kind, opts: &Options) -> Result<(), GenerateError> {
-    let unused = [
-        (opts.group.is_some(), "a group size (--group)", Kind::GroupedInterleaved),
-        (opts.mem_cap.is_some(), "a memory cap (--mem-cap)", Kind::ZbAuto),
+    let unused: [(bool, &str, &'static [Kind]); 2] = [
+        (opts.group.is_some(), "a group size (--group)", &[Kind::GroupedInterleaved]),
+        (opts.mem_cap.is_some(), "a memory cap (--mem-cap)", &[Kind::ZbAuto, Kind::ZbvAuto]),
     ];
-    match unused.into_iter().find(|&(given, _, reader)| given && reader != kind) {
+    match unused.into_iter().find(|&(given, _, readers)| given && !readers.contains(&kind)) {
         Some((_, option, applies_to)) => Err(GenerateError::UnusedOption { kind, option, applies_to }),
         None => Ok(()),
     }
@@ -351,6 +365,7 @@ pub fn generate(kind: Kind, shape: &Shape, opts: &Options) -> Result<Schedule, G
         Kind::ZbH2 => zb_h::generate_h2(shape),
         Kind::ZbAuto => zb_auto::generate(shape, opts),
         Kind::Zbv => zbv::generate(shape),
+        Kind::ZbvAuto => zbv_auto::generate(shape, opts),
         Kind::InterleavedZb => interleaved_zb::generate(shape),
         Kind::DualPipe => dualpipe::generate_dualpipe(shape),
         Kind::DualPipeV => dualpipe::generate_dualpipev(shape),
@@ -387,7 +402,11 @@ mod tests {
             &Options { mem_cap: Some(3.0), ..Options::default() },
         )
         .unwrap_err();
-        assert!(matches!(e, GenerateError::UnusedOption { applies_to: Kind::ZbAuto, .. }), "{e:?}");
+        assert!(
+            matches!(e, GenerateError::UnusedOption { applies_to: [Kind::ZbAuto, Kind::ZbvAuto], .. }),
+            "{e:?}"
+        );
+        assert!(e.to_string().ends_with("it applies to zb-auto, zbv-auto only"), "{e}");
         assert!(generate(
             Kind::GroupedInterleaved,
             &shape,

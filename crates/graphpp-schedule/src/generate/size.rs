@@ -55,7 +55,7 @@ pub fn estimate(kind: Kind, shape: &Shape) -> ScheduleSize {
     let built = match kind {
         // Every rank builds 3 actions per chunk and padded microbatch before dropping the padding.
         Kind::Zbv => p.saturating_mul(6).saturating_mul(m.max((2 * p).saturating_sub(1))),
-        Kind::ZbAuto => actions.saturating_mul(8),
+        Kind::ZbAuto | Kind::ZbvAuto => actions.saturating_mul(8),
         _ => actions,
     };
     ScheduleSize { actions, built: built.max(actions) }

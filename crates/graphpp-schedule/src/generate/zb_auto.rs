@@ -7,8 +7,10 @@
 //!
 //! One stage per rank; stage `s` on rank `s`. Times use `opts.costs` (T_F, T_I, T_W, c); memory uses
 //! `opts.memory`: F adds M_B, I frees M_B − M_W, W frees M_W; the cap is `opts.mem_cap` M_B units
-//! (default `p`, i.e. ZB-1p; `2p` is ZB-2p).
+//! (default `p`, i.e. ZB-1p; `2p` is ZB-2p). Times compare within [`Tolerance`], so the schedule
+//! does not depend on the cost unit (the reference's does, through floating-point rounding).
 
+use super::tolerance::Tolerance;
 use super::{require, GenerateError, Kind, Options, Shape};
 use crate::action::Action;
 use crate::schedule::Schedule;
@@ -63,8 +65,8 @@ pub fn generate(shape: &Shape, opts: &Options) -> Result<Schedule, GenerateError
                 };
                 let mut h = Heuristic::new(shape, opts, cap);
                 if h.run(flags).is_some() {
-                    let span = h.span();
-                    if best.as_ref().is_none_or(|(b, _)| span < *b) {
+                    let (span, tol) = (h.span(), h.tol);
+                    if best.as_ref().is_none_or(|(b, _)| tol.lt(span, *b)) {
                         best = Some((span, h.programs));
                     }
                 }
@@ -90,6 +92,7 @@ struct Heuristic {
     mem: [f64; 3],
     max_mem: f64,
     comm: f64,
+    tol: Tolerance,
     count: Vec<[usize; 3]>,
     end: Vec<f64>,
     used: Vec<f64>,
@@ -110,6 +113,7 @@ impl Heuristic {
             mem: [mm.m_b, mm.m_w - mm.m_b, -mm.m_w],
             max_mem: cap * mm.m_b,
             comm: c.comm,
+            tol: Tolerance::for_costs(c.f, c.i, c.w, c.comm),
             count: vec![[0; 3]; p],
             end: vec![0.0; p],
             used: vec![0.0; p],
@@ -138,21 +142,22 @@ impl Heuristic {
     /// would exceed the memory cap.
     fn put(&mut self, s: usize, kind: usize) -> Option<()> {
         let mb = self.count[s][kind];
-        if mb >= self.m || (kind == F && self.used[s] + self.mem[F] > self.max_mem + 1e-9) {
+        if mb >= self.m || (kind == F && !self.tol.le(self.used[s] + self.mem[F], self.max_mem)) {
             return None;
         }
         let cost = self.cost[kind];
-        let no_bubble = self.end[s] + cost;
-        let ready = match kind {
-            F if s > 0 => self.at(F, s - 1, mb)? + self.comm + cost,
-            I if s + 1 < self.p => self.at(I, s + 1, mb)? + self.comm + cost,
-            _ => no_bubble,
+        let free = self.end[s];
+        let input = match kind {
+            F if s > 0 => self.at(F, s - 1, mb)? + self.comm,
+            I if s + 1 < self.p => self.at(I, s + 1, mb)? + self.comm,
+            _ => free,
         };
-        let finish = no_bubble.max(ready);
+        let start = self.tol.start(free, input);
+        let finish = start + cost;
         if self.count[s][F] > 0 {
-            self.bubble[s] += finish - no_bubble;
+            self.bubble[s] += start - free;
         } else {
-            self.start[s] = finish - cost;
+            self.start[s] = start;
         }
         self.end[s] = finish;
         self.done[s][kind][mb] = Some(finish);
@@ -172,7 +177,7 @@ impl Heuristic {
 
     /// Runs W's until `extra` more memory fits under the cap; `None` if no W is left to run.
     fn make_room(&mut self, s: usize, extra: f64) -> Option<()> {
-        while self.used[s] + extra > self.max_mem + 1e-9 {
+        while !self.tol.le(self.used[s] + extra, self.max_mem) {
             if !self.pending_w(s) {
                 return None;
             }
@@ -184,11 +189,12 @@ impl Heuristic {
     /// Fills the wait until `dep` (when the next action's input arrives) with W's: every W that ends
     /// by `dep`, then one more that overruns it when the stage's bubble allows (see [`Flags`]).
     fn fill_gap(&mut self, s: usize, dep: f64, flags: Flags) -> Option<()> {
-        while self.pending_w(s) && self.end[s] + self.cost[W] <= dep {
+        let t = self.tol;
+        while self.pending_w(s) && t.le(self.end[s] + self.cost[W], dep) {
             self.put(s, W)?;
         }
-        if self.pending_w(s) && self.end[s] < dep {
-            let small = dep - self.end[s] <= self.max_bubble() - self.bubble[s];
+        if self.pending_w(s) && t.lt(self.end[s], dep) {
+            let small = t.le(dep - self.end[s], self.max_bubble() - self.bubble[s]);
             if !small || flags.no_bubble_greedy {
                 self.put(s, W)?;
             }
@@ -221,11 +227,12 @@ impl Heuristic {
         let mut last = self.at(F, p - 1, 0)? + self.cost[I];
         for s in (0..p - 1).rev() {
             let (mut used, mut t) = (self.used[s], self.end[s]);
-            while self.count[s][F] + extra[s] < m && used + self.mem[F] <= self.max_mem + 1e-9 {
+            let tol = self.tol;
+            while self.count[s][F] + extra[s] < m && tol.le(used + self.mem[F], self.max_mem) {
                 let stop = if flags.allow_bubble_before_first_i {
-                    t + self.cost[F] > last + self.comm
+                    tol.lt(last + self.comm, t + self.cost[F])
                 } else {
-                    t >= last + self.comm
+                    tol.le(last + self.comm, t)
                 };
                 if stop {
                     break;
@@ -262,19 +269,20 @@ impl Heuristic {
             return true;
         }
         let next_due = self.end[s + 1] + self.cost[F] + self.cost[I] + self.comm;
-        if self.end[s] >= next_due {
+        let t = self.tol;
+        if t.le(next_due, self.end[s]) {
             return false;
         }
         let (mut w_cost, mut n_w, mut used) = (0.0, 0, self.used[s] + self.mem[F]);
-        while used > self.max_mem + 1e-9 && self.count[s][W] + n_w < self.count[s][I] {
+        while !t.le(used, self.max_mem) && self.count[s][W] + n_w < self.count[s][I] {
             w_cost += self.cost[W];
             used += self.mem[W];
             n_w += 1;
         }
-        if self.end[s] + self.cost[F] + w_cost <= next_due {
+        if t.le(self.end[s] + self.cost[F] + w_cost, next_due) {
             return true;
         }
-        next_due - self.end[s] > self.max_bubble() - self.bubble[s]
+        t.lt(self.max_bubble() - self.bubble[s], next_due - self.end[s])
     }
 
     /// One steady round of forwards: each stage that wants one (and whose successors all do) runs
