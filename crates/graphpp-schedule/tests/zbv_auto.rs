@@ -142,3 +142,30 @@ fn decisions_do_not_depend_on_the_cost_unit() {
         }
     }
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(96))]
+
+    /// Every memory-aware generator builds for the memory model it is given: a valid schedule
+    /// whose simulated peak (same M_W) stays within the cap, or a typed error when none fits.
+    #[test]
+    fn memory_aware_kinds_respect_the_cap_for_any_m_w(
+        p in 1usize..7, m_factor in 1usize..4, cap_tenths in 10u32..90, m_w_tenths in 0u32..10,
+        f in 1u32..4, i in 1u32..4, w in 1u32..4, c_tenths in 0u32..3, v_shape: bool,
+    ) {
+        let (kind, v) = if v_shape { (Kind::ZbvAuto, 2) } else { (Kind::ZbAuto, 1) };
+        let m = m_factor * p;
+        let memory = Memory { m_b: 1.0, m_w: f64::from(m_w_tenths) / 10.0 };
+        let cap = f64::from(cap_tenths) / 10.0 * p as f64 / 2.0;
+        let costs = costs(f64::from(f), f64::from(i), f64::from(w), f64::from(c_tenths) / 10.0);
+        let opts = Options { costs, memory, mem_cap: Some(cap.max(1.0)), ..Options::default() };
+        match generate(kind, &Shape::new(p, v, m), &opts) {
+            Ok(s) => {
+                validate(&s, &ValidateOptions::microbatches(m)).map_err(|e| proptest::test_runner::TestCaseError::fail(e.to_string()))?;
+                let r = simulate(&s, &costs, &memory).unwrap();
+                proptest::prop_assert!(peak(&r) <= cap.max(1.0) + 1e-9, "{} peak {} above cap {}", kind, peak(&r), cap);
+            }
+            Err(e) => proptest::prop_assert!(e.to_string().contains("memory cap"), "{}", e),
+        }
+    }
+}
