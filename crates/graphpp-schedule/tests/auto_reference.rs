@@ -1,10 +1,11 @@
-//! `zbv-auto` against the zero-bubble authors' reference V heuristic, and unit-free decisions of
-//! the cost-aware generators.
+//! `zb-auto` and `zbv-auto` against the zero-bubble authors' reference heuristics, and unit-free
+//! decisions of both.
 //!
-//! `tests/fixtures/zbv_reference.json` holds the reference's schedules on its own grid (p ∈ {2, 4,
-//! 6, 8}, m ∈ {p, 2p, 3p, 4p}, four (T_F, T_I, T_W) sets, c ∈ {0, 0.1}; M_W = M_B/2, cap p M_B),
-//! written by `tools/zero_bubble/zbv_reference.py` from sail-sg/zero-bubble-pipeline-parallelism
-//! at commit 39f2c186 (`zbv.py`). CI needs no Python: the fixture is committed.
+//! `tests/fixtures/zbv_reference.json` and `zb_reference.json` hold the references' schedules on
+//! one grid (p ∈ {2, 4, 6, 8}, m ∈ {p, 2p, 3p, 4p}, four (T_F, T_I, T_W) sets, c ∈ {0, 0.1};
+//! M_W = M_B/2; cap p M_B for ZB-V, p and 2p for ZB-1p/2p), written by
+//! `tools/zero_bubble/{zbv,zb}_reference.py` from sail-sg/zero-bubble-pipeline-parallelism at
+//! commit 39f2c186 (`zbv.py`, `zb.py`). CI needs no Python: the fixtures are committed.
 
 use graphpp_schedule::{
     generate, simulate, validate, Action, Costs, Kind, Memory, Options, Schedule, Shape, SimReport,
@@ -17,13 +18,19 @@ struct Cell {
     p: usize,
     m: usize,
     costs: Costs,
+    /// The memory cap, M_B units (`None`: the generator's default p).
+    cap: Option<f64>,
     makespan: f64,
     peak: f64,
     order: Schedule,
 }
 
+/// The ZB-V reference cells.
 fn cells() -> Vec<Cell> {
-    let text = include_str!("fixtures/zbv_reference.json");
+    cells_of(include_str!("fixtures/zbv_reference.json"))
+}
+
+fn cells_of(text: &str) -> Vec<Cell> {
     let v: Value = serde_json::from_str(text).unwrap();
     let num = |c: &Value, k: &str| c[k].as_f64().unwrap_or_else(|| panic!("field {k}"));
     v["cells"]
@@ -41,6 +48,7 @@ fn cells() -> Vec<Cell> {
                 p: num(c, "p") as usize,
                 m: num(c, "m") as usize,
                 costs: costs(num(c, "f"), num(c, "i"), num(c, "w"), num(c, "c")),
+                cap: c["cap"].as_f64(),
                 makespan: num(c, "makespan"),
                 peak: num(c, "peak"),
                 order: Schedule::from_programs(order),
@@ -58,7 +66,11 @@ fn scaled(c: &Costs, k: f64) -> Costs {
 }
 
 fn run(kind: Kind, shape: Shape, costs: &Costs) -> (Schedule, SimReport) {
-    let opts = Options { costs: *costs, ..Options::default() };
+    run_capped(kind, shape, costs, None)
+}
+
+fn run_capped(kind: Kind, shape: Shape, costs: &Costs, mem_cap: Option<f64>) -> (Schedule, SimReport) {
+    let opts = Options { costs: *costs, mem_cap, ..Options::default() };
     let s = generate(kind, &shape, &opts).unwrap_or_else(|e| panic!("{kind} {shape:?}: {e}"));
     validate(&s, &ValidateOptions::microbatches(shape.microbatches))
         .unwrap_or_else(|e| panic!("{kind}: {e}"));
@@ -72,9 +84,9 @@ fn peak(r: &SimReport) -> f64 {
 
 #[test]
 fn the_simulator_replays_the_reference_exactly() {
-    let cells = cells();
-    assert_eq!(cells.len(), 128);
-    for c in &cells {
+    let (v, zb) = (cells(), cells_of(include_str!("fixtures/zb_reference.json")));
+    assert_eq!((v.len(), zb.len()), (128, 256));
+    for c in v.iter().chain(&zb) {
         validate(&c.order, &ValidateOptions::microbatches(c.m)).unwrap();
         let r = simulate(&c.order, &c.costs, &Memory::default()).unwrap();
         assert!(
@@ -106,6 +118,19 @@ fn zbv_auto_is_never_slower_than_the_reference_and_stays_under_the_cap() {
     // The fixed PyTorch order loses to the reference in many cells (53 of 128 when measured).
     assert!(zbv_slower > 40, "zbv slower than the reference in only {zbv_slower} cells");
     eprintln!("zbv-auto faster than the reference in {faster} of 128 cells");
+}
+
+#[test]
+fn zb_auto_is_never_slower_than_the_reference_and_stays_under_the_cap() {
+    let mut faster = 0;
+    for c in cells_of(include_str!("fixtures/zb_reference.json")) {
+        let (_, r) = run_capped(Kind::ZbAuto, Shape::new(c.p, 1, c.m), &c.costs, c.cap);
+        let (at, cap) = (format!("p={} m={} {} cap {:?}", c.p, c.m, c.costs, c.cap), c.cap.unwrap());
+        assert!(r.makespan <= c.makespan + 1e-9, "{at}: zb-auto {} > reference {}", r.makespan, c.makespan);
+        assert!(peak(&r) <= cap + 1e-9, "{at}: peak {} above the cap", peak(&r));
+        faster += usize::from(r.makespan < c.makespan - 1e-9);
+    }
+    eprintln!("zb-auto faster than the reference in {faster} of 256 cells");
 }
 
 #[test]
