@@ -148,6 +148,8 @@ struct Builder {
     free: Vec<f64>,
     used: Vec<f64>,
     bubble: Vec<f64>,
+    /// The largest of `bubble` (bubbles only grow).
+    max_bubble: f64,
     /// Allowances: a rank may wait up to (largest allowance − its own) more than the others.
     allowance: Option<(Vec<f64>, f64)>,
     pending_w: Vec<VecDeque<usize>>,
@@ -172,6 +174,7 @@ impl Builder {
             free: vec![0.0; p],
             used: vec![0.0; p],
             bubble: vec![0.0; p],
+            max_bubble: 0.0,
             allowance: allowance.map(|a| (a.to_vec(), max(a))),
             pending_w: vec![VecDeque::new(); p],
             programs: vec![Vec::new(); p],
@@ -189,7 +192,7 @@ impl Builder {
     /// The largest bubble any rank may reach before rank `r` stops filling waits with W's.
     fn allowed_bubble(&self, r: usize) -> f64 {
         let own = self.allowance.as_ref().map_or(0.0, |(a, top)| top - a[r]);
-        max(&self.bubble).max(own)
+        self.max_bubble.max(own)
     }
 
     /// The stage a (kind, chunk) of rank `r` runs on (see [`Builder::count`] for I/W chunks).
@@ -247,6 +250,7 @@ impl Builder {
         let start = ready.map_or(self.free[r], |t| self.tol.start(self.free[r], t));
         if self.count[r][0] > 0 {
             self.bubble[r] += start - self.free[r];
+            self.max_bubble = self.max_bubble.max(self.bubble[r]);
         }
         let finish = start + cost;
         let slot = self.slot(kind, chunk, r, mb);
