@@ -36,6 +36,7 @@ fn stage_ops(t: &Trainer) -> [usize; 3] {
                     StageOpKind::Unshard => 0,
                     StageOpKind::Reshard => 1,
                     StageOpKind::ReduceGrad => 2,
+                    StageOpKind::WaitReduceGrad => panic!("graphpp's lowering emits no WAIT_REDUCE_GRAD"),
                 }] += 1;
             }
         }

@@ -198,7 +198,7 @@ fn an_option_the_kind_ignores_is_refused() {
     ]);
     has_all(&err, &["zbv does not use a group size (--group)", "grouped-interleaved only"]);
     let err = rejected(&simulate(&["--mem-cap", "3"]));
-    has_all(&err, &["1f1b does not use a memory cap (--mem-cap)", "zb-auto only"]);
+    has_all(&err, &["1f1b does not use a memory cap (--mem-cap)", "zb-auto, zbv-auto only"]);
 }
 
 #[test]
