@@ -29,7 +29,11 @@ fn requires_grad(g: &Graph) -> Vec<bool> {
             Op::Input { kind, ty, .. } => {
                 ty.dtype.is_float() && matches!(kind, InputKind::Parameter | InputKind::Activation)
             }
-            Op::Full { .. } | Op::TopK { .. } | Op::Binary { f: BinaryOp::Eq } => false,
+            Op::Full { .. }
+            | Op::TopK { .. }
+            | Op::SortByExpert { .. }
+            | Op::Bincount { .. }
+            | Op::Binary { f: BinaryOp::Eq } => false,
             _ => n.ty.dtype.is_float() && n.inputs.iter().any(|x| rg[x.0]),
         };
     }
@@ -140,8 +144,29 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
     let x = |i: usize| n.inputs[i];
     let shape = |v: ValueId| fw.node(v).ty.shape.clone();
     Ok(match &n.op {
-        Op::Input { .. } | Op::Full { .. } | Op::TopK { .. } | Op::Binary { f: BinaryOp::Eq } => {
-            vec![None; n.inputs.len()]
+        Op::Input { .. }
+        | Op::Full { .. }
+        | Op::TopK { .. }
+        | Op::SortByExpert { .. }
+        | Op::Bincount { .. }
+        | Op::Binary { f: BinaryOp::Eq } => vec![None; n.inputs.len()],
+        // y = x·w[e]ᵀ (w [E,N,K]): dx = g·w[e], dw[e] = g_eᵀ·x_e; y = x·w[e] (w [E,K,N]): dx = g·w[e]ᵀ,
+        // dw[e] = x_eᵀ·g_e.
+        Op::SegmentMatmul { transpose } => {
+            let (xv, w, counts) = (x(0), x(1), x(2));
+            let dx = b.segment_matmul(g, w, counts, !transpose)?;
+            let dw =
+                if *transpose { b.segment_outer(g, xv, counts)? } else { b.segment_outer(xv, g, counts)? };
+            vec![Some(dx), Some(dw), None]
+        }
+        // out[e] = a_eᵀ·b_e: da_e = b_e·g[e]ᵀ, db_e = a_e·g[e].
+        Op::SegmentOuter => {
+            let (a, c, counts) = (x(0), x(1), x(2));
+            vec![
+                Some(b.segment_matmul(c, g, counts, true)?),
+                Some(b.segment_matmul(a, g, counts, false)?),
+                None,
+            ]
         }
         Op::Unary { f } => vec![Some(match f {
             UnaryOp::Neg => b.neg(g)?,

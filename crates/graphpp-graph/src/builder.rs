@@ -255,6 +255,28 @@ impl GraphBuilder {
     pub fn topk(&mut self, x: ValueId, k: usize) -> Result<ValueId> {
         self.add(Op::TopK { k }, &[x])
     }
+    /// The permutation that sorts the 1-D u32 `ids` by expert (stable; see [`Op::SortByExpert`]).
+    pub fn sort_by_expert(&mut self, ids: ValueId, experts: usize) -> Result<ValueId> {
+        self.add(Op::SortByExpert { experts }, &[ids])
+    }
+    /// Counts of each of `bins` values in the 1-D u32 `ids`.
+    pub fn bincount(&mut self, ids: ValueId, bins: usize) -> Result<ValueId> {
+        self.add(Op::Bincount { bins }, &[ids])
+    }
+    /// Per-expert matmul over contiguous row segments (see [`Op::SegmentMatmul`]).
+    pub fn segment_matmul(
+        &mut self,
+        x: ValueId,
+        w: ValueId,
+        counts: ValueId,
+        transpose: bool,
+    ) -> Result<ValueId> {
+        self.add(Op::SegmentMatmul { transpose }, &[x, w, counts])
+    }
+    /// Per-expert `aᵀ·b` over contiguous row segments (see [`Op::SegmentOuter`]).
+    pub fn segment_outer(&mut self, a: ValueId, b: ValueId, counts: ValueId) -> Result<ValueId> {
+        self.add(Op::SegmentOuter, &[a, b, counts])
+    }
     /// Cast to `dtype`.
     pub fn cast(&mut self, x: ValueId, dtype: DType) -> Result<ValueId> {
         if self.ty(x).dtype == dtype {

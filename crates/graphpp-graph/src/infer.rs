@@ -177,6 +177,44 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             shape[r - 1] = *k;
             Ok(TensorType::new(DType::U32, shape))
         }
+        Op::SortByExpert { .. } | Op::Bincount { .. } => {
+            arity(op, ins, 1)?;
+            index(ins[0])?;
+            need(ins[0].shape.len() == 1, || format!("{} ids must be 1-D, got {}", op.mnemonic(), ins[0]))?;
+            Ok(match op {
+                Op::Bincount { bins } => TensorType::new(DType::U32, vec![*bins]),
+                _ => ins[0].clone(),
+            })
+        }
+        Op::SegmentMatmul { transpose } => {
+            arity(op, ins, 3)?;
+            float(ins[0])?;
+            index(ins[2])?;
+            let (x, w, c) = (&ins[0].shape, &ins[1].shape, &ins[2].shape);
+            let ok =
+                x.len() == 2 && w.len() == 3 && c.len() == 1 && c[0] == w[0] && ins[1].dtype == ins[0].dtype;
+            let (k, n) = if *transpose { (w.get(2), w.get(1)) } else { (w.get(1), w.get(2)) };
+            need(ok && k == x.get(1), || {
+                format!(
+                    "segment_matmul of {} by {} (transpose={transpose}) with counts {}",
+                    ins[0], ins[1], ins[2]
+                )
+            })?;
+            Ok(TensorType::new(ins[0].dtype, vec![x[0], *n.unwrap_or(&0)]))
+        }
+        Op::SegmentOuter => {
+            arity(op, ins, 3)?;
+            float(ins[0])?;
+            index(ins[2])?;
+            let (a, bb, c) = (&ins[0].shape, &ins[1].shape, &ins[2].shape);
+            let ok = a.len() == 2
+                && bb.len() == 2
+                && a[0] == bb[0]
+                && c.len() == 1
+                && ins[1].dtype == ins[0].dtype;
+            need(ok, || format!("segment_outer of {} and {} with counts {}", ins[0], ins[1], ins[2]))?;
+            Ok(TensorType::new(ins[0].dtype, vec![c[0], a[1], bb[1]]))
+        }
         Op::Cast { dtype } => {
             arity(op, ins, 1)?;
             Ok(TensorType::new(*dtype, ins[0].shape.clone()))

@@ -149,6 +149,22 @@ pub enum Op {
     ScatterAdd { axis: usize },
     /// u32 indices of the `k` largest entries along the last axis, largest first (no gradient).
     TopK { k: usize },
+    /// `ids[R]` u32 (each `< experts`) → u32 `[R]`: the stable counting-sort permutation that
+    /// orders the rows by expert (`out[j]` = the row that goes to sorted position `j`); no
+    /// gradient. With [`Op::Bincount`] it lays the routed rows of a mixture-of-experts layer out
+    /// as one contiguous segment per expert.
+    SortByExpert { experts: usize },
+    /// `ids[R]` u32 → u32 `[bins]`: how many ids equal each bin (no gradient). An id `>= bins`
+    /// is an execution error.
+    Bincount { bins: usize },
+    /// `(x[R, K], w, counts[E])` → `[R, N]`: rows `0..counts[0]` use expert 0's matrix, the next
+    /// `counts[1]` rows expert 1's, …: `y_r = x_r · w[e]ᵀ` with `w[E, N, K]` when `transpose`
+    /// (the Hugging Face `[out, in]` layout), else `y_r = x_r · w[e]` with `w[E, K, N]`. The
+    /// counts must add up to R (an execution error otherwise).
+    SegmentMatmul { transpose: bool },
+    /// `(a[R, N], b[R, K], counts[E])` → `[E, N, K]`: `out[e] = a_eᵀ · b_e` over expert e's segment
+    /// of rows (the weight gradient of [`Op::SegmentMatmul`]).
+    SegmentOuter,
     /// Element type conversion.
     Cast { dtype: DType },
     /// Issue a collective over `group` along `axis`; its value is only readable through a wait.
@@ -179,6 +195,10 @@ impl Op {
             Op::Gather { .. } => "gather".into(),
             Op::ScatterAdd { .. } => "scatter_add".into(),
             Op::TopK { .. } => "topk".into(),
+            Op::SortByExpert { .. } => "sort_by_expert".into(),
+            Op::Bincount { .. } => "bincount".into(),
+            Op::SegmentMatmul { .. } => "segment_matmul".into(),
+            Op::SegmentOuter => "segment_outer".into(),
             Op::Cast { .. } => "cast".into(),
             Op::CollectiveStart { kind, .. } => format!("{}_start", kind.name()),
             Op::CollectiveWait => "wait".into(),
@@ -205,6 +225,9 @@ impl Op {
             | Op::Gather { axis }
             | Op::ScatterAdd { axis } => vec![format!("axis={axis}")],
             Op::TopK { k } => vec![format!("k={k}")],
+            Op::SortByExpert { experts } => vec![format!("experts={experts}")],
+            Op::Bincount { bins } => vec![format!("bins={bins}")],
+            Op::SegmentMatmul { transpose } => vec![format!("transpose={transpose}")],
             Op::Cast { dtype } => vec![format!("dtype={dtype}")],
             Op::CollectiveStart { group, axis, .. } => {
                 vec![format!("group={}/{}", group.name, group.size), format!("axis={axis}")]

@@ -534,6 +534,10 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
             let last = ty.shape.len() - 1;
             a[0].contiguous()?.arg_sort_last_dim(false)?.narrow(last, 0, *k)?.contiguous()?
         }
+        Op::SortByExpert { experts } => crate::segment::sort_by_expert(a[0], *experts)?,
+        Op::Bincount { bins } => crate::segment::bincount(a[0], *bins)?,
+        Op::SegmentMatmul { transpose } => crate::segment::segment_matmul(a[0], a[1], a[2], *transpose)?,
+        Op::SegmentOuter => crate::segment::segment_outer(a[0], a[1], a[2])?,
         Op::Cast { dtype } => a[0].to_dtype(candle_dtype(*dtype))?,
     })
 }

@@ -14,6 +14,7 @@ pub mod optim;
 pub mod pipeline;
 pub mod rank_train;
 pub mod sample;
+pub mod segment;
 pub mod stage;
 pub mod train;
 pub mod verify;

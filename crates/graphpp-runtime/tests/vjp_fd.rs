@@ -194,6 +194,46 @@ fn cases(seed: u64) -> Vec<Case> {
         vec![(vec![a, c], d as u64)],
         Box::new(|b, x, i| b.gather(x[0], i[0], 1).unwrap()),
     );
+    // Mixture-of-experts segments: counts from 3 experts' ids; rows in segment order.
+    let (rows, e) = (b_ + 3, 3usize);
+    with_idx(
+        "segment_matmul_transposed",
+        vec![vec![rows, c], vec![e, d, c]],
+        vec![(vec![rows], e as u64)],
+        Box::new(move |b, x, i| {
+            let counts = b.bincount(i[0], e).unwrap();
+            b.segment_matmul(x[0], x[1], counts, true).unwrap()
+        }),
+    );
+    with_idx(
+        "segment_matmul",
+        vec![vec![rows, c], vec![e, c, d]],
+        vec![(vec![rows], e as u64)],
+        Box::new(move |b, x, i| {
+            let counts = b.bincount(i[0], e).unwrap();
+            let y = b.segment_matmul(x[0], x[1], counts, false).unwrap();
+            b.mul(y, y).unwrap()
+        }),
+    );
+    with_idx(
+        "segment_outer",
+        vec![vec![rows, d], vec![rows, c]],
+        vec![(vec![rows], e as u64)],
+        Box::new(move |b, x, i| {
+            let counts = b.bincount(i[0], e).unwrap();
+            let y = b.segment_outer(x[0], x[1], counts).unwrap();
+            b.mul(y, y).unwrap()
+        }),
+    );
+    with_idx(
+        "sort_by_expert",
+        vec![vec![rows, c]],
+        vec![(vec![rows], e as u64)],
+        Box::new(move |b, x, i| {
+            let perm = b.sort_by_expert(i[0], e).unwrap();
+            b.index_select(x[0], perm, 0).unwrap()
+        }),
+    );
     with_idx(
         "scatter_add",
         vec![vec![a, d], vec![a, c]],
