@@ -186,11 +186,12 @@ impl Graph {
         v
     }
 
-    /// Multiply-add FLOPs of the matmuls (2·m·n·k per batch element) — a cost estimate for `--stats`.
+    /// Multiply-add FLOPs of the matmuls (2·m·n·k per batch element) and the MoE segment matmuls
+    /// (2·R·N·K over all segments) — a cost estimate for `--stats`.
     pub fn matmul_flops(&self) -> u64 {
         self.nodes
             .iter()
-            .filter(|n| matches!(n.op, Op::Matmul))
+            .filter(|n| matches!(n.op, Op::Matmul | Op::SegmentMatmul { .. }))
             .map(|n| {
                 let a = &self.node(n.inputs[0]).ty.shape;
                 let k = a[a.len() - 1] as u64;

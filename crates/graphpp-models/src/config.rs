@@ -138,6 +138,15 @@ pub struct LlamaConfig {
     pub initializer_range: f64,
 }
 
+/// The JSON object of a `config.json` text. Errors: [`ModelError::Json`].
+pub(crate) fn json_object(text: &str) -> Result<serde_json::Map<String, Value>, ModelError> {
+    let v: Value = serde_json::from_str(text).map_err(|e| ModelError::Json(e.to_string()))?;
+    match v {
+        Value::Object(obj) => Ok(obj),
+        _ => Err(ModelError::Json("a config must be a JSON object".into())),
+    }
+}
+
 /// Checks the fields of an HF `config.json` object that ask for something graphpp does not
 /// implement (source: `transformers` `LlamaConfig` and `modeling_llama.py`):
 /// - `model_type` other than `llama` (absent is fine);
@@ -238,11 +247,14 @@ impl LlamaConfig {
     /// given, else from `rope_theta`, as transformers 5 standardizes it) and validates the sizes. Errors: [`ModelError::Json`],
     /// [`ModelError::Unsupported`], [`ModelError::Field`].
     pub fn from_json(text: &str) -> Result<Self, ModelError> {
-        let v: Value = serde_json::from_str(text).map_err(|e| ModelError::Json(e.to_string()))?;
-        let Value::Object(mut obj) = v else {
-            return Err(ModelError::Json("a config must be a JSON object".into()));
-        };
+        let obj = json_object(text)?;
         check_supported(&obj)?;
+        Self::from_object(obj)
+    }
+
+    /// [`LlamaConfig::from_json`] of a parsed object whose unsupported fields were checked.
+    /// Errors: [`ModelError::Json`], [`ModelError::Field`].
+    pub(crate) fn from_object(mut obj: serde_json::Map<String, Value>) -> Result<Self, ModelError> {
         // transformers ≥ 5 keeps θ in `rope_parameters`, which wins over a top-level `rope_theta`.
         let nested = obj.get("rope_parameters").and_then(|p| p.get("rope_theta")).filter(|t| !t.is_null());
         if let Some(theta) = nested.cloned() {

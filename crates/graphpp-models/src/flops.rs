@@ -22,6 +22,19 @@ pub fn flops_per_token(cfg: &LlamaConfig, seq: usize) -> f64 {
     6.0 * n + 12.0 * attention
 }
 
+/// [`flops_per_token`] of a MoE decoder: `N` counts the weights *one token* multiplies — in a
+/// MoE layer the gate (`E·D`), its `k` routed experts (`3·D·F_e` each) and the shared experts
+/// (`3·D·F_s`) — not every expert's.
+pub fn moe_flops_per_token(cfg: &crate::moe::MoeConfig, seq: usize) -> f64 {
+    let base = &cfg.base;
+    let moe_layers = (cfg.first_k_dense_replace..base.num_hidden_layers).count();
+    let (d, fe) = (base.hidden_size, cfg.moe_intermediate_size);
+    let dense_mlp = 3 * d * base.intermediate_size;
+    let moe_mlp = cfg.n_routed_experts * d + (cfg.num_experts_per_tok + cfg.n_shared_experts) * 3 * d * fe;
+    let delta = moe_layers as f64 * (moe_mlp as f64 - dense_mlp as f64);
+    flops_per_token(base, seq) + 6.0 * delta
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,6 +6,7 @@ pub mod flops;
 pub mod llama;
 pub mod memory;
 pub mod model;
+pub mod moe;
 pub mod recompute;
 pub mod rng;
 
@@ -16,4 +17,5 @@ pub use llama::{
     stage_buffers, stage_graph_set, stage_parameters, StageOptions, StageSpec, EMBED, LM_HEAD,
 };
 pub use model::Model;
+pub use moe::{MoeConfig, ScoringFunc};
 pub use recompute::Recompute;

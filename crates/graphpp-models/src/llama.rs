@@ -10,6 +10,7 @@ use graphpp_graph::layers::{
 };
 use graphpp_graph::names::{INPUT, LOGITS, LOSS, OUTPUT, TARGETS, TOKENS};
 use graphpp_graph::{CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, TensorType, ValueId};
+use std::collections::HashMap;
 use std::ops::Range;
 
 /// HF name of the token embedding (and, with `tie_word_embeddings`, of the LM head's matrix).
@@ -160,19 +161,89 @@ pub fn split_layers(
 /// `model.embed_tokens.weight`, which the last stage then holds too (its own copy when it is not
 /// also the first stage; the trainer sums the copies' gradients by name, so they stay equal).
 pub fn stage_parameters(cfg: &LlamaConfig, spec: &StageSpec) -> Vec<(String, Vec<usize>)> {
-    let (d, f, v, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim());
+    decoder_parameters(cfg, spec, &DenseMlp(cfg))
+}
+
+/// The feed-forward block of each decoder layer, after `post_attention_layernorm`: the dense
+/// gated MLP of Llama ([`DenseMlp`]) or a mixture of experts ([`crate::moe`]). Parameters are
+/// under `model.layers.<l>.mlp.`.
+pub(crate) trait FeedForward {
+    /// Appends the names and shapes of layer `layer`'s feed-forward parameters.
+    fn parameters(&self, layer: usize, out: &mut Vec<(String, Vec<usize>)>);
+
+    /// Builds layer `layer`'s block on the normalised hidden states `h` `[B, T, D]`; `params` maps
+    /// every parameter name of the stage to its (cast) value.
+    fn build(
+        &self,
+        b: &mut GraphBuilder,
+        layer: usize,
+        h: ValueId,
+        params: &HashMap<String, ValueId>,
+    ) -> Result<ValueId, ModelError>;
+}
+
+/// Llama's gated MLP (`gate_proj`, `up_proj`, `down_proj`, optional biases).
+pub(crate) struct DenseMlp<'a>(pub &'a LlamaConfig);
+
+impl FeedForward for DenseMlp<'_> {
+    fn parameters(&self, layer: usize, out: &mut Vec<(String, Vec<usize>)>) {
+        let (cfg, pre) = (self.0, format!("model.layers.{layer}.mlp"));
+        let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
+        projection(out, format!("{pre}.gate_proj"), f, d, cfg.mlp_bias);
+        projection(out, format!("{pre}.up_proj"), f, d, cfg.mlp_bias);
+        projection(out, format!("{pre}.down_proj"), d, f, cfg.mlp_bias);
+    }
+
+    fn build(
+        &self,
+        b: &mut GraphBuilder,
+        layer: usize,
+        h: ValueId,
+        params: &HashMap<String, ValueId>,
+    ) -> Result<ValueId, ModelError> {
+        let pre = format!("model.layers.{layer}.mlp");
+        let w = |s: &str| params[&format!("{pre}.{s}.weight")];
+        let bias = |s: &str| params.get(&format!("{pre}.{s}.bias")).copied();
+        let mw = MlpWeights {
+            gate: w("gate_proj"),
+            up: w("up_proj"),
+            down: w("down_proj"),
+            gate_bias: bias("gate_proj"),
+            up_bias: bias("up_proj"),
+            down_bias: bias("down_proj"),
+        };
+        Ok(gated_mlp(b, h, mw, self.0.hidden_act.activation())?)
+    }
+}
+
+/// Appends `{name}.weight` `[out, in]` and, with `bias`, `{name}.bias` `[out]`.
+pub(crate) fn projection(
+    p: &mut Vec<(String, Vec<usize>)>,
+    name: String,
+    out: usize,
+    inp: usize,
+    bias: bool,
+) {
+    p.push((format!("{name}.weight"), vec![out, inp]));
+    if bias {
+        p.push((format!("{name}.bias"), vec![out]));
+    }
+}
+
+/// [`stage_parameters`] with the feed-forward block `ffn`.
+pub(crate) fn decoder_parameters(
+    cfg: &LlamaConfig,
+    spec: &StageSpec,
+    ffn: &dyn FeedForward,
+) -> Vec<(String, Vec<usize>)> {
+    let (d, v, hd) = (cfg.hidden_size, cfg.vocab_size, cfg.head_dim());
     let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.kv_heads() * hd);
     let mut p = Vec::new();
     if spec.is_first() {
         p.push((EMBED.to_string(), vec![v, d]));
     }
-    let proj = |p: &mut Vec<(String, Vec<usize>)>, name: String, out: usize, inp: usize, bias: bool| {
-        p.push((format!("{name}.weight"), vec![out, inp]));
-        if bias {
-            p.push((format!("{name}.bias"), vec![out]));
-        }
-    };
-    let (ab, mb) = (cfg.attention_bias, cfg.mlp_bias);
+    let proj = projection;
+    let ab = cfg.attention_bias;
     for l in spec.layers.clone() {
         let pre = format!("model.layers.{l}");
         p.push((format!("{pre}.input_layernorm.weight"), vec![d]));
@@ -181,9 +252,7 @@ pub fn stage_parameters(cfg: &LlamaConfig, spec: &StageSpec) -> Vec<(String, Vec
         proj(&mut p, format!("{pre}.self_attn.v_proj"), kvd, d, ab);
         proj(&mut p, format!("{pre}.self_attn.o_proj"), d, qd, ab);
         p.push((format!("{pre}.post_attention_layernorm.weight"), vec![d]));
-        proj(&mut p, format!("{pre}.mlp.gate_proj"), f, d, mb);
-        proj(&mut p, format!("{pre}.mlp.up_proj"), f, d, mb);
-        proj(&mut p, format!("{pre}.mlp.down_proj"), d, f, mb);
+        ffn.parameters(l, &mut p);
     }
     if spec.is_last() {
         p.push(("model.norm.weight".to_string(), vec![d]));
@@ -264,11 +333,21 @@ pub fn check_shape(cfg: &LlamaConfig, opts: &StageOptions) -> Result<(), ModelEr
 /// FSDP shard sizes.
 pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
     cfg.validate()?;
+    build_decoder(cfg, spec, opts, &DenseMlp(cfg))
+}
+
+/// [`build_stage`] with the feed-forward block `ffn` (the config validated by the caller).
+pub(crate) fn build_decoder(
+    cfg: &LlamaConfig,
+    spec: &StageSpec,
+    opts: &StageOptions,
+    ffn: &dyn FeedForward,
+) -> Result<Graph, ModelError> {
     check_shape(cfg, opts)?;
     let (bsz, t, d) = (opts.batch, opts.seq, cfg.hidden_size);
     let mut b = GraphBuilder::new(&format!("stage{}.fw", spec.stage), opts.dtype);
-    let mut params = std::collections::HashMap::new();
-    for (name, shape) in stage_parameters(cfg, spec) {
+    let mut params = HashMap::new();
+    for (name, shape) in decoder_parameters(cfg, spec, ffn) {
         let mut v = parameter(&mut b, &name, shape, opts)?;
         // The embedding table is cast after its row gather (see `StageOptions`).
         if name != EMBED {
@@ -331,15 +410,7 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
         let h = rms_norm(&mut b, x, w("post_attention_layernorm"), cfg.rms_norm_eps)?;
         b.pop_scope();
         b.push_scope("mlp");
-        let mw = MlpWeights {
-            gate: w("mlp.gate_proj"),
-            up: w("mlp.up_proj"),
-            down: w("mlp.down_proj"),
-            gate_bias: bias("mlp.gate_proj"),
-            up_bias: bias("mlp.up_proj"),
-            down_bias: bias("mlp.down_proj"),
-        };
-        let m = gated_mlp(&mut b, h, mw, cfg.hidden_act.activation())?;
+        let m = ffn.build(&mut b, l, h, &params)?;
         b.pop_scope();
         x = b.add2(x, m)?;
         b.pop_scope();
@@ -412,7 +483,17 @@ pub fn init_parameters(
     spec: &StageSpec,
     seed: u64,
 ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    stage_parameters(cfg, spec)
+    init_values(stage_parameters(cfg, spec), cfg.initializer_range, seed)
+}
+
+/// Initial values of `params` as [`init_parameters`] gives them: biases 0, 1-D weights 1,
+/// matrices normal(0, `range`) seeded by `seed` and the parameter's name.
+pub(crate) fn init_values(
+    params: Vec<(String, Vec<usize>)>,
+    range: f64,
+    seed: u64,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    params
         .into_iter()
         .map(|(name, shape)| {
             let n: usize = shape.iter().product();
@@ -422,7 +503,7 @@ pub fn init_parameters(
                 vec![1.0; n]
             } else {
                 let mut rng = crate::rng::Rng::new(seed ^ crate::rng::hash(&name));
-                (0..n).map(|_| (rng.normal() * cfg.initializer_range) as f32).collect()
+                (0..n).map(|_| (rng.normal() * range) as f32).collect()
             };
             (name, shape, data)
         })

@@ -63,10 +63,42 @@ pub fn buffer_bytes(cfg: &LlamaConfig, seq: usize) -> u128 {
 /// Number of parameters of the whole model (one copy).
 pub fn parameter_count(cfg: &LlamaConfig) -> u128 {
     let whole = StageSpec { stage: 0, stages: 1, layers: 0..cfg.num_hidden_layers };
-    crate::llama::stage_parameters(cfg, &whole)
+    count(&crate::llama::stage_parameters(cfg, &whole))
+}
+
+/// Elements of all `params` (saturating).
+pub fn count(params: &[(String, Vec<usize>)]) -> u128 {
+    params
         .iter()
         .map(|(_, shape)| shape.iter().fold(1u128, |n, &x| n.saturating_mul(x as u128)))
         .fold(0u128, u128::saturating_add)
+}
+
+/// Saved-activation bytes of one microbatch through stage `spec` of a MoE decoder: the Llama
+/// figure ([`stage_activation_bytes`]) with each MoE layer's dense MLP (`5·F` values per token)
+/// replaced by what the MoE block saves per token: `3·E + 4` for the gate (logits, scores, biased
+/// scores, the k ids and weights), `k·(2·D + 5·F_e)` for the routed rows (the copies, their sorted
+/// order, the two projections, the activation, the product and the output put back) and `5·F_s`
+/// for the shared experts (`F_e` = `moe_intermediate_size`, `F_s` = `n_shared_experts · F_e`).
+/// An estimate for the pre-flight check (within 10% of the graph's saved values, tested).
+pub fn moe_stage_activation_bytes(
+    cfg: &crate::moe::MoeConfig,
+    spec: &StageSpec,
+    batch: usize,
+    seq: usize,
+) -> u128 {
+    let dense = stage_activation_bytes(&cfg.base, spec, batch, seq);
+    let moe_layers = spec.layers.clone().filter(|&l| cfg.is_moe(l)).count() as u128;
+    let (e, k, d) =
+        (cfg.n_routed_experts as u128, cfg.num_experts_per_tok as u128, cfg.base.hidden_size as u128);
+    let (fe, f) = (cfg.moe_intermediate_size as u128, cfg.base.intermediate_size as u128);
+    let fs = fe * cfg.n_shared_experts as u128;
+    let moe = 3 * e + 4 + k * (2 * d + 5 * fe) + 5 * fs;
+    let tokens = (batch as u128).saturating_mul(seq as u128);
+    let per_layer = tokens.saturating_mul(F32);
+    dense
+        .saturating_sub(per_layer.saturating_mul(5 * f).saturating_mul(moe_layers))
+        .saturating_add(per_layer.saturating_mul(moe).saturating_mul(moe_layers))
 }
 
 #[cfg(test)]

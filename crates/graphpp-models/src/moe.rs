@@ -1,0 +1,544 @@
+//! DeepSeek-style mixture-of-experts decoder (DeepSeek-V3 technical report, Liu et al. 2024,
+//! §2.1.2 "DeepSeekMoE with auxiliary-loss-free load balancing"; Hugging Face
+//! `DeepseekV3Config` field names and `modeling_deepseek_v3.py` semantics): a Llama decoder
+//! ([`crate::llama`]: attention, norms, embedding and head) whose layers from
+//! `first_k_dense_replace` on replace the dense MLP by `n_shared_experts` shared experts and
+//! `n_routed_experts` routed experts, `num_experts_per_tok` of them per token.
+//!
+//! **Routing** (per token `x`, `E` routed experts, `k` per token): scores `s = σ(x·W_gᵀ)` (or a
+//! softmax with `scoring_func = "softmax"`); the experts are the top `k` of `s + b`, where `b` is
+//! the load-balancing bias (buffer `…mlp.gate.e_score_correction_bias`, updated outside the
+//! gradient); their weights are the *unbiased* scores, normalised to sum 1 when `norm_topk_prob`,
+//! times `routed_scaling_factor`. The output is `Σ_k w_k · expert_k(x) + shared(x)`; each expert
+//! and the shared block is a SwiGLU MLP (`moe_intermediate_size` wide; the shared one
+//! `n_shared_experts` times as wide). Gradients reach the gate through the weights, not through
+//! the choice.
+//!
+//! **Dropless, static shapes.** Every token's `k` copies (`R = B·T·k` rows in all) are sorted by
+//! expert ([`Op::SortByExpert`]), each expert multiplies its contiguous segment
+//! ([`Op::SegmentMatmul`], segment lengths from [`Op::Bincount`]), and the rows are put back and
+//! weighted. No token is dropped and every tensor the graph sees has a static shape; only the
+//! segment lengths depend on the data.
+//!
+//! Attention is Llama's (grouped-query, RoPE), not DeepSeek-V3's multi-head latent attention:
+//! a config with MLA fields is refused.
+//!
+//! [`Op::SortByExpert`]: graphpp_graph::Op::SortByExpert
+//! [`Op::SegmentMatmul`]: graphpp_graph::Op::SegmentMatmul
+//! [`Op::Bincount`]: graphpp_graph::Op::Bincount
+
+use std::collections::HashMap;
+
+use graphpp_graph::layers::{activation, linear, swiglu_mlp, Activation};
+use graphpp_graph::{Graph, GraphBuilder, InputKind, ValueId};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::config::{json_object, LlamaConfig, ModelError};
+use crate::llama::{
+    build_decoder, decoder_parameters, init_values, DenseMlp, FeedForward, StageOptions, StageSpec,
+};
+
+/// How the gate turns logits into scores (HF `scoring_func`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScoringFunc {
+    /// Independent sigmoid per expert (DeepSeek-V3).
+    #[default]
+    Sigmoid,
+    /// Softmax over the experts (DeepSeek-V2, Mixtral-style).
+    Softmax,
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_one() -> usize {
+    1
+}
+
+/// The MoE decoder's config: the Llama fields ([`LlamaConfig`], flattened: the same JSON object)
+/// plus DeepSeek-V3's MoE fields. The five size fields have no default: a config that lacks one
+/// is refused naming it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Attention, norms, embedding, head and the dense layers' MLP.
+    #[serde(flatten)]
+    pub base: LlamaConfig,
+    /// Routed experts `E` per MoE layer.
+    pub n_routed_experts: usize,
+    /// Shared experts (one SwiGLU MLP `n_shared_experts × moe_intermediate_size` wide; 0: none).
+    pub n_shared_experts: usize,
+    /// Routed experts per token `k`.
+    pub num_experts_per_tok: usize,
+    /// Inner width of each expert's SwiGLU MLP.
+    pub moe_intermediate_size: usize,
+    /// Layers `0..first_k_dense_replace` keep the dense MLP (`intermediate_size` wide).
+    pub first_k_dense_replace: usize,
+    /// Factor on the routed experts' weights.
+    pub routed_scaling_factor: f64,
+    /// Gate scores: sigmoid (default) or softmax.
+    #[serde(default)]
+    pub scoring_func: ScoringFunc,
+    /// Normalise the `k` chosen weights to sum 1 (HF default true).
+    #[serde(default = "default_true")]
+    pub norm_topk_prob: bool,
+    /// Expert groups for group-limited routing; only 1 (no grouping) is implemented.
+    #[serde(default = "default_one")]
+    pub n_group: usize,
+    /// Groups a token may route to; only 1 is implemented.
+    #[serde(default = "default_one")]
+    pub topk_group: usize,
+}
+
+/// HF fields of DeepSeek's multi-head latent attention, which graphpp does not implement.
+const MLA_FIELDS: [&str; 4] = ["q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim"];
+
+impl MoeConfig {
+    /// `moe-tiny`: the `tiny` decoder (D=64, 4 layers, 4 heads) with layers 1–3 MoE: 8 routed
+    /// experts, 2 per token, 1 shared, each 48 wide (active FFN width 3·48 = 144, dense 176).
+    pub fn tiny() -> Self {
+        MoeConfig {
+            base: LlamaConfig::tiny(),
+            n_routed_experts: 8,
+            n_shared_experts: 1,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 48,
+            first_k_dense_replace: 1,
+            routed_scaling_factor: 1.0,
+            scoring_func: ScoringFunc::Sigmoid,
+            norm_topk_prob: true,
+            n_group: 1,
+            topk_group: 1,
+        }
+    }
+
+    /// `moe-small`: the `small` decoder (D=256, 8 layers) with layers 1–7 MoE: 16 routed experts,
+    /// 2 per token, 1 shared, each 192 wide.
+    pub fn small() -> Self {
+        MoeConfig {
+            base: LlamaConfig::small(),
+            n_routed_experts: 16,
+            moe_intermediate_size: 192,
+            ..Self::tiny()
+        }
+    }
+
+    /// A preset by name (`moe-tiny`, `moe-small`). Errors: [`ModelError::Preset`].
+    pub fn preset(name: &str) -> Result<Self, ModelError> {
+        match name {
+            "moe-tiny" => Ok(Self::tiny()),
+            "moe-small" => Ok(Self::small()),
+            other => Err(ModelError::Preset(other.into())),
+        }
+    }
+
+    /// Parses a `config.json` with DeepSeek-V3 MoE fields: `model_type` absent or `deepseek_v3`,
+    /// no MLA fields, `moe_layer_freq` 1, the Llama fields as [`LlamaConfig::from_json`] reads
+    /// them. Errors: [`ModelError::Json`] (naming a missing field), [`ModelError::Unsupported`],
+    /// [`ModelError::Field`].
+    pub fn from_json(text: &str) -> Result<Self, ModelError> {
+        let mut obj = json_object(text)?;
+        let set =
+            |obj: &serde_json::Map<String, Value>, k: &str| obj.get(k).filter(|v| !v.is_null()).cloned();
+        if let Some(v) = set(&obj, "model_type") {
+            if v.as_str() != Some("deepseek_v3") {
+                let reason = "a MoE config is DeepSeek-V3 style (model_type deepseek_v3, or none)";
+                return Err(ModelError::Unsupported { field: "model_type", value: v.to_string(), reason });
+            }
+            obj.remove("model_type");
+        }
+        for field in MLA_FIELDS {
+            if let Some(v) = set(&obj, field) {
+                let reason = "graphpp's MoE decoder uses Llama attention; multi-head latent attention is not implemented";
+                return Err(ModelError::Unsupported { field, value: v.to_string(), reason });
+            }
+        }
+        if let Some(v) = set(&obj, "moe_layer_freq").filter(|v| v.as_f64() != Some(1.0)) {
+            let reason = "every layer from first_k_dense_replace on is MoE (moe_layer_freq 1)";
+            return Err(ModelError::Unsupported { field: "moe_layer_freq", value: v.to_string(), reason });
+        }
+        crate::config::check_supported(&obj)?;
+        obj.retain(|_, v| !v.is_null());
+        let mut cfg: MoeConfig = serde_json::from_value(Value::Object(obj.clone()))
+            .map_err(|e| ModelError::Json(e.to_string()))?;
+        cfg.base = LlamaConfig::from_object(obj)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the MoE fields (and the Llama ones). Errors: [`ModelError::Field`] naming the field,
+    /// [`ModelError::Unsupported`] for group-limited routing.
+    pub fn validate(&self) -> Result<(), ModelError> {
+        self.base.validate()?;
+        let bad = |field, reason: String| Err(ModelError::Field { field, reason });
+        if self.n_routed_experts == 0 {
+            return bad("n_routed_experts", "must be > 0".into());
+        }
+        if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.n_routed_experts {
+            return bad(
+                "num_experts_per_tok",
+                format!(
+                    "{} must be in 1..={} (n_routed_experts)",
+                    self.num_experts_per_tok, self.n_routed_experts
+                ),
+            );
+        }
+        if self.moe_intermediate_size == 0 {
+            return bad("moe_intermediate_size", "must be > 0".into());
+        }
+        if self.first_k_dense_replace > self.base.num_hidden_layers {
+            return bad(
+                "first_k_dense_replace",
+                format!(
+                    "{} exceeds num_hidden_layers {}",
+                    self.first_k_dense_replace, self.base.num_hidden_layers
+                ),
+            );
+        }
+        if !(self.routed_scaling_factor.is_finite() && self.routed_scaling_factor > 0.0) {
+            return bad(
+                "routed_scaling_factor",
+                format!("{} must be a finite number > 0", self.routed_scaling_factor),
+            );
+        }
+        for (field, v) in [("n_group", self.n_group), ("topk_group", self.topk_group)] {
+            if v != 1 {
+                let reason = "group-limited routing is not implemented (n_group = topk_group = 1)";
+                return Err(ModelError::Unsupported { field, value: v.to_string(), reason });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether decoder layer `layer` is a MoE layer.
+    pub fn is_moe(&self, layer: usize) -> bool {
+        layer >= self.first_k_dense_replace
+    }
+
+    /// Name of layer `layer`'s load-balancing bias buffer `[E]`.
+    pub fn bias_name(layer: usize) -> String {
+        format!("model.layers.{layer}.mlp.gate.e_score_correction_bias")
+    }
+
+    /// Parameters of stage `spec` in the stage graph's input order (see [`crate::stage_parameters`]).
+    pub fn stage_parameters(&self, spec: &StageSpec) -> Vec<(String, Vec<usize>)> {
+        decoder_parameters(&self.base, spec, self)
+    }
+
+    /// The forward graph of stage `spec` ([`crate::build_stage`]'s interface; a MoE layer also
+    /// reads its bias buffer). Errors: config, shape, or graph building.
+    pub fn build_stage(&self, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
+        self.validate()?;
+        build_decoder(&self.base, spec, opts, self)
+    }
+
+    /// Initial parameters ([`crate::init_parameters`]' rules; the gate and every expert matrix
+    /// normal(0, `initializer_range`)).
+    pub fn init_parameters(&self, spec: &StageSpec, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        init_values(self.stage_parameters(spec), self.base.initializer_range, seed)
+    }
+
+    /// Buffers: the Llama ones ([`crate::stage_buffers`]) and a zero bias `[E]` per MoE layer.
+    pub fn stage_buffers(&self, seq: usize) -> Vec<(String, Vec<usize>, Vec<f64>)> {
+        let mut out = crate::llama::stage_buffers(&self.base, seq);
+        let e = self.n_routed_experts;
+        out.extend(
+            (0..self.base.num_hidden_layers)
+                .filter(|&l| self.is_moe(l))
+                .map(|l| (Self::bias_name(l), vec![e], vec![0.0; e])),
+        );
+        out
+    }
+}
+
+impl FeedForward for MoeConfig {
+    fn parameters(&self, layer: usize, out: &mut Vec<(String, Vec<usize>)>) {
+        if !self.is_moe(layer) {
+            return DenseMlp(&self.base).parameters(layer, out);
+        }
+        let (d, f, pre) =
+            (self.base.hidden_size, self.moe_intermediate_size, format!("model.layers.{layer}.mlp"));
+        out.push((format!("{pre}.gate.weight"), vec![self.n_routed_experts, d]));
+        for e in 0..self.n_routed_experts {
+            out.push((format!("{pre}.experts.{e}.gate_proj.weight"), vec![f, d]));
+            out.push((format!("{pre}.experts.{e}.up_proj.weight"), vec![f, d]));
+            out.push((format!("{pre}.experts.{e}.down_proj.weight"), vec![d, f]));
+        }
+        if self.n_shared_experts > 0 {
+            let fs = f * self.n_shared_experts;
+            out.push((format!("{pre}.shared_experts.gate_proj.weight"), vec![fs, d]));
+            out.push((format!("{pre}.shared_experts.up_proj.weight"), vec![fs, d]));
+            out.push((format!("{pre}.shared_experts.down_proj.weight"), vec![d, fs]));
+        }
+    }
+
+    fn build(
+        &self,
+        b: &mut GraphBuilder,
+        layer: usize,
+        h: ValueId,
+        params: &HashMap<String, ValueId>,
+    ) -> Result<ValueId, ModelError> {
+        if !self.is_moe(layer) {
+            return DenseMlp(&self.base).build(b, layer, h, params);
+        }
+        let pre = format!("model.layers.{layer}.mlp");
+        let p = |s: &str| params[&format!("{pre}.{s}.weight")];
+        let shape = b.shape(h);
+        let (n, d) = (shape[..shape.len() - 1].iter().product::<usize>(), self.base.hidden_size);
+        let x = b.reshape(h, vec![n, d])?;
+        b.push_scope("gate");
+        let bias = b.input(&Self::bias_name(layer), InputKind::Buffer, vec![self.n_routed_experts])?;
+        let (ids, weights) = self.route(b, x, p("gate"), bias)?;
+        b.pop_scope();
+        b.push_scope("experts");
+        let routed = self.experts(b, x, ids, weights, &|e, s| p(&format!("experts.{e}.{s}")))?;
+        b.pop_scope();
+        let y = if self.n_shared_experts > 0 {
+            b.push_scope("shared_experts");
+            let s = swiglu_mlp(
+                b,
+                x,
+                p("shared_experts.gate_proj"),
+                p("shared_experts.up_proj"),
+                p("shared_experts.down_proj"),
+            )?;
+            b.pop_scope();
+            b.add2(routed, s)?
+        } else {
+            routed
+        };
+        Ok(b.reshape(y, shape)?)
+    }
+}
+
+impl MoeConfig {
+    /// The gate: for `x [N, D]`, the chosen experts `[N, k]` (u32) and their weights `[N, k]`.
+    fn route(
+        &self,
+        b: &mut GraphBuilder,
+        x: ValueId,
+        gate: ValueId,
+        bias: ValueId,
+    ) -> Result<(ValueId, ValueId), ModelError> {
+        let k = self.num_experts_per_tok;
+        let logits = linear(b, x, gate)?;
+        // Scores in the wide dtype (f32 under bf16), as DeepSeek computes its gate.
+        let dtype = b.ty(logits).dtype;
+        let logits = b.cast(logits, dtype.wide())?;
+        let scores = match self.scoring_func {
+            ScoringFunc::Sigmoid => b.sigmoid(logits)?,
+            ScoringFunc::Softmax => graphpp_graph::layers::softmax(b, logits, 1)?,
+        };
+        let bias = b.cast(bias, dtype.wide())?;
+        let choice = b.add2(scores, bias)?;
+        let ids = b.topk(choice, k)?;
+        let mut w = b.gather(scores, ids, 1)?;
+        if self.norm_topk_prob {
+            let sum = b.sum(w, 1, true)?;
+            let sum = b.affine(sum, 1.0, 1e-20)?;
+            w = b.div(w, sum)?;
+        }
+        let w = b.scale(w, self.routed_scaling_factor)?;
+        Ok((ids, b.cast(w, dtype)?))
+    }
+
+    /// The routed experts: each token's `k` rows sorted by expert, one SwiGLU per segment, put
+    /// back and summed with their weights. `w(e, proj)` is expert `e`'s matrix.
+    fn experts(
+        &self,
+        b: &mut GraphBuilder,
+        x: ValueId,
+        ids: ValueId,
+        weights: ValueId,
+        w: &dyn Fn(usize, &str) -> ValueId,
+    ) -> Result<ValueId, ModelError> {
+        let (e, k) = (self.n_routed_experts, self.num_experts_per_tok);
+        let [n, d] = b.shape(x)[..] else { unreachable!("x is [N, D]") };
+        let flat = b.reshape(ids, vec![n * k])?;
+        let order = b.sort_by_expert(flat, e)?;
+        let counts = b.bincount(flat, e)?;
+        let rows = b.reshape(x, vec![n, 1, d])?;
+        let rows = b.broadcast(rows, vec![n, k, d])?;
+        let rows = b.reshape(rows, vec![n * k, d])?;
+        let sorted = b.index_select(rows, order, 0)?;
+        let stack = |b: &mut GraphBuilder, proj: &str| -> Result<ValueId, ModelError> {
+            let mats: Vec<ValueId> = (0..e)
+                .map(|i| {
+                    let m = w(i, proj);
+                    let s = b.shape(m);
+                    b.reshape(m, vec![1, s[0], s[1]])
+                })
+                .collect::<Result<_, _>>()?;
+            Ok(b.concat(&mats, 0)?)
+        };
+        let (wg, wu, wd) = (stack(b, "gate_proj")?, stack(b, "up_proj")?, stack(b, "down_proj")?);
+        let g = b.segment_matmul(sorted, wg, counts, true)?;
+        let u = b.segment_matmul(sorted, wu, counts, true)?;
+        let a = activation(b, g, Activation::Silu)?;
+        let hsw = b.mul(a, u)?;
+        let out = b.segment_matmul(hsw, wd, counts, true)?;
+        let zero = b.full_like(0.0, out)?;
+        let back = b.index_add(zero, order, out, 0)?;
+        let back = b.reshape(back, vec![n, k, d])?;
+        let wk = b.reshape(weights, vec![n, k, 1])?;
+        let weighted = b.mul(back, wk)?;
+        Ok(b.sum(weighted, 1, false)?)
+    }
+}
+
+impl crate::model::Model for MoeConfig {
+    fn describe(&self) -> String {
+        format!(
+            "moe, {} layers ({} MoE: {} routed experts, {} per token, {} shared), hidden {}",
+            self.base.num_hidden_layers,
+            self.base.num_hidden_layers - self.first_k_dense_replace,
+            self.n_routed_experts,
+            self.num_experts_per_tok,
+            self.n_shared_experts,
+            self.base.hidden_size
+        )
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.base.vocab_size
+    }
+
+    fn num_layers(&self) -> usize {
+        self.base.num_hidden_layers
+    }
+
+    fn max_seq_len(&self) -> usize {
+        self.base.max_position_embeddings
+    }
+
+    fn build_stage(&self, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
+        MoeConfig::build_stage(self, spec, opts)
+    }
+
+    fn stage_parameters(&self, spec: &StageSpec) -> Vec<(String, Vec<usize>)> {
+        MoeConfig::stage_parameters(self, spec)
+    }
+
+    fn init_parameters(&self, spec: &StageSpec, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        MoeConfig::init_parameters(self, spec, seed)
+    }
+
+    fn stage_buffers(&self, seq: usize) -> Vec<(String, Vec<usize>, Vec<f64>)> {
+        MoeConfig::stage_buffers(self, seq)
+    }
+
+    fn parameter_count(&self) -> u128 {
+        let whole = StageSpec { stage: 0, stages: 1, layers: 0..self.base.num_hidden_layers };
+        crate::memory::count(&self.stage_parameters(&whole))
+    }
+
+    fn stage_activation_bytes(&self, spec: &StageSpec, batch: usize, seq: usize) -> u128 {
+        crate::memory::moe_stage_activation_bytes(self, spec, batch, seq)
+    }
+
+    fn buffer_bytes(&self, seq: usize) -> u128 {
+        let biases = (self.base.num_hidden_layers - self.first_k_dense_replace) * self.n_routed_experts;
+        crate::memory::buffer_bytes(&self.base, seq).saturating_add(4 * biases as u128)
+    }
+
+    fn flops_per_token(&self, seq: usize) -> f64 {
+        crate::flops::moe_flops_per_token(self, seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Model;
+    use crate::split_layers;
+    use graphpp_graph::RecomputePolicy;
+
+    const BASE: &str = r#""vocab_size":32,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":3,"num_attention_heads":2"#;
+    const MOE: &str = r#""n_routed_experts":4,"n_shared_experts":1,"num_experts_per_tok":2,"moe_intermediate_size":8,"first_k_dense_replace":1,"routed_scaling_factor":2.5"#;
+
+    fn with(extra: &str) -> Result<MoeConfig, ModelError> {
+        MoeConfig::from_json(&format!("{{{BASE},{MOE}{}{extra}}}", if extra.is_empty() { "" } else { "," }))
+    }
+
+    #[test]
+    fn parses_deepseek_fields_and_names_what_is_wrong() {
+        let c =
+            with(r#""model_type":"deepseek_v3","scoring_func":"softmax","norm_topk_prob":false,"n_group":1"#)
+                .unwrap();
+        assert_eq!((c.n_routed_experts, c.num_experts_per_tok, c.routed_scaling_factor), (4, 2, 2.5));
+        assert_eq!((c.scoring_func, c.norm_topk_prob, c.base.hidden_size), (ScoringFunc::Softmax, false, 16));
+        // Defaults: sigmoid scores, normalised weights.
+        let d = with("").unwrap();
+        assert_eq!((d.scoring_func, d.norm_topk_prob), (ScoringFunc::Sigmoid, true));
+        // A missing MoE field is named.
+        let e =
+            MoeConfig::from_json(&format!("{{{BASE},{}}}", MOE.replace(r#""moe_intermediate_size":8,"#, "")))
+                .unwrap_err();
+        assert!(e.to_string().contains("missing field `moe_intermediate_size`"), "{e}");
+        let e = with(r#""num_experts_per_tok":5"#.replace("5", "5").as_str()).unwrap_err();
+        assert!(e.to_string().contains("duplicate") || e.to_string().contains("num_experts_per_tok"), "{e}");
+        let big = MoeConfig { num_experts_per_tok: 5, ..MoeConfig::tiny() };
+        let big = MoeConfig { n_routed_experts: 4, ..big };
+        assert!(matches!(big.validate(), Err(ModelError::Field { field: "num_experts_per_tok", .. })));
+        for (extra, field) in [
+            (r#""kv_lora_rank":512"#, "kv_lora_rank"),
+            (r#""model_type":"mixtral""#, "model_type"),
+            (r#""moe_layer_freq":2"#, "moe_layer_freq"),
+            (r#""n_group":8"#, "n_group"),
+        ] {
+            match with(extra).unwrap_err() {
+                ModelError::Unsupported { field: f, .. } => assert_eq!(f, field, "{extra}"),
+                other => panic!("{extra}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn tiny_stage_graphs_have_the_hf_parameters() {
+        let m = MoeConfig::tiny();
+        let specs = split_layers(4, 2, None).unwrap();
+        let names: Vec<String> = m.stage_parameters(&specs[0]).into_iter().map(|(n, _)| n).collect();
+        // Layer 0 dense, layer 1 MoE: 1 gate + 8·3 expert matrices + 3 shared.
+        assert!(names.contains(&"model.layers.0.mlp.gate_proj.weight".to_string()));
+        assert!(names.contains(&"model.layers.1.mlp.experts.7.down_proj.weight".to_string()));
+        assert!(names.contains(&"model.layers.1.mlp.shared_experts.up_proj.weight".to_string()));
+        let moe = names.iter().filter(|n| n.starts_with("model.layers.1.mlp.")).count();
+        assert_eq!(moe, 1 + 8 * 3 + 3);
+        // tiny: 234,048; three layers trade the dense MLP (3·64·176) for the MoE block
+        // (8·64 + 9·3·64·48).
+        assert_eq!(Model::parameter_count(&m), 234_048 + 3 * (8 * 64 + 27 * 64 * 48) - 3 * 3 * 64 * 176);
+        for spec in &specs {
+            let g = m.build_stage(spec, &StageOptions::new(2, 8)).unwrap();
+            let biases =
+                g.input_specs().into_iter().filter(|s| s.name.ends_with("e_score_correction_bias")).count();
+            assert_eq!(biases, spec.layers.clone().filter(|&l| m.is_moe(l)).count());
+        }
+    }
+
+    /// Saved bytes from the graph against the estimate; FLOPs: a third is the forward graph's.
+    #[test]
+    fn estimates_follow_the_graphs() {
+        for m in [
+            MoeConfig::tiny(),
+            MoeConfig { n_shared_experts: 0, num_experts_per_tok: 3, ..MoeConfig::tiny() },
+        ] {
+            let whole = StageSpec { stage: 0, stages: 1, layers: 0..4 };
+            let (b, t) = (2, 16);
+            let fw = m.build_stage(&whole, &StageOptions::new(b, t)).unwrap();
+            assert_eq!(Model::flops_per_token(&m, t) / 3.0, fw.matmul_flops() as f64 / (b * t) as f64);
+            let sg = graphpp_graph::stage_graphs(&fw, &RecomputePolicy::SaveAll).unwrap();
+            let saved: u128 = sg
+                .fw
+                .outputs
+                .iter()
+                .filter(|o| o.name.starts_with("saved."))
+                .map(|o| sg.fw.node(o.value).ty.size_bytes() as u128)
+                .sum();
+            let est = Model::stage_activation_bytes(&m, &whole, b, t);
+            let ratio = est as f64 / saved as f64;
+            assert!((0.9..=1.1).contains(&ratio), "estimate {est} vs graph {saved}");
+        }
+    }
+}
