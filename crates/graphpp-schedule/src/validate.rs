@@ -9,12 +9,13 @@
 //! 2. microbatches: none beyond the expected `m`, none missing; the routes (the stages each
 //!    microbatch's compute actions name, see [`Schedule::route`]) follow from the placement, checked
 //!    for the whole schedule: either every route is all stages `0..S` (one pipeline) or every route
-//!    is one half, `0..S/2` or `S/2..S`, with both halves used (DualPipe's two directions); `S` is
-//!    the expected number of stages when given ([`ValidateOptions::stages`]);
+//!    is one half, `0..S/2` or `S/2..S`, with both halves used and placed as DualPipe's two
+//!    directions (stage `S/2+i` on the rank of stage `S/2−1−i`); `S` is the expected number of
+//!    stages when given ([`ValidateOptions::stages`]);
 //! 3. per (stage, microbatch) in the route: exactly one F and either one B (possibly the B half of
 //!    OVERLAP_F_B) or one I plus one W;
 //! 4. per stage, program order F before B/I, I before W;
-//! 5. lowered schedules (any SEND/RECV): every SEND/RECV belongs to an existing cross-rank stage
+//! 5. lowered schedules (any SEND/RECV/WAIT_SEND): every SEND/RECV/WAIT_SEND belongs to an existing cross-rank stage
 //!    boundary of its microbatch's route, and every cross-rank boundary has exactly one
 //!    SEND_F/RECV_F/SEND_B/RECV_B each; a WAIT_SEND_F/B (PyTorch 2.15's completion wait) comes at
 //!    most once, after its SEND on the same rank;
@@ -174,6 +175,19 @@ pub enum ValidationError {
         /// S.
         stages: usize,
     },
+    /// Every microbatch visits one half of the stages, but the halves are not placed as
+    /// DualPipe's two directions (stage `S/2+i` with stage `S/2−1−i`).
+    #[error("microbatches visit one half of the stages each, but stage {stage} is on rank {rank} and its DualPipe mirror, stage {mirror}, on rank {mirror_rank}: two directions over the same ranks place stage S/2+i with stage S/2-1-i")]
+    HalvesNotMirrored {
+        /// A stage of the upper half.
+        stage: StageId,
+        /// Its rank.
+        rank: RankId,
+        /// The stage of the lower half it should share a rank with.
+        mirror: StageId,
+        /// That stage's rank.
+        mirror_rank: RankId,
+    },
     /// A stage below S that no compute action names.
     #[error("stage {stage} has no compute action (S = {stages})")]
     StageWithoutCompute {
@@ -277,7 +291,7 @@ pub enum ValidationError {
         /// The matching action on the other rank, if present.
         peer: Option<Loc>,
     },
-    /// The same SEND/RECV appears twice.
+    /// The same SEND/RECV/WAIT_SEND appears twice.
     #[error("{at} repeats {first}")]
     DuplicateComm {
         /// The second occurrence.
@@ -294,7 +308,8 @@ pub enum ValidationError {
         /// The action it waits for.
         start: Action,
     },
-    /// A SEND/RECV/UNSHARD/RESHARD/REDUCE_GRAD names a stage no compute action names.
+    /// A non-compute action (SEND/RECV/WAIT/UNSHARD/RESHARD/REDUCE_GRAD) names a stage no compute
+    /// action names.
     #[error("{at}: stage {stage} has no compute actions (S = {stages})")]
     UnknownStage {
         /// Where.
@@ -332,7 +347,7 @@ pub enum ValidationError {
         /// The stage.
         stage: StageId,
     },
-    /// A stage's REDUCE_GRAD appears twice.
+    /// A stage's REDUCE_GRAD (or WAIT_REDUCE_GRAD) appears twice.
     #[error("{at} repeats {first}")]
     DuplicateReduceGrad {
         /// The second occurrence.
@@ -393,6 +408,8 @@ pub enum ErrorKind {
     MixedRoutes,
     /// [`ValidationError::StageWithoutCompute`].
     StageWithoutCompute,
+    /// [`ValidationError::HalvesNotMirrored`].
+    HalvesNotMirrored,
     /// [`ValidationError::WaitBeforeStart`].
     WaitBeforeStart,
     /// [`ValidationError::MissingCompute`].
@@ -448,6 +465,7 @@ impl ValidationError {
             V::RouteMismatch { .. } => ErrorKind::RouteMismatch,
             V::MixedRoutes { .. } => ErrorKind::MixedRoutes,
             V::StageWithoutCompute { .. } => ErrorKind::StageWithoutCompute,
+            V::HalvesNotMirrored { .. } => ErrorKind::HalvesNotMirrored,
             V::WaitBeforeStart { .. } => ErrorKind::WaitBeforeStart,
             V::MissingCompute { .. } => ErrorKind::MissingCompute,
             V::DuplicateCompute { .. } => ErrorKind::DuplicateCompute,
@@ -545,7 +563,8 @@ struct Survey {
     mbs_named: usize,
     /// [`compute_routes`].
     routes: Vec<Option<Range<StageId>>>,
-    /// One more than the largest stage a SEND/RECV/UNSHARD/RESHARD/REDUCE_GRAD names (0 if none).
+    /// One more than the largest stage a non-compute action (SEND/RECV/WAIT/UNSHARD/RESHARD/
+    /// REDUCE_GRAD) names (0 if none).
     other_stages: usize,
 }
 
@@ -767,9 +786,14 @@ fn check_microbatches(
     }
 }
 
-/// The routes of the whole schedule: all `0..S`, or all halves with both halves used (see the
-/// module docs, check 2). The first microbatch's route decides which is expected.
-fn check_routes(routes: &[Option<Range<StageId>>], stages: usize) -> Result<(), ValidationError> {
+/// The routes of the whole schedule (see the module docs, check 2): all `0..S`, or all halves
+/// with both halves used and placed as DualPipe places them (stage `S/2+i` on the rank of stage
+/// `S/2−1−i`). A half route among full ones is the offender named.
+fn check_routes(
+    routes: &[Option<Range<StageId>>],
+    stages: usize,
+    placement: &StageRanks,
+) -> Result<(), ValidationError> {
     let half = stages / 2;
     let is_half = |r: &Range<StageId>| stages.is_multiple_of(2) && (*r == (0..half) || *r == (half..stages));
     let named = || routes.iter().enumerate().filter_map(|(mb, r)| r.clone().map(|r| (mb, r)));
@@ -778,22 +802,38 @@ fn check_routes(routes: &[Option<Range<StageId>>], stages: usize) -> Result<(), 
             return Err(ValidationError::RouteMismatch { mb, route: r, stages });
         }
     }
-    let Some((first_mb, first)) = named().next() else { return Ok(()) };
-    let mixed = |(_, r): &(usize, Range<StageId>)| (*r == (0..stages)) != (first == (0..stages));
-    if let Some((mb, route)) = named().find(mixed) {
-        return Err(ValidationError::MixedRoutes {
-            mb,
-            route,
-            other_mb: first_mb,
-            other_route: first,
-            stages,
-        });
+    let full = named().find(|(_, r)| *r == (0..stages));
+    let part = named().find(|(_, r)| *r != (0..stages));
+    match (full, part) {
+        (Some((other_mb, other_route)), Some((mb, route))) => {
+            Err(ValidationError::MixedRoutes { mb, route, other_mb, other_route, stages })
+        }
+        // Halves only: the lower one must be used too, or stages 0..S/2 run nothing.
+        (None, Some(_)) if !named().any(|(_, r)| r.start == 0) => {
+            Err(ValidationError::StageWithoutCompute { stage: 0, stages })
+        }
+        (None, Some(_)) => check_mirrored(placement, stages),
+        _ => Ok(()),
     }
-    // Halves only: the lower one must be used too, or stages 0..S/2 run nothing.
-    match first != (0..stages) && !named().any(|(_, r)| r.start == 0) {
-        true => Err(ValidationError::StageWithoutCompute { stage: 0, stages }),
-        false => Ok(()),
+}
+
+/// DualPipe's two directions run over the same ranks in opposite order: stage `S/2+i` must be on
+/// the rank of stage `S/2−1−i`.
+fn check_mirrored(placement: &StageRanks, stages: usize) -> Result<(), ValidationError> {
+    let half = stages / 2;
+    for i in 0..half {
+        let (stage, mirror) = (half + i, half - 1 - i);
+        let (rank, mirror_rank) = (placement.of_stage(stage), placement.of_stage(mirror));
+        if rank != mirror_rank {
+            return Err(ValidationError::HalvesNotMirrored {
+                stage,
+                rank: rank.unwrap_or_default(),
+                mirror,
+                mirror_rank: mirror_rank.unwrap_or_default(),
+            });
+        }
     }
+    Ok(())
 }
 
 /// The expected number of ranks, each with a compute action; without it, the ranks that have none.
@@ -1136,7 +1176,7 @@ pub(crate) fn validate_tables(s: &Schedule, opts: &ValidateOptions) -> Result<Ta
     if let Some(expected) = opts.stages.filter(|&e| e != stages) {
         return Err(ValidationError::StageCount { expected, found: stages });
     }
-    check_routes(routes, stages)?;
+    check_routes(routes, stages, &placement)?;
     let (ix, early) = index_compute(s, stages, routes.len())?;
     check_tasks(s, &ix, routes, &placement)?;
     check_order(s, &ix, early)?;
@@ -1240,8 +1280,14 @@ mod tests {
         let e = err("0F0,0F1,0B0,0B1\n1F1,1B1\n");
         assert_eq!(
             e,
-            ValidationError::MixedRoutes { mb: 1, route: 0..2, other_mb: 0, other_route: 0..1, stages: 2 }
+            ValidationError::MixedRoutes { mb: 0, route: 0..1, other_mb: 1, other_route: 0..2, stages: 2 }
         );
+        // Each microbatch on one stage only, or two independent pipelines: halves, but not
+        // DualPipe's mirrored directions.
+        let e = err("0F0,0B0\n1F1,1B1\n");
+        assert_eq!(e, ValidationError::HalvesNotMirrored { stage: 1, rank: 1, mirror: 0, mirror_rank: 0 });
+        let e = err("0F0,0B0\n1F0,1B0\n2F1,2B1\n3F1,3B1\n");
+        assert_eq!(e, ValidationError::HalvesNotMirrored { stage: 2, rank: 2, mirror: 1, mirror_rank: 1 });
         // Four stages, microbatch 1 only on the first two: a half, but the others are full routes.
         let e = err("0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n2F0,2B0\n3F0,3B0\n");
         assert_eq!(e.kind(), ErrorKind::MixedRoutes, "{e}");
