@@ -5,7 +5,8 @@
 //! In a lowered schedule the cross-rank edges go through SEND/RECV: a compute action whose input
 //! comes from another rank waits for its rank's RECV, and the RECV waits for the peer's SEND
 //! (blocking RECV semantics); a WAIT_SEND waits for its SEND and for the peer's matching RECV (a
-//! send completes once it is received). Each rank also runs its program in order. Both the validator's
+//! send completes once it is received; like every cross-rank edge, the news takes one hop
+//! latency). Each rank also runs its program in order. Both the validator's
 //! deadlock check and the simulator walk this graph.
 //!
 //! Storage is flat (one global index per action, dependencies in one array) and the producer

@@ -321,6 +321,30 @@ pub(crate) fn require(
     }
 }
 
+/// The checks the cost- and memory-aware kinds (zb-auto, zbv-auto) share; returns the memory cap
+/// in M_B units (`opts.mem_cap`, default `p`).
+///
+/// # Errors
+/// [`GenerateError::Constraint`] when a cost is not finite and `>= 0`, when `0 <= M_W < M_B`
+/// fails, or when the cap is not finite or below 1 M_B.
+pub(crate) fn check_model(kind: Kind, shape: &Shape, opts: &Options) -> Result<f64, GenerateError> {
+    let c = &opts.costs;
+    let ok = |x: f64| x.is_finite() && x >= 0.0;
+    require([c.f, c.i, c.w, c.comm].into_iter().all(ok), kind, shape, || {
+        format!("costs must be finite and >= 0 (F={}, I={}, W={}, C={})", c.f, c.i, c.w, c.comm)
+    })?;
+    let mem = &opts.memory;
+    require(ok(mem.m_w) && mem.m_b.is_finite() && mem.m_w < mem.m_b, kind, shape, || {
+        format!("memory needs 0 <= M_W < M_B (M_B={}, M_W={})", mem.m_b, mem.m_w)
+    })?;
+    let cap = opts.mem_cap.unwrap_or(shape.ranks as f64);
+    require(cap.is_finite(), kind, shape, || {
+        format!("the memory cap must be a finite number of M_B units (cap={cap}); omit --mem-cap for the default p")
+    })?;
+    require(cap >= 1.0, kind, shape, || format!("memory cap must be at least 1 M_B (cap={cap})"))?;
+    Ok(cap)
+}
+
 /// Checks the constraints every kind shares: p ≥ 1, v ≥ 1, m ≥ 1.
 fn check_common(kind: Kind, shape: &Shape) -> Result<(), GenerateError> {
     require(shape.ranks >= 1, kind, shape, || "needs at least 1 rank".into())?;

@@ -26,6 +26,11 @@ impl Tolerance {
         Tolerance { eps: 1e-9 * (f + i + w + c), ties_fit: true }
     }
 
+    /// The tolerance for memory amounts in units of `m_b` (M_B): `1e-9 · M_B`, whatever the costs.
+    pub fn for_memory(m_b: f64) -> Self {
+        Tolerance { eps: 1e-9 * m_b.abs(), ties_fit: true }
+    }
+
     /// The same tolerance with every tie decided the other way (`le` false, `lt` true on a tie).
     pub fn ties_lose(self) -> Self {
         Tolerance { ties_fit: false, ..self }

@@ -11,7 +11,7 @@
 //! does not depend on the cost unit (the reference's does, through floating-point rounding).
 
 use super::tolerance::Tolerance;
-use super::{require, GenerateError, Kind, Options, Shape};
+use super::{check_model, require, GenerateError, Kind, Options, Shape};
 use crate::action::Action;
 use crate::schedule::Schedule;
 
@@ -38,22 +38,9 @@ struct Flags {
 /// the memory cap.
 pub fn generate(shape: &Shape, opts: &Options) -> Result<Schedule, GenerateError> {
     let kind = Kind::ZbAuto;
-    let (p, v) = (shape.ranks, shape.stages_per_rank);
+    let v = shape.stages_per_rank;
     require(v == 1, kind, shape, || format!("needs stages-per-rank = 1, got {v}"))?;
-    let c = &opts.costs;
-    let ok = |x: f64| x.is_finite() && x >= 0.0;
-    require([c.f, c.i, c.w, c.comm].into_iter().all(ok), kind, shape, || {
-        format!("costs must be finite and >= 0 (F={}, I={}, W={}, C={})", c.f, c.i, c.w, c.comm)
-    })?;
-    let mem = &opts.memory;
-    require(ok(mem.m_w) && mem.m_b.is_finite() && mem.m_w < mem.m_b, kind, shape, || {
-        format!("memory needs 0 <= M_W < M_B (M_B={}, M_W={})", mem.m_b, mem.m_w)
-    })?;
-    let cap = opts.mem_cap.unwrap_or(p as f64);
-    require(cap.is_finite(), kind, shape, || {
-        format!("the memory cap must be a finite number of M_B units (cap={cap}); omit --mem-cap for the default p")
-    })?;
-    require(cap >= 1.0, kind, shape, || format!("memory cap must be at least 1 M_B (cap={cap})"))?;
+    let cap = check_model(kind, shape, opts)?;
     let mut best: Option<(f64, Vec<Vec<Action>>)> = None;
     for allow in [true, false] {
         for prioritize in [true, false] {
@@ -93,6 +80,8 @@ struct Heuristic {
     max_mem: f64,
     comm: f64,
     tol: Tolerance,
+    /// Memory comparisons (M_B units, not cost units).
+    mem_tol: Tolerance,
     count: Vec<[usize; 3]>,
     end: Vec<f64>,
     used: Vec<f64>,
@@ -114,6 +103,7 @@ impl Heuristic {
             max_mem: cap * mm.m_b,
             comm: c.comm,
             tol: Tolerance::for_costs(c.f, c.i, c.w, c.comm),
+            mem_tol: Tolerance::for_memory(mm.m_b),
             count: vec![[0; 3]; p],
             end: vec![0.0; p],
             used: vec![0.0; p],
@@ -142,7 +132,7 @@ impl Heuristic {
     /// would exceed the memory cap.
     fn put(&mut self, s: usize, kind: usize) -> Option<()> {
         let mb = self.count[s][kind];
-        if mb >= self.m || (kind == F && !self.tol.le(self.used[s] + self.mem[F], self.max_mem)) {
+        if mb >= self.m || (kind == F && !self.mem_tol.le(self.used[s] + self.mem[F], self.max_mem)) {
             return None;
         }
         let cost = self.cost[kind];
@@ -177,7 +167,7 @@ impl Heuristic {
 
     /// Runs W's until `extra` more memory fits under the cap; `None` if no W is left to run.
     fn make_room(&mut self, s: usize, extra: f64) -> Option<()> {
-        while !self.tol.le(self.used[s] + extra, self.max_mem) {
+        while !self.mem_tol.le(self.used[s] + extra, self.max_mem) {
             if !self.pending_w(s) {
                 return None;
             }
@@ -227,8 +217,8 @@ impl Heuristic {
         let mut last = self.at(F, p - 1, 0)? + self.cost[I];
         for s in (0..p - 1).rev() {
             let (mut used, mut t) = (self.used[s], self.end[s]);
-            let tol = self.tol;
-            while self.count[s][F] + extra[s] < m && tol.le(used + self.mem[F], self.max_mem) {
+            let (tol, mem_tol) = (self.tol, self.mem_tol);
+            while self.count[s][F] + extra[s] < m && mem_tol.le(used + self.mem[F], self.max_mem) {
                 let stop = if flags.allow_bubble_before_first_i {
                     tol.lt(last + self.comm, t + self.cost[F])
                 } else {
@@ -274,7 +264,7 @@ impl Heuristic {
             return false;
         }
         let (mut w_cost, mut n_w, mut used) = (0.0, 0, self.used[s] + self.mem[F]);
-        while !t.le(used, self.max_mem) && self.count[s][W] + n_w < self.count[s][I] {
+        while !self.mem_tol.le(used, self.max_mem) && self.count[s][W] + n_w < self.count[s][I] {
             w_cost += self.cost[W];
             used += self.mem[W];
             n_w += 1;

@@ -9,18 +9,21 @@
 //!
 //! **Building.** Every action starts when its rank is free and its input has arrived (`+ c` across
 //! ranks); its start is the earliest such time, so the builder *is* an as-soon-as-possible
-//! simulation. Warm-up: one chunk-0 F per rank, then per rank (last first) as many extra chunk-0
-//! F's as fit before the chunk-1 F of microbatch 0 arrives (and under the memory cap), then the
-//! remaining warm-up F's alternate chunks until each rank is as far ahead as the one before it.
+//! simulation. Warm-up: one chunk-0 F per rank; then, for each rank `r` from the last down, while
+//! another chunk-0 F on `r` would end before the chunk-1 F of microbatch 0 comes back (and
+//! memory allows), one more chunk-0 F on every rank `0..=r`; then `r`'s chunk-1 F; then the warm-up
+//! F's alternate chunks until each rank is as far ahead as the one before it.
 //! Steady state, `2m` rounds: each rank runs one I (chunk 1 where its input is there, else chunk
 //! 0), then one F (the chunk whose input is there); before each, pending W's fill the wait for the
 //! input, and one more W runs when the wait is longer than the rank's bubble allowance. W's run
 //! whenever memory would exceed the cap, and the rest at the end.
 //!
-//! **Choosing.** The builder runs with the two fill flags in all four combinations, and each with
-//! exact fits counting as fits or not ([`Tolerance::ties_lose`]; the reference decides ties by
-//! floating-point rounding, so either way can win); each run is repeated with the per-rank bubbles it produced as allowances while the largest bubble shrinks
-//! (as the reference does). Among every run that fits the cap the shortest makespan wins (ties:
+//! **Choosing.** The builder runs 32 ways: the two fill flags (the reference's `fill_b`,
+//! `fill_f`) in all four combinations, each with three tie rules — whether an exact fit counts as
+//! fitting for a W before an input, for a wait against the allowance and for a warm-up F — both
+//! ways ([`Tolerance::ties_lose`]; the reference decides such ties by floating-point rounding,
+//! so either way can win). Each run is repeated with the per-rank bubbles it produced as
+//! allowances while the largest bubble shrinks (as the reference does; at most 16 times). Among every run that fits the cap the shortest makespan wins (ties:
 //! the smaller largest bubble, then the earlier run) — the reference keeps the smallest largest
 //! bubble instead, so `zbv-auto` is never slower than the reference on the runs they share.
 //! Times compare within [`Tolerance`], so the choice does not depend on the cost unit.
@@ -32,7 +35,7 @@
 use std::collections::VecDeque;
 
 use super::tolerance::Tolerance;
-use super::{require, GenerateError, Kind, Options, Shape};
+use super::{check_model, require, GenerateError, Kind, Options, Shape};
 use crate::action::Action;
 use crate::schedule::Schedule;
 
@@ -56,35 +59,30 @@ struct Fill {
 /// `opts.mem_cap`.
 ///
 /// # Errors
-/// [`GenerateError::Constraint`] unless `stages_per_rank = 2`; when a cost is not finite and
-/// `>= 0`, when `0 <= M_W < M_B` fails, when the cap is not finite or below 1 M_B, or when no run
-/// fits the cap.
+/// [`GenerateError::Constraint`] unless `stages_per_rank = 2`; for costs, memory model or cap
+/// that [`check_model`] refuses; or when no run completes — naming the memory cap when a run
+/// stopped at it.
 pub fn generate(shape: &Shape, opts: &Options) -> Result<Schedule, GenerateError> {
     let kind = Kind::ZbvAuto;
-    let (p, v) = (shape.ranks, shape.stages_per_rank);
+    let v = shape.stages_per_rank;
     require(v == 2, kind, shape, || {
         format!("needs stages-per-rank = 2 (2p stages in V placement), got {v}")
     })?;
-    let c = &opts.costs;
-    let ok = |x: f64| x.is_finite() && x >= 0.0;
-    require([c.f, c.i, c.w, c.comm].into_iter().all(ok), kind, shape, || {
-        format!("costs must be finite and >= 0 (F={}, I={}, W={}, C={})", c.f, c.i, c.w, c.comm)
-    })?;
-    let mem = &opts.memory;
-    require(ok(mem.m_w) && mem.m_b.is_finite() && mem.m_w < mem.m_b, kind, shape, || {
-        format!("memory needs 0 <= M_W < M_B (M_B={}, M_W={})", mem.m_b, mem.m_w)
-    })?;
-    let cap = opts.mem_cap.unwrap_or(p as f64);
-    require(cap.is_finite() && cap >= 1.0, kind, shape, || {
-        format!("the memory cap must be a finite number of M_B units, at least 1 (cap={cap})")
-    })?;
-    let mut best: Option<Run> = None;
+    let cap = check_model(kind, shape, opts)?;
+    let (mut best, mut hit_cap): (Option<Run>, bool) = (None, false);
     for k in 0..32 {
         let bit = |b: u32| k & (1 << b) == 0;
         let fill = Fill { before_i: bit(4), before_f: bit(3), ties: [bit(2), bit(1), bit(0)] };
         let mut allowance: Option<Vec<f64>> = None;
         // Repeat with the bubbles of the last run as allowances while the largest shrinks.
-        while let Some(run) = Builder::new(shape, opts, cap, allowance.as_deref()).run(fill) {
+        for _ in 0..MAX_REPEATS {
+            let run = match Builder::new(shape, opts, cap, allowance.as_deref()).run(fill) {
+                Ok(run) => run,
+                Err(stopped_at_cap) => {
+                    hit_cap |= stopped_at_cap;
+                    break;
+                }
+            };
             let improved = allowance.as_ref().is_none_or(|a| run.tol.lt(run.max_bubble, max(a)));
             allowance = Some(run.bubble.clone());
             if best.as_ref().is_none_or(|b| run.better_than(b)) {
@@ -97,13 +95,25 @@ pub fn generate(shape: &Shape, opts: &Options) -> Result<Schedule, GenerateError
     }
     match best {
         Some(run) => Ok(Schedule::from_programs(run.programs)),
-        None => Err(GenerateError::constraint(
+        None if hit_cap => Err(GenerateError::constraint(
             kind,
             shape,
             format!("no schedule fits the memory cap of {cap} M_B (raise --mem-cap)"),
         )),
+        None => Err(GenerateError::constraint(
+            kind,
+            shape,
+            format!(
+                "the V heuristic completes no schedule for this shape under the memory cap of {cap} M_B \
+                 (raise --mem-cap, or use zbv)"
+            ),
+        )),
     }
 }
+
+/// Repeats of a run with its own bubbles as allowances (the reference repeats until the largest
+/// bubble stops shrinking; a few repeats suffice on every shape tried, this bounds it).
+const MAX_REPEATS: usize = 16;
 
 fn max(xs: &[f64]) -> f64 {
     xs.iter().copied().fold(0.0, f64::max)
@@ -138,6 +148,10 @@ struct Builder {
     max_mem: f64,
     comm: f64,
     tol: Tolerance,
+    /// Memory comparisons (M_B units, not cost units).
+    mem_tol: Tolerance,
+    /// A placement stopped at the memory cap.
+    hit_cap: bool,
     /// [`Builder::tol`] with the run's tie rule, for the decisions whether a W or an F fits a wait.
     fit: [Tolerance; 3],
     /// `count[r][kind * 2 + chunk]`; the chunk of an I or W is its order on the way back (0 is
@@ -168,6 +182,8 @@ impl Builder {
             max_mem: cap * mm.m_b,
             comm: c.comm,
             tol: Tolerance::for_costs(c.f, c.i, c.w, c.comm),
+            mem_tol: Tolerance::for_memory(mm.m_b),
+            hit_cap: false,
             fit: [Tolerance::for_costs(c.f, c.i, c.w, c.comm); 3],
             count: vec![[0; 6]; p],
             end: vec![None; 6 * p * m],
@@ -228,7 +244,11 @@ impl Builder {
     /// the cap, or an input it needs has not been produced.
     fn put(&mut self, kind: usize, chunk: usize, r: usize) -> Option<()> {
         let mb = self.count[r][kind * 2 + chunk];
-        if mb >= self.m || !self.tol.le(self.used[r] + self.mem[kind], self.max_mem) {
+        if mb >= self.m {
+            return None;
+        }
+        if !self.mem_tol.le(self.used[r] + self.mem[kind], self.max_mem) {
+            self.hit_cap = true;
             return None;
         }
         // The same microbatch's previous action on this rank must have run (F0 → F1 → I0 → I1,
@@ -278,7 +298,11 @@ impl Builder {
 
     /// Runs W's until `extra` more memory fits under the cap.
     fn make_room(&mut self, r: usize, extra: f64) -> Option<()> {
-        while !self.tol.le(self.used[r] + extra, self.max_mem) {
+        while !self.mem_tol.le(self.used[r] + extra, self.max_mem) {
+            if self.pending_w[r].is_empty() {
+                self.hit_cap = true;
+                return None;
+            }
             self.put_w(r)?;
         }
         Some(())
@@ -299,12 +323,26 @@ impl Builder {
         Some(())
     }
 
-    fn run(mut self, fill: Fill) -> Option<Run> {
+    /// One run with `fill`: the schedule, or `Err(true)` when it stopped at the memory cap,
+    /// `Err(false)` when it stopped for want of an input or an action.
+    fn run(mut self, fill: Fill) -> Result<Run, bool> {
         for (fit, ties_fit) in self.fit.iter_mut().zip(fill.ties) {
             if !ties_fit {
                 *fit = fit.ties_lose();
             }
         }
+        let done =
+            self.place_all(fill).is_some() && self.count.iter().all(|c| c.iter().all(|&n| n == self.m));
+        if !done {
+            return Err(self.hit_cap);
+        }
+        let makespan = self.free.iter().copied().fold(0.0, f64::max);
+        let max_bubble = max(&self.bubble);
+        Ok(Run { programs: self.programs, makespan, max_bubble, bubble: self.bubble, tol: self.tol })
+    }
+
+    /// Warm-up, `2m` rounds of [I, F], then the remaining W's.
+    fn place_all(&mut self, fill: Fill) -> Option<()> {
         self.warmup()?;
         for _ in 0..2 * self.m {
             self.backward_round(fill)?;
@@ -315,16 +353,7 @@ impl Builder {
                 self.put_w(r)?;
             }
         }
-        let done = self.count.iter().all(|c| c.iter().all(|&n| n == self.m));
-        let makespan = self.free.iter().copied().fold(0.0, f64::max);
-        let max_bubble = max(&self.bubble);
-        done.then_some(Run {
-            programs: self.programs,
-            makespan,
-            max_bubble,
-            bubble: self.bubble,
-            tol: self.tol,
-        })
+        Some(())
     }
 
     /// F's before the first I: chunk 0 down the ranks, extra chunk-0 F's that fit before the
@@ -339,7 +368,7 @@ impl Builder {
             if r + 1 < p {
                 let back = self.end_of(F, 1, r + 1, 0)? + self.comm;
                 // Room for this rank's F's plus those it will hand up the V later.
-                while self.tol.le(self.used[r] + self.mem[F] * (2 * r + 2) as f64, self.max_mem)
+                while self.mem_tol.le(self.used[r] + self.mem[F] * (2 * r + 2) as f64, self.max_mem)
                     && self.fit[2].le(self.free[r] + self.cost[F], back)
                     && self.count[r][0] < self.m
                 {
@@ -371,6 +400,7 @@ impl Builder {
     /// chunk 0 otherwise; chunk-1 ranks go from the top of the V down, then chunk-0 ranks up.
     fn backward_round(&mut self, fill: Fill) -> Option<()> {
         let p = self.p;
+        // As the reference does; an I frees memory, so this acts only above the cap.
         for r in 0..p {
             self.make_room(r, self.mem[I])?;
         }
