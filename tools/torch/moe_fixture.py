@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Reference numerics for graphpp's DeepSeek-style MoE decoder, computed by PyTorch.
+
+Writes crates/graphpp-runtime/tests/fixtures/moe_fixture.safetensors holding, for the config in
+moe_fixture.json (Hugging Face DeepSeek-V3 field names):
+  * every parameter under its HF name (f32), and each MoE layer's load-balancing bias
+    `model.layers.<l>.mlp.gate.e_score_correction_bias` (f32, non-zero so that it changes the
+    choice of experts),
+  * `tokens`, `targets` (u32, [B, T]),
+  * `loss` (f32 scalar, mean cross-entropy over the B*T tokens),
+  * `grad.<param>` for every parameter (f32).
+The forward is the Llama decoder of llama_fixture.py with the MLP of layers >= first_k_dense_replace
+replaced by the MoE block of Hugging Face's DeepseekV3MoE, restated here: sigmoid gate scores,
+top-k of (scores + bias), weights = the unbiased scores of the chosen experts normalised to sum 1
+(norm_topk_prob) times routed_scaling_factor, every routed expert a SwiGLU MLP applied to the
+tokens routed to it (a plain loop over experts, as HF's reference implementation does), plus the
+shared experts. Evaluated in float64 from the stored f32 weights. The script re-draws the weights
+until every token's k-th and (k+1)-th choice differ by more than 1e-3, so that f32 rounding in
+graphpp cannot flip a routing decision.
+
+Usage: python tools/torch/moe_fixture.py   (PyTorch 2.x; no other packages)
+"""
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_fixture import FIX, rms_norm, rope_tables, rotate_half, save_safetensors  # noqa: E402
+
+
+def swiglu(x, p, pre):
+    g = x @ p[f"{pre}.gate_proj.weight"].T
+    u = x @ p[f"{pre}.up_proj.weight"].T
+    return (torch.nn.functional.silu(g) * u) @ p[f"{pre}.down_proj.weight"].T
+
+
+def moe(x, p, bufs, cfg, pre, margins):
+    """DeepseekV3MoE on x [N, D]; appends each token's choice margin to `margins`."""
+    e, k = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    scores = torch.sigmoid(x @ p[f"{pre}.gate.weight"].T)
+    choice = scores + bufs[f"{pre}.gate.e_score_correction_bias"]
+    top = torch.topk(choice.detach(), k + 1, dim=-1)
+    margins.append((top.values[:, k - 1] - top.values[:, k]).min().item())
+    idx = top.indices[:, :k]
+    w = scores.gather(1, idx)
+    if cfg["norm_topk_prob"]:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    w = w * cfg["routed_scaling_factor"]
+    out = torch.zeros_like(x)
+    for j in range(e):
+        tok, slot = torch.nonzero(idx == j, as_tuple=True)
+        if tok.numel():
+            y = swiglu(x[tok], p, f"{pre}.experts.{j}")
+            out = out.index_add(0, tok, y * w[tok, slot].unsqueeze(-1))
+    if cfg["n_shared_experts"] > 0:
+        out = out + swiglu(x, p, f"{pre}.shared_experts")
+    return out
+
+
+def forward(p, bufs, cfg, tokens, targets, margins):
+    b, t = tokens.shape
+    d, h = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"]
+    hd = d // h
+    cos, sin = rope_tables(t, hd, cfg["rope_theta"])
+    causal = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+    x = p["model.embed_tokens.weight"][tokens]
+    for l in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{l}"
+        hs = rms_norm(x, p[f"{pre}.input_layernorm.weight"], cfg["rms_norm_eps"])
+        q = (hs @ p[f"{pre}.self_attn.q_proj.weight"].T).view(b, t, h, hd).transpose(1, 2)
+        k = (hs @ p[f"{pre}.self_attn.k_proj.weight"].T).view(b, t, kv, hd).transpose(1, 2)
+        v = (hs @ p[f"{pre}.self_attn.v_proj.weight"].T).view(b, t, kv, hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k = k.repeat_interleave(h // kv, dim=1)
+        v = v.repeat_interleave(h // kv, dim=1)
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        s = s.masked_fill(causal, float("-inf"))
+        o = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + o @ p[f"{pre}.self_attn.o_proj.weight"].T
+        hs = rms_norm(x, p[f"{pre}.post_attention_layernorm.weight"], cfg["rms_norm_eps"])
+        if l < cfg["first_k_dense_replace"]:
+            x = x + swiglu(hs, p, f"{pre}.mlp")
+        else:
+            x = x + moe(hs.reshape(b * t, d), p, bufs, cfg, f"{pre}.mlp", margins).reshape(b, t, d)
+    x = rms_norm(x, p["model.norm.weight"], cfg["rms_norm_eps"])
+    logits = x @ p["lm_head.weight"].T
+    return torch.nn.functional.cross_entropy(logits.reshape(b * t, -1), targets.reshape(-1))
+
+
+def param_shapes(cfg):
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    fe, e = cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+    fs = fe * cfg["n_shared_experts"]
+    kvd = cfg["num_key_value_heads"] * (d // cfg["num_attention_heads"])
+    mlp = lambda pre, inner: {  # noqa: E731
+        f"{pre}.gate_proj.weight": (inner, d),
+        f"{pre}.up_proj.weight": (inner, d),
+        f"{pre}.down_proj.weight": (d, inner),
+    }
+    shapes = {"model.embed_tokens.weight": (v, d)}
+    for l in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{l}"
+        shapes.update({
+            f"{pre}.input_layernorm.weight": (d,),
+            f"{pre}.self_attn.q_proj.weight": (d, d),
+            f"{pre}.self_attn.k_proj.weight": (kvd, d),
+            f"{pre}.self_attn.v_proj.weight": (kvd, d),
+            f"{pre}.self_attn.o_proj.weight": (d, d),
+            f"{pre}.post_attention_layernorm.weight": (d,),
+        })
+        if l < cfg["first_k_dense_replace"]:
+            shapes.update(mlp(f"{pre}.mlp", f))
+        else:
+            shapes[f"{pre}.mlp.gate.weight"] = (e, d)
+            for j in range(e):
+                shapes.update(mlp(f"{pre}.mlp.experts.{j}", fe))
+            if fs:
+                shapes.update(mlp(f"{pre}.mlp.shared_experts", fs))
+    shapes["model.norm.weight"] = (d,)
+    shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def main():
+    with open(os.path.join(FIX, "moe_fixture.json")) as fh:
+        cfg = json.load(fh)
+    b, t = cfg["graphpp_batch"], cfg["graphpp_seq"]
+    for seed in range(100):
+        torch.manual_seed(seed)
+        params32 = {}
+        for name, shape in param_shapes(cfg).items():
+            scale = 0.1 if len(shape) == 1 else 0.3
+            params32[name] = ((1.0 if len(shape) == 1 else 0.0) + scale * torch.randn(shape)).float()
+        bufs32 = {
+            f"model.layers.{l}.mlp.gate.e_score_correction_bias": (0.1 * torch.randn(cfg["n_routed_experts"])).float()
+            for l in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"])
+        }
+        tokens = torch.randint(0, cfg["vocab_size"], (b, t))
+        targets = torch.randint(0, cfg["vocab_size"], (b, t))
+        p64 = {k: v.double().requires_grad_(True) for k, v in params32.items()}
+        b64 = {k: v.double() for k, v in bufs32.items()}
+        margins = []
+        loss = forward(p64, b64, cfg, tokens, targets, margins)
+        if min(margins) > 1e-3:
+            break
+    else:
+        raise SystemExit("no seed gives routing margins above 1e-3")
+    loss.backward()
+    out = dict(params32)
+    out.update(bufs32)
+    out["tokens"] = tokens.to(torch.int32)  # written as u32
+    out["targets"] = targets.to(torch.int32)
+    out["loss"] = loss.detach().float().reshape(())
+    for k, v in p64.items():
+        out[f"grad.{k}"] = v.grad.float()
+    path = os.path.join(FIX, "moe_fixture.safetensors")
+    save_safetensors(path, out)
+    print(f"seed {seed}, min routing margin {min(margins):.2e}, loss {loss.item():.6f}; wrote {path} "
+          f"({os.path.getsize(path)} bytes) with torch {torch.__version__}")
+
+
+if __name__ == "__main__":
+    main()
