@@ -16,6 +16,6 @@ pub use llama::{
     build_stage, check_shape, init_parameters, layer_checkpoints, split_layers, stage_buffer_shapes,
     stage_buffers, stage_graph_set, stage_parameters, StageOptions, StageSpec, EMBED, LM_HEAD,
 };
-pub use model::Model;
+pub use model::{Model, ModelConfig};
 pub use moe::{MoeConfig, ScoringFunc};
 pub use recompute::Recompute;

@@ -8,6 +8,7 @@ use graphpp_graph::Graph;
 
 use crate::config::{LlamaConfig, ModelError};
 use crate::llama::{StageOptions, StageSpec};
+use crate::moe::MoeConfig;
 
 /// A model the runtime can split into pipeline stages and train (see the module doc).
 ///
@@ -125,5 +126,115 @@ mod tests {
         assert!(names.contains(&"lm_head.weight".to_string()) && !names.iter().any(|n| n.contains("embed")));
         assert_eq!(m.init_parameters(&spec, 1).len(), names.len());
         assert!(m.describe().starts_with("llama, 4 layers"));
+    }
+}
+
+/// The models graphpp builds, chosen by preset name or config file: a Llama-style dense decoder
+/// or the DeepSeek-style MoE decoder. Serialised as its config object (untagged: an object with
+/// the MoE fields is a MoE config), so run records written before the MoE model still read.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(untagged)]
+pub enum ModelConfig {
+    /// DeepSeek-style MoE decoder ([`MoeConfig`]).
+    Moe(MoeConfig),
+    /// Llama-style dense decoder ([`LlamaConfig`]).
+    Llama(LlamaConfig),
+}
+
+impl ModelConfig {
+    /// The presets: `tiny`, `small` (dense), `moe-tiny`, `moe-small`.
+    pub const PRESETS: [&'static str; 4] = ["tiny", "small", "moe-tiny", "moe-small"];
+
+    /// A preset by name. Errors: [`ModelError::Preset`].
+    pub fn preset(name: &str) -> Result<Self, ModelError> {
+        match name {
+            "moe-tiny" | "moe-small" => Ok(ModelConfig::Moe(MoeConfig::preset(name)?)),
+            _ => Ok(ModelConfig::Llama(LlamaConfig::preset(name)?)),
+        }
+    }
+
+    /// Parses a `config.json`: a MoE config when it has `n_routed_experts` or `model_type`
+    /// `deepseek_v3` ([`MoeConfig::from_json`]), else a Llama one ([`LlamaConfig::from_json`]).
+    /// Errors: as those.
+    pub fn from_json(text: &str) -> Result<Self, ModelError> {
+        let obj = crate::config::json_object(text)?;
+        let moe = obj.contains_key("n_routed_experts")
+            || obj.get("model_type").and_then(|v| v.as_str()) == Some("deepseek_v3");
+        Ok(if moe {
+            ModelConfig::Moe(MoeConfig::from_json(text)?)
+        } else {
+            ModelConfig::Llama(LlamaConfig::from_json(text)?)
+        })
+    }
+
+    /// The decoder fields (attention, norms, vocabulary, dense MLP).
+    pub fn base(&self) -> &LlamaConfig {
+        match self {
+            ModelConfig::Moe(m) => &m.base,
+            ModelConfig::Llama(l) => l,
+        }
+    }
+
+    /// The decoder fields, to change (e.g. `--layers`).
+    pub fn base_mut(&mut self) -> &mut LlamaConfig {
+        match self {
+            ModelConfig::Moe(m) => &mut m.base,
+            ModelConfig::Llama(l) => l,
+        }
+    }
+
+    /// The model as the runtime takes it.
+    pub fn as_model(&self) -> &dyn Model {
+        match self {
+            ModelConfig::Moe(m) => m,
+            ModelConfig::Llama(l) => l,
+        }
+    }
+
+    /// Checks the config. Errors: [`ModelError::Field`], [`ModelError::Unsupported`].
+    pub fn validate(&self) -> Result<(), ModelError> {
+        match self {
+            ModelConfig::Moe(m) => m.validate(),
+            ModelConfig::Llama(l) => l.validate(),
+        }
+    }
+}
+
+impl Model for ModelConfig {
+    fn describe(&self) -> String {
+        self.as_model().describe()
+    }
+    fn vocab_size(&self) -> usize {
+        self.as_model().vocab_size()
+    }
+    fn num_layers(&self) -> usize {
+        self.as_model().num_layers()
+    }
+    fn max_seq_len(&self) -> usize {
+        self.as_model().max_seq_len()
+    }
+    fn build_stage(&self, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
+        self.as_model().build_stage(spec, opts)
+    }
+    fn stage_parameters(&self, spec: &StageSpec) -> Vec<(String, Vec<usize>)> {
+        self.as_model().stage_parameters(spec)
+    }
+    fn init_parameters(&self, spec: &StageSpec, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        self.as_model().init_parameters(spec, seed)
+    }
+    fn stage_buffers(&self, seq: usize) -> Vec<(String, Vec<usize>, Vec<f64>)> {
+        self.as_model().stage_buffers(seq)
+    }
+    fn parameter_count(&self) -> u128 {
+        self.as_model().parameter_count()
+    }
+    fn stage_activation_bytes(&self, spec: &StageSpec, batch: usize, seq: usize) -> u128 {
+        self.as_model().stage_activation_bytes(spec, batch, seq)
+    }
+    fn buffer_bytes(&self, seq: usize) -> u128 {
+        self.as_model().buffer_bytes(seq)
+    }
+    fn flops_per_token(&self, seq: usize) -> f64 {
+        self.as_model().flops_per_token(seq)
     }
 }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::Tensor;
-use graphpp_models::{LlamaConfig, Recompute};
+use graphpp_models::{Model, ModelConfig, Recompute};
 use graphpp_runtime::executor::{tensor_u32, to_f64};
 use graphpp_runtime::{
     AdamWConfig, Comm, CosineSchedule, LrError, Microbatches, StepReport, TrainError, TrainSetup, Trainer,
@@ -91,7 +91,7 @@ pub struct RunConfig {
     /// Model name as given (`tiny`, `small` or a config path), for display.
     pub model_name: String,
     /// The model.
-    pub model: LlamaConfig,
+    pub model: ModelConfig,
     /// Schedule kind.
     pub kind: Kind,
     /// p: ranks (one thread each).
@@ -177,16 +177,17 @@ impl RunConfig {
         if self.steps == 0 {
             return Err(RunError::Config("--steps must be at least 1".into()));
         }
-        if self.seq_len > self.model.max_position_embeddings {
+        if self.seq_len > self.model.max_seq_len() {
             return Err(RunError::Config(format!(
                 "--seq-len {} exceeds the model's max_position_embeddings {}",
-                self.seq_len, self.model.max_position_embeddings
+                self.seq_len,
+                self.model.max_seq_len()
             )));
         }
-        if self.model.vocab_size < ByteTokenizer::VOCAB {
+        if self.model.vocab_size() < ByteTokenizer::VOCAB {
             return Err(RunError::Config(format!(
                 "the model's vocab_size {} is below the byte tokenizer's {}",
-                self.model.vocab_size,
+                self.model.vocab_size(),
                 ByteTokenizer::VOCAB
             )));
         }
@@ -300,7 +301,12 @@ impl Run {
             None => Trainer::new(setup)?,
         };
         if let Some(dir) = &config.init_from {
-            let weights = crate::pretrained::load_weights(dir, &config.model)?;
+            let ModelConfig::Llama(llama) = &config.model else {
+                return Err(RunError::Config(
+                    "--init-from loads Llama checkpoints; the model is a MoE".into(),
+                ));
+            };
+            let weights = crate::pretrained::load_weights(dir, llama)?;
             trainer.load_parameters(&weights.into_iter().collect())?;
         }
         let batcher = Batcher { seed: config.seed, position: 0 };
@@ -343,7 +349,7 @@ impl Run {
 
     /// Model FLOPs per training token ([`graphpp_models::flops_per_token`] at `--seq-len`).
     pub fn flops_per_token(&self) -> f64 {
-        graphpp_models::flops_per_token(&self.config.model, self.config.seq_len)
+        self.config.model.flops_per_token(self.config.seq_len)
     }
 
     /// Tokens (bytes) of the (training, validation) splits.

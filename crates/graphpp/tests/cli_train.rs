@@ -33,7 +33,7 @@ const SMALL: [&str; 8] =
 fn config(data: PathBuf, kind: Kind) -> RunConfig {
     RunConfig {
         model_name: "tiny".into(),
-        model: LlamaConfig::tiny(),
+        model: graphpp_models::ModelConfig::Llama(LlamaConfig::tiny()),
         kind,
         ranks: 2,
         stages_per_rank: kind.default_stages_per_rank(),

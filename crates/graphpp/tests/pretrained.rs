@@ -298,7 +298,7 @@ fn run_config(data: PathBuf, kind: Kind, ranks: usize) -> RunConfig {
     let model = pretrained::load_config(Path::new(GELU)).unwrap();
     RunConfig {
         model_name: GELU.into(),
-        model,
+        model: graphpp_models::ModelConfig::Llama(model),
         kind,
         ranks,
         stages_per_rank: kind.default_stages_per_rank(),

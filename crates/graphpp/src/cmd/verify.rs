@@ -113,12 +113,17 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     let (mut model, weights, name) = match &a.init_from {
         Some(dir) => {
             let p = graphpp::pretrained::load(dir).context("--init-from")?;
-            (p.config, Some(Arc::new(p.tensors.into_iter().collect())), dir.display().to_string())
+            (
+                graphpp_models::ModelConfig::Llama(p.config),
+                Some(Arc::new(p.tensors.into_iter().collect())),
+                dir.display().to_string(),
+            )
         }
         None => (crate::cmd::graph::load_config(&a.model)?, None, a.model.clone()),
     };
     if let Some(l) = a.layers {
-        model.num_hidden_layers = l;
+        model.base_mut().num_hidden_layers = l;
+        model.validate().context("--layers")?;
     }
     let v = a.stages_per_rank.unwrap_or_else(|| a.schedule.default_stages_per_rank());
     let shape = Shape::new(a.ranks, v, a.microbatches);
