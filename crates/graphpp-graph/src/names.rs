@@ -11,5 +11,9 @@ pub const TARGETS: &str = "targets";
 pub const OUTPUT: &str = "output";
 /// Scalar loss, mean over the microbatch's tokens (last stage).
 pub const LOSS: &str = crate::autodiff::LOSS;
+/// Prefix of a MoE layer's forward output `expert_load.<layer>`: how many of the microbatch's
+/// routed token copies each expert received, u32 `[E]` (no gradient; the trainer sums it over a
+/// step to balance the experts and to report their load).
+pub const EXPERT_LOAD: &str = "expert_load.";
 /// Next-token logits `[B·T, V]` of an inference graph's last stage (no targets, no loss).
 pub const LOGITS: &str = "logits";

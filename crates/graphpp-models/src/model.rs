@@ -58,6 +58,20 @@ pub trait Model: std::fmt::Debug + Send + Sync {
 
     /// Model FLOPs per trained token at `seq` tokens (forward and backward).
     fn flops_per_token(&self, seq: usize) -> f64;
+
+    /// The mixture-of-experts layers, `(layer, experts)`, in layer order; each one's stage graph
+    /// outputs `expert_load.<layer>` ([`graphpp_graph::names::EXPERT_LOAD`]). None for a dense model.
+    fn moe_layers(&self) -> Vec<(usize, usize)> {
+        Vec::new()
+    }
+
+    /// The buffer `[E]` of MoE layer `layer` that biases its routing for load balance (updated by
+    /// the trainer outside the gradient, DeepSeek-V3's auxiliary-loss-free balancing); `None`
+    /// for a dense layer.
+    fn balance_bias(&self, layer: usize) -> Option<String> {
+        let _ = layer;
+        None
+    }
 }
 
 impl Model for LlamaConfig {
@@ -236,5 +250,11 @@ impl Model for ModelConfig {
     }
     fn flops_per_token(&self, seq: usize) -> f64 {
         self.as_model().flops_per_token(seq)
+    }
+    fn moe_layers(&self) -> Vec<(usize, usize)> {
+        self.as_model().moe_layers()
+    }
+    fn balance_bias(&self, layer: usize) -> Option<String> {
+        self.as_model().balance_bias(layer)
     }
 }

@@ -30,6 +30,7 @@
 use std::collections::HashMap;
 
 use graphpp_graph::layers::{activation, linear, swiglu_mlp, Activation};
+use graphpp_graph::names::EXPERT_LOAD;
 use graphpp_graph::{Graph, GraphBuilder, InputKind, ValueId};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -293,7 +294,7 @@ impl FeedForward for MoeConfig {
         let (ids, weights) = self.route(b, x, p("gate"), bias)?;
         b.pop_scope();
         b.push_scope("experts");
-        let routed = self.experts(b, x, ids, weights, &|e, s| p(&format!("experts.{e}.{s}")))?;
+        let routed = self.experts(b, layer, x, ids, weights, &|e, s| p(&format!("experts.{e}.{s}")))?;
         b.pop_scope();
         let y = if self.n_shared_experts > 0 {
             b.push_scope("shared_experts");
@@ -345,10 +346,12 @@ impl MoeConfig {
     }
 
     /// The routed experts: each token's `k` rows sorted by expert, one SwiGLU per segment, put
-    /// back and summed with their weights. `w(e, proj)` is expert `e`'s matrix.
+    /// back and summed with their weights. `w(e, proj)` is expert `e`'s matrix. The segment
+    /// lengths are also the output `expert_load.<layer>`.
     fn experts(
         &self,
         b: &mut GraphBuilder,
+        layer: usize,
         x: ValueId,
         ids: ValueId,
         weights: ValueId,
@@ -359,6 +362,7 @@ impl MoeConfig {
         let flat = b.reshape(ids, vec![n * k])?;
         let order = b.sort_by_expert(flat, e)?;
         let counts = b.bincount(flat, e)?;
+        b.output(&format!("{EXPERT_LOAD}{layer}"), counts);
         let rows = b.reshape(x, vec![n, 1, d])?;
         let rows = b.broadcast(rows, vec![n, k, d])?;
         let rows = b.reshape(rows, vec![n * k, d])?;
@@ -445,6 +449,17 @@ impl crate::model::Model for MoeConfig {
 
     fn flops_per_token(&self, seq: usize) -> f64 {
         crate::flops::moe_flops_per_token(self, seq)
+    }
+
+    fn moe_layers(&self) -> Vec<(usize, usize)> {
+        (0..self.base.num_hidden_layers)
+            .filter(|&l| self.is_moe(l))
+            .map(|l| (l, self.n_routed_experts))
+            .collect()
+    }
+
+    fn balance_bias(&self, layer: usize) -> Option<String> {
+        self.is_moe(layer).then(|| Self::bias_name(layer))
     }
 }
 

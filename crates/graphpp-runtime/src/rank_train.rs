@@ -103,6 +103,10 @@ pub struct RankStepReport {
     /// Whether post-validation rolled the optimistic optimizer step back (clipping applied, so
     /// the step was redone with the clipped gradients).
     pub rolled_back: bool,
+    /// Tokens routed to each expert in the step, per MoE layer in [`graphpp_models::Model::moe_layers`]
+    /// order, summed over the microbatches and the data-parallel replicas; the same on every
+    /// rank (empty for a dense model).
+    pub expert_load: Vec<Vec<u64>>,
 }
 
 /// What [`RankTrainer::update`] did.
@@ -117,6 +121,7 @@ struct Update {
     /// Time blocked on the data-parallel gradient reductions after the pipeline run.
     reduce_wait: Duration,
     rolled_back: bool,
+    expert_load: Vec<Vec<f64>>,
 }
 
 /// What a [`TagKind::Gather`] message carries (its tag's `stage`).
@@ -126,6 +131,17 @@ enum Gathered {
     Intervals = 0,
     /// A parameter or optimizer-moment tensor, in the sender's [`RankTrainer::owned`] order.
     State = 1,
+}
+
+/// What [`RankTrainer::send_to_leader`] gathers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gather {
+    /// Each parameter's gradient.
+    Gradients,
+    /// Parameters and MoE balancing biases (inference, `--init-from` exports).
+    Parameters,
+    /// Parameters, biases, AdamW moments and step (checkpoints).
+    Training,
 }
 
 /// The parameter an optimizer-state key belongs to (`adam.m.<name>` → `<name>`); a parameter
@@ -158,6 +174,9 @@ pub struct RankTrainer {
     /// For every world rank of replica 0, the parameters it is the lowest holder of (it sends
     /// them and their optimizer moments to the leader), names sorted.
     owned: BTreeMap<usize, Vec<String>>,
+    /// World rank → the MoE balancing biases (buffers) it sends in [`RankTrainer::gather_state`]
+    /// with the optimizer state: each bias's lowest holder in replica 0.
+    bias_owned: BTreeMap<usize, Vec<String>>,
     /// `None` after a failed step (the stages were lost or are inconsistent).
     work: Option<GraphStages>,
     optim: AdamW,
@@ -231,11 +250,17 @@ impl RankTrainer {
             let dp = DataParallel::new(Arc::clone(&comm), data_parallel.clone(), setup.fsdp, setup.timeout)?;
             work.set_data_parallel(dp)?;
         }
-        // Holders (schedule ranks) of every parameter name.
+        // Holders (schedule ranks) of every parameter name, and of every MoE balancing bias.
         let mut holders: BTreeMap<String, BTreeSet<usize>> = BTreeMap::new();
+        let mut bias_holders: BTreeMap<String, usize> = BTreeMap::new();
         for (stage, ranks) in schedule.placement() {
             let spec =
                 specs.get(stage).ok_or_else(|| mismatch(format!("stage {stage}: no model stage for it")))?;
+            for bias in spec.layers.clone().filter_map(|l| setup.model.balance_bias(l)) {
+                let first = ranks.iter().copied().min().unwrap_or_default();
+                let e = bias_holders.entry(bias).or_insert(first);
+                *e = (*e).min(first);
+            }
             let names: BTreeSet<String> =
                 setup.model.stage_parameters(spec).into_iter().map(|(n, _)| n).collect();
             if let Some(st) = work.stages().get(&stage) {
@@ -265,6 +290,11 @@ impl RankTrainer {
             counts_here.push(hs.first() == Some(&me));
             all_names.push(name);
         }
+        let mut bias_owned: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+        for (bias, first) in bias_holders {
+            let owner = mesh.rank_of(Coords { pp: first, dp: 0 }).map_err(|e| mismatch(e.to_string()))?;
+            bias_owned.entry(owner).or_default().push(bias);
+        }
         let optim = AdamW::new(setup.adamw)?;
         Ok(RankTrainer {
             setup,
@@ -275,6 +305,7 @@ impl RankTrainer {
             replica,
             mesh,
             owned,
+            bias_owned,
             work: Some(work),
             optim,
             step: 0,
@@ -347,6 +378,11 @@ impl RankTrainer {
                     boundary_wait_s: u.waited.as_secs_f64(),
                     reduce_wait_s: u.reduce_wait.as_secs_f64(),
                     rolled_back: u.rolled_back,
+                    expert_load: u
+                        .expert_load
+                        .iter()
+                        .map(|l| l.iter().map(|&x| x as u64).collect())
+                        .collect(),
                 })
             }
             Err(e) if e.is_skipped_step() => {
@@ -378,10 +414,10 @@ impl RankTrainer {
         let outcome = self.run_pipeline(data, Instant::now())?;
         let mut work = outcome.work;
         let result = (|| {
-            let (loss, _, _) = self.finish_loss(self.start_loss(&work)?)?;
+            let (loss, ..) = self.finish_loss(self.start_loss(&work)?)?;
             let (grads, _) = self.reduce_grads(&mut work)?;
             let local = Self::unsharded_in(Some(&work), grads.into_iter().collect())?;
-            Ok((loss, self.send_to_leader(local, false)?))
+            Ok((loss, self.send_to_leader(local, Gather::Gradients)?))
         })();
         match &result {
             // The stages are kept only when the step completed: a failure may leave reductions
@@ -444,7 +480,7 @@ impl RankTrainer {
             return self.post_validated(work, loss, grads, reduce_wait);
         }
         let t = Instant::now();
-        let (loss, peak, resident) = self.finish_loss(loss)?;
+        let (loss, peak, resident, expert_load) = self.finish_loss(loss)?;
         let mut waited = t.elapsed();
         let (mut grads, reduce_wait) = self.reduce_grads(work)?;
         let norm = self.start_norm(work, &grads)?;
@@ -456,7 +492,18 @@ impl RankTrainer {
         scale_grads(&mut grads, scale)?;
         let (params, optim) = self.optimizer_step(work, &grads, lr)?;
         self.commit(work, params, optim)?;
-        Ok(Update { loss, norm: sq.sqrt(), lr, peak, resident, waited, reduce_wait, rolled_back: false })
+        self.balance_experts(work, &expert_load)?;
+        Ok(Update {
+            loss,
+            norm: sq.sqrt(),
+            lr,
+            peak,
+            resident,
+            waited,
+            reduce_wait,
+            rolled_back: false,
+            expert_load,
+        })
     }
 
     /// The zero-bubble paper's optimizer post-validation (Qi et al. 2024, "Zero Bubble Pipeline
@@ -477,7 +524,7 @@ impl RankTrainer {
         let lr = self.setup.lr.lr_at(self.step + 1);
         let optimistic = self.optimizer_step(work, &grads, lr);
         let t = Instant::now();
-        let (loss, peak, resident) = self.finish_loss(loss)?;
+        let (loss, peak, resident, expert_load) = self.finish_loss(loss)?;
         let sq = self.finish_norm(norm)?;
         let waited = t.elapsed();
         let scale = self.checked_scale(sq)?;
@@ -490,7 +537,18 @@ impl RankTrainer {
             }
         };
         self.commit(work, step.0, step.1)?;
-        Ok(Update { loss, norm: sq.sqrt(), lr, peak, resident, waited, reduce_wait, rolled_back })
+        self.balance_experts(work, &expert_load)?;
+        Ok(Update {
+            loss,
+            norm: sq.sqrt(),
+            lr,
+            peak,
+            resident,
+            waited,
+            reduce_wait,
+            rolled_back,
+            expert_load,
+        })
     }
 
     /// The clipping scale of the global squared norm `sq` (1 without clipping).
@@ -531,8 +589,18 @@ impl RankTrainer {
         let m = self.setup.shape.microbatches;
         let world = self.comm.world();
         // Summed over the world: m losses, m counts (where this rank holds the last stage), then
-        // each rank's peak bytes and resident bytes at its own index.
-        let mut rows = vec![0.0f64; 2 * m + 2 * world];
+        // each rank's peak bytes and resident bytes at its own index, then the tokens per expert
+        // of every MoE layer (where this rank ran it).
+        let layers = self.setup.model.moe_layers();
+        let experts: usize = layers.iter().map(|&(_, e)| e).sum();
+        let mut rows = vec![0.0f64; 2 * m + 2 * world + experts];
+        let mut at = 2 * m + 2 * world;
+        for (layer, e) in layers {
+            if let Some(load) = work.expert_load().get(&layer).filter(|l| l.len() == e) {
+                rows[at..at + e].copy_from_slice(load);
+            }
+            at += e;
+        }
         for (&mb, &l) in work.losses() {
             if mb < m {
                 rows[mb] = l;
@@ -559,12 +627,22 @@ impl RankTrainer {
     /// # Errors
     /// [`TrainError::Comm`]; [`TrainError::Data`] for a microbatch without its losses.
     #[allow(clippy::type_complexity)]
-    fn finish_loss(&self, pending: Pending<Tensor>) -> Result<(f64, Vec<u64>, Vec<u64>), TrainError> {
+    fn finish_loss(
+        &self,
+        pending: Pending<Tensor>,
+    ) -> Result<(f64, Vec<u64>, Vec<u64>, Vec<Vec<f64>>), TrainError> {
         let (m, world) = (self.setup.shape.microbatches, self.comm.world());
         let summed: Vec<f64> = pending.wait(self.setup.timeout)?.to_dtype(DType::F64)?.to_vec1()?;
         let (losses, rest) = summed.split_at(m);
         let (counts, rest) = rest.split_at(m);
-        let (peaks, resident) = rest.split_at(world);
+        let (peaks, rest) = rest.split_at(world);
+        let (resident, mut loads) = rest.split_at(world);
+        let mut expert_load = Vec::new();
+        for (_, e) in self.setup.model.moe_layers() {
+            let (layer, rest) = loads.split_at(e);
+            expert_load.push(layer.to_vec());
+            loads = rest;
+        }
         let replicas = self.setup.dp as f64;
         if let Some(mb) = counts.iter().position(|&c| c != replicas) {
             return Err(TrainError::Data(format!(
@@ -575,7 +653,37 @@ impl RankTrainer {
         let loss = losses.iter().sum::<f64>() / (m * self.setup.dp) as f64;
         let peak: Vec<u64> = peaks.iter().map(|&b| b as u64).collect();
         let resident: Vec<u64> = resident.iter().map(|&b| b as u64).collect();
-        Ok((loss, peak, resident))
+        Ok((loss, peak, resident, expert_load))
+    }
+
+    /// DeepSeek-V3's auxiliary-loss-free load balancing (Liu et al. 2024, §2.1.2): after the
+    /// step, each MoE layer's routing bias moves by γ = `setup.expert_bias_update` towards
+    /// balance — down for an expert that got more than the mean of the step's tokens, up for one
+    /// that got fewer. `load` is the step's global count per expert (every replica sees the same,
+    /// so the copies of a bias stay equal).
+    fn balance_experts(&self, work: &mut GraphStages, load: &[Vec<f64>]) -> Result<(), TrainError> {
+        let gamma = self.setup.expert_bias_update;
+        if gamma == 0.0 {
+            return Ok(());
+        }
+        for ((layer, _), load) in self.setup.model.moe_layers().into_iter().zip(load) {
+            let Some(name) = self.setup.model.balance_bias(layer) else { continue };
+            let mean = load.iter().sum::<f64>() / load.len().max(1) as f64;
+            let step: Vec<f64> = load
+                .iter()
+                .map(|&l| match l.partial_cmp(&mean) {
+                    Some(std::cmp::Ordering::Greater) => -gamma,
+                    Some(std::cmp::Ordering::Less) => gamma,
+                    _ => 0.0,
+                })
+                .collect();
+            for s in work.stages_mut().values_mut() {
+                let Some(bias) = s.state().get(&name) else { continue };
+                let moved = (bias.to_dtype(DType::F64)? + Tensor::new(step.as_slice(), &Device::Cpu)?)?;
+                s.set_buffer(&name, &moved)?;
+            }
+        }
+        Ok(())
     }
 
     /// This rank's gradients of the step by name, complete: the data-parallel mean REDUCE_GRAD
@@ -667,13 +775,17 @@ impl RankTrainer {
         Ok(all)
     }
 
-    /// The names this rank sends in [`RankTrainer::gather_state`], in order: each parameter it
-    /// owns, then (with `optimizer`) its AdamW moments.
-    fn owned_keys(&self, rank: usize, optimizer: bool) -> Vec<String> {
+    /// The names rank `rank` sends to the leader, in order: each parameter (or its gradient) it
+    /// owns; unless gradients, the MoE balancing biases it owns (state outside the gradient that
+    /// inference and an exact resume need); for training state, the AdamW moments.
+    fn owned_keys(&self, rank: usize, what: Gather) -> Vec<String> {
         let names = self.owned.get(&rank).map(Vec::as_slice).unwrap_or_default();
         let mut keys: Vec<String> = names.to_vec();
-        if optimizer {
+        if what == Gather::Training {
             keys.extend(names.iter().flat_map(|n| [format!("{M_PREFIX}{n}"), format!("{V_PREFIX}{n}")]));
+        }
+        if what != Gather::Gradients {
+            keys.extend(self.bias_owned.get(&rank).into_iter().flatten().cloned());
         }
         keys
     }
@@ -688,11 +800,12 @@ impl RankTrainer {
     /// [`TrainError::Optim`] for a missing moment.
     pub fn gather_state(&self, optimizer: bool) -> Result<Option<BTreeMap<String, Tensor>>, TrainError> {
         let mut local = self.parameters()?;
+        local.extend(self.biases()?);
         if optimizer {
             local.extend(self.optimizer_state()?);
         }
         let local = self.unsharded(local)?;
-        self.send_to_leader(local, optimizer)
+        self.send_to_leader(local, if optimizer { Gather::Training } else { Gather::Parameters })
     }
 
     /// The owner half of [`RankTrainer::gather_state`]: each rank sends the entries of `local`
@@ -700,10 +813,10 @@ impl RankTrainer {
     fn send_to_leader(
         &self,
         local: BTreeMap<String, Tensor>,
-        optimizer: bool,
+        what: Gather,
     ) -> Result<Option<BTreeMap<String, Tensor>>, TrainError> {
         let rank = self.comm.rank();
-        let mine = self.owned_keys(rank, optimizer);
+        let mine = self.owned_keys(rank, what);
         let missing = |k: &String| mismatch(format!("rank {rank} holds no {k} to gather"));
         if rank != 0 {
             for (i, k) in mine.iter().enumerate() {
@@ -716,14 +829,14 @@ impl RankTrainer {
         for k in &mine {
             out.insert(k.clone(), local.get(k).ok_or_else(|| missing(k))?.clone());
         }
-        if optimizer {
+        if what == Gather::Training {
             out.insert(
                 STEP_KEY.to_string(),
                 local.get(STEP_KEY).ok_or_else(|| missing(&STEP_KEY.to_string()))?.clone(),
             );
         }
         for &from in self.owned.keys().filter(|&&r| r != 0) {
-            for (i, k) in self.owned_keys(from, optimizer).into_iter().enumerate() {
+            for (i, k) in self.owned_keys(from, what).into_iter().enumerate() {
                 let t = self.comm.recv(from, gather_tag(Gathered::State, i), self.setup.timeout)?;
                 out.insert(k, t);
             }
@@ -748,22 +861,22 @@ impl RankTrainer {
         local: BTreeMap<String, Tensor>,
     ) -> Result<BTreeMap<String, Tensor>, TrainError> {
         let Some(dp) = work.and_then(|w| w.data_parallel()).filter(|d| d.fsdp()) else { return Ok(local) };
-        let (step, shards): (Vec<_>, Vec<_>) = local.into_iter().partition(|(k, _)| k == STEP_KEY);
+        // Only parameters and their moments are sharded; `adam.step` and the biases are whole.
+        let (step, shards): (Vec<_>, Vec<_>) =
+            local.into_iter().partition(|(k, _)| dp.full_shape(parameter_of(k)).is_none());
         let full = dp.gather_full(&shards, |k| parameter_of(k).to_string()).map_err(StageError::from)?;
         Ok(full.into_iter().chain(step).collect())
     }
 
     /// This rank's view of full tensors `full` (parameters, moments by name): with FSDP each one
     /// of its parameters or their moments is checked against the parameter's full shape and
-    /// replaced by this rank's shard; other names are dropped.
+    /// replaced by this rank's shard; other names (`adam.step`, biases) are kept whole.
     fn localize(&self, full: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>, TrainError> {
         let Some(dp) = self.sharding() else { return Ok(full.clone()) };
         let mut out = HashMap::new();
         for (k, t) in full {
             let Some(shape) = dp.full_shape(parameter_of(k)) else {
-                if k == STEP_KEY {
-                    out.insert(k.clone(), t.clone());
-                }
+                out.insert(k.clone(), t.clone());
                 continue;
             };
             if t.dims() != shape {
@@ -799,7 +912,30 @@ impl RankTrainer {
     /// # Errors
     /// [`TrainError::Optim`] from [`AdamW::state_dict`].
     pub fn optimizer_state(&self) -> Result<BTreeMap<String, Tensor>, TrainError> {
-        Ok(self.optim.state_dict()?.into_iter().collect())
+        let mut state: BTreeMap<String, Tensor> = self.optim.state_dict()?.into_iter().collect();
+        state.extend(self.biases()?);
+        Ok(state)
+    }
+
+    /// The MoE balancing biases this rank's stages hold (f32), by name.
+    fn biases(&self) -> Result<BTreeMap<String, Tensor>, TrainError> {
+        let w = self.work.as_ref().ok_or(TrainError::Poisoned)?;
+        let names: Vec<String> = self
+            .setup
+            .model
+            .moe_layers()
+            .into_iter()
+            .filter_map(|(l, _)| self.setup.model.balance_bias(l))
+            .collect();
+        let mut out = BTreeMap::new();
+        for s in w.stages().values() {
+            for n in &names {
+                if let Some(t) = s.state().get(n) {
+                    out.insert(n.clone(), t.to_dtype(DType::F32)?);
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Checks that every stage of this rank finds its parameters in `params`.
@@ -868,9 +1004,15 @@ impl RankTrainer {
         opt: AdamW,
     ) -> Result<(), TrainError> {
         let tensors = &self.localize(tensors)?;
+        let biases: Vec<String> = self.biases()?.into_keys().collect();
         let w = self.work.as_mut().ok_or(TrainError::Poisoned)?;
         for s in w.stages_mut().values_mut() {
             s.set_parameters(tensors)?;
+            for b in &biases {
+                if let Some(t) = tensors.get(b) {
+                    s.set_buffer(b, t)?;
+                }
+            }
         }
         self.step = opt.step_count();
         self.optim = opt;

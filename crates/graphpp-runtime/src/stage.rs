@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use candle_core::Tensor;
-use graphpp_graph::names::{INPUT, LOSS, OUTPUT, TARGETS, TOKENS};
+use graphpp_graph::names::{EXPERT_LOAD, INPUT, LOSS, OUTPUT, TARGETS, TOKENS};
 use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
 use graphpp_graph::{Graph, GraphError, InputKind, StageGraphs};
 use graphpp_schedule::Task;
@@ -78,7 +78,8 @@ pub enum StageError {
         /// The pass error.
         source: GraphError,
     },
-    /// A parameter given to [`Stage::set_parameters`] is missing or has the wrong shape or dtype.
+    /// A parameter given to [`Stage::set_parameters`] (or a buffer to [`Stage::set_buffer`]) is
+    /// missing or has the wrong shape or dtype.
     #[error("parameter {name}: {reason}")]
     Parameter {
         /// Parameter name.
@@ -211,6 +212,20 @@ impl Stage {
         Ok(())
     }
 
+    /// Replaces the buffer `name` (e.g. a MoE layer's balancing bias), keeping its shape and
+    /// dtype; `false` (nothing changes) when the stage has no such buffer. Errors: a tensor of
+    /// another shape.
+    pub fn set_buffer(&mut self, name: &str, value: &Tensor) -> Result<bool, StageError> {
+        let Some(old) = self.state.get(name) else { return Ok(false) };
+        let bad = |reason: String| StageError::Parameter { name: name.to_string(), reason };
+        if old.dims() != value.dims() {
+            return Err(bad(format!("buffer shape {:?}, expected {:?}", value.dims(), old.dims())));
+        }
+        let v = value.to_dtype(old.dtype()).map_err(|e| bad(e.to_string()))?;
+        self.state.insert(name.to_string(), v);
+        Ok(true)
+    }
+
     /// Moves the accumulated gradients out, keyed by parameter name (without the `grad.`
     /// prefix of [`Stage::grads`]); the accumulators restart at zero for the next step.
     pub fn take_grads(&mut self) -> Env {
@@ -240,6 +255,8 @@ pub struct GraphStages {
     saved: HashMap<Task, Env>,
     stash: HashMap<Task, Env>,
     losses: BTreeMap<usize, f64>,
+    /// Tokens per expert of each MoE layer this step, by layer.
+    expert_load: BTreeMap<usize, Vec<f64>>,
     overlap: HashMap<(usize, usize), Arc<Graph>>,
     /// Peak activation bytes of the step so far (see [`GraphStages::peak_activation_bytes`]).
     peak_activation_bytes: usize,
@@ -279,6 +296,7 @@ impl GraphStages {
             saved: HashMap::new(),
             stash: HashMap::new(),
             losses: BTreeMap::new(),
+            expert_load: BTreeMap::new(),
             overlap: HashMap::new(),
             peak_activation_bytes: 0,
             dp: None,
@@ -407,6 +425,7 @@ impl GraphStages {
     pub fn start_step(&mut self, data: Arc<Microbatches>) {
         self.data = data;
         self.losses.clear();
+        self.expert_load.clear();
         self.saved.clear();
         self.stash.clear();
         self.peak_activation_bytes = 0;
@@ -445,6 +464,7 @@ impl GraphStages {
 
     /// Keeps what the backward reads, records the loss; returns the output for the next stage.
     fn after_fw(&mut self, t: Task, mut env: Env, outs: Env) -> Result<Option<Tensor>, StageError> {
+        self.count_expert_load(t, &outs)?;
         let st = self.stage(t)?;
         env.extend(outs);
         let loss = if st.last {
@@ -463,6 +483,25 @@ impl GraphStages {
         }
         self.saved.insert(t, keep);
         Ok(out)
+    }
+
+    /// Adds the forward's `expert_load.<layer>` outputs to the step's counts.
+    fn count_expert_load(&mut self, t: Task, outs: &Env) -> Result<(), StageError> {
+        for (name, counts) in outs.iter().filter(|(k, _)| k.starts_with(EXPERT_LOAD)) {
+            let layer: usize = name[EXPERT_LOAD.len()..]
+                .parse()
+                .map_err(|_| missing(t, "layer number of an expert_load output"))?;
+            let c = to_f64(counts).map_err(|source| StageError::Tensor { stage: t.stage, source })?;
+            let sum = self.expert_load.entry(layer).or_insert_with(|| vec![0.0; c.len()]);
+            sum.iter_mut().zip(c).for_each(|(s, x)| *s += x);
+        }
+        Ok(())
+    }
+
+    /// Tokens routed to each expert of each MoE layer this rank ran, summed over the step's
+    /// microbatches so far (by layer; see [`graphpp_graph::names::EXPERT_LOAD`]).
+    pub fn expert_load(&self) -> &BTreeMap<usize, Vec<f64>> {
+        &self.expert_load
     }
 
     /// Backward inputs of `t`: state, the cache F kept (removed), and `grad.output`.

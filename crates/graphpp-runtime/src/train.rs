@@ -118,6 +118,9 @@ pub struct TrainSetup {
     pub max_grad_norm: Option<f64>,
     /// Activation recomputation of every stage.
     pub recompute: Recompute,
+    /// Bias update speed γ of MoE load balancing, per step (DeepSeek-V3 uses 0.001; 0 freezes
+    /// the biases); unused by a dense model.
+    pub expert_bias_update: f64,
     /// Bound on every RECV of a step.
     pub timeout: Duration,
     /// Compute dtype of the stage graphs: f32, or bf16 for mixed precision (f32 master weights,
@@ -172,6 +175,9 @@ pub struct StepReport {
     /// Whether post-validation rolled the optimistic step back (see
     /// [`RankStepReport::rolled_back`]).
     pub rolled_back: bool,
+    /// Tokens routed to each expert in the step, per MoE layer (see
+    /// [`RankStepReport::expert_load`]); empty for a dense model.
+    pub expert_load: Vec<Vec<u64>>,
 }
 
 /// This process's part of a training run: the [`RankTrainer`]s of its ranks (see the module doc).
@@ -385,6 +391,7 @@ impl Trainer {
             boundary_wait_s,
             reduce_wait_s,
             rolled_back: first.rolled_back,
+            expert_load: first.expert_load,
         })
     }
 
@@ -467,9 +474,15 @@ impl Trainer {
     /// the leader.
     fn inference_env(&mut self) -> Result<Option<Env>, TrainError> {
         let Some(params) = self.gather_state(false)? else { return Ok(None) };
-        let mut env: Env = params.into_iter().collect();
+        let mut env = Env::new();
         for (name, shape, data) in self.setup.model.stage_buffers(self.setup.seq) {
             env.insert(name, tensor_from_f64(&data, &shape, self.setup.dtype)?);
+        }
+        // The trained MoE balancing biases replace the initial buffers.
+        let dtype = crate::executor::candle_dtype(self.setup.dtype);
+        for (name, t) in params {
+            let t = if env.contains_key(&name) { t.to_dtype(dtype)? } else { t };
+            env.insert(name, t);
         }
         Ok(Some(env))
     }

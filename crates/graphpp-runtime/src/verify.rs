@@ -376,6 +376,7 @@ pub fn data_parallel_step(
         lr,
         max_grad_norm: None,
         recompute: graphpp_models::Recompute::SaveAll,
+        expert_bias_update: 0.001,
         timeout: setup.timeout,
         dtype: setup.dtype,
     };

@@ -145,6 +145,15 @@ pub struct RunConfig {
     /// existed, which were f32.
     #[serde(default)]
     pub dtype: graphpp_graph::DType,
+    /// Bias update speed γ of MoE load balancing (`--expert-bias-update`; DeepSeek-V3's 0.001);
+    /// unused by a dense model.
+    #[serde(default = "default_expert_bias_update")]
+    pub expert_bias_update: f64,
+}
+
+/// The default of [`RunConfig::expert_bias_update`]: DeepSeek-V3's γ (technical report §4.2).
+pub fn default_expert_bias_update() -> f64 {
+    0.001
 }
 
 /// The default of [`RunConfig::dp`].
@@ -176,6 +185,12 @@ impl RunConfig {
         }
         if self.steps == 0 {
             return Err(RunError::Config("--steps must be at least 1".into()));
+        }
+        if !(self.expert_bias_update >= 0.0 && self.expert_bias_update.is_finite()) {
+            return Err(RunError::Config(format!(
+                "--expert-bias-update {} must be a finite number >= 0",
+                self.expert_bias_update
+            )));
         }
         if self.seq_len > self.model.max_seq_len() {
             return Err(RunError::Config(format!(
@@ -531,6 +546,7 @@ fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         lr: CosineSchedule::new(c.lr, c.min_lr, c.warmup.min(c.steps), c.steps)?,
         max_grad_norm: c.grad_clip,
         recompute: c.recompute,
+        expert_bias_update: c.expert_bias_update,
         timeout: Duration::from_secs(300),
         dtype: c.dtype,
     })

@@ -55,6 +55,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         recompute: Recompute::SaveAll,
         init_from: None,
         dtype: graphpp_graph::DType::F32,
+        expert_bias_update: 0.001,
     }
 }
 

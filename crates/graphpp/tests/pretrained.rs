@@ -320,6 +320,7 @@ fn run_config(data: PathBuf, kind: Kind, ranks: usize) -> RunConfig {
         init_from: Some(GELU.into()),
         recompute: graphpp_models::Recompute::SaveAll,
         dtype: graphpp_graph::DType::F32,
+        expert_bias_update: 0.001,
     }
 }
 

@@ -154,6 +154,11 @@ pub struct TrainArgs {
     /// losses do not change.
     #[arg(long, default_value = "save-all")]
     recompute: Recompute,
+    /// MoE models: bias update speed γ of the auxiliary-loss-free load balancing (each step, a
+    /// layer's routing bias moves by γ against each expert's excess load; DeepSeek-V3's 0.001;
+    /// 0 freezes the routing biases).
+    #[arg(long, default_value_t = graphpp::train::default_expert_bias_update(), allow_hyphen_values = true)]
+    expert_bias_update: f64,
     /// Write an HTML report of the run to DIR/index.html at the end: strategy, loss and tokens/s
     /// curves, the measured timeline of the last step beside the simulator's prediction, a row
     /// per evaluation.
@@ -215,6 +220,7 @@ impl TrainArgs {
             recompute: self.recompute,
             init_from: self.init_from.clone(),
             dtype: self.dtype,
+            expert_bias_update: self.expert_bias_update,
         })
     }
 }
