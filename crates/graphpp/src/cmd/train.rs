@@ -479,9 +479,39 @@ fn after_step(
             flops_per_s / 1e9,
             mib(&r.peak_bytes),
             mib(&r.resident_bytes),
-        ),
+        ) + &expert_balance(&r.expert_load).map_or(String::new(), |b| format!("  {b}")),
     )?;
     Ok(Some((Some(v), saved)))
+}
+
+/// The step's expert load in one phrase, for a MoE model: the tokens per expert of the least
+/// balanced layer (largest max/min), `expert load 93–161 tokens/expert (max/min 1.73, layer 2 of 3)`.
+/// `None` for a dense model.
+fn expert_balance(loads: &[Vec<u64>]) -> Option<String> {
+    let ratio = |l: &Vec<u64>| {
+        let (min, max) = (l.iter().min().copied().unwrap_or(0), l.iter().max().copied().unwrap_or(0));
+        (min, max, if min == 0 { f64::INFINITY } else { max as f64 / min as f64 })
+    };
+    let (i, (min, max, r)) = loads.iter().map(ratio).enumerate().max_by(|a, b| a.1 .2.total_cmp(&b.1 .2))?;
+    Some(format!(
+        "expert load {min}–{max} tokens/expert (max/min {r:.2}, MoE layer {} of {})",
+        i + 1,
+        loads.len()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expert_balance_names_the_worst_layer() {
+        assert_eq!(expert_balance(&[]), None);
+        let s = expert_balance(&[vec![10, 12, 11], vec![5, 20, 10], vec![9, 9, 9]]).unwrap();
+        assert_eq!(s, "expert load 5–20 tokens/expert (max/min 4.00, MoE layer 2 of 3)");
+        let s = expert_balance(&[vec![0, 4]]).unwrap();
+        assert!(s.contains("max/min inf"), "{s}");
+    }
 }
 
 /// Bytes per rank as `a/b/…` MiB with two decimals.
