@@ -381,3 +381,35 @@ fn eval_lines_show_flops_and_memory_and_recompute_keeps_losses() {
         assert!((lx - ly).abs() <= 1e-6 * lx.abs(), "step {}: {lx} vs {ly}", x["step"]);
     }
 }
+
+/// `--model moe-tiny` trains: the header names the MoE layout, every evaluation line gives the
+/// expert load (the tokens of a step add up across the experts), and the balancing flag is
+/// checked before training.
+#[test]
+fn moe_model_trains_and_reports_its_expert_load() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let out = graphpp()
+        .args(["train", "--data", data.to_str().unwrap(), "--steps", "2", "--eval-every", "1"])
+        .args(SMALL)
+        .args(["--model", "moe-tiny", "--schedule", "dualpipev"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("3 MoE: 8 routed experts (2 per token) + 1 shared"), "{stdout}");
+    let evals: Vec<&str> = stdout.lines().filter(|l| l.contains("val loss")).collect();
+    assert_eq!(evals.len(), 2, "{stdout}");
+    for l in evals {
+        let load = &l[l.find("expert load ").expect("an expert load") + "expert load ".len()..];
+        let (min, rest) = load.split_once('–').unwrap();
+        let max: u64 = rest.split(' ').next().unwrap().parse().unwrap();
+        assert!(min.parse::<u64>().unwrap() <= max, "{l}");
+    }
+    let out = graphpp()
+        .args(["train", "--data", data.to_str().unwrap(), "--steps", "1", "--expert-bias-update", "-1"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--expert-bias-update -1 must be"));
+}

@@ -113,3 +113,38 @@ fn data_parallel_and_fsdp_steps_match_one_device() {
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(e.contains("--dp 2 does not divide --microbatch-size 3"), "{e}");
 }
+
+/// The MoE model under every kind of schedule the issue names equals one device; a MoE config
+/// with a missing or impossible field is refused naming it, before any step.
+#[test]
+fn moe_steps_match_one_device_and_bad_configs_are_named() {
+    for kind in ["1f1b", "zbv", "dualpipev"] {
+        let out = verify(&["--model", "moe-tiny", "--schedule", kind, "--ranks", "2", "--microbatches", "4"]);
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(out.status.success(), "{kind}: {text}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(number(&text, "gradients:", "max relative difference") <= 1e-5, "{text}");
+        assert!(text.contains("experts."), "the largest difference names a tensor: {text}");
+    }
+    let d = tempfile::tempdir().unwrap();
+    let base = r#""vocab_size":256,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,"num_attention_heads":2,"n_routed_experts":4,"n_shared_experts":1,"moe_intermediate_size":8,"first_k_dense_replace":1,"routed_scaling_factor":1.0"#;
+    for (extra, want) in [
+        ("", "missing field `num_experts_per_tok`"),
+        (r#","num_experts_per_tok":5"#, "config field `num_experts_per_tok`: 5 must be in 1..=4"),
+    ] {
+        let f = d.path().join("moe.json");
+        std::fs::write(&f, format!("{{{base}{extra}}}")).unwrap();
+        let out = verify(&[
+            "--model",
+            f.to_str().unwrap(),
+            "--schedule",
+            "1f1b",
+            "--ranks",
+            "2",
+            "--microbatches",
+            "2",
+        ]);
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{extra}: {err}");
+    }
+}
