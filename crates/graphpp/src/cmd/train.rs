@@ -500,19 +500,6 @@ fn expert_balance(loads: &[Vec<u64>]) -> Option<String> {
     ))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn expert_balance_names_the_worst_layer() {
-        assert_eq!(expert_balance(&[]), None);
-        let s = expert_balance(&[vec![10, 12, 11], vec![5, 20, 10], vec![9, 9, 9]]).unwrap();
-        assert_eq!(s, "expert load 5–20 tokens/expert (max/min 4.00, MoE layer 2 of 3)");
-        let s = expert_balance(&[vec![0, 4]]).unwrap();
-        assert!(s.contains("max/min inf"), "{s}");
-    }
-}
 
 /// Bytes per rank as `a/b/…` MiB with two decimals.
 fn mib(bytes: &[u64]) -> String {
@@ -740,4 +727,18 @@ fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expert_balance_names_the_worst_layer() {
+        assert_eq!(expert_balance(&[]), None);
+        let s = expert_balance(&[vec![10, 12, 11], vec![5, 20, 10], vec![9, 9, 9]]).unwrap();
+        assert_eq!(s, "expert load 5–20 tokens/expert (max/min 4.00, MoE layer 2 of 3)");
+        let s = expert_balance(&[vec![0, 4]]).unwrap();
+        assert!(s.contains("max/min inf"), "{s}");
+    }
 }
