@@ -218,6 +218,10 @@ impl RankTrainer {
         mesh: Mesh,
         comm: Arc<dyn Comm>,
     ) -> Result<Self, TrainError> {
+        let comm: Arc<dyn Comm> = match setup.link {
+            Some(link) => Arc::new(crate::comm::EmulatedComm::new(comm, link)),
+            None => comm,
+        };
         let rank = comm.rank();
         if mesh.pp() != schedule.num_ranks() || mesh.world() != comm.world() {
             return Err(mismatch(format!(

@@ -118,6 +118,9 @@ pub struct TrainSetup {
     pub max_grad_norm: Option<f64>,
     /// Activation recomputation of every stage.
     pub recompute: Recompute,
+    /// An emulated interconnect every rank's traffic goes through ([`crate::comm::emulated`]);
+    /// `None`: the communicator as it is.
+    pub link: Option<crate::comm::LinkModel>,
     /// Bias update speed γ of MoE load balancing, per step (DeepSeek-V3 uses 0.001; 0 freezes
     /// the biases); unused by a dense model.
     pub expert_bias_update: f64,

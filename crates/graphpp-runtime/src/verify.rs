@@ -377,6 +377,7 @@ pub fn data_parallel_step(
         max_grad_norm: None,
         recompute: graphpp_models::Recompute::SaveAll,
         expert_bias_update: 0.001,
+        link: None,
         timeout: setup.timeout,
         dtype: setup.dtype,
     };

@@ -97,3 +97,15 @@ fn a_restored_run_continues_bitwise_with_its_biases() {
     fresh.load_state(&params).unwrap();
     assert_ne!(fresh.step(data(2)).unwrap().loss.to_bits(), last.loss.to_bits());
 }
+
+/// An emulated link changes when messages and collectives arrive, never what they carry: the
+/// same losses bit for bit (DualPipeV × dp 2: activations, gradients, all-reduces, the loss).
+#[test]
+fn an_emulated_link_changes_no_loss() {
+    let run = |link: Option<&str>| {
+        let mut t =
+            Trainer::new(TrainSetup { link: link.map(|l| l.parse().unwrap()), ..setup(2, 0.01) }).unwrap();
+        (0..2).map(|s| t.step(data(s)).unwrap().loss.to_bits()).collect::<Vec<_>>()
+    };
+    assert_eq!(run(None), run(Some("300,0.5")));
+}

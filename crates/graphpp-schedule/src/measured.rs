@@ -100,7 +100,9 @@ pub struct MeasuredVsPredicted {
 }
 
 /// Fits costs to `measured` (a timeline of running `schedule`), simulates `schedule` with them and
-/// returns both reports. The measured timeline is shifted to start at 0 and its SEND/RECV/FSDP
+/// returns both reports; `hop` is the latency of one cross-rank hand-over in seconds (an
+/// emulated link's latency plus an activation's transfer; 0 for threads of one machine). The
+/// measured timeline is shifted to start at 0 and its SEND/RECV/FSDP
 /// intervals are dropped (see the module doc).
 ///
 /// # Errors
@@ -108,6 +110,7 @@ pub struct MeasuredVsPredicted {
 pub fn measured_vs_predicted(
     schedule: &Schedule,
     measured: &Timeline,
+    hop: f64,
 ) -> Result<MeasuredVsPredicted, SimulateError> {
     let costs = MeasuredCosts::fit(measured);
     let t0 = measured.start();
@@ -117,7 +120,7 @@ pub fn measured_vs_predicted(
         i.start -= t0;
         i.end -= t0;
     }
-    let predicted = simulate_with(schedule, |a| costs.duration(a), 0.0, &Memory::default())?;
+    let predicted = simulate_with(schedule, |a| costs.duration(a), hop, &Memory::default())?;
     Ok(MeasuredVsPredicted { costs, measured: report(shifted, schedule, &Memory::default()), predicted })
 }
 
@@ -137,7 +140,7 @@ mod tests {
             i.start += 10.0;
             i.end += 10.0;
         }
-        let r = measured_vs_predicted(&s, &t).unwrap();
+        let r = measured_vs_predicted(&s, &t, 0.0).unwrap();
         assert_eq!((r.costs.per_kind.f, r.costs.per_kind.b), (1.5, 2.5));
         assert_eq!(r.measured.makespan, run.makespan);
         assert_eq!(r.predicted.makespan, run.makespan);
@@ -165,7 +168,7 @@ mod tests {
             _ => 0.0,
         };
         let run = simulate_with(&s, slow, 0.0, &Memory::default()).unwrap();
-        let r = measured_vs_predicted(&s, &run.timeline).unwrap();
+        let r = measured_vs_predicted(&s, &run.timeline, 0.0).unwrap();
         assert!((r.predicted.makespan - run.makespan).abs() < 1e-12);
         assert!((r.predicted.bubble_ratio - run.bubble_ratio).abs() < 1e-12);
         let per_kind = simulate(&s, &r.costs.per_kind, &Memory::default()).unwrap();
@@ -187,7 +190,7 @@ mod tests {
                 iv(1, 1.0, 2.0, "1F0"),
             ],
         };
-        let r = measured_vs_predicted(&s, &t).unwrap();
+        let r = measured_vs_predicted(&s, &t, 0.0).unwrap();
         assert_eq!(r.measured.busy, vec![1.0, 1.0]);
         assert_eq!(r.measured.idle, vec![1.0, 1.0]);
         assert_eq!(r.predicted.makespan, 2.0);

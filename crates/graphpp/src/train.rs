@@ -149,6 +149,10 @@ pub struct RunConfig {
     /// unused by a dense model.
     #[serde(default = "default_expert_bias_update")]
     pub expert_bias_update: f64,
+    /// An emulated interconnect (`--link`): every message and collective takes its latency plus
+    /// bytes over its bandwidth. It changes the timing, never the losses.
+    #[serde(default)]
+    pub link: Option<graphpp_runtime::comm::LinkModel>,
 }
 
 /// The default of [`RunConfig::expert_bias_update`]: DeepSeek-V3's γ (technical report §4.2).
@@ -219,13 +223,22 @@ impl RunConfig {
         Ok(())
     }
 
+    /// Seconds one activation (or its gradient) takes between two ranks over the emulated link:
+    /// its latency plus `B/dp · T · D` values of the compute dtype over its bandwidth; 0 without
+    /// a link.
+    pub fn hop_seconds(&self) -> f64 {
+        let Some(link) = self.link else { return 0.0 };
+        let values = self.microbatch_size / self.dp.max(1) * self.seq_len * self.model.base().hidden_size;
+        link.delay((values * self.dtype.size_bytes()) as f64).as_secs_f64()
+    }
+
     /// Tokens per optimizer step: m·B·T.
     pub fn tokens_per_step(&self) -> usize {
         self.microbatches * self.microbatch_size * self.seq_len
     }
 
     /// What must match for a resumed run to continue the same loss sequence: everything but the
-    /// pipeline layout (kind, ranks, v, layer split, dp replicas), the recompute policy, the display name, the
+    /// pipeline layout (kind, ranks, v, layer split, dp replicas), the recompute policy, the emulated link, the display name, the
     /// `--init-from` folder (the checkpoint's parameters replace the initial ones; the model must
     /// match) and the run's length (`--steps` may grow to extend a finished run: the
     /// learning-rate schedule is then the new one from the resumed step on).
@@ -242,6 +255,7 @@ impl RunConfig {
             steps: 0,
             recompute: Recompute::SaveAll,
             init_from: None,
+            link: None,
             ..self.clone()
         }
     }
@@ -547,6 +561,7 @@ fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         max_grad_norm: c.grad_clip,
         recompute: c.recompute,
         expert_bias_update: c.expert_bias_update,
+        link: c.link,
         timeout: Duration::from_secs(300),
         dtype: c.dtype,
     })
@@ -579,13 +594,14 @@ pub struct BubbleSummary {
 pub fn bubble_summary(
     schedule: &graphpp_schedule::Schedule,
     timelines: &[graphpp_schedule::Timeline],
+    hop: f64,
 ) -> Result<BubbleSummary, RunError> {
     if timelines.is_empty() {
         return Err(RunError::Config("no measured steps to summarise".into()));
     }
     let mut rows = Vec::with_capacity(timelines.len());
     for t in timelines {
-        let r = graphpp_schedule::measured::measured_vs_predicted(schedule, t)
+        let r = graphpp_schedule::measured::measured_vs_predicted(schedule, t, hop)
             .map_err(|e| RunError::Config(format!("simulating the measured schedule: {e}")))?;
         rows.push([
             r.measured.makespan,
@@ -652,13 +668,13 @@ mod tests {
             }
         }
         let steps = vec![run.timeline.clone(), stalled, run.timeline.clone()];
-        let b = bubble_summary(&s, &steps).unwrap();
+        let b = bubble_summary(&s, &steps, 0.0).unwrap();
         assert_eq!(b.steps, 3);
         assert_eq!(b.measured_makespan, run.makespan);
         assert!((b.measured_bubble - run.bubble_ratio).abs() < 1e-12);
         assert!((b.predicted_bubble - run.bubble_ratio).abs() < 1e-12);
-        let stalled_only = bubble_summary(&s, &steps[1..2]).unwrap();
+        let stalled_only = bubble_summary(&s, &steps[1..2], 0.0).unwrap();
         assert!(stalled_only.measured_bubble > run.bubble_ratio + 0.1);
-        assert!(bubble_summary(&s, &[]).is_err());
+        assert!(bubble_summary(&s, &[], 0.0).is_err());
     }
 }

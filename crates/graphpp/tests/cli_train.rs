@@ -56,6 +56,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         init_from: None,
         dtype: graphpp_graph::DType::F32,
         expert_bias_update: 0.001,
+        link: None,
     }
 }
 

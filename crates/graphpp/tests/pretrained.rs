@@ -321,6 +321,7 @@ fn run_config(data: PathBuf, kind: Kind, ranks: usize) -> RunConfig {
         recompute: graphpp_models::Recompute::SaveAll,
         dtype: graphpp_graph::DType::F32,
         expert_bias_update: 0.001,
+        link: None,
     }
 }
 

@@ -23,6 +23,7 @@
 //! bitwise identical on every rank and independent of arrival order.
 
 mod combine;
+pub mod emulated;
 pub mod envelope;
 pub mod link;
 #[cfg(feature = "mpi")]
@@ -36,6 +37,7 @@ use std::time::Duration;
 use candle_core::{DType, Tensor};
 use graphpp_graph::CollectiveKind;
 
+pub use emulated::{EmulatedComm, LinkModel, LinkParseError};
 pub use link::{loopback, Inbox, Link, LinkComm};
 #[cfg(feature = "mpi")]
 pub use mpi::MpiComm;

@@ -75,6 +75,7 @@ pub fn tiny_setup(kind: graphpp_schedule::Kind, p: usize, v: usize, m: usize) ->
         max_grad_norm: Some(0.5),
         recompute: graphpp_models::Recompute::SaveAll,
         expert_bias_update: 0.001,
+        link: None,
         timeout: std::time::Duration::from_secs(60),
         dtype: graphpp_graph::DType::F32,
     }

