@@ -414,3 +414,25 @@ fn moe_model_trains_and_reports_its_expert_load() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--expert-bias-update -1 must be"));
 }
+
+/// `--link` is named in the header and in the bubble prediction (which charges its hand-over
+/// time); a malformed link is refused before training.
+#[test]
+fn an_emulated_link_is_reported() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let out = graphpp()
+        .args(["train", "--data", data.to_str().unwrap(), "--steps", "2", "--eval-every", "2"])
+        .args(SMALL)
+        .args(["--link", "100,1"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains(", emulated link 100 µs, 1 GB/s,"), "{stdout}");
+    // B=2, T=16, D=64 in f32: 8 KiB a hand-over, 100 µs + 8.2 µs.
+    assert!(stdout.contains("and the emulated link (0.108 ms a hand-over)"), "{stdout}");
+    let out = graphpp().args(["train", "--data", data.to_str().unwrap(), "--link", "fast"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("expected LATENCY_US,GBPS"));
+}

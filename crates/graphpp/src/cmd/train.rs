@@ -716,12 +716,12 @@ fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val
         out!(
             "bubble (median of the last {}): measured r = {:.3} (idle {:.1}%), predicted from the measured per-action times{} r = {:.3} (idle {:.1}%); step time measured {:.1} ms, predicted {:.1} ms",
             crate::cmd::plural(s.steps as u64, "step", "steps"),
+            s.measured_bubble,
+            100.0 * s.measured_idle,
             c.link.map_or(String::new(), |_| format!(
                 " and the emulated link ({:.3} ms a hand-over)",
                 1e3 * c.hop_seconds()
             )),
-            s.measured_bubble,
-            100.0 * s.measured_idle,
             s.predicted_bubble,
             100.0 * s.predicted_idle,
             1e3 * s.measured_makespan,
