@@ -253,12 +253,16 @@ fn pids_of_rank(parent: u32) -> Vec<(u32, usize)> {
     out
 }
 
-/// `mpirun -n 4 graphpp verify --dp 2` (and `--fsdp`) for every kind the issue names at pp = 2:
+/// `mpirun -n 4 graphpp verify --dp 2` (and `--fsdp`) for every kind the issue names at pp = 2,
+/// and the MoE model under 1f1b, zbv and dualpipev:
 /// four processes, the leader compares the reduced gradients with one device (≤ 1e-5) and
 /// prints once.
 #[test]
 fn verify_as_four_processes_with_data_parallelism_and_fsdp() {
-    for kind in ["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev", "zb-h1"] {
+    let kinds = ["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev", "zb-h1"].map(|k| (k, "tiny"));
+    // The MoE model too: its expert loads ride in the loss all-reduce across the processes.
+    let moe = [("1f1b", "moe-tiny"), ("zbv", "moe-tiny"), ("dualpipev", "moe-tiny")];
+    for (kind, model) in kinds.into_iter().chain(moe) {
         for fsdp in [false, true] {
             let (ok, o, e) = run({
                 let mut c = mpirun(4);
@@ -267,6 +271,8 @@ fn verify_as_four_processes_with_data_parallelism_and_fsdp() {
                     "2",
                     "--dp",
                     "2",
+                    "--model",
+                    model,
                 ]);
                 if fsdp {
                     c.arg("--fsdp");
