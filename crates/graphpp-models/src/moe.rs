@@ -135,7 +135,7 @@ impl MoeConfig {
     }
 
     /// Parses a `config.json` with DeepSeek-V3 MoE fields: `model_type` absent or `deepseek_v3`,
-    /// no MLA fields, `moe_layer_freq` 1, the Llama fields as [`LlamaConfig::from_json`] reads
+    /// no MLA fields, `moe_layer_freq` 1, `aux_loss_alpha` absent or 0, the Llama fields as [`LlamaConfig::from_json`] reads
     /// them. Errors: [`ModelError::Json`] (naming a missing field), [`ModelError::Unsupported`],
     /// [`ModelError::Field`].
     pub fn from_json(text: &str) -> Result<Self, ModelError> {
@@ -154,6 +154,11 @@ impl MoeConfig {
                 let reason = "graphpp's MoE decoder uses Llama attention; multi-head latent attention is not implemented";
                 return Err(ModelError::Unsupported { field, value: v.to_string(), reason });
             }
+        }
+        if let Some(v) = set(&obj, "aux_loss_alpha").filter(|v| v.as_f64() != Some(0.0)) {
+            let reason =
+                "the sequence-wise auxiliary loss is not implemented (balancing is auxiliary-loss-free)";
+            return Err(ModelError::Unsupported { field: "aux_loss_alpha", value: v.to_string(), reason });
         }
         if let Some(v) = set(&obj, "moe_layer_freq").filter(|v| v.as_f64() != Some(1.0)) {
             let reason = "every layer from first_k_dense_replace on is MoE (moe_layer_freq 1)";
@@ -500,6 +505,7 @@ mod tests {
             (r#""model_type":"mixtral""#, "model_type"),
             (r#""moe_layer_freq":2"#, "moe_layer_freq"),
             (r#""n_group":8"#, "n_group"),
+            (r#""aux_loss_alpha":0.001"#, "aux_loss_alpha"),
         ] {
             match with(extra).unwrap_err() {
                 ModelError::Unsupported { field: f, .. } => assert_eq!(f, field, "{extra}"),
