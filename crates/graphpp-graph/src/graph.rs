@@ -187,15 +187,23 @@ impl Graph {
     }
 
     /// Multiply-add FLOPs of the matmuls (2·m·n·k per batch element) and the MoE segment matmuls
-    /// (2·R·N·K over all segments) — a cost estimate for `--stats`.
+    /// (2·R·N·K over all segments) and their weight gradients — a cost estimate for `--stats`.
     pub fn matmul_flops(&self) -> u64 {
         self.nodes
             .iter()
-            .filter(|n| matches!(n.op, Op::Matmul | Op::SegmentMatmul { .. }))
-            .map(|n| {
-                let a = &self.node(n.inputs[0]).ty.shape;
-                let k = a[a.len() - 1] as u64;
-                2 * k * n.ty.numel() as u64
+            .filter_map(|n| {
+                let a = || &self.node(n.inputs[0]).ty.shape;
+                match n.op {
+                    // out [.., m, n] from [.., m, k]: 2·k per output element.
+                    Op::Matmul | Op::SegmentMatmul { .. } => {
+                        Some(2 * *a().last()? as u64 * n.ty.numel() as u64)
+                    }
+                    // out [E, N, K] sums over the R rows: 2·R·N·K in all.
+                    Op::SegmentOuter => {
+                        Some(2 * *a().first()? as u64 * (n.ty.numel() as u64 / n.ty.shape[0].max(1) as u64))
+                    }
+                    _ => None,
+                }
             })
             .sum()
     }

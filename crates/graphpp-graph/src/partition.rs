@@ -42,7 +42,7 @@ impl RecomputePolicy {
         match self {
             RecomputePolicy::SaveAll => true,
             RecomputePolicy::SaveStageInputs => false,
-            RecomputePolicy::SaveMatmuls => matches!(n.op, Op::Matmul),
+            RecomputePolicy::SaveMatmuls => matches!(n.op, Op::Matmul | Op::SegmentMatmul { .. }),
             RecomputePolicy::SaveScopes(prefixes) => {
                 prefixes.iter().any(|p| n.meta.scope.starts_with(p.as_str()))
             }

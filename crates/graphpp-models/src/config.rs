@@ -162,7 +162,11 @@ pub fn check_supported(obj: &serde_json::Map<String, Value>) -> Result<(), Model
     let set = |k: &str| obj.get(k).filter(|v| !v.is_null());
     if let Some(v) = set("model_type") {
         if v.as_str() != Some("llama") {
-            return refuse("model_type", v, "graphpp builds Llama-style decoders only (model_type llama)");
+            return refuse(
+                "model_type",
+                v,
+                "a dense config is Llama-style (model_type llama); a MoE one deepseek_v3 with its MoE fields",
+            );
         }
     }
     if let Some(v) = set("rope_scaling") {

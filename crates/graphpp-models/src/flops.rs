@@ -27,7 +27,7 @@ pub fn flops_per_token(cfg: &LlamaConfig, seq: usize) -> f64 {
 /// (`3·D·F_s`) — not every expert's.
 pub fn moe_flops_per_token(cfg: &crate::moe::MoeConfig, seq: usize) -> f64 {
     let base = &cfg.base;
-    let moe_layers = (cfg.first_k_dense_replace..base.num_hidden_layers).count();
+    let moe_layers = cfg.num_moe_layers();
     let (d, fe) = (base.hidden_size, cfg.moe_intermediate_size);
     let dense_mlp = 3 * d * base.intermediate_size;
     let moe_mlp = cfg.n_routed_experts * d + (cfg.num_experts_per_tok + cfg.n_shared_experts) * 3 * d * fe;

@@ -76,8 +76,8 @@ pub fn count(params: &[(String, Vec<usize>)]) -> u128 {
 
 /// Saved-activation bytes of one microbatch through stage `spec` of a MoE decoder: the Llama
 /// figure ([`stage_activation_bytes`]) with each MoE layer's dense MLP (`5·F` values per token)
-/// replaced by what the MoE block saves per token: `3·E + 4` for the gate (logits, scores, biased
-/// scores, the k ids and weights), `k·(2·D + 5·F_e)` for the routed rows (the copies, their sorted
+/// replaced by what the MoE block saves per token: `3·E + 2·k` for the gate (logits, scores,
+/// biased scores, the k ids and weights), `k·(2·D + 5·F_e)` for the routed rows (the copies, their sorted
 /// order, the two projections, the activation, the product and the output put back) and `5·F_s`
 /// for the shared experts (`F_e` = `moe_intermediate_size`, `F_s` = `n_shared_experts · F_e`).
 /// An estimate for the pre-flight check (within 10% of the graph's saved values, tested).
@@ -93,7 +93,7 @@ pub fn moe_stage_activation_bytes(
         (cfg.n_routed_experts as u128, cfg.num_experts_per_tok as u128, cfg.base.hidden_size as u128);
     let (fe, f) = (cfg.moe_intermediate_size as u128, cfg.base.intermediate_size as u128);
     let fs = fe * cfg.n_shared_experts as u128;
-    let moe = 3 * e + 4 + k * (2 * d + 5 * fe) + 5 * fs;
+    let moe = 3 * e + 2 * k + k * (2 * d + 5 * fe) + 5 * fs;
     let tokens = (batch as u128).saturating_mul(seq as u128);
     let per_layer = tokens.saturating_mul(F32);
     dense

@@ -59,6 +59,13 @@ pub trait Model: std::fmt::Debug + Send + Sync {
     /// Model FLOPs per trained token at `seq` tokens (forward and backward).
     fn flops_per_token(&self, seq: usize) -> f64;
 
+    /// The dtype buffer `name` is stored and fed in when the stage computes in `compute`:
+    /// `compute` except for state that must not round (a MoE balancing bias stays f32 under bf16).
+    fn buffer_dtype(&self, name: &str, compute: graphpp_graph::DType) -> graphpp_graph::DType {
+        let _ = name;
+        compute
+    }
+
     /// The mixture-of-experts layers, `(layer, experts)`, in layer order; each one's stage graph
     /// outputs `expert_load.<layer>` ([`graphpp_graph::names::EXPERT_LOAD`]). None for a dense model.
     fn moe_layers(&self) -> Vec<(usize, usize)> {
@@ -253,6 +260,9 @@ impl Model for ModelConfig {
     }
     fn moe_layers(&self) -> Vec<(usize, usize)> {
         self.as_model().moe_layers()
+    }
+    fn buffer_dtype(&self, name: &str, compute: graphpp_graph::DType) -> graphpp_graph::DType {
+        self.as_model().buffer_dtype(name, compute)
     }
     fn balance_bias(&self, layer: usize) -> Option<String> {
         self.as_model().balance_bias(layer)

@@ -29,9 +29,9 @@
 
 use std::collections::HashMap;
 
-use graphpp_graph::layers::{activation, linear, swiglu_mlp, Activation};
+use graphpp_graph::layers::{activation, gated_mlp, linear, MlpWeights};
 use graphpp_graph::names::EXPERT_LOAD;
-use graphpp_graph::{Graph, GraphBuilder, InputKind, ValueId};
+use graphpp_graph::{Graph, GraphBuilder, InputKind, TensorType, ValueId};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -217,6 +217,11 @@ impl MoeConfig {
         Ok(())
     }
 
+    /// Number of MoE layers (`num_hidden_layers − first_k_dense_replace`, 0 if that is negative).
+    pub fn num_moe_layers(&self) -> usize {
+        self.base.num_hidden_layers.saturating_sub(self.first_k_dense_replace)
+    }
+
     /// Whether decoder layer `layer` is a MoE layer.
     pub fn is_moe(&self, layer: usize) -> bool {
         layer >= self.first_k_dense_replace
@@ -295,7 +300,9 @@ impl FeedForward for MoeConfig {
         let (n, d) = (shape[..shape.len() - 1].iter().product::<usize>(), self.base.hidden_size);
         let x = b.reshape(h, vec![n, d])?;
         b.push_scope("gate");
-        let bias = b.input(&Self::bias_name(layer), InputKind::Buffer, vec![self.n_routed_experts])?;
+        // The bias is state updated by ±γ steps: kept in the wide dtype (f32 under bf16).
+        let wide = TensorType::new(b.ty(x).dtype.wide(), vec![self.n_routed_experts]);
+        let bias = b.input_typed(&Self::bias_name(layer), InputKind::Buffer, wide)?;
         let (ids, weights) = self.route(b, x, p("gate"), bias)?;
         b.pop_scope();
         b.push_scope("experts");
@@ -303,13 +310,15 @@ impl FeedForward for MoeConfig {
         b.pop_scope();
         let y = if self.n_shared_experts > 0 {
             b.push_scope("shared_experts");
-            let s = swiglu_mlp(
-                b,
-                x,
-                p("shared_experts.gate_proj"),
-                p("shared_experts.up_proj"),
-                p("shared_experts.down_proj"),
-            )?;
+            let mw = MlpWeights {
+                gate: p("shared_experts.gate_proj"),
+                up: p("shared_experts.up_proj"),
+                down: p("shared_experts.down_proj"),
+                gate_bias: None,
+                up_bias: None,
+                down_bias: None,
+            };
+            let s = gated_mlp(b, x, mw, self.base.hidden_act.activation())?;
             b.pop_scope();
             b.add2(routed, s)?
         } else {
@@ -329,10 +338,11 @@ impl MoeConfig {
         bias: ValueId,
     ) -> Result<(ValueId, ValueId), ModelError> {
         let k = self.num_experts_per_tok;
-        let logits = linear(b, x, gate)?;
-        // Scores in the wide dtype (f32 under bf16), as DeepSeek computes its gate.
-        let dtype = b.ty(logits).dtype;
-        let logits = b.cast(logits, dtype.wide())?;
+        // The gate in the wide dtype (f32 under bf16), as Hugging Face casts its input and
+        // weight before the gate's linear: a bf16 rounding must not change the choice.
+        let dtype = b.ty(x).dtype;
+        let (xw, gw) = (b.cast(x, dtype.wide())?, b.cast(gate, dtype.wide())?);
+        let logits = linear(b, xw, gw)?;
         let scores = match self.scoring_func {
             ScoringFunc::Sigmoid => b.sigmoid(logits)?,
             ScoringFunc::Softmax => graphpp_graph::layers::softmax(b, logits, 1)?,
@@ -385,7 +395,7 @@ impl MoeConfig {
         let (wg, wu, wd) = (stack(b, "gate_proj")?, stack(b, "up_proj")?, stack(b, "down_proj")?);
         let g = b.segment_matmul(sorted, wg, counts, true)?;
         let u = b.segment_matmul(sorted, wu, counts, true)?;
-        let a = activation(b, g, Activation::Silu)?;
+        let a = activation(b, g, self.base.hidden_act.activation())?;
         let hsw = b.mul(a, u)?;
         let out = b.segment_matmul(hsw, wd, counts, true)?;
         let zero = b.full_like(0.0, out)?;
@@ -402,7 +412,7 @@ impl crate::model::Model for MoeConfig {
         format!(
             "moe, {} layers ({} MoE: {} routed experts, {} per token, {} shared), hidden {}",
             self.base.num_hidden_layers,
-            self.base.num_hidden_layers - self.first_k_dense_replace,
+            self.num_moe_layers(),
             self.n_routed_experts,
             self.num_experts_per_tok,
             self.n_shared_experts,
@@ -448,7 +458,7 @@ impl crate::model::Model for MoeConfig {
     }
 
     fn buffer_bytes(&self, seq: usize) -> u128 {
-        let biases = (self.base.num_hidden_layers - self.first_k_dense_replace) * self.n_routed_experts;
+        let biases = self.num_moe_layers() * self.n_routed_experts;
         crate::memory::buffer_bytes(&self.base, seq).saturating_add(4 * biases as u128)
     }
 
@@ -465,6 +475,14 @@ impl crate::model::Model for MoeConfig {
 
     fn balance_bias(&self, layer: usize) -> Option<String> {
         self.is_moe(layer).then(|| Self::bias_name(layer))
+    }
+
+    fn buffer_dtype(&self, name: &str, compute: graphpp_graph::DType) -> graphpp_graph::DType {
+        if name.ends_with(".e_score_correction_bias") {
+            compute.wide()
+        } else {
+            compute
+        }
     }
 }
 

@@ -84,7 +84,8 @@ impl StageBuild<'_> {
             }
         }
         for (name, shape, data) in model.stage_buffers(opts.seq) {
-            env.insert(name, tensor_from_f64(&data, &shape, opts.dtype)?);
+            let dtype = model.buffer_dtype(&name, opts.dtype);
+            env.insert(name, tensor_from_f64(&data, &shape, dtype)?);
         }
         Ok(env)
     }

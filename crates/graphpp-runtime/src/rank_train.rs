@@ -14,9 +14,13 @@
 //! 3. every gradient is scaled by [`clip_scale`] of that norm;
 //! 4. the local AdamW step at [`crate::lr::CosineSchedule::lr_at`].
 //!
-//! The step loss is an `all_reduce` over the world of a `[2, m]` f64 tensor: row 0 each
-//! microbatch's loss where this rank holds the last stage of its route, row 1 a count, so every
-//! rank returns the same mean and a microbatch without a loss is detected.
+//! The step loss is an `all_reduce` over the world of one f64 vector: each microbatch's loss
+//! where this rank holds the last stage of its route, a count per microbatch (so every rank
+//! returns the same mean and a microbatch without a loss is detected), each rank's peak and
+//! resident bytes at its own index, and the tokens each expert of each MoE layer received where
+//! this rank ran the layer (summed: the step's global load). After the optimizer step each MoE
+//! layer's routing bias moves by ±γ against that load ([`RankTrainer`]'s `balance_experts`,
+//! DeepSeek-V3's auxiliary-loss-free balancing), identically on every copy and replica.
 //!
 //! The holders of every parameter come from the schedule's placement and each stage's
 //! parameter names ([`stage_parameters`]), which are the same on every rank: all ranks agree on
@@ -794,8 +798,8 @@ impl RankTrainer {
         keys
     }
 
-    /// Every distinct parameter of the model (and, with `optimizer`, its AdamW moments and
-    /// `adam.step`), gathered to the leader: every rank of the world calls it at the same point;
+    /// Every distinct parameter of the model and the MoE routing biases (and, with `optimizer`,
+    /// the AdamW moments and `adam.step`), gathered to the leader: every rank of the world calls it at the same point;
     /// each parameter's owner (its lowest holder in replica 0) sends its tensors to world rank
     /// 0, which returns them all; the others return `None`.
     ///
@@ -911,7 +915,8 @@ impl RankTrainer {
         Ok(w.stages().values().flat_map(|s| s.parameters()).collect())
     }
 
-    /// This rank's optimizer state (`adam.m.<name>`, `adam.v.<name>`, `adam.step`).
+    /// This rank's optimizer state (`adam.m.<name>`, `adam.v.<name>`, `adam.step`) and the MoE
+    /// routing biases its stages hold (state outside the gradient that a resume needs).
     ///
     /// # Errors
     /// [`TrainError::Optim`] from [`AdamW::state_dict`].
@@ -956,17 +961,21 @@ impl RankTrainer {
         Ok(())
     }
 
-    /// Replaces every parameter of this rank's stages with the tensor of the same name in
-    /// `params`; the optimizer state is not touched.
+    /// Replaces every parameter of this rank's stages (and every MoE routing bias `params`
+    /// holds) with the tensor of the same name in `params`; the optimizer state is not touched.
     ///
     /// # Errors
     /// As [`RankTrainer::check_parameters`]; nothing changes then.
     pub fn load_parameters(&mut self, params: &HashMap<String, Tensor>) -> Result<(), TrainError> {
         self.check_parameters(params)?;
         let local = self.localize(params)?;
+        let biases: Vec<String> = self.biases()?.into_keys().collect();
         let w = self.work.as_mut().ok_or(TrainError::Poisoned)?;
         for s in w.stages_mut().values_mut() {
             s.set_parameters(&local)?;
+            for b in biases.iter().filter(|b| local.contains_key(*b)) {
+                s.set_buffer(b, &local[b])?;
+            }
         }
         Ok(())
     }

@@ -306,8 +306,8 @@ impl Trainer {
         Err(first_train_failure(errors))
     }
 
-    /// Every distinct parameter (and, with `optimizer`, its AdamW moments and `adam.step`),
-    /// gathered to the leader (see [`RankTrainer::gather_state`]); `None` in other processes.
+    /// Every distinct parameter and MoE routing bias (and, with `optimizer`, the AdamW moments
+    /// and `adam.step`), gathered to the leader (see [`RankTrainer::gather_state`]); `None` in other processes.
     /// Every process calls it at the same point.
     ///
     /// # Errors
@@ -408,7 +408,7 @@ impl Trainer {
     }
 
     /// The optimizer state of the parameters held in this process (`adam.m.<name>`,
-    /// `adam.v.<name>`) and `adam.step` (i64 scalar); shards with FSDP — see
+    /// `adam.v.<name>`), `adam.step` (i64 scalar) and the MoE routing biases; shards with FSDP — see
     /// [`Trainer::parameters`] and [`Trainer::gather_state`].
     ///
     /// # Errors
@@ -441,8 +441,8 @@ impl Trainer {
 
     /// Restores parameters and optimizer state saved from [`Trainer::parameters`] and
     /// [`Trainer::optimizer_state`] of a run with the same model and split (any schedule): every
-    /// stage takes its parameters, every rank the `adam.*` entries of its parameters, and the step
-    /// count continues from `adam.step`.
+    /// stage takes its parameters (and MoE routing biases), every rank the `adam.*` entries of its
+    /// parameters, and the step count continues from `adam.step`.
     ///
     /// # Errors
     /// [`TrainError::Stage`] for a missing or misshapen parameter, [`TrainError::Optim`] for a
@@ -479,12 +479,15 @@ impl Trainer {
         let Some(params) = self.gather_state(false)? else { return Ok(None) };
         let mut env = Env::new();
         for (name, shape, data) in self.setup.model.stage_buffers(self.setup.seq) {
-            env.insert(name, tensor_from_f64(&data, &shape, self.setup.dtype)?);
+            let dtype = self.setup.model.buffer_dtype(&name, self.setup.dtype);
+            env.insert(name, tensor_from_f64(&data, &shape, dtype)?);
         }
-        // The trained MoE balancing biases replace the initial buffers.
-        let dtype = crate::executor::candle_dtype(self.setup.dtype);
+        // The trained MoE balancing biases replace the initial buffers, in the buffers' dtype.
         for (name, t) in params {
-            let t = if env.contains_key(&name) { t.to_dtype(dtype)? } else { t };
+            let t = match env.get(&name) {
+                Some(initial) => t.to_dtype(initial.dtype())?,
+                None => t,
+            };
             env.insert(name, t);
         }
         Ok(Some(env))

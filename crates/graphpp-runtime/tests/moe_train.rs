@@ -99,13 +99,34 @@ fn a_restored_run_continues_bitwise_with_its_biases() {
 }
 
 /// An emulated link changes when messages and collectives arrive, never what they carry: the
-/// same losses bit for bit (DualPipeV × dp 2: activations, gradients, all-reduces, the loss).
+/// same losses bit for bit (DualPipeV × dp 2: activations, gradients, all-reduces, the loss);
+/// and it is in the path: each step waits at least its latency (the loss all-reduce alone).
 #[test]
 fn an_emulated_link_changes_no_loss() {
     let run = |link: Option<&str>| {
         let mut t =
             Trainer::new(TrainSetup { link: link.map(|l| l.parse().unwrap()), ..setup(2, 0.01) }).unwrap();
-        (0..2).map(|s| t.step(data(s)).unwrap().loss.to_bits()).collect::<Vec<_>>()
+        let t0 = std::time::Instant::now();
+        let losses = (0..2).map(|s| t.step(data(s)).unwrap().loss.to_bits()).collect::<Vec<_>>();
+        (losses, t0.elapsed())
     };
-    assert_eq!(run(None), run(Some("300,0.5")));
+    let (plain, _) = run(None);
+    let (linked, took) = run(Some("60000,0.5"));
+    assert_eq!(plain, linked);
+    assert!(took >= std::time::Duration::from_millis(120), "2 steps behind a 60 ms link took {took:?}");
+}
+
+/// Under bf16 mixed precision the routing biases stay f32: after three steps each is a multiple
+/// of γ to f32 precision (bf16 would round 0.003 to 0.0030060).
+#[test]
+fn bf16_keeps_the_biases_in_f32() {
+    let gamma = 0.001;
+    let mut t = Trainer::new(TrainSetup { dtype: graphpp_graph::DType::BF16, ..setup(1, gamma) }).unwrap();
+    for s in 0..3 {
+        t.step(data(s)).unwrap();
+    }
+    for b in biases(&mut t).into_iter().flatten() {
+        let steps = (b / gamma).round();
+        assert!((b - steps * gamma).abs() < 1e-8 && steps.abs() <= 3.0, "bias {b}");
+    }
 }

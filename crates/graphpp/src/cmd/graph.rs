@@ -14,7 +14,8 @@ use crate::cmd::value::count;
 /// Arguments of `graphpp graph`.
 #[derive(Args)]
 pub struct GraphArgs {
-    /// Model: a preset (`tiny`, `small`) or a JSON config file with Hugging Face field names.
+    /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`) or a JSON config file with
+    /// Hugging Face field names (DeepSeek-V3 MoE fields make it a MoE model).
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Number of pipeline stages S.

@@ -41,7 +41,8 @@ const MIB: f64 = 1024.0 * 1024.0;
 /// Arguments of `graphpp train`.
 #[derive(Args)]
 pub struct TrainArgs {
-    /// Model: a preset (`tiny`, `small`) or a JSON config file with Hugging Face field names.
+    /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`) or a JSON config file with
+    /// Hugging Face field names (DeepSeek-V3 MoE fields make it a MoE model).
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Override the model's number of decoder layers.
@@ -655,7 +656,7 @@ fn layers_text(model: &ModelConfig) -> String {
         ModelConfig::Llama(_) => layers,
         ModelConfig::Moe(m) => format!(
             "{layers}, {} MoE: {} routed experts ({} per token) + {} shared",
-            m.base.num_hidden_layers - m.first_k_dense_replace,
+            m.num_moe_layers(),
             m.n_routed_experts,
             m.num_experts_per_tok,
             m.n_shared_experts

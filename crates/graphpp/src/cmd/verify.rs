@@ -37,7 +37,8 @@ pub struct VerifyArgs {
     /// m: microbatches in the step.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     microbatches: usize,
-    /// Model: a preset (`tiny`, `small`) or a JSON config file with Hugging Face field names.
+    /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`) or a JSON config file with
+    /// Hugging Face field names (DeepSeek-V3 MoE fields make it a MoE model).
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Override the preset's number of decoder layers (it must be at least the model stages).
