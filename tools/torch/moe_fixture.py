@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Reference numerics for graphpp's DeepSeek-style MoE decoder, computed by PyTorch.
 
-Writes crates/graphpp-runtime/tests/fixtures/moe_fixture.safetensors holding, for the config in
-moe_fixture.json (Hugging Face DeepSeek-V3 field names):
+Writes crates/graphpp-runtime/tests/fixtures/NAME.safetensors holding, for the config in NAME.json
+(Hugging Face DeepSeek-V3 field names; NAME is moe_fixture by default, moe_softmax_fixture for
+the softmax scorer without weight normalisation):
   * every parameter under its HF name (f32), and each MoE layer's load-balancing bias
     `model.layers.<l>.mlp.gate.e_score_correction_bias` (f32, non-zero so that it changes the
     choice of experts),
@@ -10,15 +11,16 @@ moe_fixture.json (Hugging Face DeepSeek-V3 field names):
   * `loss` (f32 scalar, mean cross-entropy over the B*T tokens),
   * `grad.<param>` for every parameter (f32).
 The forward is the Llama decoder of llama_fixture.py with the MLP of layers >= first_k_dense_replace
-replaced by the MoE block of Hugging Face's DeepseekV3MoE, restated here: sigmoid gate scores,
-top-k of (scores + bias), weights = the unbiased scores of the chosen experts normalised to sum 1
-(norm_topk_prob) times routed_scaling_factor, every routed expert a SwiGLU MLP applied to the
+replaced by the MoE block of Hugging Face's DeepseekV3MoE, restated here: sigmoid gate scores (a
+softmax over the experts with scoring_func softmax, as DeepSeek-V2), top-k of (scores + bias),
+weights = the unbiased scores of the chosen experts, normalised to sum 1 when norm_topk_prob,
+times routed_scaling_factor, every routed expert a SwiGLU MLP applied to the
 tokens routed to it (a plain loop over experts, as HF's reference implementation does), plus the
 shared experts. Evaluated in float64 from the stored f32 weights. The script re-draws the weights
 until every token's k-th and (k+1)-th choice differ by more than 1e-3, so that f32 rounding in
 graphpp cannot flip a routing decision.
 
-Usage: python tools/torch/moe_fixture.py   (PyTorch 2.x; no other packages)
+Usage: python tools/torch/moe_fixture.py [NAME]   (PyTorch 2.x; no other packages)
 """
 import json
 import math
@@ -40,7 +42,8 @@ def swiglu(x, p, pre):
 def moe(x, p, bufs, cfg, pre, margins):
     """DeepseekV3MoE on x [N, D]; appends each token's choice margin to `margins`."""
     e, k = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
-    scores = torch.sigmoid(x @ p[f"{pre}.gate.weight"].T)
+    logits = x @ p[f"{pre}.gate.weight"].T
+    scores = logits.softmax(-1) if cfg.get("scoring_func") == "softmax" else torch.sigmoid(logits)
     choice = scores + bufs[f"{pre}.gate.e_score_correction_bias"]
     top = torch.topk(choice.detach(), k + 1, dim=-1)
     margins.append((top.values[:, k - 1] - top.values[:, k]).min().item())
@@ -127,7 +130,8 @@ def param_shapes(cfg):
 
 
 def main():
-    with open(os.path.join(FIX, "moe_fixture.json")) as fh:
+    fixture = sys.argv[1] if len(sys.argv) > 1 else "moe_fixture"
+    with open(os.path.join(FIX, f"{fixture}.json")) as fh:
         cfg = json.load(fh)
     b, t = cfg["graphpp_batch"], cfg["graphpp_seq"]
     for seed in range(100):
@@ -158,7 +162,7 @@ def main():
     out["loss"] = loss.detach().float().reshape(())
     for k, v in p64.items():
         out[f"grad.{k}"] = v.grad.float()
-    path = os.path.join(FIX, "moe_fixture.safetensors")
+    path = os.path.join(FIX, f"{fixture}.safetensors")
     save_safetensors(path, out)
     print(f"seed {seed}, min routing margin {min(margins):.2e}, loss {loss.item():.6f}; wrote {path} "
           f"({os.path.getsize(path)} bytes) with torch {torch.__version__}")

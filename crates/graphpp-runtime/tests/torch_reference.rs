@@ -19,9 +19,9 @@ fn check(dtype: DType, stages: usize, tol: f64) {
     check_model("llama_fixture", &LlamaConfig::from_json(&text).unwrap(), &text, dtype, stages, tol);
 }
 
-fn check_moe(dtype: DType, stages: usize, tol: f64) {
-    let text = std::fs::read_to_string(format!("{DIR}/moe_fixture.json")).unwrap();
-    check_model("moe_fixture", &MoeConfig::from_json(&text).unwrap(), &text, dtype, stages, tol);
+fn check_moe(fixture: &str, dtype: DType, stages: usize, tol: f64) {
+    let text = std::fs::read_to_string(format!("{DIR}/{fixture}.json")).unwrap();
+    check_model(fixture, &MoeConfig::from_json(&text).unwrap(), &text, dtype, stages, tol);
 }
 
 fn check_model(fixture: &str, cfg: &dyn Model, text: &str, dtype: DType, stages: usize, tol: f64) {
@@ -107,7 +107,15 @@ fn f64_matches_pytorch_to_storage_precision() {
 /// gradient within 1e-4 relative in f32, 1e-6 in f64.
 #[test]
 fn moe_matches_pytorch() {
-    check_moe(DType::F32, 1, 1e-4);
-    check_moe(DType::F32, 3, 1e-4);
-    check_moe(DType::F64, 1, 1e-6);
+    check_moe("moe_fixture", DType::F32, 1, 1e-4);
+    check_moe("moe_fixture", DType::F32, 3, 1e-4);
+    check_moe("moe_fixture", DType::F64, 1, 1e-6);
+}
+
+/// The softmax scorer (DeepSeek-V2 style) without weight normalisation, scaled by 1.5, no
+/// shared experts: the same agreement.
+#[test]
+fn moe_softmax_matches_pytorch() {
+    check_moe("moe_softmax_fixture", DType::F32, 3, 1e-4);
+    check_moe("moe_softmax_fixture", DType::F64, 1, 1e-6);
 }
