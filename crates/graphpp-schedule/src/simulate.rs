@@ -184,7 +184,7 @@ fn report_with(
         .collect();
     let total_busy: f64 = busy.iter().sum();
     let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { 0.0 };
-    let p_ranks = schedule.num_ranks();
+    let p_ranks = active_ranks(schedule);
     let weights: Vec<f64> = routes.iter().map(|r| route_weight(r, p_ranks)).collect();
     let weight = |mb: usize| weights.get(mb).copied().unwrap_or(1.0);
     let (peak_activations, peak_in_flight) =
@@ -210,7 +210,13 @@ fn report_with(
 /// 1 for DualPipe, whose two stages per rank are each a full stage of one parameter copy.
 pub fn peak_memory(schedule: &Schedule, r: RankId, memory: &Memory) -> (f64, usize) {
     let routes = schedule.routes();
-    peak_memory_with(schedule.ranks[r].iter().flatten(), &routes, schedule.num_ranks(), memory)
+    peak_memory_with(schedule.ranks[r].iter().flatten(), &routes, active_ranks(schedule), memory)
+}
+
+/// Ranks that run a compute action: the `p` of the stage weights (an idle row of a schedule file
+/// holds no stage and must not make the others' chunks lighter).
+fn active_ranks(schedule: &Schedule) -> usize {
+    schedule.ranks.iter().filter(|row| row.iter().flatten().any(Action::is_compute)).count().max(1)
 }
 
 /// [`peak_memory`] of one program, given the microbatch routes and the number of ranks `p`.
@@ -374,5 +380,15 @@ mod tests {
         let msg = e.to_string();
         assert!(msg.contains("rank 0 at step 1 (0B0) waits for 1B0 on rank 1"), "{msg}");
         assert!(msg.contains("rank 1 at step 0 (1F1) waits for 0F1 on rank 0"), "{msg}");
+    }
+
+    #[test]
+    fn idle_rows_do_not_change_the_peaks() {
+        let two = Schedule::from_csv("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n").unwrap();
+        let idle = Schedule::from_csv("0F0,0F1,0B0,0B1\n,,\n1F0,1B0,1F1,1B1\n,\n").unwrap();
+        let peaks =
+            |s: &Schedule| simulate(s, &Costs::default(), &Memory::default()).unwrap().peak_activations;
+        assert_eq!(peaks(&two), vec![2.0, 1.0]);
+        assert_eq!(peaks(&idle), vec![2.0, 0.0, 1.0, 0.0]);
     }
 }

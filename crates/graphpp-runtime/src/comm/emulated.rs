@@ -50,7 +50,7 @@ impl LinkModel {
 
 /// A `--link` value that does not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("link `{0}`: expected LATENCY_US,GBPS with a latency >= 0 microseconds and a bandwidth > 0 GB/s (e.g. 20,10)")]
+#[error("link `{0}`: expected LATENCY_US,GBPS with a latency of 0 to 10^7 microseconds (10 s) and a bandwidth of 10^-6 to 10^6 GB/s (e.g. 20,10)")]
 pub struct LinkParseError(pub String);
 
 impl FromStr for LinkModel {
@@ -61,7 +61,8 @@ impl FromStr for LinkModel {
         let (lat, bw) = s.split_once(',').ok_or_else(bad)?;
         let lat: f64 = lat.trim().parse().map_err(|_| bad())?;
         let bw: f64 = bw.trim().parse().map_err(|_| bad())?;
-        if !(lat.is_finite() && lat >= 0.0 && bw.is_finite() && bw > 0.0) {
+        // Bounded so that no message can stall a run for more than seconds.
+        if !((0.0..=1e7).contains(&lat) && (1e-6..=1e6).contains(&bw)) {
             return Err(bad());
         }
         Ok(LinkModel { latency_us: lat, gb_per_s: bw })
@@ -263,7 +264,7 @@ mod tests {
         assert_eq!((l.latency_us, l.gb_per_s), (20.0, 10.0));
         assert_eq!(l.delay(1e6), Duration::from_micros(120));
         assert_eq!(l.to_string(), "20 µs, 10 GB/s");
-        for bad in ["20", "x,1", "-1,1", "1,0", "1,inf"] {
+        for bad in ["20", "x,1", "-1,1", "1,0", "1,inf", "1e12,1", "0,1e-9", "nan,1"] {
             let e = bad.parse::<LinkModel>().unwrap_err();
             assert!(e.to_string().contains("LATENCY_US,GBPS"), "{bad}: {e}");
         }
