@@ -53,37 +53,24 @@ reference's GraphConfig insists); times are rounded to 9 decimal places to drop 
 and written as integers when whole.
 """
 
-import hashlib
-import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 import types
 
-PINNED_COMMIT = "39f2c186a27580b7051eb51e0f651e1efd0a8170"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reference_common import (  # noqa: E402
+    COSTS, CS, GRAPH_MOD, PINNED_COMMIT, PS, REPO, SCHED_DIR, clean, load_module, source_commit,
+)
+
 # git blob id of scheduler/zb.py at PINNED_COMMIT; lets an extract without .git be identified.
 PINNED_ZB_BLOB = "b056cde1881870f6717232523a62b610117193db"
-REPO = "github.com/sail-sg/zero-bubble-pipeline-parallelism"
-SCHED_DIR = "megatron/core/pipeline_parallel/zerobubble/scheduler"
-GRAPH_MOD = "megatron.core.pipeline_parallel.zerobubble.scheduler.graph"
 ZB_MOD = "megatron.core.pipeline_parallel.zerobubble.scheduler.zb"
 
-PS = [2, 4, 6, 8]
-COSTS = [(1, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)]
-CS = [0, 0.1]
 MEM_F, MEM_B, MEM_W = 2, -1, -1
 MEM_UNIT = MEM_F  # reference counter per M_B
 KIND = "FIW"
-
-
-def load_module(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def load_reference(checkout):
@@ -106,28 +93,6 @@ def load_reference(checkout):
     # GraphConfig (and its float / memory-balance checks) comes from the real graph.py.
     load_module(GRAPH_MOD, os.path.join(sched, "graph.py"))
     return load_module(ZB_MOD, zb_path)
-
-
-def source_commit(checkout):
-    with open(os.path.join(checkout, SCHED_DIR, "zb.py"), "rb") as f:
-        data = f.read()
-    blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-    try:
-        commit = subprocess.run(
-            ["git", "-C", checkout, "rev-parse", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = PINNED_COMMIT if blob == PINNED_ZB_BLOB else "unknown"
-    return commit, blob
-
-
-def clean(x):
-    """Integers stay integers; floats lose binary noise (0.1 sums)."""
-    if isinstance(x, float):
-        r = round(x, 9)
-        return int(r) if r == int(r) else r
-    return x
 
 
 def run_cell(zb, p, m, f, i, w, c, cap):
@@ -242,7 +207,7 @@ def main():
         root, "crates/graphpp-schedule/tests/fixtures/zb_reference.json"
     )
     zb = load_reference(checkout)
-    commit, blob = source_commit(checkout)
+    commit, blob = source_commit(checkout, "zb.py", PINNED_ZB_BLOB)
 
     cells = []
     for f, i, w in COSTS:

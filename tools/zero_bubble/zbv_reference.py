@@ -46,36 +46,23 @@ of a chunk), and the cap is p M_B. `peak` is the reference counter's peak divide
 9 decimal places to drop binary noise.
 """
 
-import hashlib
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 import types
 
-PINNED_COMMIT = "39f2c186a27580b7051eb51e0f651e1efd0a8170"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reference_common import (  # noqa: E402
+    COSTS, CS, GRAPH_MOD, PINNED_COMMIT, PS, REPO, SCHED_DIR, clean, load_module, source_commit,
+)
+
 # git blob id of scheduler/zbv.py at PINNED_COMMIT; lets an extract without .git be identified.
 PINNED_ZBV_BLOB = "b76a8635f8da8818c0103a3b8636829603138d46"
-REPO = "github.com/sail-sg/zero-bubble-pipeline-parallelism"
-SCHED_DIR = "megatron/core/pipeline_parallel/zerobubble/scheduler"
-GRAPH_MOD = "megatron.core.pipeline_parallel.zerobubble.scheduler.graph"
 ZBV_MOD = "megatron.core.pipeline_parallel.zerobubble.scheduler.zbv"
 
-PS = [2, 4, 6, 8]
-COSTS = [(1, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)]
-CS = [0, 0.1]
 F_MEM, B_MEM, W_MEM = 2, -1, -1
 MEM_UNIT = 2 * F_MEM  # reference counter per M_B
 KIND = "FIW"
-
-
-def load_module(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def load_reference(checkout):
@@ -96,28 +83,6 @@ def load_reference(checkout):
         stub.F, stub.B, stub.W = "F", "B", "W"
         sys.modules[GRAPH_MOD] = stub
     return load_module(ZBV_MOD, zbv_path)
-
-
-def source_commit(checkout):
-    with open(os.path.join(checkout, SCHED_DIR, "zbv.py"), "rb") as f:
-        data = f.read()
-    blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-    try:
-        commit = subprocess.run(
-            ["git", "-C", checkout, "rev-parse", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = PINNED_COMMIT if blob == PINNED_ZBV_BLOB else "unknown"
-    return commit, blob
-
-
-def clean(x):
-    """Integers stay integers; floats lose binary noise (0.1 sums)."""
-    if isinstance(x, float):
-        r = round(x, 9)
-        return int(r) if r == int(r) else r
-    return x
 
 
 def run_cell(zbv, p, m, f, i, w, c):
@@ -234,7 +199,7 @@ def main():
         root, "crates/graphpp-schedule/tests/fixtures/zbv_reference.json"
     )
     zbv = load_reference(checkout)
-    commit, blob = source_commit(checkout)
+    commit, blob = source_commit(checkout, "zbv.py", PINNED_ZBV_BLOB)
 
     cells = []
     for f, i, w in COSTS:
