@@ -40,28 +40,33 @@ def rotate_half(x):
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
 
 
-def forward(p, cfg, tokens, targets):
-    b, t = tokens.shape
-    d, h = cfg["hidden_size"], cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"]
+def attention_block(x, p, cfg, pre):
+    """x + self-attention of layer `pre` on the input-normed x (RoPE, grouped k/v heads)."""
+    b, t, d = x.shape
+    h, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = d // h
     cos, sin = rope_tables(t, hd, cfg["rope_theta"])
     causal = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+    hs = rms_norm(x, p[f"{pre}.input_layernorm.weight"], cfg["rms_norm_eps"])
+    q = (hs @ p[f"{pre}.self_attn.q_proj.weight"].T).view(b, t, h, hd).transpose(1, 2)
+    k = (hs @ p[f"{pre}.self_attn.k_proj.weight"].T).view(b, t, kv, hd).transpose(1, 2)
+    v = (hs @ p[f"{pre}.self_attn.v_proj.weight"].T).view(b, t, kv, hd).transpose(1, 2)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    k = k.repeat_interleave(h // kv, dim=1)
+    v = v.repeat_interleave(h // kv, dim=1)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+    s = s.masked_fill(causal, float("-inf"))
+    o = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+    return x + o @ p[f"{pre}.self_attn.o_proj.weight"].T
+
+
+def forward(p, cfg, tokens, targets):
+    b, t = tokens.shape
     x = p["model.embed_tokens.weight"][tokens]
     for l in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{l}"
-        hs = rms_norm(x, p[f"{pre}.input_layernorm.weight"], cfg["rms_norm_eps"])
-        q = (hs @ p[f"{pre}.self_attn.q_proj.weight"].T).view(b, t, h, hd).transpose(1, 2)
-        k = (hs @ p[f"{pre}.self_attn.k_proj.weight"].T).view(b, t, kv, hd).transpose(1, 2)
-        v = (hs @ p[f"{pre}.self_attn.v_proj.weight"].T).view(b, t, kv, hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k = k.repeat_interleave(h // kv, dim=1)
-        v = v.repeat_interleave(h // kv, dim=1)
-        s = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
-        s = s.masked_fill(causal, float("-inf"))
-        o = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + o @ p[f"{pre}.self_attn.o_proj.weight"].T
+        x = attention_block(x, p, cfg, pre)
         hs = rms_norm(x, p[f"{pre}.post_attention_layernorm.weight"], cfg["rms_norm_eps"])
         g = hs @ p[f"{pre}.mlp.gate_proj.weight"].T
         u = hs @ p[f"{pre}.mlp.up_proj.weight"].T

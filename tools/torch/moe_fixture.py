@@ -23,14 +23,13 @@ graphpp cannot flip a routing decision.
 Usage: python tools/torch/moe_fixture.py [NAME]   (PyTorch 2.x; no other packages)
 """
 import json
-import math
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama_fixture import FIX, rms_norm, rope_tables, rotate_half, save_safetensors  # noqa: E402
+from llama_fixture import FIX, attention_block, rms_norm, save_safetensors  # noqa: E402
 
 
 def swiglu(x, p, pre):
@@ -65,26 +64,11 @@ def moe(x, p, bufs, cfg, pre, margins):
 
 def forward(p, bufs, cfg, tokens, targets, margins):
     b, t = tokens.shape
-    d, h = cfg["hidden_size"], cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"]
-    hd = d // h
-    cos, sin = rope_tables(t, hd, cfg["rope_theta"])
-    causal = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+    d = cfg["hidden_size"]
     x = p["model.embed_tokens.weight"][tokens]
     for l in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{l}"
-        hs = rms_norm(x, p[f"{pre}.input_layernorm.weight"], cfg["rms_norm_eps"])
-        q = (hs @ p[f"{pre}.self_attn.q_proj.weight"].T).view(b, t, h, hd).transpose(1, 2)
-        k = (hs @ p[f"{pre}.self_attn.k_proj.weight"].T).view(b, t, kv, hd).transpose(1, 2)
-        v = (hs @ p[f"{pre}.self_attn.v_proj.weight"].T).view(b, t, kv, hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k = k.repeat_interleave(h // kv, dim=1)
-        v = v.repeat_interleave(h // kv, dim=1)
-        s = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
-        s = s.masked_fill(causal, float("-inf"))
-        o = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + o @ p[f"{pre}.self_attn.o_proj.weight"].T
+        x = attention_block(x, p, cfg, pre)
         hs = rms_norm(x, p[f"{pre}.post_attention_layernorm.weight"], cfg["rms_norm_eps"])
         if l < cfg["first_k_dense_replace"]:
             x = x + swiglu(hs, p, f"{pre}.mlp")
