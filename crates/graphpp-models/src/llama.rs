@@ -187,11 +187,9 @@ pub(crate) struct DenseMlp<'a>(pub &'a LlamaConfig);
 
 impl FeedForward for DenseMlp<'_> {
     fn parameters(&self, layer: usize, out: &mut Vec<(String, Vec<usize>)>) {
-        let (cfg, pre) = (self.0, format!("model.layers.{layer}.mlp"));
-        let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
-        projection(out, format!("{pre}.gate_proj"), f, d, cfg.mlp_bias);
-        projection(out, format!("{pre}.up_proj"), f, d, cfg.mlp_bias);
-        projection(out, format!("{pre}.down_proj"), d, f, cfg.mlp_bias);
+        let cfg = self.0;
+        let pre = format!("model.layers.{layer}.mlp");
+        mlp_parameters(out, &pre, cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
     }
 
     fn build(
@@ -201,19 +199,38 @@ impl FeedForward for DenseMlp<'_> {
         h: ValueId,
         params: &HashMap<String, ValueId>,
     ) -> Result<ValueId, ModelError> {
-        let pre = format!("model.layers.{layer}.mlp");
-        let w = |s: &str| params[&format!("{pre}.{s}.weight")];
-        let bias = |s: &str| params.get(&format!("{pre}.{s}.bias")).copied();
-        let mw = MlpWeights {
-            gate: w("gate_proj"),
-            up: w("up_proj"),
-            down: w("down_proj"),
-            gate_bias: bias("gate_proj"),
-            up_bias: bias("up_proj"),
-            down_bias: bias("down_proj"),
-        };
-        Ok(gated_mlp(b, h, mw, self.0.hidden_act.activation())?)
+        mlp_at(b, h, params, &format!("model.layers.{layer}.mlp"), self.0.hidden_act)
     }
+}
+
+/// Appends the parameters of a gated MLP under `pre` (`{pre}.gate_proj`, `up_proj` `[f, d]`,
+/// `down_proj` `[d, f]`, with biases when `bias`).
+pub(crate) fn mlp_parameters(out: &mut Vec<(String, Vec<usize>)>, pre: &str, d: usize, f: usize, bias: bool) {
+    projection(out, format!("{pre}.gate_proj"), f, d, bias);
+    projection(out, format!("{pre}.up_proj"), f, d, bias);
+    projection(out, format!("{pre}.down_proj"), d, f, bias);
+}
+
+/// The gated MLP whose parameters [`mlp_parameters`] names under `pre`, on `x` (biases used
+/// where `params` holds them).
+pub(crate) fn mlp_at(
+    b: &mut GraphBuilder,
+    x: ValueId,
+    params: &HashMap<String, ValueId>,
+    pre: &str,
+    act: crate::config::HiddenAct,
+) -> Result<ValueId, ModelError> {
+    let w = |s: &str| params[&format!("{pre}.{s}.weight")];
+    let bias = |s: &str| params.get(&format!("{pre}.{s}.bias")).copied();
+    let mw = MlpWeights {
+        gate: w("gate_proj"),
+        up: w("up_proj"),
+        down: w("down_proj"),
+        gate_bias: bias("gate_proj"),
+        up_bias: bias("up_proj"),
+        down_bias: bias("down_proj"),
+    };
+    Ok(gated_mlp(b, x, mw, act.activation())?)
 }
 
 /// Appends `{name}.weight` `[out, in]` and, with `bias`, `{name}.bias` `[out]`.

@@ -29,7 +29,7 @@
 
 use std::collections::HashMap;
 
-use graphpp_graph::layers::{activation, gated_mlp, linear, MlpWeights};
+use graphpp_graph::layers::{activation, linear};
 use graphpp_graph::names::EXPERT_LOAD;
 use graphpp_graph::{Graph, GraphBuilder, InputKind, TensorType, ValueId};
 use serde::{Deserialize, Serialize};
@@ -37,7 +37,8 @@ use serde_json::Value;
 
 use crate::config::{json_object, LlamaConfig, ModelError};
 use crate::llama::{
-    build_decoder, decoder_parameters, init_values, DenseMlp, FeedForward, StageOptions, StageSpec,
+    build_decoder, decoder_parameters, init_values, mlp_at, mlp_parameters, DenseMlp, FeedForward,
+    StageOptions, StageSpec,
 };
 
 /// How the gate turns logits into scores (HF `scoring_func`).
@@ -272,15 +273,10 @@ impl FeedForward for MoeConfig {
             (self.base.hidden_size, self.moe_intermediate_size, format!("model.layers.{layer}.mlp"));
         out.push((format!("{pre}.gate.weight"), vec![self.n_routed_experts, d]));
         for e in 0..self.n_routed_experts {
-            out.push((format!("{pre}.experts.{e}.gate_proj.weight"), vec![f, d]));
-            out.push((format!("{pre}.experts.{e}.up_proj.weight"), vec![f, d]));
-            out.push((format!("{pre}.experts.{e}.down_proj.weight"), vec![d, f]));
+            mlp_parameters(out, &format!("{pre}.experts.{e}"), d, f, false);
         }
         if self.n_shared_experts > 0 {
-            let fs = f * self.n_shared_experts;
-            out.push((format!("{pre}.shared_experts.gate_proj.weight"), vec![fs, d]));
-            out.push((format!("{pre}.shared_experts.up_proj.weight"), vec![fs, d]));
-            out.push((format!("{pre}.shared_experts.down_proj.weight"), vec![d, fs]));
+            mlp_parameters(out, &format!("{pre}.shared_experts"), d, f * self.n_shared_experts, false);
         }
     }
 
@@ -310,15 +306,7 @@ impl FeedForward for MoeConfig {
         b.pop_scope();
         let y = if self.n_shared_experts > 0 {
             b.push_scope("shared_experts");
-            let mw = MlpWeights {
-                gate: p("shared_experts.gate_proj"),
-                up: p("shared_experts.up_proj"),
-                down: p("shared_experts.down_proj"),
-                gate_bias: None,
-                up_bias: None,
-                down_bias: None,
-            };
-            let s = gated_mlp(b, x, mw, self.base.hidden_act.activation())?;
+            let s = mlp_at(b, x, params, &format!("{pre}.shared_experts"), self.base.hidden_act)?;
             b.pop_scope();
             b.add2(routed, s)?
         } else {

@@ -499,8 +499,7 @@ impl RankTrainer {
         let scale = self.checked_scale(sq)?;
         scale_grads(&mut grads, scale)?;
         let (params, optim) = self.optimizer_step(work, &grads, lr)?;
-        self.commit(work, params, optim)?;
-        self.balance_experts(work, &expert_load)?;
+        self.commit(work, params, optim, &expert_load)?;
         Ok(Update {
             loss,
             norm: sq.sqrt(),
@@ -544,8 +543,7 @@ impl RankTrainer {
                 (self.optimizer_step(work, &grads, lr)?, true)
             }
         };
-        self.commit(work, step.0, step.1)?;
-        self.balance_experts(work, &expert_load)?;
+        self.commit(work, step.0, step.1, &expert_load)?;
         Ok(Update {
             loss,
             norm: sq.sqrt(),
@@ -581,14 +579,21 @@ impl RankTrainer {
         Ok((params, optim))
     }
 
-    /// Installs a step's parameters and optimizer.
-    fn commit(&mut self, work: &mut GraphStages, params: Env, optim: AdamW) -> Result<(), TrainError> {
+    /// Installs a step's parameters and optimizer, and moves the MoE routing biases against the
+    /// step's expert load (`balance_experts`).
+    fn commit(
+        &mut self,
+        work: &mut GraphStages,
+        params: Env,
+        optim: AdamW,
+        expert_load: &[Vec<f64>],
+    ) -> Result<(), TrainError> {
         for s in work.stages_mut().values_mut() {
             s.set_parameters(&params)?;
         }
         self.optim = optim;
         self.step += 1;
-        Ok(())
+        self.balance_experts(work, expert_load)
     }
 
     /// Starts the world-wide sum of the microbatch losses and each rank's (peak, resident)
