@@ -273,13 +273,24 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
         Op::ScatterAdd { axis } => vec![Some(g), None, Some(b.gather(g, x(1), *axis)?)],
         Op::Cast { .. } => vec![Some(b.cast(g, fw.node(x(0)).ty.dtype)?)],
         Op::CollectiveWait => {
-            let Op::CollectiveStart { kind, group, axis } = &fw.node(x(0)).op else {
+            let start = fw.node(x(0));
+            let Op::CollectiveStart { kind, group, axis } = &start.op else {
                 return Err(GraphError::Autodiff { at: at(fw, y), reason: "wait without start".into() });
             };
             // The dual collective runs in the backward; the start passes the result through.
-            vec![Some(b.collective(dual(*kind), group, *axis, g)?)]
+            if let CollectiveKind::AllToAllV { .. } = kind {
+                // The reverse exchange: what came from member j goes back to it.
+                let (xv, send, recv) = (start.inputs[0], start.inputs[1], start.inputs[2]);
+                vec![Some(b.all_to_all_v(group, g, recv, send, shape(xv)[0])?)]
+            } else {
+                vec![Some(b.collective(dual(*kind), group, *axis, g)?)]
+            }
         }
-        Op::CollectiveStart { .. } => vec![Some(g)],
+        Op::CollectiveStart { .. } => {
+            let mut out = vec![None; n.inputs.len()];
+            out[0] = Some(g);
+            out
+        }
     })
 }
 

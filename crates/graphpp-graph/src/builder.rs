@@ -310,6 +310,23 @@ impl GraphBuilder {
         self.wait(s)
     }
 
+    /// A variable-count all-to-all along axis 0 ([`CollectiveKind::AllToAllV`]), started and
+    /// waited for: `x [R, …]` sent in pieces of `send_counts` (u32 `[G]`), the `recv_counts`
+    /// pieces received into a `[rows, …]` result padded with zeros.
+    pub fn all_to_all_v(
+        &mut self,
+        group: &CommGroup,
+        x: ValueId,
+        send_counts: ValueId,
+        recv_counts: ValueId,
+        rows: usize,
+    ) -> Result<ValueId> {
+        let op =
+            Op::CollectiveStart { kind: CollectiveKind::AllToAllV { rows }, group: group.clone(), axis: 0 };
+        let s = self.add(op, &[x, send_counts, recv_counts])?;
+        self.wait(s)
+    }
+
     /// Sums `x` down to `shape` (the inverse of broadcasting: leading axes summed away, axes where
     /// `shape` has 1 summed with keepdim). Used by the VJPs of broadcasting ops.
     pub fn sum_to(&mut self, x: ValueId, shape: &[usize]) -> Result<ValueId> {

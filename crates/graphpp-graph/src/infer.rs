@@ -52,7 +52,10 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
         }
         Op::Sum { axis, keepdim } | Op::Max { axis, keepdim } => {
             arity(op, ins, 1)?;
-            float(ins[0])?;
+            // Integer sums count (expert-parallel send counts); they carry no gradient.
+            if !(matches!(op, Op::Sum { .. }) && ins[0].dtype == DType::U32) {
+                float(ins[0])?;
+            }
             axis_ok(ins[0], *axis)?;
             let mut shape = ins[0].shape.clone();
             if *keepdim {
@@ -191,8 +194,11 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             float(ins[0])?;
             index(ins[2])?;
             let (x, w, c) = (&ins[0].shape, &ins[1].shape, &ins[2].shape);
-            let ok =
-                x.len() == 2 && w.len() == 3 && c.len() == 1 && c[0] == w[0] && ins[1].dtype == ins[0].dtype;
+            let ok = x.len() == 2
+                && w.len() == 3
+                && matches!(c.len(), 1 | 2)
+                && c.last() == w.first()
+                && ins[1].dtype == ins[0].dtype;
             let (k, n) = if *transpose { (w.get(2), w.get(1)) } else { (w.get(1), w.get(2)) };
             need(ok && k == x.get(1), || {
                 format!(
@@ -210,20 +216,32 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             let ok = a.len() == 2
                 && bb.len() == 2
                 && a[0] == bb[0]
-                && c.len() == 1
+                && matches!(c.len(), 1 | 2)
                 && ins[1].dtype == ins[0].dtype;
             need(ok, || format!("segment_outer of {} and {} with counts {}", ins[0], ins[1], ins[2]))?;
-            Ok(TensorType::new(ins[0].dtype, vec![c[0], a[1], bb[1]]))
+            Ok(TensorType::new(ins[0].dtype, vec![c[c.len() - 1], a[1], bb[1]]))
         }
         Op::Cast { dtype } => {
             arity(op, ins, 1)?;
             Ok(TensorType::new(*dtype, ins[0].shape.clone()))
         }
         Op::CollectiveStart { kind, group, axis } => {
-            arity(op, ins, 1)?;
+            arity(op, ins, if matches!(kind, CollectiveKind::AllToAllV { .. }) { 3 } else { 1 })?;
             need(group.size >= 1, || format!("group {} has size 0", group.name))?;
             let mut shape = ins[0].shape.clone();
             match kind {
+                CollectiveKind::AllToAllV { rows } => {
+                    need(*axis == 0 && !shape.is_empty(), || {
+                        format!("all_to_all_v runs along axis 0 of a tensor, got axis {axis} of {}", ins[0])
+                    })?;
+                    for c in &ins[1..] {
+                        index(c)?;
+                        need(c.shape == [group.size], || {
+                            format!("all_to_all_v counts must be [{}] (one per member), got {c}", group.size)
+                        })?;
+                    }
+                    shape[0] = *rows;
+                }
                 CollectiveKind::AllReduce => {}
                 CollectiveKind::AllGather => {
                     axis_ok(ins[0], *axis)?;

@@ -86,6 +86,17 @@ pub enum CollectiveKind {
     AllReduce,
     /// Split `axis` into group-size chunks, send chunk `i` to rank `i`, concatenate received chunks.
     AllToAll,
+    /// All-to-all with data-dependent counts along axis 0 (expert parallelism's dispatch and
+    /// combine): operands `(x [R, …], send_counts [G] u32, recv_counts [G] u32)`. The first
+    /// `send_counts[0]` rows of `x` go to member 0, the next `send_counts[1]` to member 1, …
+    /// (the rows after their sum are not sent); the result `[rows, …]` holds what every member
+    /// sent this one, in group order (`recv_counts[j]` rows from member `j`, which must be what
+    /// member `j` sends), then zeros up to the static `rows`. Its VJP is the reverse exchange:
+    /// the same kind with the counts swapped and `rows = R`.
+    AllToAllV {
+        /// Static row count of the result (an upper bound on the rows received).
+        rows: usize,
+    },
 }
 
 impl CollectiveKind {
@@ -96,6 +107,7 @@ impl CollectiveKind {
             CollectiveKind::ReduceScatter => "reduce_scatter",
             CollectiveKind::AllReduce => "all_reduce",
             CollectiveKind::AllToAll => "all_to_all",
+            CollectiveKind::AllToAllV { .. } => "all_to_all_v",
         }
     }
 }
@@ -123,7 +135,7 @@ pub enum Op {
     Affine { mul: f64, add: f64 },
     /// Elementwise binary op with broadcasting.
     Binary { f: BinaryOp },
-    /// Sum over one axis.
+    /// Sum over one axis (float, or u32 counts, which carry no gradient).
     Sum { axis: usize, keepdim: bool },
     /// Maximum over one axis.
     Max { axis: usize, keepdim: bool },
@@ -159,15 +171,20 @@ pub enum Op {
     Bincount { bins: usize },
     /// `(x[R, K], w, counts[E])` → `[R, N]`: rows `0..counts[0]` use expert 0's matrix, the next
     /// `counts[1]` rows expert 1's, …: `y_r = x_r · w[e]ᵀ` with `w[E, N, K]` when `transpose`
-    /// (the Hugging Face `[out, in]` layout), else `y_r = x_r · w[e]` with `w[E, K, N]`. The
-    /// counts must add up to R (an execution error otherwise).
+    /// (the Hugging Face `[out, in]` layout), else `y_r = x_r · w[e]` with `w[E, K, N]`. Counts
+    /// `[G, E]` are G runs of E segments in row-major order, segment `(g, e)` using expert e
+    /// (the rows expert parallelism receives from G ranks). The counts add up to at most R (an
+    /// execution error otherwise); the rows after them (padding) give zeros.
     SegmentMatmul { transpose: bool },
-    /// `(a[R, N], b[R, K], counts[E])` → `[E, N, K]`: `out[e] = a_eᵀ · b_e` over expert e's segment
-    /// of rows (the weight gradient of [`Op::SegmentMatmul`]).
+    /// `(a[R, N], b[R, K], counts[E] or [G, E])` → `[E, N, K]`: `out[e] = Σ a_sᵀ · b_s` over
+    /// expert e's segments `s` of rows, laid out as for [`Op::SegmentMatmul`] (its weight
+    /// gradient); padding rows are ignored.
     SegmentOuter,
     /// Element type conversion.
     Cast { dtype: DType },
-    /// Issue a collective over `group` along `axis`; its value is only readable through a wait.
+    /// Issue a collective over `group` along `axis` on its operand (an
+    /// [`CollectiveKind::AllToAllV`] also reads its send and receive counts); its value is only
+    /// readable through a wait.
     CollectiveStart { kind: CollectiveKind, group: CommGroup, axis: usize },
     /// Complete the collective started by its single input; yields the collective's result.
     CollectiveWait,
@@ -229,8 +246,12 @@ impl Op {
             Op::Bincount { bins } => vec![format!("bins={bins}")],
             Op::SegmentMatmul { transpose } => vec![format!("transpose={transpose}")],
             Op::Cast { dtype } => vec![format!("dtype={dtype}")],
-            Op::CollectiveStart { group, axis, .. } => {
-                vec![format!("group={}/{}", group.name, group.size), format!("axis={axis}")]
+            Op::CollectiveStart { group, axis, kind } => {
+                let mut a = vec![format!("group={}/{}", group.name, group.size), format!("axis={axis}")];
+                if let CollectiveKind::AllToAllV { rows } = kind {
+                    a.push(format!("rows={rows}"));
+                }
+                a
             }
             _ => vec![],
         }

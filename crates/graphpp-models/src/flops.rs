@@ -11,7 +11,7 @@ use crate::llama::{stage_parameters, StageSpec};
 /// counts them: the whole `T×T` product, not its causal half). Forward = 1/3 of it, backward
 /// 2/3. Recomputation is not counted: these are model FLOPs, not hardware FLOPs.
 pub fn flops_per_token(cfg: &LlamaConfig, seq: usize) -> f64 {
-    let all = StageSpec { stage: 0, stages: 1, layers: 0..cfg.num_hidden_layers };
+    let all = StageSpec::whole(cfg.num_hidden_layers);
     let layer_weights: usize = stage_parameters(cfg, &all)
         .iter()
         .filter(|(name, shape)| name.starts_with("model.layers.") && shape.len() == 2)
@@ -47,7 +47,7 @@ mod tests {
         for cfg in [LlamaConfig::tiny(), LlamaConfig { num_key_value_heads: Some(2), ..LlamaConfig::small() }]
         {
             let (b, t) = (2, 16);
-            let all = StageSpec { stage: 0, stages: 1, layers: 0..cfg.num_hidden_layers };
+            let all = StageSpec::whole(cfg.num_hidden_layers);
             let fw = build_stage(&cfg, &all, &StageOptions::new(b, t)).unwrap();
             let per_token = fw.matmul_flops() as f64 / (b * t) as f64;
             assert_eq!(flops_per_token(&cfg, t) / 3.0, per_token);

@@ -14,7 +14,7 @@ pub use config::{check_supported, HiddenAct, LlamaConfig, ModelError};
 pub use flops::flops_per_token;
 pub use llama::{
     build_stage, check_shape, init_parameters, layer_checkpoints, split_layers, stage_buffer_shapes,
-    stage_buffers, stage_graph_set, stage_parameters, StageOptions, StageSpec, EMBED, LM_HEAD,
+    stage_buffers, stage_graph_set, stage_parameters, ExpertShard, StageOptions, StageSpec, EMBED, LM_HEAD,
 };
 pub use model::{Model, ModelConfig};
 pub use moe::{MoeConfig, ScoringFunc};

@@ -84,9 +84,45 @@ pub struct StageSpec {
     pub stages: usize,
     /// Decoder layers held.
     pub layers: Range<usize>,
+    /// Which routed experts of each MoE layer it holds (all without expert parallelism).
+    pub ep: ExpertShard,
+}
+
+/// A rank's part of the routed experts under expert parallelism (DeepSeek-V3 report §3.4;
+/// Megatron-LM's expert model parallelism): the `E` routed experts of every MoE layer are split
+/// into `size` contiguous blocks of `E / size`; this stage holds block `index`, and the tokens
+/// of the `size` ranks of its expert-parallel group (graph group `ep`) are exchanged by
+/// all-to-alls. [`ExpertShard::WHOLE`] (size 1) holds every expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ExpertShard {
+    /// Position in the expert-parallel group, `0..size`.
+    pub index: usize,
+    /// Expert-parallel degree (ranks sharing one layer's experts).
+    pub size: usize,
+}
+
+impl ExpertShard {
+    /// Every expert on one rank (no expert parallelism).
+    pub const WHOLE: ExpertShard = ExpertShard { index: 0, size: 1 };
+
+    /// The experts held out of `experts` (which `size` divides): `index·E/size .. (index+1)·E/size`.
+    pub fn experts(&self, experts: usize) -> Range<usize> {
+        let per = experts / self.size.max(1);
+        self.index * per..(self.index + 1) * per
+    }
+
+    /// The expert-parallel index holding expert `expert` of `experts`.
+    pub fn owner(expert: usize, experts: usize, size: usize) -> usize {
+        expert / (experts / size.max(1)).max(1)
+    }
 }
 
 impl StageSpec {
+    /// The whole model of `layers` decoder layers as one stage, every expert held.
+    pub fn whole(layers: usize) -> StageSpec {
+        StageSpec { stage: 0, stages: 1, layers: 0..layers, ep: ExpertShard::WHOLE }
+    }
+
     /// Whether this stage holds the embedding.
     pub fn is_first(&self) -> bool {
         self.stage == 0
@@ -150,7 +186,7 @@ pub fn split_layers(
         .enumerate()
         .map(|(stage, &n)| {
             start += n;
-            StageSpec { stage, stages, layers: start - n..start }
+            StageSpec { stage, stages, layers: start - n..start, ep: ExpertShard::WHOLE }
         })
         .collect())
 }
@@ -168,8 +204,9 @@ pub fn stage_parameters(cfg: &LlamaConfig, spec: &StageSpec) -> Vec<(String, Vec
 /// gated MLP of Llama ([`DenseMlp`]) or a mixture of experts ([`crate::moe`]). Parameters are
 /// under `model.layers.<l>.mlp.`.
 pub(crate) trait FeedForward {
-    /// Appends the names and shapes of layer `layer`'s feed-forward parameters.
-    fn parameters(&self, layer: usize, out: &mut Vec<(String, Vec<usize>)>);
+    /// Appends the names and shapes of layer `layer`'s feed-forward parameters on a stage
+    /// holding the experts `ep`.
+    fn parameters(&self, layer: usize, ep: ExpertShard, out: &mut Vec<(String, Vec<usize>)>);
 
     /// Builds layer `layer`'s block on the normalised hidden states `h` `[B, T, D]`; `params` maps
     /// every parameter name of the stage to its (cast) value.
@@ -177,6 +214,7 @@ pub(crate) trait FeedForward {
         &self,
         b: &mut GraphBuilder,
         layer: usize,
+        ep: ExpertShard,
         h: ValueId,
         params: &HashMap<String, ValueId>,
     ) -> Result<ValueId, ModelError>;
@@ -186,7 +224,7 @@ pub(crate) trait FeedForward {
 pub(crate) struct DenseMlp<'a>(pub &'a LlamaConfig);
 
 impl FeedForward for DenseMlp<'_> {
-    fn parameters(&self, layer: usize, out: &mut Vec<(String, Vec<usize>)>) {
+    fn parameters(&self, layer: usize, _ep: ExpertShard, out: &mut Vec<(String, Vec<usize>)>) {
         let cfg = self.0;
         let pre = format!("model.layers.{layer}.mlp");
         mlp_parameters(out, &pre, cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
@@ -196,6 +234,7 @@ impl FeedForward for DenseMlp<'_> {
         &self,
         b: &mut GraphBuilder,
         layer: usize,
+        _ep: ExpertShard,
         h: ValueId,
         params: &HashMap<String, ValueId>,
     ) -> Result<ValueId, ModelError> {
@@ -269,7 +308,7 @@ pub(crate) fn decoder_parameters(
         proj(&mut p, format!("{pre}.self_attn.v_proj"), kvd, d, ab);
         proj(&mut p, format!("{pre}.self_attn.o_proj"), d, qd, ab);
         p.push((format!("{pre}.post_attention_layernorm.weight"), vec![d]));
-        ffn.parameters(l, &mut p);
+        ffn.parameters(l, spec.ep, &mut p);
     }
     if spec.is_last() {
         p.push(("model.norm.weight".to_string(), vec![d]));
@@ -427,7 +466,7 @@ pub(crate) fn build_decoder(
         let h = rms_norm(&mut b, x, w("post_attention_layernorm"), cfg.rms_norm_eps)?;
         b.pop_scope();
         b.push_scope("mlp");
-        let m = ffn.build(&mut b, l, h, &params)?;
+        let m = ffn.build(&mut b, l, spec.ep, h, &params)?;
         b.pop_scope();
         x = b.add2(x, m)?;
         b.pop_scope();

@@ -47,7 +47,7 @@ pub fn stage_activation_bytes(cfg: &LlamaConfig, spec: &StageSpec, batch: usize,
 
 /// Saved-activation bytes of one microbatch through the whole model (all layers on one stage).
 pub fn model_activation_bytes(cfg: &LlamaConfig, batch: usize, seq: usize) -> u128 {
-    let whole = StageSpec { stage: 0, stages: 1, layers: 0..cfg.num_hidden_layers };
+    let whole = StageSpec::whole(cfg.num_hidden_layers);
     stage_activation_bytes(cfg, &whole, batch, seq)
 }
 
@@ -62,7 +62,7 @@ pub fn buffer_bytes(cfg: &LlamaConfig, seq: usize) -> u128 {
 
 /// Number of parameters of the whole model (one copy).
 pub fn parameter_count(cfg: &LlamaConfig) -> u128 {
-    let whole = StageSpec { stage: 0, stages: 1, layers: 0..cfg.num_hidden_layers };
+    let whole = StageSpec::whole(cfg.num_hidden_layers);
     count(&crate::llama::stage_parameters(cfg, &whole))
 }
 

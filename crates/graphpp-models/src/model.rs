@@ -79,6 +79,32 @@ pub trait Model: std::fmt::Debug + Send + Sync {
         let _ = layer;
         None
     }
+
+    /// Checks that the model can run with expert-parallel degree `ep` (its routed experts split
+    /// evenly; a model without experts takes only 1).
+    ///
+    /// # Errors
+    /// [`ModelError::Field`] (MoE: `n_routed_experts` not divisible by `ep`);
+    /// [`ModelError::Unsupported`] (a dense model with `ep > 1`).
+    fn check_ep(&self, ep: usize) -> Result<(), ModelError> {
+        if ep != 1 {
+            let reason = "expert parallelism needs a mixture-of-experts model (e.g. --model moe-tiny)";
+            return Err(ModelError::Unsupported { field: "ep", value: ep.to_string(), reason });
+        }
+        Ok(())
+    }
+
+    /// The routed expert (`0..E`) parameter `name` belongs to; `None` for a parameter every
+    /// expert-parallel rank holds (attention, norms, gate, shared experts, dense layers).
+    fn expert_of(&self, name: &str) -> Option<usize> {
+        let _ = name;
+        None
+    }
+
+    /// Routed experts per MoE layer `E` (0 for a dense model).
+    fn routed_experts(&self) -> usize {
+        0
+    }
 }
 
 impl Model for LlamaConfig {

@@ -31,14 +31,14 @@ use std::collections::HashMap;
 
 use graphpp_graph::layers::{activation, linear};
 use graphpp_graph::names::EXPERT_LOAD;
-use graphpp_graph::{Graph, GraphBuilder, InputKind, TensorType, ValueId};
+use graphpp_graph::{CollectiveKind, CommGroup, Graph, GraphBuilder, InputKind, Region, TensorType, ValueId};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::{json_object, LlamaConfig, ModelError};
 use crate::llama::{
-    build_decoder, decoder_parameters, init_values, mlp_at, mlp_parameters, DenseMlp, FeedForward,
-    StageOptions, StageSpec,
+    build_decoder, decoder_parameters, init_values, mlp_at, mlp_parameters, DenseMlp, ExpertShard,
+    FeedForward, StageOptions, StageSpec,
 };
 
 /// How the gate turns logits into scores (HF `scoring_func`).
@@ -218,6 +218,19 @@ impl MoeConfig {
         Ok(())
     }
 
+    /// Checks that an expert-parallel degree `ep` splits the routed experts evenly. Errors:
+    /// [`ModelError::Field`] naming `n_routed_experts`.
+    pub fn check_ep(&self, ep: usize) -> Result<(), ModelError> {
+        if ep == 0 || !self.n_routed_experts.is_multiple_of(ep) {
+            let reason = format!(
+                "{} routed experts do not split evenly over an expert-parallel degree of {ep}",
+                self.n_routed_experts
+            );
+            return Err(ModelError::Field { field: "n_routed_experts", reason });
+        }
+        Ok(())
+    }
+
     /// Number of MoE layers (`num_hidden_layers − first_k_dense_replace`, 0 if that is negative).
     pub fn num_moe_layers(&self) -> usize {
         self.base.num_hidden_layers.saturating_sub(self.first_k_dense_replace)
@@ -242,6 +255,7 @@ impl MoeConfig {
     /// reads its bias buffer). Errors: config, shape, or graph building.
     pub fn build_stage(&self, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
         self.validate()?;
+        self.check_ep(spec.ep.size)?;
         build_decoder(&self.base, spec, opts, self)
     }
 
@@ -265,14 +279,14 @@ impl MoeConfig {
 }
 
 impl FeedForward for MoeConfig {
-    fn parameters(&self, layer: usize, out: &mut Vec<(String, Vec<usize>)>) {
+    fn parameters(&self, layer: usize, ep: ExpertShard, out: &mut Vec<(String, Vec<usize>)>) {
         if !self.is_moe(layer) {
-            return DenseMlp(&self.base).parameters(layer, out);
+            return DenseMlp(&self.base).parameters(layer, ep, out);
         }
         let (d, f, pre) =
             (self.base.hidden_size, self.moe_intermediate_size, format!("model.layers.{layer}.mlp"));
         out.push((format!("{pre}.gate.weight"), vec![self.n_routed_experts, d]));
-        for e in 0..self.n_routed_experts {
+        for e in ep.experts(self.n_routed_experts) {
             mlp_parameters(out, &format!("{pre}.experts.{e}"), d, f, false);
         }
         if self.n_shared_experts > 0 {
@@ -284,11 +298,12 @@ impl FeedForward for MoeConfig {
         &self,
         b: &mut GraphBuilder,
         layer: usize,
+        ep: ExpertShard,
         h: ValueId,
         params: &HashMap<String, ValueId>,
     ) -> Result<ValueId, ModelError> {
         if !self.is_moe(layer) {
-            return DenseMlp(&self.base).build(b, layer, h, params);
+            return DenseMlp(&self.base).build(b, layer, ep, h, params);
         }
         let pre = format!("model.layers.{layer}.mlp");
         let p = |s: &str| params[&format!("{pre}.{s}.weight")];
@@ -302,7 +317,8 @@ impl FeedForward for MoeConfig {
         let (ids, weights) = self.route(b, x, p("gate"), bias)?;
         b.pop_scope();
         b.push_scope("experts");
-        let routed = self.experts(b, layer, x, ids, weights, &|e, s| p(&format!("experts.{e}.{s}")))?;
+        let w = |e: usize, s: &str| p(&format!("experts.{e}.{s}"));
+        let routed = self.experts(b, layer, ep, x, ids, weights, &w)?;
         b.pop_scope();
         let y = if self.n_shared_experts > 0 {
             b.push_scope("shared_experts");
@@ -349,12 +365,16 @@ impl MoeConfig {
     }
 
     /// The routed experts: each token's `k` rows sorted by expert, one SwiGLU per segment, put
-    /// back and summed with their weights. `w(e, proj)` is expert `e`'s matrix. The segment
-    /// lengths are also the output `expert_load.<layer>`.
+    /// back and summed with their weights. `w(e, proj)` is expert `e`'s matrix (held for the
+    /// experts of `ep`). The segment lengths are also the output `expert_load.<layer>`. Under
+    /// expert parallelism the sorted rows go to the ranks holding their experts and come back
+    /// ([`MoeConfig::dispatch`], [`MoeConfig::combine`]).
+    #[allow(clippy::too_many_arguments)]
     fn experts(
         &self,
         b: &mut GraphBuilder,
         layer: usize,
+        ep: ExpertShard,
         x: ValueId,
         ids: ValueId,
         weights: ValueId,
@@ -370,8 +390,10 @@ impl MoeConfig {
         let rows = b.broadcast(rows, vec![n, k, d])?;
         let rows = b.reshape(rows, vec![n * k, d])?;
         let sorted = b.index_select(rows, order, 0)?;
+        let held = ep.experts(e);
         let stack = |b: &mut GraphBuilder, proj: &str| -> Result<ValueId, ModelError> {
-            let mats: Vec<ValueId> = (0..e)
+            let mats: Vec<ValueId> = held
+                .clone()
                 .map(|i| {
                     let m = w(i, proj);
                     let s = b.shape(m);
@@ -381,11 +403,17 @@ impl MoeConfig {
             Ok(b.concat(&mats, 0)?)
         };
         let (wg, wu, wd) = (stack(b, "gate_proj")?, stack(b, "up_proj")?, stack(b, "down_proj")?);
-        let g = b.segment_matmul(sorted, wg, counts, true)?;
-        let u = b.segment_matmul(sorted, wu, counts, true)?;
+        let dispatched = (ep.size > 1).then(|| self.dispatch(b, ep, sorted, counts)).transpose()?;
+        let (input, segments) = dispatched.as_ref().map_or((sorted, counts), |t| (t.rows, t.segments));
+        let g = b.segment_matmul(input, wg, segments, true)?;
+        let u = b.segment_matmul(input, wu, segments, true)?;
         let a = activation(b, g, self.base.hidden_act.activation())?;
         let hsw = b.mul(a, u)?;
-        let out = b.segment_matmul(hsw, wd, counts, true)?;
+        let out = b.segment_matmul(hsw, wd, segments, true)?;
+        let out = match &dispatched {
+            Some(t) => self.combine(b, ep, out, t, n * k)?,
+            None => out,
+        };
         let zero = b.full_like(0.0, out)?;
         let back = b.index_add(zero, order, out, 0)?;
         let back = b.reshape(back, vec![n, k, d])?;
@@ -393,6 +421,65 @@ impl MoeConfig {
         let weighted = b.mul(back, wk)?;
         Ok(b.sum(weighted, 1, false)?)
     }
+
+    /// Expert parallelism's dispatch (comm region `ep.dispatch`): the rows `sorted [R, D]`
+    /// (sorted by expert, `counts [E]` per expert) go to the members of the `ep` group holding
+    /// their experts (member j holds experts `j·E/G .. (j+1)·E/G`). First the counts are
+    /// exchanged (an all-to-all of `[G, E/G]`: row j of the result is what member j sends here
+    /// per local expert), then the rows (a variable-count all-to-all into `G·R` static rows:
+    /// every member could route all its rows here). The received rows are one run of local
+    /// expert segments per source member — counts `[G, E/G]` that
+    /// [`graphpp_graph::Op::SegmentMatmul`] takes as they are.
+    fn dispatch(
+        &self,
+        b: &mut GraphBuilder,
+        ep: ExpertShard,
+        sorted: ValueId,
+        counts: ValueId,
+    ) -> Result<Dispatched, ModelError> {
+        let group = CommGroup { name: EP_GROUP.into(), size: ep.size };
+        let rows = b.shape(sorted)[0];
+        b.set_region(Region::Comm("ep.dispatch".into()));
+        let per_member = b.reshape(counts, vec![ep.size, self.n_routed_experts / ep.size])?;
+        let send = b.sum(per_member, 1, false)?;
+        let segments = b.collective(CollectiveKind::AllToAll, &group, 0, per_member)?;
+        let recv = b.sum(segments, 1, false)?;
+        let received = b.all_to_all_v(&group, sorted, send, recv, ep.size * rows)?;
+        b.set_region(Region::Compute);
+        Ok(Dispatched { rows: received, segments, send, recv })
+    }
+
+    /// Expert parallelism's combine (comm region `ep.combine`): the experts' outputs go back to
+    /// the members the rows came from, `rows` of them here, in this member's sorted order.
+    fn combine(
+        &self,
+        b: &mut GraphBuilder,
+        ep: ExpertShard,
+        out: ValueId,
+        d: &Dispatched,
+        rows: usize,
+    ) -> Result<ValueId, ModelError> {
+        let group = CommGroup { name: EP_GROUP.into(), size: ep.size };
+        b.set_region(Region::Comm("ep.combine".into()));
+        let back = b.all_to_all_v(&group, out, d.recv, d.send, rows)?;
+        b.set_region(Region::Compute);
+        Ok(back)
+    }
+}
+
+/// The graph group of expert parallelism (the runtime's mesh resolves it).
+pub const EP_GROUP: &str = "ep";
+
+/// What [`MoeConfig::dispatch`] produced.
+struct Dispatched {
+    /// Received rows `[G·R, D]` (padded).
+    rows: ValueId,
+    /// Received counts `[G, E/G]` (per source member, per local expert).
+    segments: ValueId,
+    /// Rows sent to each member `[G]`.
+    send: ValueId,
+    /// Rows received from each member `[G]`.
+    recv: ValueId,
 }
 
 impl crate::model::Model for MoeConfig {
@@ -437,7 +524,7 @@ impl crate::model::Model for MoeConfig {
     }
 
     fn parameter_count(&self) -> u128 {
-        let whole = StageSpec { stage: 0, stages: 1, layers: 0..self.base.num_hidden_layers };
+        let whole = StageSpec::whole(self.base.num_hidden_layers);
         crate::memory::count(&self.stage_parameters(&whole))
     }
 
@@ -463,6 +550,20 @@ impl crate::model::Model for MoeConfig {
 
     fn balance_bias(&self, layer: usize) -> Option<String> {
         self.is_moe(layer).then(|| Self::bias_name(layer))
+    }
+
+    fn check_ep(&self, ep: usize) -> Result<(), ModelError> {
+        MoeConfig::check_ep(self, ep)
+    }
+
+    fn expert_of(&self, name: &str) -> Option<usize> {
+        let rest = name.strip_prefix("model.layers.")?;
+        let (_, rest) = rest.split_once(".mlp.experts.")?;
+        rest.split_once('.')?.0.parse().ok()
+    }
+
+    fn routed_experts(&self) -> usize {
+        self.n_routed_experts
     }
 
     fn buffer_dtype(&self, name: &str, compute: graphpp_graph::DType) -> graphpp_graph::DType {
@@ -549,7 +650,7 @@ mod tests {
             MoeConfig::tiny(),
             MoeConfig { n_shared_experts: 0, num_experts_per_tok: 3, ..MoeConfig::tiny() },
         ] {
-            let whole = StageSpec { stage: 0, stages: 1, layers: 0..4 };
+            let whole = StageSpec::whole(4);
             let (b, t) = (2, 16);
             let fw = m.build_stage(&whole, &StageOptions::new(b, t)).unwrap();
             assert_eq!(Model::flops_per_token(&m, t) / 3.0, fw.matmul_flops() as f64 / (b * t) as f64);

@@ -78,7 +78,7 @@ mod tests {
             assert_eq!(serde_json::to_string(&r).unwrap(), format!("\"{}\"", r.name()));
         }
         assert!("all".parse::<Recompute>().unwrap_err().contains("save-all, stage-inputs, matmuls, layers"));
-        let spec = StageSpec { stage: 1, stages: 2, layers: 2..4 };
+        let spec = StageSpec { stage: 1, stages: 2, layers: 2..4, ep: crate::ExpertShard::WHOLE };
         let want = vec!["model.layers.2".to_string(), "model.layers.3".to_string()];
         assert_eq!(Recompute::Layers.policy(&spec), RecomputePolicy::Checkpoints(want));
     }

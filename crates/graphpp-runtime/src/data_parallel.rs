@@ -19,6 +19,11 @@
 //!   waits for it and puts the full tensor (the gathered pieces, unpadded and reshaped) in the
 //!   state. **RESHARD(s)** drops the full tensors and puts the shards back.
 //!
+//! With **expert parallelism** a routed expert's parameters live on dp / ep replicas only (see
+//! [`crate::mesh`]): REDUCE_GRAD all-reduces their gradients over those (group `edp`), and the
+//! mean is still the sum × 1/dp — each replica's expert gradient already holds the contributions
+//! of the ep replicas whose tokens it served (through the all-to-all's VJP).
+//!
 //! The reductions sum in group order in f32 ([`crate::comm`]), so the result does not depend on
 //! which replica finishes first.
 
@@ -99,6 +104,9 @@ pub struct DataParallel {
     gathering: HashMap<usize, Vec<(String, Pending<Tensor>)>>,
     /// Gradient reductions started by REDUCE_GRAD: (stage, name, handle).
     reducing: Vec<(usize, String, Pending<Tensor>)>,
+    /// Expert parallelism: the replicas holding this rank's routed experts, and those experts'
+    /// parameter names (their gradients are reduced over that group only).
+    experts: Option<(Group, std::collections::BTreeSet<String>)>,
 }
 
 impl std::fmt::Debug for DataParallel {
@@ -139,7 +147,26 @@ impl DataParallel {
             kept: HashMap::new(),
             gathering: HashMap::new(),
             reducing: Vec::new(),
+            experts: None,
         })
+    }
+
+    /// Expert parallelism: the gradients of `names` (this rank's routed experts) are reduced
+    /// over `group` (the replicas holding the same experts, a subset of the data-parallel group)
+    /// instead of the whole data-parallel group; their mean still divides by dp.
+    ///
+    /// # Errors
+    /// [`CommError::NotInGroup`] when this rank is not in `group`.
+    pub fn set_expert_parallel(
+        &mut self,
+        group: Group,
+        names: std::collections::BTreeSet<String>,
+    ) -> Result<(), CommError> {
+        if group.index_of(self.comm.rank()).is_none() {
+            return Err(CommError::NotInGroup { rank: self.comm.rank(), group: group.to_string() });
+        }
+        self.experts = Some((group, names));
+        Ok(())
     }
 
     /// Whether parameters are sharded.
@@ -241,7 +268,11 @@ impl DataParallel {
                 let padded = pad_flat(&g, self.size()).map_err(tensor_err(&name))?;
                 self.comm.reduce_scatter(&self.group, &padded)
             } else {
-                self.comm.all_reduce(&self.group, &g)
+                let group = match &self.experts {
+                    Some((experts, names)) if names.contains(&name) => experts,
+                    _ => &self.group,
+                };
+                self.comm.all_reduce(group, &g)
             };
             self.reducing.push((stage, name, p.map_err(comm_err("reduce_grad", stage))?));
         }

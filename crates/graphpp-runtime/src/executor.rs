@@ -88,6 +88,10 @@ pub enum CollectiveError {
     /// Swapping the collective's axis to dim 0 or back failed.
     #[error("moving the axis to dim 0: {0}")]
     Axis(Box<candle_core::Error>),
+    /// A variable-count all-to-all whose counts or received rows do not fit (see
+    /// [`CollectiveKind::AllToAllV`]).
+    #[error("all_to_all_v: {0}")]
+    Counts(String),
 }
 
 /// Where a graph's collectives run for one rank: its communicator, the mesh its graph groups
@@ -106,6 +110,12 @@ pub struct GraphComm<'a> {
 enum Handle {
     Tensor(Pending<Tensor>),
     AllToAll(Pending<AllToAllOutput>),
+    /// A variable-count all-to-all: the rows expected from each member and the padded row count.
+    AllToAllV {
+        pending: Pending<AllToAllOutput>,
+        expected: Vec<usize>,
+        rows: usize,
+    },
 }
 
 /// A started collective: its handle, the start node and the axis to swap back to.
@@ -130,17 +140,22 @@ fn swap0(x: &Tensor, axis: usize) -> Result<Tensor, CollectiveError> {
     }
 }
 
-/// Starts `kind` over `group` along `axis` on `x` (identity for a group of size 1).
+/// Starts `kind` over `group` along `axis` on `args[0]` (identity for a group of size 1; an
+/// all-to-all-v also reads its counts `args[1..3]`).
 fn start(
     comm: Option<&GraphComm>,
     kind: CollectiveKind,
     group: &CommGroup,
     axis: usize,
-    x: &Tensor,
+    args: &[&Tensor],
     node: usize,
 ) -> Result<Value, CollectiveError> {
+    let x = args[0];
     if group.size == 1 {
-        return Ok(Value::Ready(x.clone()));
+        return match kind {
+            CollectiveKind::AllToAllV { rows } => Ok(Value::Ready(local_all_to_all_v(args, rows)?)),
+            _ => Ok(Value::Ready(x.clone())),
+        };
     }
     let c = comm.ok_or(CollectiveError::NoComm)?;
     let g = c.mesh.resolve(group, c.comm.rank())?;
@@ -156,8 +171,57 @@ fn start(
             let counts = vec![rows / g.size(); g.size()];
             Handle::AllToAll(c.comm.all_to_all(&g, &x, &counts)?)
         }
+        CollectiveKind::AllToAllV { rows } => {
+            let (send, expected) = (counts_of(args[1])?, counts_of(args[2])?);
+            let sent: usize = send.iter().sum();
+            if sent > x.dim(0).map_err(axis_err)? {
+                return Err(CollectiveError::Counts(format!(
+                    "send counts {send:?} add up to more than the {} rows given",
+                    x.dims()[0]
+                )));
+            }
+            let x = x.narrow(0, 0, sent).map_err(axis_err)?;
+            Handle::AllToAllV { pending: c.comm.all_to_all(&g, &x, &send)?, expected, rows }
+        }
     };
     Ok(Value::InFlight(InFlight { handle, node, axis }))
+}
+
+fn axis_err(e: candle_core::Error) -> CollectiveError {
+    CollectiveError::Axis(Box::new(e))
+}
+
+/// A u32 count vector as `usize`s.
+fn counts_of(t: &Tensor) -> Result<Vec<usize>, CollectiveError> {
+    let v = t.to_vec1::<u32>().map_err(axis_err)?;
+    Ok(v.into_iter().map(|c| c as usize).collect())
+}
+
+/// `data` (the rows received) padded with zeros to `rows` rows.
+fn pad_rows(data: Tensor, rows: usize) -> Result<Tensor, CollectiveError> {
+    let got = data.dim(0).map_err(axis_err)?;
+    if got > rows {
+        return Err(CollectiveError::Counts(format!(
+            "received {got} rows, more than the {rows} the graph holds"
+        )));
+    }
+    if got == rows {
+        return Ok(data);
+    }
+    let mut dims = data.dims().to_vec();
+    dims[0] = rows - got;
+    let zeros = Tensor::zeros(dims, data.dtype(), data.device()).map_err(axis_err)?;
+    Tensor::cat(&[&data, &zeros], 0).map_err(axis_err)
+}
+
+/// An all-to-all-v over a group of one: this rank's sent rows come back to it.
+fn local_all_to_all_v(args: &[&Tensor], rows: usize) -> Result<Tensor, CollectiveError> {
+    let (send, recv) = (counts_of(args[1])?, counts_of(args[2])?);
+    if send != recv {
+        return Err(CollectiveError::Counts(format!("a group of one sends {send:?} but expects {recv:?}")));
+    }
+    let sent = args[0].narrow(0, 0, send.iter().sum()).map_err(axis_err)?;
+    pad_rows(sent, rows)
 }
 
 /// Waits for a started collective and swaps its axis back.
@@ -165,6 +229,16 @@ fn complete(f: InFlight, timeout: Duration) -> Result<Tensor, CollectiveError> {
     let t = match f.handle {
         Handle::Tensor(p) => p.wait(timeout)?,
         Handle::AllToAll(p) => p.wait(timeout)?.data,
+        Handle::AllToAllV { pending, expected, rows } => {
+            let out = pending.wait(timeout)?;
+            if out.recv_counts != expected {
+                return Err(CollectiveError::Counts(format!(
+                    "received {:?} rows per member, the graph expected {expected:?}",
+                    out.recv_counts
+                )));
+            }
+            pad_rows(out.data, rows)?
+        }
     };
     swap0(&t, f.axis)
 }
@@ -230,6 +304,19 @@ pub fn run_named(
     inputs: &HashMap<String, Tensor>,
     opts: &RunOptions,
 ) -> ExecResult<RunReport> {
+    run_named_with(graph, inputs, opts, None)
+}
+
+/// [`run_named`] as one rank of a run when `comm` is given (see [`run_with`]).
+///
+/// # Errors
+/// A missing input; those of [`run_with`].
+pub fn run_named_with(
+    graph: &Graph,
+    inputs: &HashMap<String, Tensor>,
+    opts: &RunOptions,
+    comm: Option<&GraphComm>,
+) -> ExecResult<RunReport> {
     let mut ordered = Vec::with_capacity(graph.inputs.len());
     for name in graph.input_names() {
         let t = inputs.get(&name).ok_or_else(|| ExecError::Input {
@@ -239,7 +326,7 @@ pub fn run_named(
         })?;
         ordered.push(t.clone());
     }
-    run(graph, &ordered, opts)
+    exec(graph, &ordered, opts, comm)
 }
 
 /// Runs `graph` as one rank of a run: collectives over groups of more than one rank go through
@@ -326,7 +413,7 @@ fn exec(
             counted[i] = if state[i] { 0 } else { node.ty.size_bytes() };
             match &node.op {
                 Op::CollectiveStart { kind, group, axis } => {
-                    start(comm, *kind, group, *axis, args[0], i).map_err(|e| collective_error(graph, i, e))?
+                    start(comm, *kind, group, *axis, &args, i).map_err(|e| collective_error(graph, i, e))?
                 }
                 op => Value::Ready(eval(graph, i, op, &args)?),
             }

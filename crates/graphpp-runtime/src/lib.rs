@@ -24,7 +24,9 @@ pub use comm::{
     AllToAllOutput, Awaited, CollectiveOp, Comm, CommError, Group, Pending, PendingOp, Tag, TagKind,
     TensorDesc, ThreadComm,
 };
-pub use executor::{run, run_named, run_with, CollectiveError, ExecError, GraphComm, RunOptions, RunReport};
+pub use executor::{
+    run, run_named, run_named_with, run_with, CollectiveError, ExecError, GraphComm, RunOptions, RunReport,
+};
 pub use lr::{CosineSchedule, LrError};
 pub use memory::{check_step, SizeError, StepMemory};
 pub use mesh::{Coords, Mesh, MeshAxis, MeshError};

@@ -9,7 +9,7 @@ use graphpp_schedule::{check_size, GenerateError, Kind, Shape};
 
 /// Saved-activation bytes of one microbatch through the whole model (all layers on one stage).
 fn whole_model_activation_bytes(model: &dyn Model, batch: usize, seq: usize) -> u128 {
-    let whole = StageSpec { stage: 0, stages: 1, layers: 0..model.num_layers() };
+    let whole = StageSpec::whole(model.num_layers());
     model.stage_activation_bytes(&whole, batch, seq)
 }
 /// Fraction of the machine's memory a step may use: 3/4 (the rest for the system and the corpus).

@@ -21,7 +21,14 @@
 //! the fast links to serve. Changing the order means changing [`Mesh::rank_of`] and
 //! [`Mesh::coords`] only.
 //!
-//! Expert parallelism (ep) will add one more axis; [`MeshAxis`] is non-exhaustive for it.
+//! # Expert parallelism
+//!
+//! Expert parallelism (ep, [`Mesh::with_ep`]) splits each data-parallel group into blocks of ep
+//! consecutive replicas, as DeepSeek-V3 and Megatron-LM's expert-data-parallel layout do: the
+//! replicas of one block share a layer's routed experts (replica `d` holds block `d mod ep` of
+//! them) and exchange tokens by all-to-all (group `ep`); the replicas holding the same experts
+//! (`d ≡ d' mod ep`, dp / ep of them) reduce those experts' gradients (group `edp`). With
+//! pp = 2, dp = 4, ep = 2: rank 0 (dp 0) has ep group `[0, 2]` and edp group `[0, 4]`.
 //!
 //! # Graph groups
 //!
@@ -47,6 +54,14 @@ pub enum MeshError {
     TooLarge {
         /// Pipeline degree.
         pp: usize,
+        /// Data-parallel degree.
+        dp: usize,
+    },
+    /// An expert-parallel degree that does not divide dp.
+    #[error("expert-parallel degree ep = {ep} must divide the data-parallel degree dp = {dp} (ep groups are made of data-parallel replicas)")]
+    EpNotDividing {
+        /// Expert-parallel degree.
+        ep: usize,
         /// Data-parallel degree.
         dp: usize,
     },
@@ -79,7 +94,7 @@ pub enum MeshError {
         degree: usize,
     },
     /// A graph group name the mesh does not know.
-    #[error("graph group `{name}` is not a mesh group (pp, dp, fsdp, world)")]
+    #[error("graph group `{name}` is not a mesh group (pp, dp, fsdp, ep, edp, world)")]
     UnknownGroup {
         /// The graph group's name.
         name: String,
@@ -133,11 +148,13 @@ pub struct Coords {
     pub pp: usize,
 }
 
-/// pp pipeline ranks × dp replicas; world size = pp · dp. See the module doc for the rank order.
+/// pp pipeline ranks × dp replicas; world size = pp · dp; the replicas form expert-parallel
+/// groups of ep. See the module doc for the rank order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Mesh {
     pp: usize,
     dp: usize,
+    ep: usize,
 }
 
 impl Mesh {
@@ -152,7 +169,55 @@ impl Mesh {
             }
         }
         pp.checked_mul(dp).ok_or(MeshError::TooLarge { pp, dp })?;
-        Ok(Mesh { pp, dp })
+        Ok(Mesh { pp, dp, ep: 1 })
+    }
+
+    /// This mesh with expert-parallel degree `ep` (see the module doc).
+    ///
+    /// # Errors
+    /// [`MeshError::EpNotDividing`] when ep is 0 or does not divide dp.
+    pub fn with_ep(self, ep: usize) -> Result<Mesh, MeshError> {
+        if ep == 0 || !self.dp.is_multiple_of(ep) {
+            return Err(MeshError::EpNotDividing { ep, dp: self.dp });
+        }
+        Ok(Mesh { ep, ..self })
+    }
+
+    /// Expert-parallel degree (1: none).
+    pub fn ep(&self) -> usize {
+        self.ep
+    }
+
+    /// `rank`'s position in its expert-parallel group (`dp index mod ep`): which block of the
+    /// routed experts it holds.
+    ///
+    /// # Errors
+    /// [`MeshError::RankOutOfRange`].
+    pub fn ep_index(&self, rank: usize) -> Result<usize, MeshError> {
+        Ok(self.coords(rank)?.dp % self.ep)
+    }
+
+    /// The replicas `rank` exchanges tokens with (`ep[…]`: its block of ep consecutive dp
+    /// indices, same pp index), in dp order.
+    ///
+    /// # Errors
+    /// [`MeshError::RankOutOfRange`].
+    pub fn expert_parallel_group(&self, rank: usize) -> Result<Group, MeshError> {
+        let c = self.coords(rank)?;
+        let first = c.dp - c.dp % self.ep;
+        let ranks = (first..first + self.ep).map(|d| d * self.pp + c.pp).collect();
+        Ok(Group::checked_by_caller("ep", ranks))
+    }
+
+    /// The replicas holding the same routed experts as `rank` (`edp[…]`: dp indices ≡ its own
+    /// mod ep, same pp index): its experts' gradients are reduced over them.
+    ///
+    /// # Errors
+    /// [`MeshError::RankOutOfRange`].
+    pub fn expert_data_parallel_group(&self, rank: usize) -> Result<Group, MeshError> {
+        let c = self.coords(rank)?;
+        let ranks = (c.dp % self.ep..self.dp).step_by(self.ep).map(|d| d * self.pp + c.pp).collect();
+        Ok(Group::checked_by_caller("edp", ranks))
     }
 
     /// The mesh of `pp` × `dp` for a run of `world` ranks (e.g. `mpirun -n world`).
@@ -253,6 +318,8 @@ impl Mesh {
         let ranks = match group.name.as_str() {
             "pp" => self.pipeline_group(rank)?.ranks().to_vec(),
             "dp" | "fsdp" => self.data_parallel_group(rank)?.ranks().to_vec(),
+            "ep" => self.expert_parallel_group(rank)?.ranks().to_vec(),
+            "edp" => self.expert_data_parallel_group(rank)?.ranks().to_vec(),
             "world" => {
                 self.coords(rank)?;
                 (0..self.world()).collect()
@@ -323,7 +390,7 @@ mod tests {
         assert_eq!(ranks(m.resolve(&cg("fsdp", 3), 4)), ("fsdp".into(), vec![0, 2, 4]));
         assert_eq!(ranks(m.resolve(&cg("pp", 2), 3)), ("pp".into(), vec![2, 3]));
         assert_eq!(ranks(m.resolve(&cg("world", 6), 0)).1, vec![0, 1, 2, 3, 4, 5]);
-        assert_eq!(m.resolve(&cg("ep", 2), 0), Err(MeshError::UnknownGroup { name: "ep".into() }));
+        assert_eq!(m.resolve(&cg("tp", 2), 0), Err(MeshError::UnknownGroup { name: "tp".into() }));
         assert_eq!(m.resolve(&cg("world", 6), 6), Err(MeshError::RankOutOfRange { rank: 6, world: 6 }));
         let e = m.resolve(&cg("dp", 2), 1).unwrap_err();
         assert_eq!(
@@ -339,6 +406,28 @@ mod tests {
             e.to_string(),
             "graph group `dp` has size 2 but the mesh's dp group of rank 1 is dp[1,3,5]"
         );
+    }
+
+    /// pp = 2, dp = 4, ep = 2: ep groups are pairs of consecutive replicas, edp groups the
+    /// replicas two apart.
+    #[test]
+    fn expert_groups_split_the_replicas() {
+        let m = Mesh::new(2, 4).unwrap().with_ep(2).unwrap();
+        let cg = |name: &str, size| CommGroup { name: name.into(), size };
+        // Rank 5 = dp 2, pp 1.
+        assert_eq!(ranks(m.expert_parallel_group(5)), ("ep".into(), vec![5, 7]));
+        assert_eq!(ranks(m.expert_data_parallel_group(5)), ("edp".into(), vec![1, 5]));
+        assert_eq!(ranks(m.resolve(&cg("ep", 2), 0)).1, vec![0, 2]);
+        assert_eq!(ranks(m.resolve(&cg("edp", 2), 6)).1, vec![2, 6]);
+        assert_eq!((m.ep_index(5).unwrap(), m.ep_index(7).unwrap(), m.ep_index(1).unwrap()), (0, 1, 1));
+        // ep = dp: one expert-parallel group per stage, no expert replicas.
+        let m = Mesh::new(2, 2).unwrap().with_ep(2).unwrap();
+        assert_eq!(ranks(m.expert_parallel_group(3)).1, vec![1, 3]);
+        assert_eq!(ranks(m.expert_data_parallel_group(3)).1, vec![3]);
+        assert_eq!(Mesh::new(2, 4).unwrap().with_ep(3), Err(MeshError::EpNotDividing { ep: 3, dp: 4 }));
+        assert_eq!(Mesh::new(2, 4).unwrap().with_ep(0), Err(MeshError::EpNotDividing { ep: 0, dp: 4 }));
+        // Without ep, every replica holds every expert: ep groups of one.
+        assert_eq!(ranks(Mesh::new(2, 2).unwrap().expert_parallel_group(2)).1, vec![2]);
     }
 
     #[test]

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use graphpp_models::StageOptions;
+use graphpp_models::{ExpertShard, StageOptions, StageSpec};
 use graphpp_schedule::{generate, lower, Interval, LowerOptions, Schedule};
 
 use crate::mesh::Coords;
@@ -57,10 +57,34 @@ pub fn train_schedule(setup: &TrainSetup) -> Result<Schedule, TrainError> {
     if setup.dp == 0 || !setup.batch.is_multiple_of(setup.dp) {
         return Err(TrainError::BatchNotDivisible { batch: setup.batch, dp: setup.dp });
     }
+    check_ep(setup)?;
     let local = setup.batch / setup.dp;
     crate::memory::check_step(&*setup.model, setup.kind, &setup.shape, local, setup.seq, false)?;
     let schedule = generate(setup.kind, &setup.shape, &setup.options).map_err(VerifyError::from)?;
     Ok(lower(&schedule, &lower_options(setup)).map_err(VerifyError::from)?)
+}
+
+/// Checks the expert-parallel degree: a MoE model whose routed experts it divides, a divisor
+/// of dp, and no FSDP with it.
+///
+/// # Errors
+/// [`TrainError::ExpertParallel`].
+pub fn check_ep(setup: &TrainSetup) -> Result<(), TrainError> {
+    let ep = setup.ep;
+    let bad = |reason: String| Err(TrainError::ExpertParallel { ep, reason });
+    if ep == 0 || !setup.dp.is_multiple_of(ep) {
+        return bad(format!(
+            "the expert-parallel degree must divide the data-parallel degree dp = {} (ep groups are made of replicas)",
+            setup.dp
+        ));
+    }
+    if let Err(e) = setup.model.check_ep(ep) {
+        return bad(e.to_string());
+    }
+    if ep > 1 && setup.fsdp {
+        return bad("expert parallelism with FSDP is not implemented (drop --fsdp or --ep)".into());
+    }
+    Ok(())
 }
 
 /// The lowering a run needs: REDUCE_GRAD with data parallelism; UNSHARD / RESHARD too with
@@ -189,8 +213,12 @@ pub struct RankTrainer {
     copies: Vec<Copies>,
     /// Every distinct parameter name of the model, sorted.
     all_names: Vec<String>,
-    /// For each of `all_names`, whether this rank is its lowest holder (adds it to the norm).
+    /// For each of `all_names`, whether this rank is its lowest pipeline holder (adds it to the
+    /// norm when its replica is the parameter's lead replica).
     counts_here: Vec<bool>,
+    /// For each of `all_names`, the lowest replica holding it: 0, or a routed expert's block
+    /// under expert parallelism.
+    lead_replica: Vec<usize>,
 }
 
 impl std::fmt::Debug for RankTrainer {
@@ -245,7 +273,17 @@ impl RankTrainer {
         }
         let me =
             pipeline.index_of(rank).ok_or_else(|| mismatch(format!("rank {rank} outside {pipeline}")))?;
-        let specs = stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
+        if mesh.ep() != setup.ep {
+            return Err(mismatch(format!("mesh ep {} for a run of ep {}", mesh.ep(), setup.ep)));
+        }
+        let ep_index = mesh.ep_index(rank).map_err(|e| mismatch(e.to_string()))?;
+        let shard = |index| ExpertShard { index, size: setup.ep };
+        let all_specs =
+            stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
+        let with_ep = |index| -> Vec<StageSpec> {
+            all_specs.iter().map(|s| StageSpec { ep: shard(index), ..s.clone() }).collect()
+        };
+        let specs = with_ep(ep_index);
         let opts = StageOptions {
             recompute: setup.recompute,
             ..StageOptions::mixed(setup.batch / setup.dp, setup.seq, setup.dtype)
@@ -254,48 +292,76 @@ impl RankTrainer {
         let build =
             StageBuild { model: &*setup.model, specs: &specs, opts: &opts, seed: setup.seed, given: None };
         let mut work = build.rank(&schedule, empty, me)?;
+        if setup.ep > 1 {
+            let timeout = setup.timeout;
+            work.set_graph_comm(crate::stage::StageComm { comm: Arc::clone(&comm), mesh, timeout });
+        }
+        let mine: BTreeSet<String> =
+            work.stages().values().flat_map(|s| s.parameter_names().iter().cloned()).collect();
         if setup.dp > 1 {
-            let dp = DataParallel::new(Arc::clone(&comm), data_parallel.clone(), setup.fsdp, setup.timeout)?;
+            let mut dp =
+                DataParallel::new(Arc::clone(&comm), data_parallel.clone(), setup.fsdp, setup.timeout)?;
+            if setup.ep > 1 {
+                let experts = mine.iter().filter(|n| setup.model.expert_of(n).is_some()).cloned().collect();
+                let group = mesh.expert_data_parallel_group(rank).map_err(|e| mismatch(e.to_string()))?;
+                dp.set_expert_parallel(group, experts)?;
+            }
             work.set_data_parallel(dp)?;
         }
-        // Holders (schedule ranks) of every parameter name, and of every MoE balancing bias.
+        // Holders (schedule ranks) of every parameter name — over every expert block, with the
+        // lowest replica holding each — and of every MoE balancing bias.
         let mut holders: BTreeMap<String, BTreeSet<usize>> = BTreeMap::new();
+        let mut lead: BTreeMap<String, usize> = BTreeMap::new();
         let mut bias_holders: BTreeMap<String, usize> = BTreeMap::new();
-        for (stage, ranks) in schedule.placement() {
-            let spec =
-                specs.get(stage).ok_or_else(|| mismatch(format!("stage {stage}: no model stage for it")))?;
-            for bias in spec.layers.clone().filter_map(|l| setup.model.balance_bias(l)) {
-                let first = ranks.iter().copied().min().unwrap_or_default();
-                let e = bias_holders.entry(bias).or_insert(first);
-                *e = (*e).min(first);
-            }
-            let names: BTreeSet<String> =
-                setup.model.stage_parameters(spec).into_iter().map(|(n, _)| n).collect();
-            if let Some(st) = work.stages().get(&stage) {
-                let held: BTreeSet<String> = st.parameter_names().iter().cloned().collect();
-                if held != names {
-                    return Err(mismatch(format!("stage {stage}: parameters differ from the model's stage")));
+        for index in 0..setup.ep {
+            let specs = with_ep(index);
+            for (stage, ranks) in schedule.placement() {
+                let spec = specs
+                    .get(stage)
+                    .ok_or_else(|| mismatch(format!("stage {stage}: no model stage for it")))?;
+                for bias in spec.layers.clone().filter_map(|l| setup.model.balance_bias(l)) {
+                    let first = ranks.iter().copied().min().unwrap_or_default();
+                    let e = bias_holders.entry(bias).or_insert(first);
+                    *e = (*e).min(first);
                 }
-            }
-            for n in names {
-                holders.entry(n).or_default().extend(ranks.iter().copied());
+                let names: BTreeSet<String> =
+                    setup.model.stage_parameters(spec).into_iter().map(|(n, _)| n).collect();
+                if index == ep_index {
+                    if let Some(st) = work.stages().get(&stage) {
+                        let held: BTreeSet<String> = st.parameter_names().iter().cloned().collect();
+                        if held != names {
+                            return Err(mismatch(format!(
+                                "stage {stage}: parameters differ from the model's stage"
+                            )));
+                        }
+                    }
+                }
+                for n in names {
+                    lead.entry(n.clone()).or_insert(index);
+                    holders.entry(n).or_default().extend(ranks.iter().copied());
+                }
             }
         }
         let mut copies = Vec::new();
         let mut all_names = Vec::with_capacity(holders.len());
         let mut counts_here = Vec::with_capacity(holders.len());
+        let mut lead_replica = Vec::with_capacity(holders.len());
         let mut owned: BTreeMap<usize, Vec<String>> = BTreeMap::new();
         for (name, hs) in holders {
+            let replica = lead[&name];
             if let Some(&first) = hs.first() {
-                let owner = mesh.rank_of(Coords { pp: first, dp: 0 }).map_err(|e| mismatch(e.to_string()))?;
+                let owner =
+                    mesh.rank_of(Coords { pp: first, dp: replica }).map_err(|e| mismatch(e.to_string()))?;
                 owned.entry(owner).or_default().push(name.clone());
             }
-            if hs.len() > 1 && hs.contains(&me) {
+            let held = hs.contains(&me) && (setup.model.expert_of(&name).is_none() || mine.contains(&name));
+            if hs.len() > 1 && held {
                 let ranks = hs.iter().map(|&r| pipeline.ranks()[r]).collect();
                 copies
                     .push(Copies { group: Group::new(format!("copies.{name}"), ranks)?, name: name.clone() });
             }
-            counts_here.push(hs.first() == Some(&me));
+            counts_here.push(hs.first() == Some(&me) && held);
+            lead_replica.push(replica);
             all_names.push(name);
         }
         let mut bias_owned: BTreeMap<usize, Vec<String>> = BTreeMap::new();
@@ -320,6 +386,7 @@ impl RankTrainer {
             copies,
             all_names,
             counts_here,
+            lead_replica,
         })
     }
 
@@ -727,13 +794,14 @@ impl RankTrainer {
     }
 
     /// Starts the world-wide sum of the squared gradient norms: one entry per distinct parameter,
-    /// from its lowest holder in replica 0 — or, with FSDP, in every replica (each adds its
-    /// shard). Data parallelism: REDUCE_GRAD already averaged the gradients over the replicas.
+    /// from its lowest holder in its lead replica (0, or a routed expert's block) — or, with
+    /// FSDP, in every replica (each adds its shard). Data parallelism: REDUCE_GRAD already
+    /// averaged the gradients over the replicas.
     fn start_norm(&self, work: &GraphStages, grads: &Env) -> Result<Pending<Tensor>, TrainError> {
         let sharded = work.data_parallel().is_some_and(|d| d.fsdp());
         let mut sq = vec![0.0f64; self.all_names.len()];
         for (i, name) in self.all_names.iter().enumerate() {
-            if self.counts_here[i] && (self.replica == 0 || sharded) {
+            if self.counts_here[i] && (self.replica == self.lead_replica[i] || sharded) {
                 let g = grads.get(name).ok_or_else(|| mismatch(format!("no gradient of {name}")))?;
                 sq[i] = local_sq_norm(&HashMap::from([(name.clone(), g.clone())]))?;
             }

@@ -2,7 +2,9 @@
 //! [`Op::Bincount`], [`Op::SegmentMatmul`], [`Op::SegmentOuter`]): the routed rows of a layer are
 //! laid out as one contiguous segment per expert, and each segment is multiplied by its expert's
 //! matrix. Sizes are data-dependent only inside the kernels; every tensor the graph sees has a
-//! static shape (R = tokens × experts per token rows in all).
+//! static shape (R = tokens × experts per token rows in all). Under expert parallelism the rows a
+//! rank receives come as one run of segments per source rank (counts `[G, E]`) followed by
+//! zero padding up to the static row count.
 //!
 //! [`Op::SortByExpert`]: graphpp_graph::Op::SortByExpert
 //! [`Op::Bincount`]: graphpp_graph::Op::Bincount
@@ -47,24 +49,31 @@ pub fn sort_by_expert(ids: &Tensor, experts: usize) -> Result<Tensor> {
     Tensor::from_vec(out, v.len(), &Device::Cpu)
 }
 
-/// The segment lengths; errors unless they add up to `rows`.
-fn segments(counts: &Tensor, rows: usize) -> Result<Vec<usize>> {
-    let c: Vec<usize> = counts.to_vec1::<u32>()?.into_iter().map(|n| n as usize).collect();
-    let total: usize = c.iter().sum();
-    if total != rows {
+/// The segments of `counts` (`[E]`, or `[G, E]`: G groups of E segments, row-major) as
+/// `(expert, rows)` in row order; segment `(g, e)` belongs to expert `e`. Errors: counts of
+/// another rank, or adding up to more than `rows`.
+fn segments(counts: &Tensor, rows: usize) -> Result<Vec<(usize, usize)>> {
+    let experts = match counts.dims() {
+        [e] | [_, e] => *e,
+        other => return Err(candle_core::Error::Msg(format!("expert counts of shape {other:?}"))),
+    };
+    let c: Vec<u32> = counts.flatten_all()?.to_vec1::<u32>()?;
+    let total: usize = c.iter().map(|&n| n as usize).sum();
+    if total > rows {
         return Err(candle_core::Error::Msg(format!("expert segments hold {total} rows, the input {rows}")));
     }
-    Ok(c)
+    Ok(c.into_iter().enumerate().map(|(i, n)| (i % experts.max(1), n as usize)).collect())
 }
 
-/// Per-segment `x_e · w[e]ᵀ` (`w [E, N, K]`, `transpose`) or `x_e · w[e]` (`w [E, K, N]`) for
-/// `x [R, K]`: `[R, N]`. Errors: counts not adding up to R, candle shape errors.
+/// Per-segment `x_s · w[e]ᵀ` (`w [E, N, K]`, `transpose`) or `x_s · w[e]` (`w [E, K, N]`) for
+/// `x [R, K]`, where segment `s` belongs to expert `e` ([`segments`]): `[R, N]`; rows after the
+/// last segment (padding) are zero. Errors: counts adding up to more than R, candle shape errors.
 pub fn segment_matmul(x: &Tensor, w: &Tensor, counts: &Tensor, transpose: bool) -> Result<Tensor> {
     let rows = x.dim(0)?;
     let n = if transpose { w.dim(1)? } else { w.dim(2)? };
     let mut parts = Vec::new();
     let mut off = 0;
-    for (e, len) in segments(counts, rows)?.into_iter().enumerate() {
+    for (e, len) in segments(counts, rows)? {
         if len == 0 {
             continue;
         }
@@ -73,28 +82,39 @@ pub fn segment_matmul(x: &Tensor, w: &Tensor, counts: &Tensor, transpose: bool) 
         parts.push(x.narrow(0, off, len)?.contiguous()?.matmul(&we.contiguous()?)?);
         off += len;
     }
+    if off < rows {
+        parts.push(Tensor::zeros((rows - off, n), x.dtype(), &Device::Cpu)?);
+    }
     if parts.is_empty() {
         return Tensor::zeros((0, n), x.dtype(), &Device::Cpu);
     }
     Tensor::cat(&parts, 0)
 }
 
-/// Per-segment `a_eᵀ · b_e` for `a [R, N]`, `b [R, K]`: `[E, N, K]` (zero for an empty segment).
-/// Errors: counts not adding up to R, candle shape errors.
+/// Per-expert `Σ_s a_sᵀ · b_s` over the segments `s` of expert `e` ([`segments`]) for
+/// `a [R, N]`, `b [R, K]`: `[E, N, K]` (zero for an expert without rows; padding rows after the
+/// last segment are ignored). Errors: counts adding up to more than R, candle shape errors.
 pub fn segment_outer(a: &Tensor, b: &Tensor, counts: &Tensor) -> Result<Tensor> {
     let (n, k) = (a.dim(1)?, b.dim(1)?);
-    let mut parts = Vec::new();
+    let experts = counts.dims().last().copied().unwrap_or(0);
+    let mut acc: Vec<Option<Tensor>> = vec![None; experts];
     let mut off = 0;
-    for len in segments(counts, a.dim(0)?)? {
-        let part = if len == 0 {
-            Tensor::zeros((n, k), a.dtype(), &Device::Cpu)?
-        } else {
-            let at = a.narrow(0, off, len)?.t()?.contiguous()?;
-            at.matmul(&b.narrow(0, off, len)?.contiguous()?)?
-        };
-        parts.push(part.unsqueeze(0)?);
+    for (e, len) in segments(counts, a.dim(0)?)? {
+        if len == 0 {
+            continue;
+        }
+        let at = a.narrow(0, off, len)?.t()?.contiguous()?;
+        let part = at.matmul(&b.narrow(0, off, len)?.contiguous()?)?;
+        acc[e] = Some(match acc[e].take() {
+            None => part,
+            Some(prev) => (prev + part)?,
+        });
         off += len;
     }
+    let parts = acc
+        .into_iter()
+        .map(|p| p.map_or_else(|| Tensor::zeros((n, k), a.dtype(), &Device::Cpu), Ok)?.unsqueeze(0))
+        .collect::<Result<Vec<_>>>()?;
     Tensor::cat(&parts, 0)
 }
 
@@ -127,7 +147,27 @@ mod tests {
         assert_eq!(o.get(1).unwrap().to_vec2::<f32>().unwrap(), vec![vec![25., 30.], vec![30., 36.]]);
         assert_eq!(o.get(2).unwrap().to_vec2::<f32>().unwrap(), vec![vec![0., 0.], vec![0., 0.]]);
         assert_eq!(o.get(0).unwrap().to_vec2::<f32>().unwrap(), vec![vec![10., 14.], vec![14., 20.]]);
-        let e = segment_matmul(&x, &w, &u32s(&[1, 1, 0]), true).unwrap_err().to_string();
-        assert!(e.contains("segments hold 2 rows, the input 3"), "{e}");
+        let e = segment_matmul(&x, &w, &u32s(&[2, 2, 0]), true).unwrap_err().to_string();
+        assert!(e.contains("segments hold 4 rows, the input 3"), "{e}");
+    }
+
+    /// Counts `[G, E]` (what expert parallelism receives: per source rank, per local expert):
+    /// segment (g, e) uses expert e; rows after the segments are padding.
+    #[test]
+    fn grouped_segments_share_experts_and_skip_padding() {
+        let x = Tensor::new(&[[1f32, 2.], [3., 4.], [5., 6.], [7., 8.]], &Device::Cpu).unwrap();
+        let eye = Tensor::eye(2, candle_core::DType::F32, &Device::Cpu).unwrap();
+        let w = Tensor::stack(&[eye.clone(), (eye * 2.0).unwrap()], 0).unwrap();
+        // Group 0: row 0 → expert 0, row 1 → expert 1; group 1: row 2 → expert 1; row 3 padding.
+        let counts = Tensor::from_slice(&[1u32, 1, 0, 1], (2, 2), &Device::Cpu).unwrap();
+        let y = segment_matmul(&x, &w, &counts, true).unwrap();
+        assert_eq!(
+            y.to_vec2::<f32>().unwrap(),
+            vec![vec![1., 2.], vec![6., 8.], vec![10., 12.], vec![0., 0.]]
+        );
+        // Expert 1's outer product sums rows 1 and 2; expert 0's is row 0's alone.
+        let o = segment_outer(&x, &x, &counts).unwrap();
+        assert_eq!(o.get(0).unwrap().to_vec2::<f32>().unwrap(), vec![vec![1., 2.], vec![2., 4.]]);
+        assert_eq!(o.get(1).unwrap().to_vec2::<f32>().unwrap(), vec![vec![34., 42.], vec![42., 52.]]);
     }
 }

@@ -23,7 +23,7 @@ use graphpp_graph::{Graph, GraphError, InputKind, StageGraphs};
 use graphpp_schedule::Task;
 
 use crate::data_parallel::{DataParallel, DataParallelError};
-use crate::executor::{run_named, to_f64, ExecError, RunOptions};
+use crate::executor::{run_named_with, to_f64, ExecError, GraphComm, RunOptions};
 use crate::pipeline::{StageWork, WorkError};
 use graphpp_schedule::StageOpKind;
 
@@ -262,19 +262,36 @@ pub struct GraphStages {
     peak_activation_bytes: usize,
     /// Data parallelism / FSDP of this rank, if any.
     dp: Option<DataParallel>,
+    /// Where the stage graphs' own collectives run (expert parallelism's all-to-alls), if any.
+    graph_comm: Option<StageComm>,
+}
+
+/// What a rank's stage graphs need to run their collectives ([`crate::executor::GraphComm`]).
+#[derive(Clone)]
+pub struct StageComm {
+    /// This rank's communicator.
+    pub comm: Arc<dyn crate::comm::Comm>,
+    /// The mesh the graph groups resolve through.
+    pub mesh: crate::mesh::Mesh,
+    /// Bound on each collective's wait.
+    pub timeout: std::time::Duration,
+}
+
+impl std::fmt::Debug for StageComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StageComm").field("rank", &self.comm.rank()).field("mesh", &self.mesh).finish()
+    }
 }
 
 fn grad_of(name: &str) -> String {
     format!("grad.{name}")
 }
 
-/// Runs `g`; returns its outputs by name and its peak live bytes.
-fn run_graph(g: &Graph, env: &Env, t: Task) -> Result<(Env, usize), StageError> {
-    let r = run_named(g, env, &RunOptions::default()).map_err(|source| StageError::Exec {
-        stage: t.stage,
-        mb: t.mb,
-        source,
-    })?;
+/// Runs `g` (its collectives over `comm`); returns its outputs by name and its peak live bytes.
+fn run_graph(g: &Graph, env: &Env, t: Task, comm: Option<&StageComm>) -> Result<(Env, usize), StageError> {
+    let gc = comm.map(|c| GraphComm { comm: &*c.comm, mesh: &c.mesh, timeout: c.timeout });
+    let r = run_named_with(g, env, &RunOptions::default(), gc.as_ref())
+        .map_err(|source| StageError::Exec { stage: t.stage, mb: t.mb, source })?;
     Ok((g.output_names().into_iter().zip(r.outputs).collect(), r.peak_live_bytes))
 }
 
@@ -300,7 +317,13 @@ impl GraphStages {
             overlap: HashMap::new(),
             peak_activation_bytes: 0,
             dp: None,
+            graph_comm: None,
         }
+    }
+
+    /// Runs the stage graphs' collectives (expert parallelism's token all-to-alls) over `comm`.
+    pub fn set_graph_comm(&mut self, comm: StageComm) {
+        self.graph_comm = Some(comm);
     }
 
     /// Makes this rank a member of a data-parallel group: the schedule's REDUCE_GRAD (and, with
@@ -309,6 +332,7 @@ impl GraphStages {
     ///
     /// # Errors
     /// [`StageError::DataParallel`] when a parameter cannot be sharded.
+
     pub fn set_data_parallel(&mut self, mut dp: DataParallel) -> Result<(), StageError> {
         if dp.fsdp() {
             for st in self.stages.values_mut() {
@@ -404,7 +428,7 @@ impl GraphStages {
 
     /// Runs `g` for `t` and records the rank's activation peak during it.
     fn run_graph(&mut self, g: &Graph, env: &Env, t: Task) -> Result<Env, StageError> {
-        let (outs, graph_peak) = run_graph(g, env, t)?;
+        let (outs, graph_peak) = run_graph(g, env, t, self.graph_comm.as_ref())?;
         let cached = env_bytes(self.saved.values().chain(self.stash.values()).flat_map(|e| e.values()));
         self.peak_activation_bytes = self.peak_activation_bytes.max(cached + graph_peak);
         Ok(outs)

@@ -77,6 +77,15 @@ pub enum TrainError {
         /// Data-parallel replicas.
         dp: usize,
     },
+    /// Expert parallelism that this run cannot have: a degree that does not divide dp or the
+    /// routed experts, a dense model, or FSDP with it.
+    #[error("--ep {ep}: {reason}")]
+    ExpertParallel {
+        /// The expert-parallel degree asked for.
+        ep: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// A previous step failed; its stages were lost with the failing ranks.
     #[error("the trainer's stages were lost in an earlier failed step; start a new run")]
     Poisoned,
@@ -103,6 +112,10 @@ pub struct TrainSetup {
     /// FSDP (ZeRO-3) over the data-parallel replicas: parameters, gradients and AdamW state
     /// sharded ([`crate::data_parallel`]); with dp = 1 the same as without.
     pub fsdp: bool,
+    /// Expert-parallel degree (1: none): each MoE layer's routed experts are split over groups
+    /// of `ep` data-parallel replicas, which exchange tokens by all-to-all ([`crate::mesh`]);
+    /// must divide dp and the routed experts.
+    pub ep: usize,
     /// Optimizer post-validation (`--post-validate`, [`RankTrainer`]): step at once, validate
     /// the global norm after, roll back when clipping or a non-finite gradient says so.
     pub post_validate: bool,
@@ -207,7 +220,9 @@ impl Trainer {
     pub fn new(setup: TrainSetup) -> Result<Self, TrainError> {
         let schedule = Arc::new(train_schedule(&setup)?);
         let p = schedule.num_ranks();
-        let mesh = Mesh::new(p, setup.dp).map_err(|e| VerifyError::Mismatch(e.to_string()))?;
+        let mesh = Mesh::new(p, setup.dp)
+            .and_then(|m| m.with_ep(setup.ep))
+            .map_err(|e| VerifyError::Mismatch(e.to_string()))?;
         let ranks = ThreadComm::world(mesh.world())
             .into_iter()
             .map(|c| RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, Arc::new(c)))
@@ -222,8 +237,9 @@ impl Trainer {
     pub fn on_comm(setup: TrainSetup, comm: Arc<dyn Comm>) -> Result<Self, TrainError> {
         let schedule = Arc::new(train_schedule(&setup)?);
         let p = schedule.num_ranks();
-        let mesh =
-            Mesh::for_world(comm.world(), p, setup.dp).map_err(|e| VerifyError::Mismatch(e.to_string()))?;
+        let mesh = Mesh::for_world(comm.world(), p, setup.dp)
+            .and_then(|m| m.with_ep(setup.ep))
+            .map_err(|e| VerifyError::Mismatch(e.to_string()))?;
         let rank = RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, comm)?;
         Ok(Trainer {
             setup,

@@ -148,6 +148,8 @@ pub struct VerifySetup {
     pub dp: usize,
     /// FSDP over the replicas.
     pub fsdp: bool,
+    /// Expert-parallel degree over the replicas (1: none; see [`crate::TrainSetup::ep`]).
+    pub ep: usize,
 }
 
 impl VerifySetup {
@@ -168,6 +170,7 @@ impl VerifySetup {
             reference_dtype: DType::F32,
             dp: 1,
             fsdp: false,
+            ep: 1,
         }
     }
 }
@@ -331,7 +334,9 @@ pub fn compare(a: &StepResult, b: &StepResult) -> Result<VerifyReport, VerifyErr
         gradients: b.grads.len(),
     };
     for (name, gb) in &b.grads {
-        let ga = &a.grads[name];
+        let ga = a.grads.get(name).ok_or_else(|| {
+            VerifyError::Mismatch(format!("{name}: the pipelined step returned no such gradient"))
+        })?;
         if ga.dims() != gb.dims() {
             return Err(VerifyError::Mismatch(format!("{name}: shape {:?} vs {:?}", ga.dims(), gb.dims())));
         }
@@ -369,6 +374,7 @@ pub fn data_parallel_step(
         batch: setup.batch,
         dp: setup.dp,
         fsdp: setup.fsdp,
+        ep: setup.ep,
         post_validate: false,
         seq: setup.seq,
         seed: setup.seed,
@@ -404,7 +410,7 @@ pub fn data_parallel_step(
 /// too large ([`check_step`]), else those of the two steps.
 pub fn verify_step(setup: &VerifySetup) -> Result<VerifyReport, VerifyError> {
     check_step(&*setup.model, setup.kind, &setup.shape, setup.batch / setup.dp.max(1), setup.seq, true)?;
-    let a = if setup.dp > 1 || setup.fsdp {
+    let a = if setup.dp > 1 || setup.fsdp || setup.ep > 1 {
         data_parallel_step(setup, None)?.ok_or_else(|| VerifyError::Mismatch("no leader".into()))?
     } else {
         pipelined_step(setup)?

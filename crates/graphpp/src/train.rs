@@ -110,6 +110,10 @@ pub struct RunConfig {
     /// resume.
     #[serde(default)]
     pub fsdp: bool,
+    /// Expert-parallel degree over the replicas (`--ep`; 1: none); a layout setting, free to
+    /// change on resume (a checkpoint holds every expert).
+    #[serde(default = "one")]
+    pub ep: usize,
     /// Optimizer post-validation (`--post-validate`); bitwise the synchronous step, free to
     /// change on resume.
     #[serde(default)]
@@ -238,7 +242,7 @@ impl RunConfig {
     }
 
     /// What must match for a resumed run to continue the same loss sequence: everything but the
-    /// pipeline layout (kind, ranks, v, layer split, dp replicas), the recompute policy, the emulated link, the display name, the
+    /// pipeline layout (kind, ranks, v, layer split, dp replicas, ep), the recompute policy, the emulated link, the display name, the
     /// `--init-from` folder (the checkpoint's parameters replace the initial ones; the model must
     /// match) and the run's length (`--steps` may grow to extend a finished run: the
     /// learning-rate schedule is then the new one from the resumed step on).
@@ -250,6 +254,7 @@ impl RunConfig {
             stages_per_rank: 0,
             dp: 0,
             fsdp: false,
+            ep: 0,
             post_validate: false,
             layers_per_stage: None,
             steps: 0,
@@ -553,6 +558,7 @@ fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         batch: c.microbatch_size,
         dp: c.dp,
         fsdp: c.fsdp,
+        ep: c.ep,
         post_validate: c.post_validate,
         seq: c.seq_len,
         seed: c.seed,

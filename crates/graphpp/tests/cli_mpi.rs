@@ -286,6 +286,30 @@ fn verify_as_four_processes_with_data_parallelism_and_fsdp() {
     }
 }
 
+/// `mpirun -n 4 graphpp verify --model moe-tiny --ep 2` (pp = 2, dp = ep = 2) under 1f1b, zbv
+/// and dualpipev: the experts' tokens cross processes by all-to-all; the leader's gradients
+/// equal one device's.
+#[test]
+fn verify_expert_parallel_as_four_processes() {
+    for kind in ["1f1b", "zbv", "dualpipev"] {
+        let (ok, o, e) = run({
+            let mut c = mpirun(4);
+            c.args(["verify", "--schedule", kind, "--ranks", "2", "--microbatches", "4"]).args([
+                "--microbatch-size",
+                "2",
+                "--ep",
+                "2",
+                "--model",
+                "moe-tiny",
+            ]);
+            c
+        });
+        assert!(ok, "{kind}:\n{o}\n{e}");
+        assert_eq!(o.matches("PASS").count(), 1, "{kind}: printed once:\n{o}");
+        assert!(o.contains("dp=2 ep=2") && o.contains("4 processes"), "{o}");
+    }
+}
+
 /// A rank that fails on its own — the same command line, but rank 1's working folder has no
 /// corpus at the relative `--data` path, as on a misconfigured host: it reports its error naming
 /// itself; rank 0, already waiting in step 1, stops within seconds with an error naming rank 1;

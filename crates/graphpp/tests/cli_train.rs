@@ -41,6 +41,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         microbatch_size: 2,
         dp: 1,
         fsdp: false,
+        ep: 1,
         post_validate: false,
         seq_len: 16,
         layers_per_stage: None,

@@ -114,6 +114,52 @@ fn data_parallel_and_fsdp_steps_match_one_device() {
     assert!(e.contains("--dp 2 does not divide --microbatch-size 3"), "{e}");
 }
 
+/// `--ep 2` (pp = 2, so 4 ranks: --dp defaults to --ep) under 1f1b, zbv and dualpipev equals
+/// one device; an expert-parallel degree the run cannot have is refused naming --ep.
+#[test]
+fn expert_parallel_steps_match_one_device() {
+    for kind in ["1f1b", "zbv", "dualpipev"] {
+        let out = verify(&[
+            "--model",
+            "moe-tiny",
+            "--schedule",
+            kind,
+            "--ranks",
+            "2",
+            "--microbatches",
+            "4",
+            "--microbatch-size",
+            "2",
+            "--ep",
+            "2",
+        ]);
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(out.status.success(), "{kind}: {text}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(text.contains("dp=2 ep=2"), "{text}");
+        assert!(number(&text, "gradients:", "max relative difference") <= 1e-5, "{text}");
+    }
+    for (args, want) in [
+        (
+            &["--model", "moe-tiny", "--ep", "3", "--dp", "3", "--microbatch-size", "3"][..],
+            "--ep 3: 8 routed experts do not split evenly",
+        ),
+        (
+            &["--model", "moe-tiny", "--ep", "4", "--dp", "2", "--microbatch-size", "2"][..],
+            "--ep 4: the expert-parallel degree must divide",
+        ),
+        (
+            &["--model", "tiny", "--ep", "2", "--microbatch-size", "2"][..],
+            "--ep 2: expert parallelism needs a mixture-of-experts model",
+        ),
+    ] {
+        let out =
+            verify(&[&["--schedule", "1f1b", "--ranks", "2", "--microbatches", "2"][..], args].concat());
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
 /// The MoE model under every kind of schedule the issue names equals one device; a MoE config
 /// with a missing or impossible field is refused naming it, before any step.
 #[test]

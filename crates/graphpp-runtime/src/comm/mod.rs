@@ -190,7 +190,7 @@ impl From<CollectiveKind> for CollectiveOp {
             CollectiveKind::AllGather => CollectiveOp::AllGather,
             CollectiveKind::ReduceScatter => CollectiveOp::ReduceScatter,
             CollectiveKind::AllReduce => CollectiveOp::AllReduce,
-            CollectiveKind::AllToAll => CollectiveOp::AllToAll,
+            CollectiveKind::AllToAll | CollectiveKind::AllToAllV { .. } => CollectiveOp::AllToAll,
         }
     }
 }

@@ -67,6 +67,7 @@ pub fn tiny_setup(kind: graphpp_schedule::Kind, p: usize, v: usize, m: usize) ->
         batch: 1,
         dp: 1,
         fsdp: false,
+        ep: 1,
         post_validate: false,
         seq: 8,
         seed: 3,

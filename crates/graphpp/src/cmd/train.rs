@@ -68,9 +68,14 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     microbatch_size: usize,
     /// Data-parallel replicas of the pipeline (world = ranks × dp threads, or processes under
-    /// mpirun); must divide B.
+    /// mpirun); must divide B. Default: the --ep degree (1 without it).
+    #[arg(long, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
+    dp: Option<usize>,
+    /// Expert parallelism: each MoE layer's routed experts split over groups of this many
+    /// data-parallel replicas, which exchange tokens by all-to-all (dispatch and combine);
+    /// must divide --dp and the routed experts.
     #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
-    dp: usize,
+    ep: usize,
     /// FSDP (ZeRO-3) over the --dp replicas: parameters, gradients and AdamW state sharded,
     /// all-gathered before a stage computes (UNSHARD) and reduce-scattered after its last
     /// backward (REDUCE_GRAD). With --dp 1 the same as without.
@@ -180,6 +185,11 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// Data-parallel replicas: `--dp`, else the `--ep` degree.
+    fn dp(&self) -> usize {
+        self.dp.unwrap_or(self.ep)
+    }
+
     /// The run's settings. `resumed` is the checkpoint's run when resuming: a flag left at its
     /// default whose default depends on --steps (--warmup) takes the checkpoint's value, so
     /// extending a run with a larger --steps keeps its warm-up.
@@ -210,8 +220,9 @@ impl TrainArgs {
             stages_per_rank: self.stages_per_rank.unwrap_or_else(|| self.schedule.default_stages_per_rank()),
             microbatches: self.microbatches,
             microbatch_size: self.microbatch_size,
-            dp: self.dp,
+            dp: self.dp(),
             fsdp: self.fsdp,
+            ep: self.ep,
             post_validate: self.post_validate,
             seq_len: self.seq_len,
             layers_per_stage: self.layers_per_stage.clone(),
@@ -256,9 +267,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
 
 /// The run itself (see [`run`]).
 fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
-    launch.check_world(a.ranks, a.dp)?;
+    launch.check_world(a.ranks, a.dp())?;
     let stop = StopRequest::install().context("installing the SIGINT/SIGTERM handlers")?;
-    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { a.ranks * a.dp };
+    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { a.ranks * a.dp() };
     let threads = crate::cmd::set_op_threads(local_ranks, a.threads_per_rank.map(|n| n as usize));
     // `_lock` holds the checkpoint folder for the whole run.
     let (mut run, mut metrics, _lock) = start(a, launch)?;
@@ -329,7 +340,7 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
                 String::new()
             }
         );
-        if a.dp > 1 {
+        if a.dp() > 1 {
             exposed.sort_by(f64::total_cmp);
             out!(
                 "data-parallel gradient reduction: {:.1}% of the step spent waiting for it after the pipeline (median over steps; the rest ran behind compute)",
@@ -639,6 +650,9 @@ fn layout(c: &graphpp::train::RunConfig, processes: usize) -> String {
     let mut parts = Vec::new();
     if c.dp > 1 {
         parts.push(format!("dp={}{}", c.dp, if c.fsdp { " fsdp" } else { "" }));
+    }
+    if c.ep > 1 {
+        parts.push(format!("ep={}", c.ep));
     }
     if c.post_validate {
         parts.push("post-validate".to_string());

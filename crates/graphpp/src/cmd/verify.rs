@@ -54,9 +54,15 @@ pub struct VerifyArgs {
     /// B: sequences per microbatch (split over the --dp replicas).
     #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = count::<usize>)]
     microbatch_size: usize,
-    /// Data-parallel replicas of the pipeline (world = ranks × dp); must divide B.
+    /// Data-parallel replicas of the pipeline (world = ranks × dp); must divide B. Default: the
+    /// --ep degree (1 without it).
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    dp: Option<usize>,
+    /// Expert parallelism: each MoE layer's routed experts split over groups of this many
+    /// data-parallel replicas (token dispatch and combine by all-to-all); must divide --dp and
+    /// the routed experts.
     #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = count::<usize>)]
-    dp: usize,
+    ep: usize,
     /// FSDP (ZeRO-3) over the --dp replicas (the gradients are then reduce-scattered shards,
     /// gathered for the comparison).
     #[arg(long)]
@@ -100,16 +106,17 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     if let Some(t) = a.tolerance {
         check_tolerance(t)?;
     }
-    if a.dp == 0 || !a.microbatch_size.is_multiple_of(a.dp) {
+    let dp = a.dp.unwrap_or(a.ep);
+    if dp == 0 || !a.microbatch_size.is_multiple_of(dp) {
         bail!(
-            "--dp {} does not divide --microbatch-size {}: each replica runs B/dp sequences",
-            a.dp,
-            a.microbatch_size
+            "--dp {dp} does not divide --microbatch-size {}: each replica runs B/dp sequences{}",
+            a.microbatch_size,
+            if a.dp.is_none() { " (--dp defaults to --ep)" } else { "" }
         );
     }
-    launch.check_world(a.ranks, a.dp)?;
+    launch.check_world(a.ranks, dp)?;
     launch.agree("the command line", graphpp::launch::command_fingerprint(""))?;
-    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { a.ranks * a.dp };
+    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { a.ranks * dp };
     crate::cmd::set_op_threads(local_ranks, None);
     let (mut model, weights, name) = match &a.init_from {
         Some(dir) => {
@@ -134,12 +141,13 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     setup.weights = weights;
     setup.dtype = a.dtype;
     setup.reference_dtype = a.reference_dtype;
-    setup.dp = a.dp;
+    setup.dp = dp;
     setup.fsdp = a.fsdp;
+    setup.ep = a.ep;
     let tolerance = a.tolerance.unwrap_or_else(|| default_tolerance(a.dtype, a.reference_dtype));
     let t0 = Instant::now();
     let r = if launch.world() > 1 {
-        let local = a.microbatch_size / a.dp;
+        let local = a.microbatch_size / dp;
         graphpp_runtime::check_step(&*setup.model, a.schedule, &shape, local, a.seq_len, true)?;
         // Every process runs its rank; the leader gets the gradients and compares.
         let Some(pipelined) = data_parallel_step(&setup, launch.comm())? else { return Ok(()) };
@@ -147,11 +155,12 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     } else {
         verify_step(&setup)?
     };
-    let layout = match (a.dp, a.fsdp, launch.world()) {
+    let layout = match (dp, a.fsdp, launch.world()) {
         (1, _, 1) => String::new(),
         (dp, fsdp, w) => format!(
-            " dp={dp}{}{}",
+            " dp={dp}{}{}{}",
             if fsdp { " fsdp" } else { "" },
+            if a.ep > 1 { format!(" ep={}", a.ep) } else { String::new() },
             if w > 1 { format!(", {w} processes") } else { String::new() }
         ),
     };
