@@ -80,17 +80,13 @@ pub trait Model: std::fmt::Debug + Send + Sync {
         None
     }
 
-    /// Checks that the model can run with expert-parallel degree `ep` (its routed experts split
-    /// evenly; a model without experts takes only 1).
+    /// Checks that the model's routed experts split evenly over expert-parallel degree `ep`
+    /// (a model without routed experts accepts any: it has nothing to split).
     ///
     /// # Errors
-    /// [`ModelError::Field`] (MoE: `n_routed_experts` not divisible by `ep`);
-    /// [`ModelError::Unsupported`] (a dense model with `ep > 1`).
+    /// [`ModelError::Field`] naming `n_routed_experts`.
     fn check_ep(&self, ep: usize) -> Result<(), ModelError> {
-        if ep != 1 {
-            let reason = "expert parallelism needs a mixture-of-experts model (e.g. --model moe-tiny)";
-            return Err(ModelError::Unsupported { field: "ep", value: ep.to_string(), reason });
-        }
+        let _ = ep;
         Ok(())
     }
 
@@ -292,5 +288,14 @@ impl Model for ModelConfig {
     }
     fn balance_bias(&self, layer: usize) -> Option<String> {
         self.as_model().balance_bias(layer)
+    }
+    fn check_ep(&self, ep: usize) -> Result<(), ModelError> {
+        self.as_model().check_ep(ep)
+    }
+    fn expert_of(&self, name: &str) -> Option<usize> {
+        self.as_model().expert_of(name)
+    }
+    fn routed_experts(&self) -> usize {
+        self.as_model().routed_experts()
     }
 }

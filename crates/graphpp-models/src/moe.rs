@@ -643,6 +643,38 @@ mod tests {
         }
     }
 
+    /// Expert parallelism: a stage of block i of 2 holds experts 4i..4i+4 of every MoE layer (and
+    /// all shared weights); its graph exchanges tokens in the `ep` group; the answers reach the
+    /// runtime through [`crate::ModelConfig`] too.
+    #[test]
+    fn expert_shards_hold_their_block() {
+        let m = MoeConfig::tiny();
+        let cfg = crate::ModelConfig::Moe(m.clone());
+        let whole = StageSpec::whole(4);
+        let all = m.stage_parameters(&whole).len();
+        for index in 0..2 {
+            let spec = StageSpec { ep: ExpertShard { index, size: 2 }, ..whole.clone() };
+            let names: Vec<String> =
+                Model::stage_parameters(&cfg, &spec).into_iter().map(|(n, _)| n).collect();
+            let experts: Vec<usize> = names.iter().filter_map(|n| Model::expert_of(&cfg, n)).collect();
+            assert!(experts.iter().all(|e| (4 * index..4 * index + 4).contains(e)), "{experts:?}");
+            // Half of the 3 layers × 8 experts × 3 matrices are gone.
+            assert_eq!(names.len(), all - 3 * 4 * 3);
+            let g = Model::build_stage(&cfg, &spec, &StageOptions::new(2, 8)).unwrap();
+            let ep_ops = g
+                .nodes
+                .iter()
+                .filter(|n| matches!(&n.op, graphpp_graph::Op::CollectiveStart { group, .. } if group.name == EP_GROUP))
+                .count();
+            // Per MoE layer: the counts exchange, the dispatch and the combine.
+            assert_eq!(ep_ops, 3 * 3);
+        }
+        assert_eq!(Model::expert_of(&cfg, "model.layers.2.mlp.experts.7.up_proj.weight"), Some(7));
+        assert_eq!(Model::expert_of(&cfg, "model.layers.2.mlp.shared_experts.up_proj.weight"), None);
+        assert_eq!(Model::routed_experts(&cfg), 8);
+        assert!(Model::check_ep(&cfg, 3).is_err() && Model::check_ep(&cfg, 4).is_ok());
+    }
+
     /// Saved bytes from the graph against the estimate; FLOPs: a third is the forward graph's.
     #[test]
     fn estimates_follow_the_graphs() {

@@ -78,6 +78,9 @@ pub fn check_ep(setup: &TrainSetup) -> Result<(), TrainError> {
             setup.dp
         ));
     }
+    if ep > 1 && setup.model.routed_experts() == 0 {
+        return bad("expert parallelism needs a mixture-of-experts model (e.g. --model moe-tiny)".into());
+    }
     if let Err(e) = setup.model.check_ep(ep) {
         return bad(e.to_string());
     }
