@@ -419,7 +419,7 @@ mod tests {
         assert_eq!(ranks(m.expert_data_parallel_group(5)), ("edp".into(), vec![1, 5]));
         assert_eq!(ranks(m.resolve(&cg("ep", 2), 0)).1, vec![0, 2]);
         assert_eq!(ranks(m.resolve(&cg("edp", 2), 6)).1, vec![2, 6]);
-        assert_eq!((m.ep_index(5).unwrap(), m.ep_index(7).unwrap(), m.ep_index(1).unwrap()), (0, 1, 1));
+        assert_eq!((m.ep_index(5).unwrap(), m.ep_index(7).unwrap(), m.ep_index(3).unwrap()), (0, 1, 1));
         // ep = dp: one expert-parallel group per stage, no expert replicas.
         let m = Mesh::new(2, 2).unwrap().with_ep(2).unwrap();
         assert_eq!(ranks(m.expert_parallel_group(3)).1, vec![1, 3]);

@@ -215,13 +215,13 @@ fn a_size_one_group_needs_no_communication_and_keeps_the_bits() {
 #[test]
 fn graph_collective_errors_are_typed() {
     // A group the mesh does not resolve.
-    let ep = CommGroup { name: "ep".into(), size: 2 };
+    let ep = CommGroup { name: "tp".into(), size: 2 };
     let g = one_collective(CollectiveKind::AllReduce, &ep, 0, &[2]);
     let out = on_threads(&g, Mesh::new(1, 2).unwrap(), |_| vec![1.0, 2.0], &[2]);
     for o in out {
         match o {
             Err(ExecError::Collective { source, .. }) => match *source {
-                CollectiveError::Group(MeshError::UnknownGroup { name }) => assert_eq!(name, "ep"),
+                CollectiveError::Group(MeshError::UnknownGroup { name }) => assert_eq!(name, "tp"),
                 other => panic!("expected an unknown-group error, got {other:?}"),
             },
             other => panic!("expected an unknown-group error, got {other:?}"),
@@ -252,4 +252,64 @@ fn graph_collective_errors_are_typed() {
         }
         other => panic!("expected an abort naming rank 1, got {other:?}"),
     }
+}
+
+/// `all_to_all_v` over two ranks: rank r's rows go out in pieces of its send counts; each rank
+/// gets its pieces in group order, then zero rows up to the static row count. A receive count
+/// that differs from what the peer sends is a typed error on that rank.
+#[test]
+fn all_to_all_v_delivers_variable_pieces_padded() {
+    let mesh = Mesh::new(1, 2).unwrap().with_ep(2).unwrap();
+    let ep = CommGroup { name: "ep".into(), size: 2 };
+    // Rank 0 sends [1 row → 0, 2 rows → 1] of its 3; rank 1 sends [0 → 0, 1 → 1] (its third row
+    // is padding, not sent).
+    let sends = [[1u32, 2], [0, 1]];
+    let run_rank = |recvs: [[u32; 2]; 2]| {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = ThreadComm::world(2)
+                .into_iter()
+                .map(|comm| {
+                    let mesh = &mesh;
+                    let ep = ep.clone();
+                    s.spawn(move || {
+                        let r = comm.rank();
+                        let mut b = GraphBuilder::new("a2av", DType::F32);
+                        let x = b.input("x", InputKind::Activation, vec![3, 2]).unwrap();
+                        let ty = TensorType::new(DType::U32, vec![2]);
+                        let send = b.input_typed("send", InputKind::Activation, ty.clone()).unwrap();
+                        let recv = b.input_typed("recv", InputKind::Activation, ty).unwrap();
+                        let y = b.all_to_all_v(&ep, x, send, recv, 4).unwrap();
+                        b.output("y", y);
+                        let g = b.finish().unwrap();
+                        let x = tensor_from_f64(
+                            &(0..6).map(|i| (10 * r + i) as f64).collect::<Vec<_>>(),
+                            &[3, 2],
+                            DType::F32,
+                        )
+                        .unwrap();
+                        let counts =
+                            |c: [u32; 2]| candle_core::Tensor::new(&c, &candle_core::Device::Cpu).unwrap();
+                        let gc = GraphComm { comm: &comm, mesh, timeout: Duration::from_secs(20) };
+                        let out = run_with(
+                            &g,
+                            &[x, counts(sends[r]), counts(recvs[r])],
+                            &RunOptions::default(),
+                            &gc,
+                        )?;
+                        Ok::<_, ExecError>(to_f64(&out.outputs[0]).unwrap())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        })
+    };
+    let out = run_rank([[1, 0], [2, 1]]);
+    // Rank 0: its own row 0, nothing from rank 1, then 3 zero rows.
+    assert_eq!(out[0].as_ref().unwrap(), &vec![0., 1., 0., 0., 0., 0., 0., 0.]);
+    // Rank 1: rank 0's rows 1–2, its own row 0, then one zero row.
+    assert_eq!(out[1].as_ref().unwrap(), &vec![2., 3., 4., 5., 10., 11., 0., 0.]);
+    let out = run_rank([[1, 0], [1, 1]]);
+    assert!(out[0].is_ok());
+    let e = out[1].as_ref().unwrap_err().to_string();
+    assert!(e.contains("received [2, 1] rows per member, the graph expected [1, 1]"), "{e}");
 }
