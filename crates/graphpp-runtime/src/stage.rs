@@ -332,7 +332,6 @@ impl GraphStages {
     ///
     /// # Errors
     /// [`StageError::DataParallel`] when a parameter cannot be sharded.
-
     pub fn set_data_parallel(&mut self, mut dp: DataParallel) -> Result<(), StageError> {
         if dp.fsdp() {
             for st in self.stages.values_mut() {
