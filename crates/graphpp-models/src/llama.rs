@@ -110,11 +110,6 @@ impl ExpertShard {
         let per = experts / self.size.max(1);
         self.index * per..(self.index + 1) * per
     }
-
-    /// The expert-parallel index holding expert `expert` of `experts`.
-    pub fn owner(expert: usize, experts: usize, size: usize) -> usize {
-        expert / (experts / size.max(1)).max(1)
-    }
 }
 
 impl StageSpec {

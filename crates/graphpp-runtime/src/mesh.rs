@@ -34,7 +34,8 @@
 //!
 //! A graph's collectives name a [`CommGroup`] (name + size); [`Mesh::resolve`] maps it, for one
 //! rank, to the world ranks it runs over: `pp` → the rank's pipeline, `dp` and `fsdp` → its
-//! data-parallel group (FSDP shards over the replicas), `world` → every rank.
+//! data-parallel group (FSDP shards over the replicas), `ep` and `edp` → its expert-parallel
+//! and expert-data-parallel groups, `world` → every rank.
 
 use graphpp_graph::CommGroup;
 

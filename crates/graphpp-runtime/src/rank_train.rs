@@ -202,8 +202,9 @@ pub struct RankTrainer {
     /// This rank's replica (`0..dp`).
     replica: usize,
     mesh: Mesh,
-    /// For every world rank of replica 0, the parameters it is the lowest holder of (it sends
-    /// them and their optimizer moments to the leader), names sorted.
+    /// For every world rank, the parameters it owns — it is their lowest holder in their lead
+    /// replica (0, or a routed expert's block) — and sends with their optimizer moments to the
+    /// leader, names sorted.
     owned: BTreeMap<usize, Vec<String>>,
     /// World rank → the MoE balancing biases (buffers) it sends in [`RankTrainer::gather_state`]
     /// with the optimizer state: each bias's lowest holder in replica 0.
@@ -876,7 +877,8 @@ impl RankTrainer {
 
     /// Every distinct parameter of the model and the MoE routing biases (and, with `optimizer`,
     /// the AdamW moments and `adam.step`), gathered to the leader: every rank of the world calls it at the same point;
-    /// each parameter's owner (its lowest holder in replica 0) sends its tensors to world rank
+    /// each parameter's owner (its lowest holder in its lead replica: 0, or a routed expert's
+    /// block) sends its tensors to world rank
     /// 0, which returns them all; the others return `None`.
     ///
     /// # Errors

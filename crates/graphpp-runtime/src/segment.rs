@@ -51,7 +51,7 @@ pub fn sort_by_expert(ids: &Tensor, experts: usize) -> Result<Tensor> {
 
 /// The segments of `counts` (`[E]`, or `[G, E]`: G groups of E segments, row-major) as
 /// `(expert, rows)` in row order; segment `(g, e)` belongs to expert `e`. Errors: counts of
-/// another rank, or adding up to more than `rows`.
+/// another rank; `[E]` counts not adding up to `rows`, `[G, E]` ones adding up to more.
 fn segments(counts: &Tensor, rows: usize) -> Result<Vec<(usize, usize)>> {
     let experts = match counts.dims() {
         [e] | [_, e] => *e,
@@ -59,7 +59,8 @@ fn segments(counts: &Tensor, rows: usize) -> Result<Vec<(usize, usize)>> {
     };
     let c: Vec<u32> = counts.flatten_all()?.to_vec1::<u32>()?;
     let total: usize = c.iter().map(|&n| n as usize).sum();
-    if total > rows {
+    // Padding comes only with the rows received from G ranks (counts [G, E]).
+    if total > rows || (counts.rank() == 1 && total != rows) {
         return Err(candle_core::Error::Msg(format!("expert segments hold {total} rows, the input {rows}")));
     }
     Ok(c.into_iter().enumerate().map(|(i, n)| (i % experts.max(1), n as usize)).collect())
@@ -105,15 +106,21 @@ pub fn segment_outer(a: &Tensor, b: &Tensor, counts: &Tensor) -> Result<Tensor> 
         }
         let at = a.narrow(0, off, len)?.t()?.contiguous()?;
         let part = at.matmul(&b.narrow(0, off, len)?.contiguous()?)?;
+        // Several segments of one expert (one per source rank) add up in f32, rounded once.
         acc[e] = Some(match acc[e].take() {
             None => part,
-            Some(prev) => (prev + part)?,
+            Some(prev) => {
+                (prev.to_dtype(candle_core::DType::F32)? + part.to_dtype(candle_core::DType::F32)?)?
+            }
         });
         off += len;
     }
     let parts = acc
         .into_iter()
-        .map(|p| p.map_or_else(|| Tensor::zeros((n, k), a.dtype(), &Device::Cpu), Ok)?.unsqueeze(0))
+        .map(|p| {
+            p.map_or_else(|| Tensor::zeros((n, k), a.dtype(), &Device::Cpu), |t| t.to_dtype(a.dtype()))?
+                .unsqueeze(0)
+        })
         .collect::<Result<Vec<_>>>()?;
     Tensor::cat(&parts, 0)
 }

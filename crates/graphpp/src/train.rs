@@ -180,6 +180,7 @@ impl RunConfig {
             ("--microbatches", self.microbatches),
             ("--microbatch-size", self.microbatch_size),
             ("--seq-len", self.seq_len),
+            ("--ep", self.ep),
             ("--dp", self.dp),
         ];
         if let Some((flag, _)) = positive.iter().find(|(_, v)| *v == 0) {
@@ -214,6 +215,7 @@ impl RunConfig {
                 ByteTokenizer::VOCAB
             )));
         }
+        graphpp_runtime::rank_train::check_ep(&train_setup(self)?)?;
         let shape = Shape::new(self.ranks, self.stages_per_rank, self.microbatches);
         graphpp_runtime::check_step(
             &self.model,
