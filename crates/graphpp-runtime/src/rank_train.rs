@@ -358,7 +358,7 @@ impl RankTrainer {
                     mesh.rank_of(Coords { pp: first, dp: replica }).map_err(|e| mismatch(e.to_string()))?;
                 owned.entry(owner).or_default().push(name.clone());
             }
-            let held = hs.contains(&me) && (setup.model.expert_of(&name).is_none() || mine.contains(&name));
+            let held = mine.contains(&name);
             if hs.len() > 1 && held {
                 let ranks = hs.iter().map(|&r| pipeline.ranks()[r]).collect();
                 copies

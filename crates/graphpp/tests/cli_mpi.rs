@@ -254,59 +254,32 @@ fn pids_of_rank(parent: u32) -> Vec<(u32, usize)> {
 }
 
 /// `mpirun -n 4 graphpp verify --dp 2` (and `--fsdp`) for every kind the issue names at pp = 2,
-/// and the MoE model under 1f1b, zbv and dualpipev:
-/// four processes, the leader compares the reduced gradients with one device (≤ 1e-5) and
-/// prints once.
+/// and the MoE model under 1f1b, zbv and dualpipev, also with `--ep 2` (dp = ep = 2: the
+/// experts' tokens cross processes by all-to-all): four processes, the leader compares the
+/// reduced gradients with one device (≤ 1e-5) and prints once.
 #[test]
-fn verify_as_four_processes_with_data_parallelism_and_fsdp() {
+fn verify_as_four_processes_with_data_parallelism_fsdp_and_ep() {
     let kinds = ["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev", "zb-h1"].map(|k| (k, "tiny"));
     // The MoE model too: its expert loads ride in the loss all-reduce across the processes.
     let moe = [("1f1b", "moe-tiny"), ("zbv", "moe-tiny"), ("dualpipev", "moe-tiny")];
     for (kind, model) in kinds.into_iter().chain(moe) {
-        for fsdp in [false, true] {
+        let mut layouts: Vec<(&[&str], &str)> =
+            vec![(&["--dp", "2"], "dp=2,"), (&["--dp", "2", "--fsdp"], "dp=2 fsdp,")];
+        if model == "moe-tiny" {
+            layouts.push((&["--ep", "2"], "dp=2 ep=2,"));
+        }
+        for (layout, says) in layouts {
             let (ok, o, e) = run({
                 let mut c = mpirun(4);
-                c.args(["verify", "--schedule", kind, "--ranks", "2", "--microbatches", "4"]).args([
-                    "--microbatch-size",
-                    "2",
-                    "--dp",
-                    "2",
-                    "--model",
-                    model,
-                ]);
-                if fsdp {
-                    c.arg("--fsdp");
-                }
+                c.args(["verify", "--schedule", kind, "--ranks", "2", "--microbatches", "4"])
+                    .args(["--microbatch-size", "2", "--model", model])
+                    .args(layout);
                 c
             });
-            assert!(ok, "{kind} fsdp={fsdp}:\n{o}\n{e}");
+            assert!(ok, "{kind} {layout:?}:\n{o}\n{e}");
             assert_eq!(o.matches("PASS").count(), 1, "{kind}: printed once:\n{o}");
-            assert!(o.contains("dp=2") && o.contains("4 processes"), "{o}");
+            assert!(o.contains(says) && o.contains("4 processes"), "{o}");
         }
-    }
-}
-
-/// `mpirun -n 4 graphpp verify --model moe-tiny --ep 2` (pp = 2, dp = ep = 2) under 1f1b, zbv
-/// and dualpipev: the experts' tokens cross processes by all-to-all; the leader's gradients
-/// equal one device's.
-#[test]
-fn verify_expert_parallel_as_four_processes() {
-    for kind in ["1f1b", "zbv", "dualpipev"] {
-        let (ok, o, e) = run({
-            let mut c = mpirun(4);
-            c.args(["verify", "--schedule", kind, "--ranks", "2", "--microbatches", "4"]).args([
-                "--microbatch-size",
-                "2",
-                "--ep",
-                "2",
-                "--model",
-                "moe-tiny",
-            ]);
-            c
-        });
-        assert!(ok, "{kind}:\n{o}\n{e}");
-        assert_eq!(o.matches("PASS").count(), 1, "{kind}: printed once:\n{o}");
-        assert!(o.contains("dp=2 ep=2") && o.contains("4 processes"), "{o}");
     }
 }
 
