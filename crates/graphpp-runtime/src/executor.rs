@@ -118,11 +118,51 @@ enum Handle {
     },
 }
 
-/// A started collective: its handle, the start node and the axis to swap back to.
+/// A started collective: its handle, the start node, the axis to swap back to and when it was
+/// started.
 struct InFlight {
     handle: Handle,
     node: usize,
     axis: usize,
+    started: Instant,
+}
+
+/// One collective over more than one rank as it ran (see [`RunReport::collectives`]):
+/// `start ≤ wait ≤ end`. From `start` to `wait` the rank ran other nodes (compute, or waits on
+/// other collectives) while the transfer progressed; from `wait` to `end` it was blocked on the
+/// data.
+#[derive(Clone, Debug)]
+pub struct CollectiveSpan {
+    /// Node id of the collective's start.
+    pub node: usize,
+    /// When the start was called.
+    pub start: Instant,
+    /// When the first node reading the result (normally the wait) asked for it.
+    pub wait: Instant,
+    /// When the result was there.
+    pub end: Instant,
+}
+
+impl CollectiveSpan {
+    /// A label for traces: the start node's region, kind and phase, e.g.
+    /// `ep.dispatch all_to_all_v (forward)`.
+    pub fn label(&self, graph: &Graph) -> String {
+        let node = &graph.nodes[self.node];
+        let kind = match &node.op {
+            Op::CollectiveStart { kind, .. } => kind.name(),
+            _ => "collective",
+        };
+        let region = match &node.meta.region {
+            graphpp_graph::Region::Comm(name) => name.as_str(),
+            graphpp_graph::Region::Compute => "compute",
+        };
+        let phase = match node.meta.phase {
+            graphpp_graph::Phase::Forward => "forward",
+            graphpp_graph::Phase::Backward => "backward",
+            graphpp_graph::Phase::Recompute => "recompute",
+        };
+        format!("{region} {kind} ({phase})")
+    }
 }
 
 /// A node's value: a tensor, or a collective still in flight.
@@ -184,7 +224,7 @@ fn start(
             Handle::AllToAllV { pending: c.comm.all_to_all(&g, &x, &send)?, expected, rows }
         }
     };
-    Ok(Value::InFlight(InFlight { handle, node, axis }))
+    Ok(Value::InFlight(InFlight { handle, node, axis, started: Instant::now() }))
 }
 
 fn axis_err(e: candle_core::Error) -> CollectiveError {
@@ -272,6 +312,8 @@ pub struct RunReport {
     pub node_times: Option<Vec<Duration>>,
     /// Values live at the peak, when asked for.
     pub live_at_peak: Option<Vec<ValueId>>,
+    /// Every collective over more than one rank, in completion order.
+    pub collectives: Vec<CollectiveSpan>,
 }
 
 impl RunReport {
@@ -375,6 +417,7 @@ fn exec(
     let mut times = opts.time_nodes.then(|| vec![Duration::ZERO; n]);
     let mut next_input = 0;
     let mut at_peak = Vec::new();
+    let mut spans = Vec::new();
     for (i, node) in graph.nodes.iter().enumerate() {
         let t0 = Instant::now();
         let value = if let Op::Input { name, kind, ty } = &node.op {
@@ -396,9 +439,7 @@ fn exec(
             for x in &node.inputs {
                 if let Some(Value::InFlight(_)) = vals[x.0] {
                     let Some(Value::InFlight(f)) = vals[x.0].take() else { unreachable!("matched above") };
-                    let start = f.node;
-                    let timeout = comm.map_or(Duration::ZERO, |c| c.timeout);
-                    let t = complete(f, timeout).map_err(|e| collective_error(graph, start, e))?;
+                    let t = finish(graph, f, comm, &mut spans)?;
                     vals[x.0] = Some(Value::Ready(t));
                 }
             }
@@ -448,18 +489,28 @@ fn exec(
         let t = match vals[o.value.0].take() {
             Some(Value::Ready(t)) => t,
             // An output read straight from a start: complete it here.
-            Some(Value::InFlight(f)) => {
-                let start = f.node;
-                let timeout = comm.map_or(Duration::ZERO, |c| c.timeout);
-                complete(f, timeout).map_err(|e| collective_error(graph, start, e))?
-            }
+            Some(Value::InFlight(f)) => finish(graph, f, comm, &mut spans)?,
             None => unreachable!("outputs are kept"),
         };
         vals[o.value.0] = Some(Value::Ready(t.clone()));
         outputs.push(t);
     }
     let live_at_peak = opts.trace_peak.then_some(at_peak);
-    Ok(RunReport { outputs, peak_live_bytes: peak, node_times: times, live_at_peak })
+    Ok(RunReport { outputs, peak_live_bytes: peak, node_times: times, live_at_peak, collectives: spans })
+}
+
+/// Completes `f` (waiting at most the communicator's timeout) and records its span.
+fn finish(
+    graph: &Graph,
+    f: InFlight,
+    comm: Option<&GraphComm>,
+    spans: &mut Vec<CollectiveSpan>,
+) -> ExecResult<Tensor> {
+    let (node, start, wait) = (f.node, f.started, Instant::now());
+    let timeout = comm.map_or(Duration::ZERO, |c| c.timeout);
+    let t = complete(f, timeout).map_err(|e| collective_error(graph, node, e))?;
+    spans.push(CollectiveSpan { node, start, wait, end: Instant::now() });
+    Ok(t)
 }
 
 /// Values computed only from parameters and buffers (no constants, no collectives).

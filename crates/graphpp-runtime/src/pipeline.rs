@@ -24,9 +24,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use graphpp_schedule::{Action, CommKind, ComputeKind, Interval, Schedule, StageOpKind, Task, Timeline};
+use graphpp_schedule::{
+    Action, CommKind, CommSpan, ComputeKind, Interval, Schedule, StageOpKind, Task, Timeline,
+};
 
 use crate::comm::{Comm, CommError, Group, Tag, TagKind, ThreadComm};
+use crate::executor::CollectiveSpan;
 use crate::mesh::Mesh;
 
 /// The error type stage computations return.
@@ -79,6 +82,11 @@ pub trait StageWork: Send {
     /// UNSHARD / RESHARD / REDUCE_GRAD of a stage; by default nothing (no FSDP).
     fn stage_op(&mut self, _kind: StageOpKind, _stage: usize) -> Result<(), WorkError> {
         Ok(())
+    }
+    /// The in-graph collectives the actions since the last call started, each with its trace
+    /// label ([`CollectiveSpan::label`]); by default none.
+    fn take_collectives(&mut self) -> Vec<(String, CollectiveSpan)> {
+        Vec::new()
     }
 }
 
@@ -167,6 +175,8 @@ pub struct RankOutcome<W> {
     pub work: W,
     /// One interval per action of its program, in program order.
     pub intervals: Vec<Interval>,
+    /// The in-graph collectives its actions ran ([`StageWork::take_collectives`]), same clock.
+    pub comm: Vec<CommSpan>,
 }
 
 /// How [`run_rank`] runs.
@@ -379,6 +389,7 @@ impl<W: StageWork> RankRunner<'_, W> {
     fn run(mut self, program: &[Action], t0: Instant) -> Result<RankOutcome<W>, PipelineError> {
         let me = self.comm.rank();
         let mut intervals = Vec::with_capacity(program.len());
+        let mut comm = Vec::new();
         for (step, a) in program.iter().enumerate() {
             let start = t0.elapsed().as_secs_f64();
             let res = catch_unwind(AssertUnwindSafe(|| self.run_action(a)));
@@ -402,8 +413,17 @@ impl<W: StageWork> RankRunner<'_, W> {
                 return Err(err);
             }
             intervals.push(Interval { rank: self.rank, start, end: t0.elapsed().as_secs_f64(), action: *a });
+            let secs = |t: Instant| t.saturating_duration_since(t0).as_secs_f64();
+            comm.extend(self.work.take_collectives().into_iter().map(|(label, c)| CommSpan {
+                rank: self.rank,
+                action: *a,
+                start: secs(c.start),
+                wait: secs(c.wait),
+                end: secs(c.end),
+                label,
+            }));
         }
-        Ok(RankOutcome { work: self.work, intervals })
+        Ok(RankOutcome { work: self.work, intervals, comm })
     }
 }
 
@@ -516,19 +536,20 @@ pub fn run_pipeline<W: StageWork>(
         handles.into_iter().map(|h| h.join().expect("run_rank catches its panics")).collect()
     });
     let mut workers = Vec::with_capacity(p);
-    let mut intervals = Vec::new();
+    let (mut intervals, mut comm) = (Vec::new(), Vec::new());
     let mut errors = Vec::new();
     for r in results {
         match r {
-            Ok(RankOutcome { work, intervals: iv }) => {
+            Ok(RankOutcome { work, intervals: iv, comm: c }) => {
                 workers.push(work);
                 intervals.extend(iv);
+                comm.extend(c);
             }
             Err(e) => errors.push(e),
         }
     }
     match first_failure(errors) {
         Some(e) => Err(e),
-        None => Ok((workers, Timeline { ranks: p, intervals, unit: "s".into() })),
+        None => Ok((workers, Timeline { ranks: p, intervals, comm, unit: "s".into() })),
     }
 }

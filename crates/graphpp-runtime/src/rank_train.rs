@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use graphpp_models::{ExpertShard, StageOptions, StageSpec};
-use graphpp_schedule::{generate, lower, Interval, LowerOptions, Schedule};
+use graphpp_schedule::{generate, lower, CommSpan, Interval, LowerOptions, Schedule};
 
 use crate::mesh::Coords;
 
@@ -118,6 +118,9 @@ pub struct RankStepReport {
     /// schedule rank): on the leader (world rank 0) those of every rank of replica 0, gathered;
     /// on any other rank its own.
     pub intervals: Vec<Interval>,
+    /// The in-graph collectives of those ranks' actions (expert parallelism's all-to-alls),
+    /// same clock and ranks as `intervals`.
+    pub comm: Vec<CommSpan>,
     /// Peak memory of every rank during the step, bytes, index = world rank (see
     /// [`crate::StepReport::peak_bytes`]); the same on every rank.
     pub peak_bytes: Vec<u64>,
@@ -162,6 +165,9 @@ enum Gathered {
     Intervals = 0,
     /// A parameter or optimizer-moment tensor, in the sender's [`RankTrainer::owned`] order.
     State = 1,
+    /// A step's in-graph collectives: `[k, 4]` f64 (program index of the action, start, wait,
+    /// end), then their labels as one u8 tensor, `\n`-separated (item 1).
+    Comm = 2,
 }
 
 /// What [`RankTrainer::send_to_leader`] gathers.
@@ -442,9 +448,12 @@ impl RankTrainer {
     pub fn step_at(&mut self, data: Arc<Microbatches>, start: Instant) -> Result<RankStepReport, TrainError> {
         let outcome = self.run_pipeline(data, start)?;
         let mut work = outcome.work;
-        let updated = self.update(&mut work).and_then(|u| Ok((u, self.gather_intervals(outcome.intervals)?)));
+        let updated = self.update(&mut work).and_then(|u| {
+            let intervals = self.gather_intervals(outcome.intervals)?;
+            Ok((u, intervals, self.gather_comm(outcome.comm)?))
+        });
         match updated {
-            Ok((u, intervals)) => {
+            Ok((u, intervals, comm)) => {
                 self.work = Some(work);
                 Ok(RankStepReport {
                     step: self.step,
@@ -452,6 +461,7 @@ impl RankTrainer {
                     grad_norm: u.norm,
                     lr: u.lr,
                     intervals,
+                    comm,
                     peak_bytes: u.peak,
                     resident_bytes: u.resident,
                     boundary_wait_s: u.waited.as_secs_f64(),
@@ -856,6 +866,67 @@ impl RankTrainer {
                 end: t[1],
                 action: *a,
             }));
+        }
+        Ok(all)
+    }
+
+    /// [`RankTrainer::gather_intervals`] for the in-graph collectives: the leader returns those
+    /// of every rank of replica 0.
+    fn gather_comm(&self, mine: Vec<CommSpan>) -> Result<Vec<CommSpan>, TrainError> {
+        let (rank, timeout) = (self.comm.rank(), self.setup.timeout);
+        let coords = self.mesh.coords(rank).map_err(|e| mismatch(e.to_string()))?;
+        if coords.dp != 0 {
+            return Ok(mine);
+        }
+        if rank != 0 {
+            let program = self.schedule.program(coords.pp);
+            let index = |c: &CommSpan| program.iter().position(|a| *a == c.action).unwrap_or(usize::MAX);
+            let times: Vec<f64> =
+                mine.iter().flat_map(|c| [index(c) as f64, c.start, c.wait, c.end]).collect();
+            let labels: Vec<u8> =
+                mine.iter().map(|c| c.label.as_str()).collect::<Vec<_>>().join("\n").into_bytes();
+            let n = labels.len();
+            self.comm.send(
+                0,
+                gather_tag(Gathered::Comm, 0),
+                Tensor::from_vec(times, (mine.len(), 4), &Device::Cpu)?,
+            )?;
+            self.comm.send(0, gather_tag(Gathered::Comm, 1), Tensor::from_vec(labels, n, &Device::Cpu)?)?;
+            return Ok(mine);
+        }
+        let mut all = mine;
+        for pp in 1..self.mesh.pp() {
+            let from = self.mesh.rank_of(Coords { pp, dp: 0 }).map_err(|e| mismatch(e.to_string()))?;
+            let times = self.comm.recv(from, gather_tag(Gathered::Comm, 0), timeout)?;
+            let labels = self.comm.recv(from, gather_tag(Gathered::Comm, 1), timeout)?.to_vec1::<u8>()?;
+            let labels =
+                String::from_utf8(labels).map_err(|e| mismatch(format!("rank {from}: comm labels: {e}")))?;
+            let times: Vec<Vec<f64>> = times.to_vec2()?;
+            let labels: Vec<&str> = if times.is_empty() { Vec::new() } else { labels.split('\n').collect() };
+            let program = self.schedule.program(pp);
+            if labels.len() != times.len() {
+                return Err(mismatch(format!(
+                    "rank {from} reported {} collectives and {} labels",
+                    times.len(),
+                    labels.len()
+                )));
+            }
+            for (t, label) in times.iter().zip(labels) {
+                let action = *program.get(t[0] as usize).ok_or_else(|| {
+                    mismatch(format!(
+                        "rank {from} reported a collective of action {}, not in its program",
+                        t[0]
+                    ))
+                })?;
+                all.push(CommSpan {
+                    rank: pp,
+                    action,
+                    start: t[1],
+                    wait: t[2],
+                    end: t[3],
+                    label: label.into(),
+                });
+            }
         }
         Ok(all)
     }

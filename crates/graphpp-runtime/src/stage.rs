@@ -23,7 +23,7 @@ use graphpp_graph::{Graph, GraphError, InputKind, StageGraphs};
 use graphpp_schedule::Task;
 
 use crate::data_parallel::{DataParallel, DataParallelError};
-use crate::executor::{run_named_with, to_f64, ExecError, GraphComm, RunOptions};
+use crate::executor::{run_named_with, to_f64, CollectiveSpan, ExecError, GraphComm, RunOptions, RunReport};
 use crate::pipeline::{StageWork, WorkError};
 use graphpp_schedule::StageOpKind;
 
@@ -264,6 +264,8 @@ pub struct GraphStages {
     dp: Option<DataParallel>,
     /// Where the stage graphs' own collectives run (expert parallelism's all-to-alls), if any.
     graph_comm: Option<StageComm>,
+    /// The stage graphs' collectives since [`StageWork::take_collectives`], labelled.
+    collectives: Vec<(String, CollectiveSpan)>,
 }
 
 /// What a rank's stage graphs need to run their collectives ([`crate::executor::GraphComm`]).
@@ -287,12 +289,19 @@ fn grad_of(name: &str) -> String {
     format!("grad.{name}")
 }
 
-/// Runs `g` (its collectives over `comm`); returns its outputs by name and its peak live bytes.
-fn run_graph(g: &Graph, env: &Env, t: Task, comm: Option<&StageComm>) -> Result<(Env, usize), StageError> {
+/// Runs `g` (its collectives over `comm`); returns its outputs by name and the run's report
+/// (outputs taken).
+fn run_graph(
+    g: &Graph,
+    env: &Env,
+    t: Task,
+    comm: Option<&StageComm>,
+) -> Result<(Env, RunReport), StageError> {
     let gc = comm.map(|c| GraphComm { comm: &*c.comm, mesh: &c.mesh, timeout: c.timeout });
-    let r = run_named_with(g, env, &RunOptions::default(), gc.as_ref())
+    let mut r = run_named_with(g, env, &RunOptions::default(), gc.as_ref())
         .map_err(|source| StageError::Exec { stage: t.stage, mb: t.mb, source })?;
-    Ok((g.output_names().into_iter().zip(r.outputs).collect(), r.peak_live_bytes))
+    let outs = g.output_names().into_iter().zip(std::mem::take(&mut r.outputs)).collect();
+    Ok((outs, r))
 }
 
 /// Logical bytes (`numel × dtype size`) of the tensors of `env`.
@@ -318,6 +327,7 @@ impl GraphStages {
             peak_activation_bytes: 0,
             dp: None,
             graph_comm: None,
+            collectives: Vec::new(),
         }
     }
 
@@ -427,9 +437,10 @@ impl GraphStages {
 
     /// Runs `g` for `t` and records the rank's activation peak during it.
     fn run_graph(&mut self, g: &Graph, env: &Env, t: Task) -> Result<Env, StageError> {
-        let (outs, graph_peak) = run_graph(g, env, t, self.graph_comm.as_ref())?;
+        let (outs, report) = run_graph(g, env, t, self.graph_comm.as_ref())?;
         let cached = env_bytes(self.saved.values().chain(self.stash.values()).flat_map(|e| e.values()));
-        self.peak_activation_bytes = self.peak_activation_bytes.max(cached + graph_peak);
+        self.peak_activation_bytes = self.peak_activation_bytes.max(cached + report.peak_live_bytes);
+        self.collectives.extend(report.collectives.into_iter().map(|c| (c.label(g), c)));
         Ok(outs)
     }
 
@@ -702,5 +713,9 @@ impl StageWork for GraphStages {
 
     fn stage_op(&mut self, kind: StageOpKind, stage: usize) -> Result<(), WorkError> {
         Ok(self.run_stage_op(kind, stage)?)
+    }
+
+    fn take_collectives(&mut self) -> Vec<(String, CollectiveSpan)> {
+        std::mem::take(&mut self.collectives)
     }
 }

@@ -403,6 +403,7 @@ impl Trainer {
             timeline: Timeline {
                 ranks: self.schedule.num_ranks(),
                 intervals: first.intervals,
+                comm: first.comm,
                 unit: "s".into(),
             },
             peak_bytes: first.peak_bytes,

@@ -212,3 +212,63 @@ fn expert_parallel_training_matches_and_restores() {
     let other = unsharded.step(data(2)).unwrap().loss;
     assert!((other - last.loss).abs() <= 1e-6 * last.loss.abs(), "{other} vs {}", last.loss);
 }
+
+/// DualPipeV's overlapped F&B hides expert parallelism's all-to-alls behind the other
+/// microbatch's work (issue 10, "real overlap"): behind a 20 ms emulated link (dp = ep = 2), on
+/// the rank holding two MoE stages, every OVERLAP_F_B has a forward and a backward all-to-all
+/// in flight at the same time, and takes less time — and less time blocked on the link — than
+/// the same rank's plain F and B of those stages back to back. All from the measured intervals
+/// of one step; every in-graph collective lasts at least the link's latency (the link is in
+/// the path).
+#[test]
+fn overlapped_f_and_b_hide_the_expert_all_to_alls() {
+    use graphpp_schedule::{Action, CommSpan, ComputeKind, Interval};
+    let latency = 0.02;
+    let link = Some("20000,100".parse().unwrap());
+    let mut t = Trainer::new(TrainSetup { ep: 2, link, ..setup(2, 0.01) }).unwrap();
+    t.step(data(0)).unwrap(); // the first step also builds the multiplexed graphs
+    let tl = t.step(data(1)).unwrap().timeline;
+    // DualPipeV at p = 2: rank 1 holds stages 1 and 2, both MoE layers.
+    let on1: Vec<&Interval> = tl.intervals.iter().filter(|i| i.rank == 1).collect();
+    let spans =
+        |a: Action| -> Vec<&CommSpan> { tl.comm.iter().filter(|c| c.rank == 1 && c.action == a).collect() };
+    let ep_spans: Vec<&CommSpan> = tl.comm.iter().filter(|c| c.label.starts_with("ep.")).collect();
+    assert!(!ep_spans.is_empty());
+    for c in &ep_spans {
+        assert!(c.start <= c.wait && c.wait <= c.end, "{c:?}");
+        assert!(c.end - c.start >= 0.95 * latency, "{c:?} is shorter than the link's latency");
+    }
+    let blocked = |cs: &[&CommSpan]| cs.iter().map(|c| c.blocked()).sum::<f64>();
+    let alone = |kind: ComputeKind, stage: usize| -> (f64, f64) {
+        let runs: Vec<&&Interval> = on1
+            .iter()
+            .filter(
+                |i| matches!(i.action, Action::Compute { kind: k, task } if k == kind && task.stage == stage),
+            )
+            .collect();
+        assert!(!runs.is_empty(), "rank 1 runs no plain {kind:?} of stage {stage}");
+        let n = runs.len() as f64;
+        let time = runs.iter().map(|i| i.end - i.start).sum::<f64>() / n;
+        (time, runs.iter().map(|i| blocked(&spans(i.action))).sum::<f64>() / n)
+    };
+    let mut overlaps = 0;
+    for i in &on1 {
+        let Action::Overlap { f, b } = i.action else { continue };
+        overlaps += 1;
+        let own = spans(i.action);
+        let (fw, bw): (Vec<&CommSpan>, Vec<&CommSpan>) =
+            own.iter().partition(|c| c.label.ends_with("(forward)"));
+        assert!(fw.len() >= 2 && bw.len() >= 2, "{}: {own:?}", i.action);
+        assert!(
+            fw.iter().any(|x| bw.iter().any(|y| x.start < y.end && y.start < x.end)),
+            "{}: no forward all-to-all in flight during the backward's: {own:?}",
+            i.action
+        );
+        let (ft, fb) = alone(ComputeKind::F, f.stage);
+        let (bt, bb) = alone(ComputeKind::B, b.stage);
+        let took = i.end - i.start;
+        assert!(took < ft + bt, "{}: {took} s overlapped vs {ft} + {bt} s back to back", i.action);
+        assert!(blocked(&own) < fb + bb, "{}: blocked {} s vs {fb} + {bb} s", i.action, blocked(&own));
+    }
+    assert_eq!(overlaps, 3, "DualPipeV p=2 m=4 overlaps three F&B on rank 1");
+}

@@ -24,5 +24,5 @@ pub use lower::{lower, LowerError, LowerOptions};
 pub use placement::Placement;
 pub use schedule::{CsvError, CsvProblem, RankId, Schedule, ScheduleParseError, Step};
 pub use simulate::{simulate, SimReport, SimulateError};
-pub use timeline::{Interval, Timeline};
+pub use timeline::{CommSpan, Interval, Timeline};
 pub use validate::{validate, ErrorKind, Summary, ValidateOptions, ValidationError};

@@ -149,7 +149,7 @@ mod tests {
 
     #[test]
     fn missing_kinds_fall_back_to_ratios() {
-        let t = Timeline { ranks: 1, unit: "s".into(), intervals: vec![] };
+        let t = Timeline { ranks: 1, unit: "s".into(), intervals: vec![], comm: Vec::new() };
         let c = fit_costs(&t);
         assert_eq!((c.f, c.b, c.i, c.w, c.overlap()), (1.0, 2.0, 1.0, 1.0, 3.0));
     }
@@ -182,6 +182,7 @@ mod tests {
         let iv = |rank, start, end, a: &str| crate::Interval { rank, start, end, action: a.parse().unwrap() };
         let t = Timeline {
             ranks: 2,
+            comm: Vec::new(),
             unit: "s".into(),
             intervals: vec![
                 iv(0, 0.0, 1.0, "0F0"),

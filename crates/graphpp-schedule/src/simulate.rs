@@ -111,7 +111,7 @@ pub fn simulate_with(
     if !ran_all {
         return Err(failure(schedule));
     }
-    let timeline = Timeline { ranks: schedule.num_ranks(), intervals, unit: "unit".into() };
+    let timeline = Timeline { ranks: schedule.num_ranks(), intervals, comm: Vec::new(), unit: "unit".into() };
     Ok(report_with(timeline, schedule, memory, &walk.routes, totals))
 }
 

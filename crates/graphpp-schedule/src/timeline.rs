@@ -17,6 +17,40 @@ pub struct Interval {
     pub action: Action,
 }
 
+/// A communication in flight inside an action (an in-graph collective such as expert
+/// parallelism's all-to-all): measured only — the simulator prices it inside the action's time.
+///
+/// `start ≤ wait ≤ end`: from `start` to `wait` the rank did other work — computed, or waited on
+/// another collective — while the transfer progressed; from `wait` to `end` it was blocked on
+/// the data.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct CommSpan {
+    /// The rank that started it.
+    pub rank: RankId,
+    /// The action whose graph started it.
+    pub action: Action,
+    /// When the collective was started (timeline units).
+    pub start: f64,
+    /// When the rank began waiting for it (timeline units).
+    pub wait: f64,
+    /// When the wait returned (timeline units).
+    pub end: f64,
+    /// What it was, e.g. `ep.dispatch all_to_all_v (forward)`.
+    pub label: String,
+}
+
+impl CommSpan {
+    /// Time the collective was in flight while the rank did other work: `wait − start`.
+    pub fn overlapped(&self) -> f64 {
+        self.wait - self.start
+    }
+
+    /// Time the rank was blocked on it: `end − wait`.
+    pub fn blocked(&self) -> f64 {
+        self.end - self.wait
+    }
+}
+
 /// Intervals of all ranks plus the unit they are measured in.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Timeline {
@@ -24,6 +58,9 @@ pub struct Timeline {
     pub ranks: usize,
     /// Intervals, in no particular order.
     pub intervals: Vec<Interval>,
+    /// In-graph communications of a measured timeline (empty for a simulated one).
+    #[serde(default)]
+    pub comm: Vec<CommSpan>,
     /// The time unit: `"unit"` for simulated cost units, `"s"` for measured seconds.
     pub unit: String,
 }

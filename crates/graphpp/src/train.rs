@@ -641,19 +641,53 @@ pub fn bubble_summary(
     })
 }
 
+/// The in-graph collectives of measured steps (expert parallelism's all-to-alls): how long they
+/// were in flight and how much of that the rank spent on other work rather than waiting
+/// ([`graphpp_schedule::CommSpan`]), per rank and step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CommSummary {
+    /// Collectives per rank and step.
+    pub count: f64,
+    /// Seconds in flight (start to completion), summed per rank and step.
+    pub in_flight: f64,
+    /// Of those, seconds the rank did other work (start to wait).
+    pub overlapped: f64,
+}
+
+/// The [`CommSummary`] of `timelines` (each one step over `timelines[k].ranks` ranks); `None`
+/// when they hold no in-graph collective.
+pub fn comm_summary(timelines: &[graphpp_schedule::Timeline]) -> Option<CommSummary> {
+    let spans: Vec<_> = timelines.iter().flat_map(|t| &t.comm).collect();
+    if spans.is_empty() {
+        return None;
+    }
+    let n: f64 = timelines.iter().map(|t| t.ranks as f64).sum();
+    Some(CommSummary {
+        count: spans.len() as f64 / n,
+        in_flight: spans.iter().map(|c| c.end - c.start).sum::<f64>() / n,
+        overlapped: spans.iter().map(|c| c.overlapped()).sum::<f64>() / n,
+    })
+}
+
 /// Lays step timelines end to end: step `k`'s intervals shifted by its `offset` (seconds since
 /// the run began), one timeline for a Chrome trace.
 pub fn joined_timeline(steps: &[(f64, graphpp_schedule::Timeline)]) -> graphpp_schedule::Timeline {
     let ranks = steps.iter().map(|(_, t)| t.ranks).max().unwrap_or(0);
-    let mut intervals = Vec::new();
+    let (mut intervals, mut comm) = (Vec::new(), Vec::new());
     for (offset, t) in steps {
         intervals.extend(t.intervals.iter().map(|i| graphpp_schedule::Interval {
             start: i.start + offset,
             end: i.end + offset,
             ..*i
         }));
+        comm.extend(t.comm.iter().map(|c| graphpp_schedule::CommSpan {
+            start: c.start + offset,
+            wait: c.wait + offset,
+            end: c.end + offset,
+            ..c.clone()
+        }));
     }
-    graphpp_schedule::Timeline { ranks, intervals, unit: "s".into() }
+    graphpp_schedule::Timeline { ranks, intervals, comm, unit: "s".into() }
 }
 
 #[cfg(test)]
@@ -684,5 +718,25 @@ mod tests {
         let stalled_only = bubble_summary(&s, &steps[1..2], 0.0).unwrap();
         assert!(stalled_only.measured_bubble > run.bubble_ratio + 0.1);
         assert!(bubble_summary(&s, &[], 0.0).is_err());
+    }
+
+    /// Per rank and step: two steps of two ranks holding 3 spans in all → 0.75 per rank and step;
+    /// in flight and overlapped summed, divided by 4.
+    #[test]
+    fn comm_summary_is_per_rank_and_step() {
+        let span = |start: f64, wait: f64, end: f64| graphpp_schedule::CommSpan {
+            rank: 0,
+            action: graphpp_schedule::Action::f(0, 0),
+            start,
+            wait,
+            end,
+            label: "ep.dispatch all_to_all_v (forward)".into(),
+        };
+        let t = |comm| graphpp_schedule::Timeline { ranks: 2, intervals: vec![], comm, unit: "s".into() };
+        assert_eq!(comm_summary(&[t(vec![])]), None);
+        let c =
+            comm_summary(&[t(vec![span(0.0, 1.0, 2.0), span(1.0, 1.0, 3.0)]), t(vec![span(0.0, 4.0, 4.0)])])
+                .unwrap();
+        assert_eq!(c, CommSummary { count: 0.75, in_flight: 2.0, overlapped: 1.25 });
     }
 }

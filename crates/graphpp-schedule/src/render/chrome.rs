@@ -1,7 +1,10 @@
 //! Chrome trace JSON (the Trace Event Format's complete events, `ph: "X"`), which opens in
 //! Perfetto and chrome://tracing. Two threads per rank: `rank r` for its compute actions and
 //! `rank r comm` for its SEND/RECV, WAIT and FSDP/REDUCE_GRAD actions, so the time a rank spends
-//! waiting for or handing over data shows as its own track.
+//! waiting for or handing over data shows as its own track. A measured timeline's in-graph
+//! collectives ([`crate::CommSpan`], e.g. expert parallelism's all-to-all) are async slices on
+//! the comm track, from start to completion, so one in flight across compute — and two in
+//! flight at once — are visible; their `blocked` argument is the part the rank waited.
 
 use serde_json::json;
 
@@ -30,6 +33,16 @@ pub fn chrome_trace(t: &Timeline) -> String {
             "dur": (i.end - i.start) * scale,
         }));
     }
+    for (id, c) in t.comm.iter().enumerate() {
+        let tid = t.ranks + c.rank;
+        let args = json!({"action": c.action.to_string(), "blocked": (c.end - c.wait) * scale});
+        for (ph, ts) in [("b", c.start), ("e", c.end)] {
+            events.push(json!({
+                "name": c.label, "cat": "comm", "ph": ph, "id": id, "pid": 0, "tid": tid,
+                "ts": ts * scale, "args": args,
+            }));
+        }
+    }
     serde_json::to_string(
         &json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"unit": t.unit}}),
     )
@@ -46,6 +59,7 @@ mod tests {
     fn complete_events_in_microseconds() {
         let t = Timeline {
             ranks: 2,
+            comm: Vec::new(),
             unit: "s".into(),
             intervals: vec![Interval { rank: 1, start: 0.5, end: 0.75, action: Action::w(3, 2) }],
         };
@@ -62,6 +76,7 @@ mod tests {
     fn communication_has_its_own_track_per_rank() {
         let t = Timeline {
             ranks: 2,
+            comm: Vec::new(),
             unit: "s".into(),
             intervals: vec![
                 Interval { rank: 1, start: 0.0, end: 0.1, action: "1RECV_F0".parse().unwrap() },
@@ -73,5 +88,45 @@ mod tests {
         assert_eq!(ev[3]["args"]["name"], "rank 1 comm");
         assert_eq!((ev[4]["name"].as_str(), ev[4]["tid"].as_u64()), (Some("1RECV_F0"), Some(3)));
         assert_eq!((ev[5]["name"].as_str(), ev[5]["tid"].as_u64()), (Some("1F0"), Some(1)));
+    }
+
+    /// Two in-graph collectives in flight at once (an overlapped F&B's) are async slices on the
+    /// rank's comm track, each from its start to its completion, with the blocked part.
+    #[test]
+    fn in_graph_collectives_are_async_slices_on_the_comm_track() {
+        let f = "(1F2;1B0)OVERLAP_F_B".parse().unwrap();
+        let span = |start, wait, end, label: &str| crate::CommSpan {
+            rank: 1,
+            action: f,
+            start,
+            wait,
+            end,
+            label: label.into(),
+        };
+        let t = Timeline {
+            ranks: 2,
+            intervals: vec![Interval { rank: 1, start: 0.0, end: 0.5, action: f }],
+            comm: vec![span(0.1, 0.3, 0.35, "ep.dispatch"), span(0.2, 0.4, 0.4, "ep.combine")],
+            unit: "s".into(),
+        };
+        let v: serde_json::Value = serde_json::from_str(&chrome_trace(&t)).unwrap();
+        let ev = &v["traceEvents"].as_array().unwrap()[5..];
+        let got: Vec<_> = ev
+            .iter()
+            .map(|e| (e["name"].as_str().unwrap(), e["ph"].as_str().unwrap(), e["ts"].as_f64().unwrap()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("ep.dispatch", "b", 1e5),
+                ("ep.dispatch", "e", 3.5e5),
+                ("ep.combine", "b", 2e5),
+                ("ep.combine", "e", 4e5)
+            ]
+        );
+        assert!(ev.iter().all(|e| e["tid"] == 3 && e["cat"] == "comm"));
+        assert_eq!((ev[0]["id"].as_u64(), ev[2]["id"].as_u64()), (Some(0), Some(1)));
+        assert!((ev[0]["args"]["blocked"].as_f64().unwrap() - 5e4).abs() < 1e-6);
+        assert_eq!(ev[0]["args"]["action"], "(1F2;1B0)OVERLAP_F_B");
     }
 }

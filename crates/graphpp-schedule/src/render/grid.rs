@@ -102,6 +102,7 @@ mod tests {
     fn cells_follow_durations() {
         let t = Timeline {
             ranks: 2,
+            comm: Vec::new(),
             unit: "unit".into(),
             intervals: vec![
                 Interval { rank: 0, start: 0.0, end: 1.0, action: Action::f(0, 0) },

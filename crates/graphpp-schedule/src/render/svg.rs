@@ -70,6 +70,7 @@ mod tests {
     fn one_rect_per_interval_scaled_to_width() {
         let t = Timeline {
             ranks: 1,
+            comm: Vec::new(),
             unit: "unit".into(),
             intervals: vec![
                 Interval { rank: 0, start: 0.0, end: 1.0, action: Action::f(0, 0) },
@@ -86,6 +87,7 @@ mod tests {
     fn the_unit_is_escaped() {
         let t = Timeline {
             ranks: 1,
+            comm: Vec::new(),
             unit: "<s&'\"".into(),
             intervals: vec![Interval { rank: 0, start: 0.0, end: 1.0, action: Action::f(0, 0) }],
         };

@@ -16,7 +16,8 @@ use graphpp::launch::Launch;
 use graphpp::metrics::{MetricsLog, StepRecord};
 use graphpp::stop::{Interrupted, StopRequest, StopSignal};
 use graphpp::train::{
-    bubble_summary, check_checkpoint_dir, joined_timeline, newest_checkpoint, Run, RunConfig, RunError,
+    bubble_summary, check_checkpoint_dir, comm_summary, joined_timeline, newest_checkpoint, Run, RunConfig,
+    RunError,
 };
 use graphpp_models::Recompute;
 use graphpp_models::{Model, ModelConfig};
@@ -742,6 +743,15 @@ fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val
             1e3 * s.measured_makespan,
             1e3 * s.predicted_makespan
         );
+        if let Some(c) = comm_summary(&timelines) {
+            out!(
+                "in-graph collectives (per rank and step): {:.0}, in flight {:.1} ms, {:.1} ms of it behind other work ({:.0}%)",
+                c.count,
+                1e3 * c.in_flight,
+                1e3 * c.overlapped,
+                100.0 * c.overlapped / c.in_flight.max(f64::MIN_POSITIVE)
+            );
+        }
     }
     if let Some(path) = &a.trace {
         let steps: Vec<(f64, Timeline)> = kept.iter().cloned().collect();
