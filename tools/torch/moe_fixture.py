@@ -9,7 +9,11 @@ the softmax scorer without weight normalisation):
     choice of experts),
   * `tokens`, `targets` (u32, [B, T]),
   * `loss` (f32 scalar, mean cross-entropy over the B*T tokens),
-  * `grad.<param>` for every parameter (f32).
+  * with `aux_loss_alpha` > 0 in the config (NAME moe_aux_fixture): `aux_loss` (f32 scalar, the
+    MoE layers' sequence-wise balance losses summed, DeepSeek-V3 eqs. 17-20: per sequence
+    alpha * sum_i f_i P_i with f_i = E/(k T) * tokens routed to expert i and P_i the mean over
+    the sequence of the normalised scores s_i / sum_j s_j; averaged over the B sequences),
+  * `grad.<param>` for every parameter (f32): of loss + aux_loss.
 The forward is the Llama decoder of llama_fixture.py with the MLP of layers >= first_k_dense_replace
 replaced by the MoE block of Hugging Face's DeepseekV3MoE, restated here: sigmoid gate scores (a
 softmax over the experts with scoring_func softmax, as DeepSeek-V2), top-k of (scores + bias),
@@ -38,8 +42,20 @@ def swiglu(x, p, pre):
     return (torch.nn.functional.silu(g) * u) @ p[f"{pre}.down_proj.weight"].T
 
 
-def moe(x, p, bufs, cfg, pre, margins):
-    """DeepseekV3MoE on x [N, D]; appends each token's choice margin to `margins`."""
+def seq_aux_loss(scores, idx, cfg, b):
+    """Sequence-wise balance loss of one layer for scores [N, E] and chosen experts idx [N, k]."""
+    e, k = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    t = scores.shape[0] // b
+    share = (scores / scores.sum(-1, keepdim=True)).reshape(b, t, e).mean(1)
+    counts = torch.zeros(b, e, dtype=scores.dtype).scatter_add(
+        1, idx.reshape(b, t * k), torch.ones(b, t * k, dtype=scores.dtype))
+    f = counts * e / (k * t)
+    return cfg["aux_loss_alpha"] * (f * share).sum(1).mean()
+
+
+def moe(x, p, bufs, cfg, pre, margins, aux, b):
+    """DeepseekV3MoE on x [N, D] (b sequences); appends each token's choice margin to `margins`
+    and, with aux_loss_alpha > 0, the layer's balance loss to `aux`."""
     e, k = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
     logits = x @ p[f"{pre}.gate.weight"].T
     scores = logits.softmax(-1) if cfg.get("scoring_func") == "softmax" else torch.sigmoid(logits)
@@ -47,6 +63,8 @@ def moe(x, p, bufs, cfg, pre, margins):
     top = torch.topk(choice.detach(), k + 1, dim=-1)
     margins.append((top.values[:, k - 1] - top.values[:, k]).min().item())
     idx = top.indices[:, :k]
+    if cfg.get("aux_loss_alpha", 0) > 0:
+        aux.append(seq_aux_loss(scores, idx, cfg, b))
     w = scores.gather(1, idx)
     if cfg["norm_topk_prob"]:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
@@ -62,7 +80,7 @@ def moe(x, p, bufs, cfg, pre, margins):
     return out
 
 
-def forward(p, bufs, cfg, tokens, targets, margins):
+def forward(p, bufs, cfg, tokens, targets, margins, aux):
     b, t = tokens.shape
     d = cfg["hidden_size"]
     x = p["model.embed_tokens.weight"][tokens]
@@ -73,7 +91,7 @@ def forward(p, bufs, cfg, tokens, targets, margins):
         if l < cfg["first_k_dense_replace"]:
             x = x + swiglu(hs, p, f"{pre}.mlp")
         else:
-            x = x + moe(hs.reshape(b * t, d), p, bufs, cfg, f"{pre}.mlp", margins).reshape(b, t, d)
+            x = x + moe(hs.reshape(b * t, d), p, bufs, cfg, f"{pre}.mlp", margins, aux, b).reshape(b, t, d)
     x = rms_norm(x, p["model.norm.weight"], cfg["rms_norm_eps"])
     logits = x @ p["lm_head.weight"].T
     return torch.nn.functional.cross_entropy(logits.reshape(b * t, -1), targets.reshape(-1))
@@ -132,18 +150,21 @@ def main():
         targets = torch.randint(0, cfg["vocab_size"], (b, t))
         p64 = {k: v.double().requires_grad_(True) for k, v in params32.items()}
         b64 = {k: v.double() for k, v in bufs32.items()}
-        margins = []
-        loss = forward(p64, b64, cfg, tokens, targets, margins)
+        margins, aux = [], []
+        loss = forward(p64, b64, cfg, tokens, targets, margins, aux)
         if min(margins) > 1e-3:
             break
     else:
         raise SystemExit("no seed gives routing margins above 1e-3")
-    loss.backward()
+    aux_loss = sum(aux) if aux else None
+    (loss + aux_loss if aux else loss).backward()
     out = dict(params32)
     out.update(bufs32)
     out["tokens"] = tokens.to(torch.int32)  # written as u32
     out["targets"] = targets.to(torch.int32)
     out["loss"] = loss.detach().float().reshape(())
+    if aux:
+        out["aux_loss"] = aux_loss.detach().float().reshape(())
     for k, v in p64.items():
         out[f"grad.{k}"] = v.grad.float()
     path = os.path.join(FIX, f"{fixture}.safetensors")

@@ -15,5 +15,10 @@ pub const LOSS: &str = crate::autodiff::LOSS;
 /// routed token copies each expert received, u32 `[E]` (no gradient; the trainer sums it over a
 /// step to balance the experts and to report their load).
 pub const EXPERT_LOAD: &str = "expert_load.";
+/// Prefix of a MoE layer's forward output `aux_loss.<layer>` (when the model has a sequence-wise
+/// auxiliary balance loss): the layer's weighted balance loss, a scalar in the wide dtype, part
+/// of the training objective. Its gradient input `grad.aux_loss.<layer>` is the seed the runtime
+/// gives it: d objective / d aux = 1 per microbatch, before the 1/m of the microbatch mean.
+pub const AUX_LOSS: &str = "aux_loss.";
 /// Next-token logits `[B·T, V]` of an inference graph's last stage (no targets, no loss).
 pub const LOGITS: &str = "logits";

@@ -30,7 +30,7 @@
 use std::collections::HashMap;
 
 use graphpp_graph::layers::{activation, linear};
-use graphpp_graph::names::EXPERT_LOAD;
+use graphpp_graph::names::{AUX_LOSS, EXPERT_LOAD};
 use graphpp_graph::{CollectiveKind, CommGroup, Graph, GraphBuilder, InputKind, Region, TensorType, ValueId};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -91,6 +91,11 @@ pub struct MoeConfig {
     /// Groups a token may route to; only 1 is implemented.
     #[serde(default = "default_one")]
     pub topk_group: usize,
+    /// Weight α of the sequence-wise auxiliary balance loss (DeepSeek-V3 §2.1.2, eqs. 17–20;
+    /// HF `aux_loss_alpha`, `seq_aux` true); 0 (the default): none, balancing is auxiliary-loss-free
+    /// only. See [`MoeConfig::aux_loss`].
+    #[serde(default)]
+    pub aux_loss_alpha: f64,
 }
 
 /// HF fields of DeepSeek's multi-head latent attention, which graphpp does not implement.
@@ -112,6 +117,7 @@ impl MoeConfig {
             norm_topk_prob: true,
             n_group: 1,
             topk_group: 1,
+            aux_loss_alpha: 0.0,
         }
     }
 
@@ -136,7 +142,7 @@ impl MoeConfig {
     }
 
     /// Parses a `config.json` with DeepSeek-V3 MoE fields: `model_type` absent or `deepseek_v3`,
-    /// no MLA fields, `moe_layer_freq` 1, `aux_loss_alpha` absent or 0, the Llama fields as [`LlamaConfig::from_json`] reads
+    /// no MLA fields, `moe_layer_freq` 1, `seq_aux` absent or true, the Llama fields as [`LlamaConfig::from_json`] reads
     /// them. Errors: [`ModelError::Json`] (naming a missing field), [`ModelError::Unsupported`],
     /// [`ModelError::Field`].
     pub fn from_json(text: &str) -> Result<Self, ModelError> {
@@ -156,11 +162,12 @@ impl MoeConfig {
                 return Err(ModelError::Unsupported { field, value: v.to_string(), reason });
             }
         }
-        if let Some(v) = set(&obj, "aux_loss_alpha").filter(|v| v.as_f64() != Some(0.0)) {
-            let reason =
-                "the sequence-wise auxiliary loss is not implemented (balancing is auxiliary-loss-free)";
-            return Err(ModelError::Unsupported { field: "aux_loss_alpha", value: v.to_string(), reason });
+        let alpha = set(&obj, "aux_loss_alpha").and_then(|v| v.as_f64()).unwrap_or(0.0);
+        if let Some(v) = set(&obj, "seq_aux").filter(|v| v.as_bool() == Some(false) && alpha != 0.0) {
+            let reason = "only the sequence-wise auxiliary loss is implemented (seq_aux true)";
+            return Err(ModelError::Unsupported { field: "seq_aux", value: v.to_string(), reason });
         }
+        obj.remove("seq_aux");
         if let Some(v) = set(&obj, "moe_layer_freq").filter(|v| v.as_f64() != Some(1.0)) {
             let reason = "every layer from first_k_dense_replace on is MoE (moe_layer_freq 1)";
             return Err(ModelError::Unsupported { field: "moe_layer_freq", value: v.to_string(), reason });
@@ -207,6 +214,18 @@ impl MoeConfig {
             return bad(
                 "routed_scaling_factor",
                 format!("{} must be a finite number > 0", self.routed_scaling_factor),
+            );
+        }
+        if !(self.aux_loss_alpha.is_finite() && self.aux_loss_alpha >= 0.0) {
+            return bad("aux_loss_alpha", format!("{} must be a finite number ≥ 0", self.aux_loss_alpha));
+        }
+        if self.num_moe_layers() == 0 {
+            return bad(
+                "first_k_dense_replace",
+                format!(
+                    "{} leaves no MoE layer in {} layers (a dense model is a llama config)",
+                    self.first_k_dense_replace, self.base.num_hidden_layers
+                ),
             );
         }
         for (field, v) in [("n_group", self.n_group), ("topk_group", self.topk_group)] {
@@ -314,7 +333,11 @@ impl FeedForward for MoeConfig {
         // The bias is state updated by ±γ steps: kept in the wide dtype (f32 under bf16).
         let wide = TensorType::new(b.ty(x).dtype.wide(), vec![self.n_routed_experts]);
         let bias = b.input_typed(&Self::bias_name(layer), InputKind::Buffer, wide)?;
-        let (ids, weights) = self.route(b, x, p("gate"), bias)?;
+        let (ids, weights, scores) = self.route(b, x, p("gate"), bias)?;
+        if self.aux_loss_alpha > 0.0 {
+            let aux = self.aux_loss(b, scores, ids, &shape)?;
+            b.output(&format!("{AUX_LOSS}{layer}"), aux);
+        }
         b.pop_scope();
         b.push_scope("experts");
         let w = |e: usize, s: &str| p(&format!("experts.{e}.{s}"));
@@ -333,14 +356,15 @@ impl FeedForward for MoeConfig {
 }
 
 impl MoeConfig {
-    /// The gate: for `x [N, D]`, the chosen experts `[N, k]` (u32) and their weights `[N, k]`.
+    /// The gate: for `x [N, D]`, the chosen experts `[N, k]` (u32), their weights `[N, k]` and
+    /// every expert's score `[N, E]` (wide dtype).
     fn route(
         &self,
         b: &mut GraphBuilder,
         x: ValueId,
         gate: ValueId,
         bias: ValueId,
-    ) -> Result<(ValueId, ValueId), ModelError> {
+    ) -> Result<(ValueId, ValueId, ValueId), ModelError> {
         let k = self.num_experts_per_tok;
         // The gate in the wide dtype (f32 under bf16), as Hugging Face casts its input and
         // weight before the gate's linear: a bf16 rounding must not change the choice.
@@ -361,7 +385,48 @@ impl MoeConfig {
             w = b.div(w, sum)?;
         }
         let w = b.scale(w, self.routed_scaling_factor)?;
-        Ok((ids, b.cast(w, dtype)?))
+        Ok((ids, b.cast(w, dtype)?, scores))
+    }
+
+    /// The sequence-wise auxiliary balance loss of one layer (DeepSeek-V3 §2.1.2, eqs. 17–20),
+    /// averaged over the microbatch's `B` sequences of `T` tokens (`shape` = `[B, T, D]`):
+    /// `α · Σ_i f_i · P_i` with `f_i = E / (k·T) · (tokens of the sequence routed to expert i)`
+    /// and `P_i = 1/T · Σ_t s_{i,t} / Σ_j s_{j,t}` (`scores [N, E]`, `ids [N, k]`). `f` counts the
+    /// experts actually chosen — with the balancing bias, as Megatron-LM's sequence aux loss does
+    /// — and carries no gradient; `P` does. A scalar in the scores' (wide) dtype.
+    fn aux_loss(
+        &self,
+        b: &mut GraphBuilder,
+        scores: ValueId,
+        ids: ValueId,
+        shape: &[usize],
+    ) -> Result<ValueId, ModelError> {
+        let (e, k) = (self.n_routed_experts, self.num_experts_per_tok);
+        let [batch, t, _] = shape[..] else {
+            return Err(ModelError::Field {
+                field: "hidden_size",
+                reason: format!("MoE input {shape:?} is not [B, T, D]"),
+            });
+        };
+        b.push_scope("aux_loss");
+        let wide = b.ty(scores).dtype;
+        let total = b.sum(scores, 1, true)?;
+        let share = b.div(scores, total)?;
+        let share = b.reshape(share, vec![batch, t, e])?;
+        let p = b.sum(share, 1, false)?;
+        let ids = b.reshape(ids, vec![batch, t * k])?;
+        let zero = b.full_like(0.0, p)?;
+        let one = b.full(1.0, vec![batch, t * k])?;
+        let one = b.cast(one, wide)?;
+        let f = b.scatter_add(zero, ids, one, 1)?;
+        let fp = b.mul(f, p)?;
+        let per_seq = b.sum(fp, 1, false)?;
+        let sum = b.sum(per_seq, 0, false)?;
+        // f's E/(k·T), P's 1/T, the mean over B sequences, and α.
+        let c = self.aux_loss_alpha * e as f64 / (k * t * t * batch) as f64;
+        let aux = b.scale(sum, c)?;
+        b.pop_scope();
+        Ok(aux)
     }
 
     /// The routed experts: each token's `k` rows sorted by expert, one SwiGLU per segment, put
@@ -612,13 +677,45 @@ mod tests {
             (r#""model_type":"mixtral""#, "model_type"),
             (r#""moe_layer_freq":2"#, "moe_layer_freq"),
             (r#""n_group":8"#, "n_group"),
-            (r#""aux_loss_alpha":0.001"#, "aux_loss_alpha"),
+            (r#""aux_loss_alpha":0.001,"seq_aux":false"#, "seq_aux"),
         ] {
             match with(extra).unwrap_err() {
                 ModelError::Unsupported { field: f, .. } => assert_eq!(f, field, "{extra}"),
                 other => panic!("{extra}: {other:?}"),
             }
         }
+        for (extra, field) in [
+            (r#""aux_loss_alpha":-0.1"#, "aux_loss_alpha"),
+            (r#""first_k_dense_replace":3"#, "first_k_dense_replace"),
+        ] {
+            match with(extra).unwrap_err() {
+                ModelError::Field { field: f, .. } => assert_eq!(f, field, "{extra}"),
+                other => panic!("{extra}: {other:?}"),
+            }
+        }
+        let aux = with(r#""aux_loss_alpha":0.001,"seq_aux":true"#).unwrap();
+        assert_eq!(aux.aux_loss_alpha, 0.001);
+    }
+
+    /// With α > 0 each MoE layer's forward outputs its scalar `aux_loss.<layer>` and the backward
+    /// takes its seed `grad.aux_loss.<layer>`; with α = 0 neither exists.
+    #[test]
+    fn the_aux_loss_is_an_output_per_moe_layer() {
+        let spec = crate::StageSpec::whole(3);
+        let opts = StageOptions::new(2, 4);
+        let names = |alpha: f64| {
+            let m = MoeConfig { aux_loss_alpha: alpha, ..with("").unwrap() };
+            let g = m.build_stage(&spec, &opts).unwrap();
+            let bw = graphpp_graph::stage_graphs(&g, &RecomputePolicy::SaveAll).unwrap().full_bw;
+            let outs: Vec<String> =
+                g.output_names().into_iter().filter(|n| n.starts_with(AUX_LOSS)).collect();
+            let seeds: Vec<String> = bw.input_names().into_iter().filter(|n| n.contains(AUX_LOSS)).collect();
+            (outs, seeds)
+        };
+        assert_eq!(names(0.0), (vec![], vec![]));
+        let (outs, seeds) = names(0.01);
+        assert_eq!(outs, ["aux_loss.1", "aux_loss.2"]);
+        assert_eq!(seeds, ["grad.aux_loss.1", "grad.aux_loss.2"]);
     }
 
     #[test]

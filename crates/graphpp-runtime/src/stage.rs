@@ -17,13 +17,15 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use candle_core::Tensor;
-use graphpp_graph::names::{EXPERT_LOAD, INPUT, LOSS, OUTPUT, TARGETS, TOKENS};
+use graphpp_graph::names::{AUX_LOSS, EXPERT_LOAD, INPUT, LOSS, OUTPUT, TARGETS, TOKENS};
 use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
 use graphpp_graph::{Graph, GraphError, InputKind, StageGraphs};
 use graphpp_schedule::Task;
 
 use crate::data_parallel::{DataParallel, DataParallelError};
-use crate::executor::{run_named_with, to_f64, CollectiveSpan, ExecError, GraphComm, RunOptions, RunReport};
+use crate::executor::{
+    run_named_with, tensor_from_f64, to_f64, CollectiveSpan, ExecError, GraphComm, RunOptions, RunReport,
+};
 use crate::pipeline::{StageWork, WorkError};
 use graphpp_schedule::StageOpKind;
 
@@ -304,6 +306,21 @@ fn run_graph(
     Ok((outs, r))
 }
 
+/// The seeds of a backward graph's auxiliary losses: every input `grad.aux_loss.<layer>` of
+/// `bw` ([`AUX_LOSS`]) bound to the scalar `seed` in its dtype — d objective / d aux, 1 for a
+/// graph over the whole batch, 1/m for one microbatch of m whose gradients are not scaled later.
+///
+/// # Errors
+/// A tensor that cannot be made in the input's dtype.
+pub fn aux_loss_seeds(bw: &Graph, seed: f64) -> candle_core::Result<Env> {
+    let prefix = grad_of(AUX_LOSS);
+    bw.input_specs()
+        .into_iter()
+        .filter(|i| i.name.starts_with(&prefix))
+        .map(|i| Ok((i.name, tensor_from_f64(&[seed], &[], i.ty.dtype)?)))
+        .collect()
+}
+
 /// Logical bytes (`numel × dtype size`) of the tensors of `env`.
 pub fn env_bytes<'a>(env: impl IntoIterator<Item = &'a Tensor>) -> usize {
     env.into_iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
@@ -547,6 +564,13 @@ impl GraphStages {
         if !st.last {
             env.insert(grad_of(OUTPUT), grad.ok_or_else(|| missing(t, "output gradient"))?);
         }
+        // d objective / d aux_loss: 1/m per microbatch — except on a route's last stage, whose
+        // gradients are all scaled by 1/m afterwards (`scaled`).
+        let m = self.data.len().max(1) as f64;
+        let seed = if st.last { 1.0 } else { 1.0 / m };
+        let seeds = aux_loss_seeds(&st.graphs.full_bw, seed)
+            .map_err(|source| StageError::Tensor { stage: t.stage, source })?;
+        env.extend(seeds);
         Ok(env)
     }
 

@@ -301,6 +301,7 @@ pub fn single_device_step(setup: &VerifySetup) -> Result<StepResult, VerifyError
     let f = run_named(&graphs.fw, &env, &RunOptions::default())?;
     let loss = to_f64(f.output(&graphs.fw, LOSS).ok_or_else(|| VerifyError::Mismatch("loss".into()))?)?[0];
     env.extend(graphs.fw.output_names().into_iter().zip(f.outputs));
+    env.extend(crate::stage::aux_loss_seeds(&graphs.full_bw, 1.0)?);
     let b = run_named(&graphs.full_bw, &env, &RunOptions::default())?;
     let grads = graphs.full_bw.output_names().into_iter().zip(b.outputs).collect();
     Ok(StepResult { loss, microbatch_losses: Vec::new(), grads })

@@ -1,15 +1,17 @@
 //! Reference numerics from PyTorch: `tools/torch/llama_fixture.py` and `tools/torch/moe_fixture.py`
 //! (PyTorch 2.15, float64) wrote the weights, token ids, loss and every gradient of the same
 //! Llama-style and DeepSeek-style MoE architectures into `fixtures/{llama,moe}_fixture.safetensors`
-//! (the MoE one with non-zero load-balancing biases that change the routing); graphpp's derived
-//! graphs must reproduce them.
+//! (the MoE one with non-zero load-balancing biases that change the routing; `moe_aux_fixture`
+//! adds the sequence-wise auxiliary loss); graphpp's derived graphs must reproduce them.
 
 mod common;
 
 use candle_core::{DType as CDType, Device, Tensor};
+use graphpp_graph::names::AUX_LOSS;
 use graphpp_graph::{stage_graphs, DType, RecomputePolicy};
 use graphpp_models::{split_layers, LlamaConfig, Model, MoeConfig, StageOptions};
 use graphpp_runtime::executor::{tensor_from_f64, to_f64};
+use graphpp_runtime::stage::aux_loss_seeds;
 use std::collections::HashMap;
 
 const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
@@ -48,16 +50,29 @@ fn check_model(fixture: &str, cfg: &dyn Model, text: &str, dtype: DType, stages:
         .collect();
     let mut envs = vec![base.clone(); stages];
     let mut loss = None;
+    let mut aux = 0.0;
     for s in 0..stages {
         let (fo, _) = run(&graphs[s].fw, &envs[s]);
         if let Some(x) = fo.get("output") {
             envs[s + 1].insert("input".into(), x.clone());
         }
         loss = fo.get("loss").cloned().or(loss);
+        aux += fo
+            .iter()
+            .filter(|(k, _)| k.starts_with(AUX_LOSS))
+            .map(|(_, v)| to_f64(v).unwrap()[0])
+            .sum::<f64>();
         envs[s].extend(fo);
+    }
+    if let Some(want) = fx.get("aux_loss") {
+        let want = to_f64(want).unwrap()[0];
+        assert!(want > 0.0 && (aux - want).abs() <= tol * want, "{dtype:?} aux loss {aux} vs {want}");
+    } else {
+        assert_eq!(aux, 0.0);
     }
     let mut grads = HashMap::new();
     for s in (0..stages).rev() {
+        envs[s].extend(aux_loss_seeds(&graphs[s].full_bw, 1.0).unwrap());
         let (bo, _) = run(&graphs[s].full_bw, &envs[s]);
         if s > 0 {
             envs[s - 1].insert("grad.output".into(), bo["grad.input"].clone());
@@ -110,6 +125,15 @@ fn moe_matches_pytorch() {
     check_moe("moe_fixture", DType::F32, 1, 1e-4);
     check_moe("moe_fixture", DType::F32, 3, 1e-4);
     check_moe("moe_fixture", DType::F64, 1, 1e-6);
+}
+
+/// The sequence-wise auxiliary balance loss (α = 0.05, the `moe_fixture` model and weights):
+/// its value and every gradient of loss + aux loss, on one stage and split in three.
+#[test]
+fn moe_aux_loss_matches_pytorch() {
+    check_moe("moe_aux_fixture", DType::F32, 1, 1e-4);
+    check_moe("moe_aux_fixture", DType::F32, 3, 1e-4);
+    check_moe("moe_aux_fixture", DType::F64, 1, 1e-6);
 }
 
 /// The softmax scorer (DeepSeek-V2 style) without weight normalisation, scaled by 1.5, no
