@@ -109,6 +109,10 @@ pub struct RankStepReport {
     /// Step loss: mean over the microbatches of their mean token loss (nats per token); the same
     /// on every rank.
     pub loss: f64,
+    /// The MoE layers' auxiliary balance losses, summed over the layers and averaged as `loss`
+    /// (0 without one; [`graphpp_models::MoeConfig::aux_loss_alpha`]); part of the objective
+    /// the gradients are of, not of `loss`.
+    pub aux_loss: f64,
     /// Global L2 norm of the gradients before clipping (each distinct parameter once); the same
     /// on every rank.
     pub grad_norm: f64,
@@ -145,16 +149,27 @@ pub struct RankStepReport {
 
 /// What [`RankTrainer::update`] did.
 struct Update {
-    loss: f64,
+    sums: StepSums,
     norm: f64,
     lr: f64,
-    peak: Vec<u64>,
-    resident: Vec<u64>,
     /// Time blocked on the world-wide loss and norm reductions.
     waited: Duration,
     /// Time blocked on the data-parallel gradient reductions after the pipeline run.
     reduce_wait: Duration,
     rolled_back: bool,
+}
+
+/// The step's world-wide sums ([`RankTrainer::finish_loss`]).
+struct StepSums {
+    /// Mean cross-entropy over the microbatches and replicas.
+    loss: f64,
+    /// Mean over the microbatches and replicas of the MoE layers' auxiliary losses, summed.
+    aux_loss: f64,
+    /// Each rank's peak bytes (index = world rank).
+    peak: Vec<u64>,
+    /// Each rank's resident bytes.
+    resident: Vec<u64>,
+    /// Tokens per expert of each MoE layer.
     expert_load: Vec<Vec<f64>>,
 }
 
@@ -457,17 +472,19 @@ impl RankTrainer {
                 self.work = Some(work);
                 Ok(RankStepReport {
                     step: self.step,
-                    loss: u.loss,
+                    loss: u.sums.loss,
+                    aux_loss: u.sums.aux_loss,
                     grad_norm: u.norm,
                     lr: u.lr,
                     intervals,
                     comm,
-                    peak_bytes: u.peak,
-                    resident_bytes: u.resident,
+                    peak_bytes: u.sums.peak,
+                    resident_bytes: u.sums.resident,
                     boundary_wait_s: u.waited.as_secs_f64(),
                     reduce_wait_s: u.reduce_wait.as_secs_f64(),
                     rolled_back: u.rolled_back,
                     expert_load: u
+                        .sums
                         .expert_load
                         .iter()
                         .map(|l| l.iter().map(|&x| x as u64).collect())
@@ -503,7 +520,7 @@ impl RankTrainer {
         let outcome = self.run_pipeline(data, Instant::now())?;
         let mut work = outcome.work;
         let result = (|| {
-            let (loss, ..) = self.finish_loss(self.start_loss(&work)?)?;
+            let loss = self.finish_loss(self.start_loss(&work)?)?.loss;
             let (grads, _) = self.reduce_grads(&mut work)?;
             let local = Self::unsharded_in(Some(&work), grads.into_iter().collect())?;
             Ok((loss, self.send_to_leader(local, Gather::Gradients)?))
@@ -569,7 +586,7 @@ impl RankTrainer {
             return self.post_validated(work, loss, grads, reduce_wait);
         }
         let t = Instant::now();
-        let (loss, peak, resident, expert_load) = self.finish_loss(loss)?;
+        let sums = self.finish_loss(loss)?;
         let mut waited = t.elapsed();
         let (mut grads, reduce_wait) = self.reduce_grads(work)?;
         let norm = self.start_norm(work, &grads)?;
@@ -580,18 +597,8 @@ impl RankTrainer {
         let scale = self.checked_scale(sq)?;
         scale_grads(&mut grads, scale)?;
         let (params, optim) = self.optimizer_step(work, &grads, lr)?;
-        self.commit(work, params, optim, &expert_load)?;
-        Ok(Update {
-            loss,
-            norm: sq.sqrt(),
-            lr,
-            peak,
-            resident,
-            waited,
-            reduce_wait,
-            rolled_back: false,
-            expert_load,
-        })
+        self.commit(work, params, optim, &sums.expert_load)?;
+        Ok(Update { sums, norm: sq.sqrt(), lr, waited, reduce_wait, rolled_back: false })
     }
 
     /// The zero-bubble paper's optimizer post-validation (Qi et al. 2024, "Zero Bubble Pipeline
@@ -612,7 +619,7 @@ impl RankTrainer {
         let lr = self.setup.lr.lr_at(self.step + 1);
         let optimistic = self.optimizer_step(work, &grads, lr);
         let t = Instant::now();
-        let (loss, peak, resident, expert_load) = self.finish_loss(loss)?;
+        let sums = self.finish_loss(loss)?;
         let sq = self.finish_norm(norm)?;
         let waited = t.elapsed();
         let scale = self.checked_scale(sq)?;
@@ -624,18 +631,8 @@ impl RankTrainer {
                 (self.optimizer_step(work, &grads, lr)?, true)
             }
         };
-        self.commit(work, step.0, step.1, &expert_load)?;
-        Ok(Update {
-            loss,
-            norm: sq.sqrt(),
-            lr,
-            peak,
-            resident,
-            waited,
-            reduce_wait,
-            rolled_back,
-            expert_load,
-        })
+        self.commit(work, step.0, step.1, &sums.expert_load)?;
+        Ok(Update { sums, norm: sq.sqrt(), lr, waited, reduce_wait, rolled_back })
     }
 
     /// The clipping scale of the global squared norm `sq` (1 without clipping).
@@ -684,10 +681,12 @@ impl RankTrainer {
         let world = self.comm.world();
         // Summed over the world: m losses, m counts (where this rank holds the last stage), then
         // each rank's peak bytes and resident bytes at its own index, then the tokens per expert
-        // of every MoE layer (where this rank ran it).
+        // of every MoE layer (where this rank ran it), then the auxiliary losses this rank's
+        // MoE layers output.
         let layers = self.setup.model.moe_layers();
         let experts: usize = layers.iter().map(|&(_, e)| e).sum();
-        let mut rows = vec![0.0f64; 2 * m + 2 * world + experts];
+        let mut rows = vec![0.0f64; 2 * m + 2 * world + experts + 1];
+        rows[2 * m + 2 * world + experts] = work.aux_loss();
         let mut at = 2 * m + 2 * world;
         for (layer, e) in layers {
             if let Some(load) = work.expert_load().get(&layer).filter(|l| l.len() == e) {
@@ -720,11 +719,7 @@ impl RankTrainer {
     ///
     /// # Errors
     /// [`TrainError::Comm`]; [`TrainError::Data`] for a microbatch without its losses.
-    #[allow(clippy::type_complexity)]
-    fn finish_loss(
-        &self,
-        pending: Pending<Tensor>,
-    ) -> Result<(f64, Vec<u64>, Vec<u64>, Vec<Vec<f64>>), TrainError> {
+    fn finish_loss(&self, pending: Pending<Tensor>) -> Result<StepSums, TrainError> {
         let (m, world) = (self.setup.shape.microbatches, self.comm.world());
         let summed: Vec<f64> = pending.wait(self.setup.timeout)?.to_dtype(DType::F64)?.to_vec1()?;
         let (losses, rest) = summed.split_at(m);
@@ -744,10 +739,14 @@ impl RankTrainer {
                 counts[mb]
             )));
         }
-        let loss = losses.iter().sum::<f64>() / (m * self.setup.dp) as f64;
-        let peak: Vec<u64> = peaks.iter().map(|&b| b as u64).collect();
-        let resident: Vec<u64> = resident.iter().map(|&b| b as u64).collect();
-        Ok((loss, peak, resident, expert_load))
+        let mean = |sum: f64| sum / (m * self.setup.dp) as f64;
+        Ok(StepSums {
+            loss: mean(losses.iter().sum::<f64>()),
+            aux_loss: mean(loads.first().copied().unwrap_or(0.0)),
+            peak: peaks.iter().map(|&b| b as u64).collect(),
+            resident: resident.iter().map(|&b| b as u64).collect(),
+            expert_load,
+        })
     }
 
     /// DeepSeek-V3's auxiliary-loss-free load balancing (Liu et al. 2024, §2.1.2): after the

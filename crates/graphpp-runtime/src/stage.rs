@@ -259,6 +259,8 @@ pub struct GraphStages {
     losses: BTreeMap<usize, f64>,
     /// Tokens per expert of each MoE layer this step, by layer.
     expert_load: BTreeMap<usize, Vec<f64>>,
+    /// Auxiliary losses of this step's forwards, summed.
+    aux_loss: f64,
     overlap: HashMap<(usize, usize), Arc<Graph>>,
     /// Peak activation bytes of the step so far (see [`GraphStages::peak_activation_bytes`]).
     peak_activation_bytes: usize,
@@ -340,6 +342,7 @@ impl GraphStages {
             stash: HashMap::new(),
             losses: BTreeMap::new(),
             expert_load: BTreeMap::new(),
+            aux_loss: 0.0,
             overlap: HashMap::new(),
             peak_activation_bytes: 0,
             dp: None,
@@ -476,10 +479,17 @@ impl GraphStages {
     pub fn start_step(&mut self, data: Arc<Microbatches>) {
         self.data = data;
         self.losses.clear();
+        self.aux_loss = 0.0;
         self.expert_load.clear();
         self.saved.clear();
         self.stash.clear();
         self.peak_activation_bytes = 0;
+    }
+
+    /// The auxiliary losses (`aux_loss.<layer>` outputs) of the forwards this rank ran this
+    /// step, summed over layers and microbatches.
+    pub fn aux_loss(&self) -> f64 {
+        self.aux_loss
     }
 
     /// Loss (mean over its tokens) of each microbatch whose route ends on this rank.
@@ -516,6 +526,9 @@ impl GraphStages {
     /// Keeps what the backward reads, records the loss; returns the output for the next stage.
     fn after_fw(&mut self, t: Task, mut env: Env, outs: Env) -> Result<Option<Tensor>, StageError> {
         self.count_expert_load(t, &outs)?;
+        for aux in outs.iter().filter(|(k, _)| k.starts_with(AUX_LOSS)).map(|(_, v)| v) {
+            self.aux_loss += to_f64(aux).map_err(|source| StageError::Tensor { stage: t.stage, source })?[0];
+        }
         let st = self.stage(t)?;
         env.extend(outs);
         let loss = if st.last {

@@ -167,6 +167,8 @@ pub struct StepReport {
     pub step: u64,
     /// Step loss: mean over the microbatches of their mean token loss (nats per token).
     pub loss: f64,
+    /// The MoE auxiliary balance loss of the step (see [`RankStepReport::aux_loss`]).
+    pub aux_loss: f64,
     /// Global L2 norm of the gradients before clipping.
     pub grad_norm: f64,
     /// Learning rate used.
@@ -398,6 +400,7 @@ impl Trainer {
         Ok(StepReport {
             step: first.step,
             loss: first.loss,
+            aux_loss: first.aux_loss,
             grad_norm: first.grad_norm,
             lr: first.lr,
             timeline: Timeline {

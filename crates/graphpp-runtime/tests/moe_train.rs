@@ -272,3 +272,26 @@ fn overlapped_f_and_b_hide_the_expert_all_to_alls() {
     }
     assert_eq!(overlaps, 3, "DualPipeV p=2 m=4 overlaps three F&B on rank 1");
 }
+
+/// The auxiliary balance loss (α = 0.1) is reported per step as a mean over microbatches and
+/// replicas of the MoE layers' sum: the same on one rank, DualPipeV on 2, with 2 replicas, and
+/// with expert parallelism (a wrong average over microbatches or replicas would differ by 2× or
+/// 4×); a near-uniform routing gives about α per layer (Σ f_i P_i = 1 when uniform), and none
+/// without α.
+#[test]
+fn the_aux_loss_is_reported_the_same_in_every_layout() {
+    let aux = |kind: Kind, p: usize, v: usize, dp: usize, ep: usize, alpha: f64| {
+        let model = Arc::new(MoeConfig { aux_loss_alpha: alpha, ..model() });
+        let s = TrainSetup { model, batch: 2, dp, ep, ..common::tiny_setup(kind, p, v, 4) };
+        Trainer::new(s).unwrap().step(data(0)).unwrap().aux_loss
+    };
+    let one = aux(Kind::OneFOneB, 1, 1, 1, 1, 0.1);
+    assert!(one > 0.1 * 3.0 * 0.8 && one < 0.1 * 3.0 * 2.0, "3 layers at α = 0.1: {one}");
+    for (kind, p, v, dp, ep) in
+        [(Kind::DualPipeV, 2, 2, 1, 1), (Kind::DualPipeV, 2, 2, 2, 1), (Kind::DualPipeV, 2, 2, 2, 2)]
+    {
+        let got = aux(kind, p, v, dp, ep, 0.1);
+        assert!((got - one).abs() <= 1e-5 * one, "{kind} p={p} dp={dp} ep={ep}: {got} vs {one}");
+    }
+    assert_eq!(aux(Kind::OneFOneB, 1, 1, 1, 1, 0.0), 0.0);
+}

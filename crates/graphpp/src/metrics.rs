@@ -42,6 +42,10 @@ pub struct StepRecord {
     /// Achieved model FLOP/s of the step (`graphpp_models::flops_per_token` × tokens/s).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops_per_s: Option<f64>,
+    /// The MoE auxiliary balance loss of the step (a model with `aux_loss_alpha` > 0; see
+    /// `graphpp_runtime::StepReport::aux_loss`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aux_loss: Option<f64>,
 }
 
 /// Errors of the metrics file, naming it.
@@ -151,6 +155,7 @@ mod tests {
             flops_per_s: None,
             resident_bytes: None,
             boundary_wait_s: None,
+            aux_loss: None,
         }
     }
 

@@ -21,6 +21,7 @@ fn rec(step: u64, loss: f64, val_loss: Option<f64>, tokens_per_s: f64) -> StepRe
         resident_bytes: None,
         boundary_wait_s: None,
         flops_per_s: None,
+        aux_loss: None,
     }
 }
 

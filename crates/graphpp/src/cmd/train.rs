@@ -478,6 +478,7 @@ fn after_step(
         resident_bytes: Some(r.resident_bytes.clone()),
         boundary_wait_s: Some(r.boundary_wait_s.clone()),
         flops_per_s: Some(flops_per_s),
+        aux_loss: (r.aux_loss != 0.0).then_some(r.aux_loss),
     })?;
     let Some(v) = v else { return Ok(None) };
     // The checkpoint first: a failing terminal must not cost the step.
@@ -498,7 +499,8 @@ fn after_step(
             flops_per_s / 1e9,
             mib(&r.peak_bytes),
             mib(&r.resident_bytes),
-        ) + &expert_balance(&r.expert_load).map_or(String::new(), |b| format!("  {b}")),
+        ) + &expert_balance(&r.expert_load).map_or(String::new(), |b| format!("  {b}"))
+            + &(if r.aux_loss != 0.0 { format!("  aux loss {:.4}", r.aux_loss) } else { String::new() }),
     )?;
     Ok(Some((Some(v), saved)))
 }
