@@ -283,6 +283,39 @@ fn verify_as_four_processes_with_data_parallelism_fsdp_and_ep() {
     }
 }
 
+/// Expert-parallel training as four processes (`--ep 2`, DualPipeV): the leader's `--trace`
+/// holds the stage graphs' all-to-alls of both pipeline ranks — rank 1's gathered from its
+/// process, labels included — as async slices on the comm tracks, and the summary reports them.
+#[test]
+fn expert_parallel_training_traces_the_all_to_alls_of_every_rank() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let trace = d.path().join("trace.json");
+    let extra = ["--model", "moe-tiny", "--ep", "2", "--schedule", "dualpipev", "--steps", "2"];
+    let (ok, o, e) = run({
+        let mut c = mpirun(4);
+        c.args(train_args(&data, &extra)).args(["--trace", trace.to_str().unwrap()]);
+        c
+    });
+    assert!(ok, "{o}\n{e}");
+    assert!(o.contains("in-graph collectives (per rank and step)"), "{o}");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let slices: Vec<&serde_json::Value> =
+        v["traceEvents"].as_array().unwrap().iter().filter(|e| e["ph"] == "b").collect();
+    for tid in [2, 3] {
+        let on: Vec<&str> =
+            slices.iter().filter(|e| e["tid"] == tid).filter_map(|e| e["name"].as_str()).collect();
+        assert!(
+            on.iter().any(|n| n.starts_with("ep.dispatch all_to_all_v (forward)")),
+            "comm track {tid}: {on:?}"
+        );
+        assert!(
+            on.iter().any(|n| n.starts_with("ep.combine all_to_all_v (backward)")),
+            "comm track {tid}: {on:?}"
+        );
+    }
+}
+
 /// A rank that fails on its own — the same command line, but rank 1's working folder has no
 /// corpus at the relative `--data` path, as on a misconfigured host: it reports its error naming
 /// itself; rank 0, already waiting in step 1, stops within seconds with an error naming rank 1;
