@@ -8,4 +8,5 @@ pub mod metrics;
 pub mod pretrained;
 pub mod report;
 pub mod stop;
+pub mod strategy;
 pub mod train;

@@ -15,6 +15,7 @@ use graphpp::checkpoint::CheckpointError;
 use graphpp::launch::Launch;
 use graphpp::metrics::{MetricsLog, StepRecord};
 use graphpp::stop::{Interrupted, StopRequest, StopSignal};
+use graphpp::strategy::Strategy;
 use graphpp::train::{
     bubble_summary, check_checkpoint_dir, comm_summary, joined_timeline, newest_checkpoint, Run, RunConfig,
     RunError,
@@ -183,9 +184,49 @@ pub struct TrainArgs {
     /// gradients, AdamW state and loss; bf16 activations and messages between ranks).
     #[arg(long, default_value = "f32", value_parser = crate::cmd::parse_compute_dtype)]
     dtype: graphpp_graph::DType,
+    /// Run the strategy of a TOML (or .json) file: its directives place, replicate, shard, split,
+    /// order and recompute stand for --ranks, --stages-per-rank, --layers-per-stage, --dp,
+    /// --fsdp, --ep, --microbatches, --microbatch-size, --schedule, --post-validate and
+    /// --recompute (which it excludes). See --print-strategy.
+    #[arg(long, value_name = "FILE", conflicts_with_all = STRATEGY_FLAGS)]
+    strategy: Option<PathBuf>,
+    /// Print the strategy of the flags given (or of --strategy) as TOML and exit: the file
+    /// --strategy runs the same way.
+    #[arg(long)]
+    print_strategy: bool,
 }
 
+/// The flags a strategy file stands for (see [`graphpp::strategy`]).
+const STRATEGY_FLAGS: [&str; 11] = [
+    "schedule",
+    "ranks",
+    "stages_per_rank",
+    "layers_per_stage",
+    "microbatches",
+    "microbatch_size",
+    "dp",
+    "ep",
+    "fsdp",
+    "post_validate",
+    "recompute",
+];
+
 impl TrainArgs {
+    /// Takes the settings of strategy `s` (the flags it stands for).
+    fn apply_strategy(&mut self, s: &Strategy) {
+        self.schedule = s.order.schedule;
+        self.post_validate = s.order.post_validate;
+        self.ranks = s.place.ranks;
+        self.stages_per_rank = Some(s.stages_per_rank());
+        self.layers_per_stage = s.place.layers_per_stage.clone();
+        self.microbatches = s.split.microbatches;
+        self.microbatch_size = s.split.microbatch_size;
+        self.dp = Some(s.replicate.dp);
+        self.fsdp = s.shard.fsdp;
+        self.ep = s.shard.ep;
+        self.recompute = s.recompute.policy;
+    }
+
     /// Data-parallel replicas: `--dp`, else the `--ep` degree.
     fn dp(&self) -> usize {
         self.dp.unwrap_or(self.ep)
@@ -258,7 +299,15 @@ fn progress(steps: u64, done: u64) -> ProgressBar {
 /// failing rank (naming rank, step and action); [`graphpp::stop::Interrupted`] after SIGINT /
 /// SIGTERM, once the current step is finished and saved. Under `mpirun` a failing process tells
 /// every other one to stop, naming its rank.
-pub fn run(a: TrainArgs) -> Result<()> {
+pub fn run(mut a: TrainArgs) -> Result<()> {
+    if let Some(path) = &a.strategy {
+        let s = Strategy::load(path)?;
+        a.apply_strategy(&s);
+    }
+    if a.print_strategy {
+        out!("{}", Strategy::of_config(&a.config(None)?)?.to_toml().trim_end());
+        return Ok(());
+    }
     Launch::run(
         crate::cmd::announce,
         |e| e.downcast_ref::<Interrupted>().is_some(),

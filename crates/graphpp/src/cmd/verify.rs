@@ -12,6 +12,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use graphpp::launch::Launch;
+use graphpp::strategy::Strategy;
 use graphpp_graph::DType;
 use graphpp_runtime::verify::{
     check_tolerance, compare, data_parallel_step, default_tolerance, single_device_step, verify_step,
@@ -25,18 +26,18 @@ use crate::cmd::value::count;
 #[derive(Args)]
 pub struct VerifyArgs {
     /// Schedule kind (`1f1b`, `zbv`, `dualpipev`, …; PyTorch class names accepted).
-    #[arg(long)]
-    schedule: Kind,
+    #[arg(long, required_unless_present = "strategy")]
+    schedule: Option<Kind>,
     /// p: ranks in the pipeline (one thread each; under mpirun, one process each).
-    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
-    ranks: usize,
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, required_unless_present = "strategy")]
+    ranks: Option<usize>,
     /// v: stages per rank (S = p·v; DualPipe's 2p stages hold two copies of a p-stage split);
     /// default 2 for interleaved kinds, ZB-V and DualPipe(V), else 1.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     stages_per_rank: Option<usize>,
     /// m: microbatches in the step.
-    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
-    microbatches: usize,
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, required_unless_present = "strategy")]
+    microbatches: Option<usize>,
     /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`) or a JSON config file with
     /// Hugging Face field names (DeepSeek-V3 MoE fields make it a MoE model).
     #[arg(long, default_value = "tiny")]
@@ -85,6 +86,49 @@ pub struct VerifyArgs {
     /// (default 1e-5, or 5e-2 when either step computes in bf16).
     #[arg(long, allow_hyphen_values = true)]
     tolerance: Option<f64>,
+    /// Verify the strategy of a TOML (or .json) file (see `train --strategy`): it stands for
+    /// --schedule, --ranks, --stages-per-rank, --layers-per-stage, --microbatches,
+    /// --microbatch-size, --dp, --ep and --fsdp. Its recompute policy and post-validation do not
+    /// change the gradients and are not run here.
+    #[arg(long, value_name = "FILE", conflicts_with_all = VERIFY_STRATEGY_FLAGS)]
+    strategy: Option<PathBuf>,
+}
+
+/// The flags a strategy file stands for in `verify`.
+const VERIFY_STRATEGY_FLAGS: [&str; 9] = [
+    "schedule",
+    "ranks",
+    "stages_per_rank",
+    "layers_per_stage",
+    "microbatches",
+    "microbatch_size",
+    "dp",
+    "ep",
+    "fsdp",
+];
+
+impl VerifyArgs {
+    /// Takes the settings of strategy `s` (the flags it stands for).
+    fn apply_strategy(&mut self, s: &Strategy) {
+        self.schedule = Some(s.order.schedule);
+        self.ranks = Some(s.place.ranks);
+        self.stages_per_rank = Some(s.stages_per_rank());
+        self.layers_per_stage = s.place.layers_per_stage.clone();
+        self.microbatches = Some(s.split.microbatches);
+        self.microbatch_size = s.split.microbatch_size;
+        self.dp = Some(s.replicate.dp);
+        self.ep = s.shard.ep;
+        self.fsdp = s.shard.fsdp;
+    }
+
+    /// The schedule kind, ranks and microbatches (clap requires them unless --strategy, which
+    /// sets them).
+    fn step_shape(&self) -> Result<(Kind, usize, usize)> {
+        match (self.schedule, self.ranks, self.microbatches) {
+            (Some(k), Some(p), Some(m)) => Ok((k, p, m)),
+            _ => bail!("--schedule, --ranks and --microbatches are required (or --strategy)"),
+        }
+    }
 }
 
 /// A difference above the tolerance: the step ran, so no rank failed.
@@ -94,7 +138,11 @@ struct AboveTolerance(f64);
 
 /// Runs `graphpp verify`. Errors: bad shape or model (typed, with the numbers), a failing rank,
 /// or a difference above the tolerance.
-pub fn run(a: VerifyArgs) -> Result<()> {
+pub fn run(mut a: VerifyArgs) -> Result<()> {
+    if let Some(path) = &a.strategy {
+        let s = Strategy::load(path)?;
+        a.apply_strategy(&s);
+    }
     Launch::run(
         crate::cmd::announce,
         |e| e.downcast_ref::<AboveTolerance>().is_some(),
@@ -103,6 +151,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
 }
 
 fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
+    let (kind, ranks, microbatches) = a.step_shape()?;
     if let Some(t) = a.tolerance {
         check_tolerance(t)?;
     }
@@ -114,9 +163,9 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
             if a.dp.is_none() { " (--dp defaults to --ep)" } else { "" }
         );
     }
-    launch.check_world(a.ranks, dp)?;
+    launch.check_world(ranks, dp)?;
     launch.agree("the command line", graphpp::launch::command_fingerprint(""))?;
-    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { a.ranks * dp };
+    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp };
     crate::cmd::set_op_threads(local_ranks, None);
     let (mut model, weights, name) = match &a.init_from {
         Some(dir) => {
@@ -133,9 +182,9 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
         model.base_mut().num_hidden_layers = l;
         model.validate().context("--layers")?;
     }
-    let v = a.stages_per_rank.unwrap_or_else(|| a.schedule.default_stages_per_rank());
-    let shape = Shape::new(a.ranks, v, a.microbatches);
-    let mut setup = VerifySetup::new(model, a.schedule, shape, a.microbatch_size, a.seq_len);
+    let v = a.stages_per_rank.unwrap_or_else(|| kind.default_stages_per_rank());
+    let shape = Shape::new(ranks, v, microbatches);
+    let mut setup = VerifySetup::new(model, kind, shape, a.microbatch_size, a.seq_len);
     setup.seed = a.seed;
     setup.layers_per_stage = a.layers_per_stage.clone();
     setup.weights = weights;
@@ -148,7 +197,7 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     let t0 = Instant::now();
     let r = if launch.world() > 1 {
         let local = a.microbatch_size / dp;
-        graphpp_runtime::check_step(&*setup.model, a.schedule, &shape, local, a.seq_len, true)?;
+        graphpp_runtime::check_step(&*setup.model, kind, &shape, local, a.seq_len, true)?;
         // Every process runs its rank; the leader gets the gradients and compares.
         let Some(pipelined) = data_parallel_step(&setup, launch.comm())? else { return Ok(()) };
         compare(&pipelined, &single_device_step(&setup)?)?
@@ -166,10 +215,10 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     };
     println!(
         "verify {} p={} v={} m={}{layout} (model {}, {} layer{}, B={} T={}, seed {}, {})",
-        a.schedule,
-        a.ranks,
+        kind,
+        ranks,
         v,
-        a.microbatches,
+        microbatches,
         name,
         setup.model.num_layers(),
         if setup.model.num_layers() == 1 { "" } else { "s" },

@@ -1,0 +1,312 @@
+//! Strategies as data (issue 12, after Piper's directives: `../seeds` 004): a training strategy
+//! is a small TOML (or JSON) file of six directives, each one decision about the distributed
+//! step —
+//!
+//! | directive   | fields                                                   | flags it stands for |
+//! |-------------|----------------------------------------------------------|---------------------|
+//! | `place`     | `ranks`, `stages_per_rank`, `layers_per_stage`, `stages` | `--ranks`, `--stages-per-rank`, `--layers-per-stage` |
+//! | `replicate` | `dp`                                                     | `--dp` |
+//! | `shard`     | `fsdp`, `ep`                                             | `--fsdp`, `--ep` |
+//! | `split`     | `microbatches`, `microbatch_size`                        | `--microbatches`, `--microbatch-size` |
+//! | `order`     | `schedule`, `post_validate`                              | `--schedule`, `--post-validate` |
+//! | `recompute` | `policy`                                                 | `--recompute` |
+//!
+//! `place.stages` lists the stages each rank holds (rank r's list is row r). The generators fix
+//! the placement of each schedule kind (a loop for interleaved kinds, a V for ZB-V and
+//! DualPipeV), so the field is checked, not chosen: a stage on no rank, or on other ranks than
+//! `order.schedule` puts it, is an error. `--print-strategy` writes it, so a printed strategy
+//! shows where every stage lives.
+//!
+//! `graphpp train --strategy FILE` (and `verify`) runs a strategy; `--print-strategy` prints the
+//! strategy of the flags given. Errors name the directive and the field.
+
+use std::path::{Path, PathBuf};
+
+use graphpp_models::Recompute;
+use graphpp_schedule::{generate, Kind, Options, Shape};
+use serde::{Deserialize, Serialize};
+
+/// A training strategy: the six directives (see the module doc).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Strategy {
+    /// Stages → ranks and layers → stages.
+    pub place: Place,
+    /// Data parallelism.
+    #[serde(default)]
+    pub replicate: Replicate,
+    /// Sharding over the data-parallel replicas.
+    #[serde(default)]
+    pub shard: Shard,
+    /// The batch into microbatches.
+    pub split: Split,
+    /// The order of the step's operations.
+    pub order: Order,
+    /// What the forward keeps for the backward.
+    #[serde(default)]
+    pub recompute: RecomputeDirective,
+}
+
+/// `place`: p pipeline ranks, v stages per rank, the decoder layers of each model stage, and
+/// (checked) the stages each rank holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Place {
+    /// p: pipeline ranks.
+    pub ranks: usize,
+    /// v: stages per rank (default: the schedule kind's, 2 for interleaved kinds, ZB-V and
+    /// DualPipe(V), else 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stages_per_rank: Option<usize>,
+    /// Decoder layers of each model stage (default: an even split).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers_per_stage: Option<Vec<usize>>,
+    /// The stages of each rank, row r = rank r (checked against `order.schedule`'s placement).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stages: Option<Vec<Vec<usize>>>,
+}
+
+/// `replicate`: data-parallel replicas of the pipeline (the world is `ranks × dp`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Replicate {
+    /// Replicas; must divide `split.microbatch_size`.
+    pub dp: usize,
+}
+
+impl Default for Replicate {
+    fn default() -> Self {
+        Replicate { dp: 1 }
+    }
+}
+
+/// `shard`: FSDP (ZeRO-3) over the replicas, and the expert-parallel degree.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Shard {
+    /// Parameters, gradients and AdamW state sharded over the replicas.
+    #[serde(default)]
+    pub fsdp: bool,
+    /// Routed experts split over groups of this many replicas (MoE models); must divide `dp`.
+    #[serde(default = "one")]
+    pub ep: usize,
+}
+
+impl Default for Shard {
+    fn default() -> Self {
+        Shard { fsdp: false, ep: 1 }
+    }
+}
+
+fn one() -> usize {
+    1
+}
+
+/// `split`: m microbatches of B sequences per step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Split {
+    /// m.
+    pub microbatches: usize,
+    /// B: sequences per microbatch (all replicas together).
+    pub microbatch_size: usize,
+}
+
+/// `order`: the schedule kind, and the optimizer step's order against the global checks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Order {
+    /// The named schedule kind (`zbv`, `1f1b`, `dualpipev`, …).
+    pub schedule: Kind,
+    /// Optimizer post-validation (zero-bubble paper, section 4).
+    #[serde(default)]
+    pub post_validate: bool,
+}
+
+/// `recompute`: the activation-recomputation policy of every stage.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecomputeDirective {
+    /// `save-all`, `stage-inputs`, `matmuls` or `layers`.
+    pub policy: Recompute,
+}
+
+/// A strategy file that cannot be run, naming the file and the directive and field.
+#[derive(Debug, thiserror::Error)]
+pub enum StrategyError {
+    /// The file cannot be read.
+    #[error("--strategy {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file is not a strategy: bad syntax, an unknown directive or field, a missing one, a
+    /// value of the wrong type (the parser's message names it, with its line).
+    #[error("--strategy {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// A directive's field has an impossible value.
+    #[error("strategy: {directive}.{field}: {reason}")]
+    Field {
+        /// The directive (`place`, `replicate`, …).
+        directive: &'static str,
+        /// The field.
+        field: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+fn field(directive: &'static str, field: &'static str, reason: String) -> StrategyError {
+    StrategyError::Field { directive, field, reason }
+}
+
+impl Strategy {
+    /// Reads and checks a strategy file: JSON when its name ends in `.json`, else TOML.
+    ///
+    /// # Errors
+    /// [`StrategyError::Read`], [`StrategyError::Parse`], and those of [`Strategy::check`].
+    pub fn load(path: &Path) -> Result<Strategy, StrategyError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| StrategyError::Read { path: path.into(), source })?;
+        let parse = |message: String| StrategyError::Parse { path: path.into(), message };
+        let s: Strategy = if path.extension().is_some_and(|e| e == "json") {
+            serde_json::from_str(&text).map_err(|e| parse(e.to_string()))?
+        } else {
+            toml::from_str(&text).map_err(|e| parse(e.to_string().trim_end().to_string()))?
+        };
+        s.check()?;
+        Ok(s)
+    }
+
+    /// The TOML text of the strategy, with a header saying what it is.
+    pub fn to_toml(&self) -> String {
+        let body = toml::to_string(self).expect("a strategy serialises");
+        format!("# graphpp strategy (graphpp train --strategy FILE)\n{body}")
+    }
+
+    /// v: `place.stages_per_rank`, else the kind's default.
+    pub fn stages_per_rank(&self) -> usize {
+        self.place.stages_per_rank.unwrap_or_else(|| self.order.schedule.default_stages_per_rank())
+    }
+
+    /// The pipeline shape (p, v, m).
+    pub fn shape(&self) -> Shape {
+        Shape::new(self.place.ranks, self.stages_per_rank(), self.split.microbatches)
+    }
+
+    /// Checks what the file alone decides: counts ≥ 1; `replicate.dp` divides
+    /// `split.microbatch_size`; `shard.ep` divides `replicate.dp`; `place.layers_per_stage` has
+    /// one entry per model stage; `place.stages` is the placement `order.schedule` generates for
+    /// the shape (every stage on exactly the rank the generator puts it).
+    ///
+    /// # Errors
+    /// [`StrategyError::Field`] naming the directive and field.
+    pub fn check(&self) -> Result<(), StrategyError> {
+        for (d, f, v) in [
+            ("place", "ranks", self.place.ranks),
+            ("place", "stages_per_rank", self.stages_per_rank()),
+            ("replicate", "dp", self.replicate.dp),
+            ("shard", "ep", self.shard.ep),
+            ("split", "microbatches", self.split.microbatches),
+            ("split", "microbatch_size", self.split.microbatch_size),
+        ] {
+            if v == 0 {
+                return Err(field(d, f, "must be at least 1".into()));
+            }
+        }
+        let (dp, b) = (self.replicate.dp, self.split.microbatch_size);
+        if !b.is_multiple_of(dp) {
+            return Err(field(
+                "replicate",
+                "dp",
+                format!("{dp} replicas do not divide split.microbatch_size {b}"),
+            ));
+        }
+        if !dp.is_multiple_of(self.shard.ep) {
+            let reason = format!("{} does not divide replicate.dp {dp}", self.shard.ep);
+            return Err(field("shard", "ep", reason));
+        }
+        let shape = self.shape();
+        let model_stages = if self.order.schedule == Kind::DualPipe { shape.ranks } else { shape.stages() };
+        if let Some(l) = self.place.layers_per_stage.as_ref().filter(|l| l.len() != model_stages) {
+            let reason = format!("{} entries for the {model_stages} model stages of this placement", l.len());
+            return Err(field("place", "layers_per_stage", reason));
+        }
+        if let Some(stages) = &self.place.stages {
+            self.check_stages(stages, &shape)?;
+        }
+        Ok(())
+    }
+
+    /// `place.stages` against the placement the schedule kind generates.
+    fn check_stages(&self, stages: &[Vec<usize>], shape: &Shape) -> Result<(), StrategyError> {
+        let bad = |reason: String| field("place", "stages", reason);
+        if stages.len() != shape.ranks {
+            return Err(bad(format!("{} rows for place.ranks = {}", stages.len(), shape.ranks)));
+        }
+        let kind = self.order.schedule;
+        let generated = generated_stages(kind, shape).map_err(|e| field("order", "schedule", e))?;
+        let total = generated.iter().flatten().max().map_or(0, |&s| s + 1);
+        if let Some(s) = (0..total).find(|s| !stages.iter().any(|row| row.contains(s))) {
+            return Err(bad(format!("stage {s} is on no rank")));
+        }
+        if let Some(s) = stages.iter().flatten().find(|&&s| s >= total) {
+            return Err(bad(format!("stage {s} does not exist: the shape has stages 0..{total}")));
+        }
+        for (r, (want, got)) in generated.iter().zip(stages).enumerate() {
+            let mut g = got.clone();
+            g.sort_unstable();
+            if &g != want {
+                return Err(bad(format!("rank {r} holds stages {got:?}, but {kind} places {want:?} there")));
+            }
+        }
+        Ok(())
+    }
+
+    /// The strategy of `c`'s settings, with the placement written out.
+    ///
+    /// # Errors
+    /// [`StrategyError::Field`] on `order.schedule` when the kind cannot generate the shape.
+    pub fn of_config(c: &crate::train::RunConfig) -> Result<Strategy, StrategyError> {
+        let shape = Shape::new(c.ranks, c.stages_per_rank, c.microbatches);
+        let stages = generated_stages(c.kind, &shape).map_err(|e| field("order", "schedule", e))?;
+        Ok(Strategy {
+            place: Place {
+                ranks: c.ranks,
+                stages_per_rank: Some(c.stages_per_rank),
+                layers_per_stage: c.layers_per_stage.clone(),
+                stages: Some(stages),
+            },
+            replicate: Replicate { dp: c.dp },
+            shard: Shard { fsdp: c.fsdp, ep: c.ep },
+            split: Split { microbatches: c.microbatches, microbatch_size: c.microbatch_size },
+            order: Order { schedule: c.kind, post_validate: c.post_validate },
+            recompute: RecomputeDirective { policy: c.recompute },
+        })
+    }
+}
+
+/// The stages each rank holds under `kind` at `shape` (sorted), from the generated schedule.
+fn generated_stages(kind: Kind, shape: &Shape) -> Result<Vec<Vec<usize>>, String> {
+    let s = generate(kind, shape, &Options::default()).map_err(|e| e.to_string())?;
+    let mut rows = vec![Vec::new(); shape.ranks];
+    for (stage, ranks) in s.placement() {
+        for r in ranks {
+            if let Some(row) = rows.get_mut(r) {
+                row.push(stage);
+            }
+        }
+    }
+    rows.iter_mut().for_each(|r| {
+        r.sort_unstable();
+        r.dedup();
+    });
+    Ok(rows)
+}

@@ -1,0 +1,170 @@
+//! Strategies as data (issue 12): every flag combination of `train` printed with
+//! `--print-strategy` prints back as itself and, run with `--strategy`, trains bit for bit as
+//! the flags do (losses and gradient norms of 3 steps); bad strategy
+//! files are refused before any work with an error naming the directive and field.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use assert_cmd::Command;
+
+fn graphpp() -> Command {
+    Command::cargo_bin("graphpp").expect("binary builds")
+}
+
+/// The non-strategy flags of these runs: data, sequence length, steps, no sample.
+fn common_args(data: &Path, metrics: &Path) -> Vec<String> {
+    let args = ["--data", data.to_str().unwrap(), "--seq-len", "16", "--steps", "3", "--sample-bytes", "0"];
+    let more = ["--eval-every", "0", "--metrics", metrics.to_str().unwrap(), "--threads-per-rank", "1"];
+    args.iter().chain(&more).map(|s| s.to_string()).collect()
+}
+
+/// Each step's loss and gradient norm, as bits.
+fn losses(path: &Path) -> Vec<(u64, u64)> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["loss"].as_f64().unwrap().to_bits(), v["grad_norm"].as_f64().unwrap().to_bits())
+        })
+        .collect()
+}
+
+#[test]
+fn printed_strategies_train_as_their_flags() {
+    let d = tempfile::tempdir().unwrap();
+    let data = common::corpus(d.path(), 200);
+    let combos: [&[&str]; 7] = [
+        &["--microbatch-size", "2", "--microbatches", "4"],
+        &["--schedule", "1f1b", "--ranks", "4", "--microbatch-size", "2", "--microbatches", "4"],
+        &[
+            "--schedule",
+            "interleaved-1f1b",
+            "--layers-per-stage",
+            "1,1,1,1",
+            "--microbatch-size",
+            "2",
+            "--microbatches",
+            "4",
+        ],
+        &["--schedule", "dualpipev", "--dp", "2", "--fsdp", "--microbatch-size", "4", "--microbatches", "4"],
+        &[
+            "--schedule",
+            "zbv",
+            "--recompute",
+            "layers",
+            "--post-validate",
+            "--microbatch-size",
+            "2",
+            "--microbatches",
+            "4",
+        ],
+        &[
+            "--model",
+            "moe-tiny",
+            "--schedule",
+            "1f1b",
+            "--ep",
+            "2",
+            "--microbatch-size",
+            "2",
+            "--microbatches",
+            "2",
+        ],
+        &["--schedule", "gpipe", "--stages-per-rank", "1", "--microbatch-size", "2", "--microbatches", "3"],
+    ];
+    for (i, flags) in combos.iter().enumerate() {
+        // The model is not a strategy directive: it stays a flag of both runs.
+        let model: Vec<&str> =
+            flags.windows(2).filter(|w| w[0] == "--model").flat_map(|w| w.to_vec()).collect();
+        let out = graphpp().args(["train", "--print-strategy"]).args(*flags).output().unwrap();
+        assert!(out.status.success(), "{flags:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let file = d.path().join(format!("s{i}.toml"));
+        std::fs::write(&file, &out.stdout).unwrap();
+        // Every directive reaches the run's settings: the file prints back as itself.
+        let again = graphpp()
+            .args(["train", "--print-strategy", "--strategy", file.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&again.stdout), String::from_utf8_lossy(&out.stdout), "{flags:?}");
+        let (by_flags, by_file) =
+            (d.path().join(format!("f{i}.jsonl")), d.path().join(format!("s{i}.jsonl")));
+        graphpp().arg("train").args(*flags).args(common_args(&data, &by_flags)).assert().success();
+        graphpp()
+            .args(["train", "--strategy", file.to_str().unwrap()])
+            .args(&model)
+            .args(common_args(&data, &by_file))
+            .assert()
+            .success();
+        let (a, b) = (losses(&by_flags), losses(&by_file));
+        assert_eq!(a.len(), 3, "{flags:?}");
+        assert_eq!(
+            a,
+            b,
+            "{flags:?}: the strategy file trains differently:\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+}
+
+/// Writes `text` to `name` in `dir`.
+fn file(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn bad_strategy_files_are_refused_naming_the_directive() {
+    let d = tempfile::tempdir().unwrap();
+    let data = common::corpus(d.path(), 200);
+    let ok =
+        "[place]\nranks = 2\n[split]\nmicrobatches = 4\nmicrobatch_size = 8\n[order]\nschedule = \"1f1b\"\n";
+    let cases = [
+        (format!("{ok}[pipeline]\nx = 1\n"), "unknown field `pipeline`"),
+        (ok.replace("ranks = 2", "rank = 2"), "unknown field `rank`"),
+        (ok.replace("[split]\nmicrobatches = 4\n", "[split]\n"), "missing field `microbatches`"),
+        (ok.replace("ranks = 2", "ranks = 2\nstages = [[0], [0]]"), "place.stages: stage 1 is on no rank"),
+        (
+            format!("{ok}[replicate]\ndp = 3\n"),
+            "replicate.dp: 3 replicas do not divide split.microbatch_size 8",
+        ),
+        (format!("{ok}[replicate]\ndp = 2\n[shard]\nep = 4\n"), "shard.ep: 4 does not divide replicate.dp 2"),
+        (
+            ok.replace("ranks = 2", "ranks = 2\nlayers_per_stage = [4]"),
+            "place.layers_per_stage: 1 entries for the 2",
+        ),
+        (
+            ok.replace("\"1f1b\"", "\"zbv\"").replace("ranks = 2", "ranks = 2\nstages = [[0, 1], [2, 3]]"),
+            "but zbv places [0, 3] there",
+        ),
+        (ok.replace("microbatches = 4", "microbatches = 0"), "split.microbatches: must be at least 1"),
+    ];
+    for (i, (text, says)) in cases.iter().enumerate() {
+        let f = file(d.path(), &format!("bad{i}.toml"), text);
+        let out = graphpp()
+            .args(["train", "--strategy", f.to_str().unwrap(), "--data", data.to_str().unwrap()])
+            .args(["--checkpoint-dir", d.path().join("ck").to_str().unwrap()])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "case {i}: expected `{says}` in:\n{err}");
+        assert!(!d.path().join("ck").exists(), "case {i}: no work before the error");
+        let out = graphpp().args(["verify", "--strategy", f.to_str().unwrap()]).output().unwrap();
+        assert!(String::from_utf8_lossy(&out.stderr).contains(says), "verify, case {i}");
+    }
+    // A flag the strategy stands for is refused beside it; a missing file is named.
+    let f = file(d.path(), "ok.toml", ok);
+    let out = graphpp().args(["train", "--strategy", f.to_str().unwrap(), "--ranks", "4"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with '--ranks"));
+    let out = graphpp().args(["train", "--strategy", "/nonexistent/s.toml"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--strategy /nonexistent/s.toml"));
+    // JSON works too, and verify runs a strategy.
+    let json = r#"{"place": {"ranks": 2}, "split": {"microbatches": 4, "microbatch_size": 2}, "order": {"schedule": "zbv"}}"#;
+    let f = file(d.path(), "s.json", json);
+    let out = graphpp().args(["verify", "--strategy", f.to_str().unwrap()]).output().unwrap();
+    let o = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && o.contains("verify zbv p=2 v=2 m=4") && o.contains("PASS"), "{o}");
+}
