@@ -34,6 +34,51 @@ pub fn stage_specs(
     Ok((0..s).map(|st| specs[st % model_stages].clone()).collect())
 }
 
+/// The compute-only schedule of a run: `given` (e.g. read from a file: an order of one's own)
+/// when there is one, else `kind`'s generated one. A given schedule keeps `kind`'s placement —
+/// `kind` names the placement family (a loop, a V, DualPipe's copies) that the stage split and
+/// memory estimate follow — and fits `shape`: p ranks, S = p·v stages, m microbatches, F/B/I/W
+/// and OVERLAP_F_B only (graphpp lowers it). The order within each rank is the given one, checked
+/// by the validator (every dependency met, no deadlock).
+///
+/// # Errors
+/// [`VerifyError::ScheduleFile`] naming what does not fit; [`VerifyError::Generate`] when the
+/// kind cannot serve the shape.
+pub fn compute_schedule(
+    kind: Kind,
+    shape: &Shape,
+    options: &graphpp_schedule::Options,
+    given: Option<&Schedule>,
+) -> Result<Schedule, VerifyError> {
+    let generated = graphpp_schedule::generate(kind, shape, options)?;
+    let Some(given) = given else { return Ok(generated) };
+    let bad = |m: String| VerifyError::ScheduleFile(m);
+    let expect = graphpp_schedule::ValidateOptions {
+        microbatches: Some(shape.microbatches),
+        ranks: Some(shape.ranks),
+        stages: Some(generated.placement().len()),
+    };
+    let summary = graphpp_schedule::validate(given, &expect).map_err(|e| {
+        bad(format!(
+            "not a valid schedule for p={} ranks, {} stages, m={} microbatches: {e}",
+            shape.ranks,
+            generated.placement().len(),
+            shape.microbatches
+        ))
+    })?;
+    if summary.lowered {
+        return Err(bad("it has communication actions: give the compute-only order (F, B, I, W, OVERLAP_F_B); graphpp lowers it".into()));
+    }
+    let (want, got) = (generated.placement(), given.placement());
+    if let Some((stage, ranks)) = got.iter().find(|(s, r)| want.get(s) != Some(*r)) {
+        return Err(bad(format!(
+            "stage {stage} runs on rank(s) {ranks:?}, but {kind} places it on {:?} (the file must keep its kind's placement)",
+            want.get(stage).cloned().unwrap_or_default()
+        )));
+    }
+    Ok(given.clone())
+}
+
 /// What a rank's stages are built from: the model, the model stage each schedule stage runs
 /// (`specs[s]`, from [`stage_specs`]), the stage options and the initial weights — `given` by
 /// name (e.g. pretrained; a tied embedding's copies both read `model.embed_tokens.weight`), else

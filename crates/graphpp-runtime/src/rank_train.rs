@@ -32,11 +32,11 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use graphpp_models::{ExpertShard, StageOptions, StageSpec};
-use graphpp_schedule::{generate, lower, CommSpan, Interval, LowerOptions, Schedule};
+use graphpp_schedule::{lower, CommSpan, Interval, LowerOptions, Schedule};
 
 use crate::mesh::Coords;
 
-use crate::build::{stage_specs, StageBuild};
+use crate::build::{compute_schedule, stage_specs, StageBuild};
 use crate::clip::{clip_scale, local_sq_norm, scale_grads};
 use crate::comm::{Comm, Group, Pending, Tag, TagKind};
 use crate::data_parallel::DataParallel;
@@ -60,7 +60,7 @@ pub fn train_schedule(setup: &TrainSetup) -> Result<Schedule, TrainError> {
     check_ep(setup)?;
     let local = setup.batch / setup.dp;
     crate::memory::check_step(&*setup.model, setup.kind, &setup.shape, local, setup.seq, false)?;
-    let schedule = generate(setup.kind, &setup.shape, &setup.options).map_err(VerifyError::from)?;
+    let schedule = compute_schedule(setup.kind, &setup.shape, &setup.options, setup.schedule.as_deref())?;
     Ok(lower(&schedule, &lower_options(setup)).map_err(VerifyError::from)?)
 }
 

@@ -102,6 +102,9 @@ pub struct TrainSetup {
     pub shape: Shape,
     /// Generator options (group size, zb-auto costs).
     pub options: Options,
+    /// A compute-only order of one's own (e.g. from a schedule file) run instead of `kind`'s
+    /// generated one; it keeps `kind`'s placement ([`crate::build::compute_schedule`]).
+    pub schedule: Option<Arc<Schedule>>,
     /// Decoder layers of each model stage; `None` splits evenly.
     pub layers_per_stage: Option<Vec<usize>>,
     /// Sequences per microbatch `B` (the global microbatch: each data-parallel replica runs

@@ -28,7 +28,7 @@ use graphpp_graph::names::{LOSS, TARGETS, TOKENS};
 use graphpp_graph::{stage_graphs, DType, GraphError, RecomputePolicy};
 use graphpp_models::rng::Rng;
 use graphpp_models::{split_layers, Model, ModelError, StageOptions};
-use graphpp_schedule::{generate, lower, GenerateError, Kind, LowerError, LowerOptions, Options, Shape};
+use graphpp_schedule::{lower, GenerateError, Kind, LowerError, LowerOptions, Options, Schedule, Shape};
 
 use crate::build::{stage_specs, StageBuild};
 use crate::executor::{run_named, tensor_u32, to_f64, ExecError, RunOptions};
@@ -79,6 +79,10 @@ pub enum VerifyError {
         /// Model stages the shape needs (S = p·v, or p for DualPipe).
         stages: usize,
     },
+    /// A schedule given as data (a file) that does not fit the run: another shape, another
+    /// placement than its kind's, or not compute-only ([`crate::build::compute_schedule`]).
+    #[error("schedule file: {0}")]
+    ScheduleFile(String),
     /// The kind cannot serve the shape.
     #[error(transparent)]
     Generate(#[from] GenerateError),
@@ -125,6 +129,9 @@ pub struct VerifySetup {
     pub shape: Shape,
     /// Generator options (group size, zb-auto costs).
     pub options: Options,
+    /// A compute-only order of one's own run instead of `kind`'s generated one (see
+    /// [`crate::TrainSetup::schedule`]).
+    pub schedule: Option<Arc<Schedule>>,
     /// Sequences per microbatch `B`.
     pub batch: usize,
     /// Tokens per sequence `T`.
@@ -160,6 +167,7 @@ impl VerifySetup {
             kind,
             shape,
             options: Options::default(),
+            schedule: None,
             batch,
             seq,
             seed: 0,
@@ -261,7 +269,9 @@ fn collect_grads(workers: &[GraphStages]) -> Result<BTreeMap<String, Tensor>, Ve
 /// first failing rank ([`PipelineError`]).
 pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     // The schedule first: a shape the kind cannot serve is the more useful error.
-    let schedule = lower(&generate(setup.kind, &setup.shape, &setup.options)?, &LowerOptions::default())?;
+    let compute =
+        crate::build::compute_schedule(setup.kind, &setup.shape, &setup.options, setup.schedule.as_deref())?;
+    let schedule = lower(&compute, &LowerOptions::default())?;
     let specs = stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
     let m = setup.shape.microbatches;
     let data =
@@ -371,6 +381,7 @@ pub fn data_parallel_step(
         kind: setup.kind,
         shape: setup.shape,
         options: setup.options,
+        schedule: setup.schedule.clone(),
         layers_per_stage: setup.layers_per_stage.clone(),
         batch: setup.batch,
         dp: setup.dp,

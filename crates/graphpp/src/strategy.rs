@@ -8,7 +8,7 @@
 //! | `replicate` | `dp`                                                     | `--dp` |
 //! | `shard`     | `fsdp`, `ep`                                             | `--fsdp`, `--ep` |
 //! | `split`     | `microbatches`, `microbatch_size`                        | `--microbatches`, `--microbatch-size` |
-//! | `order`     | `schedule`, `post_validate`                              | `--schedule`, `--post-validate` |
+//! | `order`     | `schedule`, `file`, `post_validate`                      | `--schedule`, `--schedule-file`, `--post-validate` |
 //! | `recompute` | `policy`                                                 | `--recompute` |
 //!
 //! `place.stages` lists the stages each rank holds (rank r's list is row r). The generators fix
@@ -112,12 +112,18 @@ pub struct Split {
     pub microbatch_size: usize,
 }
 
-/// `order`: the schedule kind, and the optimizer step's order against the global checks.
+/// `order`: the schedule kind — or a schedule file of one's own that keeps the kind's
+/// placement — and the optimizer step's order against the global checks.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Order {
-    /// The named schedule kind (`zbv`, `1f1b`, `dualpipev`, …).
+    /// The named schedule kind (`zbv`, `1f1b`, `dualpipev`, …); with `file`, the placement
+    /// family the file keeps.
     pub schedule: Kind,
+    /// A compute-only schedule file (CSV or JSON) whose order runs instead of the kind's
+    /// generated one; relative to the strategy file's folder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<PathBuf>,
     /// Optimizer post-validation (zero-bubble paper, section 4).
     #[serde(default)]
     pub post_validate: bool,
@@ -181,6 +187,10 @@ impl Strategy {
         } else {
             toml::from_str(&text).map_err(|e| parse(e.to_string().trim_end().to_string()))?
         };
+        let mut s = s;
+        if let (Some(f), Some(dir)) = (&s.order.file, path.parent()) {
+            s.order.file = Some(dir.join(f));
+        }
         s.check()?;
         Ok(s)
     }
@@ -242,6 +252,17 @@ impl Strategy {
         if let Some(stages) = &self.place.stages {
             self.check_stages(stages, &shape)?;
         }
+        if let Some(path) = &self.order.file {
+            let bad = |e: String| field("order", "file", format!("{}: {e}", path.display()));
+            let given = crate::train::read_schedule_file(path).map_err(bad)?;
+            graphpp_runtime::build::compute_schedule(
+                self.order.schedule,
+                &shape,
+                &Options::default(),
+                Some(&given),
+            )
+            .map_err(|e| bad(e.to_string()))?;
+        }
         Ok(())
     }
 
@@ -287,7 +308,7 @@ impl Strategy {
             replicate: Replicate { dp: c.dp },
             shard: Shard { fsdp: c.fsdp, ep: c.ep },
             split: Split { microbatches: c.microbatches, microbatch_size: c.microbatch_size },
-            order: Order { schedule: c.kind, post_validate: c.post_validate },
+            order: Order { schedule: c.kind, file: c.schedule_file.clone(), post_validate: c.post_validate },
             recompute: RecomputeDirective { policy: c.recompute },
         })
     }

@@ -92,8 +92,12 @@ pub struct RunConfig {
     pub model_name: String,
     /// The model.
     pub model: ModelConfig,
-    /// Schedule kind.
+    /// Schedule kind (with `schedule_file`, the placement family the file keeps).
     pub kind: Kind,
+    /// A compute-only schedule file (CSV or JSON) whose order the run follows instead of
+    /// `kind`'s generated one (`--schedule-file`; it must keep `kind`'s placement).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule_file: Option<PathBuf>,
     /// p: ranks (one thread each).
     pub ranks: usize,
     /// v: stages per rank.
@@ -215,8 +219,13 @@ impl RunConfig {
                 ByteTokenizer::VOCAB
             )));
         }
-        graphpp_runtime::rank_train::check_ep(&train_setup(self)?)?;
+        let setup = train_setup(self)?;
+        graphpp_runtime::rank_train::check_ep(&setup)?;
         let shape = Shape::new(self.ranks, self.stages_per_rank, self.microbatches);
+        if let (Some(path), Some(given)) = (&self.schedule_file, &setup.schedule) {
+            graphpp_runtime::build::compute_schedule(self.kind, &shape, &Options::default(), Some(given))
+                .map_err(|e| RunError::Config(format!("--schedule-file {}: {e}", path.display())))?;
+        }
         graphpp_runtime::check_step(
             &self.model,
             self.kind,
@@ -252,6 +261,7 @@ impl RunConfig {
         RunConfig {
             model_name: String::new(),
             kind: Kind::Gpipe,
+            schedule_file: None,
             ranks: 0,
             stages_per_rank: 0,
             dp: 0,
@@ -549,6 +559,18 @@ fn describe_difference(saved: &RunConfig, now: &RunConfig) -> String {
     "its settings differ from this run's".into()
 }
 
+/// A schedule file (CSV or JSON, [`graphpp_schedule::Schedule::parse`]). Errors: why it cannot
+/// be read or is not a schedule (the caller names the file and its flag or field).
+pub fn read_schedule_file(path: &Path) -> Result<Arc<graphpp_schedule::Schedule>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    Ok(Arc::new(graphpp_schedule::Schedule::parse(&text).map_err(|e| e.to_string())?))
+}
+
+/// [`read_schedule_file`] of `--schedule-file`. Errors: [`RunError::Config`] naming it.
+fn schedule_flag(path: &Path) -> Result<Arc<graphpp_schedule::Schedule>, RunError> {
+    read_schedule_file(path).map_err(|e| RunError::Config(format!("--schedule-file {}: {e}", path.display())))
+}
+
 /// The runtime setup of `c`.
 fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
     Ok(TrainSetup {
@@ -556,6 +578,7 @@ fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         kind: c.kind,
         shape: Shape::new(c.ranks, c.stages_per_rank, c.microbatches),
         options: Options::default(),
+        schedule: c.schedule_file.as_deref().map(schedule_flag).transpose()?,
         layers_per_stage: c.layers_per_stage.clone(),
         batch: c.microbatch_size,
         dp: c.dp,

@@ -168,3 +168,77 @@ fn bad_strategy_files_are_refused_naming_the_directive() {
     let o = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && o.contains("verify zbv p=2 v=2 m=4") && o.contains("PASS"), "{o}");
 }
+
+/// A schedule file of one's own (`--schedule-file`, or `order.file` relative to the strategy
+/// file): GPipe's order in 1F1B's placement trains exactly as `--schedule gpipe`, and the trace
+/// shows the file's order ran (rank 0: all forwards first). A file for another shape, another
+/// placement, or already lowered is refused naming the file — before any work.
+#[test]
+fn schedule_files_run_their_order() {
+    let d = tempfile::tempdir().unwrap();
+    let data = common::corpus(d.path(), 200);
+    let order =
+        file(d.path(), "gpipe.csv", "0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n1F0,1F1,1F2,1F3,1B0,1B1,1B2,1B3\n");
+    let shape = ["--microbatches", "4", "--microbatch-size", "2"];
+    let run = |flags: &[&str], name: &str| {
+        let m = d.path().join(format!("{name}.jsonl"));
+        graphpp().arg("train").args(flags).args(common_args(&data, &m)).assert().success();
+        losses(&m)
+    };
+    let trace = d.path().join("t.json");
+    let file_flags = [
+        "--schedule",
+        "1f1b",
+        "--schedule-file",
+        order.to_str().unwrap(),
+        "--trace",
+        trace.to_str().unwrap(),
+    ];
+    let by_file = run(&[&file_flags[..], &shape[..]].concat(), "file");
+    assert_eq!(by_file, run(&[&["--schedule", "gpipe"][..], &shape[..]].concat(), "gpipe"));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let mut rank0: Vec<(f64, String)> = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["tid"] == 0)
+        .map(|e| (e["ts"].as_f64().unwrap(), e["name"].as_str().unwrap().to_string()))
+        .collect();
+    rank0.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let first: Vec<&str> = rank0.iter().take(5).map(|(_, n)| n.as_str()).collect();
+    assert_eq!(first, ["0F0", "0F1", "0F2", "0F3", "0B0"]);
+    // The same through a strategy whose order.file is relative to its folder.
+    let printed = graphpp()
+        .args(["train", "--print-strategy", "--schedule", "1f1b", "--schedule-file", "gpipe.csv"])
+        .args(shape)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&printed.stdout).into_owned();
+    assert!(text.contains("file = \"gpipe.csv\""), "{text}");
+    let s = file(d.path(), "s.toml", &text);
+    assert_eq!(run(&["--strategy", s.to_str().unwrap()], "strategy"), by_file);
+    // Refusals, naming the file and what does not fit.
+    let lowered = file(d.path(), "lowered.csv", "0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n");
+    for (flags, says) in [
+        (vec!["--schedule", "1f1b", "--microbatches", "8"], "m=8 microbatches"),
+        (vec!["--schedule", "zbv", "--microbatches", "4"], "expected 4"),
+    ] {
+        let out = graphpp()
+            .args(["train", "--schedule-file", order.to_str().unwrap(), "--data", data.to_str().unwrap()])
+            .args(flags)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("--schedule-file") && err.contains(says), "{err}");
+    }
+    let out = graphpp()
+        .args(["verify", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "1"])
+        .args(["--schedule-file", lowered.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("communication actions"));
+    let bad = file(d.path(), "bad.toml", &text.replace("microbatches = 4", "microbatches = 6"));
+    let out = graphpp().args(["train", "--strategy", bad.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("strategy: order.file:") && err.contains("m=6 microbatches"), "{err}");
+}

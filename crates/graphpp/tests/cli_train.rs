@@ -35,6 +35,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         model_name: "tiny".into(),
         model: graphpp_models::ModelConfig::Llama(LlamaConfig::tiny()),
         kind,
+        schedule_file: None,
         ranks: 2,
         stages_per_rank: kind.default_stages_per_rank(),
         microbatches: 4,

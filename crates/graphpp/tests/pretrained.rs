@@ -300,6 +300,7 @@ fn run_config(data: PathBuf, kind: Kind, ranks: usize) -> RunConfig {
         model_name: GELU.into(),
         model: graphpp_models::ModelConfig::Llama(model),
         kind,
+        schedule_file: None,
         ranks,
         stages_per_rank: kind.default_stages_per_rank(),
         microbatches: 4,

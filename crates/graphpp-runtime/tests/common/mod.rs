@@ -63,6 +63,7 @@ pub fn tiny_setup(kind: graphpp_schedule::Kind, p: usize, v: usize, m: usize) ->
         kind,
         shape: graphpp_schedule::Shape::new(p, v, m),
         options: graphpp_schedule::Options::default(),
+        schedule: None,
         layers_per_stage: None,
         batch: 1,
         dp: 1,

@@ -57,6 +57,11 @@ pub struct TrainArgs {
     /// Schedule kind (`zbv`, `1f1b`, `dualpipev`, …; PyTorch class names accepted).
     #[arg(long, default_value = "zbv")]
     schedule: Kind,
+    /// Follow the order of a compute-only schedule file (CSV or JSON: F, B, I, W, OVERLAP_F_B per
+    /// rank) instead of --schedule's generated one; it must keep --schedule's placement and fit
+    /// --ranks, --stages-per-rank and --microbatches (graphpp lowers it and checks it).
+    #[arg(long, value_name = "FILE")]
+    schedule_file: Option<PathBuf>,
     /// p: pipeline ranks (one thread each; under mpirun, one process each).
     #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     ranks: usize,
@@ -186,8 +191,8 @@ pub struct TrainArgs {
     dtype: graphpp_graph::DType,
     /// Run the strategy of a TOML (or .json) file: its directives place, replicate, shard, split,
     /// order and recompute stand for --ranks, --stages-per-rank, --layers-per-stage, --dp,
-    /// --fsdp, --ep, --microbatches, --microbatch-size, --schedule, --post-validate and
-    /// --recompute (which it excludes). See --print-strategy.
+    /// --fsdp, --ep, --microbatches, --microbatch-size, --schedule, --schedule-file,
+    /// --post-validate and --recompute (which it excludes). See --print-strategy.
     #[arg(long, value_name = "FILE", conflicts_with_all = STRATEGY_FLAGS)]
     strategy: Option<PathBuf>,
     /// Print the strategy of the flags given (or of --strategy) as TOML and exit: the file
@@ -197,8 +202,9 @@ pub struct TrainArgs {
 }
 
 /// The flags a strategy file stands for (see [`graphpp::strategy`]).
-const STRATEGY_FLAGS: [&str; 11] = [
+const STRATEGY_FLAGS: [&str; 12] = [
     "schedule",
+    "schedule_file",
     "ranks",
     "stages_per_rank",
     "layers_per_stage",
@@ -215,6 +221,7 @@ impl TrainArgs {
     /// Takes the settings of strategy `s` (the flags it stands for).
     fn apply_strategy(&mut self, s: &Strategy) {
         self.schedule = s.order.schedule;
+        self.schedule_file = s.order.file.clone();
         self.post_validate = s.order.post_validate;
         self.ranks = s.place.ranks;
         self.stages_per_rank = Some(s.stages_per_rank());
@@ -258,6 +265,7 @@ impl TrainArgs {
             model_name: self.init_from.as_ref().map_or(self.model.clone(), |d| d.display().to_string()),
             model,
             kind: self.schedule,
+            schedule_file: self.schedule_file.clone(),
             ranks: self.ranks,
             stages_per_rank: self.stages_per_rank.unwrap_or_else(|| self.schedule.default_stages_per_rank()),
             microbatches: self.microbatches,
@@ -743,7 +751,7 @@ fn print_header(run: &Run, threads: usize, processes: usize) -> Result<()> {
         if c.dtype == graphpp_graph::DType::BF16 { " in bf16 mixed precision" } else { "" },
         layers_text(&c.model),
         params as f64 / 1e6,
-        c.kind,
+        c.schedule_file.as_ref().map_or(c.kind.to_string(), |f| format!("{} (order of {})", c.kind, f.display())),
         c.ranks,
         c.stages_per_rank,
         c.microbatches,

@@ -28,6 +28,10 @@ pub struct VerifyArgs {
     /// Schedule kind (`1f1b`, `zbv`, `dualpipev`, …; PyTorch class names accepted).
     #[arg(long, required_unless_present = "strategy")]
     schedule: Option<Kind>,
+    /// Run the order of a compute-only schedule file (CSV or JSON) that keeps --schedule's
+    /// placement, instead of its generated one.
+    #[arg(long, value_name = "FILE")]
+    schedule_file: Option<PathBuf>,
     /// p: ranks in the pipeline (one thread each; under mpirun, one process each).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, required_unless_present = "strategy")]
     ranks: Option<usize>,
@@ -111,6 +115,7 @@ impl VerifyArgs {
     /// Takes the settings of strategy `s` (the flags it stands for).
     fn apply_strategy(&mut self, s: &Strategy) {
         self.schedule = Some(s.order.schedule);
+        self.schedule_file = s.order.file.clone();
         self.ranks = Some(s.place.ranks);
         self.stages_per_rank = Some(s.stages_per_rank());
         self.layers_per_stage = s.place.layers_per_stage.clone();
@@ -186,6 +191,13 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     let shape = Shape::new(ranks, v, microbatches);
     let mut setup = VerifySetup::new(model, kind, shape, a.microbatch_size, a.seq_len);
     setup.seed = a.seed;
+    if let Some(path) = &a.schedule_file {
+        let given = graphpp::train::read_schedule_file(path)
+            .map_err(|e| anyhow::anyhow!("--schedule-file {}: {e}", path.display()))?;
+        graphpp_runtime::build::compute_schedule(kind, &shape, &setup.options, Some(&given))
+            .with_context(|| format!("--schedule-file {}", path.display()))?;
+        setup.schedule = Some(given);
+    }
     setup.layers_per_stage = a.layers_per_stage.clone();
     setup.weights = weights;
     setup.dtype = a.dtype;
