@@ -223,8 +223,12 @@ proptest! {
         let sg = stage_graphs(&fw, &RecomputePolicy::SaveAll).unwrap();
         let (di, dw) = sg.di_dw.unwrap();
         for g in [&sg.fw, &sg.full_bw, &di, &dw] { verify(g).unwrap(); }
+        // Every node of full_bw runs in I or W; W may redo cheap ones (the cut holds fewer
+        // bytes), but each matmul runs exactly once.
         let compute = |g: &Graph| g.nodes.iter().filter(|n| !matches!(n.op, Op::Input { .. } | Op::Full { .. })).count();
-        prop_assert_eq!(compute(&di) + compute(&dw), compute(&sg.full_bw));
+        prop_assert!(compute(&di) + compute(&dw) >= compute(&sg.full_bw));
+        let matmuls = |g: &Graph| g.nodes.iter().filter(|n| matches!(n.op, Op::Matmul)).count();
+        prop_assert_eq!(matmuls(&di) + matmuls(&dw), matmuls(&sg.full_bw));
         let mut outs = di.output_names();
         outs.retain(|o| !o.starts_with("stash."));
         outs.extend(dw.output_names());

@@ -269,3 +269,47 @@ fn bf16_stage_graphs_say_where_precision_changes() {
     assert_eq!(casts(&plain), 0);
     assert!(plain.nodes.iter().all(|n| matches!(n.ty.dtype, DType::F32 | DType::U32)));
 }
+
+/// What W holds from I to W (its non-state inputs: the stash and the stage's saved values it
+/// reads) is chosen by a minimum cut: under every recompute policy it is no more than under
+/// save-all, on tiny and small (issue 12, item 7: the split used to hold 1,097,728 bytes under
+/// `layers` against 876,544 under save-all on tiny's stage 1 of 2); W runs no forward matmul —
+/// its matmul FLOPs are the weight gradients' alone, the same under every policy.
+#[test]
+fn w_holds_no_more_than_under_save_all_and_runs_no_forward_matmul() {
+    use graphpp_graph::Phase;
+    use graphpp_models::Recompute;
+    for cfg in [LlamaConfig::tiny(), LlamaConfig::small()] {
+        let opts = StageOptions::new(2, 64);
+        let specs = split_layers(cfg.num_hidden_layers, 2, None).unwrap();
+        let held = |policy: Recompute| {
+            let g = graphpp_graph::stage_graphs(
+                &build_stage(&cfg, &specs[1], &opts).unwrap(),
+                &policy.policy(&specs[1]),
+            )
+            .unwrap();
+            let (_, dw) = g.di_dw.expect("a later stage splits");
+            assert!(
+                dw.nodes.iter().all(|n| !matches!(n.op, Op::Matmul) || n.meta.phase == Phase::Backward),
+                "{policy:?}: a forward matmul in bw_dw"
+            );
+            let bytes: usize = dw
+                .input_specs()
+                .iter()
+                .filter(|i| !matches!(i.kind, InputKind::Parameter | InputKind::Buffer))
+                .map(|i| i.ty.size_bytes())
+                .sum();
+            (bytes, dw.matmul_flops())
+        };
+        let (save_all, flops) = held(Recompute::SaveAll);
+        for policy in [Recompute::Layers, Recompute::Matmuls, Recompute::StageInputs] {
+            let (bytes, f) = held(policy);
+            assert!(
+                bytes <= save_all,
+                "{} {policy:?}: W holds {bytes} bytes, save-all {save_all}",
+                cfg.hidden_size
+            );
+            assert_eq!(f, flops, "{policy:?}: W's matmuls are the weight gradients'");
+        }
+    }
+}
