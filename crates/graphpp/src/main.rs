@@ -55,7 +55,7 @@ fn report(line: &str) {
 }
 
 /// Prints clap's error and exits: status 1 when a value graphpp parses was rejected (`--ranks -1`,
-/// `--kind nope`, `--costs F=1,F=2`: an input graphpp rejects, and the message names the flag and
+/// `--schedule nope`, `--costs F=1,F=2`: an input graphpp rejects, and the message names the flag and
 /// the problem), else clap's own status (2 for a malformed command line, 0 for `--help`).
 fn exit_for(e: clap::Error) -> ! {
     let code = if e.kind() == ErrorKind::ValueValidation { 1 } else { e.exit_code() };

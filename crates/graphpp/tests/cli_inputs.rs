@@ -68,8 +68,16 @@ fn train_with_a_huge_microbatch_is_refused_from_the_memory_estimate() {
 
 #[test]
 fn generate_with_a_billion_microbatches_is_refused() {
-    let err =
-        rejected(&["schedule", "generate", "--kind", "1f1b", "--ranks", "4", "--microbatches", "1000000000"]);
+    let err = rejected(&[
+        "schedule",
+        "generate",
+        "--schedule",
+        "1f1b",
+        "--ranks",
+        "4",
+        "--microbatches",
+        "1000000000",
+    ]);
     has_all(&err, &["8.0e9 actions", "1.3 TB", "the limit is 3.0e7 actions"]);
 }
 
@@ -88,7 +96,7 @@ fn graph_with_a_long_sequence_is_refused_without_allocating() {
 // ---- numbers: finite, in range, given once ----
 
 fn simulate<'a>(extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec!["schedule", "simulate", "--kind", "1f1b", "--ranks", "2", "--microbatches", "2"];
+    let mut args = vec!["schedule", "simulate", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "2"];
     args.extend_from_slice(extra);
     args
 }
@@ -139,7 +147,7 @@ fn an_infinite_memory_cap_is_refused_for_not_being_finite() {
     let err = rejected(&[
         "schedule",
         "generate",
-        "--kind",
+        "--schedule",
         "zb-auto",
         "--ranks",
         "2",
@@ -187,7 +195,7 @@ fn an_option_the_kind_ignores_is_refused() {
     let err = rejected(&[
         "schedule",
         "generate",
-        "--kind",
+        "--schedule",
         "zbv",
         "--ranks",
         "2",
@@ -259,7 +267,7 @@ fn spreadsheet_csv_validates_and_simulates() {
     let csv = accepted(&[
         "schedule",
         "generate",
-        "--kind",
+        "--schedule",
         "dualpipev",
         "--ranks",
         "2",

@@ -30,7 +30,7 @@ fn generates_pytorch_dualpipev_case_byte_for_byte() {
     let got = stdout(&[
         "schedule",
         "generate",
-        "--kind",
+        "--schedule",
         "dualpipev",
         "--ranks",
         "4",
@@ -65,7 +65,7 @@ fn simulate_json_reproduces_1f1b_makespan_22() {
     let out = stdout(&[
         "schedule",
         "simulate",
-        "--kind",
+        "--schedule",
         "1f1b",
         "--ranks",
         "4",
@@ -136,10 +136,10 @@ fn compare_has_a_row_per_kind() {
 #[test]
 fn bad_input_is_a_clear_error() {
     let err =
-        failure(&["schedule", "generate", "--kind", "dualpipev", "--ranks", "4", "--microbatches", "6"]);
+        failure(&["schedule", "generate", "--schedule", "dualpipev", "--ranks", "4", "--microbatches", "6"]);
     assert!(err.contains("m >= 2p"), "{err}");
     let out = graphpp()
-        .args(["schedule", "generate", "--kind", "nope", "--ranks", "2", "--microbatches", "2"])
+        .args(["schedule", "generate", "--schedule", "nope", "--ranks", "2", "--microbatches", "2"])
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -150,9 +150,21 @@ fn bad_input_is_a_clear_error() {
     assert!(err.contains("microbatch 10") || err.contains("missing"), "{err}");
     let err = failure(&["schedule", "validate", "/nonexistent/schedule.csv"]);
     assert!(err.contains("cannot read /nonexistent/schedule.csv"), "{err}");
-    let ok =
-        stdout(&["schedule", "generate", "--kind", "Schedule1F1B", "--ranks", "4", "--microbatches", "2"]);
+    let ok = stdout(&[
+        "schedule",
+        "generate",
+        "--schedule",
+        "Schedule1F1B",
+        "--ranks",
+        "4",
+        "--microbatches",
+        "2",
+    ]);
     assert!(ok.starts_with("rank 0: 0F0 0F1 0B0 0B1"), "PyTorch alias and m < p served: {ok}");
+    // `--schedule` names the kind in every command (as in `train`); the older `--kind` still works.
+    let old =
+        stdout(&["schedule", "generate", "--kind", "Schedule1F1B", "--ranks", "4", "--microbatches", "2"]);
+    assert_eq!(old, ok);
 }
 
 /// Writes `csv` to a file in `dir` and returns its path.
@@ -235,7 +247,7 @@ fn the_memory_model_reaches_the_generator() {
         let got = peak(&[
             "schedule",
             "simulate",
-            "--kind",
+            "--schedule",
             "zb-auto",
             "--ranks",
             p,
@@ -254,7 +266,7 @@ fn the_memory_model_reaches_the_generator() {
     let a = stdout(&[
         "schedule",
         "generate",
-        "--kind",
+        "--schedule",
         "zb-auto",
         "--ranks",
         "4",
@@ -266,7 +278,7 @@ fn the_memory_model_reaches_the_generator() {
     let b = stdout(&[
         "schedule",
         "generate",
-        "--kind",
+        "--schedule",
         "zb-auto",
         "--ranks",
         "4",

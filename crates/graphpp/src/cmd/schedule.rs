@@ -137,8 +137,9 @@ impl Expected {
 #[derive(Args, Clone)]
 pub struct KindSpec {
     /// Schedule kind (gpipe, 1f1b, interleaved-1f1b, looped-bfs, grouped-interleaved, zb-h1, zb-h2,
-    /// zb-auto, zbv, interleaved-zb, dualpipe, dualpipev; PyTorch class names accepted).
-    #[arg(long)]
+    /// zb-auto, zbv, interleaved-zb, dualpipe, dualpipev; PyTorch class names accepted). The
+    /// same flag as `train --schedule` (`--kind` is accepted too).
+    #[arg(long = "schedule", alias = "kind", value_name = "KIND")]
     pub kind: Kind,
     /// p: ranks in the pipeline.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
@@ -160,22 +161,23 @@ pub struct KindSpec {
 /// Where a schedule comes from: a generator, or a CSV/JSON file.
 #[derive(Args, Clone)]
 pub struct Source {
-    /// Schedule kind to generate (see `generate --help`); needs --ranks and --microbatches.
-    #[arg(long)]
+    /// Schedule kind to generate (see `generate --help`); needs --ranks and --microbatches
+    /// (`--kind` is accepted too).
+    #[arg(long = "schedule", alias = "kind", value_name = "KIND")]
     kind: Option<Kind>,
     /// A schedule file: CSV (one row per rank) or JSON (`{"ranks": [[…]]}`).
     #[arg(long, conflicts_with = "kind")]
     file: Option<PathBuf>,
-    /// p (with --kind; with --file, the expected number of ranks, each running a compute action).
+    /// p (with --schedule; with --file, the expected number of ranks, each running a compute action).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     ranks: Option<usize>,
-    /// v (with --kind).
+    /// v (with --schedule).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, conflicts_with = "file")]
     stages_per_rank: Option<usize>,
     /// S, the expected number of stages (with --file).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, conflicts_with = "kind")]
     stages: Option<usize>,
-    /// m (with --kind; with --file, the expected number of microbatches).
+    /// m (with --schedule; with --file, the expected number of microbatches).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     microbatches: Option<usize>,
     /// grouped-interleaved: microbatches per chunk group.
@@ -313,14 +315,14 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
             let s = match (&source.kind, &source.file) {
                 (Some(k), _) => {
                     let (Some(ranks), Some(m)) = (source.ranks, source.microbatches) else {
-                        bail!("--kind needs --ranks and --microbatches");
+                        bail!("--schedule needs --ranks and --microbatches");
                     };
                     let (v, group, cap) = (source.stages_per_rank, source.group, source.mem_cap);
                     generate_spec(*k, ranks, v, m, group, cap, costs, memory)?
                 }
                 (None, Some(f)) => {
                     if source.group.is_some() || source.mem_cap.is_some() {
-                        bail!("--group and --mem-cap apply to --kind, not to a schedule --file");
+                        bail!("--group and --mem-cap apply to --schedule, not to a schedule --file");
                     }
                     let expected = Expected {
                         ranks: source.ranks,
@@ -329,7 +331,7 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
                     };
                     read_schedule(f, &expected.options()?)?.0
                 }
-                (None, None) => bail!("give --kind (with --ranks and --microbatches) or --file"),
+                (None, None) => bail!("give --schedule (with --ranks and --microbatches) or --file"),
             };
             let report = simulate(&s, &costs, &memory)?;
             let text = match format {
