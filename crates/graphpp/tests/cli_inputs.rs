@@ -257,6 +257,20 @@ fn counts_of_one_are_singular() {
     assert!(!out.contains("1 steps") && !out.contains("thread(s)"), "{out}");
 }
 
+/// `graph --stats` gives what W holds from I to W beside what B holds from F, and their ratio as
+/// the simulator's `--m-w`: on tiny's stage 1 of 2, 713,984 of 1,441,024 bytes (0.495 — the
+/// zero-bubble paper's M_W ≈ M_B / 2); under `layers` the same W bytes over 65,536 saved. A
+/// first stage, which has no I/W split, has no such line.
+#[test]
+fn graph_stats_give_the_bytes_w_holds() {
+    let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "1"]);
+    has_all(&out, &["held for W (I → W): 35 values, 713984 bytes per microbatch (M_W / M_B = 0.495: `graphpp schedule simulate --m-w 0.495`)"]);
+    let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "1", "--recompute", "layers"]);
+    has_all(&out, &["65536 bytes per microbatch", "713984 bytes per microbatch (M_W / M_B = 10.895"]);
+    let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "0"]);
+    assert!(!out.contains("held for W"), "{out}");
+}
+
 // ---- PyTorch CSV interop ----
 
 #[test]

@@ -6,7 +6,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use graphpp_graph::print::{render, stats, Format};
-use graphpp_graph::{Graph, GraphKind, StageGraphs};
+use graphpp_graph::{Graph, GraphKind, InputKind, StageGraphs};
 use graphpp_models::{split_layers, Model, ModelConfig, Recompute, StageOptions};
 
 use crate::cmd::value::count;
@@ -78,13 +78,34 @@ fn saved_bytes(g: &Graph) -> usize {
     g.outputs.iter().filter(|o| o.name.starts_with("saved.")).map(|o| g.node(o.value).ty.size_bytes()).sum()
 }
 
+/// Bytes W holds from I to W: `bw_dw`'s inputs that are not stage state (the stash and the
+/// saved values it reads), and their count.
+fn held_for_w(dw: &Graph) -> (usize, usize) {
+    let held: Vec<usize> = dw
+        .input_specs()
+        .iter()
+        .filter(|i| !matches!(i.kind, InputKind::Parameter | InputKind::Buffer))
+        .map(|i| i.ty.size_bytes())
+        .collect();
+    (held.len(), held.iter().sum())
+}
+
 fn all_stats(sg: &StageGraphs) -> Result<String> {
     let values = sg.saved.len();
+    let m_b = saved_bytes(&sg.fw);
     let mut out = format!(
-        "saved activations (fw → bw): {values} value{}, {} bytes per microbatch\n",
+        "saved activations (fw → bw): {values} value{}, {m_b} bytes per microbatch\n",
         if values == 1 { "" } else { "s" },
-        saved_bytes(&sg.fw)
     );
+    if let Some((_, dw)) = &sg.di_dw {
+        let (n, bytes) = held_for_w(dw);
+        out.push_str(&format!(
+            "held for W (I → W): {n} value{}, {bytes} bytes per microbatch (M_W / M_B = {:.3}: `graphpp schedule simulate --m-w {:.3}`)\n",
+            if n == 1 { "" } else { "s" },
+            bytes as f64 / m_b.max(1) as f64,
+            bytes as f64 / m_b.max(1) as f64,
+        ));
+    }
     for kind in GraphKind::ALL {
         match sg.select(kind) {
             Ok(g) => out.push_str(&stats(&g)),
