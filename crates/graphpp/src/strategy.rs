@@ -8,7 +8,7 @@
 //! | `replicate` | `dp`                                                     | `--dp` |
 //! | `shard`     | `fsdp`, `ep`                                             | `--fsdp`, `--ep` |
 //! | `split`     | `microbatches`, `microbatch_size`                        | `--microbatches`, `--microbatch-size` |
-//! | `order`     | `schedule`, `file`, `post_validate`                      | `--schedule`, `--schedule-file`, `--post-validate` |
+//! | `order`     | `schedule`, `file`, `group`, `mem_cap`, `post_validate`  | `--schedule`, `--schedule-file`, `--group`, `--mem-cap`, `--post-validate` |
 //! | `recompute` | `policy`                                                 | `--recompute` |
 //!
 //! `place.stages` lists the stages each rank holds (rank r's list is row r). The generators fix
@@ -124,6 +124,12 @@ pub struct Order {
     /// generated one; relative to the strategy file's folder.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<PathBuf>,
+    /// `grouped-interleaved`: consecutive microbatches per chunk (default p).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<usize>,
+    /// `zb-auto`, `zbv-auto`: activation-memory cap per rank in M_B units (default p).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_cap: Option<f64>,
     /// Optimizer post-validation (zero-bubble paper, section 4).
     #[serde(default)]
     pub post_validate: bool,
@@ -206,6 +212,11 @@ impl Strategy {
         self.place.stages_per_rank.unwrap_or_else(|| self.order.schedule.default_stages_per_rank())
     }
 
+    /// The generator options of `order` (group, memory cap; default costs).
+    pub fn options(&self) -> Options {
+        Options { group: self.order.group, mem_cap: self.order.mem_cap, ..Options::default() }
+    }
+
     /// The pipeline shape (p, v, m).
     pub fn shape(&self) -> Shape {
         Shape::new(self.place.ranks, self.stages_per_rank(), self.split.microbatches)
@@ -273,7 +284,8 @@ impl Strategy {
             return Err(bad(format!("{} rows for place.ranks = {}", stages.len(), shape.ranks)));
         }
         let kind = self.order.schedule;
-        let generated = generated_stages(kind, shape).map_err(|e| field("order", "schedule", e))?;
+        let generated =
+            generated_stages(kind, shape, &self.options()).map_err(|e| field("order", "schedule", e))?;
         let total = generated.iter().flatten().max().map_or(0, |&s| s + 1);
         if let Some(s) = (0..total).find(|s| !stages.iter().any(|row| row.contains(s))) {
             return Err(bad(format!("stage {s} is on no rank")));
@@ -297,7 +309,8 @@ impl Strategy {
     /// [`StrategyError::Field`] on `order.schedule` when the kind cannot generate the shape.
     pub fn of_config(c: &crate::train::RunConfig) -> Result<Strategy, StrategyError> {
         let shape = Shape::new(c.ranks, c.stages_per_rank, c.microbatches);
-        let stages = generated_stages(c.kind, &shape).map_err(|e| field("order", "schedule", e))?;
+        let stages = generated_stages(c.kind, &shape, &c.generator_options())
+            .map_err(|e| field("order", "schedule", e))?;
         Ok(Strategy {
             place: Place {
                 ranks: c.ranks,
@@ -308,15 +321,21 @@ impl Strategy {
             replicate: Replicate { dp: c.dp },
             shard: Shard { fsdp: c.fsdp, ep: c.ep },
             split: Split { microbatches: c.microbatches, microbatch_size: c.microbatch_size },
-            order: Order { schedule: c.kind, file: c.schedule_file.clone(), post_validate: c.post_validate },
+            order: Order {
+                schedule: c.kind,
+                file: c.schedule_file.clone(),
+                group: c.group,
+                mem_cap: c.mem_cap,
+                post_validate: c.post_validate,
+            },
             recompute: RecomputeDirective { policy: c.recompute },
         })
     }
 }
 
 /// The stages each rank holds under `kind` at `shape` (sorted), from the generated schedule.
-fn generated_stages(kind: Kind, shape: &Shape) -> Result<Vec<Vec<usize>>, String> {
-    let s = generate(kind, shape, &Options::default()).map_err(|e| e.to_string())?;
+fn generated_stages(kind: Kind, shape: &Shape, options: &Options) -> Result<Vec<Vec<usize>>, String> {
+    let s = generate(kind, shape, options).map_err(|e| e.to_string())?;
     let mut rows = vec![Vec::new(); shape.ranks];
     for (stage, ranks) in s.placement() {
         for r in ranks {

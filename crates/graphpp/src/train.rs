@@ -98,6 +98,12 @@ pub struct RunConfig {
     /// `kind`'s generated one (`--schedule-file`; it must keep `kind`'s placement).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule_file: Option<PathBuf>,
+    /// `grouped-interleaved`: consecutive microbatches per chunk (`--group`; default p).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<usize>,
+    /// `zb-auto`, `zbv-auto`: activation-memory cap per rank in M_B units (`--mem-cap`; default p).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_cap: Option<f64>,
     /// p: ranks (one thread each).
     pub ranks: usize,
     /// v: stages per rank.
@@ -223,8 +229,13 @@ impl RunConfig {
         graphpp_runtime::rank_train::check_ep(&setup)?;
         let shape = Shape::new(self.ranks, self.stages_per_rank, self.microbatches);
         if let (Some(path), Some(given)) = (&self.schedule_file, &setup.schedule) {
-            graphpp_runtime::build::compute_schedule(self.kind, &shape, &Options::default(), Some(given))
-                .map_err(|e| RunError::Config(format!("--schedule-file {}: {e}", path.display())))?;
+            graphpp_runtime::build::compute_schedule(
+                self.kind,
+                &shape,
+                &self.generator_options(),
+                Some(given),
+            )
+            .map_err(|e| RunError::Config(format!("--schedule-file {}: {e}", path.display())))?;
         }
         graphpp_runtime::check_step(
             &self.model,
@@ -236,6 +247,11 @@ impl RunConfig {
         )
         .map_err(TrainError::from)?;
         Ok(())
+    }
+
+    /// The generator options of the run's schedule kind (`--group`, `--mem-cap`; default costs).
+    pub fn generator_options(&self) -> Options {
+        Options { group: self.group, mem_cap: self.mem_cap, ..Options::default() }
     }
 
     /// Seconds one activation (or its gradient) takes between two ranks over the emulated link:
@@ -262,6 +278,8 @@ impl RunConfig {
             model_name: String::new(),
             kind: Kind::Gpipe,
             schedule_file: None,
+            group: None,
+            mem_cap: None,
             ranks: 0,
             stages_per_rank: 0,
             dp: 0,
@@ -577,7 +595,7 @@ fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         model: Arc::new(c.model.clone()),
         kind: c.kind,
         shape: Shape::new(c.ranks, c.stages_per_rank, c.microbatches),
-        options: Options::default(),
+        options: c.generator_options(),
         schedule: c.schedule_file.as_deref().map(schedule_flag).transpose()?,
         layers_per_stage: c.layers_per_stage.clone(),
         batch: c.microbatch_size,

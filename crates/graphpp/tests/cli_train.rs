@@ -36,6 +36,8 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         model: graphpp_models::ModelConfig::Llama(LlamaConfig::tiny()),
         kind,
         schedule_file: None,
+        group: None,
+        mem_cap: None,
         ranks: 2,
         stages_per_rank: kind.default_stages_per_rank(),
         microbatches: 4,

@@ -301,6 +301,8 @@ fn run_config(data: PathBuf, kind: Kind, ranks: usize) -> RunConfig {
         model: graphpp_models::ModelConfig::Llama(model),
         kind,
         schedule_file: None,
+        group: None,
+        mem_cap: None,
         ranks,
         stages_per_rank: kind.default_stages_per_rank(),
         microbatches: 4,

@@ -62,6 +62,12 @@ pub struct TrainArgs {
     /// --ranks, --stages-per-rank and --microbatches (graphpp lowers it and checks it).
     #[arg(long, value_name = "FILE")]
     schedule_file: Option<PathBuf>,
+    /// grouped-interleaved: consecutive microbatches per chunk (default p).
+    #[arg(long, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
+    group: Option<usize>,
+    /// zb-auto, zbv-auto: activation-memory cap per rank in M_B units (default p).
+    #[arg(long, allow_hyphen_values = true)]
+    mem_cap: Option<f64>,
     /// p: pipeline ranks (one thread each; under mpirun, one process each).
     #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     ranks: usize,
@@ -191,8 +197,8 @@ pub struct TrainArgs {
     dtype: graphpp_graph::DType,
     /// Run the strategy of a TOML (or .json) file: its directives place, replicate, shard, split,
     /// order and recompute stand for --ranks, --stages-per-rank, --layers-per-stage, --dp,
-    /// --fsdp, --ep, --microbatches, --microbatch-size, --schedule, --schedule-file,
-    /// --post-validate and --recompute (which it excludes). See --print-strategy.
+    /// --fsdp, --ep, --microbatches, --microbatch-size, --schedule, --schedule-file, --group,
+    /// --mem-cap, --post-validate and --recompute (which it excludes). See --print-strategy.
     #[arg(long, value_name = "FILE", conflicts_with_all = STRATEGY_FLAGS)]
     strategy: Option<PathBuf>,
     /// Print the strategy of the flags given (or of --strategy) as TOML and exit: the file
@@ -202,9 +208,11 @@ pub struct TrainArgs {
 }
 
 /// The flags a strategy file stands for (see [`graphpp::strategy`]).
-const STRATEGY_FLAGS: [&str; 12] = [
+const STRATEGY_FLAGS: [&str; 14] = [
     "schedule",
     "schedule_file",
+    "group",
+    "mem_cap",
     "ranks",
     "stages_per_rank",
     "layers_per_stage",
@@ -222,6 +230,8 @@ impl TrainArgs {
     fn apply_strategy(&mut self, s: &Strategy) {
         self.schedule = s.order.schedule;
         self.schedule_file = s.order.file.clone();
+        self.group = s.order.group;
+        self.mem_cap = s.order.mem_cap;
         self.post_validate = s.order.post_validate;
         self.ranks = s.place.ranks;
         self.stages_per_rank = Some(s.stages_per_rank());
@@ -266,6 +276,8 @@ impl TrainArgs {
             model,
             kind: self.schedule,
             schedule_file: self.schedule_file.clone(),
+            group: self.group,
+            mem_cap: self.mem_cap,
             ranks: self.ranks,
             stages_per_rank: self.stages_per_rank.unwrap_or_else(|| self.schedule.default_stages_per_rank()),
             microbatches: self.microbatches,

@@ -32,6 +32,12 @@ pub struct VerifyArgs {
     /// placement, instead of its generated one.
     #[arg(long, value_name = "FILE")]
     schedule_file: Option<PathBuf>,
+    /// grouped-interleaved: consecutive microbatches per chunk (default p).
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    group: Option<usize>,
+    /// zb-auto, zbv-auto: activation-memory cap per rank in M_B units (default p).
+    #[arg(long, allow_hyphen_values = true)]
+    mem_cap: Option<f64>,
     /// p: ranks in the pipeline (one thread each; under mpirun, one process each).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, required_unless_present = "strategy")]
     ranks: Option<usize>,
@@ -116,6 +122,8 @@ impl VerifyArgs {
     fn apply_strategy(&mut self, s: &Strategy) {
         self.schedule = Some(s.order.schedule);
         self.schedule_file = s.order.file.clone();
+        self.group = s.order.group;
+        self.mem_cap = s.order.mem_cap;
         self.ranks = Some(s.place.ranks);
         self.stages_per_rank = Some(s.stages_per_rank());
         self.layers_per_stage = s.place.layers_per_stage.clone();
@@ -191,6 +199,8 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     let shape = Shape::new(ranks, v, microbatches);
     let mut setup = VerifySetup::new(model, kind, shape, a.microbatch_size, a.seq_len);
     setup.seed = a.seed;
+    setup.options.group = a.group;
+    setup.options.mem_cap = a.mem_cap;
     if let Some(path) = &a.schedule_file {
         let given = graphpp::train::read_schedule_file(path)
             .map_err(|e| anyhow::anyhow!("--schedule-file {}: {e}", path.display()))?;
