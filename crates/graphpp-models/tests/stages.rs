@@ -301,6 +301,16 @@ fn w_holds_no_more_than_under_save_all_and_runs_no_forward_matmul() {
                 .sum();
             (bytes, dw.matmul_flops())
         };
+        // Each matmul of full_bw runs exactly once, in I or in W.
+        for policy in [Recompute::SaveAll, Recompute::Layers, Recompute::Matmuls, Recompute::StageInputs] {
+            let g = graphpp_graph::stage_graphs(
+                &build_stage(&cfg, &specs[1], &opts).unwrap(),
+                &policy.policy(&specs[1]),
+            )
+            .unwrap();
+            let (di, dw) = g.di_dw.as_ref().unwrap();
+            assert_eq!(di.matmul_flops() + dw.matmul_flops(), g.full_bw.matmul_flops(), "{policy:?}");
+        }
         let (save_all, flops) = held(Recompute::SaveAll);
         for policy in [Recompute::Layers, Recompute::Matmuls, Recompute::StageInputs] {
             let (bytes, f) = held(policy);

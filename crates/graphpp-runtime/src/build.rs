@@ -69,7 +69,16 @@ pub fn compute_schedule(
     if summary.lowered {
         return Err(bad("it has communication actions: give the compute-only order (F, B, I, W, OVERLAP_F_B); graphpp lowers it".into()));
     }
-    let (want, got) = (generated.placement(), given.placement());
+    let sorted =
+        |m: std::collections::BTreeMap<usize, Vec<usize>>| -> std::collections::BTreeMap<usize, Vec<usize>> {
+            m.into_iter()
+                .map(|(stage, mut ranks)| {
+                    ranks.sort_unstable();
+                    (stage, ranks)
+                })
+                .collect()
+        };
+    let (want, got) = (sorted(generated.placement()), sorted(given.placement()));
     if let Some((stage, ranks)) = got.iter().find(|(s, r)| want.get(s) != Some(*r)) {
         return Err(bad(format!(
             "stage {stage} runs on rank(s) {ranks:?}, but {kind} places it on {:?} (the file must keep its kind's placement)",

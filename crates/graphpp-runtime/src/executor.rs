@@ -198,6 +198,7 @@ fn start(
         };
     }
     let c = comm.ok_or(CollectiveError::NoComm)?;
+    let started = Instant::now();
     let g = c.mesh.resolve(group, c.comm.rank())?;
     // All-reduce keeps the shape: no axis to move.
     let axis = if kind == CollectiveKind::AllReduce { 0 } else { axis };
@@ -224,7 +225,7 @@ fn start(
             Handle::AllToAllV { pending: c.comm.all_to_all(&g, &x, &send)?, expected, rows }
         }
     };
-    Ok(Value::InFlight(InFlight { handle, node, axis, started: Instant::now() }))
+    Ok(Value::InFlight(InFlight { handle, node, axis, started }))
 }
 
 fn axis_err(e: candle_core::Error) -> CollectiveError {

@@ -81,7 +81,7 @@ pub enum VerifyError {
     },
     /// A schedule given as data (a file) that does not fit the run: another shape, another
     /// placement than its kind's, or not compute-only ([`crate::build::compute_schedule`]).
-    #[error("schedule file: {0}")]
+    #[error("{0}")]
     ScheduleFile(String),
     /// The kind cannot serve the shape.
     #[error(transparent)]

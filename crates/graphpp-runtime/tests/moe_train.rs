@@ -214,7 +214,7 @@ fn expert_parallel_training_matches_and_restores() {
 }
 
 /// DualPipeV's overlapped F&B hides expert parallelism's all-to-alls behind the other
-/// microbatch's work (issue 10, "real overlap"): behind a 20 ms emulated link (dp = ep = 2), on
+/// microbatch's work (issue 10, "real overlap"): behind a 50 ms emulated link (dp = ep = 2), on
 /// the rank holding two MoE stages, every OVERLAP_F_B has a forward and a backward all-to-all
 /// in flight at the same time, and takes less time — and less time blocked on the link — than
 /// the same rank's plain F and B of those stages back to back. All from the measured intervals
@@ -223,8 +223,8 @@ fn expert_parallel_training_matches_and_restores() {
 #[test]
 fn overlapped_f_and_b_hide_the_expert_all_to_alls() {
     use graphpp_schedule::{Action, CommSpan, ComputeKind, Interval};
-    let latency = 0.02;
-    let link = Some("20000,100".parse().unwrap());
+    let latency = 0.05;
+    let link = Some("50000,100".parse().unwrap());
     let mut t = Trainer::new(TrainSetup { ep: 2, link, ..setup(2, 0.01) }).unwrap();
     t.step(data(0)).unwrap(); // the first step also builds the multiplexed graphs
     let tl = t.step(data(1)).unwrap().timeline;

@@ -163,9 +163,11 @@ pub enum StrategyError {
         /// The parser's message.
         message: String,
     },
-    /// A directive's field has an impossible value.
-    #[error("strategy: {directive}.{field}: {reason}")]
+    /// A directive's field has an impossible value (in the file `path`, when read from one).
+    #[error("strategy{}: {directive}.{field}: {reason}", path.as_ref().map_or(String::new(), |p| format!(" {}", p.display())))]
     Field {
+        /// The strategy file, when the strategy came from one.
+        path: Option<PathBuf>,
         /// The directive (`place`, `replicate`, …).
         directive: &'static str,
         /// The field.
@@ -176,7 +178,7 @@ pub enum StrategyError {
 }
 
 fn field(directive: &'static str, field: &'static str, reason: String) -> StrategyError {
-    StrategyError::Field { directive, field, reason }
+    StrategyError::Field { path: None, directive, field, reason }
 }
 
 impl Strategy {
@@ -197,14 +199,22 @@ impl Strategy {
         if let (Some(f), Some(dir)) = (&s.order.file, path.parent()) {
             s.order.file = Some(dir.join(f));
         }
-        s.check()?;
+        s.check().map_err(|e| match e {
+            StrategyError::Field { directive, field, reason, .. } => {
+                StrategyError::Field { path: Some(path.into()), directive, field, reason }
+            }
+            other => other,
+        })?;
         Ok(s)
     }
 
     /// The TOML text of the strategy, with a header saying what it is.
-    pub fn to_toml(&self) -> String {
-        let body = toml::to_string(self).expect("a strategy serialises");
-        format!("# graphpp strategy (graphpp train --strategy FILE)\n{body}")
+    ///
+    /// # Errors
+    /// [`StrategyError::Field`] on `order.file` when its path is not UTF-8 (TOML cannot hold it).
+    pub fn to_toml(&self) -> Result<String, StrategyError> {
+        let body = toml::to_string(self).map_err(|e| field("order", "file", e.to_string()))?;
+        Ok(format!("# graphpp strategy (graphpp train --strategy FILE)\n{body}"))
     }
 
     /// v: `place.stages_per_rank`, else the kind's default.
@@ -269,7 +279,7 @@ impl Strategy {
             graphpp_runtime::build::compute_schedule(
                 self.order.schedule,
                 &shape,
-                &Options::default(),
+                &self.options(),
                 Some(&given),
             )
             .map_err(|e| bad(e.to_string()))?;
@@ -323,7 +333,15 @@ impl Strategy {
             split: Split { microbatches: c.microbatches, microbatch_size: c.microbatch_size },
             order: Order {
                 schedule: c.kind,
-                file: c.schedule_file.clone(),
+                // Absolute: a printed strategy runs from any folder (`load` resolves a
+                // relative one against the strategy file's folder).
+                file: c.schedule_file.as_deref().map(std::path::absolute).transpose().map_err(|e| {
+                    field(
+                        "order",
+                        "file",
+                        format!("{}: {e}", c.schedule_file.as_deref().unwrap_or(Path::new("")).display()),
+                    )
+                })?,
                 group: c.group,
                 mem_cap: c.mem_cap,
                 post_validate: c.post_validate,

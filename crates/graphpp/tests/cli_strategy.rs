@@ -162,6 +162,7 @@ fn bad_strategy_files_are_refused_naming_the_directive() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(says), "case {i}: expected `{says}` in:\n{err}");
+        assert!(err.contains(&format!("bad{i}.toml")), "case {i}: the file is named:\n{err}");
         assert!(!d.path().join("ck").exists(), "case {i}: no work before the error");
         let out = graphpp().args(["verify", "--strategy", f.to_str().unwrap()]).output().unwrap();
         assert!(String::from_utf8_lossy(&out.stderr).contains(says), "verify, case {i}");
@@ -219,15 +220,28 @@ fn schedule_files_run_their_order() {
     let first: Vec<&str> = rank0.iter().take(5).map(|(_, n)| n.as_str()).collect();
     assert_eq!(first, ["0F0", "0F1", "0F2", "0F3", "0B0"]);
     // The same through a strategy whose order.file is relative to its folder.
+    // Printed, a relative --schedule-file becomes absolute: the strategy runs from anywhere and
+    // prints back as itself.
     let printed = graphpp()
+        .current_dir(d.path())
         .args(["train", "--print-strategy", "--schedule", "1f1b", "--schedule-file", "gpipe.csv"])
         .args(shape)
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&printed.stdout).into_owned();
-    assert!(text.contains("file = \"gpipe.csv\""), "{text}");
+    let abs = std::path::absolute(&order).unwrap();
+    assert!(text.contains(&format!("file = \"{}\"", abs.display())), "{text}");
     let s = file(d.path(), "s.toml", &text);
     assert_eq!(run(&["--strategy", s.to_str().unwrap()], "strategy"), by_file);
+    let again =
+        graphpp().args(["train", "--print-strategy", "--strategy", s.to_str().unwrap()]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&again.stdout), text);
+    // A relative order.file is read from the strategy file's folder.
+    let sub = d.path().join("conf");
+    std::fs::create_dir(&sub).unwrap();
+    std::fs::copy(&order, sub.join("mine.csv")).unwrap();
+    let rel = file(&sub, "s.toml", &text.replace(&abs.display().to_string(), "mine.csv"));
+    assert_eq!(run(&["--strategy", rel.to_str().unwrap()], "relative"), by_file);
     // Refusals, naming the file and what does not fit.
     let lowered = file(d.path(), "lowered.csv", "0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n");
     for (flags, says) in [
@@ -251,5 +265,5 @@ fn schedule_files_run_their_order() {
     let bad = file(d.path(), "bad.toml", &text.replace("microbatches = 4", "microbatches = 6"));
     let out = graphpp().args(["train", "--strategy", bad.to_str().unwrap()]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("strategy: order.file:") && err.contains("m=6 microbatches"), "{err}");
+    assert!(err.contains("bad.toml: order.file:") && err.contains("m=6 microbatches"), "{err}");
 }

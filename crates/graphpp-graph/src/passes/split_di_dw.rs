@@ -1,7 +1,8 @@
 //! `split_di_dw` (docs/ARCHITECTURE.md "Graph IR"; Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024,
 //! §2): `full_bw` → `bw_di` (the nodes the stage-input gradient needs; on the critical path) +
-//! `bw_dw` (the rest: weight gradients, movable into bubbles). The dI-set values that `bw_dw` reads
-//! are returned by `bw_di` as `stash.<n>` outputs and taken by `bw_dw` as `Saved` inputs.
+//! `bw_dw` (the rest: weight gradients, movable into bubbles). What `bw_dw` holds from I to W is a
+//! minimum cut by bytes ([`split_di_dw`]); the computed values on it are returned by `bw_di` as
+//! `stash.<n>` outputs and taken by `bw_dw` as `Saved` inputs.
 
 use crate::autodiff::grad_name;
 use crate::error::Result;
@@ -127,6 +128,9 @@ fn w_cut(g: &Graph, dinput: ValueId, w_outs: &[ValueId]) -> WCut {
         }
         for x in node.inputs.iter().filter(|x| !state(x.0)) {
             net.edge(2 * x.0 + 1, 2 * v, INF);
+            // What I computes, it computes from what I has: a value on I's side pulls its
+            // inputs there (never a W matmul into I).
+            net.edge(2 * v, 2 * x.0, INF);
         }
     }
     for o in w_outs.iter().filter(|o| !state(o.0)) {

@@ -35,7 +35,7 @@ pub fn chrome_trace(t: &Timeline) -> String {
     }
     for (id, c) in t.comm.iter().enumerate() {
         let tid = t.ranks + c.rank;
-        let args = json!({"action": c.action.to_string(), "blocked": (c.end - c.wait) * scale});
+        let args = json!({"action": c.action.to_string(), "blocked": c.blocked() * scale});
         for (ph, ts) in [("b", c.start), ("e", c.end)] {
             events.push(json!({
                 "name": c.label, "cat": "comm", "ph": ph, "id": id, "pid": 0, "tid": tid,

@@ -325,7 +325,9 @@ pub fn run(mut a: TrainArgs) -> Result<()> {
         a.apply_strategy(&s);
     }
     if a.print_strategy {
-        out!("{}", Strategy::of_config(&a.config(None)?)?.to_toml().trim_end());
+        let s = Strategy::of_config(&a.config(None)?)?;
+        s.check()?;
+        out!("{}", s.to_toml()?.trim_end());
         return Ok(());
     }
     Launch::run(
@@ -816,7 +818,7 @@ fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val
         );
         if let Some(c) = comm_summary(&timelines) {
             out!(
-                "in-graph collectives (per rank and step): {:.0}, in flight {:.1} ms, {:.1} ms of it behind other work ({:.0}%)",
+                "in-graph collectives (per rank and step): {:.1}, in flight {:.1} ms, {:.1} ms of it behind other work ({:.0}%)",
                 c.count,
                 1e3 * c.in_flight,
                 1e3 * c.overlapped,

@@ -97,7 +97,7 @@ pub struct VerifyArgs {
     #[arg(long, allow_hyphen_values = true)]
     tolerance: Option<f64>,
     /// Verify the strategy of a TOML (or .json) file (see `train --strategy`): it stands for
-    /// --schedule, --ranks, --stages-per-rank, --layers-per-stage, --microbatches,
+    /// --schedule, --schedule-file, --group, --mem-cap, --ranks, --stages-per-rank, --layers-per-stage, --microbatches,
     /// --microbatch-size, --dp, --ep and --fsdp. Its recompute policy and post-validation do not
     /// change the gradients and are not run here.
     #[arg(long, value_name = "FILE", conflicts_with_all = VERIFY_STRATEGY_FLAGS)]
@@ -105,8 +105,11 @@ pub struct VerifyArgs {
 }
 
 /// The flags a strategy file stands for in `verify`.
-const VERIFY_STRATEGY_FLAGS: [&str; 9] = [
+const VERIFY_STRATEGY_FLAGS: [&str; 12] = [
     "schedule",
+    "schedule_file",
+    "group",
+    "mem_cap",
     "ranks",
     "stages_per_rank",
     "layers_per_stage",
