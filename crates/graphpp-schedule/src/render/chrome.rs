@@ -2,9 +2,10 @@
 //! Perfetto and chrome://tracing. Two threads per rank: `rank r` for its compute actions and
 //! `rank r comm` for its SEND/RECV, WAIT and FSDP/REDUCE_GRAD actions, so the time a rank spends
 //! waiting for or handing over data shows as its own track. A measured timeline's in-graph
-//! collectives ([`crate::CommSpan`], e.g. expert parallelism's all-to-all) are async slices on
-//! the comm track, from start to completion, so one in flight across compute — and two in
-//! flight at once — are visible; their `blocked` argument is the part the rank waited.
+//! collectives ([`crate::CommSpan`], e.g. expert parallelism's all-to-all) are async slices
+//! (`b`/`e` events, named `<label> (rank r)`: Perfetto gives each name its own track under the
+//! process), from start to completion, so one in flight across compute — and two in flight at
+//! once — are visible; their `blocked` argument is the part the rank waited.
 
 use serde_json::json;
 
@@ -38,7 +39,7 @@ pub fn chrome_trace(t: &Timeline) -> String {
         let args = json!({"action": c.action.to_string(), "blocked": c.blocked() * scale});
         for (ph, ts) in [("b", c.start), ("e", c.end)] {
             events.push(json!({
-                "name": c.label, "cat": "comm", "ph": ph, "id": id, "pid": 0, "tid": tid,
+                "name": format!("{} (rank {})", c.label, c.rank), "cat": "comm", "ph": ph, "id": id, "pid": 0, "tid": tid,
                 "ts": ts * scale, "args": args,
             }));
         }
@@ -90,8 +91,8 @@ mod tests {
         assert_eq!((ev[5]["name"].as_str(), ev[5]["tid"].as_u64()), (Some("1F0"), Some(1)));
     }
 
-    /// Two in-graph collectives in flight at once (an overlapped F&B's) are async slices on the
-    /// rank's comm track, each from its start to its completion, with the blocked part.
+    /// Two in-graph collectives in flight at once (an overlapped F&B's) are async slices named
+    /// with their rank, each from its start to its completion, with the blocked part.
     #[test]
     fn in_graph_collectives_are_async_slices_on_the_comm_track() {
         let f = "(1F2;1B0)OVERLAP_F_B".parse().unwrap();
@@ -118,10 +119,10 @@ mod tests {
         assert_eq!(
             got,
             [
-                ("ep.dispatch", "b", 1e5),
-                ("ep.dispatch", "e", 3.5e5),
-                ("ep.combine", "b", 2e5),
-                ("ep.combine", "e", 4e5)
+                ("ep.dispatch (rank 1)", "b", 1e5),
+                ("ep.dispatch (rank 1)", "e", 3.5e5),
+                ("ep.combine (rank 1)", "b", 2e5),
+                ("ep.combine (rank 1)", "e", 4e5)
             ]
         );
         assert!(ev.iter().all(|e| e["tid"] == 3 && e["cat"] == "comm"));

@@ -56,6 +56,14 @@ fn oversubscribed(ranks: usize, threads: usize, cores: usize) -> Option<String> 
     })
 }
 
+/// The contents of the files a command line names as its settings (`--strategy`,
+/// `--schedule-file`), for the fingerprint the processes of a run compare before step 1
+/// ([`graphpp::launch::command_fingerprint`]): the same path on two hosts may hold different
+/// files. An unreadable file adds nothing (reading it fails elsewhere, naming it).
+pub fn settings_files(files: &[Option<&std::path::Path>]) -> String {
+    files.iter().flatten().filter_map(|p| std::fs::read_to_string(p).ok()).collect::<Vec<_>>().join("\0")
+}
+
 /// `"{n} {one}"` or `"{n} {many}"`: the noun in the plural unless `n` is 1 (`1 step`, `2 steps`).
 pub fn plural(n: impl Into<u128>, one: &str, many: &str) -> String {
     let n = n.into();

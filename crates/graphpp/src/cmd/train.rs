@@ -439,7 +439,8 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
 fn start(a: &TrainArgs, launch: &Launch) -> Result<(Run, MetricsLog, Option<std::fs::File>)> {
     let resume_from = resume_point(a)?;
     let resume_step = resume_from.as_ref().map_or("none".to_string(), |(s, _)| s.to_string());
-    let fingerprint = graphpp::launch::command_fingerprint(&format!("resume from step {resume_step}"));
+    let files = crate::cmd::settings_files(&[a.strategy.as_deref(), a.schedule_file.as_deref()]);
+    let fingerprint = graphpp::launch::command_fingerprint(&format!("resume from step {resume_step}{files}"));
     launch.agree("the command line or the checkpoint to resume", fingerprint)?;
     let config = a.config(resume_from.as_ref().map(|(_, c)| c))?;
     config.validate()?;
@@ -818,7 +819,7 @@ fn summarise(a: &TrainArgs, run: &mut Run, kept: &VecDeque<(f64, Timeline)>, val
         );
         if let Some(c) = comm_summary(&timelines) {
             out!(
-                "in-graph collectives (per rank and step): {:.1}, in flight {:.1} ms, {:.1} ms of it behind other work ({:.0}%)",
+                "in-graph collectives (per rank and step): {:.1}, in flight {:.1} ms, {:.1} ms of it overlapped with the rank's other work — compute or other collectives ({:.0}%)",
                 c.count,
                 1e3 * c.in_flight,
                 1e3 * c.overlapped,

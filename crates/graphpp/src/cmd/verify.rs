@@ -180,7 +180,8 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
         );
     }
     launch.check_world(ranks, dp)?;
-    launch.agree("the command line", graphpp::launch::command_fingerprint(""))?;
+    let files = crate::cmd::settings_files(&[a.strategy.as_deref(), a.schedule_file.as_deref()]);
+    launch.agree("the command line", graphpp::launch::command_fingerprint(&files))?;
     let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp };
     crate::cmd::set_op_threads(local_ranks, None);
     let (mut model, weights, name) = match &a.init_from {
