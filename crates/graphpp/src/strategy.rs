@@ -67,17 +67,13 @@ pub struct Place {
 }
 
 /// `replicate`: data-parallel replicas of the pipeline (the world is `ranks × dp`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Replicate {
-    /// Replicas; must divide `split.microbatch_size`.
-    pub dp: usize,
-}
-
-impl Default for Replicate {
-    fn default() -> Self {
-        Replicate { dp: 1 }
-    }
+    /// Replicas; must divide `split.microbatch_size`. Default: `shard.ep` (1 without it), as
+    /// `--dp` defaults to `--ep` ([`Strategy::dp`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp: Option<usize>,
 }
 
 /// `shard`: FSDP (ZeRO-3) over the replicas, and the expert-parallel degree.
@@ -227,6 +223,11 @@ impl Strategy {
         Options { group: self.order.group, mem_cap: self.order.mem_cap, ..Options::default() }
     }
 
+    /// Data-parallel replicas: `replicate.dp`, else `shard.ep`.
+    pub fn dp(&self) -> usize {
+        self.replicate.dp.unwrap_or(self.shard.ep)
+    }
+
     /// The pipeline shape (p, v, m).
     pub fn shape(&self) -> Shape {
         Shape::new(self.place.ranks, self.stages_per_rank(), self.split.microbatches)
@@ -243,7 +244,7 @@ impl Strategy {
         for (d, f, v) in [
             ("place", "ranks", self.place.ranks),
             ("place", "stages_per_rank", self.stages_per_rank()),
-            ("replicate", "dp", self.replicate.dp),
+            ("replicate", "dp", self.dp()),
             ("shard", "ep", self.shard.ep),
             ("split", "microbatches", self.split.microbatches),
             ("split", "microbatch_size", self.split.microbatch_size),
@@ -252,7 +253,7 @@ impl Strategy {
                 return Err(field(d, f, "must be at least 1".into()));
             }
         }
-        let (dp, b) = (self.replicate.dp, self.split.microbatch_size);
+        let (dp, b) = (self.dp(), self.split.microbatch_size);
         if !b.is_multiple_of(dp) {
             return Err(field(
                 "replicate",
@@ -265,7 +266,7 @@ impl Strategy {
             return Err(field("shard", "ep", reason));
         }
         let shape = self.shape();
-        let model_stages = if self.order.schedule == Kind::DualPipe { shape.ranks } else { shape.stages() };
+        let model_stages = graphpp_runtime::build::model_stages(self.order.schedule, &shape);
         if let Some(l) = self.place.layers_per_stage.as_ref().filter(|l| l.len() != model_stages) {
             let reason = format!("{} entries for the {model_stages} model stages of this placement", l.len());
             return Err(field("place", "layers_per_stage", reason));
@@ -328,7 +329,7 @@ impl Strategy {
                 layers_per_stage: c.layers_per_stage.clone(),
                 stages: Some(stages),
             },
-            replicate: Replicate { dp: c.dp },
+            replicate: Replicate { dp: Some(c.dp) },
             shard: Shard { fsdp: c.fsdp, ep: c.ep },
             split: Split { microbatches: c.microbatches, microbatch_size: c.microbatch_size },
             order: Order {

@@ -167,6 +167,12 @@ fn bad_strategy_files_are_refused_naming_the_directive() {
         let out = graphpp().args(["verify", "--strategy", f.to_str().unwrap()]).output().unwrap();
         assert!(String::from_utf8_lossy(&out.stderr).contains(says), "verify, case {i}");
     }
+    // As --dp defaults to --ep, replicate.dp defaults to shard.ep.
+    let f = file(d.path(), "ep.toml", &ok.replace("\"1f1b\"", "\"1f1b\"\n[shard]\nep = 2"));
+    let out =
+        graphpp().args(["train", "--strategy", f.to_str().unwrap(), "--print-strategy"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("[replicate]\ndp = 2"), "{text}");
     // A flag the strategy stands for is refused beside it; a missing file is named.
     let f = file(d.path(), "ok.toml", ok);
     let out = graphpp().args(["train", "--strategy", f.to_str().unwrap(), "--ranks", "4"]).output().unwrap();

@@ -238,7 +238,7 @@ impl TrainArgs {
         self.layers_per_stage = s.place.layers_per_stage.clone();
         self.microbatches = s.split.microbatches;
         self.microbatch_size = s.split.microbatch_size;
-        self.dp = Some(s.replicate.dp);
+        self.dp = Some(s.dp());
         self.fsdp = s.shard.fsdp;
         self.ep = s.shard.ep;
         self.recompute = s.recompute.policy;

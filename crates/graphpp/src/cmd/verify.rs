@@ -132,7 +132,7 @@ impl VerifyArgs {
         self.layers_per_stage = s.place.layers_per_stage.clone();
         self.microbatches = Some(s.split.microbatches);
         self.microbatch_size = s.split.microbatch_size;
-        self.dp = Some(s.replicate.dp);
+        self.dp = Some(s.dp());
         self.ep = s.shard.ep;
         self.fsdp = s.shard.fsdp;
     }
