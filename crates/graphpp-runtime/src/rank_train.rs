@@ -185,6 +185,45 @@ enum Gathered {
     Comm = 2,
 }
 
+/// A rank's in-graph collectives as two tensors for the leader: `[k, 4]` f64 (index of the
+/// action in `program`, start, wait, end) and the labels as one u8 tensor, `\n`-separated.
+fn encode_comm(
+    program: &[graphpp_schedule::Action],
+    comm: &[CommSpan],
+) -> Result<(Tensor, Tensor), TrainError> {
+    let index = |c: &CommSpan| program.iter().position(|a| *a == c.action).unwrap_or(usize::MAX);
+    let times: Vec<f64> = comm.iter().flat_map(|c| [index(c) as f64, c.start, c.wait, c.end]).collect();
+    let labels = comm.iter().map(|c| c.label.as_str()).collect::<Vec<_>>().join("\n").into_bytes();
+    let n = labels.len();
+    Ok((Tensor::from_vec(times, (comm.len(), 4), &Device::Cpu)?, Tensor::from_vec(labels, n, &Device::Cpu)?))
+}
+
+/// [`encode_comm`] undone for schedule rank `pp`. Errors: what does not fit (as text).
+fn decode_comm(
+    program: &[graphpp_schedule::Action],
+    pp: usize,
+    times: &Tensor,
+    labels: &Tensor,
+) -> Result<Vec<CommSpan>, String> {
+    let times: Vec<Vec<f64>> = times.to_vec2().map_err(|e| e.to_string())?;
+    let labels = String::from_utf8(labels.to_vec1::<u8>().map_err(|e| e.to_string())?)
+        .map_err(|e| format!("comm labels: {e}"))?;
+    let labels: Vec<&str> = if times.is_empty() { Vec::new() } else { labels.split('\n').collect() };
+    if labels.len() != times.len() {
+        return Err(format!("{} collectives and {} labels", times.len(), labels.len()));
+    }
+    times
+        .iter()
+        .zip(labels)
+        .map(|(t, label)| {
+            let action = *program
+                .get(t[0] as usize)
+                .ok_or_else(|| format!("a collective of action {}, not in its program", t[0]))?;
+            Ok(CommSpan { rank: pp, action, start: t[1], wait: t[2], end: t[3], label: label.into() })
+        })
+        .collect()
+}
+
 /// What [`RankTrainer::send_to_leader`] gathers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Gather {
@@ -463,12 +502,11 @@ impl RankTrainer {
     pub fn step_at(&mut self, data: Arc<Microbatches>, start: Instant) -> Result<RankStepReport, TrainError> {
         let outcome = self.run_pipeline(data, start)?;
         let mut work = outcome.work;
-        let updated = self.update(&mut work).and_then(|u| {
-            let intervals = self.gather_intervals(outcome.intervals)?;
-            Ok((u, intervals, self.gather_comm(outcome.comm)?))
-        });
+        let updated = self
+            .update(&mut work)
+            .and_then(|u| Ok((u, self.gather_timeline(outcome.intervals, outcome.comm)?)));
         match updated {
-            Ok((u, intervals, comm)) => {
+            Ok((u, (intervals, comm))) => {
                 self.work = Some(work);
                 Ok(RankStepReport {
                     step: self.step,
@@ -830,28 +868,35 @@ impl RankTrainer {
         Ok(sq_all.iter().fold(0.0, |a, &x| a + x))
     }
 
-    /// The leader (world rank 0) receives the intervals of every other rank of replica 0 and
-    /// returns all of replica 0's; every other rank of replica 0 sends its own (an `[n, 2]` f64
-    /// tensor of start and end in program order, matched with the schedule's program there).
-    /// Other replicas keep theirs.
-    fn gather_intervals(&self, mine: Vec<Interval>) -> Result<Vec<Interval>, TrainError> {
+    /// The leader (world rank 0) receives the timeline of every other rank of replica 0 and
+    /// returns all of replica 0's: its intervals (an `[n, 2]` f64 tensor of start and end in
+    /// program order, matched with the schedule's program there) and its in-graph collectives
+    /// ([`encode_comm`]). Every other rank of replica 0 sends its own; other replicas keep theirs.
+    fn gather_timeline(
+        &self,
+        intervals: Vec<Interval>,
+        comm: Vec<CommSpan>,
+    ) -> Result<(Vec<Interval>, Vec<CommSpan>), TrainError> {
         let (rank, timeout) = (self.comm.rank(), self.setup.timeout);
         let coords = self.mesh.coords(rank).map_err(|e| mismatch(e.to_string()))?;
         if coords.dp != 0 {
-            return Ok(mine);
+            return Ok((intervals, comm));
         }
         if rank != 0 {
-            let times: Vec<f64> = mine.iter().flat_map(|i| [i.start, i.end]).collect();
-            let t = Tensor::from_vec(times, (mine.len(), 2), &Device::Cpu)?;
+            let times: Vec<f64> = intervals.iter().flat_map(|i| [i.start, i.end]).collect();
+            let t = Tensor::from_vec(times, (intervals.len(), 2), &Device::Cpu)?;
             self.comm.send(0, gather_tag(Gathered::Intervals, 0), t)?;
-            return Ok(mine);
+            let (times, labels) = encode_comm(&self.schedule.program(coords.pp), &comm)?;
+            self.comm.send(0, gather_tag(Gathered::Comm, 0), times)?;
+            self.comm.send(0, gather_tag(Gathered::Comm, 1), labels)?;
+            return Ok((intervals, comm));
         }
-        let mut all = mine;
+        let (mut all, mut all_comm) = (intervals, comm);
         for pp in 1..self.mesh.pp() {
             let from = self.mesh.rank_of(Coords { pp, dp: 0 }).map_err(|e| mismatch(e.to_string()))?;
+            let program = self.schedule.program(pp);
             let times: Vec<Vec<f64>> =
                 self.comm.recv(from, gather_tag(Gathered::Intervals, 0), timeout)?.to_vec2()?;
-            let program = self.schedule.program(pp);
             if times.len() != program.len() {
                 return Err(mismatch(format!(
                     "rank {from} reported {} intervals for a program of {} actions",
@@ -865,69 +910,14 @@ impl RankTrainer {
                 end: t[1],
                 action: *a,
             }));
-        }
-        Ok(all)
-    }
-
-    /// [`RankTrainer::gather_intervals`] for the in-graph collectives: the leader returns those
-    /// of every rank of replica 0.
-    fn gather_comm(&self, mine: Vec<CommSpan>) -> Result<Vec<CommSpan>, TrainError> {
-        let (rank, timeout) = (self.comm.rank(), self.setup.timeout);
-        let coords = self.mesh.coords(rank).map_err(|e| mismatch(e.to_string()))?;
-        if coords.dp != 0 {
-            return Ok(mine);
-        }
-        if rank != 0 {
-            let program = self.schedule.program(coords.pp);
-            let index = |c: &CommSpan| program.iter().position(|a| *a == c.action).unwrap_or(usize::MAX);
-            let times: Vec<f64> =
-                mine.iter().flat_map(|c| [index(c) as f64, c.start, c.wait, c.end]).collect();
-            let labels: Vec<u8> =
-                mine.iter().map(|c| c.label.as_str()).collect::<Vec<_>>().join("\n").into_bytes();
-            let n = labels.len();
-            self.comm.send(
-                0,
-                gather_tag(Gathered::Comm, 0),
-                Tensor::from_vec(times, (mine.len(), 4), &Device::Cpu)?,
-            )?;
-            self.comm.send(0, gather_tag(Gathered::Comm, 1), Tensor::from_vec(labels, n, &Device::Cpu)?)?;
-            return Ok(mine);
-        }
-        let mut all = mine;
-        for pp in 1..self.mesh.pp() {
-            let from = self.mesh.rank_of(Coords { pp, dp: 0 }).map_err(|e| mismatch(e.to_string()))?;
             let times = self.comm.recv(from, gather_tag(Gathered::Comm, 0), timeout)?;
-            let labels = self.comm.recv(from, gather_tag(Gathered::Comm, 1), timeout)?.to_vec1::<u8>()?;
-            let labels =
-                String::from_utf8(labels).map_err(|e| mismatch(format!("rank {from}: comm labels: {e}")))?;
-            let times: Vec<Vec<f64>> = times.to_vec2()?;
-            let labels: Vec<&str> = if times.is_empty() { Vec::new() } else { labels.split('\n').collect() };
-            let program = self.schedule.program(pp);
-            if labels.len() != times.len() {
-                return Err(mismatch(format!(
-                    "rank {from} reported {} collectives and {} labels",
-                    times.len(),
-                    labels.len()
-                )));
-            }
-            for (t, label) in times.iter().zip(labels) {
-                let action = *program.get(t[0] as usize).ok_or_else(|| {
-                    mismatch(format!(
-                        "rank {from} reported a collective of action {}, not in its program",
-                        t[0]
-                    ))
-                })?;
-                all.push(CommSpan {
-                    rank: pp,
-                    action,
-                    start: t[1],
-                    wait: t[2],
-                    end: t[3],
-                    label: label.into(),
-                });
-            }
+            let labels = self.comm.recv(from, gather_tag(Gathered::Comm, 1), timeout)?;
+            all_comm.extend(
+                decode_comm(&program, pp, &times, &labels)
+                    .map_err(|e| mismatch(format!("rank {from}: {e}")))?,
+            );
         }
-        Ok(all)
+        Ok((all, all_comm))
     }
 
     /// The names rank `rank` sends to the leader, in order: each parameter (or its gradient) it
