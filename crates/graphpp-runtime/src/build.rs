@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use graphpp_graph::stage_graphs;
+use graphpp_graph::{stage_graphs, StageGraphs};
 use graphpp_models::{split_layers, Model, StageOptions, StageSpec};
 use graphpp_schedule::{Kind, Schedule, Shape};
 
@@ -98,6 +98,38 @@ pub fn compute_schedule(
     Ok(given.clone())
 }
 
+/// The graphs of model stage `spec` (fw, full_bw, bw_di, bw_dw) under `opts`' recompute policy.
+///
+/// # Errors
+/// Building or differentiating the stage graph.
+pub fn graphs_of(model: &dyn Model, spec: &StageSpec, opts: &StageOptions) -> Result<StageGraphs, VerifyError> {
+    Ok(stage_graphs(&model.build_stage(spec, opts)?, &opts.recompute.policy(spec))?)
+}
+
+/// The graphs of every schedule stage (index = stage id) of `specs` ([`stage_specs`]), built
+/// once per distinct model stage (DualPipe's two copies share theirs).
+///
+/// # Errors
+/// As [`graphs_of`].
+pub fn all_stage_graphs(
+    model: &dyn Model,
+    specs: &[StageSpec],
+    opts: &StageOptions,
+) -> Result<Vec<Arc<StageGraphs>>, VerifyError> {
+    let mut built: Vec<(&StageSpec, Arc<StageGraphs>)> = Vec::new();
+    specs
+        .iter()
+        .map(|spec| {
+            if let Some((_, g)) = built.iter().find(|(s, _)| *s == spec) {
+                return Ok(Arc::clone(g));
+            }
+            let g = Arc::new(graphs_of(model, spec, opts)?);
+            built.push((spec, Arc::clone(&g)));
+            Ok(g)
+        })
+        .collect()
+}
+
 /// What a rank's stages are built from: the model, the model stage each schedule stage runs
 /// (`specs[s]`, from [`stage_specs`]), the stage options and the initial weights — `given` by
 /// name (e.g. pretrained; a tied embedding's copies both read `model.embed_tokens.weight`), else
@@ -174,9 +206,7 @@ impl StageBuild<'_> {
                 .specs
                 .get(stage)
                 .ok_or_else(|| VerifyError::Mismatch(format!("stage {stage}: no model stage for it")))?;
-            let graphs =
-                stage_graphs(&self.model.build_stage(spec, self.opts)?, &self.opts.recompute.policy(spec))?;
-            stages.insert(stage, Stage::new(graphs, self.state(spec)?));
+            stages.insert(stage, Stage::new(graphs_of(self.model, spec, self.opts)?, self.state(spec)?));
         }
         Ok(GraphStages::new(stages, data))
     }

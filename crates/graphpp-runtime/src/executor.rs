@@ -402,26 +402,15 @@ fn exec(
         });
     }
     let n = graph.nodes.len();
-    let mut uses = vec![0usize; n];
-    for node in &graph.nodes {
-        for x in &node.inputs {
-            uses[x.0] += 1;
-        }
-    }
-    for o in &graph.outputs {
-        uses[o.value.0] = usize::MAX;
-    }
-    let state = state_derived(graph);
+    let mut live = Liveness::new(graph);
     let mut vals: Vec<Option<Value>> = (0..n).map(|_| None).collect();
-    let mut counted = vec![0usize; n];
-    let (mut live, mut peak) = (0usize, 0usize);
     let mut times = opts.time_nodes.then(|| vec![Duration::ZERO; n]);
     let mut next_input = 0;
     let mut at_peak = Vec::new();
     let mut spans = Vec::new();
     for (i, node) in graph.nodes.iter().enumerate() {
         let t0 = Instant::now();
-        let value = if let Op::Input { name, kind, ty } = &node.op {
+        let value = if let Op::Input { name, ty, .. } = &node.op {
             let t = inputs[next_input].clone();
             next_input += 1;
             if t.dims() != ty.shape.as_slice() || t.dtype() != candle_dtype(ty.dtype) {
@@ -430,9 +419,6 @@ fn exec(
                     name: name.clone(),
                     reason: format!("expected {ty}, got {:?} {:?}", t.dtype(), t.dims()),
                 });
-            }
-            if !matches!(kind, InputKind::Parameter | InputKind::Buffer) {
-                counted[i] = ty.size_bytes();
             }
             Value::Ready(t)
         } else {
@@ -452,7 +438,6 @@ fn exec(
                     _ => unreachable!("live operand, completed above"),
                 })
                 .collect();
-            counted[i] = if state[i] { 0 } else { node.ty.size_bytes() };
             match &node.op {
                 Op::CollectiveStart { kind, group, axis } => {
                     start(comm, *kind, group, *axis, &args, i).map_err(|e| collective_error(graph, i, e))?
@@ -460,27 +445,11 @@ fn exec(
                 op => Value::Ready(eval(graph, i, op, &args)?),
             }
         };
-        live += counted[i];
-        if live > peak {
-            peak = live;
-            if opts.trace_peak {
-                at_peak = (0..=i).filter(|&j| vals[j].is_some() || j == i).map(ValueId).collect();
-            }
+        if live.produce(i) && opts.trace_peak {
+            at_peak = (0..=i).filter(|&j| vals[j].is_some() || j == i).map(ValueId).collect();
         }
         vals[i] = Some(value);
-        if uses[i] == 0 {
-            vals[i] = None;
-            live -= counted[i];
-        }
-        for x in &node.inputs {
-            if uses[x.0] != usize::MAX {
-                uses[x.0] -= 1;
-                if uses[x.0] == 0 {
-                    vals[x.0] = None;
-                    live -= counted[x.0];
-                }
-            }
-        }
+        live.release(i, &node.inputs, |j| vals[j] = None);
         if let Some(t) = times.as_mut() {
             t[i] = t0.elapsed();
         }
@@ -497,7 +466,7 @@ fn exec(
         outputs.push(t);
     }
     let live_at_peak = opts.trace_peak.then_some(at_peak);
-    Ok(RunReport { outputs, peak_live_bytes: peak, node_times: times, live_at_peak, collectives: spans })
+    Ok(RunReport { outputs, peak_live_bytes: live.peak, node_times: times, live_at_peak, collectives: spans })
 }
 
 /// Completes `f` (waiting at most the communicator's timeout) and records its span.
@@ -515,6 +484,75 @@ fn finish(
 }
 
 /// Values computed only from parameters and buffers (no constants, no collectives).
+/// The peak live bytes a run of `graph` reports ([`RunReport::peak_live_bytes`]), from the
+/// value types alone: the same accounting (module doc), without running anything. Exact for
+/// every graph whose value shapes are static (all of graphpp's).
+pub fn peak_live_bytes(graph: &Graph) -> usize {
+    let mut live = Liveness::new(graph);
+    for (i, node) in graph.nodes.iter().enumerate() {
+        live.produce(i);
+        live.release(i, &node.inputs, |_| {});
+    }
+    live.peak
+}
+
+/// The executor's live-byte accounting (module doc): each value counted from when its node runs
+/// until its last use (outputs to the end), state and values of state alone not at all.
+struct Liveness {
+    /// Remaining uses of each value (`usize::MAX` for an output: never freed).
+    uses: Vec<usize>,
+    /// Bytes each value counts while it lives.
+    bytes: Vec<usize>,
+    live: usize,
+    /// Largest `live` so far.
+    peak: usize,
+}
+
+impl Liveness {
+    fn new(graph: &Graph) -> Self {
+        let mut uses = vec![0usize; graph.nodes.len()];
+        for node in &graph.nodes {
+            for x in &node.inputs {
+                uses[x.0] += 1;
+            }
+        }
+        for o in &graph.outputs {
+            uses[o.value.0] = usize::MAX;
+        }
+        let state = state_derived(graph);
+        let bytes = graph.nodes.iter().zip(&state).map(|(n, &s)| if s { 0 } else { n.ty.size_bytes() }).collect();
+        Liveness { uses, bytes, live: 0, peak: 0 }
+    }
+
+    /// Node `i`'s value now lives; whether that makes a new peak.
+    #[inline]
+    fn produce(&mut self, i: usize) -> bool {
+        self.live += self.bytes[i];
+        let new_peak = self.live > self.peak;
+        self.peak = self.peak.max(self.live);
+        new_peak
+    }
+
+    /// After node `i` (reading `inputs`) ran: frees it if nothing reads it and each input it
+    /// was the last use of, calling `free` with each freed value.
+    #[inline]
+    fn release(&mut self, i: usize, inputs: &[ValueId], mut free: impl FnMut(usize)) {
+        if self.uses[i] == 0 {
+            free(i);
+            self.live -= self.bytes[i];
+        }
+        for x in inputs {
+            if self.uses[x.0] != usize::MAX {
+                self.uses[x.0] -= 1;
+                if self.uses[x.0] == 0 {
+                    free(x.0);
+                    self.live -= self.bytes[x.0];
+                }
+            }
+        }
+    }
+}
+
 fn state_derived(g: &Graph) -> Vec<bool> {
     let mut s = vec![false; g.nodes.len()];
     for (i, n) in g.nodes.iter().enumerate() {

@@ -148,19 +148,31 @@ pub struct Stage {
     last: bool,
 }
 
+/// What a stage keeps between its actions: the names its backward graphs read that are not
+/// state (`is_state`) — kept from F until B or I, where present then — and those bw_dw reads
+/// (kept from I until W). One rule for the runtime's caches and the byte model
+/// ([`crate::memory::stage_bytes`]).
+pub(crate) fn kept_names(
+    graphs: &StageGraphs,
+    is_state: impl Fn(&str) -> bool,
+) -> (HashSet<String>, HashSet<String>) {
+    let mut bw_reads: HashSet<String> = graphs.full_bw.input_names().into_iter().collect();
+    let mut dw_reads = HashSet::new();
+    if let Some((di, dw)) = &graphs.di_dw {
+        bw_reads.extend(di.input_names());
+        dw_reads.extend(dw.input_names().into_iter().filter(|n| !is_state(n)));
+        bw_reads.extend(dw_reads.iter().cloned());
+    }
+    bw_reads.retain(|n| !is_state(n));
+    (bw_reads, dw_reads)
+}
+
 impl Stage {
     /// A stage from its graphs and its `state`: every parameter and buffer input of `graphs.fw`
     /// by name. The stage reads `tokens` when fw has that input (a model's first stage) and
     /// produces the loss when fw outputs `loss` (its last stage).
     pub fn new(graphs: StageGraphs, state: Env) -> Self {
-        let mut bw_reads: HashSet<String> = graphs.full_bw.input_names().into_iter().collect();
-        let mut dw_reads = HashSet::new();
-        if let Some((di, dw)) = &graphs.di_dw {
-            bw_reads.extend(di.input_names());
-            dw_reads.extend(dw.input_names().into_iter().filter(|n| !state.contains_key(n)));
-            bw_reads.extend(dw_reads.iter().cloned());
-        }
-        bw_reads.retain(|n| !state.contains_key(n));
+        let (bw_reads, dw_reads) = kept_names(&graphs, |n| state.contains_key(n));
         let first = graphs.fw.input_by_name(TOKENS).is_some();
         let last = graphs.fw.output_by_name(LOSS).is_some();
         let params = graphs

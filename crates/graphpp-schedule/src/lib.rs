@@ -3,6 +3,7 @@
 //! No tensor library. See `docs/ARCHITECTURE.md`, "Schedule IR".
 
 pub mod action;
+pub mod bytes;
 pub mod compare;
 pub mod costs;
 pub mod deps;

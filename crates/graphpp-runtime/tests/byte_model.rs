@@ -1,0 +1,75 @@
+//! Memory in bytes: the static byte model (graph value types, the runtime's cache rule, the
+//! executor's liveness accounting) predicts the peak bytes a real step measures, per rank, under
+//! every kind of schedule and recompute policy; a model built from one schedule's stage graphs
+//! predicts another schedule of the same stages.
+
+mod common;
+
+use graphpp_models::Recompute;
+use graphpp_runtime::executor::{peak_live_bytes, run, RunOptions};
+use graphpp_runtime::memory::run_byte_model;
+use graphpp_runtime::verify::random_microbatches;
+use graphpp_runtime::{TrainSetup, Trainer};
+use graphpp_schedule::Kind;
+
+/// One step of `setup` (B = 2, T = 16): the peak bytes each rank measured and those the byte
+/// model predicts for the trainer's lowered schedule.
+fn measured_and_predicted(setup: TrainSetup) -> (Vec<u64>, Vec<u64>) {
+    let s = TrainSetup { batch: 2, seq: 16, ..setup };
+    let m = s.shape.microbatches;
+    let model = run_byte_model(&s, &graphpp_runtime::train_schedule(&s).unwrap()).unwrap();
+    let mut t = Trainer::new(s).unwrap();
+    let r = t.step(random_microbatches(256, m, 2, 16, 7).unwrap()).unwrap();
+    (r.peak_bytes, model.peak_bytes(t.schedule()).unwrap())
+}
+
+#[test]
+fn the_byte_model_predicts_the_measured_peak_of_every_rank() {
+    let cases = [
+        (Kind::Gpipe, 2, 1, 4, Recompute::SaveAll),
+        (Kind::OneFOneB, 2, 1, 4, Recompute::Layers),
+        (Kind::Interleaved1F1B, 2, 2, 4, Recompute::SaveAll),
+        (Kind::ZbH1, 2, 1, 4, Recompute::Matmuls),
+        (Kind::Zbv, 2, 2, 4, Recompute::SaveAll),
+        (Kind::Zbv, 2, 2, 4, Recompute::StageInputs),
+        (Kind::DualPipeV, 2, 2, 4, Recompute::SaveAll),
+        (Kind::DualPipe, 2, 2, 4, Recompute::SaveAll),
+    ];
+    for (kind, p, v, m, recompute) in cases {
+        let (measured, predicted) =
+            measured_and_predicted(TrainSetup { recompute, ..common::tiny_setup(kind, p, v, m) });
+        assert_eq!(measured.len(), predicted.len());
+        for (r, (a, b)) in measured.iter().zip(&predicted).enumerate() {
+            let rel = (*a as f64 - *b as f64).abs() / *a as f64;
+            assert!(rel <= 0.01, "{kind:?} {recompute:?} rank {r}: measured {a}, predicted {b} ({rel:.4})");
+        }
+    }
+}
+
+/// The activation part differs between schedules by more than the tolerance, so a model that
+/// ignored the order (or the schedule) would fail the test above.
+#[test]
+fn schedules_of_the_same_stages_differ_in_peak_and_the_model_follows() {
+    let (gpipe, gpipe_pred) = measured_and_predicted(common::tiny_setup(Kind::Gpipe, 2, 1, 8));
+    let (one, one_pred) = measured_and_predicted(common::tiny_setup(Kind::OneFOneB, 2, 1, 8));
+    assert!(gpipe[0] as f64 > 1.1 * one[0] as f64, "GPipe {} vs 1F1B {}", gpipe[0], one[0]);
+    assert!(gpipe_pred[0] as f64 > 1.1 * one_pred[0] as f64, "{gpipe_pred:?} vs {one_pred:?}");
+}
+
+#[test]
+fn the_static_peak_equals_the_executed_one() {
+    let cfg = graphpp_models::LlamaConfig::tiny();
+    let spec = graphpp_models::StageSpec { stage: 1, stages: 2, ..graphpp_models::StageSpec::whole(4) };
+    let spec = graphpp_models::StageSpec { layers: 2..4, ..spec };
+    let opts = graphpp_models::StageOptions::new(2, 16);
+    let graphs = graphpp_runtime::build::graphs_of(&cfg, &spec, &opts).unwrap();
+    let (di, dw) = graphs.di_dw.as_ref().unwrap();
+    let mut rng = graphpp_models::rng::Rng::new(5);
+    for g in [&graphs.fw, &graphs.full_bw, di, dw] {
+        let inputs: Vec<_> =
+            g.input_specs().iter().map(|s| common::random_input(s, &mut rng, -0.5, 0.5, 16)).collect();
+        let report = run(g, &inputs, &RunOptions::default()).unwrap();
+        assert_eq!(report.peak_live_bytes, peak_live_bytes(g), "{}", g.name);
+        assert!(report.peak_live_bytes > 0);
+    }
+}
