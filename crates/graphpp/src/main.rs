@@ -24,6 +24,12 @@ enum Command {
     Train(Box<cmd::train::TrainArgs>),
     /// Run one step pipelined and on one device; compare losses and gradients (exit 1 above tolerance).
     Verify(cmd::verify::VerifyArgs),
+    /// Run a few training steps (the train flags) and write their per-stage times and memory as a
+    /// profile (JSON) for `schedule simulate --profile` and `plan --profile`.
+    Profile(Box<cmd::profile::ProfileArgs>),
+    /// Find the best strategy for a model on N ranks under a memory cap: every feasible schedule,
+    /// pp × dp, microbatch count and recompute policy, simulated and ranked.
+    Plan(cmd::plan::PlanArgs),
 }
 
 fn main() {
@@ -33,6 +39,8 @@ fn main() {
         Command::Graph(a) => cmd::graph::run(a),
         Command::Verify(a) => cmd::verify::run(a),
         Command::Train(a) => cmd::train::run(*a),
+        Command::Profile(a) => cmd::profile::run(*a),
+        Command::Plan(a) => cmd::plan::run(a),
     };
     if let Err(e) = result {
         if let Some(stopped) = e.downcast_ref::<graphpp::stop::Interrupted>() {

@@ -590,7 +590,10 @@ fn schedule_flag(path: &Path) -> Result<Arc<graphpp_schedule::Schedule>, RunErro
 }
 
 /// The runtime setup of `c`.
-fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
+///
+/// # Errors
+/// [`RunError`] for a schedule file that cannot be read or a bad learning-rate schedule.
+pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
     Ok(TrainSetup {
         model: Arc::new(c.model.clone()),
         kind: c.kind,

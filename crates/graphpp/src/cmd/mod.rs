@@ -2,6 +2,8 @@
 
 pub mod compare;
 pub mod graph;
+pub mod plan;
+pub mod profile;
 pub mod schedule;
 pub mod train;
 pub mod value;

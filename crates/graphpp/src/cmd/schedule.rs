@@ -5,7 +5,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
+use graphpp::profile::Profile;
+use graphpp_schedule::generate::human_bytes;
 use graphpp_schedule::render::{chrome_trace, fixed, grid, svg, GridStyle};
+use graphpp_schedule::simulate::simulate_with;
 use graphpp_schedule::{
     generate, lower, simulate, validate, Costs, Kind, LowerOptions, Memory, Options, Schedule, Shape,
     SimReport, Summary, ValidateOptions,
@@ -62,6 +65,11 @@ pub enum ScheduleCmd {
         /// Write to this file instead of standard output.
         #[arg(long)]
         output: Option<PathBuf>,
+        /// A profile (`graphpp profile`) of a run with the same stages: each action takes its
+        /// stage's measured time (in ms; --costs is then unused), and the peak memory of every
+        /// rank is given in bytes from the profile's byte model.
+        #[arg(long, value_name = "FILE")]
+        profile: Option<PathBuf>,
     },
     /// One table over every schedule kind for one shape: bubble, peak activations, messages.
     Compare {
@@ -310,7 +318,7 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
             let (s, _) = read_schedule(&file, &shape.options()?)?;
             crate::cmd::emit(&lower(&s, &LowerOptions { fsdp_max_unsharded, ..Default::default() })?.to_csv())
         }
-        ScheduleCmd::Simulate { source, model, format, output } => {
+        ScheduleCmd::Simulate { source, model, format, output, profile } => {
             let (costs, memory) = model.resolve()?;
             let s = match (&source.kind, &source.file) {
                 (Some(k), _) => {
@@ -333,16 +341,37 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
                 }
                 (None, None) => bail!("give --schedule (with --ranks and --microbatches) or --file"),
             };
-            let report = simulate(&s, &costs, &memory)?;
+            let profiled = profile.as_deref().map(Profile::load).transpose()?;
+            let (report, peak_bytes) = match &profiled {
+                Some(p) => {
+                    p.check(&s)?;
+                    let r = simulate_with(&s, |a| 1e3 * p.duration(a), costs.comm, &memory)?;
+                    (r, Some(p.bytes.peak_bytes(&s)?))
+                }
+                None => (simulate(&s, &costs, &memory)?, None),
+            };
             let text = match format {
                 SimFormat::Text => {
                     let style = GridStyle {
                         color: output.is_none() && std::io::stdout().is_terminal(),
                         ..GridStyle::default()
                     };
-                    format!("{}\n{}", summary(&report), grid(&report.timeline, &style))
+                    let bytes = peak_bytes.as_ref().map_or(String::new(), |b| {
+                        let each: Vec<String> = b.iter().map(|&x| human_bytes(u128::from(x))).collect();
+                        format!(
+                            "peak memory         {} (bytes, from the profile; times in ms)\n",
+                            each.join(" ")
+                        )
+                    });
+                    format!("{}{bytes}\n{}", summary(&report), grid(&report.timeline, &style))
                 }
-                SimFormat::Json => serde_json::to_string_pretty(&report)? + "\n",
+                SimFormat::Json => {
+                    let value = match &peak_bytes {
+                        Some(b) => serde_json::json!({ "report": &report, "peak_bytes": b }),
+                        None => serde_json::to_value(&report)?,
+                    };
+                    serde_json::to_string_pretty(&value)? + "\n"
+                }
                 SimFormat::Svg => svg(&report.timeline),
                 SimFormat::Chrome => chrome_trace(&report.timeline),
             };

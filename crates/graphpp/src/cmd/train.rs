@@ -14,6 +14,7 @@ use clap::Args;
 use graphpp::checkpoint::CheckpointError;
 use graphpp::launch::Launch;
 use graphpp::metrics::{MetricsLog, StepRecord};
+use graphpp::profile::Profile;
 use graphpp::stop::{Interrupted, StopRequest, StopSignal};
 use graphpp::strategy::Strategy;
 use graphpp::train::{
@@ -205,6 +206,9 @@ pub struct TrainArgs {
     /// --strategy runs the same way.
     #[arg(long)]
     print_strategy: bool,
+    /// Write a profile of the run here at the end (`graphpp profile`; not a train flag).
+    #[arg(skip)]
+    profile: Option<PathBuf>,
 }
 
 /// The flags a strategy file stands for (see [`graphpp::strategy`]).
@@ -315,6 +319,49 @@ fn progress(steps: u64, done: u64) -> ProgressBar {
     pb
 }
 
+/// Runs `graphpp profile`: `a`'s run for `steps` steps (no evaluation before the end, no
+/// sample), then its [`Profile`] written to `output`.
+///
+/// # Errors
+/// As [`run`]; the profile file cannot be written.
+pub fn profile(mut a: TrainArgs, steps: u64, output: PathBuf) -> Result<()> {
+    check_output_file("--output", &output)?;
+    a.stop_after = Some(steps);
+    a.eval_every = 0;
+    a.sample_bytes = 0;
+    a.profile = Some(output);
+    run(a)
+}
+
+/// Writes the [`Profile`] of `run`'s measured steps to `path` (the first step of a fresh run,
+/// its warm-up, left out when there are others) and says how its predicted peaks compare.
+fn write_profile(
+    path: &std::path::Path,
+    run: &Run,
+    kept: &VecDeque<(f64, Timeline)>,
+    peaks: &[u64],
+) -> Result<()> {
+    let skip = usize::from(kept.len() > 1);
+    let timelines: Vec<Timeline> = kept.iter().skip(skip).map(|(_, t)| t.clone()).collect();
+    let p = Profile::of_run(run.config(), run.trainer().schedule(), &timelines, peaks)?;
+    p.save(path)?;
+    let ratios: Vec<String> = p
+        .predicted_peak_bytes
+        .iter()
+        .zip(&p.measured_peak_bytes)
+        .map(|(a, b)| format!("{:.3}", *a as f64 / (*b).max(1) as f64))
+        .collect();
+    out!(
+        "profile of {}: {} — peak MiB/rank measured {}, predicted {} (predicted / measured {})",
+        crate::cmd::plural(timelines.len() as u64, "step", "steps"),
+        path.display(),
+        mib(&p.measured_peak_bytes),
+        mib(&p.predicted_peak_bytes),
+        ratios.join("/")
+    );
+    Ok(())
+}
+
 /// Runs `graphpp train`. Errors: bad settings, data or checkpoint (typed, naming the input), a
 /// failing rank (naming rank, step and action); [`graphpp::stop::Interrupted`] after SIGINT /
 /// SIGTERM, once the current step is finished and saved. Under `mpirun` a failing process tells
@@ -358,6 +405,8 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     let mut boundary: Vec<f64> = Vec::new();
     let mut exposed: Vec<f64> = Vec::new();
     let mut rollbacks = 0u64;
+    // The largest peak bytes of each pipeline rank of replica 0 over the steps (for --profile).
+    let mut peaks: Vec<u64> = vec![0; c.ranks];
     let mut val = None;
     // The step of the last checkpoint written and, on the leader, its path: the same step on
     // every process, so all agree whether a stop needs one more checkpoint.
@@ -381,6 +430,7 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
         boundary.push(r.boundary_wait_s.iter().copied().fold(0.0, f64::max));
         exposed.push(r.reduce_wait_s.iter().copied().fold(0.0, f64::max) / secs.max(1e-12));
         rollbacks += u64::from(r.rolled_back);
+        peaks.iter_mut().zip(&r.peak_bytes).for_each(|(p, b)| *p = (*p).max(*b));
         kept.push_back((start, r.timeline));
         if kept.len() > TRACE_STEPS {
             kept.pop_front();
@@ -426,6 +476,9 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     if let Some(dir) = &a.report {
         let path = graphpp::report::write(dir, &report(&run, &kept, metrics.records())?)?;
         out!("report: {}", path.display());
+    }
+    if let Some(path) = &a.profile {
+        write_profile(path, &run, &kept, &peaks)?;
     }
     let ran_steps = crate::cmd::plural(ran, "step", "steps");
     out!("{ran_steps} in {wall:.1} s: {:.0} tokens/s", ran as f64 * tokens / wall.max(1e-9));

@@ -1,0 +1,182 @@
+//! `graphpp plan`: the planner's ranked table ([`graphpp::plan`]) and the command that runs its
+//! best strategy.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use graphpp::plan::{plan, Candidate, PlanRequest};
+use graphpp::profile::Profile;
+use graphpp_models::Recompute;
+use graphpp_schedule::generate::human_bytes;
+use graphpp_schedule::Kind;
+
+use crate::cmd::value::count;
+
+/// Arguments of `graphpp plan`.
+#[derive(Args)]
+pub struct PlanArgs {
+    /// Model: a preset or a JSON config file (as for `graphpp train`).
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Override the model's number of decoder layers.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// N: ranks in all (each strategy splits them into pipeline × data-parallel).
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    ranks: usize,
+    /// Memory of one rank: bytes, or with a unit (`512MiB`, `2GB`, `1.5GiB`).
+    #[arg(long, value_parser = parse_bytes)]
+    memory_per_rank: u64,
+    /// Sequences per step over all replicas (microbatches × microbatch size).
+    #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = count::<usize>)]
+    global_batch: usize,
+    /// T: tokens per sequence.
+    #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = count::<usize>)]
+    seq_len: usize,
+    /// Most microbatches per step to consider.
+    #[arg(long, default_value_t = 32, allow_hyphen_values = true, value_parser = count::<usize>)]
+    max_microbatches: usize,
+    /// Only these schedule kinds (comma-separated; default: every kind).
+    #[arg(long, value_delimiter = ',')]
+    schedule: Option<Vec<Kind>>,
+    /// Only these recompute policies (comma-separated; default: every policy).
+    #[arg(long, value_delimiter = ',')]
+    recompute: Option<Vec<Recompute>>,
+    /// A profile of this model on this machine (`graphpp profile`): the speed fitted to its
+    /// measured action times replaces the default (50 GFLOP/s of matmuls, 5 GB/s of other work).
+    #[arg(long, value_name = "FILE")]
+    profile: Option<PathBuf>,
+    /// Bandwidth between ranks, GB/s: pipeline hand-overs and the data-parallel all-reduce.
+    #[arg(long, default_value_t = 10.0, allow_hyphen_values = true)]
+    link_gbps: f64,
+    /// Rows of the table.
+    #[arg(long, default_value_t = 10)]
+    top: usize,
+}
+
+/// Parses a byte count: an integer, or a number with a unit B, KB, MB, GB (powers of 1000) or
+/// KiB, MiB, GiB (powers of 1024). Errors: anything else, naming the text.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let scale: f64 = match unit.trim() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        u => return Err(format!("`{text}`: unknown unit `{u}` (B, KB, MB, GB, KiB, MiB, GiB)")),
+    };
+    let n: f64 = number.trim().parse().map_err(|_| format!("`{text}` is not a byte count"))?;
+    let bytes = n * scale;
+    if !(bytes.is_finite() && bytes >= 1.0 && bytes < 1.8e19) {
+        return Err(format!("`{text}`: a memory size must be at least 1 byte and below 2^64"));
+    }
+    Ok(bytes as u64)
+}
+
+/// One table row.
+fn row(i: usize, c: &Candidate) -> String {
+    format!(
+        "{:>3}  {:<20} {:>3} {:>3} {:>2} {:>4} {:>4}  {:<12} {:>10.2} {:>8.3} {:>12}  {}\n",
+        i + 1,
+        c.kind.name(),
+        c.pp,
+        c.dp,
+        c.stages_per_rank,
+        c.microbatches,
+        c.microbatch_size,
+        c.recompute.name(),
+        1e3 * c.step_seconds,
+        c.bubble,
+        human_bytes(u128::from(c.peak_bytes)),
+        if c.fits { "yes" } else { "no" }
+    )
+}
+
+/// Runs `graphpp plan`.
+///
+/// # Errors
+/// A bad model, profile or request; no strategy fitting the memory per rank.
+pub fn run(a: PlanArgs) -> Result<()> {
+    let mut model = crate::cmd::graph::load_config(&a.model)?;
+    if let Some(l) = a.layers {
+        model.base_mut().num_hidden_layers = l;
+        model.validate()?;
+    }
+    let profile = a.profile.as_deref().map(Profile::load).transpose()?;
+    let req = PlanRequest {
+        model,
+        ranks: a.ranks,
+        memory_per_rank: a.memory_per_rank,
+        global_batch: a.global_batch,
+        seq_len: a.seq_len,
+        dtype: profile.as_ref().map_or(graphpp_graph::DType::F32, |p| p.dtype),
+        kinds: a.schedule.clone().unwrap_or_else(|| Kind::ALL.to_vec()),
+        recompute: a.recompute.clone().unwrap_or_else(|| Recompute::ALL.to_vec()),
+        max_microbatches: a.max_microbatches,
+        speed: profile.as_ref().and_then(Profile::speed).unwrap_or_default(),
+        link_bytes_per_second: a.link_gbps * 1e9,
+    };
+    let all = plan(&req)?;
+    let fitting = all.iter().filter(|c| c.fits).count();
+    let rates = format!(
+        "{:.1} GFLOP/s of matmuls, {:.2} GB/s of other work, {} GB/s links",
+        1e-9 / req.speed.seconds_per_flop,
+        1e-9 / req.speed.seconds_per_byte,
+        a.link_gbps
+    );
+    let speed = match (&profile, &a.profile) {
+        (Some(p), Some(path)) => {
+            format!("{rates} (fitted to {}: model {}, {} steps)", path.display(), p.model, p.steps)
+        }
+        _ => format!("{rates} (assumed; no --profile)"),
+    };
+    let mut text = format!(
+        "plan: model {}, {} ranks, {} per rank, {} sequences of {} tokens per step; {} strategies, {} fit; costs: {speed}\n",
+        a.model,
+        a.ranks,
+        human_bytes(u128::from(a.memory_per_rank)),
+        a.global_batch,
+        a.seq_len,
+        all.len(),
+        fitting
+    );
+    text.push_str("  #  schedule              pp  dp  v    m    B  recompute     step (ms)   bubble    peak/rank  fits\n");
+    for (i, c) in all.iter().take(a.top).enumerate() {
+        text.push_str(&row(i, c));
+    }
+    let Some(best) = all.first().filter(|c| c.fits) else {
+        let least = all.iter().map(|c| c.peak_bytes).min();
+        bail!(
+            "no strategy fits {} per rank{}",
+            human_bytes(u128::from(a.memory_per_rank)),
+            least.map_or(String::new(), |b| format!(
+                " (the least memory any needs is {})",
+                human_bytes(u128::from(b))
+            ))
+        );
+    };
+    let _ = writeln!(text, "best: graphpp train --model {} {}", a.model, best.train_flags(a.seq_len));
+    crate::cmd::emit(&text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts_take_units() {
+        assert_eq!(parse_bytes("1000"), Ok(1000));
+        assert_eq!(parse_bytes("2MiB"), Ok(2 << 20));
+        assert_eq!(parse_bytes("1.5 GB"), Ok(1_500_000_000));
+        assert!(parse_bytes("12 parsecs").unwrap_err().contains("unknown unit"));
+        assert!(parse_bytes("0").is_err());
+        assert!(parse_bytes("-5MB").is_err());
+    }
+}

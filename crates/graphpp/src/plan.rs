@@ -1,0 +1,356 @@
+//! The planner (issue 12, item 4): every feasible strategy for a model on N ranks — schedule
+//! kind, pipeline × data-parallel degrees, microbatch count and size, recompute policy —
+//! simulated with a cost model and the byte model of its real stage graphs, and ranked.
+//!
+//! Per candidate: the kind's compute schedule at (pp, v, m); each stage's graphs at `B / dp`
+//! sequences under the policy (built once per distinct model stage); each action's time from its
+//! graph's [`Work`] at a [`Speed`] (fitted to a [`crate::profile::Profile`] of the same model on this machine, or
+//! the default); each hop between ranks takes the stage output's bytes over the link; the step
+//! time = the simulated makespan plus the data-parallel gradient all-reduce of the fullest rank
+//! (ring volume `2 (dp − 1) / dp` × its gradient bytes over the link, counted as exposed: a
+//! bound, since REDUCE_GRAD overlaps part of it); peak bytes = [`graphpp_schedule::bytes`]' walk.
+//! A candidate fits when every rank's peak is within the memory per rank. Layer splits are even
+//! (a split that does not divide the layers is left out); with one rank per pipeline every kind
+//! runs alike, so only the first kind of v = 1 is listed there.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use graphpp_graph::names::OUTPUT;
+use graphpp_graph::{DType, InputKind, StageGraphs};
+use graphpp_models::{ModelConfig, Recompute, StageOptions};
+use graphpp_runtime::build::{graphs_of, model_stages, stage_specs};
+use graphpp_runtime::memory::byte_model;
+use graphpp_schedule::simulate::simulate_with;
+use graphpp_schedule::{generate, Action, Kind, Memory, Options, Schedule, Shape};
+
+use crate::profile::{stage_work, PerKind, Speed, Work};
+
+/// Link bandwidth assumed between ranks: 10 GB/s (the order of a PCIe 4.0 x16 link).
+pub const DEFAULT_LINK_BYTES_PER_SECOND: f64 = 10e9;
+
+/// What to plan for.
+#[derive(Debug, Clone)]
+pub struct PlanRequest {
+    /// The model.
+    pub model: ModelConfig,
+    /// N: ranks (devices) in all; each candidate splits them into pp × dp.
+    pub ranks: usize,
+    /// Memory of one rank, bytes.
+    pub memory_per_rank: u64,
+    /// Sequences per step over all replicas (m × B).
+    pub global_batch: usize,
+    /// T: tokens per sequence.
+    pub seq_len: usize,
+    /// Compute dtype.
+    pub dtype: DType,
+    /// Schedule kinds to consider.
+    pub kinds: Vec<Kind>,
+    /// Recompute policies to consider.
+    pub recompute: Vec<Recompute>,
+    /// Most microbatches per step considered.
+    pub max_microbatches: usize,
+    /// How fast a rank computes ([`crate::profile::Profile::speed`], or the default).
+    pub speed: Speed,
+    /// Bytes per second between two ranks (pipeline hand-overs, gradient all-reduce).
+    pub link_bytes_per_second: f64,
+}
+
+/// One strategy and its predicted figures.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Candidate {
+    /// Schedule kind.
+    pub kind: Kind,
+    /// Pipeline ranks p.
+    pub pp: usize,
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// Stages per rank v.
+    pub stages_per_rank: usize,
+    /// m.
+    pub microbatches: usize,
+    /// B: sequences per microbatch over the replicas.
+    pub microbatch_size: usize,
+    /// Recompute policy.
+    pub recompute: Recompute,
+    /// Predicted step time, seconds.
+    pub step_seconds: f64,
+    /// Predicted in-iteration r_bubble.
+    pub bubble: f64,
+    /// Predicted peak bytes of the fullest rank.
+    pub peak_bytes: u64,
+    /// Whether every rank's peak is within the memory per rank.
+    pub fits: bool,
+}
+
+impl Candidate {
+    /// The `graphpp train` flags that run this strategy.
+    pub fn train_flags(&self, seq_len: usize) -> String {
+        format!(
+            "--schedule {} --ranks {} --stages-per-rank {} --dp {} --microbatches {} --microbatch-size {} --seq-len {} --recompute {}",
+            self.kind.name(),
+            self.pp,
+            self.stages_per_rank,
+            self.dp,
+            self.microbatches,
+            self.microbatch_size,
+            seq_len,
+            self.recompute.name()
+        )
+    }
+}
+
+/// Why no plan can be made.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    /// A count is zero.
+    #[error("{0} must be at least 1")]
+    Zero(&'static str),
+    /// A speed or bandwidth is not a positive finite number.
+    #[error("{what} is {value}: it must be a positive finite number")]
+    Rate {
+        /// Which figure.
+        what: &'static str,
+        /// The value.
+        value: f64,
+    },
+    /// Building a stage graph or the byte model failed.
+    #[error("{0}")]
+    Build(String),
+}
+
+/// Divisors of `n`, ascending.
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n % d == 0).collect()
+}
+
+/// Stage graphs by (model stage, stages, first layer, end layer, sequences, policy).
+type GraphCache = HashMap<(usize, usize, usize, usize, usize, Recompute), Arc<StageGraphs>>;
+
+/// The graphs of each schedule stage of `kind` at `shape`, `batch` sequences per replica.
+fn schedule_graphs(
+    req: &PlanRequest,
+    kind: Kind,
+    shape: &Shape,
+    batch: usize,
+    recompute: Recompute,
+    cache: &mut GraphCache,
+) -> Result<Vec<Arc<StageGraphs>>, PlanError> {
+    let specs = stage_specs(&req.model, kind, shape, None).map_err(|e| PlanError::Build(e.to_string()))?;
+    let opts = StageOptions { recompute, ..StageOptions::mixed(batch, req.seq_len, req.dtype) };
+    specs
+        .iter()
+        .map(|spec| {
+            let key = (spec.stage, spec.stages, spec.layers.start, spec.layers.end, batch, recompute);
+            if let Some(g) = cache.get(&key) {
+                return Ok(Arc::clone(g));
+            }
+            let g =
+                Arc::new(graphs_of(&req.model, spec, &opts).map_err(|e| PlanError::Build(e.to_string()))?);
+            cache.insert(key, Arc::clone(&g));
+            Ok(g)
+        })
+        .collect()
+}
+
+/// Time of `a` on stages of `work` at `speed`, seconds.
+fn action_seconds(a: &Action, work: &[PerKind<Work>], speed: &Speed) -> f64 {
+    a.computes().map(|(kind, t)| work.get(t.stage).map_or(0.0, |w| speed.seconds(w.get(kind)))).sum()
+}
+
+/// Bytes of the parameter inputs of stage `graphs`.
+fn parameter_bytes(graphs: &StageGraphs) -> u64 {
+    let specs = graphs.fw.input_specs();
+    specs.iter().filter(|i| i.kind == InputKind::Parameter).map(|i| i.ty.size_bytes() as u64).sum()
+}
+
+/// The (step seconds, bubble, peak bytes of the fullest rank) of one candidate with `dp`
+/// replicas.
+fn evaluate(
+    req: &PlanRequest,
+    schedule: &Schedule,
+    graphs: &[Arc<StageGraphs>],
+    dp: usize,
+) -> Result<(f64, f64, u64), PlanError> {
+    let work: Vec<PerKind<Work>> = graphs.iter().map(|g| stage_work(g)).collect();
+    let link = req.link_bytes_per_second;
+    let hop = graphs.first().and_then(|g| g.fw.output_by_name(OUTPUT).map(|v| g.fw.node(v).ty.size_bytes()));
+    let hop_seconds = hop.unwrap_or(0) as f64 / link;
+    let sim =
+        simulate_with(schedule, |a| action_seconds(a, &work, &req.speed), hop_seconds, &Memory::default())
+            .map_err(|e| PlanError::Build(e.to_string()))?;
+    let mut grads = vec![0u64; schedule.num_ranks()];
+    for (stage, ranks) in schedule.placement() {
+        for r in ranks {
+            grads[r] += graphs.get(stage).map_or(0, |g| parameter_bytes(g));
+        }
+    }
+    let ring = 2.0 * (dp as f64 - 1.0) / dp as f64;
+    let reduce = ring * grads.into_iter().max().unwrap_or(0) as f64 / link;
+    let refs: Vec<&StageGraphs> = graphs.iter().map(|g| &**g).collect();
+    let bytes = byte_model(&refs, schedule).map_err(|e| PlanError::Build(e.to_string()))?;
+    let peak = bytes.peak_bytes(schedule).map_err(|e| PlanError::Build(e.to_string()))?;
+    Ok((sim.makespan + reduce, sim.bubble_ratio, peak.into_iter().max().unwrap_or(0)))
+}
+
+/// Every feasible candidate of `req`, ranked: those that fit first, each group by predicted step
+/// time, then peak bytes. A kind that cannot serve a shape (its generator's constraint) and a
+/// split that does not divide the layers are left out.
+///
+/// # Errors
+/// [`PlanError::Zero`] for zero ranks, batch, sequence length or microbatches;
+/// [`PlanError::Speed`] for a bad seconds-per-FLOP; [`PlanError::Build`] when a stage graph
+/// cannot be built.
+pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
+    for (name, v) in [
+        ("--ranks", req.ranks),
+        ("--global-batch", req.global_batch),
+        ("--seq-len", req.seq_len),
+        ("--max-microbatches", req.max_microbatches),
+    ] {
+        if v == 0 {
+            return Err(PlanError::Zero(name));
+        }
+    }
+    for (what, value) in [
+        ("seconds per FLOP", req.speed.seconds_per_flop),
+        ("seconds per byte", req.speed.seconds_per_byte),
+        ("the link bandwidth", req.link_bytes_per_second),
+    ] {
+        if !(value.is_finite() && value > 0.0) {
+            return Err(PlanError::Rate { what, value });
+        }
+    }
+    let layers = graphpp_models::Model::num_layers(&req.model);
+    let mut cache = GraphCache::new();
+    let mut out = Vec::new();
+    for pp in divisors(req.ranks) {
+        let dp = req.ranks / pp;
+        // One rank per pipeline is no pipeline: every kind runs the same, so one v = 1 kind
+        // (the first given) stands for them all.
+        let no_pipeline = req.kinds.iter().copied().find(|k| k.default_stages_per_rank() == 1);
+        for &kind in &req.kinds {
+            if pp == 1 && Some(kind) != no_pipeline {
+                continue;
+            }
+            let v = kind.default_stages_per_rank();
+            let stages = model_stages(kind, &Shape::new(pp, v, 1));
+            if stages > layers || layers % stages != 0 {
+                continue;
+            }
+            for m in divisors(req.global_batch).into_iter().filter(|&m| m <= req.max_microbatches) {
+                let b = req.global_batch / m;
+                if b % dp != 0 {
+                    continue;
+                }
+                let shape = Shape::new(pp, v, m);
+                let Ok(schedule) = generate(kind, &shape, &Options::default()) else { continue };
+                for &recompute in &req.recompute {
+                    let graphs = schedule_graphs(req, kind, &shape, b / dp, recompute, &mut cache)?;
+                    let (step_seconds, bubble, peak_bytes) = evaluate(req, &schedule, &graphs, dp)?;
+                    out.push(Candidate {
+                        kind,
+                        pp,
+                        dp,
+                        stages_per_rank: v,
+                        microbatches: m,
+                        microbatch_size: b,
+                        recompute,
+                        step_seconds,
+                        bubble,
+                        peak_bytes,
+                        fits: peak_bytes <= req.memory_per_rank,
+                    });
+                }
+            }
+        }
+    }
+    out.sort_by(|a, b| {
+        b.fits
+            .cmp(&a.fits)
+            .then(a.step_seconds.total_cmp(&b.step_seconds))
+            .then(a.peak_bytes.cmp(&b.peak_bytes))
+    });
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(memory_per_rank: u64) -> PlanRequest {
+        PlanRequest {
+            model: ModelConfig::preset("tiny").unwrap(),
+            ranks: 2,
+            memory_per_rank,
+            global_batch: 8,
+            seq_len: 16,
+            dtype: DType::F32,
+            kinds: vec![Kind::Gpipe, Kind::OneFOneB, Kind::ZbH1, Kind::Zbv],
+            recompute: vec![Recompute::SaveAll, Recompute::StageInputs],
+            max_microbatches: 8,
+            speed: Speed::default(),
+            link_bytes_per_second: DEFAULT_LINK_BYTES_PER_SECOND,
+        }
+    }
+
+    /// The planted case: the best strategy without a cap needs more memory than the cap gives,
+    /// so the planner must choose another — one that fits — and mark the first as not fitting.
+    #[test]
+    fn a_binding_memory_cap_makes_the_planner_choose_another_strategy() {
+        let free = plan(&request(u64::MAX)).unwrap();
+        let best = &free[0];
+        assert!(free.iter().all(|c| c.fits));
+        assert!(free.windows(2).all(|w| w[0].step_seconds <= w[1].step_seconds));
+        let cap = best.peak_bytes - 1;
+        let capped = plan(&request(cap)).unwrap();
+        let chosen = &capped[0];
+        assert!(chosen.fits && chosen.peak_bytes <= cap, "{chosen:?}");
+        assert_ne!(
+            (chosen.kind, chosen.pp, chosen.microbatches, chosen.recompute),
+            (best.kind, best.pp, best.microbatches, best.recompute)
+        );
+        assert!(chosen.step_seconds >= best.step_seconds);
+        let same = capped
+            .iter()
+            .find(|c| {
+                (c.kind, c.pp, c.microbatches, c.recompute)
+                    == (best.kind, best.pp, best.microbatches, best.recompute)
+            })
+            .unwrap();
+        assert!(!same.fits);
+        // Everything that fits is ranked before everything that does not.
+        let first_out = capped.iter().position(|c| !c.fits).unwrap();
+        assert!(capped[first_out..].iter().all(|c| !c.fits));
+    }
+
+    #[test]
+    fn data_parallelism_replicates_the_parameters_and_pipelining_splits_them() {
+        let all = plan(&request(u64::MAX)).unwrap();
+        let find = |pp: usize| {
+            all.iter()
+                .find(|c| {
+                    c.pp == pp
+                        && c.kind == Kind::Gpipe
+                        && c.microbatches == 2
+                        && c.recompute == Recompute::SaveAll
+                })
+                .unwrap()
+                .clone()
+        };
+        let (dp2, pp2) = (find(1), find(2));
+        assert_eq!((dp2.dp, pp2.dp), (2, 1));
+        // One replica holds every parameter (4 × f32 values with gradients and AdamW moments).
+        let params = graphpp_models::Model::parameter_count(&ModelConfig::preset("tiny").unwrap()) as u64;
+        assert!(dp2.peak_bytes > 16 * params, "{dp2:?}");
+        assert!(pp2.peak_bytes < dp2.peak_bytes, "{pp2:?} vs {dp2:?}");
+    }
+
+    #[test]
+    fn bad_requests_are_named() {
+        let r = PlanRequest { ranks: 0, ..request(1) };
+        assert_eq!(plan(&r).unwrap_err(), PlanError::Zero("--ranks"));
+        let r = PlanRequest { link_bytes_per_second: f64::NAN, ..request(1) };
+        assert!(matches!(plan(&r).unwrap_err(), PlanError::Rate { what: "the link bandwidth", .. }));
+    }
+}

@@ -1,0 +1,152 @@
+//! `graphpp profile`, `graphpp schedule simulate --profile` and `graphpp plan` (issue 12, items
+//! 3 and 4): a profile's predicted peak bytes equal the run's measured ones; a profile of one
+//! schedule predicts another schedule of the same stages (its measured peaks within 10%); the
+//! planner's table ranks strategies, marks those over the memory per rank, names the best's
+//! command — which runs — and refuses a cap nothing fits.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use assert_cmd::cargo::CommandCargoExt;
+use graphpp::profile::Profile;
+
+fn graphpp() -> std::process::Command {
+    std::process::Command::cargo_bin("graphpp").expect("binary builds")
+}
+
+/// Runs `cmd`, expecting `code`; returns (stdout, stderr).
+fn output(mut cmd: std::process::Command, code: i32) -> (String, String) {
+    let out = cmd.output().unwrap();
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert_eq!(out.status.code(), Some(code), "stdout:\n{o}\nstderr:\n{e}");
+    (o, e)
+}
+
+/// `graphpp profile` of `kind` (p = 2, m = 4, B = 2, T = 16) on the test corpus into `dir`.
+fn profile(dir: &Path, data: &Path, kind: &str) -> (PathBuf, String) {
+    let path = dir.join(format!("{kind}.json"));
+    let mut c = graphpp();
+    c.args(["profile", "--schedule", kind, "--ranks", "2", "--microbatches", "4", "--microbatch-size", "2"])
+        .args(["--seq-len", "16", "--threads-per-rank", "1", "--profile-steps", "3", "--data"])
+        .arg(data)
+        .arg("--output")
+        .arg(&path);
+    let (out, _) = output(c, 0);
+    (path, out)
+}
+
+fn close(a: u64, b: u64, tol: f64) -> bool {
+    (a as f64 - b as f64).abs() <= tol * b as f64
+}
+
+#[test]
+fn a_profile_predicts_its_own_run_and_other_schedules_of_the_same_stages() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::corpus(dir.path(), 300);
+    let (path, out) = profile(dir.path(), &data, "1f1b");
+    assert!(out.contains("profile of 2 steps"), "{out}");
+    let p = Profile::load(&path).unwrap();
+    assert_eq!((p.ranks, p.microbatches, p.stages.len(), p.steps), (2, 4, 2, 2));
+    for (a, b) in p.predicted_peak_bytes.iter().zip(&p.measured_peak_bytes) {
+        assert!(close(*a, *b, 0.01), "predicted {a}, measured {b}");
+    }
+    // 1F1B measured F and B on both stages, never I or W; the last stage's F holds the head.
+    let s1 = p.stages[1].seconds;
+    assert!(s1.f.is_some() && s1.b.is_some() && s1.i.is_none() && s1.w.is_none(), "{s1:?}");
+    assert!(p.stages[1].work.f.flops > p.stages[0].work.f.flops);
+    // GPipe holds all four microbatches: the 1F1B profile predicts GPipe's measured peaks.
+    let (gpipe, _) = profile(dir.path(), &data, "gpipe");
+    let measured = Profile::load(&gpipe).unwrap().measured_peak_bytes;
+    let mut sim = graphpp();
+    sim.args(["schedule", "simulate", "--schedule", "gpipe", "--ranks", "2", "--microbatches", "4"])
+        .args(["--format", "json", "--profile"])
+        .arg(&path);
+    let (json, _) = output(sim, 0);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let predicted: Vec<u64> =
+        v["peak_bytes"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    for (a, b) in predicted.iter().zip(&measured) {
+        assert!(close(*a, *b, 0.10), "gpipe predicted {a}, measured {b}");
+    }
+    assert!(
+        predicted[0] as f64 > 1.2 * p.measured_peak_bytes[0] as f64,
+        "{predicted:?} vs {:?}",
+        p.measured_peak_bytes
+    );
+    // The simulated times are the profile's (ms): the makespan is at least the busiest rank's
+    // measured compute.
+    let makespan = v["report"]["makespan"].as_f64().unwrap();
+    let f0 = 1e3 * p.stages[0].seconds.f.unwrap();
+    assert!(makespan > 4.0 * f0, "{makespan} vs F0 {f0}");
+    // A schedule of other stages is refused, naming both counts.
+    let mut bad = graphpp();
+    bad.args([
+        "schedule",
+        "simulate",
+        "--schedule",
+        "zbv",
+        "--ranks",
+        "2",
+        "--microbatches",
+        "4",
+        "--profile",
+    ])
+    .arg(&path);
+    let (_, err) = output(bad, 1);
+    assert!(err.contains("the profile has 2 stages, the schedule 4"), "{err}");
+}
+
+/// The table's best strategy without a cap, and the same request with a cap just below its
+/// peak: another strategy is chosen, the first is marked as not fitting; the chosen command
+/// trains; a cap nothing fits is an error naming the least memory any strategy needs.
+#[test]
+fn plan_ranks_strategies_under_a_memory_cap() {
+    let plan = |cap: &str, code: i32| {
+        let mut c = graphpp();
+        c.args(["plan", "--model", "tiny", "--ranks", "2", "--memory-per-rank", cap, "--global-batch", "8"])
+            .args(["--seq-len", "16", "--max-microbatches", "8", "--top", "400"]);
+        output(c, code)
+    };
+    let (free, _) = plan("1GiB", 0);
+    let rows = |text: &str| -> Vec<Vec<String>> {
+        text.lines()
+            .filter(|l| l.trim_start().chars().next().is_some_and(|c| c.is_ascii_digit()))
+            .map(|l| l.split_whitespace().map(str::to_string).collect())
+            .collect()
+    };
+    let first = rows(&free)[0].clone();
+    assert_eq!(first.last().unwrap(), "yes", "{free}");
+    let best = free.lines().find(|l| l.starts_with("best: ")).unwrap().to_string();
+    // The best row's peak, e.g. `8.1 MB`, read back from the byte model's figure: a cap 1 kB below it.
+    let peak: f64 = first[first.len() - 3].parse().unwrap();
+    let unit = &first[first.len() - 2];
+    let scale = match unit.as_str() {
+        "kB" => 1e3,
+        "MB" => 1e6,
+        other => panic!("unit {other}"),
+    };
+    let cap = format!("{}", (peak * scale * 0.995) as u64);
+    let (capped, _) = plan(&cap, 0);
+    let chosen = rows(&capped)[0].clone();
+    assert_ne!(chosen[1..8], first[1..8], "{capped}");
+    let same = rows(&capped).into_iter().find(|r| r[1..8] == first[1..8]).unwrap();
+    assert_eq!(same.last().unwrap(), "no", "{capped}");
+    // The chosen command trains.
+    let cmd = capped.lines().find(|l| l.starts_with("best: graphpp train ")).unwrap();
+    assert_ne!(cmd, best);
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::corpus(dir.path(), 300);
+    let mut train = graphpp();
+    train
+        .args(cmd["best: graphpp ".len()..].split_whitespace())
+        .args(["--steps", "2", "--sample-bytes", "0", "--data"])
+        .arg(&data);
+    let (out, _) = output(train, 0);
+    assert!(out.contains("2 steps in"), "{out}");
+    let (_, err) = plan("1000", 1);
+    assert!(err.contains("no strategy fits 1.0 kB per rank (the least memory any needs is"), "{err}");
+}
