@@ -102,7 +102,11 @@ pub fn compute_schedule(
 ///
 /// # Errors
 /// Building or differentiating the stage graph.
-pub fn graphs_of(model: &dyn Model, spec: &StageSpec, opts: &StageOptions) -> Result<StageGraphs, VerifyError> {
+pub fn graphs_of(
+    model: &dyn Model,
+    spec: &StageSpec,
+    opts: &StageOptions,
+) -> Result<StageGraphs, VerifyError> {
     Ok(stage_graphs(&model.build_stage(spec, opts)?, &opts.recompute.policy(spec))?)
 }
 

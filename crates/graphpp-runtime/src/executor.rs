@@ -520,7 +520,8 @@ impl Liveness {
             uses[o.value.0] = usize::MAX;
         }
         let state = state_derived(graph);
-        let bytes = graph.nodes.iter().zip(&state).map(|(n, &s)| if s { 0 } else { n.ty.size_bytes() }).collect();
+        let bytes =
+            graph.nodes.iter().zip(&state).map(|(n, &s)| if s { 0 } else { n.ty.size_bytes() }).collect();
         Liveness { uses, bytes, live: 0, peak: 0 }
     }
 

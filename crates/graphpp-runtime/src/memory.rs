@@ -229,9 +229,11 @@ pub fn stage_bytes(graphs: &StageGraphs) -> StageBytes {
         g.outputs.iter().map(|o| (o.name.clone(), g.node(o.value).ty.size_bytes() as u64)).collect()
     };
     size.extend(outputs(&graphs.fw));
-    let fw_names: HashSet<String> = graphs.fw.input_names().into_iter().chain(graphs.fw.output_names()).collect();
+    let fw_names: HashSet<String> =
+        graphs.fw.input_names().into_iter().chain(graphs.fw.output_names()).collect();
     let cache: HashSet<&String> = bw_reads.iter().filter(|n| fw_names.contains(*n)).collect();
-    let bytes = |names: &mut dyn Iterator<Item = &String>| names.map(|n| size.get(n).copied().unwrap_or(0)).sum();
+    let bytes =
+        |names: &mut dyn Iterator<Item = &String>| names.map(|n| size.get(n).copied().unwrap_or(0)).sum();
     let held_fb = bytes(&mut cache.iter().copied());
     // What the environment of I holds besides state: the cache and the backward's other inputs
     // (the output gradient, auxiliary-loss seeds).
@@ -300,9 +302,11 @@ pub fn byte_model(graphs: &[&StageGraphs], schedule: &Schedule) -> Result<ByteMo
         if overlap.iter().any(|o| (o.f, o.b) == (f.stage, b.stage)) {
             continue;
         }
-        let get = |s: usize| graphs.get(s).ok_or_else(|| VerifyError::Mismatch(format!("stage {s}: no graphs")));
-        let g = multiplex_fw_bw(&get(f.stage)?.fw, &get(b.stage)?.full_bw, Multiplex::CommOverlap)
-            .map_err(|e| VerifyError::Mismatch(format!("OVERLAP_F_B of stages {} and {}: {e}", f.stage, b.stage)))?;
+        let get =
+            |s: usize| graphs.get(s).ok_or_else(|| VerifyError::Mismatch(format!("stage {s}: no graphs")));
+        let g = multiplex_fw_bw(&get(f.stage)?.fw, &get(b.stage)?.full_bw, Multiplex::CommOverlap).map_err(
+            |e| VerifyError::Mismatch(format!("OVERLAP_F_B of stages {} and {}: {e}", f.stage, b.stage)),
+        )?;
         overlap.push(OverlapBytes { f: f.stage, b: b.stage, run: peak_live_bytes(&g) as u64 });
     }
     Ok(ByteModel { stages: graphs.iter().map(|g| stage_bytes(g)).collect(), resident, overlap })
@@ -315,7 +319,12 @@ pub fn byte_model(graphs: &[&StageGraphs], schedule: &Schedule) -> Result<ByteMo
 /// # Errors
 /// As [`crate::build::stage_specs`] and [`crate::build::graphs_of`].
 pub fn run_stage_graphs(setup: &crate::TrainSetup) -> Result<Vec<Arc<StageGraphs>>, VerifyError> {
-    let specs = crate::build::stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
+    let specs = crate::build::stage_specs(
+        &*setup.model,
+        setup.kind,
+        &setup.shape,
+        setup.layers_per_stage.as_deref(),
+    )?;
     let opts = StageOptions {
         recompute: setup.recompute,
         ..StageOptions::mixed(setup.batch / setup.dp.max(1), setup.seq, setup.dtype)

@@ -46,7 +46,7 @@ fn setup(kind: Kind, shape: Shape, batch: usize) -> VerifySetup {
 fn stages_per_rank(kind: Kind) -> &'static [usize] {
     match kind {
         Kind::Gpipe | Kind::OneFOneB | Kind::ZbH1 | Kind::ZbH2 | Kind::ZbAuto => &[1],
-        Kind::Zbv | Kind::ZbvAuto | Kind::DualPipe | Kind::DualPipeV => &[2],
+        Kind::Zbv | Kind::ZbvAuto | Kind::VHalf | Kind::VMin | Kind::DualPipe | Kind::DualPipeV => &[2],
         Kind::Interleaved1F1B | Kind::LoopedBfs | Kind::GroupedInterleaved | Kind::InterleavedZb => &[1, 2],
     }
 }

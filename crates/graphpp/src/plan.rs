@@ -121,7 +121,7 @@ pub enum PlanError {
 
 /// Divisors of `n`, ascending.
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|&d| n.is_multiple_of(d)).collect()
 }
 
 /// Stage graphs by (model stage, stages, first layer, end layer, sequences, policy).
@@ -235,12 +235,12 @@ pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
             }
             let v = kind.default_stages_per_rank();
             let stages = model_stages(kind, &Shape::new(pp, v, 1));
-            if stages > layers || layers % stages != 0 {
+            if stages > layers || !layers.is_multiple_of(stages) {
                 continue;
             }
             for m in divisors(req.global_batch).into_iter().filter(|&m| m <= req.max_microbatches) {
                 let b = req.global_batch / m;
-                if b % dp != 0 {
+                if !b.is_multiple_of(dp) {
                     continue;
                 }
                 let shape = Shape::new(pp, v, m);

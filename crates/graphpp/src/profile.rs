@@ -135,7 +135,7 @@ impl Speed {
         let x: Vec<f64> = samples.iter().map(|(w, _)| d.seconds(*w)).collect();
         let xx: f64 = x.iter().map(|x| x * x).sum();
         let k = samples.iter().zip(&x).map(|((_, t), x)| t * x).sum::<f64>() / xx;
-        (k.is_finite() && k > 0.0).then(|| Speed {
+        (k.is_finite() && k > 0.0).then_some(Speed {
             seconds_per_flop: k * d.seconds_per_flop,
             seconds_per_byte: k * d.seconds_per_byte,
         })

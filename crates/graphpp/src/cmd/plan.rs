@@ -74,7 +74,7 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     };
     let n: f64 = number.trim().parse().map_err(|_| format!("`{text}` is not a byte count"))?;
     let bytes = n * scale;
-    if !(bytes.is_finite() && bytes >= 1.0 && bytes < 1.8e19) {
+    if !(1.0..1.8e19).contains(&bytes) {
         return Err(format!("`{text}`: a memory size must be at least 1 byte and below 2^64"));
     }
     Ok(bytes as u64)
