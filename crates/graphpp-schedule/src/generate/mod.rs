@@ -21,6 +21,7 @@ mod looped_bfs;
 mod one_f_one_b;
 mod size;
 mod tolerance;
+mod v_shape;
 mod zb_auto;
 mod zb_h;
 mod zbv;
@@ -49,6 +50,12 @@ pub enum Kind {
     Zbv,
     /// Cost-adaptive ZB-V: the zero-bubble authors' V heuristic with real costs and a memory cap.
     ZbvAuto,
+    /// V-Half (V placement, v = 2): the V-Half building block of Qi et al. 2024, "Pipeline
+    /// Parallelism with Controllable Memory", repeated and squeezed; peak ≈ half of 1F1B's.
+    VHalf,
+    /// V-Min (V placement, v = 2): the V-Min building block of Qi et al. 2024, "Pipeline
+    /// Parallelism with Controllable Memory", repeated and squeezed; peak ≈ a third of 1F1B's.
+    VMin,
     /// Interleaved zero bubble (PyTorch `ScheduleInterleavedZeroBubble`, ZB1P).
     InterleavedZb,
     /// DualPipe (bidirectional, two parameter copies).
@@ -59,7 +66,7 @@ pub enum Kind {
 
 impl Kind {
     /// Every kind, in the order `compare` lists them.
-    pub const ALL: [Kind; 13] = [
+    pub const ALL: [Kind; 15] = [
         Kind::Gpipe,
         Kind::OneFOneB,
         Kind::Interleaved1F1B,
@@ -70,6 +77,8 @@ impl Kind {
         Kind::ZbAuto,
         Kind::Zbv,
         Kind::ZbvAuto,
+        Kind::VHalf,
+        Kind::VMin,
         Kind::InterleavedZb,
         Kind::DualPipe,
         Kind::DualPipeV,
@@ -88,6 +97,8 @@ impl Kind {
             Kind::ZbAuto => "zb-auto",
             Kind::Zbv => "zbv",
             Kind::ZbvAuto => "zbv-auto",
+            Kind::VHalf => "v-half",
+            Kind::VMin => "v-min",
             Kind::InterleavedZb => "interleaved-zb",
             Kind::DualPipe => "dualpipe",
             Kind::DualPipeV => "dualpipev",
@@ -120,6 +131,7 @@ impl Kind {
             Kind::ZbAuto => "v = 1; memory cap >= 1 M_B",
             Kind::Zbv => "V placement, v = 2",
             Kind::ZbvAuto => "V placement, v = 2; memory cap >= 1 M_B",
+            Kind::VHalf | Kind::VMin => "V placement, v = 2",
             Kind::InterleavedZb => "loop placement, v >= 1",
             Kind::DualPipe => "V placement, v = 2, p even, m even, m >= 2p; two parameter copies",
             Kind::DualPipeV => "V placement, v = 2, m >= 2p",
@@ -127,7 +139,7 @@ impl Kind {
     }
 
     /// The stages per rank `v` the kind uses when none is given: 2 where the kind interleaves
-    /// chunks (interleaved kinds, ZB-V, DualPipe, DualPipeV), else 1.
+    /// chunks (interleaved kinds, the V kinds: ZB-V, V-Half, V-Min, DualPipe, DualPipeV), else 1.
     pub fn default_stages_per_rank(self) -> usize {
         match self {
             Kind::Interleaved1F1B
@@ -136,6 +148,8 @@ impl Kind {
             | Kind::InterleavedZb
             | Kind::Zbv
             | Kind::ZbvAuto
+            | Kind::VHalf
+            | Kind::VMin
             | Kind::DualPipe
             | Kind::DualPipeV => 2,
             _ => 1,
@@ -145,7 +159,9 @@ impl Kind {
     /// The placement the kind uses.
     pub fn placement(self) -> Placement {
         match self {
-            Kind::Zbv | Kind::ZbvAuto | Kind::DualPipe | Kind::DualPipeV => Placement::V,
+            Kind::Zbv | Kind::ZbvAuto | Kind::VHalf | Kind::VMin | Kind::DualPipe | Kind::DualPipeV => {
+                Placement::V
+            }
             _ => Placement::Loop,
         }
     }
@@ -159,7 +175,7 @@ impl fmt::Display for Kind {
 
 /// An unknown schedule kind name.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown schedule kind `{0}`; known: gpipe, 1f1b, interleaved-1f1b, looped-bfs, grouped-interleaved, zb-h1, zb-h2, zb-auto, zbv, zbv-auto, interleaved-zb, dualpipe, dualpipev (PyTorch class names accepted)")]
+#[error("unknown schedule kind `{0}`; known: gpipe, 1f1b, interleaved-1f1b, looped-bfs, grouped-interleaved, zb-h1, zb-h2, zb-auto, zbv, zbv-auto, v-half, v-min, interleaved-zb, dualpipe, dualpipev (PyTorch class names accepted)")]
 pub struct UnknownKind(pub String);
 
 /// Serialised as its canonical name (`"zbv"`, `"1f1b"`, …).
@@ -196,6 +212,9 @@ impl FromStr for Kind {
             "zbauto" | "zb1p" | "zb2p" => Kind::ZbAuto,
             "zbv" | "zbvzerobubble" => Kind::Zbv,
             "zbvauto" => Kind::ZbvAuto,
+            // The authors' Megatron names the two `zbv-half` / `zbv-min` (`--zero-bubble-v-schedule-mem-setup`).
+            "vhalf" | "zbvhalf" => Kind::VHalf,
+            "vmin" | "zbvmin" => Kind::VMin,
             "interleavedzb" | "interleavedzerobubble" => Kind::InterleavedZb,
             "dualpipe" => Kind::DualPipe,
             "dualpipev" => Kind::DualPipeV,
@@ -390,6 +409,8 @@ pub fn generate(kind: Kind, shape: &Shape, opts: &Options) -> Result<Schedule, G
         Kind::ZbAuto => zb_auto::generate(shape, opts),
         Kind::Zbv => zbv::generate(shape),
         Kind::ZbvAuto => zbv_auto::generate(shape, opts),
+        Kind::VHalf => v_shape::generate_v_half(shape),
+        Kind::VMin => v_shape::generate_v_min(shape),
         Kind::InterleavedZb => interleaved_zb::generate(shape),
         Kind::DualPipe => dualpipe::generate_dualpipe(shape),
         Kind::DualPipeV => dualpipe::generate_dualpipev(shape),
@@ -410,6 +431,21 @@ mod tests {
             }
         }
         assert!("zz".parse::<Kind>().is_err());
+        for (name, kind) in [
+            ("V-Half", Kind::VHalf),
+            ("zbv-half", Kind::VHalf),
+            ("v_min", Kind::VMin),
+            ("zbv-min", Kind::VMin),
+        ] {
+            assert_eq!(name.parse::<Kind>().unwrap(), kind, "{name}");
+        }
+        for k in Kind::ALL {
+            assert!(
+                UnknownKind(String::new()).to_string().contains(&format!(" {},", k.name()))
+                    || k == Kind::DualPipeV,
+                "{k}"
+            );
+        }
     }
 
     #[test]
