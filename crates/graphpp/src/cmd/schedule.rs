@@ -145,7 +145,8 @@ impl Expected {
 #[derive(Args, Clone)]
 pub struct KindSpec {
     /// Schedule kind (gpipe, 1f1b, interleaved-1f1b, looped-bfs, grouped-interleaved, zb-h1, zb-h2,
-    /// zb-auto, zbv, interleaved-zb, dualpipe, dualpipev; PyTorch class names accepted). The
+    /// zb-auto, zbv, zbv-auto, v-half, v-min, interleaved-zb, dualpipe, dualpipev; PyTorch class
+    /// names accepted). The
     /// same flag as `train --schedule` (`--kind` is accepted too).
     #[arg(long = "schedule", alias = "kind", value_name = "KIND")]
     pub kind: Kind,
