@@ -2,6 +2,7 @@
 //! report used by the binary (docs/ARCHITECTURE.md, "Workspace layout": the CLI crate holds data, tokenizer, checkpoints).
 
 pub mod checkpoint;
+pub mod dag;
 pub mod data;
 pub mod launch;
 pub mod metrics;

@@ -164,33 +164,48 @@ fn parameter_bytes(graphs: &StageGraphs) -> u64 {
     specs.iter().filter(|i| i.kind == InputKind::Parameter).map(|i| i.ty.size_bytes() as u64).sum()
 }
 
-/// The (step seconds, bubble, peak bytes of the fullest rank) of one candidate with `dp`
-/// replicas.
-fn evaluate(
-    req: &PlanRequest,
+/// What the planner predicts for one strategy.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Prediction {
+    /// Step time, seconds: the simulated makespan plus the exposed gradient all-reduce.
+    pub step_seconds: f64,
+    /// In-iteration r_bubble of the simulated schedule.
+    pub bubble: f64,
+    /// Peak bytes of every rank.
+    pub peak_bytes: Vec<u64>,
+}
+
+/// The [`Prediction`] for `schedule` (compute-only or lowered) whose stage `s` runs `graphs[s]`,
+/// with `dp` replicas, a rank computing at `speed` and links of `link_bytes_per_second` (see
+/// the module doc).
+///
+/// # Errors
+/// [`PlanError::Build`] when the schedule cannot be simulated or a graph is missing.
+pub fn predict(
     schedule: &Schedule,
     graphs: &[Arc<StageGraphs>],
     dp: usize,
-) -> Result<(f64, f64, u64), PlanError> {
+    speed: &Speed,
+    link_bytes_per_second: f64,
+) -> Result<Prediction, PlanError> {
     let work: Vec<PerKind<Work>> = graphs.iter().map(|g| stage_work(g)).collect();
-    let link = req.link_bytes_per_second;
+    let link = link_bytes_per_second;
     let hop = graphs.first().and_then(|g| g.fw.output_by_name(OUTPUT).map(|v| g.fw.node(v).ty.size_bytes()));
     let hop_seconds = hop.unwrap_or(0) as f64 / link;
-    let sim =
-        simulate_with(schedule, |a| action_seconds(a, &work, &req.speed), hop_seconds, &Memory::default())
-            .map_err(|e| PlanError::Build(e.to_string()))?;
+    let sim = simulate_with(schedule, |a| action_seconds(a, &work, speed), hop_seconds, &Memory::default())
+        .map_err(|e| PlanError::Build(e.to_string()))?;
     let mut grads = vec![0u64; schedule.num_ranks()];
     for (stage, ranks) in schedule.placement() {
         for r in ranks {
             grads[r] += graphs.get(stage).map_or(0, |g| parameter_bytes(g));
         }
     }
-    let ring = 2.0 * (dp as f64 - 1.0) / dp as f64;
+    let ring = 2.0 * (dp.max(1) as f64 - 1.0) / dp.max(1) as f64;
     let reduce = ring * grads.into_iter().max().unwrap_or(0) as f64 / link;
     let refs: Vec<&StageGraphs> = graphs.iter().map(|g| &**g).collect();
     let bytes = byte_model(&refs, schedule).map_err(|e| PlanError::Build(e.to_string()))?;
-    let peak = bytes.peak_bytes(schedule).map_err(|e| PlanError::Build(e.to_string()))?;
-    Ok((sim.makespan + reduce, sim.bubble_ratio, peak.into_iter().max().unwrap_or(0)))
+    let peak_bytes = bytes.peak_bytes(schedule).map_err(|e| PlanError::Build(e.to_string()))?;
+    Ok(Prediction { step_seconds: sim.makespan + reduce, bubble: sim.bubble_ratio, peak_bytes })
 }
 
 /// Every feasible candidate of `req`, ranked: those that fit first, each group by predicted step
@@ -247,7 +262,9 @@ pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
                 let Ok(schedule) = generate(kind, &shape, &Options::default()) else { continue };
                 for &recompute in &req.recompute {
                     let graphs = schedule_graphs(req, kind, &shape, b / dp, recompute, &mut cache)?;
-                    let (step_seconds, bubble, peak_bytes) = evaluate(req, &schedule, &graphs, dp)?;
+                    let p = predict(&schedule, &graphs, dp, &req.speed, req.link_bytes_per_second)?;
+                    let (step_seconds, bubble) = (p.step_seconds, p.bubble);
+                    let peak_bytes = p.peak_bytes.into_iter().max().unwrap_or(0);
                     out.push(Candidate {
                         kind,
                         pp,

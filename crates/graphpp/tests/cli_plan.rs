@@ -150,3 +150,57 @@ fn plan_ranks_strategies_under_a_memory_cap() {
     let (_, err) = plan("1000", 1);
     assert!(err.contains("no strategy fits 1.0 kB per rank (the least memory any needs is"), "{err}");
 }
+
+/// `plan --strategy` compiles a printed strategy (ZB-V, p = 2, m = 4, dp = 2) into its training
+/// DAG: each rank's lowered program with the graph each action runs, four hops per microbatch
+/// (F 0 → 1, the V's turn 1 → 0, and back for B), REDUCE_GRAD's reduction; its predicted peaks
+/// are those of a profile of the same run.
+#[test]
+fn plan_compiles_a_strategy_into_its_training_dag() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::corpus(dir.path(), 300);
+    let flags =
+        ["--schedule", "zbv", "--ranks", "2", "--microbatches", "4", "--microbatch-size", "2", "--dp", "2"];
+    let mut print = graphpp();
+    print.arg("train").args(flags).arg("--print-strategy");
+    let (toml, _) = output(print, 0);
+    let strategy = dir.path().join("s.toml");
+    std::fs::write(&strategy, toml).unwrap();
+    let plan = |format: &str| {
+        let mut c = graphpp();
+        c.args(["plan", "--seq-len", "16", "--format", format, "--strategy"]).arg(&strategy);
+        output(c, 0).0
+    };
+    let text = plan("text");
+    assert!(text.starts_with("rank 0: 0F0[fw] 0SEND_F0"), "{text}");
+    assert!(
+        text.contains("3I0[bw_di]") && text.contains("0W0[full_bw]") && text.contains("3REDUCE_GRAD[reduce]"),
+        "{text}"
+    );
+    assert_eq!(text.lines().filter(|l| l.starts_with("hop: ")).count(), 16, "{text}");
+    assert!(text.contains("hop: rank 1 2SEND_F0 -> rank 0 3RECV_F0"), "{text}");
+    let dot = plan("dot");
+    assert!(
+        dot.starts_with("digraph training_step {") && dot.matches("subgraph cluster_rank").count() == 2,
+        "{dot}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&plan("json")).unwrap();
+    let peaks: Vec<u64> =
+        json["prediction"]["peak_bytes"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    let path = dir.path().join("p.json");
+    let mut prof = graphpp();
+    prof.arg("profile").args(flags).args([
+        "--seq-len",
+        "16",
+        "--profile-steps",
+        "2",
+        "--threads-per-rank",
+        "1",
+        "--data",
+    ]);
+    prof.arg(&data).arg("--output").arg(&path);
+    output(prof, 0);
+    assert_eq!(peaks, Profile::load(&path).unwrap().predicted_peak_bytes);
+    let actions = format!("{} actions;", json["dag"]["nodes"].as_array().unwrap().len());
+    assert!(text.contains(&actions), "{actions} {text}");
+}

@@ -5,8 +5,9 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use clap::Args;
-use graphpp::plan::{plan, Candidate, PlanRequest};
+use clap::{Args, ValueEnum};
+use graphpp::dag::TrainingDag;
+use graphpp::plan::{plan, predict, Candidate, PlanRequest};
 use graphpp::profile::Profile;
 use graphpp_models::Recompute;
 use graphpp_schedule::generate::human_bytes;
@@ -24,11 +25,20 @@ pub struct PlanArgs {
     #[arg(long)]
     layers: Option<usize>,
     /// N: ranks in all (each strategy splits them into pipeline × data-parallel).
-    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
-    ranks: usize,
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, required_unless_present = "strategy")]
+    ranks: Option<usize>,
     /// Memory of one rank: bytes, or with a unit (`512MiB`, `2GB`, `1.5GiB`).
-    #[arg(long, value_parser = parse_bytes)]
-    memory_per_rank: u64,
+    #[arg(long, value_parser = parse_bytes, required_unless_present = "strategy")]
+    memory_per_rank: Option<u64>,
+    /// Instead of searching: compile this strategy file (as `train --strategy` runs it) into its
+    /// global training DAG — every action of every rank's lowered program, the graph each
+    /// compute action runs, every dependency — and its prediction (step time, bubble, peak
+    /// bytes per rank).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["ranks", "memory_per_rank", "global_batch", "max_microbatches", "schedule", "recompute", "top"])]
+    strategy: Option<PathBuf>,
+    /// With --strategy: how to print the DAG.
+    #[arg(long, value_enum, default_value_t = DagFormat::Text, requires = "strategy")]
+    format: DagFormat,
     /// Sequences per step over all replicas (microbatches × microbatch size).
     #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = count::<usize>)]
     global_batch: usize,
@@ -54,6 +64,17 @@ pub struct PlanArgs {
     /// Rows of the table.
     #[arg(long, default_value_t = 10)]
     top: usize,
+}
+
+/// How `plan --strategy` prints the training DAG.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum DagFormat {
+    /// Each rank's program with the graphs its actions run, the edge counts, every hop, the prediction.
+    Text,
+    /// Graphviz DOT: a cluster per rank.
+    Dot,
+    /// `{"dag": {...}, "prediction": {...}}`.
+    Json,
 }
 
 /// Parses a byte count: an integer, or a number with a unit B, KB, MB, GB (powers of 1000) or
@@ -99,21 +120,61 @@ fn row(i: usize, c: &Candidate) -> String {
     )
 }
 
+/// `plan --strategy`: the strategy's training DAG and prediction (see [`PlanArgs::strategy`]).
+fn compile(a: &PlanArgs, path: &std::path::Path, profile: Option<&Profile>) -> Result<()> {
+    let layers = a.layers.map(|l| l.to_string());
+    let seq = a.seq_len.to_string();
+    let mut flags = vec!["--model", a.model.as_str(), "--seq-len", seq.as_str()];
+    if let Some(l) = &layers {
+        flags.extend(["--layers", l.as_str()]);
+    }
+    let config = crate::cmd::train::strategy_config(path, &flags)?;
+    let setup = graphpp::train::train_setup(&config)?;
+    let schedule = graphpp_runtime::train_schedule(&setup)?;
+    let graphs = graphpp_runtime::memory::run_stage_graphs(&setup)?;
+    let dag = TrainingDag::of(&schedule, &|s| graphs.get(s).is_some_and(|g| g.di_dw.is_some()))?;
+    let speed = profile.and_then(Profile::speed).unwrap_or_default();
+    let p = predict(&schedule, &graphs, config.dp, &speed, a.link_gbps * 1e9)?;
+    let text = match a.format {
+        DagFormat::Text => {
+            let peaks: Vec<String> = p.peak_bytes.iter().map(|&b| human_bytes(u128::from(b))).collect();
+            format!(
+                "{}predicted: step {:.2} ms, bubble r = {:.3}, peak bytes per rank {}\n",
+                dag.to_text(),
+                1e3 * p.step_seconds,
+                p.bubble,
+                peaks.join(" ")
+            )
+        }
+        DagFormat::Dot => dag.to_dot(),
+        DagFormat::Json => {
+            serde_json::to_string_pretty(&serde_json::json!({ "dag": dag, "prediction": p }))? + "\n"
+        }
+    };
+    crate::cmd::emit(&text)
+}
+
 /// Runs `graphpp plan`.
 ///
 /// # Errors
-/// A bad model, profile or request; no strategy fitting the memory per rank.
+/// A bad model, profile, strategy or request; no strategy fitting the memory per rank.
 pub fn run(a: PlanArgs) -> Result<()> {
+    let profile = a.profile.as_deref().map(Profile::load).transpose()?;
+    if let Some(path) = &a.strategy {
+        return compile(&a, path, profile.as_ref());
+    }
+    let (Some(ranks), Some(memory_per_rank)) = (a.ranks, a.memory_per_rank) else {
+        bail!("give --ranks and --memory-per-rank (or --strategy)");
+    };
     let mut model = crate::cmd::graph::load_config(&a.model)?;
     if let Some(l) = a.layers {
         model.base_mut().num_hidden_layers = l;
         model.validate()?;
     }
-    let profile = a.profile.as_deref().map(Profile::load).transpose()?;
     let req = PlanRequest {
         model,
-        ranks: a.ranks,
-        memory_per_rank: a.memory_per_rank,
+        ranks,
+        memory_per_rank,
         global_batch: a.global_batch,
         seq_len: a.seq_len,
         dtype: profile.as_ref().map_or(graphpp_graph::DType::F32, |p| p.dtype),
@@ -138,10 +199,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
         _ => format!("{rates} (assumed; no --profile)"),
     };
     let mut text = format!(
-        "plan: model {}, {} ranks, {} per rank, {} sequences of {} tokens per step; {} strategies, {} fit; costs: {speed}\n",
+        "plan: model {}, {ranks} ranks, {} per rank, {} sequences of {} tokens per step; {} strategies, {} fit; costs: {speed}\n",
         a.model,
-        a.ranks,
-        human_bytes(u128::from(a.memory_per_rank)),
+        human_bytes(u128::from(memory_per_rank)),
         a.global_batch,
         a.seq_len,
         all.len(),
@@ -155,7 +215,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         let least = all.iter().map(|c| c.peak_bytes).min();
         bail!(
             "no strategy fits {} per rank{}",
-            human_bytes(u128::from(a.memory_per_rank)),
+            human_bytes(u128::from(memory_per_rank)),
             least.map_or(String::new(), |b| format!(
                 " (the least memory any needs is {})",
                 human_bytes(u128::from(b))

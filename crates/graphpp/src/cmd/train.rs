@@ -319,6 +319,24 @@ fn progress(steps: u64, done: u64) -> ProgressBar {
     pb
 }
 
+/// The settings `graphpp train --strategy PATH` would run, with `flags` (e.g. `--model tiny`)
+/// and every other flag at its default: one code path from a strategy file to a run's settings.
+///
+/// # Errors
+/// A strategy file that cannot be read or checked; flags `train` refuses.
+pub fn strategy_config(path: &std::path::Path, flags: &[&str]) -> Result<RunConfig> {
+    #[derive(clap::Parser)]
+    struct Only {
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+    let mut a =
+        <Only as clap::Parser>::try_parse_from(std::iter::once("train").chain(flags.iter().copied()))?.train;
+    a.apply_strategy(&Strategy::load(path)?);
+    a.strategy = Some(path.to_path_buf());
+    a.config(None)
+}
+
 /// Runs `graphpp profile`: `a`'s run for `steps` steps (no evaluation before the end, no
 /// sample), then its [`Profile`] written to `output`.
 ///
