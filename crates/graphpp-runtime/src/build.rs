@@ -98,6 +98,27 @@ pub fn compute_schedule(
     Ok(given.clone())
 }
 
+/// The model stage of each schedule stage of a training run as the ranks of expert-parallel
+/// index `ep_index` hold them (their share of every MoE layer's routed experts), and the options
+/// their graphs are built with: `B / dp` sequences per replica, the run's recompute policy and
+/// dtype.
+///
+/// # Errors
+/// As [`stage_specs`].
+pub fn run_stages(
+    setup: &crate::TrainSetup,
+    ep_index: usize,
+) -> Result<(Vec<StageSpec>, StageOptions), VerifyError> {
+    let specs = stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
+    let ep = graphpp_models::ExpertShard { index: ep_index, size: setup.ep };
+    let specs = specs.into_iter().map(|s| StageSpec { ep, ..s }).collect();
+    let opts = StageOptions {
+        recompute: setup.recompute,
+        ..StageOptions::mixed(setup.batch / setup.dp.max(1), setup.seq, setup.dtype)
+    };
+    Ok((specs, opts))
+}
+
 /// The graphs of model stage `spec` (fw, full_bw, bw_di, bw_dw) under `opts`' recompute policy.
 ///
 /// # Errors

@@ -104,6 +104,8 @@ pub struct DataParallel {
     gathering: HashMap<usize, Vec<(String, Pending<Tensor>)>>,
     /// Gradient reductions started by REDUCE_GRAD: (stage, name, handle).
     reducing: Vec<(usize, String, Pending<Tensor>)>,
+    /// Bytes of the gradients whose reductions are in flight (held until [`DataParallel::finish`]).
+    reducing_bytes: usize,
     /// Expert parallelism: the replicas holding this rank's routed experts, and those experts'
     /// parameter names (their gradients are reduced over that group only).
     experts: Option<(Group, std::collections::BTreeSet<String>)>,
@@ -147,6 +149,7 @@ impl DataParallel {
             kept: HashMap::new(),
             gathering: HashMap::new(),
             reducing: Vec::new(),
+            reducing_bytes: 0,
             experts: None,
         })
     }
@@ -197,6 +200,12 @@ impl DataParallel {
     /// of the shards between UNSHARD and RESHARD (every stage at once, as the run lowers it).
     pub fn full_bytes(&self) -> usize {
         self.shapes.values().map(|s| s.iter().product::<usize>() * 4).sum()
+    }
+
+    /// Bytes of the gradients REDUCE_GRAD handed over whose reductions [`DataParallel::finish`]
+    /// has not yet collected: gradients the rank still holds, outside its stages' accumulators.
+    pub fn pending_bytes(&self) -> usize {
+        self.reducing_bytes
     }
 
     /// This rank's shard of `full` (no shape recorded).
@@ -264,6 +273,7 @@ impl DataParallel {
     ) -> Result<(), DataParallelError> {
         grads.sort_by(|a, b| a.0.cmp(&b.0));
         for (name, g) in grads {
+            self.reducing_bytes += g.elem_count() * g.dtype().size_in_bytes();
             let p = if self.fsdp {
                 let padded = pad_flat(&g, self.size()).map_err(tensor_err(&name))?;
                 self.comm.reduce_scatter(&self.group, &padded)
@@ -286,6 +296,7 @@ impl DataParallel {
     /// [`DataParallelError::Comm`], [`DataParallelError::Tensor`].
     pub fn finish(&mut self) -> Result<Vec<(usize, String, Tensor)>, DataParallelError> {
         let inv = 1.0 / self.size() as f64;
+        self.reducing_bytes = 0;
         let mut out = Vec::with_capacity(self.reducing.len());
         for (stage, name, p) in std::mem::take(&mut self.reducing) {
             let sum = p.wait(self.timeout).map_err(comm_err("reduce_grad", stage))?;

@@ -483,7 +483,6 @@ fn finish(
     Ok(t)
 }
 
-/// Values computed only from parameters and buffers (no constants, no collectives).
 /// The peak live bytes a run of `graph` reports ([`RunReport::peak_live_bytes`]), from the
 /// value types alone: the same accounting (module doc), without running anything. Exact for
 /// every graph whose value shapes are static (all of graphpp's).
@@ -554,6 +553,7 @@ impl Liveness {
     }
 }
 
+/// Values computed only from parameters and buffers (no constants, no collectives).
 fn state_derived(g: &Graph) -> Vec<bool> {
     let mut s = vec![false; g.nodes.len()];
     for (i, n) in g.nodes.iter().enumerate() {

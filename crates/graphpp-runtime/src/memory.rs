@@ -10,7 +10,7 @@ use graphpp_graph::autodiff::grad_name;
 use graphpp_graph::names::INPUT;
 use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
 use graphpp_graph::{Graph, InputKind, StageGraphs};
-use graphpp_models::{Model, StageOptions, StageSpec};
+use graphpp_models::{Model, StageSpec};
 use graphpp_schedule::bytes::{ByteModel, OverlapBytes, StageBytes};
 use graphpp_schedule::generate::human_bytes;
 use graphpp_schedule::{check_size, Action, GenerateError, Kind, Schedule, Shape};
@@ -261,6 +261,7 @@ pub fn stage_bytes(graphs: &StageGraphs) -> StageBytes {
         run_b: peak_live_bytes(&graphs.full_bw) as u64,
         run_i,
         run_w,
+        resident: resident_bytes(graphs),
     }
 }
 
@@ -281,21 +282,12 @@ pub fn resident_bytes(graphs: &StageGraphs) -> u64 {
 }
 
 /// The [`ByteModel`] of `schedule` whose stage `s` runs `graphs[s]`: each stage's
-/// [`stage_bytes`], each rank's [`resident_bytes`] over the stages it holds, and the peak of
-/// every OVERLAP_F_B pair the schedule runs (its multiplexed graph built here).
+/// [`stage_bytes`] (with its [`resident_bytes`]) and the peak of every OVERLAP_F_B pair the
+/// schedule runs (its multiplexed graph built here).
 ///
 /// # Errors
 /// [`VerifyError::Mismatch`] for a schedule stage without graphs; building an overlap graph.
 pub fn byte_model(graphs: &[&StageGraphs], schedule: &Schedule) -> Result<ByteModel, VerifyError> {
-    let mut resident = vec![0u64; schedule.num_ranks()];
-    for (stage, ranks) in schedule.placement() {
-        let g = graphs
-            .get(stage)
-            .ok_or_else(|| VerifyError::Mismatch(format!("stage {stage}: no graphs for it")))?;
-        for r in ranks {
-            resident[r] += resident_bytes(g);
-        }
-    }
     let mut overlap: Vec<OverlapBytes> = Vec::new();
     for a in schedule.ranks.iter().flatten().flatten() {
         let Action::Overlap { f, b } = *a else { continue };
@@ -309,7 +301,10 @@ pub fn byte_model(graphs: &[&StageGraphs], schedule: &Schedule) -> Result<ByteMo
         )?;
         overlap.push(OverlapBytes { f: f.stage, b: b.stage, run: peak_live_bytes(&g) as u64 });
     }
-    Ok(ByteModel { stages: graphs.iter().map(|g| stage_bytes(g)).collect(), resident, overlap })
+    if let Some(stage) = schedule.placement().into_keys().find(|&s| s >= graphs.len()) {
+        return Err(VerifyError::Mismatch(format!("stage {stage}: no graphs for it")));
+    }
+    Ok(ByteModel { stages: graphs.iter().map(|g| stage_bytes(g)).collect(), overlap })
 }
 
 /// The graphs of every schedule stage of a training run (index = stage id), built as its ranks
@@ -319,16 +314,7 @@ pub fn byte_model(graphs: &[&StageGraphs], schedule: &Schedule) -> Result<ByteMo
 /// # Errors
 /// As [`crate::build::stage_specs`] and [`crate::build::graphs_of`].
 pub fn run_stage_graphs(setup: &crate::TrainSetup) -> Result<Vec<Arc<StageGraphs>>, VerifyError> {
-    let specs = crate::build::stage_specs(
-        &*setup.model,
-        setup.kind,
-        &setup.shape,
-        setup.layers_per_stage.as_deref(),
-    )?;
-    let opts = StageOptions {
-        recompute: setup.recompute,
-        ..StageOptions::mixed(setup.batch / setup.dp.max(1), setup.seq, setup.dtype)
-    };
+    let (specs, opts) = crate::build::run_stages(setup, 0)?;
     crate::build::all_stage_graphs(&*setup.model, &specs, &opts)
 }
 

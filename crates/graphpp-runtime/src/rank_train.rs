@@ -31,12 +31,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use graphpp_models::{ExpertShard, StageOptions, StageSpec};
 use graphpp_schedule::{lower, CommSpan, Interval, LowerOptions, Schedule};
 
 use crate::mesh::Coords;
 
-use crate::build::{compute_schedule, stage_specs, StageBuild};
+use crate::build::{compute_schedule, StageBuild};
 use crate::clip::{clip_scale, local_sq_norm, scale_grads};
 use crate::comm::{Comm, Group, Pending, Tag, TagKind};
 use crate::data_parallel::DataParallel;
@@ -341,17 +340,7 @@ impl RankTrainer {
             return Err(mismatch(format!("mesh ep {} for a run of ep {}", mesh.ep(), setup.ep)));
         }
         let ep_index = mesh.ep_index(rank).map_err(|e| mismatch(e.to_string()))?;
-        let shard = |index| ExpertShard { index, size: setup.ep };
-        let all_specs =
-            stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
-        let with_ep = |index| -> Vec<StageSpec> {
-            all_specs.iter().map(|s| StageSpec { ep: shard(index), ..s.clone() }).collect()
-        };
-        let specs = with_ep(ep_index);
-        let opts = StageOptions {
-            recompute: setup.recompute,
-            ..StageOptions::mixed(setup.batch / setup.dp, setup.seq, setup.dtype)
-        };
+        let (specs, opts) = crate::build::run_stages(&setup, ep_index)?;
         let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
         let build =
             StageBuild { model: &*setup.model, specs: &specs, opts: &opts, seed: setup.seed, given: None };
@@ -378,7 +367,7 @@ impl RankTrainer {
         let mut lead: BTreeMap<String, usize> = BTreeMap::new();
         let mut bias_holders: BTreeMap<String, usize> = BTreeMap::new();
         for index in 0..setup.ep {
-            let specs = with_ep(index);
+            let (specs, _) = crate::build::run_stages(&setup, index)?;
             for (stage, ranks) in schedule.placement() {
                 let spec = specs
                     .get(stage)
@@ -743,8 +732,11 @@ impl RankTrainer {
         );
         // With FSDP the unsharded stages hold the full parameters during the step as well.
         let gathered = work.data_parallel().filter(|d| d.fsdp()).map_or(0, |d| d.full_bytes());
+        // Gradients REDUCE_GRAD took out of the accumulators are still held, being reduced.
+        let reducing = work.data_parallel().map_or(0, |d| d.pending_bytes());
         rows[2 * m + self.comm.rank()] =
-            (work.state_bytes() + 2 * params_bytes + gathered + work.peak_activation_bytes()) as f64;
+            (work.state_bytes() + reducing + 2 * params_bytes + gathered + work.peak_activation_bytes())
+                as f64;
         // Parameters, their gradients and two AdamW moments, all f32 (shards with FSDP).
         let distinct: Env = work.stages().values().flat_map(|s| s.parameters()).collect();
         rows[2 * m + world + self.comm.rank()] = (4 * env_bytes(distinct.values())) as f64;

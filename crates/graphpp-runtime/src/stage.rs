@@ -138,7 +138,8 @@ pub struct Stage {
     graphs: Arc<StageGraphs>,
     state: Env,
     grads: Env,
-    /// Names the backward graphs read that are neither state nor tangents.
+    /// Names the backward graphs read that are not state (F keeps those of them it has: its
+    /// inputs and `saved.*` outputs; the output gradient arrives with B or I).
     bw_reads: HashSet<String>,
     /// Names bw_dw reads (kept in the stash after I).
     dw_reads: HashSet<String>,

@@ -12,15 +12,17 @@ use graphpp_runtime::verify::random_microbatches;
 use graphpp_runtime::{TrainSetup, Trainer};
 use graphpp_schedule::Kind;
 
-/// One step of `setup` (B = 2, T = 16): the peak bytes each rank measured and those the byte
-/// model predicts for the trainer's lowered schedule.
+/// One step of `setup` (B = 2, T = 16): the peak bytes each pipeline rank of replica 0
+/// measured and those the byte model predicts for the trainer's lowered schedule.
 fn measured_and_predicted(setup: TrainSetup) -> (Vec<u64>, Vec<u64>) {
     let s = TrainSetup { batch: 2, seq: 16, ..setup };
-    let m = s.shape.microbatches;
+    let (m, p) = (s.shape.microbatches, s.shape.ranks);
     let model = run_byte_model(&s, &graphpp_runtime::train_schedule(&s).unwrap()).unwrap();
     let mut t = Trainer::new(s).unwrap();
     let r = t.step(random_microbatches(256, m, 2, 16, 7).unwrap()).unwrap();
-    (r.peak_bytes, model.peak_bytes(t.schedule()).unwrap())
+    let predicted = model.peak_bytes(t.schedule()).unwrap();
+    assert_eq!(predicted.len(), p);
+    (r.peak_bytes[..p].to_vec(), predicted)
 }
 
 #[test]
@@ -38,11 +40,21 @@ fn the_byte_model_predicts_the_measured_peak_of_every_rank() {
     for (kind, p, v, m, recompute) in cases {
         let (measured, predicted) =
             measured_and_predicted(TrainSetup { recompute, ..common::tiny_setup(kind, p, v, m) });
-        assert_eq!(measured.len(), predicted.len());
-        for (r, (a, b)) in measured.iter().zip(&predicted).enumerate() {
-            let rel = (*a as f64 - *b as f64).abs() / *a as f64;
-            assert!(rel <= 0.01, "{kind:?} {recompute:?} rank {r}: measured {a}, predicted {b} ({rel:.4})");
-        }
+        // The byte model is the runtime's own accounting: equal to the byte.
+        assert_eq!(measured, predicted, "{kind:?} {recompute:?}");
+    }
+}
+
+/// With data parallelism REDUCE_GRAD hands each stage's gradients to the reduction before the
+/// step ends: they are still held, and counted (a measured figure without them was one
+/// parameter copy short of the prediction).
+#[test]
+fn data_parallel_ranks_hold_the_gradients_being_reduced() {
+    for kind in [Kind::OneFOneB, Kind::Zbv] {
+        let v = kind.default_stages_per_rank();
+        let (measured, predicted) =
+            measured_and_predicted(TrainSetup { dp: 2, ..common::tiny_setup(kind, 2, v, 4) });
+        assert_eq!(measured, predicted, "{kind:?}");
     }
 }
 

@@ -12,8 +12,8 @@
 //! - OVERLAP_F_B(f, b): held −= `held_fb[b]`; candidate = held + the pair's run bytes; then
 //!   held += `held_fb[f]`.
 //!
-//! The rank's peak is its resident bytes (parameters, gradients, AdamW moments, buffers) plus the
-//! largest candidate. SEND/RECV and FSDP actions hold nothing here (FSDP's gathered parameters
+//! The rank's peak is its resident bytes — the `resident` bytes (parameters, gradients, AdamW
+//! moments, buffers) of every stage the schedule places on it — plus the largest candidate. SEND/RECV and FSDP actions hold nothing here (FSDP's gathered parameters
 //! are not modelled).
 
 use crate::action::{Action, ComputeKind};
@@ -34,6 +34,9 @@ pub struct StageBytes {
     pub run_i: u64,
     /// Peak live bytes while W (weight-gradient backward) runs.
     pub run_w: u64,
+    /// Bytes the stage holds for the whole step: its parameters, their gradient accumulators
+    /// and AdamW moments, and its buffers.
+    pub resident: u64,
 }
 
 /// Peak live bytes of one OVERLAP_F_B pair's multiplexed graph.
@@ -52,9 +55,6 @@ pub struct OverlapBytes {
 pub struct ByteModel {
     /// Per schedule stage (index = stage id).
     pub stages: Vec<StageBytes>,
-    /// Bytes each rank holds for the whole step (index = rank): parameters, gradient
-    /// accumulators, AdamW moments and buffers.
-    pub resident: Vec<u64>,
     /// OVERLAP_F_B pairs; a pair not listed runs in `run_f[f] + run_b[b]`.
     #[serde(default)]
     pub overlap: Vec<OverlapBytes>,
@@ -75,13 +75,13 @@ pub enum BytesError {
         /// Stages in the model.
         stages: usize,
     },
-    /// The schedule has more ranks than the model has resident figures for.
-    #[error("the schedule has {ranks} ranks, the byte model resident bytes for {given}")]
-    Ranks {
+    /// A rank the schedule does not have.
+    #[error("rank {rank}: the schedule has {ranks} ranks")]
+    Rank {
+        /// The rank asked for.
+        rank: usize,
         /// Ranks of the schedule.
         ranks: usize,
-        /// Entries of [`ByteModel::resident`].
-        given: usize,
     },
 }
 
@@ -104,10 +104,13 @@ impl ByteModel {
     /// resident bytes).
     ///
     /// # Errors
-    /// [`BytesError::Stage`] for a stage without sizes.
+    /// [`BytesError::Rank`] for a rank the schedule lacks; [`BytesError::Stage`] for a stage
+    /// without sizes.
     pub fn activation_peak(&self, schedule: &Schedule, rank: usize) -> Result<u64, BytesError> {
+        let program =
+            schedule.ranks.get(rank).ok_or(BytesError::Rank { rank, ranks: schedule.num_ranks() })?;
         let (mut held, mut peak) = (0i128, 0i128);
-        for a in schedule.ranks[rank].iter().flatten() {
+        for a in program.iter().flatten() {
             let candidate = match *a {
                 Action::Compute { kind, task } => {
                     let s = self.stage(rank, a, task.stage)?;
@@ -122,8 +125,9 @@ impl ByteModel {
                             held + s.run_b as i128
                         }
                         ComputeKind::I => {
+                            // A stage without the split runs no graph at I (run_i = 0).
                             held -= s.held_fb as i128;
-                            let c = held + s.run_i as i128;
+                            let c = if s.run_i > 0 { held + s.run_i as i128 } else { 0 };
                             held += s.held_iw as i128;
                             c
                         }
@@ -147,17 +151,34 @@ impl ByteModel {
         Ok(peak.max(0) as u64)
     }
 
-    /// Peak bytes of every rank of `schedule`: resident plus [`ByteModel::activation_peak`].
+    /// Resident bytes of every rank of `schedule`: those of the stages placed on it.
     ///
     /// # Errors
-    /// [`BytesError::Ranks`] when `resident` has fewer entries than the schedule has ranks;
+    /// [`BytesError::Stage`] for a stage without sizes.
+    pub fn resident(&self, schedule: &Schedule) -> Result<Vec<u64>, BytesError> {
+        let mut out = vec![0u64; schedule.num_ranks()];
+        for (stage, ranks) in schedule.placement() {
+            let s = self.stages.get(stage).ok_or_else(|| BytesError::Stage {
+                rank: ranks.first().copied().unwrap_or(0),
+                action: format!("a stage-{stage} action"),
+                stage,
+                stages: self.stages.len(),
+            })?;
+            for r in ranks {
+                out[r] += s.resident;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Peak bytes of every rank of `schedule`: [`ByteModel::resident`] plus
+    /// [`ByteModel::activation_peak`].
+    ///
+    /// # Errors
     /// [`BytesError::Stage`] for a stage without sizes.
     pub fn peak_bytes(&self, schedule: &Schedule) -> Result<Vec<u64>, BytesError> {
-        let ranks = schedule.num_ranks();
-        if self.resident.len() < ranks {
-            return Err(BytesError::Ranks { ranks, given: self.resident.len() });
-        }
-        (0..ranks).map(|r| Ok(self.resident[r] + self.activation_peak(schedule, r)?)).collect()
+        let resident = self.resident(schedule)?;
+        (0..schedule.num_ranks()).map(|r| Ok(resident[r] + self.activation_peak(schedule, r)?)).collect()
     }
 }
 
@@ -166,14 +187,14 @@ mod tests {
     use super::*;
 
     fn stage(held_fb: u64, held_iw: u64) -> StageBytes {
-        StageBytes { held_fb, held_iw, run_f: 10, run_b: 20, run_i: 15, run_w: 5 }
+        StageBytes { held_fb, held_iw, run_f: 10, run_b: 20, run_i: 15, run_w: 5, resident: 1000 }
     }
 
     #[test]
     fn the_walk_counts_held_pairs_and_the_running_graph() {
         // F0 F1 B0 B1 on one stage: F1 runs with F0's 100 held (100 + 10), B0 with F1's (100 + 20).
         let s = Schedule::from_csv("0F0,0F1,0B0,0B1\n").unwrap();
-        let m = ByteModel { stages: vec![stage(100, 40)], resident: vec![1000], overlap: vec![] };
+        let m = ByteModel { stages: vec![stage(100, 40)], overlap: vec![] };
         assert_eq!(m.peak_bytes(&s).unwrap(), vec![1000 + 120]);
         // F0 F1 I0 W0 I1 W1: I0 runs with F1's 100 (115); W0 with F1's 100 + nothing of its own
         // (105); I1 with nothing held (15); the peak is I0's 115.
@@ -188,7 +209,7 @@ mod tests {
     #[test]
     fn overlap_pairs_use_their_own_peak_or_the_sum() {
         let s = Schedule::from_csv("0F0,0F1,(0F2;0B0)OVERLAP_F_B,0B1,0B2\n").unwrap();
-        let mut m = ByteModel { stages: vec![stage(100, 0)], resident: vec![0], overlap: vec![] };
+        let mut m = ByteModel { stages: vec![stage(100, 0)], overlap: vec![] };
         // The pair runs with F1's 100 held: 100 + (10 + 20).
         assert_eq!(m.activation_peak(&s, 0).unwrap(), 130);
         m.overlap.push(OverlapBytes { f: 0, b: 0, run: 500 });
@@ -198,10 +219,18 @@ mod tests {
     #[test]
     fn a_stage_or_rank_without_sizes_is_named() {
         let s = Schedule::from_csv("0F0,1F0\n1B0,0B0\n").unwrap();
-        let m = ByteModel { stages: vec![stage(1, 1)], resident: vec![0, 0], overlap: vec![] };
-        let e = m.peak_bytes(&s).unwrap_err();
+        let m = ByteModel { stages: vec![stage(1, 1)], overlap: vec![] };
+        let e = m.activation_peak(&s, 0).unwrap_err();
         assert_eq!(e, BytesError::Stage { rank: 0, action: "1F0".into(), stage: 1, stages: 1 });
-        let m = ByteModel { stages: vec![stage(1, 1); 2], resident: vec![0], overlap: vec![] };
-        assert_eq!(m.peak_bytes(&s).unwrap_err(), BytesError::Ranks { ranks: 2, given: 1 });
+        assert_eq!(m.activation_peak(&s, 2).unwrap_err(), BytesError::Rank { rank: 2, ranks: 2 });
+    }
+
+    #[test]
+    fn each_rank_holds_the_resident_bytes_of_its_stages() {
+        // Two stages on rank 0 (a V's ends), one on rank 1.
+        let s = Schedule::from_csv("0F0,2F0,2B0,0B0\n1F0,1B0\n").unwrap();
+        let mut m = ByteModel { stages: vec![stage(0, 0); 3], overlap: vec![] };
+        m.stages[2].resident = 7;
+        assert_eq!(m.resident(&s).unwrap(), vec![1007, 1000]);
     }
 }

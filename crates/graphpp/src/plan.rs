@@ -10,8 +10,9 @@
 //! (ring volume `2 (dp − 1) / dp` × its gradient bytes over the link, counted as exposed: a
 //! bound, since REDUCE_GRAD overlaps part of it); peak bytes = [`graphpp_schedule::bytes`]' walk.
 //! A candidate fits when every rank's peak is within the memory per rank. Layer splits are even
-//! (a split that does not divide the layers is left out); with one rank per pipeline every kind
-//! runs alike, so only the first kind of v = 1 is listed there.
+//! (a split that does not divide the layers is left out); with one rank per pipeline only the
+//! kinds of one stage per rank are listed (they differ there in memory: GPipe holds every
+//! microbatch, 1F1B one — gradient accumulation).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -214,7 +215,7 @@ pub fn predict(
 ///
 /// # Errors
 /// [`PlanError::Zero`] for zero ranks, batch, sequence length or microbatches;
-/// [`PlanError::Speed`] for a bad seconds-per-FLOP; [`PlanError::Build`] when a stage graph
+/// [`PlanError::Rate`] for a bad speed or bandwidth; [`PlanError::Build`] when a stage graph
 /// cannot be built.
 pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
     for (name, v) in [
@@ -237,18 +238,21 @@ pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
         }
     }
     let layers = graphpp_models::Model::num_layers(&req.model);
+    let (mut kinds, mut policies) = (req.kinds.clone(), req.recompute.clone());
+    kinds.sort();
+    kinds.dedup();
+    policies.sort_by_key(|r| r.name());
+    policies.dedup();
     let mut cache = GraphCache::new();
     let mut out = Vec::new();
     for pp in divisors(req.ranks) {
         let dp = req.ranks / pp;
-        // One rank per pipeline is no pipeline: every kind runs the same, so one v = 1 kind
-        // (the first given) stands for them all.
-        let no_pipeline = req.kinds.iter().copied().find(|k| k.default_stages_per_rank() == 1);
-        for &kind in &req.kinds {
-            if pp == 1 && Some(kind) != no_pipeline {
+        for &kind in &kinds {
+            let v = kind.default_stages_per_rank();
+            // One rank per pipeline is no pipeline: chunks on it only add hand-overs.
+            if pp == 1 && v > 1 {
                 continue;
             }
-            let v = kind.default_stages_per_rank();
             let stages = model_stages(kind, &Shape::new(pp, v, 1));
             if stages > layers || !layers.is_multiple_of(stages) {
                 continue;
@@ -260,7 +264,7 @@ pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
                 }
                 let shape = Shape::new(pp, v, m);
                 let Ok(schedule) = generate(kind, &shape, &Options::default()) else { continue };
-                for &recompute in &req.recompute {
+                for &recompute in &policies {
                     let graphs = schedule_graphs(req, kind, &shape, b / dp, recompute, &mut cache)?;
                     let p = predict(&schedule, &graphs, dp, &req.speed, req.link_bytes_per_second)?;
                     let (step_seconds, bubble) = (p.step_seconds, p.bubble);
@@ -361,6 +365,31 @@ mod tests {
         let params = graphpp_models::Model::parameter_count(&ModelConfig::preset("tiny").unwrap()) as u64;
         assert!(dp2.peak_bytes > 16 * params, "{dp2:?}");
         assert!(pp2.peak_bytes < dp2.peak_bytes, "{pp2:?} vs {dp2:?}");
+    }
+
+    /// One rank per pipeline still lists every kind of one stage per rank: 1F1B there is
+    /// gradient accumulation (one microbatch held), GPipe holds all of them.
+    #[test]
+    fn without_a_pipeline_one_f_one_b_accumulates_in_less_memory_than_gpipe() {
+        let r = PlanRequest {
+            ranks: 1,
+            kinds: vec![Kind::Gpipe, Kind::OneFOneB, Kind::Zbv],
+            ..request(u64::MAX)
+        };
+        let all = plan(&r).unwrap();
+        let peak = |k: Kind| {
+            all.iter()
+                .find(|c| c.kind == k && c.microbatches == 8 && c.recompute == Recompute::SaveAll)
+                .unwrap()
+                .peak_bytes
+        };
+        assert!(
+            peak(Kind::OneFOneB) < peak(Kind::Gpipe),
+            "{} vs {}",
+            peak(Kind::OneFOneB),
+            peak(Kind::Gpipe)
+        );
+        assert!(all.iter().all(|c| c.kind != Kind::Zbv), "v = 2 on one rank is not listed");
     }
 
     #[test]

@@ -223,6 +223,14 @@ pub enum ProfileError {
     /// Building the stage graphs or the byte model failed.
     #[error("{0}")]
     Build(String),
+    /// DualPipe's stages (two copies of a p-stage split) against another kind's.
+    #[error("the profile is of {profile}, the schedule {schedule}: DualPipe's 2p stages are two copies of p, so their layers differ")]
+    Copies {
+        /// The profile's kind.
+        profile: Kind,
+        /// The schedule's kind.
+        schedule: Kind,
+    },
     /// The profile does not fit the schedule it is used with.
     #[error("the profile has {profile} stages, the schedule {schedule}")]
     Stages {
@@ -323,14 +331,20 @@ impl Profile {
             .map_err(|source| ProfileError::Io { path: path.display().to_string(), source })
     }
 
-    /// Checks that `schedule` runs this profile's stages.
+    /// Checks that `schedule` (of `kind`, when known) runs this profile's stages: as many, and
+    /// DualPipe's two copies of a p-stage split only where the profile has them too (its `2p`
+    /// stages hold other layers than `2p` stages of any other kind).
     ///
     /// # Errors
-    /// [`ProfileError::Stages`].
-    pub fn check(&self, schedule: &Schedule) -> Result<(), ProfileError> {
+    /// [`ProfileError::Stages`], [`ProfileError::Copies`].
+    pub fn check(&self, schedule: &Schedule, kind: Option<Kind>) -> Result<(), ProfileError> {
         let stages = schedule.num_stages();
         if stages != self.stages.len() {
             return Err(ProfileError::Stages { profile: self.stages.len(), schedule: stages });
+        }
+        let copies = |k: Kind| k == Kind::DualPipe;
+        if let Some(k) = kind.filter(|&k| copies(k) != copies(self.schedule)) {
+            return Err(ProfileError::Copies { profile: self.schedule, schedule: k });
         }
         Ok(())
     }
@@ -343,7 +357,8 @@ impl Profile {
 
     /// Seconds of `a` by this profile: a compute action's stage and kind as measured — a kind
     /// the run never ran on that stage (B in a run of I and W) from the stage's other kinds
-    /// (B = I + W, I = W = B / 2), else the kind's mean over stages; an OVERLAP_F_B pair as
+    /// (B = I + W, I = W = B / 2; on a stage without the dI/dW split I = 0 and W = B), else the
+    /// kind's mean over stages; an OVERLAP_F_B pair as
     /// measured, else its halves' sum; SEND, RECV and FSDP actions 0.
     pub fn duration(&self, a: &Action) -> f64 {
         match *a {
@@ -365,8 +380,12 @@ impl Profile {
         let Some(s) = self.stages.get(stage).map(|s| s.seconds) else {
             return self.kind_mean(kind).unwrap_or(0.0);
         };
+        // A stage without the dI/dW split (its I has no work) runs nothing at I and full_bw at W.
+        let split = self.stages[stage].work.i != Work::default();
         let derived = match kind {
             ComputeKind::B => s.i.zip(s.w).map(|(i, w)| i + w),
+            ComputeKind::I if !split => Some(0.0),
+            ComputeKind::W if !split => s.b,
             ComputeKind::I | ComputeKind::W => s.b.map(|b| b / 2.0),
             ComputeKind::F => None,
         };

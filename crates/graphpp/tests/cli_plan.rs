@@ -51,9 +51,7 @@ fn a_profile_predicts_its_own_run_and_other_schedules_of_the_same_stages() {
     assert!(out.contains("profile of 2 steps"), "{out}");
     let p = Profile::load(&path).unwrap();
     assert_eq!((p.ranks, p.microbatches, p.stages.len(), p.steps), (2, 4, 2, 2));
-    for (a, b) in p.predicted_peak_bytes.iter().zip(&p.measured_peak_bytes) {
-        assert!(close(*a, *b, 0.01), "predicted {a}, measured {b}");
-    }
+    assert_eq!(p.predicted_peak_bytes, p.measured_peak_bytes);
     // 1F1B measured F and B on both stages, never I or W; the last stage's F holds the head.
     let s1 = p.stages[1].seconds;
     assert!(s1.f.is_some() && s1.b.is_some() && s1.i.is_none() && s1.w.is_none(), "{s1:?}");
@@ -69,6 +67,7 @@ fn a_profile_predicts_its_own_run_and_other_schedules_of_the_same_stages() {
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     let predicted: Vec<u64> =
         v["peak_bytes"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    assert_eq!(predicted.len(), measured.len());
     for (a, b) in predicted.iter().zip(&measured) {
         assert!(close(*a, *b, 0.10), "gpipe predicted {a}, measured {b}");
     }
@@ -121,7 +120,7 @@ fn plan_ranks_strategies_under_a_memory_cap() {
     let first = rows(&free)[0].clone();
     assert_eq!(first.last().unwrap(), "yes", "{free}");
     let best = free.lines().find(|l| l.starts_with("best: ")).unwrap().to_string();
-    // The best row's peak, e.g. `8.1 MB`, read back from the byte model's figure: a cap 1 kB below it.
+    // The best row's peak, e.g. `8.1 MB`, read back from the table.
     let peak: f64 = first[first.len() - 3].parse().unwrap();
     let unit = &first[first.len() - 2];
     let scale = match unit.as_str() {
@@ -129,7 +128,9 @@ fn plan_ranks_strategies_under_a_memory_cap() {
         "MB" => 1e6,
         other => panic!("unit {other}"),
     };
-    let cap = format!("{}", (peak * scale * 0.995) as u64);
+    // The table rounds to two or three digits (at most 5%): 10% below the shown figure is below
+    // the true peak.
+    let cap = format!("{}", (peak * scale * 0.9) as u64);
     let (capped, _) = plan(&cap, 0);
     let chosen = rows(&capped)[0].clone();
     assert_ne!(chosen[1..8], first[1..8], "{capped}");

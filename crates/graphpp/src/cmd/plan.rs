@@ -58,7 +58,8 @@ pub struct PlanArgs {
     /// measured action times replaces the default (50 GFLOP/s of matmuls, 5 GB/s of other work).
     #[arg(long, value_name = "FILE")]
     profile: Option<PathBuf>,
-    /// Bandwidth between ranks, GB/s: pipeline hand-overs and the data-parallel all-reduce.
+    /// Bandwidth between ranks in GB/s (gigabytes per second): pipeline hand-overs and the
+    /// data-parallel all-reduce.
     #[arg(long, default_value_t = 10.0, allow_hyphen_values = true)]
     link_gbps: f64,
     /// Rows of the table.
@@ -159,7 +160,16 @@ fn compile(a: &PlanArgs, path: &std::path::Path, profile: Option<&Profile>) -> R
 /// # Errors
 /// A bad model, profile, strategy or request; no strategy fitting the memory per rank.
 pub fn run(a: PlanArgs) -> Result<()> {
+    if !(a.link_gbps.is_finite() && a.link_gbps > 0.0 && a.link_gbps <= 1e6) {
+        bail!("--link-gbps {}: a bandwidth must be a number in (0, 1e6] GB/s", a.link_gbps);
+    }
     let profile = a.profile.as_deref().map(Profile::load).transpose()?;
+    if let Some(p) = profile.as_ref().filter(|p| p.model != a.model) {
+        eprintln!(
+            "warning: the profile is of model {}, the plan for {}: its speed may not carry over",
+            p.model, a.model
+        );
+    }
     if let Some(path) = &a.strategy {
         return compile(&a, path, profile.as_ref());
     }
@@ -192,10 +202,11 @@ pub fn run(a: PlanArgs) -> Result<()> {
         1e-9 / req.speed.seconds_per_byte,
         a.link_gbps
     );
-    let speed = match (&profile, &a.profile) {
+    let speed = match (profile.as_ref().filter(|p| p.speed().is_some()), &a.profile) {
         (Some(p), Some(path)) => {
             format!("{rates} (fitted to {}: model {}, {} steps)", path.display(), p.model, p.steps)
         }
+        (None, Some(path)) => format!("{rates} (assumed: {} holds no measured step)", path.display()),
         _ => format!("{rates} (assumed; no --profile)"),
     };
     let mut text = format!(
@@ -211,6 +222,12 @@ pub fn run(a: PlanArgs) -> Result<()> {
     for (i, c) in all.iter().take(a.top).enumerate() {
         text.push_str(&row(i, c));
     }
+    if all.is_empty() {
+        bail!(
+            "no candidate strategy: no kind given serves {ranks} ranks with layers that divide evenly \
+             (try more --schedule kinds, another --ranks or --global-batch)"
+        );
+    }
     let Some(best) = all.first().filter(|c| c.fits) else {
         let least = all.iter().map(|c| c.peak_bytes).min();
         bail!(
@@ -222,7 +239,11 @@ pub fn run(a: PlanArgs) -> Result<()> {
             ))
         );
     };
-    let _ = writeln!(text, "best: graphpp train --model {} {}", a.model, best.train_flags(a.seq_len));
+    let mut extra = a.layers.map_or(String::new(), |l| format!(" --layers {l}"));
+    if req.dtype != graphpp_graph::DType::F32 {
+        extra.push_str(&format!(" --dtype {}", req.dtype.name()));
+    }
+    let _ = writeln!(text, "best: graphpp train --model {}{extra} {}", a.model, best.train_flags(a.seq_len));
     crate::cmd::emit(&text)
 }
 

@@ -66,8 +66,9 @@ pub enum ScheduleCmd {
         #[arg(long)]
         output: Option<PathBuf>,
         /// A profile (`graphpp profile`) of a run with the same stages: each action takes its
-        /// stage's measured time (in ms; --costs is then unused), and the peak memory of every
-        /// rank is given in bytes from the profile's byte model.
+        /// stage's measured time in ms (the F/B/I/W of --costs are then unused; its C, in ms,
+        /// still adds to every hop), and the peak memory of every rank is given in bytes from
+        /// the profile's byte model.
         #[arg(long, value_name = "FILE")]
         profile: Option<PathBuf>,
     },
@@ -345,7 +346,8 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
             let profiled = profile.as_deref().map(Profile::load).transpose()?;
             let (report, peak_bytes) = match &profiled {
                 Some(p) => {
-                    p.check(&s)?;
+                    let path = profile.as_deref().unwrap_or(Path::new(""));
+                    p.check(&s, source.kind).with_context(|| format!("--profile {}", path.display()))?;
                     let r = simulate_with(&s, |a| 1e3 * p.duration(a), costs.comm, &memory)?;
                     (r, Some(p.bytes.peak_bytes(&s)?))
                 }

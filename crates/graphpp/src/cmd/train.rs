@@ -337,8 +337,9 @@ pub fn strategy_config(path: &std::path::Path, flags: &[&str]) -> Result<RunConf
     a.config(None)
 }
 
-/// Runs `graphpp profile`: `a`'s run for `steps` steps (no evaluation before the end, no
-/// sample), then its [`Profile`] written to `output`.
+/// Runs `graphpp profile`: `a`'s run until step `steps` (no evaluation before the end, no
+/// sample; a resumed run counts from its checkpoint's step), then its [`Profile`] written to
+/// `output`.
 ///
 /// # Errors
 /// As [`run`]; the profile file cannot be written.
@@ -351,17 +352,17 @@ pub fn profile(mut a: TrainArgs, steps: u64, output: PathBuf) -> Result<()> {
     run(a)
 }
 
-/// Writes the [`Profile`] of `run`'s measured steps to `path` (the first step of a fresh run,
-/// its warm-up, left out when there are others) and says how its predicted peaks compare.
-fn write_profile(
-    path: &std::path::Path,
-    run: &Run,
-    kept: &VecDeque<(f64, Timeline)>,
-    peaks: &[u64],
-) -> Result<()> {
-    let skip = usize::from(kept.len() > 1);
-    let timelines: Vec<Timeline> = kept.iter().skip(skip).map(|(_, t)| t.clone()).collect();
-    let p = Profile::of_run(run.config(), run.trainer().schedule(), &timelines, peaks)?;
+/// Writes the [`Profile`] of `run`'s measured steps to `path` (the first, its warm-up, left out
+/// when there are others) and says how its predicted peaks compare.
+///
+/// # Errors
+/// No step ran; the profile cannot be built or written.
+fn write_profile(path: &std::path::Path, run: &Run, steps: &[Timeline], peaks: &[u64]) -> Result<()> {
+    if steps.is_empty() {
+        bail!("no step ran (the run is at step {}): no profile written", run.steps_done());
+    }
+    let timelines = &steps[usize::from(steps.len() > 1)..];
+    let p = Profile::of_run(run.config(), run.trainer().schedule(), timelines, peaks)?;
     p.save(path)?;
     let ratios: Vec<String> = p
         .predicted_peak_bytes
@@ -423,7 +424,9 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     let mut boundary: Vec<f64> = Vec::new();
     let mut exposed: Vec<f64> = Vec::new();
     let mut rollbacks = 0u64;
-    // The largest peak bytes of each pipeline rank of replica 0 over the steps (for --profile).
+    // For a profile: every step's timeline and the largest peak bytes of each pipeline rank of
+    // replica 0.
+    let mut profiled: Vec<Timeline> = Vec::new();
     let mut peaks: Vec<u64> = vec![0; c.ranks];
     let mut val = None;
     // The step of the last checkpoint written and, on the leader, its path: the same step on
@@ -448,7 +451,10 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
         boundary.push(r.boundary_wait_s.iter().copied().fold(0.0, f64::max));
         exposed.push(r.reduce_wait_s.iter().copied().fold(0.0, f64::max) / secs.max(1e-12));
         rollbacks += u64::from(r.rolled_back);
-        peaks.iter_mut().zip(&r.peak_bytes).for_each(|(p, b)| *p = (*p).max(*b));
+        if a.profile.is_some() {
+            peaks.iter_mut().zip(&r.peak_bytes).for_each(|(p, b)| *p = (*p).max(*b));
+            profiled.push(r.timeline.clone());
+        }
         kept.push_back((start, r.timeline));
         if kept.len() > TRACE_STEPS {
             kept.pop_front();
@@ -496,7 +502,7 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
         out!("report: {}", path.display());
     }
     if let Some(path) = &a.profile {
-        write_profile(path, &run, &kept, &peaks)?;
+        write_profile(path, &run, &profiled, &peaks)?;
     }
     let ran_steps = crate::cmd::plural(ran, "step", "steps");
     out!("{ran_steps} in {wall:.1} s: {:.0} tokens/s", ran as f64 * tokens / wall.max(1e-9));
