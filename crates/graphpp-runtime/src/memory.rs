@@ -269,16 +269,12 @@ pub fn stage_bytes(graphs: &StageGraphs) -> StageBytes {
 /// gradient accumulators and the two AdamW moments) and its buffers, as the trainer counts them
 /// ([`crate::StepReport::peak_bytes`]).
 pub fn resident_bytes(graphs: &StageGraphs) -> u64 {
-    graphs
-        .fw
-        .input_specs()
-        .iter()
-        .map(|i| match i.kind {
-            InputKind::Parameter => 4 * i.ty.size_bytes() as u64,
-            InputKind::Buffer => i.ty.size_bytes() as u64,
-            _ => 0,
-        })
-        .sum()
+    4 * input_bytes(graphs, InputKind::Parameter) + input_bytes(graphs, InputKind::Buffer)
+}
+
+/// Bytes of the fw inputs of `kind` of stage `graphs` (its parameters, or its buffers).
+pub fn input_bytes(graphs: &StageGraphs, kind: InputKind) -> u64 {
+    graphs.fw.input_specs().iter().filter(|i| i.kind == kind).map(|i| i.ty.size_bytes() as u64).sum()
 }
 
 /// The [`ByteModel`] of `schedule` whose stage `s` runs `graphs[s]`: each stage's

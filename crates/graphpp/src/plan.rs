@@ -21,7 +21,7 @@ use graphpp_graph::names::OUTPUT;
 use graphpp_graph::{DType, InputKind, StageGraphs};
 use graphpp_models::{ModelConfig, Recompute, StageOptions};
 use graphpp_runtime::build::{graphs_of, model_stages, stage_specs};
-use graphpp_runtime::memory::byte_model;
+use graphpp_runtime::memory::{byte_model, input_bytes};
 use graphpp_schedule::simulate::simulate_with;
 use graphpp_schedule::{generate, Action, Kind, Memory, Options, Schedule, Shape};
 
@@ -159,12 +159,6 @@ fn action_seconds(a: &Action, work: &[PerKind<Work>], speed: &Speed) -> f64 {
     a.computes().map(|(kind, t)| work.get(t.stage).map_or(0.0, |w| speed.seconds(w.get(kind)))).sum()
 }
 
-/// Bytes of the parameter inputs of stage `graphs`.
-fn parameter_bytes(graphs: &StageGraphs) -> u64 {
-    let specs = graphs.fw.input_specs();
-    specs.iter().filter(|i| i.kind == InputKind::Parameter).map(|i| i.ty.size_bytes() as u64).sum()
-}
-
 /// What the planner predicts for one strategy.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Prediction {
@@ -198,7 +192,7 @@ pub fn predict(
     let mut grads = vec![0u64; schedule.num_ranks()];
     for (stage, ranks) in schedule.placement() {
         for r in ranks {
-            grads[r] += graphs.get(stage).map_or(0, |g| parameter_bytes(g));
+            grads[r] += graphs.get(stage).map_or(0, |g| input_bytes(g, InputKind::Parameter));
         }
     }
     let ring = 2.0 * (dp.max(1) as f64 - 1.0) / dp.max(1) as f64;
