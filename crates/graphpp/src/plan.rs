@@ -204,7 +204,7 @@ pub fn predict(
 }
 
 /// Every feasible candidate of `req`, ranked: those that fit first, each group by predicted step
-/// time, then peak bytes. A kind that cannot serve a shape (its generator's constraint) and a
+/// time, then peak bytes; kinds with the same figures at the same shape are listed once. A kind that cannot serve a shape (its generator's constraint) and a
 /// split that does not divide the layers are left out.
 ///
 /// # Errors
@@ -285,6 +285,19 @@ pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
             .cmp(&a.fits)
             .then(a.step_seconds.total_cmp(&b.step_seconds))
             .then(a.peak_bytes.cmp(&b.peak_bytes))
+    });
+    // Kinds that run alike on a shape (every v = 1 kind without a pipeline holding one microbatch)
+    // give the same strategy: list it once, under the first kind.
+    let mut seen = std::collections::HashSet::new();
+    out.retain(|c| {
+        seen.insert((
+            c.pp,
+            c.stages_per_rank,
+            c.microbatches,
+            c.recompute,
+            c.step_seconds.to_bits(),
+            c.peak_bytes,
+        ))
     });
     Ok(out)
 }

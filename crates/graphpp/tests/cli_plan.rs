@@ -8,23 +8,8 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use assert_cmd::cargo::CommandCargoExt;
+use common::{graphpp, output};
 use graphpp::profile::Profile;
-
-fn graphpp() -> std::process::Command {
-    std::process::Command::cargo_bin("graphpp").expect("binary builds")
-}
-
-/// Runs `cmd`, expecting `code`; returns (stdout, stderr).
-fn output(mut cmd: std::process::Command, code: i32) -> (String, String) {
-    let out = cmd.output().unwrap();
-    let (o, e) = (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    );
-    assert_eq!(out.status.code(), Some(code), "stdout:\n{o}\nstderr:\n{e}");
-    (o, e)
-}
 
 /// `graphpp profile` of `kind` (p = 2, m = 4, B = 2, T = 16) on the test corpus into `dir`.
 fn profile(dir: &Path, data: &Path, kind: &str) -> (PathBuf, String) {
