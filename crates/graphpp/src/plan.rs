@@ -120,11 +120,6 @@ pub enum PlanError {
     Build(String),
 }
 
-/// Divisors of `n`, ascending.
-fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|&d| n.is_multiple_of(d)).collect()
-}
-
 /// Stage graphs by (model stage, stages, first layer, end layer, sequences, policy).
 type GraphCache = HashMap<(usize, usize, usize, usize, usize, Recompute), Arc<StageGraphs>>;
 
@@ -239,7 +234,8 @@ pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
     policies.dedup();
     let mut cache = GraphCache::new();
     let mut out = Vec::new();
-    for pp in divisors(req.ranks) {
+    // A pipeline has at most one rank per layer.
+    for pp in (1..=req.ranks.min(layers)).filter(|&pp| req.ranks.is_multiple_of(pp)) {
         let dp = req.ranks / pp;
         for &kind in &kinds {
             let v = kind.default_stages_per_rank();
@@ -251,7 +247,8 @@ pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
             if stages > layers || !layers.is_multiple_of(stages) {
                 continue;
             }
-            for m in divisors(req.global_batch).into_iter().filter(|&m| m <= req.max_microbatches) {
+            let most = req.max_microbatches.min(req.global_batch);
+            for m in (1..=most).filter(|&m| req.global_batch.is_multiple_of(m)) {
                 let b = req.global_batch / m;
                 if !b.is_multiple_of(dp) {
                     continue;
