@@ -9,12 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use assert_cmd::cargo::CommandCargoExt;
+use common::{graphpp, output};
 use graphpp::checkpoint;
-
-fn graphpp() -> std::process::Command {
-    std::process::Command::cargo_bin("graphpp").expect("binary builds")
-}
 
 /// The corpus of these tests ([`common::corpus`]).
 fn corpus(dir: &Path) -> PathBuf {
@@ -28,17 +24,6 @@ fn train(data: &Path, extra: &[&str]) -> std::process::Command {
         .args(["--microbatches", "4", "--sample-bytes", "0", "--threads-per-rank", "1"])
         .args(extra);
     c
-}
-
-/// Runs `cmd`, expecting `code`; returns (stdout, stderr).
-fn output(mut cmd: std::process::Command, code: i32) -> (String, String) {
-    let out = cmd.output().unwrap();
-    let (o, e) = (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    );
-    assert_eq!(out.status.code(), Some(code), "stdout:\n{o}\nstderr:\n{e}");
-    (o, e)
 }
 
 /// The JSON lines of a metrics file.
