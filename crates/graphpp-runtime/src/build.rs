@@ -141,18 +141,35 @@ pub fn all_stage_graphs(
     specs: &[StageSpec],
     opts: &StageOptions,
 ) -> Result<Vec<Arc<StageGraphs>>, VerifyError> {
-    let mut built: Vec<(&StageSpec, Arc<StageGraphs>)> = Vec::new();
-    specs
-        .iter()
-        .map(|spec| {
-            if let Some((_, g)) = built.iter().find(|(s, _)| *s == spec) {
-                return Ok(Arc::clone(g));
-            }
-            let g = Arc::new(graphs_of(model, spec, opts)?);
-            built.push((spec, Arc::clone(&g)));
-            Ok(g)
-        })
-        .collect()
+    let mut cache = GraphCache::default();
+    specs.iter().map(|spec| cache.get(model, spec, opts)).collect()
+}
+
+/// Stage graphs built once per (model stage, stage options) and shared after: DualPipe's
+/// copies, and the planner's candidates that run the same stage at the same shape.
+#[derive(Default)]
+pub struct GraphCache {
+    built: Vec<(StageSpec, StageOptions, Arc<StageGraphs>)>,
+}
+
+impl GraphCache {
+    /// The graphs of `spec` under `opts` ([`graphs_of`]), built on first use.
+    ///
+    /// # Errors
+    /// As [`graphs_of`].
+    pub fn get(
+        &mut self,
+        model: &dyn Model,
+        spec: &StageSpec,
+        opts: &StageOptions,
+    ) -> Result<Arc<StageGraphs>, VerifyError> {
+        if let Some((_, _, g)) = self.built.iter().find(|(s, o, _)| s == spec && o == opts) {
+            return Ok(Arc::clone(g));
+        }
+        let g = Arc::new(graphs_of(model, spec, opts)?);
+        self.built.push((spec.clone(), opts.clone(), Arc::clone(&g)));
+        Ok(g)
+    }
 }
 
 /// What a rank's stages are built from: the model, the model stage each schedule stage runs

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use graphpp_graph::{CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, TensorType};
 use graphpp_runtime::executor::{
-    run, run_with, tensor_from_f64, tensor_u32, to_f64, CollectiveError, ExecError, GraphComm, RunOptions,
+    peak_live_bytes, run, run_with, tensor_from_f64, tensor_u32, to_f64, CollectiveError, ExecError,
+    GraphComm, RunOptions,
 };
 use graphpp_runtime::{Comm, CommError, Mesh, MeshError, ThreadComm};
 
@@ -25,6 +26,7 @@ fn values_are_freed_after_their_last_use() {
     let t = tensor_from_f64(&data, &[1000], DType::F32).unwrap();
     let r = run(&g, &[t.clone(), t.clone()], &RunOptions { time_nodes: true, trace_peak: true }).unwrap();
     assert_eq!(r.peak_live_bytes, 2 * 4000, "parameters are not counted; x freed after exp");
+    assert_eq!(peak_live_bytes(&g), 2 * 4000, "the static count is the same");
     assert_eq!(r.node_times.as_ref().unwrap().len(), g.nodes.len());
     // The peak is first reached while exp runs: its operand x is freed only after it.
     let live: Vec<usize> = r.live_at_peak.unwrap().iter().map(|v| v.0).collect();
@@ -42,6 +44,7 @@ fn values_are_freed_after_their_last_use() {
     let g = b.finish().unwrap();
     let r = run(&g, &[t], &RunOptions::default()).unwrap();
     assert_eq!(r.peak_live_bytes, 3 * 4000);
+    assert_eq!(peak_live_bytes(&g), 3 * 4000);
     assert!(r.node_times.is_none());
 
     // A transposed weight is a view of the state: not counted.
@@ -57,6 +60,7 @@ fn values_are_freed_after_their_last_use() {
     let w = tensor_from_f64(&[0.5; 1000], &[10, 100], DType::F32).unwrap();
     let r = run(&g, &[w, x], &RunOptions::default()).unwrap();
     assert_eq!(r.peak_live_bytes, 40 + 400);
+    assert_eq!(peak_live_bytes(&g), 40 + 400);
     assert_eq!(to_f64(&r.outputs[0]).unwrap()[7], 5.0);
 }
 

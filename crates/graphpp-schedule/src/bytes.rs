@@ -75,6 +75,14 @@ pub enum BytesError {
         /// Stages in the model.
         stages: usize,
     },
+    /// The schedule places a stage the model has no sizes for.
+    #[error("stage {stage} is placed on a rank, but the byte model has {stages} stages")]
+    Placed {
+        /// The stage.
+        stage: usize,
+        /// Stages in the model.
+        stages: usize,
+    },
     /// A rank the schedule does not have.
     #[error("rank {rank}: the schedule has {ranks} ranks")]
     Rank {
@@ -154,16 +162,11 @@ impl ByteModel {
     /// Resident bytes of every rank of `schedule`: those of the stages placed on it.
     ///
     /// # Errors
-    /// [`BytesError::Stage`] for a stage without sizes.
+    /// [`BytesError::Placed`] for a stage without sizes.
     pub fn resident(&self, schedule: &Schedule) -> Result<Vec<u64>, BytesError> {
         let mut out = vec![0u64; schedule.num_ranks()];
         for (stage, ranks) in schedule.placement() {
-            let s = self.stages.get(stage).ok_or_else(|| BytesError::Stage {
-                rank: ranks.first().copied().unwrap_or(0),
-                action: format!("a stage-{stage} action"),
-                stage,
-                stages: self.stages.len(),
-            })?;
+            let s = self.stages.get(stage).ok_or(BytesError::Placed { stage, stages: self.stages.len() })?;
             for r in ranks {
                 out[r] += s.resident;
             }
@@ -175,7 +178,7 @@ impl ByteModel {
     /// [`ByteModel::activation_peak`].
     ///
     /// # Errors
-    /// [`BytesError::Stage`] for a stage without sizes.
+    /// [`BytesError::Placed`], [`BytesError::Stage`] for a stage without sizes.
     pub fn peak_bytes(&self, schedule: &Schedule) -> Result<Vec<u64>, BytesError> {
         let resident = self.resident(schedule)?;
         (0..schedule.num_ranks()).map(|r| Ok(resident[r] + self.activation_peak(schedule, r)?)).collect()
@@ -223,6 +226,7 @@ mod tests {
         let e = m.activation_peak(&s, 0).unwrap_err();
         assert_eq!(e, BytesError::Stage { rank: 0, action: "1F0".into(), stage: 1, stages: 1 });
         assert_eq!(m.activation_peak(&s, 2).unwrap_err(), BytesError::Rank { rank: 2, ranks: 2 });
+        assert_eq!(m.peak_bytes(&s).unwrap_err(), BytesError::Placed { stage: 1, stages: 1 });
     }
 
     #[test]

@@ -14,14 +14,14 @@
 //! kinds of one stage per rank are listed (they differ there in memory: GPipe holds every
 //! microbatch, 1F1B one — gradient accumulation).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use graphpp_graph::names::OUTPUT;
 use graphpp_graph::{DType, InputKind, StageGraphs};
 use graphpp_models::{ModelConfig, Recompute, StageOptions};
-use graphpp_runtime::build::{graphs_of, model_stages, stage_specs};
+use graphpp_runtime::build::{model_stages, stage_specs, GraphCache};
 use graphpp_runtime::memory::{byte_model, input_bytes};
+use graphpp_runtime::VerifyError;
 use graphpp_schedule::simulate::simulate_with;
 use graphpp_schedule::{generate, Action, Kind, Memory, Options, Schedule, Shape};
 
@@ -120,33 +120,18 @@ pub enum PlanError {
     Build(String),
 }
 
-/// Stage graphs by (model stage, stages, first layer, end layer, sequences, policy).
-type GraphCache = HashMap<(usize, usize, usize, usize, usize, Recompute), Arc<StageGraphs>>;
-
 /// The graphs of each schedule stage of `kind` at `shape`, `batch` sequences per replica.
 fn schedule_graphs(
     req: &PlanRequest,
-    kind: Kind,
-    shape: &Shape,
+    (kind, shape): (Kind, &Shape),
     batch: usize,
     recompute: Recompute,
     cache: &mut GraphCache,
 ) -> Result<Vec<Arc<StageGraphs>>, PlanError> {
-    let specs = stage_specs(&req.model, kind, shape, None).map_err(|e| PlanError::Build(e.to_string()))?;
+    let build = |e: VerifyError| PlanError::Build(e.to_string());
+    let specs = stage_specs(&req.model, kind, shape, None).map_err(build)?;
     let opts = StageOptions { recompute, ..StageOptions::mixed(batch, req.seq_len, req.dtype) };
-    specs
-        .iter()
-        .map(|spec| {
-            let key = (spec.stage, spec.stages, spec.layers.start, spec.layers.end, batch, recompute);
-            if let Some(g) = cache.get(&key) {
-                return Ok(Arc::clone(g));
-            }
-            let g =
-                Arc::new(graphs_of(&req.model, spec, &opts).map_err(|e| PlanError::Build(e.to_string()))?);
-            cache.insert(key, Arc::clone(&g));
-            Ok(g)
-        })
-        .collect()
+    specs.iter().map(|spec| cache.get(&req.model, spec, &opts).map_err(build)).collect()
 }
 
 /// Time of `a` on stages of `work` at `speed`, seconds.
@@ -232,7 +217,7 @@ pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
     kinds.dedup();
     policies.sort_by_key(|r| r.name());
     policies.dedup();
-    let mut cache = GraphCache::new();
+    let mut cache = GraphCache::default();
     let mut out = Vec::new();
     // A pipeline has at most one rank per layer.
     for pp in (1..=req.ranks.min(layers)).filter(|&pp| req.ranks.is_multiple_of(pp)) {
@@ -256,7 +241,7 @@ pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
                 let shape = Shape::new(pp, v, m);
                 let Ok(schedule) = generate(kind, &shape, &Options::default()) else { continue };
                 for &recompute in &policies {
-                    let graphs = schedule_graphs(req, kind, &shape, b / dp, recompute, &mut cache)?;
+                    let graphs = schedule_graphs(req, (kind, &shape), b / dp, recompute, &mut cache)?;
                     let p = predict(&schedule, &graphs, dp, &req.speed, req.link_bytes_per_second)?;
                     let (step_seconds, bubble) = (p.step_seconds, p.bubble);
                     let peak_bytes = p.peak_bytes.into_iter().max().unwrap_or(0);
