@@ -24,6 +24,8 @@ mod tolerance;
 mod v_shape;
 mod zb_auto;
 mod zb_h;
+#[cfg(feature = "ilp")]
+pub mod zb_ilp;
 mod zbv;
 mod zbv_auto;
 
@@ -258,11 +260,46 @@ pub struct Options {
     /// `zb-auto`, `zbv-auto`: activation-memory cap per rank in M_B units (default p: ZB-1p, and
     /// ZB-V at 1F1B's peak).
     pub mem_cap: Option<f64>,
+    /// `zb-auto`: how the order is found (default the heuristic).
+    pub solver: Solver,
+}
+
+/// How `zb-auto` finds its order (`--solver`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Solver {
+    /// The zero-bubble paper's heuristic (§3.1), milliseconds at any shape.
+    #[default]
+    Heuristic,
+    /// The zero-bubble paper's ILP (§3.1) solved by HiGHS, warm-started from the heuristic and
+    /// stopped after `time_limit`: never slower than the heuristic. Needs the `ilp` cargo
+    /// feature (HiGHS is built from source: cmake and a C++ compiler).
+    Ilp {
+        /// Wall-clock limit of the solve.
+        time_limit: std::time::Duration,
+    },
+}
+
+impl fmt::Display for Solver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Solver::Heuristic => f.write_str("heuristic"),
+            Solver::Ilp { time_limit } => write!(f, "ilp (time limit {} s)", time_limit.as_secs_f64()),
+        }
+    }
 }
 
 /// Why a generator cannot produce a schedule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GenerateError {
+    /// The solver asked for is not in this build (the ILP needs the `ilp` cargo feature).
+    #[error(
+        "the {solver} solver is not in this build: rebuild with `--features ilp` (HiGHS, built from \
+         source: needs cmake and a C++ compiler)"
+    )]
+    SolverUnavailable {
+        /// The solver asked for.
+        solver: Solver,
+    },
     /// The schedule would be too large to build (see [`check_size`]); nothing was allocated.
     #[error(
         "{kind} at ranks={ranks}, stages-per-rank={stages_per_rank}, microbatches={microbatches} would \
@@ -378,9 +415,10 @@ fn kind_list(kinds: &[Kind]) -> String {
 /// Refuses an option `kind` does not read: `group` outside grouped-interleaved, `mem_cap` outside
 /// zb-auto and zbv-auto (`costs` and `memory` are shared with the simulator and never refused).
 fn check_options(kind: Kind, opts: &Options) -> Result<(), GenerateError> {
-    let unused: [(bool, &str, &'static [Kind]); 2] = [
+    let unused: [(bool, &str, &'static [Kind]); 3] = [
         (opts.group.is_some(), "a group size (--group)", &[Kind::GroupedInterleaved]),
         (opts.mem_cap.is_some(), "a memory cap (--mem-cap)", &[Kind::ZbAuto, Kind::ZbvAuto]),
+        (opts.solver != Solver::Heuristic, "a solver (--solver)", &[Kind::ZbAuto]),
     ];
     match unused.into_iter().find(|&(given, _, readers)| given && !readers.contains(&kind)) {
         Some((_, option, applies_to)) => Err(GenerateError::UnusedOption { kind, option, applies_to }),

@@ -11,7 +11,7 @@
 //! does not depend on the cost unit (the reference's does, through floating-point rounding).
 
 use super::tolerance::Tolerance;
-use super::{check_model, require, GenerateError, Kind, Options, Shape};
+use super::{check_model, require, GenerateError, Kind, Options, Shape, Solver};
 use crate::action::Action;
 use crate::schedule::Schedule;
 
@@ -30,13 +30,25 @@ struct Flags {
     no_bubble_greedy: bool,
 }
 
-/// ZB auto for `shape` with `opts.costs`, `opts.memory`, `opts.mem_cap`.
+/// ZB auto for `shape` with `opts.costs`, `opts.memory`, `opts.mem_cap`, by `opts.solver`: the
+/// heuristic, or the ILP warm-started from it ([`super::zb_ilp`], the `ilp` feature).
 ///
 /// # Errors
 /// [`GenerateError::Constraint`] unless `stages_per_rank = 1`; when the costs are not finite and
 /// `>= 0`, when `0 <= M_W < M_B` fails, when the cap is below 1 M_B, or when no flag combination fits
-/// the memory cap.
+/// the memory cap; [`GenerateError::SolverUnavailable`] for the ILP in a build without `ilp`.
 pub fn generate(shape: &Shape, opts: &Options) -> Result<Schedule, GenerateError> {
+    match opts.solver {
+        Solver::Heuristic => heuristic(shape, opts),
+        #[cfg(feature = "ilp")]
+        Solver::Ilp { time_limit } => super::zb_ilp::generate(shape, opts, time_limit),
+        #[cfg(not(feature = "ilp"))]
+        Solver::Ilp { .. } => Err(GenerateError::SolverUnavailable { solver: opts.solver }),
+    }
+}
+
+/// The heuristic (ZB auto's default solver); errors as [`generate`]'s.
+pub(crate) fn heuristic(shape: &Shape, opts: &Options) -> Result<Schedule, GenerateError> {
     let kind = Kind::ZbAuto;
     let v = shape.stages_per_rank;
     require(v == 1, kind, shape, || format!("needs stages-per-rank = 1, got {v}"))?;

@@ -11,7 +11,7 @@ use graphpp_schedule::render::{chrome_trace, fixed, grid, svg, GridStyle};
 use graphpp_schedule::simulate::simulate_with;
 use graphpp_schedule::{
     generate, lower, simulate, validate, Costs, Kind, LowerOptions, Memory, Options, Schedule, Shape,
-    SimReport, Summary, ValidateOptions,
+    SimReport, Solver, Summary, ValidateOptions,
 };
 
 use crate::cmd::value::count;
@@ -166,6 +166,48 @@ pub struct KindSpec {
     /// zb-auto, zbv-auto: activation-memory cap per rank in M_B units (default p).
     #[arg(long, allow_hyphen_values = true)]
     pub mem_cap: Option<f64>,
+    #[command(flatten)]
+    pub solver: SolverArgs,
+}
+
+/// How `zb-auto` finds its order.
+#[derive(Args, Clone)]
+pub struct SolverArgs {
+    /// zb-auto: `heuristic` (the zero-bubble paper's, milliseconds) or `ilp` (the paper's integer
+    /// program, solved by HiGHS from the heuristic's schedule: never slower; needs a build with
+    /// `--features ilp`).
+    #[arg(long, value_enum)]
+    solver: Option<SolverName>,
+    /// With --solver ilp: wall-clock seconds HiGHS may search (default 10).
+    #[arg(long, allow_hyphen_values = true, value_name = "SECONDS")]
+    time_limit: Option<f64>,
+}
+
+/// `--solver` values.
+#[derive(Clone, Copy, ValueEnum)]
+enum SolverName {
+    Heuristic,
+    Ilp,
+}
+
+impl SolverArgs {
+    /// The generator's solver.
+    ///
+    /// # Errors
+    /// A time limit that is not a finite number of seconds > 0, or one given to the heuristic.
+    fn resolve(&self) -> Result<Solver> {
+        let secs = self.time_limit.unwrap_or(10.0);
+        match self.solver {
+            None | Some(SolverName::Heuristic) if self.time_limit.is_some() => {
+                bail!("--time-limit applies to --solver ilp only")
+            }
+            None | Some(SolverName::Heuristic) => Ok(Solver::Heuristic),
+            Some(SolverName::Ilp) if !(secs.is_finite() && secs > 0.0 && secs <= 1e6) => {
+                bail!("--time-limit must be a number of seconds in (0, 1e6], got {secs}")
+            }
+            Some(SolverName::Ilp) => Ok(Solver::Ilp { time_limit: std::time::Duration::from_secs_f64(secs) }),
+        }
+    }
 }
 
 /// Where a schedule comes from: a generator, or a CSV/JSON file.
@@ -196,6 +238,8 @@ pub struct Source {
     /// zb-auto, zbv-auto: memory cap in M_B units.
     #[arg(long, allow_hyphen_values = true)]
     mem_cap: Option<f64>,
+    #[command(flatten)]
+    solver: SolverArgs,
 }
 
 /// Schedule output formats.
@@ -230,11 +274,12 @@ fn generate_spec(
     m: usize,
     group: Option<usize>,
     mem_cap: Option<f64>,
+    solver: &SolverArgs,
     costs: Costs,
     memory: Memory,
 ) -> Result<Schedule> {
     let shape = Shape::new(ranks, v.unwrap_or_else(|| kind.default_stages_per_rank()), m);
-    let opts = Options { group, mem_cap, costs, memory };
+    let opts = Options { group, mem_cap, costs, memory, solver: solver.resolve()? };
     Ok(generate(kind, &shape, &opts)?)
 }
 
@@ -302,6 +347,7 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
                 spec.microbatches,
                 spec.group,
                 spec.mem_cap,
+                &spec.solver,
                 costs,
                 memory,
             )?;
@@ -328,11 +374,11 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
                         bail!("--schedule needs --ranks and --microbatches");
                     };
                     let (v, group, cap) = (source.stages_per_rank, source.group, source.mem_cap);
-                    generate_spec(*k, ranks, v, m, group, cap, costs, memory)?
+                    generate_spec(*k, ranks, v, m, group, cap, &source.solver, costs, memory)?
                 }
                 (None, Some(f)) => {
-                    if source.group.is_some() || source.mem_cap.is_some() {
-                        bail!("--group and --mem-cap apply to --schedule, not to a schedule --file");
+                    if source.group.is_some() || source.mem_cap.is_some() || source.solver.solver.is_some() {
+                        bail!("--group, --mem-cap and --solver apply to --schedule, not to a schedule --file");
                     }
                     let expected = Expected {
                         ranks: source.ranks,
