@@ -35,13 +35,19 @@ fn the_ilp_is_never_slower_than_the_heuristic_valid_and_under_the_cap() {
                     let shape = Shape::new(p, 1, m);
                     let at = format!("p={p} m={m} {c} cap {cap}");
                     let heuristic = generate(Kind::ZbAuto, &shape, &opts).unwrap();
-                    let r = solve(&shape, &opts, Duration::from_secs(1)).unwrap_or_else(|e| panic!("{at}: {e}"));
-                    validate(&r.schedule, &ValidateOptions::microbatches(m)).unwrap_or_else(|e| panic!("{at}: {e}"));
+                    let r =
+                        solve(&shape, &opts, Duration::from_secs(1)).unwrap_or_else(|e| panic!("{at}: {e}"));
+                    validate(&r.schedule, &ValidateOptions::microbatches(m))
+                        .unwrap_or_else(|e| panic!("{at}: {e}"));
                     let (ilp, heur) = (makespan(&r.schedule, &c), makespan(&heuristic, &c));
                     assert_eq!(heur, r.heuristic_makespan, "{at}");
                     assert_eq!(ilp, r.makespan, "{at}");
                     assert!(ilp <= heur, "{at}: ILP {ilp} > heuristic {heur}");
-                    assert!(peak(&r.schedule, &c) <= cap + 1e-9, "{at}: peak {} above the cap", peak(&r.schedule, &c));
+                    assert!(
+                        peak(&r.schedule, &c) <= cap + 1e-9,
+                        "{at}: peak {} above the cap",
+                        peak(&r.schedule, &c)
+                    );
                     assert_eq!(r.binaries, 3 * p * m * (m - 1) / 2, "{at}");
                     if ilp < heur - 1e-9 {
                         assert!(matches!(r.outcome, IlpOutcome::Optimal | IlpOutcome::TimeLimit), "{at}");
@@ -111,7 +117,8 @@ fn the_ilp_finds_the_optimum_where_every_order_can_be_tried() {
                 let opts = Options { costs: c, mem_cap: Some(cap), ..Options::default() };
                 let at = format!("p={p} m={m} {c} cap {cap}");
                 let optimum = brute_force(p, m, &c, cap);
-                let r = solve(&Shape::new(p, 1, m), &opts, Duration::from_secs(20)).unwrap_or_else(|e| panic!("{at}: {e}"));
+                let r = solve(&Shape::new(p, 1, m), &opts, Duration::from_secs(20))
+                    .unwrap_or_else(|e| panic!("{at}: {e}"));
                 assert!((r.makespan - optimum).abs() < 1e-9, "{at}: ILP {} vs optimum {optimum}", r.makespan);
                 assert_ne!(r.outcome, IlpOutcome::TimeLimit, "{at}");
                 beat += usize::from(r.heuristic_makespan > optimum + 1e-9);

@@ -337,7 +337,18 @@ fn the_ilp_solver_names_the_feature_it_needs() {
 
 #[test]
 fn solver_flags_apply_to_zb_auto_only() {
-    let err = failure(&["schedule", "generate", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "4", "--solver", "ilp"]);
+    let err = failure(&[
+        "schedule",
+        "generate",
+        "--schedule",
+        "1f1b",
+        "--ranks",
+        "2",
+        "--microbatches",
+        "4",
+        "--solver",
+        "ilp",
+    ]);
     assert!(err.contains("1f1b does not use a solver (--solver)"), "{err}");
     let err = failure(&[&ZB_TIGHT[..], &["--time-limit", "3"]].concat());
     assert!(err.contains("--solver"), "{err}");

@@ -102,7 +102,8 @@ pub fn solve(shape: &Shape, opts: &Options, time_limit: Duration) -> Result<IlpS
     if binaries == 0 {
         return Ok(kept("no order to choose (m = 1)"));
     }
-    let (solution, status) = match program.solve(vars, shape, opts, cap, &heuristic, &h.timeline, time_limit) {
+    let (solution, status) = match program.solve(vars, shape, opts, cap, &heuristic, &h.timeline, time_limit)
+    {
         Ok(s) => s,
         Err(ResolutionError::Other("NoSolutionFound")) => return Ok(kept("HiGHS found no solution in time")),
         Err(e) => return Err(GenerateError::constraint(kind, shape, format!("HiGHS failed: {e}"))),
@@ -123,7 +124,8 @@ pub fn solve(shape: &Shape, opts: &Options, time_limit: Duration) -> Result<IlpS
     if !tol.lt(r.makespan, h.makespan) {
         return Ok(kept("the ILP found nothing faster"));
     }
-    let outcome = if matches!(status, SolutionStatus::Optimal) { IlpOutcome::Optimal } else { IlpOutcome::TimeLimit };
+    let outcome =
+        if matches!(status, SolutionStatus::Optimal) { IlpOutcome::Optimal } else { IlpOutcome::TimeLimit };
     Ok(IlpSchedule { schedule, makespan: r.makespan, heuristic_makespan: h.makespan, outcome, binaries })
 }
 
@@ -131,7 +133,11 @@ pub fn solve(shape: &Shape, opts: &Options, time_limit: Duration) -> Result<IlpS
 ///
 /// # Errors
 /// As [`solve`].
-pub(super) fn generate(shape: &Shape, opts: &Options, time_limit: Duration) -> Result<Schedule, GenerateError> {
+pub(super) fn generate(
+    shape: &Shape,
+    opts: &Options,
+    time_limit: Duration,
+) -> Result<Schedule, GenerateError> {
     let v = shape.stages_per_rank;
     require(v == 1, Kind::ZbAuto, shape, || format!("needs stages-per-rank = 1, got {v}"))?;
     solve(shape, opts, time_limit).map(|r| r.schedule)
@@ -166,10 +172,14 @@ impl Program {
         let mut vars = ProblemVariables::new();
         let mut e: [Vec<Vec<Variable>>; 3] = Default::default();
         for (k, ek) in e.iter_mut().enumerate() {
-            *ek = (0..p).map(|_| (0..m).map(|_| vars.add(variable().min(cost[k]).max(bound))).collect()).collect();
+            *ek = (0..p)
+                .map(|_| (0..m).map(|_| vars.add(variable().min(cost[k]).max(bound))).collect())
+                .collect();
         }
         let pairs = m * m.saturating_sub(1) / 2;
-        let y = (0..p * PAIRS.len()).map(|_| (0..pairs).map(|_| vars.add(variable().binary())).collect()).collect();
+        let y = (0..p * PAIRS.len())
+            .map(|_| (0..pairs).map(|_| vars.add(variable().binary())).collect())
+            .collect();
         let makespan = vars.add(variable().min(0.0).max(bound));
         (vars, Program { e, y, makespan, cost, bound })
     }
@@ -199,7 +209,11 @@ impl Program {
                 if s > 0 {
                     edges.push((e[F][s][j], e[F][s - 1][j], tf + comm));
                 }
-                edges.push(if s + 1 < p { (e[I][s][j], e[I][s + 1][j], ti + comm) } else { (e[I][s][j], e[F][s][j], ti) });
+                edges.push(if s + 1 < p {
+                    (e[I][s][j], e[I][s + 1][j], ti + comm)
+                } else {
+                    (e[I][s][j], e[F][s][j], ti)
+                });
                 edges.push((e[W][s][j], e[I][s][j], tw));
                 if j > 0 {
                     edges.extend((0..3).map(|k| (e[k][s][j], e[k][s][j - 1], self.cost[k])));
@@ -220,14 +234,14 @@ impl Program {
         timeline: &Timeline,
         time_limit: Duration,
     ) -> Result<(Vec<f64>, SolutionStatus), ResolutionError> {
-        let (p, m, big, e) = (shape.ranks, shape.microbatches, self.bound, &self.e);
+        let (m, big, e) = (shape.microbatches, self.bound, &self.e);
         let mut model = vars.minimise(self.makespan).using(highs);
         for (node, dep, lag) in self.edges(shape, opts.costs.comm) {
             model = model.with(constraint!(node >= dep + lag));
         }
         let mem = &opts.memory;
-        for s in 0..p {
-            model = model.with(constraint!(self.makespan >= e[W][s][m - 1]));
+        for (s, last) in e[W].iter().map(|ws| ws[m - 1]).enumerate() {
+            model = model.with(constraint!(self.makespan >= last));
             for (pair, &(a, b)) in PAIRS.iter().enumerate() {
                 for i in 1..m {
                     for j in 0..i {

@@ -378,7 +378,9 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
                 }
                 (None, Some(f)) => {
                     if source.group.is_some() || source.mem_cap.is_some() || source.solver.solver.is_some() {
-                        bail!("--group, --mem-cap and --solver apply to --schedule, not to a schedule --file");
+                        bail!(
+                            "--group, --mem-cap and --solver apply to --schedule, not to a schedule --file"
+                        );
                     }
                     let expected = Expected {
                         ranks: source.ranks,
