@@ -402,7 +402,7 @@ pub(crate) fn check_model(kind: Kind, shape: &Shape, opts: &Options) -> Result<f
 }
 
 /// Checks the constraints every kind shares: p ≥ 1, v ≥ 1, m ≥ 1.
-fn check_common(kind: Kind, shape: &Shape) -> Result<(), GenerateError> {
+pub(crate) fn check_common(kind: Kind, shape: &Shape) -> Result<(), GenerateError> {
     require(shape.ranks >= 1, kind, shape, || "needs at least 1 rank".into())?;
     require(shape.stages_per_rank >= 1, kind, shape, || "needs at least 1 stage per rank".into())?;
     require(shape.microbatches >= 1, kind, shape, || "needs at least 1 microbatch".into())
@@ -413,7 +413,7 @@ fn kind_list(kinds: &[Kind]) -> String {
 }
 
 /// Refuses an option `kind` does not read: `group` outside grouped-interleaved, `mem_cap` outside
-/// zb-auto and zbv-auto (`costs` and `memory` are shared with the simulator and never refused).
+/// zb-auto and zbv-auto, a solver other than the heuristic outside zb-auto (`costs` and `memory` are shared with the simulator and never refused).
 fn check_options(kind: Kind, opts: &Options) -> Result<(), GenerateError> {
     let unused: [(bool, &str, &'static [Kind]); 3] = [
         (opts.group.is_some(), "a group size (--group)", &[Kind::GroupedInterleaved]),

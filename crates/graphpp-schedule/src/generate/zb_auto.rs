@@ -31,7 +31,7 @@ struct Flags {
 }
 
 /// ZB auto for `shape` with `opts.costs`, `opts.memory`, `opts.mem_cap`, by `opts.solver`: the
-/// heuristic, or the ILP warm-started from it ([`super::zb_ilp`], the `ilp` feature).
+/// heuristic, or the ILP warm-started from it (`zb_ilp`, the `ilp` feature).
 ///
 /// # Errors
 /// [`GenerateError::Constraint`] unless `stages_per_rank = 1`; when the costs are not finite and

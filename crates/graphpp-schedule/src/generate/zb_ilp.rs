@@ -21,8 +21,9 @@
 //! the simulator's makespan (every rank starts at 0).
 //!
 //! The per-stage orders are read from `y`, then validated and simulated: the schedule returned is
-//! the ILP's when it is valid, under the cap and not slower, else the heuristic's
-//! ([`IlpOutcome::Heuristic`] says which and why).
+//! the ILP's when it is valid, under the cap and faster, else the heuristic's
+//! ([`IlpOutcome::Heuristic`] says why). The ILP's space keeps each kind's microbatch order on a
+//! stage; a test checks on small shapes that no order outside it is faster.
 
 use std::time::Duration;
 
@@ -33,7 +34,7 @@ use good_lp::{
 };
 
 use super::tolerance::Tolerance;
-use super::{check_model, require, zb_auto, GenerateError, Kind, Options, Shape};
+use super::{check_common, check_model, check_size, require, zb_auto, GenerateError, Kind, Options, Shape};
 use crate::action::{Action, ComputeKind};
 use crate::costs::Costs;
 use crate::schedule::Schedule;
@@ -44,6 +45,10 @@ use crate::validate::{validate, ValidateOptions};
 const F: usize = 0;
 const I: usize = 1;
 const W: usize = 2;
+/// The most binaries a program may have (p = 8, m = 128 has 195,072): the program is built in
+/// memory before HiGHS's time limit starts, so a larger one is refused up front.
+pub const MAX_BINARIES: usize = 200_000;
+
 /// The three pairs of kinds whose order on a stage the ILP chooses: (F_i, I_j), (F_i, W_j),
 /// (I_i, W_j) for i > j.
 const PAIRS: [(usize, usize); 3] = [(F, I), (F, W), (I, W)];
@@ -51,12 +56,13 @@ const PAIRS: [(usize, usize); 3] = [(F, I), (F, W), (I, W)];
 /// What the solver reported about the schedule it returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IlpOutcome {
-    /// HiGHS proved the schedule optimal (within its default gap).
+    /// HiGHS proved the schedule optimal (within its default relative gap of 10⁻⁴).
     Optimal,
     /// The time limit ran out; the schedule is the best HiGHS found.
     TimeLimit,
-    /// The heuristic's schedule was kept: the ILP found nothing better, or its order did not
-    /// validate, fit the cap, or simulate faster (`reason`).
+    /// The heuristic's schedule was kept: the ILP found nothing faster (the heuristic's may then
+    /// be optimal: `proven_optimal` in [`IlpSchedule`]), HiGHS failed, or the ILP's order did not
+    /// validate or fit the cap (`reason`).
     Heuristic {
         /// Why.
         reason: &'static str,
@@ -76,57 +82,82 @@ pub struct IlpSchedule {
     pub outcome: IlpOutcome,
     /// Binary variables in the program (3·p·m(m−1)/2).
     pub binaries: usize,
+    /// HiGHS proved that no order is faster than the one returned.
+    pub proven_optimal: bool,
 }
 
 /// Solves the zero-bubble ILP for `shape` with `opts.costs`, `opts.memory`, `opts.mem_cap`,
 /// stopping after `time_limit`.
 ///
+/// A failure of HiGHS keeps the heuristic's schedule ([`IlpOutcome::Heuristic`]).
+///
 /// # Errors
-/// The heuristic's errors ([`zb_auto::generate`]: v ≠ 1, bad costs or memory, a cap nothing fits);
-/// [`GenerateError::Constraint`] when HiGHS fails for a reason other than the time limit.
+/// The heuristic's errors ([`zb_auto::generate`]: p, v or m of 0, v ≠ 1, bad costs or memory, a
+/// cap nothing fits, a schedule too large to build); [`GenerateError::Constraint`] when the
+/// program would have more than [`MAX_BINARIES`] binaries.
 pub fn solve(shape: &Shape, opts: &Options, time_limit: Duration) -> Result<IlpSchedule, GenerateError> {
     let kind = Kind::ZbAuto;
+    check_common(kind, shape)?;
+    check_size(kind, shape)?;
+    let (p, m, v) = (shape.ranks, shape.microbatches, shape.stages_per_rank);
+    require(v == 1, kind, shape, || format!("needs stages-per-rank = 1, got {v}"))?;
+    let binaries = 3u128 * p as u128 * (m as u128 * (m as u128 - 1) / 2);
+    require(binaries <= MAX_BINARIES as u128, kind, shape, || {
+        format!(
+            "the ILP would have {binaries} binaries (3·p·m(m−1)/2); the limit is {MAX_BINARIES}: use the \
+             heuristic, or fewer --ranks or --microbatches"
+        )
+    })?;
     let cap = check_model(kind, shape, opts)?;
     let heuristic = zb_auto::heuristic(shape, opts)?;
     let h = simulate(&heuristic, &opts.costs, &opts.memory)
         .map_err(|e| GenerateError::constraint(kind, shape, format!("the heuristic's schedule: {e}")))?;
     let (vars, program) = Program::new(shape, &opts.costs, h.makespan);
     let binaries = program.binaries();
-    let kept = |reason| IlpSchedule {
+    let kept = |reason, proven_optimal| IlpSchedule {
         schedule: heuristic.clone(),
         makespan: h.makespan,
         heuristic_makespan: h.makespan,
         outcome: IlpOutcome::Heuristic { reason },
         binaries,
+        proven_optimal,
     };
     if binaries == 0 {
-        return Ok(kept("no order to choose (m = 1)"));
+        return Ok(kept("no order to choose (m = 1)", true));
     }
-    let (solution, status) = match program.solve(vars, shape, opts, cap, &heuristic, &h.timeline, time_limit)
-    {
-        Ok(s) => s,
-        Err(ResolutionError::Other("NoSolutionFound")) => return Ok(kept("HiGHS found no solution in time")),
-        Err(e) => return Err(GenerateError::constraint(kind, shape, format!("HiGHS failed: {e}"))),
+    let solved = program.solve(vars, shape, opts, cap, &heuristic, &h.timeline, time_limit);
+    let Ok((solution, status)) = solved else {
+        return Ok(kept("HiGHS failed or found no solution", false));
     };
+    // good_lp reports HiGHS's "optimal within the default gap" as GapLimit.
+    let proven = matches!(status, SolutionStatus::Optimal | SolutionStatus::GapLimit);
     let schedule = program.orders(shape, &solution);
     let at = ValidateOptions::microbatches(shape.microbatches);
     if validate(&schedule, &at).is_err() {
-        return Ok(kept("the ILP's order did not validate"));
+        return Ok(kept("the ILP's order did not validate", false));
     }
     let Ok(r) = simulate(&schedule, &opts.costs, &opts.memory) else {
-        return Ok(kept("the ILP's order did not simulate"));
+        return Ok(kept("the ILP's order did not simulate", false));
     };
     let (tol, mem_tol) = (tolerance(&opts.costs), Tolerance::for_memory(opts.memory.m_b));
+    // The simulator's peak is in the memory model's units (M_B = `memory.m_b`), as is the cap.
     let peak = r.peak_activations.iter().copied().fold(0.0, f64::max);
-    if !mem_tol.le(peak * opts.memory.m_b, cap * opts.memory.m_b) {
-        return Ok(kept("the ILP's order exceeds the memory cap"));
+    if !mem_tol.le(peak, cap * opts.memory.m_b) {
+        return Ok(kept("the ILP's order exceeds the memory cap", false));
     }
     if !tol.lt(r.makespan, h.makespan) {
-        return Ok(kept("the ILP found nothing faster"));
+        return Ok(kept("the ILP found nothing faster", proven));
     }
-    let outcome =
-        if matches!(status, SolutionStatus::Optimal) { IlpOutcome::Optimal } else { IlpOutcome::TimeLimit };
-    Ok(IlpSchedule { schedule, makespan: r.makespan, heuristic_makespan: h.makespan, outcome, binaries })
+    let outcome = if proven { IlpOutcome::Optimal } else { IlpOutcome::TimeLimit };
+    let makespan = r.makespan;
+    Ok(IlpSchedule {
+        schedule,
+        makespan,
+        heuristic_makespan: h.makespan,
+        outcome,
+        binaries,
+        proven_optimal: proven,
+    })
 }
 
 /// `zb-auto` through the ILP: [`solve`]'s schedule.
@@ -138,8 +169,6 @@ pub(super) fn generate(
     opts: &Options,
     time_limit: Duration,
 ) -> Result<Schedule, GenerateError> {
-    let v = shape.stages_per_rank;
-    require(v == 1, Kind::ZbAuto, shape, || format!("needs stages-per-rank = 1, got {v}"))?;
     solve(shape, opts, time_limit).map(|r| r.schedule)
 }
 
@@ -234,6 +263,7 @@ impl Program {
         timeline: &Timeline,
         time_limit: Duration,
     ) -> Result<(Vec<f64>, SolutionStatus), ResolutionError> {
+        // A failure of any kind keeps the heuristic's schedule (see `solve`).
         let (m, big, e) = (shape.microbatches, self.bound, &self.e);
         let mut model = vars.minimise(self.makespan).using(highs);
         for (node, dep, lag) in self.edges(shape, opts.costs.comm) {
