@@ -279,12 +279,13 @@ pub enum Solver {
     },
 }
 
+/// The `--solver` name: `heuristic` or `ilp`.
 impl fmt::Display for Solver {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Solver::Heuristic => f.write_str("heuristic"),
-            Solver::Ilp { time_limit } => write!(f, "ilp (time limit {} s)", time_limit.as_secs_f64()),
-        }
+        f.write_str(match self {
+            Solver::Heuristic => "heuristic",
+            Solver::Ilp { .. } => "ilp",
+        })
     }
 }
 
@@ -293,7 +294,7 @@ impl fmt::Display for Solver {
 pub enum GenerateError {
     /// The solver asked for is not in this build (the ILP needs the `ilp` cargo feature).
     #[error(
-        "the {solver} solver is not in this build: rebuild with `--features ilp` (HiGHS, built from \
+        "the `{solver}` solver (--solver {solver}) is not in this build: rebuild with `--features ilp` (HiGHS, built from \
          source: needs cmake and a C++ compiler)"
     )]
     SolverUnavailable {

@@ -41,7 +41,7 @@ pub fn generate(shape: &Shape, opts: &Options) -> Result<Schedule, GenerateError
     match opts.solver {
         Solver::Heuristic => heuristic(shape, opts),
         #[cfg(feature = "ilp")]
-        Solver::Ilp { time_limit } => super::zb_ilp::generate(shape, opts, time_limit),
+        Solver::Ilp { time_limit } => super::zb_ilp::solve(shape, opts, time_limit).map(|r| r.schedule),
         #[cfg(not(feature = "ilp"))]
         Solver::Ilp { .. } => Err(GenerateError::SolverUnavailable { solver: opts.solver }),
     }

@@ -99,8 +99,7 @@ pub fn solve(shape: &Shape, opts: &Options, time_limit: Duration) -> Result<IlpS
     let kind = Kind::ZbAuto;
     check_common(kind, shape)?;
     check_size(kind, shape)?;
-    let (p, m, v) = (shape.ranks, shape.microbatches, shape.stages_per_rank);
-    require(v == 1, kind, shape, || format!("needs stages-per-rank = 1, got {v}"))?;
+    let (p, m) = (shape.ranks, shape.microbatches);
     let binaries = 3u128 * p as u128 * (m as u128 * (m as u128 - 1) / 2);
     require(binaries <= MAX_BINARIES as u128, kind, shape, || {
         format!(
@@ -139,7 +138,9 @@ pub fn solve(shape: &Shape, opts: &Options, time_limit: Duration) -> Result<IlpS
     let Ok(r) = simulate(&schedule, &opts.costs, &opts.memory) else {
         return Ok(kept("the ILP's order did not simulate", false));
     };
-    let (tol, mem_tol) = (tolerance(&opts.costs), Tolerance::for_memory(opts.memory.m_b));
+    let c = &opts.costs;
+    let (tol, mem_tol) =
+        (Tolerance::for_costs(c.f, c.i, c.w, c.comm), Tolerance::for_memory(opts.memory.m_b));
     // The simulator's peak is in the memory model's units (M_B = `memory.m_b`), as is the cap.
     let peak = r.peak_activations.iter().copied().fold(0.0, f64::max);
     if !mem_tol.le(peak, cap * opts.memory.m_b) {
@@ -158,22 +159,6 @@ pub fn solve(shape: &Shape, opts: &Options, time_limit: Duration) -> Result<IlpS
         binaries,
         proven_optimal: proven,
     })
-}
-
-/// `zb-auto` through the ILP: [`solve`]'s schedule.
-///
-/// # Errors
-/// As [`solve`].
-pub(super) fn generate(
-    shape: &Shape,
-    opts: &Options,
-    time_limit: Duration,
-) -> Result<Schedule, GenerateError> {
-    solve(shape, opts, time_limit).map(|r| r.schedule)
-}
-
-fn tolerance(c: &Costs) -> Tolerance {
-    Tolerance::for_costs(c.f, c.i, c.w, c.comm)
 }
 
 /// The variable handles of one program (the variables themselves travel in the
