@@ -17,6 +17,7 @@
 //! result swapped back. A graph all-to-all sends equal parts to every member.
 
 use crate::comm::{AllToAllOutput, Comm, CommError, Pending};
+use crate::fusion::Fusion;
 use crate::mesh::{Mesh, MeshError};
 use candle_core::{DType as CDType, Device, Tensor};
 use graphpp_graph::{BinaryOp, CollectiveKind, CommGroup, DType, Graph, InputKind, Op, UnaryOp, ValueId};
@@ -338,7 +339,7 @@ pub fn candle_dtype(d: DType) -> CDType {
 /// over groups of size 1 only. Errors: wrong inputs, kernel failures,
 /// [`CollectiveError::NoComm`] for a larger group.
 pub fn run(graph: &Graph, inputs: &[Tensor], opts: &RunOptions) -> ExecResult<RunReport> {
-    exec(graph, inputs, opts, None)
+    exec(graph, inputs, opts, None, None)
 }
 
 /// Runs `graph` binding its inputs by name. Errors: a missing input.
@@ -360,6 +361,11 @@ pub fn run_named_with(
     opts: &RunOptions,
     comm: Option<&GraphComm>,
 ) -> ExecResult<RunReport> {
+    exec(graph, &ordered_inputs(graph, inputs)?, opts, comm, None)
+}
+
+/// `inputs` in `graph`'s input order. Errors: a missing input.
+fn ordered_inputs(graph: &Graph, inputs: &HashMap<String, Tensor>) -> ExecResult<Vec<Tensor>> {
     let mut ordered = Vec::with_capacity(graph.inputs.len());
     for name in graph.input_names() {
         let t = inputs.get(&name).ok_or_else(|| ExecError::Input {
@@ -369,7 +375,7 @@ pub fn run_named_with(
         })?;
         ordered.push(t.clone());
     }
-    exec(graph, &ordered, opts, comm)
+    Ok(ordered)
 }
 
 /// Runs `graph` as one rank of a run: collectives over groups of more than one rank go through
@@ -382,7 +388,80 @@ pub fn run_with(
     opts: &RunOptions,
     comm: &GraphComm,
 ) -> ExecResult<RunReport> {
-    exec(graph, inputs, opts, Some(comm))
+    exec(graph, inputs, opts, Some(comm), None)
+}
+
+/// A graph compiled once for many runs (docs/ARCHITECTURE.md "Runtime" → Compiled executor): its
+/// f32 elementwise chains fused into single-pass kernels ([`crate::fusion`]) and, per node, the
+/// values the run drops after it. [`Program::run_named_with`] computes bitwise what the
+/// interpreter ([`run_named_with`]) computes and reports the same peak live bytes (the logical
+/// accounting of the module doc, which the memory model predicts; a fused group's inner values
+/// are never allocated, so the memory actually held is at most that).
+#[derive(Clone, Debug)]
+pub struct Program {
+    /// Node count of the graph compiled (a run checks it).
+    nodes: usize,
+    fusion: Fusion,
+    /// `frees[i]`: the values no node after `i` reads.
+    frees: Vec<Vec<usize>>,
+}
+
+impl Program {
+    /// Compiles `graph` (linear in its size; nothing is run).
+    pub fn compile(graph: &Graph) -> Program {
+        let fusion = crate::fusion::plan(graph);
+        let n = graph.nodes.len();
+        let mut last_read: Vec<Option<usize>> = vec![None; n];
+        let mut runs = vec![true; n];
+        for (i, node) in graph.nodes.iter().enumerate() {
+            let reads = match fusion.member_of[i].map(|g| &fusion.groups[g]) {
+                Some(g) if g.anchor != i => {
+                    runs[i] = false;
+                    continue;
+                }
+                Some(g) => &g.inputs,
+                None => &node.inputs,
+            };
+            for x in reads {
+                last_read[x.0] = Some(i);
+            }
+        }
+        for o in &graph.outputs {
+            runs[o.value.0] = false; // kept to the end: never freed
+        }
+        let mut frees = vec![Vec::new(); n];
+        for v in (0..n).filter(|&v| runs[v]) {
+            frees[last_read[v].unwrap_or(v)].push(v);
+        }
+        Program { nodes: n, fusion, frees }
+    }
+
+    /// The fusion groups.
+    pub fn fusion(&self) -> &Fusion {
+        &self.fusion
+    }
+
+    /// [`run_named_with`] through this program; `graph` must be the graph it was compiled from.
+    ///
+    /// # Errors
+    /// Those of [`run_named_with`]; [`ExecError::Input`] when `graph` has another node count
+    /// than the graph compiled.
+    pub fn run_named_with(
+        &self,
+        graph: &Graph,
+        inputs: &HashMap<String, Tensor>,
+        opts: &RunOptions,
+        comm: Option<&GraphComm>,
+    ) -> ExecResult<RunReport> {
+        if graph.nodes.len() != self.nodes {
+            return Err(ExecError::Input {
+                graph: graph.name.clone(),
+                name: "*".into(),
+                reason: format!("compiled for {} nodes, the graph has {}", self.nodes, graph.nodes.len()),
+            });
+        }
+        exec(graph, &ordered_inputs(graph, inputs)?, opts, comm, Some(self))
+    }
 }
 
 fn exec(
@@ -390,6 +469,7 @@ fn exec(
     inputs: &[Tensor],
     opts: &RunOptions,
     comm: Option<&GraphComm>,
+    program: Option<&Program>,
 ) -> ExecResult<RunReport> {
     if cfg!(debug_assertions) {
         graphpp_graph::verify(graph)?;
@@ -422,34 +502,53 @@ fn exec(
             }
             Value::Ready(t)
         } else {
+            let group = program.and_then(|p| p.fusion.member_of[i].map(|g| &p.fusion.groups[g]));
+            let reads = match group {
+                // A fused group's inner value is never computed (its anchor computes the group).
+                Some(g) if g.anchor != i => {
+                    live.produce(i);
+                    live.release(i, &node.inputs, |_| {});
+                    continue;
+                }
+                Some(g) => &g.inputs,
+                None => &node.inputs,
+            };
             // A collective in flight completes when a node first reads it (normally its wait).
-            for x in &node.inputs {
+            for x in reads {
                 if let Some(Value::InFlight(_)) = vals[x.0] {
                     let Some(Value::InFlight(f)) = vals[x.0].take() else { unreachable!("matched above") };
                     let t = finish(graph, f, comm, &mut spans)?;
                     vals[x.0] = Some(Value::Ready(t));
                 }
             }
-            let args: Vec<&Tensor> = node
-                .inputs
+            let args: Vec<&Tensor> = reads
                 .iter()
                 .map(|x| match &vals[x.0] {
                     Some(Value::Ready(t)) => t,
                     _ => unreachable!("live operand, completed above"),
                 })
                 .collect();
-            match &node.op {
-                Op::CollectiveStart { kind, group, axis } => {
+            match (&node.op, group) {
+                (_, Some(g)) => Value::Ready(g.eval(&args).map_err(|e| kernel_error(graph, i, e))?),
+                (Op::CollectiveStart { kind, group, axis }, None) => {
                     start(comm, *kind, group, *axis, &args, i).map_err(|e| collective_error(graph, i, e))?
                 }
-                op => Value::Ready(eval(graph, i, op, &args)?),
+                (op, None) => Value::Ready(eval(graph, i, op, &args)?),
             }
         };
         if live.produce(i) && opts.trace_peak {
             at_peak = (0..=i).filter(|&j| vals[j].is_some() || j == i).map(ValueId).collect();
         }
         vals[i] = Some(value);
-        live.release(i, &node.inputs, |j| vals[j] = None);
+        match program {
+            Some(p) => {
+                live.release(i, &node.inputs, |_| {});
+                for &j in &p.frees[i] {
+                    vals[j] = None;
+                }
+            }
+            None => live.release(i, &node.inputs, |j| vals[j] = None),
+        }
         if let Some(t) = times.as_mut() {
             t[i] = t0.elapsed();
         }
@@ -646,20 +745,24 @@ fn sum(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tensor> {
     s.to_dtype(x.dtype())
 }
 
-fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor]) -> ExecResult<Tensor> {
+/// The [`ExecError::Kernel`] of node `i`.
+fn kernel_error(graph: &Graph, i: usize, e: candle_core::Error) -> ExecError {
     let node = &graph.nodes[i];
-    let wrap = |e: candle_core::Error| ExecError::Kernel {
+    ExecError::Kernel {
         graph: graph.name.clone(),
         node: i,
-        op: op.mnemonic(),
+        op: node.op.mnemonic(),
         scope: node.meta.scope.clone(),
         source: Box::new(e),
-    };
+    }
+}
+
+fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor]) -> ExecResult<Tensor> {
     if let Op::CollectiveWait = op {
         // The start's value was completed when this node read it.
         return Ok(a[0].clone());
     }
-    kernel(op, a, &node.ty).map_err(wrap)
+    kernel(op, a, &graph.nodes[i].ty).map_err(|e| kernel_error(graph, i, e))
 }
 
 fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core::Result<Tensor> {

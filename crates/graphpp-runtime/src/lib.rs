@@ -7,6 +7,7 @@ pub mod clip;
 pub mod comm;
 pub mod data_parallel;
 pub mod executor;
+pub mod fusion;
 pub mod lr;
 pub mod memory;
 pub mod mesh;
@@ -25,7 +26,8 @@ pub use comm::{
     TensorDesc, ThreadComm,
 };
 pub use executor::{
-    run, run_named, run_named_with, run_with, CollectiveError, ExecError, GraphComm, RunOptions, RunReport,
+    run, run_named, run_named_with, run_with, CollectiveError, ExecError, GraphComm, Program, RunOptions,
+    RunReport,
 };
 pub use lr::{CosineSchedule, LrError};
 pub use memory::{check_step, SizeError, StepMemory};

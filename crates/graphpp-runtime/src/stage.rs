@@ -24,7 +24,7 @@ use graphpp_schedule::Task;
 
 use crate::data_parallel::{DataParallel, DataParallelError};
 use crate::executor::{
-    run_named_with, tensor_from_f64, to_f64, CollectiveSpan, ExecError, GraphComm, RunOptions, RunReport,
+    tensor_from_f64, to_f64, CollectiveSpan, ExecError, GraphComm, Program, RunOptions, RunReport,
 };
 use crate::pipeline::{StageWork, WorkError};
 use graphpp_schedule::StageOpKind;
@@ -136,6 +136,8 @@ impl Microbatches {
 #[derive(Debug)]
 pub struct Stage {
     graphs: Arc<StageGraphs>,
+    /// The graphs compiled once for the compiled executor ([`Program`]).
+    programs: Arc<Programs>,
     state: Env,
     grads: Env,
     /// Names the backward graphs read that are not state (F keeps those of them it has: its
@@ -147,6 +149,24 @@ pub struct Stage {
     params: Vec<String>,
     first: bool,
     last: bool,
+}
+
+/// A stage's graphs compiled ([`Program::compile`]), field for field as in [`StageGraphs`].
+#[derive(Debug)]
+struct Programs {
+    fw: Program,
+    full_bw: Program,
+    di_dw: Option<(Program, Program)>,
+}
+
+impl Programs {
+    fn compile(g: &StageGraphs) -> Self {
+        Programs {
+            fw: Program::compile(&g.fw),
+            full_bw: Program::compile(&g.full_bw),
+            di_dw: g.di_dw.as_ref().map(|(di, dw)| (Program::compile(di), Program::compile(dw))),
+        }
+    }
 }
 
 /// What a stage keeps between its actions: the names its backward graphs read that are not
@@ -183,7 +203,18 @@ impl Stage {
             .filter(|i| i.kind == InputKind::Parameter)
             .map(|i| i.name)
             .collect();
-        Stage { graphs: Arc::new(graphs), state, grads: Env::new(), bw_reads, dw_reads, params, first, last }
+        let programs = Arc::new(Programs::compile(&graphs));
+        Stage {
+            graphs: Arc::new(graphs),
+            programs,
+            state,
+            grads: Env::new(),
+            bw_reads,
+            dw_reads,
+            params,
+            first,
+            last,
+        }
     }
 
     /// Names of the stage's parameters (the fw inputs of kind parameter), in input order.
@@ -274,7 +305,7 @@ pub struct GraphStages {
     expert_load: BTreeMap<usize, Vec<f64>>,
     /// Auxiliary losses of this step's forwards, summed.
     aux_loss: f64,
-    overlap: HashMap<(usize, usize), Arc<Graph>>,
+    overlap: HashMap<(usize, usize), Arc<(Graph, Program)>>,
     /// Peak activation bytes of the step so far (see [`GraphStages::peak_activation_bytes`]).
     peak_activation_bytes: usize,
     /// Data parallelism / FSDP of this rank, if any.
@@ -306,16 +337,18 @@ fn grad_of(name: &str) -> String {
     format!("grad.{name}")
 }
 
-/// Runs `g` (its collectives over `comm`); returns its outputs by name and the run's report
-/// (outputs taken).
+/// Runs `g` through its compiled `program` (its collectives over `comm`); returns its outputs by
+/// name and the run's report (outputs taken).
 fn run_graph(
     g: &Graph,
+    program: &Program,
     env: &Env,
     t: Task,
     comm: Option<&StageComm>,
 ) -> Result<(Env, RunReport), StageError> {
     let gc = comm.map(|c| GraphComm { comm: &*c.comm, mesh: &c.mesh, timeout: c.timeout });
-    let mut r = run_named_with(g, env, &RunOptions::default(), gc.as_ref())
+    let mut r = program
+        .run_named_with(g, env, &RunOptions::default(), gc.as_ref())
         .map_err(|source| StageError::Exec { stage: t.stage, mb: t.mb, source })?;
     let outs = g.output_names().into_iter().zip(std::mem::take(&mut r.outputs)).collect();
     Ok((outs, r))
@@ -469,8 +502,8 @@ impl GraphStages {
     }
 
     /// Runs `g` for `t` and records the rank's activation peak during it.
-    fn run_graph(&mut self, g: &Graph, env: &Env, t: Task) -> Result<Env, StageError> {
-        let (outs, report) = run_graph(g, env, t, self.graph_comm.as_ref())?;
+    fn run_graph(&mut self, g: &Graph, program: &Program, env: &Env, t: Task) -> Result<Env, StageError> {
+        let (outs, report) = run_graph(g, program, env, t, self.graph_comm.as_ref())?;
         let cached = env_bytes(self.saved.values().chain(self.stash.values()).flat_map(|e| e.values()));
         self.peak_activation_bytes = self.peak_activation_bytes.max(cached + report.peak_live_bytes);
         self.collectives.extend(report.collectives.into_iter().map(|c| (c.label(g), c)));
@@ -629,14 +662,15 @@ impl GraphStages {
         Ok(gin)
     }
 
-    fn overlap_graph(&mut self, f: usize, b: usize) -> Result<Arc<Graph>, StageError> {
+    fn overlap_graph(&mut self, f: usize, b: usize) -> Result<Arc<(Graph, Program)>, StageError> {
         if let Some(g) = self.overlap.get(&(f, b)) {
             return Ok(Arc::clone(g));
         }
         let get = |s: usize| self.stages.get(&s).ok_or_else(|| missing(Task::new(s, 0), "stage"));
         let g = multiplex_fw_bw(&get(f)?.graphs.fw, &get(b)?.graphs.full_bw, Multiplex::CommOverlap)
             .map_err(|source| StageError::Overlap { f, b, source })?;
-        let g = Arc::new(g);
+        let program = Program::compile(&g);
+        let g = Arc::new((g, program));
         self.overlap.insert((f, b), Arc::clone(&g));
         Ok(g)
     }
@@ -644,16 +678,18 @@ impl GraphStages {
     fn forward_task(&mut self, t: Task, input: Option<Tensor>) -> Result<Option<Tensor>, StageError> {
         self.ready(t.stage)?;
         let env = self.fw_env(t, input)?;
-        let g = Arc::clone(&self.stage(t)?.graphs);
-        let outs = self.run_graph(&g.fw, &env, t)?;
+        let st = self.stage(t)?;
+        let (g, p) = (Arc::clone(&st.graphs), Arc::clone(&st.programs));
+        let outs = self.run_graph(&g.fw, &p.fw, &env, t)?;
         self.after_fw(t, env, outs)
     }
 
     fn backward_task(&mut self, t: Task, grad: Option<Tensor>) -> Result<Option<Tensor>, StageError> {
         self.ready(t.stage)?;
         let env = self.bw_env(t, grad)?;
-        let g = Arc::clone(&self.stage(t)?.graphs);
-        let outs = self.run_graph(&g.full_bw, &env, t)?;
+        let st = self.stage(t)?;
+        let (g, p) = (Arc::clone(&st.graphs), Arc::clone(&st.programs));
+        let outs = self.run_graph(&g.full_bw, &p.full_bw, &env, t)?;
         self.after_bw(t, outs)
     }
 
@@ -663,13 +699,13 @@ impl GraphStages {
         self.ready(t.stage)?;
         let env = self.bw_env(t, grad)?;
         let st = self.stage(t)?;
-        let g = Arc::clone(&st.graphs);
-        let Some((di, _)) = &g.di_dw else {
+        let (g, p) = (Arc::clone(&st.graphs), Arc::clone(&st.programs));
+        let (Some((di, _)), Some((pdi, _))) = (&g.di_dw, &p.di_dw) else {
             let keep: Env = env.into_iter().filter(|(k, _)| !st.state.contains_key(k)).collect();
             self.stash.insert(t, keep);
             return Ok(None);
         };
-        let mut outs = self.run_graph(di, &env, t)?;
+        let mut outs = self.run_graph(di, pdi, &env, t)?;
         let gin = outs.remove(&grad_of(INPUT)).ok_or_else(|| missing(t, "grad.input output of bw_di"))?;
         let dw_reads = &self.stage(t)?.dw_reads;
         outs.extend(env.into_iter().filter(|(k, _)| dw_reads.contains(k)));
@@ -681,11 +717,14 @@ impl GraphStages {
         self.ready(t.stage)?;
         let stash = self.stash.remove(&t).ok_or_else(|| missing(t, "dI→dW stash (I not run)"))?;
         let st = self.stage(t)?;
-        let g = Arc::clone(&st.graphs);
+        let (g, p) = (Arc::clone(&st.graphs), Arc::clone(&st.programs));
         let mut env = st.state.clone();
         env.extend(stash);
-        let graph = g.di_dw.as_ref().map(|(_, dw)| dw).unwrap_or(&g.full_bw);
-        let outs = self.run_graph(graph, &env, t)?;
+        let (graph, program) = match (&g.di_dw, &p.di_dw) {
+            (Some((_, dw)), Some((_, pdw))) => (dw, pdw),
+            _ => (&g.full_bw, &p.full_bw),
+        };
+        let outs = self.run_graph(graph, program, &env, t)?;
         self.after_bw(t, outs).map(|_| ())
     }
 
@@ -706,7 +745,7 @@ impl GraphStages {
         let mut env: Env = fenv.iter().map(|(k, v)| (format!("f.{k}"), v.clone())).collect();
         env.extend(benv.into_iter().map(|(k, v)| (format!("b.{k}"), v)));
         let (mut fo, mut bo) = (Env::new(), Env::new());
-        for (k, v) in self.run_graph(&g, &env, f)? {
+        for (k, v) in self.run_graph(&g.0, &g.1, &env, f)? {
             if let Some(n) = k.strip_prefix("f.") {
                 fo.insert(n.to_string(), v);
             } else if let Some(n) = k.strip_prefix("b.") {

@@ -1,0 +1,394 @@
+//! Elementwise fusion of the compiled executor (docs/ARCHITECTURE.md "Runtime" → Compiled
+//! executor; issue 11 item 1).
+//!
+//! [`plan`] groups the f32 elementwise nodes of a graph (unary, affine, binary, broadcast,
+//! `full`) into [`Group`]s: each group has one *anchor* (its last node, the only one whose value
+//! leaves the group) and members whose every reader is in the group, all of the anchor's shape.
+//! [`Group::eval`] computes the anchor from the group's external operands in one pass over the
+//! output, in blocks of [`BLOCK`] elements held in L1-sized registers: no member value is ever
+//! allocated, and operands are read through their own strides (a broadcast or permuted operand
+//! is never copied).
+//!
+//! Each member is computed with the same f32 arithmetic, in the same order, as the interpreter's
+//! candle kernel for that op (`v * mul + add` for affine, `1 / (e^(−x) + 1)` for sigmoid,
+//! candle's `erf_f32`), so a fused group's value is bitwise the interpreter's.
+
+use candle_core::{CpuStorage, Device, Tensor};
+use graphpp_graph::{BinaryOp, DType, Graph, Op, UnaryOp, ValueId};
+use rayon::prelude::*;
+use std::collections::BinaryHeap;
+
+/// Elements per block: one register is `BLOCK` f32 (1 KiB), so a group of 32 values stays in L1.
+pub const BLOCK: usize = 256;
+
+/// Groups of fewer output elements than this run on one thread (below it, waking the pool's
+/// other threads costs more than the loop).
+const PARALLEL_MIN: usize = 1 << 14;
+
+/// One instruction over a block; registers are numbered in emission order, so every source
+/// register is below its destination.
+#[derive(Clone, Debug, PartialEq)]
+enum Instr {
+    /// Register `dst` = external operand `input` (index into [`Group::inputs`]).
+    Load {
+        input: usize,
+    },
+    /// Register `dst` = `value` everywhere.
+    Const {
+        value: f32,
+    },
+    Unary {
+        f: UnaryOp,
+        x: usize,
+    },
+    Affine {
+        mul: f32,
+        add: f32,
+        x: usize,
+    },
+    Binary {
+        f: BinaryOp,
+        a: usize,
+        b: usize,
+    },
+}
+
+/// A fused elementwise group: computes the value of node `anchor` from `inputs`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Group {
+    /// The node whose value the group produces.
+    pub anchor: usize,
+    /// Member node ids, ascending (the anchor last).
+    pub members: Vec<usize>,
+    /// External operands, in load order.
+    pub inputs: Vec<ValueId>,
+    shape: Vec<usize>,
+    /// `code[r]` defines register `r`; the last register is the anchor.
+    code: Vec<Instr>,
+}
+
+/// The groups of a graph and, per node, the group it belongs to.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Fusion {
+    /// The groups, ascending by anchor.
+    pub groups: Vec<Group>,
+    /// `member_of[node]` = index into `groups`.
+    pub member_of: Vec<Option<usize>>,
+}
+
+/// Whether node `i` can be a group member: an f32 elementwise op on f32 operands.
+fn fusible(g: &Graph, i: usize) -> bool {
+    let n = &g.nodes[i];
+    let f32s = n.ty.dtype == DType::F32 && n.inputs.iter().all(|x| g.nodes[x.0].ty.dtype == DType::F32);
+    f32s && matches!(
+        n.op,
+        Op::Unary { .. } | Op::Affine { .. } | Op::Binary { .. } | Op::Broadcast { .. } | Op::Full { .. }
+    )
+}
+
+/// Groups the fusible nodes of `g` (module doc). A member other than the anchor has the anchor's
+/// shape, is not a graph output and is read only by members; anything else a member reads is an
+/// external operand (any shape that broadcasts to the anchor's, by NumPy rules).
+pub fn plan(g: &Graph) -> Fusion {
+    let n = g.nodes.len();
+    let users = g.users();
+    let mut is_output = vec![false; n];
+    for o in &g.outputs {
+        is_output[o.value.0] = true;
+    }
+    let mut member_of: Vec<Option<usize>> = vec![None; n];
+    let mut groups = Vec::new();
+    for anchor in (0..n).rev() {
+        if member_of[anchor].is_some() || !fusible(g, anchor) {
+            continue;
+        }
+        let gid = groups.len();
+        let shape = &g.nodes[anchor].ty.shape;
+        member_of[anchor] = Some(gid);
+        let mut members = vec![anchor];
+        // Candidates largest id first: every reader of a candidate has a larger id, so it has
+        // been decided by the time the candidate is.
+        let mut heap: BinaryHeap<usize> = g.nodes[anchor].inputs.iter().map(|x| x.0).collect();
+        while let Some(x) = heap.pop() {
+            if heap.peek() == Some(&x) {
+                continue;
+            }
+            let joins = member_of[x].is_none()
+                && fusible(g, x)
+                && !is_output[x]
+                && &g.nodes[x].ty.shape == shape
+                && users[x].iter().all(|u| member_of[u.0] == Some(gid));
+            if joins {
+                member_of[x] = Some(gid);
+                members.push(x);
+                heap.extend(g.nodes[x].inputs.iter().map(|v| v.0));
+            }
+        }
+        members.sort_unstable();
+        groups.push(emit(g, anchor, members, &member_of, gid));
+    }
+    // Renumber ascending by anchor (the loop above found them descending).
+    groups.reverse();
+    let last = groups.len().saturating_sub(1);
+    for m in member_of.iter_mut().flatten() {
+        *m = last - *m;
+    }
+    Fusion { groups, member_of }
+}
+
+/// The code of the group `gid` with `members` (ascending).
+fn emit(g: &Graph, anchor: usize, members: Vec<usize>, member_of: &[Option<usize>], gid: usize) -> Group {
+    let mut code = Vec::new();
+    let mut inputs: Vec<ValueId> = Vec::new();
+    let mut reg_of = std::collections::HashMap::new();
+    let mut operand =
+        |x: ValueId, code: &mut Vec<Instr>, reg_of: &mut std::collections::HashMap<usize, usize>| {
+            if let Some(&r) = reg_of.get(&x.0) {
+                return r;
+            }
+            debug_assert!(member_of[x.0] != Some(gid), "members are emitted before their readers");
+            let input = inputs.iter().position(|&v| v == x).unwrap_or_else(|| {
+                inputs.push(x);
+                inputs.len() - 1
+            });
+            code.push(Instr::Load { input });
+            reg_of.insert(x.0, code.len() - 1);
+            code.len() - 1
+        };
+    for &m in &members {
+        let node = &g.nodes[m];
+        let ins: Vec<usize> = node.inputs.iter().map(|&x| operand(x, &mut code, &mut reg_of)).collect();
+        let instr = match &node.op {
+            Op::Unary { f } => Instr::Unary { f: *f, x: ins[0] },
+            Op::Affine { mul, add } => Instr::Affine { mul: *mul as f32, add: *add as f32, x: ins[0] },
+            Op::Binary { f } => Instr::Binary { f: *f, a: ins[0], b: ins[1] },
+            // A broadcast member reads its operand with broadcast strides: the load is the value.
+            Op::Broadcast { .. } => {
+                reg_of.insert(m, ins[0]);
+                continue;
+            }
+            Op::Full { value, .. } => Instr::Const { value: *value as f32 },
+            other => unreachable!("{} is not fusible", other.mnemonic()),
+        };
+        code.push(instr);
+        reg_of.insert(m, code.len() - 1);
+    }
+    // The anchor's register must be the last: a broadcast anchor (or one whose value is a load)
+    // gets a copy.
+    let last = reg_of[&anchor];
+    if last + 1 != code.len() {
+        code.push(Instr::Affine { mul: 1.0, add: 0.0, x: last });
+    }
+    Group { anchor, members, inputs, shape: g.nodes[anchor].ty.shape.clone(), code }
+}
+
+/// An operand as the kernel reads it: its elements and, per (coalesced) output dim, its stride.
+struct Operand<'a> {
+    data: &'a [f32],
+    offset: usize,
+    strides: Vec<usize>,
+}
+
+impl Group {
+    /// The anchor's value from the external operands `args` (in [`Group::inputs`] order, f32
+    /// tensors on the CPU of shapes that broadcast to the anchor's). Splits the output over the
+    /// current rayon pool's threads when it has at least 16k elements.
+    ///
+    /// # Errors
+    /// candle's, for an operand that is not a CPU f32 tensor or does not broadcast.
+    pub fn eval(&self, args: &[&Tensor]) -> candle_core::Result<Tensor> {
+        let guards: Vec<_> = args.iter().map(|t| t.storage_and_layout()).collect();
+        let mut ops = Vec::with_capacity(args.len());
+        for (t, (storage, layout)) in args.iter().zip(&guards) {
+            let CpuStorage::F32(data) = storage_cpu(storage)? else {
+                candle_core::bail!(
+                    "fused group of node %{}: operand is {:?}, not f32",
+                    self.anchor,
+                    t.dtype()
+                )
+            };
+            let strides = broadcast_strides(t.dims(), layout.stride(), &self.shape).ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "fused group of node %{}: operand {:?} does not broadcast to {:?}",
+                    self.anchor,
+                    t.dims(),
+                    self.shape
+                ))
+            })?;
+            ops.push(Operand { data, offset: layout.start_offset(), strides });
+        }
+        let (dims, ops) = coalesce(&self.shape, ops);
+        let numel: usize = self.shape.iter().product();
+        let mut out = vec![0f32; numel];
+        let threads = rayon::current_num_threads();
+        if threads > 1 && numel >= PARALLEL_MIN {
+            let chunk = numel.div_ceil(threads).next_multiple_of(BLOCK);
+            out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| self.run(&dims, &ops, c * chunk, o));
+        } else {
+            self.run(&dims, &ops, 0, &mut out);
+        }
+        Tensor::from_vec(out, self.shape.clone(), &Device::Cpu)
+    }
+
+    /// Writes output elements `start .. start + out.len()` (row-major over `dims`).
+    fn run(&self, dims: &[usize], ops: &[Operand], start: usize, out: &mut [f32]) {
+        let inner = *dims.last().unwrap_or(&1);
+        let mut regs = vec![0f32; self.code.len() * BLOCK];
+        let mut base = vec![0usize; ops.len()];
+        let mut p = start;
+        let end = start + out.len();
+        while p < end {
+            let (outer, i) = (p / inner, p % inner);
+            let len = BLOCK.min(inner - i).min(end - p);
+            // Each operand's offset at output position p.
+            let mut rest = outer;
+            for (b, op) in base.iter_mut().zip(ops) {
+                *b = op.offset + i * op.strides[dims.len().max(1) - 1];
+            }
+            for d in (0..dims.len().saturating_sub(1)).rev() {
+                let idx = rest % dims[d];
+                rest /= dims[d];
+                for (b, op) in base.iter_mut().zip(ops) {
+                    *b += idx * op.strides[d];
+                }
+            }
+            self.block(ops, &base, len, &mut regs);
+            let last = (self.code.len() - 1) * BLOCK;
+            out[p - start..p - start + len].copy_from_slice(&regs[last..last + len]);
+            p += len;
+        }
+    }
+
+    /// Runs the code over one block of `len` elements whose operands start at `base`.
+    fn block(&self, ops: &[Operand], base: &[usize], len: usize, regs: &mut [f32]) {
+        let last_dim = |op: &Operand| *op.strides.last().unwrap_or(&0);
+        for (r, instr) in self.code.iter().enumerate() {
+            let (lo, hi) = regs.split_at_mut(r * BLOCK);
+            let d = &mut hi[..len];
+            let reg = |x: usize| &lo[x * BLOCK..x * BLOCK + len];
+            match *instr {
+                Instr::Load { input } => {
+                    let op = &ops[input];
+                    let (b, s) = (base[input], last_dim(op));
+                    match s {
+                        0 => d.fill(op.data[b]),
+                        1 => d.copy_from_slice(&op.data[b..b + len]),
+                        _ => d.iter_mut().enumerate().for_each(|(k, v)| *v = op.data[b + k * s]),
+                    }
+                }
+                Instr::Const { value } => d.fill(value),
+                Instr::Unary { f, x } => unary(f, reg(x), d),
+                Instr::Affine { mul, add, x } => {
+                    d.iter_mut().zip(reg(x)).for_each(|(v, &x)| *v = x * mul + add)
+                }
+                Instr::Binary { f, a, b } => binary(f, reg(a), reg(b), d),
+            }
+        }
+    }
+}
+
+/// The CPU storage of a tensor (every graphpp tensor is on the CPU).
+fn storage_cpu(s: &candle_core::Storage) -> candle_core::Result<&CpuStorage> {
+    match s {
+        candle_core::Storage::Cpu(c) => Ok(c),
+        _ => candle_core::bail!("the compiled executor runs on the CPU"),
+    }
+}
+
+fn unary(f: UnaryOp, x: &[f32], d: &mut [f32]) {
+    let it = d.iter_mut().zip(x);
+    match f {
+        UnaryOp::Neg => it.for_each(|(v, &x)| *v = -x),
+        UnaryOp::Exp => it.for_each(|(v, &x)| *v = x.exp()),
+        UnaryOp::Log => it.for_each(|(v, &x)| *v = x.ln()),
+        UnaryOp::Sqrt => it.for_each(|(v, &x)| *v = x.sqrt()),
+        UnaryOp::Recip => it.for_each(|(v, &x)| *v = 1.0 / x),
+        UnaryOp::Sigmoid => it.for_each(|(v, &x)| *v = 1.0 / ((-x).exp() + 1.0)),
+        UnaryOp::Erf => it.for_each(|(v, &x)| *v = candle_core::cpu::erf::erf_f32(x)),
+    }
+}
+
+fn binary(f: BinaryOp, a: &[f32], b: &[f32], d: &mut [f32]) {
+    let it = d.iter_mut().zip(a.iter().zip(b));
+    match f {
+        BinaryOp::Add => it.for_each(|(v, (&a, &b))| *v = a + b),
+        BinaryOp::Sub => it.for_each(|(v, (&a, &b))| *v = a - b),
+        BinaryOp::Mul => it.for_each(|(v, (&a, &b))| *v = a * b),
+        BinaryOp::Div => it.for_each(|(v, (&a, &b))| *v = a / b),
+        BinaryOp::Eq => it.for_each(|(v, (&a, &b))| *v = if a == b { 1.0 } else { 0.0 }),
+    }
+}
+
+/// The strides (elements) with which an operand of `dims` and `strides` is read at each index of
+/// `shape` under NumPy broadcasting (aligned right; 0 along a broadcast dim); `None` when it does
+/// not broadcast.
+fn broadcast_strides(dims: &[usize], strides: &[usize], shape: &[usize]) -> Option<Vec<usize>> {
+    let lead = shape.len().checked_sub(dims.len())?;
+    let mut out = vec![0; shape.len()];
+    for (k, (&d, &s)) in dims.iter().zip(strides).enumerate() {
+        match d {
+            _ if d == shape[lead + k] => out[lead + k] = s,
+            1 => {}
+            _ => return None,
+        }
+    }
+    Some(out)
+}
+
+/// Merges adjacent output dims that every operand reads as one (stride of the outer = inner
+/// stride × inner size), so the innermost loop is as long as the layouts allow.
+fn coalesce<'a>(shape: &[usize], mut ops: Vec<Operand<'a>>) -> (Vec<usize>, Vec<Operand<'a>>) {
+    let mut dims: Vec<usize> = Vec::with_capacity(shape.len());
+    let mut keep: Vec<Vec<usize>> = vec![Vec::new(); ops.len()];
+    for (k, &size) in shape.iter().enumerate() {
+        let merge = !dims.is_empty()
+            && ops.iter().zip(&keep).all(|(op, kept)| kept.last() == Some(&(op.strides[k] * size)));
+        if merge {
+            *dims.last_mut().expect("not empty") *= size;
+            for (op, kept) in ops.iter().zip(keep.iter_mut()) {
+                *kept.last_mut().expect("not empty") = op.strides[k];
+            }
+        } else {
+            dims.push(size);
+            for (op, kept) in ops.iter().zip(keep.iter_mut()) {
+                kept.push(op.strides[k]);
+            }
+        }
+    }
+    for (op, kept) in ops.iter_mut().zip(keep) {
+        op.strides = kept;
+    }
+    if dims.is_empty() {
+        dims.push(1);
+        for op in ops.iter_mut() {
+            op.strides.push(0);
+        }
+    }
+    (dims, ops)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broadcast_strides_align_right() {
+        assert_eq!(broadcast_strides(&[4, 1], &[1, 1], &[2, 4, 3]), Some(vec![0, 1, 0]));
+        assert_eq!(broadcast_strides(&[2, 3], &[3, 1], &[2, 3]), Some(vec![3, 1]));
+        assert_eq!(broadcast_strides(&[5], &[1], &[2, 3]), None);
+    }
+
+    #[test]
+    fn coalesce_merges_contiguous_dims_only() {
+        let data = [0f32; 24];
+        let contiguous = Operand { data: &data, offset: 0, strides: vec![12, 4, 1] };
+        let (dims, ops) = coalesce(&[2, 3, 4], vec![contiguous]);
+        assert_eq!((dims, ops[0].strides.clone()), (vec![24], vec![1]));
+        // A row broadcast along the middle dim keeps it apart.
+        let a = Operand { data: &data, offset: 0, strides: vec![12, 4, 1] };
+        let b = Operand { data: &data, offset: 0, strides: vec![4, 0, 1] };
+        let (dims, ops) = coalesce(&[2, 3, 4], vec![a, b]);
+        assert_eq!(dims, vec![2, 3, 4]);
+        assert_eq!(ops[1].strides, vec![4, 0, 1]);
+    }
+}
