@@ -740,6 +740,9 @@ fn arithmetic(f: BinaryOp, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor
 /// CPU sum would accumulate in bf16, losing the small terms of a long sum; GPU reductions
 /// accumulate in f32).
 fn sum(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tensor> {
+    if x.dtype() == CDType::F32 && axis + 1 < x.rank() {
+        return sum_rows(x, axis, keepdim);
+    }
     let wide = if x.dtype() == CDType::BF16 { x.to_dtype(CDType::F32)? } else { x.clone() };
     let s = if keepdim { wide.sum_keepdim(axis)? } else { wide.sum(axis)? };
     s.to_dtype(x.dtype())
@@ -755,6 +758,31 @@ fn kernel_error(graph: &Graph, i: usize, e: candle_core::Error) -> ExecError {
         scope: node.meta.scope.clone(),
         source: Box::new(e),
     }
+}
+
+/// Sum of an f32 tensor over a non-last `axis`, as whole rows: viewing `x` as `[A, K, B]` (`K` the
+/// axis), `out[a] = Σ_k x[a, k]` with rows of `B` added in ascending `k` from 0.0 — each element's
+/// additions in candle's order (its CPU sum visits the source in row-major order), so the same
+/// bits, but a vectorised pass over rows instead of one index computation per element (the
+/// RMSNorm weight gradients' sums over batch and sequence took 0.4 ms per 32k elements).
+fn sum_rows(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tensor> {
+    let dims = x.dims();
+    let (a, k) = (dims[..axis].iter().product::<usize>(), dims[axis]);
+    let b: usize = dims[axis + 1..].iter().product();
+    let src = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    let mut out = vec![0f32; a * b];
+    for (o, block) in out.chunks_mut(b.max(1)).zip(src.chunks(k * b.max(1))) {
+        for row in block.chunks(b.max(1)) {
+            o.iter_mut().zip(row).for_each(|(o, &v)| *o += v);
+        }
+    }
+    let mut shape = dims.to_vec();
+    if keepdim {
+        shape[axis] = 1;
+    } else {
+        shape.remove(axis);
+    }
+    Tensor::from_vec(out, shape, &Device::Cpu)
 }
 
 fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor]) -> ExecResult<Tensor> {
@@ -849,4 +877,36 @@ pub fn slowest_nodes(times: &[Duration], k: usize) -> Vec<(ValueId, Duration)> {
     v.sort_by_key(|x| std::cmp::Reverse(x.1));
     v.truncate(k);
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sum_rows_gives_candles_bits() {
+        // Values of mixed magnitude so that the order of the additions shows in the bits.
+        let data: Vec<f32> = (0..2 * 5 * 3 * 4)
+            .map(|i| ((i * 7919 % 113) as f32 - 56.0) * 1.37e-3 + (i % 3) as f32 * 1e3)
+            .collect();
+        let x = Tensor::from_vec(data, (2, 5, 3, 4), &Device::Cpu).unwrap();
+        let permuted = x.permute((2, 0, 3, 1)).unwrap(); // not contiguous: read through .contiguous()
+        for t in [&x, &permuted] {
+            for axis in 0..3 {
+                for keepdim in [false, true] {
+                    let ours = sum_rows(t, axis, keepdim).unwrap();
+                    let candle = if keepdim { t.sum_keepdim(axis) } else { t.sum(axis) }.unwrap();
+                    assert_eq!(ours.dims(), candle.dims());
+                    let (a, b) = (
+                        ours.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        candle.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    );
+                    assert!(
+                        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "axis {axis}: {a:?} vs {b:?}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -243,35 +243,44 @@ impl Group {
             // Each operand's offset at output position p.
             let mut rest = outer;
             for (b, op) in base.iter_mut().zip(ops) {
-                *b = op.offset + i * op.strides[dims.len().max(1) - 1];
+                *b = op.offset + i * op.strides[dims.len() - 1];
             }
-            for d in (0..dims.len().saturating_sub(1)).rev() {
+            for d in (0..dims.len() - 1).rev() {
                 let idx = rest % dims[d];
                 rest /= dims[d];
                 for (b, op) in base.iter_mut().zip(ops) {
                     *b += idx * op.strides[d];
                 }
             }
-            self.block(ops, &base, len, &mut regs);
-            let last = (self.code.len() - 1) * BLOCK;
-            out[p - start..p - start + len].copy_from_slice(&regs[last..last + len]);
+            self.block(ops, &base, len, &mut regs, &mut out[p - start..p - start + len]);
             p += len;
         }
     }
 
-    /// Runs the code over one block of `len` elements whose operands start at `base`.
-    fn block(&self, ops: &[Operand], base: &[usize], len: usize, regs: &mut [f32]) {
-        let last_dim = |op: &Operand| *op.strides.last().unwrap_or(&0);
+    /// Runs the code over one block of `len` elements whose operands start at `base`; the last
+    /// instruction writes `out`. A load along a contiguous row is not copied: its readers read
+    /// the operand in place.
+    fn block(&self, ops: &[Operand], base: &[usize], len: usize, regs: &mut [f32], out: &mut [f32]) {
+        let last = self.code.len() - 1;
         for (r, instr) in self.code.iter().enumerate() {
             let (lo, hi) = regs.split_at_mut(r * BLOCK);
-            let d = &mut hi[..len];
-            let reg = |x: usize| &lo[x * BLOCK..x * BLOCK + len];
+            let d: &mut [f32] = if r == last { &mut *out } else { &mut hi[..len] };
+            let reg = |x: usize| -> &[f32] {
+                match self.code[x] {
+                    Instr::Load { input } if ops[input].inner() == 1 => {
+                        &ops[input].data[base[input]..base[input] + len]
+                    }
+                    _ => &lo[x * BLOCK..x * BLOCK + len],
+                }
+            };
             match *instr {
                 Instr::Load { input } => {
                     let op = &ops[input];
-                    let (b, s) = (base[input], last_dim(op));
+                    let (b, s) = (base[input], op.inner());
                     match s {
                         0 => d.fill(op.data[b]),
+                        // Read in place by its readers unless it is the group's value.
+                        1 if r != last => {}
                         1 => d.copy_from_slice(&op.data[b..b + len]),
                         _ => d.iter_mut().enumerate().for_each(|(k, v)| *v = op.data[b + k * s]),
                     }
@@ -284,6 +293,13 @@ impl Group {
                 Instr::Binary { f, a, b } => binary(f, reg(a), reg(b), d),
             }
         }
+    }
+}
+
+impl Operand<'_> {
+    /// The stride along the innermost (coalesced) dim.
+    fn inner(&self) -> usize {
+        *self.strides.last().unwrap_or(&0)
     }
 }
 

@@ -17,6 +17,7 @@ pub mod rank_train;
 pub mod sample;
 pub mod segment;
 pub mod stage;
+pub mod threads;
 pub mod train;
 pub mod verify;
 

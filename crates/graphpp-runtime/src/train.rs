@@ -208,10 +208,25 @@ pub struct Trainer {
     schedule: Arc<Schedule>,
     /// This process's ranks, in world-rank order.
     ranks: Vec<RankTrainer>,
+    /// Each rank's intra-op thread pool ([`crate::threads`]), index as `ranks`.
+    pools: Vec<rayon::ThreadPool>,
     poisoned: bool,
     step: u64,
     /// Single-device inference graphs by (batch, logits?), built on first use.
     inference: HashMap<(usize, bool), Arc<Graph>>,
+}
+
+/// One pool of [`crate::threads::op_threads`] threads per rank. Errors: [`TrainError::Setup`]
+/// when the OS refuses a thread.
+fn rank_pools(ranks: &[RankTrainer]) -> Result<Vec<rayon::ThreadPool>, TrainError> {
+    let threads = crate::threads::op_threads();
+    ranks
+        .iter()
+        .map(|r| {
+            crate::threads::rank_pool(r.rank(), threads)
+                .map_err(|e| VerifyError::Mismatch(format!("rank {}: thread pool: {e}", r.rank())).into())
+        })
+        .collect()
 }
 
 impl Trainer {
@@ -231,8 +246,9 @@ impl Trainer {
         let ranks = ThreadComm::world(mesh.world())
             .into_iter()
             .map(|c| RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, Arc::new(c)))
-            .collect::<Result<_, _>>()?;
-        Ok(Trainer { setup, schedule, ranks, poisoned: false, step: 0, inference: HashMap::new() })
+            .collect::<Result<Vec<_>, _>>()?;
+        let pools = rank_pools(&ranks)?;
+        Ok(Trainer { setup, schedule, ranks, pools, poisoned: false, step: 0, inference: HashMap::new() })
     }
 
     /// Builds the one rank `comm.rank()` of a world of processes (world = p × dp ranks).
@@ -245,15 +261,9 @@ impl Trainer {
         let mesh = Mesh::for_world(comm.world(), p, setup.dp)
             .and_then(|m| m.with_ep(setup.ep))
             .map_err(|e| VerifyError::Mismatch(e.to_string()))?;
-        let rank = RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, comm)?;
-        Ok(Trainer {
-            setup,
-            schedule,
-            ranks: vec![rank],
-            poisoned: false,
-            step: 0,
-            inference: HashMap::new(),
-        })
+        let ranks = vec![RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, comm)?];
+        let pools = rank_pools(&ranks)?;
+        Ok(Trainer { setup, schedule, ranks, pools, poisoned: false, step: 0, inference: HashMap::new() })
     }
 
     /// Whether this process runs world rank 0, where gathered state and results arrive.
@@ -266,15 +276,20 @@ impl Trainer {
         self.ranks.len() == self.schedule.num_ranks() * self.setup.dp
     }
 
-    /// Runs `f` on every local rank, on its own thread when there are several; results in rank
-    /// order.
+    /// Runs `f` on every local rank, in its thread pool (on its own thread when there are
+    /// several); results in rank order.
     fn on_each<R: Send>(&mut self, f: impl Fn(&mut RankTrainer) -> R + Sync) -> Vec<R> {
-        if let [one] = self.ranks.as_mut_slice() {
-            return vec![f(one)];
+        if let ([one], [pool]) = (self.ranks.as_mut_slice(), self.pools.as_slice()) {
+            return vec![pool.install(|| f(one))];
         }
         let f = &f;
         std::thread::scope(|scope| {
-            let handles: Vec<_> = self.ranks.iter_mut().map(|r| scope.spawn(move || f(r))).collect();
+            let handles: Vec<_> = self
+                .ranks
+                .iter_mut()
+                .zip(&self.pools)
+                .map(|(r, pool)| scope.spawn(move || pool.install(|| f(r))))
+                .collect();
             handles.into_iter().map(|h| h.join().expect("a rank does not panic")).collect()
         })
     }

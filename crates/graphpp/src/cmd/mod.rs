@@ -23,10 +23,12 @@ pub fn parse_compute_dtype(s: &str) -> Result<DType, String> {
     }
 }
 
-/// Sets the intra-op threads of candle's CPU kernels (its barrier pool and gemm's rayon
-/// parallelism, read from `CANDLE_NUM_THREADS` / `RAYON_NUM_THREADS` on first use) to `explicit`,
-/// or to the available cores divided among `ranks` rank threads (at least 1), unless the user set
-/// those variables. Returns the value in effect. Must run before the first tensor operation.
+/// Sets the intra-op threads per rank (`RAYON_NUM_THREADS`: the size of each rank's pool,
+/// [`graphpp_runtime::threads`], and gemm's parallelism) to `explicit`, or to the available cores
+/// divided among `ranks` rank threads (at least 1), unless the user set that variable; and
+/// candle's spinning barrier pool (`CANDLE_NUM_THREADS`) to 1 unless the user set it (its idle
+/// worker held a core that gemm's second thread needed). Returns the threads per rank. Must run
+/// before the first tensor operation.
 ///
 /// Why: every rank is an OS thread; with candle's default (all cores per operation) the ranks'
 /// spinning worker pools fight over the cores — on this 2-core machine `graphpp train` with 2 ranks
@@ -34,12 +36,13 @@ pub fn parse_compute_dtype(s: &str) -> Result<DType, String> {
 pub fn set_op_threads(ranks: usize, explicit: Option<usize>) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let n = explicit.unwrap_or(cores / ranks.max(1)).max(1);
-    for var in ["CANDLE_NUM_THREADS", "RAYON_NUM_THREADS"] {
-        if explicit.is_some() || std::env::var_os(var).is_none() {
-            std::env::set_var(var, n.to_string());
-        }
+    if explicit.is_some() || std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
-    let threads = std::env::var("CANDLE_NUM_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(n);
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
+    let threads = graphpp_runtime::threads::op_threads();
     if let Some(w) = oversubscribed(ranks, threads, cores) {
         eprintln!("{w}");
     }

@@ -166,7 +166,8 @@ pub struct TrainArgs {
     /// Bytes of text to generate at the end (0: none).
     #[arg(long, default_value_t = 200)]
     sample_bytes: usize,
-    /// Intra-op threads per rank (default: cores / ranks, at least 1; or CANDLE_NUM_THREADS).
+    /// Intra-op threads per rank, the size of its thread pool (default: cores / ranks, at least
+    /// 1; or RAYON_NUM_THREADS).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     threads_per_rank: Option<u64>,
     /// Activation recomputation: save-all, stage-inputs (full, per stage), matmuls (selective),

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""PyTorch eager timing of one forward + backward of graphpp's `small` preset on one stage.
+"""PyTorch eager timing of one forward + backward of graphpp's `small` (or `tiny`) preset on one stage.
 
-Same architecture as llama_fixture.py (imported from it), f32, B=2, T=64, all 8 layers, the same
-shapes as `cargo bench -p graphpp-runtime --bench fwbw_small`. Prints the median over N runs.
+Same architecture as llama_fixture.py (imported from it), f32, B=2, T=64, all layers, the same
+shapes as `cargo run --release -p graphpp-runtime --example fwbw` (which runs this script beside
+graphpp when given `--torch PYTHON`). Prints the median over N runs.
 
-Usage: python tools/torch/time_fwbw_small.py [--runs N] [--threads K]
+Usage: python tools/torch/time_fwbw.py [--model small|tiny] [--runs N] [--threads K]
 """
 import argparse
 import os
@@ -26,30 +27,34 @@ SMALL = {
     "vocab_size": 256, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 8,
     "num_attention_heads": 8, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
 }
+TINY = dict(SMALL, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=4)
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["small", "tiny"], default="small")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = default)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    cfg = SMALL if a.model == "small" else TINY
     torch.manual_seed(0)
-    p = {k: (0.02 * torch.randn(s)).requires_grad_(True) for k, s in param_shapes(SMALL).items()}
-    tokens = torch.randint(0, SMALL["vocab_size"], (2, 64))
-    targets = torch.randint(0, SMALL["vocab_size"], (2, 64))
+    p = {k: (0.02 * torch.randn(s)).requires_grad_(True) for k, s in param_shapes(cfg).items()}
+    tokens = torch.randint(0, cfg["vocab_size"], (2, 64))
+    targets = torch.randint(0, cfg["vocab_size"], (2, 64))
     times = []
     for i in range(a.runs + 3):
         t0 = time.perf_counter()
-        loss = forward(p, SMALL, tokens, targets)
+        loss = forward(p, cfg, tokens, targets)
         loss.backward()
         dt = time.perf_counter() - t0
         for v in p.values():
             v.grad = None
         if i >= 3:
             times.append(dt)
-    print(f"torch {torch.__version__} threads={torch.get_num_threads()} small fw+bw B=2 T=64: "
+    print(f"torch {torch.__version__} threads={torch.get_num_threads()} {a.model} fw+bw B=2 T=64: "
           f"median {statistics.median(times) * 1e3:.2f} ms over {a.runs} runs (min {min(times) * 1e3:.2f} ms)")
 
 
