@@ -88,8 +88,6 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn main() {
     let a = args();
     // As `graphpp train --threads-per-rank N` (graphpp::cmd::set_op_threads), before any tensor op.
-    let most = a.threads.iter().copied().max().unwrap_or(1);
-    std::env::set_var("RAYON_NUM_THREADS", most.to_string());
     std::env::set_var("CANDLE_NUM_THREADS", "1");
     let cfg = LlamaConfig::preset(&a.model).expect("--model tiny or small");
     let opts = StageOptions::new(2, 64);
@@ -115,6 +113,8 @@ fn main() {
     let mut figs = vec![[Vec::new(), Vec::new(), Vec::new()]; a.threads.len()];
     for round in 0..a.rounds {
         for (k, (&n, pool)) in a.threads.iter().zip(&pools).enumerate() {
+            // candle reads it at every matmul: gemm is asked for this pool's size.
+            std::env::set_var("RAYON_NUM_THREADS", n.to_string());
             let i = pool.install(|| time_graphpp(&sg.fw, &sg.full_bw, &env, a.runs, false));
             let c = pool.install(|| time_graphpp(&sg.fw, &sg.full_bw, &env, a.runs, true));
             let t = a.torch.as_deref().map(|py| time_torch(py, &a, n));

@@ -396,7 +396,9 @@ pub fn run_with(
 /// values the run drops after it. [`Program::run_named_with`] computes bitwise what the
 /// interpreter ([`run_named_with`]) computes and reports the same peak live bytes (the logical
 /// accounting of the module doc, which the memory model predicts; a fused group's inner values
-/// are never allocated, so the memory actually held is at most that).
+/// are never allocated, so the memory actually held is at most that). With
+/// [`RunOptions::time_nodes`] a group's time is its anchor's (its members read zero), and
+/// [`RunOptions::trace_peak`] lists only the values the run held.
 #[derive(Clone, Debug)]
 pub struct Program {
     /// Node count of the graph compiled (a run checks it).
@@ -453,6 +455,11 @@ impl Program {
         opts: &RunOptions,
         comm: Option<&GraphComm>,
     ) -> ExecResult<RunReport> {
+        debug_assert_eq!(
+            crate::fusion::plan(graph),
+            self.fusion,
+            "a program runs the graph it was compiled from"
+        );
         if graph.nodes.len() != self.nodes {
             return Err(ExecError::Input {
                 graph: graph.name.clone(),
@@ -771,7 +778,7 @@ fn sum_rows(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tenso
     let b: usize = dims[axis + 1..].iter().product();
     let src = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
     let mut out = vec![0f32; a * b];
-    for (o, block) in out.chunks_mut(b.max(1)).zip(src.chunks(k * b.max(1))) {
+    for (o, block) in out.chunks_mut(b.max(1)).zip(src.chunks((k * b).max(1))) {
         for row in block.chunks(b.max(1)) {
             o.iter_mut().zip(row).for_each(|(o, &v)| *o += v);
         }

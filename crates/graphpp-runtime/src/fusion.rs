@@ -99,7 +99,10 @@ pub fn plan(g: &Graph) -> Fusion {
     let mut member_of: Vec<Option<usize>> = vec![None; n];
     let mut groups = Vec::new();
     for anchor in (0..n).rev() {
-        if member_of[anchor].is_some() || !fusible(g, anchor) {
+        // A broadcast read by no fusible node stays a view (the interpreter's): as a group of
+        // its own it would be copied to full size.
+        let lone_view = matches!(g.nodes[anchor].op, Op::Broadcast { .. });
+        if member_of[anchor].is_some() || !fusible(g, anchor) || lone_view {
             continue;
         }
         let gid = groups.len();
@@ -167,14 +170,15 @@ fn emit(g: &Graph, anchor: usize, members: Vec<usize>, member_of: &[Option<usize
                 reg_of.insert(m, ins[0]);
                 continue;
             }
-            Op::Full { value, .. } => Instr::Const { value: *value as f32 },
+            // The interpreter's `zeros + value` (so −0.0 gives +0.0).
+            Op::Full { value, .. } => Instr::Const { value: 0.0 + *value as f32 },
             other => unreachable!("{} is not fusible", other.mnemonic()),
         };
         code.push(instr);
         reg_of.insert(m, code.len() - 1);
     }
-    // The anchor's register must be the last: a broadcast anchor (or one whose value is a load)
-    // gets a copy.
+    // The anchor's register must be the last: an anchor whose value is an earlier register gets
+    // a copy.
     let last = reg_of[&anchor];
     if last + 1 != code.len() {
         code.push(Instr::Affine { mul: 1.0, add: 0.0, x: last });
@@ -197,6 +201,14 @@ impl Group {
     /// # Errors
     /// candle's, for an operand that is not a CPU f32 tensor or does not broadcast.
     pub fn eval(&self, args: &[&Tensor]) -> candle_core::Result<Tensor> {
+        if args.len() != self.inputs.len() {
+            candle_core::bail!(
+                "fused group of node %{}: {} operands for {} inputs",
+                self.anchor,
+                args.len(),
+                self.inputs.len()
+            )
+        }
         let guards: Vec<_> = args.iter().map(|t| t.storage_and_layout()).collect();
         let mut ops = Vec::with_capacity(args.len());
         for (t, (storage, layout)) in args.iter().zip(&guards) {
@@ -219,8 +231,8 @@ impl Group {
         }
         let (dims, ops) = coalesce(&self.shape, ops);
         let numel: usize = self.shape.iter().product();
-        let mut out = vec![0f32; numel];
         let threads = rayon::current_num_threads();
+        let mut out = vec![0f32; numel];
         if threads > 1 && numel >= PARALLEL_MIN {
             let chunk = numel.div_ceil(threads).next_multiple_of(BLOCK);
             out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| self.run(&dims, &ops, c * chunk, o));
@@ -230,61 +242,68 @@ impl Group {
         Tensor::from_vec(out, self.shape.clone(), &Device::Cpu)
     }
 
-    /// Writes output elements `start .. start + out.len()` (row-major over `dims`).
+    /// Computes output elements `start .. start + out.len()` (row-major over `dims`) into `out`,
+    /// block by block. A block is up to [`BLOCK`] elements:
+    /// part of one row of the innermost dim, or — when that dim is shorter — whole rows of it,
+    /// consecutive along the next one, so short rows (a head's 32 elements) do not each pay the
+    /// per-block setup.
     fn run(&self, dims: &[usize], ops: &[Operand], start: usize, out: &mut [f32]) {
-        let inner = *dims.last().unwrap_or(&1);
+        let nd = dims.len();
+        let inner = dims[nd - 1];
+        let next = if nd >= 2 { dims[nd - 2] } else { 1 };
         let mut regs = vec![0f32; self.code.len() * BLOCK];
         let mut base = vec![0usize; ops.len()];
-        let mut p = start;
         let end = start + out.len();
+        let mut p = start;
         while p < end {
             let (outer, i) = (p / inner, p % inner);
-            let len = BLOCK.min(inner - i).min(end - p);
+            // Whole rows when the block starts a row and rows are short; else part of one row.
+            let rows = if i == 0 && inner < BLOCK {
+                (BLOCK / inner).min(next - outer % next).min((end - p) / inner).max(1)
+            } else {
+                1
+            };
+            let cols = if rows > 1 { inner } else { BLOCK.min(inner - i).min(end - p) };
             // Each operand's offset at output position p.
             let mut rest = outer;
             for (b, op) in base.iter_mut().zip(ops) {
-                *b = op.offset + i * op.strides[dims.len() - 1];
+                *b = op.offset + i * op.strides[nd - 1];
             }
-            for d in (0..dims.len() - 1).rev() {
+            for d in (0..nd - 1).rev() {
                 let idx = rest % dims[d];
                 rest /= dims[d];
                 for (b, op) in base.iter_mut().zip(ops) {
                     *b += idx * op.strides[d];
                 }
             }
-            self.block(ops, &base, len, &mut regs, &mut out[p - start..p - start + len]);
+            let shape = Block { rows, cols, outer: nd - 1 };
+            let len = rows * cols;
+            self.block(ops, &base, shape, &mut regs, &mut out[p - start..p - start + len]);
             p += len;
         }
     }
 
-    /// Runs the code over one block of `len` elements whose operands start at `base`; the last
-    /// instruction writes `out`. A load along a contiguous row is not copied: its readers read
+    /// Runs the code over one block whose operands start at `base`; the last instruction writes
+    /// `out`. A load that is one contiguous run of the operand is not copied: its readers read
     /// the operand in place.
-    fn block(&self, ops: &[Operand], base: &[usize], len: usize, regs: &mut [f32], out: &mut [f32]) {
+    fn block(&self, ops: &[Operand], base: &[usize], blk: Block, regs: &mut [f32], out: &mut [f32]) {
+        let len = blk.rows * blk.cols;
         let last = self.code.len() - 1;
         for (r, instr) in self.code.iter().enumerate() {
             let (lo, hi) = regs.split_at_mut(r * BLOCK);
             let d: &mut [f32] = if r == last { &mut *out } else { &mut hi[..len] };
             let reg = |x: usize| -> &[f32] {
                 match self.code[x] {
-                    Instr::Load { input } if ops[input].inner() == 1 => {
+                    Instr::Load { input } if ops[input].contiguous(blk) => {
                         &ops[input].data[base[input]..base[input] + len]
                     }
                     _ => &lo[x * BLOCK..x * BLOCK + len],
                 }
             };
             match *instr {
-                Instr::Load { input } => {
-                    let op = &ops[input];
-                    let (b, s) = (base[input], op.inner());
-                    match s {
-                        0 => d.fill(op.data[b]),
-                        // Read in place by its readers unless it is the group's value.
-                        1 if r != last => {}
-                        1 => d.copy_from_slice(&op.data[b..b + len]),
-                        _ => d.iter_mut().enumerate().for_each(|(k, v)| *v = op.data[b + k * s]),
-                    }
-                }
+                // Read in place by its readers unless it is the group's value.
+                Instr::Load { input } if ops[input].contiguous(blk) && r != last => {}
+                Instr::Load { input } => ops[input].load(base[input], blk, d),
                 Instr::Const { value } => d.fill(value),
                 Instr::Unary { f, x } => unary(f, reg(x), d),
                 Instr::Affine { mul, add, x } => {
@@ -296,10 +315,39 @@ impl Group {
     }
 }
 
+/// The extent of a block: `rows` consecutive indices of output dim `outer - 1` (1 when the
+/// block is part of one row) × `cols` of the innermost dim `outer`.
+#[derive(Clone, Copy)]
+struct Block {
+    rows: usize,
+    cols: usize,
+    outer: usize,
+}
+
 impl Operand<'_> {
-    /// The stride along the innermost (coalesced) dim.
-    fn inner(&self) -> usize {
-        *self.strides.last().unwrap_or(&0)
+    /// The (row, column) strides of a block.
+    fn block_strides(&self, blk: Block) -> (usize, usize) {
+        let row = if blk.rows > 1 { self.strides[blk.outer - 1] } else { 0 };
+        (row, self.strides[blk.outer])
+    }
+
+    /// Whether the block is one contiguous run of this operand.
+    fn contiguous(&self, blk: Block) -> bool {
+        let (row, col) = self.block_strides(blk);
+        col == 1 && (blk.rows == 1 || row == blk.cols)
+    }
+
+    /// Copies the block starting at `base` into `d`.
+    fn load(&self, base: usize, blk: Block, d: &mut [f32]) {
+        let (row, col) = self.block_strides(blk);
+        for (r, out) in d.chunks_mut(blk.cols).enumerate() {
+            let b = base + r * row;
+            match col {
+                0 => out.fill(self.data[b]),
+                1 => out.copy_from_slice(&self.data[b..b + blk.cols]),
+                _ => out.iter_mut().enumerate().for_each(|(k, v)| *v = self.data[b + k * col]),
+            }
+        }
     }
 }
 

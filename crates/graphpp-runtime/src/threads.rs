@@ -8,10 +8,13 @@
 //! (measured: 128×256 · 256×688 after an elementwise op, 1.28 ms with the barrier pool at 2
 //! threads vs 0.69 ms at 1; 1.24 ms single-threaded).
 
-/// The intra-op threads per rank in effect: `RAYON_NUM_THREADS` when set to a positive number
-/// (the CLI's `--threads-per-rank` sets it), else 1.
+/// The intra-op threads per rank in effect: what candle asks gemm for — `RAYON_NUM_THREADS`
+/// when set to a positive number (the CLI's `--threads-per-rank` sets it, and
+/// `CANDLE_NUM_THREADS` to 1), else the physical cores. A library caller running several
+/// ranks in one process sets both variables as the CLI does (`graphpp::cmd::set_op_threads`);
+/// otherwise every rank's pool has all the cores.
 pub fn op_threads() -> usize {
-    std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(1)
+    candle_core::utils::get_num_threads()
 }
 
 /// A rank's pool of `threads` workers (at least 1), named `graphpp-rank{rank}-op{i}`.

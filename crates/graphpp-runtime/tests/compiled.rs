@@ -1,9 +1,10 @@
 //! The compiled executor ([`Program`]) against the interpreter, the reference path (issue 11
 //! item 1): every model graph — tiny and small Llama (both stages of a 2-stage split), the MoE
 //! preset — and the passes' outputs (fw, full_bw, bw_di, bw_dw, the multiplexed overlap graph)
-//! give the interpreter's outputs within 1e-6 relative in f32 (bitwise, as the fused kernels
-//! repeat candle's arithmetic) and the same peak live bytes; random elementwise chains over
-//! broadcast and permuted operands (proptest) agree too.
+//! give the interpreter's outputs bit for bit in f32 (the issue asks 1e-6 relative; the fused
+//! kernels repeat candle's arithmetic, so the bits agree) and the same peak live bytes; random
+//! elementwise chains over broadcast (also lower-rank) and permuted operands (proptest) agree
+//! too; and the grouping rules hold on hand-built graphs.
 
 mod common;
 
@@ -13,7 +14,7 @@ use graphpp_graph::{stage_graphs, DType, Graph, GraphBuilder, InputKind, Recompu
 use graphpp_models::moe::MoeConfig;
 use graphpp_models::rng::Rng;
 use graphpp_models::{build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, StageOptions};
-use graphpp_runtime::executor::{run_named, tensor_from_f64, RunOptions};
+use graphpp_runtime::executor::{run_named, tensor_from_f64, to_f64, RunOptions};
 use graphpp_runtime::Program;
 use proptest::prelude::*;
 use std::collections::HashMap;
@@ -35,8 +36,16 @@ fn both_ways(g: &Graph, env: &mut Env, rng: &mut Rng) -> (Env, usize) {
     let b = program.run_named_with(g, env, &o, None).unwrap();
     for (name, (x, y)) in g.output_names().iter().zip(a.outputs.iter().zip(&b.outputs)) {
         assert_eq!(x.dims(), y.dims(), "{} output {name}", g.name);
-        let err = common::rel_err(y, x, 1e-30);
-        assert!(err <= 1e-6, "{} output {name}: compiled vs interpreted relative error {err:e}", g.name);
+        assert_eq!(x.dtype(), y.dtype(), "{} output {name}", g.name);
+        let (vx, vy) = (to_f64(x).unwrap(), to_f64(y).unwrap());
+        let bits = |v: &f64| if v.is_nan() { u64::MAX } else { v.to_bits() };
+        let first = vx.iter().zip(&vy).position(|(p, q)| bits(p) != bits(q));
+        if let Some(k) = first {
+            panic!(
+                "{} output {name}: element {k} differs: interpreted {}, compiled {}",
+                g.name, vx[k], vy[k]
+            );
+        }
     }
     assert_eq!(a.peak_live_bytes, b.peak_live_bytes, "{}: the peak report is the interpreter's", g.name);
     let fused = program.fusion().member_of.iter().flatten().count();
@@ -116,8 +125,9 @@ fn moe_graphs_compiled_equal_interpreted() {
 }
 
 /// Builds `out = f_k(… f_1(x, y_1) …, y_k)` over `shape`, where each `y_i` is an input of a
-/// shape that broadcasts (dims set to 1 by `mask_i`) or a permuted view of a `[.., b, a]` input,
-/// with unary ops and affines in between.
+/// shape that broadcasts (dims set to 1 by the low bits of `mask_i`, the leading dim dropped by
+/// bit 6: a lower-rank operand) or a permuted view of a `[.., b, a]` input (`mask_i` = 0xff),
+/// with unary ops, affines and constants in between.
 fn chain(shape: &[usize], steps: &[(u8, u8)]) -> Graph {
     let mut b = GraphBuilder::new("chain", DType::F32);
     let mut x = b.input("x", InputKind::Activation, shape.to_vec()).unwrap();
@@ -130,11 +140,14 @@ fn chain(shape: &[usize], steps: &[(u8, u8)]) -> Graph {
             let raw = b.input(&name, InputKind::Activation, t).unwrap();
             b.transpose_last(raw).unwrap()
         } else {
-            let s: Vec<usize> =
+            let mut s: Vec<usize> =
                 shape.iter().enumerate().map(|(k, &d)| if mask >> k & 1 == 1 { 1 } else { d }).collect();
+            if mask & 0x40 != 0 {
+                s.remove(0);
+            }
             b.input(&name, InputKind::Activation, s).unwrap()
         };
-        x = match op % 9 {
+        x = match op % 13 {
             0 => b.add2(x, y),
             1 => b.sub(x, y),
             2 => b.mul(x, y),
@@ -143,7 +156,11 @@ fn chain(shape: &[usize], steps: &[(u8, u8)]) -> Graph {
             5 => b.sigmoid(x).and_then(|s| b.mul(s, y)),
             6 => b.exp(x).and_then(|e| b.affine(e, 0.5, -0.25)),
             7 => b.neg(x).and_then(|n| b.add2(n, y)),
-            _ => b.erf(x).and_then(|e| b.mul(e, y)),
+            8 => b.erf(x).and_then(|e| b.mul(e, y)),
+            9 => b.mul(x, x).and_then(|e| b.sqrt(e)).and_then(|e| b.sub(e, y)),
+            10 => b.recip(x).and_then(|e| b.add2(e, y)),
+            11 => b.full_like(0.5, x).and_then(|c| b.mul(x, c)).and_then(|e| b.log(e)),
+            _ => b.broadcast(y, shape.to_vec()).and_then(|e| b.div(e, x)),
         }
         .unwrap();
     }
@@ -157,7 +174,7 @@ proptest! {
     #[test]
     fn random_chains_compiled_equal_interpreted(
         shape in prop::collection::vec(1usize..7, 1..4),
-        steps in prop::collection::vec((0u8..9, prop_oneof![0u8..8, Just(0xffu8)]), 1..6),
+        steps in prop::collection::vec((0u8..13, prop_oneof![0u8..8, 0x40u8..0x48, Just(0xffu8)]), 1..6),
         big in any::<bool>(),
     ) {
         // `big` makes the output large enough (> 16k elements) to take the threaded path.
@@ -172,5 +189,83 @@ proptest! {
         let mut rng = Rng::new(shape.len() as u64);
         let mut env = Env::new();
         both_ways(&g, &mut env, &mut rng);
+    }
+}
+
+/// `x`, `w` `[4, 8]` inputs; `e = exp(x)`, `m = e * w`, `s = m + e` (e read twice inside).
+fn diamond(b: &mut GraphBuilder) -> (usize, usize, usize) {
+    let x = b.input("x", InputKind::Activation, vec![4, 8]).unwrap();
+    let w = b.input("w", InputKind::Parameter, vec![4, 8]).unwrap();
+    let e = b.exp(x).unwrap();
+    let m = b.mul(e, w).unwrap();
+    let s = b.add2(m, e).unwrap();
+    b.output("s", s);
+    (e.0, m.0, s.0)
+}
+
+#[test]
+fn groups_take_values_read_only_inside_them() {
+    // A value read twice inside the group joins it: one group of exp, mul, add.
+    let mut b = GraphBuilder::new("diamond", DType::F32);
+    let (e, m, s) = diamond(&mut b);
+    let g = b.finish().unwrap();
+    let p = Program::compile(&g);
+    assert_eq!(p.fusion().groups.len(), 1);
+    assert_eq!(p.fusion().groups[0].members, vec![e, m, s]);
+    assert_eq!(p.fusion().groups[0].inputs.len(), 2, "x and w, each loaded once");
+
+    // e is also a graph output and m is read by a matmul: both are materialised, so each
+    // anchors its own group and is an external operand of its readers.
+    let mut b = GraphBuilder::new("escapes", DType::F32);
+    let (e, m, s) = diamond(&mut b);
+    let wt = b.input("wt", InputKind::Parameter, vec![8, 4]).unwrap();
+    let mm = b.matmul(graphpp_graph::ValueId(m), wt).unwrap();
+    b.output("e", graphpp_graph::ValueId(e));
+    b.output("mm", mm);
+    let g = b.finish().unwrap();
+    let p = Program::compile(&g);
+    let anchors: Vec<usize> = p.fusion().groups.iter().map(|g| g.anchor).collect();
+    assert_eq!(anchors, vec![e, m, s]);
+    assert!(p.fusion().groups.iter().all(|g| g.members == vec![g.anchor]));
+    both_ways(&g, &mut Env::new(), &mut Rng::new(1));
+}
+
+#[test]
+fn a_broadcast_read_by_no_fusible_node_stays_a_view() {
+    // bias [8] broadcast to [4, 8] and fed to a matmul: the interpreter's view, not a copy.
+    let mut b = GraphBuilder::new("view", DType::F32);
+    let bias = b.input("bias", InputKind::Activation, vec![8]).unwrap();
+    let wide = b.broadcast(bias, vec![4, 8]).unwrap();
+    let w = b.input("w", InputKind::Parameter, vec![8, 2]).unwrap();
+    let y = b.matmul(wide, w).unwrap();
+    b.output("y", y);
+    let g = b.finish().unwrap();
+    let p = Program::compile(&g);
+    assert!(p.fusion().groups.is_empty(), "{:?}", p.fusion().groups);
+    // Read by a fusible node, the same broadcast is a member (a strided load).
+    let mut b = GraphBuilder::new("member", DType::F32);
+    let bias = b.input("bias", InputKind::Activation, vec![8]).unwrap();
+    let wide = b.broadcast(bias, vec![4, 8]).unwrap();
+    let x = b.input("x", InputKind::Activation, vec![4, 8]).unwrap();
+    let y = b.add2(x, wide).unwrap();
+    b.output("y", y);
+    let g = b.finish().unwrap();
+    let p = Program::compile(&g);
+    assert_eq!(p.fusion().groups.len(), 1);
+    assert_eq!(p.fusion().groups[0].members, vec![wide.0, y.0]);
+    both_ways(&g, &mut Env::new(), &mut Rng::new(2));
+}
+
+#[test]
+fn scalars_and_empty_tensors_run_both_ways() {
+    for shape in [vec![], vec![0, 3], vec![1]] {
+        let mut b = GraphBuilder::new("edge", DType::F32);
+        let x = b.input("x", InputKind::Activation, shape.clone()).unwrap();
+        let e = b.exp(x).unwrap();
+        let y = b.affine(e, 2.0, -1.0).unwrap();
+        b.output("y", y);
+        let g = b.finish().unwrap();
+        assert_eq!(Program::compile(&g).fusion().groups.len(), 1, "{shape:?}");
+        both_ways(&g, &mut Env::new(), &mut Rng::new(3));
     }
 }
