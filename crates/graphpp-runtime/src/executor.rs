@@ -409,7 +409,7 @@ pub struct Program {
 }
 
 impl Program {
-    /// Compiles `graph` (linear in its size; nothing is run).
+    /// Compiles `graph` (one pass over its nodes and the fusion plan; nothing is run).
     pub fn compile(graph: &Graph) -> Program {
         let fusion = crate::fusion::plan(graph);
         let n = graph.nodes.len();
