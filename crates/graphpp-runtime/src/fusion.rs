@@ -7,7 +7,9 @@
 //! [`Group::eval`] computes the anchor from the group's external operands in one pass over the
 //! output, in blocks of [`BLOCK`] elements held in L1-sized registers: no member value is ever
 //! allocated, and operands are read through their own strides (a broadcast or permuted operand
-//! is never copied).
+//! is never copied; a contiguous one is read in place). The block loop is compiled for AVX2
+//! where the CPU has it, and a group of 16k elements or more is split over the current rayon
+//! pool (the rank's, [`crate::threads`]).
 //!
 //! Each member is computed with the same f32 arithmetic, in the same order, as the interpreter's
 //! candle kernel for that op (`v * mul + add` for affine, `1 / (e^(−x) + 1)` for sigmoid,
@@ -25,32 +27,20 @@ pub const BLOCK: usize = 256;
 /// other threads costs more than the loop).
 const PARALLEL_MIN: usize = 1 << 14;
 
-/// One instruction over a block; registers are numbered in emission order, so every source
-/// register is below its destination.
+/// One instruction over a block. Instruction `r` defines register `r` (emission order), so
+/// every source register is below its destination.
 #[derive(Clone, Debug, PartialEq)]
 enum Instr {
-    /// Register `dst` = external operand `input` (index into [`Group::inputs`]).
-    Load {
-        input: usize,
-    },
-    /// Register `dst` = `value` everywhere.
-    Const {
-        value: f32,
-    },
-    Unary {
-        f: UnaryOp,
-        x: usize,
-    },
-    Affine {
-        mul: f32,
-        add: f32,
-        x: usize,
-    },
-    Binary {
-        f: BinaryOp,
-        a: usize,
-        b: usize,
-    },
+    /// The external operand `input` (index into [`Group::inputs`]).
+    Load { input: usize },
+    /// `value` everywhere.
+    Const { value: f32 },
+    /// `f(x)`.
+    Unary { f: UnaryOp, x: usize },
+    /// `x * mul + add`.
+    Affine { mul: f32, add: f32, x: usize },
+    /// `a f b`.
+    Binary { f: BinaryOp, a: usize, b: usize },
 }
 
 /// A fused elementwise group: computes the value of node `anchor` from `inputs`.
