@@ -19,7 +19,7 @@
 use crate::comm::{AllToAllOutput, Comm, CommError, Pending};
 use crate::fusion::Fusion;
 use crate::mesh::{Mesh, MeshError};
-use candle_core::{DType as CDType, Device, Tensor};
+use candle_core::{CpuStorage, DType as CDType, Device, Tensor};
 use graphpp_graph::{BinaryOp, CollectiveKind, CommGroup, DType, Graph, InputKind, Op, UnaryOp, ValueId};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -776,7 +776,12 @@ fn sum_rows(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tenso
     let dims = x.dims();
     let (a, k) = (dims[..axis].iter().product::<usize>(), dims[axis]);
     let b: usize = dims[axis + 1..].iter().product();
-    let src = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    let x = x.contiguous()?;
+    let (storage, layout) = x.storage_and_layout();
+    let candle_core::Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
+        candle_core::bail!("sum_rows takes a CPU f32 tensor")
+    };
+    let src = &data[layout.start_offset()..layout.start_offset() + a * k * b];
     let mut out = vec![0f32; a * b];
     for (o, block) in out.chunks_mut(b.max(1)).zip(src.chunks((k * b).max(1))) {
         for row in block.chunks(b.max(1)) {

@@ -230,29 +230,36 @@ fn groups_take_values_read_only_inside_them() {
     both_ways(&g, &mut Env::new(), &mut Rng::new(1));
 }
 
-#[test]
-fn a_broadcast_read_by_no_fusible_node_stays_a_view() {
-    // bias [8] broadcast to [4, 8] and fed to a matmul: the interpreter's view, not a copy.
-    let mut b = GraphBuilder::new("view", DType::F32);
+/// `bias [8]` broadcast to `[4, 8]` and read by `read` (with the graph's builder); returns the
+/// graph and the broadcast's and the reader's ids.
+fn broadcast_read_by(
+    read: impl Fn(&mut GraphBuilder, graphpp_graph::ValueId) -> graphpp_graph::ValueId,
+) -> (Graph, usize, usize) {
+    let mut b = GraphBuilder::new("broadcast", DType::F32);
     let bias = b.input("bias", InputKind::Activation, vec![8]).unwrap();
     let wide = b.broadcast(bias, vec![4, 8]).unwrap();
-    let w = b.input("w", InputKind::Parameter, vec![8, 2]).unwrap();
-    let y = b.matmul(wide, w).unwrap();
+    let y = read(&mut b, wide);
     b.output("y", y);
-    let g = b.finish().unwrap();
+    (b.finish().unwrap(), wide.0, y.0)
+}
+
+#[test]
+fn a_broadcast_read_by_no_fusible_node_stays_a_view() {
+    // Fed to a matmul: the interpreter's view, not a copy.
+    let (g, _, _) = broadcast_read_by(|b, wide| {
+        let w = b.input("w", InputKind::Parameter, vec![8, 2]).unwrap();
+        b.matmul(wide, w).unwrap()
+    });
     let p = Program::compile(&g);
     assert!(p.fusion().groups.is_empty(), "{:?}", p.fusion().groups);
     // Read by a fusible node, the same broadcast is a member (a strided load).
-    let mut b = GraphBuilder::new("member", DType::F32);
-    let bias = b.input("bias", InputKind::Activation, vec![8]).unwrap();
-    let wide = b.broadcast(bias, vec![4, 8]).unwrap();
-    let x = b.input("x", InputKind::Activation, vec![4, 8]).unwrap();
-    let y = b.add2(x, wide).unwrap();
-    b.output("y", y);
-    let g = b.finish().unwrap();
+    let (g, wide, y) = broadcast_read_by(|b, wide| {
+        let x = b.input("x", InputKind::Activation, vec![4, 8]).unwrap();
+        b.add2(x, wide).unwrap()
+    });
     let p = Program::compile(&g);
     assert_eq!(p.fusion().groups.len(), 1);
-    assert_eq!(p.fusion().groups[0].members, vec![wide.0, y.0]);
+    assert_eq!(p.fusion().groups[0].members, vec![wide, y]);
     both_ways(&g, &mut Env::new(), &mut Rng::new(2));
 }
 
