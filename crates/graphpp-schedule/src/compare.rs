@@ -102,9 +102,10 @@ mod tests {
 
     #[test]
     fn a_shape_too_large_for_one_kind_is_refused_before_building() {
-        // ZB-V pads to 2p − 1 microbatches: 10^5 ranks would build 1.2·10^11 actions.
-        let e = compare(100_000, 8, &Costs::default(), &Memory::default()).unwrap_err();
-        assert!(matches!(e, GenerateError::TooLarge { kind: Kind::Zbv, ranks: 100_000, .. }), "{e:?}");
+        // 10^6 ranks × 8 microbatches: GPipe, the first kind, would build 1.6·10^7 actions (under
+        // the limit), ZB-V 4.8·10^7 (over it); nothing is built before the refusal.
+        let e = compare(1_000_000, 8, &Costs::default(), &Memory::default()).unwrap_err();
+        assert!(matches!(e, GenerateError::TooLarge { ranks: 1_000_000, .. }), "{e:?}");
         assert_eq!(compare(4, 8, &Costs::default(), &Memory::default()).unwrap().len(), Kind::ALL.len());
     }
 }

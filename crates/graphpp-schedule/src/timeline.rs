@@ -76,10 +76,36 @@ impl Timeline {
         self.intervals.iter().map(|i| i.start).fold(f64::INFINITY, f64::min).min(self.makespan())
     }
 
-    /// Intervals of rank `r`, sorted by start time.
-    pub fn rank_intervals(&self, r: RankId) -> Vec<Interval> {
-        let mut v: Vec<Interval> = self.intervals.iter().filter(|i| i.rank == r).copied().collect();
-        v.sort_by(|a, b| a.start.total_cmp(&b.start));
-        v
+    /// Every rank's intervals, each rank's sorted by start time: one pass over the intervals
+    /// (`by_rank()[r]` for rank `r`; an interval of a rank ≥ [`Timeline::ranks`] is left out).
+    pub fn by_rank(&self) -> Vec<Vec<Interval>> {
+        let mut rows = vec![Vec::new(); self.ranks];
+        for i in &self.intervals {
+            if let Some(row) = rows.get_mut(i.rank) {
+                row.push(*i);
+            }
+        }
+        for row in &mut rows {
+            row.sort_by(|a: &Interval, b| a.start.total_cmp(&b.start));
+        }
+        rows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn by_rank_groups_and_sorts() {
+        let at = |rank, start: f64| Interval { rank, start, end: start + 1.0, action: Action::f(rank, 0) };
+        let t = Timeline {
+            ranks: 2,
+            intervals: vec![at(1, 3.0), at(0, 2.0), at(1, 1.0), at(0, 0.0), at(5, 0.0)],
+            comm: Vec::new(),
+            unit: "unit".into(),
+        };
+        let starts: Vec<Vec<f64>> = t.by_rank().iter().map(|r| r.iter().map(|i| i.start).collect()).collect();
+        assert_eq!(starts, vec![vec![0.0, 2.0], vec![1.0, 3.0]]);
     }
 }

@@ -6,8 +6,9 @@
 //! stages (DualPipe: the `p` stages of its direction), with two actions per visit (F, B) or three
 //! (F, I, W) where the kind splits the backward. Lowering adds at most two SEND/RECV per F and per
 //! backward, which take less memory per action than a simulated compute action, so the compute
-//! count prices the whole chain. Some generators build more than they keep: ZB-V pads `m` to
-//! `2p − 1` microbatches per rank, and ZB auto runs its heuristic for 8 flag combinations.
+//! count prices the whole chain. Some generators build more than they keep: ZB auto runs its
+//! heuristic for 8 flag combinations. (ZB-V counts its padding microbatches, up to `2p − 1`,
+//! without building them.)
 
 use super::{GenerateError, Kind, Shape};
 
@@ -53,8 +54,6 @@ pub fn estimate(kind: Kind, shape: &Shape) -> ScheduleSize {
     };
     let actions = visits.saturating_mul(per_visit);
     let built = match kind {
-        // Every rank builds 3 actions per chunk and padded microbatch before dropping the padding.
-        Kind::Zbv => p.saturating_mul(6).saturating_mul(m.max((2 * p).saturating_sub(1))),
         Kind::ZbAuto | Kind::ZbvAuto => actions.saturating_mul(8),
         _ => actions,
     };
@@ -136,10 +135,12 @@ mod tests {
             text.contains("8.0e9 actions") && text.contains("1.3 TB") && text.contains("3.0e7"),
             "{text}"
         );
-        // ZB-V pads m to 2p − 1: 10^5 ranks build 1.2·10^11 actions though they keep 4.8·10^6.
+        // ZB-V counts its padding without building it: 10^5 ranks and 8 microbatches build the
+        // 4.8·10^6 actions they keep (not 1.2·10^11); 10^6 ranks are refused.
         let z = estimate(Kind::Zbv, &Shape::new(100_000, 2, 8));
-        assert_eq!((z.actions, z.built), (4_800_000, 6 * 100_000 * 199_999));
-        assert!(check_size(Kind::Zbv, &Shape::new(100_000, 2, 8)).is_err());
+        assert_eq!((z.actions, z.built), (4_800_000, 4_800_000));
+        assert!(check_size(Kind::Zbv, &Shape::new(100_000, 2, 8)).is_ok());
+        assert!(check_size(Kind::Zbv, &Shape::new(1_000_000, 2, 8)).is_err());
         // Saturates instead of overflowing.
         let big = estimate(Kind::Gpipe, &Shape::new(usize::MAX, usize::MAX, usize::MAX));
         assert_eq!(big.actions, u128::MAX);

@@ -55,9 +55,9 @@ pub fn grid(t: &Timeline, style: &GridStyle) -> String {
     }
     let width = t.intervals.iter().map(|i| label(&i.action).len()).max().unwrap_or(1).max(1);
     let mut out = String::new();
-    for r in 0..t.ranks {
+    for (r, row) in t.by_rank().iter().enumerate() {
         let mut cells: Vec<Option<Action>> = vec![None; cols];
-        for i in t.rank_intervals(r).iter().filter(|i| i.end > i.start) {
+        for i in row.iter().filter(|i| i.end > i.start) {
             let a = (i.start / quantum + 1e-9).floor() as usize;
             let b = ((i.end / quantum) - 1e-9).ceil() as usize;
             for c in cells.iter_mut().take(b.min(cols)).skip(a) {
