@@ -17,7 +17,7 @@ fn time<T>(slot: &mut Duration, f: impl FnOnce() -> T) -> T {
     out
 }
 
-const PASSES: [&str; 9] = [
+const PASSES: [&str; 10] = [
     "generate",
     "validate(compute-only)",
     "add_send_recv",
@@ -26,11 +26,12 @@ const PASSES: [&str; 9] = [
     "DepGraph::build",
     "topo_order",
     "simulate",
-    "total: generate+lower+validate+simulate",
+    "Validated::simulate (validation's walk)",
+    "total: generate+lower+validated+simulate",
 ];
 
-fn profile(kind: Kind, shape: &Shape, repeats: usize) -> [Duration; 9] {
-    let mut t = [Duration::MAX; 9];
+fn profile(kind: Kind, shape: &Shape, repeats: usize) -> [Duration; 10] {
+    let mut t = [Duration::MAX; 10];
     for _ in 0..repeats {
         let s = time(&mut t[0], || generate(kind, shape, &Options::default()).unwrap());
         time(&mut t[1], || validate(&s, &ValidateOptions::default()).unwrap());
@@ -40,15 +41,21 @@ fn profile(kind: Kind, shape: &Shape, repeats: usize) -> [Duration; 9] {
         let g = time(&mut t[5], || deps::DepGraph::build(&l).unwrap());
         time(&mut t[6], || g.topo_order().unwrap());
         time(&mut t[7], || simulate(&l, &Costs::default(), &Memory::default()).unwrap());
-        time(&mut t[8], || {
-            let s = generate(kind, shape, &Options::default()).unwrap();
-            let l = lower(&s, &LowerOptions::default()).unwrap();
-            validate(&l, &ValidateOptions::default()).unwrap();
-            simulate(&l, &Costs::default(), &Memory::default()).unwrap()
-        });
+        let v = validated(&l, &ValidateOptions::default()).unwrap();
+        time(&mut t[8], || v.simulate(&Costs::default(), &Memory::default()).unwrap());
+        drop(v);
+        time(&mut t[9], || pipeline(kind, shape));
         eprintln!("{kind}: {summary}");
     }
     t
+}
+
+/// The whole pipeline: generate, lower, validate (keeping the walk), simulate on that walk.
+fn pipeline(kind: Kind, shape: &Shape) -> SimReport {
+    let s = generate(kind, shape, &Options::default()).unwrap();
+    let l = lower(&s, &LowerOptions::default()).unwrap();
+    let v = validated(&l, &ValidateOptions::default()).unwrap();
+    v.simulate(&Costs::default(), &Memory::default()).unwrap()
 }
 
 fn main() {
@@ -59,15 +66,12 @@ fn main() {
     if let Ok(kind) = std::env::var("PROF_KIND") {
         let kind: Kind = kind.parse().expect("a schedule kind");
         for _ in 0..repeats {
-            let s = generate(kind, &shape, &Options::default()).unwrap();
-            let l = lower(&s, &LowerOptions::default()).unwrap();
-            validate(&l, &ValidateOptions::default()).unwrap();
-            simulate(&l, &Costs::default(), &Memory::default()).unwrap();
+            pipeline(kind, &shape);
         }
         return;
     }
     let kinds = [Kind::Zbv, Kind::Interleaved1F1B];
-    let rows: Vec<[Duration; 9]> = kinds.iter().map(|&k| profile(k, &shape, repeats)).collect();
+    let rows: Vec<[Duration; 10]> = kinds.iter().map(|&k| profile(k, &shape, repeats)).collect();
     println!(
         "p={} v={} m={} (best of {repeats}, ms)",
         shape.ranks, shape.stages_per_rank, shape.microbatches

@@ -151,9 +151,15 @@ impl Pos {
     }
 }
 
-/// Producer table: for each of the 10 (compute or comm) kinds and each (stage, mb), the position
-/// of the first action that performs it.
-struct Index(TaskMap<Pos>);
+/// Producer tables: for each compute kind (F, B, I, W) and each comm kind (SEND/RECV/WAIT_SEND)
+/// and each (stage, mb), the position of the first action that performs it. Two tables, so that
+/// the validator's own indexes of compute and comm actions serve the walk as they are.
+pub(crate) struct Index {
+    /// Slot = [`ComputeKind`] as index.
+    pub compute: TaskMap<Pos>,
+    /// Slot = [`CommKind`] as index.
+    pub comm: TaskMap<Pos>,
+}
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Slot {
@@ -162,13 +168,6 @@ enum Slot {
 }
 
 impl Slot {
-    #[inline]
-    fn id(self) -> usize {
-        match self {
-            Slot::Compute(k) => k as usize,
-            Slot::Comm(k) => 4 + k as usize,
-        }
-    }
     fn text(self, t: Task) -> String {
         match self {
             Slot::Compute(k) => format!("{}{k}{}", t.stage, t.mb),
@@ -178,7 +177,7 @@ impl Slot {
 }
 
 impl Index {
-    /// The producer table and the routes (see [`routes`]) of `rows`, in two passes.
+    /// The producer tables and the routes (see [`routes`]) of `rows`, in two passes.
     fn new<C: ProgramCell>(rows: &[Vec<C>]) -> (Self, Vec<Option<Range<usize>>>) {
         let mut routes = Vec::new();
         for t in rows.iter().flatten().filter_map(C::action).flat_map(tasks_of) {
@@ -187,31 +186,34 @@ impl Index {
         (Self::with_routes(rows, &routes), routes)
     }
 
-    /// The producer table of `rows` given their routes (see [`routes`]).
+    /// The producer tables of `rows` given their routes (see [`routes`]).
     fn with_routes<C: ProgramCell>(rows: &[Vec<C>], routes: &[Option<Range<usize>>]) -> Self {
         let stages = routes.iter().flatten().map(|r| r.end).max().unwrap_or(0);
         let cells = rows.iter().map(Vec::len).sum();
-        let mut ix = Index(TaskMap::new(10, stages, routes.len(), cells));
+        let mut ix = Index {
+            compute: TaskMap::new(4, stages, routes.len(), cells),
+            comm: TaskMap::new(6, stages, routes.len(), cells),
+        };
         for (rank, row) in rows.iter().enumerate() {
             for (index, cell) in row.iter().enumerate() {
                 let Some(a) = cell.action() else { continue };
                 for (k, t) in a.computes() {
-                    ix.set(Slot::Compute(k), t, Pos::new(rank, index));
+                    ix.compute.first(k as usize, t, Pos::new(rank, index));
                 }
                 if let Action::Comm { kind, task } = *a {
-                    ix.set(Slot::Comm(kind), task, Pos::new(rank, index));
+                    ix.comm.first(kind as usize, task, Pos::new(rank, index));
                 }
             }
         }
         ix
     }
-    #[inline]
-    fn set(&mut self, s: Slot, t: Task, g: Pos) {
-        self.0.first(s.id(), t, g);
-    }
+
     #[inline]
     fn get(&self, s: Slot, t: Task) -> Option<Pos> {
-        self.0.get(s.id(), t)
+        match s {
+            Slot::Compute(k) => self.compute.get(k as usize, t),
+            Slot::Comm(k) => self.comm.get(k as usize, t),
+        }
     }
     /// The backward-like action (B, else I) of a task.
     #[inline]
@@ -350,21 +352,27 @@ fn offsets_of<C>(rows: &[Vec<C>]) -> Vec<usize> {
 }
 
 /// Runs a schedule's programs under blocking semantics without building a [`DepGraph`]: each
-/// rank runs until an action needs an unfinished producer and resumes once the producer's rank
-/// has passed it. Linear in the number of cells (plus, per rank that advances, a look at its few
-/// waiters). The producers are listed first, rank by rank, so the run reads them in order.
+/// rank runs until an action needs an unfinished producer and resumes once the producer has run.
+/// Linear in the number of cells (plus, per rank that advances, a look at its few waiters). The
+/// producers are listed first, rank by rank, as global cell indexes, so the run reads them in
+/// order.
 pub(crate) struct Walk<'a> {
     rows: &'a [Vec<Step>],
     /// Global index of each rank's first cell (idle cells counted); `offsets[p]` = cells.
     offsets: Vec<usize>,
     /// `start[g]..start[g + 1]`: the producers of cell g in `producers`.
     start: Vec<u32>,
-    producers: Vec<Pos>,
+    /// Global cell indexes.
+    producers: Vec<u32>,
     /// Some action's producer is absent.
     missing: bool,
     /// The routes of every microbatch (see [`routes`]).
     pub routes: Vec<Option<Range<usize>>>,
 }
+
+/// What [`Walk::run`] ran: `(rank, from, to)` for each stretch of steps `from..to` a rank ran
+/// without waiting, in the order the stretches ran (every producer before its consumer).
+pub(crate) type RunOrder = Vec<[u32; 3]>;
 
 impl<'a> Walk<'a> {
     /// Lists the producers of every action of `s`.
@@ -375,11 +383,17 @@ impl<'a> Walk<'a> {
     /// [`Walk::new`] given the routes of `s` (see [`routes`]: every task any action names).
     pub fn with_routes(s: &'a Schedule, routes: Vec<Option<Range<usize>>>) -> Self {
         let ix = Index::with_routes(&s.ranks, &routes);
+        Self::with_index(s, routes, &ix)
+    }
+
+    /// [`Walk::with_routes`] given the producer tables of `s` as well (the validator's).
+    pub fn with_index(s: &'a Schedule, routes: Vec<Option<Range<usize>>>, ix: &Index) -> Self {
         let offsets = offsets_of(&s.ranks);
+        let cells = offsets[s.ranks.len()];
         let mut w = Walk {
             rows: &s.ranks,
-            start: Vec::with_capacity(offsets[s.ranks.len()] + 1),
-            producers: Vec::with_capacity(2 * offsets[s.ranks.len()]),
+            start: Vec::with_capacity(cells + 1),
+            producers: Vec::with_capacity(cells + cells / 2),
             offsets,
             missing: false,
             routes: Vec::new(),
@@ -388,7 +402,7 @@ impl<'a> Walk<'a> {
         for (rank, row) in s.ranks.iter().enumerate() {
             for (index, cell) in row.iter().enumerate() {
                 if let Some(a) = cell {
-                    w.missing |= !w.list(a, Pos::new(rank, index), &ix, &routes);
+                    w.missing |= !w.list(a, Pos::new(rank, index), ix, &routes);
                 }
                 w.start.push(w.producers.len() as u32);
             }
@@ -404,7 +418,7 @@ impl<'a> Walk<'a> {
             for need in needs_of(slot, t, ix, route).into_iter().flatten() {
                 match need {
                     Ok(p) if p == me => {}
-                    Ok(p) => self.producers.push(p),
+                    Ok(p) => self.producers.push(self.global(p) as u32),
                     Err(_) => return false,
                 }
             }
@@ -418,46 +432,115 @@ impl<'a> Walk<'a> {
     }
 
     /// The global cell index of a position.
+    #[inline]
     pub fn global(&self, p: Pos) -> usize {
         self.offsets[p.rank as usize] + p.index as usize
     }
 
-    /// Runs rank `r` from `pc[r]` on until it ends (`None`) or waits (the producer it waits for).
-    fn advance<F>(&self, r: RankId, pc: &mut [usize], visit: &mut F) -> Option<Pos>
+    /// The global cell indexes of rank `r`'s cells.
+    #[inline]
+    pub fn row(&self, r: RankId) -> Range<usize> {
+        self.offsets[r]..self.offsets[r + 1]
+    }
+
+    /// The position of a global cell index.
+    fn pos(&self, g: usize) -> Pos {
+        // The last rank starting at or before g: an empty rank shares its start with the next.
+        let rank = self.offsets.partition_point(|&o| o <= g) - 1;
+        Pos::new(rank, g - self.offsets[rank])
+    }
+
+    /// The producers (global cell indexes) of the cell at global index `g`.
+    #[inline]
+    fn producers_of(&self, g: usize) -> &[u32] {
+        &self.producers[self.start[g] as usize..self.start[g + 1] as usize]
+    }
+
+    /// Runs rank `r` from `pc[r]` on until it ends (`None`) or waits (the producer it waits for,
+    /// a global index); `done[g]` tells whether cell g has run.
+    fn advance<F>(&self, r: RankId, pc: &mut [usize], done: &mut [bool], visit: &mut F) -> Option<usize>
     where
-        F: FnMut(RankId, usize, &Action, &[Pos]),
+        F: FnMut(RankId, usize, &Action, &[u32]),
     {
-        while let Some(cell) = self.rows[r].get(pc[r]) {
+        let row = &self.rows[r];
+        let base = self.offsets[r];
+        while let Some(cell) = row.get(pc[r]) {
+            let g = base + pc[r];
             if let Some(a) = cell {
-                let g = self.offsets[r] + pc[r];
-                let producers = &self.producers[self.start[g] as usize..self.start[g + 1] as usize];
-                if let Some(&p) = producers.iter().find(|p| p.index as usize >= pc[p.rank as usize]) {
-                    return Some(p);
+                let producers = self.producers_of(g);
+                if let Some(&p) = producers.iter().find(|&&p| !done[p as usize]) {
+                    return Some(p as usize);
                 }
                 visit(r, pc[r], a, producers);
             }
+            done[g] = true;
             pc[r] += 1;
         }
         None
     }
 
-    /// Runs every rank to its end, calling `visit(rank, step, action, producers)` for each action
-    /// after all its producers. Returns true when every action ran: every producer exists and the
-    /// ranks do not deadlock, which is what [`DepGraph::build`] and [`DepGraph::topo_order`] check.
-    pub fn run<F>(&self, mut visit: F) -> bool
+    /// Calls `visit(rank, step, action, producers)` for each action of the stretches of `order`
+    /// (what [`Walk::run_order`] returned, so every producer comes before its consumer).
+    pub fn replay<F>(&self, order: &[[u32; 3]], mut visit: F)
     where
-        F: FnMut(RankId, usize, &Action, &[Pos]),
+        F: FnMut(RankId, usize, &Action, &[u32]),
+    {
+        for &[r, from, to] in order {
+            let r = r as usize;
+            let base = self.offsets[r];
+            for step in from as usize..to as usize {
+                if let Some(a) = &self.rows[r][step] {
+                    visit(r, step, a, self.producers_of(base + step));
+                }
+            }
+        }
+    }
+
+    /// Runs every rank to its end, calling `visit(rank, step, action, producers)` for each action
+    /// after all its producers (global cell indexes). Returns true when every action ran: every
+    /// producer exists and the ranks do not deadlock, which is what [`DepGraph::build`] and
+    /// [`DepGraph::topo_order`] check.
+    pub fn run<F>(&self, visit: F) -> bool
+    where
+        F: FnMut(RankId, usize, &Action, &[u32]),
+    {
+        self.run_stretches(visit, |_, _, _| {})
+    }
+
+    /// [`Walk::run`] with no visit, returning the order it ran the cells in when every action ran.
+    pub fn run_order(&self) -> Option<RunOrder> {
+        let mut order = RunOrder::new();
+        let ran = self.run_stretches(
+            |_, _, _, _| {},
+            |r, from, to| {
+                if to > from {
+                    order.push([r as u32, from as u32, to as u32]);
+                }
+            },
+        );
+        ran.then_some(order)
+    }
+
+    /// [`Walk::run`], also calling `stretch(rank, from, to)` after each stretch of steps a rank ran.
+    fn run_stretches<F, G>(&self, mut visit: F, mut stretch: G) -> bool
+    where
+        F: FnMut(RankId, usize, &Action, &[u32]),
+        G: FnMut(RankId, usize, usize),
     {
         if self.missing {
             return false;
         }
         let p = self.rows.len();
         let mut pc = vec![0usize; p];
+        let mut done = vec![false; self.cells()];
         let mut waits_for = vec![0usize; p];
         let mut waiters: Vec<Vec<RankId>> = vec![Vec::new(); p];
         let mut ready: Vec<RankId> = (0..p).rev().collect();
         while let Some(r) = ready.pop() {
-            if let Some(on) = self.advance(r, &mut pc, &mut visit) {
+            let from = pc[r];
+            let blocked = self.advance(r, &mut pc, &mut done, &mut visit);
+            stretch(r, from, pc[r]);
+            if let Some(on) = blocked.map(|g| self.pos(g)) {
                 waits_for[r] = on.index as usize;
                 waiters[on.rank as usize].push(r);
             }

@@ -26,4 +26,4 @@ pub use placement::Placement;
 pub use schedule::{CsvError, CsvProblem, RankId, Schedule, ScheduleParseError, Step};
 pub use simulate::{simulate, SimReport, SimulateError};
 pub use timeline::{CommSpan, Interval, Timeline};
-pub use validate::{validate, ErrorKind, Summary, ValidateOptions, ValidationError};
+pub use validate::{validate, validated, ErrorKind, Summary, ValidateOptions, Validated, ValidationError};

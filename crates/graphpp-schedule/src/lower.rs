@@ -11,7 +11,7 @@ use std::ops::Range;
 use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
 use crate::schedule::{Schedule, Step};
 use crate::validate::{
-    compute_routes, stage_rank_table, validate_tables, Loc, StageRanks, ValidateOptions, ValidationError,
+    compute_routes, stage_rank_table, validated, Loc, StageRanks, ValidateOptions, ValidationError,
 };
 
 /// Why a lowering pass refused a schedule.
@@ -70,15 +70,16 @@ pub struct LowerOptions {
 /// # Errors
 /// [`LowerError::Invalid`] for an invalid input; the passes' errors otherwise.
 pub fn lower(s: &Schedule, opts: &LowerOptions) -> Result<Schedule, LowerError> {
-    let (summary, rank_of, routes) = validate_tables(s, &ValidateOptions::default())?;
+    let checked = validated(s, &ValidateOptions::default())?;
     match opts.fsdp_max_unsharded {
         Some(n) => add_send_recv(&add_reduce_grad(&add_unshard_reshard(s, n)?)?),
         None if opts.reduce_grad => add_send_recv(&add_reduce_grad(s)?),
         None => {
             // The input is valid: its stage → rank table and routes are the ones validation built.
-            if summary.counts.send + summary.counts.recv > 0 {
+            if checked.summary.counts.send + checked.summary.counts.recv > 0 {
                 refuse_comm(s)?;
             }
+            let (rank_of, routes) = (checked.placement, checked.walk.routes);
             Ok(send_recv_with(s, &Wiring { rank_of, routes }))
         }
     }

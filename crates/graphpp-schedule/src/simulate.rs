@@ -9,9 +9,10 @@
 
 use crate::action::{Action, ComputeKind};
 use crate::costs::{check_cost, CostError, Costs, Memory};
-use crate::deps::{DepGraph, MissingDep, Pos, Walk};
+use crate::deps::{DepGraph, MissingDep, Walk};
 use crate::schedule::{RankId, Schedule};
 use crate::timeline::{Interval, Timeline};
+use crate::validate::Validated;
 
 /// Why a schedule cannot be simulated.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -91,23 +92,71 @@ pub fn simulate_with(
     memory: &Memory,
 ) -> Result<SimReport, SimulateError> {
     check_cost("C", comm)?;
-    let walk = Walk::new(schedule);
+    simulate_walk(schedule, &Walk::new(schedule), None, duration, comm, memory)
+}
+
+impl Validated<'_> {
+    /// [`simulate`] of the validated schedule: the validation's producer tables and action order
+    /// serve the simulation, so nothing is looked up twice.
+    ///
+    /// # Errors
+    /// [`SimulateError::Costs`] when a cost fails [`Costs::check`] (a validated schedule has its
+    /// producers and does not deadlock).
+    pub fn simulate(&self, costs: &Costs, memory: &Memory) -> Result<SimReport, SimulateError> {
+        costs.check()?;
+        self.simulate_with(|a| duration(a, costs), costs.comm, memory)
+    }
+
+    /// [`simulate_with`] of the validated schedule.
+    ///
+    /// # Errors
+    /// As [`Validated::simulate`], for the latency `comm`.
+    pub fn simulate_with(
+        &self,
+        duration: impl Fn(&Action) -> f64,
+        comm: f64,
+        memory: &Memory,
+    ) -> Result<SimReport, SimulateError> {
+        check_cost("C", comm)?;
+        simulate_walk(self.schedule, &self.walk, Some(&self.order), duration, comm, memory)
+    }
+}
+
+/// The simulation of `schedule` over its `walk`: in the walk's own order, or in `order` (one a
+/// run of the walk visited).
+fn simulate_walk(
+    schedule: &Schedule,
+    walk: &Walk<'_>,
+    order: Option<&[[u32; 3]]>,
+    duration: impl Fn(&Action) -> f64,
+    comm: f64,
+    memory: &Memory,
+) -> Result<SimReport, SimulateError> {
     let mut end = vec![0.0f64; walk.cells()];
     let mut free = vec![0.0f64; schedule.num_ranks()];
     let mut intervals = Vec::with_capacity(walk.cells());
     let mut totals = Totals::new(schedule.num_ranks());
-    let ran_all = walk.run(|rank, step, a, producers| {
+    let mut visit = |rank: RankId, step: usize, a: &Action, producers: &[u32]| {
         let mut start = free[rank];
+        let row = walk.row(rank);
         for &p in producers {
-            let hop = if p.rank as usize != rank { comm } else { 0.0 };
-            start = start.max(end[walk.global(p)] + hop);
+            let p = p as usize;
+            let hop = if row.contains(&p) { 0.0 } else { comm };
+            start = start.max(end[p] + hop);
         }
         let e = start + duration(a);
-        end[walk.global(Pos::new(rank, step))] = e;
+        end[row.start + step] = e;
         free[rank] = e;
         totals.add(rank, start, e);
         intervals.push(Interval { rank, start, end: e, action: *a });
-    });
+    };
+    let ran_all = match order {
+        Some(order) => {
+            walk.replay(order, &mut visit);
+            true
+        }
+        None => walk.run(&mut visit),
+    };
     if !ran_all {
         return Err(failure(schedule));
     }

@@ -37,7 +37,7 @@ use std::fmt;
 use std::ops::Range;
 
 use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
-use crate::deps::{widen_route, DepGraph, MissingDep, Pos, Walk};
+use crate::deps::{widen_route, DepGraph, Index, MissingDep, Pos, RunOrder, Walk};
 use crate::placement::Placement;
 use crate::schedule::{RankId, Schedule};
 use crate::table::TaskMap;
@@ -991,12 +991,13 @@ fn comm_cell(ix: &CommIndex, a: &Action) -> Option<Pos> {
 }
 
 /// SEND/RECV checks; every stage is below `stages` and every microbatch below `routes.len()`.
+/// Returns the index of the comm actions (the dependency walk's comm producers).
 fn check_comm(
     s: &Schedule,
     routes: &[Option<Range<StageId>>],
     placement: &StageRanks,
     stages: usize,
-) -> Result<(), ValidationError> {
+) -> Result<CommIndex, ValidationError> {
     let mut ix = TaskMap::new(6, stages, routes.len(), cell_count(s));
     for at in cells(s) {
         let Action::Comm { kind, task } = at.action else { continue };
@@ -1018,7 +1019,8 @@ fn check_comm(
             return Err(ValidationError::WaitBeforeStart { at, start: Action::Comm { kind: send, task } });
         }
     }
-    check_handovers(s, &ix, routes, placement)
+    check_handovers(s, &ix, routes, placement)?;
+    Ok(ix)
 }
 
 /// Every cross-rank boundary of every route has its four comm actions.
@@ -1129,19 +1131,28 @@ fn check_reduce_grad(s: &Schedule, stages: usize) -> Result<(), ValidationError>
     }
 }
 
-/// Missing producers and deadlocks: a [`Walk`] when the schedule runs to its end, else the
-/// [`DepGraph`] (built only then) names the missing producer or the waiting cycle.
+/// Missing producers and deadlocks: a [`Walk`] when the schedule runs to its end (returned with
+/// the order it ran the actions in), else the [`DepGraph`] (built only then) names the missing
+/// producer or the waiting cycle.
 ///
 /// `routes` are the schedule's compute routes, which every other action's tasks lie within once
-/// the checks before have passed.
-fn check_deadlock(s: &Schedule, routes: &[Option<Range<StageId>>]) -> Result<(), ValidationError> {
-    if Walk::with_routes(s, routes.to_vec()).run(|_, _, _, _| {}) {
-        return Ok(());
+/// the checks before have passed; `ix` the producer tables the checks built.
+fn check_deadlock<'a>(
+    s: &'a Schedule,
+    routes: &[Option<Range<StageId>>],
+    ix: &Index,
+) -> Result<(Walk<'a>, RunOrder), ValidationError> {
+    let walk = Walk::with_index(s, routes.to_vec(), ix);
+    if let Some(order) = walk.run_order() {
+        return Ok((walk, order));
     }
     let g = DepGraph::build(s)?;
     let loc =
         |a: crate::deps::ActionRef| Loc { rank: a.rank, step: g.steps[a.rank][a.index], action: g.action(a) };
-    g.topo_order().map(|_| ()).map_err(|cycle| ValidationError::Deadlock {
+    // The walk and Kahn's order see the same edges: a walk that stops has a cycle (an empty one
+    // should they ever disagree).
+    let cycle = g.topo_order().err().unwrap_or_default();
+    Err(ValidationError::Deadlock {
         cycle: cycle.into_iter().map(|(a, b)| Wait { at: loc(a), on: loc(b) }).collect(),
     })
 }
@@ -1151,18 +1162,40 @@ fn check_deadlock(s: &Schedule, routes: &[Option<Range<StageId>>]) -> Result<(),
 /// # Errors
 /// The first [`ValidationError`] found.
 pub fn validate(s: &Schedule, opts: &ValidateOptions) -> Result<Summary, ValidationError> {
-    validate_tables(s, opts).map(|(summary, ..)| summary)
+    validated(s, opts).map(|v| v.summary)
 }
 
-/// The tables a valid schedule's [`Summary`] comes with: stage → rank, and the compute routes.
-pub(crate) type Tables = (Summary, StageRanks, Vec<Option<Range<StageId>>>);
+/// A schedule that passed [`validate`], with the dependency walk its deadlock check ran: what
+/// [`Validated::simulate`] needs, so that validating and simulating one schedule build the
+/// producer tables and walk the ranks once (the schedule toolchain's pipeline at p = 64, v = 2,
+/// m = 1024; issue 11).
+pub struct Validated<'a> {
+    /// What the schedule looks like.
+    pub summary: Summary,
+    /// The stage → rank table.
+    pub(crate) placement: StageRanks,
+    /// The producers of every action, and the routes.
+    pub(crate) walk: Walk<'a>,
+    /// Every action, in an order where each comes after its producers and the actions before it
+    /// on its rank (the order the deadlock check ran them in).
+    pub(crate) order: RunOrder,
+    /// The schedule checked.
+    pub(crate) schedule: &'a Schedule,
+}
 
-/// [`validate`], also returning the stage → rank table ([`stage_rank_table`]) and the routes
-/// ([`compute_routes`]) for passes that need them next.
+impl<'a> Validated<'a> {
+    /// The schedule that was checked.
+    pub fn schedule(&self) -> &'a Schedule {
+        self.schedule
+    }
+}
+
+/// [`validate`], keeping the tables and the walk for the passes that come next ([`crate::lower`],
+/// [`Validated::simulate`]).
 ///
 /// # Errors
 /// As [`validate`].
-pub(crate) fn validate_tables(s: &Schedule, opts: &ValidateOptions) -> Result<Tables, ValidationError> {
+pub fn validated<'a>(s: &'a Schedule, opts: &ValidateOptions) -> Result<Validated<'a>, ValidationError> {
     let survey = Survey::of(s);
     let c = &survey.counts;
     if c.f + c.b + c.i + c.w + c.overlap == 0 {
@@ -1177,22 +1210,24 @@ pub(crate) fn validate_tables(s: &Schedule, opts: &ValidateOptions) -> Result<Ta
         return Err(ValidationError::StageCount { expected, found: stages });
     }
     check_routes(routes, stages, &placement)?;
-    let (ix, early) = index_compute(s, stages, routes.len())?;
-    check_tasks(s, &ix, routes, &placement)?;
-    check_order(s, &ix, early)?;
+    let (compute, early) = index_compute(s, stages, routes.len())?;
+    check_tasks(s, &compute, routes, &placement)?;
+    check_order(s, &compute, early)?;
     check_known_stages(s, &survey, stages)?;
     let counts = survey.counts;
     let routes = &survey.routes;
-    if counts.send + counts.recv + counts.wait_send > 0 {
-        check_comm(s, routes, &placement, stages)?;
-    }
+    let comm = if counts.send + counts.recv + counts.wait_send > 0 {
+        check_comm(s, routes, &placement, stages)?
+    } else {
+        TaskMap::new(6, 0, 0, 0)
+    };
     if counts.unshard + counts.reshard > 0 {
         check_sharding(s)?;
     }
     if counts.reduce_grad + counts.wait_reduce_grad > 0 {
         check_reduce_grad(s, stages)?;
     }
-    check_deadlock(s, routes)?;
+    let (walk, order) = check_deadlock(s, routes, &Index { compute, comm })?;
     let lowered = counts.send
         + counts.recv
         + counts.wait_send
@@ -1210,7 +1245,7 @@ pub(crate) fn validate_tables(s: &Schedule, opts: &ValidateOptions) -> Result<Ta
         lowered,
         idle_ranks,
     };
-    Ok((summary, placement, survey.routes))
+    Ok(Validated { summary, placement, walk, order, schedule: s })
 }
 
 #[cfg(test)]
