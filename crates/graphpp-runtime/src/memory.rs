@@ -365,13 +365,13 @@ mod tests {
         let e = check_step_with(
             &LlamaConfig::tiny(),
             Kind::Zbv,
-            &Shape::new(10_000, 2, 8),
+            &Shape::new(1_000_000, 2, 8),
             (8, 64),
             false,
             budget(96),
         )
         .unwrap_err();
-        assert!(matches!(e, SizeError::Schedule(GenerateError::TooLarge { ranks: 10_000, .. })), "{e:?}");
+        assert!(matches!(e, SizeError::Schedule(GenerateError::TooLarge { ranks: 1_000_000, .. })), "{e:?}");
     }
 
     #[test]
