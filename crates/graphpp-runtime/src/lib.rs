@@ -7,6 +7,7 @@ pub mod clip;
 pub mod comm;
 pub mod data_parallel;
 pub mod executor;
+pub mod expf;
 pub mod fusion;
 pub mod lr;
 pub mod memory;

@@ -3,14 +3,15 @@
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use graphpp_schedule::{
-    generate, lower, simulate, validate, Costs, Kind, LowerOptions, Memory, Options, Shape, ValidateOptions,
+    generate, lower, validated, Costs, Kind, LowerOptions, Memory, Options, Shape, ValidateOptions,
 };
 
+/// The pipeline; the simulation runs on the validation's walk ([`graphpp_schedule::Validated`]).
 fn full(kind: Kind, shape: &Shape) -> f64 {
     let s = generate(kind, shape, &Options::default()).expect("shape is valid");
     let lowered = lower(&s, &LowerOptions::default()).expect("lowering succeeds");
-    validate(&lowered, &ValidateOptions::default()).expect("lowered schedule is valid");
-    simulate(&lowered, &Costs::default(), &Memory::default()).expect("no deadlock").makespan
+    let checked = validated(&lowered, &ValidateOptions::default()).expect("lowered schedule is valid");
+    checked.simulate(&Costs::default(), &Memory::default()).expect("costs are valid").makespan
 }
 
 fn bench(c: &mut Criterion) {
