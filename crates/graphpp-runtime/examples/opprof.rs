@@ -1,0 +1,107 @@
+//! Where a stage's forward + full backward spends its time, by op and shape, on the compiled
+//! executor: one stage holding every layer of a Llama preset, one thread, `--runs` timed runs
+//! after two warm-up runs (per-node wall times, `RunOptions::time_nodes`). A fused group's time is
+//! its anchor's, listed under the anchor's op (e.g. `fw Unary Exp [8, 4, 64, 64]` is softmax's
+//! fused exponent with the scale, mask and max subtraction before it).
+//!
+//! Run: `cargo run --release -p graphpp-runtime --example opprof -- [--model tiny|small]
+//! [--batch 8] [--seq-len 64] [--runs 10] [--top 30]`
+
+use candle_core::Tensor;
+use graphpp_graph::{stage_graphs, DType, Graph, Op, RecomputePolicy};
+use graphpp_models::rng::Rng;
+use graphpp_models::{build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, StageOptions};
+use graphpp_runtime::executor::{tensor_from_f64, tensor_u32, RunOptions};
+use graphpp_runtime::Program;
+use std::collections::HashMap;
+
+type Env = HashMap<String, Tensor>;
+
+/// The row a node's time is added to: its op, with the input shapes of a matmul or reduction and
+/// the output shape of an elementwise anchor.
+fn row(g: &Graph, i: usize) -> String {
+    let n = &g.nodes[i];
+    let dims = |v: graphpp_graph::ValueId| format!("{:?}", g.nodes[v.0].ty.shape);
+    match &n.op {
+        Op::Matmul => format!("Matmul {} x {}", dims(n.inputs[0]), dims(n.inputs[1])),
+        Op::Sum { axis, .. } => format!("Sum axis {axis} {}", dims(n.inputs[0])),
+        Op::Max { axis, .. } => format!("Max axis {axis} {}", dims(n.inputs[0])),
+        Op::Unary { f } => format!("Unary {f:?} {:?}", n.ty.shape),
+        Op::Binary { f } => format!("Binary {f:?} {:?}", n.ty.shape),
+        Op::Affine { .. } => format!("Affine {:?}", n.ty.shape),
+        op => format!("{op:?}").split([' ', '{', '(']).next().unwrap_or("?").to_string(),
+    }
+}
+
+fn main() {
+    let mut a: HashMap<String, String> =
+        [("model", "tiny"), ("batch", "8"), ("seq-len", "64"), ("runs", "10"), ("top", "30")]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .into();
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let key = k.trim_start_matches("--").to_string();
+        assert!(a.contains_key(&key), "unknown flag {k}");
+        a.insert(key, it.next().unwrap_or_else(|| panic!("{k} needs a value")));
+    }
+    let num = |k: &str| a[k].parse::<usize>().unwrap_or_else(|_| panic!("--{k} takes a number"));
+    // As `graphpp train --threads-per-rank 1` (graphpp::cmd::set_op_threads).
+    std::env::set_var("CANDLE_NUM_THREADS", "1");
+    std::env::set_var("RAYON_NUM_THREADS", "1");
+    let cfg = LlamaConfig::preset(&a["model"]).expect("--model tiny or small");
+    let opts = StageOptions::new(num("batch"), num("seq-len"));
+    let spec = split_layers(cfg.num_hidden_layers, 1, None).unwrap().remove(0);
+    let sg = stage_graphs(&build_stage(&cfg, &spec, &opts).unwrap(), &RecomputePolicy::SaveAll).unwrap();
+    let mut env = Env::new();
+    for (name, shape, data) in init_parameters(&cfg, &spec, 0) {
+        env.insert(name, Tensor::from_vec(data, shape, &candle_core::Device::Cpu).unwrap());
+    }
+    for (name, shape, data) in stage_buffers(&cfg, opts.seq) {
+        env.insert(name, tensor_from_f64(&data, &shape, DType::F32).unwrap());
+    }
+    let mut rng = Rng::new(1);
+    for name in ["tokens", "targets"] {
+        let ids: Vec<u32> =
+            (0..opts.batch * opts.seq).map(|_| rng.below(cfg.vocab_size as u64) as u32).collect();
+        env.insert(name.into(), tensor_u32(&ids, &[opts.batch, opts.seq]).unwrap());
+    }
+    let runs = num("runs").max(1);
+    let pool = graphpp_runtime::threads::rank_pool(0, 1).expect("thread pool");
+    pool.install(|| {
+        let (pf, pb) = (Program::compile(&sg.fw), Program::compile(&sg.full_bw));
+        let o = RunOptions { time_nodes: true, trace_peak: false };
+        let mut rows: HashMap<String, (f64, usize)> = HashMap::new();
+        let mut total = 0.0;
+        for i in 0..runs + 2 {
+            let t0 = std::time::Instant::now();
+            let f = pf.run_named_with(&sg.fw, &env, &o, None).expect("fw runs");
+            let mut e = env.clone();
+            e.extend(sg.fw.output_names().into_iter().zip(f.outputs));
+            let b = pb.run_named_with(&sg.full_bw, &e, &o, None).expect("full_bw runs");
+            if i < 2 {
+                continue;
+            }
+            total += t0.elapsed().as_secs_f64() * 1e3;
+            for (g, times, tag) in [(&sg.fw, f.node_times, "fw"), (&sg.full_bw, b.node_times, "bw")] {
+                for (n, t) in times.unwrap_or_default().iter().enumerate().filter(|(_, t)| !t.is_zero()) {
+                    let r = rows.entry(format!("{tag} {}", row(g, n))).or_default();
+                    r.0 += t.as_secs_f64() * 1e3;
+                    r.1 += 1;
+                }
+            }
+        }
+        let mut rows: Vec<_> = rows.into_iter().collect();
+        rows.sort_by(|x, y| y.1 .0.total_cmp(&x.1 .0));
+        println!(
+            "{} B={} T={} fw+full_bw, compiled, 1 thread: {:.2} ms a run (mean of {runs}, node timing on)",
+            a["model"],
+            opts.batch,
+            opts.seq,
+            total / runs as f64
+        );
+        println!("{:>9} {:>6}  op", "ms/run", "nodes");
+        for (name, (ms, count)) in rows.iter().take(num("top")) {
+            println!("{:>9.3} {:>6}  {name}", ms / runs as f64, count / runs);
+        }
+    });
+}
