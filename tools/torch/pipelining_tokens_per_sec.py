@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""PyTorch reference for `graphpp train` throughput: training tokens/s of graphpp's `tiny` model
-under torch.distributed.pipelining on this CPU (issue 4).
+"""PyTorch reference for `graphpp train` throughput: training tokens/s of graphpp's `tiny` (or,
+with --model small, `small`: D=256, 8 layers, 8 heads, SwiGLU inner 688) model under
+torch.distributed.pipelining on this CPU (issues 4 and 11).
 
 What it measures: two processes (ranks) joined by a gloo process group, each limited to
 `--threads` intra-op threads, train graphpp's `tiny` Llama-style decoder (V=256 byte tokens,
@@ -71,11 +72,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_fixture  # noqa: E402
 from llama_fixture import rms_norm, rope_tables, rotate_half  # noqa: E402
 
-# graphpp's `tiny` preset (crates/graphpp-models/src/config.rs, LlamaConfig::tiny).
+# graphpp's `tiny` and `small` presets (crates/graphpp-models/src/config.rs, LlamaConfig::tiny,
+# LlamaConfig::small).
 TINY = {
     "vocab_size": 256, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 4,
     "num_attention_heads": 4, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
 }
+SMALL = dict(TINY, hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8)
+MODELS = {"tiny": TINY, "small": SMALL}
 WORLD = 2
 # schedule name -> (class, stages per rank, placement "loop" (rank r: r, r+p, ...) or "v")
 SCHEDULES = {
@@ -191,12 +195,12 @@ def stage_meta(a, boundary, n_stages):
     (which in 2.15 pickles through numpy, absent from this venv). Float boundaries must say
     requires_grad=True: static mode derives the gradient buffers from it, and a False one
     silently makes the gradient sent back None."""
-    b, t = a.microbatch_size, a.seq_len
+    b, t, cfg = a.microbatch_size, a.seq_len, MODELS[a.model]
     if boundary == 0:
         return torch.empty(b, t, dtype=torch.long, device="meta")
     if boundary == n_stages:
-        return torch.empty(b, t, TINY["vocab_size"], device="meta", requires_grad=True)
-    return torch.empty(b, t, TINY["hidden_size"], device="meta", requires_grad=True)
+        return torch.empty(b, t, cfg["vocab_size"], device="meta", requires_grad=True)
+    return torch.empty(b, t, cfg["hidden_size"], device="meta", requires_grad=True)
 
 
 def read_corpus(path):
@@ -282,7 +286,7 @@ def worker(rank, a, port):
     torch.set_num_threads(a.threads)
     cls, per_rank, placement = SCHEDULES[a.schedule]
     n_stages = WORLD * per_rank
-    all_stages = build_stages(TINY, n_stages, a.seq_len)
+    all_stages = build_stages(MODELS[a.model], n_stages, a.seq_len)
     mine = stage_ids(rank, per_rank, placement)
     modules = [all_stages[i] for i in mine]
     pstages = [PipelineStage(m, i, n_stages, torch.device("cpu"),
@@ -328,7 +332,7 @@ def worker(rank, a, port):
     dist.all_reduce(fl)  # only the rank holding the last stage contributes non-zero losses
     if rank == 0:
         tok = a.microbatches * a.microbatch_size * a.seq_len
-        print(f"torch pipelining {a.schedule} p={WORLD} m={a.microbatches} B={a.microbatch_size} "
+        print(f"torch pipelining {a.model} {a.schedule} p={WORLD} m={a.microbatches} B={a.microbatch_size} "
               f"T={a.seq_len} threads={a.threads}: {tok * a.steps / dt:.0f} tokens/s "
               f"({dt / a.steps:.4f} s/step), loss {fl[0]:.4f}->{fl[1]:.4f}", flush=True)
     dist.destroy_process_group()
@@ -353,6 +357,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="seed of the window sampler")
     ap.add_argument("--data", default=None, help="UTF-8 text file or folder; default random bytes")
     ap.add_argument("--schedule", default="1F1B", choices=sorted(SCHEDULES))
+    ap.add_argument("--model", default="tiny", choices=sorted(MODELS),
+                    help="graphpp's preset (`graphpp train --model`)")
     ap.add_argument("--check", action="store_true",
                     help="only compare the stage modules with llama_fixture.forward, then exit")
     a = ap.parse_args()
