@@ -1,4 +1,7 @@
 //! Per-pass times of generate → lower → validate → simulate (the target shape by default).
+//! The last row lowers with the `add_send_recv` pass alone: the compute-only schedule is not
+//! validated on its own, the lowered one is (what a pipeline that only keeps the lowered schedule
+//! needs; `lower` validates its input because it may be called on its own).
 //!
 //! Run: `cargo run --release -p graphpp-schedule --example prof -- [p v m [repeats]]`
 //! (defaults 64 2 1024, 3 repeats; each figure is the fastest repeat, in milliseconds).
@@ -17,7 +20,7 @@ fn time<T>(slot: &mut Duration, f: impl FnOnce() -> T) -> T {
     out
 }
 
-const PASSES: [&str; 10] = [
+const PASSES: [&str; 11] = [
     "generate",
     "validate(compute-only)",
     "add_send_recv",
@@ -28,10 +31,11 @@ const PASSES: [&str; 10] = [
     "simulate",
     "Validated::simulate (validation's walk)",
     "total: generate+lower+validated+simulate",
+    "total, lowered by add_send_recv alone",
 ];
 
-fn profile(kind: Kind, shape: &Shape, repeats: usize) -> [Duration; 10] {
-    let mut t = [Duration::MAX; 10];
+fn profile(kind: Kind, shape: &Shape, repeats: usize) -> [Duration; 11] {
+    let mut t = [Duration::MAX; 11];
     for _ in 0..repeats {
         let s = time(&mut t[0], || generate(kind, shape, &Options::default()).unwrap());
         time(&mut t[1], || validate(&s, &ValidateOptions::default()).unwrap());
@@ -45,6 +49,12 @@ fn profile(kind: Kind, shape: &Shape, repeats: usize) -> [Duration; 10] {
         time(&mut t[8], || v.simulate(&Costs::default(), &Memory::default()).unwrap());
         drop(v);
         time(&mut t[9], || pipeline(kind, shape));
+        time(&mut t[10], || {
+            let s = generate(kind, shape, &Options::default()).unwrap();
+            let l = lower::add_send_recv(&s).unwrap();
+            let v = validated(&l, &ValidateOptions::default()).unwrap();
+            v.simulate(&Costs::default(), &Memory::default()).unwrap()
+        });
         eprintln!("{kind}: {summary}");
     }
     t
@@ -71,7 +81,7 @@ fn main() {
         return;
     }
     let kinds = [Kind::Zbv, Kind::Interleaved1F1B];
-    let rows: Vec<[Duration; 10]> = kinds.iter().map(|&k| profile(k, &shape, repeats)).collect();
+    let rows: Vec<[Duration; 11]> = kinds.iter().map(|&k| profile(k, &shape, repeats)).collect();
     println!(
         "p={} v={} m={} (best of {repeats}, ms)",
         shape.ranks, shape.stages_per_rank, shape.microbatches
