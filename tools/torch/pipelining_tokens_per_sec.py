@@ -245,12 +245,13 @@ def hf_params(stages):
     return out
 
 
-def check_against_fixture():
-    """The stage modules chained (f32) equal llama_fixture.forward (f64) in loss and every
-    gradient, for the 2- and 4-stage splits; exits non-zero otherwise."""
-    cfg = dict(TINY, num_key_value_heads=TINY["num_attention_heads"])
+def check_against_fixture(model):
+    """The stage modules of `model` chained (f32) equal llama_fixture.forward (f64) in loss and
+    every gradient, for the 2- and 4-stage splits; exits non-zero otherwise."""
+    base = MODELS[model]
+    cfg = dict(base, num_key_value_heads=base["num_attention_heads"])
     for n_stages in (2, 4):
-        stages = build_stages(TINY, n_stages, 16)
+        stages = build_stages(base, n_stages, 16)
         with torch.no_grad():  # perturb norms so they matter
             for m in stages:
                 for name, p in m.named_parameters():
@@ -363,7 +364,7 @@ def main():
                     help="only compare the stage modules with llama_fixture.forward, then exit")
     a = ap.parse_args()
     if a.check:
-        return check_against_fixture()
+        return check_against_fixture(a.model)
     for name in ("microbatches", "microbatch_size", "seq_len", "steps", "threads"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")

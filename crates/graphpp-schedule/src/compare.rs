@@ -102,10 +102,14 @@ mod tests {
 
     #[test]
     fn a_shape_too_large_for_one_kind_is_refused_before_building() {
-        // 10^6 ranks × 8 microbatches: GPipe, the first kind, would build 1.6·10^7 actions (under
-        // the limit), ZB-V 4.8·10^7 (over it); nothing is built before the refusal.
+        // 10^6 ranks × 8 microbatches: GPipe and 1F1B would build 1.6·10^7 actions (under the
+        // limit), interleaved 1F1B (v = 2) 3.2·10^7, the first kind over it; nothing is built
+        // before the refusal.
         let e = compare(1_000_000, 8, &Costs::default(), &Memory::default()).unwrap_err();
-        assert!(matches!(e, GenerateError::TooLarge { ranks: 1_000_000, .. }), "{e:?}");
+        assert!(
+            matches!(e, GenerateError::TooLarge { kind: Kind::Interleaved1F1B, ranks: 1_000_000, .. }),
+            "{e:?}"
+        );
         assert_eq!(compare(4, 8, &Costs::default(), &Memory::default()).unwrap().len(), Kind::ALL.len());
     }
 }

@@ -390,6 +390,8 @@ impl<'a> Walk<'a> {
     pub fn with_index(s: &'a Schedule, routes: Vec<Option<Range<usize>>>, ix: &Index) -> Self {
         let offsets = offsets_of(&s.ranks);
         let cells = offsets[s.ranks.len()];
+        // Global cell indexes are u32: 2^32 cells of 40 B would be 170 GB of schedule.
+        debug_assert!(cells < u32::MAX as usize, "{cells} cells: more than a u32 indexes");
         let mut w = Walk {
             rows: &s.ranks,
             start: Vec::with_capacity(cells + 1),
@@ -675,10 +677,13 @@ impl DepGraph {
                 fill[on] += 1;
             }
         }
-        let mut ready: Vec<usize> =
-            (0..self.programs.len()).map(|r| self.offsets[r]).filter(|&g| g < n && indeg[g] == 0).collect();
-        // Keep only rank starts that really begin a non-empty program.
-        ready.retain(|&g| self.at(g).index == 0);
+        // The first action of each non-empty program (an empty rank's offset is the next rank's
+        // start, which must not be listed twice).
+        let mut ready: Vec<usize> = (0..self.programs.len())
+            .filter(|&r| self.offsets[r] < self.offsets[r + 1])
+            .map(|r| self.offsets[r])
+            .filter(|&g| indeg[g] == 0)
+            .collect();
         let mut order = Vec::with_capacity(n);
         while let Some(g) = ready.pop() {
             let at = self.at(g);
@@ -780,6 +785,17 @@ mod tests {
             cycle.iter().map(|(a, b)| (g.action(*a).to_string(), g.action(*b).to_string())).collect();
         waits.sort();
         assert_eq!(waits, vec![("0B0".into(), "1B0".into()), ("1F1".into(), "0F1".into())]);
+    }
+
+    #[test]
+    fn an_empty_rank_between_two_is_ordered_once() {
+        // Rank 1 has no cells: its offset is rank 2's start, which Kahn's queue once held twice.
+        let mut s = sched("1F0,1B0\n\n0F0,0B0\n");
+        s.ranks[1].clear();
+        let g = DepGraph::build(&s).unwrap();
+        let order = g.topo_order().unwrap();
+        let texts: Vec<String> = order.iter().map(|&a| g.action(a).to_string()).collect();
+        assert_eq!(texts, ["0F0", "1F0", "1B0", "0B0"]);
     }
 
     #[test]

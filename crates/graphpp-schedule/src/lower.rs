@@ -11,7 +11,7 @@ use std::ops::Range;
 use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
 use crate::schedule::{Schedule, Step};
 use crate::validate::{
-    compute_routes, stage_rank_table, validated, Loc, StageRanks, ValidateOptions, ValidationError,
+    compute_routes, stage_rank_table, validated, Loc, StageRanks, ValidateOptions, Validated, ValidationError,
 };
 
 /// Why a lowering pass refused a schedule.
@@ -70,17 +70,18 @@ pub struct LowerOptions {
 /// # Errors
 /// [`LowerError::Invalid`] for an invalid input; the passes' errors otherwise.
 pub fn lower(s: &Schedule, opts: &LowerOptions) -> Result<Schedule, LowerError> {
-    let checked = validated(s, &ValidateOptions::default())?;
+    // Only the tables lowering needs are kept (the walk is dropped before the output is built).
+    let Validated { summary, placement, walk, .. } = validated(s, &ValidateOptions::default())?;
+    let routes = walk.routes;
     match opts.fsdp_max_unsharded {
         Some(n) => add_send_recv(&add_reduce_grad(&add_unshard_reshard(s, n)?)?),
         None if opts.reduce_grad => add_send_recv(&add_reduce_grad(s)?),
         None => {
             // The input is valid: its stage → rank table and routes are the ones validation built.
-            if checked.summary.counts.send + checked.summary.counts.recv > 0 {
+            if summary.counts.send + summary.counts.recv > 0 {
                 refuse_comm(s)?;
             }
-            let (rank_of, routes) = (checked.placement, checked.walk.routes);
-            Ok(send_recv_with(s, &Wiring { rank_of, routes }))
+            Ok(send_recv_with(s, &Wiring { rank_of: placement, routes }))
         }
     }
 }

@@ -79,6 +79,19 @@ fn check(kind: Kind, shape: Shape) -> Result<bool, TestCaseError> {
     Ok(true)
 }
 
+/// Idle cells and a rank without cells between two that talk, the first waiting on the last
+/// one's first cell (whose global index is also where the empty rank starts): the shared-walk
+/// simulation still equals the others, compute-only and lowered.
+#[test]
+fn idle_cells_and_an_empty_rank() {
+    let mut s = Schedule::parse("1F0,1B0,,1F1,1B1\n\n0F0,,0F1,,0B0,0B1\n").unwrap();
+    // The CSV's empty line is one idle cell; no cell at all is the case to see.
+    s.ranks[1].clear();
+    check_simulation(&s, "compute-only").unwrap();
+    let low = lower(&s, &LowerOptions::default()).unwrap();
+    check_simulation(&low, "lowered").unwrap();
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 

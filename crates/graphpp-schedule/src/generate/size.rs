@@ -28,7 +28,7 @@ pub struct ScheduleSize {
     /// Compute actions of the schedule (an upper bound for DualPipe and DualPipeV, whose
     /// OVERLAP_F_B pairs count once for an F and a B).
     pub actions: u128,
-    /// Actions the generator builds on the way (padding, retries); at least `actions`.
+    /// Actions the generator builds on the way (ZB auto's retries); at least `actions`.
     pub built: u128,
 }
 
