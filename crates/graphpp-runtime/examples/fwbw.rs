@@ -8,16 +8,14 @@
 //! Run: `cargo run --release -p graphpp-runtime --example fwbw -- [--model small|tiny]
 //! [--threads 1,2] [--rounds R] [--runs K] [--torch /path/to/python]`
 
-use candle_core::Tensor;
-use graphpp_graph::{stage_graphs, DType, Graph, RecomputePolicy};
-use graphpp_models::rng::Rng;
-use graphpp_models::{build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, StageOptions};
-use graphpp_runtime::executor::{run_named, tensor_from_f64, tensor_u32, RunOptions};
-use graphpp_runtime::Program;
-use std::collections::HashMap;
-use std::time::Instant;
+mod common;
 
-type Env = HashMap<String, Tensor>;
+use common::Env;
+use graphpp_graph::Graph;
+use graphpp_models::{LlamaConfig, StageOptions};
+use graphpp_runtime::executor::{run_named, RunOptions};
+use graphpp_runtime::Program;
+use std::time::Instant;
 
 struct Args {
     model: String,
@@ -91,21 +89,7 @@ fn main() {
     std::env::set_var("CANDLE_NUM_THREADS", "1");
     let cfg = LlamaConfig::preset(&a.model).expect("--model tiny or small");
     let opts = StageOptions::new(2, 64);
-    let spec = split_layers(cfg.num_hidden_layers, 1, None).unwrap().remove(0);
-    let sg = stage_graphs(&build_stage(&cfg, &spec, &opts).unwrap(), &RecomputePolicy::SaveAll).unwrap();
-    let mut env = Env::new();
-    for (name, shape, data) in init_parameters(&cfg, &spec, 0) {
-        env.insert(name, Tensor::from_vec(data, shape, &candle_core::Device::Cpu).unwrap());
-    }
-    for (name, shape, data) in stage_buffers(&cfg, opts.seq) {
-        env.insert(name, tensor_from_f64(&data, &shape, DType::F32).unwrap());
-    }
-    let mut rng = Rng::new(1);
-    for name in ["tokens", "targets"] {
-        let ids: Vec<u32> =
-            (0..opts.batch * opts.seq).map(|_| rng.below(cfg.vocab_size as u64) as u32).collect();
-        env.insert(name.into(), tensor_u32(&ids, &[opts.batch, opts.seq]).unwrap());
-    }
+    let (sg, env) = common::whole_model_stage(&cfg, &opts);
     // gemm is asked for the largest count; in a smaller pool its parts run on the pool's threads.
     let pools: Vec<_> =
         a.threads.iter().map(|&n| graphpp_runtime::threads::rank_pool(0, n).expect("thread pool")).collect();

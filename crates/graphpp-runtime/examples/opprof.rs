@@ -7,15 +7,13 @@
 //! Run: `cargo run --release -p graphpp-runtime --example opprof -- [--model tiny|small]
 //! [--batch 8] [--seq-len 64] [--runs 10] [--top 30]`
 
-use candle_core::Tensor;
-use graphpp_graph::{stage_graphs, DType, Graph, Op, RecomputePolicy};
-use graphpp_models::rng::Rng;
-use graphpp_models::{build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, StageOptions};
-use graphpp_runtime::executor::{tensor_from_f64, tensor_u32, RunOptions};
+mod common;
+
+use graphpp_graph::{Graph, Op};
+use graphpp_models::{LlamaConfig, StageOptions};
+use graphpp_runtime::executor::RunOptions;
 use graphpp_runtime::Program;
 use std::collections::HashMap;
-
-type Env = HashMap<String, Tensor>;
 
 /// The row a node's time is added to: its op, with the input shapes of a matmul or reduction and
 /// the output shape of an elementwise anchor.
@@ -50,21 +48,7 @@ fn main() {
     std::env::set_var("RAYON_NUM_THREADS", "1");
     let cfg = LlamaConfig::preset(&a["model"]).expect("--model tiny or small");
     let opts = StageOptions::new(num("batch"), num("seq-len"));
-    let spec = split_layers(cfg.num_hidden_layers, 1, None).unwrap().remove(0);
-    let sg = stage_graphs(&build_stage(&cfg, &spec, &opts).unwrap(), &RecomputePolicy::SaveAll).unwrap();
-    let mut env = Env::new();
-    for (name, shape, data) in init_parameters(&cfg, &spec, 0) {
-        env.insert(name, Tensor::from_vec(data, shape, &candle_core::Device::Cpu).unwrap());
-    }
-    for (name, shape, data) in stage_buffers(&cfg, opts.seq) {
-        env.insert(name, tensor_from_f64(&data, &shape, DType::F32).unwrap());
-    }
-    let mut rng = Rng::new(1);
-    for name in ["tokens", "targets"] {
-        let ids: Vec<u32> =
-            (0..opts.batch * opts.seq).map(|_| rng.below(cfg.vocab_size as u64) as u32).collect();
-        env.insert(name.into(), tensor_u32(&ids, &[opts.batch, opts.seq]).unwrap());
-    }
+    let (sg, env) = common::whole_model_stage(&cfg, &opts);
     let runs = num("runs").max(1);
     let pool = graphpp_runtime::threads::rank_pool(0, 1).expect("thread pool");
     pool.install(|| {
