@@ -999,11 +999,14 @@ fn check_comm(
     stages: usize,
 ) -> Result<CommIndex, ValidationError> {
     let mut ix = TaskMap::new(6, stages, routes.len(), cell_count(s));
+    // Comm actions by kind; each one counted sits on a distinct cross-rank boundary of its route.
+    let mut counts = [0usize; 6];
     for at in cells(s) {
         let Action::Comm { kind, task } = at.action else { continue };
         if let Some(first) = ix.first(kind as usize, task, pos(&at)) {
             return Err(ValidationError::DuplicateComm { at, first: loc(s, first) });
         }
+        counts[kind as usize] += 1;
         let route = routes.get(task.mb).cloned().flatten();
         let from = boundary(kind, task.stage)
             .filter(|&b| route.as_ref().is_some_and(|r| r.start <= b && b + 1 < r.end));
@@ -1019,8 +1022,33 @@ fn check_comm(
             return Err(ValidationError::WaitBeforeStart { at, start: Action::Comm { kind: send, task } });
         }
     }
-    check_handovers(s, &ix, routes, placement)?;
+    if !all_handovers(&counts, routes, placement, stages) {
+        check_handovers(s, &ix, routes, placement)?;
+    }
     Ok(ix)
+}
+
+/// True when every cross-rank boundary of every route has its four comm actions, from the counts
+/// alone: each comm action [`check_comm`] counted is on a distinct cross-rank boundary of its
+/// route (duplicates, actions off their route and local ones were refused), so as many of a kind
+/// as there are such boundaries means none is missing. False sends [`check_handovers`] looking
+/// for the first one missing.
+fn all_handovers(
+    counts: &[usize; 6],
+    routes: &[Option<Range<StageId>>],
+    placement: &StageRanks,
+    stages: usize,
+) -> bool {
+    // cuts[s]: cross-rank boundaries (b, b + 1) with b < s.
+    let mut cuts = vec![0usize; stages + 1];
+    for b in 0..stages {
+        let cut = b + 1 < stages && placement.of_stage(b) != placement.of_stage(b + 1);
+        cuts[b + 1] = cuts[b] + usize::from(cut);
+    }
+    let needed: usize = routes.iter().flatten().map(|r| cuts[r.end.saturating_sub(1)] - cuts[r.start]).sum();
+    [CommKind::SendF, CommKind::RecvF, CommKind::SendB, CommKind::RecvB]
+        .iter()
+        .all(|&k| counts[k as usize] == needed)
 }
 
 /// Every cross-rank boundary of every route has its four comm actions.
