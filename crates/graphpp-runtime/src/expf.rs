@@ -154,6 +154,8 @@ mod x86 {
         let one = _mm256_set1_pd(1.0);
         let low_bits = _mm256_set1_epi64x(31);
         let (lo, hi) = (_mm_set1_ps(LOW), _mm_set1_ps(HIGH));
+        let (zero_below, inf_above, inf) =
+            (_mm_set1_ps(-104.0), _mm_set1_ps(89.0), _mm_set1_ps(f32::INFINITY));
         let sign = _mm_set1_ps(if negate { -0.0 } else { 0.0 });
         let n = x.len() / 4 * 4;
         for i in (0..n).step_by(4) {
@@ -170,12 +172,16 @@ mod x86 {
             let z = _mm256_fmadd_pd(c0, r, c1);
             let y = _mm256_fmadd_pd(c2, r, one);
             let y = _mm256_fmadd_pd(z, _mm256_mul_pd(r, r), y);
-            let out = _mm256_cvtpd_ps(_mm256_mul_pd(y, s));
+            // Lanes below −104 are +0 and above 89 are +∞, as the scalar `exp` has them (a
+            // causal mask's −10⁹ scores fill half of every attention row).
+            let (under, over) = (_mm_cmplt_ps(xs, zero_below), _mm_cmpgt_ps(xs, inf_above));
+            let out = _mm_andnot_ps(under, _mm256_cvtpd_ps(_mm256_mul_pd(y, s)));
+            let out = _mm_blendv_ps(out, inf, over);
             // SAFETY: as the load.
             unsafe { _mm_storeu_ps(d.as_mut_ptr().add(i), out) };
-            // Lanes outside the range (NaN compares false, so is outside too).
+            // Lanes in neither range nor the vector one (NaN compares false: it is one of them).
             let inside = _mm_and_ps(_mm_cmpge_ps(xs, lo), _mm_cmple_ps(xs, hi));
-            if _mm_movemask_ps(inside) != 0b1111 {
+            if _mm_movemask_ps(_mm_or_ps(inside, _mm_or_ps(under, over))) != 0b1111 {
                 for j in i..i + 4 {
                     d[j] = exp(if negate { -x[j] } else { x[j] });
                 }
