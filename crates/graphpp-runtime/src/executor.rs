@@ -540,6 +540,9 @@ fn exec(
                 (Op::CollectiveStart { kind, group, axis }, None) => {
                     start(comm, *kind, group, *axis, &args, i).map_err(|e| collective_error(graph, i, e))?
                 }
+                (Op::Matmul, None) if program.is_some() => {
+                    Value::Ready(compiled_matmul(args[0], args[1]).map_err(|e| kernel_error(graph, i, e))?)
+                }
                 (op, None) => Value::Ready(eval(graph, i, op, &args)?),
             }
         };
@@ -717,13 +720,40 @@ impl candle_core::CustomOp1 for SigmoidOp {
 /// permuted 4-D view) are made contiguous first.
 fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     match a.matmul(b) {
-        Err(candle_core::Error::MatMulUnexpectedStriding(_)) => a.contiguous()?.matmul(&b.contiguous()?),
-        Err(candle_core::Error::WithBacktrace { inner, .. })
-            if matches!(*inner, candle_core::Error::MatMulUnexpectedStriding(_)) =>
-        {
-            a.contiguous()?.matmul(&b.contiguous()?)
+        Err(e) if is_striding(&e) => a.contiguous()?.matmul(&b.contiguous()?),
+        r => r,
+    }
+}
+
+/// The compiled executor's matmul: [`matmul`], copying only an operand whose batch dims candle
+/// cannot step through (attention's permuted k and v) and leaving the other — a transposed view
+/// such as softmax's Pᵀ — for gemm to read through its strides. The same bits as [`matmul`]
+/// (`tests/compiled.rs`).
+fn compiled_matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    // A dim of 1 sends gemm down a path whose sums depend on the strides (a 2 × 3 · 3 × 1
+    // product of a transposed lhs differed from its copy's): those are copied as `matmul` does.
+    let (da, db) = (a.dims(), b.dims());
+    if da.len() < 2 || db.len() < 2 || da[da.len() - 2..].contains(&1) || db[db.len() - 1] == 1 {
+        return matmul(a, b);
+    }
+    match a.matmul(b) {
+        Err(e) if is_striding(&e) => {
+            let b_copy = b.contiguous()?;
+            match a.matmul(&b_copy) {
+                Err(e) if is_striding(&e) => a.contiguous()?.matmul(&b_copy),
+                r => r,
+            }
         }
         r => r,
+    }
+}
+
+/// candle's refusal of operands whose batch dims do not collapse into one stride.
+fn is_striding(e: &candle_core::Error) -> bool {
+    match e {
+        candle_core::Error::MatMulUnexpectedStriding(_) => true,
+        candle_core::Error::WithBacktrace { inner, .. } => is_striding(inner),
+        _ => false,
     }
 }
 
@@ -919,6 +949,53 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod matmul_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// `dims` filled from `seed`, then permuted by `perm`.
+    fn view(dims: [usize; 4], perm: [usize; 4], seed: u64) -> Tensor {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let data: Vec<f32> = (0..dims.iter().product::<usize>())
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect();
+        Tensor::from_vec(data, dims.to_vec(), &Device::Cpu).unwrap().permute(perm.to_vec()).unwrap()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+        /// Attention's operand pairs — lhs contiguous, transposed (Pᵀ) or permuted (q), rhs
+        /// permuted (k, v) or permuted and transposed (kᵀ) — give the interpreter's bits.
+        #[test]
+        fn compiled_matmul_equals_the_interpreters(
+            b in 1usize..3, h in 1usize..4, m in 1usize..80, k in 1usize..80, n in 1usize..80,
+            lhs in 0usize..3, rhs in 0usize..2, seed in 0u64..1000
+        ) {
+            let x = match lhs {
+                0 => view([b, h, m, k], [0, 1, 2, 3], seed),
+                1 => view([b, h, k, m], [0, 1, 3, 2], seed),
+                _ => view([b, m, h, k], [0, 2, 1, 3], seed),
+            };
+            let y = match rhs {
+                0 => view([b, k, h, n], [0, 2, 1, 3], seed + 1),
+                _ => view([b, n, h, k], [0, 2, 3, 1], seed + 1),
+            };
+            prop_assert_eq!(bits(&compiled_matmul(&x, &y).unwrap()), bits(&matmul(&x, &y).unwrap()));
         }
     }
 }
