@@ -725,10 +725,12 @@ fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// The compiled executor's matmul: [`matmul`], copying only an operand whose batch dims candle
-/// cannot step through (attention's permuted k and v) and leaving the other — a transposed view
-/// such as softmax's Pᵀ — for gemm to read through its strides. The same bits as [`matmul`]
-/// (`tests/compiled.rs`).
+/// The compiled executor's matmul: where candle refuses the operands as they are, [`matmul`]
+/// copies both; this copies the rhs (a permuted k or v) and then the lhs only if candle still
+/// refuses, so a lhs candle can step through — softmax's transposed Pᵀ — is read in place by
+/// gemm. Only the lhs is ever left a view: gemm's sums change with a transposed rhs's layout (a
+/// 2 × 3 · 3 × 2 product differed by 1 ulp), not with a lhs's. The same bits as [`matmul`]
+/// (`matmul_tests`, `tests/compiled.rs`).
 fn compiled_matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     // A dim of 1 sends gemm down a path whose sums depend on the strides (a 2 × 3 · 3 × 1
     // product of a transposed lhs differed from its copy's): those are copied as `matmul` does.

@@ -14,8 +14,9 @@
 //!
 //! The vector path runs only where it is known to match: Linux with glibc on x86-64 with AVX2 and
 //! FMA (where glibc picks `__expf_fma`), and only after a self-check against `f32::exp`;
-//! elsewhere, and for lanes outside [−103, 88.5] (a causal mask's −10⁹, infinities, NaN), the
-//! scalar [`exp`] runs.
+//! elsewhere the scalar [`exp`] runs. Within the vector path, lanes below −104 and above 89 get
+//! [`exp`]'s +0 and +∞ by a blend (a causal mask's −10⁹ scores fill half of every attention row);
+//! the few others outside [−103, 88.5] (the gaps next to those, NaN) are redone by [`exp`].
 
 use std::sync::OnceLock;
 
@@ -125,19 +126,17 @@ const INV_LN2_N: f64 = f64::from_bits(0x3FF7_1547_652B_82FE) * 32.0;
 /// bits of the sum.
 const SHIFT: f64 = f64::from_bits(0x4338_0000_0000_0000);
 
-/// The cubic's coefficients (of 2^(r/32) − 1 in r = z − k), scaled by 32^−3, 32^−2, 32^−1.
-fn coefficients() -> [f64; 3] {
-    let n = 32.0f64;
-    [
-        f64::from_bits(0x3FAC_6AF8_4B91_2394) / (n * n * n),
-        f64::from_bits(0x3FCE_BFCE_50FA_C4F3) / (n * n),
-        f64::from_bits(0x3FE6_2E42_FF0C_52D6) / n,
-    ]
-}
+/// The cubic's coefficients (of 2^(r/32) − 1 in r = z − k), scaled by 32^−3, 32^−2, 32^−1
+/// (powers of two: exact).
+const COEFFICIENTS: [f64; 3] = [
+    f64::from_bits(0x3FAC_6AF8_4B91_2394) / 32768.0,
+    f64::from_bits(0x3FCE_BFCE_50FA_C4F3) / 1024.0,
+    f64::from_bits(0x3FE6_2E42_FF0C_52D6) / 32.0,
+];
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
 mod x86 {
-    use super::{coefficients, exp, HIGH, INV_LN2_N, LOW, SHIFT, TABLE};
+    use super::{exp, COEFFICIENTS, HIGH, INV_LN2_N, LOW, SHIFT, TABLE};
     use std::arch::x86_64::*;
 
     /// [`super::exp_slice`] four lanes at a time: each as `__expf_fma` computes it (the multiply
@@ -150,7 +149,7 @@ mod x86 {
     pub unsafe fn exp_avx2_fma(x: &[f32], d: &mut [f32], negate: bool) {
         let inv = _mm256_set1_pd(INV_LN2_N);
         let shift = _mm256_set1_pd(SHIFT);
-        let [c0, c1, c2] = coefficients().map(|c| _mm256_set1_pd(c));
+        let [c0, c1, c2] = COEFFICIENTS.map(|c| _mm256_set1_pd(c));
         let one = _mm256_set1_pd(1.0);
         let low_bits = _mm256_set1_epi64x(31);
         let (lo, hi) = (_mm_set1_ps(LOW), _mm_set1_ps(HIGH));
