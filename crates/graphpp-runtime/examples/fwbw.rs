@@ -99,8 +99,12 @@ fn main() {
         for (k, (&n, pool)) in a.threads.iter().zip(&pools).enumerate() {
             // candle reads it at every matmul: gemm is asked for this pool's size.
             std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-            let i = pool.install(|| time_graphpp(&sg.fw, &sg.full_bw, &env, a.runs, false));
-            let c = pool.install(|| time_graphpp(&sg.fw, &sg.full_bw, &env, a.runs, true));
+            let i = graphpp_runtime::threads::install_hot(pool, true, || {
+                time_graphpp(&sg.fw, &sg.full_bw, &env, a.runs, false)
+            });
+            let c = graphpp_runtime::threads::install_hot(pool, true, || {
+                time_graphpp(&sg.fw, &sg.full_bw, &env, a.runs, true)
+            });
             let t = a.torch.as_deref().map(|py| time_torch(py, &a, n));
             let tt = t.map_or(String::new(), |t| format!(", torch eager {t:.1} ms"));
             println!("round {round}, {n} thread(s): interpreted {i:.1} ms, compiled {c:.1} ms{tt}");

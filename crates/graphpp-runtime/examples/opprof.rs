@@ -1,11 +1,12 @@
 //! Where a stage's forward + full backward spends its time, by op and shape, on the compiled
-//! executor: one stage holding every layer of a Llama preset, one thread, `--runs` timed runs
+//! executor: one stage holding every layer of a Llama preset, `--threads` intra-op threads (a rank
+//! pool of that size, as `graphpp train --threads-per-rank` runs a rank), `--runs` timed runs
 //! after two warm-up runs (per-node wall times, `RunOptions::time_nodes`). A fused group's time is
 //! its anchor's, listed under the anchor's op (e.g. `fw Unary Exp [8, 4, 64, 64]` is softmax's
 //! fused exponent with the scale, mask and max subtraction before it).
 //!
 //! Run: `cargo run --release -p graphpp-runtime --example opprof -- [--model tiny|small]
-//! [--batch 8] [--seq-len 64] [--runs 10] [--top 30]`
+//! [--batch 8] [--seq-len 64] [--threads 1] [--runs 10] [--top 30]`
 
 mod common;
 
@@ -32,10 +33,16 @@ fn row(g: &Graph, i: usize) -> String {
 }
 
 fn main() {
-    let mut a: HashMap<String, String> =
-        [("model", "tiny"), ("batch", "8"), ("seq-len", "64"), ("runs", "10"), ("top", "30")]
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .into();
+    let mut a: HashMap<String, String> = [
+        ("model", "tiny"),
+        ("batch", "8"),
+        ("seq-len", "64"),
+        ("threads", "1"),
+        ("runs", "10"),
+        ("top", "30"),
+    ]
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .into();
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
         let key = k.trim_start_matches("--").to_string();
@@ -43,15 +50,16 @@ fn main() {
         a.insert(key, it.next().unwrap_or_else(|| panic!("{k} needs a value")));
     }
     let num = |k: &str| a[k].parse::<usize>().unwrap_or_else(|_| panic!("--{k} takes a number"));
-    // As `graphpp train --threads-per-rank 1` (graphpp::cmd::set_op_threads).
+    // As `graphpp train --threads-per-rank N` (graphpp::cmd::set_op_threads).
+    let threads = num("threads").max(1);
     std::env::set_var("CANDLE_NUM_THREADS", "1");
-    std::env::set_var("RAYON_NUM_THREADS", "1");
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     let cfg = LlamaConfig::preset(&a["model"]).expect("--model tiny or small");
     let opts = StageOptions::new(num("batch"), num("seq-len"));
     let (sg, env) = common::whole_model_stage(&cfg, &opts);
     let runs = num("runs").max(1);
-    let pool = graphpp_runtime::threads::rank_pool(0, 1).expect("thread pool");
-    pool.install(|| {
+    let pool = graphpp_runtime::threads::rank_pool(0, threads).expect("thread pool");
+    graphpp_runtime::threads::install_hot(&pool, true, || {
         let (pf, pb) = (Program::compile(&sg.fw), Program::compile(&sg.full_bw));
         let o = RunOptions { time_nodes: true, trace_peak: false };
         let mut rows: HashMap<String, (f64, usize)> = HashMap::new();
@@ -77,7 +85,7 @@ fn main() {
         let mut rows: Vec<_> = rows.into_iter().collect();
         rows.sort_by(|x, y| y.1 .0.total_cmp(&x.1 .0));
         println!(
-            "{} B={} T={} fw+full_bw, compiled, 1 thread: {:.2} ms a run (mean of {runs}, node timing on)",
+            "{} B={} T={} fw+full_bw, compiled, {threads} thread(s): {:.2} ms a run (mean of {runs}, node timing on)",
             a["model"],
             opts.batch,
             opts.seq,

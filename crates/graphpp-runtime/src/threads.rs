@@ -7,6 +7,16 @@
 //! spinning worker held the second core and made gemm's two-thread matmuls no faster than one
 //! (measured: 128×256 · 256×688 after an elementwise op, 1.28 ms with the barrier pool at 2
 //! threads vs 0.69 ms at 1; 1.24 ms single-threaded).
+//!
+//! A rank's step runs through [`install_hot`]: while it runs, the pool's other workers poll for
+//! work instead of sleeping. A stage runs thousands of operations a step, each split into a few
+//! parallel parts; a sleeping rayon worker must be woken for every one, and waking an idle vCPU
+//! under a hypervisor costs tens of microseconds (measured on a 2-vCPU KVM guest: `small`'s fw +
+//! full_bw took 95 ms on 2 sleeping-pool threads against 75 ms on 1). OpenMP runtimes spin the
+//! same way between parallel regions (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`).
+
+use rayon::{ThreadPool, Yield};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The intra-op threads per rank in effect: what candle asks gemm for — `RAYON_NUM_THREADS`
 /// when set to a positive number (the CLI's `--threads-per-rank` sets it, and
@@ -26,4 +36,56 @@ pub fn rank_pool(rank: usize, threads: usize) -> Result<rayon::ThreadPool, rayon
         .num_threads(threads.max(1))
         .thread_name(move |i| format!("graphpp-rank{rank}-op{i}"))
         .build()
+}
+
+/// Whether `pools` pools of `threads` workers each fit this machine's cores, so that their
+/// workers may poll for work ([`install_hot`]) without taking a core another pool needs.
+pub fn may_spin(pools: usize, threads: usize) -> bool {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    pools.saturating_mul(threads) <= cores
+}
+
+/// Runs `f` in `pool` as [`ThreadPool::install`] does; with `spin` and a pool of two or more
+/// workers, the workers other than the one running `f` poll the pool for work (and run what
+/// they find) until `f` returns or unwinds, instead of sleeping between the parallel parts of
+/// its operations (see the module doc). Each such worker keeps its core busy meanwhile: pass
+/// `spin` only when the pool's threads have cores of their own ([`may_spin`]).
+pub fn install_hot<R: Send>(pool: &ThreadPool, spin: bool, f: impl FnOnce() -> R + Send) -> R {
+    if !spin || pool.current_num_threads() < 2 {
+        return pool.install(f);
+    }
+    pool.install(|| {
+        let done = AtomicBool::new(false);
+        let me = rayon::current_thread_index();
+        rayon::scope(|s| {
+            // One poller per other worker (broadcast jobs go to each worker's own queue); the
+            // copy that reaches the worker running `f` returns at once.
+            s.spawn_broadcast(|_, ctx| {
+                if Some(ctx.index()) != me {
+                    poll(&done);
+                }
+            });
+            // Set on return and on unwind alike, so the scope never waits on a poller forever.
+            let _stop = Stop(&done);
+            f()
+        })
+    })
+}
+
+/// Runs the pool's pending jobs until `done` is set.
+fn poll(done: &AtomicBool) {
+    while !done.load(Ordering::Acquire) {
+        if rayon::yield_now() != Some(Yield::Executed) {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// Sets its flag when dropped.
+struct Stop<'a>(&'a AtomicBool);
+
+impl Drop for Stop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
 }

@@ -210,23 +210,28 @@ pub struct Trainer {
     ranks: Vec<RankTrainer>,
     /// Each rank's intra-op thread pool ([`crate::threads`]), index as `ranks`.
     pools: Vec<rayon::ThreadPool>,
+    /// Whether the pools' idle workers poll for work during a step
+    /// ([`crate::threads::install_hot`]): when every pool's threads have cores of their own.
+    spin: bool,
     poisoned: bool,
     step: u64,
     /// Single-device inference graphs by (batch, logits?), built on first use.
     inference: HashMap<(usize, bool), Arc<Graph>>,
 }
 
-/// One pool of [`crate::threads::op_threads`] threads per rank. Errors: [`TrainError::Setup`]
-/// when the OS refuses a thread.
-fn rank_pools(ranks: &[RankTrainer]) -> Result<Vec<rayon::ThreadPool>, TrainError> {
+/// One pool of [`crate::threads::op_threads`] threads per rank, and whether their idle workers
+/// may poll for work ([`crate::threads::may_spin`]). Errors: [`TrainError::Setup`] when the OS
+/// refuses a thread.
+fn rank_pools(ranks: &[RankTrainer]) -> Result<(Vec<rayon::ThreadPool>, bool), TrainError> {
     let threads = crate::threads::op_threads();
-    ranks
+    let pools = ranks
         .iter()
         .map(|r| {
             crate::threads::rank_pool(r.rank(), threads)
                 .map_err(|e| VerifyError::Mismatch(format!("rank {}: thread pool: {e}", r.rank())).into())
         })
-        .collect()
+        .collect::<Result<Vec<_>, TrainError>>()?;
+    Ok((pools, crate::threads::may_spin(ranks.len(), threads)))
 }
 
 impl Trainer {
@@ -247,8 +252,17 @@ impl Trainer {
             .into_iter()
             .map(|c| RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, Arc::new(c)))
             .collect::<Result<Vec<_>, _>>()?;
-        let pools = rank_pools(&ranks)?;
-        Ok(Trainer { setup, schedule, ranks, pools, poisoned: false, step: 0, inference: HashMap::new() })
+        let (pools, spin) = rank_pools(&ranks)?;
+        Ok(Trainer {
+            setup,
+            schedule,
+            ranks,
+            pools,
+            spin,
+            poisoned: false,
+            step: 0,
+            inference: HashMap::new(),
+        })
     }
 
     /// Builds the one rank `comm.rank()` of a world of processes (world = p × dp ranks).
@@ -262,8 +276,17 @@ impl Trainer {
             .and_then(|m| m.with_ep(setup.ep))
             .map_err(|e| VerifyError::Mismatch(e.to_string()))?;
         let ranks = vec![RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, comm)?];
-        let pools = rank_pools(&ranks)?;
-        Ok(Trainer { setup, schedule, ranks, pools, poisoned: false, step: 0, inference: HashMap::new() })
+        let (pools, spin) = rank_pools(&ranks)?;
+        Ok(Trainer {
+            setup,
+            schedule,
+            ranks,
+            pools,
+            spin,
+            poisoned: false,
+            step: 0,
+            inference: HashMap::new(),
+        })
     }
 
     /// Whether this process runs world rank 0, where gathered state and results arrive.
@@ -280,15 +303,15 @@ impl Trainer {
     /// several); results in rank order.
     fn on_each<R: Send>(&mut self, f: impl Fn(&mut RankTrainer) -> R + Sync) -> Vec<R> {
         if let ([one], [pool]) = (self.ranks.as_mut_slice(), self.pools.as_slice()) {
-            return vec![pool.install(|| f(one))];
+            return vec![crate::threads::install_hot(pool, self.spin, || f(one))];
         }
-        let f = &f;
+        let (f, spin) = (&f, self.spin);
         std::thread::scope(|scope| {
             let handles: Vec<_> = self
                 .ranks
                 .iter_mut()
                 .zip(&self.pools)
-                .map(|(r, pool)| scope.spawn(move || pool.install(|| f(r))))
+                .map(|(r, pool)| scope.spawn(move || crate::threads::install_hot(pool, spin, || f(r))))
                 .collect();
             handles.into_iter().map(|h| h.join().expect("a rank does not panic")).collect()
         })
