@@ -87,6 +87,7 @@ fn main() {
     let a = args();
     // As `graphpp train --threads-per-rank N` (graphpp::cmd::set_op_threads), before any tensor op.
     std::env::set_var("CANDLE_NUM_THREADS", "1");
+    graphpp_runtime::malloc::retain_freed_memory();
     let cfg = LlamaConfig::preset(&a.model).expect("--model tiny or small");
     let opts = StageOptions::new(2, 64);
     let (sg, env) = common::whole_model_stage(&cfg, &opts);

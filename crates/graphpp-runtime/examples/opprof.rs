@@ -53,6 +53,7 @@ fn main() {
     // As `graphpp train --threads-per-rank N` (graphpp::cmd::set_op_threads).
     let threads = num("threads").max(1);
     std::env::set_var("CANDLE_NUM_THREADS", "1");
+    graphpp_runtime::malloc::retain_freed_memory();
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     let cfg = LlamaConfig::preset(&a["model"]).expect("--model tiny or small");
     let opts = StageOptions::new(num("batch"), num("seq-len"));

@@ -10,6 +10,7 @@ pub mod executor;
 pub mod expf;
 pub mod fusion;
 pub mod lr;
+pub mod malloc;
 pub mod memory;
 pub mod mesh;
 pub mod optim;

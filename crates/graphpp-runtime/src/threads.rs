@@ -89,3 +89,68 @@ impl Drop for Stop<'_> {
         self.0.store(true, Ordering::Release);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rayon::prelude::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// `f`'s value comes back, and its parallel work — nested joins and an iterator split over
+    /// the pool — runs to the sequential answer, hot or not, on pools of 1, 2 and 3 workers.
+    #[test]
+    fn install_hot_returns_the_value_of_parallel_work() {
+        for threads in 1..=3 {
+            let pool = rank_pool(0, threads).unwrap();
+            for spin in [false, true] {
+                let got = install_hot(&pool, spin, || {
+                    let (a, b) = rayon::join(
+                        || (0..100_000u64).into_par_iter().map(|x| x * x % 7).sum::<u64>(),
+                        || (0..1000u64).into_par_iter().map(|x| x + 1).sum::<u64>(),
+                    );
+                    a + b
+                });
+                let want = (0..100_000u64).map(|x| x * x % 7).sum::<u64>() + 500_500;
+                assert_eq!(got, want, "{threads} threads, spin {spin}");
+            }
+        }
+    }
+
+    /// The pollers run the pool's jobs: with two workers, a job `f` pushes while it waits is
+    /// taken by the other worker (a poller that ran nothing would leave `f` waiting forever on
+    /// the flag only that job sets; the wait is bounded so a failure reports instead of hanging).
+    #[test]
+    fn pollers_take_the_jobs_f_pushes() {
+        let pool = rank_pool(0, 2).unwrap();
+        let ran_on = AtomicUsize::new(usize::MAX);
+        let seen = install_hot(&pool, true, || {
+            let me = rayon::current_thread_index();
+            let set = AtomicBool::new(false);
+            rayon::scope(|s| {
+                s.spawn(|_| {
+                    ran_on.store(rayon::current_thread_index().unwrap_or(usize::MAX), Ordering::SeqCst);
+                    set.store(true, Ordering::SeqCst);
+                });
+                let t0 = std::time::Instant::now();
+                while !set.load(Ordering::SeqCst) && t0.elapsed() < std::time::Duration::from_secs(10) {
+                    std::hint::spin_loop();
+                }
+                set.load(Ordering::SeqCst).then_some(me)
+            })
+        });
+        let me = seen.expect("the spawned job ran while f waited");
+        assert_ne!(Some(ran_on.load(Ordering::SeqCst)), me, "run by the other worker");
+    }
+
+    /// A panic in `f` reaches the caller (the pollers stop; the scope does not wait forever).
+    #[test]
+    fn a_panic_in_f_reaches_the_caller() {
+        let pool = rank_pool(0, 2).unwrap();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            install_hot(&pool, true, || -> usize { panic!("rank failed") })
+        }));
+        assert!(r.is_err());
+        // The pool still works afterwards.
+        assert_eq!(install_hot(&pool, true, || (1..=10).into_par_iter().sum::<i32>()), 55);
+    }
+}

@@ -27,13 +27,15 @@ pub fn parse_compute_dtype(s: &str) -> Result<DType, String> {
 /// [`graphpp_runtime::threads`], and gemm's parallelism) to `explicit`, or to the available cores
 /// divided among `ranks` rank threads (at least 1), unless the user set that variable; and
 /// candle's spinning barrier pool (`CANDLE_NUM_THREADS`) to 1 unless the user set it (its idle
-/// worker held a core that gemm's second thread needed). Returns the threads per rank. Must run
-/// before the first tensor operation.
+/// worker held a core that gemm's second thread needed); and makes the C allocator keep freed
+/// memory ([`graphpp_runtime::malloc::retain_freed_memory`]). Returns the threads per rank. Must
+/// run before the first tensor operation.
 ///
 /// Why: every rank is an OS thread; with candle's default (all cores per operation) the ranks'
 /// spinning worker pools fight over the cores — on this 2-core machine `graphpp train` with 2 ranks
 /// ran 2.7× slower (8.1k vs 21.9k tokens/s).
 pub fn set_op_threads(ranks: usize, explicit: Option<usize>) -> usize {
+    graphpp_runtime::malloc::retain_freed_memory();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let n = explicit.unwrap_or(cores / ranks.max(1)).max(1);
     if explicit.is_some() || std::env::var_os("RAYON_NUM_THREADS").is_none() {
