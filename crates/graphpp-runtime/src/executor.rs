@@ -21,6 +21,7 @@ use crate::fusion::Fusion;
 use crate::mesh::{Mesh, MeshError};
 use candle_core::{CpuStorage, DType as CDType, Device, Tensor};
 use graphpp_graph::{BinaryOp, CollectiveKind, CommGroup, DType, Graph, InputKind, Op, UnaryOp, ValueId};
+use rayon::prelude::*;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use thiserror::Error;
@@ -738,6 +739,19 @@ fn compiled_matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     if da.len() < 2 || db.len() < 2 || da[da.len() - 2..].contains(&1) || db[db.len() - 1] == 1 {
         return matmul(a, b);
     }
+    let sized = da.iter().chain(db).all(|&d| d > 0);
+    if sized && da.len() > 2 && a.dtype() == CDType::F32 && rayon::current_num_threads() > 1 {
+        // The copies candle's refusal would lead to below, decided from the strides; an operand
+        // broadcast over the batch (stride 0) is left to candle, which folds the batch.
+        if let Some((a, b)) = match (batch_skip(a), batch_skip(b)) {
+            (Some(0), _) | (_, Some(0)) => None,
+            (Some(_), Some(_)) => Some((a.clone(), b.clone())),
+            (Some(_), None) => Some((a.clone(), b.contiguous()?)),
+            (None, _) => Some((a.contiguous()?, b.contiguous()?)),
+        } {
+            return batched_gemm(&a, &b);
+        }
+    }
     match a.matmul(b) {
         Err(e) if is_striding(&e) => {
             let b_copy = b.contiguous()?;
@@ -748,6 +762,88 @@ fn compiled_matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
         }
         r => r,
     }
+}
+
+/// The stride between consecutive batch elements of a rank-3 or rank-4 operand, where its batch
+/// dims collapse into one stride — candle's rule for the operands its matmul takes; `None` where
+/// they do not. 0 for an operand broadcast over the batch (candle then folds the batch into one
+/// product, which [`batched_gemm`] does not).
+fn batch_skip(t: &Tensor) -> Option<usize> {
+    let (dims, strides) = (t.dims(), t.stride());
+    let skip = match (&dims[..dims.len() - 2], &strides[..strides.len() - 2]) {
+        ([_], &[s]) => s,
+        ([_, d1], &[s0, s1]) if s0 == s1 * d1 => s1,
+        ([1, _], &[_, s1]) => s1,
+        ([_, 1], &[s0, _]) => s0,
+        _ => return None,
+    };
+    Some(skip)
+}
+
+/// A batched f32 product whose batch elements are split over the current rayon pool: one gemm
+/// call per element, each the call candle's matmul makes for it (same sizes, strides and
+/// parallelism, so the same bits), but candle runs them one after another, and attention's
+/// products (64 × 64 × 32 on `small`) are each too small for gemm to split. The operands'
+/// batch strides come from [`batch_skip`].
+fn batched_gemm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    let (da, db) = (a.dims(), b.dims());
+    let r = da.len();
+    let (m, k, n) = (da[r - 2], da[r - 1], db[r - 1]);
+    let batch: usize = da[..r - 2].iter().product();
+    let (Some(a_skip @ 1..), Some(b_skip @ 1..)) = (batch_skip(a), batch_skip(b)) else {
+        candle_core::bail!("batched_gemm: operands {da:?} · {db:?} without one nonzero batch stride")
+    };
+    if db[r - 2] != k || db[..r - 2] != da[..r - 2] {
+        candle_core::bail!("batched_gemm: operands {da:?} · {db:?} do not multiply")
+    }
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    let (candle_core::Storage::Cpu(CpuStorage::F32(va)), candle_core::Storage::Cpu(CpuStorage::F32(vb))) =
+        (&*sa, &*sb)
+    else {
+        candle_core::bail!("batched_gemm takes CPU f32 tensors")
+    };
+    let (lhs, rhs) = (&va[la.start_offset()..], &vb[lb.start_offset()..]);
+    let (ls, rs) = (la.stride(), lb.stride());
+    // The last element the strides reach in each operand must lie in its storage.
+    let reach = |skip: usize, s: &[usize], rows: usize, cols: usize| {
+        (batch - 1) * skip + (rows - 1) * s[r - 2] + (cols - 1) * s[r - 1] + 1
+    };
+    if reach(a_skip, ls, m, k) > lhs.len() || reach(b_skip, rs, k, n) > rhs.len() {
+        candle_core::bail!("batched_gemm: operands {da:?} · {db:?} reach outside their storage")
+    }
+    let threads = candle_core::utils::get_num_threads();
+    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    let mut out = vec![0f32; batch * m * n];
+    out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| {
+        // SAFETY: batch element i's operands lie in `lhs` and `rhs` (the reach checked above),
+        // and `dst` holds its contiguous m × n result.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                lhs[i * a_skip..].as_ptr(),
+                ls[r - 1] as isize,
+                ls[r - 2] as isize,
+                rhs[i * b_skip..].as_ptr(),
+                rs[r - 1] as isize,
+                rs[r - 2] as isize,
+                0f32,
+                1f32,
+                false,
+                false,
+                false,
+                parallelism,
+            )
+        }
+    });
+    drop((sa, sb));
+    Tensor::from_vec(out, da[..r - 2].iter().copied().chain([m, n]).collect::<Vec<_>>(), &Device::Cpu)
 }
 
 /// candle's refusal of operands whose batch dims do not collapse into one stride.
@@ -997,7 +1093,11 @@ mod matmul_tests {
                 0 => view([b, k, h, n], [0, 2, 1, 3], seed + 1),
                 _ => view([b, n, h, k], [0, 2, 3, 1], seed + 1),
             };
-            prop_assert_eq!(bits(&compiled_matmul(&x, &y).unwrap()), bits(&matmul(&x, &y).unwrap()));
+            let want = bits(&matmul(&x, &y).unwrap());
+            prop_assert_eq!(bits(&compiled_matmul(&x, &y).unwrap()), want.clone());
+            // With batch elements split over a pool (batched_gemm).
+            let pool = crate::threads::rank_pool(0, 3).unwrap();
+            prop_assert_eq!(pool.install(|| bits(&compiled_matmul(&x, &y).unwrap())), want);
         }
     }
 }
