@@ -72,14 +72,26 @@ pub fn install_hot<R: Send>(pool: &ThreadPool, spin: bool, f: impl FnOnce() -> R
     })
 }
 
-/// Runs the pool's pending jobs until `done` is set.
+/// Runs the pool's pending jobs until `done` is set. Every [`IDLE_SPINS`] idle polls it offers
+/// its core to the OS (`sched_yield`): at once back when nothing else is runnable, and no core
+/// held from another thread when something is (concurrent tests, a busy host).
 fn poll(done: &AtomicBool) {
+    let mut idle = 0u32;
     while !done.load(Ordering::Acquire) {
-        if rayon::yield_now() != Some(Yield::Executed) {
+        if rayon::yield_now() == Some(Yield::Executed) {
+            idle = 0;
+        } else if idle == IDLE_SPINS {
+            std::thread::yield_now();
+            idle = 0;
+        } else {
             std::hint::spin_loop();
+            idle += 1;
         }
     }
 }
+
+/// Idle polls between two offers of the core.
+const IDLE_SPINS: u32 = 64;
 
 /// Sets its flag when dropped.
 struct Stop<'a>(&'a AtomicBool);
