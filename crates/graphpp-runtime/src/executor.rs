@@ -726,12 +726,15 @@ fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// The compiled executor's matmul: where candle refuses the operands as they are, [`matmul`]
-/// copies both; this copies the rhs (a permuted k or v) and then the lhs only if candle still
-/// refuses, so a lhs candle can step through — softmax's transposed Pᵀ — is read in place by
-/// gemm. Only the lhs is ever left a view: gemm's sums change with a transposed rhs's layout (a
-/// 2 × 3 · 3 × 2 product differed by 1 ulp), not with a lhs's. The same bits as [`matmul`]
-/// (`matmul_tests`, `tests/compiled.rs`).
+/// The compiled executor's matmul. Where candle takes the operands as they are, its product;
+/// a batched (rank 3–4) f32 product runs as [`batched_gemm`], the same gemm calls. Where candle
+/// refuses them (batch dims that do not collapse into one stride: attention's permuted q, k,
+/// v), [`matmul`] copies both; this reads in place every operand whose layout gives the bits of
+/// its copy — a lhs candle can step through (softmax's transposed Pᵀ: gemm's sums do not change
+/// with a lhs's orientation), and any operand whose rows are contiguous (a permuted q, k or v:
+/// its copy differs only in the row stride, which gemm's sums do not depend on) — and copies the
+/// rest (kᵀ: gemm's sums change with a transposed rhs's layout, a 2 × 3 · 3 × 2 product
+/// differed by 1 ulp). The same bits as [`matmul`] (`matmul_tests`, `tests/compiled.rs`).
 fn compiled_matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     // A dim of 1 sends gemm down a path whose sums depend on the strides (a 2 × 3 · 3 × 1
     // product of a transposed lhs differed from its copy's): those are copied as `matmul` does.
@@ -739,18 +742,8 @@ fn compiled_matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     if da.len() < 2 || db.len() < 2 || da[da.len() - 2..].contains(&1) || db[db.len() - 1] == 1 {
         return matmul(a, b);
     }
-    let sized = da.iter().chain(db).all(|&d| d > 0);
-    if sized && da.len() > 2 && a.dtype() == CDType::F32 && rayon::current_num_threads() > 1 {
-        // The copies candle's refusal would lead to below, decided from the strides; an operand
-        // broadcast over the batch (stride 0) is left to candle, which folds the batch.
-        if let Some((a, b)) = match (batch_skip(a), batch_skip(b)) {
-            (Some(0), _) | (_, Some(0)) => None,
-            (Some(_), Some(_)) => Some((a.clone(), b.clone())),
-            (Some(_), None) => Some((a.clone(), b.contiguous()?)),
-            (None, _) => Some((a.contiguous()?, b.contiguous()?)),
-        } {
-            return batched_gemm(&a, &b);
-        }
+    if let Some((a, b)) = batched_operands(a, b)? {
+        return batched_gemm(&a, &b);
     }
     match a.matmul(b) {
         Err(e) if is_striding(&e) => {
@@ -764,38 +757,64 @@ fn compiled_matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// The stride between consecutive batch elements of a rank-3 or rank-4 operand, where its batch
-/// dims collapse into one stride — candle's rule for the operands its matmul takes; `None` where
-/// they do not. 0 for an operand broadcast over the batch (candle then folds the batch into one
-/// product, which [`batched_gemm`] does not).
-fn batch_skip(t: &Tensor) -> Option<usize> {
-    let (dims, strides) = (t.dims(), t.stride());
-    let skip = match (&dims[..dims.len() - 2], &strides[..strides.len() - 2]) {
-        ([_], &[s]) => s,
-        ([_, d1], &[s0, s1]) if s0 == s1 * d1 => s1,
-        ([1, _], &[_, s1]) => s1,
-        ([_, 1], &[s0, _]) => s0,
-        _ => return None,
-    };
-    Some(skip)
+/// The operands [`batched_gemm`] reads for `a · b` (see [`compiled_matmul`]: each as it is, or
+/// its contiguous copy), or `None` for a product it does not take — not f32 of rank 3–4, an
+/// empty dim, batch or inner dims that do not match, or an operand broadcast over the batch
+/// (a stride-0 batch dim: candle folds such a batch into one product).
+fn batched_operands(a: &Tensor, b: &Tensor) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+    let (da, db) = (a.dims(), b.dims());
+    let r = da.len();
+    let f32s = a.dtype() == CDType::F32 && b.dtype() == CDType::F32;
+    let batch_ok = |t: &Tensor| t.stride()[..r - 2].iter().all(|&s| s > 0);
+    if !(3..=4).contains(&r)
+        || db.len() != r
+        || !f32s
+        || da.iter().chain(db).any(|&d| d == 0)
+        || da[..r - 2] != db[..r - 2]
+        || da[r - 1] != db[r - 2]
+        || !batch_ok(a)
+        || !batch_ok(b)
+    {
+        return Ok(None);
+    }
+    if batch_skip(a).is_some() && batch_skip(b).is_some() {
+        return Ok(Some((a.clone(), b.clone())));
+    }
+    let rows_contiguous = |t: &Tensor| t.stride()[r - 1] == 1;
+    let a = if batch_skip(a).is_some() || rows_contiguous(a) { a.clone() } else { a.contiguous()? };
+    let b = if rows_contiguous(b) { b.clone() } else { b.contiguous()? };
+    Ok(Some((a, b)))
 }
 
-/// A batched f32 product whose batch elements are split over the current rayon pool: one gemm
-/// call per element, each the call candle's matmul makes for it (same sizes, strides and
-/// parallelism, so the same bits), but candle runs them one after another, and attention's
-/// products (64 × 64 × 32 on `small`) are each too small for gemm to split. The operands'
-/// batch strides come from [`batch_skip`].
+/// The stride between consecutive batch elements of a rank-3 or rank-4 operand, where its batch
+/// dims collapse into one stride — candle's rule for the operands its matmul takes; `None` where
+/// they do not.
+fn batch_skip(t: &Tensor) -> Option<usize> {
+    let (dims, strides) = (t.dims(), t.stride());
+    match (&dims[..dims.len() - 2], &strides[..strides.len() - 2]) {
+        ([_], &[s]) => Some(s),
+        ([_, d1], &[s0, s1]) if s0 == s1 * d1 => Some(s1),
+        ([1, _], &[_, s1]) => Some(s1),
+        ([_, 1], &[s0, _]) => Some(s0),
+        _ => None,
+    }
+}
+
+/// A batched f32 product `[.., m, k] · [.., k, n]` (rank 3–4, the operands' batch dims equal)
+/// on the operands' own strides: per batch element the gemm call candle's matmul makes (same
+/// sizes, strides within the element, and parallelism, so the same bits), each element's
+/// operands found from its batch index through each batch dim's stride (candle needs the batch
+/// dims to collapse into one). On a pool of two or more threads the elements are split over
+/// it: attention's products (64 × 64 × 32 on `small`) are each too small for gemm to split.
 fn batched_gemm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     let (da, db) = (a.dims(), b.dims());
     let r = da.len();
     let (m, k, n) = (da[r - 2], da[r - 1], db[r - 1]);
-    let batch: usize = da[..r - 2].iter().product();
-    let (Some(a_skip @ 1..), Some(b_skip @ 1..)) = (batch_skip(a), batch_skip(b)) else {
-        candle_core::bail!("batched_gemm: operands {da:?} · {db:?} without one nonzero batch stride")
-    };
-    if db[r - 2] != k || db[..r - 2] != da[..r - 2] {
+    if !(3..=4).contains(&r) || db.len() != r || db[..r - 2] != da[..r - 2] || db[r - 2] != k {
         candle_core::bail!("batched_gemm: operands {da:?} · {db:?} do not multiply")
     }
+    let batch_dims = &da[..r - 2];
+    let batch: usize = batch_dims.iter().product();
     let (sa, la) = a.storage_and_layout();
     let (sb, lb) = b.storage_and_layout();
     let (candle_core::Storage::Cpu(CpuStorage::F32(va)), candle_core::Storage::Cpu(CpuStorage::F32(vb))) =
@@ -805,19 +824,28 @@ fn batched_gemm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     };
     let (lhs, rhs) = (&va[la.start_offset()..], &vb[lb.start_offset()..]);
     let (ls, rs) = (la.stride(), lb.stride());
-    // The last element the strides reach in each operand must lie in its storage.
-    let reach = |skip: usize, s: &[usize], rows: usize, cols: usize| {
-        (batch - 1) * skip + (rows - 1) * s[r - 2] + (cols - 1) * s[r - 1] + 1
+    // Batch element i's first element in an operand of strides `s`.
+    let offset = |s: &[usize], i: usize| {
+        let mut rest = i;
+        let mut off = 0;
+        for d in (0..r - 2).rev() {
+            off += (rest % batch_dims[d]) * s[d];
+            rest /= batch_dims[d];
+        }
+        off
     };
-    if reach(a_skip, ls, m, k) > lhs.len() || reach(b_skip, rs, k, n) > rhs.len() {
+    // The last element an operand's strides reach must lie in its storage.
+    let reach = |s: &[usize], rows: usize, cols: usize| {
+        offset(s, batch - 1) + (rows - 1) * s[r - 2] + (cols - 1) * s[r - 1] + 1
+    };
+    if reach(ls, m, k) > lhs.len() || reach(rs, k, n) > rhs.len() {
         candle_core::bail!("batched_gemm: operands {da:?} · {db:?} reach outside their storage")
     }
     let threads = candle_core::utils::get_num_threads();
     let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-    let mut out = vec![0f32; batch * m * n];
-    out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| {
-        // SAFETY: batch element i's operands lie in `lhs` and `rhs` (the reach checked above),
-        // and `dst` holds its contiguous m × n result.
+    let element = |i: usize, dst: &mut [f32]| {
+        // SAFETY: batch element i's operands lie in `lhs` and `rhs` (the reach checked above:
+        // offsets grow with every index), and `dst` holds its contiguous m × n result.
         unsafe {
             gemm::gemm(
                 m,
@@ -827,10 +855,10 @@ fn batched_gemm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
                 1,
                 n as isize,
                 false,
-                lhs[i * a_skip..].as_ptr(),
+                lhs[offset(ls, i)..].as_ptr(),
                 ls[r - 1] as isize,
                 ls[r - 2] as isize,
-                rhs[i * b_skip..].as_ptr(),
+                rhs[offset(rs, i)..].as_ptr(),
                 rs[r - 1] as isize,
                 rs[r - 2] as isize,
                 0f32,
@@ -841,9 +869,15 @@ fn batched_gemm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
                 parallelism,
             )
         }
-    });
+    };
+    let mut out = vec![0f32; batch * m * n];
+    if rayon::current_num_threads() > 1 {
+        out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst));
+    } else {
+        out.chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst));
+    }
     drop((sa, sb));
-    Tensor::from_vec(out, da[..r - 2].iter().copied().chain([m, n]).collect::<Vec<_>>(), &Device::Cpu)
+    Tensor::from_vec(out, batch_dims.iter().copied().chain([m, n]).collect::<Vec<_>>(), &Device::Cpu)
 }
 
 /// candle's refusal of operands whose batch dims do not collapse into one stride.
@@ -1078,11 +1112,12 @@ mod matmul_tests {
         #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
 
         /// Attention's operand pairs — lhs contiguous, transposed (Pᵀ) or permuted (q), rhs
-        /// permuted (k, v) or permuted and transposed (kᵀ) — give the interpreter's bits.
+        /// permuted (k, v), permuted and transposed (kᵀ), contiguous or transposed — give the
+        /// interpreter's bits, on one thread and with the batch split over a pool.
         #[test]
         fn compiled_matmul_equals_the_interpreters(
             b in 1usize..3, h in 1usize..4, m in 1usize..80, k in 1usize..80, n in 1usize..80,
-            lhs in 0usize..3, rhs in 0usize..2, seed in 0u64..1000
+            lhs in 0usize..3, rhs in 0usize..4, seed in 0u64..1000
         ) {
             let x = match lhs {
                 0 => view([b, h, m, k], [0, 1, 2, 3], seed),
@@ -1091,7 +1126,9 @@ mod matmul_tests {
             };
             let y = match rhs {
                 0 => view([b, k, h, n], [0, 2, 1, 3], seed + 1),
-                _ => view([b, n, h, k], [0, 2, 3, 1], seed + 1),
+                1 => view([b, n, h, k], [0, 2, 3, 1], seed + 1),
+                2 => view([b, h, k, n], [0, 1, 2, 3], seed + 1),
+                _ => view([b, h, n, k], [0, 1, 3, 2], seed + 1),
             };
             let want = bits(&matmul(&x, &y).unwrap());
             prop_assert_eq!(bits(&compiled_matmul(&x, &y).unwrap()), want.clone());
