@@ -730,8 +730,9 @@ fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 /// a batched (rank 3–4) f32 product runs as [`batched_gemm`], the same gemm calls. Where candle
 /// refuses them (batch dims that do not collapse into one stride: attention's permuted q, k,
 /// v), [`matmul`] copies both; this reads in place every operand whose layout gives the bits of
-/// its copy — a lhs candle can step through (softmax's transposed Pᵀ: gemm's sums do not change
-/// with a lhs's orientation), and any operand whose rows are contiguous (a permuted q, k or v:
+/// its copy — a lhs candle can step through (softmax's transposed Pᵀ: beside a rhs with
+/// contiguous rows, the only kind this path passes, gemm's sums do not depend on the lhs's
+/// orientation), and any operand whose rows are contiguous (a permuted q, k or v:
 /// its copy differs only in the row stride, which gemm's sums do not depend on) — and copies the
 /// rest (kᵀ: gemm's sums change with a transposed rhs's layout, a 2 × 3 · 3 × 2 product
 /// differed by 1 ulp). The same bits as [`matmul`] (`matmul_tests`, `tests/compiled.rs`).
@@ -759,8 +760,9 @@ fn compiled_matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 
 /// The operands [`batched_gemm`] reads for `a · b` (see [`compiled_matmul`]: each as it is, or
 /// its contiguous copy), or `None` for a product it does not take — not f32 of rank 3–4, an
-/// empty dim, batch or inner dims that do not match, or an operand broadcast over the batch
-/// (a stride-0 batch dim: candle folds such a batch into one product).
+/// empty dim, batch or inner dims that do not match, or a stride-0 batch dim (an operand
+/// broadcast over the batch: left to candle, which folds a batch-invariant rhs into one
+/// product).
 fn batched_operands(a: &Tensor, b: &Tensor) -> candle_core::Result<Option<(Tensor, Tensor)>> {
     let (da, db) = (a.dims(), b.dims());
     let r = da.len();
@@ -1106,6 +1108,28 @@ mod matmul_tests {
 
     fn bits(t: &Tensor) -> Vec<u32> {
         t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// `small`'s shapes, past gemm's own threading threshold (48 · 48 · 256 multiply-adds) and
+    /// its larger kernel blocks: batched rank-3 and rank-4 products, contiguous and permuted, on
+    /// one thread and split over a pool, give the interpreter's bits.
+    #[test]
+    fn large_batched_products_give_the_interpreters_bits() {
+        let cases = [
+            (view([2, 1, 128, 256], [0, 1, 2, 3], 1), view([2, 1, 256, 688], [0, 1, 2, 3], 2)),
+            (view([2, 128, 3, 256], [0, 2, 1, 3], 3), view([2, 256, 3, 200], [0, 2, 1, 3], 4)),
+            (view([3, 2, 256, 130], [0, 1, 3, 2], 5), view([3, 2, 256, 96], [0, 1, 2, 3], 6)),
+        ];
+        for (x, y) in cases {
+            for (x, y) in [(x.clone(), y.clone()), (x.squeeze(1).unwrap_or(x), y.squeeze(1).unwrap_or(y))] {
+                let want = bits(&matmul(&x, &y).unwrap());
+                for threads in [1, 2, 3] {
+                    let pool = crate::threads::rank_pool(0, threads).unwrap();
+                    let got = pool.install(|| bits(&compiled_matmul(&x, &y).unwrap()));
+                    assert_eq!(got, want, "{:?} · {:?} on {threads} threads", x.dims(), y.dims());
+                }
+            }
+        }
     }
 
     proptest! {

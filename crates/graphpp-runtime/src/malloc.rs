@@ -11,14 +11,19 @@
 
 /// Keeps freed memory in the process for reuse: blocks under 32 MiB come from the heap instead
 /// of fresh mappings, and a heap's free top is never trimmed. The resident size then stays at
-/// its high-water mark (a training step's peak, which every step reaches again). Call once at
-/// start-up, before the first tensor is allocated; a no-op where the C library is not glibc.
+/// its high-water mark: a training step's peak, which every step reaches again — per malloc
+/// arena, and glibc gives threads arenas of their own, so with several rank threads the sum of
+/// their peaks at most. Call once at start-up, before the first tensor is allocated; a no-op
+/// where the C library is not glibc.
 pub fn retain_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: `mallopt` only changes the allocator's parameters; glibc serialises it with
-    // allocations, and both values are in the ranges its documentation allows.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    {
+        // SAFETY: `mallopt` only changes the allocator's parameters; glibc serialises it with
+        // allocations, and both values are in the ranges its documentation allows (the mmap
+        // threshold at most 32 MiB on 64-bit).
+        let set = unsafe {
+            [libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20), libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX)]
+        };
+        debug_assert_eq!(set, [1, 1], "glibc took both settings");
     }
 }

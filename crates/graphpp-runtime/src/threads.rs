@@ -8,15 +8,15 @@
 //! (measured: 128×256 · 256×688 after an elementwise op, 1.28 ms with the barrier pool at 2
 //! threads vs 0.69 ms at 1; 1.24 ms single-threaded).
 //!
-//! A rank's step runs through [`install_hot`]: while it runs, the pool's other workers poll for
-//! work instead of sleeping. A stage runs thousands of operations a step, each split into a few
+//! A rank's work (a step, an evaluation) runs through [`install_hot`]: while it runs, the pool's
+//! other workers poll for work instead of sleeping. A stage runs thousands of operations a step, each split into a few
 //! parallel parts; a sleeping rayon worker must be woken for every one, and waking an idle vCPU
 //! under a hypervisor costs tens of microseconds (measured on a 2-vCPU KVM guest: `small`'s fw +
 //! full_bw took 95 ms on 2 sleeping-pool threads against 75 ms on 1). OpenMP runtimes spin the
 //! same way between parallel regions (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`).
 
 use rayon::{ThreadPool, Yield};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// The intra-op threads per rank in effect: what candle asks gemm for — `RAYON_NUM_THREADS`
 /// when set to a positive number (the CLI's `--threads-per-rank` sets it, and
@@ -38,18 +38,31 @@ pub fn rank_pool(rank: usize, threads: usize) -> Result<rayon::ThreadPool, rayon
         .build()
 }
 
-/// Whether `pools` pools of `threads` workers each fit this machine's cores, so that their
-/// workers may poll for work ([`install_hot`]) without taking a core another pool needs.
+/// The ranks this host runs in all, every process's (see [`set_host_ranks`]).
+static HOST_RANKS: AtomicUsize = AtomicUsize::new(1);
+
+/// Declares how many ranks run on this host in all — under `mpirun`, every local process's —
+/// so that [`may_spin`] counts the pools of the other processes too (the CLI's
+/// `set_op_threads` calls it). Without a call, a process counts only its own pools.
+pub fn set_host_ranks(ranks: usize) {
+    HOST_RANKS.store(ranks.max(1), Ordering::Relaxed);
+}
+
+/// Whether `pools` pools of `threads` workers each (or as many pools as [`set_host_ranks`]
+/// declared, if more) fit this machine's cores, so that their workers may poll for work
+/// ([`install_hot`]) without taking a core another pool needs.
 pub fn may_spin(pools: usize, threads: usize) -> bool {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    pools.saturating_mul(threads) <= cores
+    pools.max(HOST_RANKS.load(Ordering::Relaxed)).saturating_mul(threads) <= cores
 }
 
 /// Runs `f` in `pool` as [`ThreadPool::install`] does; with `spin` and a pool of two or more
 /// workers, the workers other than the one running `f` poll the pool for work (and run what
 /// they find) until `f` returns or unwinds, instead of sleeping between the parallel parts of
-/// its operations (see the module doc). Each such worker keeps its core busy meanwhile: pass
-/// `spin` only when the pool's threads have cores of their own ([`may_spin`]).
+/// its operations (see the module doc). Each such worker keeps its core busy meanwhile (offering
+/// it to the OS every few polls): pass `spin` only when the pool's threads have cores of their
+/// own ([`may_spin`]). Not re-entrant from a job of the same pool: a nested call's scope waits
+/// for its copy of the pollers on `f`'s worker.
 pub fn install_hot<R: Send>(pool: &ThreadPool, spin: bool, f: impl FnOnce() -> R + Send) -> R {
     if !spin || pool.current_num_threads() < 2 {
         return pool.install(f);

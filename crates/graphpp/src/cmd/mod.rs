@@ -28,8 +28,10 @@ pub fn parse_compute_dtype(s: &str) -> Result<DType, String> {
 /// divided among `ranks` rank threads (at least 1), unless the user set that variable; and
 /// candle's spinning barrier pool (`CANDLE_NUM_THREADS`) to 1 unless the user set it (its idle
 /// worker held a core that gemm's second thread needed); and makes the C allocator keep freed
-/// memory ([`graphpp_runtime::malloc::retain_freed_memory`]). Returns the threads per rank. Must
-/// run before the first tensor operation.
+/// memory ([`graphpp_runtime::malloc::retain_freed_memory`]); `ranks` are this host's, every
+/// local process's ([`graphpp_runtime::threads::set_host_ranks`]: idle workers poll for work
+/// only when all of them fit the cores). Returns the threads per rank. Must run before the first
+/// tensor operation.
 ///
 /// Why: every rank is an OS thread; with candle's default (all cores per operation) the ranks'
 /// spinning worker pools fight over the cores — on this 2-core machine `graphpp train` with 2 ranks
@@ -45,6 +47,7 @@ pub fn set_op_threads(ranks: usize, explicit: Option<usize>) -> usize {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
     let threads = graphpp_runtime::threads::op_threads();
+    graphpp_runtime::threads::set_host_ranks(ranks);
     if let Some(w) = oversubscribed(ranks, threads, cores) {
         eprintln!("{w}");
     }
