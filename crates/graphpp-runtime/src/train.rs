@@ -252,17 +252,7 @@ impl Trainer {
             .into_iter()
             .map(|c| RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, Arc::new(c)))
             .collect::<Result<Vec<_>, _>>()?;
-        let (pools, spin) = rank_pools(&ranks)?;
-        Ok(Trainer {
-            setup,
-            schedule,
-            ranks,
-            pools,
-            spin,
-            poisoned: false,
-            step: 0,
-            inference: HashMap::new(),
-        })
+        Self::with_ranks(setup, schedule, ranks)
     }
 
     /// Builds the one rank `comm.rank()` of a world of processes (world = p × dp ranks).
@@ -276,6 +266,15 @@ impl Trainer {
             .and_then(|m| m.with_ep(setup.ep))
             .map_err(|e| VerifyError::Mismatch(e.to_string()))?;
         let ranks = vec![RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, comm)?];
+        Self::with_ranks(setup, schedule, ranks)
+    }
+
+    /// The trainer of `ranks` (this process's), each with its thread pool.
+    fn with_ranks(
+        setup: TrainSetup,
+        schedule: Arc<Schedule>,
+        ranks: Vec<RankTrainer>,
+    ) -> Result<Self, TrainError> {
         let (pools, spin) = rank_pools(&ranks)?;
         Ok(Trainer {
             setup,
