@@ -92,6 +92,14 @@ fn main() {
             opts.seq,
             total / runs as f64
         );
+        let matmul: f64 =
+            rows.iter().filter(|(name, _)| name.contains(" Matmul ")).map(|(_, (ms, _))| ms).sum();
+        let all: f64 = rows.iter().map(|(_, (ms, _))| ms).sum();
+        println!(
+            "matmuls {:.2} ms a run, everything else {:.2} (the nodes' own times)",
+            matmul / runs as f64,
+            (all - matmul) / runs as f64
+        );
         println!("{:>9} {:>6}  op", "ms/run", "nodes");
         for (name, (ms, count)) in rows.iter().take(num("top")) {
             println!("{:>9.3} {:>6}  {name}", ms / runs as f64, count / runs);

@@ -8,7 +8,7 @@
 //! output, in blocks of [`BLOCK`] elements held in L1-sized registers: no member value is ever
 //! allocated, and operands are read through their own strides (a broadcast or permuted operand
 //! is never copied; a contiguous one is read in place). The block loop is compiled for AVX2
-//! where the CPU has it, and a group of 16k elements or more is split over the current rayon
+//! where the CPU has it, and a group of 256k elements or more is split over the current rayon
 //! pool (the rank's, [`crate::threads`]).
 //!
 //! Each member is computed with the same f32 arithmetic, in the same order, as the interpreter's
@@ -23,9 +23,13 @@ use std::collections::BinaryHeap;
 /// Elements per block: one register is `BLOCK` f32 (1 KiB), so a group of 32 values stays in L1.
 pub const BLOCK: usize = 256;
 
-/// Groups of fewer output elements than this run on one thread (a guess, not tuned: 16k f32 is
-/// a few microseconds of work, about what handing a job to another pool thread costs).
-const PARALLEL_MIN: usize = 1 << 14;
+/// Groups of fewer output elements than this run on one thread. A group's operands are mostly
+/// hot in the cache of the core that produced them, and another core must fetch its half
+/// through the shared cache, so splitting a small group costs more than it saves: with 16k,
+/// `tiny`'s elementwise time at 2 threads (`opprof --model tiny --threads 2`, B = 8) was 14–16 ms
+/// against 12 at 1 thread; with 256k (or never splitting) 12–12.5, and `small`'s (B = 2, groups
+/// up to 88k elements) did not change.
+const PARALLEL_MIN: usize = 1 << 18;
 
 /// One instruction over a block. Instruction `r` defines register `r` (emission order), so
 /// every source register is below its destination.
@@ -186,7 +190,7 @@ struct Operand<'a> {
 impl Group {
     /// The anchor's value from the external operands `args` (in [`Group::inputs`] order, f32
     /// tensors on the CPU of shapes that broadcast to the anchor's). Splits the output over the
-    /// current rayon pool's threads when it has at least 16k elements.
+    /// current rayon pool's threads when it has at least 256k elements (`PARALLEL_MIN`).
     ///
     /// # Errors
     /// candle's, for an operand that is not a CPU f32 tensor or does not broadcast.

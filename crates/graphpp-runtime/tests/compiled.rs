@@ -177,11 +177,13 @@ proptest! {
         steps in prop::collection::vec((0u8..13, prop_oneof![0u8..8, 0x40u8..0x48, Just(0xffu8)]), 1..6),
         big in any::<bool>(),
     ) {
-        // `big` makes the output large enough (> 16k elements) to take the threaded path.
+        // `big` makes the output large enough (280k to 1.7M elements, past the 256k of
+        // `fusion::PARALLEL_MIN`) to take the threaded path.
         let mut shape = shape;
         if big {
+            shape.truncate(1);
             shape.push(700);
-            shape.push(25);
+            shape.push(400);
         }
         let g = chain(&shape, &steps);
         let program = Program::compile(&g);
