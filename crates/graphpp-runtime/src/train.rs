@@ -210,8 +210,9 @@ pub struct Trainer {
     ranks: Vec<RankTrainer>,
     /// Each rank's intra-op thread pool ([`crate::threads`]), index as `ranks`.
     pools: Vec<rayon::ThreadPool>,
-    /// Whether the pools' idle workers poll for work during a step
-    /// ([`crate::threads::install_hot`]): when every pool's threads have cores of their own.
+    /// Whether the pools' idle workers poll for work while a rank's work runs (a step, an
+    /// evaluation: [`crate::threads::install_hot`]) — when every pool's threads have cores of
+    /// their own.
     spin: bool,
     poisoned: bool,
     step: u64,
