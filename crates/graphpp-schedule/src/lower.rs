@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 
 use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
+use crate::deps::Walk;
 use crate::schedule::{Schedule, Step};
 use crate::validate::{
     compute_routes, stage_rank_table, validated, Loc, StageRanks, ValidateOptions, Validated, ValidationError,
@@ -70,9 +71,10 @@ pub struct LowerOptions {
 /// # Errors
 /// [`LowerError::Invalid`] for an invalid input; the passes' errors otherwise.
 pub fn lower(s: &Schedule, opts: &LowerOptions) -> Result<Schedule, LowerError> {
-    // Only the tables lowering needs are kept (the walk is dropped before the output is built).
-    let Validated { summary, placement, walk, .. } = validated(s, &ValidateOptions::default())?;
-    let routes = walk.routes;
+    // Only the tables lowering needs are kept: the rest of the walk (its producer tables) and the
+    // run order are dropped at the end of this statement, before the output is built.
+    let Validated { summary, placement, walk: Walk { routes, .. }, .. } =
+        validated(s, &ValidateOptions::default())?;
     match opts.fsdp_max_unsharded {
         Some(n) => add_send_recv(&add_reduce_grad(&add_unshard_reshard(s, n)?)?),
         None if opts.reduce_grad => add_send_recv(&add_reduce_grad(s)?),
