@@ -726,43 +726,33 @@ fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// The compiled executor's matmul. Where candle takes the operands as they are, its product;
-/// a batched (rank 3–4) f32 product runs as [`batched_gemm`], the same gemm calls. Where candle
-/// refuses them (batch dims that do not collapse into one stride: attention's permuted q, k,
-/// v), [`matmul`] copies both; this reads in place every operand whose layout gives the bits of
-/// its copy — a lhs candle can step through (softmax's transposed Pᵀ: beside a rhs with
-/// contiguous rows, the only kind this path passes, gemm's sums do not depend on the lhs's
-/// orientation), and any operand whose rows are contiguous (a permuted q, k or v:
-/// its copy differs only in the row stride, which gemm's sums do not depend on) — and copies the
-/// rest (kᵀ: gemm's sums change with a transposed rhs's layout, a 2 × 3 · 3 × 2 product
-/// differed by 1 ulp). The same bits as [`matmul`] (`matmul_tests`, `tests/compiled.rs`).
+/// The compiled executor's matmul: a batched (rank 3–4) f32 product runs as [`batched_gemm`]
+/// on the operands [`batched_operands`] picks — each read in place where that gives the bits of
+/// its copy; every other product is the interpreter's [`matmul`]. The same bits as [`matmul`]
+/// (`matmul_tests`, `tests/compiled.rs`).
 fn compiled_matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     // A dim of 1 sends gemm down a path whose sums depend on the strides (a 2 × 3 · 3 × 1
-    // product of a transposed lhs differed from its copy's): those are copied as `matmul` does.
+    // product of a transposed lhs differed from its copy's): those are left to `matmul`.
     let (da, db) = (a.dims(), b.dims());
-    if da.len() < 2 || db.len() < 2 || da[da.len() - 2..].contains(&1) || db[db.len() - 1] == 1 {
-        return matmul(a, b);
-    }
-    if let Some((a, b)) = batched_operands(a, b)? {
-        return batched_gemm(&a, &b);
-    }
-    match a.matmul(b) {
-        Err(e) if is_striding(&e) => {
-            let b_copy = b.contiguous()?;
-            match a.matmul(&b_copy) {
-                Err(e) if is_striding(&e) => a.contiguous()?.matmul(&b_copy),
-                r => r,
-            }
-        }
-        r => r,
+    let unit = da.len() < 2 || db.len() < 2 || da[da.len() - 2..].contains(&1) || db[db.len() - 1] == 1;
+    match if unit { None } else { batched_operands(a, b)? } {
+        Some((a, b)) => batched_gemm(&a, &b),
+        None => matmul(a, b),
     }
 }
 
-/// The operands [`batched_gemm`] reads for `a · b` (see [`compiled_matmul`]: each as it is, or
-/// its contiguous copy), or `None` for a product it does not take — not f32 of rank 3–4, an
-/// empty dim, batch or inner dims that do not match, or a stride-0 batch dim (an operand
-/// broadcast over the batch: left to candle, which folds a batch-invariant rhs into one
-/// product).
+/// The operands [`batched_gemm`] reads for `a · b`, each as it is or its contiguous copy, or
+/// `None` for a product it does not take — not f32 of rank 3–4, an empty dim, batch or inner
+/// dims that do not match, or a stride-0 batch dim (an operand broadcast over the batch: left to
+/// candle, which folds a batch-invariant rhs into one product). Where candle takes both as they
+/// are, both; where it refuses them (batch dims that do not collapse into one stride:
+/// attention's permuted q, k, v) and [`matmul`] copies both, this keeps every operand whose
+/// layout gives its copy's bits — a lhs candle can step through (softmax's transposed Pᵀ: beside
+/// a rhs with contiguous rows, the only kind passed here, gemm's sums do not depend on the lhs's
+/// orientation) and any operand whose rows are contiguous (a permuted q, k or v: its copy
+/// differs only in the row stride, which gemm's sums do not depend on) — and copies the rest
+/// (kᵀ: gemm's sums change with a transposed rhs's layout, a 2 × 3 · 3 × 2 product differed by
+/// 1 ulp).
 fn batched_operands(a: &Tensor, b: &Tensor) -> candle_core::Result<Option<(Tensor, Tensor)>> {
     let (da, db) = (a.dims(), b.dims());
     let r = da.len();
@@ -802,8 +792,8 @@ fn batch_skip(t: &Tensor) -> Option<usize> {
     }
 }
 
-/// A batched f32 product `[.., m, k] · [.., k, n]` (rank 3–4, the operands' batch dims equal)
-/// on the operands' own strides: per batch element the gemm call candle's matmul makes (same
+/// A batched f32 product `[.., m, k] · [.., k, n]` (rank 3–4, the operands' batch dims equal:
+/// those [`batched_operands`] passes) on the operands' own strides: per batch element the gemm call candle's matmul makes (same
 /// sizes, strides within the element, and parallelism, so the same bits), each element's
 /// operands found from its batch index through each batch dim's stride (candle needs the batch
 /// dims to collapse into one). On a pool of two or more threads the elements are split over
@@ -812,9 +802,7 @@ fn batched_gemm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     let (da, db) = (a.dims(), b.dims());
     let r = da.len();
     let (m, k, n) = (da[r - 2], da[r - 1], db[r - 1]);
-    if !(3..=4).contains(&r) || db.len() != r || db[..r - 2] != da[..r - 2] || db[r - 2] != k {
-        candle_core::bail!("batched_gemm: operands {da:?} · {db:?} do not multiply")
-    }
+    debug_assert!((3..=4).contains(&r) && db.len() == r && db[..r - 2] == da[..r - 2] && db[r - 2] == k);
     let batch_dims = &da[..r - 2];
     let batch: usize = batch_dims.iter().product();
     let (sa, la) = a.storage_and_layout();

@@ -26,9 +26,9 @@ pub const BLOCK: usize = 256;
 /// Groups of fewer output elements than this run on one thread. A group's operands are mostly
 /// hot in the cache of the core that produced them, and another core must fetch its half
 /// through the shared cache, so splitting a small group costs more than it saves: with 16k,
-/// `tiny`'s elementwise time at 2 threads (`opprof --model tiny --threads 2`, B = 8) was 14–16 ms
-/// against 12 at 1 thread; with 256k (or never splitting) 12–12.5, and `small`'s (B = 2, groups
-/// up to 88k elements) did not change.
+/// `tiny`'s elementwise time at 2 threads (`opprof --model tiny --threads 2`, B = 8, two runs
+/// each) was 14.2 / 15.7 ms against 12.1–12.2 at 1 thread; with 256k 11.9 / 12.5, never
+/// splitting 12.2 / 12.8; `small`'s (B = 2, groups up to 88k elements) stayed within noise.
 const PARALLEL_MIN: usize = 1 << 18;
 
 /// One instruction over a block. Instruction `r` defines register `r` (emission order), so

@@ -220,19 +220,16 @@ pub struct Trainer {
     inference: HashMap<(usize, bool), Arc<Graph>>,
 }
 
-/// One pool of [`crate::threads::op_threads`] threads per rank, and whether their idle workers
-/// may poll for work ([`crate::threads::may_spin`]). Errors: [`TrainError::Setup`] when the OS
-/// refuses a thread.
-fn rank_pools(ranks: &[RankTrainer]) -> Result<(Vec<rayon::ThreadPool>, bool), TrainError> {
-    let threads = crate::threads::op_threads();
-    let pools = ranks
+/// One pool of `threads` threads per rank. Errors: [`TrainError::Setup`] when the OS refuses a
+/// thread.
+fn rank_pools(ranks: &[RankTrainer], threads: usize) -> Result<Vec<rayon::ThreadPool>, TrainError> {
+    ranks
         .iter()
         .map(|r| {
             crate::threads::rank_pool(r.rank(), threads)
                 .map_err(|e| VerifyError::Mismatch(format!("rank {}: thread pool: {e}", r.rank())).into())
         })
-        .collect::<Result<Vec<_>, TrainError>>()?;
-    Ok((pools, crate::threads::may_spin(ranks.len(), threads)))
+        .collect()
 }
 
 impl Trainer {
@@ -270,13 +267,16 @@ impl Trainer {
         Self::with_ranks(setup, schedule, ranks)
     }
 
-    /// The trainer of `ranks` (this process's), each with its thread pool.
+    /// The trainer of `ranks` (this process's), each with a pool of
+    /// [`crate::threads::op_threads`] threads.
     fn with_ranks(
         setup: TrainSetup,
         schedule: Arc<Schedule>,
         ranks: Vec<RankTrainer>,
     ) -> Result<Self, TrainError> {
-        let (pools, spin) = rank_pools(&ranks)?;
+        let threads = crate::threads::op_threads();
+        let pools = rank_pools(&ranks, threads)?;
+        let spin = crate::threads::may_spin(ranks.len(), threads);
         Ok(Trainer {
             setup,
             schedule,
