@@ -15,6 +15,8 @@
 
 use std::ops::Range;
 
+use rayon::prelude::*;
+
 use crate::action::{Action, CommKind, ComputeKind, Task};
 use crate::schedule::{RankId, Schedule, Step};
 use crate::table::TaskMap;
@@ -351,6 +353,62 @@ fn offsets_of<C>(rows: &[Vec<C>]) -> Vec<usize> {
     offsets
 }
 
+/// One rank's producer lists (global cell indexes), for [`Walk::with_index`].
+struct RankProducers {
+    /// After each of the rank's cells, the length of `producers`.
+    ends: Vec<u32>,
+    /// The producers of the rank's actions, in step order.
+    producers: Vec<u32>,
+    /// Some action's producer is absent.
+    missing: bool,
+}
+
+impl RankProducers {
+    /// Lists the producers of `row`, rank `rank`'s cells.
+    fn of(
+        row: &[Step],
+        rank: RankId,
+        offsets: &[usize],
+        ix: &Index,
+        routes: &[Option<Range<usize>>],
+    ) -> Self {
+        let mut out = RankProducers {
+            ends: Vec::with_capacity(row.len()),
+            producers: Vec::with_capacity(row.len() + row.len() / 2),
+            missing: false,
+        };
+        for (index, cell) in row.iter().enumerate() {
+            if let Some(a) = cell {
+                out.missing |= !out.list(a, Pos::new(rank, index), offsets, ix, routes);
+            }
+            out.ends.push(out.producers.len() as u32);
+        }
+        out
+    }
+
+    /// Appends the producers of action `a` at `me`; false if one is absent.
+    fn list(
+        &mut self,
+        a: &Action,
+        me: Pos,
+        offsets: &[usize],
+        ix: &Index,
+        routes: &[Option<Range<usize>>],
+    ) -> bool {
+        for (slot, t) in halves(a).into_iter().flatten() {
+            let Some(route) = &routes[t.mb] else { return false };
+            for need in needs_of(slot, t, ix, route).into_iter().flatten() {
+                match need {
+                    Ok(p) if p == me => {}
+                    Ok(p) => self.producers.push((offsets[p.rank as usize] + p.index as usize) as u32),
+                    Err(_) => return false,
+                }
+            }
+        }
+        true
+    }
+}
+
 /// Runs a schedule's programs under blocking semantics without building a [`DepGraph`]: each
 /// rank runs until an action needs an unfinished producer and resumes once the producer has run.
 /// Linear in the number of cells (plus, per rank that advances, a look at its few waiters). The
@@ -386,57 +444,34 @@ impl<'a> Walk<'a> {
         Self::with_index(s, routes, &ix)
     }
 
-    /// [`Walk::with_routes`] given the producer tables of `s` as well (the validator's).
+    /// [`Walk::with_routes`] given the producer tables of `s` as well (the validator's). The
+    /// ranks' producer lists are built in parallel (rayon's current pool), then joined.
     pub fn with_index(s: &'a Schedule, routes: Vec<Option<Range<usize>>>, ix: &Index) -> Self {
         let offsets = offsets_of(&s.ranks);
         let cells = offsets[s.ranks.len()];
         // Global cell indexes are u32: 2^32 cells of 40 B would be 170 GB of schedule.
         debug_assert!(cells < u32::MAX as usize, "{cells} cells: more than a u32 indexes");
-        let mut w = Walk {
-            rows: &s.ranks,
-            start: Vec::with_capacity(cells + 1),
-            producers: Vec::with_capacity(cells + cells / 2),
-            offsets,
-            missing: false,
-            routes: Vec::new(),
-        };
-        w.start.push(0);
-        for (rank, row) in s.ranks.iter().enumerate() {
-            for (index, cell) in row.iter().enumerate() {
-                if let Some(a) = cell {
-                    w.missing |= !w.list(a, Pos::new(rank, index), ix, &routes);
-                }
-                w.start.push(w.producers.len() as u32);
-            }
+        let lists: Vec<RankProducers> = s
+            .ranks
+            .par_iter()
+            .enumerate()
+            .map(|(rank, row)| RankProducers::of(row, rank, &offsets, ix, &routes))
+            .collect();
+        let mut start = Vec::with_capacity(cells + 1);
+        let mut producers = Vec::with_capacity(lists.iter().map(|l| l.producers.len()).sum());
+        start.push(0);
+        for l in &lists {
+            let base = producers.len() as u32;
+            start.extend(l.ends.iter().map(|&e| base + e));
+            producers.extend_from_slice(&l.producers);
         }
-        w.routes = routes;
-        w
+        let missing = lists.iter().any(|l| l.missing);
+        Walk { rows: &s.ranks, start, producers, offsets, missing, routes }
     }
 
-    /// Appends the producers of action `a` at `me`; false if one is absent.
-    fn list(&mut self, a: &Action, me: Pos, ix: &Index, routes: &[Option<Range<usize>>]) -> bool {
-        for (slot, t) in halves(a).into_iter().flatten() {
-            let Some(route) = &routes[t.mb] else { return false };
-            for need in needs_of(slot, t, ix, route).into_iter().flatten() {
-                match need {
-                    Ok(p) if p == me => {}
-                    Ok(p) => self.producers.push(self.global(p) as u32),
-                    Err(_) => return false,
-                }
-            }
-        }
-        true
-    }
-
-    /// Number of cells, idle ones included.
+    /// Number of cells, idle ones included.    /// Number of cells, idle ones included.
     pub fn cells(&self) -> usize {
         self.offsets[self.rows.len()]
-    }
-
-    /// The global cell index of a position.
-    #[inline]
-    pub fn global(&self, p: Pos) -> usize {
-        self.offsets[p.rank as usize] + p.index as usize
     }
 
     /// The global cell indexes of rank `r`'s cells.

@@ -8,6 +8,8 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use rayon::prelude::*;
+
 use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
 use crate::deps::Walk;
 use crate::schedule::{Schedule, Step};
@@ -166,11 +168,12 @@ pub fn add_send_recv(s: &Schedule) -> Result<Schedule, LowerError> {
     Ok(send_recv_with(s, &wiring))
 }
 
-/// [`add_send_recv`]'s output given the input's wiring (the input holds no SEND/RECV).
+/// [`add_send_recv`]'s output given the input's wiring (the input holds no SEND/RECV); the ranks'
+/// programs are built in parallel (rayon's current pool).
 fn send_recv_with(s: &Schedule, wiring: &Wiring) -> Schedule {
     let ranks = s
         .ranks
-        .iter()
+        .par_iter()
         .map(|row| {
             let mut out: Vec<Step> = Vec::with_capacity(3 * row.len());
             for &a in row.iter().flatten() {
@@ -296,7 +299,7 @@ fn next_action(row: &[Step], k: usize) -> Option<usize> {
 pub fn merge_bw(s: &Schedule) -> Result<Schedule, LowerError> {
     let ranks = s
         .ranks
-        .iter()
+        .par_iter()
         .map(|row| {
             let mut out = Vec::with_capacity(row.len());
             let mut skip = None;
@@ -328,7 +331,7 @@ pub fn merge_bw(s: &Schedule) -> Result<Schedule, LowerError> {
 pub fn split_bw(s: &Schedule) -> Result<Schedule, LowerError> {
     let ranks = s
         .ranks
-        .iter()
+        .par_iter()
         .map(|row| {
             let mut out = Vec::with_capacity(row.len());
             for cell in row {

@@ -7,6 +7,10 @@
 //! B frees M_B, I frees M_B − M_W, W frees M_W, each weighted 1/v where v is the number of stages
 //! the rank holds; OVERLAP_F_B counts its F before its B.
 
+use std::mem::MaybeUninit;
+
+use rayon::prelude::*;
+
 use crate::action::{Action, ComputeKind};
 use crate::costs::{check_cost, CostError, Costs, Memory};
 use crate::deps::{DepGraph, MissingDep, Walk};
@@ -132,23 +136,21 @@ fn simulate_walk(
     comm: f64,
     memory: &Memory,
 ) -> Result<SimReport, SimulateError> {
+    let mut start = vec![0.0f64; walk.cells()];
     let mut end = vec![0.0f64; walk.cells()];
     let mut free = vec![0.0f64; schedule.num_ranks()];
-    let mut intervals = Vec::with_capacity(walk.cells());
-    let mut totals = Totals::new(schedule.num_ranks());
     let mut visit = |rank: RankId, step: usize, a: &Action, producers: &[u32]| {
-        let mut start = free[rank];
+        let mut s = free[rank];
         let row = walk.row(rank);
         for &p in producers {
             let p = p as usize;
             let hop = if row.contains(&p) { 0.0 } else { comm };
-            start = start.max(end[p] + hop);
+            s = s.max(end[p] + hop);
         }
-        let e = start + duration(a);
+        let e = s + duration(a);
+        start[row.start + step] = s;
         end[row.start + step] = e;
         free[rank] = e;
-        totals.add(rank, start, e);
-        intervals.push(Interval { rank, start, end: e, action: *a });
     };
     let ran_all = match order {
         Some(order) => {
@@ -160,8 +162,56 @@ fn simulate_walk(
     if !ran_all {
         return Err(failure(schedule));
     }
+    let (intervals, totals) = intervals_of(schedule, walk, &start, &end);
     let timeline = Timeline { ranks: schedule.num_ranks(), intervals, comm: Vec::new(), unit: "unit".into() };
     Ok(report_with(timeline, schedule, memory, &walk.routes, totals))
+}
+
+/// The interval of every action, rank by rank in step order, and their [`Totals`], given the
+/// start and end of every cell (by global cell index; idle cells are skipped). The ranks are
+/// filled in parallel (rayon's current pool), each into its own part of one buffer.
+fn intervals_of(schedule: &Schedule, walk: &Walk<'_>, start: &[f64], end: &[f64]) -> (Vec<Interval>, Totals) {
+    let counts: Vec<usize> = schedule.ranks.par_iter().map(|row| row.iter().flatten().count()).collect();
+    let mut buf: Vec<MaybeUninit<Interval>> = Vec::new();
+    buf.resize_with(counts.iter().sum(), MaybeUninit::uninit);
+    let mut parts = Vec::with_capacity(counts.len());
+    let mut rest = &mut buf[..];
+    for &c in &counts {
+        let (part, tail) = rest.split_at_mut(c);
+        parts.push(part);
+        rest = tail;
+    }
+    let sums: Vec<(f64, f64, f64)> = parts
+        .into_par_iter()
+        .enumerate()
+        .map(|(rank, part)| {
+            let base = walk.row(rank).start;
+            let actions = schedule.ranks[rank].iter().enumerate().filter_map(|(i, c)| c.map(|a| (i, a)));
+            let (mut busy, mut first, mut last, mut written) = (0.0f64, f64::INFINITY, 0.0f64, 0);
+            for (slot, (step, action)) in part.iter_mut().zip(actions) {
+                let (s, e) = (start[base + step], end[base + step]);
+                slot.write(Interval { rank, start: s, end: e, action });
+                busy += e - s;
+                first = first.min(s);
+                last = last.max(e);
+                written += 1;
+            }
+            assert_eq!(written, part.len(), "rank {rank}: one interval per action");
+            (busy, first, last)
+        })
+        .collect();
+    let mut buf = std::mem::ManuallyDrop::new(buf);
+    // SAFETY: `buf` is the concatenation of `parts`, and the loop above wrote every slot of each
+    // part (the assert); `MaybeUninit<Interval>` has `Interval`'s size and alignment.
+    let intervals =
+        unsafe { Vec::from_raw_parts(buf.as_mut_ptr().cast::<Interval>(), buf.len(), buf.capacity()) };
+    let totals = Totals {
+        makespan: sums.iter().map(|s| s.2).fold(0.0, f64::max),
+        busy: sums.iter().map(|s| s.0).collect(),
+        first: sums.iter().map(|s| s.1).collect(),
+        last: sums.iter().map(|s| s.2).collect(),
+    };
+    (intervals, totals)
 }
 
 /// Per-rank sums of a timeline's intervals, gathered in interval order.
@@ -237,7 +287,7 @@ fn report_with(
     let weights: Vec<f64> = routes.iter().map(|r| route_weight(r, p_ranks)).collect();
     let weight = |mb: usize| weights.get(mb).copied().unwrap_or(1.0);
     let (peak_activations, peak_in_flight) =
-        schedule.ranks.iter().map(|prog| peak_of(prog.iter().flatten(), weight, memory)).unzip();
+        schedule.ranks.par_iter().map(|prog| peak_of(prog.iter().flatten(), weight, memory)).unzip();
     SimReport {
         makespan,
         bubble_ratio: ratio(idle.iter().sum(), total_busy),

@@ -32,14 +32,16 @@
 // actions; boxing them would only make matching on variants clumsier.
 #![allow(clippy::result_large_err)]
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt;
 use std::ops::Range;
+
+use rayon::prelude::*;
 
 use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
 use crate::deps::{widen_route, DepGraph, Index, MissingDep, Pos, RunOrder, Walk};
 use crate::placement::Placement;
-use crate::schedule::{RankId, Schedule};
+use crate::schedule::{RankId, Schedule, Step};
 use crate::table::TaskMap;
 
 /// What the validator expects beyond the schedule itself: the intended shape, where known.
@@ -528,6 +530,36 @@ impl ActionCounts {
         c
     }
 
+    /// Adds the counts of `o`.
+    fn merge(&mut self, o: &ActionCounts) {
+        let ActionCounts {
+            f,
+            b,
+            i,
+            w,
+            overlap,
+            send,
+            recv,
+            unshard,
+            reshard,
+            reduce_grad,
+            wait_send,
+            wait_reduce_grad,
+        } = *o;
+        self.f += f;
+        self.b += b;
+        self.i += i;
+        self.w += w;
+        self.overlap += overlap;
+        self.send += send;
+        self.recv += recv;
+        self.unshard += unshard;
+        self.reshard += reshard;
+        self.reduce_grad += reduce_grad;
+        self.wait_send += wait_send;
+        self.wait_reduce_grad += wait_reduce_grad;
+    }
+
     /// Counts one action.
     #[inline]
     fn add(&mut self, a: &Action) {
@@ -569,15 +601,26 @@ struct Survey {
 }
 
 impl Survey {
+    /// The survey of `s`: the ranks' surveys, gathered in parallel (rayon's current pool).
     fn of(s: &Schedule) -> Self {
-        let mut v = Survey {
+        s.ranks.par_iter().map(|row| Survey::of_row(row)).reduce(Survey::empty, Survey::merge)
+    }
+
+    /// Nothing surveyed.
+    fn empty() -> Self {
+        Survey {
             counts: ActionCounts::default(),
             stages_named: 0,
             mbs_named: 0,
             routes: Vec::new(),
             other_stages: 0,
-        };
-        for a in s.ranks.iter().flatten().flatten() {
+        }
+    }
+
+    /// The survey of one rank's program.
+    fn of_row(row: &[Step]) -> Self {
+        let mut v = Survey::empty();
+        for a in row.iter().flatten() {
             v.counts.add(a);
             match *a {
                 Action::Compute { task, .. } => v.compute(task),
@@ -593,6 +636,21 @@ impl Survey {
             }
         }
         v
+    }
+
+    /// The survey of both parts of a schedule.
+    fn merge(mut self, other: Survey) -> Survey {
+        self.counts.merge(&other.counts);
+        self.stages_named = self.stages_named.max(other.stages_named);
+        self.mbs_named = self.mbs_named.max(other.mbs_named);
+        self.other_stages = self.other_stages.max(other.other_stages);
+        for (mb, r) in other.routes.into_iter().enumerate() {
+            if let Some(r) = r {
+                widen_route(&mut self.routes, Task::new(r.start, mb));
+                widen_route(&mut self.routes, Task::new(r.end - 1, mb));
+            }
+        }
+        self
     }
 
     /// Notes a compute task.
@@ -711,26 +769,43 @@ pub(crate) fn stage_rank_table(s: &Schedule) -> Result<StageRanks, ValidationErr
     stage_rank_table_of(s, stages)
 }
 
-/// [`stage_rank_table`] given `stages`, one more than the largest stage any action names.
+/// [`stage_rank_table`] given `stages`, one more than the largest stage any action names. The
+/// ranks' first uses of their stages are found in parallel (rayon's current pool), then entered
+/// rank by rank: the first stage found on a second rank is the one a scan in rank/step order
+/// finds first.
 fn stage_rank_table_of(s: &Schedule, stages: usize) -> Result<StageRanks, ValidationError> {
+    let firsts: Vec<Vec<(StageId, Loc)>> =
+        (0..s.num_ranks()).into_par_iter().map(|rank| first_uses(s, rank)).collect();
     let mut map = TaskMap::by_stage(stages, cell_count(s));
-    for rank in 0..s.num_ranks() {
-        // The two stages this rank's latest actions named, already in the table with this rank.
-        let mut recent: [Option<StageId>; 2] = [None, None];
-        for at in row_cells(s, rank) {
-            for stage in at.action.stages() {
-                if recent.contains(&Some(stage)) {
-                    continue;
-                }
-                let first_rank = map.first(0, Task::new(stage, 0), rank).unwrap_or(rank);
-                if first_rank != rank {
-                    return Err(ValidationError::StageOnManyRanks { stage, first_rank, at });
-                }
-                recent = [Some(stage), recent[0]];
+    for (rank, uses) in firsts.into_iter().enumerate() {
+        for (stage, at) in uses {
+            let first_rank = map.first(0, Task::new(stage, 0), rank).unwrap_or(rank);
+            if first_rank != rank {
+                return Err(ValidationError::StageOnManyRanks { stage, first_rank, at });
             }
         }
     }
     Ok(map)
+}
+
+/// Each stage rank `rank`'s actions name, with the first action naming it, in order of first use.
+fn first_uses(s: &Schedule, rank: RankId) -> Vec<(StageId, Loc)> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    // The two stages this rank's latest actions named, already seen.
+    let mut recent: [Option<StageId>; 2] = [None, None];
+    for at in row_cells(s, rank) {
+        for stage in at.action.stages() {
+            if recent.contains(&Some(stage)) {
+                continue;
+            }
+            if seen.insert(stage) {
+                out.push((stage, at));
+            }
+            recent = [Some(stage), recent[0]];
+        }
+    }
+    out
 }
 
 /// The stage → rank map.
@@ -887,6 +962,20 @@ fn index_compute(
         }
     }
     Ok((ix, early))
+}
+
+/// [`index_compute`], [`check_tasks`] and [`check_order`]: the compute index of a schedule whose
+/// compute actions are all there, once each, in an order their per-stage predecessors allow.
+fn check_compute(
+    s: &Schedule,
+    stages: usize,
+    routes: &[Option<Range<StageId>>],
+    placement: &StageRanks,
+) -> Result<ComputeIndex, ValidationError> {
+    let (compute, early) = index_compute(s, stages, routes.len())?;
+    check_tasks(s, &compute, routes, placement)?;
+    check_order(s, &compute, early)?;
+    Ok(compute)
 }
 
 fn check_task(
@@ -1238,17 +1327,18 @@ pub fn validated<'a>(s: &'a Schedule, opts: &ValidateOptions) -> Result<Validate
         return Err(ValidationError::StageCount { expected, found: stages });
     }
     check_routes(routes, stages, &placement)?;
-    let (compute, early) = index_compute(s, stages, routes.len())?;
-    check_tasks(s, &compute, routes, &placement)?;
-    check_order(s, &compute, early)?;
-    check_known_stages(s, &survey, stages)?;
+    // The compute checks and the comm checks run side by side (rayon's current pool); their
+    // errors are taken in the order the checks are documented in.
+    let known = check_known_stages(s, &survey, stages);
     let counts = survey.counts;
-    let routes = &survey.routes;
-    let comm = if counts.send + counts.recv + counts.wait_send > 0 {
-        check_comm(s, routes, &placement, stages)?
-    } else {
-        TaskMap::new(6, 0, 0, 0)
-    };
+    let with_comm = known.is_ok() && counts.send + counts.recv + counts.wait_send > 0;
+    let (compute, comm) = rayon::join(
+        || check_compute(s, stages, routes, &placement),
+        || with_comm.then(|| check_comm(s, routes, &placement, stages)),
+    );
+    let compute = compute?;
+    known?;
+    let comm = comm.transpose()?.unwrap_or_else(|| TaskMap::new(6, 0, 0, 0));
     if counts.unshard + counts.reshard > 0 {
         check_sharding(s)?;
     }
@@ -1449,6 +1539,10 @@ mod tests {
         let e = err("0F0,0B0\n1F0,0F1,1B0\n");
         assert_eq!(e, ValidationError::StageOnManyRanks { stage: 0, first_rank: 0, at: at(1, 1, "0F1") });
         assert!(e.to_string().contains("rank 1 step 1 (`0F1`)"), "{e}");
+        // The ranks' stages are gathered in parallel; the error is still the first in rank/step
+        // order: not rank 2's, and not a later step of rank 1.
+        let e = err("0F0,1F0,1B0,0B0\n2F0,1F1,0F1,2B0\n0F2,3F0\n");
+        assert_eq!(e, ValidationError::StageOnManyRanks { stage: 1, first_rank: 0, at: at(1, 1, "1F1") });
     }
 
     #[test]
