@@ -11,10 +11,9 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
-use crate::deps::Walk;
 use crate::schedule::{Schedule, Step};
 use crate::validate::{
-    compute_routes, stage_rank_table, validated, Loc, StageRanks, ValidateOptions, Validated, ValidationError,
+    compute_routes, stage_rank_table, validate, Loc, StageRanks, ValidateOptions, ValidationError,
 };
 
 /// Why a lowering pass refused a schedule.
@@ -73,21 +72,18 @@ pub struct LowerOptions {
 /// # Errors
 /// [`LowerError::Invalid`] for an invalid input; the passes' errors otherwise.
 pub fn lower(s: &Schedule, opts: &LowerOptions) -> Result<Schedule, LowerError> {
-    // Only the tables lowering needs are kept: the rest of the walk (its producer tables) and the
-    // run order are dropped at the end of this statement, before the output is built.
-    let Validated { summary, placement, walk: Walk { routes, .. }, .. } =
-        validated(s, &ValidateOptions::default())?;
-    match opts.fsdp_max_unsharded {
-        Some(n) => add_send_recv(&add_reduce_grad(&add_unshard_reshard(s, n)?)?),
-        None if opts.reduce_grad => add_send_recv(&add_reduce_grad(s)?),
-        None => {
-            // The input is valid: its stage → rank table and routes are the ones validation built.
-            if summary.counts.send + summary.counts.recv > 0 {
-                refuse_comm(s)?;
-            }
-            Ok(send_recv_with(s, &Wiring { rank_of: placement, routes }))
-        }
-    }
+    // The input is validated while the passes run (rayon's current pool): the passes take any
+    // compute-only input without panicking, and their output is dropped if the input is invalid.
+    let (checked, lowered) = rayon::join(
+        || validate(s, &ValidateOptions::default()).map(drop).map_err(Box::new),
+        || match opts.fsdp_max_unsharded {
+            Some(n) => add_send_recv(&add_reduce_grad(&add_unshard_reshard(s, n)?)?),
+            None if opts.reduce_grad => add_send_recv(&add_reduce_grad(s)?),
+            None => add_send_recv(s),
+        },
+    );
+    checked.map_err(LowerError::Invalid)?;
+    lowered
 }
 
 /// [`add_send_recv`]'s refusal of an input that holds SEND/RECV.

@@ -152,31 +152,55 @@ fn simulate_walk(
         end[row.start + step] = e;
         free[rank] = e;
     };
-    let ran_all = match order {
-        Some(order) => {
-            walk.replay(order, &mut visit);
-            true
+    let counts: Vec<usize> = schedule.ranks.par_iter().map(|row| row.iter().flatten().count()).collect();
+    let mut buf = Vec::new();
+    // The timeline's buffer is faulted in on another worker while the ranks run (the run is
+    // sequential; the buffer is the largest allocation of the pipeline: 64 B an action).
+    let ran_all = rayon::in_place_scope(|scope| {
+        scope.spawn(|_| buf = touched(counts.iter().sum()));
+        match order {
+            Some(order) => {
+                walk.replay(order, &mut visit);
+                true
+            }
+            None => walk.run(&mut visit),
         }
-        None => walk.run(&mut visit),
-    };
+    });
     if !ran_all {
         return Err(failure(schedule));
     }
-    let (intervals, totals) = intervals_of(schedule, walk, &start, &end);
+    let (intervals, totals) = intervals_of(schedule, walk, &start, &end, &counts, buf);
     let timeline = Timeline { ranks: schedule.num_ranks(), intervals, comm: Vec::new(), unit: "unit".into() };
     Ok(report_with(timeline, schedule, memory, &walk.routes, totals))
 }
 
+/// A buffer of `n` intervals whose pages have been written once (so the kernel has mapped them).
+fn touched(n: usize) -> Vec<MaybeUninit<Interval>> {
+    let mut buf = Vec::with_capacity(n);
+    let per_page = (4096 / std::mem::size_of::<Interval>()).max(1);
+    for slot in buf.spare_capacity_mut().iter_mut().step_by(per_page) {
+        *slot = MaybeUninit::zeroed();
+    }
+    buf.resize_with(n, MaybeUninit::uninit);
+    buf
+}
+
 /// The interval of every action, rank by rank in step order, and their [`Totals`], given the
-/// start and end of every cell (by global cell index; idle cells are skipped). The ranks are
-/// filled in parallel (rayon's current pool), each into its own part of one buffer.
-fn intervals_of(schedule: &Schedule, walk: &Walk<'_>, start: &[f64], end: &[f64]) -> (Vec<Interval>, Totals) {
-    let counts: Vec<usize> = schedule.ranks.par_iter().map(|row| row.iter().flatten().count()).collect();
-    let mut buf: Vec<MaybeUninit<Interval>> = Vec::new();
-    buf.resize_with(counts.iter().sum(), MaybeUninit::uninit);
+/// start and end of every cell (by global cell index; idle cells are skipped), the number of
+/// actions of each rank and a buffer of as many intervals. The ranks are filled in parallel
+/// (rayon's current pool), each into its own part of the buffer.
+fn intervals_of(
+    schedule: &Schedule,
+    walk: &Walk<'_>,
+    start: &[f64],
+    end: &[f64],
+    counts: &[usize],
+    mut buf: Vec<MaybeUninit<Interval>>,
+) -> (Vec<Interval>, Totals) {
+    assert_eq!(buf.len(), counts.iter().sum::<usize>(), "one slot per action");
     let mut parts = Vec::with_capacity(counts.len());
     let mut rest = &mut buf[..];
-    for &c in &counts {
+    for &c in counts {
         let (part, tail) = rest.split_at_mut(c);
         parts.push(part);
         rest = tail;

@@ -1289,8 +1289,6 @@ pub fn validate(s: &Schedule, opts: &ValidateOptions) -> Result<Summary, Validat
 pub struct Validated<'a> {
     /// What the schedule looks like.
     pub summary: Summary,
-    /// The stage → rank table.
-    pub(crate) placement: StageRanks,
     /// The producers of every action, and the routes.
     pub(crate) walk: Walk<'a>,
     /// Every action, in an order where each comes after its producers and the actions before it
@@ -1363,7 +1361,7 @@ pub fn validated<'a>(s: &'a Schedule, opts: &ValidateOptions) -> Result<Validate
         lowered,
         idle_ranks,
     };
-    Ok(Validated { summary, placement, walk, order, schedule: s })
+    Ok(Validated { summary, walk, order, schedule: s })
 }
 
 #[cfg(test)]
