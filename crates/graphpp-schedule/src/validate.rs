@@ -944,19 +944,32 @@ fn index_compute(
 ) -> Result<(ComputeIndex, EarlyAction), ValidationError> {
     let mut ix = TaskMap::new(4, stages, mbs, cell_count(s));
     let mut early = None;
-    for at in cells(s) {
-        for (kind, task) in at.action.computes() {
-            if let Some(first) = ix.first(kind as usize, task, pos(&at)) {
-                return Err(ValidationError::DuplicateCompute { kind, task, at, first: loc(s, first) });
-            }
-            if early.is_none() {
-                let before = match kind {
-                    ComputeKind::B | ComputeKind::I => ComputeKind::F,
-                    ComputeKind::W => ComputeKind::I,
-                    ComputeKind::F => continue,
-                };
-                if ix.get(before as usize, task).is_none_or(|f| f.index as usize >= at.step) {
-                    early = Some((at, before, task));
+    for (rank, row) in s.ranks.iter().enumerate() {
+        for (step, cell) in row.iter().enumerate() {
+            let halves = match *cell {
+                Some(Action::Compute { kind, task }) => [Some((kind, task)), None],
+                Some(Action::Overlap { f, b }) => [Some((ComputeKind::F, f)), Some((ComputeKind::B, b))],
+                _ => continue,
+            };
+            let at = || Loc { rank, step, action: cell.expect("a compute cell") };
+            for (kind, task) in halves.into_iter().flatten() {
+                if let Some(first) = ix.first(kind as usize, task, Pos::new(rank, step)) {
+                    return Err(ValidationError::DuplicateCompute {
+                        kind,
+                        task,
+                        at: at(),
+                        first: loc(s, first),
+                    });
+                }
+                if early.is_none() {
+                    let before = match kind {
+                        ComputeKind::B | ComputeKind::I => ComputeKind::F,
+                        ComputeKind::W => ComputeKind::I,
+                        ComputeKind::F => continue,
+                    };
+                    if ix.get(before as usize, task).is_none_or(|f| f.index as usize >= step) {
+                        early = Some((at(), before, task));
+                    }
                 }
             }
         }
@@ -1007,6 +1020,20 @@ fn check_tasks(
     routes: &[Option<Range<StageId>>],
     placement: &StageRanks,
 ) -> Result<(), ValidationError> {
+    // Stage by stage, in parallel (rayon's current pool), in the table's own order; only if a task
+    // fails are they checked again in the documented order (microbatch, then stage) to find the
+    // first.
+    let stages = routes.iter().flatten().map(|r| r.end).max().unwrap_or(0);
+    let all_ok = (0..stages).into_par_iter().all(|stage| {
+        let rank = placement.of_stage(stage);
+        routes.iter().enumerate().all(|(mb, r)| {
+            !r.as_ref().is_some_and(|r| r.contains(&stage))
+                || check_task(s, ix, Task::new(stage, mb), rank).is_ok()
+        })
+    });
+    if all_ok {
+        return Ok(());
+    }
     for (mb, r) in routes.iter().enumerate() {
         for stage in r.clone().into_iter().flatten() {
             check_task(s, ix, Task::new(stage, mb), placement.of_stage(stage))?;
@@ -1090,9 +1117,15 @@ fn check_comm(
     let mut ix = TaskMap::new(6, stages, routes.len(), cell_count(s));
     // Comm actions by kind; each one counted sits on a distinct cross-rank boundary of its route.
     let mut counts = [0usize; 6];
-    for at in cells(s) {
-        let Action::Comm { kind, task } = at.action else { continue };
-        if let Some(first) = ix.first(kind as usize, task, pos(&at)) {
+    let comm_cells = s.ranks.iter().enumerate().flat_map(|(rank, row)| {
+        row.iter().enumerate().filter_map(move |(step, cell)| match *cell {
+            Some(Action::Comm { kind, task }) => Some((kind, task, rank, step)),
+            _ => None,
+        })
+    });
+    for (kind, task, rank, step) in comm_cells {
+        let at = Loc { rank, step, action: Action::Comm { kind, task } };
+        if let Some(first) = ix.first(kind as usize, task, Pos::new(rank, step)) {
             return Err(ValidationError::DuplicateComm { at, first: loc(s, first) });
         }
         counts[kind as usize] += 1;
