@@ -489,7 +489,7 @@ impl<'a> Walk<'a> {
 
     /// The producers (global cell indexes) of the cell at global index `g`.
     #[inline]
-    fn producers_of(&self, g: usize) -> &[u32] {
+    pub fn producers_of(&self, g: usize) -> &[u32] {
         &self.producers[self.start[g] as usize..self.start[g + 1] as usize]
     }
 

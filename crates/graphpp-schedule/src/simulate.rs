@@ -8,6 +8,7 @@
 //! the rank holds; OVERLAP_F_B counts its F before its B.
 
 use std::mem::MaybeUninit;
+use std::ops::Range;
 
 use rayon::prelude::*;
 
@@ -91,7 +92,7 @@ pub fn simulate(schedule: &Schedule, costs: &Costs, memory: &Memory) -> Result<S
 /// As [`simulate`]; the latency `comm` must pass [`check_cost`] (durations are the caller's).
 pub fn simulate_with(
     schedule: &Schedule,
-    duration: impl Fn(&Action) -> f64,
+    duration: impl Fn(&Action) -> f64 + Sync,
     comm: f64,
     memory: &Memory,
 ) -> Result<SimReport, SimulateError> {
@@ -117,7 +118,7 @@ impl Validated<'_> {
     /// As [`Validated::simulate`], for the latency `comm`.
     pub fn simulate_with(
         &self,
-        duration: impl Fn(&Action) -> f64,
+        duration: impl Fn(&Action) -> f64 + Sync,
         comm: f64,
         memory: &Memory,
     ) -> Result<SimReport, SimulateError> {
@@ -132,68 +133,87 @@ fn simulate_walk(
     schedule: &Schedule,
     walk: &Walk<'_>,
     order: Option<&[[u32; 3]]>,
-    duration: impl Fn(&Action) -> f64,
+    duration: impl Fn(&Action) -> f64 + Sync,
     comm: f64,
     memory: &Memory,
 ) -> Result<SimReport, SimulateError> {
-    let mut start = vec![0.0f64; walk.cells()];
-    let mut end = vec![0.0f64; walk.cells()];
-    let mut free = vec![0.0f64; schedule.num_ranks()];
-    let mut visit = |rank: RankId, step: usize, a: &Action, producers: &[u32]| {
-        let mut s = free[rank];
-        let row = walk.row(rank);
-        for &p in producers {
-            let p = p as usize;
-            let hop = if row.contains(&p) { 0.0 } else { comm };
-            s = s.max(end[p] + hop);
-        }
-        let e = s + duration(a);
-        start[row.start + step] = s;
-        end[row.start + step] = e;
-        free[rank] = e;
-    };
     let counts: Vec<usize> = schedule.ranks.par_iter().map(|row| row.iter().flatten().count()).collect();
-    let mut buf = Vec::new();
-    // The timeline's buffer is faulted in on another worker while the ranks run (the run is
-    // sequential; the buffer is the largest allocation of the pipeline: 64 B an action).
-    let ran_all = rayon::in_place_scope(|scope| {
-        scope.spawn(|_| buf = touched(counts.iter().sum()));
-        match order {
-            Some(order) => {
-                walk.replay(order, &mut visit);
-                true
-            }
-            None => walk.run(&mut visit),
-        }
-    });
+    // The ranks run (sequentially) while the other workers fault in the timeline's buffer, the
+    // pipeline's largest allocation (64 B an action); the first to finish helps the other.
+    let ((ran_all, end), buf) =
+        rayon::join(|| run_ends(schedule, walk, order, &duration, comm), || touched(counts.iter().sum()));
     if !ran_all {
         return Err(failure(schedule));
     }
-    let (intervals, totals) = intervals_of(schedule, walk, &start, &end, &counts, buf);
+    let (intervals, totals) = intervals_of(schedule, walk, &end, comm, &counts, buf);
     let timeline = Timeline { ranks: schedule.num_ranks(), intervals, comm: Vec::new(), unit: "unit".into() };
     Ok(report_with(timeline, schedule, memory, &walk.routes, totals))
 }
 
-/// A buffer of `n` intervals whose pages have been written once (so the kernel has mapped them).
+/// An action's start: its rank is free at `free`, and each producer's output (global cell index)
+/// is there `comm` after the producer ends unless it ran on the same rank (cells `row`).
+#[inline]
+fn start_of(free: f64, producers: &[u32], row: &Range<usize>, end: &[f64], comm: f64) -> f64 {
+    let mut s = free;
+    for &p in producers {
+        let p = p as usize;
+        let hop = if row.contains(&p) { 0.0 } else { comm };
+        s = s.max(end[p] + hop);
+    }
+    s
+}
+
+/// Runs the ranks over `walk` (in `order` if given) and returns whether every action ran and the
+/// end of every cell (by global cell index).
+fn run_ends(
+    schedule: &Schedule,
+    walk: &Walk<'_>,
+    order: Option<&[[u32; 3]]>,
+    duration: &(impl Fn(&Action) -> f64 + Sync),
+    comm: f64,
+) -> (bool, Vec<f64>) {
+    let mut end = vec![0.0f64; walk.cells()];
+    let mut free = vec![0.0f64; schedule.num_ranks()];
+    let mut visit = |rank: RankId, step: usize, a: &Action, producers: &[u32]| {
+        let row = walk.row(rank);
+        let e = start_of(free[rank], producers, &row, &end, comm) + duration(a);
+        end[row.start + step] = e;
+        free[rank] = e;
+    };
+    let ran_all = match order {
+        Some(order) => {
+            walk.replay(order, &mut visit);
+            true
+        }
+        None => walk.run(&mut visit),
+    };
+    (ran_all, end)
+}
+
+/// A buffer of `n` intervals whose pages have been written once (so the kernel has mapped them),
+/// in parallel (rayon's current pool).
 fn touched(n: usize) -> Vec<MaybeUninit<Interval>> {
     let mut buf = Vec::with_capacity(n);
     let per_page = (4096 / std::mem::size_of::<Interval>()).max(1);
-    for slot in buf.spare_capacity_mut().iter_mut().step_by(per_page) {
-        *slot = MaybeUninit::zeroed();
-    }
+    buf.spare_capacity_mut().par_chunks_mut(per_page * 256).for_each(|chunk| {
+        for slot in chunk.iter_mut().step_by(per_page) {
+            *slot = MaybeUninit::zeroed();
+        }
+    });
     buf.resize_with(n, MaybeUninit::uninit);
     buf
 }
 
-/// The interval of every action, rank by rank in step order, and their [`Totals`], given the
-/// start and end of every cell (by global cell index; idle cells are skipped), the number of
-/// actions of each rank and a buffer of as many intervals. The ranks are filled in parallel
-/// (rayon's current pool), each into its own part of the buffer.
+/// The interval of every action, rank by rank in step order, and their [`Totals`], given the end
+/// of every cell (by global cell index; idle cells are skipped), the number of actions of each
+/// rank and a buffer of as many intervals. Each start is found again as the run found it
+/// ([`start_of`], the same operations in the same order, so the same bits); the ranks are filled
+/// in parallel (rayon's current pool), each into its own part of the buffer.
 fn intervals_of(
     schedule: &Schedule,
     walk: &Walk<'_>,
-    start: &[f64],
     end: &[f64],
+    comm: f64,
     counts: &[usize],
     mut buf: Vec<MaybeUninit<Interval>>,
 ) -> (Vec<Interval>, Totals) {
@@ -209,11 +229,14 @@ fn intervals_of(
         .into_par_iter()
         .enumerate()
         .map(|(rank, part)| {
-            let base = walk.row(rank).start;
+            let row = walk.row(rank);
             let actions = schedule.ranks[rank].iter().enumerate().filter_map(|(i, c)| c.map(|a| (i, a)));
             let (mut busy, mut first, mut last, mut written) = (0.0f64, f64::INFINITY, 0.0f64, 0);
+            let mut free = 0.0f64;
             for (slot, (step, action)) in part.iter_mut().zip(actions) {
-                let (s, e) = (start[base + step], end[base + step]);
+                let g = row.start + step;
+                let (s, e) = (start_of(free, walk.producers_of(g), &row, end, comm), end[g]);
+                free = e;
                 slot.write(Interval { rank, start: s, end: e, action });
                 busy += e - s;
                 first = first.min(s);
