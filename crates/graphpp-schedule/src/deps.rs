@@ -355,7 +355,7 @@ fn offsets_of<C>(rows: &[Vec<C>]) -> Vec<usize> {
 
 /// One rank's producer lists (global cell indexes), for [`Walk::with_index`].
 struct RankProducers {
-    /// After each of the rank's cells, the length of `producers`.
+    /// `ends[i]..ends[i + 1]`: the producers of the rank's cell i in `producers` (`ends[0]` = 0).
     ends: Vec<u32>,
     /// The producers of the rank's actions, in step order.
     producers: Vec<u32>,
@@ -373,10 +373,11 @@ impl RankProducers {
         routes: &[Option<Range<usize>>],
     ) -> Self {
         let mut out = RankProducers {
-            ends: Vec::with_capacity(row.len()),
+            ends: Vec::with_capacity(row.len() + 1),
             producers: Vec::with_capacity(row.len() + row.len() / 2),
             missing: false,
         };
+        out.ends.push(0);
         for (index, cell) in row.iter().enumerate() {
             if let Some(a) = cell {
                 out.missing |= !out.list(a, Pos::new(rank, index), offsets, ix, routes);
@@ -418,10 +419,8 @@ pub(crate) struct Walk<'a> {
     rows: &'a [Vec<Step>],
     /// Global index of each rank's first cell (idle cells counted); `offsets[p]` = cells.
     offsets: Vec<usize>,
-    /// `start[g]..start[g + 1]`: the producers of cell g in `producers`.
-    start: Vec<u32>,
-    /// Global cell indexes.
-    producers: Vec<u32>,
+    /// Each rank's producer lists.
+    lists: Vec<RankProducers>,
     /// Some action's producer is absent.
     missing: bool,
     /// The routes of every microbatch (see [`routes`]).
@@ -445,28 +444,19 @@ impl<'a> Walk<'a> {
     }
 
     /// [`Walk::with_routes`] given the producer tables of `s` as well (the validator's). The
-    /// ranks' producer lists are built in parallel (rayon's current pool), then joined.
+    /// ranks' producer lists are built in parallel (rayon's current pool).
     pub fn with_index(s: &'a Schedule, routes: Vec<Option<Range<usize>>>, ix: &Index) -> Self {
         let offsets = offsets_of(&s.ranks);
-        let cells = offsets[s.ranks.len()];
         // Global cell indexes are u32: 2^32 cells of 40 B would be 170 GB of schedule.
-        debug_assert!(cells < u32::MAX as usize, "{cells} cells: more than a u32 indexes");
+        debug_assert!(offsets[s.ranks.len()] < u32::MAX as usize, "more cells than a u32 indexes");
         let lists: Vec<RankProducers> = s
             .ranks
             .par_iter()
             .enumerate()
             .map(|(rank, row)| RankProducers::of(row, rank, &offsets, ix, &routes))
             .collect();
-        let mut start = Vec::with_capacity(cells + 1);
-        let mut producers = Vec::with_capacity(lists.iter().map(|l| l.producers.len()).sum());
-        start.push(0);
-        for l in &lists {
-            let base = producers.len() as u32;
-            start.extend(l.ends.iter().map(|&e| base + e));
-            producers.extend_from_slice(&l.producers);
-        }
         let missing = lists.iter().any(|l| l.missing);
-        Walk { rows: &s.ranks, start, producers, offsets, missing, routes }
+        Walk { rows: &s.ranks, lists, offsets, missing, routes }
     }
 
     /// Number of cells, idle ones included.    /// Number of cells, idle ones included.
@@ -487,10 +477,11 @@ impl<'a> Walk<'a> {
         Pos::new(rank, g - self.offsets[rank])
     }
 
-    /// The producers (global cell indexes) of the cell at global index `g`.
+    /// The producers (global cell indexes) of rank `r`'s cell `step`.
     #[inline]
-    pub fn producers_of(&self, g: usize) -> &[u32] {
-        &self.producers[self.start[g] as usize..self.start[g + 1] as usize]
+    pub fn producers_of(&self, r: RankId, step: usize) -> &[u32] {
+        let l = &self.lists[r];
+        &l.producers[l.ends[step] as usize..l.ends[step + 1] as usize]
     }
 
     /// Runs rank `r` from `pc[r]` on until it ends (`None`) or waits (the producer it waits for,
@@ -504,7 +495,7 @@ impl<'a> Walk<'a> {
         while let Some(cell) = row.get(pc[r]) {
             let g = base + pc[r];
             if let Some(a) = cell {
-                let producers = self.producers_of(g);
+                let producers = self.producers_of(r, pc[r]);
                 if let Some(&p) = producers.iter().find(|&&p| !done[p as usize]) {
                     return Some(p as usize);
                 }
@@ -524,10 +515,9 @@ impl<'a> Walk<'a> {
     {
         for &[r, from, to] in order {
             let r = r as usize;
-            let base = self.offsets[r];
             for step in from as usize..to as usize {
                 if let Some(a) = &self.rows[r][step] {
-                    visit(r, step, a, self.producers_of(base + step));
+                    visit(r, step, a, self.producers_of(r, step));
                 }
             }
         }

@@ -235,7 +235,7 @@ fn intervals_of(
             let mut free = 0.0f64;
             for (slot, (step, action)) in part.iter_mut().zip(actions) {
                 let g = row.start + step;
-                let (s, e) = (start_of(free, walk.producers_of(g), &row, end, comm), end[g]);
+                let (s, e) = (start_of(free, walk.producers_of(rank, step), &row, end, comm), end[g]);
                 free = e;
                 slot.write(Interval { rank, start: s, end: e, action });
                 busy += e - s;
