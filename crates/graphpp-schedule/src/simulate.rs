@@ -55,7 +55,7 @@ pub struct SimReport {
     pub peak_activations: Vec<f64>,
     /// Per-rank peak count of in-flight (stage, microbatch) pairs (F ran, B/I not yet).
     pub peak_in_flight: Vec<usize>,
-    /// What ran when.
+    /// What ran when: rank by rank, each rank's intervals in step order.
     #[serde(skip)]
     pub timeline: Timeline,
 }
