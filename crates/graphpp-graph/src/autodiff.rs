@@ -219,6 +219,14 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
             let gb = unreduce(b, g, &xs, *axis, *keepdim)?;
             vec![Some(b.mul(mask, gb)?)]
         }
+        // y = softmax(x) over `axis`: dx = y ⊙ (g − Σ_axis g ⊙ y), the softmax Jacobian
+        // (diag(y) − y yᵀ) applied to g; only y is read (PyTorch's `_softmax_backward_data`).
+        Op::Softmax { axis } => {
+            let gy = b.mul(g, y)?;
+            let s = b.sum(gy, *axis, true)?;
+            let d = b.sub(g, s)?;
+            vec![Some(b.mul(y, d)?)]
+        }
         Op::Matmul => {
             let bt = b.transpose_last(x(1))?;
             let da = b.matmul(g, bt)?;

@@ -185,6 +185,10 @@ impl GraphBuilder {
     pub fn max(&mut self, x: ValueId, axis: usize, keepdim: bool) -> Result<ValueId> {
         self.add(Op::Max { axis, keepdim }, &[x])
     }
+    /// Softmax over `axis` ([`Op::Softmax`]).
+    pub fn softmax(&mut self, x: ValueId, axis: usize) -> Result<ValueId> {
+        self.add(Op::Softmax { axis }, &[x])
+    }
     /// Mean over `axis` (sum × 1/n).
     pub fn mean(&mut self, x: ValueId, axis: usize, keepdim: bool) -> Result<ValueId> {
         let n = self.shape(x).get(axis).copied().unwrap_or(1).max(1);

@@ -65,6 +65,12 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             }
             Ok(TensorType::new(ins[0].dtype, shape))
         }
+        Op::Softmax { axis } => {
+            arity(op, ins, 1)?;
+            float(ins[0])?;
+            axis_ok(ins[0], *axis)?;
+            Ok(ins[0].clone())
+        }
         Op::Matmul => {
             arity(op, ins, 2)?;
             float(ins[0])?;

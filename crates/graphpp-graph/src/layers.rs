@@ -68,13 +68,9 @@ pub fn rms_norm(b: &mut GraphBuilder, x: ValueId, w: ValueId, eps: f64) -> Resul
     b.mul(xn, w)
 }
 
-/// Softmax over `axis`, max-subtracted for stability.
+/// Softmax over `axis`, max-subtracted for stability: one [`crate::Op::Softmax`] node.
 pub fn softmax(b: &mut GraphBuilder, x: ValueId, axis: usize) -> Result<ValueId> {
-    let m = b.max(x, axis, true)?;
-    let z = b.sub(x, m)?;
-    let e = b.exp(z)?;
-    let s = b.sum(e, axis, true)?;
-    b.div(e, s)
+    b.softmax(x, axis)
 }
 
 /// SiLU `x · sigmoid(x)`.

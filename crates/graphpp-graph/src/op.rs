@@ -139,6 +139,11 @@ pub enum Op {
     Sum { axis: usize, keepdim: bool },
     /// Maximum over one axis.
     Max { axis: usize, keepdim: bool },
+    /// Softmax over one axis, max-subtracted for stability: `exp(x − m) / Σ exp(x − m)` with `m`
+    /// the maximum over `axis` (float; the shape is kept). One node instead of the five of its
+    /// composition, so the backward saves only its output (`y ⊙ (g − Σ g ⊙ y)`, see
+    /// [`crate::autodiff`]) and a runtime may compute it row by row.
+    Softmax { axis: usize },
     /// Batched matmul `[..., m, k] × [..., k, n] → [..., m, n]`, equal batch dims.
     Matmul,
     /// Same elements, new shape (equal element count).
@@ -201,6 +206,7 @@ impl Op {
             Op::Binary { f } => format!("{f:?}").to_lowercase(),
             Op::Sum { .. } => "sum".into(),
             Op::Max { .. } => "max".into(),
+            Op::Softmax { .. } => "softmax".into(),
             Op::Matmul => "matmul".into(),
             Op::Reshape { .. } => "reshape".into(),
             Op::Permute { .. } => "permute".into(),
@@ -237,6 +243,7 @@ impl Op {
             Op::Permute { perm } => vec![format!("perm={}", dims(perm))],
             Op::Slice { axis, start, end } => vec![format!("axis={axis}"), format!("range={start}..{end}")],
             Op::Concat { axis }
+            | Op::Softmax { axis }
             | Op::IndexSelect { axis }
             | Op::IndexAdd { axis }
             | Op::Gather { axis }

@@ -989,6 +989,7 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
                 a[0].max(*axis)?
             }
         }
+        Op::Softmax { axis } => crate::softmax::softmax(a[0], *axis)?,
         Op::Matmul => matmul(a[0], a[1])?,
         Op::Reshape { shape } => a[0].contiguous()?.reshape(shape.clone())?,
         Op::Permute { perm } => a[0].permute(perm.clone())?,

@@ -18,6 +18,7 @@ pub mod pipeline;
 pub mod rank_train;
 pub mod sample;
 pub mod segment;
+pub mod softmax;
 pub mod stage;
 pub mod threads;
 pub mod train;

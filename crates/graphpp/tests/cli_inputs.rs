@@ -60,10 +60,10 @@ fn train_with_a_billion_microbatches_is_refused() {
 
 #[test]
 fn train_with_a_huge_microbatch_is_refused_from_the_memory_estimate() {
-    // One microbatch of 100000 × 64 tokens saves 273 GB of activations in the tiny model (more
-    // than 3/4 of any machine up to 364 GB).
+    // One microbatch of 100000 × 64 tokens saves 220 GB of activations in the tiny model (more
+    // than 3/4 of any machine up to 293 GB).
     let err = train(&["--microbatch-size", "100000"]);
-    has_all(&err, &["B=100000", "activations of one microbatch 273 GB", "the limit is", "--microbatch-size"]);
+    has_all(&err, &["B=100000", "activations of one microbatch 220 GB", "the limit is", "--microbatch-size"]);
 }
 
 #[test]
@@ -234,7 +234,7 @@ fn counts_of_one_are_singular() {
         accepted(&["verify", "--schedule", "1f1b", "--ranks", "1", "--microbatches", "1", "--layers", "1"]);
     has_all(&out, &["(model tiny, 1 layer, B=1"]);
     let out = accepted(&["graph", "--stats", "--recompute", "stage-inputs", "--stages", "4", "--stage", "1"]);
-    has_all(&out, &["graph fw: 94 nodes, 13 inputs, 1 output\n"]);
+    has_all(&out, &["graph fw: 90 nodes, 13 inputs, 1 output\n"]);
     let d = tempfile::tempdir().unwrap();
     let data = corpus(d.path());
     let out = accepted(&[
@@ -259,13 +259,13 @@ fn counts_of_one_are_singular() {
 }
 
 /// `graph --stats` gives what W holds from I to W beside what B holds from F, and their ratio as
-/// the simulator's `--m-w`: on tiny's stage 1 of 2, 713,984 of 1,441,024 bytes (0.495 — the
+/// the simulator's `--m-w`: on tiny's stage 1 of 2, 713,984 of 1,174,784 bytes (0.608; the
 /// zero-bubble paper's M_W ≈ M_B / 2); under `layers` the same W bytes over 65,536 saved. A
 /// first stage, which has no I/W split, has no such line.
 #[test]
 fn graph_stats_give_the_bytes_w_holds() {
     let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "1"]);
-    has_all(&out, &["held for W (I → W): 35 values, 713984 bytes per microbatch (M_W / M_B = 0.495: `graphpp schedule simulate --m-w 0.495`)"]);
+    has_all(&out, &["held for W (I → W): 35 values, 713984 bytes per microbatch (M_W / M_B = 0.608: `graphpp schedule simulate --m-w 0.608`)"]);
     let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "1", "--recompute", "layers"]);
     has_all(&out, &["65536 bytes per microbatch", "713984 bytes per microbatch (M_W / M_B = 10.895"]);
     let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "0"]);
