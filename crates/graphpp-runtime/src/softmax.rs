@@ -51,13 +51,14 @@ fn rows_f32(x: &Tensor) -> candle_core::Result<Tensor> {
     let n = x.dims().last().copied().unwrap_or(1);
     let data = x.flatten_all()?.to_vec1::<f32>()?;
     let mut out = vec![0f32; data.len()];
-    if n > 0 {
-        if data.len() >= PARALLEL_MIN && rayon::current_num_threads() > 1 {
-            let per = (PARALLEL_MIN / 4 / n).max(1) * n;
+    // Parts of whole rows, about a quarter of `PARALLEL_MIN` elements each.
+    match (PARALLEL_MIN / 4).checked_div(n) {
+        Some(r) if data.len() >= PARALLEL_MIN && rayon::current_num_threads() > 1 => {
+            let per = r.max(1) * n;
             out.par_chunks_mut(per).zip(data.par_chunks(per)).for_each(|(y, x)| rows(x, n, y));
-        } else {
-            rows(&data, n, &mut out);
         }
+        Some(_) => rows(&data, n, &mut out),
+        None => {}
     }
     Tensor::from_vec(out, x.dims(), &Device::Cpu)
 }
