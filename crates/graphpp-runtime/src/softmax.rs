@@ -1,7 +1,7 @@
 //! The softmax kernel ([`graphpp_graph::Op::Softmax`]), one row at a time (issue 11 item 1: a
 //! reduction fused with the elementwise chain around it).
 //!
-//! Each row of `n` elements along the softmax axis is read once into L1 and finished there:
+//! Each row of `n` elements along the softmax axis is finished in L1, a block of rows at a time:
 //! `m = max x` (NaN-ignoring, so a row holding NaN gives NaN below), `e = exp(x − m)` with the C
 //! library's `expf` bits ([`crate::expf`], four lanes at a time), `s = Σ e` in a fixed order
 //! (eight interleaved partial sums, element `i` into sum `i mod 8`, then added pairwise:
@@ -14,7 +14,7 @@
 //! rows run it directly, bf16 rows in f32 rounded once at the end, f64 rows through candle's ops
 //! in the same order (max, subtract, exp, sum, divide).
 
-use candle_core::{DType as CDType, Device, Tensor};
+use candle_core::{CpuStorage, DType as CDType, Device, Tensor};
 use rayon::prelude::*;
 
 use crate::expf;
@@ -49,7 +49,12 @@ pub fn softmax(x: &Tensor, axis: usize) -> candle_core::Result<Tensor> {
 /// [`softmax`] over the last axis of an f32 tensor.
 fn rows_f32(x: &Tensor) -> candle_core::Result<Tensor> {
     let n = x.dims().last().copied().unwrap_or(1);
-    let data = x.flatten_all()?.to_vec1::<f32>()?;
+    let x = x.contiguous()?;
+    let (storage, layout) = x.storage_and_layout();
+    let candle_core::Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
+        candle_core::bail!("softmax rows take a CPU f32 tensor")
+    };
+    let data = &data[layout.start_offset()..layout.start_offset() + x.elem_count()];
     let mut out = vec![0f32; data.len()];
     // Parts of whole rows, about a quarter of `PARALLEL_MIN` elements each.
     match (PARALLEL_MIN / 4).checked_div(n) {
@@ -57,37 +62,58 @@ fn rows_f32(x: &Tensor) -> candle_core::Result<Tensor> {
             let per = r.max(1) * n;
             out.par_chunks_mut(per).zip(data.par_chunks(per)).for_each(|(y, x)| rows(x, n, y));
         }
-        Some(_) => rows(&data, n, &mut out),
+        Some(_) => rows(data, n, &mut out),
         None => {}
     }
     Tensor::from_vec(out, x.dims(), &Device::Cpu)
 }
 
+/// Elements of the rows whose exponent is taken in one call (at least one row).
+const BLOCK: usize = 1024;
+
 /// Softmax of each row of `n` elements of `x` into `y` (module doc). `x.len()` is a multiple of
-/// `n`, equal to `y.len()`.
+/// `n`, equal to `y.len()`. Rows go in blocks of about [`BLOCK`] elements: their `x − m` into a
+/// buffer, one exponent call over the block into `y`, then each row's sum and division.
 pub fn rows(x: &[f32], n: usize, y: &mut [f32]) {
     debug_assert_eq!(x.len(), y.len());
-    for (xr, yr) in x.chunks_exact(n).zip(y.chunks_exact_mut(n)) {
-        let m = xr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        for (v, &a) in yr.iter_mut().zip(xr) {
-            *v = a - m;
+    if n == 0 {
+        return;
+    }
+    let per = (BLOCK / n).max(1) * n;
+    let mut z = vec![0f32; per.min(x.len())];
+    for (xb, yb) in x.chunks(per).zip(y.chunks_mut(per)) {
+        let z = &mut z[..xb.len()];
+        for (xr, zr) in xb.chunks_exact(n).zip(z.chunks_exact_mut(n)) {
+            let m = max(xr);
+            for (v, &a) in zr.iter_mut().zip(xr) {
+                *v = a - m;
+            }
         }
-        exp_in_place(yr);
-        let s = sum(yr);
-        for v in yr.iter_mut() {
-            *v /= s;
+        expf::exp_slice(z, yb, false);
+        for yr in yb.chunks_exact_mut(n) {
+            let s = sum(yr);
+            for v in yr.iter_mut() {
+                *v /= s;
+            }
         }
     }
 }
 
-/// `v[i] = e^v[i]` with [`expf::exp_slice`]'s bits, through a block on the stack.
-fn exp_in_place(v: &mut [f32]) {
-    let mut block = [0f32; 256];
-    for chunk in v.chunks_mut(block.len()) {
-        let z = &mut block[..chunk.len()];
-        z.copy_from_slice(chunk);
-        expf::exp_slice(z, chunk, false);
+/// The largest element of `v`, ignoring NaN (−∞ if all are NaN): eight running maxima, then
+/// theirs. A maximum is exact, so the order only decides between −0.0 and +0.0, which give the
+/// same `e^(x − m)`.
+fn max(v: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let mut chunks = v.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = a.max(x);
+        }
     }
+    for (a, &x) in acc.iter_mut().zip(chunks.remainder()) {
+        *a = a.max(x);
+    }
+    acc.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
 /// `Σ v` in the fixed order of the module doc.
