@@ -407,6 +407,8 @@ pub struct Program {
     fusion: Fusion,
     /// `frees[i]`: the values no node after `i` reads.
     frees: Vec<Vec<usize>>,
+    /// Row-major copies of transposed parameters, kept across runs ([`crate::transposed`]).
+    transposed: crate::transposed::Cache,
 }
 
 impl Program {
@@ -436,7 +438,7 @@ impl Program {
         for v in (0..n).filter(|&v| runs[v]) {
             frees[last_read[v].unwrap_or(v)].push(v);
         }
-        Program { nodes: n, fusion, frees }
+        Program { nodes: n, fusion, frees, transposed: crate::transposed::Cache::plan(graph) }
     }
 
     /// The fusion groups.
@@ -540,6 +542,10 @@ fn exec(
                 (_, Some(g)) => Value::Ready(g.eval(&args).map_err(|e| kernel_error(graph, i, e))?),
                 (Op::CollectiveStart { kind, group, axis }, None) => {
                     start(comm, *kind, group, *axis, &args, i).map_err(|e| collective_error(graph, i, e))?
+                }
+                (Op::Permute { perm }, None) if program.is_some_and(|p| p.transposed.keeps(i)) => {
+                    let p = program.expect("matched above");
+                    Value::Ready(p.transposed.get(i, args[0], perm).map_err(|e| kernel_error(graph, i, e))?)
                 }
                 (Op::Matmul, None) if program.is_some() => {
                     Value::Ready(compiled_matmul(args[0], args[1]).map_err(|e| kernel_error(graph, i, e))?)
@@ -716,10 +722,18 @@ impl candle_core::CustomOp1 for SigmoidOp {
     }
 }
 
-/// Batched matmul on the operands' own strides (a transposed weight is read in place, as gemm
-/// takes any row or column stride); operands whose layout candle's matmul cannot take (e.g. a
-/// permuted 4-D view) are made contiguous first.
+/// Batched matmul on the lhs's own strides and a row-major rhs: a rhs whose rows are not
+/// contiguous (a transposed weight) is copied first, as gemm reads it faster so and a compiled
+/// program reads its kept copy ([`crate::transposed`]: the same bits); operands whose layout
+/// candle's matmul cannot take (e.g. a permuted 4-D view) are made contiguous first.
 fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    let copied;
+    let b = if b.rank() >= 2 && b.stride()[b.rank() - 1] != 1 && b.dims()[b.rank() - 1] > 1 {
+        copied = b.contiguous()?;
+        &copied
+    } else {
+        b
+    };
     match a.matmul(b) {
         Err(e) if is_striding(&e) => a.contiguous()?.matmul(&b.contiguous()?),
         r => r,
@@ -744,15 +758,15 @@ fn compiled_matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 /// The operands [`batched_gemm`] reads for `a · b`, each as it is or its contiguous copy, or
 /// `None` for a product it does not take — not f32 of rank 3–4, an empty dim, batch or inner
 /// dims that do not match, or a stride-0 batch dim (an operand broadcast over the batch: left to
-/// candle, which folds a batch-invariant rhs into one product). Where candle takes both as they
-/// are, both; where it refuses them (batch dims that do not collapse into one stride:
-/// attention's permuted q, k, v) and [`matmul`] copies both, this keeps every operand whose
-/// layout gives its copy's bits — a lhs candle can step through (softmax's transposed Pᵀ: beside
-/// a rhs with contiguous rows, the only kind passed here, gemm's sums do not depend on the lhs's
-/// orientation) and any operand whose rows are contiguous (a permuted q, k or v: its copy
-/// differs only in the row stride, which gemm's sums do not depend on) — and copies the rest
-/// (kᵀ: gemm's sums change with a transposed rhs's layout, a 2 × 3 · 3 × 2 product differed by
-/// 1 ulp).
+/// candle, which folds a batch-invariant rhs into one product). A rhs whose rows are not
+/// contiguous is copied, as [`matmul`] copies it (kᵀ: gemm's sums change with a transposed
+/// rhs's layout, a 2 × 3 · 3 × 2 product differed by 1 ulp). Where candle refuses the operands
+/// (batch dims that do not collapse into one stride: attention's permuted q, k, v) and
+/// [`matmul`] copies both, this keeps every operand whose layout gives its copy's bits — a lhs
+/// candle can step through (softmax's transposed Pᵀ: beside a rhs with contiguous rows, the
+/// only kind passed here, gemm's sums do not depend on the lhs's orientation) and any operand
+/// whose rows are contiguous (a permuted q, k or v: its copy differs only in the row stride,
+/// which gemm's sums do not depend on).
 fn batched_operands(a: &Tensor, b: &Tensor) -> candle_core::Result<Option<(Tensor, Tensor)>> {
     let (da, db) = (a.dims(), b.dims());
     let r = da.len();
@@ -768,9 +782,6 @@ fn batched_operands(a: &Tensor, b: &Tensor) -> candle_core::Result<Option<(Tenso
         || !batch_ok(b)
     {
         return Ok(None);
-    }
-    if batch_skip(a).is_some() && batch_skip(b).is_some() {
-        return Ok(Some((a.clone(), b.clone())));
     }
     let rows_contiguous = |t: &Tensor| t.stride()[r - 1] == 1;
     let a = if batch_skip(a).is_some() || rows_contiguous(a) { a.clone() } else { a.contiguous()? };

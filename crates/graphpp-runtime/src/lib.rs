@@ -22,6 +22,7 @@ pub mod softmax;
 pub mod stage;
 pub mod threads;
 pub mod train;
+pub mod transposed;
 pub mod verify;
 
 pub use clip::{clip_grad_norm, clip_scale, local_sq_norm, scale_grads};

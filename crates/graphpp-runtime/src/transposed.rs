@@ -1,0 +1,137 @@
+//! Row-major copies of transposed parameters, kept by a compiled [`crate::Program`] across runs
+//! (issue 11: a compiled stage reads its weights in the layout its matmuls are fastest on).
+//!
+//! A linear layer's forward is `x · Wᵀ` with `W` stored `[out, in]`: its rhs is a transposed
+//! view, which gemm reads more slowly than a row-major matrix (`examples/matmul`, `small`'s
+//! `128×256 · 256×688`: 0.358 ms transposed against 0.291 row-major hot at one thread, 0.349
+//! against 0.215 cold at two). Every matmul therefore reads its rhs row-major — the interpreter
+//! copies a transposed one first (`executor::matmul`), so both executors compute the same bits —
+//! and a compiled program keeps the copy of a transposed *parameter* (a graph input of kind
+//! parameter, permuted to swap its last two axes, read only as a matmul's rhs) from one run to
+//! the next: a parameter changes only at an optimizer step, so the copy is made once a step
+//! and read by every microbatch's forward.
+//!
+//! A copy is keyed by the node and the source tensor's [`candle_core::TensorId`], which is never
+//! reused (the optimizer makes new tensors: a new id, a new copy). Each node keeps its
+//! [`KEPT`] most recent copies (data-parallel replicas sharing one program each pass their own
+//! parameters); older ones are dropped, so a run of many steps holds at most that many copies
+//! of a weight.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{Tensor, TensorId};
+use graphpp_graph::{Graph, InputKind, Op};
+
+/// Copies kept per node.
+pub const KEPT: usize = 4;
+
+/// The nodes whose value a [`Cache`] keeps, and the copies.
+#[derive(Clone, Debug, Default)]
+pub struct Cache {
+    /// `kept[i]`: node i is a transposed parameter read only as a matmul rhs.
+    kept: Vec<bool>,
+    /// Per node, its copies, the most recent last.
+    copies: Arc<Mutex<HashMap<usize, Vec<(TensorId, Tensor)>>>>,
+}
+
+impl Cache {
+    /// The nodes of `graph` whose copies are kept: a permute that swaps the last two axes of a
+    /// parameter input, every reader of which is a matmul reading it as its rhs.
+    pub fn plan(graph: &Graph) -> Cache {
+        let users = graph.users();
+        let kept = (0..graph.nodes.len())
+            .map(|i| {
+                let n = &graph.nodes[i];
+                let Op::Permute { perm } = &n.op else { return false };
+                let r = perm.len();
+                let swaps_last = r >= 2
+                    && perm[..r - 2].iter().enumerate().all(|(j, &p)| p == j)
+                    && perm[r - 2..] == [r - 1, r - 2];
+                let of_parameter =
+                    matches!(graph.nodes[n.inputs[0].0].op, Op::Input { kind: InputKind::Parameter, .. });
+                let rhs_only = !users[i].is_empty()
+                    && users[i].iter().all(|u| {
+                        let reader = &graph.nodes[u.0];
+                        matches!(reader.op, Op::Matmul) && reader.inputs[1].0 == i && reader.inputs[0].0 != i
+                    });
+                swaps_last && of_parameter && rhs_only && !graph.outputs.iter().any(|o| o.value.0 == i)
+            })
+            .collect();
+        Cache { kept, copies: Arc::default() }
+    }
+
+    /// Whether node `i`'s value is kept.
+    pub fn keeps(&self, i: usize) -> bool {
+        self.kept.get(i).copied().unwrap_or(false)
+    }
+
+    /// Node `i`'s value: `source` permuted by `perm`, row-major — the copy made for this source
+    /// if there is one, else a new copy (kept).
+    ///
+    /// # Errors
+    /// candle's, from the permute or the copy.
+    pub fn get(&self, i: usize, source: &Tensor, perm: &[usize]) -> candle_core::Result<Tensor> {
+        let id = source.id();
+        // A poisoned lock only means another run panicked mid-insert: the map is still whole.
+        let mut copies = self.copies.lock().unwrap_or_else(|e| e.into_inner());
+        let list = copies.entry(i).or_default();
+        if let Some((_, t)) = list.iter().find(|(k, _)| *k == id) {
+            return Ok(t.clone());
+        }
+        let t = source.permute(perm.to_vec())?.contiguous()?;
+        if list.len() == KEPT {
+            list.remove(0);
+        }
+        list.push((id, t.clone()));
+        Ok(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use graphpp_graph::{DType, GraphBuilder};
+
+    fn linear_graph() -> Graph {
+        let mut b = GraphBuilder::new("g", DType::F32);
+        let x = b.input("x", InputKind::Activation, vec![4, 3]).unwrap();
+        let w = b.input("w", InputKind::Parameter, vec![5, 3]).unwrap();
+        let a = b.input("a", InputKind::Activation, vec![5, 3]).unwrap();
+        let wt = b.transpose_last(w).unwrap();
+        let y = b.matmul(x, wt).unwrap();
+        let at = b.transpose_last(a).unwrap();
+        let z = b.matmul(x, at).unwrap();
+        let s = b.add2(y, z).unwrap();
+        b.output("s", s);
+        b.finish().unwrap()
+    }
+
+    #[test]
+    fn keeps_a_transposed_parameter_read_as_rhs_only() {
+        let g = linear_graph();
+        let c = Cache::plan(&g);
+        let kept: Vec<usize> = (0..g.nodes.len()).filter(|&i| c.keeps(i)).collect();
+        assert_eq!(kept.len(), 1, "{kept:?}");
+        let node = &g.nodes[kept[0]];
+        assert!(matches!(g.nodes[node.inputs[0].0].op, Op::Input { kind: InputKind::Parameter, .. }));
+    }
+
+    #[test]
+    fn copies_follow_the_source_and_stay_bounded() {
+        let c = Cache::plan(&linear_graph());
+        let w = Tensor::arange(0f32, 15.0, &Device::Cpu).unwrap().reshape((5, 3)).unwrap();
+        let first = c.get(7, &w, &[1, 0]).unwrap();
+        assert!(first.is_contiguous());
+        assert_eq!(first.to_vec2::<f32>().unwrap(), w.t().unwrap().to_vec2::<f32>().unwrap());
+        // The same source gives the copy made (same storage), a new source a new copy.
+        assert_eq!(c.get(7, &w, &[1, 0]).unwrap().id(), first.id());
+        let w2 = (&w + 1.0).unwrap();
+        assert_eq!(c.get(7, &w2, &[1, 0]).unwrap().to_vec2::<f32>().unwrap()[0][0], 1.0);
+        for k in 0..10 {
+            c.get(7, &(&w + f64::from(k)).unwrap(), &[1, 0]).unwrap();
+        }
+        assert_eq!(c.copies.lock().unwrap()[&7].len(), KEPT);
+    }
+}
