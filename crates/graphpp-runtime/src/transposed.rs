@@ -26,13 +26,16 @@ use graphpp_graph::{Graph, InputKind, Op};
 /// Copies kept per node.
 pub const KEPT: usize = 4;
 
+/// Per node, its copies and their sources' ids, the most recent last.
+type Copies = HashMap<usize, Vec<(TensorId, Tensor)>>;
+
 /// The nodes whose value a [`Cache`] keeps, and the copies.
 #[derive(Clone, Debug, Default)]
 pub struct Cache {
     /// `kept[i]`: node i is a transposed parameter read only as a matmul rhs.
     kept: Vec<bool>,
-    /// Per node, its copies, the most recent last.
-    copies: Arc<Mutex<HashMap<usize, Vec<(TensorId, Tensor)>>>>,
+    /// The copies, shared by the program's clones.
+    copies: Arc<Mutex<Copies>>,
 }
 
 impl Cache {
