@@ -227,6 +227,11 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
             let d = b.sub(g, s)?;
             vec![Some(b.mul(y, d)?)]
         }
+        // rotate_half is a signed permutation R with Rᵀ = −R.
+        Op::RotateHalf => {
+            let r = b.rotate_half(g)?;
+            vec![Some(b.neg(r)?)]
+        }
         Op::Matmul => {
             let bt = b.transpose_last(x(1))?;
             let da = b.matmul(g, bt)?;

@@ -189,6 +189,10 @@ impl GraphBuilder {
     pub fn softmax(&mut self, x: ValueId, axis: usize) -> Result<ValueId> {
         self.add(Op::Softmax { axis }, &[x])
     }
+    /// RoPE's rotate-half along the last axis ([`Op::RotateHalf`]).
+    pub fn rotate_half(&mut self, x: ValueId) -> Result<ValueId> {
+        self.add(Op::RotateHalf, &[x])
+    }
     /// Mean over `axis` (sum × 1/n).
     pub fn mean(&mut self, x: ValueId, axis: usize, keepdim: bool) -> Result<ValueId> {
         let n = self.shape(x).get(axis).copied().unwrap_or(1).max(1);

@@ -65,6 +65,15 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             }
             Ok(TensorType::new(ins[0].dtype, shape))
         }
+        Op::RotateHalf => {
+            arity(op, ins, 1)?;
+            float(ins[0])?;
+            let last = ins[0].shape.last().copied();
+            need(last.is_some_and(|d| d % 2 == 0), || {
+                format!("rotate_half needs a last axis of even length: {}", ins[0])
+            })?;
+            Ok(ins[0].clone())
+        }
         Op::Softmax { axis } => {
             arity(op, ins, 1)?;
             float(ins[0])?;

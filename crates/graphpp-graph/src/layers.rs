@@ -169,12 +169,7 @@ pub fn swiglu_mlp(
 /// Rotary position embedding, rotate-half form (Su et al. 2021; HF Llama `apply_rotary_pos_emb`):
 /// `x·cos + rotate_half(x)·sin`, `x: [B, H, T, hd]`, `cos`, `sin: [T, hd]`.
 pub fn rope(b: &mut GraphBuilder, x: ValueId, cos: ValueId, sin: ValueId) -> Result<ValueId> {
-    let s = b.shape(x);
-    let hd = s[3];
-    let x1 = b.slice(x, 3, 0, hd / 2)?;
-    let x2 = b.slice(x, 3, hd / 2, hd)?;
-    let nx2 = b.neg(x2)?;
-    let rot = b.concat(&[nx2, x1], 3)?;
+    let rot = b.rotate_half(x)?;
     let a = b.mul(x, cos)?;
     let c = b.mul(rot, sin)?;
     b.add2(a, c)

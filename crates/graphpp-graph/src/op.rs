@@ -144,6 +144,10 @@ pub enum Op {
     /// composition, so the backward saves only its output (`y ⊙ (g − Σ g ⊙ y)`, see
     /// [`crate::autodiff`]) and a runtime may compute it row by row.
     Softmax { axis: usize },
+    /// RoPE's rotate-half along the last axis (of even length `2h`; Hugging Face Llama's
+    /// `rotate_half`): `y[…, i] = −x[…, i + h]` for `i < h`, `x[…, i − h]` for `i ≥ h`. One
+    /// node instead of two slices, a negation and a concatenation; its VJP is `−rotate_half(g)`.
+    RotateHalf,
     /// Batched matmul `[..., m, k] × [..., k, n] → [..., m, n]`, equal batch dims.
     Matmul,
     /// Same elements, new shape (equal element count).
@@ -207,6 +211,7 @@ impl Op {
             Op::Sum { .. } => "sum".into(),
             Op::Max { .. } => "max".into(),
             Op::Softmax { .. } => "softmax".into(),
+            Op::RotateHalf => "rotate_half".into(),
             Op::Matmul => "matmul".into(),
             Op::Reshape { .. } => "reshape".into(),
             Op::Permute { .. } => "permute".into(),

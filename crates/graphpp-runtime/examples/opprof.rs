@@ -26,6 +26,7 @@ fn row(g: &Graph, i: usize) -> String {
         Op::Sum { axis, .. } => format!("Sum axis {axis} {}", dims(n.inputs[0])),
         Op::Max { axis, .. } => format!("Max axis {axis} {}", dims(n.inputs[0])),
         Op::Softmax { axis } => format!("Softmax axis {axis} {}", dims(n.inputs[0])),
+        Op::RotateHalf => format!("RotateHalf {:?}", n.ty.shape),
         Op::Unary { f } => format!("Unary {f:?} {:?}", n.ty.shape),
         Op::Binary { f } => format!("Binary {f:?} {:?}", n.ty.shape),
         Op::Affine { .. } => format!("Affine {:?}", n.ty.shape),

@@ -906,6 +906,34 @@ fn arithmetic(f: BinaryOp, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor
     }
 }
 
+/// RoPE's rotate-half along the last axis ([`Op::RotateHalf`]): `[−x2, x1]` for halves `x1`,
+/// `x2`. An f32 operand in one pass over its rows (negation and copies are exact: the bits of
+/// the slice-negate-concatenate it replaces); others through candle's narrow, neg and cat.
+fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
+    let last = x.rank() - 1;
+    let n = x.dims()[last];
+    let h = n / 2;
+    if x.dtype() != CDType::F32 || h == 0 {
+        let (x1, x2) = (x.narrow(last, 0, h)?, x.narrow(last, h, h)?);
+        return Tensor::cat(&[&x2.neg()?, &x1], last);
+    }
+    let x = x.contiguous()?;
+    let (storage, layout) = x.storage_and_layout();
+    let candle_core::Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
+        candle_core::bail!("rotate_half takes a CPU f32 tensor")
+    };
+    let src = &data[layout.start_offset()..layout.start_offset() + x.elem_count()];
+    let mut out = vec![0f32; src.len()];
+    for (y, row) in out.chunks_exact_mut(n).zip(src.chunks_exact(n)) {
+        let (y1, y2) = y.split_at_mut(h);
+        for (o, &v) in y1.iter_mut().zip(&row[h..]) {
+            *o = -v;
+        }
+        y2.copy_from_slice(&row[..h]);
+    }
+    Tensor::from_vec(out, x.dims(), &Device::Cpu)
+}
+
 /// Sum over `axis`. A bf16 operand is summed in f32 and the result rounded to bf16 once (candle's
 /// CPU sum would accumulate in bf16, losing the small terms of a long sum; GPU reductions
 /// accumulate in f32).
@@ -1001,6 +1029,7 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
             }
         }
         Op::Softmax { axis } => crate::softmax::softmax(a[0], *axis)?,
+        Op::RotateHalf => rotate_half(a[0])?,
         Op::Matmul => matmul(a[0], a[1])?,
         Op::Reshape { shape } => a[0].contiguous()?.reshape(shape.clone())?,
         Op::Permute { perm } => a[0].permute(perm.clone())?,
@@ -1058,6 +1087,24 @@ pub fn slowest_nodes(times: &[Duration], k: usize) -> Vec<(ValueId, Duration)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rotate_half_is_the_slices_negated_and_swapped() {
+        let x = Tensor::arange(0f32, 2.0 * 3.0 * 6.0, &Device::Cpu).unwrap().reshape((2, 3, 6)).unwrap();
+        let permuted = x.permute((1, 0, 2)).unwrap(); // read through .contiguous()
+        for t in [&x, &permuted] {
+            for dtype in [CDType::F32, CDType::F64] {
+                let t = t.to_dtype(dtype).unwrap();
+                let got = rotate_half(&t).unwrap().to_dtype(CDType::F64).unwrap();
+                let (x1, x2) = (t.narrow(2, 0, 3).unwrap(), t.narrow(2, 3, 3).unwrap());
+                let want = Tensor::cat(&[&x2.neg().unwrap(), &x1], 2).unwrap().to_dtype(CDType::F64).unwrap();
+                assert_eq!(got.to_vec3::<f64>().unwrap(), want.to_vec3::<f64>().unwrap());
+            }
+        }
+        // Row 0 of the contiguous operand: [0 1 2 3 4 5] → [−3 −4 −5 0 1 2].
+        let row = rotate_half(&x).unwrap().get(0).unwrap().get(0).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(row, [-3.0, -4.0, -5.0, 0.0, 1.0, 2.0]);
+    }
 
     #[test]
     fn sum_rows_gives_candles_bits() {

@@ -264,6 +264,9 @@ fn composite_layers_match_finite_differences() {
             layers::rms_norm(b, x[0], x[1], 1e-5).unwrap()
         }),
         case("softmax", vec![vec![bsz, t, d]], |b, x, _| layers::softmax(b, x[0], 2).unwrap()),
+        case("rope", vec![vec![bsz, heads, t, hd], vec![t, hd], vec![t, hd]], |b, x, _| {
+            layers::rope(b, x[0], x[1], x[2]).unwrap()
+        }),
         case("swiglu", vec![vec![bsz, t, d], vec![f, d], vec![f, d], vec![d, f]], |b, x, _| {
             layers::swiglu_mlp(b, x[0], x[1], x[2], x[3]).unwrap()
         }),
