@@ -219,13 +219,23 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
             let gb = unreduce(b, g, &xs, *axis, *keepdim)?;
             vec![Some(b.mul(mask, gb)?)]
         }
-        // y = softmax(x) over `axis`: dx = y ⊙ (g − Σ_axis g ⊙ y), the softmax Jacobian
-        // (diag(y) − y yᵀ) applied to g; only y is read (PyTorch's `_softmax_backward_data`).
-        Op::Softmax { axis } => {
-            let gy = b.mul(g, y)?;
-            let s = b.sum(gy, *axis, true)?;
-            let d = b.sub(g, s)?;
-            vec![Some(b.mul(y, d)?)]
+        // y = softmax(scale·x + mask) over `axis`: the softmax Jacobian (diag(y) − y yᵀ) applied
+        // to g is y ⊙ (g − Σ_axis g ⊙ y); x's gradient is that times scale, the mask's that
+        // summed to its shape. Only y is read (PyTorch's `_softmax_backward_data`).
+        Op::Softmax { axis, scale } => {
+            let dx = b.softmax_backward(y, g, *axis, *scale)?;
+            let mut out = vec![Some(dx)];
+            if n.inputs.len() == 2 {
+                let dz = b.softmax_backward(y, g, *axis, 1.0)?;
+                out.push(Some(b.sum_to(dz, &shape(x(1)))?));
+            }
+            out
+        }
+        Op::SoftmaxBackward { .. } => {
+            return Err(GraphError::Autodiff {
+                at: at(fw, y),
+                reason: "softmax_backward has no VJP (second derivatives of softmax)".into(),
+            })
         }
         // rotate_half is a signed permutation R with Rᵀ = −R.
         Op::RotateHalf => {

@@ -185,9 +185,17 @@ impl GraphBuilder {
     pub fn max(&mut self, x: ValueId, axis: usize, keepdim: bool) -> Result<ValueId> {
         self.add(Op::Max { axis, keepdim }, &[x])
     }
-    /// Softmax over `axis` ([`Op::Softmax`]).
+    /// Softmax over `axis` ([`Op::Softmax`] with scale 1 and no mask).
     pub fn softmax(&mut self, x: ValueId, axis: usize) -> Result<ValueId> {
-        self.add(Op::Softmax { axis }, &[x])
+        self.add(Op::Softmax { axis, scale: 1.0 }, &[x])
+    }
+    /// Softmax over `axis` of `scale · x + mask` ([`Op::Softmax`]).
+    pub fn softmax_masked(&mut self, x: ValueId, mask: ValueId, scale: f64, axis: usize) -> Result<ValueId> {
+        self.add(Op::Softmax { axis, scale }, &[x, mask])
+    }
+    /// `scale · y ⊙ (g − Σ_axis g ⊙ y)` ([`Op::SoftmaxBackward`]).
+    pub fn softmax_backward(&mut self, y: ValueId, g: ValueId, axis: usize, scale: f64) -> Result<ValueId> {
+        self.add(Op::SoftmaxBackward { axis, scale }, &[y, g])
     }
     /// RoPE's rotate-half along the last axis ([`Op::RotateHalf`]).
     pub fn rotate_half(&mut self, x: ValueId) -> Result<ValueId> {

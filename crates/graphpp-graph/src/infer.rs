@@ -74,10 +74,26 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             })?;
             Ok(ins[0].clone())
         }
-        Op::Softmax { axis } => {
-            arity(op, ins, 1)?;
+        Op::Softmax { axis, .. } => {
+            need((1..=2).contains(&ins.len()), || {
+                format!("softmax takes x or (x, mask), got {} operands", ins.len())
+            })?;
             float(ins[0])?;
             axis_ok(ins[0], *axis)?;
+            if let Some(mask) = ins.get(1) {
+                need(mask.dtype == ins[0].dtype, || format!("dtype mismatch {} vs mask {}", ins[0], mask))?;
+                let fits = broadcast_shapes(&ins[0].shape, &mask.shape).is_some_and(|s| s == ins[0].shape);
+                need(fits, || format!("mask {} does not broadcast to {}", mask, ins[0]))?;
+            }
+            Ok(ins[0].clone())
+        }
+        Op::SoftmaxBackward { axis, .. } => {
+            arity(op, ins, 2)?;
+            float(ins[0])?;
+            axis_ok(ins[0], *axis)?;
+            need(ins[0] == ins[1], || {
+                format!("softmax_backward needs y and g alike: {} vs {}", ins[0], ins[1])
+            })?;
             Ok(ins[0].clone())
         }
         Op::Matmul => {

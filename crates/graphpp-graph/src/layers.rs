@@ -272,12 +272,12 @@ pub fn causal_attention(
     let v = repeat_kv(b, v, dims.heads)?;
     let kt = b.transpose_last(k)?;
     let scores = b.matmul(q, kt)?;
-    let scores = b.scale(scores, 1.0 / (hd as f64).sqrt())?;
-    let scores = b.add2(scores, mask)?;
-    // Softmax in the wide dtype (f32 for bf16), as HF's `softmax(…, dtype=torch.float32)`.
+    // Scale, mask and softmax in one node, in the wide dtype (f32 for bf16), as HF's
+    // `softmax(…, dtype=torch.float32)`.
     let dtype = b.ty(scores).dtype;
     let scores = b.cast(scores, dtype.wide())?;
-    let p = softmax(b, scores, 3)?;
+    let mask = b.cast(mask, dtype.wide())?;
+    let p = b.softmax_masked(scores, mask, 1.0 / (hd as f64).sqrt(), 3)?;
     let p = b.cast(p, dtype)?;
     let o = b.matmul(p, v)?;
     let o = b.permute(o, vec![0, 2, 1, 3])?;

@@ -139,11 +139,17 @@ pub enum Op {
     Sum { axis: usize, keepdim: bool },
     /// Maximum over one axis.
     Max { axis: usize, keepdim: bool },
-    /// Softmax over one axis, max-subtracted for stability: `exp(x − m) / Σ exp(x − m)` with `m`
-    /// the maximum over `axis` (float; the shape is kept). One node instead of the five of its
-    /// composition, so the backward saves only its output (`y ⊙ (g − Σ g ⊙ y)`, see
-    /// [`crate::autodiff`]) and a runtime may compute it row by row.
-    Softmax { axis: usize },
+    /// Softmax over one axis of `z = scale · x + mask`, max-subtracted for stability:
+    /// `exp(z − m) / Σ exp(z − m)` with `m` the maximum of `z` over `axis` (float; the shape is
+    /// kept). Operands `[x]` or `[x, mask]`, the mask (attention's additive causal mask) of x's
+    /// dtype and broadcasting to x's shape. One node instead of the seven of its composition
+    /// (scale, add, max, subtract, exp, sum, divide), so the backward saves only its output
+    /// ([`Op::SoftmaxBackward`]) and a runtime may compute it row by row.
+    Softmax { axis: usize, scale: f64 },
+    /// `(y, g)` → `scale · y ⊙ (g − Σ_axis g ⊙ y)`: the VJP of [`Op::Softmax`] with output `y`
+    /// and output gradient `g` (same shape and dtype; PyTorch's `_softmax_backward_data`). Has
+    /// no VJP of its own (second derivatives of softmax are refused by autodiff).
+    SoftmaxBackward { axis: usize, scale: f64 },
     /// RoPE's rotate-half along the last axis (of even length `2h`; Hugging Face Llama's
     /// `rotate_half`): `y[…, i] = −x[…, i + h]` for `i < h`, `x[…, i − h]` for `i ≥ h`. One
     /// node instead of two slices, a negation and a concatenation; its VJP is `−rotate_half(g)`.
@@ -211,6 +217,7 @@ impl Op {
             Op::Sum { .. } => "sum".into(),
             Op::Max { .. } => "max".into(),
             Op::Softmax { .. } => "softmax".into(),
+            Op::SoftmaxBackward { .. } => "softmax_backward".into(),
             Op::RotateHalf => "rotate_half".into(),
             Op::Matmul => "matmul".into(),
             Op::Reshape { .. } => "reshape".into(),
@@ -248,12 +255,14 @@ impl Op {
             Op::Permute { perm } => vec![format!("perm={}", dims(perm))],
             Op::Slice { axis, start, end } => vec![format!("axis={axis}"), format!("range={start}..{end}")],
             Op::Concat { axis }
-            | Op::Softmax { axis }
             | Op::IndexSelect { axis }
             | Op::IndexAdd { axis }
             | Op::Gather { axis }
             | Op::ScatterAdd { axis } => vec![format!("axis={axis}")],
             Op::TopK { k } => vec![format!("k={k}")],
+            Op::Softmax { axis, scale } | Op::SoftmaxBackward { axis, scale } => {
+                vec![format!("axis={axis}"), format!("scale={scale}")]
+            }
             Op::SortByExpert { experts } => vec![format!("experts={experts}")],
             Op::Bincount { bins } => vec![format!("bins={bins}")],
             Op::SegmentMatmul { transpose } => vec![format!("transpose={transpose}")],

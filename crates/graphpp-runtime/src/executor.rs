@@ -1028,7 +1028,8 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
                 a[0].max(*axis)?
             }
         }
-        Op::Softmax { axis } => crate::softmax::softmax(a[0], *axis)?,
+        Op::Softmax { axis, scale } => crate::softmax::softmax(a[0], a.get(1).copied(), *axis, *scale)?,
+        Op::SoftmaxBackward { axis, scale } => crate::softmax::softmax_backward(a[0], a[1], *axis, *scale)?,
         Op::RotateHalf => rotate_half(a[0])?,
         Op::Matmul => matmul(a[0], a[1])?,
         Op::Reshape { shape } => a[0].contiguous()?.reshape(shape.clone())?,

@@ -23,70 +23,191 @@ use crate::expf;
 /// (as the fused elementwise groups, [`crate::fusion`]).
 const PARALLEL_MIN: usize = 1 << 18;
 
-/// Softmax of `x` over `axis`.
+/// Softmax of `scale · x + mask` over `axis` ([`graphpp_graph::Op::Softmax`]); the mask
+/// broadcasts to x's shape.
 ///
 /// # Errors
-/// candle's, for an axis out of range or a dtype other than f32, bf16 and f64.
-pub fn softmax(x: &Tensor, axis: usize) -> candle_core::Result<Tensor> {
+/// candle's, for an axis out of range, a mask that does not broadcast, or a dtype other than
+/// f32, bf16 and f64.
+pub fn softmax(x: &Tensor, mask: Option<&Tensor>, axis: usize, scale: f64) -> candle_core::Result<Tensor> {
     let last = x.rank().saturating_sub(1);
     if axis != last {
-        // Move the axis last, compute, and move it back (a view).
-        let moved = x.transpose(axis, last)?;
-        return softmax(&moved, last)?.transpose(axis, last);
+        // Move the axis last (the mask broadcast to x's shape with it), compute, move it back.
+        let mask = mask.map(|m| m.broadcast_as(x.shape())?.transpose(axis, last)).transpose()?;
+        return softmax(&x.transpose(axis, last)?, mask.as_ref(), last, scale)?.transpose(axis, last);
     }
     match x.dtype() {
-        CDType::F32 => rows_f32(x),
-        CDType::BF16 => rows_f32(&x.to_dtype(CDType::F32)?)?.to_dtype(CDType::BF16),
+        CDType::F32 => rows_f32(x, mask, scale),
+        CDType::BF16 => {
+            let mask = mask.map(|m| m.to_dtype(CDType::F32)).transpose()?;
+            rows_f32(&x.to_dtype(CDType::F32)?, mask.as_ref(), scale)?.to_dtype(CDType::BF16)
+        }
         _ => {
-            let m = x.max_keepdim(axis)?;
-            let e = x.broadcast_sub(&m)?.exp()?;
+            let z = x.affine(scale, 0.0)?;
+            let z = match mask {
+                Some(m) => z.broadcast_add(m)?,
+                None => z,
+            };
+            let e = z.broadcast_sub(&z.max_keepdim(axis)?)?.exp()?;
             let s = e.sum_keepdim(axis)?;
             e.broadcast_div(&s)
         }
     }
 }
 
-/// [`softmax`] over the last axis of an f32 tensor.
-fn rows_f32(x: &Tensor) -> candle_core::Result<Tensor> {
-    let n = x.dims().last().copied().unwrap_or(1);
-    let x = x.contiguous()?;
-    let (storage, layout) = x.storage_and_layout();
-    let candle_core::Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
-        candle_core::bail!("softmax rows take a CPU f32 tensor")
-    };
-    let data = &data[layout.start_offset()..layout.start_offset() + x.elem_count()];
-    let mut out = vec![0f32; data.len()];
-    // Parts of whole rows, about a quarter of `PARALLEL_MIN` elements each.
-    match (PARALLEL_MIN / 4).checked_div(n) {
-        Some(r) if data.len() >= PARALLEL_MIN && rayon::current_num_threads() > 1 => {
-            let per = r.max(1) * n;
-            out.par_chunks_mut(per).zip(data.par_chunks(per)).for_each(|(y, x)| rows(x, n, y));
+/// `scale · y ⊙ (g − Σ_axis g ⊙ y)` ([`graphpp_graph::Op::SoftmaxBackward`]): f32 (and bf16, in
+/// f32) one row at a time, the sum in the order of [`softmax`]'s; f64 through candle.
+///
+/// # Errors
+/// candle's, for an axis out of range, shapes that differ or another dtype.
+pub fn softmax_backward(y: &Tensor, g: &Tensor, axis: usize, scale: f64) -> candle_core::Result<Tensor> {
+    let last = y.rank().saturating_sub(1);
+    if axis != last {
+        let (y, g) = (y.transpose(axis, last)?, g.transpose(axis, last)?);
+        return softmax_backward(&y, &g, last, scale)?.transpose(axis, last);
+    }
+    match y.dtype() {
+        CDType::F32 => backward_f32(y, g, scale),
+        CDType::BF16 => {
+            let (y32, g32) = (y.to_dtype(CDType::F32)?, g.to_dtype(CDType::F32)?);
+            backward_f32(&y32, &g32, scale)?.to_dtype(CDType::BF16)
         }
-        Some(_) => rows(data, n, &mut out),
+        _ => {
+            let s = (g * y)?.sum_keepdim(axis)?;
+            (y * g.broadcast_sub(&s)?)?.affine(scale, 0.0)
+        }
+    }
+}
+
+/// A contiguous f32 tensor's elements, copied.
+fn f32s(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.flatten_all()?.to_vec1::<f32>()
+}
+
+/// `f` of an f32 tensor's elements in row-major order, read in place where it is contiguous.
+fn read_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
+        candle_core::bail!("softmax kernels take CPU f32 tensors")
+    };
+    Ok(f(&data[layout.start_offset()..layout.start_offset() + t.elem_count()]))
+}
+
+/// The mask's rows as `rows` reads them, for x of `dims`: the mask itself where it is
+/// contiguous and its dims (leading 1s dropped) end x's dims — row r of x then reads mask row
+/// `r mod (mask rows)` (attention's `[T, T]` causal mask under `[B, H, T, T]` scores) — else
+/// the mask broadcast to x's shape and copied.
+fn mask_rows(mask: &Tensor, dims: &[usize]) -> candle_core::Result<Vec<f32>> {
+    let md = mask.dims();
+    let lead = md.iter().take_while(|&&d| d == 1).count();
+    let own = &md[lead..];
+    let suffix = !own.is_empty() && own.len() <= dims.len() && own == &dims[dims.len() - own.len()..];
+    if suffix {
+        f32s(&mask.contiguous()?)
+    } else {
+        f32s(&mask.broadcast_as(dims)?.contiguous()?)
+    }
+}
+
+/// `f(first_row, x_part, out_part)` over whole rows of `n` elements: in parts of about a quarter
+/// of [`PARALLEL_MIN`] elements over the current rayon pool when there are at least that many
+/// and the pool has two threads or more, else at once.
+fn by_rows(x: &[f32], n: usize, out: &mut [f32], f: impl Fn(usize, &[f32], &mut [f32]) + Sync) {
+    match (PARALLEL_MIN / 4).checked_div(n) {
+        Some(r) if x.len() >= PARALLEL_MIN && rayon::current_num_threads() > 1 => {
+            let per = r.max(1) * n;
+            out.par_chunks_mut(per)
+                .zip(x.par_chunks(per))
+                .enumerate()
+                .for_each(|(i, (o, x))| f(i * per / n, x, o));
+        }
+        Some(_) => f(0, x, out),
         None => {}
     }
+}
+
+/// [`softmax`] over the last axis of an f32 tensor.
+fn rows_f32(x: &Tensor, mask: Option<&Tensor>, scale: f64) -> candle_core::Result<Tensor> {
+    let n = x.dims().last().copied().unwrap_or(1);
+    let mask = mask.map(|m| mask_rows(m, x.dims())).transpose()?;
+    let scale = scale as f32;
+    let out = read_f32(x, |data| {
+        let mut out = vec![0f32; data.len()];
+        by_rows(data, n, &mut out, |first, x, y| rows(first, x, mask.as_deref(), n, scale, y));
+        out
+    })?;
     Tensor::from_vec(out, x.dims(), &Device::Cpu)
+}
+
+/// [`softmax_backward`] over the last axis of f32 tensors.
+fn backward_f32(y: &Tensor, g: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+    if y.dims() != g.dims() {
+        candle_core::bail!("softmax_backward: y {:?} and g {:?} differ", y.dims(), g.dims())
+    }
+    let n = y.dims().last().copied().unwrap_or(1);
+    let scale = scale as f32;
+    let out = read_f32(y, |yv| {
+        read_f32(g, |gv| {
+            let mut out = vec![0f32; yv.len()];
+            by_rows(yv, n, &mut out, |first, y, dx| {
+                backward_rows(y, &gv[first * n..first * n + y.len()], n, scale, dx)
+            });
+            out
+        })
+    })??;
+    Tensor::from_vec(out, y.dims(), &Device::Cpu)
+}
+
+/// `dx = scale · y ⊙ (g − s)` with `s = Σ g ⊙ y` per row of `n` elements (the sum in
+/// [`sum`]'s order).
+pub fn backward_rows(y: &[f32], g: &[f32], n: usize, scale: f32, dx: &mut [f32]) {
+    for ((yr, gr), dr) in y.chunks_exact(n).zip(g.chunks_exact(n)).zip(dx.chunks_exact_mut(n)) {
+        for ((d, &a), &b) in dr.iter_mut().zip(yr).zip(gr) {
+            *d = b * a;
+        }
+        let s = sum(dr);
+        for ((d, &a), &b) in dr.iter_mut().zip(yr).zip(gr) {
+            *d = scale * (a * (b - s));
+        }
+    }
 }
 
 /// Elements of the rows whose exponent is taken in one call (at least one row).
 const BLOCK: usize = 1024;
 
-/// Softmax of each row of `n` elements of `x` into `y` (module doc). `x.len()` is a multiple of
-/// `n`, equal to `y.len()`. Rows go in blocks of about [`BLOCK`] elements: their `x − m` into a
-/// buffer, one exponent call over the block into `y`, then each row's sum and division.
-pub fn rows(x: &[f32], n: usize, y: &mut [f32]) {
+/// Softmax of `scale · x + mask` for each row of `n` elements of `x` into `y` (module doc);
+/// `x` starts at row `first` of the tensor, whose row r reads mask row `r mod (mask rows)`.
+/// `x.len()` is a multiple of `n`, equal to `y.len()`. Rows go in blocks of about [`BLOCK`]
+/// elements: their `z − m` into a buffer, one exponent call over the block into `y`, then each
+/// row's sum and division.
+pub fn rows(first: usize, x: &[f32], mask: Option<&[f32]>, n: usize, scale: f32, y: &mut [f32]) {
     debug_assert_eq!(x.len(), y.len());
     if n == 0 {
         return;
     }
+    let mask_rows = mask.map_or(1, |m| (m.len() / n).max(1));
     let per = (BLOCK / n).max(1) * n;
     let mut z = vec![0f32; per.min(x.len())];
-    for (xb, yb) in x.chunks(per).zip(y.chunks_mut(per)) {
+    for (b, (xb, yb)) in x.chunks(per).zip(y.chunks_mut(per)).enumerate() {
         let z = &mut z[..xb.len()];
-        for (xr, zr) in xb.chunks_exact(n).zip(z.chunks_exact_mut(n)) {
-            let m = max(xr);
-            for (v, &a) in zr.iter_mut().zip(xr) {
-                *v = a - m;
+        for (j, (xr, zr)) in xb.chunks_exact(n).zip(z.chunks_exact_mut(n)).enumerate() {
+            match mask {
+                Some(mask) => {
+                    let r = (first + b * per / n + j) % mask_rows;
+                    for ((v, &a), &c) in zr.iter_mut().zip(xr).zip(&mask[r * n..r * n + n]) {
+                        *v = a * scale + c;
+                    }
+                }
+                None => {
+                    for (v, &a) in zr.iter_mut().zip(xr) {
+                        *v = a * scale;
+                    }
+                }
+            }
+            let m = max(zr);
+            for v in zr.iter_mut() {
+                *v -= m;
             }
         }
         expf::exp_slice(z, yb, false);
@@ -152,7 +273,7 @@ mod tests {
         for n in [1, 3, 8, 13, 64, 300] {
             let x = row(n, 7);
             let mut y = vec![0f32; n];
-            rows(&x, n, &mut y);
+            rows(0, &x, None, n, 1.0, &mut y);
             for (i, (&got, want)) in y.iter().zip(oracle(&x)).enumerate() {
                 assert!(
                     (f64::from(got) - want).abs() <= 1e-6 * want.max(1e-30),
@@ -168,11 +289,11 @@ mod tests {
     fn masked_entries_are_zero_and_nan_spreads() {
         let x = [1.0, -1e9, 2.0, -1e9];
         let mut y = [9f32; 4];
-        rows(&x, 4, &mut y);
+        rows(0, &x, None, 4, 1.0, &mut y);
         assert_eq!((y[1], y[3]), (0.0, 0.0));
         assert!((y[0] + y[2] - 1.0).abs() < 1e-6 && y[2] > y[0]);
         let mut z = [0f32; 3];
-        rows(&[0.0, f32::NAN, 1.0], 3, &mut z);
+        rows(0, &[0.0, f32::NAN, 1.0], None, 3, 1.0, &mut z);
         assert!(z.iter().all(|v| v.is_nan()), "{z:?}");
     }
 
@@ -188,7 +309,7 @@ mod tests {
                     let e = x.broadcast_sub(&x.max_keepdim(axis).unwrap()).unwrap().exp().unwrap();
                     e.broadcast_div(&e.sum_keepdim(axis).unwrap()).unwrap()
                 };
-                let got = softmax(&input, axis).unwrap();
+                let got = softmax(&input, None, axis, 1.0).unwrap();
                 assert_eq!(got.dims(), x.dims());
                 let diff = (got.to_dtype(CDType::F64).unwrap() - &reference).unwrap().abs().unwrap();
                 let worst = diff.flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
@@ -204,9 +325,85 @@ mod tests {
         let x = row(PARALLEL_MIN + 5 * n, 11);
         let t = Tensor::from_vec(x.clone(), (x.len() / n, n), &Device::Cpu).unwrap();
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-        let split = pool.install(|| softmax(&t, 1)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let split = pool
+            .install(|| softmax(&t, None, 1, 1.0))
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         let mut whole = vec![0f32; x.len()];
-        rows(&x, n, &mut whole);
+        rows(0, &x, None, n, 1.0, &mut whole);
         assert!(split.iter().zip(&whole).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
+    /// `scale · x + mask` against the f64 softmax of the same; a `[T, T]` mask under `[B, H, T,
+    /// T]` scores (read row by row, periodically) against the same mask broadcast and copied
+    /// (through a non-last axis); both split over a pool.
+    #[test]
+    fn scale_and_mask_as_the_f64_softmax_does() {
+        let (b, h, t) = (2, 3, 5);
+        let x = Tensor::from_vec(row(b * h * t * t, 5), (b, h, t, t), &Device::Cpu).unwrap();
+        let causal: Vec<f32> =
+            (0..t * t).map(|i| if i % t > i / t { -1e9 } else { (i % 3) as f32 * 0.25 }).collect();
+        let mask = Tensor::from_vec(causal, (t, t), &Device::Cpu).unwrap();
+        let got = softmax(&x, Some(&mask), 3, 0.5).unwrap();
+        let want = {
+            let z = x.to_dtype(CDType::F64).unwrap().affine(0.5, 0.0).unwrap();
+            let z = z.broadcast_add(&mask.to_dtype(CDType::F64).unwrap()).unwrap();
+            let e = z.broadcast_sub(&z.max_keepdim(3).unwrap()).unwrap().exp().unwrap();
+            e.broadcast_div(&e.sum_keepdim(3).unwrap()).unwrap()
+        };
+        let diff = (got.to_dtype(CDType::F64).unwrap() - &want).unwrap().abs().unwrap();
+        assert!(diff.flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap() < 1e-7);
+        // Masked entries are exactly 0.
+        let g = f32s(&got).unwrap();
+        assert!(g
+            .chunks(t)
+            .enumerate()
+            .all(|(r, row)| row.iter().enumerate().all(|(c, &v)| c <= r % t || v == 0.0)));
+        // Through axis 2 of the transposed scores, the mask transposed too: a copied mask.
+        let xt = x.transpose(2, 3).unwrap();
+        let mt = mask.t().unwrap();
+        let other = softmax(&xt, Some(&mt), 2, 0.5).unwrap().transpose(2, 3).unwrap();
+        assert_eq!(f32s(&other.contiguous().unwrap()).unwrap(), f32s(&got).unwrap());
+    }
+
+    /// The backward against `scale · y ⊙ (g − Σ g ⊙ y)` in f64, and against a finite
+    /// difference of the forward.
+    #[test]
+    fn backward_is_the_softmax_vjp() {
+        let n = 7;
+        let x = row(3 * n, 9);
+        let g = row(3 * n, 4);
+        let xt = Tensor::from_vec(x.clone(), (3, n), &Device::Cpu).unwrap();
+        let gt = Tensor::from_vec(g.clone(), (3, n), &Device::Cpu).unwrap();
+        let y = softmax(&xt, None, 1, 0.5).unwrap();
+        let dx = f32s(&softmax_backward(&y, &gt, 1, 0.5).unwrap()).unwrap();
+        let yv = f32s(&y).unwrap();
+        for r in 0..3 {
+            let (yr, gr) = (&yv[r * n..r * n + n], &g[r * n..r * n + n]);
+            let s: f64 = yr.iter().zip(gr).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+            for i in 0..n {
+                let want = 0.5 * f64::from(yr[i]) * (f64::from(gr[i]) - s);
+                assert!((f64::from(dx[r * n + i]) - want).abs() < 1e-6, "row {r} col {i}");
+            }
+        }
+        // d/dx_i Σ_j g_j y_j by central differences in f64 on row 0.
+        let f = |xs: &[f64]| {
+            let z: Vec<f64> = xs.iter().map(|v| 0.5 * v).collect();
+            let m = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = z.iter().map(|v| (v - m).exp()).collect();
+            let s: f64 = e.iter().sum();
+            e.iter().zip(&g[..n]).map(|(v, &gi)| v / s * f64::from(gi)).sum::<f64>()
+        };
+        let x0: Vec<f64> = x[..n].iter().map(|&v| f64::from(v)).collect();
+        for i in 0..n {
+            let (mut hi, mut lo) = (x0.clone(), x0.clone());
+            hi[i] += 1e-5;
+            lo[i] -= 1e-5;
+            let fd = (f(&hi) - f(&lo)) / 2e-5;
+            assert!((fd - f64::from(dx[i])).abs() < 1e-5, "col {i}: {fd} vs {}", dx[i]);
+        }
     }
 }
