@@ -231,10 +231,12 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
             }
             out
         }
-        Op::SoftmaxBackward { .. } => {
+        // y = x − ln Σ exp(x): dx = g − softmax(x) · Σ_axis g, softmax(x) = exp(y).
+        Op::LogSoftmax { axis } => vec![Some(b.log_softmax_backward(y, g, *axis)?)],
+        Op::SoftmaxBackward { .. } | Op::LogSoftmaxBackward { .. } => {
             return Err(GraphError::Autodiff {
                 at: at(fw, y),
-                reason: "softmax_backward has no VJP (second derivatives of softmax)".into(),
+                reason: format!("{} has no VJP (second derivatives of softmax)", n.op.mnemonic()),
             })
         }
         // rotate_half is a signed permutation R with Rᵀ = −R.

@@ -201,6 +201,14 @@ impl GraphBuilder {
     pub fn rotate_half(&mut self, x: ValueId) -> Result<ValueId> {
         self.add(Op::RotateHalf, &[x])
     }
+    /// Log-softmax over `axis` ([`Op::LogSoftmax`]).
+    pub fn log_softmax(&mut self, x: ValueId, axis: usize) -> Result<ValueId> {
+        self.add(Op::LogSoftmax { axis }, &[x])
+    }
+    /// `g − exp(y) ⊙ Σ_axis g` ([`Op::LogSoftmaxBackward`]).
+    pub fn log_softmax_backward(&mut self, y: ValueId, g: ValueId, axis: usize) -> Result<ValueId> {
+        self.add(Op::LogSoftmaxBackward { axis }, &[y, g])
+    }
     /// Mean over `axis` (sum × 1/n).
     pub fn mean(&mut self, x: ValueId, axis: usize, keepdim: bool) -> Result<ValueId> {
         let n = self.shape(x).get(axis).copied().unwrap_or(1).max(1);

@@ -87,12 +87,18 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             }
             Ok(ins[0].clone())
         }
-        Op::SoftmaxBackward { axis, .. } => {
+        Op::LogSoftmax { axis } => {
+            arity(op, ins, 1)?;
+            float(ins[0])?;
+            axis_ok(ins[0], *axis)?;
+            Ok(ins[0].clone())
+        }
+        Op::SoftmaxBackward { axis, .. } | Op::LogSoftmaxBackward { axis } => {
             arity(op, ins, 2)?;
             float(ins[0])?;
             axis_ok(ins[0], *axis)?;
             need(ins[0] == ins[1], || {
-                format!("softmax_backward needs y and g alike: {} vs {}", ins[0], ins[1])
+                format!("{} needs y and g alike: {} vs {}", op.mnemonic(), ins[0], ins[1])
             })?;
             Ok(ins[0].clone())
         }

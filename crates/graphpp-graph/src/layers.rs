@@ -289,22 +289,18 @@ pub fn causal_attention(
 }
 
 /// Cross-entropy, mean over tokens: `logits: [N, V]`, u32 `targets: [N]` → scalar
-/// `mean(logsumexp(logits) − logits[target])`, computed in [`DType::wide`](crate::DType::wide)
+/// `mean(logsumexp(logits) − logits[target])` (as `−mean(log_softmax(logits)[target])`, one
+/// [`crate::Op::LogSoftmax`] node), computed in [`DType::wide`](crate::DType::wide)
 /// of the logits' dtype: bf16 logits are cast to f32 first (HF's `logits.float()` before the
 /// loss), so the loss and its log-softmax are f32; f32 and f64 logits get no cast.
 pub fn cross_entropy(b: &mut GraphBuilder, logits: ValueId, targets: ValueId) -> Result<ValueId> {
     let wide = b.ty(logits).dtype.wide();
     let logits = b.cast(logits, wide)?;
     let n = b.shape(logits)[0];
-    let m = b.max(logits, 1, true)?;
-    let z = b.sub(logits, m)?;
-    let e = b.exp(z)?;
-    let s = b.sum(e, 1, true)?;
-    let lse = b.log(s)?;
+    let y = b.log_softmax(logits, 1)?;
     let t = b.reshape(targets, vec![n, 1])?;
-    let picked = b.gather(z, t, 1)?;
-    let d = b.sub(lse, picked)?;
-    let d = b.reshape(d, vec![n])?;
-    let total = b.sum(d, 0, false)?;
-    b.scale(total, 1.0 / n as f64)
+    let picked = b.gather(y, t, 1)?;
+    let picked = b.reshape(picked, vec![n])?;
+    let total = b.sum(picked, 0, false)?;
+    b.scale(total, -1.0 / n as f64)
 }

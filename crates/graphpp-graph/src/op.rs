@@ -150,6 +150,13 @@ pub enum Op {
     /// and output gradient `g` (same shape and dtype; PyTorch's `_softmax_backward_data`). Has
     /// no VJP of its own (second derivatives of softmax are refused by autodiff).
     SoftmaxBackward { axis: usize, scale: f64 },
+    /// Log-softmax over one axis: `x − m − ln Σ exp(x − m)` with `m` the maximum over `axis`
+    /// (float; the shape is kept): the cross-entropy's, one node instead of six, whose backward
+    /// ([`Op::LogSoftmaxBackward`]) reads only its output.
+    LogSoftmax { axis: usize },
+    /// `(y, g)` → `g − exp(y) ⊙ Σ_axis g`: the VJP of [`Op::LogSoftmax`] with output `y` and
+    /// output gradient `g` (same shape and dtype). Has no VJP of its own.
+    LogSoftmaxBackward { axis: usize },
     /// RoPE's rotate-half along the last axis (of even length `2h`; Hugging Face Llama's
     /// `rotate_half`): `y[…, i] = −x[…, i + h]` for `i < h`, `x[…, i − h]` for `i ≥ h`. One
     /// node instead of two slices, a negation and a concatenation; its VJP is `−rotate_half(g)`.
@@ -219,6 +226,8 @@ impl Op {
             Op::Softmax { .. } => "softmax".into(),
             Op::SoftmaxBackward { .. } => "softmax_backward".into(),
             Op::RotateHalf => "rotate_half".into(),
+            Op::LogSoftmax { .. } => "log_softmax".into(),
+            Op::LogSoftmaxBackward { .. } => "log_softmax_backward".into(),
             Op::Matmul => "matmul".into(),
             Op::Reshape { .. } => "reshape".into(),
             Op::Permute { .. } => "permute".into(),
@@ -255,6 +264,8 @@ impl Op {
             Op::Permute { perm } => vec![format!("perm={}", dims(perm))],
             Op::Slice { axis, start, end } => vec![format!("axis={axis}"), format!("range={start}..{end}")],
             Op::Concat { axis }
+            | Op::LogSoftmax { axis }
+            | Op::LogSoftmaxBackward { axis }
             | Op::IndexSelect { axis }
             | Op::IndexAdd { axis }
             | Op::Gather { axis }

@@ -1031,6 +1031,8 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
         Op::Softmax { axis, scale } => crate::softmax::softmax(a[0], a.get(1).copied(), *axis, *scale)?,
         Op::SoftmaxBackward { axis, scale } => crate::softmax::softmax_backward(a[0], a[1], *axis, *scale)?,
         Op::RotateHalf => rotate_half(a[0])?,
+        Op::LogSoftmax { axis } => crate::softmax::log_softmax(a[0], *axis)?,
+        Op::LogSoftmaxBackward { axis } => crate::softmax::log_softmax_backward(a[0], a[1], *axis)?,
         Op::Matmul => matmul(a[0], a[1])?,
         Op::Reshape { shape } => a[0].contiguous()?.reshape(shape.clone())?,
         Op::Permute { perm } => a[0].permute(perm.clone())?,

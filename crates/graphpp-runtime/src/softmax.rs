@@ -79,6 +79,91 @@ pub fn softmax_backward(y: &Tensor, g: &Tensor, axis: usize, scale: f64) -> cand
     }
 }
 
+/// Log-softmax of `x` over `axis` ([`graphpp_graph::Op::LogSoftmax`]): `z − ln Σ e^z` with
+/// `z = x − max x`, f32 (and bf16, in f32) one row at a time — max, exponent and sum as
+/// [`softmax`]'s, then `ln` of the sum once a row —; f64 through candle.
+///
+/// # Errors
+/// candle's, for an axis out of range or another dtype.
+pub fn log_softmax(x: &Tensor, axis: usize) -> candle_core::Result<Tensor> {
+    let last = x.rank().saturating_sub(1);
+    if axis != last {
+        return log_softmax(&x.transpose(axis, last)?, last)?.transpose(axis, last);
+    }
+    match x.dtype() {
+        CDType::F32 => map_rows(x, log_rows),
+        CDType::BF16 => log_softmax(&x.to_dtype(CDType::F32)?, axis)?.to_dtype(CDType::BF16),
+        _ => {
+            let z = x.broadcast_sub(&x.max_keepdim(axis)?)?;
+            let lse = z.exp()?.sum_keepdim(axis)?.log()?;
+            z.broadcast_sub(&lse)
+        }
+    }
+}
+
+/// `g − e^y ⊙ Σ_axis g` ([`graphpp_graph::Op::LogSoftmaxBackward`]), f32 (and bf16, in f32) one
+/// row at a time, the sum in [`sum`]'s order; f64 through candle.
+///
+/// # Errors
+/// candle's, for an axis out of range, shapes that differ or another dtype.
+pub fn log_softmax_backward(y: &Tensor, g: &Tensor, axis: usize) -> candle_core::Result<Tensor> {
+    let last = y.rank().saturating_sub(1);
+    if axis != last {
+        let (y, g) = (y.transpose(axis, last)?, g.transpose(axis, last)?);
+        return log_softmax_backward(&y, &g, last)?.transpose(axis, last);
+    }
+    match y.dtype() {
+        CDType::F32 => pair_rows(y, g, |y, g, n, dx| log_backward_rows(y, g, n, dx)),
+        CDType::BF16 => {
+            let (y32, g32) = (y.to_dtype(CDType::F32)?, g.to_dtype(CDType::F32)?);
+            log_softmax_backward(&y32, &g32, axis)?.to_dtype(CDType::BF16)
+        }
+        _ => g.broadcast_sub(&y.exp()?.broadcast_mul(&g.sum_keepdim(axis)?)?),
+    }
+}
+
+/// Log-softmax of each row of `n` elements of `x` into `y`, in blocks as [`rows`].
+pub fn log_rows(x: &[f32], n: usize, y: &mut [f32]) {
+    if n == 0 {
+        return;
+    }
+    let per = (BLOCK / n).max(1) * n;
+    let mut e = vec![0f32; per.min(x.len())];
+    for (xb, yb) in x.chunks(per).zip(y.chunks_mut(per)) {
+        for (xr, yr) in xb.chunks_exact(n).zip(yb.chunks_exact_mut(n)) {
+            let m = max(xr);
+            for (v, &a) in yr.iter_mut().zip(xr) {
+                *v = a - m;
+            }
+        }
+        let e = &mut e[..xb.len()];
+        expf::exp_slice(yb, e, false);
+        for (yr, er) in yb.chunks_exact_mut(n).zip(e.chunks_exact(n)) {
+            let l = sum(er).ln();
+            for v in yr.iter_mut() {
+                *v -= l;
+            }
+        }
+    }
+}
+
+/// `dx = g − e^y ⊙ Σ g` per row of `n` elements (the exponent in blocks as [`rows`]).
+pub fn log_backward_rows(y: &[f32], g: &[f32], n: usize, dx: &mut [f32]) {
+    if n == 0 {
+        return;
+    }
+    let per = (BLOCK / n).max(1) * n;
+    for ((yb, gb), db) in y.chunks(per).zip(g.chunks(per)).zip(dx.chunks_mut(per)) {
+        expf::exp_slice(yb, db, false);
+        for (gr, dr) in gb.chunks_exact(n).zip(db.chunks_exact_mut(n)) {
+            let s = sum(gr);
+            for (d, &b) in dr.iter_mut().zip(gr) {
+                *d = b - *d * s;
+            }
+        }
+    }
+}
+
 /// A contiguous f32 tensor's elements, copied.
 fn f32s(t: &Tensor) -> candle_core::Result<Vec<f32>> {
     t.flatten_all()?.to_vec1::<f32>()
@@ -142,17 +227,37 @@ fn rows_f32(x: &Tensor, mask: Option<&Tensor>, scale: f64) -> candle_core::Resul
 
 /// [`softmax_backward`] over the last axis of f32 tensors.
 fn backward_f32(y: &Tensor, g: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+    let scale = scale as f32;
+    pair_rows(y, g, |y, g, n, dx| backward_rows(y, g, n, scale, dx))
+}
+
+/// `f(x_rows, n, out_rows)` over the last-axis rows of an f32 tensor (split as [`by_rows`])
+/// into a new tensor of its shape.
+fn map_rows(x: &Tensor, f: impl Fn(&[f32], usize, &mut [f32]) + Sync) -> candle_core::Result<Tensor> {
+    let n = x.dims().last().copied().unwrap_or(1);
+    let out = read_f32(x, |data| {
+        let mut out = vec![0f32; data.len()];
+        by_rows(data, n, &mut out, |_, x, y| f(x, n, y));
+        out
+    })?;
+    Tensor::from_vec(out, x.dims(), &Device::Cpu)
+}
+
+/// `f(y_rows, g_rows, n, out_rows)` over the last-axis rows of two f32 tensors of one shape
+/// (split as [`by_rows`]) into a new tensor of that shape.
+fn pair_rows(
+    y: &Tensor,
+    g: &Tensor,
+    f: impl Fn(&[f32], &[f32], usize, &mut [f32]) + Sync,
+) -> candle_core::Result<Tensor> {
     if y.dims() != g.dims() {
-        candle_core::bail!("softmax_backward: y {:?} and g {:?} differ", y.dims(), g.dims())
+        candle_core::bail!("softmax backward: y {:?} and g {:?} differ", y.dims(), g.dims())
     }
     let n = y.dims().last().copied().unwrap_or(1);
-    let scale = scale as f32;
     let out = read_f32(y, |yv| {
         read_f32(g, |gv| {
             let mut out = vec![0f32; yv.len()];
-            by_rows(yv, n, &mut out, |first, y, dx| {
-                backward_rows(y, &gv[first * n..first * n + y.len()], n, scale, dx)
-            });
+            by_rows(yv, n, &mut out, |first, y, dx| f(y, &gv[first * n..first * n + y.len()], n, dx));
             out
         })
     })??;
@@ -405,5 +510,34 @@ mod tests {
             let fd = (f(&hi) - f(&lo)) / 2e-5;
             assert!((fd - f64::from(dx[i])).abs() < 1e-5, "col {i}: {fd} vs {}", dx[i]);
         }
+    }
+
+    /// Log-softmax against the f64 one, and its backward against `g − softmax · Σ g` in f64.
+    #[test]
+    fn log_softmax_and_its_backward() {
+        let n = 37;
+        let x = row(4 * n, 13);
+        let g = row(4 * n, 6);
+        let xt = Tensor::from_vec(x.clone(), (4, n), &Device::Cpu).unwrap();
+        let gt = Tensor::from_vec(g.clone(), (4, n), &Device::Cpu).unwrap();
+        let y = log_softmax(&xt, 1).unwrap();
+        let yv = f32s(&y).unwrap();
+        let dx = f32s(&log_softmax_backward(&y, &gt, 1).unwrap()).unwrap();
+        for r in 0..4 {
+            let want = oracle(&x[r * n..r * n + n]);
+            let gs: f64 = g[r * n..r * n + n].iter().map(|&v| f64::from(v)).sum();
+            for i in 0..n {
+                let k = r * n + i;
+                assert!((f64::from(yv[k]) - want[i].ln()).abs() < 2e-6, "y row {r} col {i}");
+                let d = f64::from(g[k]) - want[i] * gs;
+                assert!((f64::from(dx[k]) - d).abs() < 1e-5, "dx row {r} col {i}");
+            }
+        }
+        // Axis 0 (moved last and back) and f64 agree with the f32 rows.
+        let t = log_softmax(&xt.t().unwrap().contiguous().unwrap(), 0).unwrap().t().unwrap();
+        assert_eq!(f32s(&t.contiguous().unwrap()).unwrap(), yv);
+        let y64 = log_softmax(&xt.to_dtype(CDType::F64).unwrap(), 1).unwrap();
+        let d64 = (y64 - y.to_dtype(CDType::F64).unwrap()).unwrap().abs().unwrap();
+        assert!(d64.flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap() < 2e-6);
     }
 }
