@@ -113,7 +113,7 @@ pub fn log_softmax_backward(y: &Tensor, g: &Tensor, axis: usize) -> candle_core:
         return log_softmax_backward(&y, &g, last)?.transpose(axis, last);
     }
     match y.dtype() {
-        CDType::F32 => pair_rows(y, g, |y, g, n, dx| log_backward_rows(y, g, n, dx)),
+        CDType::F32 => pair_rows(y, g, log_backward_rows),
         CDType::BF16 => {
             let (y32, g32) = (y.to_dtype(CDType::F32)?, g.to_dtype(CDType::F32)?);
             log_softmax_backward(&y32, &g32, axis)?.to_dtype(CDType::BF16)
