@@ -526,10 +526,10 @@ mod tests {
         for r in 0..4 {
             let want = oracle(&x[r * n..r * n + n]);
             let gs: f64 = g[r * n..r * n + n].iter().map(|&v| f64::from(v)).sum();
-            for i in 0..n {
+            for (i, p) in want.iter().enumerate() {
                 let k = r * n + i;
-                assert!((f64::from(yv[k]) - want[i].ln()).abs() < 2e-6, "y row {r} col {i}");
-                let d = f64::from(g[k]) - want[i] * gs;
+                assert!((f64::from(yv[k]) - p.ln()).abs() < 2e-6, "y row {r} col {i}");
+                let d = f64::from(g[k]) - p * gs;
                 assert!((f64::from(dx[k]) - d).abs() < 1e-5, "dx row {r} col {i}");
             }
         }
