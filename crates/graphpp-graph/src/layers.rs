@@ -272,8 +272,9 @@ pub fn causal_attention(
     let v = repeat_kv(b, v, dims.heads)?;
     let kt = b.transpose_last(k)?;
     let scores = b.matmul(q, kt)?;
-    // Scale, mask and softmax in one node, in the wide dtype (f32 for bf16), as HF's
-    // `softmax(…, dtype=torch.float32)`.
+    // Scale, mask and softmax in one node, in the wide dtype (f32 for bf16). HF's softmax runs in
+    // f32 too (`softmax(…, dtype=torch.float32)`), but it scales and masks in bf16 first; here
+    // those run in f32 as well (one rounding fewer).
     let dtype = b.ty(scores).dtype;
     let scores = b.cast(scores, dtype.wide())?;
     let mask = b.cast(mask, dtype.wide())?;

@@ -29,6 +29,7 @@ fn row(g: &Graph, i: usize) -> String {
         Op::SoftmaxBackward { axis, .. } => format!("SoftmaxBackward axis {axis} {}", dims(n.inputs[0])),
         Op::RotateHalf => format!("RotateHalf {:?}", n.ty.shape),
         Op::LogSoftmax { axis } => format!("LogSoftmax axis {axis} {}", dims(n.inputs[0])),
+        Op::LogSoftmaxBackward { axis } => format!("LogSoftmaxBackward axis {axis} {}", dims(n.inputs[0])),
         Op::Unary { f } => format!("Unary {f:?} {:?}", n.ty.shape),
         Op::Binary { f } => format!("Binary {f:?} {:?}", n.ty.shape),
         Op::Affine { .. } => format!("Affine {:?}", n.ty.shape),

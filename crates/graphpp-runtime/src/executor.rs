@@ -446,6 +446,12 @@ impl Program {
         &self.fusion
     }
 
+    /// Drops the row-major copies of transposed parameters this program keeps across runs
+    /// ([`crate::transposed`]): their sources are going away (a stage's RESHARD).
+    pub fn clear_kept(&self) {
+        self.transposed.clear();
+    }
+
     /// [`run_named_with`] through this program; `graph` must be the graph it was compiled from.
     ///
     /// # Errors
@@ -910,8 +916,11 @@ fn arithmetic(f: BinaryOp, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor
 /// `x2`. An f32 operand in one pass over its rows (negation and copies are exact: the bits of
 /// the slice-negate-concatenate it replaces); others through candle's narrow, neg and cat.
 fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
-    let last = x.rank() - 1;
+    let Some(last) = x.rank().checked_sub(1) else { candle_core::bail!("rotate_half of a scalar") };
     let n = x.dims()[last];
+    if n % 2 != 0 {
+        candle_core::bail!("rotate_half needs a last axis of even length, got {:?}", x.dims())
+    }
     let h = n / 2;
     if x.dtype() != CDType::F32 || h == 0 {
         let (x1, x2) = (x.narrow(last, 0, h)?, x.narrow(last, h, h)?);
@@ -1096,17 +1105,15 @@ mod tests {
         let x = Tensor::arange(0f32, 2.0 * 3.0 * 6.0, &Device::Cpu).unwrap().reshape((2, 3, 6)).unwrap();
         let permuted = x.permute((1, 0, 2)).unwrap(); // read through .contiguous()
         for t in [&x, &permuted] {
-            for dtype in [CDType::F32, CDType::F64] {
-                let t = t.to_dtype(dtype).unwrap();
-                let got = rotate_half(&t).unwrap().to_dtype(CDType::F64).unwrap();
-                let (x1, x2) = (t.narrow(2, 0, 3).unwrap(), t.narrow(2, 3, 3).unwrap());
-                let want = Tensor::cat(&[&x2.neg().unwrap(), &x1], 2).unwrap().to_dtype(CDType::F64).unwrap();
-                assert_eq!(got.to_vec3::<f64>().unwrap(), want.to_vec3::<f64>().unwrap());
-            }
+            let got = rotate_half(t).unwrap();
+            let (x1, x2) = (t.narrow(2, 0, 3).unwrap(), t.narrow(2, 3, 3).unwrap());
+            let want = Tensor::cat(&[&x2.neg().unwrap(), &x1], 2).unwrap();
+            assert_eq!(got.to_vec3::<f32>().unwrap(), want.to_vec3::<f32>().unwrap());
         }
         // Row 0 of the contiguous operand: [0 1 2 3 4 5] → [−3 −4 −5 0 1 2].
         let row = rotate_half(&x).unwrap().get(0).unwrap().get(0).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(row, [-3.0, -4.0, -5.0, 0.0, 1.0, 2.0]);
+        assert!(rotate_half(&Tensor::zeros((2, 3), CDType::F32, &Device::Cpu).unwrap()).is_err());
     }
 
     #[test]

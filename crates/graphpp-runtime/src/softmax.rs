@@ -30,6 +30,9 @@ const PARALLEL_MIN: usize = 1 << 18;
 /// candle's, for an axis out of range, a mask that does not broadcast, or a dtype other than
 /// f32, bf16 and f64.
 pub fn softmax(x: &Tensor, mask: Option<&Tensor>, axis: usize, scale: f64) -> candle_core::Result<Tensor> {
+    if x.dims().get(axis) == Some(&0) {
+        return x.zeros_like();
+    }
     let last = x.rank().saturating_sub(1);
     if axis != last {
         // Move the axis last (the mask broadcast to x's shape with it), compute, move it back.
@@ -86,6 +89,9 @@ pub fn softmax_backward(y: &Tensor, g: &Tensor, axis: usize, scale: f64) -> cand
 /// # Errors
 /// candle's, for an axis out of range or another dtype.
 pub fn log_softmax(x: &Tensor, axis: usize) -> candle_core::Result<Tensor> {
+    if x.dims().get(axis) == Some(&0) {
+        return x.zeros_like();
+    }
     let last = x.rank().saturating_sub(1);
     if axis != last {
         return log_softmax(&x.transpose(axis, last)?, last)?.transpose(axis, last);

@@ -160,6 +160,16 @@ struct Programs {
 }
 
 impl Programs {
+    /// Drops every program's kept copies of transposed parameters ([`Program::clear_kept`]).
+    fn clear_kept(&self) {
+        self.fw.clear_kept();
+        self.full_bw.clear_kept();
+        if let Some((di, dw)) = &self.di_dw {
+            di.clear_kept();
+            dw.clear_kept();
+        }
+    }
+
     fn compile(g: &StageGraphs) -> Self {
         Programs {
             fw: Program::compile(&g.fw),
@@ -474,6 +484,8 @@ impl GraphStages {
                 let st =
                     self.stages.get_mut(&stage).ok_or_else(|| missing(t, "stage (not held by this rank)"))?;
                 st.state.extend(shards);
+                // The full parameters are gone: so are their transposed copies.
+                st.programs.clear_kept();
             }
             StageOpKind::ReduceGrad => {
                 let st =

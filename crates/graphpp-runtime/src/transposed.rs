@@ -12,10 +12,11 @@
 //! and read by every microbatch's forward.
 //!
 //! A copy is keyed by the node and the source tensor's [`candle_core::TensorId`], which is never
-//! reused (the optimizer makes new tensors: a new id, a new copy). Each node keeps its
-//! [`KEPT`] most recent copies (data-parallel replicas sharing one program each pass their own
-//! parameters); older ones are dropped, so a run of many steps holds at most that many copies
-//! of a weight.
+//! reused (the optimizer makes new tensors: a new id, a new copy). Each node keeps one copy (a
+//! program belongs to one stage of one rank), replaced when its source changes, so a weight has
+//! at most one transposed copy beside it; [`Cache::clear`] drops them all (a stage's RESHARD
+//! does, so that FSDP keeps no full-size copy of a resharded stage). Under FSDP the copy is
+//! made once per UNSHARD rather than once a step.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -23,11 +24,8 @@ use std::sync::{Arc, Mutex};
 use candle_core::{Tensor, TensorId};
 use graphpp_graph::{Graph, InputKind, Op};
 
-/// Copies kept per node.
-pub const KEPT: usize = 4;
-
-/// Per node, its copies and their sources' ids, the most recent last.
-type Copies = HashMap<usize, Vec<(TensorId, Tensor)>>;
+/// Per node, its copy and its source's id.
+type Copies = HashMap<usize, (TensorId, Tensor)>;
 
 /// The nodes whose value a [`Cache`] keeps, and the copies.
 #[derive(Clone, Debug, Default)]
@@ -70,24 +68,30 @@ impl Cache {
     }
 
     /// Node `i`'s value: `source` permuted by `perm`, row-major — the copy made for this source
-    /// if there is one, else a new copy (kept).
+    /// if there is one, else a new copy (kept in place of the node's last one).
     ///
     /// # Errors
     /// candle's, from the permute or the copy.
     pub fn get(&self, i: usize, source: &Tensor, perm: &[usize]) -> candle_core::Result<Tensor> {
         let id = source.id();
-        // A poisoned lock only means another run panicked mid-insert: the map is still whole.
-        let mut copies = self.copies.lock().unwrap_or_else(|e| e.into_inner());
-        let list = copies.entry(i).or_default();
-        if let Some((_, t)) = list.iter().find(|(k, _)| *k == id) {
+        if let Some((_, t)) = self.lock().get(&i).filter(|(k, _)| *k == id) {
             return Ok(t.clone());
         }
+        // Copied outside the lock (the copy may run on the pool).
         let t = source.permute(perm.to_vec())?.contiguous()?;
-        if list.len() == KEPT {
-            list.remove(0);
-        }
-        list.push((id, t.clone()));
+        self.lock().insert(i, (id, t.clone()));
         Ok(t)
+    }
+
+    /// Drops every copy (their sources are going away: a RESHARD).
+    pub fn clear(&self) {
+        self.lock().clear();
+    }
+
+    /// The copies. A poisoned lock only means another run panicked while holding it: the map
+    /// is still whole.
+    fn lock(&self) -> std::sync::MutexGuard<'_, Copies> {
+        self.copies.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -122,7 +126,7 @@ mod tests {
     }
 
     #[test]
-    fn copies_follow_the_source_and_stay_bounded() {
+    fn copies_follow_the_source_one_per_node() {
         let c = Cache::plan(&linear_graph());
         let w = Tensor::arange(0f32, 15.0, &Device::Cpu).unwrap().reshape((5, 3)).unwrap();
         let first = c.get(7, &w, &[1, 0]).unwrap();
@@ -135,6 +139,10 @@ mod tests {
         for k in 0..10 {
             c.get(7, &(&w + f64::from(k)).unwrap(), &[1, 0]).unwrap();
         }
-        assert_eq!(c.copies.lock().unwrap()[&7].len(), KEPT);
+        assert_eq!(c.lock().len(), 1);
+        // The first source's copy is gone: asking again makes a new one.
+        assert_ne!(c.get(7, &w, &[1, 0]).unwrap().id(), first.id());
+        c.clear();
+        assert!(c.lock().is_empty());
     }
 }

@@ -459,7 +459,7 @@ impl<'a> Walk<'a> {
         Walk { rows: &s.ranks, lists, offsets, missing, routes }
     }
 
-    /// Number of cells, idle ones included.    /// Number of cells, idle ones included.
+    /// Number of cells, idle ones included.
     pub fn cells(&self) -> usize {
         self.offsets[self.rows.len()]
     }

@@ -73,7 +73,8 @@ pub struct LowerOptions {
 /// [`LowerError::Invalid`] for an invalid input; the passes' errors otherwise.
 pub fn lower(s: &Schedule, opts: &LowerOptions) -> Result<Schedule, LowerError> {
     // The input is validated while the passes run (rayon's current pool): the passes take any
-    // compute-only input without panicking, and their output is dropped if the input is invalid.
+    // input without panicking (refusing comm they add themselves), and their output is dropped
+    // if the input is invalid. The validator's tables and the output are both held meanwhile.
     let (checked, lowered) = rayon::join(
         || validate(s, &ValidateOptions::default()).map(drop).map_err(Box::new),
         || match opts.fsdp_max_unsharded {
