@@ -918,7 +918,7 @@ fn arithmetic(f: BinaryOp, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor
 fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
     let Some(last) = x.rank().checked_sub(1) else { candle_core::bail!("rotate_half of a scalar") };
     let n = x.dims()[last];
-    if n % 2 != 0 {
+    if !n.is_multiple_of(2) {
         candle_core::bail!("rotate_half needs a last axis of even length, got {:?}", x.dims())
     }
     let h = n / 2;
