@@ -1,18 +1,20 @@
-//! The softmax kernel ([`graphpp_graph::Op::Softmax`]), one row at a time (issue 11 item 1: a
-//! reduction fused with the elementwise chain around it).
+//! The softmax kernels ([`graphpp_graph::Op::Softmax`], [`graphpp_graph::Op::SoftmaxBackward`],
+//! [`graphpp_graph::Op::LogSoftmax`], [`graphpp_graph::Op::LogSoftmaxBackward`]), one row at a
+//! time (issue 11 item 1: a reduction fused with the elementwise chain around it).
 //!
-//! Each row of `n` elements along the softmax axis is finished in L1, a block of rows at a time:
-//! `m = max x` (NaN-ignoring, so a row holding NaN gives NaN below), `e = exp(x − m)` with the C
-//! library's `expf` bits ([`crate::expf`], four lanes at a time), `s = Σ e` in a fixed order
-//! (eight interleaved partial sums, element `i` into sum `i mod 8`, then added pairwise:
-//! `((s0+s4)+(s2+s6))+((s1+s5)+(s3+s7))`, which the compiler vectorises without changing a bit),
-//! and `y = e / s`. The composition it replaces (max, subtract, exp, sum, divide: five nodes)
-//! read and wrote the whole `[B, H, T, T]` score tensor five times and saved three of them for
-//! the backward; the backward now reads only `y`.
+//! Each row of `n` elements along the axis is finished in L1, a block of rows at a time: for the
+//! softmax, `z = scale · x + mask`, `m = max z` (NaN-ignoring, so a row holding NaN gives NaN
+//! below), `e = exp(z − m)` with the C library's `expf` bits ([`crate::expf`], four lanes at a
+//! time), `s = Σ e` in a fixed order (eight interleaved partial sums, element `i` into sum
+//! `i mod 8`, then added pairwise: `((s0+s4)+(s2+s6))+((s1+s5)+(s3+s7))`, which the compiler
+//! vectorises without changing a bit), and `y = e / s`; the log-softmax ends with
+//! `y = (z − m) − ln s`. The attention composition it replaces (scale, add the mask, max,
+//! subtract, exp, sum, divide) read and wrote the whole `[B, H, T, T]` score tensor several times
+//! and saved three of them for the backward; the backward kernels read only `y`.
 //!
-//! The interpreter and the compiled executor both run this kernel, so they agree bit for bit; f32
-//! rows run it directly, bf16 rows in f32 rounded once at the end, f64 rows through candle's ops
-//! in the same order (max, subtract, exp, sum, divide).
+//! The interpreter and the compiled executor both run these kernels, so they agree bit for bit;
+//! f32 rows run them directly, bf16 rows in f32 rounded once at the end, f64 rows through
+//! candle's ops in the same order.
 
 use candle_core::{CpuStorage, DType as CDType, Device, Tensor};
 use rayon::prelude::*;
