@@ -110,7 +110,7 @@ pub fn log_softmax(x: &Tensor, axis: usize) -> candle_core::Result<Tensor> {
 }
 
 /// `g − e^y ⊙ Σ_axis g` ([`graphpp_graph::Op::LogSoftmaxBackward`]), f32 (and bf16, in f32) one
-/// row at a time, the sum in [`sum`]'s order; f64 through candle.
+/// row at a time, the sum in the fixed order of the module doc; f64 through candle.
 ///
 /// # Errors
 /// candle's, for an axis out of range, shapes that differ or another dtype.
@@ -131,7 +131,7 @@ pub fn log_softmax_backward(y: &Tensor, g: &Tensor, axis: usize) -> candle_core:
 }
 
 /// Log-softmax of each row of `n` elements of `x` into `y`, in blocks as [`rows`].
-pub fn log_rows(x: &[f32], n: usize, y: &mut [f32]) {
+fn log_rows(x: &[f32], n: usize, y: &mut [f32]) {
     if n == 0 {
         return;
     }
@@ -156,7 +156,7 @@ pub fn log_rows(x: &[f32], n: usize, y: &mut [f32]) {
 }
 
 /// `dx = g − e^y ⊙ Σ g` per row of `n` elements (the exponent in blocks as [`rows`]).
-pub fn log_backward_rows(y: &[f32], g: &[f32], n: usize, dx: &mut [f32]) {
+fn log_backward_rows(y: &[f32], g: &[f32], n: usize, dx: &mut [f32]) {
     if n == 0 {
         return;
     }
@@ -274,7 +274,7 @@ fn pair_rows(
 
 /// `dx = scale · y ⊙ (g − s)` with `s = Σ g ⊙ y` per row of `n` elements (the sum in
 /// [`sum`]'s order).
-pub fn backward_rows(y: &[f32], g: &[f32], n: usize, scale: f32, dx: &mut [f32]) {
+fn backward_rows(y: &[f32], g: &[f32], n: usize, scale: f32, dx: &mut [f32]) {
     for ((yr, gr), dr) in y.chunks_exact(n).zip(g.chunks_exact(n)).zip(dx.chunks_exact_mut(n)) {
         for ((d, &a), &b) in dr.iter_mut().zip(yr).zip(gr) {
             *d = b * a;
@@ -294,7 +294,7 @@ const BLOCK: usize = 1024;
 /// `x.len()` is a multiple of `n`, equal to `y.len()`. Rows go in blocks of about [`BLOCK`]
 /// elements: their `z − m` into a buffer, one exponent call over the block into `y`, then each
 /// row's sum and division.
-pub fn rows(first: usize, x: &[f32], mask: Option<&[f32]>, n: usize, scale: f32, y: &mut [f32]) {
+fn rows(first: usize, x: &[f32], mask: Option<&[f32]>, n: usize, scale: f32, y: &mut [f32]) {
     debug_assert_eq!(x.len(), y.len());
     if n == 0 {
         return;
