@@ -912,6 +912,20 @@ fn arithmetic(f: BinaryOp, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor
     }
 }
 
+/// `f` of a CPU f32 tensor's elements in row-major order, read in place where the tensor is
+/// contiguous (copied first where it is not).
+///
+/// # Errors
+/// A tensor that is not a CPU f32 one; candle's, from the copy.
+pub(crate) fn read_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
+        candle_core::bail!("expected a CPU f32 tensor, got {:?}", t.dtype())
+    };
+    Ok(f(&data[layout.start_offset()..layout.start_offset() + t.elem_count()]))
+}
+
 /// RoPE's rotate-half along the last axis ([`Op::RotateHalf`]): `[−x2, x1]` for halves `x1`,
 /// `x2`. An f32 operand in one pass over its rows (negation and copies are exact: the bits of
 /// the slice-negate-concatenate it replaces); others through candle's narrow, neg and cat.
@@ -926,20 +940,17 @@ fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
         let (x1, x2) = (x.narrow(last, 0, h)?, x.narrow(last, h, h)?);
         return Tensor::cat(&[&x2.neg()?, &x1], last);
     }
-    let x = x.contiguous()?;
-    let (storage, layout) = x.storage_and_layout();
-    let candle_core::Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
-        candle_core::bail!("rotate_half takes a CPU f32 tensor")
-    };
-    let src = &data[layout.start_offset()..layout.start_offset() + x.elem_count()];
-    let mut out = vec![0f32; src.len()];
-    for (y, row) in out.chunks_exact_mut(n).zip(src.chunks_exact(n)) {
-        let (y1, y2) = y.split_at_mut(h);
-        for (o, &v) in y1.iter_mut().zip(&row[h..]) {
-            *o = -v;
+    let out = read_f32(x, |src| {
+        let mut out = vec![0f32; src.len()];
+        for (y, row) in out.chunks_exact_mut(n).zip(src.chunks_exact(n)) {
+            let (y1, y2) = y.split_at_mut(h);
+            for (o, &v) in y1.iter_mut().zip(&row[h..]) {
+                *o = -v;
+            }
+            y2.copy_from_slice(&row[..h]);
         }
-        y2.copy_from_slice(&row[..h]);
-    }
+        out
+    })?;
     Tensor::from_vec(out, x.dims(), &Device::Cpu)
 }
 
@@ -976,18 +987,15 @@ fn sum_rows(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tenso
     let dims = x.dims();
     let (a, k) = (dims[..axis].iter().product::<usize>(), dims[axis]);
     let b: usize = dims[axis + 1..].iter().product();
-    let x = x.contiguous()?;
-    let (storage, layout) = x.storage_and_layout();
-    let candle_core::Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
-        candle_core::bail!("sum_rows takes a CPU f32 tensor")
-    };
-    let src = &data[layout.start_offset()..layout.start_offset() + a * k * b];
-    let mut out = vec![0f32; a * b];
-    for (o, block) in out.chunks_mut(b.max(1)).zip(src.chunks((k * b).max(1))) {
-        for row in block.chunks(b.max(1)) {
-            o.iter_mut().zip(row).for_each(|(o, &v)| *o += v);
+    let out = read_f32(x, |src| {
+        let mut out = vec![0f32; a * b];
+        for (o, block) in out.chunks_mut(b.max(1)).zip(src.chunks((k * b).max(1))) {
+            for row in block.chunks(b.max(1)) {
+                o.iter_mut().zip(row).for_each(|(o, &v)| *o += v);
+            }
         }
-    }
+        out
+    })?;
     let mut shape = dims.to_vec();
     if keepdim {
         shape[axis] = 1;

@@ -16,9 +16,10 @@
 //! f32 rows run them directly, bf16 rows in f32 rounded once at the end, f64 rows through
 //! candle's ops in the same order.
 
-use candle_core::{CpuStorage, DType as CDType, Device, Tensor};
+use candle_core::{DType as CDType, Device, Tensor};
 use rayon::prelude::*;
 
+use crate::executor::read_f32;
 use crate::expf;
 
 /// Rows are split over the current rayon pool when the tensor has at least this many elements
@@ -99,7 +100,7 @@ pub fn log_softmax(x: &Tensor, axis: usize) -> candle_core::Result<Tensor> {
         return log_softmax(&x.transpose(axis, last)?, last)?.transpose(axis, last);
     }
     match x.dtype() {
-        CDType::F32 => map_rows(x, log_rows),
+        CDType::F32 => map_rows(x, |_, x, n, y| log_rows(x, n, y)),
         CDType::BF16 => log_softmax(&x.to_dtype(CDType::F32)?, axis)?.to_dtype(CDType::BF16),
         _ => {
             let z = x.broadcast_sub(&x.max_keepdim(axis)?)?;
@@ -177,16 +178,6 @@ fn f32s(t: &Tensor) -> candle_core::Result<Vec<f32>> {
     t.flatten_all()?.to_vec1::<f32>()
 }
 
-/// `f` of an f32 tensor's elements in row-major order, read in place where it is contiguous.
-fn read_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    let candle_core::Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
-        candle_core::bail!("softmax kernels take CPU f32 tensors")
-    };
-    Ok(f(&data[layout.start_offset()..layout.start_offset() + t.elem_count()]))
-}
-
 /// The mask's rows as `rows` reads them, for x of `dims`: the mask itself where it is
 /// contiguous and its dims (leading 1s dropped) end x's dims — row r of x then reads mask row
 /// `r mod (mask rows)` (attention's `[T, T]` causal mask under `[B, H, T, T]` scores) — else
@@ -222,15 +213,9 @@ fn by_rows(x: &[f32], n: usize, out: &mut [f32], f: impl Fn(usize, &[f32], &mut 
 
 /// [`softmax`] over the last axis of an f32 tensor.
 fn rows_f32(x: &Tensor, mask: Option<&Tensor>, scale: f64) -> candle_core::Result<Tensor> {
-    let n = x.dims().last().copied().unwrap_or(1);
     let mask = mask.map(|m| mask_rows(m, x.dims())).transpose()?;
     let scale = scale as f32;
-    let out = read_f32(x, |data| {
-        let mut out = vec![0f32; data.len()];
-        by_rows(data, n, &mut out, |first, x, y| rows(first, x, mask.as_deref(), n, scale, y));
-        out
-    })?;
-    Tensor::from_vec(out, x.dims(), &Device::Cpu)
+    map_rows(x, |first, x, n, y| rows(first, x, mask.as_deref(), n, scale, y))
 }
 
 /// [`softmax_backward`] over the last axis of f32 tensors.
@@ -239,13 +224,13 @@ fn backward_f32(y: &Tensor, g: &Tensor, scale: f64) -> candle_core::Result<Tenso
     pair_rows(y, g, |y, g, n, dx| backward_rows(y, g, n, scale, dx))
 }
 
-/// `f(x_rows, n, out_rows)` over the last-axis rows of an f32 tensor (split as [`by_rows`])
-/// into a new tensor of its shape.
-fn map_rows(x: &Tensor, f: impl Fn(&[f32], usize, &mut [f32]) + Sync) -> candle_core::Result<Tensor> {
+/// `f(first_row, x_rows, n, out_rows)` over the last-axis rows of an f32 tensor (split as
+/// [`by_rows`]) into a new tensor of its shape.
+fn map_rows(x: &Tensor, f: impl Fn(usize, &[f32], usize, &mut [f32]) + Sync) -> candle_core::Result<Tensor> {
     let n = x.dims().last().copied().unwrap_or(1);
     let out = read_f32(x, |data| {
         let mut out = vec![0f32; data.len()];
-        by_rows(data, n, &mut out, |_, x, y| f(x, n, y));
+        by_rows(data, n, &mut out, |first, x, y| f(first, x, n, y));
         out
     })?;
     Tensor::from_vec(out, x.dims(), &Device::Cpu)
@@ -434,25 +419,30 @@ mod tests {
 
     #[test]
     fn split_rows_give_the_same_bits() {
-        let n = 64;
-        let x = row(PARALLEL_MIN + 5 * n, 11);
-        let t = Tensor::from_vec(x.clone(), (x.len() / n, n), &Device::Cpu).unwrap();
+        // Rows of a [B, T, n] tensor under a [T, n] mask: each part of a split must read the mask
+        // rows of its own first row.
+        let (t, n) = (7, 64);
+        let b = PARALLEL_MIN / (t * n) + 5;
+        let x = row(b * t * n, 11);
+        let xt = Tensor::from_vec(x.clone(), (b, t, n), &Device::Cpu).unwrap();
+        let m = row(t * n, 2);
+        let mt = Tensor::from_vec(m.clone(), (t, n), &Device::Cpu).unwrap();
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-        let split = pool
-            .install(|| softmax(&t, None, 1, 1.0))
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let mut whole = vec![0f32; x.len()];
-        rows(0, &x, None, n, 1.0, &mut whole);
-        assert!(split.iter().zip(&whole).all(|(a, b)| a.to_bits() == b.to_bits()));
+        for mask in [None, Some(&mt)] {
+            let split = f32s(&pool.install(|| softmax(&xt, mask, 2, 0.5)).unwrap()).unwrap();
+            let mut whole = vec![0f32; x.len()];
+            rows(0, &x, mask.map(|_| m.as_slice()), n, 0.5, &mut whole);
+            assert!(
+                split.iter().zip(&whole).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "mask {}",
+                mask.is_some()
+            );
+        }
     }
 
     /// `scale · x + mask` against the f64 softmax of the same; a `[T, T]` mask under `[B, H, T,
     /// T]` scores (read row by row, periodically) against the same mask broadcast and copied
-    /// (through a non-last axis); both split over a pool.
+    /// (through a non-last axis).
     #[test]
     fn scale_and_mask_as_the_f64_softmax_does() {
         let (b, h, t) = (2, 3, 5);
@@ -482,41 +472,33 @@ mod tests {
         assert_eq!(f32s(&other.contiguous().unwrap()).unwrap(), f32s(&got).unwrap());
     }
 
-    /// The backward against `scale · y ⊙ (g − Σ g ⊙ y)` in f64, and against a finite
-    /// difference of the forward.
+    /// `rows × n` inputs and output gradients, as values and as `[rows, n]` tensors.
+    fn inputs_and_grads(rows: usize, n: usize, seeds: (u32, u32)) -> (Vec<f32>, Vec<f32>, Tensor, Tensor) {
+        let (x, g) = (row(rows * n, seeds.0), row(rows * n, seeds.1));
+        let dev = &Device::Cpu;
+        let (xt, gt) = (
+            Tensor::from_vec(x.clone(), (rows, n), dev).unwrap(),
+            Tensor::from_vec(g.clone(), (rows, n), dev).unwrap(),
+        );
+        (x, g, xt, gt)
+    }
+
+    /// The backward kernel against `scale · y ⊙ (g − Σ g ⊙ y)` in f64 (the formula itself is
+    /// checked against finite differences by `tests/vjp_fd.rs`).
     #[test]
     fn backward_is_the_softmax_vjp() {
         let n = 7;
-        let x = row(3 * n, 9);
-        let g = row(3 * n, 4);
-        let xt = Tensor::from_vec(x.clone(), (3, n), &Device::Cpu).unwrap();
-        let gt = Tensor::from_vec(g.clone(), (3, n), &Device::Cpu).unwrap();
+        let (_, g, xt, gt) = inputs_and_grads(3, n, (9, 4));
         let y = softmax(&xt, None, 1, 0.5).unwrap();
         let dx = f32s(&softmax_backward(&y, &gt, 1, 0.5).unwrap()).unwrap();
         let yv = f32s(&y).unwrap();
         for r in 0..3 {
             let (yr, gr) = (&yv[r * n..r * n + n], &g[r * n..r * n + n]);
             let s: f64 = yr.iter().zip(gr).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
-            for i in 0..n {
-                let want = 0.5 * f64::from(yr[i]) * (f64::from(gr[i]) - s);
+            for (i, (&a, &b)) in yr.iter().zip(gr).enumerate() {
+                let want = 0.5 * f64::from(a) * (f64::from(b) - s);
                 assert!((f64::from(dx[r * n + i]) - want).abs() < 1e-6, "row {r} col {i}");
             }
-        }
-        // d/dx_i Σ_j g_j y_j by central differences in f64 on row 0.
-        let f = |xs: &[f64]| {
-            let z: Vec<f64> = xs.iter().map(|v| 0.5 * v).collect();
-            let m = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = z.iter().map(|v| (v - m).exp()).collect();
-            let s: f64 = e.iter().sum();
-            e.iter().zip(&g[..n]).map(|(v, &gi)| v / s * f64::from(gi)).sum::<f64>()
-        };
-        let x0: Vec<f64> = x[..n].iter().map(|&v| f64::from(v)).collect();
-        for i in 0..n {
-            let (mut hi, mut lo) = (x0.clone(), x0.clone());
-            hi[i] += 1e-5;
-            lo[i] -= 1e-5;
-            let fd = (f(&hi) - f(&lo)) / 2e-5;
-            assert!((fd - f64::from(dx[i])).abs() < 1e-5, "col {i}: {fd} vs {}", dx[i]);
         }
     }
 
@@ -524,10 +506,7 @@ mod tests {
     #[test]
     fn log_softmax_and_its_backward() {
         let n = 37;
-        let x = row(4 * n, 13);
-        let g = row(4 * n, 6);
-        let xt = Tensor::from_vec(x.clone(), (4, n), &Device::Cpu).unwrap();
-        let gt = Tensor::from_vec(g.clone(), (4, n), &Device::Cpu).unwrap();
+        let (x, g, xt, gt) = inputs_and_grads(4, n, (13, 6));
         let y = log_softmax(&xt, 1).unwrap();
         let yv = f32s(&y).unwrap();
         let dx = f32s(&log_softmax_backward(&y, &gt, 1).unwrap()).unwrap();
