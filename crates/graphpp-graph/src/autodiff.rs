@@ -226,7 +226,7 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
             let dx = b.softmax_backward(y, g, *axis, *scale)?;
             let mut out = vec![Some(dx)];
             if n.inputs.len() == 2 {
-                let dz = b.softmax_backward(y, g, *axis, 1.0)?;
+                let dz = if *scale == 1.0 { dx } else { b.softmax_backward(y, g, *axis, 1.0)? };
                 out.push(Some(b.sum_to(dz, &shape(x(1)))?));
             }
             out

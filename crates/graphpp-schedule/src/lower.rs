@@ -74,7 +74,9 @@ pub struct LowerOptions {
 pub fn lower(s: &Schedule, opts: &LowerOptions) -> Result<Schedule, LowerError> {
     // The input is validated while the passes run (rayon's current pool): the passes take any
     // input without panicking (refusing comm they add themselves), and their output is dropped
-    // if the input is invalid. The validator's tables and the output are both held meanwhile.
+    // if the input is invalid. The passes find the stage → rank table and the routes again (the
+    // validator finds them too, on the other worker), and the validator's tables and the output
+    // are both held meanwhile.
     let (checked, lowered) = rayon::join(
         || validate(s, &ValidateOptions::default()).map(drop).map_err(Box::new),
         || match opts.fsdp_max_unsharded {

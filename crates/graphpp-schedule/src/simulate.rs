@@ -225,26 +225,23 @@ fn intervals_of(
         parts.push(part);
         rest = tail;
     }
-    let sums: Vec<(f64, f64, f64)> = parts
+    let totals: Totals = parts
         .into_par_iter()
         .enumerate()
         .map(|(rank, part)| {
             let row = walk.row(rank);
             let actions = schedule.ranks[rank].iter().enumerate().filter_map(|(i, c)| c.map(|a| (i, a)));
-            let (mut busy, mut first, mut last, mut written) = (0.0f64, f64::INFINITY, 0.0f64, 0);
-            let mut free = 0.0f64;
+            let (mut total, mut written, mut free) = (RankTotal::NONE, 0, 0.0f64);
             for (slot, (step, action)) in part.iter_mut().zip(actions) {
-                let g = row.start + step;
-                let (s, e) = (start_of(free, walk.producers_of(rank, step), &row, end, comm), end[g]);
+                let (s, e) =
+                    (start_of(free, walk.producers_of(rank, step), &row, end, comm), end[row.start + step]);
                 free = e;
                 slot.write(Interval { rank, start: s, end: e, action });
-                busy += e - s;
-                first = first.min(s);
-                last = last.max(e);
+                total.add(s, e);
                 written += 1;
             }
             assert_eq!(written, part.len(), "rank {rank}: one interval per action");
-            (busy, first, last)
+            total
         })
         .collect();
     let mut buf = std::mem::ManuallyDrop::new(buf);
@@ -252,49 +249,43 @@ fn intervals_of(
     // part (the assert); `MaybeUninit<Interval>` has `Interval`'s size and alignment.
     let intervals =
         unsafe { Vec::from_raw_parts(buf.as_mut_ptr().cast::<Interval>(), buf.len(), buf.capacity()) };
-    let totals = Totals {
-        makespan: sums.iter().map(|s| s.2).fold(0.0, f64::max),
-        busy: sums.iter().map(|s| s.0).collect(),
-        first: sums.iter().map(|s| s.1).collect(),
-        last: sums.iter().map(|s| s.2).collect(),
-    };
     (intervals, totals)
 }
 
-/// Per-rank sums of a timeline's intervals, gathered in interval order.
-struct Totals {
-    /// End of the last interval (0 for none).
-    makespan: f64,
-    /// Per-rank Σ (end − start).
-    busy: Vec<f64>,
-    /// Per-rank earliest start (∞ for none).
-    first: Vec<f64>,
-    /// Per-rank latest end (0 for none).
-    last: Vec<f64>,
+/// One rank's sums over its intervals.
+#[derive(Clone, Copy)]
+struct RankTotal {
+    /// Σ (end − start).
+    busy: f64,
+    /// Earliest start (∞ for none).
+    first: f64,
+    /// Latest end (0 for none).
+    last: f64,
 }
 
-impl Totals {
-    fn new(p: usize) -> Self {
-        Totals { makespan: 0.0, busy: vec![0.0; p], first: vec![f64::INFINITY; p], last: vec![0.0; p] }
-    }
+impl RankTotal {
+    /// No interval yet.
+    const NONE: RankTotal = RankTotal { busy: 0.0, first: f64::INFINITY, last: 0.0 };
 
-    /// Adds an interval of `rank` from `start` to `end`.
+    /// Adds an interval from `start` to `end`.
     #[inline]
-    fn add(&mut self, rank: RankId, start: f64, end: f64) {
-        self.makespan = self.makespan.max(end);
-        self.busy[rank] += end - start;
-        self.first[rank] = self.first[rank].min(start);
-        self.last[rank] = self.last[rank].max(end);
+    fn add(&mut self, start: f64, end: f64) {
+        self.busy += end - start;
+        self.first = self.first.min(start);
+        self.last = self.last.max(end);
     }
+}
 
-    /// The totals of `timeline`.
-    fn of(timeline: &Timeline) -> Self {
-        let mut t = Totals::new(timeline.ranks);
-        for i in &timeline.intervals {
-            t.add(i.rank, i.start, i.end);
-        }
-        t
+/// Every rank's sums over its intervals, index = rank.
+type Totals = Vec<RankTotal>;
+
+/// The totals of `timeline`.
+fn totals_of(timeline: &Timeline) -> Totals {
+    let mut t = vec![RankTotal::NONE; timeline.ranks];
+    for i in &timeline.intervals {
+        t[i.rank].add(i.start, i.end);
     }
+    t
 }
 
 /// Why the ranks of `schedule` cannot all run to their end: the missing producer, or the cycle.
@@ -310,7 +301,7 @@ fn failure(schedule: &Schedule) -> SimulateError {
 
 /// Figures of a timeline (simulated or measured) and the memory of `schedule`'s programs.
 pub fn report(timeline: Timeline, schedule: &Schedule, memory: &Memory) -> SimReport {
-    let totals = Totals::of(&timeline);
+    let totals = totals_of(&timeline);
     report_with(timeline, schedule, memory, &schedule.routes(), totals)
 }
 
@@ -323,10 +314,12 @@ fn report_with(
     totals: Totals,
 ) -> SimReport {
     let p = timeline.ranks;
-    let Totals { makespan, busy, first, last } = totals;
+    let makespan = totals.iter().map(|t| t.last).fold(0.0, f64::max);
+    let busy: Vec<f64> = totals.iter().map(|t| t.busy).collect();
     let idle: Vec<f64> = busy.iter().map(|b| makespan - b).collect();
-    let steady_idle: Vec<f64> = (0..p)
-        .map(|r| if busy[r] > 0.0 || first[r].is_finite() { last[r] - first[r] - busy[r] } else { 0.0 })
+    let steady_idle: Vec<f64> = totals
+        .iter()
+        .map(|t| if t.busy > 0.0 || t.first.is_finite() { t.last - t.first - t.busy } else { 0.0 })
         .collect();
     let total_busy: f64 = busy.iter().sum();
     let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { 0.0 };

@@ -986,7 +986,7 @@ fn check_compute(
     placement: &StageRanks,
 ) -> Result<ComputeIndex, ValidationError> {
     let (compute, early) = index_compute(s, stages, routes.len())?;
-    check_tasks(s, &compute, routes, placement)?;
+    check_tasks(s, &compute, stages, routes, placement)?;
     check_order(s, &compute, early)?;
     Ok(compute)
 }
@@ -1017,13 +1017,13 @@ fn check_task(
 fn check_tasks(
     s: &Schedule,
     ix: &ComputeIndex,
+    stages: usize,
     routes: &[Option<Range<StageId>>],
     placement: &StageRanks,
 ) -> Result<(), ValidationError> {
     // Stage by stage, in parallel (rayon's current pool), in the table's own order; only if a task
     // fails are they checked again in the documented order (microbatch, then stage) to find the
     // first.
-    let stages = routes.iter().flatten().map(|r| r.end).max().unwrap_or(0);
     let all_ok = (0..stages).into_par_iter().all(|stage| {
         let rank = placement.of_stage(stage);
         routes.iter().enumerate().all(|(mb, r)| {
