@@ -946,13 +946,9 @@ fn index_compute(
     let mut early = None;
     for (rank, row) in s.ranks.iter().enumerate() {
         for (step, cell) in row.iter().enumerate() {
-            let halves = match *cell {
-                Some(Action::Compute { kind, task }) => [Some((kind, task)), None],
-                Some(Action::Overlap { f, b }) => [Some((ComputeKind::F, f)), Some((ComputeKind::B, b))],
-                _ => continue,
-            };
-            let at = || Loc { rank, step, action: cell.expect("a compute cell") };
-            for (kind, task) in halves.into_iter().flatten() {
+            let Some(action) = *cell else { continue };
+            let at = || Loc { rank, step, action };
+            for (kind, task) in action.computes() {
                 if let Some(first) = ix.first(kind as usize, task, Pos::new(rank, step)) {
                     return Err(ValidationError::DuplicateCompute {
                         kind,
