@@ -68,11 +68,6 @@ pub fn rms_norm(b: &mut GraphBuilder, x: ValueId, w: ValueId, eps: f64) -> Resul
     b.mul(xn, w)
 }
 
-/// Softmax over `axis`, max-subtracted for stability: one [`crate::Op::Softmax`] node.
-pub fn softmax(b: &mut GraphBuilder, x: ValueId, axis: usize) -> Result<ValueId> {
-    b.softmax(x, axis)
-}
-
 /// SiLU `x · sigmoid(x)`.
 pub fn silu(b: &mut GraphBuilder, x: ValueId) -> Result<ValueId> {
     let s = b.sigmoid(x)?;

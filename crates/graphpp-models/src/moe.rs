@@ -373,7 +373,7 @@ impl MoeConfig {
         let logits = linear(b, xw, gw)?;
         let scores = match self.scoring_func {
             ScoringFunc::Sigmoid => b.sigmoid(logits)?,
-            ScoringFunc::Softmax => graphpp_graph::layers::softmax(b, logits, 1)?,
+            ScoringFunc::Softmax => b.softmax(logits, 1)?,
         };
         let bias = b.cast(bias, dtype.wide())?;
         let choice = b.add2(scores, bias)?;
