@@ -746,7 +746,7 @@ fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// The compiled executor's matmul: a batched (rank 3–4) f32 product runs as [`batched_gemm`]
+/// The compiled executor's matmul: an f32 product of rank 2–4 runs as [`batched_gemm`]
 /// on the operands [`batched_operands`] picks — each read in place where that gives the bits of
 /// its copy; every other product is the interpreter's [`matmul`]. The same bits as [`matmul`]
 /// (`matmul_tests`, `tests/compiled.rs`).
@@ -762,7 +762,7 @@ fn compiled_matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// The operands [`batched_gemm`] reads for `a · b`, each as it is or its contiguous copy, or
-/// `None` for a product it does not take — not f32 of rank 3–4, an empty dim, batch or inner
+/// `None` for a product it does not take — not f32 of rank 2–4, an empty dim, batch or inner
 /// dims that do not match, or a stride-0 batch dim (an operand broadcast over the batch: left to
 /// candle, which folds a batch-invariant rhs into one product). A rhs whose rows are not
 /// contiguous is copied, as [`matmul`] copies it (kᵀ: gemm's sums change with a transposed
@@ -772,13 +772,14 @@ fn compiled_matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 /// candle can step through (softmax's transposed Pᵀ: beside a rhs with contiguous rows, the
 /// only kind passed here, gemm's sums do not depend on the lhs's orientation) and any operand
 /// whose rows are contiguous (a permuted q, k or v: its copy differs only in the row stride,
-/// which gemm's sums do not depend on).
+/// which gemm's sums do not depend on). A rank-2 lhs is kept as it is, on any strides, as
+/// candle's matmul takes it (a weight gradient's transposed activations).
 fn batched_operands(a: &Tensor, b: &Tensor) -> candle_core::Result<Option<(Tensor, Tensor)>> {
     let (da, db) = (a.dims(), b.dims());
     let r = da.len();
     let f32s = a.dtype() == CDType::F32 && b.dtype() == CDType::F32;
     let batch_ok = |t: &Tensor| t.stride()[..r - 2].iter().all(|&s| s > 0);
-    if !(3..=4).contains(&r)
+    if !(2..=4).contains(&r)
         || db.len() != r
         || !f32s
         || da.iter().chain(db).any(|&d| d == 0)
@@ -790,7 +791,7 @@ fn batched_operands(a: &Tensor, b: &Tensor) -> candle_core::Result<Option<(Tenso
         return Ok(None);
     }
     let rows_contiguous = |t: &Tensor| t.stride()[r - 1] == 1;
-    let a = if batch_skip(a).is_some() || rows_contiguous(a) { a.clone() } else { a.contiguous()? };
+    let a = if r == 2 || batch_skip(a).is_some() || rows_contiguous(a) { a.clone() } else { a.contiguous()? };
     let b = if rows_contiguous(b) { b.clone() } else { b.contiguous()? };
     Ok(Some((a, b)))
 }
@@ -809,7 +810,7 @@ fn batch_skip(t: &Tensor) -> Option<usize> {
     }
 }
 
-/// A batched f32 product `[.., m, k] · [.., k, n]` (rank 3–4, the operands' batch dims equal:
+/// A batched f32 product `[.., m, k] · [.., k, n]` (rank 2–4, the operands' batch dims equal:
 /// those [`batched_operands`] passes) on the operands' own strides: per batch element the gemm call candle's matmul makes (same
 /// sizes, strides within the element, and parallelism, so the same bits), each element's
 /// operands found from its batch index through each batch dim's stride (candle needs the batch
@@ -819,7 +820,7 @@ fn batched_gemm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     let (da, db) = (a.dims(), b.dims());
     let r = da.len();
     let (m, k, n) = (da[r - 2], da[r - 1], db[r - 1]);
-    debug_assert!((3..=4).contains(&r) && db.len() == r && db[..r - 2] == da[..r - 2] && db[r - 2] == k);
+    debug_assert!((2..=4).contains(&r) && db.len() == r && db[..r - 2] == da[..r - 2] && db[r - 2] == k);
     let batch_dims = &da[..r - 2];
     let batch: usize = batch_dims.iter().product();
     let (sa, la) = a.storage_and_layout();
@@ -850,7 +851,7 @@ fn batched_gemm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     }
     let threads = candle_core::utils::get_num_threads();
     let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-    let element = |i: usize, dst: &mut [f32]| {
+    let element = |i: usize, dst: &mut [std::mem::MaybeUninit<f32>]| {
         // SAFETY: batch element i's operands lie in `lhs` and `rhs` (the reach checked above:
         // offsets grow with every index), and `dst` holds its contiguous m × n result.
         unsafe {
@@ -858,7 +859,7 @@ fn batched_gemm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
                 m,
                 n,
                 k,
-                dst.as_mut_ptr(),
+                dst.as_mut_ptr().cast::<f32>(),
                 1,
                 n as isize,
                 false,
@@ -877,12 +878,17 @@ fn batched_gemm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
             )
         }
     };
-    let mut out = vec![0f32; batch * m * n];
-    if rayon::current_num_threads() > 1 {
-        out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst));
+    // Not zeroed (candle zeroes its output first: ~5% of `small`'s fwbw in `perf`): gemm with
+    // `read_dst` false writes every element of each m × n block before it reads any.
+    let mut out: Vec<f32> = Vec::with_capacity(batch * m * n);
+    let spare = &mut out.spare_capacity_mut()[..batch * m * n];
+    if batch > 1 && rayon::current_num_threads() > 1 {
+        spare.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst));
     } else {
-        out.chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst));
+        spare.chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst));
     }
+    // SAFETY: each batch element's gemm wrote its m × n block (above), and the blocks tile `out`.
+    unsafe { out.set_len(batch * m * n) };
     drop((sa, sb));
     Tensor::from_vec(out, batch_dims.iter().copied().chain([m, n]).collect::<Vec<_>>(), &Device::Cpu)
 }

@@ -1,4 +1,5 @@
-//! `e^x` over f32 slices with the bits of the C library's `expf`, four lanes at a time.
+//! `e^x` over f32 slices with the bits of the C library's `expf`, eight lanes at a time (four
+//! without AVX-512).
 //!
 //! The compiled executor must compute what the interpreter computes, and the interpreter's `exp`
 //! is candle's, which calls the platform's `expf` one element at a time (glibc's `__expf_fma` on
@@ -12,8 +13,8 @@
 //! of the table ([`TABLE`]) is the bits of the double nearest `2^(i/32)` minus `i · 2^47`, so that
 //! adding `k · 2^47` puts `k/32`'s whole part into the exponent.
 //!
-//! The vector path runs only where it is known to match: Linux with glibc on x86-64 with AVX2 and
-//! FMA (where glibc picks `__expf_fma`), and only after a self-check against `f32::exp`;
+//! The vector path runs only where it is known to match: Linux with glibc on x86-64 with AVX-512
+//! or AVX2, and FMA (where glibc picks `__expf_fma`), and only after a self-check against `f32::exp`;
 //! elsewhere the scalar [`exp`] runs. Within the vector path, lanes below −104 and above 89 get
 //! [`exp`]'s +0 and +∞ by a blend (a causal mask's −10⁹ scores fill half of every attention row);
 //! the few others outside [−103, 88.5] (the gaps next to those, NaN) are redone by [`exp`].
@@ -45,11 +46,24 @@ const HIGH: f32 = 88.5;
 pub fn exp_slice(x: &[f32], d: &mut [f32], negate: bool) {
     assert_eq!(x.len(), d.len(), "exp_slice: operand and output lengths differ");
     #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
-    if vector_ok() {
-        // SAFETY: `vector_ok` saw AVX2 and FMA on this CPU; the lengths are equal (asserted).
-        return unsafe { x86::exp_avx2_fma(x, d, negate) };
+    match vector_path() {
+        // SAFETY: `vector_path` saw AVX-512 (F, VL, DQ) and FMA on this CPU; the lengths are
+        // equal (asserted).
+        Some(Path::Avx512) => return unsafe { x86::exp_avx512(x, d, negate) },
+        // SAFETY: `vector_path` saw AVX2 and FMA on this CPU; the lengths are equal (asserted).
+        Some(Path::Avx2) => return unsafe { x86::exp_avx2_fma(x, d, negate) },
+        None => {}
     }
     scalar(x, d, negate)
+}
+
+/// Which vector kernel [`exp_slice`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    /// Eight lanes at a time, the table read with two in-register permutes (AVX-512 F, VL, DQ).
+    Avx512,
+    /// Four lanes at a time, the table read with a gather (AVX2).
+    Avx2,
 }
 
 fn scalar(x: &[f32], d: &mut [f32], negate: bool) {
@@ -58,20 +72,38 @@ fn scalar(x: &[f32], d: &mut [f32], negate: bool) {
     }
 }
 
-/// True when the vector path runs: glibc on x86-64, the CPU has AVX2 and FMA, and the path
-/// reproduced `f32::exp` on a sample spread over its range (once per process).
+/// True when a vector path runs ([`vector_path`]).
 pub fn vector_ok() -> bool {
-    static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| {
+    vector_path().is_some()
+}
+
+/// The vector kernel [`exp_slice`] runs, if any: glibc on x86-64, the CPU has the kernel's
+/// instructions, and the kernel reproduced `f32::exp` on a sample spread over its range (checked
+/// once per process; the AVX-512 kernel is preferred, the AVX2 one is the fallback).
+pub fn vector_path() -> Option<Path> {
+    static PATH: OnceLock<Option<Path>> = OnceLock::new();
+    *PATH.get_or_init(|| {
         #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        {
             let xs = self_check_inputs();
+            let matches = |got: &[f32]| xs.iter().zip(got).all(|(x, g)| x.exp().to_bits() == g.to_bits());
             let mut got = vec![0f32; xs.len()];
-            // SAFETY: AVX2 and FMA were detected just above.
-            unsafe { x86::exp_avx2_fma(&xs, &mut got, false) };
-            return xs.iter().zip(&got).all(|(x, g)| x.exp().to_bits() == g.to_bits());
+            if x86::has_avx512() {
+                // SAFETY: the CPU has AVX-512 F, VL, DQ and FMA (checked just above).
+                unsafe { x86::exp_avx512(&xs, &mut got, false) };
+                if matches(&got) {
+                    return Some(Path::Avx512);
+                }
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                // SAFETY: AVX2 and FMA were detected just above.
+                unsafe { x86::exp_avx2_fma(&xs, &mut got, false) };
+                if matches(&got) {
+                    return Some(Path::Avx2);
+                }
+            }
         }
-        false
+        None
     })
 }
 
@@ -139,6 +171,78 @@ mod x86 {
     use super::{exp, COEFFICIENTS, HIGH, INV_LN2_N, LOW, SHIFT, TABLE};
     use std::arch::x86_64::*;
 
+    /// Whether the CPU has what [`exp_avx512`] needs.
+    pub fn has_avx512() -> bool {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("fma")
+    }
+
+    /// [`exp_avx2_fma`]'s arithmetic eight lanes at a time in 512-bit registers. The 32-entry
+    /// table lives in four registers and is read with two two-register permutes and a blend on
+    /// the index's bit 4, in place of a gather (gathers are slow on CPUs with the Downfall
+    /// microcode fix). Same operations per lane in the same order, so the same bits.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, VL, DQ and FMA ([`has_avx512`]); `x` and `d` have equal
+    /// lengths.
+    #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx2,fma")]
+    pub unsafe fn exp_avx512(x: &[f32], d: &mut [f32], negate: bool) {
+        let table =
+            |i: usize| _mm512_castsi512_pd(unsafe { _mm512_loadu_si512(TABLE.as_ptr().add(i) as *const _) });
+        let (t0, t1, t2, t3) = (table(0), table(8), table(16), table(24));
+        let inv = _mm512_set1_pd(INV_LN2_N);
+        let shift = _mm512_set1_pd(SHIFT);
+        let [c0, c1, c2] = COEFFICIENTS.map(|c| _mm512_set1_pd(c));
+        let one = _mm512_set1_pd(1.0);
+        let bit4 = _mm512_set1_epi64(16);
+        let (lo, hi) = (_mm256_set1_ps(LOW), _mm256_set1_ps(HIGH));
+        let (zero_below, inf_above, inf) =
+            (_mm256_set1_ps(-104.0), _mm256_set1_ps(89.0), _mm256_set1_ps(f32::INFINITY));
+        let sign = _mm256_set1_ps(if negate { -0.0 } else { 0.0 });
+        let n = x.len() / 8 * 8;
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 ≤ n ≤ x.len() = d.len().
+            let xs = _mm256_xor_ps(unsafe { _mm256_loadu_ps(x.as_ptr().add(i)) }, sign);
+            let under = _mm256_cmp_ps_mask::<_CMP_LT_OQ>(xs, zero_below);
+            if under == 0xff {
+                // Eight lanes below −104 (a causal mask's run): +0 each. SAFETY: as the load.
+                unsafe { _mm256_storeu_ps(d.as_mut_ptr().add(i), _mm256_setzero_ps()) };
+                continue;
+            }
+            let xd = _mm512_cvtps_pd(xs);
+            let kd = _mm512_fmadd_pd(inv, xd, shift);
+            let ki = _mm512_castpd_si512(kd);
+            let r = _mm512_fmsub_pd(inv, xd, _mm512_sub_pd(kd, shift));
+            // Entries 0–15 and 16–31 by the index's low four bits, then bit 4 picks between them.
+            let t = _mm512_mask_blend_pd(
+                _mm512_test_epi64_mask(ki, bit4),
+                _mm512_permutex2var_pd(t0, ki, t1),
+                _mm512_permutex2var_pd(t2, ki, t3),
+            );
+            let s =
+                _mm512_castsi512_pd(_mm512_add_epi64(_mm512_castpd_si512(t), _mm512_slli_epi64::<47>(ki)));
+            let z = _mm512_fmadd_pd(c0, r, c1);
+            let y = _mm512_fmadd_pd(c2, r, one);
+            let y = _mm512_fmadd_pd(z, _mm512_mul_pd(r, r), y);
+            let over = _mm256_cmp_ps_mask::<_CMP_GT_OQ>(xs, inf_above);
+            let out = _mm256_maskz_mov_ps(!under, _mm512_cvtpd_ps(_mm512_mul_pd(y, s)));
+            let out = _mm256_mask_blend_ps(over, out, inf);
+            // SAFETY: as the load.
+            unsafe { _mm256_storeu_ps(d.as_mut_ptr().add(i), out) };
+            let inside = _mm256_cmp_ps_mask::<_CMP_GE_OQ>(xs, lo) & _mm256_cmp_ps_mask::<_CMP_LE_OQ>(xs, hi);
+            if inside | under | over != 0xff {
+                for j in i..i + 8 {
+                    d[j] = exp(if negate { -x[j] } else { x[j] });
+                }
+            }
+        }
+        for j in n..x.len() {
+            d[j] = exp(if negate { -x[j] } else { x[j] });
+        }
+    }
+
     /// [`super::exp_slice`] four lanes at a time: each as `__expf_fma` computes it (the multiply
     /// by 32/ln 2 fused into both the rounding and the remainder, the cubic in three fused
     /// multiply-adds), then lanes outside `[LOW, HIGH]` redone by the scalar [`exp`].
@@ -204,8 +308,8 @@ mod tests {
     use super::*;
 
     /// Every 1021st f32 bit pattern (4.2 million values, both signs, all magnitudes), the
-    /// self-check's near-ties and the special values, through the slice path and the scalar one:
-    /// libm's bits, NaN for NaN.
+    /// self-check's near-ties and the special values, through every kernel ([`kernels`]): libm's
+    /// bits, NaN for NaN.
     #[test]
     fn slices_give_libm_bits() {
         let mut xs: Vec<f32> = (0..u32::MAX / 1021).map(|i| f32::from_bits(i * 1021)).collect();
@@ -230,20 +334,40 @@ mod tests {
             1.0,
         ]);
         for negate in [false, true] {
-            let mut d = vec![0f32; xs.len()];
-            exp_slice(&xs, &mut d, negate);
-            let mut s = vec![0f32; xs.len()];
-            scalar(&xs, &mut s, negate);
-            for (i, &x) in xs.iter().enumerate() {
-                let x = if negate { -x } else { x };
-                let want = x.exp();
-                if want.is_nan() {
-                    assert!(d[i].is_nan() && s[i].is_nan(), "e^{x}");
-                } else {
-                    assert_eq!((d[i].to_bits(), s[i].to_bits()), (want.to_bits(), want.to_bits()), "e^{x}");
+            for (kernel, f) in kernels() {
+                let mut d = vec![0f32; xs.len()];
+                f(&xs, &mut d, negate);
+                for (i, &x) in xs.iter().enumerate() {
+                    let x = if negate { -x } else { x };
+                    let want = x.exp();
+                    if want.is_nan() {
+                        assert!(d[i].is_nan(), "{kernel}: e^{x}");
+                    } else {
+                        assert_eq!(d[i].to_bits(), want.to_bits(), "{kernel}: e^{x}");
+                    }
                 }
             }
         }
+    }
+
+    /// Every kernel this CPU can run, by name: `exp_slice` (the chosen one), the scalar loop,
+    /// and each vector kernel the CPU has, called directly (so the AVX2 fallback stays tested
+    /// on a CPU that picks AVX-512).
+    fn kernels() -> Vec<(&'static str, fn(&[f32], &mut [f32], bool))> {
+        let mut k: Vec<(&'static str, fn(&[f32], &mut [f32], bool))> =
+            vec![("exp_slice", exp_slice), ("scalar", scalar)];
+        #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
+        {
+            if x86::has_avx512() {
+                // SAFETY: the CPU has the kernel's instructions (checked just above).
+                k.push(("avx512", |x, d, n| unsafe { x86::exp_avx512(x, d, n) }));
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU has the kernel's instructions (checked just above).
+                k.push(("avx2", |x, d, n| unsafe { x86::exp_avx2_fma(x, d, n) }));
+            }
+        }
+        k
     }
 
     #[test]
@@ -302,20 +426,26 @@ mod tests {
     #[test]
     fn the_vector_path_runs_where_the_cpu_has_it() {
         #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            assert!(vector_ok(), "AVX2 + FMA present but the self-check failed against this libm");
+        {
+            if x86::has_avx512() {
+                assert_eq!(vector_path(), Some(Path::Avx512), "AVX-512 present but not chosen");
+            } else if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                assert_eq!(vector_path(), Some(Path::Avx2), "AVX2 + FMA present but not chosen");
+            }
         }
     }
 
     /// Lengths that are not a multiple of the lane count, and the empty slice.
     #[test]
     fn ragged_tails() {
-        for len in 0..11 {
+        for len in 0..19 {
             let xs: Vec<f32> = (0..len).map(|i| i as f32 * 0.7 - 3.0).collect();
-            let mut d = vec![f32::NAN; len];
-            exp_slice(&xs, &mut d, false);
-            for (x, v) in xs.iter().zip(&d) {
-                assert_eq!(v.to_bits(), x.exp().to_bits(), "len {len}, e^{x}");
+            for (kernel, f) in kernels() {
+                let mut d = vec![f32::NAN; len];
+                f(&xs, &mut d, false);
+                for (x, v) in xs.iter().zip(&d) {
+                    assert_eq!(v.to_bits(), x.exp().to_bits(), "{kernel}, len {len}, e^{x}");
+                }
             }
         }
     }
