@@ -409,6 +409,8 @@ pub struct Program {
     frees: Vec<Vec<usize>>,
     /// Row-major copies of transposed parameters, kept across runs ([`crate::transposed`]).
     transposed: crate::transposed::Cache,
+    /// The execution order and the matmuls that run side by side ([`crate::pairs`]).
+    pairs: crate::pairs::Pairs,
 }
 
 impl Program {
@@ -416,29 +418,35 @@ impl Program {
     pub fn compile(graph: &Graph) -> Program {
         let fusion = crate::fusion::plan(graph);
         let n = graph.nodes.len();
+        // A fused group's inner member is never computed on its own.
+        let runs: Vec<bool> =
+            (0..n).map(|i| fusion.member_of[i].is_none_or(|g| fusion.groups[g].anchor == i)).collect();
+        let pairs = crate::pairs::plan(graph, &runs, |order| peak_in_order(graph, order));
+        // Each value is freed after its last reader in the execution order.
         let mut last_read: Vec<Option<usize>> = vec![None; n];
-        let mut runs = vec![true; n];
-        for (i, node) in graph.nodes.iter().enumerate() {
-            let reads = match fusion.member_of[i].map(|g| &fusion.groups[g]) {
-                Some(g) if g.anchor != i => {
-                    runs[i] = false;
-                    continue;
-                }
-                Some(g) => &g.inputs,
-                None => &node.inputs,
+        for &i in pairs.order.iter().filter(|&&i| runs[i]) {
+            let reads = match fusion.member_of[i] {
+                Some(g) => &fusion.groups[g].inputs,
+                None => &graph.nodes[i].inputs,
             };
             for x in reads {
                 last_read[x.0] = Some(i);
             }
         }
+        let mut freed = runs;
         for o in &graph.outputs {
-            runs[o.value.0] = false; // kept to the end: never freed
+            freed[o.value.0] = false; // kept to the end: never freed
         }
         let mut frees = vec![Vec::new(); n];
-        for v in (0..n).filter(|&v| runs[v]) {
+        for v in (0..n).filter(|&v| freed[v]) {
             frees[last_read[v].unwrap_or(v)].push(v);
         }
-        Program { nodes: n, fusion, frees, transposed: crate::transposed::Cache::plan(graph) }
+        Program { nodes: n, fusion, frees, transposed: crate::transposed::Cache::plan(graph), pairs }
+    }
+
+    /// The execution order and its side-by-side matmuls ([`crate::pairs`]).
+    pub fn pairs(&self) -> &crate::pairs::Pairs {
+        &self.pairs
     }
 
     /// The fusion groups.
@@ -504,7 +512,18 @@ fn exec(
     let mut next_input = 0;
     let mut at_peak = Vec::new();
     let mut spans = Vec::new();
-    for (i, node) in graph.nodes.iter().enumerate() {
+    let graph_order: Vec<usize>;
+    let order = match program {
+        Some(p) => &p.pairs.order,
+        None => {
+            graph_order = (0..n).collect();
+            &graph_order
+        }
+    };
+    // The value of a pair's second matmul, computed beside the first (it comes next in `order`).
+    let mut early: Option<(usize, Tensor)> = None;
+    for &i in order {
+        let node = &graph.nodes[i];
         let t0 = Instant::now();
         let value = if let Op::Input { name, ty, .. } = &node.op {
             let t = inputs[next_input].clone();
@@ -545,6 +564,9 @@ fn exec(
                 })
                 .collect();
             match (&node.op, group) {
+                _ if early.as_ref().is_some_and(|(j, _)| *j == i) => {
+                    Value::Ready(early.take().expect("matched above").1)
+                }
                 (_, Some(g)) => Value::Ready(g.eval(&args).map_err(|e| kernel_error(graph, i, e))?),
                 (Op::CollectiveStart { kind, group, axis }, None) => {
                     start(comm, *kind, group, *axis, &args, i).map_err(|e| collective_error(graph, i, e))?
@@ -554,13 +576,24 @@ fn exec(
                     Value::Ready(p.transposed.get(i, args[0], perm).map_err(|e| kernel_error(graph, i, e))?)
                 }
                 (Op::Matmul, None) if program.is_some() => {
-                    Value::Ready(compiled_matmul(args[0], args[1]).map_err(|e| kernel_error(graph, i, e))?)
+                    let p = program.expect("matched above");
+                    match p.pairs.partner[i] {
+                        Some(j) => {
+                            let (vi, vj) = matmul_pair(graph, [i, j], [&args, &operands(&vals, j, graph)])?;
+                            early = Some((j, vj));
+                            Value::Ready(vi)
+                        }
+                        None => Value::Ready(
+                            compiled_matmul(args[0], args[1], false)
+                                .map_err(|e| kernel_error(graph, i, e))?,
+                        ),
+                    }
                 }
                 (op, None) => Value::Ready(eval(graph, i, op, &args)?),
             }
         };
         if live.produce(i) && opts.trace_peak {
-            at_peak = (0..=i).filter(|&j| vals[j].is_some() || j == i).map(ValueId).collect();
+            at_peak = (0..n).filter(|&j| vals[j].is_some() || j == i).map(ValueId).collect();
         }
         vals[i] = Some(value);
         match program {
@@ -607,14 +640,46 @@ fn finish(
 
 /// The peak live bytes a run of `graph` reports ([`RunReport::peak_live_bytes`]), from the
 /// value types alone: the same accounting (module doc), without running anything. Exact for
-/// every graph whose value shapes are static (all of graphpp's).
+/// every graph whose value shapes are static (all of graphpp's); a compiled [`Program`] runs
+/// the nodes in another order only where that order peaks no higher ([`crate::pairs`]).
 pub fn peak_live_bytes(graph: &Graph) -> usize {
+    peak_in_order(graph, &(0..graph.nodes.len()).collect::<Vec<_>>())
+}
+
+/// [`peak_live_bytes`] over the nodes run in `order` (every node once, a topological order).
+fn peak_in_order(graph: &Graph, order: &[usize]) -> usize {
     let mut live = Liveness::new(graph);
-    for (i, node) in graph.nodes.iter().enumerate() {
+    for &i in order {
         live.produce(i);
-        live.release(i, &node.inputs, |_| {});
+        live.release(i, &graph.nodes[i].inputs, |_| {});
     }
     live.peak
+}
+
+/// Node `j`'s operands, all computed and complete ([`crate::pairs`] pairs only such a node).
+fn operands<'a>(vals: &'a [Option<Value>], j: usize, graph: &Graph) -> Vec<&'a Tensor> {
+    graph.nodes[j]
+        .inputs
+        .iter()
+        .map(|x| match &vals[x.0] {
+            Some(Value::Ready(t)) => t,
+            _ => unreachable!("a pair's operands are computed before it"),
+        })
+        .collect()
+}
+
+/// The products of matmuls `nodes` from their `args`, side by side on one thread each where the
+/// pool has two or more ([`crate::pairs`]), else one after the other.
+fn matmul_pair(graph: &Graph, nodes: [usize; 2], args: [&[&Tensor]; 2]) -> ExecResult<(Tensor, Tensor)> {
+    let product = |k: usize, one_thread: bool| {
+        compiled_matmul(args[k][0], args[k][1], one_thread).map_err(|e| kernel_error(graph, nodes[k], e))
+    };
+    let (a, b) = if rayon::current_num_threads() > 1 {
+        rayon::join(|| product(0, true), || product(1, true))
+    } else {
+        (product(0, false), product(1, false))
+    };
+    Ok((a?, b?))
 }
 
 /// The executor's live-byte accounting (module doc): each value counted from when its node runs
@@ -750,13 +815,13 @@ fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
 /// on the operands [`batched_operands`] picks — each read in place where that gives the bits of
 /// its copy; every other product is the interpreter's [`matmul`]. The same bits as [`matmul`]
 /// (`matmul_tests`, `tests/compiled.rs`).
-fn compiled_matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+fn compiled_matmul(a: &Tensor, b: &Tensor, one_thread: bool) -> candle_core::Result<Tensor> {
     // A dim of 1 sends gemm down a path whose sums depend on the strides (a 2 × 3 · 3 × 1
     // product of a transposed lhs differed from its copy's): those are left to `matmul`.
     let (da, db) = (a.dims(), b.dims());
     let unit = da.len() < 2 || db.len() < 2 || da[da.len() - 2..].contains(&1) || db[db.len() - 1] == 1;
     match if unit { None } else { batched_operands(a, b)? } {
-        Some((a, b)) => batched_gemm(&a, &b),
+        Some((a, b)) => batched_gemm(&a, &b, one_thread),
         None => matmul(a, b),
     }
 }
@@ -816,7 +881,7 @@ fn batch_skip(t: &Tensor) -> Option<usize> {
 /// operands found from its batch index through each batch dim's stride (candle needs the batch
 /// dims to collapse into one). On a pool of two or more threads the elements are split over
 /// it: attention's products (64 × 64 × 32 on `small`) are each too small for gemm to split.
-fn batched_gemm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+fn batched_gemm(a: &Tensor, b: &Tensor, one_thread: bool) -> candle_core::Result<Tensor> {
     let (da, db) = (a.dims(), b.dims());
     let r = da.len();
     let (m, k, n) = (da[r - 2], da[r - 1], db[r - 1]);
@@ -849,7 +914,7 @@ fn batched_gemm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     if reach(ls, m, k) > lhs.len() || reach(rs, k, n) > rhs.len() {
         candle_core::bail!("batched_gemm: operands {da:?} · {db:?} reach outside their storage")
     }
-    let threads = candle_core::utils::get_num_threads();
+    let threads = if one_thread { 1 } else { candle_core::utils::get_num_threads() };
     let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     let element = |i: usize, dst: &mut [std::mem::MaybeUninit<f32>]| {
         // SAFETY: batch element i's operands lie in `lhs` and `rhs` (the reach checked above:
@@ -882,7 +947,7 @@ fn batched_gemm(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     // `read_dst` false writes every element of each m × n block before it reads any.
     let mut out: Vec<f32> = Vec::with_capacity(batch * m * n);
     let spare = &mut out.spare_capacity_mut()[..batch * m * n];
-    if batch > 1 && rayon::current_num_threads() > 1 {
+    if batch > 1 && !one_thread && rayon::current_num_threads() > 1 {
         spare.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst));
     } else {
         spare.chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst));
@@ -1182,22 +1247,43 @@ mod matmul_tests {
     }
 
     /// `small`'s shapes, past gemm's own threading threshold (48 · 48 · 256 multiply-adds) and
-    /// its larger kernel blocks: batched rank-3 and rank-4 products, contiguous and permuted, on
-    /// one thread and split over a pool, give the interpreter's bits.
+    /// its larger kernel blocks: batched rank-3 and rank-4 products, contiguous and permuted,
+    /// and rank-2 ones (a linear's forward and its two gradients, one with a transposed lhs),
+    /// on one thread and split over a pool, and with gemm held to one thread (a pair's
+    /// product, [`crate::pairs`]), give the interpreter's bits — the interpreter's gemm runs on
+    /// as many threads as candle's setting says (the machine's cores by default).
     #[test]
-    fn large_batched_products_give_the_interpreters_bits() {
+    fn large_products_give_the_interpreters_bits() {
         let cases = [
             (view([2, 1, 128, 256], [0, 1, 2, 3], 1), view([2, 1, 256, 688], [0, 1, 2, 3], 2)),
             (view([2, 128, 3, 256], [0, 2, 1, 3], 3), view([2, 256, 3, 200], [0, 2, 1, 3], 4)),
             (view([3, 2, 256, 130], [0, 1, 3, 2], 5), view([3, 2, 256, 96], [0, 1, 2, 3], 6)),
+            (view([1, 1, 128, 256], [0, 1, 2, 3], 7), view([1, 1, 256, 688], [0, 1, 2, 3], 8)),
+            (view([1, 1, 128, 256], [0, 1, 3, 2], 9), view([1, 1, 128, 688], [0, 1, 2, 3], 10)),
+            (view([1, 1, 128, 688], [0, 1, 2, 3], 11), view([1, 1, 688, 256], [0, 1, 2, 3], 12)),
         ];
         for (x, y) in cases {
-            for (x, y) in [(x.clone(), y.clone()), (x.squeeze(1).unwrap_or(x), y.squeeze(1).unwrap_or(y))] {
+            let squeeze = |t: &Tensor| {
+                if t.dims()[0] == 1 {
+                    t.squeeze(0).unwrap().squeeze(0).unwrap()
+                } else {
+                    t.squeeze(1).unwrap_or(t.clone())
+                }
+            };
+            for (x, y) in [(x.clone(), y.clone()), (squeeze(&x), squeeze(&y))] {
                 let want = bits(&matmul(&x, &y).unwrap());
                 for threads in [1, 2, 3] {
                     let pool = crate::threads::rank_pool(0, threads).unwrap();
-                    let got = pool.install(|| bits(&compiled_matmul(&x, &y).unwrap()));
-                    assert_eq!(got, want, "{:?} · {:?} on {threads} threads", x.dims(), y.dims());
+                    for one_thread in [false, true] {
+                        let got = pool.install(|| bits(&compiled_matmul(&x, &y, one_thread).unwrap()));
+                        assert_eq!(
+                            got,
+                            want,
+                            "{:?} · {:?} on {threads} threads, {one_thread}",
+                            x.dims(),
+                            y.dims()
+                        );
+                    }
                 }
             }
         }
@@ -1226,10 +1312,11 @@ mod matmul_tests {
                 _ => view([b, h, n, k], [0, 1, 3, 2], seed + 1),
             };
             let want = bits(&matmul(&x, &y).unwrap());
-            prop_assert_eq!(bits(&compiled_matmul(&x, &y).unwrap()), want.clone());
+            prop_assert_eq!(bits(&compiled_matmul(&x, &y, false).unwrap()), want.clone());
+            prop_assert_eq!(bits(&compiled_matmul(&x, &y, true).unwrap()), want.clone());
             // With batch elements split over a pool (batched_gemm).
             let pool = crate::threads::rank_pool(0, 3).unwrap();
-            prop_assert_eq!(pool.install(|| bits(&compiled_matmul(&x, &y).unwrap())), want);
+            prop_assert_eq!(pool.install(|| bits(&compiled_matmul(&x, &y, false).unwrap())), want);
         }
     }
 }

@@ -350,12 +350,14 @@ mod tests {
         }
     }
 
+    /// An `e^x` kernel: operand, output, negate.
+    type Kernel = fn(&[f32], &mut [f32], bool);
+
     /// Every kernel this CPU can run, by name: `exp_slice` (the chosen one), the scalar loop,
     /// and each vector kernel the CPU has, called directly (so the AVX2 fallback stays tested
     /// on a CPU that picks AVX-512).
-    fn kernels() -> Vec<(&'static str, fn(&[f32], &mut [f32], bool))> {
-        let mut k: Vec<(&'static str, fn(&[f32], &mut [f32], bool))> =
-            vec![("exp_slice", exp_slice), ("scalar", scalar)];
+    fn kernels() -> Vec<(&'static str, Kernel)> {
+        let mut k: Vec<(&'static str, Kernel)> = vec![("exp_slice", exp_slice), ("scalar", scalar)];
         #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
         {
             if x86::has_avx512() {

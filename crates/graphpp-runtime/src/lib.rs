@@ -14,6 +14,7 @@ pub mod malloc;
 pub mod memory;
 pub mod mesh;
 pub mod optim;
+pub mod pairs;
 pub mod pipeline;
 pub mod rank_train;
 pub mod sample;

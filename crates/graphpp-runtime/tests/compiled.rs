@@ -33,7 +33,9 @@ fn both_ways(g: &Graph, env: &mut Env, rng: &mut Rng) -> (Env, usize) {
     let program = Program::compile(g);
     let o = RunOptions::default();
     let a = run_named(g, env, &o).unwrap();
-    let b = program.run_named_with(g, env, &o, None).unwrap();
+    // On two threads a program's paired matmuls run side by side (graphpp_runtime::pairs).
+    let pool = graphpp_runtime::threads::rank_pool(0, 2).unwrap();
+    let b = pool.install(|| program.run_named_with(g, env, &o, None)).unwrap();
     for (name, (x, y)) in g.output_names().iter().zip(a.outputs.iter().zip(&b.outputs)) {
         assert_eq!(x.dims(), y.dims(), "{} output {name}", g.name);
         assert_eq!(x.dtype(), y.dtype(), "{} output {name}", g.name);
@@ -93,6 +95,23 @@ fn check_llama(cfg: &LlamaConfig, stages: usize, opts: &StageOptions) {
         // RMSNorm, RoPE, SwiGLU and their backward are elementwise chains: most of them fuse.
         let nodes = sg.fw.nodes.len() + sg.full_bw.nodes.len();
         assert!(fused * 5 > nodes, "{fused} of {nodes} nodes fused: fusion has stopped finding chains");
+        // Every linear layer's two gradient products (dX = dY · W, dWᵀ = Xᵀ · dY) run side by
+        // side, as do attention's four (dP with dV, dQ with dK) and the forward's gate and up
+        // projections and q with k.
+        let pairs = |g: &Graph| Program::compile(g).pairs().partner.iter().flatten().count();
+        let linears = fw
+            .input_specs()
+            .iter()
+            .filter(|s| s.kind == InputKind::Parameter && s.ty.shape.len() == 2 && !s.name.contains("embed"))
+            .count();
+        let layers = spec.layers.len();
+        assert_eq!(
+            pairs(&sg.full_bw),
+            linears + 2 * layers,
+            "{}: a pair per linear's gradients",
+            sg.full_bw.name
+        );
+        assert!(pairs(&sg.fw) >= 2 * layers, "{}: {} pairs for {layers} layers", sg.fw.name, pairs(&sg.fw));
     }
 }
 
