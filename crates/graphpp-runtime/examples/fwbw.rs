@@ -10,6 +10,10 @@
 
 mod common;
 
+/// The allocator the `graphpp` binary runs on (its `main.rs` says why).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use common::Env;
 use graphpp_graph::Graph;
 use graphpp_models::{LlamaConfig, StageOptions};

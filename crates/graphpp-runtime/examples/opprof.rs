@@ -10,6 +10,10 @@
 
 mod common;
 
+/// The allocator the `graphpp` binary runs on (its `main.rs` says why).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use graphpp_graph::{Graph, Op};
 use graphpp_models::{LlamaConfig, StageOptions};
 use graphpp_runtime::executor::RunOptions;
