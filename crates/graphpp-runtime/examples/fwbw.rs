@@ -10,9 +10,9 @@
 
 mod common;
 
-/// The allocator the `graphpp` binary runs on (its `main.rs` says why).
+/// The allocator the `graphpp` binary runs on (`graphpp_runtime::malloc` says why).
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: graphpp_runtime::malloc::MiMalloc = graphpp_runtime::malloc::MiMalloc;
 
 use common::Env;
 use graphpp_graph::Graph;

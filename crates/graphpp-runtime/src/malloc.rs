@@ -1,14 +1,31 @@
-//! The C allocator's settings for a training process (issue 11: a stage's step allocates and
-//! frees the same tensor sizes every microbatch).
+//! The allocators of a training process (issue 11: a stage's step allocates and frees the same
+//! tensor sizes every microbatch).
 //!
-//! glibc's `malloc` serves a block of 128 KiB or more (its threshold grows with the blocks freed,
-//! up to 32 MiB) with a fresh `mmap`, and gives the top of a heap back to the OS once 128 KiB of
-//! it is free. Either way the next step's tensors land on pages the kernel must fault in and
-//! zero again: on a 2-vCPU KVM guest, `perf` of `small`'s fw + full_bw (one stage, B = 2,
-//! T = 64) put ≈ 5% of the time in page faults; with the settings below, 30 runs of it at one
-//! thread (`examples/opprof --runs 30`, two alternating pairs) took 69.0 / 72.2 ms a run against
-//! 75.8 / 75.9 without, with 22k page faults against 56k / 100k (`perf stat`). A
-//! caching allocator (PyTorch's on GPUs) keeps freed memory for the same reason.
+//! graphpp's binaries allocate from mimalloc ([`MiMalloc`]: each declares it the global
+//! allocator). A freed tensor's block goes back to a free list of its size class and is handed
+//! out again while still in cache, where glibc's best fit often returns a cold block: `small`'s
+//! fw + full_bw (one stage, B = 2, T = 64; `examples/opprof --model small --runs 20`, three
+//! alternating rounds against glibc under the settings below) 51.4–52.4 against 53.8–54.2 ms at
+//! one thread, 35.1–37.7 against 37.6–38.4 at two. mimalloc gives freed memory back to the OS
+//! after 1 s by default (10 s for whole arenas), and the next step faults it in again: `graphpp train --model small
+//! --ranks 2 --steps 8` took 74–91k page faults and 1039–1045 ms a step that way, 580 and
+//! 979–997 ms with purging off ([`retain_freed_memory`]).
+//!
+//! glibc's `malloc` still serves the C libraries (Open MPI) and any binary that keeps the system
+//! allocator. It serves a block of 128 KiB or more (its threshold grows with the blocks freed, up
+//! to 32 MiB) with a fresh `mmap`, and gives the top of a heap back to the OS once 128 KiB of it
+//! is free. Either way the next step's tensors land on pages the kernel must fault in and zero
+//! again: on a 2-vCPU KVM guest, `perf` of `small`'s fw + full_bw put ≈ 5% of the time in page
+//! faults; with the settings below, 30 runs of it at one thread (`examples/opprof --runs 30`, two
+//! alternating pairs) took 69.0 / 72.2 ms a run against 75.8 / 75.9 without, with 22k page faults
+//! against 56k / 100k (`perf stat`). A caching allocator (PyTorch's on GPUs) keeps freed memory
+//! for the same reason.
+
+pub use mimalloc::MiMalloc;
+
+/// mimalloc's `mi_option_purge_delay` (its `mimalloc.h`, v3: the 16th option; the Rust bindings
+/// name no constant for it): milliseconds before freed memory goes back to the OS, −1 never.
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
 /// Keeps freed memory in the process for reuse: blocks under 32 MiB come from the heap instead
 /// of fresh mappings, and a heap's free top is never trimmed. The top pad matters for the
@@ -21,8 +38,12 @@
 /// its high-water mark: a training step's peak, which every step reaches again — per malloc
 /// arena, and glibc gives threads arenas of their own, so with several rank threads the sum of
 /// their peaks at most. Call once at start-up, before the first tensor is allocated; a no-op
-/// where the C library is not glibc.
+/// where the C library is not glibc. Turns mimalloc's purging off too (module doc): the same
+/// high-water mark, kept.
 pub fn retain_freed_memory() {
+    // SAFETY: `mi_option_set` only stores the option's value (mimalloc reads it when it next
+    // considers purging); −1 is its documented "never".
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         // SAFETY: `mallopt` only changes the allocator's parameters; glibc serialises it with
@@ -36,5 +57,26 @@ pub fn retain_freed_memory() {
             ]
         };
         debug_assert_eq!(set, [1, 1, 1], "glibc took the three settings");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The option index is mimalloc's purge delay: its default (1000 ms in v3's `options.c`; no
+    /// other option defaults to 1000) until set, then −1 (the option is global to the test
+    /// process: another test may have set it first).
+    #[test]
+    fn the_purge_delay_option_is_the_one_set() {
+        // SAFETY: reading and storing an option value.
+        let before = unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) };
+        assert!(
+            before == 1000 || before == -1,
+            "option {MI_OPTION_PURGE_DELAY} read {before}: not the purge delay"
+        );
+        retain_freed_memory();
+        // SAFETY: as above.
+        assert_eq!(unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) }, -1);
     }
 }

@@ -5,14 +5,9 @@ use clap::{Parser, Subcommand};
 
 mod cmd;
 
-/// Tensors come from mimalloc: a stage's step frees and allocates the same sizes every
-/// microbatch, and mimalloc hands a freed block back out while it is still in cache (size-class
-/// free lists), where glibc's best fit often returns a cold one. `small`'s fw + full_bw
-/// (`examples/opprof --model small --batch 2 --runs 20`, alternating with glibc's malloc
-/// under the settings of `graphpp_runtime::malloc`, three rounds): 51.4–52.4 against
-/// 53.8–54.2 ms at one thread, 35.1–37.7 against 37.6–38.4 at two.
+/// Tensors come from mimalloc (`graphpp_runtime::malloc` says why, with figures).
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: graphpp_runtime::malloc::MiMalloc = graphpp_runtime::malloc::MiMalloc;
 
 /// graphpp: graph-based pipeline-parallel training.
 #[derive(Parser)]
