@@ -2,6 +2,7 @@
 //! the communicator between ranks, the device mesh, and the per-rank schedule
 //! executor. See `docs/ARCHITECTURE.md`, "Runtime".
 
+pub mod accumulate;
 pub mod build;
 pub mod clip;
 pub mod comm;

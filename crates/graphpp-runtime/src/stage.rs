@@ -22,6 +22,7 @@ use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
 use graphpp_graph::{Graph, GraphError, InputKind, StageGraphs};
 use graphpp_schedule::Task;
 
+use crate::accumulate::Accumulators;
 use crate::data_parallel::{DataParallel, DataParallelError};
 use crate::executor::{
     tensor_from_f64, to_f64, CollectiveSpan, ExecError, GraphComm, Program, RunOptions, RunReport,
@@ -139,7 +140,7 @@ pub struct Stage {
     /// The graphs compiled once for the compiled executor ([`Program`]).
     programs: Arc<Programs>,
     state: Env,
-    grads: Env,
+    grads: Accumulators,
     /// Names the backward graphs read that are not state (F keeps those of them it has: its
     /// inputs and `saved.*` outputs; the output gradient arrives with B or I).
     bw_reads: HashSet<String>,
@@ -218,7 +219,7 @@ impl Stage {
             graphs: Arc::new(graphs),
             programs,
             state,
-            grads: Env::new(),
+            grads: Accumulators::default(),
             bw_reads,
             dw_reads,
             params,
@@ -285,16 +286,18 @@ impl Stage {
     /// Moves the accumulated gradients out, keyed by parameter name (without the `grad.`
     /// prefix of [`Stage::grads`]); the accumulators restart at zero for the next step.
     pub fn take_grads(&mut self) -> Env {
-        std::mem::take(&mut self.grads)
+        self.grads
+            .take()
             .into_iter()
             .map(|(k, v)| (k.strip_prefix("grad.").map(str::to_string).unwrap_or(k), v))
             .collect()
     }
 
     /// Accumulated gradients `grad.<param>` (d step loss / dθ summed over the microbatches run so
-    /// far); a parameter appears once its stage ran a backward.
+    /// far); a parameter appears once its stage ran a backward. A sum may change in place at the
+    /// next backward ([`Accumulators`]).
     pub fn grads(&self) -> &Env {
-        &self.grads
+        self.grads.sums()
     }
 
     /// Parameters and buffers by name.
@@ -510,7 +513,7 @@ impl GraphStages {
 
     /// Bytes of this rank's stage state (parameters and buffers) and gradient accumulators.
     pub fn state_bytes(&self) -> usize {
-        self.stages.values().map(|s| env_bytes(s.state.values()) + env_bytes(s.grads.values())).sum()
+        self.stages.values().map(|s| env_bytes(s.state.values()) + env_bytes(s.grads.sums().values())).sum()
     }
 
     /// Runs `g` for `t` and records the rank's activation peak during it.
@@ -645,31 +648,36 @@ impl GraphStages {
         Ok(env)
     }
 
-    /// Multiplies by 1/m on a route's last stage (see the module doc).
-    fn scaled(&self, t: Task, g: Tensor) -> Result<Tensor, StageError> {
+    /// The factor 1/m a backward's outputs take on a route's last stage (see the module doc);
+    /// `None` elsewhere and for one microbatch.
+    fn scale(&self, t: Task) -> Result<Option<f32>, StageError> {
         let m = self.data.len().max(1);
-        if !self.stage(t)?.last || m == 1 {
-            return Ok(g);
-        }
-        g.affine(1.0 / m as f64, 0.0).map_err(|source| StageError::Tensor { stage: t.stage, source })
+        Ok((self.stage(t)?.last && m > 1).then_some((1.0 / m as f64) as f32))
     }
 
-    /// Accumulates the `grad.<param>` outputs; returns `grad.input` (scaled), if any.
+    /// `g` times [`Self::scale`] (a new tensor), or `g` itself.
+    fn scaled(&self, t: Task, g: Tensor) -> Result<Tensor, StageError> {
+        match self.scale(t)? {
+            Some(s) => {
+                g.affine(f64::from(s), 0.0).map_err(|source| StageError::Tensor { stage: t.stage, source })
+            }
+            None => Ok(g),
+        }
+    }
+
+    /// Accumulates the `grad.<param>` outputs (in place, [`Accumulators`]); returns
+    /// `grad.input` (scaled), if any.
     fn after_bw(&mut self, t: Task, outs: Env) -> Result<Option<Tensor>, StageError> {
         let gin_name = grad_of(INPUT);
+        let scale = self.scale(t)?;
         let mut gin = None;
         for (name, g) in outs {
-            let g = self.scaled(t, g)?;
             if name == gin_name {
-                gin = Some(g);
+                gin = Some(self.scaled(t, g)?);
                 continue;
             }
             let st = self.stages.get_mut(&t.stage).ok_or_else(|| missing(t, "stage"))?;
-            let acc = match st.grads.remove(&name) {
-                Some(a) => a.add(&g).map_err(|source| StageError::Tensor { stage: t.stage, source })?,
-                None => g,
-            };
-            st.grads.insert(name, acc);
+            st.grads.add(&name, g, scale).map_err(|source| StageError::Tensor { stage: t.stage, source })?;
         }
         Ok(gin)
     }

@@ -1,0 +1,251 @@
+//! A stage's gradient accumulators, summed in place (issue 11 item 1: gradient accumulation in
+//! place).
+//!
+//! Each backward of a step adds its `grad.<param>` outputs, scaled by 1/m on a route's last
+//! stage (`crate::stage`), to the stage's running sums. `a.add(&g.affine(s, 0))` allocates two
+//! tensors and passes over the parameters' size three times per microbatch; [`Accumulators::add`]
+//! makes the sum the first time a parameter's second gradient arrives (a new tensor, owned by the
+//! accumulators and shared with nothing) and from then on adds each gradient into it in one pass,
+//! computing `acc + (g · s + 0)` per element — the f32 operations candle's affine and add perform,
+//! in the same order, so the sums are bitwise those of the allocating form. The first gradient of
+//! a step is kept as it came (it may share storage with other values of the backward's outputs:
+//! it is never written).
+
+use std::collections::{HashMap, HashSet};
+
+use candle_core::{CpuStorage, DType, Layout, Tensor};
+use rayon::prelude::*;
+
+/// Elements from which an in-place add splits over the rank's pool.
+const PARALLEL_MIN: usize = 1 << 18;
+
+/// Running gradient sums by name, and which of them this value owns (writes in place).
+#[derive(Debug, Default)]
+pub struct Accumulators {
+    sums: HashMap<String, Tensor>,
+    /// Sums made here by [`Accumulators::add`]: shared with no other value.
+    owned: HashSet<String>,
+}
+
+impl Accumulators {
+    /// The sums by name (a sum owned here changes in place when the next gradient is added: clone
+    /// its data to keep a value).
+    pub fn sums(&self) -> &HashMap<String, Tensor> {
+        &self.sums
+    }
+
+    /// Adds `g · scale` (`scale` None: `g`) to the sum `name`, or starts it.
+    ///
+    /// # Errors
+    /// candle's, for a gradient whose shape or dtype differs from the sum's.
+    pub fn add(&mut self, name: &str, g: Tensor, scale: Option<f32>) -> candle_core::Result<()> {
+        let scaled = |g: Tensor| match scale {
+            Some(s) => g.affine(f64::from(s), 0.0),
+            None => Ok(g),
+        };
+        let Some(acc) = self.sums.get(name) else {
+            // Scaling makes a new tensor: owned. Unscaled, `g` is kept as it came.
+            if scale.is_some() {
+                self.owned.insert(name.to_string());
+            }
+            self.sums.insert(name.to_string(), scaled(g)?);
+            return Ok(());
+        };
+        let in_place = self.owned.contains(name)
+            && acc.dtype() == DType::F32
+            && g.dtype() == DType::F32
+            && acc.dims() == g.dims()
+            && acc.is_contiguous()
+            && (g.is_contiguous() || g.rank() == 2);
+        if in_place {
+            return acc.inplace_op2(&g, &AddScaled { scale });
+        }
+        let sum = acc.add(&scaled(g)?)?;
+        self.owned.insert(name.to_string());
+        self.sums.insert(name.to_string(), sum);
+        Ok(())
+    }
+
+    /// Sets the sum `name` to `value` (not owned: it may be shared).
+    pub fn insert(&mut self, name: String, value: Tensor) {
+        self.owned.remove(&name);
+        self.sums.insert(name, value);
+    }
+
+    /// Moves the sums out; the accumulators restart empty.
+    pub fn take(&mut self) -> HashMap<String, Tensor> {
+        self.owned.clear();
+        std::mem::take(&mut self.sums)
+    }
+}
+
+/// `acc[i] = acc[i] + (g[i] · scale + 0)` (`acc[i] + g[i]` without a scale) over contiguous
+/// f32 storage.
+struct AddScaled {
+    scale: Option<f32>,
+}
+
+impl candle_core::InplaceOp2 for AddScaled {
+    fn name(&self) -> &'static str {
+        "add-scaled"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        let (CpuStorage::F32(acc), CpuStorage::F32(g)) = (s1, s2) else {
+            candle_core::bail!("add-scaled takes f32 tensors")
+        };
+        let Some((a0, a1)) = l1.contiguous_offsets() else {
+            candle_core::bail!("add-scaled writes a contiguous tensor")
+        };
+        if l1.dims() != l2.dims() {
+            candle_core::bail!("add-scaled: shapes {:?} and {:?}", l1.dims(), l2.dims())
+        }
+        let acc = &mut acc[a0..a1];
+        let term = |g: f32| match self.scale {
+            Some(s) => g * s + 0.0,
+            None => g,
+        };
+        if let Some((g0, g1)) = l2.contiguous_offsets() {
+            let g = &g[g0..g1];
+            let add =
+                |(a, g): (&mut [f32], &[f32])| a.iter_mut().zip(g).for_each(|(a, &g)| *a = *a + term(g));
+            let threads = rayon::current_num_threads();
+            if threads > 1 && acc.len() >= PARALLEL_MIN {
+                let chunk = acc.len().div_ceil(threads);
+                acc.par_chunks_mut(chunk).zip(g.par_chunks(chunk)).for_each(add);
+            } else {
+                add((acc, g));
+            }
+            return Ok(());
+        }
+        let (&[rows, cols], &[s0, s1]) = (l2.dims(), l2.stride()) else {
+            candle_core::bail!("add-scaled reads a strided operand of rank 2 only")
+        };
+        // A weight gradient is a transposed view (dW = (Xᵀ · dY)ᵀ): read it in square tiles, so
+        // both the rows written and the columns read stay in cache.
+        let g0 = l2.start_offset();
+        for ib in (0..rows).step_by(TILE) {
+            for jb in (0..cols).step_by(TILE) {
+                for i in ib..(ib + TILE).min(rows) {
+                    for j in jb..(jb + TILE).min(cols) {
+                        let a = &mut acc[i * cols + j];
+                        *a = *a + term(g[g0 + i * s0 + j * s1]);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Side of the tiles a strided operand is read in (32 × 32 f32: 4 KiB).
+const TILE: usize = 32;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn t(v: &[f32]) -> Tensor {
+        Tensor::from_slice(v, v.len(), &Device::Cpu).unwrap()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Four gradients with and without a scale (−0.0 and values whose sums round): the sums are
+    /// bitwise `a.add(&g.affine(s, 0))` step by step, the first gradient is never written, and
+    /// a sum inserted from outside is never written either.
+    #[test]
+    fn in_place_sums_are_the_allocating_sums() {
+        let grads: Vec<Vec<f32>> = (0..4)
+            .map(|k| {
+                (0..300_000).map(|i| ((i * 7 + k * 13) % 101) as f32 * 0.1 - 5.0 + 1e-7 * k as f32).collect()
+            })
+            .collect();
+        let mut special = grads.clone();
+        special[0][0] = -0.0;
+        special[1][0] = -0.0;
+        for scale in [None, Some(1.0 / 3.0)] {
+            for pool in [1, 3] {
+                let first = t(&special[0]);
+                let kept = bits(&first);
+                let mut acc = Accumulators::default();
+                let mut want: Option<Tensor> = None;
+                let pool = crate::threads::rank_pool(0, pool).unwrap();
+                for g in &special {
+                    let g = if want.is_none() { first.clone() } else { t(g) };
+                    let s = match scale {
+                        Some(s) => g.affine(f64::from(s), 0.0).unwrap(),
+                        None => g.clone(),
+                    };
+                    want = Some(match want {
+                        Some(w) => w.add(&s).unwrap(),
+                        None => s,
+                    });
+                    pool.install(|| acc.add("w", g, scale)).unwrap();
+                    assert_eq!(bits(&acc.sums()["w"]), bits(want.as_ref().unwrap()), "{scale:?}");
+                }
+                assert_eq!(bits(&first), kept, "the first gradient is not written");
+                let outside = t(&grads[3]);
+                acc.insert("w".into(), outside.clone());
+                acc.add("w", t(&grads[2]), scale).unwrap();
+                assert_eq!(bits(&outside), bits(&t(&grads[3])), "an inserted sum is not written");
+                assert_eq!(acc.take().len(), 1);
+                assert!(acc.sums().is_empty());
+            }
+        }
+    }
+
+    /// A transposed gradient (a weight's, as the backward graph outputs it) is added in place
+    /// through its strides: the sums are those of the allocating form.
+    #[test]
+    fn transposed_gradients_add_in_place() {
+        let (r, c) = (70, 45);
+        let raw = |k: usize| -> Tensor {
+            let v: Vec<f32> = (0..r * c).map(|i| ((i * 31 + k * 7) % 97) as f32 * 0.37 - 17.0).collect();
+            Tensor::from_vec(v, (c, r), &Device::Cpu).unwrap().t().unwrap()
+        };
+        for scale in [None, Some(0.125f32)] {
+            let mut acc = Accumulators::default();
+            let mut want: Option<Tensor> = None;
+            let mut ids = Vec::new();
+            for k in 0..4 {
+                let g = raw(k);
+                assert!(!g.is_contiguous());
+                let s = match scale {
+                    Some(s) => g.affine(f64::from(s), 0.0).unwrap(),
+                    None => g.clone(),
+                };
+                want = Some(match want {
+                    Some(w) => w.add(&s).unwrap(),
+                    None => s,
+                });
+                acc.add("w", g, scale).unwrap();
+                let flat = |t: &Tensor| bits(&t.flatten_all().unwrap());
+                assert_eq!(flat(&acc.sums()["w"]), flat(want.as_ref().unwrap()), "{scale:?}, gradient {k}");
+                ids.push(acc.sums()["w"].id());
+            }
+            // From the second gradient on (the first, when scaled) the sum is one tensor, written
+            // in place.
+            let from = if scale.is_some() { 0 } else { 1 };
+            assert!(ids[from..].iter().all(|&id| id == ids[from]), "{scale:?}: a new tensor per add");
+        }
+    }
+
+    /// A gradient of another shape is an error, not a silent broadcast or a partial add.
+    #[test]
+    fn a_gradient_of_another_shape_is_an_error() {
+        let mut acc = Accumulators::default();
+        acc.add("w", t(&[1.0, 2.0]), Some(0.5)).unwrap();
+        assert!(acc.add("w", t(&[1.0, 2.0, 3.0]), Some(0.5)).is_err());
+        assert!(acc.add("w", t(&[1.0, 2.0, 3.0]), None).is_err());
+    }
+}
