@@ -113,8 +113,7 @@ impl candle_core::InplaceOp2 for AddScaled {
         };
         if let Some((g0, g1)) = l2.contiguous_offsets() {
             let g = &g[g0..g1];
-            let add =
-                |(a, g): (&mut [f32], &[f32])| a.iter_mut().zip(g).for_each(|(a, &g)| *a = *a + term(g));
+            let add = |(a, g): (&mut [f32], &[f32])| a.iter_mut().zip(g).for_each(|(a, &g)| *a += term(g));
             let threads = rayon::current_num_threads();
             if threads > 1 && acc.len() >= PARALLEL_MIN {
                 let chunk = acc.len().div_ceil(threads);
@@ -135,7 +134,7 @@ impl candle_core::InplaceOp2 for AddScaled {
                 for i in ib..(ib + TILE).min(rows) {
                     for j in jb..(jb + TILE).min(cols) {
                         let a = &mut acc[i * cols + j];
-                        *a = *a + term(g[g0 + i * s0 + j * s1]);
+                        *a += term(g[g0 + i * s0 + j * s1]);
                     }
                 }
             }
