@@ -425,6 +425,8 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     let mut boundary: Vec<f64> = Vec::new();
     let mut exposed: Vec<f64> = Vec::new();
     let mut rollbacks = 0u64;
+    // Each step's own seconds (`run.step`, without evaluations and checkpoints).
+    let mut step_secs: Vec<f64> = Vec::new();
     // For a profile: every step's timeline and the largest peak bytes of each pipeline rank of
     // replica 0.
     let mut profiled: Vec<Timeline> = Vec::new();
@@ -438,6 +440,7 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
         let start = t_run.elapsed().as_secs_f64();
         let r = run.step().with_context(|| format!("step {}", run.steps_done() + 1))?;
         let secs = t_run.elapsed().as_secs_f64() - start;
+        step_secs.push(secs);
         pb.set_message(format!("loss {:.3} | {:.0} tok/s", r.loss, tokens / secs));
         pb.inc(1);
         if !r.loss.is_finite() {
@@ -506,8 +509,33 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
         write_profile(path, &run, &profiled, &peaks)?;
     }
     let ran_steps = crate::cmd::plural(ran, "step", "steps");
-    out!("{ran_steps} in {wall:.1} s: {:.0} tokens/s", ran as f64 * tokens / wall.max(1e-9));
+    out!(
+        "{ran_steps} in {wall:.1} s: {:.0} tokens/s{}",
+        ran as f64 * tokens / wall.max(1e-9),
+        steady(&step_secs, tokens)
+    );
     Ok(())
+}
+
+/// Steps a run's steady throughput leaves out: PyTorch's reference
+/// (`tools/torch/pipelining_tokens_per_sec.py --warmup`, its default) times the steps after as
+/// many untimed ones.
+const WARMUP_STEPS: usize = 5;
+
+/// `"; N tokens/s after the first 5 steps"` — the steps' own time after [`WARMUP_STEPS`] (no
+/// start-up, evaluation or checkpoint), the figure PyTorch's reference script prints — or
+/// nothing for a run of 5 steps or fewer.
+fn steady(step_secs: &[f64], tokens: f64) -> String {
+    match step_secs.get(WARMUP_STEPS..) {
+        Some(timed) if !timed.is_empty() => {
+            let secs: f64 = timed.iter().sum();
+            format!(
+                "; {:.0} tokens/s after the first {WARMUP_STEPS} steps",
+                timed.len() as f64 * tokens / secs.max(1e-9)
+            )
+        }
+        _ => String::new(),
+    }
 }
 
 /// Everything before step 1: the settings, every output path, the run (fresh, or resumed from
@@ -929,5 +957,14 @@ mod tests {
         assert_eq!(s, "expert load 5–20 tokens/expert (max/min 4.00, MoE layer 2 of 3)");
         let s = expert_balance(&[vec![0, 4]]).unwrap();
         assert!(s.contains("max/min inf"), "{s}");
+    }
+
+    /// The steady figure leaves out the first five steps (slow ones here) and needs a sixth.
+    #[test]
+    fn steady_throughput_skips_the_warm_up_steps() {
+        assert_eq!(steady(&[1.0; 5], 100.0), "");
+        assert_eq!(steady(&[], 100.0), "");
+        let s = steady(&[9.0, 9.0, 9.0, 9.0, 9.0, 0.5, 1.5], 100.0);
+        assert_eq!(s, "; 100 tokens/s after the first 5 steps");
     }
 }
