@@ -19,6 +19,7 @@
 //! [`exp`]'s +0 and +∞ by a blend (a causal mask's −10⁹ scores fill half of every attention row);
 //! the few others outside [−103, 88.5] (the gaps next to those, NaN) are redone by [`exp`].
 
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 /// `e^x`, the libm value, without libm's slow under- and overflow path where the answer is
@@ -44,6 +45,19 @@ const HIGH: f32 = 88.5;
 /// `d[i] = e^(±x[i])` (`−x` when `negate`), libm's bits. Panics if the lengths differ.
 #[inline]
 pub fn exp_slice(x: &[f32], d: &mut [f32], negate: bool) {
+    exp_into(x, as_uninit(d), negate);
+}
+
+/// `d` as a slice that [`exp_into`] writes: only initialised values are ever written through
+/// it, so `d` stays initialised.
+fn as_uninit(d: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+    // SAFETY: `MaybeUninit<f32>` has f32's layout; the callers write only initialised values.
+    unsafe { &mut *(d as *mut [f32] as *mut [MaybeUninit<f32>]) }
+}
+
+/// [`exp_slice`] into an output that may be uninitialised (every element is written).
+#[inline]
+pub fn exp_into(x: &[f32], d: &mut [MaybeUninit<f32>], negate: bool) {
     assert_eq!(x.len(), d.len(), "exp_slice: operand and output lengths differ");
     #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
     match vector_path() {
@@ -66,9 +80,9 @@ pub enum Path {
     Avx2,
 }
 
-fn scalar(x: &[f32], d: &mut [f32], negate: bool) {
+fn scalar(x: &[f32], d: &mut [MaybeUninit<f32>], negate: bool) {
     for (v, &x) in d.iter_mut().zip(x) {
-        *v = exp(if negate { -x } else { x });
+        v.write(exp(if negate { -x } else { x }));
     }
 }
 
@@ -90,14 +104,14 @@ pub fn vector_path() -> Option<Path> {
             let mut got = vec![0f32; xs.len()];
             if x86::has_avx512() {
                 // SAFETY: the CPU has AVX-512 F, VL, DQ and FMA (checked just above).
-                unsafe { x86::exp_avx512(&xs, &mut got, false) };
+                unsafe { x86::exp_avx512(&xs, as_uninit(&mut got), false) };
                 if matches(&got) {
                     return Some(Path::Avx512);
                 }
             }
             if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
                 // SAFETY: AVX2 and FMA were detected just above.
-                unsafe { x86::exp_avx2_fma(&xs, &mut got, false) };
+                unsafe { x86::exp_avx2_fma(&xs, as_uninit(&mut got), false) };
                 if matches(&got) {
                     return Some(Path::Avx2);
                 }
@@ -170,6 +184,7 @@ const COEFFICIENTS: [f64; 3] = [
 mod x86 {
     use super::{exp, COEFFICIENTS, HIGH, INV_LN2_N, LOW, SHIFT, TABLE};
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
 
     /// Whether the CPU has what [`exp_avx512`] needs.
     pub fn has_avx512() -> bool {
@@ -188,7 +203,7 @@ mod x86 {
     /// The CPU must have AVX-512 F, VL, DQ and FMA ([`has_avx512`]); `x` and `d` have equal
     /// lengths.
     #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx2,fma")]
-    pub unsafe fn exp_avx512(x: &[f32], d: &mut [f32], negate: bool) {
+    pub unsafe fn exp_avx512(x: &[f32], d: &mut [MaybeUninit<f32>], negate: bool) {
         let table =
             |i: usize| _mm512_castsi512_pd(unsafe { _mm512_loadu_si512(TABLE.as_ptr().add(i) as *const _) });
         let (t0, t1, t2, t3) = (table(0), table(8), table(16), table(24));
@@ -208,7 +223,7 @@ mod x86 {
             let under = _mm256_cmp_ps_mask::<_CMP_LT_OQ>(xs, zero_below);
             if under == 0xff {
                 // Eight lanes below −104 (a causal mask's run): +0 each. SAFETY: as the load.
-                unsafe { _mm256_storeu_ps(d.as_mut_ptr().add(i), _mm256_setzero_ps()) };
+                unsafe { _mm256_storeu_ps(d.as_mut_ptr().cast::<f32>().add(i), _mm256_setzero_ps()) };
                 continue;
             }
             let xd = _mm512_cvtps_pd(xs);
@@ -230,16 +245,16 @@ mod x86 {
             let out = _mm256_maskz_mov_ps(!under, _mm512_cvtpd_ps(_mm512_mul_pd(y, s)));
             let out = _mm256_mask_blend_ps(over, out, inf);
             // SAFETY: as the load.
-            unsafe { _mm256_storeu_ps(d.as_mut_ptr().add(i), out) };
+            unsafe { _mm256_storeu_ps(d.as_mut_ptr().cast::<f32>().add(i), out) };
             let inside = _mm256_cmp_ps_mask::<_CMP_GE_OQ>(xs, lo) & _mm256_cmp_ps_mask::<_CMP_LE_OQ>(xs, hi);
             if inside | under | over != 0xff {
                 for j in i..i + 8 {
-                    d[j] = exp(if negate { -x[j] } else { x[j] });
+                    d[j].write(exp(if negate { -x[j] } else { x[j] }));
                 }
             }
         }
         for j in n..x.len() {
-            d[j] = exp(if negate { -x[j] } else { x[j] });
+            d[j].write(exp(if negate { -x[j] } else { x[j] }));
         }
     }
 
@@ -250,7 +265,7 @@ mod x86 {
     /// # Safety
     /// The CPU must have AVX2 and FMA; `x` and `d` have equal lengths.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn exp_avx2_fma(x: &[f32], d: &mut [f32], negate: bool) {
+    pub unsafe fn exp_avx2_fma(x: &[f32], d: &mut [MaybeUninit<f32>], negate: bool) {
         let inv = _mm256_set1_pd(INV_LN2_N);
         let shift = _mm256_set1_pd(SHIFT);
         let [c0, c1, c2] = COEFFICIENTS.map(|c| _mm256_set1_pd(c));
@@ -268,7 +283,7 @@ mod x86 {
             if _mm_movemask_ps(under) == 0b1111 {
                 // Four lanes below −104 (a run of a causal mask's −10⁹ scores): +0 each, with no
                 // table lookup. SAFETY: as the load.
-                unsafe { _mm_storeu_ps(d.as_mut_ptr().add(i), _mm_setzero_ps()) };
+                unsafe { _mm_storeu_ps(d.as_mut_ptr().cast::<f32>().add(i), _mm_setzero_ps()) };
                 continue;
             }
             let xd = _mm256_cvtps_pd(xs);
@@ -288,17 +303,17 @@ mod x86 {
             let out = _mm_andnot_ps(under, _mm256_cvtpd_ps(_mm256_mul_pd(y, s)));
             let out = _mm_blendv_ps(out, inf, over);
             // SAFETY: as the load.
-            unsafe { _mm_storeu_ps(d.as_mut_ptr().add(i), out) };
+            unsafe { _mm_storeu_ps(d.as_mut_ptr().cast::<f32>().add(i), out) };
             // Lanes in neither range nor the vector one (NaN compares false: it is one of them).
             let inside = _mm_and_ps(_mm_cmpge_ps(xs, lo), _mm_cmple_ps(xs, hi));
             if _mm_movemask_ps(_mm_or_ps(inside, _mm_or_ps(under, over))) != 0b1111 {
                 for j in i..i + 4 {
-                    d[j] = exp(if negate { -x[j] } else { x[j] });
+                    d[j].write(exp(if negate { -x[j] } else { x[j] }));
                 }
             }
         }
         for j in n..x.len() {
-            d[j] = exp(if negate { -x[j] } else { x[j] });
+            d[j].write(exp(if negate { -x[j] } else { x[j] }));
         }
     }
 }
@@ -357,16 +372,17 @@ mod tests {
     /// and each vector kernel the CPU has, called directly (so the AVX2 fallback stays tested
     /// on a CPU that picks AVX-512).
     fn kernels() -> Vec<(&'static str, Kernel)> {
-        let mut k: Vec<(&'static str, Kernel)> = vec![("exp_slice", exp_slice), ("scalar", scalar)];
+        let mut k: Vec<(&'static str, Kernel)> =
+            vec![("exp_slice", exp_slice), ("scalar", |x, d, n| scalar(x, as_uninit(d), n))];
         #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
         {
             if x86::has_avx512() {
                 // SAFETY: the CPU has the kernel's instructions (checked just above).
-                k.push(("avx512", |x, d, n| unsafe { x86::exp_avx512(x, d, n) }));
+                k.push(("avx512", |x, d, n| unsafe { x86::exp_avx512(x, as_uninit(d), n) }));
             }
             if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
                 // SAFETY: the CPU has the kernel's instructions (checked just above).
-                k.push(("avx2", |x, d, n| unsafe { x86::exp_avx2_fma(x, d, n) }));
+                k.push(("avx2", |x, d, n| unsafe { x86::exp_avx2_fma(x, as_uninit(d), n) }));
             }
         }
         k

@@ -276,7 +276,8 @@ impl Group {
         let nd = dims.len();
         let inner = dims[nd - 1];
         let next = if nd >= 2 { dims[nd - 2] } else { 1 };
-        let mut regs = vec![0f32; self.code.len() * BLOCK];
+        // Scratch registers, never read before the block's instruction writes them.
+        let mut regs: Box<[MaybeUninit<f32>]> = Box::new_uninit_slice(self.code.len() * BLOCK);
         let mut base = vec![0usize; ops.len()];
         let end = start + out.len();
         let mut p = start;
@@ -308,47 +309,59 @@ impl Group {
         }
     }
 
-    /// Runs the code over one block whose operands start at `base`, then copies the last
-    /// register (the anchor's) to `out`. A load that is one contiguous run of the operand is not
-    /// copied: its readers read the operand in place.
+    /// Runs the code over one block whose operands start at `base`; the last instruction writes
+    /// `out`. A load that is one contiguous run of the operand is not copied: its readers read
+    /// the operand in place.
     #[inline(always)]
     fn block(
         &self,
         ops: &[Operand],
         base: &[usize],
         blk: Block,
-        regs: &mut [f32],
+        regs: &mut [MaybeUninit<f32>],
         out: &mut [MaybeUninit<f32>],
     ) {
         let len = blk.rows * blk.cols;
         let last = self.code.len() - 1;
         for (r, instr) in self.code.iter().enumerate() {
             let (lo, hi) = regs.split_at_mut(r * BLOCK);
-            let d = &mut hi[..len];
+            let d = if r == last { &mut *out } else { &mut hi[..len] };
             let reg = |x: usize| -> &[f32] {
                 match self.code[x] {
                     Instr::Load { input } if ops[input].contiguous(blk) => {
                         &ops[input].data[base[input]..base[input] + len]
                     }
-                    _ => &lo[x * BLOCK..x * BLOCK + len],
+                    // SAFETY: register x < r was written in full (`len` elements) by its
+                    // instruction earlier in this block: every instruction but an in-place
+                    // load (handled above) writes all of its `d`.
+                    _ => unsafe { assume_init(&lo[x * BLOCK..x * BLOCK + len]) },
                 }
             };
             match *instr {
                 // Read in place by its readers unless it is the group's value.
                 Instr::Load { input } if ops[input].contiguous(blk) && r != last => {}
                 Instr::Load { input } => ops[input].load(base[input], blk, d),
-                Instr::Const { value } => d.fill(value),
+                Instr::Const { value } => d.iter_mut().for_each(|v| {
+                    v.write(value);
+                }),
                 Instr::Unary { f, x } => unary(f, reg(x), d),
-                Instr::Affine { mul, add, x } => {
-                    d.iter_mut().zip(reg(x)).for_each(|(v, &x)| *v = x * mul + add)
-                }
+                Instr::Affine { mul, add, x } => d.iter_mut().zip(reg(x)).for_each(|(v, &x)| {
+                    v.write(x * mul + add);
+                }),
                 Instr::Binary { f, a, b } => binary(f, reg(a), reg(b), d),
             }
         }
-        for (o, &v) in out.iter_mut().zip(&regs[last * BLOCK..last * BLOCK + len]) {
-            o.write(v);
-        }
     }
+}
+
+/// `s` read as initialised values.
+///
+/// # Safety
+/// Every element of `s` has been written.
+#[inline(always)]
+unsafe fn assume_init(s: &[MaybeUninit<f32>]) -> &[f32] {
+    // SAFETY: `MaybeUninit<f32>` has f32's layout; the caller guarantees initialisation.
+    unsafe { &*(s as *const [MaybeUninit<f32>] as *const [f32]) }
 }
 
 /// The extent of a block: `rows` consecutive indices of output dim `outer - 1` (1 when the
@@ -373,16 +386,22 @@ impl Operand<'_> {
         col == 1 && (blk.rows == 1 || row == blk.cols)
     }
 
-    /// Copies the block starting at `base` into `d`.
+    /// Copies the block starting at `base` into `d` (every element written).
     #[inline(always)]
-    fn load(&self, base: usize, blk: Block, d: &mut [f32]) {
+    fn load(&self, base: usize, blk: Block, d: &mut [MaybeUninit<f32>]) {
         let (row, col) = self.block_strides(blk);
         for (r, out) in d.chunks_mut(blk.cols).enumerate() {
             let b = base + r * row;
             match col {
-                0 => out.fill(self.data[b]),
-                1 => out.copy_from_slice(&self.data[b..b + blk.cols]),
-                _ => out.iter_mut().enumerate().for_each(|(k, v)| *v = self.data[b + k * col]),
+                0 => out.iter_mut().for_each(|v| {
+                    v.write(self.data[b]);
+                }),
+                1 => out.iter_mut().zip(&self.data[b..b + blk.cols]).for_each(|(v, &x)| {
+                    v.write(x);
+                }),
+                _ => out.iter_mut().enumerate().for_each(|(k, v)| {
+                    v.write(self.data[b + k * col]);
+                }),
             }
         }
     }
@@ -396,32 +415,48 @@ fn storage_cpu(s: &candle_core::Storage) -> candle_core::Result<&CpuStorage> {
     }
 }
 
+/// `d[i] = f(x[i])` for every element of `d`.
 #[inline(always)]
-fn unary(f: UnaryOp, x: &[f32], d: &mut [f32]) {
-    let it = d.iter_mut().zip(x);
+fn map(x: &[f32], d: &mut [MaybeUninit<f32>], f: impl Fn(f32) -> f32) {
+    d.iter_mut().zip(x).for_each(|(v, &x)| {
+        v.write(f(x));
+    });
+}
+
+#[inline(always)]
+fn unary(f: UnaryOp, x: &[f32], d: &mut [MaybeUninit<f32>]) {
     match f {
-        UnaryOp::Neg => it.for_each(|(v, &x)| *v = -x),
-        UnaryOp::Exp => crate::expf::exp_slice(x, d, false),
-        UnaryOp::Log => it.for_each(|(v, &x)| *v = x.ln()),
-        UnaryOp::Sqrt => it.for_each(|(v, &x)| *v = x.sqrt()),
-        UnaryOp::Recip => it.for_each(|(v, &x)| *v = 1.0 / x),
+        UnaryOp::Neg => map(x, d, |x| -x),
+        UnaryOp::Exp => crate::expf::exp_into(x, d, false),
+        UnaryOp::Log => map(x, d, f32::ln),
+        UnaryOp::Sqrt => map(x, d, f32::sqrt),
+        UnaryOp::Recip => map(x, d, |x| 1.0 / x),
         UnaryOp::Sigmoid => {
-            crate::expf::exp_slice(x, d, true);
-            d.iter_mut().for_each(|v| *v = 1.0 / (*v + 1.0));
+            crate::expf::exp_into(x, d, true);
+            d.iter_mut().for_each(|v| {
+                // SAFETY: `exp_into` wrote every element of `d`.
+                let e = unsafe { v.assume_init() };
+                v.write(1.0 / (e + 1.0));
+            });
         }
-        UnaryOp::Erf => it.for_each(|(v, &x)| *v = candle_core::cpu::erf::erf_f32(x)),
+        UnaryOp::Erf => map(x, d, candle_core::cpu::erf::erf_f32),
     }
 }
 
 #[inline(always)]
-fn binary(f: BinaryOp, a: &[f32], b: &[f32], d: &mut [f32]) {
-    let it = d.iter_mut().zip(a.iter().zip(b));
+fn binary(f: BinaryOp, a: &[f32], b: &[f32], d: &mut [MaybeUninit<f32>]) {
+    // One loop per op (each monomorphised, so each vectorises).
+    fn zip(a: &[f32], b: &[f32], d: &mut [MaybeUninit<f32>], op: impl Fn(f32, f32) -> f32) {
+        d.iter_mut().zip(a.iter().zip(b)).for_each(|(v, (&a, &b))| {
+            v.write(op(a, b));
+        });
+    }
     match f {
-        BinaryOp::Add => it.for_each(|(v, (&a, &b))| *v = a + b),
-        BinaryOp::Sub => it.for_each(|(v, (&a, &b))| *v = a - b),
-        BinaryOp::Mul => it.for_each(|(v, (&a, &b))| *v = a * b),
-        BinaryOp::Div => it.for_each(|(v, (&a, &b))| *v = a / b),
-        BinaryOp::Eq => it.for_each(|(v, (&a, &b))| *v = if a == b { 1.0 } else { 0.0 }),
+        BinaryOp::Add => zip(a, b, d, |a, b| a + b),
+        BinaryOp::Sub => zip(a, b, d, |a, b| a - b),
+        BinaryOp::Mul => zip(a, b, d, |a, b| a * b),
+        BinaryOp::Div => zip(a, b, d, |a, b| a / b),
+        BinaryOp::Eq => zip(a, b, d, |a, b| if a == b { 1.0 } else { 0.0 }),
     }
 }
 
