@@ -3,13 +3,13 @@
 //!
 //! Each backward of a step adds its `grad.<param>` outputs, scaled by 1/m on a route's last
 //! stage (`crate::stage`), to the stage's running sums. `a.add(&g.affine(s, 0))` allocates two
-//! tensors and passes over the parameters' size three times per microbatch; [`Accumulators::add`]
-//! makes the sum the first time a parameter's second gradient arrives (a new tensor, owned by the
-//! accumulators and shared with nothing) and from then on adds each gradient into it in one pass,
-//! computing `acc + (g · s + 0)` per element — the f32 operations candle's affine and add perform,
-//! in the same order, so the sums are bitwise those of the allocating form. The first gradient of
-//! a step is kept as it came (it may share storage with other values of the backward's outputs:
-//! it is never written).
+//! tensors and passes over the parameters' size three times per microbatch. [`Accumulators::add`]
+//! makes a new sum (a tensor owned by the accumulators and shared with nothing) from a step's
+//! first gradient when it is scaled, else from its first two, and from then on adds each
+//! gradient into it in one pass, computing `acc + (g · s + 0)` per element — the f32 operations
+//! candle's affine and add perform, in the same order, so the sums are bitwise those of the
+//! allocating form. An unscaled first gradient is kept as it came (it may share storage with
+//! other values of the backward's outputs: it is never written).
 
 use std::collections::{HashMap, HashSet};
 

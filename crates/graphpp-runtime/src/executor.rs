@@ -393,13 +393,15 @@ pub fn run_with(
 }
 
 /// A graph compiled once for many runs (docs/ARCHITECTURE.md "Runtime" → Compiled executor): its
-/// f32 elementwise chains fused into single-pass kernels ([`crate::fusion`]) and, per node, the
-/// values the run drops after it. [`Program::run_named_with`] computes bitwise what the
-/// interpreter ([`run_named_with`]) computes and reports the same peak live bytes (the logical
-/// accounting of the module doc, which the memory model predicts; a fused group's inner values
-/// are never allocated, so the memory actually held is at most that). With
-/// [`RunOptions::time_nodes`] a group's time is its anchor's (its members read zero), and
-/// [`RunOptions::trace_peak`] lists only the values the run held.
+/// f32 elementwise chains fused into single-pass kernels ([`crate::fusion`]), an execution
+/// order with independent matmuls side by side ([`crate::pairs`]) and, per node, the values the
+/// run drops after it. [`Program::run_named_with`] computes bitwise what the interpreter
+/// ([`run_named_with`]) computes and reports the same peak live bytes (the logical accounting
+/// of the module doc, which the memory model predicts: a pair is kept only where its order
+/// peaks exactly as the graph's; a fused group's inner values are never allocated, so the
+/// memory actually held is at most that). With [`RunOptions::time_nodes`] a group's time is
+/// its anchor's (its members read zero) and a pair's is its first product's (the second reads
+/// about zero), and [`RunOptions::trace_peak`] lists only the values the run held.
 #[derive(Clone, Debug)]
 pub struct Program {
     /// Node count of the graph compiled (a run checks it).
@@ -414,14 +416,15 @@ pub struct Program {
 }
 
 impl Program {
-    /// Compiles `graph` (one pass over its nodes and the fusion plan; nothing is run).
+    /// Compiles `graph`: the fusion plan, the pairs (each candidate pair costs one pass of the
+    /// live-byte accounting over the graph) and the frees; nothing is run.
     pub fn compile(graph: &Graph) -> Program {
         let fusion = crate::fusion::plan(graph);
         let n = graph.nodes.len();
         // A fused group's inner member is never computed on its own.
         let runs: Vec<bool> =
             (0..n).map(|i| fusion.member_of[i].is_none_or(|g| fusion.groups[g].anchor == i)).collect();
-        let pairs = crate::pairs::plan(graph, &runs, |order| peak_in_order(graph, order));
+        let pairs = crate::pairs::plan(graph, &runs, |p| peak_in_order(graph, &p.order, &p.partner));
         // Each value is freed after its last reader in the execution order.
         let mut last_read: Vec<Option<usize>> = vec![None; n];
         for &i in pairs.order.iter().filter(|&&i| runs[i]) {
@@ -520,8 +523,10 @@ fn exec(
             &graph_order
         }
     };
-    // The value of a pair's second matmul, computed beside the first (it comes next in `order`).
+    // The value of a pair's second matmul, computed beside the first (it comes next in `order`),
+    // and the first, whose operands are released with the second's.
     let mut early: Option<(usize, Tensor)> = None;
+    let mut deferred: Option<usize> = None;
     for &i in order {
         let node = &graph.nodes[i];
         let t0 = Instant::now();
@@ -584,7 +589,7 @@ fn exec(
                             Value::Ready(vi)
                         }
                         None => Value::Ready(
-                            compiled_matmul(args[0], args[1], false)
+                            compiled_matmul(args[0], args[1], Threads::Pool)
                                 .map_err(|e| kernel_error(graph, i, e))?,
                         ),
                     }
@@ -597,10 +602,14 @@ fn exec(
         }
         vals[i] = Some(value);
         match program {
+            // The first of a pair is released with its partner: both values exist at once.
+            Some(p) if p.pairs.partner[i].is_some() => deferred = Some(i),
             Some(p) => {
-                live.release(i, &node.inputs, |_| {});
-                for &j in &p.frees[i] {
-                    vals[j] = None;
+                for k in deferred.take().into_iter().chain([i]) {
+                    live.release(k, &graph.nodes[k].inputs, |_| {});
+                    for &j in &p.frees[k] {
+                        vals[j] = None;
+                    }
                 }
             }
             None => live.release(i, &node.inputs, |j| vals[j] = None),
@@ -643,14 +652,25 @@ fn finish(
 /// every graph whose value shapes are static (all of graphpp's); a compiled [`Program`] runs
 /// the nodes in another order only where that order peaks no higher ([`crate::pairs`]).
 pub fn peak_live_bytes(graph: &Graph) -> usize {
-    peak_in_order(graph, &(0..graph.nodes.len()).collect::<Vec<_>>())
+    let n = graph.nodes.len();
+    peak_in_order(graph, &(0..n).collect::<Vec<_>>(), &vec![None; n])
 }
 
-/// [`peak_live_bytes`] over the nodes run in `order` (every node once, a topological order).
-fn peak_in_order(graph: &Graph, order: &[usize]) -> usize {
+/// [`peak_live_bytes`] over the nodes run in `order` (every node once, a topological order),
+/// where `partner[i] = Some(j)` runs `j` beside `i` ([`crate::pairs`]): both values exist before
+/// either node's operands are released, as [`exec`] holds them.
+fn peak_in_order(graph: &Graph, order: &[usize], partner: &[Option<usize>]) -> usize {
     let mut live = Liveness::new(graph);
+    let mut deferred = None;
     for &i in order {
         live.produce(i);
+        if partner[i].is_some() {
+            deferred = Some(i);
+            continue;
+        }
+        if let Some(first) = deferred.take() {
+            live.release(first, &graph.nodes[first].inputs, |_| {});
+        }
         live.release(i, &graph.nodes[i].inputs, |_| {});
     }
     live.peak
@@ -671,13 +691,13 @@ fn operands<'a>(vals: &'a [Option<Value>], j: usize, graph: &Graph) -> Vec<&'a T
 /// The products of matmuls `nodes` from their `args`, side by side on one thread each where the
 /// pool has two or more ([`crate::pairs`]), else one after the other.
 fn matmul_pair(graph: &Graph, nodes: [usize; 2], args: [&[&Tensor]; 2]) -> ExecResult<(Tensor, Tensor)> {
-    let product = |k: usize, one_thread: bool| {
-        compiled_matmul(args[k][0], args[k][1], one_thread).map_err(|e| kernel_error(graph, nodes[k], e))
+    let product = |k: usize, threads: Threads| {
+        compiled_matmul(args[k][0], args[k][1], threads).map_err(|e| kernel_error(graph, nodes[k], e))
     };
     let (a, b) = if rayon::current_num_threads() > 1 {
-        rayon::join(|| product(0, true), || product(1, true))
+        rayon::join(|| product(0, Threads::One), || product(1, Threads::One))
     } else {
-        (product(0, false), product(1, false))
+        (product(0, Threads::Pool), product(1, Threads::Pool))
     };
     Ok((a?, b?))
 }
@@ -811,17 +831,26 @@ fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
+/// The threads a compiled matmul runs on.
+#[derive(Clone, Copy, Debug)]
+enum Threads {
+    /// The current pool's (gemm's split, batch elements split): a product on its own.
+    Pool,
+    /// One (gemm unthreaded, batch elements in turn): one product of a pair ([`crate::pairs`]).
+    One,
+}
+
 /// The compiled executor's matmul: an f32 product of rank 2–4 runs as [`batched_gemm`]
 /// on the operands [`batched_operands`] picks — each read in place where that gives the bits of
 /// its copy; every other product is the interpreter's [`matmul`]. The same bits as [`matmul`]
 /// (`matmul_tests`, `tests/compiled.rs`).
-fn compiled_matmul(a: &Tensor, b: &Tensor, one_thread: bool) -> candle_core::Result<Tensor> {
+fn compiled_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<Tensor> {
     // A dim of 1 sends gemm down a path whose sums depend on the strides (a 2 × 3 · 3 × 1
     // product of a transposed lhs differed from its copy's): those are left to `matmul`.
     let (da, db) = (a.dims(), b.dims());
     let unit = da.len() < 2 || db.len() < 2 || da[da.len() - 2..].contains(&1) || db[db.len() - 1] == 1;
     match if unit { None } else { batched_operands(a, b)? } {
-        Some((a, b)) => batched_gemm(&a, &b, one_thread),
+        Some((a, b)) => batched_gemm(&a, &b, threads),
         None => matmul(a, b),
     }
 }
@@ -881,7 +910,7 @@ fn batch_skip(t: &Tensor) -> Option<usize> {
 /// operands found from its batch index through each batch dim's stride (candle needs the batch
 /// dims to collapse into one). On a pool of two or more threads the elements are split over
 /// it: attention's products (64 × 64 × 32 on `small`) are each too small for gemm to split.
-fn batched_gemm(a: &Tensor, b: &Tensor, one_thread: bool) -> candle_core::Result<Tensor> {
+fn batched_gemm(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<Tensor> {
     let (da, db) = (a.dims(), b.dims());
     let r = da.len();
     let (m, k, n) = (da[r - 2], da[r - 1], db[r - 1]);
@@ -914,8 +943,10 @@ fn batched_gemm(a: &Tensor, b: &Tensor, one_thread: bool) -> candle_core::Result
     if reach(ls, m, k) > lhs.len() || reach(rs, k, n) > rhs.len() {
         candle_core::bail!("batched_gemm: operands {da:?} · {db:?} reach outside their storage")
     }
-    let threads = if one_thread { 1 } else { candle_core::utils::get_num_threads() };
-    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    let pool = matches!(threads, Threads::Pool);
+    let gemm_threads = if pool { candle_core::utils::get_num_threads() } else { 1 };
+    let parallelism =
+        if gemm_threads > 1 { gemm::Parallelism::Rayon(gemm_threads) } else { gemm::Parallelism::None };
     let element = |i: usize, dst: &mut [std::mem::MaybeUninit<f32>]| {
         // SAFETY: batch element i's operands lie in `lhs` and `rhs` (the reach checked above:
         // offsets grow with every index), and `dst` holds its contiguous m × n result.
@@ -947,7 +978,7 @@ fn batched_gemm(a: &Tensor, b: &Tensor, one_thread: bool) -> candle_core::Result
     // `read_dst` false writes every element of each m × n block before it reads any.
     let mut out: Vec<f32> = Vec::with_capacity(batch * m * n);
     let spare = &mut out.spare_capacity_mut()[..batch * m * n];
-    if batch > 1 && !one_thread && rayon::current_num_threads() > 1 {
+    if batch > 1 && pool && rayon::current_num_threads() > 1 {
         spare.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst));
     } else {
         spare.chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst));
@@ -1274,15 +1305,9 @@ mod matmul_tests {
                 let want = bits(&matmul(&x, &y).unwrap());
                 for threads in [1, 2, 3] {
                     let pool = crate::threads::rank_pool(0, threads).unwrap();
-                    for one_thread in [false, true] {
-                        let got = pool.install(|| bits(&compiled_matmul(&x, &y, one_thread).unwrap()));
-                        assert_eq!(
-                            got,
-                            want,
-                            "{:?} · {:?} on {threads} threads, {one_thread}",
-                            x.dims(),
-                            y.dims()
-                        );
+                    for t in [Threads::Pool, Threads::One] {
+                        let got = pool.install(|| bits(&compiled_matmul(&x, &y, t).unwrap()));
+                        assert_eq!(got, want, "{:?} · {:?} on {threads} threads, {t:?}", x.dims(), y.dims());
                     }
                 }
             }
@@ -1312,11 +1337,11 @@ mod matmul_tests {
                 _ => view([b, h, n, k], [0, 1, 3, 2], seed + 1),
             };
             let want = bits(&matmul(&x, &y).unwrap());
-            prop_assert_eq!(bits(&compiled_matmul(&x, &y, false).unwrap()), want.clone());
-            prop_assert_eq!(bits(&compiled_matmul(&x, &y, true).unwrap()), want.clone());
+            prop_assert_eq!(bits(&compiled_matmul(&x, &y, Threads::Pool).unwrap()), want.clone());
+            prop_assert_eq!(bits(&compiled_matmul(&x, &y, Threads::One).unwrap()), want.clone());
             // With batch elements split over a pool (batched_gemm).
             let pool = crate::threads::rank_pool(0, 3).unwrap();
-            prop_assert_eq!(pool.install(|| bits(&compiled_matmul(&x, &y, false).unwrap())), want);
+            prop_assert_eq!(pool.install(|| bits(&compiled_matmul(&x, &y, Threads::Pool).unwrap())), want);
         }
     }
 }

@@ -58,7 +58,7 @@ fn as_uninit(d: &mut [f32]) -> &mut [MaybeUninit<f32>] {
 /// [`exp_slice`] into an output that may be uninitialised (every element is written).
 #[inline]
 pub fn exp_into(x: &[f32], d: &mut [MaybeUninit<f32>], negate: bool) {
-    assert_eq!(x.len(), d.len(), "exp_slice: operand and output lengths differ");
+    assert_eq!(x.len(), d.len(), "exp_into: operand and output lengths differ");
     #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
     match vector_path() {
         // SAFETY: `vector_path` saw AVX-512 (F, VL, DQ) and FMA on this CPU; the lengths are
@@ -84,11 +84,6 @@ fn scalar(x: &[f32], d: &mut [MaybeUninit<f32>], negate: bool) {
     for (v, &x) in d.iter_mut().zip(x) {
         v.write(exp(if negate { -x } else { x }));
     }
-}
-
-/// True when a vector path runs ([`vector_path`]).
-pub fn vector_ok() -> bool {
-    vector_path().is_some()
 }
 
 /// The vector kernel [`exp_slice`] runs, if any: glibc on x86-64, the CPU has the kernel's
@@ -186,9 +181,10 @@ mod x86 {
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
-    /// Whether the CPU has what [`exp_avx512`] needs.
+    /// Whether the CPU has what [`exp_avx512`] needs (AVX-512 F, VL, DQ, AVX2, FMA).
     pub fn has_avx512() -> bool {
         is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512dq")
             && is_x86_feature_detected!("fma")
@@ -200,8 +196,7 @@ mod x86 {
     /// microcode fix). Same operations per lane in the same order, so the same bits.
     ///
     /// # Safety
-    /// The CPU must have AVX-512 F, VL, DQ and FMA ([`has_avx512`]); `x` and `d` have equal
-    /// lengths.
+    /// The CPU must have what [`has_avx512`] checks; `x` and `d` have equal lengths.
     #[target_feature(enable = "avx512f,avx512vl,avx512dq,avx2,fma")]
     pub unsafe fn exp_avx512(x: &[f32], d: &mut [MaybeUninit<f32>], negate: bool) {
         let table =

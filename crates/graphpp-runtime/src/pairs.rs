@@ -13,10 +13,13 @@
 //! views (reshape, permute) of such values placed between the two, which move up before `i`.
 //! The execution order is the graph's with each pair's `j` (and the views it needs) moved up
 //! next to its `i`: a topological order, since nothing `j` reads depends on anything moved
-//! past. A pair is kept only if the live-byte accounting over the new order peaks no higher
-//! than over the graph's (the peak report, and the memory model that predicts it, stay true),
-//! and no operand of either product is a collective still in flight (its wait's place in the
-//! order stays where the schedule put it).
+//! past. Both products exist at once, so the live-byte accounting counts a pair as both
+//! produced before either's operands are released (`executor::peak_in_order`); a pair is kept
+//! only if that accounting over the new order peaks exactly where the graph's order does (the
+//! peak report, and the memory model that predicts it from the graph, stay exact). No operand
+//! of either product is a collective still in flight, and no collective start lies between `i`
+//! and `j` (moving `j` past it would start that collective later: an FSDP all-gather or the
+//! overlap graph's exchange would hide less).
 //!
 //! Each product of a pair runs on one thread (`rayon::join` on the rank's pool); gemm's sums do
 //! not depend on its thread count, so the values are the interpreter's bit for bit
@@ -46,12 +49,12 @@ impl Pairs {
 }
 
 /// Pairs the matmuls of `g` (module doc). `runs[v]` is false for a node the program never
-/// computes on its own (a fused group's inner member): such a node never moves. `peak(order)`
-/// is the live-byte accounting's peak over an execution order.
-pub fn plan(g: &Graph, runs: &[bool], peak: impl Fn(&[usize]) -> usize) -> Pairs {
+/// computes on its own (a fused group's inner member): such a node never moves.
+/// `peak(pairs)` is the live-byte accounting's peak over an execution order and its pairs.
+pub fn plan(g: &Graph, runs: &[bool], peak: impl Fn(&Pairs) -> usize) -> Pairs {
     let n = g.nodes.len();
     let mut pairs = Pairs::none(n);
-    let limit = peak(&pairs.order);
+    let limit = peak(&pairs);
     let is_matmul = |v: usize| matches!(g.nodes[v].op, Op::Matmul) && runs[v];
     let mut i = 0;
     while i < n {
@@ -59,7 +62,9 @@ pub fn plan(g: &Graph, runs: &[bool], peak: impl Fn(&[usize]) -> usize) -> Pairs
             i += 1;
             continue;
         }
-        let found = (i + 1..n.min(i + 1 + WINDOW)).filter(|&j| is_matmul(j)).find_map(|j| {
+        // Candidates up to the next collective start (module doc).
+        let end = (i + 1..n.min(i + 1 + WINDOW)).find(|&v| !settled(g, v)).unwrap_or(n.min(i + 1 + WINDOW));
+        let found = (i + 1..end).filter(|&j| is_matmul(j)).find_map(|j| {
             let mut moved = Vec::new();
             let ready = g.nodes[j].inputs.iter().all(|x| ready_before(g, runs, x.0, i, &mut moved));
             ready.then_some((j, moved))
@@ -70,10 +75,11 @@ pub fn plan(g: &Graph, runs: &[bool], peak: impl Fn(&[usize]) -> usize) -> Pairs
         };
         moved.sort_unstable();
         moved.dedup();
-        let order = reorder(&pairs.order, i, j, &moved);
-        if peak(&order) <= limit {
-            pairs.order = order;
-            pairs.partner[i] = Some(j);
+        debug_assert!(moved.iter().all(|&v| !matches!(g.nodes[v].op, Op::Input { .. })), "inputs never move");
+        let mut tried = Pairs { order: reorder(&pairs.order, i, j, &moved), partner: pairs.partner.clone() };
+        tried.partner[i] = Some(j);
+        if peak(&tried) == limit {
+            pairs = tried;
             i = j + 1;
         } else {
             i += 1;
@@ -153,6 +159,30 @@ mod tests {
         assert_eq!(sorted, (0..g.nodes.len()).collect::<Vec<_>>(), "every node once");
     }
 
+    /// No pair spans a collective start (the start would move later); products after it pair.
+    #[test]
+    fn collectives_bound_the_pairs() {
+        use graphpp_graph::{CollectiveKind, CommGroup};
+        let group = CommGroup { name: "dp".into(), size: 2 };
+        let mut b = GraphBuilder::new("g", DType::F32);
+        let a = b.input("a", InputKind::Activation, vec![8, 8]).unwrap();
+        let m1 = b.matmul(a, a).unwrap();
+        let s = b.collective_start(CollectiveKind::AllReduce, &group, 0, a).unwrap();
+        let m2 = b.matmul(a, a).unwrap();
+        let w = b.wait(s).unwrap();
+        let m3 = b.matmul(w, a).unwrap();
+        let m4 = b.matmul(a, a).unwrap();
+        for (name, v) in [("m1", m1), ("m2", m2), ("m3", m3), ("m4", m4), ("w", w)] {
+            b.output(name, v);
+        }
+        let g = b.finish().unwrap();
+        let runs = vec![true; g.nodes.len()];
+        let p = plan(&g, &runs, |_| 0);
+        assert_eq!(p.partner[m1.0], None, "the start lies between m1 and m2");
+        assert_eq!(p.partner[m2.0], Some(m4.0), "m3 reads the wait (after m2); a wait bounds nothing");
+        assert_eq!(p.partner[m3.0], None);
+    }
+
     /// A pair whose order raises the accounted peak is dropped.
     #[test]
     fn a_pair_that_raises_the_peak_is_dropped() {
@@ -166,7 +196,7 @@ mod tests {
         let g = b.finish().unwrap();
         let runs = vec![true; g.nodes.len()];
         let graph_order: Vec<usize> = (0..g.nodes.len()).collect();
-        assert_eq!(plan(&g, &runs, |o| usize::from(o != graph_order)).partner[m1.0], None);
+        assert_eq!(plan(&g, &runs, |p| usize::from(p.order != graph_order)).partner[m1.0], None);
         assert_eq!(plan(&g, &runs, |_| 0).partner[m1.0], Some(m2.0));
     }
 }
