@@ -29,19 +29,34 @@ struct Args {
     torch: Option<String>,
 }
 
+const USAGE: &str = "fwbw [--model small|tiny] [--threads 1,2] [--rounds 3] [--runs 10] [--torch PYTHON]";
+
 fn args() -> Args {
     let mut a = Args { model: "small".into(), threads: vec![1, 2], rounds: 3, runs: 10, torch: None };
+    let bad = |p: String| -> ! { common::exit_with_usage(USAGE, Some(p)) };
+    let num = |k: &str, v: &str| {
+        v.parse::<usize>()
+            .ok()
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| bad(format!("{k} takes a positive number, not {v:?}")))
+    };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
-        let v = it.next().unwrap_or_else(|| panic!("{k} needs a value"));
+        if k == "--help" || k == "-h" {
+            common::exit_with_usage(USAGE, None);
+        }
+        let v = it.next().unwrap_or_else(|| bad(format!("{k} needs a value")));
         match k.as_str() {
             "--model" => a.model = v,
-            "--threads" => a.threads = v.split(',').map(|n| n.parse().expect("--threads 1,2")).collect(),
-            "--rounds" => a.rounds = v.parse().expect("--rounds R"),
-            "--runs" => a.runs = v.parse().expect("--runs K"),
+            "--threads" => a.threads = v.split(',').map(|n| num("--threads", n)).collect(),
+            "--rounds" => a.rounds = num("--rounds", &v),
+            "--runs" => a.runs = num("--runs", &v),
             "--torch" => a.torch = Some(v),
-            _ => panic!("unknown flag {k}"),
+            _ => bad(format!("unknown flag {k}")),
         }
+    }
+    if let Err(e) = LlamaConfig::preset(&a.model) {
+        bad(format!("--model {}: {e}", a.model));
     }
     a
 }
@@ -73,11 +88,18 @@ fn time_torch(python: &str, a: &Args, threads: usize) -> f64 {
     let out = std::process::Command::new(python)
         .args([script, "--model", &a.model, "--runs", &a.runs.to_string(), "--threads", &threads.to_string()])
         .output()
-        .expect("runs python");
+        .unwrap_or_else(|e| {
+            eprintln!("error: cannot run {python}: {e}");
+            std::process::exit(1)
+        });
     let text = String::from_utf8_lossy(&out.stdout);
     let ms = text.split("median ").nth(1).and_then(|r| r.split(' ').next()).and_then(|x| x.parse().ok());
     ms.unwrap_or_else(|| {
-        panic!("no median in torch's output: {text}{}", String::from_utf8_lossy(&out.stderr))
+        eprintln!(
+            "error: no timing from {python} {script} (does that python have torch?):\n{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::process::exit(1)
     })
 }
 

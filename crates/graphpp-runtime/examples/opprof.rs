@@ -52,13 +52,26 @@ fn main() {
     ]
     .map(|(k, v)| (k.to_string(), v.to_string()))
     .into();
+    const USAGE: &str =
+        "opprof [--model tiny|small] [--batch 8] [--seq-len 64] [--threads 1] [--runs 10] [--top 30]";
+    let bad = |p: String| -> ! { common::exit_with_usage(USAGE, Some(p)) };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
+        if k == "--help" || k == "-h" {
+            common::exit_with_usage(USAGE, None);
+        }
         let key = k.trim_start_matches("--").to_string();
-        assert!(a.contains_key(&key), "unknown flag {k}");
-        a.insert(key, it.next().unwrap_or_else(|| panic!("{k} needs a value")));
+        if !a.contains_key(&key) {
+            bad(format!("unknown flag {k}"));
+        }
+        a.insert(key, it.next().unwrap_or_else(|| bad(format!("{k} needs a value"))));
     }
-    let num = |k: &str| a[k].parse::<usize>().unwrap_or_else(|_| panic!("--{k} takes a number"));
+    let num = |k: &str| {
+        a[k].parse::<usize>().unwrap_or_else(|_| bad(format!("--{k} takes a number, not {:?}", a[k])))
+    };
+    if let Err(e) = LlamaConfig::preset(&a["model"]) {
+        bad(format!("--model {}: {e}", a["model"]));
+    }
     // As `graphpp train --threads-per-rank N` (graphpp::cmd::set_op_threads).
     let threads = num("threads").max(1);
     std::env::set_var("CANDLE_NUM_THREADS", "1");

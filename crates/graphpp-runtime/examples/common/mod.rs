@@ -8,6 +8,21 @@ use graphpp_models::{build_stage, init_parameters, split_layers, stage_buffers, 
 use graphpp_runtime::executor::{tensor_from_f64, tensor_u32};
 use std::collections::HashMap;
 
+/// Prints `problem` (if any) and the example's `usage` line, then exits: 0 for `--help`, 2 for
+/// a bad command line.
+pub fn exit_with_usage(usage: &str, problem: Option<String>) -> ! {
+    match problem {
+        Some(p) => {
+            eprintln!("error: {p}\nusage: {usage}");
+            std::process::exit(2)
+        }
+        None => {
+            println!("usage: {usage}");
+            std::process::exit(0)
+        }
+    }
+}
+
 /// Tensors by input name.
 pub type Env = HashMap<String, Tensor>;
 
