@@ -39,16 +39,12 @@ impl Accumulators {
     /// # Errors
     /// candle's, for a gradient whose shape or dtype differs from the sum's.
     pub fn add(&mut self, name: &str, g: Tensor, scale: Option<f32>) -> candle_core::Result<()> {
-        let scaled = |g: Tensor| match scale {
-            Some(s) => g.affine(f64::from(s), 0.0),
-            None => Ok(g),
-        };
         let Some(acc) = self.sums.get(name) else {
             // Scaling makes a new tensor: owned. Unscaled, `g` is kept as it came.
             if scale.is_some() {
                 self.owned.insert(name.to_string());
             }
-            self.sums.insert(name.to_string(), scaled(g)?);
+            self.sums.insert(name.to_string(), scaled(g, scale)?);
             return Ok(());
         };
         let in_place = self.owned.contains(name)
@@ -60,7 +56,7 @@ impl Accumulators {
         if in_place {
             return acc.inplace_op2(&g, &AddScaled { scale });
         }
-        let sum = acc.add(&scaled(g)?)?;
+        let sum = acc.add(&scaled(g, scale)?)?;
         self.owned.insert(name.to_string());
         self.sums.insert(name.to_string(), sum);
         Ok(())
@@ -76,6 +72,17 @@ impl Accumulators {
     pub fn take(&mut self) -> HashMap<String, Tensor> {
         self.owned.clear();
         std::mem::take(&mut self.sums)
+    }
+}
+
+/// `g · scale` (candle's affine: a new tensor), or `g` itself without a scale.
+///
+/// # Errors
+/// candle's.
+pub fn scaled(g: Tensor, scale: Option<f32>) -> candle_core::Result<Tensor> {
+    match scale {
+        Some(s) => g.affine(f64::from(s), 0.0),
+        None => Ok(g),
     }
 }
 
@@ -155,6 +162,15 @@ mod tests {
         Tensor::from_slice(v, v.len(), &Device::Cpu).unwrap()
     }
 
+    /// The allocating form the accumulators replace: `want + g · scale` (or `g · scale` first).
+    fn allocating(want: Option<Tensor>, g: &Tensor, scale: Option<f32>) -> Tensor {
+        let s = scaled(g.clone(), scale).unwrap();
+        match want {
+            Some(w) => w.add(&s).unwrap(),
+            None => s,
+        }
+    }
+
     fn bits(t: &Tensor) -> Vec<u32> {
         t.to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
     }
@@ -181,14 +197,7 @@ mod tests {
                 let pool = crate::threads::rank_pool(0, pool).unwrap();
                 for g in &special {
                     let g = if want.is_none() { first.clone() } else { t(g) };
-                    let s = match scale {
-                        Some(s) => g.affine(f64::from(s), 0.0).unwrap(),
-                        None => g.clone(),
-                    };
-                    want = Some(match want {
-                        Some(w) => w.add(&s).unwrap(),
-                        None => s,
-                    });
+                    want = Some(allocating(want, &g, scale));
                     pool.install(|| acc.add("w", g, scale)).unwrap();
                     assert_eq!(bits(&acc.sums()["w"]), bits(want.as_ref().unwrap()), "{scale:?}");
                 }
@@ -219,14 +228,7 @@ mod tests {
             for k in 0..4 {
                 let g = raw(k);
                 assert!(!g.is_contiguous());
-                let s = match scale {
-                    Some(s) => g.affine(f64::from(s), 0.0).unwrap(),
-                    None => g.clone(),
-                };
-                want = Some(match want {
-                    Some(w) => w.add(&s).unwrap(),
-                    None => s,
-                });
+                want = Some(allocating(want, &g, scale));
                 acc.add("w", g, scale).unwrap();
                 let flat = |t: &Tensor| bits(&t.flatten_all().unwrap());
                 assert_eq!(flat(&acc.sums()["w"]), flat(want.as_ref().unwrap()), "{scale:?}, gradient {k}");

@@ -541,6 +541,9 @@ fn exec(
                 });
             }
             Value::Ready(t)
+        } else if let Some((_, t)) = early.take_if(|(j, _)| *j == i) {
+            // A pair's second value, computed beside the first.
+            Value::Ready(t)
         } else {
             let group = program.and_then(|p| p.fusion.member_of[i].map(|g| &p.fusion.groups[g]));
             let reads = match group {
@@ -561,17 +564,8 @@ fn exec(
                     vals[x.0] = Some(Value::Ready(t));
                 }
             }
-            let args: Vec<&Tensor> = reads
-                .iter()
-                .map(|x| match &vals[x.0] {
-                    Some(Value::Ready(t)) => t,
-                    _ => unreachable!("live operand, completed above"),
-                })
-                .collect();
+            let args = operands(&vals, reads);
             match (&node.op, group) {
-                _ if early.as_ref().is_some_and(|(j, _)| *j == i) => {
-                    Value::Ready(early.take().expect("matched above").1)
-                }
                 (_, Some(g)) => Value::Ready(g.eval(&args).map_err(|e| kernel_error(graph, i, e))?),
                 (Op::CollectiveStart { kind, group, axis }, None) => {
                     start(comm, *kind, group, *axis, &args, i).map_err(|e| collective_error(graph, i, e))?
@@ -584,7 +578,11 @@ fn exec(
                     let p = program.expect("matched above");
                     match p.pairs.partner[i] {
                         Some(j) => {
-                            let (vi, vj) = matmul_pair(graph, [i, j], [&args, &operands(&vals, j, graph)])?;
+                            let (vi, vj) = matmul_pair(
+                                graph,
+                                [i, j],
+                                [&args, &operands(&vals, &graph.nodes[j].inputs)],
+                            )?;
                             early = Some((j, vj));
                             Value::Ready(vi)
                         }
@@ -602,10 +600,8 @@ fn exec(
         }
         vals[i] = Some(value);
         match program {
-            // The first of a pair is released with its partner: both values exist at once.
-            Some(p) if p.pairs.partner[i].is_some() => deferred = Some(i),
             Some(p) => {
-                for k in deferred.take().into_iter().chain([i]) {
+                for k in released(i, &p.pairs.partner, &mut deferred) {
                     live.release(k, &graph.nodes[k].inputs, |_| {});
                     for &j in &p.frees[k] {
                         vals[j] = None;
@@ -650,7 +646,7 @@ fn finish(
 /// The peak live bytes a run of `graph` reports ([`RunReport::peak_live_bytes`]), from the
 /// value types alone: the same accounting (module doc), without running anything. Exact for
 /// every graph whose value shapes are static (all of graphpp's); a compiled [`Program`] runs
-/// the nodes in another order only where that order peaks no higher ([`crate::pairs`]).
+/// the nodes in another order only where that order peaks exactly as high ([`crate::pairs`]).
 pub fn peak_live_bytes(graph: &Graph) -> usize {
     let n = graph.nodes.len();
     peak_in_order(graph, &(0..n).collect::<Vec<_>>(), &vec![None; n])
@@ -664,26 +660,37 @@ fn peak_in_order(graph: &Graph, order: &[usize], partner: &[Option<usize>]) -> u
     let mut deferred = None;
     for &i in order {
         live.produce(i);
-        if partner[i].is_some() {
-            deferred = Some(i);
-            continue;
+        for k in released(i, partner, &mut deferred) {
+            live.release(k, &graph.nodes[k].inputs, |_| {});
         }
-        if let Some(first) = deferred.take() {
-            live.release(first, &graph.nodes[first].inputs, |_| {});
-        }
-        live.release(i, &graph.nodes[i].inputs, |_| {});
     }
     live.peak
 }
 
-/// Node `j`'s operands, all computed and complete ([`crate::pairs`] pairs only such a node).
-fn operands<'a>(vals: &'a [Option<Value>], j: usize, graph: &Graph) -> Vec<&'a Tensor> {
-    graph.nodes[j]
-        .inputs
+/// The nodes whose operands are released once node `i` has run: none after the first of a pair
+/// (kept in `deferred`), both after its partner, else `i` — a pair's two values exist at once
+/// ([`crate::pairs`]). The one rule of the run ([`exec`]) and its accounting ([`peak_in_order`]).
+fn released(
+    i: usize,
+    partner: &[Option<usize>],
+    deferred: &mut Option<usize>,
+) -> impl Iterator<Item = usize> {
+    if partner[i].is_some() {
+        *deferred = Some(i);
+        None.into_iter().chain(None)
+    } else {
+        deferred.take().into_iter().chain(Some(i))
+    }
+}
+
+/// The values `reads`, each computed and complete (an operand in flight is completed before it
+/// is read; a pair's second node reads only values computed before the first).
+fn operands<'a>(vals: &'a [Option<Value>], reads: &[ValueId]) -> Vec<&'a Tensor> {
+    reads
         .iter()
         .map(|x| match &vals[x.0] {
             Some(Value::Ready(t)) => t,
-            _ => unreachable!("a pair's operands are computed before it"),
+            _ => unreachable!("live operand, completed before it is read"),
         })
         .collect()
 }

@@ -177,7 +177,7 @@ const COEFFICIENTS: [f64; 3] = [
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
 mod x86 {
-    use super::{exp, COEFFICIENTS, HIGH, INV_LN2_N, LOW, SHIFT, TABLE};
+    use super::{COEFFICIENTS, HIGH, INV_LN2_N, LOW, SHIFT, TABLE};
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
@@ -243,14 +243,10 @@ mod x86 {
             unsafe { _mm256_storeu_ps(d.as_mut_ptr().cast::<f32>().add(i), out) };
             let inside = _mm256_cmp_ps_mask::<_CMP_GE_OQ>(xs, lo) & _mm256_cmp_ps_mask::<_CMP_LE_OQ>(xs, hi);
             if inside | under | over != 0xff {
-                for j in i..i + 8 {
-                    d[j].write(exp(if negate { -x[j] } else { x[j] }));
-                }
+                super::scalar(&x[i..i + 8], &mut d[i..i + 8], negate);
             }
         }
-        for j in n..x.len() {
-            d[j].write(exp(if negate { -x[j] } else { x[j] }));
-        }
+        super::scalar(&x[n..], &mut d[n..], negate);
     }
 
     /// [`super::exp_slice`] four lanes at a time: each as `__expf_fma` computes it (the multiply
@@ -302,14 +298,10 @@ mod x86 {
             // Lanes in neither range nor the vector one (NaN compares false: it is one of them).
             let inside = _mm_and_ps(_mm_cmpge_ps(xs, lo), _mm_cmple_ps(xs, hi));
             if _mm_movemask_ps(_mm_or_ps(inside, _mm_or_ps(under, over))) != 0b1111 {
-                for j in i..i + 4 {
-                    d[j].write(exp(if negate { -x[j] } else { x[j] }));
-                }
+                super::scalar(&x[i..i + 4], &mut d[i..i + 4], negate);
             }
         }
-        for j in n..x.len() {
-            d[j].write(exp(if negate { -x[j] } else { x[j] }));
-        }
+        super::scalar(&x[n..], &mut d[n..], negate);
     }
 }
 

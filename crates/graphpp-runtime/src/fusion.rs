@@ -345,9 +345,7 @@ impl Group {
                     v.write(value);
                 }),
                 Instr::Unary { f, x } => unary(f, reg(x), d),
-                Instr::Affine { mul, add, x } => d.iter_mut().zip(reg(x)).for_each(|(v, &x)| {
-                    v.write(x * mul + add);
-                }),
+                Instr::Affine { mul, add, x } => map(reg(x), d, |x| x * mul + add),
                 Instr::Binary { f, a, b } => binary(f, reg(a), reg(b), d),
             }
         }

@@ -657,12 +657,8 @@ impl GraphStages {
 
     /// `g` times [`Self::scale`] (a new tensor), or `g` itself.
     fn scaled(&self, t: Task, g: Tensor) -> Result<Tensor, StageError> {
-        match self.scale(t)? {
-            Some(s) => {
-                g.affine(f64::from(s), 0.0).map_err(|source| StageError::Tensor { stage: t.stage, source })
-            }
-            None => Ok(g),
-        }
+        crate::accumulate::scaled(g, self.scale(t)?)
+            .map_err(|source| StageError::Tensor { stage: t.stage, source })
     }
 
     /// Accumulates the `grad.<param>` outputs (in place, [`Accumulators`]); returns
