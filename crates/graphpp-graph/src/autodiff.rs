@@ -231,9 +231,22 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
             }
             out
         }
+        // One node computes the three gradients (Dao et al. 2022, Algorithm 2); each is a slice
+        // of its stacked output. The mask (a buffer) gets none.
+        Op::Attention { scale } => {
+            let st = b.attention_backward(x(0), x(1), x(2), x(3), y, g, *scale)?;
+            let q = shape(x(0));
+            let mut grads = Vec::with_capacity(4);
+            for i in 0..3 {
+                let d = b.slice(st, 0, i, i + 1)?;
+                grads.push(Some(b.reshape(d, q.clone())?));
+            }
+            grads.push(None);
+            grads
+        }
         // y = x − ln Σ exp(x): dx = g − softmax(x) · Σ_axis g, softmax(x) = exp(y).
         Op::LogSoftmax { axis } => vec![Some(b.log_softmax_backward(y, g, *axis)?)],
-        Op::SoftmaxBackward { .. } | Op::LogSoftmaxBackward { .. } => {
+        Op::SoftmaxBackward { .. } | Op::LogSoftmaxBackward { .. } | Op::AttentionBackward { .. } => {
             return Err(GraphError::Autodiff {
                 at: at(fw, y),
                 reason: format!("{} has no VJP (second derivatives of softmax)", n.op.mnemonic()),

@@ -197,6 +197,33 @@ impl GraphBuilder {
     pub fn softmax_backward(&mut self, y: ValueId, g: ValueId, axis: usize, scale: f64) -> Result<ValueId> {
         self.add(Op::SoftmaxBackward { axis, scale }, &[y, g])
     }
+    /// `softmax(scale · q kᵀ + mask) v` ([`Op::Attention`]): q, k, v `[B, H, T, E]`, mask
+    /// `[T, T]` of q's wide dtype.
+    pub fn attention(
+        &mut self,
+        q: ValueId,
+        k: ValueId,
+        v: ValueId,
+        mask: ValueId,
+        scale: f64,
+    ) -> Result<ValueId> {
+        self.add(Op::Attention { scale }, &[q, k, v, mask])
+    }
+    /// The stacked gradients `[3, B, H, T, E]` of q, k, v of an [`Op::Attention`] with output
+    /// `o` and output gradient `g` ([`Op::AttentionBackward`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward(
+        &mut self,
+        q: ValueId,
+        k: ValueId,
+        v: ValueId,
+        mask: ValueId,
+        o: ValueId,
+        g: ValueId,
+        scale: f64,
+    ) -> Result<ValueId> {
+        self.add(Op::AttentionBackward { scale }, &[q, k, v, mask, o, g])
+    }
     /// RoPE's rotate-half along the last axis ([`Op::RotateHalf`]).
     pub fn rotate_half(&mut self, x: ValueId) -> Result<ValueId> {
         self.add(Op::RotateHalf, &[x])

@@ -186,8 +186,10 @@ impl Graph {
         v
     }
 
-    /// Multiply-add FLOPs of the matmuls (2·m·n·k per batch element) and the MoE segment matmuls
-    /// (2·R·N·K over all segments) and their weight gradients — a cost estimate for `--stats`.
+    /// Multiply-add FLOPs of the matmuls (2·m·n·k per batch element), the MoE segment matmuls
+    /// (2·R·N·K over all segments) and their weight gradients, and the products inside attention
+    /// nodes (forward `4·T²·E`, backward `10·T²·E` per batch element and head, the mask not
+    /// skipped) — a cost estimate for `--stats`.
     pub fn matmul_flops(&self) -> u64 {
         self.nodes
             .iter()
@@ -198,6 +200,12 @@ impl Graph {
                     Op::Matmul | Op::SegmentMatmul { .. } => {
                         Some(2 * *a().last()? as u64 * n.ty.numel() as u64)
                     }
+                    // q kᵀ and P v, each 2·T·T·E per (batch, head): 4·T per output element
+                    // (the whole T × T, masked or not).
+                    Op::Attention { .. } => Some(4 * n.ty.shape[2] as u64 * n.ty.numel() as u64),
+                    // The scores again, g vᵀ, Pᵀ g, dS k and dSᵀ q: five products, 10·T per
+                    // element of one of the three stacked gradients.
+                    Op::AttentionBackward { .. } => Some(10 * n.ty.shape[3] as u64 * n.ty.numel() as u64 / 3),
                     // out [E, N, K] sums over the R rows: 2·R·N·K in all.
                     Op::SegmentOuter => {
                         Some(2 * *a().first()? as u64 * (n.ty.numel() as u64 / n.ty.shape[0].max(1) as u64))

@@ -102,6 +102,30 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             })?;
             Ok(ins[0].clone())
         }
+        Op::Attention { .. } | Op::AttentionBackward { .. } => {
+            arity(op, ins, if matches!(op, Op::Attention { .. }) { 4 } else { 6 })?;
+            let q = ins[0];
+            float(q)?;
+            need(q.shape.len() == 4, || format!("{} needs q [B, H, T, E], got {q}", op.mnemonic()))?;
+            let t = q.shape[2];
+            for (name, x) in [("k", ins[1]), ("v", ins[2])].into_iter().chain(ins.get(4).map(|o| ("o", *o))) {
+                need(x == q, || format!("{} needs {name} like q: {x} vs {q}", op.mnemonic()))?;
+            }
+            if let Some(g) = ins.get(5) {
+                need(*g == q, || format!("{} needs g like q: {g} vs {q}", op.mnemonic()))?;
+            }
+            let mask = ins[3];
+            need(mask.dtype == q.dtype.wide() && mask.shape == [t, t], || {
+                format!("{} needs a mask [{t}, {t}] of {}, got {mask}", op.mnemonic(), q.dtype.wide())
+            })?;
+            Ok(match op {
+                Op::Attention { .. } => q.clone(),
+                _ => TensorType::new(
+                    q.dtype,
+                    [3].into_iter().chain(q.shape.iter().copied()).collect::<Vec<usize>>(),
+                ),
+            })
+        }
         Op::Matmul => {
             arity(op, ins, 2)?;
             float(ins[0])?;

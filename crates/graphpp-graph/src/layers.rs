@@ -265,17 +265,11 @@ pub fn causal_attention(
     let k = rope(b, k, cos, sin)?;
     let k = repeat_kv(b, k, dims.heads)?;
     let v = repeat_kv(b, v, dims.heads)?;
-    let kt = b.transpose_last(k)?;
-    let scores = b.matmul(q, kt)?;
-    // Scale, mask and softmax in one node, in the wide dtype (f32 for bf16). HF's softmax runs in
-    // f32 too (`softmax(…, dtype=torch.float32)`), but it scales and masks in bf16 first; here
-    // those run in f32 as well (one rounding fewer).
-    let dtype = b.ty(scores).dtype;
-    let scores = b.cast(scores, dtype.wide())?;
-    let mask = b.cast(mask, dtype.wide())?;
-    let p = b.softmax_masked(scores, mask, 1.0 / (hd as f64).sqrt(), 3)?;
-    let p = b.cast(p, dtype)?;
-    let o = b.matmul(p, v)?;
+    // Scores, mask, softmax (in the wide dtype: f32 for bf16, as HF's
+    // `softmax(…, dtype=torch.float32)`) and the weighted sum of v in one node, whose backward
+    // saves no [B, H, T, T] probabilities.
+    let mask = b.cast(mask, b.ty(q).dtype.wide())?;
+    let o = b.attention(q, k, v, mask, 1.0 / (hd as f64).sqrt())?;
     let o = b.permute(o, vec![0, 2, 1, 3])?;
     let o = b.reshape(o, vec![bsz, t, dims.heads * hd])?;
     b.push_scope("o_proj");

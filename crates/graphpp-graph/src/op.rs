@@ -157,6 +157,23 @@ pub enum Op {
     /// `(y, g)` → `g − exp(y) ⊙ Σ_axis g`: the VJP of [`Op::LogSoftmax`] with output `y` and
     /// output gradient `g` (same shape and dtype). Has no VJP of its own.
     LogSoftmaxBackward { axis: usize },
+    /// Scaled dot-product self-attention in one node (Vaswani et al. 2017, eq. 1):
+    /// `(q, k, v [B, H, T, E], mask [T, T])` → `o = softmax(scale · q kᵀ + mask) v`
+    /// `[B, H, T, E]`, the softmax over the key axis with an additive mask (0 where a query sees a
+    /// key, −1e9 where it does not: the causal mask), the products in the operands' dtype and
+    /// the softmax in its [`DType::wide`] (as the composition matmul, cast, [`Op::Softmax`],
+    /// cast, matmul; the mask is of the wide dtype). One node so that the `[B, H, T, T]`
+    /// probabilities are never saved for the backward, which reads only q, k, v, the mask and
+    /// o ([`Op::AttentionBackward`]) and a runtime may run it blocked, never holding more than a
+    /// tile of the scores (FlashAttention: Dao et al. 2022, Algorithm 1; the online softmax of
+    /// Milakov & Gimelshein 2018). The mask gets no gradient.
+    Attention { scale: f64 },
+    /// `(q, k, v, mask, o, g)` → `[3, B, H, T, E]`: the gradients of q, k and v (in that order
+    /// along the new leading axis) of the [`Op::Attention`] with those operands, output `o` and
+    /// output gradient `g`: with `P = softmax(scale · q kᵀ + mask)`, `dv = Pᵀ g`,
+    /// `dS = scale · P ⊙ (g vᵀ − rowsum(g ⊙ o))`, `dq = dS k`, `dk = dSᵀ q` (Dao et al. 2022,
+    /// Algorithm 2, with `D = rowsum(g ⊙ o)`). Has no VJP of its own.
+    AttentionBackward { scale: f64 },
     /// RoPE's rotate-half along the last axis (of even length `2h`; Hugging Face Llama's
     /// `rotate_half`): `y[…, i] = −x[…, i + h]` for `i < h`, `x[…, i − h]` for `i ≥ h`. One
     /// node instead of two slices, a negation and a concatenation; its VJP is `−rotate_half(g)`.
@@ -228,6 +245,8 @@ impl Op {
             Op::RotateHalf => "rotate_half".into(),
             Op::LogSoftmax { .. } => "log_softmax".into(),
             Op::LogSoftmaxBackward { .. } => "log_softmax_backward".into(),
+            Op::Attention { .. } => "attention".into(),
+            Op::AttentionBackward { .. } => "attention_backward".into(),
             Op::Matmul => "matmul".into(),
             Op::Reshape { .. } => "reshape".into(),
             Op::Permute { .. } => "permute".into(),
@@ -274,6 +293,7 @@ impl Op {
             Op::Softmax { axis, scale } | Op::SoftmaxBackward { axis, scale } => {
                 vec![format!("axis={axis}"), format!("scale={scale}")]
             }
+            Op::Attention { scale } | Op::AttentionBackward { scale } => vec![format!("scale={scale}")],
             Op::SortByExpert { experts } => vec![format!("experts={experts}")],
             Op::Bincount { bins } => vec![format!("bins={bins}")],
             Op::SegmentMatmul { transpose } => vec![format!("transpose={transpose}")],

@@ -25,7 +25,8 @@ pub enum RecomputePolicy {
     /// Save nothing but the stage inputs: the backward recomputes the whole forward it needs
     /// (full activation checkpointing of the stage).
     SaveStageInputs,
-    /// Save matmul outputs only; recompute the cheap elementwise and layout ops (selective).
+    /// Save matmul (and attention) outputs only; recompute the cheap elementwise and layout ops
+    /// (selective).
     SaveMatmuls,
     /// Save values whose scope starts with one of these prefixes.
     SaveScopes(Vec<String>),
@@ -42,7 +43,9 @@ impl RecomputePolicy {
         match self {
             RecomputePolicy::SaveAll => true,
             RecomputePolicy::SaveStageInputs => false,
-            RecomputePolicy::SaveMatmuls => matches!(n.op, Op::Matmul | Op::SegmentMatmul { .. }),
+            RecomputePolicy::SaveMatmuls => {
+                matches!(n.op, Op::Matmul | Op::SegmentMatmul { .. } | Op::Attention { .. })
+            }
             RecomputePolicy::SaveScopes(prefixes) => {
                 prefixes.iter().any(|p| n.meta.scope.starts_with(p.as_str()))
             }

@@ -6,9 +6,10 @@
 //! All figures are f32 (4 bytes a value) with token ids u32. With `B` sequences of `T` tokens,
 //! `D = hidden_size`, `F = intermediate_size`, `H = num_attention_heads`, `V = vocab_size`:
 //! - activations saved from the forward for the backward, per decoder layer,
-//!   `4·B·(T·(13·D + 5·F + 4) + H·T²)` bytes (residual stream, norms, q/k/v and their
-//!   rotations, the attention probabilities per head — the softmax is one node whose backward
-//!   reads only its output —, the SwiGLU intermediates); plus `4·B·T` for the token ids on the
+//!   `4·B·T·(13·D + H·hd + 5·F + 4)` bytes (residual stream, norms, q/k/v and their rotations,
+//!   the attention output `H·hd` per token, the SwiGLU intermediates; no `[B, H, T, T]`
+//!   probabilities: attention is one node whose backward recomputes them,
+//!   [`graphpp_graph::Op::Attention`]); plus `4·B·T` for the token ids on the
 //!   first stage and `4·B·T·(V + 3·D + 3)` for the final norm, the log-probabilities (one
 //!   log-softmax node) and the loss on the last stage. This is exactly what the graphs save
 //!   under `RecomputePolicy::SaveAll` (tested against [`crate::stage_graph_set`]);
@@ -26,14 +27,10 @@ const F32: u128 = 4;
 /// counting the stage's input as saved. Saturating.
 pub fn stage_activation_bytes(cfg: &LlamaConfig, spec: &StageSpec, batch: usize, seq: usize) -> u128 {
     let (b, t) = (batch as u128, seq as u128);
-    let (d, f, h, v) = (
-        cfg.hidden_size as u128,
-        cfg.intermediate_size as u128,
-        cfg.num_attention_heads as u128,
-        cfg.vocab_size as u128,
-    );
-    let per_token_layer = 13 * d + 5 * f + 4;
-    let layer = t.saturating_mul(per_token_layer).saturating_add(h.saturating_mul(t).saturating_mul(t));
+    let (d, f, v) = (cfg.hidden_size as u128, cfg.intermediate_size as u128, cfg.vocab_size as u128);
+    let heads = (cfg.num_attention_heads * cfg.head_dim()) as u128;
+    let per_token_layer = 13 * d + heads + 5 * f + 4;
+    let layer = t.saturating_mul(per_token_layer);
     let mut values = layer.saturating_mul(spec.layers.len() as u128);
     if spec.is_first() {
         values = values.saturating_add(t);
@@ -154,10 +151,11 @@ mod tests {
     #[test]
     fn tiny_figures() {
         let tiny = LlamaConfig::tiny();
-        // graphpp graph --stats: 2135040 bytes per microbatch at B=1, T=64.
-        assert_eq!(model_activation_bytes(&tiny, 1, 64), 2_135_040);
-        // --microbatch-size 100000: 214 GB for one microbatch.
-        assert_eq!(model_activation_bytes(&tiny, 100_000, 64), 213_504_000_000);
+        // graphpp graph --stats: 1938432 bytes per microbatch at B=1, T=64 (2135040 while the
+        // attention probabilities, 4 heads × 64² per layer, were saved instead of the output).
+        assert_eq!(model_activation_bytes(&tiny, 1, 64), 1_938_432);
+        // --microbatch-size 100000: 194 GB for one microbatch.
+        assert_eq!(model_activation_bytes(&tiny, 100_000, 64), 193_843_200_000);
         // --seq-len 100000: the mask alone is 10^10 values (40 GB in f32, 80 GB in f64).
         assert_eq!(buffer_bytes(&tiny, 100_000), 4 * (100_000u128 * 100_000 + 2 * 100_000 * 16));
         assert_eq!(parameter_count(&tiny), 234_048);

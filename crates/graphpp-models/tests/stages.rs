@@ -231,6 +231,11 @@ fn bf16_stage_graphs_say_where_precision_changes() {
                 Op::Unary { .. } | Op::Sum { .. } | Op::Max { .. } if n.meta.scope == "model.norm" => {
                     assert_eq!(d, DType::F32)
                 }
+                // Its products in bf16, its softmax in f32 (the mask it adds is f32).
+                Op::Attention { .. } => {
+                    assert_eq!(d, DType::BF16, "attention in {}", n.meta.scope);
+                    assert_eq!(g.node(n.inputs[3]).ty.dtype, DType::F32, "mask in {}", n.meta.scope)
+                }
                 Op::Softmax { .. } | Op::Unary { f: UnaryOp::Exp } | Op::Sum { .. } | Op::Max { .. }
                     if n.meta.scope.ends_with("self_attn") =>
                 {
@@ -244,11 +249,11 @@ fn bf16_stage_graphs_say_where_precision_changes() {
         }
     }
     // 1 embedding cast + 9 per layer (7 weights + 2 norms) + 1 per RMSNorm down and 1 up +
-    // 3 per softmax (scores and mask up, probabilities down); last stage: + final norm weight,
-    // lm_head, norm casts and the logits cast.
+    // 1 per attention (the mask up: the node runs its softmax in f32); last stage: + final
+    // norm weight, lm_head, norm casts and the logits cast.
     let casts = |g: &graphpp_graph::Graph| g.nodes.iter().filter(|n| matches!(n.op, Op::Cast { .. })).count();
-    assert_eq!(casts(&first), 1 + 2 * (9 + 4 + 3));
-    assert_eq!(casts(&last), 2 * (9 + 4 + 3) + 2 + 2 + 1);
+    assert_eq!(casts(&first), 1 + 2 * (9 + 4 + 1));
+    assert_eq!(casts(&last), 2 * (9 + 4 + 1) + 2 + 2 + 1);
     let dtype_of = |g: &graphpp_graph::Graph, name: &str| g.node(g.output_by_name(name).unwrap()).ty.dtype;
     assert_eq!(dtype_of(&first, "output"), DType::BF16);
     assert_eq!(dtype_of(&last, "loss"), DType::F32);

@@ -31,6 +31,8 @@ fn row(g: &Graph, i: usize) -> String {
         Op::Max { axis, .. } => format!("Max axis {axis} {}", dims(n.inputs[0])),
         Op::Softmax { axis, .. } => format!("Softmax axis {axis} {}", dims(n.inputs[0])),
         Op::SoftmaxBackward { axis, .. } => format!("SoftmaxBackward axis {axis} {}", dims(n.inputs[0])),
+        Op::Attention { .. } => format!("Attention {}", dims(n.inputs[0])),
+        Op::AttentionBackward { .. } => format!("AttentionBackward {}", dims(n.inputs[0])),
         Op::RotateHalf => format!("RotateHalf {:?}", n.ty.shape),
         Op::LogSoftmax { axis } => format!("LogSoftmax axis {axis} {}", dims(n.inputs[0])),
         Op::LogSoftmaxBackward { axis } => format!("LogSoftmaxBackward axis {axis} {}", dims(n.inputs[0])),

@@ -824,7 +824,7 @@ impl candle_core::CustomOp1 for SigmoidOp {
 /// contiguous (a transposed weight) is copied first, as gemm reads it faster so and a compiled
 /// program reads its kept copy ([`crate::transposed`]: the same bits); operands whose layout
 /// candle's matmul cannot take (e.g. a permuted 4-D view) are made contiguous first.
-fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     let copied;
     let b = if b.rank() >= 2 && b.stride()[b.rank() - 1] != 1 && b.dims()[b.rank() - 1] > 1 {
         copied = b.contiguous()?;
@@ -1156,6 +1156,10 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
         }
         Op::Softmax { axis, scale } => crate::softmax::softmax(a[0], a.get(1).copied(), *axis, *scale)?,
         Op::SoftmaxBackward { axis, scale } => crate::softmax::softmax_backward(a[0], a[1], *axis, *scale)?,
+        Op::Attention { scale } => crate::attention::attention(a[0], a[1], a[2], a[3], *scale)?,
+        Op::AttentionBackward { scale } => {
+            crate::attention::attention_backward(a[0], a[1], a[2], a[3], a[4], a[5], *scale)?
+        }
         Op::RotateHalf => rotate_half(a[0])?,
         Op::LogSoftmax { axis } => crate::softmax::log_softmax(a[0], *axis)?,
         Op::LogSoftmaxBackward { axis } => crate::softmax::log_softmax_backward(a[0], a[1], *axis)?,

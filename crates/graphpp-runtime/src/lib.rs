@@ -3,6 +3,7 @@
 //! executor. See `docs/ARCHITECTURE.md`, "Runtime".
 
 pub mod accumulate;
+pub mod attention;
 pub mod build;
 pub mod clip;
 pub mod comm;

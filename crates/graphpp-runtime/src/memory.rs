@@ -340,10 +340,10 @@ mod tests {
         let shape = Shape::new(2, 2, 8);
         let e = check_step_with(&tiny, Kind::Zbv, &shape, (100_000, 64), false, budget(96)).unwrap_err();
         let SizeError::Memory(short) = &e else { panic!("{e:?}") };
-        assert_eq!(short.need.activations, 213_504_000_000);
+        assert_eq!(short.need.activations, 193_843_200_000);
         let text = e.to_string();
         assert!(
-            text.contains("B=100000") && text.contains("214 GB") && text.contains("96 GB for the test"),
+            text.contains("B=100000") && text.contains("194 GB") && text.contains("96 GB for the test"),
             "{text}"
         );
         // The default shape of `graphpp train` fits in a few MB.

@@ -321,7 +321,7 @@ fn rows(first: usize, x: &[f32], mask: Option<&[f32]>, n: usize, scale: f32, y: 
 /// The largest element of `v`, ignoring NaN (−∞ if all are NaN): eight running maxima, then
 /// theirs. A maximum is exact, so the order only decides between −0.0 and +0.0, which give the
 /// same `e^(x − m)`.
-fn max(v: &[f32]) -> f32 {
+pub(crate) fn max(v: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 8];
     let mut chunks = v.chunks_exact(8);
     for c in &mut chunks {
@@ -336,7 +336,7 @@ fn max(v: &[f32]) -> f32 {
 }
 
 /// `Σ v` in the fixed order of the module doc.
-fn sum(v: &[f32]) -> f32 {
+pub(crate) fn sum(v: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let mut chunks = v.chunks_exact(8);
     for c in &mut chunks {

@@ -58,7 +58,8 @@ impl<T: Copy> PerKind<T> {
 pub struct Work {
     /// Multiply-add FLOPs of the matmuls ([`Graph::matmul_flops`]).
     pub flops: u64,
-    /// Logical bytes of the values of every node that is neither an input nor a matmul.
+    /// Logical bytes of the values of every node that is neither an input nor a matmul (nor an
+    /// attention node: its products are counted in `flops`).
     pub bytes: u64,
 }
 
@@ -68,7 +69,16 @@ impl Work {
         let bytes = g
             .nodes
             .iter()
-            .filter(|n| !matches!(n.op, Op::Input { .. } | Op::Matmul | Op::SegmentMatmul { .. }))
+            .filter(|n| {
+                !matches!(
+                    n.op,
+                    Op::Input { .. }
+                        | Op::Matmul
+                        | Op::SegmentMatmul { .. }
+                        | Op::Attention { .. }
+                        | Op::AttentionBackward { .. }
+                )
+            })
             .map(|n| n.ty.size_bytes() as u64)
             .sum();
         Work { flops: g.matmul_flops(), bytes }

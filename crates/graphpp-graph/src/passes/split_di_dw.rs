@@ -114,6 +114,8 @@ fn w_cut(g: &Graph, dinput: ValueId, w_outs: &[ValueId]) -> WCut {
             Op::Matmul
                 | Op::SegmentMatmul { .. }
                 | Op::SegmentOuter
+                | Op::Attention { .. }
+                | Op::AttentionBackward { .. }
                 | Op::CollectiveStart { .. }
                 | Op::CollectiveWait
         );

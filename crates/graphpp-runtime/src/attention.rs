@@ -1,0 +1,570 @@
+//! Self-attention in one kernel ([`graphpp_graph::Op::Attention`]) and its backward
+//! ([`graphpp_graph::Op::AttentionBackward`]), blocked as FlashAttention (Dao et al. 2022,
+//! Algorithms 1 and 2; issue 11 item 1).
+//!
+//! Shapes: q, k, v, o and g `[B, H, T, E]`, the additive mask `[T, T]`; each (batch, head) is
+//! one task, split over the current rayon pool when it has two threads or more (the results do
+//! not depend on the split).
+//!
+//! **Forward** (f32): per tile of [`BQ`] query rows, the keys a tile of [`BK`] at a time:
+//! `S = q kᵀ` by gemm into a `BQ × BK` scratch, `z = scale · S + mask`, the running row maximum
+//! `m` and sum `l` of `e^(z − m)` rescaled by `e^(m_old − m)` when the maximum grows (the online
+//! softmax, Milakov & Gimelshein 2018), and the output rows `acc += e^(z − m) v` rescaled
+//! alike; at the end `o = acc / l`. No more than one `BQ × BK` tile of the scores exists at a
+//! time per task: the `[B, H, T, T]` probabilities are never held, in the forward or saved for
+//! the backward.
+//!
+//! **Backward** (f32): per query tile, the scores of its live key tiles again (one `BQ × T` row
+//! block per task), their softmax `P` in two passes (max, then sum), `D = rowsum(g ⊙ o)`, and
+//! per key tile `dv += Pᵀ g`, `dP = g vᵀ`, `dS = scale · P ⊙ (dP − D)`, `dq += dS k`,
+//! `dk += dSᵀ q`. Five products per tile where the saved-probabilities backward did four.
+//!
+//! **Masked tiles.** A key tile whose mask entries for a query tile are all at or below
+//! [`HIDDEN`] is skipped: its `e^(z − m)` are exact zeros in f32 whenever the row sees some key
+//! (the causal mask's −1e9 under a finite row maximum: below −104 `e^x` rounds to +0.0), so
+//! skipping changes no bit of the sums while halving the causal work at long `T`. A query tile
+//! with a row that sees no key keeps every key tile (its softmax is over all keys, as the
+//! composition's).
+//!
+//! Other dtypes (bf16, f64) run the composition — `q kᵀ`, softmax in the wide dtype
+//! ([`crate::softmax`]), `P v` — which is also the reference the f32 kernels are tested
+//! against (`tests` below; `tests/vjp_fd.rs` checks the backward by finite differences).
+
+use candle_core::{DType as CDType, Device, Tensor};
+use rayon::prelude::*;
+
+use crate::softmax::{max, softmax, softmax_backward, sum};
+
+/// Query rows per tile.
+pub const BQ: usize = 64;
+/// Keys per tile.
+pub const BK: usize = 64;
+/// A mask entry at or below this hides its key (graphpp's causal mask is −1e9).
+pub const HIDDEN: f32 = -1e8;
+
+/// `softmax(scale · q kᵀ + mask) v` ([`graphpp_graph::Op::Attention`]): q, k, v `[B, H, T, E]`,
+/// mask `[T, T]` of q's wide dtype → `[B, H, T, E]`.
+///
+/// # Errors
+/// candle's, for shapes other than those or a dtype other than f32, bf16 and f64.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
+    let sizes = Sizes::of(q, k, v, mask)?;
+    if q.dtype() != CDType::F32 {
+        return composition(q, k, v, mask, scale);
+    }
+    let (q, k, v, mask) = (f32s(q)?, f32s(k)?, f32s(v)?, f32s(mask)?);
+    let live = Live::of(&mask, sizes.t);
+    let te = sizes.t * sizes.e;
+    let mut out = vec![0f32; q.len()];
+    let task = |bh: usize, o: &mut [f32]| {
+        let at = bh * te..(bh + 1) * te;
+        forward_head(&q[at.clone()], &k[at.clone()], &v[at], &mask, &live, sizes, scale as f32, o);
+    };
+    if rayon::current_num_threads() > 1 {
+        out.par_chunks_mut(te.max(1)).enumerate().for_each(|(bh, o)| task(bh, o));
+    } else {
+        out.chunks_mut(te.max(1)).enumerate().for_each(|(bh, o)| task(bh, o));
+    }
+    Tensor::from_vec(out, q_dims(&sizes), &Device::Cpu)
+}
+
+/// The gradients of q, k and v stacked `[3, B, H, T, E]`
+/// ([`graphpp_graph::Op::AttentionBackward`]) of the [`attention`] with output `o` and output
+/// gradient `g` (both `[B, H, T, E]`).
+///
+/// # Errors
+/// candle's, for shapes other than those or a dtype other than f32, bf16 and f64.
+pub fn attention_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    o: &Tensor,
+    g: &Tensor,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
+    let sizes = Sizes::of(q, k, v, mask)?;
+    if o.dims() != q.dims() || g.dims() != q.dims() {
+        candle_core::bail!(
+            "attention backward: o {:?} and g {:?} must be q's {:?}",
+            o.dims(),
+            g.dims(),
+            q.dims()
+        )
+    }
+    if q.dtype() != CDType::F32 {
+        return composition_backward(q, k, v, mask, g, scale);
+    }
+    let (q, k, v, mask, o, g) = (f32s(q)?, f32s(k)?, f32s(v)?, f32s(mask)?, f32s(o)?, f32s(g)?);
+    let live = Live::of(&mask, sizes.t);
+    let te = sizes.t * sizes.e;
+    let mut out = vec![0f32; 3 * q.len()];
+    let (dq, rest) = out.split_at_mut(q.len());
+    let (dk, dv) = rest.split_at_mut(q.len());
+    let task = |bh: usize, (dq, (dk, dv)): (&mut [f32], (&mut [f32], &mut [f32]))| {
+        let at = bh * te..(bh + 1) * te;
+        let head =
+            Head { q: &q[at.clone()], k: &k[at.clone()], v: &v[at.clone()], o: &o[at.clone()], g: &g[at] };
+        backward_head(head, &mask, &live, sizes, scale as f32, Grads { dq, dk, dv });
+    };
+    let n = te.max(1);
+    if rayon::current_num_threads() > 1 {
+        let parts = dq.par_chunks_mut(n).zip(dk.par_chunks_mut(n).zip(dv.par_chunks_mut(n)));
+        parts.enumerate().for_each(|(bh, d)| task(bh, d));
+    } else {
+        let parts = dq.chunks_mut(n).zip(dk.chunks_mut(n).zip(dv.chunks_mut(n)));
+        parts.enumerate().for_each(|(bh, d)| task(bh, d));
+    }
+    let mut dims = vec![3];
+    dims.extend(q_dims(&sizes));
+    Tensor::from_vec(out, dims, &Device::Cpu)
+}
+
+/// Static sizes of one call: `bh = B · H` tasks of `t` rows of `e` features.
+#[derive(Clone, Copy, Debug)]
+struct Sizes {
+    b: usize,
+    h: usize,
+    t: usize,
+    e: usize,
+}
+
+impl Sizes {
+    fn of(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> candle_core::Result<Sizes> {
+        let &[b, h, t, e] = q.dims() else {
+            candle_core::bail!("attention: q must be [B, H, T, E], got {:?}", q.dims())
+        };
+        if k.dims() != q.dims() || v.dims() != q.dims() || mask.dims() != [t, t] {
+            candle_core::bail!(
+                "attention: q {:?}, k {:?}, v {:?} must match and the mask {:?} be [{t}, {t}]",
+                q.dims(),
+                k.dims(),
+                v.dims(),
+                mask.dims()
+            )
+        }
+        Ok(Sizes { b, h, t, e })
+    }
+}
+
+fn q_dims(s: &Sizes) -> Vec<usize> {
+    vec![s.b, s.h, s.t, s.e]
+}
+
+/// A tensor's elements in row-major order, copied.
+fn f32s(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.flatten_all()?.to_vec1::<f32>()
+}
+
+/// Which (query tile, key tile) pairs the kernels compute (module doc, "Masked tiles").
+struct Live {
+    keys: usize,
+    live: Vec<bool>,
+}
+
+impl Live {
+    fn of(mask: &[f32], t: usize) -> Live {
+        let (queries, keys) = (t.div_ceil(BQ), t.div_ceil(BK));
+        let mut live = vec![false; queries * keys];
+        let mut sees = vec![false; t];
+        for (r, row) in mask.chunks_exact(t.max(1)).enumerate() {
+            for (c, &m) in row.iter().enumerate() {
+                // NaN counts as visible: it reaches the output as the composition's does.
+                if !(m <= HIDDEN) {
+                    live[(r / BQ) * keys + c / BK] = true;
+                    sees[r] = true;
+                }
+            }
+        }
+        for i in 0..queries {
+            if sees[i * BQ..((i + 1) * BQ).min(t)].iter().any(|&s| !s) {
+                live[i * keys..(i + 1) * keys].fill(true);
+            }
+        }
+        Live { keys, live }
+    }
+
+    /// The key tiles `(first key, keys)` query tile `i` computes.
+    fn tiles(&self, i: usize, t: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (0..self.keys)
+            .filter(move |&j| self.live[i * self.keys + j])
+            .map(move |j| (j * BK, BK.min(t - j * BK)))
+    }
+}
+
+/// `dst[m × n] (+)= a[m × k] · b[k × n]` on one thread: each operand given with its
+/// `(row stride, column stride)`, `dst` with its row stride (columns contiguous), added to when
+/// `accumulate`. Panics if an operand's strides reach outside its slice (a bug here, not bad
+/// input: [`Sizes::of`] checked the shapes).
+#[allow(clippy::too_many_arguments)]
+fn product(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs): (&mut [f32], usize),
+    accumulate: bool,
+    a: &[f32],
+    (a_rs, a_cs): (usize, usize),
+    b: &[f32],
+    (b_rs, b_cs): (usize, usize),
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let reach = |rs: usize, cs: usize, rows: usize, cols: usize| (rows - 1) * rs + (cols - 1) * cs + 1;
+    assert!(reach(dst_rs, 1, m, n) <= dst.len(), "attention: product destination too short");
+    if k == 0 {
+        if !accumulate {
+            dst.chunks_mut(dst_rs).take(m).for_each(|r| r[..n].fill(0.0));
+        }
+        return;
+    }
+    assert!(
+        reach(a_rs, a_cs, m, k) <= a.len() && reach(b_rs, b_cs, k, n) <= b.len(),
+        "attention: product operand too short"
+    );
+    // SAFETY: every element gemm reads or writes lies inside its slice (asserted above), and
+    // `dst` does not alias `a` or `b` (a `&mut` beside two `&`).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs as isize,
+            a_rs as isize,
+            b.as_ptr(),
+            b_cs as isize,
+            b_rs as isize,
+            1f32,
+            1f32,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// `Σ a ⊙ b` in order.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// One (batch, head) of the forward (module doc): q, k, v `[T, E]` row-major, o its `[T, E]`
+/// output.
+#[allow(clippy::too_many_arguments)]
+fn forward_head(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: &[f32],
+    live: &Live,
+    s: Sizes,
+    scale: f32,
+    o: &mut [f32],
+) {
+    let (t, e) = (s.t, s.e);
+    let mut z = vec![0f32; BQ * BK];
+    let mut p = vec![0f32; BQ * BK];
+    let (mut m, mut l) = ([f32::NEG_INFINITY; BQ], [0f32; BQ]);
+    for (i, r0) in (0..t).step_by(BQ).enumerate() {
+        let rows = BQ.min(t - r0);
+        let acc = &mut o[r0 * e..(r0 + rows) * e];
+        acc.fill(0.0);
+        m.fill(f32::NEG_INFINITY);
+        l.fill(0.0);
+        for (c0, cols) in live.tiles(i, t) {
+            let (z, p) = (&mut z[..rows * cols], &mut p[..rows * cols]);
+            product((rows, cols, e), (z, cols), false, &q[r0 * e..], (e, 1), &k[c0 * e..], (1, e));
+            for (r, (zr, pr)) in z.chunks_exact_mut(cols).zip(p.chunks_exact_mut(cols)).enumerate() {
+                let mr = &mask[(r0 + r) * t + c0..][..cols];
+                for (x, &a) in zr.iter_mut().zip(mr) {
+                    *x = *x * scale + a;
+                }
+                let top = m[r].max(max(zr));
+                for x in zr.iter_mut() {
+                    *x -= top;
+                }
+                crate::expf::exp_slice(zr, pr, false);
+                // e^(m_old − m_new); 1 while the maximum stands (also −∞ to −∞: nothing seen).
+                let shrink = if top == m[r] { 1.0 } else { crate::expf::exp(m[r] - top) };
+                l[r] = l[r] * shrink + sum(pr);
+                m[r] = top;
+                if shrink != 1.0 {
+                    acc[r * e..(r + 1) * e].iter_mut().for_each(|x| *x *= shrink);
+                }
+            }
+            product((rows, e, cols), (acc, e), true, p, (cols, 1), &v[c0 * e..], (e, 1));
+        }
+        for (r, row) in acc.chunks_exact_mut(e.max(1)).enumerate() {
+            row.iter_mut().for_each(|x| *x /= l[r]);
+        }
+    }
+}
+
+/// One (batch, head)'s operands, each `[T, E]` row-major.
+struct Head<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    o: &'a [f32],
+    g: &'a [f32],
+}
+
+/// One (batch, head)'s gradients, each `[T, E]` row-major.
+struct Grads<'a> {
+    dq: &'a mut [f32],
+    dk: &'a mut [f32],
+    dv: &'a mut [f32],
+}
+
+/// One (batch, head) of the backward (module doc).
+fn backward_head(x: Head, mask: &[f32], live: &Live, s: Sizes, scale: f32, d: Grads) {
+    let (t, e) = (s.t, s.e);
+    // The softmax of the query tile's row block over its live key tiles (row stride t).
+    let mut p = vec![0f32; BQ * t];
+    let mut z = vec![0f32; BK];
+    let mut ds = vec![0f32; BQ * BK];
+    for (i, r0) in (0..t).step_by(BQ).enumerate() {
+        let rows = BQ.min(t - r0);
+        let tiles: Vec<(usize, usize)> = live.tiles(i, t).collect();
+        for &(c0, cols) in &tiles {
+            product(
+                (rows, cols, e),
+                (&mut p[c0..], t),
+                false,
+                &x.q[r0 * e..],
+                (e, 1),
+                &x.k[c0 * e..],
+                (1, e),
+            );
+        }
+        for (r, row) in p.chunks_exact_mut(t).take(rows).enumerate() {
+            let mr = &mask[(r0 + r) * t..(r0 + r + 1) * t];
+            let mut top = f32::NEG_INFINITY;
+            for &(c0, cols) in &tiles {
+                for (y, &a) in row[c0..c0 + cols].iter_mut().zip(&mr[c0..c0 + cols]) {
+                    *y = *y * scale + a;
+                }
+                top = top.max(max(&row[c0..c0 + cols]));
+            }
+            let mut total = 0.0;
+            for &(c0, cols) in &tiles {
+                let (seg, z) = (&mut row[c0..c0 + cols], &mut z[..cols]);
+                z.iter_mut().zip(seg.iter()).for_each(|(z, &y)| *z = y - top);
+                crate::expf::exp_slice(z, seg, false);
+                total += sum(seg);
+            }
+            for &(c0, cols) in &tiles {
+                row[c0..c0 + cols].iter_mut().for_each(|y| *y /= total);
+            }
+        }
+        let gi = &x.g[r0 * e..(r0 + rows) * e];
+        let oi = &x.o[r0 * e..(r0 + rows) * e];
+        let big_d: Vec<f32> =
+            gi.chunks_exact(e.max(1)).zip(oi.chunks_exact(e.max(1))).map(|(g, o)| dot(g, o)).collect();
+        for &(c0, cols) in &tiles {
+            let pj = &p[c0..];
+            product((cols, e, rows), (&mut d.dv[c0 * e..], e), true, pj, (1, t), gi, (e, 1));
+            let ds = &mut ds[..rows * cols];
+            product((rows, cols, e), (ds, cols), false, gi, (e, 1), &x.v[c0 * e..], (1, e));
+            for (r, dr) in ds.chunks_exact_mut(cols).enumerate() {
+                for (y, &pv) in dr.iter_mut().zip(&pj[r * t..r * t + cols]) {
+                    *y = scale * pv * (*y - big_d[r]);
+                }
+            }
+            product((rows, e, cols), (&mut d.dq[r0 * e..], e), true, ds, (cols, 1), &x.k[c0 * e..], (e, 1));
+            product((cols, e, rows), (&mut d.dk[c0 * e..], e), true, ds, (1, cols), &x.q[r0 * e..], (e, 1));
+        }
+    }
+}
+
+/// The softmax `P = softmax(scale · q kᵀ + mask)` `[B, H, T, T]` in the mask's (wide) dtype, the
+/// product in q's.
+fn probabilities(q: &Tensor, k: &Tensor, mask: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+    let s = crate::executor::matmul(q, &k.t()?)?;
+    softmax(&s.to_dtype(mask.dtype())?, Some(mask), 3, scale)
+}
+
+/// [`attention`] as its composition: `P v` with `P` cast to q's dtype.
+fn composition(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+    let p = probabilities(q, k, mask, scale)?.to_dtype(q.dtype())?;
+    crate::executor::matmul(&p, v)
+}
+
+/// [`attention_backward`] as the composition's autodiff gives it: `dv = Pᵀ g`, `dP = g vᵀ`,
+/// `dS` the softmax backward of `dP` (in the wide dtype), `dq = dS k`, `dk = dSᵀ q`.
+fn composition_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    g: &Tensor,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
+    use crate::executor::matmul;
+    let wide = probabilities(q, k, mask, scale)?;
+    let p = wide.to_dtype(q.dtype())?;
+    let dv = matmul(&p.t()?, g)?;
+    let dp = matmul(g, &v.t()?)?.to_dtype(wide.dtype())?;
+    let ds = softmax_backward(&wide, &dp, 3, scale)?.to_dtype(q.dtype())?;
+    let dq = matmul(&ds, k)?;
+    let dk = matmul(&ds.t()?, q)?;
+    Tensor::stack(&[dq, dk, dv], 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in [−1, 1) (a linear congruential sequence).
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn tensor(dims: &[usize], seed: u64, amp: f32) -> Tensor {
+        let n = dims.iter().product();
+        Tensor::from_vec(values(n, seed).into_iter().map(|x| x * amp).collect::<Vec<_>>(), dims, &Device::Cpu)
+            .unwrap()
+    }
+
+    /// A `[t, t]` mask hiding with `hide` where `hidden(query, key)`.
+    fn mask(t: usize, hide: f32, hidden: impl Fn(usize, usize) -> bool) -> Tensor {
+        let m: Vec<f32> = (0..t * t).map(|i| if hidden(i / t, i % t) { hide } else { 0.0 }).collect();
+        Tensor::from_vec(m, (t, t), &Device::Cpu).unwrap()
+    }
+
+    fn causal(t: usize) -> Tensor {
+        mask(t, -1e9, |q, k| k > q)
+    }
+
+    fn f64s(t: &Tensor) -> Vec<f64> {
+        t.to_dtype(CDType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// Largest |a − b| over the largest |b|.
+    fn relative(a: &Tensor, b: &Tensor) -> f64 {
+        let (a, b) = (f64s(a), f64s(b));
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(0f64, |m, x| m.max(x.abs()));
+        a.iter().zip(&b).fold(0f64, |m, (x, y)| m.max((x - y).abs())) / scale
+    }
+
+    struct Case {
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        mask: Tensor,
+    }
+
+    fn case(b: usize, h: usize, t: usize, e: usize, mask: Tensor) -> Case {
+        let d = [b, h, t, e];
+        Case {
+            q: tensor(&d, 1, 2.0),
+            k: tensor(&d, 2, 2.0),
+            v: tensor(&d, 3, 1.0),
+            g: tensor(&d, 4, 1.0),
+            mask,
+        }
+    }
+
+    /// The f32 kernels against the composition in f64, forward and backward.
+    fn check(c: &Case, scale: f64) {
+        check_in(c, scale, CDType::F64)
+    }
+
+    /// The f32 kernels against the composition in `dtype`, forward and backward.
+    fn check_in(c: &Case, scale: f64, dtype: CDType) {
+        let wide = |x: &Tensor| x.to_dtype(dtype).unwrap();
+        let o = attention(&c.q, &c.k, &c.v, &c.mask, scale).unwrap();
+        let want = composition(&wide(&c.q), &wide(&c.k), &wide(&c.v), &wide(&c.mask), scale).unwrap();
+        let err = relative(&o, &want);
+        assert!(err < 1e-6, "forward {:?}: {err:e}", c.q.dims());
+        let d = attention_backward(&c.q, &c.k, &c.v, &c.mask, &o, &c.g, scale).unwrap();
+        let want =
+            composition_backward(&wide(&c.q), &wide(&c.k), &wide(&c.v), &wide(&c.mask), &wide(&c.g), scale)
+                .unwrap();
+        for i in 0..3 {
+            let err = relative(&d.get(i).unwrap(), &want.get(i).unwrap());
+            assert!(err < 1e-5, "gradient {i} of {:?}: {err:e}", c.q.dims());
+        }
+    }
+
+    #[test]
+    fn kernels_match_the_composition_in_one_tile_and_across_tiles() {
+        // T = 64 is one tile; 100 and 150 leave ragged tiles; 5 is less than one.
+        for (t, e) in [(5, 4), (64, 32), (100, 8), (150, 16)] {
+            check(&case(2, 3, t, e, causal(t)), 1.0 / (e as f64).sqrt());
+        }
+    }
+
+    #[test]
+    fn kernels_match_the_composition_under_other_masks() {
+        let t = 150;
+        // A sliding window of 40 keys: whole key tiles hidden on both sides of the diagonal.
+        check(&case(1, 2, t, 8, mask(t, -1e9, |q, k| k > q || q - k >= 40)), 0.3);
+        // Rows 70..80 see no key: their query tile keeps every key tile. In f32 their scores all
+        // round to −1e9 (a uniform softmax), in f64 they do not: the reference is f32's.
+        check_in(&case(1, 2, t, 8, mask(t, -1e9, |q, k| k > q || (70..80).contains(&q))), 0.3, CDType::F32);
+        // No mask at all.
+        check(&case(2, 1, t, 8, mask(t, 0.0, |_, _| false)), 0.3);
+    }
+
+    #[test]
+    fn skipping_hidden_tiles_changes_no_bit() {
+        // −1e7 hides a key as exactly as −1e9 (e^x is +0.0 below −104) but is above HIDDEN, so
+        // its tiles are computed: the outputs must be the same bits.
+        let t = 150;
+        let (skipped, computed) =
+            (case(2, 2, t, 16, causal(t)), case(2, 2, t, 16, mask(t, -1e7, |q, k| k > q)));
+        let bits = |x: &Tensor| {
+            x.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        let run = |c: &Case| {
+            let o = attention(&c.q, &c.k, &c.v, &c.mask, 0.25).unwrap();
+            let d = attention_backward(&c.q, &c.k, &c.v, &c.mask, &o, &c.g, 0.25).unwrap();
+            (bits(&o), bits(&d))
+        };
+        assert!(Live::of(&f32s(&skipped.mask).unwrap(), t).live.iter().any(|l| !l));
+        assert!(Live::of(&f32s(&computed.mask).unwrap(), t).live.iter().all(|&l| l));
+        assert_eq!(run(&skipped), run(&computed));
+    }
+
+    #[test]
+    fn results_do_not_depend_on_the_threads() {
+        let c = case(2, 4, 100, 8, causal(100));
+        let run = || {
+            let o = attention(&c.q, &c.k, &c.v, &c.mask, 0.5).unwrap();
+            let d = attention_backward(&c.q, &c.k, &c.v, &c.mask, &o, &c.g, 0.5).unwrap();
+            (f64s(&o), f64s(&d))
+        };
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(run);
+        let two = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap().install(run);
+        assert_eq!(one, two);
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let c = case(1, 1, 8, 4, causal(8));
+        let short = tensor(&[1, 1, 7, 4], 5, 1.0);
+        assert!(attention(&c.q, &short, &c.v, &c.mask, 1.0).is_err());
+        assert!(attention(&c.q, &c.k, &c.v, &causal(7), 1.0).is_err());
+        assert!(attention_backward(&c.q, &c.k, &c.v, &c.mask, &short, &c.g, 1.0).is_err());
+    }
+}
