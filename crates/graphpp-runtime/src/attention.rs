@@ -36,9 +36,9 @@ use rayon::prelude::*;
 use crate::softmax::{max, softmax, softmax_backward, sum};
 
 /// Query rows per tile.
-pub const BQ: usize = 64;
+pub const BQ: usize = 128;
 /// Keys per tile.
-pub const BK: usize = 64;
+pub const BK: usize = 128;
 /// A mask entry at or below this hides its key (graphpp's causal mask is −1e9).
 pub const HIDDEN: f32 = -1e8;
 
@@ -273,8 +273,8 @@ fn forward_head(
     o: &mut [f32],
 ) {
     let (t, e) = (s.t, s.e);
-    let mut z = vec![0f32; BQ * BK];
-    let mut p = vec![0f32; BQ * BK];
+    let mut z = vec![0f32; BQ.min(t) * BK.min(t)];
+    let mut p = z.clone();
     let (mut m, mut l) = ([f32::NEG_INFINITY; BQ], [0f32; BQ]);
     for (i, r0) in (0..t).step_by(BQ).enumerate() {
         let rows = BQ.min(t - r0);
@@ -331,9 +331,9 @@ struct Grads<'a> {
 fn backward_head(x: Head, mask: &[f32], live: &Live, s: Sizes, scale: f32, d: Grads) {
     let (t, e) = (s.t, s.e);
     // The softmax of the query tile's row block over its live key tiles (row stride t).
-    let mut p = vec![0f32; BQ * t];
-    let mut z = vec![0f32; BK];
-    let mut ds = vec![0f32; BQ * BK];
+    let mut p = vec![0f32; BQ.min(t) * t];
+    let mut z = vec![0f32; BK.min(t)];
+    let mut ds = vec![0f32; BQ.min(t) * BK.min(t)];
     for (i, r0) in (0..t).step_by(BQ).enumerate() {
         let rows = BQ.min(t - r0);
         let tiles: Vec<(usize, usize)> = live.tiles(i, t).collect();
@@ -395,15 +395,24 @@ fn probabilities(q: &Tensor, k: &Tensor, mask: &Tensor, scale: f64) -> candle_co
     softmax(&s.to_dtype(mask.dtype())?, Some(mask), 3, scale)
 }
 
-/// [`attention`] as its composition: `P v` with `P` cast to q's dtype.
-fn composition(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+/// [`attention`] as its composition — `q kᵀ`, [`softmax`] in the mask's (wide) dtype, `P v` with
+/// `P` cast to q's dtype — holding the `[B, H, T, T]` scores: the reference the kernels are
+/// tested against, and what bf16 and f64 run.
+///
+/// # Errors
+/// candle's, for shapes that do not fit.
+pub fn composition(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
     let p = probabilities(q, k, mask, scale)?.to_dtype(q.dtype())?;
     crate::executor::matmul(&p, v)
 }
 
 /// [`attention_backward`] as the composition's autodiff gives it: `dv = Pᵀ g`, `dP = g vᵀ`,
-/// `dS` the softmax backward of `dP` (in the wide dtype), `dq = dS k`, `dk = dSᵀ q`.
-fn composition_backward(
+/// `dS` the softmax backward of `dP` (in the wide dtype), `dq = dS k`, `dk = dSᵀ q`, stacked
+/// `[3, B, H, T, E]`.
+///
+/// # Errors
+/// candle's, for shapes that do not fit.
+pub fn composition_backward(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -508,15 +517,15 @@ mod tests {
 
     #[test]
     fn kernels_match_the_composition_in_one_tile_and_across_tiles() {
-        // T = 64 is one tile; 100 and 150 leave ragged tiles; 5 is less than one.
-        for (t, e) in [(5, 4), (64, 32), (100, 8), (150, 16)] {
+        // One whole tile, less than one, and ragged tiles after one or two whole ones.
+        for (t, e) in [(BQ, 32), (5, 4), (BK + 36, 8), (2 * BK + 22, 16)] {
             check(&case(2, 3, t, e, causal(t)), 1.0 / (e as f64).sqrt());
         }
     }
 
     #[test]
     fn kernels_match_the_composition_under_other_masks() {
-        let t = 150;
+        let t = 3 * BK + 10;
         // A sliding window of 40 keys: whole key tiles hidden on both sides of the diagonal.
         check(&case(1, 2, t, 8, mask(t, -1e9, |q, k| k > q || q - k >= 40)), 0.3);
         // Rows 70..80 see no key: their query tile keeps every key tile. In f32 their scores all
@@ -530,7 +539,7 @@ mod tests {
     fn skipping_hidden_tiles_changes_no_bit() {
         // −1e7 hides a key as exactly as −1e9 (e^x is +0.0 below −104) but is above HIDDEN, so
         // its tiles are computed: the outputs must be the same bits.
-        let t = 150;
+        let t = BK + 22;
         let (skipped, computed) =
             (case(2, 2, t, 16, causal(t)), case(2, 2, t, 16, mask(t, -1e7, |q, k| k > q)));
         let bits = |x: &Tensor| {
@@ -548,7 +557,7 @@ mod tests {
 
     #[test]
     fn results_do_not_depend_on_the_threads() {
-        let c = case(2, 4, 100, 8, causal(100));
+        let c = case(2, 4, BK + 36, 8, causal(BK + 36));
         let run = || {
             let o = attention(&c.q, &c.k, &c.v, &c.mask, 0.5).unwrap();
             let d = attention_backward(&c.q, &c.k, &c.v, &c.mask, &o, &c.g, 0.5).unwrap();
