@@ -18,10 +18,17 @@ const USAGE: &str =
     "attnbench [--batch 1] [--heads 8] [--seq-len 512] [--head-dim 32] [--threads 1] [--rounds 5] [--runs 10]";
 
 fn main() {
-    let mut a: HashMap<String, usize> =
-        [("batch", 1), ("heads", 8), ("seq-len", 512), ("head-dim", 32), ("threads", 1), ("rounds", 5), ("runs", 10)]
-            .map(|(k, v)| (k.to_string(), v))
-            .into();
+    let mut a: HashMap<String, usize> = [
+        ("batch", 1),
+        ("heads", 8),
+        ("seq-len", 512),
+        ("head-dim", 32),
+        ("threads", 1),
+        ("rounds", 5),
+        ("runs", 10),
+    ]
+    .map(|(k, v)| (k.to_string(), v))
+    .into();
     let bad = |p: String| -> ! { common::exit_with_usage(USAGE, Some(p)) };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {

@@ -176,7 +176,7 @@ impl Live {
         for (r, row) in mask.chunks_exact(t.max(1)).enumerate() {
             for (c, &m) in row.iter().enumerate() {
                 // NaN counts as visible: it reaches the output as the composition's does.
-                if !(m <= HIDDEN) {
+                if m > HIDDEN || m.is_nan() {
                     live[(r / BQ) * keys + c / BK] = true;
                     sees[r] = true;
                 }
@@ -401,7 +401,13 @@ fn probabilities(q: &Tensor, k: &Tensor, mask: &Tensor, scale: f64) -> candle_co
 ///
 /// # Errors
 /// candle's, for shapes that do not fit.
-pub fn composition(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+pub fn composition(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
     let p = probabilities(q, k, mask, scale)?.to_dtype(q.dtype())?;
     crate::executor::matmul(&p, v)
 }
