@@ -234,7 +234,7 @@ fn counts_of_one_are_singular() {
         accepted(&["verify", "--schedule", "1f1b", "--ranks", "1", "--microbatches", "1", "--layers", "1"]);
     has_all(&out, &["(model tiny, 1 layer, B=1"]);
     let out = accepted(&["graph", "--stats", "--recompute", "stage-inputs", "--stages", "4", "--stage", "1"]);
-    has_all(&out, &["graph fw: 82 nodes, 13 inputs, 1 output\n"]);
+    has_all(&out, &["graph fw: 79 nodes, 13 inputs, 1 output\n"]);
     let d = tempfile::tempdir().unwrap();
     let data = corpus(d.path());
     let out = accepted(&[
@@ -259,13 +259,13 @@ fn counts_of_one_are_singular() {
 }
 
 /// `graph --stats` gives what W holds from I to W beside what B holds from F, and their ratio as
-/// the simulator's `--m-w`: on tiny's stage 1 of 2, 713,984 of 1,108,736 bytes (0.644; the
+/// the simulator's `--m-w`: on tiny's stage 1 of 2, 713,984 of 1,010,432 bytes (0.707; the
 /// zero-bubble paper's M_W ≈ M_B / 2); under `layers` the same W bytes over 65,536 saved. A
 /// first stage, which has no I/W split, has no such line.
 #[test]
 fn graph_stats_give_the_bytes_w_holds() {
     let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "1"]);
-    has_all(&out, &["held for W (I → W): 35 values, 713984 bytes per microbatch (M_W / M_B = 0.644: `graphpp schedule simulate --m-w 0.644`)"]);
+    has_all(&out, &["held for W (I → W): 35 values, 713984 bytes per microbatch (M_W / M_B = 0.707: `graphpp schedule simulate --m-w 0.707`)"]);
     let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "1", "--recompute", "layers"]);
     has_all(&out, &["65536 bytes per microbatch", "713984 bytes per microbatch (M_W / M_B = 10.895"]);
     let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "0"]);
