@@ -73,6 +73,14 @@ pub fn autodiff(fw: &Graph) -> Result<Graph> {
         if matches!(node.op, Op::Input { .. }) {
             continue;
         }
+        if matches!(node.op, Op::Attention { .. }) && rg[node.inputs[3].0] {
+            return Err(GraphError::Autodiff {
+                at: at(fw, ValueId(i)),
+                reason: "attention's mask takes no gradient: it must be a constant (a buffer), \
+                         not computed from parameters or activations"
+                    .into(),
+            });
+        }
         b.set_scope(&node.meta.scope);
         b.set_region(node.meta.region.clone());
         let in_grads = vjp(&mut b, fw, ValueId(i), g)?;

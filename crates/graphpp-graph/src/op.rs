@@ -166,7 +166,8 @@ pub enum Op {
     /// probabilities are never saved for the backward, which reads only q, k, v, the mask and
     /// o ([`Op::AttentionBackward`]) and a runtime may run it blocked, never holding more than a
     /// tile of the scores (FlashAttention: Dao et al. 2022, Algorithm 1; the online softmax of
-    /// Milakov & Gimelshein 2018). The mask gets no gradient.
+    /// Milakov & Gimelshein 2018). The mask takes no gradient (autodiff refuses one that would
+    /// need it).
     Attention { scale: f64 },
     /// `(q, k, v, mask, o, g)` → `[3, B, H, T, E]`: the gradients of q, k and v (in that order
     /// along the new leading axis) of the [`Op::Attention`] with those operands, output `o` and

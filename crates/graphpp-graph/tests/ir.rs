@@ -59,3 +59,27 @@ fn stats_count_matmul_flops() {
     // 2·n·in·out per linear: 2·8·16·32 + 2·8·32·4.
     assert_eq!(g.matmul_flops(), 2 * 8 * 16 * 32 + 2 * 8 * 32 * 4);
 }
+
+#[test]
+fn attention_refuses_a_mask_that_needs_a_gradient() {
+    let build = |mask_kind: InputKind| {
+        let mut b = GraphBuilder::new("attn", DType::F32);
+        let q = b.input("q", InputKind::Activation, vec![1, 2, 4, 3]).unwrap();
+        let mask = b.input("mask", mask_kind, vec![4, 4]).unwrap();
+        let o = b.attention(q, q, q, mask, 0.5).unwrap();
+        let loss = b.sum(o, 3, false).unwrap();
+        let loss = b.sum(loss, 2, false).unwrap();
+        let loss = b.sum(loss, 1, false).unwrap();
+        let loss = b.sum(loss, 0, false).unwrap();
+        b.output("loss", loss);
+        graphpp_graph::autodiff::autodiff(&b.finish().unwrap())
+    };
+    // A buffer mask: q's three uses get their gradients (one stacked backward node).
+    let joint = build(InputKind::Buffer).unwrap();
+    let backward = joint.nodes.iter().filter(|n| n.op.mnemonic() == "attention_backward").count();
+    assert_eq!(backward, 1);
+    assert!(joint.output_by_name("grad.q").is_some());
+    // A mask computed from an activation would silently get no gradient: refused by name.
+    let err = build(InputKind::Activation).unwrap_err();
+    assert!(matches!(err, GraphError::Autodiff { .. }) && err.to_string().contains("mask"), "{err}");
+}

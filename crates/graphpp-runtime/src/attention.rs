@@ -10,8 +10,8 @@
 //! `S = q kᵀ` by gemm into a `BQ × BK` scratch, `z = scale · S + mask`, the running row maximum
 //! `m` and sum `l` of `e^(z − m)` rescaled by `e^(m_old − m)` when the maximum grows (the online
 //! softmax, Milakov & Gimelshein 2018), and the output rows `acc += e^(z − m) v` rescaled
-//! alike; at the end `o = acc / l`. No more than one `BQ × BK` tile of the scores exists at a
-//! time per task: the `[B, H, T, T]` probabilities are never held, in the forward or saved for
+//! alike; at the end `o = acc / l`. No more than one `BQ × BK` tile of the scores (and one of
+//! their exponentials) exists at a time per task: the `[B, H, T, T]` probabilities are never held, in the forward or saved for
 //! the backward.
 //!
 //! **Backward** (f32): per query tile, the scores of its live key tiles again (one `BQ × T` row
@@ -22,13 +22,15 @@
 //! **Masked tiles.** A key tile whose mask entries for a query tile are all at or below
 //! [`HIDDEN`] is skipped: its `e^(z − m)` are exact zeros in f32 whenever the row sees some key
 //! (the causal mask's −1e9 under a finite row maximum: below −104 `e^x` rounds to +0.0), so
-//! skipping changes no bit of the sums while halving the causal work at long `T`. A query tile
-//! with a row that sees no key keeps every key tile (its softmax is over all keys, as the
-//! composition's).
+//! skipping changes no bit of the sums while halving the causal work at long `T` — for finite
+//! q, k, v (a NaN or ∞ at a hidden key reaches the composition's output through `0 · ∞`, not the
+//! kernel's) and visible scores more than ~104 above the hidden ones. A query tile with a row
+//! that sees no key keeps every key tile (its softmax is over all keys, as the composition's).
 //!
 //! Other dtypes (bf16, f64) run the composition — `q kᵀ`, softmax in the wide dtype
 //! ([`crate::softmax`]), `P v` — which is also the reference the f32 kernels are tested
-//! against (`tests` below; `tests/vjp_fd.rs` checks the backward by finite differences).
+//! against (`tests` below); `tests/vjp_fd.rs` checks that composition's gradients (f64) by
+//! finite differences.
 
 use candle_core::{DType as CDType, Device, Tensor};
 use rayon::prelude::*;
@@ -291,8 +293,11 @@ fn forward_head(
                     *x = *x * scale + a;
                 }
                 let top = m[r].max(max(zr));
+                // A row that has seen only −∞ so far subtracts 0 (not −∞ − −∞ = NaN): its
+                // exponentials are 0 until it sees a key, as in the composition.
+                let base = if top == f32::NEG_INFINITY { 0.0 } else { top };
                 for x in zr.iter_mut() {
-                    *x -= top;
+                    *x -= base;
                 }
                 crate::expf::exp_slice(zr, pr, false);
                 // e^(m_old − m_new); 1 while the maximum stands (also −∞ to −∞: nothing seen).
@@ -472,12 +477,14 @@ mod tests {
         t.to_dtype(CDType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
     }
 
-    /// Largest |a − b| over the largest |b|.
+    /// Largest |a − b| over the largest |b|; infinite where only one of a pair is NaN (f64::max
+    /// would skip it).
     fn relative(a: &Tensor, b: &Tensor) -> f64 {
         let (a, b) = (f64s(a), f64s(b));
         assert_eq!(a.len(), b.len());
         let scale = b.iter().fold(0f64, |m, x| m.max(x.abs()));
-        a.iter().zip(&b).fold(0f64, |m, (x, y)| m.max((x - y).abs())) / scale
+        let gap = |x: f64, y: f64| if x.is_nan() != y.is_nan() { f64::INFINITY } else { (x - y).abs() };
+        a.iter().zip(&b).fold(0f64, |m, (&x, &y)| m.max(gap(x, y))) / scale
     }
 
     struct Case {
@@ -537,6 +544,8 @@ mod tests {
         // Rows 70..80 see no key: their query tile keeps every key tile. In f32 their scores all
         // round to −1e9 (a uniform softmax), in f64 they do not: the reference is f32's.
         check_in(&case(1, 2, t, 8, mask(t, -1e9, |q, k| k > q || (70..80).contains(&q))), 0.3, CDType::F32);
+        // The same window hidden with −∞: a live tile in which one row sees nothing yet.
+        check(&case(1, 2, t, 8, mask(t, f32::NEG_INFINITY, |q, k| k > q || q - k >= 40)), 0.3);
         // No mask at all.
         check(&case(2, 1, t, 8, mask(t, 0.0, |_, _| false)), 0.3);
     }

@@ -868,7 +868,8 @@ fn compiled_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Res
 /// candle, which folds a batch-invariant rhs into one product). A rhs whose rows are not
 /// contiguous is copied, as [`matmul`] copies it (kᵀ: gemm's sums change with a transposed
 /// rhs's layout, a 2 × 3 · 3 × 2 product differed by 1 ulp). Where candle refuses the operands
-/// (batch dims that do not collapse into one stride: attention's permuted q, k, v) and
+/// (batch dims that do not collapse into one stride: heads-split q, k, v in an attention composed
+/// of matmuls) and
 /// [`matmul`] copies both, this keeps every operand whose layout gives its copy's bits — a lhs
 /// candle can step through (softmax's transposed Pᵀ: beside a rhs with contiguous rows, the
 /// only kind passed here, gemm's sums do not depend on the lhs's orientation) and any operand
@@ -916,7 +917,7 @@ fn batch_skip(t: &Tensor) -> Option<usize> {
 /// sizes, strides within the element, and parallelism, so the same bits), each element's
 /// operands found from its batch index through each batch dim's stride (candle needs the batch
 /// dims to collapse into one). On a pool of two or more threads the elements are split over
-/// it: attention's products (64 × 64 × 32 on `small`) are each too small for gemm to split.
+/// it: per-head products (64 × 64 × 32 and alike) are each too small for gemm to split.
 fn batched_gemm(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<Tensor> {
     let (da, db) = (a.dims(), b.dims());
     let r = da.len();
