@@ -4,7 +4,9 @@
 //!
 //! Shapes: q, k, v, o and g `[B, H, T, E]`, the additive mask `[T, T]`; each (batch, head) is
 //! one task, split over the current rayon pool when it has two threads or more (the results do
-//! not depend on the split).
+//! not depend on the split). Operands are read in place on their strides where their columns
+//! are contiguous (heads split from `[B, T, H, E]`: rows `H · E` apart; gemm's sums do not
+//! depend on the row stride, so the bits are their copies'), else copied first.
 //!
 //! **Forward** (f32): per tile of [`BQ`] query rows, the keys a tile of [`BK`] at a time:
 //! `S = q kᵀ` by gemm into a `BQ × BK` scratch, `z = scale · S + mask`, the running row maximum
@@ -60,19 +62,21 @@ pub fn attention(
     if q.dtype() != CDType::F32 {
         return composition(q, k, v, mask, scale);
     }
-    let (q, k, v, mask) = (f32s(q)?, f32s(k)?, f32s(v)?, f32s(mask)?);
-    let live = Live::of(&mask, sizes.t);
+    let held = Held::of(&[q, k, v, &mask.reshape((1, 1, sizes.t, sizes.t))?])?;
     let te = sizes.t * sizes.e;
-    let mut out = vec![0f32; q.len()];
-    let task = |bh: usize, o: &mut [f32]| {
-        let at = bh * te..(bh + 1) * te;
-        forward_head(&q[at.clone()], &k[at.clone()], &v[at], &mask, &live, sizes, scale as f32, o);
-    };
-    if rayon::current_num_threads() > 1 {
-        out.par_chunks_mut(te.max(1)).enumerate().for_each(|(bh, o)| task(bh, o));
-    } else {
-        out.chunks_mut(te.max(1)).enumerate().for_each(|(bh, o)| task(bh, o));
-    }
+    let mut out = vec![0f32; sizes.b * sizes.h * te];
+    held.with(|x| {
+        let (q, k, v, mask) = (x[0], x[1], x[2], x[3].head(0));
+        let live = Live::of(mask, sizes.t);
+        let task = |bh: usize, o: &mut [f32]| {
+            forward_head([q.head(bh), k.head(bh), v.head(bh)], mask, &live, sizes, scale as f32, o);
+        };
+        if rayon::current_num_threads() > 1 {
+            out.par_chunks_mut(te.max(1)).enumerate().for_each(|(bh, o)| task(bh, o));
+        } else {
+            out.chunks_mut(te.max(1)).enumerate().for_each(|(bh, o)| task(bh, o));
+        }
+    })?;
     Tensor::from_vec(out, q_dims(&sizes), &Device::Cpu)
 }
 
@@ -103,26 +107,28 @@ pub fn attention_backward(
     if q.dtype() != CDType::F32 {
         return composition_backward(q, k, v, mask, g, scale);
     }
-    let (q, k, v, mask, o, g) = (f32s(q)?, f32s(k)?, f32s(v)?, f32s(mask)?, f32s(o)?, f32s(g)?);
-    let live = Live::of(&mask, sizes.t);
+    let held = Held::of(&[q, k, v, o, g, &mask.reshape((1, 1, sizes.t, sizes.t))?])?;
     let te = sizes.t * sizes.e;
-    let mut out = vec![0f32; 3 * q.len()];
-    let (dq, rest) = out.split_at_mut(q.len());
-    let (dk, dv) = rest.split_at_mut(q.len());
-    let task = |bh: usize, (dq, (dk, dv)): (&mut [f32], (&mut [f32], &mut [f32]))| {
-        let at = bh * te..(bh + 1) * te;
-        let head =
-            Head { q: &q[at.clone()], k: &k[at.clone()], v: &v[at.clone()], o: &o[at.clone()], g: &g[at] };
-        backward_head(head, &mask, &live, sizes, scale as f32, Grads { dq, dk, dv });
-    };
-    let n = te.max(1);
-    if rayon::current_num_threads() > 1 {
-        let parts = dq.par_chunks_mut(n).zip(dk.par_chunks_mut(n).zip(dv.par_chunks_mut(n)));
-        parts.enumerate().for_each(|(bh, d)| task(bh, d));
-    } else {
-        let parts = dq.chunks_mut(n).zip(dk.chunks_mut(n).zip(dv.chunks_mut(n)));
-        parts.enumerate().for_each(|(bh, d)| task(bh, d));
-    }
+    let len = sizes.b * sizes.h * te;
+    let mut out = vec![0f32; 3 * len];
+    held.with(|x| {
+        let (q, k, v, o, g, mask) = (x[0], x[1], x[2], x[3], x[4], x[5].head(0));
+        let live = Live::of(mask, sizes.t);
+        let (dq, rest) = out.split_at_mut(len);
+        let (dk, dv) = rest.split_at_mut(len);
+        let task = |bh: usize, (dq, (dk, dv)): (&mut [f32], (&mut [f32], &mut [f32]))| {
+            let head = Head { q: q.head(bh), k: k.head(bh), v: v.head(bh), o: o.head(bh), g: g.head(bh) };
+            backward_head(head, mask, &live, sizes, scale as f32, Grads { dq, dk, dv });
+        };
+        let n = te.max(1);
+        if rayon::current_num_threads() > 1 {
+            let parts = dq.par_chunks_mut(n).zip(dk.par_chunks_mut(n).zip(dv.par_chunks_mut(n)));
+            parts.enumerate().for_each(|(bh, d)| task(bh, d));
+        } else {
+            let parts = dq.chunks_mut(n).zip(dk.chunks_mut(n).zip(dv.chunks_mut(n)));
+            parts.enumerate().for_each(|(bh, d)| task(bh, d));
+        }
+    })?;
     let mut dims = vec![3];
     dims.extend(q_dims(&sizes));
     Tensor::from_vec(out, dims, &Device::Cpu)
@@ -159,9 +165,68 @@ fn q_dims(s: &Sizes) -> Vec<usize> {
     vec![s.b, s.h, s.t, s.e]
 }
 
-/// A tensor's elements in row-major order, copied.
-fn f32s(t: &Tensor) -> candle_core::Result<Vec<f32>> {
-    t.flatten_all()?.to_vec1::<f32>()
+/// f32 operands `[B, H, T, E]` held for reading in place: each as it is where its columns are
+/// contiguous (a heads-split view: rows `H · E` apart), else its contiguous copy.
+struct Held(Vec<Tensor>);
+
+impl Held {
+    fn of(ts: &[&Tensor]) -> candle_core::Result<Held> {
+        let own = |t: &&Tensor| if t.stride()[3] == 1 { Ok((*t).clone()) } else { t.contiguous() };
+        Ok(Held(ts.iter().map(own).collect::<candle_core::Result<_>>()?))
+    }
+
+    /// Runs `f` on the operands' rows, their storage read-locked meanwhile.
+    fn with<R>(&self, f: impl FnOnce(&[Rows]) -> R) -> candle_core::Result<R> {
+        let guards: Vec<_> = self.0.iter().map(|t| t.storage_and_layout()).collect();
+        let rows = guards.iter().zip(&self.0).map(|((storage, layout), t)| Rows::of(storage, layout, t));
+        Ok(f(&rows.collect::<candle_core::Result<Vec<_>>>()?))
+    }
+}
+
+/// One f32 operand `[B, H, T, E]` in its storage: (batch b, head h)'s row r starts at
+/// `start + b · sb + h · sh + r · rs`, its E columns contiguous.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    data: &'a [f32],
+    start: usize,
+    sb: usize,
+    sh: usize,
+    rs: usize,
+    heads: usize,
+}
+
+impl<'a> Rows<'a> {
+    fn of(
+        storage: &'a candle_core::Storage,
+        layout: &candle_core::Layout,
+        t: &Tensor,
+    ) -> candle_core::Result<Rows<'a>> {
+        let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)) = storage else {
+            candle_core::bail!("attention: expected a CPU f32 tensor, got {:?}", t.dtype())
+        };
+        let st = layout.stride();
+        Ok(Rows { data, start: layout.start_offset(), sb: st[0], sh: st[1], rs: st[2], heads: t.dims()[1] })
+    }
+
+    /// (batch, head) `bh`'s rows.
+    fn head(&self, bh: usize) -> View<'a> {
+        let at = self.start + (bh / self.heads.max(1)) * self.sb + (bh % self.heads.max(1)) * self.sh;
+        View { data: &self.data[at.min(self.data.len())..], rs: self.rs }
+    }
+}
+
+/// One (batch, head)'s `[T, E]` rows: row r at `data[r · rs..][..E]`.
+#[derive(Clone, Copy)]
+struct View<'a> {
+    data: &'a [f32],
+    rs: usize,
+}
+
+impl<'a> View<'a> {
+    /// The elements from row `r` on.
+    fn from(&self, r: usize) -> &'a [f32] {
+        &self.data[(r * self.rs).min(self.data.len())..]
+    }
 }
 
 /// Which (query tile, key tile) pairs the kernels compute (module doc, "Masked tiles").
@@ -171,12 +236,12 @@ struct Live {
 }
 
 impl Live {
-    fn of(mask: &[f32], t: usize) -> Live {
+    fn of(mask: View, t: usize) -> Live {
         let (queries, keys) = (t.div_ceil(BQ), t.div_ceil(BK));
         let mut live = vec![false; queries * keys];
         let mut sees = vec![false; t];
-        for (r, row) in mask.chunks_exact(t.max(1)).enumerate() {
-            for (c, &m) in row.iter().enumerate() {
+        for r in 0..t {
+            for (c, &m) in mask.from(r)[..t].iter().enumerate() {
                 // NaN counts as visible: it reaches the output as the composition's does.
                 if m > HIDDEN || m.is_nan() {
                     live[(r / BQ) * keys + c / BK] = true;
@@ -264,16 +329,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// One (batch, head) of the forward (module doc): q, k, v `[T, E]` row-major, o its `[T, E]`
 /// output.
 #[allow(clippy::too_many_arguments)]
-fn forward_head(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    mask: &[f32],
-    live: &Live,
-    s: Sizes,
-    scale: f32,
-    o: &mut [f32],
-) {
+fn forward_head([q, k, v]: [View; 3], mask: View, live: &Live, s: Sizes, scale: f32, o: &mut [f32]) {
     let (t, e) = (s.t, s.e);
     let mut z = vec![0f32; BQ.min(t) * BK.min(t)];
     let mut p = z.clone();
@@ -286,9 +342,9 @@ fn forward_head(
         l.fill(0.0);
         for (c0, cols) in live.tiles(i, t) {
             let (z, p) = (&mut z[..rows * cols], &mut p[..rows * cols]);
-            product((rows, cols, e), (z, cols), false, &q[r0 * e..], (e, 1), &k[c0 * e..], (1, e));
+            product((rows, cols, e), (z, cols), false, q.from(r0), (q.rs, 1), k.from(c0), (1, k.rs));
             for (r, (zr, pr)) in z.chunks_exact_mut(cols).zip(p.chunks_exact_mut(cols)).enumerate() {
-                let mr = &mask[(r0 + r) * t + c0..][..cols];
+                let mr = &mask.from(r0 + r)[c0..c0 + cols];
                 for (x, &a) in zr.iter_mut().zip(mr) {
                     *x = *x * scale + a;
                 }
@@ -308,7 +364,7 @@ fn forward_head(
                     acc[r * e..(r + 1) * e].iter_mut().for_each(|x| *x *= shrink);
                 }
             }
-            product((rows, e, cols), (acc, e), true, p, (cols, 1), &v[c0 * e..], (e, 1));
+            product((rows, e, cols), (acc, e), true, p, (cols, 1), v.from(c0), (v.rs, 1));
         }
         for (r, row) in acc.chunks_exact_mut(e.max(1)).enumerate() {
             row.iter_mut().for_each(|x| *x /= l[r]);
@@ -318,11 +374,11 @@ fn forward_head(
 
 /// One (batch, head)'s operands, each `[T, E]` row-major.
 struct Head<'a> {
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
-    o: &'a [f32],
-    g: &'a [f32],
+    q: View<'a>,
+    k: View<'a>,
+    v: View<'a>,
+    o: View<'a>,
+    g: View<'a>,
 }
 
 /// One (batch, head)'s gradients, each `[T, E]` row-major.
@@ -333,7 +389,7 @@ struct Grads<'a> {
 }
 
 /// One (batch, head) of the backward (module doc).
-fn backward_head(x: Head, mask: &[f32], live: &Live, s: Sizes, scale: f32, d: Grads) {
+fn backward_head(x: Head, mask: View, live: &Live, s: Sizes, scale: f32, d: Grads) {
     let (t, e) = (s.t, s.e);
     // The softmax of the query tile's row block over its live key tiles (row stride t).
     let mut p = vec![0f32; BQ.min(t) * t];
@@ -347,14 +403,14 @@ fn backward_head(x: Head, mask: &[f32], live: &Live, s: Sizes, scale: f32, d: Gr
                 (rows, cols, e),
                 (&mut p[c0..], t),
                 false,
-                &x.q[r0 * e..],
-                (e, 1),
-                &x.k[c0 * e..],
-                (1, e),
+                x.q.from(r0),
+                (x.q.rs, 1),
+                x.k.from(c0),
+                (1, x.k.rs),
             );
         }
         for (r, row) in p.chunks_exact_mut(t).take(rows).enumerate() {
-            let mr = &mask[(r0 + r) * t..(r0 + r + 1) * t];
+            let mr = &mask.from(r0 + r)[..t];
             let mut top = f32::NEG_INFINITY;
             for &(c0, cols) in &tiles {
                 for (y, &a) in row[c0..c0 + cols].iter_mut().zip(&mr[c0..c0 + cols]) {
@@ -373,22 +429,36 @@ fn backward_head(x: Head, mask: &[f32], live: &Live, s: Sizes, scale: f32, d: Gr
                 row[c0..c0 + cols].iter_mut().for_each(|y| *y /= total);
             }
         }
-        let gi = &x.g[r0 * e..(r0 + rows) * e];
-        let oi = &x.o[r0 * e..(r0 + rows) * e];
-        let big_d: Vec<f32> =
-            gi.chunks_exact(e.max(1)).zip(oi.chunks_exact(e.max(1))).map(|(g, o)| dot(g, o)).collect();
+        let gi = x.g.from(r0);
+        let big_d: Vec<f32> = (r0..r0 + rows).map(|r| dot(&x.g.from(r)[..e], &x.o.from(r)[..e])).collect();
         for &(c0, cols) in &tiles {
             let pj = &p[c0..];
-            product((cols, e, rows), (&mut d.dv[c0 * e..], e), true, pj, (1, t), gi, (e, 1));
+            product((cols, e, rows), (&mut d.dv[c0 * e..], e), true, pj, (1, t), gi, (x.g.rs, 1));
             let ds = &mut ds[..rows * cols];
-            product((rows, cols, e), (ds, cols), false, gi, (e, 1), &x.v[c0 * e..], (1, e));
+            product((rows, cols, e), (ds, cols), false, gi, (x.g.rs, 1), x.v.from(c0), (1, x.v.rs));
             for (r, dr) in ds.chunks_exact_mut(cols).enumerate() {
                 for (y, &pv) in dr.iter_mut().zip(&pj[r * t..r * t + cols]) {
                     *y = scale * pv * (*y - big_d[r]);
                 }
             }
-            product((rows, e, cols), (&mut d.dq[r0 * e..], e), true, ds, (cols, 1), &x.k[c0 * e..], (e, 1));
-            product((cols, e, rows), (&mut d.dk[c0 * e..], e), true, ds, (1, cols), &x.q[r0 * e..], (e, 1));
+            product(
+                (rows, e, cols),
+                (&mut d.dq[r0 * e..], e),
+                true,
+                ds,
+                (cols, 1),
+                x.k.from(c0),
+                (x.k.rs, 1),
+            );
+            product(
+                (cols, e, rows),
+                (&mut d.dk[c0 * e..], e),
+                true,
+                ds,
+                (1, cols),
+                x.q.from(r0),
+                (x.q.rs, 1),
+            );
         }
     }
 }
@@ -565,8 +635,12 @@ mod tests {
             let d = attention_backward(&c.q, &c.k, &c.v, &c.mask, &o, &c.g, 0.25).unwrap();
             (bits(&o), bits(&d))
         };
-        assert!(Live::of(&f32s(&skipped.mask).unwrap(), t).live.iter().any(|l| !l));
-        assert!(Live::of(&f32s(&computed.mask).unwrap(), t).live.iter().all(|&l| l));
+        let live = |m: &Tensor| {
+            let m = m.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            Live::of(View { data: &m, rs: t }, t).live
+        };
+        assert!(live(&skipped.mask).iter().any(|l| !l));
+        assert!(live(&computed.mask).iter().all(|&l| l));
         assert_eq!(run(&skipped), run(&computed));
     }
 
@@ -581,6 +655,28 @@ mod tests {
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(run);
         let two = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap().install(run);
         assert_eq!(one, two);
+    }
+
+    #[test]
+    fn strided_operands_give_their_copies_bits() {
+        // Heads split from [B, T, H, E] (rows H·E apart: read in place) and a k stored
+        // transposed (columns not contiguous: copied) against contiguous copies of the same.
+        let (b, h, t, e) = (2, 3, BK + 36, 8);
+        let split = |seed| tensor(&[b, t, h, e], seed, 1.0).permute((0, 2, 1, 3)).unwrap();
+        let (q, v, g) = (split(1), split(3), split(4));
+        let k = tensor(&[b, h, e, t], 2, 1.0).transpose(2, 3).unwrap();
+        assert!(!q.is_contiguous() && q.stride()[3] == 1 && k.stride()[3] != 1);
+        let c = |x: &Tensor| x.contiguous().unwrap();
+        let mask = causal(t);
+        let bits = |x: &Tensor| {
+            x.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        let o = attention(&q, &k, &v, &mask, 0.3).unwrap();
+        let oc = attention(&c(&q), &c(&k), &c(&v), &mask, 0.3).unwrap();
+        assert_eq!(bits(&o), bits(&oc));
+        let d = attention_backward(&q, &k, &v, &mask, &o, &g, 0.3).unwrap();
+        let dc = attention_backward(&c(&q), &c(&k), &c(&v), &mask, &oc, &c(&g), 0.3).unwrap();
+        assert_eq!(bits(&d), bits(&dc));
     }
 
     #[test]

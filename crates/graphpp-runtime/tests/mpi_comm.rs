@@ -15,6 +15,17 @@ const WORLD: usize = 3;
 const T: Duration = Duration::from_secs(60);
 const CHILD: &str = "GRAPHPP_MPI_TEST_CHILD";
 
+/// A fresh directory for one `mpirun`'s session files (its `TMPDIR`): concurrent `mpirun`s
+/// sharing `/tmp/ompi.<host>.<uid>` raced to create it ("A call to mkdir was unable to create
+/// the desired directory … File exists", seen once in `cargo test`).
+fn mpi_tmpdir() -> std::path::PathBuf {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("graphpp-mpi-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a directory for mpirun's session files");
+    dir
+}
+
 /// In the parent: runs test `name` under `mpirun -n 3` and checks every rank reported `ok`.
 /// In a rank: returns its communicator.
 fn under_mpirun(name: &str) -> Option<MpiComm> {
@@ -23,6 +34,7 @@ fn under_mpirun(name: &str) -> Option<MpiComm> {
     }
     let exe = std::env::current_exe().unwrap();
     let out = Command::new("mpirun")
+        .env("TMPDIR", mpi_tmpdir())
         .args(["--allow-run-as-root", "--oversubscribe", "-n", &WORLD.to_string(), "-x", CHILD])
         .env(CHILD, "1")
         .arg(exe)

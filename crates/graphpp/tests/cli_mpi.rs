@@ -15,9 +15,22 @@ fn exe() -> PathBuf {
     assert_cmd::cargo::cargo_bin("graphpp")
 }
 
-/// `mpirun -n n graphpp …`, as root, more processes than cores allowed.
+/// A fresh directory for one `mpirun`'s session files (its `TMPDIR`): concurrent `mpirun`s
+/// sharing `/tmp/ompi.<host>.<uid>` raced to create it ("A call to mkdir was unable to create
+/// the desired directory … File exists", seen once in `cargo test`).
+fn mpi_tmpdir() -> std::path::PathBuf {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("graphpp-mpi-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a directory for mpirun's session files");
+    dir
+}
+
+/// `mpirun -n n graphpp …`, as root, more processes than cores allowed, with a session
+/// directory of its own ([`mpi_tmpdir`]).
 fn mpirun(n: usize) -> Command {
     let mut c = Command::new("mpirun");
+    c.env("TMPDIR", mpi_tmpdir());
     c.args(["--allow-run-as-root", "--oversubscribe", "-n", &n.to_string()]).arg(exe());
     c
 }
