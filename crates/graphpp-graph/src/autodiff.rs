@@ -239,7 +239,7 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
             }
             out
         }
-        // One node computes the three gradients (Dao et al. 2022, Algorithm 2); each is a slice
+        // One node computes the three gradients (FlashAttention-2, Dao 2023, Algorithm 2); each is a slice
         // of its stacked output. The mask (a buffer) gets none.
         Op::Attention { scale } => {
             let st = b.attention_backward(x(0), x(1), x(2), x(3), y, g, *scale)?;

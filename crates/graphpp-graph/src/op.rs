@@ -165,14 +165,14 @@ pub enum Op {
     /// cast, matmul; the mask is of the wide dtype). One node so that the `[B, H, T, T]`
     /// probabilities are never saved for the backward, which reads only q, k, v, the mask and
     /// o ([`Op::AttentionBackward`]) and a runtime may run it blocked, never holding more than a
-    /// tile of the scores (FlashAttention: Dao et al. 2022, Algorithm 1; the online softmax of
+    /// tile of the scores (FlashAttention-2: Dao 2023, Algorithm 1; the online softmax of
     /// Milakov & Gimelshein 2018). The mask takes no gradient (autodiff refuses one that would
     /// need it).
     Attention { scale: f64 },
     /// `(q, k, v, mask, o, g)` → `[3, B, H, T, E]`: the gradients of q, k and v (in that order
     /// along the new leading axis) of the [`Op::Attention`] with those operands, output `o` and
     /// output gradient `g`: with `P = softmax(scale · q kᵀ + mask)`, `dv = Pᵀ g`,
-    /// `dS = scale · P ⊙ (g vᵀ − rowsum(g ⊙ o))`, `dq = dS k`, `dk = dSᵀ q` (Dao et al. 2022,
+    /// `dS = scale · P ⊙ (g vᵀ − rowsum(g ⊙ o))`, `dq = dS k`, `dk = dSᵀ q` (Dao 2023,
     /// Algorithm 2, with `D = rowsum(g ⊙ o)`). Has no VJP of its own.
     AttentionBackward { scale: f64 },
     /// RoPE's rotate-half along the last axis (of even length `2h`; Hugging Face Llama's

@@ -40,7 +40,11 @@ fn main() {
             bad(format!("unknown flag {k}"));
         }
         let v = it.next().unwrap_or_else(|| bad(format!("{k} needs a value")));
-        let n = v.parse().unwrap_or_else(|_| bad(format!("{k} takes a number, not {v:?}")));
+        let n = v
+            .parse()
+            .ok()
+            .filter(|&n: &usize| n > 0)
+            .unwrap_or_else(|| bad(format!("{k} takes a positive number, not {v:?}")));
         a.insert(key, n);
     }
     std::env::set_var("CANDLE_NUM_THREADS", "1");

@@ -1,6 +1,7 @@
 //! Self-attention in one kernel ([`graphpp_graph::Op::Attention`]) and its backward
-//! ([`graphpp_graph::Op::AttentionBackward`]), blocked as FlashAttention (Dao et al. 2022,
-//! Algorithms 1 and 2; issue 11 item 1).
+//! ([`graphpp_graph::Op::AttentionBackward`]), blocked after FlashAttention-2 (Dao 2023,
+//! Algorithms 1 and 2; query tiles outermost), the backward recomputing each row's maximum and
+//! sum instead of saving the log-sum-exp (issue 11 item 1).
 //!
 //! Shapes: q, k, v, o and g `[B, H, T, E]`, the additive mask `[T, T]`; each (batch, head) is
 //! one task, split over the current rayon pool when it has two threads or more (the results do
