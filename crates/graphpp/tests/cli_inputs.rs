@@ -268,6 +268,12 @@ fn graph_stats_give_the_bytes_w_holds() {
     has_all(&out, &["held for W (I → W): 35 values, 713984 bytes per microbatch (M_W / M_B = 0.707: `graphpp schedule simulate --m-w 0.707`)"]);
     let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "1", "--recompute", "layers"]);
     has_all(&out, &["65536 bytes per microbatch", "713984 bytes per microbatch (M_W / M_B = 10.895"]);
+    assert!(out.contains("more than the simulator's --m-w takes (at most 1)"), "{out}");
+    let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "1", "--recompute", "stage-inputs"]);
+    has_all(
+        &out,
+        &["713984 bytes per microbatch (F saves nothing under this recompute policy: no M_W / M_B)"],
+    );
     let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "0"]);
     assert!(!out.contains("held for W"), "{out}");
 }

@@ -99,11 +99,19 @@ fn all_stats(sg: &StageGraphs) -> Result<String> {
     );
     if let Some((_, dw)) = &sg.di_dw {
         let (n, bytes) = held_for_w(dw);
+        // The simulator's --m-w is a fraction of M_B in [0, 1]; a recompute policy under which
+        // F saves less than W holds (or nothing) has no such fraction to suggest.
+        let ratio = bytes as f64 / m_b as f64;
+        let m_w = if m_b == 0 {
+            "F saves nothing under this recompute policy: no M_W / M_B".to_string()
+        } else if ratio <= 1.0 {
+            format!("M_W / M_B = {ratio:.3}: `graphpp schedule simulate --m-w {ratio:.3}`")
+        } else {
+            format!("M_W / M_B = {ratio:.3}, more than the simulator's --m-w takes (at most 1): W holds values F does not save under this recompute policy")
+        };
         out.push_str(&format!(
-            "held for W (I → W): {n} value{}, {bytes} bytes per microbatch (M_W / M_B = {:.3}: `graphpp schedule simulate --m-w {:.3}`)\n",
+            "held for W (I → W): {n} value{}, {bytes} bytes per microbatch ({m_w})\n",
             if n == 1 { "" } else { "s" },
-            bytes as f64 / m_b.max(1) as f64,
-            bytes as f64 / m_b.max(1) as f64,
         ));
     }
     for kind in GraphKind::ALL {
