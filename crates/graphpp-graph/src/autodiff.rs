@@ -73,22 +73,24 @@ pub fn autodiff(fw: &Graph) -> Result<Graph> {
         if matches!(node.op, Op::Input { .. }) {
             continue;
         }
-        if matches!(node.op, Op::Attention { .. }) && rg[node.inputs[3].0] {
-            return Err(GraphError::Autodiff {
-                at: at(fw, ValueId(i)),
-                reason: "attention's mask takes no gradient: it must be a constant (a buffer), \
-                         not computed from parameters or activations"
-                    .into(),
-            });
-        }
         b.set_scope(&node.meta.scope);
         b.set_region(node.meta.region.clone());
         let in_grads = vjp(&mut b, fw, ValueId(i), g)?;
-        for (x, dx) in node.inputs.iter().zip(in_grads) {
-            if let Some(dx) = dx {
-                if rg[x.0] {
-                    accumulate(&mut b, &mut grads, *x, dx)?;
+        for (j, (x, dx)) in node.inputs.iter().zip(in_grads).enumerate() {
+            match dx {
+                Some(dx) if rg[x.0] => accumulate(&mut b, &mut grads, *x, dx)?,
+                // A rule that gives no gradient where one is needed would leave it silently
+                // zero (attention's mask, which must be a constant: a buffer).
+                None if rg[x.0] => {
+                    return Err(GraphError::Autodiff {
+                        at: at(fw, ValueId(i)),
+                        reason: format!(
+                            "{} gives its operand {j} no gradient, but that operand needs one",
+                            node.op.mnemonic()
+                        ),
+                    })
                 }
+                _ => {}
             }
         }
     }
@@ -239,8 +241,8 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
             }
             out
         }
-        // One node computes the three gradients (FlashAttention-2, Dao 2023, Algorithm 2); each is a slice
-        // of its stacked output. The mask (a buffer) gets none.
+        // One node computes the three gradients (FlashAttention-2, Dao 2023, Algorithm 2); each is
+        // a slice of its stacked output. The mask (a buffer) gets none.
         Op::Attention { scale } => {
             let st = b.attention_backward(x(0), x(1), x(2), x(3), y, g, *scale)?;
             let q = shape(x(0));

@@ -310,6 +310,20 @@ impl Op {
         }
     }
 
+    /// Whether this op is a product whose cost is its FLOPs, as [`crate::Graph::matmul_flops`]
+    /// counts them: matmuls, the MoE segment products and attention (forward and backward).
+    /// What the byte model, the dI/dW cut and `--recompute matmuls` treat as heavy compute.
+    pub fn is_product(&self) -> bool {
+        matches!(
+            self,
+            Op::Matmul
+                | Op::SegmentMatmul { .. }
+                | Op::SegmentOuter
+                | Op::Attention { .. }
+                | Op::AttentionBackward { .. }
+        )
+    }
+
     /// Whether this op starts or completes a collective.
     pub fn is_collective(&self) -> bool {
         matches!(self, Op::CollectiveStart { .. } | Op::CollectiveWait)

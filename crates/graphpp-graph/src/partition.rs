@@ -43,9 +43,7 @@ impl RecomputePolicy {
         match self {
             RecomputePolicy::SaveAll => true,
             RecomputePolicy::SaveStageInputs => false,
-            RecomputePolicy::SaveMatmuls => {
-                matches!(n.op, Op::Matmul | Op::SegmentMatmul { .. } | Op::Attention { .. })
-            }
+            RecomputePolicy::SaveMatmuls => n.op.is_product(),
             RecomputePolicy::SaveScopes(prefixes) => {
                 prefixes.iter().any(|p| n.meta.scope.starts_with(p.as_str()))
             }

@@ -79,7 +79,13 @@ fn attention_refuses_a_mask_that_needs_a_gradient() {
     let backward = joint.nodes.iter().filter(|n| n.op.mnemonic() == "attention_backward").count();
     assert_eq!(backward, 1);
     assert!(joint.output_by_name("grad.q").is_some());
-    // A mask computed from an activation would silently get no gradient: refused by name.
+    // A mask computed from an activation would silently get no gradient: refused, naming the
+    // op and the operand.
     let err = build(InputKind::Activation).unwrap_err();
-    assert!(matches!(err, GraphError::Autodiff { .. }) && err.to_string().contains("mask"), "{err}");
+    let text = err.to_string();
+    assert!(
+        matches!(err, GraphError::Autodiff { .. })
+            && text.contains("attention gives its operand 3 no gradient"),
+        "{text}"
+    );
 }

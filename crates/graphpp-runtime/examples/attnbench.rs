@@ -6,7 +6,7 @@
 //!
 //! `cargo run --release -p graphpp-runtime --example attnbench -- --seq-len 512`
 
-#[allow(dead_code)] // only the usage line: no stage graphs here
+#[allow(dead_code)] // only the flags: no stage graphs here
 mod common;
 
 use candle_core::{Device, Tensor};
@@ -18,35 +18,21 @@ const USAGE: &str =
     "attnbench [--batch 1] [--heads 8] [--seq-len 512] [--head-dim 32] [--threads 1] [--rounds 5] [--runs 10]";
 
 fn main() {
-    let mut a: HashMap<String, usize> = [
-        ("batch", 1),
-        ("heads", 8),
-        ("seq-len", 512),
-        ("head-dim", 32),
-        ("threads", 1),
-        ("rounds", 5),
-        ("runs", 10),
-    ]
-    .map(|(k, v)| (k.to_string(), v))
-    .into();
-    let bad = |p: String| -> ! { common::exit_with_usage(USAGE, Some(p)) };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        if k == "--help" || k == "-h" {
-            common::exit_with_usage(USAGE, None);
-        }
-        let key = k.trim_start_matches("--").to_string();
-        if !a.contains_key(&key) {
-            bad(format!("unknown flag {k}"));
-        }
-        let v = it.next().unwrap_or_else(|| bad(format!("{k} needs a value")));
-        let n = v
-            .parse()
-            .ok()
-            .filter(|&n: &usize| n > 0)
-            .unwrap_or_else(|| bad(format!("{k} takes a positive number, not {v:?}")));
-        a.insert(key, n);
-    }
+    let flags = common::Flags::parse(
+        USAGE,
+        &[
+            ("batch", "1"),
+            ("heads", "8"),
+            ("seq-len", "512"),
+            ("head-dim", "32"),
+            ("threads", "1"),
+            ("rounds", "5"),
+            ("runs", "10"),
+        ],
+    );
+    let a: HashMap<String, usize> = ["batch", "heads", "seq-len", "head-dim", "threads", "rounds", "runs"]
+        .map(|k| (k.to_string(), flags.num(k)))
+        .into();
     std::env::set_var("CANDLE_NUM_THREADS", "1");
     let pool = graphpp_runtime::threads::rank_pool(0, a["threads"]).expect("a thread pool");
     pool.install(|| run(&a));

@@ -32,33 +32,21 @@ struct Args {
 const USAGE: &str = "fwbw [--model small|tiny] [--threads 1,2] [--rounds 3] [--runs 10] [--torch PYTHON]";
 
 fn args() -> Args {
-    let mut a = Args { model: "small".into(), threads: vec![1, 2], rounds: 3, runs: 10, torch: None };
-    let bad = |p: String| -> ! { common::exit_with_usage(USAGE, Some(p)) };
-    let num = |k: &str, v: &str| {
-        v.parse::<usize>()
-            .ok()
-            .filter(|&n| n > 0)
-            .unwrap_or_else(|| bad(format!("{k} takes a positive number, not {v:?}")))
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        if k == "--help" || k == "-h" {
-            common::exit_with_usage(USAGE, None);
-        }
-        let v = it.next().unwrap_or_else(|| bad(format!("{k} needs a value")));
-        match k.as_str() {
-            "--model" => a.model = v,
-            "--threads" => a.threads = v.split(',').map(|n| num("--threads", n)).collect(),
-            "--rounds" => a.rounds = num("--rounds", &v),
-            "--runs" => a.runs = num("--runs", &v),
-            "--torch" => a.torch = Some(v),
-            _ => bad(format!("unknown flag {k}")),
-        }
+    let f = common::Flags::parse(
+        USAGE,
+        &[("model", "small"), ("threads", "1,2"), ("rounds", "3"), ("runs", "10"), ("torch", "")],
+    );
+    let model = f.text("model").to_string();
+    if let Err(e) = LlamaConfig::preset(&model) {
+        f.bad(format!("--model {model}: {e}"));
     }
-    if let Err(e) = LlamaConfig::preset(&a.model) {
-        bad(format!("--model {}: {e}", a.model));
+    Args {
+        threads: f.text("threads").split(',').map(|n| f.positive("threads", n)).collect(),
+        rounds: f.num("rounds"),
+        runs: f.num("runs"),
+        torch: Some(f.text("torch").to_string()).filter(|p| !p.is_empty()),
+        model,
     }
-    a
 }
 
 /// Milliseconds of one fw + full_bw, median over `runs` after 2 warm-up runs.

@@ -8,7 +8,7 @@
 //! Run: `cargo run --release -p graphpp-runtime --example matmul -- [--threads 1] [--copies 64]
 //! [--reps 400]`
 
-#[allow(dead_code)] // only the usage line: no stage graphs here
+#[allow(dead_code)] // only the flags: no stage graphs here
 mod common;
 
 use candle_core::{Device, Tensor};
@@ -52,22 +52,8 @@ fn time(pairs: &[(Tensor, Tensor)], reps: usize) -> f64 {
 
 fn main() {
     const USAGE: &str = "matmul [--threads 1] [--copies 64] [--reps 400]";
-    let (mut threads, mut copies, mut reps) = (1usize, 64usize, 400usize);
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        if k == "--help" || k == "-h" {
-            common::exit_with_usage(USAGE, None);
-        }
-        let bad = |p: String| -> ! { common::exit_with_usage(USAGE, Some(p)) };
-        let v: usize =
-            it.next().and_then(|v| v.parse().ok()).unwrap_or_else(|| bad(format!("{k} takes a number")));
-        match k.as_str() {
-            "--threads" => threads = v.max(1),
-            "--copies" => copies = v.max(1),
-            "--reps" => reps = v.max(1),
-            _ => bad(format!("unknown flag {k}")),
-        }
-    }
+    let flags = common::Flags::parse(USAGE, &[("threads", "1"), ("copies", "64"), ("reps", "400")]);
+    let (threads, copies, reps) = (flags.num("threads"), flags.num("copies"), flags.num("reps"));
     // As `graphpp train --threads-per-rank N` (graphpp::cmd::set_op_threads).
     std::env::set_var("CANDLE_NUM_THREADS", "1");
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());

@@ -44,45 +44,33 @@ fn row(g: &Graph, i: usize) -> String {
 }
 
 fn main() {
-    let mut a: HashMap<String, String> = [
-        ("model", "tiny"),
-        ("batch", "8"),
-        ("seq-len", "64"),
-        ("threads", "1"),
-        ("runs", "10"),
-        ("top", "30"),
-    ]
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .into();
     const USAGE: &str =
         "opprof [--model tiny|small] [--batch 8] [--seq-len 64] [--threads 1] [--runs 10] [--top 30]";
-    let bad = |p: String| -> ! { common::exit_with_usage(USAGE, Some(p)) };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        if k == "--help" || k == "-h" {
-            common::exit_with_usage(USAGE, None);
-        }
-        let key = k.trim_start_matches("--").to_string();
-        if !a.contains_key(&key) {
-            bad(format!("unknown flag {k}"));
-        }
-        a.insert(key, it.next().unwrap_or_else(|| bad(format!("{k} needs a value"))));
-    }
-    let num = |k: &str| {
-        a[k].parse::<usize>().unwrap_or_else(|_| bad(format!("--{k} takes a number, not {:?}", a[k])))
-    };
-    if let Err(e) = LlamaConfig::preset(&a["model"]) {
-        bad(format!("--model {}: {e}", a["model"]));
+    let a = common::Flags::parse(
+        USAGE,
+        &[
+            ("model", "tiny"),
+            ("batch", "8"),
+            ("seq-len", "64"),
+            ("threads", "1"),
+            ("runs", "10"),
+            ("top", "30"),
+        ],
+    );
+    let num = |k: &str| a.num(k);
+    let model = a.text("model");
+    if let Err(e) = LlamaConfig::preset(model) {
+        a.bad(format!("--model {model}: {e}"));
     }
     // As `graphpp train --threads-per-rank N` (graphpp::cmd::set_op_threads).
-    let threads = num("threads").max(1);
+    let threads = num("threads");
     std::env::set_var("CANDLE_NUM_THREADS", "1");
     graphpp_runtime::malloc::retain_freed_memory();
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
-    let cfg = LlamaConfig::preset(&a["model"]).expect("--model tiny or small");
+    let cfg = LlamaConfig::preset(model).expect("--model tiny or small");
     let opts = StageOptions::new(num("batch"), num("seq-len"));
     let (sg, env) = common::whole_model_stage(&cfg, &opts);
-    let runs = num("runs").max(1);
+    let runs = num("runs");
     let pool = graphpp_runtime::threads::rank_pool(0, threads).expect("thread pool");
     graphpp_runtime::threads::install_hot(&pool, true, || {
         let (pf, pb) = (Program::compile(&sg.fw), Program::compile(&sg.full_bw));
@@ -111,7 +99,7 @@ fn main() {
         rows.sort_by(|x, y| y.1 .0.total_cmp(&x.1 .0));
         println!(
             "{} B={} T={} fw+full_bw, compiled, {threads} thread(s): {:.2} ms a run (mean of {runs}, node timing on)",
-            a["model"],
+            model,
             opts.batch,
             opts.seq,
             total / runs as f64

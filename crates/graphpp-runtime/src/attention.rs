@@ -4,8 +4,7 @@
 //! sum instead of saving the log-sum-exp (issue 11 item 1).
 //!
 //! Shapes: q, k, v, o and g `[B, H, T, E]`, the additive mask `[T, T]`; each (batch, head) is
-//! one task, split over the current rayon pool when it has two threads or more (the results do
-//! not depend on the split). Operands are read in place on their strides where their columns
+//! one task, split over the current rayon pool (the results do not depend on the split). Operands are read in place on their strides where their columns
 //! are contiguous (heads split from `[B, T, H, E]`: rows `H · E` apart; gemm's sums do not
 //! depend on the row stride, so the bits are their copies'), else copied first.
 //!
@@ -69,16 +68,12 @@ pub fn attention(
     held.with(|x| {
         let (q, k, v, mask) = (x[0], x[1], x[2], x[3].head(0));
         let live = Live::of(mask, sizes.t);
-        let task = |bh: usize, o: &mut [f32]| {
-            forward_head([q.head(bh), k.head(bh), v.head(bh)], mask, &live, sizes, scale as f32, o);
-        };
-        if rayon::current_num_threads() > 1 {
-            out.par_chunks_mut(te.max(1)).enumerate().for_each(|(bh, o)| task(bh, o));
-        } else {
-            out.chunks_mut(te.max(1)).enumerate().for_each(|(bh, o)| task(bh, o));
-        }
+        // One task per (batch, head) over the pool (on a one-thread pool, in turn).
+        out.par_chunks_mut(te.max(1)).enumerate().for_each(|(bh, o)| {
+            forward_head([q.head(bh), k.head(bh), v.head(bh)], mask, &live, sizes, scale as f32, o)
+        });
     })?;
-    Tensor::from_vec(out, q_dims(&sizes), &Device::Cpu)
+    Tensor::from_vec(out, sizes.dims(), &Device::Cpu)
 }
 
 /// The gradients of q, k and v stacked `[3, B, H, T, E]`
@@ -117,21 +112,14 @@ pub fn attention_backward(
         let live = Live::of(mask, sizes.t);
         let (dq, rest) = out.split_at_mut(len);
         let (dk, dv) = rest.split_at_mut(len);
-        let task = |bh: usize, (dq, (dk, dv)): (&mut [f32], (&mut [f32], &mut [f32]))| {
-            let head = Head { q: q.head(bh), k: k.head(bh), v: v.head(bh), o: o.head(bh), g: g.head(bh) };
-            backward_head(head, mask, &live, sizes, scale as f32, Grads { dq, dk, dv });
-        };
         let n = te.max(1);
-        if rayon::current_num_threads() > 1 {
-            let parts = dq.par_chunks_mut(n).zip(dk.par_chunks_mut(n).zip(dv.par_chunks_mut(n)));
-            parts.enumerate().for_each(|(bh, d)| task(bh, d));
-        } else {
-            let parts = dq.chunks_mut(n).zip(dk.chunks_mut(n).zip(dv.chunks_mut(n)));
-            parts.enumerate().for_each(|(bh, d)| task(bh, d));
-        }
+        let parts = dq.par_chunks_mut(n).zip(dk.par_chunks_mut(n).zip(dv.par_chunks_mut(n)));
+        parts.enumerate().for_each(|(bh, (dq, (dk, dv)))| {
+            let head = Head { q: q.head(bh), k: k.head(bh), v: v.head(bh), o: o.head(bh), g: g.head(bh) };
+            backward_head(head, mask, &live, sizes, scale as f32, Grads { dq, dk, dv })
+        });
     })?;
-    let mut dims = vec![3];
-    dims.extend(q_dims(&sizes));
+    let dims: Vec<usize> = [3].into_iter().chain(sizes.dims()).collect();
     Tensor::from_vec(out, dims, &Device::Cpu)
 }
 
@@ -160,10 +148,11 @@ impl Sizes {
         }
         Ok(Sizes { b, h, t, e })
     }
-}
 
-fn q_dims(s: &Sizes) -> Vec<usize> {
-    vec![s.b, s.h, s.t, s.e]
+    /// `[B, H, T, E]`.
+    fn dims(&self) -> Vec<usize> {
+        vec![self.b, self.h, self.t, self.e]
+    }
 }
 
 /// f32 operands `[B, H, T, E]` held for reading in place: each as it is where its columns are

@@ -58,8 +58,8 @@ impl<T: Copy> PerKind<T> {
 pub struct Work {
     /// Multiply-add FLOPs of the matmuls ([`Graph::matmul_flops`]).
     pub flops: u64,
-    /// Logical bytes of the values of every node that is neither an input nor a matmul (nor an
-    /// attention node: its products are counted in `flops`).
+    /// Logical bytes of the values of every node that is neither an input nor a product
+    /// ([`Op::is_product`]: its cost is in `flops`).
     pub bytes: u64,
 }
 
@@ -69,16 +69,7 @@ impl Work {
         let bytes = g
             .nodes
             .iter()
-            .filter(|n| {
-                !matches!(
-                    n.op,
-                    Op::Input { .. }
-                        | Op::Matmul
-                        | Op::SegmentMatmul { .. }
-                        | Op::Attention { .. }
-                        | Op::AttentionBackward { .. }
-                )
-            })
+            .filter(|n| !matches!(n.op, Op::Input { .. }) && !n.op.is_product())
             .map(|n| n.ty.size_bytes() as u64)
             .sum();
         Work { flops: g.matmul_flops(), bytes }

@@ -109,16 +109,7 @@ fn w_cut(g: &Graph, dinput: ValueId, w_outs: &[ValueId]) -> WCut {
         let node = &g.nodes[v];
         // Matmuls and collectives run where they belong: the forward's in I (W only holds them
         // or what follows), W's own weight-gradient ones in W.
-        let heavy = matches!(
-            node.op,
-            Op::Matmul
-                | Op::SegmentMatmul { .. }
-                | Op::SegmentOuter
-                | Op::Attention { .. }
-                | Op::AttentionBackward { .. }
-                | Op::CollectiveStart { .. }
-                | Op::CollectiveWait
-        );
+        let heavy = node.op.is_product() || node.op.is_collective();
         let backward = node.meta.phase == crate::graph::Phase::Backward;
         let free = matches!(node.op, Op::Full { .. });
         let at_i = matches!(node.op, Op::Input { .. }) || (di[v] && !free) || (heavy && !backward);

@@ -23,6 +23,57 @@ pub fn exit_with_usage(usage: &str, problem: Option<String>) -> ! {
     }
 }
 
+/// An example's `--flag value` pairs over their defaults: `--help` prints `usage` and exits 0;
+/// an unknown flag or a missing value prints the problem and `usage` and exits 2.
+pub struct Flags {
+    usage: &'static str,
+    values: HashMap<String, String>,
+}
+
+impl Flags {
+    /// The command line's flags; `defaults` names every flag (without `--`) and its value.
+    pub fn parse(usage: &'static str, defaults: &[(&str, &str)]) -> Flags {
+        let mut values: HashMap<String, String> =
+            defaults.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let mut it = std::env::args().skip(1);
+        while let Some(k) = it.next() {
+            if k == "--help" || k == "-h" {
+                exit_with_usage(usage, None);
+            }
+            let key = k.trim_start_matches("--").to_string();
+            if !values.contains_key(&key) {
+                exit_with_usage(usage, Some(format!("unknown flag {k}")));
+            }
+            let v = it.next().unwrap_or_else(|| exit_with_usage(usage, Some(format!("{k} needs a value"))));
+            values.insert(key, v);
+        }
+        Flags { usage, values }
+    }
+
+    /// Flag `k`'s value.
+    pub fn text(&self, k: &str) -> &str {
+        &self.values[k]
+    }
+
+    /// Flag `k`'s value as a positive number (exits 2 otherwise).
+    pub fn num(&self, k: &str) -> usize {
+        self.positive(k, self.text(k))
+    }
+
+    /// `v`, given for flag `k`, as a positive number (exits 2 otherwise).
+    pub fn positive(&self, k: &str, v: &str) -> usize {
+        v.parse()
+            .ok()
+            .filter(|&n: &usize| n > 0)
+            .unwrap_or_else(|| self.bad(format!("--{k} takes a positive number, not {v:?}")))
+    }
+
+    /// Prints `problem` and the usage line; exits 2.
+    pub fn bad(&self, problem: String) -> ! {
+        exit_with_usage(self.usage, Some(problem))
+    }
+}
+
 /// Tensors by input name.
 pub type Env = HashMap<String, Tensor>;
 
