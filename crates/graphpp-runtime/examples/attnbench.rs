@@ -9,6 +9,10 @@
 #[allow(dead_code)] // only the flags: no stage graphs here
 mod common;
 
+/// The allocator the `graphpp` binary runs on (`graphpp_runtime::malloc` says why).
+#[global_allocator]
+static ALLOCATOR: graphpp_runtime::malloc::MiMalloc = graphpp_runtime::malloc::MiMalloc;
+
 use candle_core::{Device, Tensor};
 use graphpp_runtime::attention::{attention, attention_backward, composition, composition_backward};
 use std::collections::HashMap;
@@ -34,6 +38,7 @@ fn main() {
         .map(|k| (k.to_string(), flags.num(k)))
         .into();
     std::env::set_var("CANDLE_NUM_THREADS", "1");
+    graphpp_runtime::malloc::retain_freed_memory();
     let pool = graphpp_runtime::threads::rank_pool(0, a["threads"]).expect("a thread pool");
     pool.install(|| run(&a));
 }

@@ -4,40 +4,52 @@
 //! sum instead of saving the log-sum-exp (issue 11 item 1).
 //!
 //! Shapes: q, k, v, o and g `[B, H, T, E]`, the additive mask `[T, T]`; each (batch, head) is
-//! one task, split over the current rayon pool (the results do not depend on the split). Operands are read in place on their strides where their columns
-//! are contiguous (heads split from `[B, T, H, E]`: rows `H · E` apart; gemm's sums do not
-//! depend on the row stride, so the bits are their copies'), else copied first.
+//! one task, split over the current rayon pool (the results do not depend on the split).
+//! Operands are read in place on their strides where their columns are contiguous (heads split
+//! from `[B, T, H, E]`: rows `H · E` apart; the products' sums do not depend on the row stride,
+//! so the bits are their copies'), else copied first. The products are [`product`]'s: register
+//! blocks without packing, summing only the terms the mask lets be non-zero; `k` (and in the
+//! backward `v`) is transposed once per task so that every product reads rows.
 //!
 //! **Forward** (f32): per tile of [`BQ`] query rows, the keys a tile of [`BK`] at a time:
-//! `S = q kᵀ` by gemm into a `BQ × BK` scratch, `z = scale · S + mask`, the running row maximum
+//! `S = q kᵀ` into a `BQ × BK` scratch, `z = scale · S + mask`, the running row maximum
 //! `m` and sum `l` of `e^(z − m)` rescaled by `e^(m_old − m)` when the maximum grows (the online
 //! softmax, Milakov & Gimelshein 2018), and the output rows `acc += e^(z − m) v` rescaled
 //! alike; at the end `o = acc / l`. No more than one `BQ × BK` tile of the scores (and one of
-//! their exponentials) exists at a time per task: the `[B, H, T, T]` probabilities are never held, in the forward or saved for
-//! the backward.
+//! their exponentials) exists at a time per task: the `[B, H, T, T]` probabilities are never
+//! held, in the forward or saved for the backward.
 //!
-//! **Backward** (f32): per query tile, the scores of its live key tiles again (one `BQ × T` row
+//! **Backward** (f32): per query tile, the scores of its key tiles again (one `BQ × T` row
 //! block per task), their softmax `P` in two passes (max, then sum), `D = rowsum(g ⊙ o)`, and
 //! per key tile `dv += Pᵀ g`, `dP = g vᵀ`, `dS = scale · P ⊙ (dP − D)`, `dq += dS k`,
 //! `dk += dSᵀ q`. Five products per tile where the saved-probabilities backward did four.
 //!
-//! **Masked tiles.** A key tile whose mask entries for a query tile are all at or below
-//! [`HIDDEN`] is skipped: its `e^(z − m)` are exact zeros in f32 whenever the row sees some key
-//! (the causal mask's −1e9 under a finite row maximum: below −104 `e^x` rounds to +0.0), so
-//! skipping changes no bit of the sums while halving the causal work at long `T` — for finite
-//! q, k, v (a NaN or ∞ at a hidden key reaches the composition's output through `0 · ∞`, not the
-//! kernel's) and visible scores more than ~104 above the hidden ones. A query tile with a row
-//! that sees no key keeps every key tile (its softmax is over all keys, as the composition's).
+//! **Masked keys.** A mask entry at or below [`HIDDEN`] hides its key. Each query row's *span*
+//! runs from its first visible key to its last ([`Spans`]), and only scores inside spans are
+//! computed: key tiles no row of a query tile reaches are skipped, and within a tile the
+//! products skip the register blocks (and the terms of a sum) outside the spans. Outside its
+//! span a row's `e^(z − m)` are exact zeros in f32 whenever the row sees some key (the causal
+//! mask's −1e9 under a finite row maximum: below −104 `e^x` rounds to +0.0), so skipping
+//! changes no bit of the sums (tested against a −1e7 mask, which is computed everywhere) while
+//! halving the causal work — for finite q, k, v (a NaN or ∞ at a hidden key reaches the
+//! composition's output through `0 · ∞`, not the kernel's) and visible scores more than ~104
+//! above the hidden ones. A row that sees no key spans every key (its softmax is over all of
+//! them, as the composition's).
 //!
 //! Other dtypes (bf16, f64) run the composition — `q kᵀ`, softmax in the wide dtype
 //! ([`crate::softmax`]), `P v` — which is also the reference the f32 kernels are tested
 //! against (`tests` below); `tests/vjp_fd.rs` checks that composition's gradients (f64) by
 //! finite differences.
 
+mod product;
+
+use std::ops::Range;
+
 use candle_core::{DType as CDType, Device, Tensor};
 use rayon::prelude::*;
 
 use crate::softmax::{max, softmax, softmax_backward, sum};
+use product::{product, Mat, Out, MR};
 
 /// Query rows per tile.
 pub const BQ: usize = 128;
@@ -67,11 +79,15 @@ pub fn attention(
     let mut out = vec![0f32; sizes.b * sizes.h * te];
     held.with(|x| {
         let (q, k, v, mask) = (x[0], x[1], x[2], x[3].head(0));
-        let live = Live::of(mask, sizes.t);
+        let spans = Spans::of(mask, sizes.t);
         // One task per (batch, head) over the pool (on a one-thread pool, in turn).
-        out.par_chunks_mut(te.max(1)).enumerate().for_each(|(bh, o)| {
-            forward_head([q.head(bh), k.head(bh), v.head(bh)], mask, &live, sizes, scale as f32, o)
-        });
+        out.par_chunks_mut(te.max(1)).enumerate().for_each_init(
+            || Scratch::of(sizes),
+            |scratch, (bh, o)| {
+                let head = [q.head(bh), k.head(bh), v.head(bh)];
+                forward_head(head, mask, &spans, sizes, scale as f32, o, scratch)
+            },
+        );
     })?;
     Tensor::from_vec(out, sizes.dims(), &Device::Cpu)
 }
@@ -109,15 +125,19 @@ pub fn attention_backward(
     let mut out = vec![0f32; 3 * len];
     held.with(|x| {
         let (q, k, v, o, g, mask) = (x[0], x[1], x[2], x[3], x[4], x[5].head(0));
-        let live = Live::of(mask, sizes.t);
+        let spans = Spans::of(mask, sizes.t);
         let (dq, rest) = out.split_at_mut(len);
         let (dk, dv) = rest.split_at_mut(len);
         let n = te.max(1);
         let parts = dq.par_chunks_mut(n).zip(dk.par_chunks_mut(n).zip(dv.par_chunks_mut(n)));
-        parts.enumerate().for_each(|(bh, (dq, (dk, dv)))| {
-            let head = Head { q: q.head(bh), k: k.head(bh), v: v.head(bh), o: o.head(bh), g: g.head(bh) };
-            backward_head(head, mask, &live, sizes, scale as f32, Grads { dq, dk, dv })
-        });
+        parts.enumerate().for_each_init(
+            || Scratch::of(sizes),
+            |scratch, (bh, (dq, (dk, dv)))| {
+                let head = Head { q: q.head(bh), k: k.head(bh), v: v.head(bh), o: o.head(bh), g: g.head(bh) };
+                let grads = Grads { dq, dk, dv };
+                backward_head(head, mask, &spans, sizes, scale as f32, grads, scratch)
+            },
+        );
     })?;
     let dims: Vec<usize> = [3].into_iter().chain(sizes.dims()).collect();
     Tensor::from_vec(out, dims, &Device::Cpu)
@@ -219,95 +239,169 @@ impl<'a> View<'a> {
     }
 }
 
-/// Which (query tile, key tile) pairs the kernels compute (module doc, "Masked tiles").
-struct Live {
-    keys: usize,
-    live: Vec<bool>,
+/// Per query row, the keys it sees; per key, the query rows that see it (module doc, "Masked
+/// keys"). A row's range runs from its first visible key to its last — every key for a row that
+/// sees none (its softmax is over all of them, as the composition's); a key's from the first to
+/// the last row whose range holds it (empty for a key in no row's range).
+struct Spans {
+    rows: Vec<Range<usize>>,
+    keys: Vec<Range<usize>>,
 }
 
-impl Live {
-    fn of(mask: View, t: usize) -> Live {
-        let (queries, keys) = (t.div_ceil(BQ), t.div_ceil(BK));
-        let mut live = vec![false; queries * keys];
-        let mut sees = vec![false; t];
-        for r in 0..t {
-            for (c, &m) in mask.from(r)[..t].iter().enumerate() {
-                // NaN counts as visible: it reaches the output as the composition's does.
-                if m > HIDDEN || m.is_nan() {
-                    live[(r / BQ) * keys + c / BK] = true;
-                    sees[r] = true;
+impl Spans {
+    fn of(mask: View, t: usize) -> Spans {
+        // NaN counts as visible: it reaches the output as the composition's does.
+        let seen = |m: &f32| *m > HIDDEN || m.is_nan();
+        let rows: Vec<Range<usize>> = (0..t)
+            .map(|r| {
+                let m = &mask.from(r)[..t];
+                match (m.iter().position(seen), m.iter().rposition(seen)) {
+                    (Some(lo), Some(hi)) => lo..hi + 1,
+                    _ => 0..t,
                 }
+            })
+            .collect();
+        let mut keys = vec![usize::MAX..0; t];
+        for (r, span) in rows.iter().enumerate() {
+            for key in &mut keys[span.clone()] {
+                key.start = key.start.min(r);
+                key.end = r + 1;
             }
         }
-        for i in 0..queries {
-            if sees[i * BQ..((i + 1) * BQ).min(t)].iter().any(|&s| !s) {
-                live[i * keys..(i + 1) * keys].fill(true);
-            }
-        }
-        Live { keys, live }
+        keys.iter_mut().filter(|k| k.start >= k.end).for_each(|k| *k = 0..0);
+        Spans { rows, keys }
     }
 
-    /// The key tiles `(first key, keys)` query tile `i` computes.
-    fn tiles(&self, i: usize, t: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
-        (0..self.keys)
-            .filter(move |&j| self.live[i * self.keys + j])
-            .map(move |j| (j * BK, BK.min(t - j * BK)))
+    /// The smallest range holding `within` ∩ `ranges[i]` for every `i` in `of`, relative to
+    /// `within.start` (empty where none meets `within`).
+    fn hull(ranges: &[Range<usize>], of: Range<usize>, within: Range<usize>) -> Range<usize> {
+        let (lo, hi) = ranges[of]
+            .iter()
+            .map(|r| r.start.max(within.start)..r.end.min(within.end))
+            .filter(|r| !r.is_empty())
+            .fold((usize::MAX, 0), |(lo, hi), r| (lo.min(r.start), hi.max(r.end)));
+        if lo < hi {
+            lo - within.start..hi - within.start
+        } else {
+            0..0
+        }
+    }
+
+    /// The key tiles `(first key, keys)` the query rows `rows` compute: those that meet some
+    /// row's range.
+    fn key_tiles(&self, rows: Range<usize>, t: usize) -> impl Iterator<Item = (usize, usize)> {
+        let hull = Spans::hull(&self.rows, rows, 0..t);
+        (0..t)
+            .step_by(BK)
+            .filter(move |&c0| c0 < hull.end && c0 + BK > hull.start)
+            .map(move |c0| (c0, BK.min(t - c0)))
     }
 }
 
-/// `dst[m × n] (+)= a[m × k] · b[k × n]` on one thread: each operand given with its
-/// `(row stride, column stride)`, `dst` with its row stride (columns contiguous), added to when
-/// `accumulate`. Panics if an operand's strides reach outside its slice (a bug here, not bad
-/// input: [`Sizes::of`] checked the shapes).
-#[allow(clippy::too_many_arguments)]
-fn product(
-    (m, n, k): (usize, usize, usize),
-    (dst, dst_rs): (&mut [f32], usize),
-    accumulate: bool,
-    a: &[f32],
-    (a_rs, a_cs): (usize, usize),
-    b: &[f32],
-    (b_rs, b_cs): (usize, usize),
-) {
-    if m == 0 || n == 0 {
-        return;
+/// Per block of [`MR`] of the rows (or keys) `of`, the [`Spans::hull`] of their ranges within
+/// `within`: the reach ([`product`]) of a product summing over `within`.
+fn blocks(ranges: &[Range<usize>], of: Range<usize>, within: Range<usize>) -> Vec<Range<usize>> {
+    of.clone().step_by(MR).map(|i| Spans::hull(ranges, i..(i + MR).min(of.end), within.clone())).collect()
+}
+
+/// All of `0..e` where `seen` meets `keys` (some row of a block sees some key of it), else
+/// nothing: the reach of a scores product.
+fn all_if(seen: &Range<usize>, keys: Range<usize>, e: usize) -> Range<usize> {
+    if seen.start < keys.end && keys.start < seen.end {
+        0..e
+    } else {
+        0..0
     }
-    let reach = |rs: usize, cs: usize, rows: usize, cols: usize| (rows - 1) * rs + (cols - 1) * cs + 1;
-    assert!(reach(dst_rs, 1, m, n) <= dst.len(), "attention: product destination too short");
-    if k == 0 {
-        if !accumulate {
-            dst.chunks_mut(dst_rs).take(m).for_each(|r| r[..n].fill(0.0));
+}
+
+/// `x`'s `[T, E]` rows as the columns of `dst` `[E, T]`: whole 8 × 8 blocks by AVX2 shuffles
+/// where the CPU has AVX2, the rest element by element.
+#[inline(always)]
+fn transpose(x: View, (t, e): (usize, usize), dst: &mut [f32]) {
+    let dst = &mut dst[..t * e];
+    let whole = |n: usize| n - n % 8;
+    #[cfg(target_arch = "x86_64")]
+    let done = if std::arch::is_x86_feature_detected!("avx2") { (whole(t), whole(e)) } else { (0, 0) };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = (0, 0);
+    #[cfg(target_arch = "x86_64")]
+    for c0 in (0..done.0).step_by(8) {
+        for j0 in (0..done.1).step_by(8) {
+            let src = &x.from(c0)[j0..];
+            assert!(7 * x.rs + 8 <= src.len() && 7 * t + c0 + 8 <= dst.len() - j0 * t);
+            // SAFETY: the CPU has AVX2 (checked above); rows c0..c0 + 8 of x hold columns
+            // j0..j0 + 8 and rows j0..j0 + 8 of dst columns c0..c0 + 8 (asserted just above).
+            unsafe { transpose8(src.as_ptr(), x.rs, dst[j0 * t + c0..].as_mut_ptr(), t) };
         }
-        return;
     }
-    assert!(
-        reach(a_rs, a_cs, m, k) <= a.len() && reach(b_rs, b_cs, k, n) <= b.len(),
-        "attention: product operand too short"
-    );
-    // SAFETY: every element gemm reads or writes lies inside its slice (asserted above), and
-    // `dst` does not alias `a` or `b` (a `&mut` beside two `&`).
+    for c in 0..t {
+        let row = &x.from(c)[..e];
+        let from = if c < done.0 { done.1 } else { 0 };
+        for (j, &y) in row.iter().enumerate().skip(from) {
+            dst[j * t + c] = y;
+        }
+    }
+}
+
+/// The 8 × 8 block at `src` (rows `src_rs` apart) transposed into `dst` (rows `dst_rs` apart):
+/// unpack pairs of rows, shuffle pairs of pairs, swap 128-bit halves.
+///
+/// # Safety
+/// The CPU has AVX2; `src + i · src_rs .. + 8` and `dst + i · dst_rs .. + 8` are valid for
+/// `i < 8` (reads and writes), and do not overlap.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn transpose8(src: *const f32, src_rs: usize, dst: *mut f32, dst_rs: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract (rows in bounds).
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            dst_rs as isize,
-            accumulate,
-            a.as_ptr(),
-            a_cs as isize,
-            a_rs as isize,
-            b.as_ptr(),
-            b_cs as isize,
-            b_rs as isize,
-            1f32,
-            1f32,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
+        let r = |i: usize| _mm256_loadu_ps(src.add(i * src_rs));
+        let (r0, r1, r2, r3, r4, r5, r6, r7) = (r(0), r(1), r(2), r(3), r(4), r(5), r(6), r(7));
+        let (t0, t1) = (_mm256_unpacklo_ps(r0, r1), _mm256_unpackhi_ps(r0, r1));
+        let (t2, t3) = (_mm256_unpacklo_ps(r2, r3), _mm256_unpackhi_ps(r2, r3));
+        let (t4, t5) = (_mm256_unpacklo_ps(r4, r5), _mm256_unpackhi_ps(r4, r5));
+        let (t6, t7) = (_mm256_unpacklo_ps(r6, r7), _mm256_unpackhi_ps(r6, r7));
+        let (s0, s1) = (_mm256_shuffle_ps::<0x44>(t0, t2), _mm256_shuffle_ps::<0xEE>(t0, t2));
+        let (s2, s3) = (_mm256_shuffle_ps::<0x44>(t1, t3), _mm256_shuffle_ps::<0xEE>(t1, t3));
+        let (s4, s5) = (_mm256_shuffle_ps::<0x44>(t4, t6), _mm256_shuffle_ps::<0xEE>(t4, t6));
+        let (s6, s7) = (_mm256_shuffle_ps::<0x44>(t5, t7), _mm256_shuffle_ps::<0xEE>(t5, t7));
+        let out = [
+            _mm256_permute2f128_ps::<0x20>(s0, s4),
+            _mm256_permute2f128_ps::<0x20>(s1, s5),
+            _mm256_permute2f128_ps::<0x20>(s2, s6),
+            _mm256_permute2f128_ps::<0x20>(s3, s7),
+            _mm256_permute2f128_ps::<0x31>(s0, s4),
+            _mm256_permute2f128_ps::<0x31>(s1, s5),
+            _mm256_permute2f128_ps::<0x31>(s2, s6),
+            _mm256_permute2f128_ps::<0x31>(s3, s7),
+        ];
+        for (i, o) in out.into_iter().enumerate() {
+            _mm256_storeu_ps(dst.add(i * dst_rs), o);
+        }
+    }
+}
+
+/// One task's scratch, reused by the (batch, head)s it runs: k and v transposed `[E, T]`, a tile
+/// of scores `z` (the backward's: one row) and of probabilities `p` (the backward's: a `BQ × T`
+/// row block), and a tile of the backward's `dS`.
+struct Scratch {
+    kt: Vec<f32>,
+    vt: Vec<f32>,
+    z: Vec<f32>,
+    p: Vec<f32>,
+    ds: Vec<f32>,
+}
+
+impl Scratch {
+    fn of(s: Sizes) -> Scratch {
+        let tile = BQ.min(s.t) * BK.min(s.t);
+        Scratch {
+            kt: vec![0.0; s.t * s.e],
+            vt: vec![0.0; s.t * s.e],
+            z: vec![0.0; tile.max(s.t)],
+            p: vec![0.0; BQ.min(s.t) * s.t],
+            ds: vec![0.0; tile],
+        }
     }
 }
 
@@ -316,45 +410,102 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// One (batch, head) of the forward (module doc): q, k, v `[T, E]` row-major, o its `[T, E]`
-/// output.
+/// [`forward_in`] built for AVX2 and FMA where the CPU has them (its elementwise loops 8 lanes
+/// wide; the products dispatch on their own), else as it is.
 #[allow(clippy::too_many_arguments)]
-fn forward_head([q, k, v]: [View; 3], mask: View, live: &Live, s: Sizes, scale: f32, o: &mut [f32]) {
+fn forward_head(
+    qkv: [View; 3],
+    mask: View,
+    spans: &Spans,
+    s: Sizes,
+    scale: f32,
+    o: &mut [f32],
+    x: &mut Scratch,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        #[target_feature(enable = "avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        fn avx2(
+            qkv: [View; 3],
+            mask: View,
+            spans: &Spans,
+            s: Sizes,
+            scale: f32,
+            o: &mut [f32],
+            x: &mut Scratch,
+        ) {
+            forward_in(qkv, mask, spans, s, scale, o, x)
+        }
+        // SAFETY: the CPU has AVX2 and FMA (checked just above).
+        return unsafe { avx2(qkv, mask, spans, s, scale, o, x) };
+    }
+    forward_in(qkv, mask, spans, s, scale, o, x)
+}
+
+/// One (batch, head) of the forward (module doc): q, k, v `[T, E]` rows, o its `[T, E]` output.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn forward_in(
+    [q, k, v]: [View; 3],
+    mask: View,
+    spans: &Spans,
+    s: Sizes,
+    scale: f32,
+    o: &mut [f32],
+    Scratch { kt, z, p, .. }: &mut Scratch,
+) {
     let (t, e) = (s.t, s.e);
-    let mut z = vec![0f32; BQ.min(t) * BK.min(t)];
-    let mut p = z.clone();
+    transpose(k, (t, e), kt);
     let (mut m, mut l) = ([f32::NEG_INFINITY; BQ], [0f32; BQ]);
-    for (i, r0) in (0..t).step_by(BQ).enumerate() {
+    for r0 in (0..t).step_by(BQ) {
         let rows = BQ.min(t - r0);
         let acc = &mut o[r0 * e..(r0 + rows) * e];
         acc.fill(0.0);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
-        for (c0, cols) in live.tiles(i, t) {
+        for (c0, cols) in spans.key_tiles(r0..r0 + rows, t) {
+            // The keys each block of MR rows sees (tile-relative).
+            let seen = blocks(&spans.rows, r0..r0 + rows, c0..c0 + cols);
             let (z, p) = (&mut z[..rows * cols], &mut p[..rows * cols]);
-            product((rows, cols, e), (z, cols), false, q.from(r0), (q.rs, 1), k.from(c0), (1, k.rs));
+            let qi = Mat { data: q.from(r0), rs: q.rs, cs: 1 };
+            let ktj = Mat { data: &kt[c0..], rs: t, cs: 1 };
+            product((rows, cols, e), Out { data: z, rs: cols }, false, qi, ktj, |rs, ks| {
+                all_if(&seen[rs.start / MR], ks, e)
+            });
             for (r, (zr, pr)) in z.chunks_exact_mut(cols).zip(p.chunks_exact_mut(cols)).enumerate() {
-                let mr = &mask.from(r0 + r)[c0..c0 + cols];
-                for (x, &a) in zr.iter_mut().zip(mr) {
+                let span = Spans::hull(&spans.rows, r0 + r..r0 + r + 1, c0..c0 + cols);
+                pr[..span.start].fill(0.0);
+                pr[span.end..].fill(0.0);
+                if span.is_empty() {
+                    // Every key of the tile hidden: e^(z − m) would add +0.0 (module doc).
+                    continue;
+                }
+                let (zs, ps) = (&mut zr[span.clone()], &mut pr[span.clone()]);
+                for (x, &a) in zs.iter_mut().zip(&mask.from(r0 + r)[c0 + span.start..c0 + span.end]) {
                     *x = *x * scale + a;
                 }
-                let top = m[r].max(max(zr));
+                let top = m[r].max(max(zs));
                 // A row that has seen only −∞ so far subtracts 0 (not −∞ − −∞ = NaN): its
                 // exponentials are 0 until it sees a key, as in the composition.
                 let base = if top == f32::NEG_INFINITY { 0.0 } else { top };
-                for x in zr.iter_mut() {
-                    *x -= base;
-                }
-                crate::expf::exp_slice(zr, pr, false);
+                zs.iter_mut().for_each(|x| *x -= base);
+                crate::expf::exp_slice(zs, ps, false);
                 // e^(m_old − m_new); 1 while the maximum stands (also −∞ to −∞: nothing seen).
                 let shrink = if top == m[r] { 1.0 } else { crate::expf::exp(m[r] - top) };
+                // Over the whole tile row (zeros outside the span): the sum's lanes as a full
+                // row's, so the bits do not depend on the span.
                 l[r] = l[r] * shrink + sum(pr);
                 m[r] = top;
                 if shrink != 1.0 {
                     acc[r * e..(r + 1) * e].iter_mut().for_each(|x| *x *= shrink);
                 }
             }
-            product((rows, e, cols), (acc, e), true, p, (cols, 1), v.from(c0), (v.rs, 1));
+            let vj = Mat { data: v.from(c0), rs: v.rs, cs: 1 };
+            let pm = Mat { data: p, rs: cols, cs: 1 };
+            product((rows, e, cols), Out { data: acc, rs: e }, true, pm, vj, |rs, _| {
+                seen[rs.start / MR].clone()
+            });
         }
         for (r, row) in acc.chunks_exact_mut(e.max(1)).enumerate() {
             row.iter_mut().for_each(|x| *x /= l[r]);
@@ -362,7 +513,7 @@ fn forward_head([q, k, v]: [View; 3], mask: View, live: &Live, s: Sizes, scale: 
     }
 }
 
-/// One (batch, head)'s operands, each `[T, E]` row-major.
+/// One (batch, head)'s operands, each `[T, E]` rows.
 struct Head<'a> {
     q: View<'a>,
     k: View<'a>,
@@ -378,77 +529,86 @@ struct Grads<'a> {
     dv: &'a mut [f32],
 }
 
+/// [`backward_in`] built for AVX2 and FMA where the CPU has them, as [`forward_head`].
+fn backward_head(x: Head, mask: View, spans: &Spans, s: Sizes, scale: f32, d: Grads, scratch: &mut Scratch) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        #[target_feature(enable = "avx2,fma")]
+        fn avx2(x: Head, mask: View, spans: &Spans, s: Sizes, scale: f32, d: Grads, scratch: &mut Scratch) {
+            backward_in(x, mask, spans, s, scale, d, scratch)
+        }
+        // SAFETY: the CPU has AVX2 and FMA (checked just above).
+        return unsafe { avx2(x, mask, spans, s, scale, d, scratch) };
+    }
+    backward_in(x, mask, spans, s, scale, d, scratch)
+}
+
 /// One (batch, head) of the backward (module doc).
-fn backward_head(x: Head, mask: View, live: &Live, s: Sizes, scale: f32, d: Grads) {
+#[inline(always)]
+fn backward_in(x: Head, mask: View, spans: &Spans, s: Sizes, scale: f32, d: Grads, scratch: &mut Scratch) {
     let (t, e) = (s.t, s.e);
-    // The softmax of the query tile's row block over its live key tiles (row stride t).
-    let mut p = vec![0f32; BQ.min(t) * t];
-    let mut z = vec![0f32; BK.min(t)];
-    let mut ds = vec![0f32; BQ.min(t) * BK.min(t)];
-    for (i, r0) in (0..t).step_by(BQ).enumerate() {
+    // p: the softmax of the query tile's row block over its key tiles (row stride t).
+    let Scratch { kt, vt, z, p, ds } = scratch;
+    transpose(x.k, (t, e), kt);
+    transpose(x.v, (t, e), vt);
+    for r0 in (0..t).step_by(BQ) {
         let rows = BQ.min(t - r0);
-        let tiles: Vec<(usize, usize)> = live.tiles(i, t).collect();
-        for &(c0, cols) in &tiles {
-            product(
-                (rows, cols, e),
-                (&mut p[c0..], t),
-                false,
-                x.q.from(r0),
-                (x.q.rs, 1),
-                x.k.from(c0),
-                (1, x.k.rs),
-            );
+        let tiles: Vec<(usize, usize)> = spans.key_tiles(r0..r0 + rows, t).collect();
+        let qi = Mat { data: x.q.from(r0), rs: x.q.rs, cs: 1 };
+        // Per key tile, the keys each block of MR rows sees, and the rows each block of MR keys
+        // is seen by (tile-relative).
+        let seen: Vec<_> =
+            tiles.iter().map(|&(c0, cols)| blocks(&spans.rows, r0..r0 + rows, c0..c0 + cols)).collect();
+        let seen_by: Vec<_> =
+            tiles.iter().map(|&(c0, cols)| blocks(&spans.keys, c0..c0 + cols, r0..r0 + rows)).collect();
+        for (&(c0, cols), seen) in tiles.iter().zip(&seen) {
+            let ktj = Mat { data: &kt[c0..], rs: t, cs: 1 };
+            let out = Out { data: &mut p[c0..], rs: t };
+            product((rows, cols, e), out, false, qi, ktj, |rs, ks| all_if(&seen[rs.start / MR], ks, e));
         }
         for (r, row) in p.chunks_exact_mut(t).take(rows).enumerate() {
-            let mr = &mask.from(r0 + r)[..t];
-            let mut top = f32::NEG_INFINITY;
-            for &(c0, cols) in &tiles {
-                for (y, &a) in row[c0..c0 + cols].iter_mut().zip(&mr[c0..c0 + cols]) {
-                    *y = *y * scale + a;
-                }
-                top = top.max(max(&row[c0..c0 + cols]));
+            let span = spans.rows[r0 + r].clone();
+            let seg = &mut row[span.clone()];
+            for (y, &a) in seg.iter_mut().zip(&mask.from(r0 + r)[span.clone()]) {
+                *y = *y * scale + a;
             }
+            let top = max(seg);
+            let z = &mut z[..span.len()];
+            z.iter_mut().zip(seg.iter()).for_each(|(z, &y)| *z = y - top);
+            crate::expf::exp_slice(z, seg, false);
             let mut total = 0.0;
             for &(c0, cols) in &tiles {
-                let (seg, z) = (&mut row[c0..c0 + cols], &mut z[..cols]);
-                z.iter_mut().zip(seg.iter()).for_each(|(z, &y)| *z = y - top);
-                crate::expf::exp_slice(z, seg, false);
-                total += sum(seg);
+                let tile = &mut row[c0..c0 + cols];
+                tile[..span.start.saturating_sub(c0).min(cols)].fill(0.0);
+                tile[span.end.saturating_sub(c0).min(cols)..].fill(0.0);
+                // Tile by tile, as the sums of the tiles a full row would have.
+                total += sum(tile);
             }
-            for &(c0, cols) in &tiles {
-                row[c0..c0 + cols].iter_mut().for_each(|y| *y /= total);
-            }
+            row[span].iter_mut().for_each(|y| *y /= total);
         }
-        let gi = x.g.from(r0);
+        let gi = Mat { data: x.g.from(r0), rs: x.g.rs, cs: 1 };
         let big_d: Vec<f32> = (r0..r0 + rows).map(|r| dot(&x.g.from(r)[..e], &x.o.from(r)[..e])).collect();
-        for &(c0, cols) in &tiles {
-            let pj = &p[c0..];
-            product((cols, e, rows), (&mut d.dv[c0 * e..], e), true, pj, (1, t), gi, (x.g.rs, 1));
+        for ((&(c0, cols), seen), seen_by) in tiles.iter().zip(&seen).zip(&seen_by) {
+            let pt = Mat { data: &p[c0..], rs: 1, cs: t };
+            let dv = Out { data: &mut d.dv[c0 * e..], rs: e };
+            product((cols, e, rows), dv, true, pt, gi, |ks, _| seen_by[ks.start / MR].clone());
             let ds = &mut ds[..rows * cols];
-            product((rows, cols, e), (ds, cols), false, gi, (x.g.rs, 1), x.v.from(c0), (1, x.v.rs));
+            let vtj = Mat { data: &vt[c0..], rs: t, cs: 1 };
+            product((rows, cols, e), Out { data: ds, rs: cols }, false, gi, vtj, |rs, ks| {
+                all_if(&seen[rs.start / MR], ks, e)
+            });
             for (r, dr) in ds.chunks_exact_mut(cols).enumerate() {
-                for (y, &pv) in dr.iter_mut().zip(&pj[r * t..r * t + cols]) {
+                for (y, &pv) in dr.iter_mut().zip(&p[r * t + c0..r * t + c0 + cols]) {
                     *y = scale * pv * (*y - big_d[r]);
                 }
             }
-            product(
-                (rows, e, cols),
-                (&mut d.dq[r0 * e..], e),
-                true,
-                ds,
-                (cols, 1),
-                x.k.from(c0),
-                (x.k.rs, 1),
-            );
-            product(
-                (cols, e, rows),
-                (&mut d.dk[c0 * e..], e),
-                true,
-                ds,
-                (1, cols),
-                x.q.from(r0),
-                (x.q.rs, 1),
-            );
+            let kj = Mat { data: x.k.from(c0), rs: x.k.rs, cs: 1 };
+            let dq = Out { data: &mut d.dq[r0 * e..], rs: e };
+            let dsm = Mat { data: ds, rs: cols, cs: 1 };
+            product((rows, e, cols), dq, true, dsm, kj, |rs, _| seen[rs.start / MR].clone());
+            let dk = Out { data: &mut d.dk[c0 * e..], rs: e };
+            let dst = Mat { data: ds, rs: 1, cs: cols };
+            product((cols, e, rows), dk, true, dst, qi, |ks, _| seen_by[ks.start / MR].clone());
         }
     }
 }
@@ -625,12 +785,12 @@ mod tests {
             let d = attention_backward(&c.q, &c.k, &c.v, &c.mask, &o, &c.g, 0.25).unwrap();
             (bits(&o), bits(&d))
         };
-        let live = |m: &Tensor| {
+        let first = |m: &Tensor| {
             let m = m.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            Live::of(View { data: &m, rs: t }, t).live
+            Spans::of(View { data: &m, rs: t }, t).rows[0].clone()
         };
-        assert!(live(&skipped.mask).iter().any(|l| !l));
-        assert!(live(&computed.mask).iter().all(|&l| l));
+        assert_eq!(first(&skipped.mask), 0..1);
+        assert_eq!(first(&computed.mask), 0..t);
         assert_eq!(run(&skipped), run(&computed));
     }
 
@@ -667,6 +827,49 @@ mod tests {
         let d = attention_backward(&q, &k, &v, &mask, &o, &g, 0.3).unwrap();
         let dc = attention_backward(&c(&q), &c(&k), &c(&v), &mask, &oc, &c(&g), 0.3).unwrap();
         assert_eq!(bits(&d), bits(&dc));
+    }
+
+    #[test]
+    fn transposes_match_element_by_element() {
+        // Whole 8 × 8 blocks (AVX2 shuffles) beside ragged edges, rows read 3 apart from 24.
+        for (t, e) in [(16, 8), (21, 19), (5, 3), (64, 32)] {
+            let rs = e + 5;
+            let x = values(t * rs, 9);
+            let mut dst = vec![f32::NAN; t * e];
+            transpose(View { data: &x, rs }, (t, e), &mut dst);
+            for c in 0..t {
+                for j in 0..e {
+                    assert_eq!(dst[j * t + c].to_bits(), x[c * rs + j].to_bits(), "{t}×{e} at ({c}, {j})");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn spans_bound_what_each_row_and_key_sees() {
+        // A sliding window of 3 keys, and row 5 seeing nothing (all of its keys, as the
+        // composition's uniform softmax over them).
+        let t = 8;
+        let m: Vec<f32> = (0..t * t)
+            .map(|i| {
+                let (q, k) = (i / t, i % t);
+                if k > q || q - k >= 3 || q == 5 {
+                    -1e9
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let spans = Spans::of(View { data: &m, rs: t }, t);
+        assert_eq!(spans.rows[0], 0..1);
+        assert_eq!(spans.rows[4], 2..5);
+        assert_eq!(spans.rows[5], 0..t);
+        assert_eq!(spans.rows[7], 5..8);
+        // Key 0: rows 0–2 and 5; key 7: rows 5 and 7.
+        assert_eq!(spans.keys[0], 0..6);
+        assert_eq!(spans.keys[7], 5..8);
+        assert_eq!(Spans::hull(&spans.rows, 0..2, 1..8), 0..1);
+        assert_eq!(Spans::hull(&spans.rows, 0..1, 1..8), 0..0);
     }
 
     #[test]
