@@ -22,6 +22,13 @@ pub enum RecomputePolicy {
     /// Save every forward value the backward reads (no recomputation).
     #[default]
     SaveAll,
+    /// Save every forward value the backward reads except the *pointwise* ones it can recompute
+    /// inside its own pointwise ops: a unary, affine or binary value whose every backward reader
+    /// is such an op of its shape, computed from inputs, values the backward reads anyway and
+    /// other such values ([`pointwise_recomputable`]). The SwiGLU's `σ(g)` and `g · σ(g)`: the
+    /// backward's fused groups recompute them from the saved `g` instead of reading two more
+    /// `[B, T, F]` tensors (what PyTorch's min-cut partitioner of `torch.compile` recomputes).
+    Pointwise,
     /// Save nothing but the stage inputs: the backward recomputes the whole forward it needs
     /// (full activation checkpointing of the stage).
     SaveStageInputs,
@@ -41,7 +48,7 @@ impl RecomputePolicy {
     fn may_save(&self, g: &Graph, v: ValueId) -> bool {
         let n = g.node(v);
         match self {
-            RecomputePolicy::SaveAll => true,
+            RecomputePolicy::SaveAll | RecomputePolicy::Pointwise => true,
             RecomputePolicy::SaveStageInputs => false,
             RecomputePolicy::SaveMatmuls => n.op.is_product(),
             RecomputePolicy::SaveScopes(prefixes) => {
@@ -79,6 +86,10 @@ pub fn partition(joint: &Graph, num_user_outputs: usize, policy: &RecomputePolic
     let grad_outs = &joint.outputs[num_user_outputs..];
     let live = joint.ancestors(grad_outs.iter().map(|o| o.value));
     let param_only = param_derived(joint);
+    let pointwise = match policy {
+        RecomputePolicy::Pointwise => pointwise_recomputable(joint),
+        _ => vec![false; joint.nodes.len()],
+    };
     let mut route = vec![Route::Unneeded; joint.nodes.len()];
     // Walk backward-needed values in reverse so every consumer is routed before its producer.
     for i in (0..joint.nodes.len()).rev() {
@@ -96,7 +107,8 @@ pub fn partition(joint: &Graph, num_user_outputs: usize, policy: &RecomputePolic
                 if is_bw(x) || route[x.0] != Route::Unneeded {
                     continue;
                 }
-                route[x.0] = classify(joint, x, policy, &param_only);
+                route[x.0] =
+                    if pointwise[x.0] { Route::Clone } else { classify(joint, x, policy, &param_only) };
             }
         }
     }
@@ -118,6 +130,31 @@ fn classify(g: &Graph, x: ValueId, policy: &RecomputePolicy, param_only: &[bool]
         _ if policy.may_save(g, x) => Route::Saved,
         _ => Route::Clone,
     }
+}
+
+/// The forward values [`RecomputePolicy::Pointwise`] recomputes: unary, affine and binary values
+/// whose backward readers are all unary, affine or binary ops of their shape (so they recompute
+/// it in their fused group, never materialising it), whose operands are inputs, values the
+/// backward reads itself (saved anyway), or values of this kind.
+pub fn pointwise_recomputable(g: &Graph) -> Vec<bool> {
+    let users = g.users();
+    let is_bw = |v: ValueId| g.node(v).meta.phase == Phase::Backward;
+    let pointwise = |op: &Op| matches!(op, Op::Unary { .. } | Op::Affine { .. } | Op::Binary { .. });
+    let mut r = vec![false; g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        if n.meta.phase == Phase::Backward || !pointwise(&n.op) {
+            continue;
+        }
+        let available = |x: &ValueId| {
+            matches!(g.node(*x).op, Op::Input { .. }) || r[x.0] || users[x.0].iter().any(|&u| is_bw(u))
+        };
+        let fused_readers = users[i].iter().filter(|&&u| is_bw(u)).all(|&u| {
+            let reader = g.node(u);
+            pointwise(&reader.op) && reader.ty.shape == n.ty.shape
+        });
+        r[i] = fused_readers && n.inputs.iter().all(available);
+    }
+    r
 }
 
 /// Values computed from parameters, buffers and constants only, without collectives.

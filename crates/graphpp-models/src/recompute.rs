@@ -14,6 +14,9 @@ pub enum Recompute {
     /// Save every value the backward reads (no recomputation).
     #[default]
     SaveAll,
+    /// Save every value the backward reads but the pointwise ones its fused ops recompute
+    /// ([`RecomputePolicy::Pointwise`]: the SwiGLU's `σ(g)` and `g · σ(g)`).
+    Pointwise,
     /// Save only the stage input; the backward recomputes the stage's whole forward (full
     /// activation checkpointing, Megatron's `--recompute-granularity full` per stage).
     StageInputs,
@@ -25,13 +28,19 @@ pub enum Recompute {
 
 impl Recompute {
     /// Every choice, in the order the help lists them.
-    pub const ALL: [Recompute; 4] =
-        [Recompute::SaveAll, Recompute::StageInputs, Recompute::Matmuls, Recompute::Layers];
+    pub const ALL: [Recompute; 5] = [
+        Recompute::SaveAll,
+        Recompute::Pointwise,
+        Recompute::StageInputs,
+        Recompute::Matmuls,
+        Recompute::Layers,
+    ];
 
-    /// The flag value: `save-all`, `stage-inputs`, `matmuls`, `layers`.
+    /// The flag value: `save-all`, `pointwise`, `stage-inputs`, `matmuls`, `layers`.
     pub fn name(self) -> &'static str {
         match self {
             Recompute::SaveAll => "save-all",
+            Recompute::Pointwise => "pointwise",
             Recompute::StageInputs => "stage-inputs",
             Recompute::Matmuls => "matmuls",
             Recompute::Layers => "layers",
@@ -42,6 +51,7 @@ impl Recompute {
     pub fn policy(self, spec: &StageSpec) -> RecomputePolicy {
         match self {
             Recompute::SaveAll => RecomputePolicy::SaveAll,
+            Recompute::Pointwise => RecomputePolicy::Pointwise,
             Recompute::StageInputs => RecomputePolicy::SaveStageInputs,
             Recompute::Matmuls => RecomputePolicy::SaveMatmuls,
             Recompute::Layers => RecomputePolicy::Checkpoints(layer_checkpoints(spec)),
@@ -77,7 +87,10 @@ mod tests {
             assert_eq!(r.name().parse::<Recompute>(), Ok(r));
             assert_eq!(serde_json::to_string(&r).unwrap(), format!("\"{}\"", r.name()));
         }
-        assert!("all".parse::<Recompute>().unwrap_err().contains("save-all, stage-inputs, matmuls, layers"));
+        assert!("all"
+            .parse::<Recompute>()
+            .unwrap_err()
+            .contains("save-all, pointwise, stage-inputs, matmuls, layers"));
         let spec = StageSpec { stage: 1, stages: 2, layers: 2..4, ep: crate::ExpertShard::WHOLE };
         let want = vec!["model.layers.2".to_string(), "model.layers.3".to_string()];
         assert_eq!(Recompute::Layers.policy(&spec), RecomputePolicy::Checkpoints(want));

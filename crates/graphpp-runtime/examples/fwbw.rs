@@ -23,18 +23,27 @@ use std::time::Instant;
 
 struct Args {
     model: String,
+    recompute: graphpp_models::Recompute,
     threads: Vec<usize>,
     rounds: usize,
     runs: usize,
     torch: Option<String>,
 }
 
-const USAGE: &str = "fwbw [--model small|tiny] [--threads 1,2] [--rounds 3] [--runs 10] [--torch PYTHON]";
+const USAGE: &str =
+    "fwbw [--model small|tiny] [--recompute save-all] [--threads 1,2] [--rounds 3] [--runs 10] [--torch PYTHON]";
 
 fn args() -> Args {
     let f = common::Flags::parse(
         USAGE,
-        &[("model", "small"), ("threads", "1,2"), ("rounds", "3"), ("runs", "10"), ("torch", "")],
+        &[
+            ("model", "small"),
+            ("recompute", "save-all"),
+            ("threads", "1,2"),
+            ("rounds", "3"),
+            ("runs", "10"),
+            ("torch", ""),
+        ],
     );
     let model = f.text("model").to_string();
     if let Err(e) = LlamaConfig::preset(&model) {
@@ -45,6 +54,7 @@ fn args() -> Args {
         rounds: f.num("rounds"),
         runs: f.num("runs"),
         torch: Some(f.text("torch").to_string()).filter(|p| !p.is_empty()),
+        recompute: f.recompute("recompute"),
         model,
     }
 }
@@ -104,7 +114,7 @@ fn main() {
     graphpp_runtime::malloc::retain_freed_memory();
     let cfg = LlamaConfig::preset(&a.model).expect("--model tiny or small");
     let opts = StageOptions::new(2, 64);
-    let (sg, env) = common::whole_model_stage(&cfg, &opts);
+    let (sg, env) = common::whole_model_stage(&cfg, &opts, a.recompute);
     // gemm is asked for the largest count; in a smaller pool its parts run on the pool's threads.
     let pools: Vec<_> =
         a.threads.iter().map(|&n| graphpp_runtime::threads::rank_pool(0, n).expect("thread pool")).collect();

@@ -45,13 +45,14 @@ fn row(g: &Graph, i: usize) -> String {
 
 fn main() {
     const USAGE: &str =
-        "opprof [--model tiny|small] [--batch 8] [--seq-len 64] [--threads 1] [--runs 10] [--top 30]";
+        "opprof [--model tiny|small] [--batch 8] [--seq-len 64] [--recompute save-all] [--threads 1] [--runs 10] [--top 30]";
     let a = common::Flags::parse(
         USAGE,
         &[
             ("model", "tiny"),
             ("batch", "8"),
             ("seq-len", "64"),
+            ("recompute", "save-all"),
             ("threads", "1"),
             ("runs", "10"),
             ("top", "30"),
@@ -69,7 +70,7 @@ fn main() {
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     let cfg = LlamaConfig::preset(model).expect("--model tiny or small");
     let opts = StageOptions::new(num("batch"), num("seq-len"));
-    let (sg, env) = common::whole_model_stage(&cfg, &opts);
+    let (sg, env) = common::whole_model_stage(&cfg, &opts, a.recompute("recompute"));
     let runs = num("runs");
     let pool = graphpp_runtime::threads::rank_pool(0, threads).expect("thread pool");
     graphpp_runtime::threads::install_hot(&pool, true, || {

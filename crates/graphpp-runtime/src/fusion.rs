@@ -67,7 +67,8 @@ pub struct Group {
 pub struct Fusion {
     /// The groups, ascending by anchor.
     pub groups: Vec<Group>,
-    /// `member_of[node]` = index into `groups`.
+    /// `member_of[node]` = index into `groups` (for a node inlined into several groups, the
+    /// first).
     pub member_of: Vec<Option<usize>>,
 }
 
@@ -83,7 +84,9 @@ fn fusible(g: &Graph, i: usize) -> bool {
 
 /// Groups the fusible nodes of `g` (module doc). A member other than the anchor has the anchor's
 /// shape, is not a graph output and is read only by members; anything else a member reads is an
-/// external operand (any shape that broadcasts to the anchor's, by NumPy rules).
+/// external operand (any shape that broadcasts to the anchor's, by NumPy rules). An *inlined*
+/// node ([`inlined`]) is a member of every group that reads it, computed in each and never on
+/// its own (`member_of` names the first).
 pub fn plan(g: &Graph) -> Fusion {
     let n = g.nodes.len();
     let users = g.users();
@@ -91,13 +94,14 @@ pub fn plan(g: &Graph) -> Fusion {
     for o in &g.outputs {
         is_output[o.value.0] = true;
     }
+    let inline = inlined(g, &users, &is_output);
     let mut member_of: Vec<Option<usize>> = vec![None; n];
     let mut groups = Vec::new();
     for anchor in (0..n).rev() {
         // A broadcast read by no fusible node stays a view (the interpreter's): as a group of
         // its own it would be copied to full size.
         let lone_view = matches!(g.nodes[anchor].op, Op::Broadcast { .. });
-        if member_of[anchor].is_some() || !fusible(g, anchor) || lone_view {
+        if member_of[anchor].is_some() || !fusible(g, anchor) || lone_view || inline[anchor] {
             continue;
         }
         let gid = groups.len();
@@ -111,13 +115,14 @@ pub fn plan(g: &Graph) -> Fusion {
             if heap.peek() == Some(&x) {
                 continue;
             }
-            let joins = member_of[x].is_none()
-                && fusible(g, x)
-                && !is_output[x]
-                && &g.nodes[x].ty.shape == shape
-                && users[x].iter().all(|u| member_of[u.0] == Some(gid));
+            let joins = inline[x]
+                || (member_of[x].is_none()
+                    && fusible(g, x)
+                    && !is_output[x]
+                    && &g.nodes[x].ty.shape == shape
+                    && users[x].iter().all(|u| member_of[u.0] == Some(gid)));
             if joins {
-                member_of[x] = Some(gid);
+                member_of[x].get_or_insert(gid);
                 members.push(x);
                 heap.extend(g.nodes[x].inputs.iter().map(|v| v.0));
             }
@@ -132,6 +137,26 @@ pub fn plan(g: &Graph) -> Fusion {
         *m = last - *m;
     }
     Fusion { groups, member_of }
+}
+
+/// The nodes computed inside each group that reads them instead of once: unary, affine and
+/// binary nodes (not outputs) read only by unary, affine and binary nodes of their own shape —
+/// so every reader is in a group that can recompute them and they are never written to memory.
+/// A pointwise value the backward recomputes from a saved operand
+/// ([`graphpp_graph::RecomputePolicy::Pointwise`]: the SwiGLU's `σ(g)`, read by the groups of
+/// both `dg` and `du`) costs its arithmetic once per group instead of a write and two reads.
+fn inlined(g: &Graph, users: &[Vec<ValueId>], is_output: &[bool]) -> Vec<bool> {
+    let pointwise = |i: usize| {
+        matches!(g.nodes[i].op, Op::Unary { .. } | Op::Affine { .. } | Op::Binary { .. }) && fusible(g, i)
+    };
+    (0..g.nodes.len())
+        .map(|i| {
+            pointwise(i)
+                && !is_output[i]
+                && !users[i].is_empty()
+                && users[i].iter().all(|u| pointwise(u.0) && g.nodes[u.0].ty.shape == g.nodes[i].ty.shape)
+        })
+        .collect()
 }
 
 /// The code of the group `gid` with `members` (ascending).

@@ -88,10 +88,14 @@ fn llama_state(cfg: &LlamaConfig, spec: &graphpp_models::StageSpec, opts: &Stage
 
 fn check_llama(cfg: &LlamaConfig, stages: usize, opts: &StageOptions) {
     let mut rng = Rng::new(7);
-    for spec in split_layers(cfg.num_hidden_layers, stages, None).unwrap() {
-        let fw = build_stage(cfg, &spec, opts).unwrap();
-        let sg = stage_graphs(&fw, &RecomputePolicy::SaveAll).unwrap();
-        let fused = check_stage(&sg, &llama_state(cfg, &spec, opts), &mut rng);
+    let specs = split_layers(cfg.num_hidden_layers, stages, None).unwrap();
+    // Under pointwise recomputation the backward's groups recompute values inlined into each.
+    for (spec, policy) in
+        specs.iter().flat_map(|s| [(s, RecomputePolicy::SaveAll), (s, RecomputePolicy::Pointwise)])
+    {
+        let fw = build_stage(cfg, spec, opts).unwrap();
+        let sg = stage_graphs(&fw, &policy).unwrap();
+        let fused = check_stage(&sg, &llama_state(cfg, spec, opts), &mut rng);
         // RMSNorm, RoPE, SwiGLU and their backward are elementwise chains: most of them fuse.
         let nodes = sg.fw.nodes.len() + sg.full_bw.nodes.len();
         assert!(fused * 5 > nodes, "{fused} of {nodes} nodes fused: fusion has stopped finding chains");
@@ -243,6 +247,92 @@ fn groups_take_values_read_only_inside_them() {
     let anchors: Vec<usize> = p.fusion().groups.iter().map(|g| g.anchor).collect();
     assert_eq!(anchors, vec![e, m, s]);
     assert!(p.fusion().groups.iter().all(|g| g.members == vec![g.anchor]));
+    both_ways(&g, &mut Env::new(), &mut Rng::new(1));
+}
+
+/// `g` run on `env` (inputs it lacks drawn from `rng`, added to `env`), compiled or not: its
+/// outputs by name.
+fn run_filling(g: &Graph, env: &mut Env, rng: &mut Rng, compiled: bool) -> Env {
+    for s in g.input_specs() {
+        if !env.contains_key(&s.name) {
+            env.insert(s.name.clone(), common::random_input(&s, rng, -1.0, 1.0, 8));
+        }
+    }
+    let o = RunOptions::default();
+    let r =
+        if compiled { Program::compile(g).run_named_with(g, env, &o, None) } else { run_named(g, env, &o) };
+    g.output_names().into_iter().zip(r.unwrap().outputs).collect()
+}
+
+#[test]
+fn pointwise_recomputation_saves_less_and_changes_no_gradient_bit() {
+    // tiny's whole model on one stage: save-all interpreted against pointwise compiled (whose
+    // backward groups recompute σ(g), g · σ(g) and the norms' x · r inline).
+    let (cfg, opts) = (LlamaConfig::tiny(), StageOptions::new(2, 16));
+    let spec = split_layers(cfg.num_hidden_layers, 1, None).unwrap().remove(0);
+    let fw = build_stage(&cfg, &spec, &opts).unwrap();
+    let run = |policy: RecomputePolicy, compiled: bool| {
+        let sg = stage_graphs(&fw, &policy).unwrap();
+        let mut env = llama_state(&cfg, &spec, &opts);
+        let saved = run_filling(&sg.fw, &mut env, &mut Rng::new(3), compiled);
+        let bytes: usize =
+            saved.iter().filter(|(k, _)| k.starts_with("saved.")).map(|(_, t)| t.elem_count() * 4).sum();
+        env.extend(saved);
+        let grads = run_filling(&sg.full_bw, &mut env, &mut Rng::new(4), compiled);
+        let mut bits: Vec<(String, Vec<u64>)> = grads
+            .iter()
+            .map(|(k, t)| (k.clone(), to_f64(t).unwrap().iter().map(|x| x.to_bits()).collect()))
+            .collect();
+        bits.sort();
+        (bytes, bits)
+    };
+    let (all, all_grads) = run(RecomputePolicy::SaveAll, false);
+    let (pointwise, pointwise_grads) = run(RecomputePolicy::Pointwise, true);
+    assert_eq!(all_grads, pointwise_grads);
+    // Per layer σ(g), g · σ(g) ([B, T, F] each) and the two norms' x · r ([B, T, D] each); the
+    // final norm's x · r once.
+    let (bt, d, f) = (opts.batch * opts.seq, cfg.hidden_size, cfg.intermediate_size);
+    let fewer = 4 * bt * (cfg.num_hidden_layers * (2 * f + 2 * d) + d);
+    assert_eq!(all - pointwise, fewer, "save-all {all} bytes, pointwise {pointwise}");
+}
+
+#[test]
+fn a_pointwise_value_read_by_two_groups_is_computed_in_each() {
+    // e = exp(x) read by a = e · w and c = e + w, each read by a matmul (so each anchors a
+    // group): e is inlined into both groups and never computed on its own.
+    let mut b = GraphBuilder::new("inlined", DType::F32);
+    let x = b.input("x", InputKind::Activation, vec![4, 8]).unwrap();
+    let w = b.input("w", InputKind::Parameter, vec![4, 8]).unwrap();
+    let wt = b.input("wt", InputKind::Parameter, vec![8, 4]).unwrap();
+    let e = b.exp(x).unwrap();
+    let a = b.mul(e, w).unwrap();
+    let c = b.add2(e, w).unwrap();
+    let (ma, mc) = (b.matmul(a, wt).unwrap(), b.matmul(c, wt).unwrap());
+    b.output("ma", ma);
+    b.output("mc", mc);
+    let g = b.finish().unwrap();
+    let p = Program::compile(&g);
+    let groups = &p.fusion().groups;
+    assert_eq!(groups.len(), 2);
+    assert_eq!(groups[0].members, vec![e.0, a.0]);
+    assert_eq!(groups[1].members, vec![e.0, c.0]);
+    assert!(groups.iter().all(|gr| gr.inputs == vec![x, w]), "x and w loaded, e recomputed");
+    both_ways(&g, &mut Env::new(), &mut Rng::new(1));
+    // Read by a matmul as well, e is materialised once and loaded by both groups.
+    let mut b = GraphBuilder::new("materialised", DType::F32);
+    let x = b.input("x", InputKind::Activation, vec![4, 8]).unwrap();
+    let w = b.input("w", InputKind::Parameter, vec![4, 8]).unwrap();
+    let wt = b.input("wt", InputKind::Parameter, vec![8, 4]).unwrap();
+    let e = b.exp(x).unwrap();
+    let a = b.mul(e, w).unwrap();
+    let me = b.matmul(e, wt).unwrap();
+    let ma = b.matmul(a, wt).unwrap();
+    b.output("me", me);
+    b.output("ma", ma);
+    let g = b.finish().unwrap();
+    let p = Program::compile(&g);
+    let anchors: Vec<usize> = p.fusion().groups.iter().map(|g| g.anchor).collect();
+    assert_eq!(anchors, vec![e.0, a.0]);
     both_ways(&g, &mut Env::new(), &mut Rng::new(1));
 }
 

@@ -2,9 +2,11 @@
 //! graphs and its inputs.
 
 use candle_core::Tensor;
-use graphpp_graph::{stage_graphs, DType, RecomputePolicy, StageGraphs};
+use graphpp_graph::{stage_graphs, DType, StageGraphs};
 use graphpp_models::rng::Rng;
-use graphpp_models::{build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, StageOptions};
+use graphpp_models::{
+    build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, Recompute, StageOptions,
+};
 use graphpp_runtime::executor::{tensor_from_f64, tensor_u32};
 use std::collections::HashMap;
 
@@ -68,6 +70,11 @@ impl Flags {
             .unwrap_or_else(|| self.bad(format!("--{k} takes a positive number, not {v:?}")))
     }
 
+    /// Flag `k` as a `--recompute` choice (exits 2 otherwise).
+    pub fn recompute(&self, k: &str) -> Recompute {
+        self.text(k).parse().unwrap_or_else(|e: String| self.bad(format!("--{k}: {e}")))
+    }
+
     /// Prints `problem` and the usage line; exits 2.
     pub fn bad(&self, problem: String) -> ! {
         exit_with_usage(self.usage, Some(problem))
@@ -77,11 +84,11 @@ impl Flags {
 /// Tensors by input name.
 pub type Env = HashMap<String, Tensor>;
 
-/// The graphs (save-all) of one stage of every layer of `cfg` at `opts`, and every input of its
-/// forward: parameters (seed 0), buffers, and `tokens` / `targets` drawn from seed 1.
-pub fn whole_model_stage(cfg: &LlamaConfig, opts: &StageOptions) -> (StageGraphs, Env) {
+/// The graphs (under `recompute`) of one stage of every layer of `cfg` at `opts`, and every
+/// input of its forward: parameters (seed 0), buffers, and `tokens` / `targets` drawn from seed 1.
+pub fn whole_model_stage(cfg: &LlamaConfig, opts: &StageOptions, recompute: Recompute) -> (StageGraphs, Env) {
     let spec = split_layers(cfg.num_hidden_layers, 1, None).unwrap().remove(0);
-    let sg = stage_graphs(&build_stage(cfg, &spec, opts).unwrap(), &RecomputePolicy::SaveAll).unwrap();
+    let sg = stage_graphs(&build_stage(cfg, &spec, opts).unwrap(), &recompute.policy(&spec)).unwrap();
     let mut env = Env::new();
     for (name, shape, data) in init_parameters(cfg, &spec, 0) {
         env.insert(name, Tensor::from_vec(data, shape, &candle_core::Device::Cpu).unwrap());
