@@ -12,7 +12,9 @@
 //!   [`graphpp_graph::Op::Attention`]); plus `4·B·T` for the token ids on the
 //!   first stage and `4·B·T·(V + 3·D + 3)` for the final norm, the log-probabilities (one
 //!   log-softmax node) and the loss on the last stage. This is exactly what the graphs save
-//!   under `RecomputePolicy::SaveAll` (tested against [`crate::stage_graph_set`]);
+//!   under `RecomputePolicy::SaveAll` (tested against [`crate::stage_graph_set`]), and a bound
+//!   on what the default `RecomputePolicy::Pointwise` saves (`2·F + 2·D` fewer values per token
+//!   and layer, `D` fewer on the last stage: `graphpp-runtime`'s `tests/compiled.rs`);
 //! - buffers of each stage: the causal mask `T²` and the RoPE tables `2·T·hd` values, built in f64
 //!   before the cast ([`crate::stage_buffers`]).
 

@@ -12,10 +12,12 @@ use crate::llama::{layer_checkpoints, StageSpec};
 #[serde(rename_all = "kebab-case")]
 pub enum Recompute {
     /// Save every value the backward reads (no recomputation).
-    #[default]
     SaveAll,
     /// Save every value the backward reads but the pointwise ones its fused ops recompute
-    /// ([`RecomputePolicy::Pointwise`]: the SwiGLU's `σ(g)` and `g · σ(g)`).
+    /// ([`RecomputePolicy::Pointwise`]: the SwiGLU's `σ(g)` and `g · σ(g)`, the norms' `x · r`):
+    /// the losses of save-all bit for bit in less memory (`tiny`'s default `train`: peak 13.45 /
+    /// 12.27 MiB per rank against 17.25 / 15.71).
+    #[default]
     Pointwise,
     /// Save only the stage input; the backward recomputes the stage's whole forward (full
     /// activation checkpointing, Megatron's `--recompute-granularity full` per stage).

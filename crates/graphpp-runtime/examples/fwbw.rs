@@ -31,14 +31,14 @@ struct Args {
 }
 
 const USAGE: &str =
-    "fwbw [--model small|tiny] [--recompute save-all] [--threads 1,2] [--rounds 3] [--runs 10] [--torch PYTHON]";
+    "fwbw [--model small|tiny] [--recompute pointwise] [--threads 1,2] [--rounds 3] [--runs 10] [--torch PYTHON]";
 
 fn args() -> Args {
     let f = common::Flags::parse(
         USAGE,
         &[
             ("model", "small"),
-            ("recompute", "save-all"),
+            ("recompute", "pointwise"),
             ("threads", "1,2"),
             ("rounds", "3"),
             ("runs", "10"),

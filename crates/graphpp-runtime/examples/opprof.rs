@@ -45,14 +45,14 @@ fn row(g: &Graph, i: usize) -> String {
 
 fn main() {
     const USAGE: &str =
-        "opprof [--model tiny|small] [--batch 8] [--seq-len 64] [--recompute save-all] [--threads 1] [--runs 10] [--top 30]";
+        "opprof [--model tiny|small] [--batch 8] [--seq-len 64] [--recompute pointwise] [--threads 1] [--runs 10] [--top 30]";
     let a = common::Flags::parse(
         USAGE,
         &[
             ("model", "tiny"),
             ("batch", "8"),
             ("seq-len", "64"),
-            ("recompute", "save-all"),
+            ("recompute", "pointwise"),
             ("threads", "1"),
             ("runs", "10"),
             ("top", "30"),

@@ -135,7 +135,7 @@ pub struct Order {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RecomputeDirective {
-    /// `save-all`, `stage-inputs`, `matmuls` or `layers`.
+    /// `pointwise`, `save-all`, `stage-inputs`, `matmuls` or `layers`.
     pub policy: Recompute,
 }
 

@@ -264,7 +264,10 @@ fn counts_of_one_are_singular() {
 /// first stage, which has no I/W split, has no such line.
 #[test]
 fn graph_stats_give_the_bytes_w_holds() {
+    // The default (pointwise) saves less than save-all for B, the same for W.
     let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "1"]);
+    has_all(&out, &["held for W (I → W): 35 values, 713984 bytes per microbatch (M_W / M_B = 0.954: `graphpp schedule simulate --m-w 0.954`)"]);
+    let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "1", "--recompute", "save-all"]);
     has_all(&out, &["held for W (I → W): 35 values, 713984 bytes per microbatch (M_W / M_B = 0.707: `graphpp schedule simulate --m-w 0.707`)"]);
     let out = accepted(&["graph", "--stats", "--stages", "2", "--stage", "1", "--recompute", "layers"]);
     has_all(&out, &["65536 bytes per microbatch", "713984 bytes per microbatch (M_W / M_B = 10.895"]);

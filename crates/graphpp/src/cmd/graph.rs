@@ -42,8 +42,8 @@ pub struct GraphArgs {
     /// Tokens per sequence T.
     #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = count::<usize>)]
     seq_len: usize,
-    /// Activation checkpointing: save-all, stage-inputs, matmuls, layers.
-    #[arg(long, default_value = "save-all")]
+    /// Activation checkpointing: pointwise, save-all, stage-inputs, matmuls, layers.
+    #[arg(long, default_value = "pointwise")]
     recompute: Recompute,
 }
 

@@ -170,10 +170,11 @@ pub struct TrainArgs {
     /// 1; or RAYON_NUM_THREADS).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     threads_per_rank: Option<u64>,
-    /// Activation recomputation: save-all, stage-inputs (full, per stage), matmuls (selective),
-    /// layers (a checkpoint per decoder layer). Trades compute for activation memory; the
-    /// losses do not change.
-    #[arg(long, default_value = "save-all")]
+    /// Activation recomputation: pointwise (the backward recomputes pointwise values such as
+    /// SwiGLU's σ(g) inside its fused ops), save-all (none), stage-inputs (full, per stage),
+    /// matmuls (selective), layers (a checkpoint per decoder layer). Trades compute for
+    /// activation memory; the losses do not change.
+    #[arg(long, default_value = "pointwise")]
     recompute: Recompute,
     /// MoE models: bias update speed γ of the auxiliary-loss-free load balancing (each step, a
     /// layer's routing bias moves by γ against each expert's excess load; DeepSeek-V3's 0.001;
