@@ -129,9 +129,12 @@ fn moe_graphs_compiled_equal_interpreted() {
     let cfg = MoeConfig::tiny();
     let opts = StageOptions::new(2, 8);
     let mut rng = Rng::new(3);
-    for spec in split_layers(cfg.base.num_hidden_layers, 2, None).unwrap() {
-        let fw = cfg.build_stage(&spec, &opts).unwrap();
-        let sg = stage_graphs(&fw, &RecomputePolicy::SaveAll).unwrap();
+    let specs = split_layers(cfg.base.num_hidden_layers, 2, None).unwrap();
+    for (spec, policy) in
+        specs.iter().flat_map(|s| [(s, RecomputePolicy::SaveAll), (s, RecomputePolicy::Pointwise)])
+    {
+        let fw = cfg.build_stage(spec, &opts).unwrap();
+        let sg = stage_graphs(&fw, &policy).unwrap();
         let mut state = Env::new();
         for s in fw.input_specs() {
             if matches!(s.kind, InputKind::Parameter | InputKind::Buffer) {
