@@ -166,7 +166,7 @@ fn trains_evaluates_checkpoints_and_traces() {
         );
         assert!(page.contains(&row), "{row} missing");
     }
-    assert!(page.contains("<td>zbv p=2 v=2 m=4</td>") && page.contains("<td>save-all</td>"), "strategy");
+    assert!(page.contains("<td>zbv p=2 v=2 m=4</td>") && page.contains("<td>pointwise</td>"), "strategy");
     assert_eq!(page.matches("<svg").count(), 4, "loss, tokens/s, measured and predicted timelines");
     assert!(stdout.contains("schedule zbv p=2 v=2 m=4, B=2 T=16 (128 tokens/step)"), "{stdout}");
     let evals: Vec<&str> = stdout.lines().filter(|l| l.contains("val loss")).collect();
@@ -384,6 +384,18 @@ fn eval_lines_show_flops_and_memory_and_recompute_keeps_losses() {
     for (x, y) in a.iter().zip(&b) {
         let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
         assert!((lx - ly).abs() <= 1e-6 * lx.abs(), "step {}: {lx} vs {ly}", x["step"]);
+    }
+    // The default recomputes pointwise values inside the fused backward: save-all's losses bit
+    // for bit, in less memory on every rank.
+    let stdout = run("c.jsonl", "pointwise");
+    assert!(stdout.contains("recompute pointwise"), "{stdout}");
+    let c = losses(&d.path().join("c.jsonl"));
+    let peaks = |m: &serde_json::Value| -> Vec<u64> {
+        m["peak_bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).collect()
+    };
+    for (x, z) in a.iter().zip(&c) {
+        assert_eq!(x["loss"].as_f64(), z["loss"].as_f64(), "step {}", x["step"]);
+        assert!(peaks(z).iter().zip(peaks(x)).all(|(p, s)| *p < s), "{:?} vs {:?}", peaks(z), peaks(x));
     }
 }
 
