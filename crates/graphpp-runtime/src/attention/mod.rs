@@ -261,14 +261,15 @@ impl Spans {
                 }
             })
             .collect();
-        let mut keys = vec![usize::MAX..0; t];
+        // Per key, the first and one past the last row whose range holds it.
+        let (mut first, mut end) = (vec![usize::MAX; t], vec![0; t]);
         for (r, span) in rows.iter().enumerate() {
-            for key in &mut keys[span.clone()] {
-                key.start = key.start.min(r);
-                key.end = r + 1;
+            for c in span.clone() {
+                first[c] = first[c].min(r);
+                end[c] = r + 1;
             }
         }
-        keys.iter_mut().filter(|k| k.start >= k.end).for_each(|k| *k = 0..0);
+        let keys = first.into_iter().zip(end).map(|(lo, hi)| if lo < hi { lo..hi } else { 0..0 }).collect();
         Spans { rows, keys }
     }
 
