@@ -27,7 +27,8 @@ pub enum RecomputePolicy {
     /// is such an op of its shape, computed from inputs, values the backward reads anyway and
     /// other such values ([`pointwise_recomputable`]). The SwiGLU's `σ(g)` and `g · σ(g)`: the
     /// backward's fused groups recompute them from the saved `g` instead of reading two more
-    /// `[B, T, F]` tensors (what PyTorch's min-cut partitioner of `torch.compile` recomputes).
+    /// `[B, T, F]` tensors (what PyTorch's min-cut partitioner of `torch.compile` recomputes). In
+    /// f32; in other dtypes the backward runs them as ops of their own (less memory, more time).
     Pointwise,
     /// Save nothing but the stage inputs: the backward recomputes the whole forward it needs
     /// (full activation checkpointing of the stage).
@@ -87,7 +88,7 @@ pub fn partition(joint: &Graph, num_user_outputs: usize, policy: &RecomputePolic
     let live = joint.ancestors(grad_outs.iter().map(|o| o.value));
     let param_only = param_derived(joint);
     let pointwise = match policy {
-        RecomputePolicy::Pointwise => pointwise_recomputable(joint),
+        RecomputePolicy::Pointwise => pointwise_recomputable(joint, &live),
         _ => vec![false; joint.nodes.len()],
     };
     let mut route = vec![Route::Unneeded; joint.nodes.len()];
@@ -133,26 +134,34 @@ fn classify(g: &Graph, x: ValueId, policy: &RecomputePolicy, param_only: &[bool]
 }
 
 /// The forward values [`RecomputePolicy::Pointwise`] recomputes: unary, affine and binary values
-/// whose backward readers are all unary, affine or binary ops of their shape (so they recompute
-/// it in their fused group, never materialising it), whose operands are inputs, values the
-/// backward reads itself (saved anyway), or values of this kind.
-pub fn pointwise_recomputable(g: &Graph) -> Vec<bool> {
+/// whose readers in the backward (`live`: the nodes the gradients need) and among the other
+/// recomputed values are all unary, affine or binary ops of their shape — so in f32 the compiled
+/// executor recomputes them inside its fused groups and never writes them (other dtypes run
+/// them as ops of their own) — and whose operands are inputs, values the backward reads itself
+/// (saved anyway), or values of this kind.
+pub fn pointwise_recomputable(g: &Graph, live: &[bool]) -> Vec<bool> {
     let users = g.users();
-    let is_bw = |v: ValueId| g.node(v).meta.phase == Phase::Backward;
+    let in_bw = |v: ValueId| live[v.0] && g.node(v).meta.phase == Phase::Backward;
     let pointwise = |op: &Op| matches!(op, Op::Unary { .. } | Op::Affine { .. } | Op::Binary { .. });
+    let fused_reader =
+        |u: ValueId, x: usize| pointwise(&g.node(u).op) && g.node(u).ty.shape == g.nodes[x].ty.shape;
     let mut r = vec![false; g.nodes.len()];
     for (i, n) in g.nodes.iter().enumerate() {
         if n.meta.phase == Phase::Backward || !pointwise(&n.op) {
             continue;
         }
         let available = |x: &ValueId| {
-            matches!(g.node(*x).op, Op::Input { .. }) || r[x.0] || users[x.0].iter().any(|&u| is_bw(u))
+            matches!(g.node(*x).op, Op::Input { .. }) || r[x.0] || users[x.0].iter().any(|&u| in_bw(u))
         };
-        let fused_readers = users[i].iter().filter(|&&u| is_bw(u)).all(|&u| {
-            let reader = g.node(u);
-            pointwise(&reader.op) && reader.ty.shape == n.ty.shape
-        });
-        r[i] = fused_readers && n.inputs.iter().all(available);
+        let readers_fuse = users[i].iter().filter(|&&u| in_bw(u)).all(|&u| fused_reader(u, i));
+        r[i] = readers_fuse && n.inputs.iter().all(available);
+    }
+    // A recomputed reader of another shape (a broadcasting binary) would make x a value of its
+    // own in the backward: keep x saved instead.
+    for i in 0..g.nodes.len() {
+        if r[i] && users[i].iter().any(|&u| r[u.0] && !fused_reader(u, i)) {
+            r[i] = false;
+        }
     }
     r
 }

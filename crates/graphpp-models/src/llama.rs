@@ -49,7 +49,7 @@ pub struct StageOptions {
 }
 
 impl StageOptions {
-    /// `B×T` microbatch in f32, no FSDP.
+    /// `B×T` microbatch in f32, no FSDP, the default recomputation (`Recompute::Pointwise`).
     pub fn new(batch: usize, seq: usize) -> Self {
         StageOptions {
             batch,
@@ -58,7 +58,7 @@ impl StageOptions {
             master_dtype: None,
             fsdp: None,
             logits: false,
-            recompute: Recompute::SaveAll,
+            recompute: Recompute::default(),
         }
     }
 

@@ -24,6 +24,9 @@ use std::mem::MaybeUninit;
 /// Elements per block: one register is `BLOCK` f32 (1 KiB), so a group of 32 values stays in L1.
 pub const BLOCK: usize = 256;
 
+/// Most readers an inlined node may have ([`plan`]): `σ(g)` in the SwiGLU's backward has three.
+const INLINE_READERS: usize = 4;
+
 /// Groups of fewer output elements than this run on one thread. A group's operands are mostly
 /// hot in the cache of the core that produced them, and another core must fetch its half
 /// through the shared cache, so splitting a small group costs more than it saves: with 16k,
@@ -67,8 +70,8 @@ pub struct Group {
 pub struct Fusion {
     /// The groups, ascending by anchor.
     pub groups: Vec<Group>,
-    /// `member_of[node]` = index into `groups` (for a node inlined into several groups, the
-    /// first).
+    /// `member_of[node]` = index into `groups` (for a node inlined into several groups, one of
+    /// them).
     pub member_of: Vec<Option<usize>>,
 }
 
@@ -86,7 +89,9 @@ fn fusible(g: &Graph, i: usize) -> bool {
 /// shape, is not a graph output and is read only by members; anything else a member reads is an
 /// external operand (any shape that broadcasts to the anchor's, by NumPy rules). An *inlined*
 /// node ([`inlined`]) is a member of every group that reads it, computed in each and never on
-/// its own (`member_of` names the first).
+/// its own (`member_of` names one of them); a node read by an inlined node is a member of no
+/// group but its own (as an anchor, or a view for a broadcast), so that every group that loads
+/// it finds it computed.
 pub fn plan(g: &Graph) -> Fusion {
     let n = g.nodes.len();
     let users = g.users();
@@ -120,7 +125,8 @@ pub fn plan(g: &Graph) -> Fusion {
                     && fusible(g, x)
                     && !is_output[x]
                     && &g.nodes[x].ty.shape == shape
-                    && users[x].iter().all(|u| member_of[u.0] == Some(gid)));
+                    // An inlined reader is in other groups too, which would load x: x must run.
+                    && users[x].iter().all(|u| member_of[u.0] == Some(gid) && !inline[u.0]));
             if joins {
                 member_of[x].get_or_insert(gid);
                 members.push(x);
@@ -139,9 +145,12 @@ pub fn plan(g: &Graph) -> Fusion {
     Fusion { groups, member_of }
 }
 
-/// The nodes computed inside each group that reads them instead of once: unary, affine and
-/// binary nodes (not outputs) read only by unary, affine and binary nodes of their own shape —
-/// so every reader is in a group that can recompute them and they are never written to memory.
+/// The nodes computed inside each group that reads them instead of once: f32 unary, affine,
+/// binary, broadcast and full nodes (not outputs) read by at most [`INLINE_READERS`] nodes, all
+/// unary, affine or binary of their own shape — so every reader is in a group that can recompute
+/// them and they are never written to memory (a broadcast or a constant costs nothing in a
+/// group: a load through broadcast strides, a constant register). The bound keeps the repeated arithmetic small (a node is
+/// computed once in each group that reads it, directly or through other inlined nodes).
 /// A pointwise value the backward recomputes from a saved operand
 /// ([`graphpp_graph::RecomputePolicy::Pointwise`]: the SwiGLU's `σ(g)`, read by the groups of
 /// both `dg` and `du`) costs its arithmetic once per group instead of a write and two reads.
@@ -149,11 +158,12 @@ fn inlined(g: &Graph, users: &[Vec<ValueId>], is_output: &[bool]) -> Vec<bool> {
     let pointwise = |i: usize| {
         matches!(g.nodes[i].op, Op::Unary { .. } | Op::Affine { .. } | Op::Binary { .. }) && fusible(g, i)
     };
+    let cheap = |i: usize| matches!(g.nodes[i].op, Op::Broadcast { .. } | Op::Full { .. }) && fusible(g, i);
     (0..g.nodes.len())
         .map(|i| {
-            pointwise(i)
+            (pointwise(i) || cheap(i))
                 && !is_output[i]
-                && !users[i].is_empty()
+                && (1..=INLINE_READERS).contains(&users[i].len())
                 && users[i].iter().all(|u| pointwise(u.0) && g.nodes[u.0].ty.shape == g.nodes[i].ty.shape)
         })
         .collect()

@@ -321,6 +321,24 @@ fn a_pointwise_value_read_by_two_groups_is_computed_in_each() {
     assert_eq!(groups[1].members, vec![e.0, c.0]);
     assert!(groups.iter().all(|gr| gr.inputs == vec![x, w]), "x and w loaded, e recomputed");
     both_ways(&g, &mut Env::new(), &mut Rng::new(1));
+    // A broadcast read only by an inlined node is inlined too: both groups load its operand
+    // through broadcast strides (were it a member of one group only, it would never be
+    // computed for the other).
+    let mut b = GraphBuilder::new("inlined over a broadcast", DType::F32);
+    let x = b.input("x", InputKind::Activation, vec![4, 8]).unwrap();
+    let c = b.input("c", InputKind::Parameter, vec![8]).unwrap();
+    let wt = b.input("wt", InputKind::Parameter, vec![8, 4]).unwrap();
+    let cb = b.broadcast(c, vec![4, 8]).unwrap();
+    let e = b.add2(x, cb).unwrap();
+    let (a, d) = (b.exp(e).unwrap(), b.neg(e).unwrap());
+    let (ma, md) = (b.matmul(a, wt).unwrap(), b.matmul(d, wt).unwrap());
+    b.output("ma", ma);
+    b.output("md", md);
+    let g = b.finish().unwrap();
+    let p = Program::compile(&g);
+    let groups: Vec<_> = p.fusion().groups.iter().map(|gr| (gr.members.clone(), gr.inputs.clone())).collect();
+    assert_eq!(groups, vec![(vec![cb.0, e.0, a.0], vec![c, x]), (vec![cb.0, e.0, d.0], vec![c, x])]);
+    both_ways(&g, &mut Env::new(), &mut Rng::new(2));
     // Read by a matmul as well, e is materialised once and loaded by both groups.
     let mut b = GraphBuilder::new("materialised", DType::F32);
     let x = b.input("x", InputKind::Activation, vec![4, 8]).unwrap();

@@ -131,7 +131,8 @@ pub struct Order {
     pub post_validate: bool,
 }
 
-/// `recompute`: the activation-recomputation policy of every stage.
+/// `recompute`: the activation-recomputation policy of every stage (absent: `pointwise`, the
+/// `--recompute` default).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RecomputeDirective {

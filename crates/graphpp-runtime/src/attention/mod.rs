@@ -30,10 +30,11 @@
 //! products skip the register blocks (and the terms of a sum) outside the spans. Outside its
 //! span a row's `e^(z − m)` are exact zeros in f32 whenever the row sees some key (the causal
 //! mask's −1e9 under a finite row maximum: below −104 `e^x` rounds to +0.0), so skipping
-//! changes no bit of the sums (tested against a −1e7 mask, which is computed everywhere) while
-//! halving the causal work — for finite q, k, v (a NaN or ∞ at a hidden key reaches the
-//! composition's output through `0 · ∞`, not the kernel's) and visible scores more than ~104
-//! above the hidden ones. A row that sees no key spans every key (its softmax is over all of
+//! changes no bit of the sums, up to the sign of a zero (tested against a −1e7 mask, which is
+//! computed everywhere, causal and sliding-window) while halving the causal work — for finite
+//! q, k, v (a NaN or ∞ at a hidden key reaches the composition's output through `0 · ∞`, not the
+//! kernel's) and visible scores more than ~104 above the hidden ones. NaN in the mask counts as
+//! visible. A row that sees no key spans every key (its softmax is over all of
 //! them, as the composition's).
 //!
 //! Other dtypes (bf16, f64) run the composition — `q kᵀ`, softmax in the wide dtype
@@ -774,10 +775,10 @@ mod tests {
     #[test]
     fn skipping_hidden_tiles_changes_no_bit() {
         // −1e7 hides a key as exactly as −1e9 (e^x is +0.0 below −104) but is above HIDDEN, so
-        // its tiles are computed: the outputs must be the same bits.
-        let t = BK + 22;
-        let (skipped, computed) =
-            (case(2, 2, t, 16, causal(t)), case(2, 2, t, 16, mask(t, -1e7, |q, k| k > q)));
+        // its tiles are computed: the outputs must be the same bits. Causal (every span starts
+        // at key 0) and a sliding window of 40 keys over three query tiles (the last tile's
+        // spans start in the second key tile: its rows skip the first and meet their first
+        // visible key with nothing seen yet).
         let bits = |x: &Tensor| {
             x.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         };
@@ -786,13 +787,24 @@ mod tests {
             let d = attention_backward(&c.q, &c.k, &c.v, &c.mask, &o, &c.g, 0.25).unwrap();
             (bits(&o), bits(&d))
         };
-        let first = |m: &Tensor| {
-            let m = m.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            Spans::of(View { data: &m, rs: t }, t).rows[0].clone()
-        };
-        assert_eq!(first(&skipped.mask), 0..1);
-        assert_eq!(first(&computed.mask), 0..t);
-        assert_eq!(run(&skipped), run(&computed));
+        // (T, whether a key is hidden from a query, the span of row 0 or, past two tiles, of the
+        // last tile's first row)
+        type Hides<'a> = (usize, &'a dyn Fn(usize, usize) -> bool, Range<usize>);
+        let causal_hides = |q: usize, k: usize| k > q;
+        let window_hides = |q: usize, k: usize| k > q || q - k >= 40;
+        let hides: [Hides; 2] = [(BK + 22, &causal_hides, 0..1), (2 * BK + 22, &window_hides, 217..257)];
+        for (t, hidden, last_tile_first_row) in hides {
+            let (skipped, computed) =
+                (case(2, 2, t, 16, mask(t, -1e9, hidden)), case(2, 2, t, 16, mask(t, -1e7, hidden)));
+            let span = |m: &Tensor, r: usize| {
+                let m = m.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                Spans::of(View { data: &m, rs: t }, t).rows[r].clone()
+            };
+            let r = if t > 2 * BK { 2 * BK } else { 0 };
+            assert_eq!(span(&skipped.mask, r), last_tile_first_row);
+            assert_eq!(span(&computed.mask, r), 0..t);
+            assert_eq!(run(&skipped), run(&computed), "T = {t}");
+        }
     }
 
     #[test]
@@ -832,7 +844,7 @@ mod tests {
 
     #[test]
     fn transposes_match_element_by_element() {
-        // Whole 8 × 8 blocks (AVX2 shuffles) beside ragged edges, rows read 3 apart from 24.
+        // Whole 8 × 8 blocks (AVX2 shuffles) beside ragged edges; rows 5 longer than E (strided).
         for (t, e) in [(16, 8), (21, 19), (5, 3), (64, 32)] {
             let rs = e + 5;
             let x = values(t * rs, 9);

@@ -57,11 +57,15 @@ pub(super) fn product(
     if m == 0 || n == 0 {
         return;
     }
-    let extent = |x: &Mat, rows: usize, cols: usize| (rows - 1) * x.rs + (cols - 1) * x.cs + 1;
+    // Checked: the unchecked reads in `block` rely on these bounds.
+    let extent = |rows: usize, rs: usize, cols: usize, cs: usize| {
+        (rows - 1).checked_mul(rs)?.checked_add((cols - 1).checked_mul(cs)?)?.checked_add(1)
+    };
+    let fits = |e: Option<usize>, len: usize| e.is_some_and(|e| e <= len);
     assert!(b.cs == 1, "attention: a product's rhs must have contiguous columns");
-    assert!((m - 1) * out.rs + n <= out.data.len(), "attention: product output too short");
-    assert!(k == 0 || extent(&a, m, k) <= a.data.len(), "attention: product lhs too short");
-    assert!(k == 0 || extent(&b, k, n) <= b.data.len(), "attention: product rhs too short");
+    assert!(fits(extent(m, out.rs, n, 1), out.data.len()), "attention: product output too short");
+    assert!(k == 0 || fits(extent(m, a.rs, k, a.cs), a.data.len()), "attention: product lhs too short");
+    assert!(k == 0 || fits(extent(k, b.rs, n, 1), b.data.len()), "attention: product rhs too short");
     let task = Task { n, k, out, accumulate, a, b };
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
@@ -202,6 +206,20 @@ mod tests {
                     assert!((o as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()), "{m}×{n}×{k} [{i}]: {o} vs {w}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_multiply_then_add_build_matches_f64_too() {
+        // What a CPU without FMA runs (the tests' host takes the FMA build through `product`).
+        let (m, n, k) = (9, 37, 20);
+        let (av, bv) = (values(m * k, 13), values(k * n, 17));
+        let (a, b) = (Mat { data: &av, rs: k, cs: 1 }, Mat { data: &bv, rs: n, cs: 1 });
+        let mut out = vec![0f32; m * n];
+        let task = Task { n, k, out: Out { data: &mut out, rs: n }, accumulate: false, a, b };
+        run::<false>(m, task, &|_, _| 0..k);
+        for (&o, w) in out.iter().zip(naive((m, n, k), a, b)) {
+            assert!((o as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()), "{o} vs {w}");
         }
     }
 
