@@ -59,18 +59,22 @@ pub struct Work {
     /// Multiply-add FLOPs of the matmuls ([`Graph::matmul_flops`]).
     pub flops: u64,
     /// Logical bytes of the values of every node that is neither an input nor a product
-    /// ([`Op::is_product`]: its cost is in `flops`).
+    /// ([`Op::is_product`]: its cost is in `flops`) nor a member of a fused group other than its
+    /// anchor (computed in registers, never written: `graphpp_runtime::fusion`).
     pub bytes: u64,
 }
 
 impl Work {
-    /// The work of one run of `g`.
+    /// The work of one run of `g` as its compiled program runs it.
     pub fn of(g: &Graph) -> Work {
+        let fusion = graphpp_runtime::fusion::plan(g);
+        let written = |i: usize| fusion.member_of[i].is_none_or(|k| fusion.groups[k].anchor == i);
         let bytes = g
             .nodes
             .iter()
-            .filter(|n| !matches!(n.op, Op::Input { .. }) && !n.op.is_product())
-            .map(|n| n.ty.size_bytes() as u64)
+            .enumerate()
+            .filter(|&(i, n)| !matches!(n.op, Op::Input { .. }) && !n.op.is_product() && written(i))
+            .map(|(_, n)| n.ty.size_bytes() as u64)
             .sum();
         Work { flops: g.matmul_flops(), bytes }
     }
@@ -426,5 +430,20 @@ mod tests {
                 < 1e-3
         );
         assert_eq!(Speed::fit(&[]), None);
+    }
+
+    #[test]
+    fn work_counts_what_a_compiled_program_writes() {
+        // x [4, 8] → e = exp(x) → m = e · x → mm = m · w: e is fused into m's group (never
+        // written); m is written (32 f32), as is nothing else but the product (in FLOPs).
+        let mut b = graphpp_graph::GraphBuilder::new("work", DType::F32);
+        let x = b.input("x", graphpp_graph::InputKind::Activation, vec![4, 8]).unwrap();
+        let w = b.input("w", graphpp_graph::InputKind::Parameter, vec![8, 2]).unwrap();
+        let e = b.exp(x).unwrap();
+        let m = b.mul(e, x).unwrap();
+        let mm = b.matmul(m, w).unwrap();
+        b.output("mm", mm);
+        let g = b.finish().unwrap();
+        assert_eq!(Work::of(&g), Work { flops: g.matmul_flops(), bytes: 4 * 32 });
     }
 }
