@@ -149,9 +149,9 @@ pub fn plan(g: &Graph) -> Fusion {
 /// binary, broadcast and full nodes (not outputs) read by at most [`INLINE_READERS`] nodes, all
 /// unary, affine or binary of their own shape — so every reader is in a group that can recompute
 /// them and they are never written to memory (a broadcast or a constant costs nothing in a
-/// group: a load through broadcast strides, a constant register). The bound keeps the repeated arithmetic small (a node is
-/// computed once in each group that reads it, directly or through other inlined nodes).
-/// A pointwise value the backward recomputes from a saved operand
+/// group: a load through broadcast strides, a constant register). The bound keeps the repeated
+/// arithmetic small (a node is computed once in each group that reads it, directly or through
+/// other inlined nodes). A pointwise value the backward recomputes from a saved operand
 /// ([`graphpp_graph::RecomputePolicy::Pointwise`]: the SwiGLU's `σ(g)`, read by the groups of
 /// both `dg` and `du`) costs its arithmetic once per group instead of a write and two reads.
 fn inlined(g: &Graph, users: &[Vec<ValueId>], is_output: &[bool]) -> Vec<bool> {
