@@ -60,9 +60,10 @@ fn main() {
     );
     let num = |k: &str| a.num(k);
     let model = a.text("model");
-    if let Err(e) = LlamaConfig::preset(model) {
-        a.bad(format!("--model {model}: {e}"));
+    if LlamaConfig::preset(model).is_err() {
+        a.bad(format!("--model {model}: opprof runs the dense presets, tiny and small"));
     }
+    let recompute = a.recompute("recompute");
     // As `graphpp train --threads-per-rank N` (graphpp::cmd::set_op_threads).
     let threads = num("threads");
     std::env::set_var("CANDLE_NUM_THREADS", "1");
@@ -70,7 +71,7 @@ fn main() {
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     let cfg = LlamaConfig::preset(model).expect("--model tiny or small");
     let opts = StageOptions::new(num("batch"), num("seq-len"));
-    let (sg, env) = common::whole_model_stage(&cfg, &opts, a.recompute("recompute"));
+    let (sg, env) = common::whole_model_stage(&cfg, &opts, recompute);
     let runs = num("runs");
     let pool = graphpp_runtime::threads::rank_pool(0, threads).expect("thread pool");
     graphpp_runtime::threads::install_hot(&pool, true, || {
@@ -99,7 +100,7 @@ fn main() {
         let mut rows: Vec<_> = rows.into_iter().collect();
         rows.sort_by(|x, y| y.1 .0.total_cmp(&x.1 .0));
         println!(
-            "{} B={} T={} fw+full_bw, compiled, {threads} thread(s): {:.2} ms a run (mean of {runs}, node timing on)",
+            "{} B={} T={} fw+full_bw, compiled, recompute {recompute}, {threads} thread(s): {:.2} ms a run (mean of {runs}, node timing on)",
             model,
             opts.batch,
             opts.seq,
