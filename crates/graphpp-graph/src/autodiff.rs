@@ -242,17 +242,17 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
             out
         }
         // One node computes the three gradients (FlashAttention-2, Dao 2023, Algorithm 2); each is
-        // a slice of its stacked output. The mask (a buffer) gets none.
+        // a slice of its output along the heads (H of dq, then KV of dk and of dv). The mask (a
+        // buffer) gets none.
         Op::Attention { scale } => {
             let st = b.attention_backward(x(0), x(1), x(2), x(3), y, g, *scale)?;
-            let q = shape(x(0));
-            let mut grads = Vec::with_capacity(4);
-            for i in 0..3 {
-                let d = b.slice(st, 0, i, i + 1)?;
-                grads.push(Some(b.reshape(d, q.clone())?));
-            }
-            grads.push(None);
-            grads
+            let (h, kv) = (shape(x(0))[1], shape(x(1))[1]);
+            vec![
+                Some(b.slice(st, 1, 0, h)?),
+                Some(b.slice(st, 1, h, h + kv)?),
+                Some(b.slice(st, 1, h + kv, h + 2 * kv)?),
+                None,
+            ]
         }
         // y = x − ln Σ exp(x): dx = g − softmax(x) · Σ_axis g, softmax(x) = exp(y).
         Op::LogSoftmax { axis } => vec![Some(b.log_softmax_backward(y, g, *axis)?)],

@@ -204,8 +204,10 @@ impl Graph {
                     // (the whole T × T, masked or not).
                     Op::Attention { .. } => Some(4 * n.ty.shape[2] as u64 * n.ty.numel() as u64),
                     // The scores again, g vᵀ, Pᵀ g, dS k and dSᵀ q: five products, 10·T per
-                    // element of one of the three stacked gradients.
-                    Op::AttentionBackward { .. } => Some(10 * n.ty.shape[3] as u64 * n.ty.numel() as u64 / 3),
+                    // element of q (per query head, whatever the key/value heads).
+                    Op::AttentionBackward { .. } => {
+                        Some(10 * n.ty.shape[2] as u64 * a().iter().product::<usize>() as u64)
+                    }
                     // out [E, N, K] sums over the R rows: 2·R·N·K in all.
                     Op::SegmentOuter => {
                         Some(2 * *a().first()? as u64 * (n.ty.numel() as u64 / n.ty.shape[0].max(1) as u64))

@@ -107,12 +107,29 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             let q = ins[0];
             float(q)?;
             need(q.shape.len() == 4, || format!("{} needs q [B, H, T, E], got {q}", op.mnemonic()))?;
-            let t = q.shape[2];
-            for (name, x) in [("k", ins[1]), ("v", ins[2])].into_iter().chain(ins.get(4).map(|o| ("o", *o))) {
-                need(x == q, || format!("{} needs {name} like q: {x} vs {q}", op.mnemonic()))?;
+            let (h, t) = (q.shape[1], q.shape[2]);
+            // k and v: [B, KV, T, E] with KV dividing H (grouped-query attention: query head
+            // h reads key/value head h / (H / KV)).
+            let kv = ins[1].shape.get(1).copied().unwrap_or(0);
+            for (name, x) in [("k", ins[1]), ("v", ins[2])] {
+                let fits = x.dtype == q.dtype
+                    && x.shape.len() == 4
+                    && x.shape[0] == q.shape[0]
+                    && x.shape[2..] == q.shape[2..]
+                    && x.shape[1] == kv
+                    && kv > 0
+                    && h % kv == 0;
+                need(fits, || {
+                    format!(
+                        "{} needs {name} [B, KV, T, E] with KV dividing q's H: {x} vs q {q}",
+                        op.mnemonic()
+                    )
+                })?;
             }
-            if let Some(g) = ins.get(5) {
-                need(*g == q, || format!("{} needs g like q: {g} vs {q}", op.mnemonic()))?;
+            for (name, x) in [("o", ins.get(4)), ("g", ins.get(5))] {
+                if let Some(x) = x {
+                    need(*x == q, || format!("{} needs {name} like q: {x} vs {q}", op.mnemonic()))?;
+                }
             }
             let mask = ins[3];
             need(mask.dtype == q.dtype.wide() && mask.shape == [t, t], || {
@@ -120,10 +137,7 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             })?;
             Ok(match op {
                 Op::Attention { .. } => q.clone(),
-                _ => TensorType::new(
-                    q.dtype,
-                    [3].into_iter().chain(q.shape.iter().copied()).collect::<Vec<usize>>(),
-                ),
+                _ => TensorType::new(q.dtype, vec![q.shape[0], h + 2 * kv, t, q.shape[3]]),
             })
         }
         Op::Matmul => {

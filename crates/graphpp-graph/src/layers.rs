@@ -221,21 +221,11 @@ fn heads_split(
     b.permute(y, vec![0, 2, 1, 3])
 }
 
-fn repeat_kv(b: &mut GraphBuilder, x: ValueId, heads: usize) -> Result<ValueId> {
-    let s = b.shape(x);
-    let (bsz, kv, t, hd) = (s[0], s[1], s[2], s[3]);
-    if kv == heads {
-        return Ok(x);
-    }
-    let x = b.reshape(x, vec![bsz, kv, 1, t, hd])?;
-    let x = b.broadcast(x, vec![bsz, kv, heads / kv, t, hd])?;
-    b.reshape(x, vec![bsz, heads, t, hd])
-}
-
 /// Causal multi-head self-attention with RoPE (Vaswani et al. 2017; HF Llama):
 /// `x: [B, T, D]`, `cos`, `sin: [T, hd]`, additive `mask: [T, T]` (0 on/below the diagonal, a large
-/// negative number above). `hd` = rows of `q_proj` / `H`; scores scaled by `1/sqrt(hd)`; key and
-/// value heads repeated `H / KV` times (HF `repeat_kv`: query head `h` reads kv head `h / (H/KV)`).
+/// negative number above). `hd` = rows of `q_proj` / `H`; scores scaled by `1/sqrt(hd)`; query
+/// head `h` reads key/value head `h / (H/KV)` (HF `repeat_kv`), in the attention node itself
+/// (grouped-query attention: the key/value heads are never repeated in memory).
 /// Scopes `q_proj` … `o_proj`. The softmax runs in [`DType::wide`](crate::DType::wide) of the
 /// scores' dtype (f32 for bf16; no cast otherwise).
 pub fn causal_attention(
@@ -263,8 +253,6 @@ pub fn causal_attention(
     let v = proj(b, "v_proj", w.v, w.v_bias, dims.kv_heads)?;
     let q = rope(b, q, cos, sin)?;
     let k = rope(b, k, cos, sin)?;
-    let k = repeat_kv(b, k, dims.heads)?;
-    let v = repeat_kv(b, v, dims.heads)?;
     // Scores, mask, softmax (in the wide dtype: f32 for bf16, as HF's
     // `softmax(…, dtype=torch.float32)`) and the weighted sum of v in one node, whose backward
     // saves no [B, H, T, T] probabilities.

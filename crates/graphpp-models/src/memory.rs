@@ -4,10 +4,13 @@
 //! for an 80 GB mask).
 //!
 //! All figures are f32 (4 bytes a value) with token ids u32. With `B` sequences of `T` tokens,
-//! `D = hidden_size`, `F = intermediate_size`, `H = num_attention_heads`, `V = vocab_size`:
+//! `D = hidden_size`, `F = intermediate_size`, `H = num_attention_heads`, `KV =
+//! num_key_value_heads`, `V = vocab_size`:
 //! - activations saved from the forward for the backward, per decoder layer,
-//!   `4·B·T·(13·D + H·hd + 5·F + 4)` bytes (residual stream, norms, q/k/v and their rotations,
-//!   the attention output `H·hd` per token, the SwiGLU intermediates; no `[B, H, T, T]`
+//!   `4·B·T·(11·D + 2·KV·hd + H·hd + 5·F + 4)` bytes (residual stream, norms, q/k/v and their
+//!   rotations, the attention's k and v operands `KV·hd` each per token — grouped-query
+//!   attention reads them unrepeated — the attention output `H·hd`, the SwiGLU intermediates;
+//!   no `[B, H, T, T]`
 //!   probabilities: attention is one node whose backward recomputes them,
 //!   [`graphpp_graph::Op::Attention`]); plus `4·B·T` for the token ids on the
 //!   first stage and `4·B·T·(V + 3·D + 3)` for the final norm, the log-probabilities (one
@@ -31,7 +34,8 @@ pub fn stage_activation_bytes(cfg: &LlamaConfig, spec: &StageSpec, batch: usize,
     let (b, t) = (batch as u128, seq as u128);
     let (d, f, v) = (cfg.hidden_size as u128, cfg.intermediate_size as u128, cfg.vocab_size as u128);
     let heads = (cfg.num_attention_heads * cfg.head_dim()) as u128;
-    let per_token_layer = 13 * d + heads + 5 * f + 4;
+    let kv_heads = (cfg.num_key_value_heads.unwrap_or(cfg.num_attention_heads) * cfg.head_dim()) as u128;
+    let per_token_layer = 11 * d + 2 * kv_heads + heads + 5 * f + 4;
     let layer = t.saturating_mul(per_token_layer);
     let mut values = layer.saturating_mul(spec.layers.len() as u128);
     if spec.is_first() {

@@ -120,6 +120,14 @@ fn tiny_llama_graphs_compiled_equal_interpreted() {
 }
 
 #[test]
+fn grouped_query_llama_graphs_compiled_equal_interpreted() {
+    // tiny with 2 key/value heads for its 4 query heads: attention reads them unrepeated.
+    let cfg = LlamaConfig { num_key_value_heads: Some(2), ..LlamaConfig::tiny() };
+    assert_eq!(cfg.num_attention_heads, 4);
+    check_llama(&cfg, 2, &StageOptions::new(2, 16));
+}
+
+#[test]
 fn small_llama_graphs_compiled_equal_interpreted() {
     check_llama(&LlamaConfig::small(), 2, &StageOptions::new(1, 16));
 }

@@ -59,8 +59,9 @@ pub const BK: usize = 128;
 /// A mask entry at or below this hides its key (graphpp's causal mask is −1e9).
 pub const HIDDEN: f32 = -1e8;
 
-/// `softmax(scale · q kᵀ + mask) v` ([`graphpp_graph::Op::Attention`]): q, k, v `[B, H, T, E]`,
-/// mask `[T, T]` of q's wide dtype → `[B, H, T, E]`.
+/// `softmax(scale · q kᵀ + mask) v` ([`graphpp_graph::Op::Attention`]): q `[B, H, T, E]`, k, v
+/// `[B, KV, T, E]` (query head `h` reads key/value head `h / (H / KV)`), mask `[T, T]` of q's
+/// wide dtype → `[B, H, T, E]`.
 ///
 /// # Errors
 /// candle's, for shapes other than those or a dtype other than f32, bf16 and f64.
@@ -85,7 +86,8 @@ pub fn attention(
         out.par_chunks_mut(te.max(1)).enumerate().for_each_init(
             || Scratch::of(sizes),
             |scratch, (bh, o)| {
-                let head = [q.head(bh), k.head(bh), v.head(bh)];
+                let kv = sizes.kv_of(bh);
+                let head = [q.head(bh), k.head(kv), v.head(kv)];
                 forward_head(head, mask, &spans, sizes, scale as f32, o, scratch)
             },
         );
@@ -93,9 +95,10 @@ pub fn attention(
     Tensor::from_vec(out, sizes.dims(), &Device::Cpu)
 }
 
-/// The gradients of q, k and v stacked `[3, B, H, T, E]`
-/// ([`graphpp_graph::Op::AttentionBackward`]) of the [`attention`] with output `o` and output
-/// gradient `g` (both `[B, H, T, E]`).
+/// The gradients of q, k and v along the heads, `[B, H + 2·KV, T, E]`
+/// ([`graphpp_graph::Op::AttentionBackward`]), of the [`attention`] with output `o` and output
+/// gradient `g` (both `[B, H, T, E]`). A key/value head's gradients sum those of its `H / KV`
+/// query heads, in order (one task per (batch, key/value head)).
 ///
 /// # Errors
 /// candle's, for shapes other than those or a dtype other than f32, bf16 and f64.
@@ -122,33 +125,42 @@ pub fn attention_backward(
     }
     let held = Held::of(&[q, k, v, o, g, &mask.reshape((1, 1, sizes.t, sizes.t))?])?;
     let te = sizes.t * sizes.e;
-    let len = sizes.b * sizes.h * te;
-    let mut out = vec![0f32; 3 * len];
+    let group = sizes.h / sizes.kv;
+    let mut out = vec![0f32; sizes.b * (sizes.h + 2 * sizes.kv) * te];
+    // Per (batch, key/value head): its query heads' dq, and its dk and dv.
+    let mut tasks = Vec::with_capacity(sizes.b * sizes.kv);
+    for batch in out.chunks_mut(((sizes.h + 2 * sizes.kv) * te).max(1)) {
+        let (dq, rest) = batch.split_at_mut(sizes.h * te);
+        let (dk, dv) = rest.split_at_mut(sizes.kv * te);
+        let (n, ng) = (te.max(1), (group * te).max(1));
+        tasks.extend(dq.chunks_mut(ng).zip(dk.chunks_mut(n)).zip(dv.chunks_mut(n)));
+    }
     held.with(|x| {
         let (q, k, v, o, g, mask) = (x[0], x[1], x[2], x[3], x[4], x[5].head(0));
         let spans = Spans::of(mask, sizes.t);
-        let (dq, rest) = out.split_at_mut(len);
-        let (dk, dv) = rest.split_at_mut(len);
-        let n = te.max(1);
-        let parts = dq.par_chunks_mut(n).zip(dk.par_chunks_mut(n).zip(dv.par_chunks_mut(n)));
-        parts.enumerate().for_each_init(
+        tasks.into_par_iter().enumerate().for_each_init(
             || Scratch::of(sizes),
-            |scratch, (bh, (dq, (dk, dv)))| {
-                let head = Head { q: q.head(bh), k: k.head(bh), v: v.head(bh), o: o.head(bh), g: g.head(bh) };
-                let grads = Grads { dq, dk, dv };
-                backward_head(head, mask, &spans, sizes, scale as f32, grads, scratch)
+            |scratch, (bkv, ((dq, dk), dv))| {
+                for (j, dq) in dq.chunks_mut(te.max(1)).enumerate() {
+                    let bh = (bkv / sizes.kv) * sizes.h + (bkv % sizes.kv) * group + j;
+                    let head =
+                        Head { q: q.head(bh), k: k.head(bkv), v: v.head(bkv), o: o.head(bh), g: g.head(bh) };
+                    let grads = Grads { dq, dk: &mut *dk, dv: &mut *dv };
+                    backward_head(head, mask, &spans, sizes, scale as f32, grads, scratch)
+                }
             },
         );
     })?;
-    let dims: Vec<usize> = [3].into_iter().chain(sizes.dims()).collect();
-    Tensor::from_vec(out, dims, &Device::Cpu)
+    Tensor::from_vec(out, (sizes.b, sizes.h + 2 * sizes.kv, sizes.t, sizes.e), &Device::Cpu)
 }
 
-/// Static sizes of one call: `bh = B · H` tasks of `t` rows of `e` features.
+/// Static sizes of one call: `B · H` query heads (`B · KV` key/value heads) of `t` rows of `e`
+/// features.
 #[derive(Clone, Copy, Debug)]
 struct Sizes {
     b: usize,
     h: usize,
+    kv: usize,
     t: usize,
     e: usize,
 }
@@ -158,16 +170,24 @@ impl Sizes {
         let &[b, h, t, e] = q.dims() else {
             candle_core::bail!("attention: q must be [B, H, T, E], got {:?}", q.dims())
         };
-        if k.dims() != q.dims() || v.dims() != q.dims() || mask.dims() != [t, t] {
+        let kv = k.dims().get(1).copied().unwrap_or(0);
+        let kv_fits = k.dims() == [b, kv, t, e] && kv > 0 && h % kv == 0;
+        if !kv_fits || v.dims() != k.dims() || mask.dims() != [t, t] {
             candle_core::bail!(
-                "attention: q {:?}, k {:?}, v {:?} must match and the mask {:?} be [{t}, {t}]",
-                q.dims(),
+                "attention: k {:?} and v {:?} must be [B, KV, T, E] of q {:?} with KV dividing H, and the \
+                 mask {:?} [{t}, {t}]",
                 k.dims(),
                 v.dims(),
+                q.dims(),
                 mask.dims()
             )
         }
-        Ok(Sizes { b, h, t, e })
+        Ok(Sizes { b, h, kv, t, e })
+    }
+
+    /// The key/value head (batch-major index) query head `bh` (batch-major) reads.
+    fn kv_of(&self, bh: usize) -> usize {
+        (bh / self.h) * self.kv + (bh % self.h) / (self.h / self.kv)
     }
 
     /// `[B, H, T, E]`.
@@ -622,9 +642,29 @@ fn probabilities(q: &Tensor, k: &Tensor, mask: &Tensor, scale: f64) -> candle_co
     softmax(&s.to_dtype(mask.dtype())?, Some(mask), 3, scale)
 }
 
+/// `x` `[B, KV, T, E]` with each key/value head repeated for its `heads / KV` query heads:
+/// `[B, heads, T, E]` (HF `repeat_kv`).
+fn repeat_kv(x: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+    let (b, kv, t, e) = x.dims4()?;
+    if kv == heads {
+        return Ok(x.clone());
+    }
+    x.unsqueeze(2)?.broadcast_as((b, kv, heads / kv, t, e))?.reshape((b, heads, t, e))
+}
+
+/// A gradient `[B, H, T, E]` of repeated key/value heads summed back to `[B, kv, T, E]`.
+fn sum_kv(d: &Tensor, kv: usize) -> candle_core::Result<Tensor> {
+    let (b, h, t, e) = d.dims4()?;
+    if kv == h {
+        return Ok(d.clone());
+    }
+    d.reshape((b, kv, h / kv, t, e))?.sum(2)
+}
+
 /// [`attention`] as its composition — `q kᵀ`, [`softmax`] in the mask's (wide) dtype, `P v` with
-/// `P` cast to q's dtype — holding the `[B, H, T, T]` scores: the reference the kernels are
-/// tested against, and what bf16 and f64 run.
+/// `P` cast to q's dtype, the key/value heads repeated for their query heads — holding the
+/// `[B, H, T, T]` scores: the reference the kernels are tested against, and what bf16 and f64
+/// run.
 ///
 /// # Errors
 /// candle's, for shapes that do not fit.
@@ -635,13 +675,15 @@ pub fn composition(
     mask: &Tensor,
     scale: f64,
 ) -> candle_core::Result<Tensor> {
-    let p = probabilities(q, k, mask, scale)?.to_dtype(q.dtype())?;
-    crate::executor::matmul(&p, v)
+    let heads = q.dims().get(1).copied().unwrap_or(0);
+    let (k, v) = (repeat_kv(k, heads)?, repeat_kv(v, heads)?);
+    let p = probabilities(q, &k, mask, scale)?.to_dtype(q.dtype())?;
+    crate::executor::matmul(&p, &v)
 }
 
 /// [`attention_backward`] as the composition's autodiff gives it: `dv = Pᵀ g`, `dP = g vᵀ`,
-/// `dS` the softmax backward of `dP` (in the wide dtype), `dq = dS k`, `dk = dSᵀ q`, stacked
-/// `[3, B, H, T, E]`.
+/// `dS` the softmax backward of `dP` (in the wide dtype), `dq = dS k`, `dk = dSᵀ q` (dk and dv
+/// summed over each key/value head's query heads), joined along the heads `[B, H + 2·KV, T, E]`.
 ///
 /// # Errors
 /// candle's, for shapes that do not fit.
@@ -654,14 +696,16 @@ pub fn composition_backward(
     scale: f64,
 ) -> candle_core::Result<Tensor> {
     use crate::executor::matmul;
-    let wide = probabilities(q, k, mask, scale)?;
+    let (heads, kv) = (q.dims().get(1).copied().unwrap_or(0), k.dims().get(1).copied().unwrap_or(0));
+    let (k, v) = (repeat_kv(k, heads)?, repeat_kv(v, heads)?);
+    let wide = probabilities(q, &k, mask, scale)?;
     let p = wide.to_dtype(q.dtype())?;
-    let dv = matmul(&p.t()?, g)?;
+    let dv = sum_kv(&matmul(&p.t()?, g)?, kv)?;
     let dp = matmul(g, &v.t()?)?.to_dtype(wide.dtype())?;
     let ds = softmax_backward(&wide, &dp, 3, scale)?.to_dtype(q.dtype())?;
-    let dq = matmul(&ds, k)?;
-    let dk = matmul(&ds.t()?, q)?;
-    Tensor::stack(&[dq, dk, dv], 0)
+    let dq = matmul(&ds, &k)?;
+    let dk = sum_kv(&matmul(&ds.t()?, q)?, kv)?;
+    Tensor::cat(&[dq, dk, dv], 1)
 }
 
 #[cfg(test)]
@@ -744,8 +788,10 @@ mod tests {
         let want =
             composition_backward(&wide(&c.q), &wide(&c.k), &wide(&c.v), &wide(&c.mask), &wide(&c.g), scale)
                 .unwrap();
-        for i in 0..3 {
-            let err = relative(&d.get(i).unwrap(), &want.get(i).unwrap());
+        // dq, dk, dv along the heads: H, KV, KV.
+        let (h, kv) = (c.q.dims()[1], c.k.dims()[1]);
+        for (i, (at, n)) in [(0, h), (h, kv), (h + kv, kv)].into_iter().enumerate() {
+            let err = relative(&d.narrow(1, at, n).unwrap(), &want.narrow(1, at, n).unwrap());
             assert!(err < 1e-5, "gradient {i} of {:?}: {err:e}", c.q.dims());
         }
     }
@@ -756,6 +802,44 @@ mod tests {
         for (t, e) in [(BQ, 32), (5, 4), (BK + 36, 8), (2 * BK + 22, 16)] {
             check(&case(2, 3, t, e, causal(t)), 1.0 / (e as f64).sqrt());
         }
+    }
+
+    #[test]
+    fn grouped_query_heads_read_their_key_value_head() {
+        // 6 query heads over 2 and 3 key/value heads, and 1 (multi-query), across tiles: against
+        // the composition (which repeats k and v); and against the kernel on k, v repeated by
+        // hand, whose dk, dv summed over each group must be the grouped kernel's.
+        let (b, h, t, e) = (2, 6, BK + 36, 8);
+        for kv in [2, 3, 1] {
+            let mut c = case(b, h, t, e, causal(t));
+            c.k = tensor(&[b, kv, t, e], 5, 2.0);
+            c.v = tensor(&[b, kv, t, e], 6, 1.0);
+            check(&c, 0.35);
+            let (kr, vr) = (repeat_kv(&c.k, h).unwrap(), repeat_kv(&c.v, h).unwrap());
+            let o = attention(&c.q, &c.k, &c.v, &c.mask, 0.35).unwrap();
+            let or = attention(&c.q, &kr, &vr, &c.mask, 0.35).unwrap();
+            assert_eq!(f64s(&o), f64s(&or), "kv {kv}: the forward reads the same rows");
+            let d = attention_backward(&c.q, &c.k, &c.v, &c.mask, &o, &c.g, 0.35).unwrap();
+            let dr = attention_backward(&c.q, &kr, &vr, &c.mask, &or, &c.g, 0.35).unwrap();
+            assert_eq!(d.dims(), [b, h + 2 * kv, t, e]);
+            assert_eq!(f64s(&d.narrow(1, 0, h).unwrap()), f64s(&dr.narrow(1, 0, h).unwrap()));
+            for (at, rat) in [(h, h), (h + kv, 2 * h)] {
+                let summed = sum_kv(&dr.narrow(1, rat, h).unwrap(), kv).unwrap();
+                let err = relative(&d.narrow(1, at, kv).unwrap(), &summed);
+                // The grouped kernel sums the query heads inside its products: the order differs.
+                assert!(err < 1e-5, "kv {kv}: {err:e}");
+            }
+        }
+        // KV must divide H.
+        let c = case(1, 6, 8, 4, causal(8));
+        assert!(attention(
+            &c.q,
+            &tensor(&[1, 4, 8, 4], 1, 1.0),
+            &tensor(&[1, 4, 8, 4], 2, 1.0),
+            &c.mask,
+            1.0
+        )
+        .is_err());
     }
 
     #[test]
