@@ -121,7 +121,8 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
                     && h % kv == 0;
                 need(fits, || {
                     format!(
-                        "{} needs {name} [B, KV, T, E] with KV dividing q's H: {x} vs q {q}",
+                        "{} needs {name} [B, KV, T, E] of q's dtype, KV dividing q's H and alike for k and v: \
+                         {x} vs q {q}",
                         op.mnemonic()
                     )
                 })?;

@@ -160,8 +160,9 @@ pub enum Op {
     /// Scaled dot-product self-attention in one node (Vaswani et al. 2017, eq. 1):
     /// `(q [B, H, T, E], k, v [B, KV, T, E], mask [T, T])` → `o = softmax(scale · q kᵀ + mask) v`
     /// `[B, H, T, E]`, query head `h` reading key/value head `h / (H / KV)` (grouped-query
-    /// attention, Ainslie et al. 2023; KV = H is multi-head attention), the softmax over the key axis with an additive mask (0 where a query sees a
-    /// key, −1e9 where it does not: the causal mask), the products in the operands' dtype and
+    /// attention, Ainslie et al. 2023; KV = H is multi-head attention), the softmax over the
+    /// key axis with an additive mask (0 where a query sees a key, −1e9 where it does not: the
+    /// causal mask), the products in the operands' dtype and
     /// the softmax in its [`DType::wide`] (as the composition matmul, cast, [`Op::Softmax`],
     /// cast, matmul; the mask is of the wide dtype). One node so that the `[B, H, T, T]`
     /// probabilities are never saved for the backward, which reads only q, k, v, the mask and
@@ -172,8 +173,8 @@ pub enum Op {
     Attention { scale: f64 },
     /// `(q, k, v, mask, o, g)` → `[B, H + 2·KV, T, E]`: the gradients of q, k and v (in that
     /// order along the heads: H, KV, KV) of the [`Op::Attention`] with those operands, output
-    /// `o` and output gradient `g` (a key/value head's gradient sums its query heads'): with `P = softmax(scale · q kᵀ + mask)`, `dv = Pᵀ g`,
-    /// `dS = scale · P ⊙ (g vᵀ − rowsum(g ⊙ o))`, `dq = dS k`, `dk = dSᵀ q` (Dao 2023,
+    /// `o` and output gradient `g` (a key/value head's gradient sums its query heads'): with
+    /// `P = softmax(scale · q kᵀ + mask)`, `dv = Pᵀ g`, `dS = scale · P ⊙ (g vᵀ − rowsum(g ⊙ o))`, `dq = dS k`, `dk = dSᵀ q` (Dao 2023,
     /// Algorithm 2, with `D = rowsum(g ⊙ o)`). Has no VJP of its own.
     AttentionBackward { scale: f64 },
     /// RoPE's rotate-half along the last axis (of even length `2h`; Hugging Face Llama's

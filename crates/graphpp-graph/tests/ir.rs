@@ -61,6 +61,27 @@ fn stats_count_matmul_flops() {
 }
 
 #[test]
+fn grouped_query_attention_shapes_are_checked() {
+    let mut b = GraphBuilder::new("gqa", DType::F32);
+    let q = b.input("q", InputKind::Activation, vec![2, 6, 4, 3]).unwrap();
+    let kv = |b: &mut GraphBuilder, name: &str, heads: usize| {
+        b.input(name, InputKind::Activation, vec![2, heads, 4, 3]).unwrap()
+    };
+    let mask = b.input("mask", InputKind::Buffer, vec![4, 4]).unwrap();
+    let (k, v) = (kv(&mut b, "k", 2), kv(&mut b, "v", 2));
+    let o = b.attention(q, k, v, mask, 0.5).unwrap();
+    assert_eq!(b.shape(o), vec![2, 6, 4, 3]);
+    let d = b.attention_backward(q, k, v, mask, o, o, 0.5).unwrap();
+    assert_eq!(b.shape(d), vec![2, 6 + 2 * 2, 4, 3], "dq, dk, dv along the heads");
+    // KV not dividing H, v unlike k: refused.
+    let k4 = kv(&mut b, "k4", 4);
+    let e = b.attention(q, k4, k4, mask, 0.5).unwrap_err().to_string();
+    assert!(e.contains("KV dividing"), "{e}");
+    let v3 = kv(&mut b, "v3", 3);
+    assert!(b.attention(q, k, v3, mask, 0.5).is_err());
+}
+
+#[test]
 fn attention_refuses_a_mask_that_needs_a_gradient() {
     let build = |mask_kind: InputKind| {
         let mut b = GraphBuilder::new("attn", DType::F32);
@@ -74,7 +95,7 @@ fn attention_refuses_a_mask_that_needs_a_gradient() {
         b.output("loss", loss);
         graphpp_graph::autodiff::autodiff(&b.finish().unwrap())
     };
-    // A buffer mask: q's three uses get their gradients (one stacked backward node).
+    // A buffer mask: q's three uses get their gradients (one backward node, sliced).
     let joint = build(InputKind::Buffer).unwrap();
     let backward = joint.nodes.iter().filter(|n| n.op.mnemonic() == "attention_backward").count();
     assert_eq!(backward, 1);

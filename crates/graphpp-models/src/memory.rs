@@ -34,7 +34,7 @@ pub fn stage_activation_bytes(cfg: &LlamaConfig, spec: &StageSpec, batch: usize,
     let (b, t) = (batch as u128, seq as u128);
     let (d, f, v) = (cfg.hidden_size as u128, cfg.intermediate_size as u128, cfg.vocab_size as u128);
     let heads = (cfg.num_attention_heads * cfg.head_dim()) as u128;
-    let kv_heads = (cfg.num_key_value_heads.unwrap_or(cfg.num_attention_heads) * cfg.head_dim()) as u128;
+    let kv_heads = (cfg.kv_heads() * cfg.head_dim()) as u128;
     let per_token_layer = 11 * d + 2 * kv_heads + heads + 5 * f + 4;
     let layer = t.saturating_mul(per_token_layer);
     let mut values = layer.saturating_mul(spec.layers.len() as u128);

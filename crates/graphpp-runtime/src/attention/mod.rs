@@ -3,13 +3,17 @@
 //! Algorithms 1 and 2; query tiles outermost), the backward recomputing each row's maximum and
 //! sum instead of saving the log-sum-exp (issue 11 item 1).
 //!
-//! Shapes: q, k, v, o and g `[B, H, T, E]`, the additive mask `[T, T]`; each (batch, head) is
-//! one task, split over the current rayon pool (the results do not depend on the split).
+//! Shapes: q, o and g `[B, H, T, E]`, k and v `[B, KV, T, E]` with KV dividing H (query head h
+//! reads key/value head h / (H/KV): grouped-query attention, never repeated in memory), the
+//! additive mask `[T, T]`. The forward's tasks are the (batch, query head)s, the backward's the
+//! (batch, key/value head)s — each runs its H/KV query heads in order, summing their dk and dv
+//! (so at KV < H the backward has fewer tasks to split over the pool); the results do not depend
+//! on the split.
 //! Operands are read in place on their strides where their columns are contiguous (heads split
 //! from `[B, T, H, E]`: rows `H · E` apart; the products' sums do not depend on the row stride,
 //! so the bits are their copies'), else copied first. The products are [`product`]'s: register
 //! blocks without packing, summing only the terms the mask lets be non-zero; `k` (and in the
-//! backward `v`) is transposed once per task so that every product reads rows.
+//! backward `v`) is transposed once per query head so that every product reads rows.
 //!
 //! **Forward** (f32): per tile of [`BQ`] query rows, the keys a tile of [`BK`] at a time:
 //! `S = q kᵀ` into a `BQ × BK` scratch, `z = scale · S + mask`, the running row maximum
@@ -196,7 +200,7 @@ impl Sizes {
     }
 }
 
-/// f32 operands `[B, H, T, E]` held for reading in place: each as it is where its columns are
+/// f32 operands `[B, heads, T, E]` held for reading in place: each as it is where its columns are
 /// contiguous (a heads-split view: rows `H · E` apart), else its contiguous copy.
 struct Held(Vec<Tensor>);
 
@@ -214,7 +218,7 @@ impl Held {
     }
 }
 
-/// One f32 operand `[B, H, T, E]` in its storage: (batch b, head h)'s row r starts at
+/// One f32 operand `[B, heads, T, E]` in its storage: (batch b, head h)'s row r starts at
 /// `start + b · sb + h · sh + r · rs`, its E columns contiguous.
 #[derive(Clone, Copy)]
 struct Rows<'a> {
@@ -646,6 +650,9 @@ fn probabilities(q: &Tensor, k: &Tensor, mask: &Tensor, scale: f64) -> candle_co
 /// `[B, heads, T, E]` (HF `repeat_kv`).
 fn repeat_kv(x: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     let (b, kv, t, e) = x.dims4()?;
+    if kv == 0 || heads % kv != 0 {
+        candle_core::bail!("attention: {kv} key/value heads for {heads} query heads (must divide them)")
+    }
     if kv == heads {
         return Ok(x.clone());
     }
@@ -893,15 +900,20 @@ mod tests {
 
     #[test]
     fn results_do_not_depend_on_the_threads() {
-        let c = case(2, 4, BK + 36, 8, causal(BK + 36));
-        let run = || {
-            let o = attention(&c.q, &c.k, &c.v, &c.mask, 0.5).unwrap();
-            let d = attention_backward(&c.q, &c.k, &c.v, &c.mask, &o, &c.g, 0.5).unwrap();
-            (f64s(&o), f64s(&d))
-        };
-        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(run);
-        let two = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap().install(run);
-        assert_eq!(one, two);
+        // Multi-head, and grouped-query (2 key/value heads for 4 query heads).
+        let mut gqa = case(2, 4, BK + 36, 8, causal(BK + 36));
+        gqa.k = tensor(&[2, 2, BK + 36, 8], 5, 2.0);
+        gqa.v = tensor(&[2, 2, BK + 36, 8], 6, 1.0);
+        for c in [case(2, 4, BK + 36, 8, causal(BK + 36)), gqa] {
+            let run = || {
+                let o = attention(&c.q, &c.k, &c.v, &c.mask, 0.5).unwrap();
+                let d = attention_backward(&c.q, &c.k, &c.v, &c.mask, &o, &c.g, 0.5).unwrap();
+                (f64s(&o), f64s(&d))
+            };
+            let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(run);
+            let two = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap().install(run);
+            assert_eq!(one, two);
+        }
     }
 
     #[test]
