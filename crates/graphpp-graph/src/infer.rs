@@ -118,7 +118,7 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
                     && x.shape[2..] == q.shape[2..]
                     && x.shape[1] == kv
                     && kv > 0
-                    && h % kv == 0;
+                    && h.is_multiple_of(kv);
                 need(fits, || {
                     format!(
                         "{} needs {name} [B, KV, T, E] of q's dtype, KV dividing q's H and alike for k and v: \

@@ -175,7 +175,7 @@ impl Sizes {
             candle_core::bail!("attention: q must be [B, H, T, E], got {:?}", q.dims())
         };
         let kv = k.dims().get(1).copied().unwrap_or(0);
-        let kv_fits = k.dims() == [b, kv, t, e] && kv > 0 && h % kv == 0;
+        let kv_fits = k.dims() == [b, kv, t, e] && kv > 0 && h.is_multiple_of(kv);
         if !kv_fits || v.dims() != k.dims() || mask.dims() != [t, t] {
             candle_core::bail!(
                 "attention: k {:?} and v {:?} must be [B, KV, T, E] of q {:?} with KV dividing H, and the \
@@ -650,7 +650,7 @@ fn probabilities(q: &Tensor, k: &Tensor, mask: &Tensor, scale: f64) -> candle_co
 /// `[B, heads, T, E]` (HF `repeat_kv`).
 fn repeat_kv(x: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     let (b, kv, t, e) = x.dims4()?;
-    if kv == 0 || heads % kv != 0 {
+    if kv == 0 || !heads.is_multiple_of(kv) {
         candle_core::bail!("attention: {kv} key/value heads for {heads} query heads (must divide them)")
     }
     if kv == heads {
