@@ -326,6 +326,13 @@ impl Op {
         )
     }
 
+    /// Whether this op is pointwise — unary, affine or binary: each output element a function of
+    /// the same element of its (broadcast) operands. What `RecomputePolicy::Pointwise`
+    /// recomputes and a runtime's fused groups compute in registers.
+    pub fn is_pointwise(&self) -> bool {
+        matches!(self, Op::Unary { .. } | Op::Affine { .. } | Op::Binary { .. })
+    }
+
     /// Whether this op starts or completes a collective.
     pub fn is_collective(&self) -> bool {
         matches!(self, Op::CollectiveStart { .. } | Op::CollectiveWait)

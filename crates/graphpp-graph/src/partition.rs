@@ -142,12 +142,11 @@ fn classify(g: &Graph, x: ValueId, policy: &RecomputePolicy, param_only: &[bool]
 pub fn pointwise_recomputable(g: &Graph, live: &[bool]) -> Vec<bool> {
     let users = g.users();
     let in_bw = |v: ValueId| live[v.0] && g.node(v).meta.phase == Phase::Backward;
-    let pointwise = |op: &Op| matches!(op, Op::Unary { .. } | Op::Affine { .. } | Op::Binary { .. });
     let fused_reader =
-        |u: ValueId, x: usize| pointwise(&g.node(u).op) && g.node(u).ty.shape == g.nodes[x].ty.shape;
+        |u: ValueId, x: usize| g.node(u).op.is_pointwise() && g.node(u).ty.shape == g.nodes[x].ty.shape;
     let mut r = vec![false; g.nodes.len()];
     for (i, n) in g.nodes.iter().enumerate() {
-        if n.meta.phase == Phase::Backward || !pointwise(&n.op) {
+        if n.meta.phase == Phase::Backward || !n.op.is_pointwise() {
             continue;
         }
         let available = |x: &ValueId| {

@@ -79,10 +79,7 @@ pub struct Fusion {
 fn fusible(g: &Graph, i: usize) -> bool {
     let n = &g.nodes[i];
     let f32s = n.ty.dtype == DType::F32 && n.inputs.iter().all(|x| g.nodes[x.0].ty.dtype == DType::F32);
-    f32s && matches!(
-        n.op,
-        Op::Unary { .. } | Op::Affine { .. } | Op::Binary { .. } | Op::Broadcast { .. } | Op::Full { .. }
-    )
+    f32s && (n.op.is_pointwise() || matches!(n.op, Op::Broadcast { .. } | Op::Full { .. }))
 }
 
 /// Groups the fusible nodes of `g` (module doc). A member other than the anchor has the anchor's
@@ -155,9 +152,7 @@ pub fn plan(g: &Graph) -> Fusion {
 /// ([`graphpp_graph::RecomputePolicy::Pointwise`]: the SwiGLU's `σ(g)`, read by the groups of
 /// both `dg` and `du`) costs its arithmetic once per group instead of a write and two reads.
 fn inlined(g: &Graph, users: &[Vec<ValueId>], is_output: &[bool]) -> Vec<bool> {
-    let pointwise = |i: usize| {
-        matches!(g.nodes[i].op, Op::Unary { .. } | Op::Affine { .. } | Op::Binary { .. }) && fusible(g, i)
-    };
+    let pointwise = |i: usize| g.nodes[i].op.is_pointwise() && fusible(g, i);
     let cheap = |i: usize| matches!(g.nodes[i].op, Op::Broadcast { .. } | Op::Full { .. }) && fusible(g, i);
     (0..g.nodes.len())
         .map(|i| {
