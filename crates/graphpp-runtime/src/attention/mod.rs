@@ -86,13 +86,14 @@ pub fn attention(
     held.with(|x| {
         let (q, k, v, mask) = (x[0], x[1], x[2], x[3].head(0));
         let spans = Spans::of(mask, sizes.t);
+        let ctx = Ctx { mask, spans: &spans, s: sizes, scale: scale as f32 };
         // One task per (batch, head) over the pool (on a one-thread pool, in turn).
         out.par_chunks_mut(te.max(1)).enumerate().for_each_init(
             || Scratch::of(sizes),
             |scratch, (bh, o)| {
                 let kv = sizes.kv_of(bh);
                 let head = [q.head(bh), k.head(kv), v.head(kv)];
-                forward_head(head, mask, &spans, sizes, scale as f32, o, scratch)
+                Job::Forward(head, o).run(&ctx, scratch)
             },
         );
     })?;
@@ -142,6 +143,7 @@ pub fn attention_backward(
     held.with(|x| {
         let (q, k, v, o, g, mask) = (x[0], x[1], x[2], x[3], x[4], x[5].head(0));
         let spans = Spans::of(mask, sizes.t);
+        let ctx = Ctx { mask, spans: &spans, s: sizes, scale: scale as f32 };
         tasks.into_par_iter().enumerate().for_each_init(
             || Scratch::of(sizes),
             |scratch, (bkv, ((dq, dk), dv))| {
@@ -150,7 +152,7 @@ pub fn attention_backward(
                     let head =
                         Head { q: q.head(bh), k: k.head(bkv), v: v.head(bkv), o: o.head(bh), g: g.head(bh) };
                     let grads = Grads { dq, dk: &mut *dk, dv: &mut *dv };
-                    backward_head(head, mask, &spans, sizes, scale as f32, grads, scratch)
+                    Job::Backward(head, grads).run(&ctx, scratch)
                 }
             },
         );
@@ -341,13 +343,13 @@ fn all_if(seen: &Range<usize>, keys: Range<usize>, e: usize) -> Range<usize> {
 }
 
 /// `x`'s `[T, E]` rows as the columns of `dst` `[E, T]`: whole 8 × 8 blocks by AVX2 shuffles
-/// where the CPU has AVX2, the rest element by element.
+/// where the CPU has AVX2 (and FMA, as the kernels ask), the rest element by element.
 #[inline(always)]
 fn transpose(x: View, (t, e): (usize, usize), dst: &mut [f32]) {
     let dst = &mut dst[..t * e];
     let whole = |n: usize| n - n % 8;
     #[cfg(target_arch = "x86_64")]
-    let done = if std::arch::is_x86_feature_detected!("avx2") { (whole(t), whole(e)) } else { (0, 0) };
+    let done = if product::avx2_fma() { (whole(t), whole(e)) } else { (0, 0) };
     #[cfg(not(target_arch = "x86_64"))]
     let done = (0, 0);
     #[cfg(target_arch = "x86_64")]
@@ -355,7 +357,7 @@ fn transpose(x: View, (t, e): (usize, usize), dst: &mut [f32]) {
         for j0 in (0..done.1).step_by(8) {
             let src = &x.from(c0)[j0..];
             assert!(7 * x.rs + 8 <= src.len() && 7 * t + c0 + 8 <= dst.len() - j0 * t);
-            // SAFETY: the CPU has AVX2 (checked above); rows c0..c0 + 8 of x hold columns
+            // SAFETY: the CPU has AVX2 (`avx2_fma`, above); rows c0..c0 + 8 of x hold columns
             // j0..j0 + 8 and rows j0..j0 + 8 of dst columns c0..c0 + 8 (asserted just above).
             unsafe { transpose8(src.as_ptr(), x.rs, dst[j0 * t + c0..].as_mut_ptr(), t) };
         }
@@ -436,51 +438,52 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// [`forward_in`] built for AVX2 and FMA where the CPU has them (its elementwise loops 8 lanes
-/// wide; the products dispatch on their own), else as it is.
-#[allow(clippy::too_many_arguments)]
-fn forward_head(
-    qkv: [View; 3],
-    mask: View,
-    spans: &Spans,
+/// What one call shares with each (batch, head): the mask, its spans, the sizes and the scale.
+#[derive(Clone, Copy)]
+struct Ctx<'a> {
+    mask: View<'a>,
+    spans: &'a Spans,
     s: Sizes,
     scale: f32,
-    o: &mut [f32],
-    x: &mut Scratch,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        #[target_feature(enable = "avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
-        fn avx2(
-            qkv: [View; 3],
-            mask: View,
-            spans: &Spans,
-            s: Sizes,
-            scale: f32,
-            o: &mut [f32],
-            x: &mut Scratch,
-        ) {
-            forward_in(qkv, mask, spans, s, scale, o, x)
+}
+
+/// One task's work on one query head.
+enum Job<'a, 'b> {
+    /// The forward: q, k, v rows into o.
+    Forward([View<'a>; 3], &'b mut [f32]),
+    /// The backward: dq, and dk, dv added into its key/value head's.
+    Backward(Head<'a>, Grads<'b>),
+}
+
+impl Job<'_, '_> {
+    /// Runs the job: built for AVX2 and FMA where the CPU has them (the kernels' elementwise
+    /// loops 8 lanes wide; the products dispatch on their own), else as it is.
+    fn run(self, c: &Ctx, x: &mut Scratch) {
+        #[cfg(target_arch = "x86_64")]
+        if product::avx2_fma() {
+            #[target_feature(enable = "avx2,fma")]
+            fn avx2(job: Job, c: &Ctx, x: &mut Scratch) {
+                job.run_in(c, x)
+            }
+            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+            return unsafe { avx2(self, c, x) };
         }
-        // SAFETY: the CPU has AVX2 and FMA (checked just above).
-        return unsafe { avx2(qkv, mask, spans, s, scale, o, x) };
+        self.run_in(c, x)
     }
-    forward_in(qkv, mask, spans, s, scale, o, x)
+
+    #[inline(always)]
+    fn run_in(self, c: &Ctx, x: &mut Scratch) {
+        match self {
+            Job::Forward(qkv, o) => forward_in(qkv, c, o, x),
+            Job::Backward(head, grads) => backward_in(head, c, grads, x),
+        }
+    }
 }
 
 /// One (batch, head) of the forward (module doc): q, k, v `[T, E]` rows, o its `[T, E]` output.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn forward_in(
-    [q, k, v]: [View; 3],
-    mask: View,
-    spans: &Spans,
-    s: Sizes,
-    scale: f32,
-    o: &mut [f32],
-    Scratch { kt, z, p, .. }: &mut Scratch,
-) {
+fn forward_in([q, k, v]: [View; 3], c: &Ctx, o: &mut [f32], Scratch { kt, z, p, .. }: &mut Scratch) {
+    let Ctx { mask, spans, s, scale } = *c;
     let (t, e) = (s.t, s.e);
     transpose(k, (t, e), kt);
     let (mut m, mut l) = ([f32::NEG_INFINITY; BQ], [0f32; BQ]);
@@ -555,23 +558,10 @@ struct Grads<'a> {
     dv: &'a mut [f32],
 }
 
-/// [`backward_in`] built for AVX2 and FMA where the CPU has them, as [`forward_head`].
-fn backward_head(x: Head, mask: View, spans: &Spans, s: Sizes, scale: f32, d: Grads, scratch: &mut Scratch) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        #[target_feature(enable = "avx2,fma")]
-        fn avx2(x: Head, mask: View, spans: &Spans, s: Sizes, scale: f32, d: Grads, scratch: &mut Scratch) {
-            backward_in(x, mask, spans, s, scale, d, scratch)
-        }
-        // SAFETY: the CPU has AVX2 and FMA (checked just above).
-        return unsafe { avx2(x, mask, spans, s, scale, d, scratch) };
-    }
-    backward_in(x, mask, spans, s, scale, d, scratch)
-}
-
 /// One (batch, head) of the backward (module doc).
 #[inline(always)]
-fn backward_in(x: Head, mask: View, spans: &Spans, s: Sizes, scale: f32, d: Grads, scratch: &mut Scratch) {
+fn backward_in(x: Head, c: &Ctx, d: Grads, scratch: &mut Scratch) {
+    let Ctx { mask, spans, s, scale } = *c;
     let (t, e) = (s.t, s.e);
     // p: the softmax of the query tile's row block over its key tiles (row stride t).
     let Scratch { kt, vt, z, p, ds } = scratch;

@@ -68,11 +68,19 @@ pub(super) fn product(
     assert!(k == 0 || fits(extent(k, b.rs, n, 1), b.data.len()), "attention: product rhs too short");
     let task = Task { n, k, out, accumulate, a, b };
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA (checked just above).
         return unsafe { run_fma(m, task, &reach) };
     }
     run::<false>(m, task, &reach)
+}
+
+/// Whether the CPU has AVX2 and FMA: the attention kernels' vector build (false off x86-64).
+pub(super) fn avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// One call's operands (sizes checked by [`product`]).
