@@ -10,7 +10,9 @@ mod common;
 
 use candle_core::Tensor;
 use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
-use graphpp_graph::{stage_graphs, DType, Graph, GraphBuilder, InputKind, RecomputePolicy, StageGraphs};
+use graphpp_graph::{
+    stage_graphs, DType, Graph, GraphBuilder, InputKind, RecomputePolicy, StageGraphs, ValueId,
+};
 use graphpp_models::moe::MoeConfig;
 use graphpp_models::rng::Rng;
 use graphpp_models::{build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, StageOptions};
@@ -307,61 +309,68 @@ fn pointwise_recomputation_saves_less_and_changes_no_gradient_bit() {
     assert_eq!(all - pointwise, fewer, "save-all {all} bytes, pointwise {pointwise}");
 }
 
+/// A graph over `x` `[4, 8]` whose outputs are the two values `build` makes from it (with the
+/// graph's builder, and inputs of its own), each times `wt` `[8, 4]`; with `x` and what `build`
+/// returns besides.
+fn two_products<R>(
+    build: impl FnOnce(&mut GraphBuilder, ValueId) -> ([ValueId; 2], R),
+) -> (Graph, ValueId, R) {
+    let mut b = GraphBuilder::new("two products", DType::F32);
+    let x = b.input("x", InputKind::Activation, vec![4, 8]).unwrap();
+    let wt = b.input("wt", InputKind::Parameter, vec![8, 4]).unwrap();
+    let (read, r) = build(&mut b, x);
+    for (i, v) in read.into_iter().enumerate() {
+        let m = b.matmul(v, wt).unwrap();
+        b.output(&format!("m{i}"), m);
+    }
+    (b.finish().unwrap(), x, r)
+}
+
+/// Each group's members and loaded inputs.
+fn groups(p: &Program) -> Vec<(Vec<usize>, Vec<ValueId>)> {
+    p.fusion().groups.iter().map(|g| (g.members.clone(), g.inputs.clone())).collect()
+}
+
 #[test]
 fn a_pointwise_value_read_by_two_groups_is_computed_in_each() {
     // e = exp(x) read by a = e · w and c = e + w, each read by a matmul (so each anchors a
     // group): e is inlined into both groups and never computed on its own.
-    let mut b = GraphBuilder::new("inlined", DType::F32);
-    let x = b.input("x", InputKind::Activation, vec![4, 8]).unwrap();
-    let w = b.input("w", InputKind::Parameter, vec![4, 8]).unwrap();
-    let wt = b.input("wt", InputKind::Parameter, vec![8, 4]).unwrap();
-    let e = b.exp(x).unwrap();
-    let a = b.mul(e, w).unwrap();
-    let c = b.add2(e, w).unwrap();
-    let (ma, mc) = (b.matmul(a, wt).unwrap(), b.matmul(c, wt).unwrap());
-    b.output("ma", ma);
-    b.output("mc", mc);
-    let g = b.finish().unwrap();
-    let p = Program::compile(&g);
-    let groups = &p.fusion().groups;
-    assert_eq!(groups.len(), 2);
-    assert_eq!(groups[0].members, vec![e.0, a.0]);
-    assert_eq!(groups[1].members, vec![e.0, c.0]);
-    assert!(groups.iter().all(|gr| gr.inputs == vec![x, w]), "x and w loaded, e recomputed");
+    let (g, x, (w, e, a, c)) = two_products(|b, x| {
+        let w = b.input("w", InputKind::Parameter, vec![4, 8]).unwrap();
+        let e = b.exp(x).unwrap();
+        let (a, c) = (b.mul(e, w).unwrap(), b.add2(e, w).unwrap());
+        ([a, c], (w, e, a, c))
+    });
+    assert_eq!(
+        groups(&Program::compile(&g)),
+        vec![(vec![e.0, a.0], vec![x, w]), (vec![e.0, c.0], vec![x, w])]
+    );
     both_ways(&g, &mut Env::new(), &mut Rng::new(1));
     // A broadcast read only by an inlined node is inlined too: both groups load its operand
     // through broadcast strides (were it a member of one group only, it would never be
     // computed for the other).
-    let mut b = GraphBuilder::new("inlined over a broadcast", DType::F32);
-    let x = b.input("x", InputKind::Activation, vec![4, 8]).unwrap();
-    let c = b.input("c", InputKind::Parameter, vec![8]).unwrap();
-    let wt = b.input("wt", InputKind::Parameter, vec![8, 4]).unwrap();
-    let cb = b.broadcast(c, vec![4, 8]).unwrap();
-    let e = b.add2(x, cb).unwrap();
-    let (a, d) = (b.exp(e).unwrap(), b.neg(e).unwrap());
-    let (ma, md) = (b.matmul(a, wt).unwrap(), b.matmul(d, wt).unwrap());
-    b.output("ma", ma);
-    b.output("md", md);
-    let g = b.finish().unwrap();
-    let p = Program::compile(&g);
-    let groups: Vec<_> = p.fusion().groups.iter().map(|gr| (gr.members.clone(), gr.inputs.clone())).collect();
-    assert_eq!(groups, vec![(vec![cb.0, e.0, a.0], vec![c, x]), (vec![cb.0, e.0, d.0], vec![c, x])]);
+    let (g, x, (c, cb, e, a, d)) = two_products(|b, x| {
+        let c = b.input("c", InputKind::Parameter, vec![8]).unwrap();
+        let cb = b.broadcast(c, vec![4, 8]).unwrap();
+        let e = b.add2(x, cb).unwrap();
+        let (a, d) = (b.exp(e).unwrap(), b.neg(e).unwrap());
+        ([a, d], (c, cb, e, a, d))
+    });
+    let want = vec![(vec![cb.0, e.0, a.0], vec![c, x]), (vec![cb.0, e.0, d.0], vec![c, x])];
+    assert_eq!(groups(&Program::compile(&g)), want);
     both_ways(&g, &mut Env::new(), &mut Rng::new(2));
     // Read by a matmul as well, e is materialised once and loaded by both groups.
-    let mut b = GraphBuilder::new("materialised", DType::F32);
-    let x = b.input("x", InputKind::Activation, vec![4, 8]).unwrap();
-    let w = b.input("w", InputKind::Parameter, vec![4, 8]).unwrap();
-    let wt = b.input("wt", InputKind::Parameter, vec![8, 4]).unwrap();
-    let e = b.exp(x).unwrap();
-    let a = b.mul(e, w).unwrap();
-    let me = b.matmul(e, wt).unwrap();
-    let ma = b.matmul(a, wt).unwrap();
-    b.output("me", me);
-    b.output("ma", ma);
-    let g = b.finish().unwrap();
+    let (g, x, (e, a)) = two_products(|b, x| {
+        let w = b.input("w", InputKind::Parameter, vec![4, 8]).unwrap();
+        let e = b.exp(x).unwrap();
+        let a = b.mul(e, w).unwrap();
+        ([e, a], (e, a))
+    });
     let p = Program::compile(&g);
     let anchors: Vec<usize> = p.fusion().groups.iter().map(|g| g.anchor).collect();
     assert_eq!(anchors, vec![e.0, a.0]);
+    assert_eq!(p.fusion().groups[1].inputs.first(), Some(&e), "a loads e");
+    let _ = x;
     both_ways(&g, &mut Env::new(), &mut Rng::new(1));
 }
 
