@@ -360,7 +360,7 @@ fn a_pointwise_value_read_by_two_groups_is_computed_in_each() {
     assert_eq!(groups(&Program::compile(&g)), want);
     both_ways(&g, &mut Env::new(), &mut Rng::new(2));
     // Read by a matmul as well, e is materialised once and loaded by both groups.
-    let (g, x, (e, a)) = two_products(|b, x| {
+    let (g, _, (e, a)) = two_products(|b, x| {
         let w = b.input("w", InputKind::Parameter, vec![4, 8]).unwrap();
         let e = b.exp(x).unwrap();
         let a = b.mul(e, w).unwrap();
@@ -370,7 +370,6 @@ fn a_pointwise_value_read_by_two_groups_is_computed_in_each() {
     let anchors: Vec<usize> = p.fusion().groups.iter().map(|g| g.anchor).collect();
     assert_eq!(anchors, vec![e.0, a.0]);
     assert_eq!(p.fusion().groups[1].inputs.first(), Some(&e), "a loads e");
-    let _ = x;
     both_ways(&g, &mut Env::new(), &mut Rng::new(1));
 }
 
