@@ -2,9 +2,10 @@
 //! at most 128 × 128 × E), register-blocked without packing, summing only where the mask lets a
 //! term be non-zero (issue 11 item 1).
 //!
-//! gemm packs both operands into panels before its micro-kernel runs: at `small`'s shape (T = 64,
-//! E = 32) that packing and the call's set-up cost as much as the arithmetic, and gemm cannot
-//! know that a causal mask zeroes a third of a 64 × 64 tile's terms. Here each block of
+//! gemm packs both operands into panels before its micro-kernel runs, once per call, and cannot
+//! know that a causal mask zeroes a third of a 64 × 64 tile's terms: at `small`'s training shape
+//! (B = 8, H = 8, T = 64, E = 32; `examples/attnbench --batch 8 --seq-len 64`) the kernel on gemm
+//! tiles took 0.741 ms forward and 1.51–1.53 backward, on these blocks 0.59–0.60 and 1.11–1.12. Here each block of
 //! [`MR`] × [`NR`] outputs is summed in registers straight from the operands (the rhs's rows are
 //! contiguous: a transposed rhs is copied first by the caller), and a caller-given *reach* names,
 //! per block, the range of the inner index whose terms may be non-zero; the others are known
