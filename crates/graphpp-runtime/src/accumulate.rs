@@ -114,10 +114,7 @@ impl candle_core::InplaceOp2 for AddScaled {
             candle_core::bail!("add-scaled: shapes {:?} and {:?}", l1.dims(), l2.dims())
         }
         let acc = &mut acc[a0..a1];
-        let term = |g: f32| match self.scale {
-            Some(s) => g * s + 0.0,
-            None => g,
-        };
+        let term = |g: f32| term(g, self.scale);
         if let Some((g0, g1)) = l2.contiguous_offsets() {
             let g = &g[g0..g1];
             let add = |(a, g): (&mut [f32], &[f32])| a.iter_mut().zip(g).for_each(|(a, &g)| *a += term(g));
@@ -133,20 +130,113 @@ impl candle_core::InplaceOp2 for AddScaled {
         let (&[rows, cols], &[s0, s1]) = (l2.dims(), l2.stride()) else {
             candle_core::bail!("add-scaled reads a strided operand of rank 2 only")
         };
-        // A weight gradient is a transposed view (dW = (Xᵀ · dY)ᵀ): read it in square tiles, so
-        // both the rows written and the columns read stay in cache.
         let g0 = l2.start_offset();
+        let extent = g0 + (rows.max(1) - 1) * s0 + (cols.max(1) - 1) * s1 + 1;
+        if rows * cols > 0 && extent > g.len() {
+            candle_core::bail!(
+                "add-scaled: strides {:?} reach past the operand's {} elements",
+                l2.stride(),
+                g.len()
+            )
+        }
+        let strided = Strided { g, g0, s0, s1, cols, scale: self.scale };
+        // Bands of TILE rows: each band reads its own columns' segments and writes its own rows.
+        let band = TILE * cols.max(1);
+        let threads = rayon::current_num_threads();
+        if threads > 1 && acc.len() >= PARALLEL_MIN {
+            let per = acc.len().div_ceil(threads).div_ceil(band) * band;
+            acc.par_chunks_mut(per).enumerate().for_each(|(c, a)| strided.add_rows(c * per / cols, a));
+        } else {
+            strided.add_rows(0, acc);
+        }
+        Ok(())
+    }
+}
+
+/// What a gradient element adds to its sum: `g · scale + 0` (the `+ 0` turns −0 into +0, as
+/// candle's affine does), or `g` without a scale.
+#[inline(always)]
+fn term(g: f32, scale: Option<f32>) -> f32 {
+    match scale {
+        Some(s) => g * s + 0.0,
+        None => g,
+    }
+}
+
+/// A rank-2 strided gradient: element (i, j) at `g[g0 + i · s0 + j · s1]` (every such index in
+/// bounds: checked by the caller), added into row-major `cols`-wide rows.
+struct Strided<'a> {
+    g: &'a [f32],
+    g0: usize,
+    s0: usize,
+    s1: usize,
+    cols: usize,
+    scale: Option<f32>,
+}
+
+impl Strided<'_> {
+    /// Adds rows `row0 .. row0 + acc.len() / cols` of the gradient into `acc` (those rows),
+    /// TILE × TILE at a time so that both the rows written and the columns read stay in cache. A
+    /// weight gradient is a transposed view (dW = (Xᵀ · dY)ᵀ, `s0 == 1`): with AVX2, its full
+    /// 8 × 8 blocks are transposed in registers ([`crate::tile8`]) and added 8 lanes at a time,
+    /// the same operations per element as the scalar loop (no fused multiply-add), so the same
+    /// bits.
+    fn add_rows(&self, row0: usize, acc: &mut [f32]) {
+        let (rows, cols) = (acc.len() / self.cols.max(1), self.cols);
+        #[cfg(target_arch = "x86_64")]
+        let vector = self.s0 == 1 && std::arch::is_x86_feature_detected!("avx2");
+        #[cfg(not(target_arch = "x86_64"))]
+        let vector = false;
         for ib in (0..rows).step_by(TILE) {
             for jb in (0..cols).step_by(TILE) {
-                for i in ib..(ib + TILE).min(rows) {
-                    for j in jb..(jb + TILE).min(cols) {
-                        let a = &mut acc[i * cols + j];
-                        *a += term(g[g0 + i * s0 + j * s1]);
+                let (ie, je) = ((ib + TILE).min(rows), (jb + TILE).min(cols));
+                // The part of the tile covered by whole 8 × 8 blocks.
+                let (iv, jv) =
+                    if vector { (ib + (ie - ib) / 8 * 8, jb + (je - jb) / 8 * 8) } else { (ib, jb) };
+                #[cfg(target_arch = "x86_64")]
+                for i in (ib..iv).step_by(8) {
+                    for j in (jb..jv).step_by(8) {
+                        // SAFETY: AVX2 is present (`vector`); rows i..i + 8 of acc hold columns
+                        // j..j + 8 (i + 8 <= rows, j + 8 <= cols), and the gradient's columns
+                        // j..j + 8, rows row0 + i .. + 8, lie within the extent the caller checked.
+                        unsafe { self.add8(row0 + i, j, &mut acc[i * cols..]) };
+                    }
+                }
+                for i in ib..ie {
+                    // Columns the blocks did not cover: all of them on rows past iv.
+                    let from = if i < iv { jv } else { jb };
+                    for j in from..je {
+                        let g = self.g[self.g0 + (row0 + i) * self.s0 + j * self.s1];
+                        acc[i * cols + j] += term(g, self.scale);
                     }
                 }
             }
         }
-        Ok(())
+    }
+
+    /// Adds the gradient's 8 × 8 block at (row `i`, column `j`) into `acc`'s first 8 rows,
+    /// columns `j .. j + 8`.
+    ///
+    /// # Safety
+    /// AVX2 is present; `s0 == 1`; `acc` holds 8 rows of `cols` (`j + 8 <= cols`); the gradient's
+    /// rows `i .. i + 8` × columns `j .. j + 8` are in bounds.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn add8(&self, i: usize, j: usize, acc: &mut [f32]) {
+        use std::arch::x86_64::*;
+        // Column j + r of the gradient, rows i..i + 8, is contiguous (s0 == 1): 8 source rows.
+        // SAFETY: the caller's contract.
+        let block =
+            unsafe { crate::tile8::load_transposed(self.g.as_ptr().add(self.g0 + i + j * self.s1), self.s1) };
+        for (q, row) in block.into_iter().enumerate() {
+            let term = match self.scale {
+                Some(s) => _mm256_add_ps(_mm256_mul_ps(row, _mm256_set1_ps(s)), _mm256_setzero_ps()),
+                None => row,
+            };
+            let a = acc[q * self.cols + j..q * self.cols + j + 8].as_mut_ptr();
+            // SAFETY: the slice just taken holds the 8 lanes.
+            unsafe { _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), term)) };
+        }
     }
 }
 
@@ -213,31 +303,41 @@ mod tests {
     }
 
     /// A transposed gradient (a weight's, as the backward graph outputs it) is added in place
-    /// through its strides: the sums are those of the allocating form.
+    /// through its strides: the sums are those of the allocating form bit for bit — ragged
+    /// shapes (the 8 × 8 blocks' edges), a scale that rounds, −0.0, and a pool that splits the
+    /// rows into bands (600 × 448 is past `PARALLEL_MIN`).
     #[test]
     fn transposed_gradients_add_in_place() {
-        let (r, c) = (70, 45);
-        let raw = |k: usize| -> Tensor {
-            let v: Vec<f32> = (0..r * c).map(|i| ((i * 31 + k * 7) % 97) as f32 * 0.37 - 17.0).collect();
-            Tensor::from_vec(v, (c, r), &Device::Cpu).unwrap().t().unwrap()
-        };
-        for scale in [None, Some(0.125f32)] {
-            let mut acc = Accumulators::default();
-            let mut want: Option<Tensor> = None;
-            let mut ids = Vec::new();
-            for k in 0..4 {
-                let g = raw(k);
-                assert!(!g.is_contiguous());
-                want = Some(allocating(want, &g, scale));
-                acc.add("w", g, scale).unwrap();
-                let flat = |t: &Tensor| bits(&t.flatten_all().unwrap());
-                assert_eq!(flat(&acc.sums()["w"]), flat(want.as_ref().unwrap()), "{scale:?}, gradient {k}");
-                ids.push(acc.sums()["w"].id());
+        for (r, c) in [(70, 45), (64, 24), (600, 448)] {
+            let raw = |k: usize| -> Tensor {
+                let mut v: Vec<f32> = (0..r * c)
+                    .map(|i| ((i * 31 + k * 7) % 97) as f32 * 0.37 - 17.0 + 1e-6 * k as f32)
+                    .collect();
+                v[k] = -0.0;
+                Tensor::from_vec(v, (c, r), &Device::Cpu).unwrap().t().unwrap()
+            };
+            for scale in [None, Some(0.125f32), Some(1.0 / 3.0)] {
+                for threads in [1, 3] {
+                    let pool = crate::threads::rank_pool(0, threads).unwrap();
+                    let mut acc = Accumulators::default();
+                    let mut want: Option<Tensor> = None;
+                    let mut ids = Vec::new();
+                    for k in 0..4 {
+                        let g = raw(k);
+                        assert!(!g.is_contiguous());
+                        want = Some(allocating(want, &g, scale));
+                        pool.install(|| acc.add("w", g, scale)).unwrap();
+                        let flat = |t: &Tensor| bits(&t.flatten_all().unwrap());
+                        let case = format!("{r}x{c}, {scale:?}, {threads} threads, gradient {k}");
+                        assert_eq!(flat(&acc.sums()["w"]), flat(want.as_ref().unwrap()), "{case}");
+                        ids.push(acc.sums()["w"].id());
+                    }
+                    // From the second gradient on (the first, when scaled) the sum is one
+                    // tensor, written in place.
+                    let from = if scale.is_some() { 0 } else { 1 };
+                    assert!(ids[from..].iter().all(|&id| id == ids[from]), "{scale:?}: a new tensor per add");
+                }
             }
-            // From the second gradient on (the first, when scaled) the sum is one tensor, written
-            // in place.
-            let from = if scale.is_some() { 0 } else { 1 };
-            assert!(ids[from..].iter().all(|&id| id == ids[from]), "{scale:?}: a new tensor per add");
         }
     }
 

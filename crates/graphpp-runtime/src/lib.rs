@@ -24,6 +24,7 @@ pub mod segment;
 pub mod softmax;
 pub mod stage;
 pub mod threads;
+mod tile8;
 pub mod train;
 pub mod transposed;
 pub mod verify;

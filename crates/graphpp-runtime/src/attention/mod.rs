@@ -359,7 +359,7 @@ fn transpose(x: View, (t, e): (usize, usize), dst: &mut [f32]) {
             assert!(7 * x.rs + 8 <= src.len() && 7 * t + c0 + 8 <= dst.len() - j0 * t);
             // SAFETY: the CPU has AVX2 (`avx2_fma`, above); rows c0..c0 + 8 of x hold columns
             // j0..j0 + 8 and rows j0..j0 + 8 of dst columns c0..c0 + 8 (asserted just above).
-            unsafe { transpose8(src.as_ptr(), x.rs, dst[j0 * t + c0..].as_mut_ptr(), t) };
+            unsafe { crate::tile8::transpose8(src.as_ptr(), x.rs, dst[j0 * t + c0..].as_mut_ptr(), t) };
         }
     }
     for c in 0..t {
@@ -367,44 +367,6 @@ fn transpose(x: View, (t, e): (usize, usize), dst: &mut [f32]) {
         let from = if c < done.0 { done.1 } else { 0 };
         for (j, &y) in row.iter().enumerate().skip(from) {
             dst[j * t + c] = y;
-        }
-    }
-}
-
-/// The 8 × 8 block at `src` (rows `src_rs` apart) transposed into `dst` (rows `dst_rs` apart):
-/// unpack pairs of rows, shuffle pairs of pairs, swap 128-bit halves.
-///
-/// # Safety
-/// The CPU has AVX2; `src + i · src_rs .. + 8` and `dst + i · dst_rs .. + 8` are valid for
-/// `i < 8` (reads and writes), and do not overlap.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn transpose8(src: *const f32, src_rs: usize, dst: *mut f32, dst_rs: usize) {
-    use std::arch::x86_64::*;
-    // SAFETY: the caller's contract (rows in bounds).
-    unsafe {
-        let r = |i: usize| _mm256_loadu_ps(src.add(i * src_rs));
-        let (r0, r1, r2, r3, r4, r5, r6, r7) = (r(0), r(1), r(2), r(3), r(4), r(5), r(6), r(7));
-        let (t0, t1) = (_mm256_unpacklo_ps(r0, r1), _mm256_unpackhi_ps(r0, r1));
-        let (t2, t3) = (_mm256_unpacklo_ps(r2, r3), _mm256_unpackhi_ps(r2, r3));
-        let (t4, t5) = (_mm256_unpacklo_ps(r4, r5), _mm256_unpackhi_ps(r4, r5));
-        let (t6, t7) = (_mm256_unpacklo_ps(r6, r7), _mm256_unpackhi_ps(r6, r7));
-        let (s0, s1) = (_mm256_shuffle_ps::<0x44>(t0, t2), _mm256_shuffle_ps::<0xEE>(t0, t2));
-        let (s2, s3) = (_mm256_shuffle_ps::<0x44>(t1, t3), _mm256_shuffle_ps::<0xEE>(t1, t3));
-        let (s4, s5) = (_mm256_shuffle_ps::<0x44>(t4, t6), _mm256_shuffle_ps::<0xEE>(t4, t6));
-        let (s6, s7) = (_mm256_shuffle_ps::<0x44>(t5, t7), _mm256_shuffle_ps::<0xEE>(t5, t7));
-        let out = [
-            _mm256_permute2f128_ps::<0x20>(s0, s4),
-            _mm256_permute2f128_ps::<0x20>(s1, s5),
-            _mm256_permute2f128_ps::<0x20>(s2, s6),
-            _mm256_permute2f128_ps::<0x20>(s3, s7),
-            _mm256_permute2f128_ps::<0x31>(s0, s4),
-            _mm256_permute2f128_ps::<0x31>(s1, s5),
-            _mm256_permute2f128_ps::<0x31>(s2, s6),
-            _mm256_permute2f128_ps::<0x31>(s3, s7),
-        ];
-        for (i, o) in out.into_iter().enumerate() {
-            _mm256_storeu_ps(dst.add(i * dst_rs), o);
         }
     }
 }
