@@ -186,7 +186,10 @@ impl AdamW {
         Ok(())
     }
 
-    /// The update of one parameter at step `t`; returns the new (p, m, v).
+    /// The update of one parameter at step `t`; returns the new (p, m, v): one pass over the
+    /// four tensors ([`Fused`]) when all are contiguous CPU f32 of one shape, else candle's
+    /// composition ([`AdamW::composed`]). Both compute the same f32 operations in the same order,
+    /// so the same bits.
     fn update(
         &self,
         p: &Tensor,
@@ -196,13 +199,28 @@ impl AdamW {
         lr: f64,
         t: u64,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let fused = Fused::new(&self.cfg, lr, t);
+        match fused.apply(p, g, m, v)? {
+            Some(out) => Ok(out),
+            None => self.composed(p, g, m, v, lr, t),
+        }
+    }
+
+    /// [`AdamW::update`] as candle ops: fourteen passes over the parameter, each making a tensor.
+    fn composed(
+        &self,
+        p: &Tensor,
+        g: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+        lr: f64,
+        t: u64,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let c = &self.cfg;
+        let (bias1, bias2_sqrt) = bias_corrections(c, t);
         let p = p.affine(1.0 - lr * c.weight_decay, 0.0)?;
         let m = ((g - m)?.affine(1.0 - c.beta1, 0.0)? + m)?;
         let v = (v.affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?;
-        let t = i32::try_from(t).unwrap_or(i32::MAX);
-        let bias1 = 1.0 - c.beta1.powi(t);
-        let bias2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
         let denom = v.sqrt()?.affine(1.0 / bias2_sqrt, c.eps)?;
         let p = (p - (m.div(&denom)?).affine(lr / bias1, 0.0)?)?;
         Ok((p, m, v))
@@ -294,6 +312,114 @@ impl AdamW {
         self.step = step;
         self.moments = moments;
         Ok(())
+    }
+}
+
+/// `(1 − β1^t, sqrt(1 − β2^t))`, Adam's bias corrections at step `t` (1-based).
+fn bias_corrections(c: &AdamWConfig, t: u64) -> (f64, f64) {
+    let t = i32::try_from(t).unwrap_or(i32::MAX);
+    (1.0 - c.beta1.powi(t), (1.0 - c.beta2.powi(t)).sqrt())
+}
+
+/// Elements from which a fused update splits over the current rayon pool.
+const PARALLEL_MIN: usize = 1 << 16;
+
+/// One AdamW step of a parameter in one pass (issue 11: PyTorch's `fused=True` AdamW does the
+/// same): reads p, g, m, v once and writes new p, m, v, where the composition makes a tensor per
+/// operation. The constants are candle's: each f64 hyperparameter rounded to f32 as its affine
+/// rounds it, and `x · a + b` computed as a multiply, then an add (no fused multiply-add), so
+/// every element is the composition's bit for bit (`tests::fused_update_is_the_composition`).
+struct Fused {
+    /// 1 − lr·λ.
+    decay: f32,
+    /// 1 − β1.
+    one_minus_beta1: f32,
+    beta2: f32,
+    /// 1 − β2.
+    one_minus_beta2: f32,
+    /// 1 / sqrt(1 − β2^t).
+    inv_bias2_sqrt: f32,
+    eps: f32,
+    /// lr / (1 − β1^t).
+    step_size: f32,
+}
+
+impl Fused {
+    fn new(c: &AdamWConfig, lr: f64, t: u64) -> Fused {
+        let (bias1, bias2_sqrt) = bias_corrections(c, t);
+        Fused {
+            decay: (1.0 - lr * c.weight_decay) as f32,
+            one_minus_beta1: (1.0 - c.beta1) as f32,
+            beta2: c.beta2 as f32,
+            one_minus_beta2: (1.0 - c.beta2) as f32,
+            inv_bias2_sqrt: (1.0 / bias2_sqrt) as f32,
+            eps: c.eps as f32,
+            step_size: (lr / bias1) as f32,
+        }
+    }
+
+    /// The new (p, m, v), or None when an operand is not a contiguous CPU f32 tensor of p's
+    /// shape (the caller composes candle ops instead).
+    fn apply(
+        &self,
+        p: &Tensor,
+        g: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+    ) -> candle_core::Result<Option<(Tensor, Tensor, Tensor)>> {
+        let all = [p, g, m, v];
+        let fits = |x: &Tensor| {
+            x.dtype() == DType::F32 && x.device().is_cpu() && x.is_contiguous() && x.dims() == p.dims()
+        };
+        if !all.iter().all(|x| fits(x)) {
+            return Ok(None);
+        }
+        let n = p.elem_count();
+        let (mut po, mut mo, mut vo) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        {
+            let slices: Vec<_> = all.iter().map(|x| x.storage_and_layout()).collect();
+            let mut ins = Vec::with_capacity(4);
+            for (storage, layout) in &slices {
+                let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), Some((a, b))) =
+                    (&**storage, layout.contiguous_offsets())
+                else {
+                    return Ok(None);
+                };
+                ins.push(&data[a..b]);
+            }
+            let threads = rayon::current_num_threads();
+            let chunk = if threads > 1 && n >= PARALLEL_MIN { n.div_ceil(threads) } else { n.max(1) };
+            use rayon::prelude::*;
+            po.par_chunks_mut(chunk)
+                .zip(mo.par_chunks_mut(chunk))
+                .zip(vo.par_chunks_mut(chunk))
+                .enumerate()
+                .for_each(|(c, ((po, mo), vo))| {
+                    let r = c * chunk..c * chunk + po.len();
+                    let at = |i: usize| &ins[i][r.clone()];
+                    self.run([at(0), at(1), at(2), at(3)], po, mo, vo);
+                });
+        }
+        let shape = p.dims();
+        let t = |x: Vec<f32>| Tensor::from_vec(x, shape, p.device());
+        Ok(Some((t(po)?, t(mo)?, t(vo)?)))
+    }
+
+    /// The update over one run of elements: `[p, g, m, v]` in, new p, m, v out.
+    #[inline(always)]
+    fn run(&self, [p, g, m, v]: [&[f32]; 4], po: &mut [f32], mo: &mut [f32], vo: &mut [f32]) {
+        let n = po.len();
+        let (p, g, m, v, mo, vo) = (&p[..n], &g[..n], &m[..n], &v[..n], &mut mo[..n], &mut vo[..n]);
+        for i in 0..n {
+            let (p, g, m, v) = (p[i], g[i], m[i], v[i]);
+            let decayed = p * self.decay + 0.0;
+            let m1 = ((g - m) * self.one_minus_beta1 + 0.0) + m;
+            let v1 = (v * self.beta2 + 0.0) + ((g * g) * self.one_minus_beta2 + 0.0);
+            let denom = v1.sqrt() * self.inv_bias2_sqrt + self.eps;
+            po[i] = decayed - ((m1 / denom) * self.step_size + 0.0);
+            mo[i] = m1;
+            vo[i] = v1;
+        }
     }
 }
 
@@ -393,6 +519,59 @@ mod tests {
         let v_hat = 0.001999 / (1.0 - 0.999f64 * 0.999);
         let want = -0.1 - 0.1 * m_hat / v_hat.sqrt();
         assert!((vals(&p["w"])[0] as f64 - want).abs() < 1e-6, "{:?} vs {want}", vals(&p["w"]));
+    }
+
+    /// The one-pass update is the candle composition bit for bit: three steps (the first from
+    /// zero moments) over values that round, ±0, tiny and huge gradients, weight decay, odd
+    /// hyperparameters, at 1 and 3 threads (70,001 elements: split over the pool); a transposed
+    /// gradient takes the composition.
+    #[test]
+    fn fused_update_is_the_composition() {
+        let n = 70_001;
+        let cfg = AdamWConfig { beta1: 0.87, beta2: 0.9993, eps: 3e-8, weight_decay: 0.013 };
+        let opt = AdamW::new(cfg).unwrap();
+        let wave = |k: usize| -> Tensor {
+            let v: Vec<f32> = (0..n)
+                .map(|i| match (i + k) % 11 {
+                    0 => 0.0,
+                    1 => -0.0,
+                    2 => 1e-30,
+                    3 => -7e5,
+                    _ => ((i * 37 + k * 11) % 1009) as f32 * 0.0137 - 6.9,
+                })
+                .collect();
+            Tensor::from_vec(v, n, &Device::Cpu).unwrap()
+        };
+        let bits = |x: &Tensor| -> Vec<u32> { vals(x).iter().map(|v| v.to_bits()).collect() };
+        for threads in [1, 3] {
+            let pool = crate::threads::rank_pool(0, threads).unwrap();
+            let (mut p, mut m, mut v) =
+                (wave(0), wave(0).zeros_like().unwrap(), wave(0).zeros_like().unwrap());
+            for t in 1..=3 {
+                let (g, lr) = (wave(t as usize), 1e-3 * t as f64);
+                let fused =
+                    Fused::new(&cfg, lr, t).apply(&p, &g, &m, &v).unwrap().expect("contiguous f32: fused");
+                let want = opt.composed(&p, &g, &m, &v, lr, t).unwrap();
+                let got = pool.install(|| opt.update(&p, &g, &m, &v, lr, t)).unwrap();
+                for (what, a, b, c) in [
+                    ("p", &got.0, &want.0, &fused.0),
+                    ("m", &got.1, &want.1, &fused.1),
+                    ("v", &got.2, &want.2, &fused.2),
+                ] {
+                    assert_eq!(bits(a), bits(b), "{what} at step {t}, {threads} threads");
+                    assert_eq!(bits(c), bits(b), "{what} at step {t}");
+                }
+                (p, m, v) = got;
+            }
+        }
+        let square = |k| wave(k).narrow(0, 0, 100 * 100).unwrap().reshape((100, 100)).unwrap();
+        let (p, g) = (square(0), square(1).t().unwrap());
+        let z = p.zeros_like().unwrap();
+        assert!(Fused::new(&cfg, 1e-3, 1).apply(&p, &g, &z, &z).unwrap().is_none(), "a transposed gradient");
+        let got = opt.update(&p, &g, &z, &z, 1e-3, 1).unwrap();
+        let want = opt.composed(&p, &g, &z, &z, 1e-3, 1).unwrap();
+        let flat = |x: &Tensor| bits(&x.flatten_all().unwrap());
+        assert_eq!(flat(&got.0), flat(&want.0));
     }
 
     #[test]
