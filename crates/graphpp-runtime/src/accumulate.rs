@@ -86,8 +86,8 @@ pub fn scaled(g: Tensor, scale: Option<f32>) -> candle_core::Result<Tensor> {
     }
 }
 
-/// `acc[i] = acc[i] + (g[i] · scale + 0)` (`acc[i] + g[i]` without a scale) over contiguous
-/// f32 storage.
+/// `acc[i] = acc[i] + (g[i] · scale + 0)` (`acc[i] + g[i]` without a scale): `acc` contiguous
+/// f32, `g` contiguous or a strided rank-2 view ([`Strided`]).
 struct AddScaled {
     scale: Option<f32>,
 }
@@ -114,10 +114,10 @@ impl candle_core::InplaceOp2 for AddScaled {
             candle_core::bail!("add-scaled: shapes {:?} and {:?}", l1.dims(), l2.dims())
         }
         let acc = &mut acc[a0..a1];
-        let term = |g: f32| term(g, self.scale);
+        let add_one = |g: f32| term(g, self.scale);
         if let Some((g0, g1)) = l2.contiguous_offsets() {
             let g = &g[g0..g1];
-            let add = |(a, g): (&mut [f32], &[f32])| a.iter_mut().zip(g).for_each(|(a, &g)| *a += term(g));
+            let add = |(a, g): (&mut [f32], &[f32])| a.iter_mut().zip(g).for_each(|(a, &g)| *a += add_one(g));
             let threads = rayon::current_num_threads();
             if threads > 1 && acc.len() >= PARALLEL_MIN {
                 let chunk = acc.len().div_ceil(threads);
@@ -127,25 +127,15 @@ impl candle_core::InplaceOp2 for AddScaled {
             }
             return Ok(());
         }
-        let (&[rows, cols], &[s0, s1]) = (l2.dims(), l2.stride()) else {
-            candle_core::bail!("add-scaled reads a strided operand of rank 2 only")
-        };
-        let g0 = l2.start_offset();
-        let extent = g0 + (rows.max(1) - 1) * s0 + (cols.max(1) - 1) * s1 + 1;
-        if rows * cols > 0 && extent > g.len() {
-            candle_core::bail!(
-                "add-scaled: strides {:?} reach past the operand's {} elements",
-                l2.stride(),
-                g.len()
-            )
-        }
-        let strided = Strided { g, g0, s0, s1, cols, scale: self.scale };
+        let strided = Strided::new(g, l2, self.scale)?;
         // Bands of TILE rows: each band reads its own columns' segments and writes its own rows.
-        let band = TILE * cols.max(1);
+        let band = TILE * strided.cols.max(1);
         let threads = rayon::current_num_threads();
         if threads > 1 && acc.len() >= PARALLEL_MIN {
             let per = acc.len().div_ceil(threads).div_ceil(band) * band;
-            acc.par_chunks_mut(per).enumerate().for_each(|(c, a)| strided.add_rows(c * per / cols, a));
+            acc.par_chunks_mut(per)
+                .enumerate()
+                .for_each(|(c, a)| strided.add_rows(c * per / strided.cols, a));
         } else {
             strided.add_rows(0, acc);
         }
@@ -163,30 +153,65 @@ fn term(g: f32, scale: Option<f32>) -> f32 {
     }
 }
 
-/// A rank-2 strided gradient: element (i, j) at `g[g0 + i · s0 + j · s1]` (every such index in
-/// bounds: checked by the caller), added into row-major `cols`-wide rows.
+/// A rank-2 strided gradient: element (i, j) at `g[g0 + i · s0 + j · s1]`, `rows × cols`
+/// (every such index in bounds: [`Strided::new`] checks), added into row-major `cols`-wide rows.
+#[derive(Clone, Copy)]
 struct Strided<'a> {
     g: &'a [f32],
     g0: usize,
     s0: usize,
     s1: usize,
+    rows: usize,
     cols: usize,
     scale: Option<f32>,
+    /// Whether full 8 × 8 blocks go through AVX2 registers ([`Strided::add8`]): the CPU has
+    /// AVX2 and each column is contiguous (`s0 == 1`).
+    vector: bool,
 }
 
-impl Strided<'_> {
+impl<'a> Strided<'a> {
+    /// The view `layout` of `g`.
+    ///
+    /// # Errors
+    /// A layout of another rank, or strides that reach past `g`.
+    fn new(g: &'a [f32], layout: &Layout, scale: Option<f32>) -> candle_core::Result<Self> {
+        let (&[rows, cols], &[s0, s1]) = (layout.dims(), layout.stride()) else {
+            candle_core::bail!("add-scaled reads a strided operand of rank 2 only")
+        };
+        let g0 = layout.start_offset();
+        // The last element's index (None on overflow), for a gradient that has elements.
+        if rows > 0 && cols > 0 {
+            let last = (rows - 1)
+                .checked_mul(s0)
+                .zip((cols - 1).checked_mul(s1))
+                .and_then(|(a, b)| a.checked_add(b)?.checked_add(g0));
+            if last.is_none_or(|l| l >= g.len()) {
+                candle_core::bail!(
+                    "add-scaled: strides {:?} reach past the operand's {} elements",
+                    layout.stride(),
+                    g.len()
+                )
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        let vector = s0 == 1 && std::arch::is_x86_feature_detected!("avx2");
+        #[cfg(not(target_arch = "x86_64"))]
+        let vector = false;
+        Ok(Strided { g, g0, s0, s1, rows, cols, scale, vector })
+    }
+
     /// Adds rows `row0 .. row0 + acc.len() / cols` of the gradient into `acc` (those rows),
     /// TILE × TILE at a time so that both the rows written and the columns read stay in cache. A
     /// weight gradient is a transposed view (dW = (Xᵀ · dY)ᵀ, `s0 == 1`): with AVX2, its full
     /// 8 × 8 blocks are transposed in registers ([`crate::tile8`]) and added 8 lanes at a time,
     /// the same operations per element as the scalar loop (no fused multiply-add), so the same
     /// bits.
+    ///
+    /// # Panics
+    /// If those rows are not the gradient's (`row0 + rows > self.rows`).
     fn add_rows(&self, row0: usize, acc: &mut [f32]) {
-        let (rows, cols) = (acc.len() / self.cols.max(1), self.cols);
-        #[cfg(target_arch = "x86_64")]
-        let vector = self.s0 == 1 && std::arch::is_x86_feature_detected!("avx2");
-        #[cfg(not(target_arch = "x86_64"))]
-        let vector = false;
+        let (rows, cols, vector) = (acc.len() / self.cols.max(1), self.cols, self.vector);
+        assert!(row0 + rows <= self.rows, "rows {row0}..{} of a {}-row gradient", row0 + rows, self.rows);
         for ib in (0..rows).step_by(TILE) {
             for jb in (0..cols).step_by(TILE) {
                 let (ie, je) = ((ib + TILE).min(rows), (jb + TILE).min(cols));
@@ -196,9 +221,10 @@ impl Strided<'_> {
                 #[cfg(target_arch = "x86_64")]
                 for i in (ib..iv).step_by(8) {
                     for j in (jb..jv).step_by(8) {
-                        // SAFETY: AVX2 is present (`vector`); rows i..i + 8 of acc hold columns
-                        // j..j + 8 (i + 8 <= rows, j + 8 <= cols), and the gradient's columns
-                        // j..j + 8, rows row0 + i .. + 8, lie within the extent the caller checked.
+                        // SAFETY: AVX2 is present and s0 == 1 (`vector`); rows i..i + 8 of acc
+                        // hold columns j..j + 8 (i + 8 <= rows, j + 8 <= cols), and the
+                        // gradient's rows row0 + i .. + 8 (asserted above to be its rows) ×
+                        // columns j..j + 8 lie within the extent `new` checked.
                         unsafe { self.add8(row0 + i, j, &mut acc[i * cols..]) };
                     }
                 }
@@ -224,18 +250,19 @@ impl Strided<'_> {
     #[target_feature(enable = "avx2")]
     unsafe fn add8(&self, i: usize, j: usize, acc: &mut [f32]) {
         use std::arch::x86_64::*;
+        debug_assert!(self.s0 == 1 && i + 8 <= self.rows && j + 8 <= self.cols);
         // Column j + r of the gradient, rows i..i + 8, is contiguous (s0 == 1): 8 source rows.
         // SAFETY: the caller's contract.
         let block =
             unsafe { crate::tile8::load_transposed(self.g.as_ptr().add(self.g0 + i + j * self.s1), self.s1) };
         for (q, row) in block.into_iter().enumerate() {
-            let term = match self.scale {
+            let added = match self.scale {
                 Some(s) => _mm256_add_ps(_mm256_mul_ps(row, _mm256_set1_ps(s)), _mm256_setzero_ps()),
                 None => row,
             };
             let a = acc[q * self.cols + j..q * self.cols + j + 8].as_mut_ptr();
             // SAFETY: the slice just taken holds the 8 lanes.
-            unsafe { _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), term)) };
+            unsafe { _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), added)) };
         }
     }
 }
@@ -339,6 +366,58 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Every strided view is added as element (i, j) at its strides says, whichever way its
+    /// blocks go: an offset view whose column stride is not its row count (narrowed before the
+    /// transpose), a view with a row stride (s0 != 1: scalar tiles), ragged edges; with AVX2's
+    /// blocks and without (`vector` off), against a reference indexed element by element.
+    #[test]
+    fn strided_views_add_at_their_strides() {
+        let wide: Vec<f32> = (0..90 * 61).map(|i| ((i * 13) % 89) as f32 * 0.61 - 27.0).collect();
+        let base = Tensor::from_vec(wide, (90, 61), &Device::Cpu).unwrap();
+        let views = [
+            base.narrow(1, 3, 53).unwrap().t().unwrap(), // [53, 90], g0 = 3, s1 = 61
+            base.narrow(0, 5, 40).unwrap().narrow(1, 2, 37).unwrap(), // [40, 37], s0 = 61, s1 = 1
+            base.narrow(0, 1, 17).unwrap().narrow(1, 0, 8).unwrap().t().unwrap(), // [8, 17]
+        ];
+        for view in &views {
+            let (storage, layout) = view.storage_and_layout();
+            let candle_core::Storage::Cpu(CpuStorage::F32(g)) = &*storage else { panic!("cpu f32") };
+            let (rows, cols) = view.dims2().unwrap();
+            let (s0, s1) = (layout.stride()[0], layout.stride()[1]);
+            for scale in [None, Some(1.0f32 / 3.0)] {
+                let start: Vec<f32> = (0..rows * cols).map(|k| (k % 7) as f32 - 3.0).collect();
+                let want: Vec<u32> = (0..rows * cols)
+                    .map(|k| {
+                        let (i, j) = (k / cols, k % cols);
+                        (start[k] + term(g[layout.start_offset() + i * s0 + j * s1], scale)).to_bits()
+                    })
+                    .collect();
+                let strided = Strided::new(g, layout, scale).unwrap();
+                assert_eq!(strided.vector, s0 == 1 && cfg!(target_arch = "x86_64") && avx2(), "{s0}");
+                for vector in [false, strided.vector] {
+                    let mut acc = start.clone();
+                    Strided { vector, ..strided }.add_rows(0, &mut acc);
+                    let got: Vec<u32> = acc.iter().map(|x| x.to_bits()).collect();
+                    assert_eq!(
+                        got, want,
+                        "{rows}x{cols} at strides ({s0}, {s1}), {scale:?}, vector {vector}"
+                    );
+                }
+            }
+        }
+        // A layout that reaches past its storage is refused before anything is read.
+        let short = [0f32; 10];
+        let layout = Layout::new((4, 4).into(), vec![1, 4], 0);
+        assert!(Strided::new(&short, &layout, None).is_err());
+    }
+
+    fn avx2() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return std::arch::is_x86_feature_detected!("avx2");
+        #[cfg(not(target_arch = "x86_64"))]
+        false
     }
 
     /// A gradient of another shape is an error, not a silent broadcast or a partial add.
