@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """PyTorch eager timing of one forward + backward of graphpp's `small` (or `tiny`) preset on one stage.
 
-Same architecture as llama_fixture.py (imported from it), f32, B=2, T=64, all layers, the same
-shapes as `cargo run --release -p graphpp-runtime --example fwbw` (which runs this script beside
-graphpp when given `--torch PYTHON`). Prints the median over N runs.
+Same architecture as llama_fixture.py (imported from it), f32, B=2 (--batch), T=64, all layers,
+the same shapes as `cargo run --release -p graphpp-runtime --example fwbw` (which runs this script
+beside graphpp when given `--torch PYTHON`; `--batch 8` is `graphpp train`'s microbatch, beside
+`examples/opprof --batch 8`). Prints the median over N runs.
 
-Usage: python tools/torch/time_fwbw.py [--model small|tiny] [--runs N] [--threads K]
+Usage: python tools/torch/time_fwbw.py [--model small|tiny] [--batch B] [--runs N] [--threads K]
 """
 import argparse
 import os
@@ -34,6 +35,7 @@ TINY = dict(SMALL, hidden_size=64, intermediate_size=176, num_hidden_layers=4, n
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["small", "tiny"], default="small")
+    ap.add_argument("--batch", type=int, default=2, help="sequences of 64 tokens")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = default)")
     a = ap.parse_args()
@@ -42,8 +44,8 @@ def main():
     cfg = SMALL if a.model == "small" else TINY
     torch.manual_seed(0)
     p = {k: (0.02 * torch.randn(s)).requires_grad_(True) for k, s in param_shapes(cfg).items()}
-    tokens = torch.randint(0, cfg["vocab_size"], (2, 64))
-    targets = torch.randint(0, cfg["vocab_size"], (2, 64))
+    tokens = torch.randint(0, cfg["vocab_size"], (a.batch, 64))
+    targets = torch.randint(0, cfg["vocab_size"], (a.batch, 64))
     times = []
     for i in range(a.runs + 3):
         t0 = time.perf_counter()
@@ -54,7 +56,7 @@ def main():
             v.grad = None
         if i >= 3:
             times.append(dt)
-    print(f"torch {torch.__version__} threads={torch.get_num_threads()} {a.model} fw+bw B=2 T=64: "
+    print(f"torch {torch.__version__} threads={torch.get_num_threads()} {a.model} fw+bw B={a.batch} T=64: "
           f"median {statistics.median(times) * 1e3:.2f} ms over {a.runs} runs (min {min(times) * 1e3:.2f} ms)")
 
 

@@ -333,8 +333,22 @@ fn groups(p: &Program) -> Vec<(Vec<usize>, Vec<ValueId>)> {
 
 #[test]
 fn a_pointwise_value_read_by_two_groups_is_computed_in_each() {
-    // e = exp(x) read by a = e · w and c = e + w, each read by a matmul (so each anchors a
+    // e = x · w read by a = e · w and c = e + w, each read by a matmul (so each anchors a
     // group): e is inlined into both groups and never computed on its own.
+    let (g, x, (w, e, a, c)) = two_products(|b, x| {
+        let w = b.input("w", InputKind::Parameter, vec![4, 8]).unwrap();
+        let e = b.mul(x, w).unwrap();
+        let (a, c) = (b.mul(e, w).unwrap(), b.add2(e, w).unwrap());
+        ([a, c], (w, e, a, c))
+    });
+    assert_eq!(
+        groups(&Program::compile(&g)),
+        vec![(vec![e.0, a.0], vec![x, w]), (vec![e.0, c.0], vec![x, w])]
+    );
+    both_ways(&g, &mut Env::new(), &mut Rng::new(1));
+    // An exponential read by the same two groups is computed once, in a group of its own, and
+    // loaded by both (read only through nodes that end in one group, it is inlined there: the
+    // diamond of `groups_take_values_read_only_inside_them`).
     let (g, x, (w, e, a, c)) = two_products(|b, x| {
         let w = b.input("w", InputKind::Parameter, vec![4, 8]).unwrap();
         let e = b.exp(x).unwrap();
@@ -343,7 +357,7 @@ fn a_pointwise_value_read_by_two_groups_is_computed_in_each() {
     });
     assert_eq!(
         groups(&Program::compile(&g)),
-        vec![(vec![e.0, a.0], vec![x, w]), (vec![e.0, c.0], vec![x, w])]
+        vec![(vec![e.0], vec![x]), (vec![a.0], vec![e, w]), (vec![c.0], vec![e, w])]
     );
     both_ways(&g, &mut Env::new(), &mut Rng::new(1));
     // A broadcast read only by an inlined node is inlined too: both groups load its operand
