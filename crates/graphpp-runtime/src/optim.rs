@@ -7,6 +7,7 @@
 //! "Models, data, training": resume continues the exact loss sequence).
 
 use candle_core::{DType, Tensor};
+use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 
 /// Key prefix of the first-moment tensors in [`AdamW::state_dict`].
@@ -206,7 +207,7 @@ impl AdamW {
         }
     }
 
-    /// [`AdamW::update`] as candle ops: fourteen passes over the parameter, each making a tensor.
+    /// [`AdamW::update`] as candle ops: thirteen passes over the parameter, each making a tensor.
     fn composed(
         &self,
         p: &Tensor,
@@ -389,7 +390,6 @@ impl Fused {
             }
             let threads = rayon::current_num_threads();
             let chunk = if threads > 1 && n >= PARALLEL_MIN { n.div_ceil(threads) } else { n.max(1) };
-            use rayon::prelude::*;
             po.par_chunks_mut(chunk)
                 .zip(mo.par_chunks_mut(chunk))
                 .zip(vo.par_chunks_mut(chunk))
