@@ -41,10 +41,21 @@ impl Accumulators {
     pub fn add(&mut self, name: &str, g: Tensor, scale: Option<f32>) -> candle_core::Result<()> {
         let Some(acc) = self.sums.get(name) else {
             // Scaling makes a new tensor: owned. Unscaled, `g` is kept as it came.
+            let sum = match scale {
+                // A transposed weight gradient goes through the blocks of `AddScaled` into
+                // zeros: 0 + (g · s + 0) is g · s + 0 bit for bit (the + 0 already made −0 +0),
+                // where candle's affine walks the view element by element.
+                Some(_) if g.dtype() == DType::F32 && g.rank() == 2 && !g.is_contiguous() => {
+                    let sum = g.zeros_like()?;
+                    sum.inplace_op2(&g, &AddScaled { scale })?;
+                    sum
+                }
+                _ => scaled(g, scale)?,
+            };
             if scale.is_some() {
                 self.owned.insert(name.to_string());
             }
-            self.sums.insert(name.to_string(), scaled(g, scale)?);
+            self.sums.insert(name.to_string(), sum);
             return Ok(());
         };
         let in_place = self.owned.contains(name)
