@@ -156,8 +156,8 @@ pub fn plan(g: &Graph) -> Fusion {
 /// `σ(g)`): it is computed once, in a group of its own, and read back by the groups — ≈ 1.8 ns an
 /// element for its exponent against a write and reads of a value still in cache. On `small` at
 /// B = 8 (`examples/opprof --model small --batch 8`, two alternating rounds) the SwiGLU backward
-/// took 10.2 ms a fwbw so against 13.1–14.0 with σ(g) computed in both groups; on `tiny` 1.17
-/// against 1.64 ms. (Read through inlined nodes that all end in one group — the forward's σ(g),
+/// took 10.2 ms a fwbw against 13.1–14.0 with σ(g) computed in both groups; on `tiny`
+/// (`--model tiny --runs 40`, three alternating pairs) 1.17–1.33 against 1.64–1.81 ms. (Read through inlined nodes that all end in one group — the forward's σ(g),
 /// read by g·σ(g) — it is inlined: computed once there.)
 fn inlined(g: &Graph, users: &[Vec<ValueId>], is_output: &[bool]) -> Vec<bool> {
     let pointwise = |i: usize| g.nodes[i].op.is_pointwise() && fusible(g, i);

@@ -332,7 +332,7 @@ fn groups(p: &Program) -> Vec<(Vec<usize>, Vec<ValueId>)> {
 }
 
 #[test]
-fn a_pointwise_value_read_by_two_groups_is_computed_in_each() {
+fn a_cheap_value_read_by_two_groups_is_computed_in_each_an_exponential_once() {
     // e = x · w read by a = e · w and c = e + w, each read by a matmul (so each anchors a
     // group): e is inlined into both groups and never computed on its own.
     let (g, x, (w, e, a, c)) = two_products(|b, x| {
