@@ -4,6 +4,9 @@
 //! probabilities first (the kernel recomputes them too; a graph of the composition saved them
 //! from the forward instead, `H·T²` values per sequence).
 //!
+//! `--kv-heads KV` (default: `--heads`) gives k and v KV heads (grouped-query attention; KV
+//! divides the heads).
+//!
 //! `cargo run --release -p graphpp-runtime --example attnbench -- --seq-len 512`
 
 #[allow(dead_code)] // only the flags: no stage graphs here
@@ -19,7 +22,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 const USAGE: &str =
-    "attnbench [--batch 1] [--heads 8] [--seq-len 512] [--head-dim 32] [--threads 1] [--rounds 5] [--runs 10]";
+    "attnbench [--batch 1] [--heads 8] [--kv-heads H] [--seq-len 512] [--head-dim 32] [--threads 1] [--rounds 5] [--runs 10]";
 
 fn main() {
     let flags = common::Flags::parse(
@@ -27,6 +30,7 @@ fn main() {
         &[
             ("batch", "1"),
             ("heads", "8"),
+            ("kv-heads", "0"),
             ("seq-len", "512"),
             ("head-dim", "32"),
             ("threads", "1"),
@@ -34,9 +38,10 @@ fn main() {
             ("runs", "10"),
         ],
     );
-    let a: HashMap<String, usize> = ["batch", "heads", "seq-len", "head-dim", "threads", "rounds", "runs"]
-        .map(|k| (k.to_string(), flags.num(k)))
-        .into();
+    let a: HashMap<String, usize> =
+        ["batch", "heads", "kv-heads", "seq-len", "head-dim", "threads", "rounds", "runs"]
+            .map(|k| (k.to_string(), flags.num(k)))
+            .into();
     std::env::set_var("CANDLE_NUM_THREADS", "1");
     graphpp_runtime::malloc::retain_freed_memory();
     let pool = graphpp_runtime::threads::rank_pool(0, a["threads"]).expect("a thread pool");
@@ -45,9 +50,10 @@ fn main() {
 
 fn run(a: &HashMap<String, usize>) {
     let (b, h, t, e) = (a["batch"], a["heads"], a["seq-len"], a["head-dim"]);
-    let dims = [b, h, t, e];
-    let draw = || Tensor::rand(-1f32, 1f32, &dims, &Device::Cpu).expect("random operands");
-    let (q, k, v, g) = (draw(), draw(), draw(), draw());
+    let kv = if a["kv-heads"] == 0 { h } else { a["kv-heads"] };
+    let draw =
+        |heads: usize| Tensor::rand(-1f32, 1f32, &[b, heads, t, e], &Device::Cpu).expect("random operands");
+    let (q, k, v, g) = (draw(h), draw(kv), draw(kv), draw(h));
     let m: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
     let mask = Tensor::from_vec(m, (t, t), &Device::Cpu).expect("mask");
     let scale = 1.0 / (e as f64).sqrt();
@@ -76,7 +82,7 @@ fn run(a: &HashMap<String, usize>) {
     };
     let [kf, cf, kb, cb] = times.each_mut().map(median);
     println!(
-        "attention B={b} H={h} T={t} E={e}, causal, {} thread(s), median of {} rounds:",
+        "attention B={b} H={h} KV={kv} T={t} E={e}, causal, {} thread(s), median of {} rounds:",
         a["threads"], a["rounds"]
     );
     println!("forward  kernel {kf:.3} ms, composition {cf:.3} ms, kernel / composition {:.2}", kf / cf);
