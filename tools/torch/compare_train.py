@@ -63,7 +63,7 @@ def torch_tokens(a, schedule):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--graphpp", default="target/release/graphpp")
     ap.add_argument("--model", choices=["tiny", "small"], default="tiny")
     ap.add_argument("--schedules", default="1f1b,zbv", help="comma-separated: " + ", ".join(TORCH_NAME))

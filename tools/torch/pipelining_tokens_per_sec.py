@@ -346,7 +346,7 @@ def free_port():
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--microbatch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)

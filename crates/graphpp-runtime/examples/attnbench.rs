@@ -30,7 +30,7 @@ fn main() {
         &[
             ("batch", "1"),
             ("heads", "8"),
-            ("kv-heads", "0"),
+            ("kv-heads", "heads"),
             ("seq-len", "512"),
             ("head-dim", "32"),
             ("threads", "1"),
@@ -38,10 +38,22 @@ fn main() {
             ("runs", "10"),
         ],
     );
-    let a: HashMap<String, usize> =
-        ["batch", "heads", "kv-heads", "seq-len", "head-dim", "threads", "rounds", "runs"]
+    let mut a: HashMap<String, usize> =
+        ["batch", "heads", "seq-len", "head-dim", "threads", "rounds", "runs"]
             .map(|k| (k.to_string(), flags.num(k)))
             .into();
+    // The query heads unless given.
+    let kv = match flags.text("kv-heads") {
+        "heads" => a["heads"],
+        v => flags.positive("kv-heads", v),
+    };
+    if a["heads"] % kv != 0 {
+        common::exit_with_usage(
+            USAGE,
+            Some(format!("--kv-heads {kv} does not divide --heads {}", a["heads"])),
+        );
+    }
+    a.insert("kv-heads".into(), kv);
     std::env::set_var("CANDLE_NUM_THREADS", "1");
     graphpp_runtime::malloc::retain_freed_memory();
     let pool = graphpp_runtime::threads::rank_pool(0, a["threads"]).expect("a thread pool");
@@ -50,7 +62,7 @@ fn main() {
 
 fn run(a: &HashMap<String, usize>) {
     let (b, h, t, e) = (a["batch"], a["heads"], a["seq-len"], a["head-dim"]);
-    let kv = if a["kv-heads"] == 0 { h } else { a["kv-heads"] };
+    let kv = a["kv-heads"];
     let draw =
         |heads: usize| Tensor::rand(-1f32, 1f32, &[b, heads, t, e], &Device::Cpu).expect("random operands");
     let (q, k, v, g) = (draw(h), draw(kv), draw(kv), draw(h));

@@ -24,7 +24,7 @@ enum Command {
     Schedule(cmd::schedule::ScheduleCmd),
     /// Show a model stage's graphs (fw, full_bw, bw_di, bw_dw, overlap) and their statistics.
     Graph(cmd::graph::GraphArgs),
-    /// Train a model on text under a pipeline schedule (one thread per rank).
+    /// Train a model on text under a pipeline schedule (ranks as threads of this process, or one process each under mpirun).
     Train(Box<cmd::train::TrainArgs>),
     /// Run one step pipelined and on one device; compare losses and gradients (exit 1 above tolerance).
     Verify(cmd::verify::VerifyArgs),

@@ -160,7 +160,7 @@ pub struct TrainArgs {
     /// keeps the lines up to its checkpoint's step, a fresh one truncates the file.
     #[arg(long)]
     metrics: Option<PathBuf>,
-    /// Write a Chrome trace (Perfetto, chrome://tracing) of the last measured steps to PATH.
+    /// Write a Chrome trace (Perfetto, chrome://tracing) of the last 10 measured steps to PATH.
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Bytes of text to generate at the end (0: none).
@@ -187,7 +187,7 @@ pub struct TrainArgs {
     #[arg(long)]
     link: Option<graphpp_runtime::comm::LinkModel>,
     /// Write an HTML report of the run to DIR/index.html at the end: strategy, loss and tokens/s
-    /// curves, the measured timeline of the last step beside the simulator's prediction, a row
+    /// curves, the measured timeline of the last steps beside the simulator's prediction, a row
     /// per evaluation.
     #[arg(long)]
     report: Option<PathBuf>,
