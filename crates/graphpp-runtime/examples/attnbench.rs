@@ -47,7 +47,7 @@ fn main() {
         "heads" => a["heads"],
         v => flags.positive("kv-heads", v),
     };
-    if a["heads"] % kv != 0 {
+    if !a["heads"].is_multiple_of(kv) {
         common::exit_with_usage(
             USAGE,
             Some(format!("--kv-heads {kv} does not divide --heads {}", a["heads"])),
