@@ -187,10 +187,9 @@ impl AdamW {
         Ok(())
     }
 
-    /// The update of one parameter at step `t`; returns the new (p, m, v): one pass over the
-    /// four tensors ([`Fused`]) when all are contiguous CPU f32 of one shape, else candle's
-    /// composition ([`AdamW::composed`]). Both compute the same f32 operations in the same order,
-    /// so the same bits.
+    /// The update of one parameter at step `t`; returns the new (p, m, v), in one pass
+    /// ([`Fused`]) over the operands (a non-contiguous one, such as a transposed weight
+    /// gradient kept as the backward gave it, copied first).
     fn update(
         &self,
         p: &Tensor,
@@ -200,31 +199,8 @@ impl AdamW {
         lr: f64,
         t: u64,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-        let fused = Fused::new(&self.cfg, lr, t);
-        match fused.apply(p, g, m, v)? {
-            Some(out) => Ok(out),
-            None => self.composed(p, g, m, v, lr, t),
-        }
-    }
-
-    /// [`AdamW::update`] as candle ops: thirteen passes over the parameter, each making a tensor.
-    fn composed(
-        &self,
-        p: &Tensor,
-        g: &Tensor,
-        m: &Tensor,
-        v: &Tensor,
-        lr: f64,
-        t: u64,
-    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-        let c = &self.cfg;
-        let (bias1, bias2_sqrt) = bias_corrections(c, t);
-        let p = p.affine(1.0 - lr * c.weight_decay, 0.0)?;
-        let m = ((g - m)?.affine(1.0 - c.beta1, 0.0)? + m)?;
-        let v = (v.affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?;
-        let denom = v.sqrt()?.affine(1.0 / bias2_sqrt, c.eps)?;
-        let p = (p - (m.div(&denom)?).affine(lr / bias1, 0.0)?)?;
-        Ok((p, m, v))
+        let [p, g, m, v] = [p, g, m, v].map(|x| x.contiguous());
+        Fused::new(&self.cfg, lr, t).apply(&p?, &g?, &m?, &v?)
     }
 
     /// After the first step the parameter names must equal those in the state.
@@ -327,9 +303,10 @@ const PARALLEL_MIN: usize = 1 << 16;
 
 /// One AdamW step of a parameter in one pass (issue 11: PyTorch's `fused=True` AdamW does the
 /// same): reads p, g, m, v once and writes new p, m, v, where the composition makes a tensor per
-/// operation. The constants are candle's: each f64 hyperparameter rounded to f32 as its affine
-/// rounds it, and `x · a + b` computed as a multiply, then an add (no fused multiply-add), so
-/// every element is the composition's bit for bit (`tests::fused_update_is_the_composition`).
+/// operation (thirteen passes, each making a tensor; `tests::composed`). The constants are
+/// candle's: each f64 hyperparameter rounded to f32 as its affine rounds it, and `x · a + b`
+/// computed as a multiply, then an add (no fused multiply-add), so every element is the
+/// composition's bit for bit (`tests::fused_update_is_the_composition`).
 struct Fused {
     /// 1 − lr·λ.
     decay: f32,
@@ -359,21 +336,20 @@ impl Fused {
         }
     }
 
-    /// The new (p, m, v), or None when an operand is not a contiguous CPU f32 tensor of p's
-    /// shape (the caller composes candle ops instead).
+    /// The new (p, m, v) of contiguous CPU f32 operands of one shape.
+    ///
+    /// # Errors
+    /// An operand of another dtype, device, shape or layout.
     fn apply(
         &self,
         p: &Tensor,
         g: &Tensor,
         m: &Tensor,
         v: &Tensor,
-    ) -> candle_core::Result<Option<(Tensor, Tensor, Tensor)>> {
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let all = [p, g, m, v];
-        let fits = |x: &Tensor| {
-            x.dtype() == DType::F32 && x.device().is_cpu() && x.is_contiguous() && x.dims() == p.dims()
-        };
-        if !all.iter().all(|x| fits(x)) {
-            return Ok(None);
+        if let Some(x) = all.iter().find(|x| x.dims() != p.dims()) {
+            candle_core::bail!("AdamW: an operand of shape {:?} for a parameter of {:?}", x.dims(), p.dims())
         }
         let n = p.elem_count();
         let (mut po, mut mo, mut vo) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
@@ -384,7 +360,7 @@ impl Fused {
                 let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), Some((a, b))) =
                     (&**storage, layout.contiguous_offsets())
                 else {
-                    return Ok(None);
+                    candle_core::bail!("AdamW: operands must be contiguous CPU f32 tensors")
                 };
                 ins.push(&data[a..b]);
             }
@@ -402,7 +378,7 @@ impl Fused {
         }
         let shape = p.dims();
         let t = |x: Vec<f32>| Tensor::from_vec(x, shape, p.device());
-        Ok(Some((t(po)?, t(mo)?, t(vo)?)))
+        Ok((t(po)?, t(mo)?, t(vo)?))
     }
 
     /// The update over one run of elements: `[p, g, m, v]` in, new p, m, v out.
@@ -521,10 +497,26 @@ mod tests {
         assert!((vals(&p["w"])[0] as f64 - want).abs() < 1e-6, "{:?} vs {want}", vals(&p["w"]));
     }
 
+    /// The update as candle ops (the composition [`Fused`] replaced): the reference.
+    fn composed(
+        c: &AdamWConfig,
+        [p, g, m, v]: [&Tensor; 4],
+        lr: f64,
+        t: u64,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let (bias1, bias2_sqrt) = bias_corrections(c, t);
+        let p = p.affine(1.0 - lr * c.weight_decay, 0.0)?;
+        let m = ((g - m)?.affine(1.0 - c.beta1, 0.0)? + m)?;
+        let v = (v.affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?;
+        let denom = v.sqrt()?.affine(1.0 / bias2_sqrt, c.eps)?;
+        let p = (p - (m.div(&denom)?).affine(lr / bias1, 0.0)?)?;
+        Ok((p, m, v))
+    }
+
     /// The one-pass update is the candle composition bit for bit: three steps (the first from
-    /// zero moments) over values that round, ±0, tiny and huge gradients, weight decay, odd
-    /// hyperparameters, at 1 and 3 threads (70,001 elements: split over the pool); a transposed
-    /// gradient takes the composition.
+    /// one zero tensor for both moments, as `step` passes them) over values that round, ±0, tiny
+    /// and huge gradients, weight decay, odd hyperparameters, at 1 and 3 threads (70,001
+    /// elements: split over the pool), and with a transposed gradient (copied first).
     #[test]
     fn fused_update_is_the_composition() {
         let n = 70_001;
@@ -542,38 +534,32 @@ mod tests {
                 .collect();
             Tensor::from_vec(v, n, &Device::Cpu).unwrap()
         };
-        let bits = |x: &Tensor| -> Vec<u32> { vals(x).iter().map(|v| v.to_bits()).collect() };
+        let bits = |x: &Tensor| -> Vec<u32> {
+            x.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        let same = |got: &(Tensor, Tensor, Tensor), want: &(Tensor, Tensor, Tensor), case: &str| {
+            for (what, a, b) in [("p", &got.0, &want.0), ("m", &got.1, &want.1), ("v", &got.2, &want.2)] {
+                assert_eq!(bits(a), bits(b), "{what}, {case}");
+            }
+        };
         for threads in [1, 3] {
             let pool = crate::threads::rank_pool(0, threads).unwrap();
-            let (mut p, mut m, mut v) =
-                (wave(0), wave(0).zeros_like().unwrap(), wave(0).zeros_like().unwrap());
+            let z = wave(0).zeros_like().unwrap();
+            let (mut p, mut m, mut v) = (wave(0), z.clone(), z);
             for t in 1..=3 {
                 let (g, lr) = (wave(t as usize), 1e-3 * t as f64);
-                let fused =
-                    Fused::new(&cfg, lr, t).apply(&p, &g, &m, &v).unwrap().expect("contiguous f32: fused");
-                let want = opt.composed(&p, &g, &m, &v, lr, t).unwrap();
+                let want = composed(&cfg, [&p, &g, &m, &v], lr, t).unwrap();
                 let got = pool.install(|| opt.update(&p, &g, &m, &v, lr, t)).unwrap();
-                for (what, a, b, c) in [
-                    ("p", &got.0, &want.0, &fused.0),
-                    ("m", &got.1, &want.1, &fused.1),
-                    ("v", &got.2, &want.2, &fused.2),
-                ] {
-                    assert_eq!(bits(a), bits(b), "{what} at step {t}, {threads} threads");
-                    assert_eq!(bits(c), bits(b), "{what} at step {t}");
-                }
+                same(&got, &want, &format!("step {t}, {threads} threads"));
                 (p, m, v) = got;
             }
         }
         let square = |k| wave(k).narrow(0, 0, 100 * 100).unwrap().reshape((100, 100)).unwrap();
         let (p, g) = (square(0), square(1).t().unwrap());
         let z = p.zeros_like().unwrap();
-        assert!(Fused::new(&cfg, 1e-3, 1).apply(&p, &g, &z, &z).unwrap().is_none(), "a transposed gradient");
+        assert!(Fused::new(&cfg, 1e-3, 1).apply(&p, &g, &z, &z).is_err(), "apply takes contiguous operands");
         let got = opt.update(&p, &g, &z, &z, 1e-3, 1).unwrap();
-        let want = opt.composed(&p, &g, &z, &z, 1e-3, 1).unwrap();
-        let flat = |x: &Tensor| bits(&x.flatten_all().unwrap());
-        for (a, b) in [(&got.0, &want.0), (&got.1, &want.1), (&got.2, &want.2)] {
-            assert_eq!(flat(a), flat(b));
-        }
+        same(&got, &composed(&cfg, [&p, &g, &z, &z], 1e-3, 1).unwrap(), "a transposed gradient");
     }
 
     #[test]
