@@ -162,9 +162,8 @@ pub fn attention_backward(
         tasks.into_par_iter().enumerate().for_each_init(
             || Scratch::of(sizes),
             |scratch, (bh, (dq, dk, dv))| {
-                let bkv = (bh / sizes.h) * sizes.kv + (bh % sizes.h) / group;
-                let head =
-                    Head { q: q.head(bh), k: k.head(bkv), v: v.head(bkv), o: o.head(bh), g: g.head(bh) };
+                let kv = sizes.kv_of(bh);
+                let head = Head { q: q.head(bh), k: k.head(kv), v: v.head(kv), o: o.head(bh), g: g.head(bh) };
                 let grads = Grads { dq: dq.unwrap_or_default(), dk, dv };
                 Job::Backward(head, grads).run(&ctx, scratch)
             },
@@ -450,7 +449,7 @@ struct Ctx<'a> {
 enum Job<'a, 'b> {
     /// The forward: q, k, v rows into o.
     Forward([View<'a>; 3], &'b mut [f32]),
-    /// The backward: dq, and dk, dv added into its key/value head's.
+    /// The backward: dq, and dk, dv (its key/value head's, or its partials: [`sum_partials`]).
     Backward(Head<'a>, Grads<'b>),
 }
 
