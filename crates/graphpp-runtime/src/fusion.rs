@@ -153,12 +153,12 @@ pub fn plan(g: &Graph) -> Fusion {
 /// ([`graphpp_graph::RecomputePolicy::Pointwise`]: the SwiGLU's `g·σ(g)`, the norms' `x·r`)
 /// costs its arithmetic once per group that reads it instead of a write and the groups' reads.
 /// Except a [`transcendental`] node whose readers end in more than one group (the backward's
-/// `σ(g)`): it is computed once, in a group of its own, and read back by the groups — ≈ 1.8 ns an
-/// element for its exponent against a write and reads of a value still in cache. On `small` at
-/// B = 8 (`examples/opprof --model small --batch 8`, two alternating rounds) the SwiGLU backward
-/// took 10.2 ms a fwbw against 13.1–14.0 with σ(g) computed in both groups; on `tiny`
-/// (`--model tiny --runs 40`, three alternating pairs) 1.17–1.33 against 1.64–1.81 ms. (Read through inlined nodes that all end in one group — the forward's σ(g),
-/// read by g·σ(g) — it is inlined: computed once there.)
+/// `σ(g)`): it is computed once, in a group of its own, and read back by the groups — its
+/// exponent costs more than a write and reads of a value still in cache. The SwiGLU backward's
+/// fused nodes a fwbw (`examples/opprof --batch 8`, two alternating rounds against the binary
+/// with σ(g) inlined into both groups): `small` 9.8–10.5 against 13.6–13.8 ms, `tiny`
+/// (`--runs 40`) 1.23–1.28 against 1.69–1.72 ms. (Read only through nodes that all end in one
+/// group — the forward's σ(g), read by g·σ(g) — it is inlined: computed once there.)
 fn inlined(g: &Graph, users: &[Vec<ValueId>], is_output: &[bool]) -> Vec<bool> {
     let pointwise = |i: usize| g.nodes[i].op.is_pointwise() && fusible(g, i);
     let cheap = |i: usize| matches!(g.nodes[i].op, Op::Broadcast { .. } | Op::Full { .. }) && fusible(g, i);
@@ -182,9 +182,10 @@ fn inlined(g: &Graph, users: &[Vec<ValueId>], is_output: &[bool]) -> Vec<bool> {
     inline
 }
 
-/// Whether `op` is an exponential, logarithm, sigmoid or erf: 1–2 ns an element
-/// ([`crate::expf`]), where writing and reading back a value a group just computed costs a
-/// fraction of that while it stays in cache.
+/// Whether `op` is an exponential, logarithm, sigmoid or erf: a sigmoid took 1.8 ns an element on
+/// an AVX2 host (`small`'s backward σ(g) group: 4.98 ms for 2.8M elements, `opprof`; exp is
+/// [`crate::expf`]'s), where writing and reading back a value a group just computed costs a
+/// fraction of that while it stays in cache. Log and erf are libm's (not measured).
 fn transcendental(op: &Op) -> bool {
     matches!(op, Op::Unary { f: UnaryOp::Exp | UnaryOp::Log | UnaryOp::Sigmoid | UnaryOp::Erf })
 }
