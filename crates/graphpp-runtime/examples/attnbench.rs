@@ -1,4 +1,4 @@
-//! The blocked attention kernels (`graphpp_runtime::attention`) beside the composition they
+//! The blocked attention kernels (`graphpp_runtime::kernels::attention`) beside the composition they
 //! replace (`q kᵀ`, softmax, `P v`, and its backward), on the same causal inputs, alternating in
 //! one run: median milliseconds of each and the ratio. The composition's backward computes its
 //! probabilities first (the kernel recomputes them too; a graph of the composition saved them
@@ -17,7 +17,7 @@ mod common;
 static ALLOCATOR: graphpp_runtime::malloc::MiMalloc = graphpp_runtime::malloc::MiMalloc;
 
 use candle_core::{Device, Tensor};
-use graphpp_runtime::attention::{attention, attention_backward, composition, composition_backward};
+use graphpp_runtime::kernels::attention::{attention, attention_backward, composition, composition_backward};
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -56,7 +56,7 @@ fn main() {
     a.insert("kv-heads".into(), kv);
     std::env::set_var("CANDLE_NUM_THREADS", "1");
     graphpp_runtime::malloc::retain_freed_memory();
-    let pool = graphpp_runtime::threads::rank_pool(0, a["threads"]).expect("a thread pool");
+    let pool = graphpp_runtime::kernels::threads::rank_pool(0, a["threads"]).expect("a thread pool");
     pool.install(|| run(&a));
 }
 

@@ -17,7 +17,7 @@ static ALLOCATOR: graphpp_runtime::malloc::MiMalloc = graphpp_runtime::malloc::M
 use common::Env;
 use graphpp_graph::Graph;
 use graphpp_models::{LlamaConfig, StageOptions};
-use graphpp_runtime::executor::{run_named, RunOptions};
+use graphpp_runtime::exec::{run_named, RunOptions};
 use graphpp_runtime::Program;
 use std::time::Instant;
 
@@ -116,18 +116,21 @@ fn main() {
     let opts = StageOptions::new(2, 64);
     let (sg, env) = common::whole_model_stage(&cfg, &opts, a.recompute);
     // gemm is asked for the largest count; in a smaller pool its parts run on the pool's threads.
-    let pools: Vec<_> =
-        a.threads.iter().map(|&n| graphpp_runtime::threads::rank_pool(0, n).expect("thread pool")).collect();
+    let pools: Vec<_> = a
+        .threads
+        .iter()
+        .map(|&n| graphpp_runtime::kernels::threads::rank_pool(0, n).expect("thread pool"))
+        .collect();
     // Per thread count: interpreted, compiled, torch (each one figure per round).
     let mut figs = vec![[Vec::new(), Vec::new(), Vec::new()]; a.threads.len()];
     for round in 0..a.rounds {
         for (k, (&n, pool)) in a.threads.iter().zip(&pools).enumerate() {
             // candle reads it at every matmul: gemm is asked for this pool's size.
             std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-            let i = graphpp_runtime::threads::install_hot(pool, true, || {
+            let i = graphpp_runtime::kernels::threads::install_hot(pool, true, || {
                 time_graphpp(&sg.fw, &sg.full_bw, &env, a.runs, false)
             });
-            let c = graphpp_runtime::threads::install_hot(pool, true, || {
+            let c = graphpp_runtime::kernels::threads::install_hot(pool, true, || {
                 time_graphpp(&sg.fw, &sg.full_bw, &env, a.runs, true)
             });
             let t = a.torch.as_deref().map(|py| time_torch(py, &a, n));

@@ -57,11 +57,11 @@ fn main() {
     // As `graphpp train --threads-per-rank N` (graphpp::cmd::set_op_threads).
     std::env::set_var("CANDLE_NUM_THREADS", "1");
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
-    let pool = graphpp_runtime::threads::rank_pool(0, threads).expect("thread pool");
+    let pool = graphpp_runtime::kernels::threads::rank_pool(0, threads).expect("thread pool");
     println!(
         "gemm via candle, {threads} thread(s), ms per product (GFLOP/s): hot, cold ({copies} operand pairs)"
     );
-    graphpp_runtime::threads::install_hot(&pool, true, || {
+    graphpp_runtime::kernels::threads::install_hot(&pool, true, || {
         for (m, k, n, ta, tb) in SHAPES {
             let pairs: Vec<_> =
                 (0..copies).map(|s| (operand(m, k, ta, s), operand(k, n, tb, s + 1))).collect();

@@ -16,7 +16,7 @@ static ALLOCATOR: graphpp_runtime::malloc::MiMalloc = graphpp_runtime::malloc::M
 
 use graphpp_graph::{Graph, Op};
 use graphpp_models::{LlamaConfig, StageOptions};
-use graphpp_runtime::executor::RunOptions;
+use graphpp_runtime::exec::RunOptions;
 use graphpp_runtime::Program;
 use std::collections::HashMap;
 
@@ -73,8 +73,8 @@ fn main() {
     let opts = StageOptions::new(num("batch"), num("seq-len"));
     let (sg, env) = common::whole_model_stage(&cfg, &opts, recompute);
     let runs = num("runs");
-    let pool = graphpp_runtime::threads::rank_pool(0, threads).expect("thread pool");
-    graphpp_runtime::threads::install_hot(&pool, true, || {
+    let pool = graphpp_runtime::kernels::threads::rank_pool(0, threads).expect("thread pool");
+    graphpp_runtime::kernels::threads::install_hot(&pool, true, || {
         let (pf, pb) = (Program::compile(&sg.fw), Program::compile(&sg.full_bw));
         let o = RunOptions { time_nodes: true, trace_peak: false };
         let mut rows: HashMap<String, (f64, usize)> = HashMap::new();

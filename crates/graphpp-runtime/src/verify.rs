@@ -30,11 +30,12 @@ use graphpp_models::rng::Rng;
 use graphpp_models::{split_layers, Model, ModelError, StageOptions};
 use graphpp_schedule::{lower, GenerateError, Kind, LowerError, LowerOptions, Options, Schedule, Shape};
 
-use crate::build::{stage_specs, StageBuild};
-use crate::executor::{run_named, tensor_u32, to_f64, ExecError, RunOptions};
-use crate::memory::{check_step, SizeError};
+use crate::exec::{run_named, ExecError, RunOptions};
+use crate::kernels::tensor::{tensor_u32, to_f64};
+use crate::pipeline::stage::{sum_by_name, Env, GraphStages, Microbatches};
 use crate::pipeline::{run_pipeline, PipelineError};
-use crate::stage::{sum_by_name, Env, GraphStages, Microbatches};
+use crate::train::build::{stage_specs, StageBuild};
+use crate::train::memory::{check_step, SizeError};
 
 /// Default tolerance of `graphpp verify`: relative difference (see [`VerifyReport`]) in f32.
 /// Source: the acceptance criterion of issue 4 (1e-5 relative, f32).
@@ -80,7 +81,7 @@ pub enum VerifyError {
         stages: usize,
     },
     /// A schedule given as data (a file) that does not fit the run: another shape, another
-    /// placement than its kind's, or not compute-only ([`crate::build::compute_schedule`]).
+    /// placement than its kind's, or not compute-only ([`crate::train::build::compute_schedule`]).
     #[error("{0}")]
     ScheduleFile(String),
     /// The kind cannot serve the shape.
@@ -269,8 +270,12 @@ fn collect_grads(workers: &[GraphStages]) -> Result<BTreeMap<String, Tensor>, Ve
 /// first failing rank ([`PipelineError`]).
 pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     // The schedule first: a shape the kind cannot serve is the more useful error.
-    let compute =
-        crate::build::compute_schedule(setup.kind, &setup.shape, &setup.options, setup.schedule.as_deref())?;
+    let compute = crate::train::build::compute_schedule(
+        setup.kind,
+        &setup.shape,
+        &setup.options,
+        setup.schedule.as_deref(),
+    )?;
     let schedule = lower(&compute, &LowerOptions::default())?;
     let specs = stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
     let m = setup.shape.microbatches;
@@ -311,7 +316,7 @@ pub fn single_device_step(setup: &VerifySetup) -> Result<StepResult, VerifyError
     let f = run_named(&graphs.fw, &env, &RunOptions::default())?;
     let loss = to_f64(f.output(&graphs.fw, LOSS).ok_or_else(|| VerifyError::Mismatch("loss".into()))?)?[0];
     env.extend(graphs.fw.output_names().into_iter().zip(f.outputs));
-    env.extend(crate::stage::aux_loss_seeds(&graphs.full_bw, 1.0)?);
+    env.extend(crate::pipeline::stage::aux_loss_seeds(&graphs.full_bw, 1.0)?);
     let b = run_named(&graphs.full_bw, &env, &RunOptions::default())?;
     let grads = graphs.full_bw.output_names().into_iter().zip(b.outputs).collect();
     Ok(StepResult { loss, microbatch_losses: Vec::new(), grads })
@@ -371,11 +376,11 @@ pub fn compare(a: &StepResult, b: &StepResult) -> Result<VerifyReport, VerifyErr
 /// [`VerifyError::Train`] (a batch that does not split over dp, a failing rank).
 pub fn data_parallel_step(
     setup: &VerifySetup,
-    comm: Option<Arc<dyn crate::comm::Comm>>,
+    comm: Option<Arc<dyn graphpp_comm::Comm>>,
 ) -> Result<Option<StepResult>, VerifyError> {
     let train = |e: crate::train::TrainError| VerifyError::Train(Box::new(e));
-    let lr =
-        crate::lr::CosineSchedule::new(1e-3, 0.0, 0, 1).map_err(|e| VerifyError::Mismatch(e.to_string()))?;
+    let lr = crate::optim::lr::CosineSchedule::new(1e-3, 0.0, 0, 1)
+        .map_err(|e| VerifyError::Mismatch(e.to_string()))?;
     let ts = crate::train::TrainSetup {
         model: setup.model.clone(),
         kind: setup.kind,

@@ -21,8 +21,9 @@ use candle_core::{DType as CDType, Device, Tensor};
 use graphpp_graph::autodiff::autodiff;
 use graphpp_graph::{DType, GraphBuilder, InputKind, TensorType};
 use graphpp_models::{LlamaConfig, StageOptions};
-use graphpp_runtime::build::{stage_specs, StageBuild};
-use graphpp_runtime::executor::{run, tensor_from_f64, to_f64, RunOptions};
+use graphpp_runtime::exec::{run, RunOptions};
+use graphpp_runtime::kernels::tensor::{tensor_from_f64, to_f64};
+use graphpp_runtime::train::build::{stage_specs, StageBuild};
 use graphpp_runtime::verify::{
     compare, pipelined_step, random_microbatches, single_device_step, StepResult, BF16_TOLERANCE,
 };

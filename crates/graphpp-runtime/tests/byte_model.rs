@@ -6,8 +6,8 @@
 mod common;
 
 use graphpp_models::Recompute;
-use graphpp_runtime::executor::{peak_live_bytes, run, RunOptions};
-use graphpp_runtime::memory::run_byte_model;
+use graphpp_runtime::exec::{peak_live_bytes, run, RunOptions};
+use graphpp_runtime::train::memory::run_byte_model;
 use graphpp_runtime::verify::random_microbatches;
 use graphpp_runtime::{TrainSetup, Trainer};
 use graphpp_schedule::Kind;
@@ -74,7 +74,7 @@ fn the_static_peak_equals_the_executed_one() {
     let spec = graphpp_models::StageSpec { stage: 1, stages: 2, ..graphpp_models::StageSpec::whole(4) };
     let spec = graphpp_models::StageSpec { layers: 2..4, ..spec };
     let opts = graphpp_models::StageOptions::new(2, 16);
-    let graphs = graphpp_runtime::build::graphs_of(&cfg, &spec, &opts).unwrap();
+    let graphs = graphpp_runtime::train::build::graphs_of(&cfg, &spec, &opts).unwrap();
     let (di, dw) = graphs.di_dw.as_ref().unwrap();
     let mut rng = graphpp_models::rng::Rng::new(5);
     for g in [&graphs.fw, &graphs.full_bw, di, dw] {

@@ -16,7 +16,8 @@ use graphpp_graph::{
 use graphpp_models::moe::MoeConfig;
 use graphpp_models::rng::Rng;
 use graphpp_models::{build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, StageOptions};
-use graphpp_runtime::executor::{run_named, tensor_from_f64, to_f64, RunOptions};
+use graphpp_runtime::exec::{run_named, RunOptions};
+use graphpp_runtime::kernels::tensor::{tensor_from_f64, to_f64};
 use graphpp_runtime::Program;
 use proptest::prelude::*;
 use std::collections::HashMap;
@@ -35,8 +36,8 @@ fn both_ways(g: &Graph, env: &mut Env, rng: &mut Rng) -> (Env, usize) {
     let program = Program::compile(g);
     let o = RunOptions::default();
     let a = run_named(g, env, &o).unwrap();
-    // On two threads a program's paired matmuls run side by side (graphpp_runtime::pairs).
-    let pool = graphpp_runtime::threads::rank_pool(0, 2).unwrap();
+    // On two threads a program's paired matmuls run side by side (graphpp_runtime::exec::pairs).
+    let pool = graphpp_runtime::kernels::threads::rank_pool(0, 2).unwrap();
     let b = pool.install(|| program.run_named_with(g, env, &o, None)).unwrap();
     for (name, (x, y)) in g.output_names().iter().zip(a.outputs.iter().zip(&b.outputs)) {
         assert_eq!(x.dims(), y.dims(), "{} output {name}", g.name);

@@ -12,7 +12,8 @@ use graphpp_models::rng::{hash, Rng};
 use graphpp_models::{
     build_stage, split_layers, stage_buffers, stage_parameters, HiddenAct, LlamaConfig, StageOptions,
 };
-use graphpp_runtime::executor::{run_named, tensor_from_f64, tensor_u32, to_f64, RunOptions};
+use graphpp_runtime::exec::{run_named, RunOptions};
+use graphpp_runtime::kernels::tensor::{tensor_from_f64, tensor_u32, to_f64};
 use std::collections::HashMap;
 
 const B: usize = 2;

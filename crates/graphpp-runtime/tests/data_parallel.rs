@@ -8,7 +8,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use graphpp_runtime::executor::to_f64;
+use graphpp_runtime::kernels::tensor::to_f64;
 use graphpp_runtime::verify::random_microbatches;
 use graphpp_runtime::{TrainSetup, Trainer};
 use graphpp_schedule::{Kind, StageOpKind};
@@ -142,7 +142,7 @@ fn verify_with_data_parallelism_matches_one_device() {
 /// UNSHARD, naming the stage — the stage ops are never silently skipped.
 #[test]
 fn fsdp_stage_ops_without_a_data_parallel_group_are_an_error() {
-    use graphpp_runtime::build::{stage_specs, StageBuild};
+    use graphpp_runtime::train::build::{stage_specs, StageBuild};
     use graphpp_runtime::verify::random_microbatches;
     use graphpp_schedule::{generate, lower, LowerOptions, Shape};
     use std::sync::Arc;

@@ -4,12 +4,12 @@
 
 use std::time::Duration;
 
+use graphpp_comm::{Comm, CommError, Mesh, MeshError, ThreadComm};
 use graphpp_graph::{CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, TensorType};
-use graphpp_runtime::executor::{
-    peak_live_bytes, run, run_with, tensor_from_f64, tensor_u32, to_f64, CollectiveError, ExecError,
-    GraphComm, RunOptions,
+use graphpp_runtime::exec::{
+    peak_live_bytes, run, run_with, CollectiveError, ExecError, GraphComm, RunOptions,
 };
-use graphpp_runtime::{Comm, CommError, Mesh, MeshError, ThreadComm};
+use graphpp_runtime::kernels::tensor::{tensor_from_f64, tensor_u32, to_f64};
 
 #[test]
 fn values_are_freed_after_their_last_use() {

@@ -10,7 +10,8 @@ use graphpp_models::rng::Rng;
 use graphpp_models::{
     build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, StageOptions, StageSpec,
 };
-use graphpp_runtime::executor::{run_named, tensor_from_f64, to_f64, RunOptions};
+use graphpp_runtime::exec::{run_named, RunOptions};
+use graphpp_runtime::kernels::tensor::{tensor_from_f64, to_f64};
 use std::collections::HashMap;
 
 /// Parameters (seed 0), buffers, and random tokens / input / targets / output gradient.

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use graphpp_models::MoeConfig;
-use graphpp_runtime::executor::to_f64;
+use graphpp_runtime::kernels::tensor::to_f64;
 use graphpp_runtime::verify::random_microbatches;
 use graphpp_runtime::{TrainSetup, Trainer};
 use graphpp_schedule::Kind;
@@ -35,7 +35,7 @@ fn setup(dp: usize, gamma: f64) -> TrainSetup {
     }
 }
 
-fn data(step: u64) -> graphpp_runtime::stage::Microbatches {
+fn data(step: u64) -> graphpp_runtime::pipeline::stage::Microbatches {
     random_microbatches(256, 4, 2, 8, 40 + step).unwrap()
 }
 

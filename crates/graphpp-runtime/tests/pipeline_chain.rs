@@ -7,9 +7,9 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
+use graphpp_comm::{Comm, CommError, Group, Mesh, Tag, TagKind, ThreadComm};
 use graphpp_runtime::{
-    run_pipeline, run_rank, Comm, CommError, Group, Mesh, PipelineError, RankOptions, RankOutcome, StageWork,
-    Tag, TagKind, ThreadComm, WorkError,
+    run_pipeline, run_rank, PipelineError, RankOptions, RankOutcome, StageWork, WorkError,
 };
 use graphpp_schedule::{generate, lower, Kind, LowerOptions, Options, Schedule, Shape, Task};
 

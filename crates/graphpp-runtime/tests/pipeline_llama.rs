@@ -7,16 +7,15 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use graphpp_comm::{Mesh, ThreadComm};
 use graphpp_models::{LlamaConfig, StageOptions};
-use graphpp_runtime::build::{stage_specs, StageBuild};
-use graphpp_runtime::executor::to_f64;
-use graphpp_runtime::stage::{GraphStages, Microbatches};
+use graphpp_runtime::kernels::tensor::to_f64;
+use graphpp_runtime::pipeline::stage::{GraphStages, Microbatches};
+use graphpp_runtime::train::build::{stage_specs, StageBuild};
 use graphpp_runtime::verify::{
     compare, pipelined_step, random_microbatches, single_device_step, StepResult, TOLERANCE,
 };
-use graphpp_runtime::{
-    run_pipeline, run_rank, Mesh, PipelineError, RankOptions, ThreadComm, VerifyError, VerifySetup,
-};
+use graphpp_runtime::{run_pipeline, run_rank, PipelineError, RankOptions, VerifyError, VerifySetup};
 use graphpp_schedule::{
     generate, lower, Action, GenerateError, Kind, LowerOptions, Options, Schedule, Shape,
 };
@@ -186,7 +185,7 @@ fn a_failing_stage_is_named_and_nothing_hangs() {
     let specs = stage_specs(&*s.model, s.kind, &s.shape, None).unwrap();
     let mut data: Microbatches = random_microbatches(32, 3, 1, 8, 1).unwrap();
     // Microbatch 1's tokens have a bad shape [1, 5] instead of [1, 8].
-    data.tokens[1] = graphpp_runtime::executor::tensor_u32(&[1, 2, 3, 4, 5], &[1, 5]).unwrap();
+    data.tokens[1] = graphpp_runtime::kernels::tensor::tensor_u32(&[1, 2, 3, 4, 5], &[1, 5]).unwrap();
     let ws =
         StageBuild { model: &*s.model, specs: &specs, opts: &StageOptions::new(1, 8), seed: 0, given: None }
             .all_ranks(&schedule, Arc::new(data))

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use graphpp_models::MoeConfig;
-use graphpp_runtime::executor::to_f64;
+use graphpp_runtime::kernels::tensor::to_f64;
 use graphpp_runtime::verify::{compare, pipelined_step, single_device_step, verify_step, TOLERANCE};
 use graphpp_runtime::VerifySetup;
 use graphpp_schedule::{Kind, Shape};

@@ -7,9 +7,10 @@ mod common;
 use std::sync::Arc;
 use std::time::Instant;
 
-use graphpp_runtime::executor::to_f64;
+use graphpp_comm::{Mesh, ThreadComm};
+use graphpp_runtime::kernels::tensor::to_f64;
 use graphpp_runtime::verify::random_microbatches;
-use graphpp_runtime::{train_schedule, Mesh, RankTrainer, ThreadComm, TrainSetup, Trainer};
+use graphpp_runtime::{train_schedule, RankTrainer, TrainSetup, Trainer};
 use graphpp_schedule::Kind;
 
 fn setup(kind: Kind, p: usize, v: usize, m: usize) -> TrainSetup {
@@ -164,7 +165,7 @@ fn dp_must_divide_the_batch() {
 /// world on every rank; a stop flag set on one rank is seen by all.
 #[test]
 fn process_trainers_over_a_byte_link_equal_the_harness_and_gather_to_the_leader() {
-    use graphpp_runtime::comm::{loopback, Comm};
+    use graphpp_comm::{loopback, Comm};
     let s = TrainSetup { batch: 2, dp: 2, ..setup(Kind::DualPipe, 2, 2, 4) };
     let mut harness = Trainer::new(s.clone()).unwrap();
     let comms: Vec<Arc<dyn Comm>> = loopback(4).into_iter().map(|c| Arc::new(c) as Arc<dyn Comm>).collect();

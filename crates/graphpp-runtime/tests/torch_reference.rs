@@ -10,8 +10,8 @@ use candle_core::{DType as CDType, Device, Tensor};
 use graphpp_graph::names::AUX_LOSS;
 use graphpp_graph::{stage_graphs, DType, RecomputePolicy};
 use graphpp_models::{split_layers, LlamaConfig, Model, MoeConfig, StageOptions};
-use graphpp_runtime::executor::{tensor_from_f64, to_f64};
-use graphpp_runtime::stage::aux_loss_seeds;
+use graphpp_runtime::kernels::tensor::{tensor_from_f64, to_f64};
+use graphpp_runtime::pipeline::stage::aux_loss_seeds;
 use std::collections::HashMap;
 
 const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
@@ -33,7 +33,7 @@ fn check_model(fixture: &str, cfg: &dyn Model, text: &str, dtype: DType, stages:
     let fx = candle_core::safetensors::load(format!("{DIR}/{fixture}.safetensors"), &Device::Cpu).unwrap();
     let opts = StageOptions { dtype, ..StageOptions::new(b, t) };
     let specs = split_layers(cfg.num_layers(), stages, None).unwrap();
-    let cast = |x: &Tensor| x.to_dtype(graphpp_runtime::executor::candle_dtype(dtype)).unwrap();
+    let cast = |x: &Tensor| x.to_dtype(graphpp_runtime::kernels::tensor::candle_dtype(dtype)).unwrap();
     let mut base: HashMap<String, Tensor> = HashMap::new();
     // The model's buffers first; the fixture's (the MoE biases) replace them.
     for (name, shape, data) in cfg.stage_buffers(t) {

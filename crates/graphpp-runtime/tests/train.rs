@@ -7,7 +7,7 @@ mod common;
 use std::collections::HashMap;
 
 use graphpp_models::Recompute;
-use graphpp_runtime::executor::to_f64;
+use graphpp_runtime::kernels::tensor::to_f64;
 use graphpp_runtime::verify::random_microbatches;
 use graphpp_runtime::{TrainSetup, Trainer};
 use graphpp_schedule::Kind;

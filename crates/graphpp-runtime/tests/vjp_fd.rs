@@ -11,7 +11,8 @@ use graphpp_graph::{
     ValueId,
 };
 use graphpp_models::rng::Rng;
-use graphpp_runtime::executor::{run_named, tensor_from_f64, to_f64, RunOptions};
+use graphpp_runtime::exec::{run_named, RunOptions};
+use graphpp_runtime::kernels::tensor::{tensor_from_f64, to_f64};
 use std::collections::HashMap;
 
 /// Builds the op under test from float inputs and index inputs.

@@ -6,8 +6,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use graphpp_runtime::comm::{CommError, Group};
-use graphpp_runtime::Comm;
+use graphpp_comm::Comm;
+use graphpp_comm::{CommError, Group};
 
 /// Environment variables through which `mpirun` (Open MPI; MPICH and PMIx launchers) gives a
 /// process its world size, and its number of processes on this host.
@@ -30,7 +30,7 @@ pub enum LaunchError {
     /// MPI did not start.
     #[cfg(feature = "mpi")]
     #[error(transparent)]
-    Mpi(#[from] graphpp_runtime::comm::mpi::MpiError),
+    Mpi(#[from] graphpp_comm::mpi::MpiError),
     /// The world size does not fit the mesh.
     #[error(
         "mpirun started {world} processes, but --ranks {pp} × --dp {dp} = {} ranks: start \
@@ -98,7 +98,7 @@ pub struct Launch {
     /// `None`: every rank is a thread here.
     comm: Option<Arc<dyn Comm>>,
     #[cfg(feature = "mpi")]
-    mpi: Option<Arc<graphpp_runtime::comm::mpi::MpiComm>>,
+    mpi: Option<Arc<graphpp_comm::mpi::MpiComm>>,
 }
 
 impl std::fmt::Debug for Launch {
@@ -132,7 +132,7 @@ impl Launch {
 
     #[cfg(feature = "mpi")]
     fn mpi(_world: usize) -> Result<Launch, LaunchError> {
-        let mpi = Arc::new(graphpp_runtime::comm::mpi::MpiComm::init()?);
+        let mpi = Arc::new(graphpp_comm::mpi::MpiComm::init()?);
         Ok(Launch { comm: Some(mpi.clone()), mpi: Some(mpi) })
     }
 
@@ -208,12 +208,11 @@ impl Launch {
         for k in 0..4 {
             v[4 * comm.rank() + k] = ((fingerprint >> (16 * k)) & 0xffff) as f32;
         }
-        let t = candle_core::Tensor::from_vec(v, 4 * world, &candle_core::Device::Cpu).map_err(|e| {
-            CommError::Wire(graphpp_runtime::comm::wire::WireError::Tensor { message: e.to_string() })
-        })?;
+        let t = candle_core::Tensor::from_vec(v, 4 * world, &candle_core::Device::Cpu)
+            .map_err(|e| CommError::Wire(graphpp_comm::wire::WireError::Tensor { message: e.to_string() }))?;
         let all: Vec<f32> =
             comm.all_reduce(&Group::world(world)?, &t)?.wait(AGREE_TIMEOUT)?.to_vec1().map_err(|e| {
-                CommError::Wire(graphpp_runtime::comm::wire::WireError::Tensor { message: e.to_string() })
+                CommError::Wire(graphpp_comm::wire::WireError::Tensor { message: e.to_string() })
             })?;
         let ranks: Vec<usize> = (1..world).filter(|&r| all[4 * r..4 * r + 4] != all[..4]).collect();
         if ranks.is_empty() {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use graphpp_graph::{DType, Graph, Op, StageGraphs};
 use graphpp_models::Recompute;
-use graphpp_runtime::memory::{byte_model, run_stage_graphs};
+use graphpp_runtime::train::memory::{byte_model, run_stage_graphs};
 use graphpp_schedule::bytes::ByteModel;
 use graphpp_schedule::{Action, ComputeKind, Kind, Schedule, Timeline};
 use serde::{Deserialize, Serialize};
@@ -60,14 +60,14 @@ pub struct Work {
     pub flops: u64,
     /// Logical bytes of the values of every node that is neither an input nor a product
     /// ([`Op::is_product`]: its cost is in `flops`) nor a member of a fused group other than its
-    /// anchor (computed in registers, never written: `graphpp_runtime::fusion`).
+    /// anchor (computed in registers, never written: `graphpp_runtime::exec::fusion`).
     pub bytes: u64,
 }
 
 impl Work {
     /// The work of one run of `g` as its compiled program runs it.
     pub fn of(g: &Graph) -> Work {
-        let fusion = graphpp_runtime::fusion::plan(g);
+        let fusion = graphpp_runtime::exec::fusion::plan(g);
         let written = |i: usize| fusion.member_of[i].is_none_or(|k| fusion.groups[k].anchor == i);
         let bytes = g
             .nodes

@@ -267,7 +267,7 @@ impl Strategy {
             return Err(field("shard", "ep", reason));
         }
         let shape = self.shape();
-        let model_stages = graphpp_runtime::build::model_stages(self.order.schedule, &shape);
+        let model_stages = graphpp_runtime::train::build::model_stages(self.order.schedule, &shape);
         if let Some(l) = self.place.layers_per_stage.as_ref().filter(|l| l.len() != model_stages) {
             let reason = format!("{} entries for the {model_stages} model stages of this placement", l.len());
             return Err(field("place", "layers_per_stage", reason));
@@ -278,7 +278,7 @@ impl Strategy {
         if let Some(path) = &self.order.file {
             let bad = |e: String| field("order", "file", format!("{}: {e}", path.display()));
             let given = crate::train::read_schedule_file(path).map_err(bad)?;
-            graphpp_runtime::build::compute_schedule(
+            graphpp_runtime::train::build::compute_schedule(
                 self.order.schedule,
                 &shape,
                 &self.options(),

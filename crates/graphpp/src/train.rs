@@ -19,10 +19,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::Tensor;
+use graphpp_comm::Comm;
 use graphpp_models::{Model, ModelConfig, Recompute};
-use graphpp_runtime::executor::{tensor_u32, to_f64};
+use graphpp_runtime::kernels::tensor::{tensor_u32, to_f64};
 use graphpp_runtime::{
-    AdamWConfig, Comm, CosineSchedule, LrError, Microbatches, StepReport, TrainError, TrainSetup, Trainer,
+    AdamWConfig, CosineSchedule, LrError, Microbatches, StepReport, TrainError, TrainSetup, Trainer,
 };
 use graphpp_schedule::{Kind, Options, Shape};
 use serde::{Deserialize, Serialize};
@@ -166,7 +167,7 @@ pub struct RunConfig {
     /// An emulated interconnect (`--link`): every message and collective takes its latency plus
     /// bytes over its bandwidth. It changes the timing, never the losses.
     #[serde(default)]
-    pub link: Option<graphpp_runtime::comm::LinkModel>,
+    pub link: Option<graphpp_comm::LinkModel>,
 }
 
 /// The default of [`RunConfig::expert_bias_update`]: DeepSeek-V3's γ (technical report §4.2).
@@ -226,10 +227,10 @@ impl RunConfig {
             )));
         }
         let setup = train_setup(self)?;
-        graphpp_runtime::rank_train::check_ep(&setup)?;
+        graphpp_runtime::train::rank_train::check_ep(&setup)?;
         let shape = Shape::new(self.ranks, self.stages_per_rank, self.microbatches);
         if let (Some(path), Some(given)) = (&self.schedule_file, &setup.schedule) {
-            graphpp_runtime::build::compute_schedule(
+            graphpp_runtime::train::build::compute_schedule(
                 self.kind,
                 &shape,
                 &self.generator_options(),

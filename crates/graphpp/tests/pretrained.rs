@@ -12,7 +12,8 @@ use graphpp::train::{Run, RunConfig};
 use graphpp_graph::names::{LOGITS, LOSS, TARGETS, TOKENS};
 use graphpp_graph::DType;
 use graphpp_models::{build_stage, split_layers, stage_buffers, LlamaConfig, ModelError, StageOptions};
-use graphpp_runtime::executor::{candle_dtype, run_named, tensor_from_f64, to_f64, RunOptions};
+use graphpp_runtime::exec::{run_named, RunOptions};
+use graphpp_runtime::kernels::tensor::{candle_dtype, tensor_from_f64, to_f64};
 use graphpp_schedule::Kind;
 
 const GELU: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny-llama-gelu");

@@ -7,7 +7,7 @@ use graphpp_models::rng::Rng;
 use graphpp_models::{
     build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, Recompute, StageOptions,
 };
-use graphpp_runtime::executor::{tensor_from_f64, tensor_u32};
+use graphpp_runtime::kernels::tensor::{tensor_from_f64, tensor_u32};
 use std::collections::HashMap;
 
 /// Prints `problem` (if any) and the example's `usage` line, then exits: 0 for `--help`, 2 for

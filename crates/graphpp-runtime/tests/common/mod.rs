@@ -4,7 +4,8 @@
 use candle_core::Tensor;
 use graphpp_graph::{Graph, InputKind, InputSpec};
 use graphpp_models::rng::Rng;
-use graphpp_runtime::executor::{run_named, tensor_from_f64, tensor_u32, to_f64, RunOptions};
+use graphpp_runtime::exec::{run_named, RunOptions};
+use graphpp_runtime::kernels::tensor::{tensor_from_f64, tensor_u32, to_f64};
 use std::collections::HashMap;
 
 /// Random tensor for an input spec: floats uniform in `lo..hi`, u32 below `index_bound`.

@@ -24,12 +24,12 @@ pub fn parse_compute_dtype(s: &str) -> Result<DType, String> {
 }
 
 /// Sets the intra-op threads per rank (`RAYON_NUM_THREADS`: the size of each rank's pool,
-/// [`graphpp_runtime::threads`], and gemm's parallelism) to `explicit`, or to the available cores
+/// [`graphpp_runtime::kernels::threads`], and gemm's parallelism) to `explicit`, or to the available cores
 /// divided among `ranks` rank threads (at least 1), unless the user set that variable; and
 /// candle's spinning barrier pool (`CANDLE_NUM_THREADS`) to 1 unless the user set it (its idle
 /// worker held a core that gemm's second thread needed); and makes the C allocator keep freed
 /// memory ([`graphpp_runtime::malloc::retain_freed_memory`]); `ranks` are this host's, every
-/// local process's ([`graphpp_runtime::threads::set_host_ranks`]: idle workers poll for work
+/// local process's ([`graphpp_runtime::kernels::threads::set_host_ranks`]: idle workers poll for work
 /// only when all of them fit the cores). Returns the threads per rank. Must run before the first
 /// tensor operation.
 ///
@@ -46,8 +46,8 @@ pub fn set_op_threads(ranks: usize, explicit: Option<usize>) -> usize {
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
-    let threads = graphpp_runtime::threads::op_threads();
-    graphpp_runtime::threads::set_host_ranks(ranks);
+    let threads = graphpp_runtime::kernels::threads::op_threads();
+    graphpp_runtime::kernels::threads::set_host_ranks(ranks);
     if let Some(w) = oversubscribed(ranks, threads, cores) {
         eprintln!("{w}");
     }

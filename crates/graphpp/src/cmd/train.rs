@@ -185,7 +185,7 @@ pub struct TrainArgs {
     /// every collective takes the latency plus its bytes over the bandwidth (a message waits for
     /// its link to be free), so communication costs can be measured on one machine.
     #[arg(long)]
-    link: Option<graphpp_runtime::comm::LinkModel>,
+    link: Option<graphpp_comm::LinkModel>,
     /// Write an HTML report of the run to DIR/index.html at the end: strategy, loss and tokens/s
     /// curves, the measured timeline of the last steps beside the simulator's prediction, a row
     /// per evaluation.

@@ -208,7 +208,7 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     if let Some(path) = &a.schedule_file {
         let given = graphpp::train::read_schedule_file(path)
             .map_err(|e| anyhow::anyhow!("--schedule-file {}: {e}", path.display()))?;
-        graphpp_runtime::build::compute_schedule(kind, &shape, &setup.options, Some(&given))
+        graphpp_runtime::train::build::compute_schedule(kind, &shape, &setup.options, Some(&given))
             .with_context(|| format!("--schedule-file {}", path.display()))?;
         setup.schedule = Some(given);
     }

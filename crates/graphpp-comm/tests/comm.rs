@@ -6,11 +6,9 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use graphpp_runtime::comm::loopback;
-use graphpp_runtime::comm::{
-    Awaited, CollectiveOp, Comm, CommError, Group, Tag, TagKind, TensorDesc, ThreadComm,
-};
-use graphpp_runtime::Mesh;
+use graphpp_comm::loopback;
+use graphpp_comm::Mesh;
+use graphpp_comm::{Awaited, CollectiveOp, Comm, CommError, Group, Tag, TagKind, TensorDesc, ThreadComm};
 
 /// Generous: nothing in these tests should come near it.
 const T: Duration = Duration::from_secs(20);

@@ -2,7 +2,7 @@
 //! place).
 //!
 //! Each backward of a step adds its `grad.<param>` outputs, scaled by 1/m on a route's last
-//! stage (`crate::stage`), to the stage's running sums. `a.add(&g.affine(s, 0))` allocates two
+//! stage (`crate::pipeline::stage`), to the stage's running sums. `a.add(&g.affine(s, 0))` allocates two
 //! tensors and passes over the parameters' size three times per microbatch. [`Accumulators::add`]
 //! makes a new sum (a tensor owned by the accumulators and shared with nothing) from a step's
 //! first gradient when it is scaled, else from its first two, and from then on adds each
@@ -214,7 +214,7 @@ impl<'a> Strided<'a> {
     /// Adds rows `row0 .. row0 + acc.len() / cols` of the gradient into `acc` (those rows),
     /// TILE × TILE at a time so that both the rows written and the columns read stay in cache. A
     /// weight gradient is a transposed view (dW = (Xᵀ · dY)ᵀ, `s0 == 1`): with AVX2, its full
-    /// 8 × 8 blocks are transposed in registers ([`crate::tile8`]) and added 8 lanes at a time,
+    /// 8 × 8 blocks are transposed in registers ([`crate::kernels::tile8`]) and added 8 lanes at a time,
     /// the same operations per element as the scalar loop (no fused multiply-add), so the same
     /// bits.
     ///
@@ -264,8 +264,9 @@ impl<'a> Strided<'a> {
         debug_assert!(self.s0 == 1 && i + 8 <= self.rows && j + 8 <= self.cols);
         // Column j + r of the gradient, rows i..i + 8, is contiguous (s0 == 1): 8 source rows.
         // SAFETY: the caller's contract.
-        let block =
-            unsafe { crate::tile8::load_transposed(self.g.as_ptr().add(self.g0 + i + j * self.s1), self.s1) };
+        let block = unsafe {
+            crate::kernels::tile8::load_transposed(self.g.as_ptr().add(self.g0 + i + j * self.s1), self.s1)
+        };
         for (q, row) in block.into_iter().enumerate() {
             let added = match self.scale {
                 Some(s) => _mm256_add_ps(_mm256_mul_ps(row, _mm256_set1_ps(s)), _mm256_setzero_ps()),
@@ -322,7 +323,7 @@ mod tests {
                 let kept = bits(&first);
                 let mut acc = Accumulators::default();
                 let mut want: Option<Tensor> = None;
-                let pool = crate::threads::rank_pool(0, pool).unwrap();
+                let pool = crate::kernels::threads::rank_pool(0, pool).unwrap();
                 for g in &special {
                     let g = if want.is_none() { first.clone() } else { t(g) };
                     want = Some(allocating(want, &g, scale));
@@ -356,7 +357,7 @@ mod tests {
             };
             for scale in [None, Some(0.125f32), Some(1.0 / 3.0)] {
                 for threads in [1, 3] {
-                    let pool = crate::threads::rank_pool(0, threads).unwrap();
+                    let pool = crate::kernels::threads::rank_pool(0, threads).unwrap();
                     let mut acc = Accumulators::default();
                     let mut want: Option<Tensor> = None;
                     let mut ids = Vec::new();

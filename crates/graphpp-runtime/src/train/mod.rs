@@ -8,7 +8,7 @@
 //! `MpiComm` under `mpirun`). [`Trainer::step`] runs each local rank's [`RankTrainer::step_at`]
 //! (on its own thread when there are several): the pipeline run, then, as Megatron-LM does
 //! after the last backward, the copies' gradient all-reduce, the data-parallel mean, the global
-//! norm clip and the local AdamW step — all over the communicator (see [`crate::rank_train`]).
+//! norm clip and the local AdamW step — all over the communicator (see [`crate::train::rank_train`]).
 //!
 //! Whole-model work happens on the *leader*, the process that runs world rank 0: every process
 //! calls [`Trainer::gather_state`], [`Trainer::evaluate`] and [`Trainer::generate`] at the same
@@ -20,6 +20,11 @@
 //! they stay bitwise equal. Evaluation and text generation run one forward of the whole model on
 //! one device from the current parameters.
 
+pub mod build;
+pub mod memory;
+pub mod rank_train;
+pub mod sample;
+
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,16 +35,17 @@ use graphpp_graph::Graph;
 use graphpp_models::{split_layers, Model, Recompute, StageOptions};
 use graphpp_schedule::{Kind, Options, Schedule, Shape, Timeline};
 
-use crate::comm::{Comm, ThreadComm};
-use crate::executor::{tensor_from_f64, tensor_u32, to_f64, Program, RunOptions};
-use crate::lr::CosineSchedule;
-use crate::mesh::Mesh;
+use crate::exec::{Program, RunOptions};
+use crate::kernels::tensor::{tensor_from_f64, tensor_u32, to_f64};
+use crate::optim::lr::CosineSchedule;
 use crate::optim::{AdamWConfig, OptimError};
+use crate::pipeline::stage::{Env, GraphStages, Microbatches, StageError};
 use crate::pipeline::PipelineError;
-use crate::rank_train::{train_schedule, RankStepReport, RankTrainer};
-use crate::sample::{sample_next, SampleError};
-use crate::stage::{Env, GraphStages, Microbatches, StageError};
+use crate::train::rank_train::{train_schedule, RankStepReport, RankTrainer};
+use crate::train::sample::{sample_next, SampleError};
 use crate::verify::VerifyError;
+use graphpp_comm::mesh::Mesh;
+use graphpp_comm::{Comm, ThreadComm};
 
 /// Why training could not start or a step failed.
 #[derive(Debug, thiserror::Error)]
@@ -50,7 +56,7 @@ pub enum TrainError {
     Setup(#[from] VerifyError),
     /// The step would be too large to run (schedule size or memory), from estimates.
     #[error(transparent)]
-    Size(#[from] crate::memory::SizeError),
+    Size(#[from] crate::train::memory::SizeError),
     /// The optimizer, clipping or a loaded optimizer state was rejected.
     #[error("optimizer: {0}")]
     Optim(#[from] OptimError),
@@ -68,7 +74,7 @@ pub enum TrainError {
     Data(String),
     /// A collective after the pipeline run failed (a timeout, another rank's abort).
     #[error("collective: {0}")]
-    Comm(Box<crate::comm::CommError>),
+    Comm(Box<graphpp_comm::CommError>),
     /// The microbatch's sequences do not split evenly over the data-parallel replicas.
     #[error("batch {batch} does not divide into {dp} data-parallel replicas (dp must be ≥ 1 and divide the batch)")]
     BatchNotDivisible {
@@ -103,7 +109,7 @@ pub struct TrainSetup {
     /// Generator options (group size, zb-auto costs).
     pub options: Options,
     /// A compute-only order of one's own (e.g. from a schedule file) run instead of `kind`'s
-    /// generated one; it keeps `kind`'s placement ([`crate::build::compute_schedule`]).
+    /// generated one; it keeps `kind`'s placement ([`crate::train::build::compute_schedule`]).
     pub schedule: Option<Arc<Schedule>>,
     /// Decoder layers of each model stage; `None` splits evenly.
     pub layers_per_stage: Option<Vec<usize>>,
@@ -113,10 +119,10 @@ pub struct TrainSetup {
     /// Data-parallel replicas of the pipeline (1: none); the world is `p × dp` ranks.
     pub dp: usize,
     /// FSDP (ZeRO-3) over the data-parallel replicas: parameters, gradients and AdamW state
-    /// sharded ([`crate::data_parallel`]); with dp = 1 the same as without.
+    /// sharded ([`crate::pipeline::data_parallel`]); with dp = 1 the same as without.
     pub fsdp: bool,
     /// Expert-parallel degree (1: none): each MoE layer's routed experts are split over groups
-    /// of `ep` data-parallel replicas, which exchange tokens by all-to-all ([`crate::mesh`]);
+    /// of `ep` data-parallel replicas, which exchange tokens by all-to-all ([`graphpp_comm::mesh`]);
     /// must divide dp and the routed experts.
     pub ep: usize,
     /// Optimizer post-validation (`--post-validate`, [`RankTrainer`]): step at once, validate
@@ -134,9 +140,9 @@ pub struct TrainSetup {
     pub max_grad_norm: Option<f64>,
     /// Activation recomputation of every stage.
     pub recompute: Recompute,
-    /// An emulated interconnect every rank's traffic goes through ([`crate::comm::emulated`]);
+    /// An emulated interconnect every rank's traffic goes through ([`graphpp_comm::emulated`]);
     /// `None`: the communicator as it is.
-    pub link: Option<crate::comm::LinkModel>,
+    pub link: Option<graphpp_comm::LinkModel>,
     /// Bias update speed γ of MoE load balancing, per step (DeepSeek-V3 uses 0.001; 0 freezes
     /// the biases); unused by a dense model.
     pub expert_bias_update: f64,
@@ -157,8 +163,8 @@ impl TrainError {
     }
 }
 
-impl From<crate::comm::CommError> for TrainError {
-    fn from(e: crate::comm::CommError) -> Self {
+impl From<graphpp_comm::CommError> for TrainError {
+    fn from(e: graphpp_comm::CommError) -> Self {
         TrainError::Comm(Box::new(e))
     }
 }
@@ -208,10 +214,10 @@ pub struct Trainer {
     schedule: Arc<Schedule>,
     /// This process's ranks, in world-rank order.
     ranks: Vec<RankTrainer>,
-    /// Each rank's intra-op thread pool ([`crate::threads`]), index as `ranks`.
+    /// Each rank's intra-op thread pool ([`crate::kernels::threads`]), index as `ranks`.
     pools: Vec<rayon::ThreadPool>,
     /// Whether the pools' idle workers poll for work while a rank's work runs (a step, an
-    /// evaluation: [`crate::threads::install_hot`]) — when every pool's threads have cores of
+    /// evaluation: [`crate::kernels::threads::install_hot`]) — when every pool's threads have cores of
     /// their own.
     spin: bool,
     poisoned: bool,
@@ -226,7 +232,7 @@ fn rank_pools(ranks: &[RankTrainer], threads: usize) -> Result<Vec<rayon::Thread
     ranks
         .iter()
         .map(|r| {
-            crate::threads::rank_pool(r.rank(), threads)
+            crate::kernels::threads::rank_pool(r.rank(), threads)
                 .map_err(|e| VerifyError::Mismatch(format!("rank {}: thread pool: {e}", r.rank())).into())
         })
         .collect()
@@ -268,15 +274,15 @@ impl Trainer {
     }
 
     /// The trainer of `ranks` (this process's), each with a pool of
-    /// [`crate::threads::op_threads`] threads.
+    /// [`crate::kernels::threads::op_threads`] threads.
     fn with_ranks(
         setup: TrainSetup,
         schedule: Arc<Schedule>,
         ranks: Vec<RankTrainer>,
     ) -> Result<Self, TrainError> {
-        let threads = crate::threads::op_threads();
+        let threads = crate::kernels::threads::op_threads();
         let pools = rank_pools(&ranks, threads)?;
-        let spin = crate::threads::may_spin(ranks.len(), threads);
+        let spin = crate::kernels::threads::may_spin(ranks.len(), threads);
         Ok(Trainer {
             setup,
             schedule,
@@ -303,7 +309,7 @@ impl Trainer {
     /// several); results in rank order.
     fn on_each<R: Send>(&mut self, f: impl Fn(&mut RankTrainer) -> R + Sync) -> Vec<R> {
         if let ([one], [pool]) = (self.ranks.as_mut_slice(), self.pools.as_slice()) {
-            return vec![crate::threads::install_hot(pool, self.spin, || f(one))];
+            return vec![crate::kernels::threads::install_hot(pool, self.spin, || f(one))];
         }
         let (f, spin) = (&f, self.spin);
         std::thread::scope(|scope| {
@@ -311,7 +317,9 @@ impl Trainer {
                 .ranks
                 .iter_mut()
                 .zip(&self.pools)
-                .map(|(r, pool)| scope.spawn(move || crate::threads::install_hot(pool, spin, || f(r))))
+                .map(|(r, pool)| {
+                    scope.spawn(move || crate::kernels::threads::install_hot(pool, spin, || f(r)))
+                })
                 .collect();
             handles.into_iter().map(|h| h.join().expect("a rank does not panic")).collect()
         })
@@ -642,7 +650,7 @@ fn first_train_failure(mut errors: Vec<TrainError>) -> TrainError {
     }
     let echo = |e: &TrainError| {
         pipeline(e).is_some_and(PipelineError::is_aborted)
-            || matches!(e, TrainError::Comm(c) if matches!(**c, crate::comm::CommError::Aborted { .. }))
+            || matches!(e, TrainError::Comm(c) if matches!(**c, graphpp_comm::CommError::Aborted { .. }))
     };
     let culprit = errors.iter().filter_map(pipeline).find_map(|p| match p {
         PipelineError::Aborted { failed_rank, .. } => Some(*failed_rank),

@@ -9,8 +9,8 @@ use graphpp_graph::{stage_graphs, StageGraphs};
 use graphpp_models::{split_layers, Model, StageOptions, StageSpec};
 use graphpp_schedule::{Kind, Schedule, Shape};
 
-use crate::executor::tensor_from_f64;
-use crate::stage::{Env, GraphStages, Microbatches, Stage};
+use crate::kernels::tensor::tensor_from_f64;
+use crate::pipeline::stage::{Env, GraphStages, Microbatches, Stage};
 use crate::verify::VerifyError;
 
 /// Model stages of `kind` at `shape`: `S = p·v`, except DualPipe's `p` (its `2p` schedule stages
@@ -217,7 +217,10 @@ impl StageBuild<'_> {
                             t.dims()
                         )));
                     }
-                    env.insert(name, t.to_dtype(crate::executor::candle_dtype(opts.parameter_dtype()))?);
+                    env.insert(
+                        name,
+                        t.to_dtype(crate::kernels::tensor::candle_dtype(opts.parameter_dtype()))?,
+                    );
                 }
             }
         }

@@ -45,7 +45,7 @@
 //! them, as the composition's).
 //!
 //! Other dtypes (bf16, f64) run the composition — `q kᵀ`, softmax in the wide dtype
-//! ([`crate::softmax`]), `P v` — which is also the reference the f32 kernels are tested
+//! ([`crate::kernels::softmax`]), `P v` — which is also the reference the f32 kernels are tested
 //! against (`tests` below); `tests/vjp_fd.rs` checks that composition's gradients (f64) by
 //! finite differences.
 
@@ -56,7 +56,7 @@ use std::ops::Range;
 use candle_core::{DType as CDType, Device, Tensor};
 use rayon::prelude::*;
 
-use crate::softmax::{max, softmax, softmax_backward, sum};
+use crate::kernels::softmax::{max, softmax, softmax_backward, sum};
 use product::{product, Mat, Out, MR};
 
 /// Query rows per tile.
@@ -395,7 +395,9 @@ fn transpose(x: View, (t, e): (usize, usize), dst: &mut [f32]) {
             assert!(7 * x.rs + 8 <= src.len() && 7 * t + c0 + 8 <= dst.len() - j0 * t);
             // SAFETY: the CPU has AVX2 (`avx2_fma`, above); rows c0..c0 + 8 of x hold columns
             // j0..j0 + 8 and rows j0..j0 + 8 of dst columns c0..c0 + 8 (asserted just above).
-            unsafe { crate::tile8::transpose8(src.as_ptr(), x.rs, dst[j0 * t + c0..].as_mut_ptr(), t) };
+            unsafe {
+                crate::kernels::tile8::transpose8(src.as_ptr(), x.rs, dst[j0 * t + c0..].as_mut_ptr(), t)
+            };
         }
     }
     for c in 0..t {
@@ -517,9 +519,9 @@ fn forward_in([q, k, v]: [View; 3], c: &Ctx, o: &mut [f32], Scratch { kt, z, p, 
                 // exponentials are 0 until it sees a key, as in the composition.
                 let base = if top == f32::NEG_INFINITY { 0.0 } else { top };
                 zs.iter_mut().for_each(|x| *x -= base);
-                crate::expf::exp_slice(zs, ps, false);
+                crate::kernels::expf::exp_slice(zs, ps, false);
                 // e^(m_old − m_new); 1 while the maximum stands (also −∞ to −∞: nothing seen).
-                let shrink = if top == m[r] { 1.0 } else { crate::expf::exp(m[r] - top) };
+                let shrink = if top == m[r] { 1.0 } else { crate::kernels::expf::exp(m[r] - top) };
                 // Over the whole tile row (zeros outside the span): the sum's lanes as a full
                 // row's, so the bits do not depend on the span.
                 l[r] = l[r] * shrink + sum(pr);
@@ -589,7 +591,7 @@ fn backward_in(x: Head, c: &Ctx, d: Grads, scratch: &mut Scratch) {
             let top = max(seg);
             let z = &mut z[..span.len()];
             z.iter_mut().zip(seg.iter()).for_each(|(z, &y)| *z = y - top);
-            crate::expf::exp_slice(z, seg, false);
+            crate::kernels::expf::exp_slice(z, seg, false);
             let mut total = 0.0;
             for &(c0, cols) in &tiles {
                 let tile = &mut row[c0..c0 + cols];
@@ -630,7 +632,7 @@ fn backward_in(x: Head, c: &Ctx, d: Grads, scratch: &mut Scratch) {
 /// The softmax `P = softmax(scale · q kᵀ + mask)` `[B, H, T, T]` in the mask's (wide) dtype, the
 /// product in q's.
 fn probabilities(q: &Tensor, k: &Tensor, mask: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
-    let s = crate::executor::matmul(q, &k.t()?)?;
+    let s = crate::kernels::matmul::matmul(q, &k.t()?)?;
     softmax(&s.to_dtype(mask.dtype())?, Some(mask), 3, scale)
 }
 
@@ -673,7 +675,7 @@ pub fn composition(
     let heads = q.dims().get(1).copied().unwrap_or(0);
     let (k, v) = (repeat_kv(k, heads)?, repeat_kv(v, heads)?);
     let p = probabilities(q, &k, mask, scale)?.to_dtype(q.dtype())?;
-    crate::executor::matmul(&p, &v)
+    crate::kernels::matmul::matmul(&p, &v)
 }
 
 /// [`attention_backward`] as the composition's autodiff gives it: `dv = Pᵀ g`, `dP = g vᵀ`,
@@ -690,7 +692,7 @@ pub fn composition_backward(
     g: &Tensor,
     scale: f64,
 ) -> candle_core::Result<Tensor> {
-    use crate::executor::matmul;
+    use crate::kernels::matmul::matmul;
     let (heads, kv) = (q.dims().get(1).copied().unwrap_or(0), k.dims().get(1).copied().unwrap_or(0));
     let (k, v) = (repeat_kv(k, heads)?, repeat_kv(v, heads)?);
     let wide = probabilities(q, &k, mask, scale)?;

@@ -2,7 +2,7 @@
 //! its kernels on its own fixed-size rayon pool ([`rank_pool`]), so ranks that are threads of one
 //! process never share — or fight over — one pool. gemm's matmuls (candle passes it
 //! `Parallelism::Rayon(RAYON_NUM_THREADS)`) and the compiled executor's fused kernels
-//! ([`crate::fusion`]) split their work over the pool they run in. candle's own barrier pool
+//! ([`crate::exec::fusion`]) split their work over the pool they run in. candle's own barrier pool
 //! (`CANDLE_NUM_THREADS`), whose workers spin between operations, is left at one thread: a
 //! spinning worker held the second core and made gemm's two-thread matmuls no faster than one
 //! (measured: 128×256 · 256×688 after an elementwise op, 1.28 ms with the barrier pool at 2

@@ -8,8 +8,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use graphpp_runtime::comm::mpi::MpiComm;
-use graphpp_runtime::comm::{Comm, CommError, Group, Tag, TagKind};
+use graphpp_comm::mpi::MpiComm;
+use graphpp_comm::{Comm, CommError, Group, Tag, TagKind};
 
 const WORLD: usize = 3;
 const T: Duration = Duration::from_secs(60);

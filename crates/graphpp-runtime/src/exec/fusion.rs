@@ -9,7 +9,7 @@
 //! allocated, and operands are read through their own strides (a broadcast or permuted operand
 //! is never copied; a contiguous one is read in place). The block loop is compiled for AVX2
 //! where the CPU has it, and a group of 256k elements or more is split over the current rayon
-//! pool (the rank's, [`crate::threads`]).
+//! pool (the rank's, [`crate::kernels::threads`]).
 //!
 //! Each member is computed with the same f32 arithmetic, in the same order, as the interpreter's
 //! candle kernel for that op (`v * mul + add` for affine, `1 / (e^(−x) + 1)` for sigmoid,
@@ -184,7 +184,7 @@ fn inlined(g: &Graph, users: &[Vec<ValueId>], is_output: &[bool]) -> Vec<bool> {
 
 /// Whether `op` is an exponential, logarithm, sigmoid or erf: a sigmoid took 1.8 ns an element on
 /// an AVX2 host (`small`'s backward σ(g) group: 4.98 ms for 2.8M elements, `opprof`; exp is
-/// [`crate::expf`]'s), where writing and reading back a value a group just computed costs a
+/// [`crate::kernels::expf`]'s), where writing and reading back a value a group just computed costs a
 /// fraction of that while it stays in cache. Log and erf are libm's (not measured).
 fn transcendental(op: &Op) -> bool {
     matches!(op, Op::Unary { f: UnaryOp::Exp | UnaryOp::Log | UnaryOp::Sigmoid | UnaryOp::Erf })
@@ -481,12 +481,12 @@ fn map(x: &[f32], d: &mut [MaybeUninit<f32>], f: impl Fn(f32) -> f32) {
 fn unary(f: UnaryOp, x: &[f32], d: &mut [MaybeUninit<f32>]) {
     match f {
         UnaryOp::Neg => map(x, d, |x| -x),
-        UnaryOp::Exp => crate::expf::exp_into(x, d, false),
+        UnaryOp::Exp => crate::kernels::expf::exp_into(x, d, false),
         UnaryOp::Log => map(x, d, f32::ln),
         UnaryOp::Sqrt => map(x, d, f32::sqrt),
         UnaryOp::Recip => map(x, d, |x| 1.0 / x),
         UnaryOp::Sigmoid => {
-            crate::expf::exp_into(x, d, true);
+            crate::kernels::expf::exp_into(x, d, true);
             d.iter_mut().for_each(|v| {
                 // SAFETY: `exp_into` wrote every element of `d`.
                 let e = unsafe { v.assume_init() };

@@ -20,11 +20,11 @@
 //!   state. **RESHARD(s)** drops the full tensors and puts the shards back.
 //!
 //! With **expert parallelism** a routed expert's parameters live on dp / ep replicas only (see
-//! [`crate::mesh`]): REDUCE_GRAD all-reduces their gradients over those (group `edp`), and the
+//! [`graphpp_comm::mesh`]): REDUCE_GRAD all-reduces their gradients over those (group `edp`), and the
 //! mean is still the sum × 1/dp — each replica's expert gradient already holds the contributions
 //! of the ep replicas whose tokens it served (through the all-to-all's VJP).
 //!
-//! The reductions sum in group order in f32 ([`crate::comm`]), so the result does not depend on
+//! The reductions sum in group order in f32 ([`graphpp_comm`]), so the result does not depend on
 //! which replica finishes first.
 
 use std::collections::HashMap;
@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use candle_core::Tensor;
 
-use crate::comm::{Comm, CommError, Group, Pending};
+use graphpp_comm::{Comm, CommError, Group, Pending};
 
 /// Why a data-parallel operation failed.
 #[derive(Debug, thiserror::Error)]

@@ -12,7 +12,7 @@
 //!    only, so a copy counts once; the entries are then added in name order, which gives the
 //!    bitwise value of a single-process [`local_sq_norm`] over all distinct gradients;
 //! 3. every gradient is scaled by [`clip_scale`] of that norm;
-//! 4. the local AdamW step at [`crate::lr::CosineSchedule::lr_at`].
+//! 4. the local AdamW step at [`crate::optim::lr::CosineSchedule::lr_at`].
 //!
 //! The step loss is an `all_reduce` over the world of one f64 vector: each microbatch's loss
 //! where this rank holds the last stage of its route, a count per microbatch (so every rank
@@ -33,18 +33,18 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use graphpp_schedule::{lower, CommSpan, Interval, LowerOptions, Schedule};
 
-use crate::mesh::Coords;
+use graphpp_comm::mesh::Coords;
 
-use crate::build::{compute_schedule, StageBuild};
-use crate::clip::{clip_scale, local_sq_norm, scale_grads};
-use crate::comm::{Comm, Group, Pending, Tag, TagKind};
-use crate::data_parallel::DataParallel;
-use crate::mesh::Mesh;
+use crate::optim::clip::{clip_scale, local_sq_norm, scale_grads};
 use crate::optim::{AdamW, OptimError, M_PREFIX, STEP_KEY, V_PREFIX};
+use crate::pipeline::data_parallel::DataParallel;
+use crate::pipeline::stage::{env_bytes, sum_by_name, Env, GraphStages, Microbatches, StageError};
 use crate::pipeline::{run_rank, RankOptions, RankOutcome};
-use crate::stage::{env_bytes, sum_by_name, Env, GraphStages, Microbatches, StageError};
+use crate::train::build::{compute_schedule, StageBuild};
 use crate::train::{TrainError, TrainSetup};
 use crate::verify::VerifyError;
+use graphpp_comm::mesh::Mesh;
+use graphpp_comm::{Comm, Group, Pending, Tag, TagKind};
 
 /// Checks that dp divides the batch and the step's size, and builds the lowered schedule of `setup` (the same on every rank).
 ///
@@ -58,7 +58,7 @@ pub fn train_schedule(setup: &TrainSetup) -> Result<Schedule, TrainError> {
     }
     check_ep(setup)?;
     let local = setup.batch / setup.dp;
-    crate::memory::check_step(&*setup.model, setup.kind, &setup.shape, local, setup.seq, false)?;
+    crate::train::memory::check_step(&*setup.model, setup.kind, &setup.shape, local, setup.seq, false)?;
     let schedule = compute_schedule(setup.kind, &setup.shape, &setup.options, setup.schedule.as_deref())?;
     Ok(lower(&schedule, &lower_options(setup)).map_err(VerifyError::from)?)
 }
@@ -314,7 +314,7 @@ impl RankTrainer {
         comm: Arc<dyn Comm>,
     ) -> Result<Self, TrainError> {
         let comm: Arc<dyn Comm> = match setup.link {
-            Some(link) => Arc::new(crate::comm::EmulatedComm::new(comm, link)),
+            Some(link) => Arc::new(graphpp_comm::EmulatedComm::new(comm, link)),
             None => comm,
         };
         let rank = comm.rank();
@@ -340,14 +340,14 @@ impl RankTrainer {
             return Err(mismatch(format!("mesh ep {} for a run of ep {}", mesh.ep(), setup.ep)));
         }
         let ep_index = mesh.ep_index(rank).map_err(|e| mismatch(e.to_string()))?;
-        let (specs, opts) = crate::build::run_stages(&setup, ep_index)?;
+        let (specs, opts) = crate::train::build::run_stages(&setup, ep_index)?;
         let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
         let build =
             StageBuild { model: &*setup.model, specs: &specs, opts: &opts, seed: setup.seed, given: None };
         let mut work = build.rank(&schedule, empty, me)?;
         if setup.ep > 1 {
             let timeout = setup.timeout;
-            work.set_graph_comm(crate::stage::StageComm { comm: Arc::clone(&comm), mesh, timeout });
+            work.set_graph_comm(crate::pipeline::stage::StageComm { comm: Arc::clone(&comm), mesh, timeout });
         }
         let mine: BTreeSet<String> =
             work.stages().values().flat_map(|s| s.parameter_names().iter().cloned()).collect();
@@ -367,7 +367,7 @@ impl RankTrainer {
         let mut lead: BTreeMap<String, usize> = BTreeMap::new();
         let mut bias_holders: BTreeMap<String, usize> = BTreeMap::new();
         for index in 0..setup.ep {
-            let (specs, _) = crate::build::run_stages(&setup, index)?;
+            let (specs, _) = crate::train::build::run_stages(&setup, index)?;
             for (stage, ranks) in schedule.placement() {
                 let spec = specs
                     .get(stage)

@@ -22,11 +22,10 @@ use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
 use graphpp_graph::{Graph, GraphError, InputKind, StageGraphs};
 use graphpp_schedule::Task;
 
-use crate::accumulate::Accumulators;
-use crate::data_parallel::{DataParallel, DataParallelError};
-use crate::executor::{
-    tensor_from_f64, to_f64, CollectiveSpan, ExecError, GraphComm, Program, RunOptions, RunReport,
-};
+use crate::exec::{CollectiveSpan, ExecError, GraphComm, Program, RunOptions, RunReport};
+use crate::kernels::accumulate::Accumulators;
+use crate::kernels::tensor::{tensor_from_f64, to_f64};
+use crate::pipeline::data_parallel::{DataParallel, DataParallelError};
 use crate::pipeline::{StageWork, WorkError};
 use graphpp_schedule::StageOpKind;
 
@@ -183,7 +182,7 @@ impl Programs {
 /// What a stage keeps between its actions: the names its backward graphs read that are not
 /// state (`is_state`) — kept from F until B or I, where present then — and those bw_dw reads
 /// (kept from I until W). One rule for the runtime's caches and the byte model
-/// ([`crate::memory::stage_bytes`]).
+/// ([`crate::train::memory::stage_bytes`]).
 pub(crate) fn kept_names(
     graphs: &StageGraphs,
     is_state: impl Fn(&str) -> bool,
@@ -329,13 +328,13 @@ pub struct GraphStages {
     collectives: Vec<(String, CollectiveSpan)>,
 }
 
-/// What a rank's stage graphs need to run their collectives ([`crate::executor::GraphComm`]).
+/// What a rank's stage graphs need to run their collectives ([`crate::exec::GraphComm`]).
 #[derive(Clone)]
 pub struct StageComm {
     /// This rank's communicator.
-    pub comm: Arc<dyn crate::comm::Comm>,
+    pub comm: Arc<dyn graphpp_comm::Comm>,
     /// The mesh the graph groups resolve through.
-    pub mesh: crate::mesh::Mesh,
+    pub mesh: graphpp_comm::mesh::Mesh,
     /// Bound on each collective's wait.
     pub timeout: std::time::Duration,
 }
@@ -416,7 +415,7 @@ impl GraphStages {
     }
 
     /// Makes this rank a member of a data-parallel group: the schedule's REDUCE_GRAD (and, with
-    /// FSDP, UNSHARD / RESHARD) then run over it ([`crate::data_parallel`]). With FSDP every
+    /// FSDP, UNSHARD / RESHARD) then run over it ([`crate::pipeline::data_parallel`]). With FSDP every
     /// parameter of every stage is replaced by this rank's shard.
     ///
     /// # Errors
@@ -467,7 +466,7 @@ impl GraphStages {
         Ok(())
     }
 
-    /// UNSHARD / RESHARD / REDUCE_GRAD of `stage` (see [`crate::data_parallel`]).
+    /// UNSHARD / RESHARD / REDUCE_GRAD of `stage` (see [`crate::pipeline::data_parallel`]).
     fn run_stage_op(&mut self, kind: StageOpKind, stage: usize) -> Result<(), StageError> {
         if self.dp.is_none() {
             return Err(StageError::NoDataParallel { stage, op: format!("{kind:?}") });
@@ -506,7 +505,7 @@ impl GraphStages {
     /// Peak activation memory of this rank in the current step, bytes: the largest, over the
     /// actions run, of the per-microbatch caches held by other (stage, microbatch) pairs (saved
     /// activations, dI→dW stashes) plus the running graph's peak live bytes (see
-    /// [`crate::executor`]: activations only, no parameters). Reset by [`GraphStages::start_step`].
+    /// [`crate::exec`]: activations only, no parameters). Reset by [`GraphStages::start_step`].
     pub fn peak_activation_bytes(&self) -> usize {
         self.peak_activation_bytes
     }
@@ -657,7 +656,7 @@ impl GraphStages {
 
     /// `g` times [`Self::scale`] (a new tensor), or `g` itself.
     fn scaled(&self, t: Task, g: Tensor) -> Result<Tensor, StageError> {
-        crate::accumulate::scaled(g, self.scale(t)?)
+        crate::kernels::accumulate::scaled(g, self.scale(t)?)
             .map_err(|source| StageError::Tensor { stage: t.stage, source })
     }
 

@@ -6,6 +6,9 @@
 //! to named tensors (`adam.m.<param>`, `adam.v.<param>`, `adam.step`) for checkpoints (docs/ARCHITECTURE.md,
 //! "Models, data, training": resume continues the exact loss sequence).
 
+pub mod clip;
+pub mod lr;
+
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap};
@@ -17,7 +20,7 @@ pub const V_PREFIX: &str = "adam.v.";
 /// Key of the step count (i64 scalar) in [`AdamW::state_dict`].
 pub const STEP_KEY: &str = "adam.step";
 
-/// Errors of the optimizer and of gradient clipping ([`crate::clip`]).
+/// Errors of the optimizer and of gradient clipping ([`crate::optim::clip`]).
 #[derive(Debug, thiserror::Error)]
 pub enum OptimError {
     /// A hyperparameter is out of its range.
@@ -64,7 +67,7 @@ pub(crate) fn kernel(name: &str) -> impl Fn(candle_core::Error) -> OptimError + 
 }
 
 /// AdamW hyperparameters; defaults are PyTorch's (`betas=(0.9, 0.999)`, `eps=1e-8`,
-/// `weight_decay=0.01`). The learning rate is passed to each [`AdamW::step`] (see [`crate::lr`]).
+/// `weight_decay=0.01`). The learning rate is passed to each [`AdamW::step`] (see [`crate::optim::lr`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWConfig {
     /// Decay of the first moment, in `[0, 1)`.
@@ -543,7 +546,7 @@ mod tests {
             }
         };
         for threads in [1, 3] {
-            let pool = crate::threads::rank_pool(0, threads).unwrap();
+            let pool = crate::kernels::threads::rank_pool(0, threads).unwrap();
             let z = wave(0).zeros_like().unwrap();
             let (mut p, mut m, mut v) = (wave(0), z.clone(), z);
             for t in 1..=3 {

@@ -39,7 +39,7 @@
 
 use graphpp_graph::CommGroup;
 
-use crate::comm::Group;
+use crate::Group;
 
 /// Bad mesh degrees or a rank outside the mesh.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

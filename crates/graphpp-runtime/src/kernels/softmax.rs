@@ -4,7 +4,7 @@
 //!
 //! Each row of `n` elements along the axis is finished in L1, a block of rows at a time: for the
 //! softmax, `z = scale · x + mask`, `m = max z` (NaN-ignoring, so a row holding NaN gives NaN
-//! below), `e = exp(z − m)` with the C library's `expf` bits ([`crate::expf`], four lanes at a
+//! below), `e = exp(z − m)` with the C library's `expf` bits ([`crate::kernels::expf`], four lanes at a
 //! time), `s = Σ e` in a fixed order (eight interleaved partial sums, element `i` into sum
 //! `i mod 8`, then added pairwise: `((s0+s4)+(s2+s6))+((s1+s5)+(s3+s7))`, which the compiler
 //! vectorises without changing a bit), and `y = e / s`; the log-softmax ends with
@@ -19,11 +19,11 @@
 use candle_core::{DType as CDType, Device, Tensor};
 use rayon::prelude::*;
 
-use crate::executor::read_f32;
-use crate::expf;
+use crate::kernels::expf;
+use crate::kernels::tensor::read_f32;
 
 /// Rows are split over the current rayon pool when the tensor has at least this many elements
-/// (as the fused elementwise groups, [`crate::fusion`]).
+/// (as the fused elementwise groups, [`crate::exec::fusion`]).
 const PARALLEL_MIN: usize = 1 << 18;
 
 /// Softmax of `scale · x + mask` over `axis` ([`graphpp_graph::Op::Softmax`]); the mask

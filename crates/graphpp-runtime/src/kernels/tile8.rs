@@ -1,8 +1,8 @@
 //! 8 × 8 f32 blocks transposed in AVX2 registers: unpack pairs of rows, shuffle pairs of pairs,
 //! swap 128-bit halves (24 shuffles for 64 elements instead of 64 strided scalar moves). Used
 //! where a kernel reads a matrix across its rows: attention's k and v per query head
-//! (`crate::attention`) and a transposed weight gradient added into its accumulator
-//! (`crate::accumulate`).
+//! (`crate::kernels::attention`) and a transposed weight gradient added into its accumulator
+//! (`crate::kernels::accumulate`).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::__m256;

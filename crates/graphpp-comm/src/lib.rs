@@ -8,6 +8,8 @@
 //! - [`ThreadComm`] connects ranks that are threads of one process (the embedded default).
 //! - [`LinkComm`] is a rank that is its own process, over a byte [`Link`]; [`mpi::MpiComm`]
 //!   (cargo feature `mpi`) is one over Open MPI, [`loopback`] one over in-process channels.
+//! - [`Mesh`] places world ranks on the pipeline, data-parallel and expert-parallel axes and
+//!   resolves a graph's `CommGroup` to the [`Group`] of one rank.
 //! - [`wire`] is the byte form of a tensor (dtype + shape header, little-endian data) for backends
 //!   whose ranks are processes (MPI).
 //!
@@ -26,6 +28,7 @@ mod combine;
 pub mod emulated;
 pub mod envelope;
 pub mod link;
+pub mod mesh;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod thread;
@@ -39,6 +42,7 @@ use graphpp_graph::CollectiveKind;
 
 pub use emulated::{EmulatedComm, LinkModel, LinkParseError};
 pub use link::{loopback, Inbox, Link, LinkComm};
+pub use mesh::{Coords, Mesh, MeshAxis, MeshError};
 #[cfg(feature = "mpi")]
 pub use mpi::MpiComm;
 pub use thread::ThreadComm;
@@ -53,7 +57,7 @@ pub enum TagKind {
     Gradient,
     /// State or measurements sent to the leader (world rank 0) outside the schedule — a
     /// checkpoint's tensors, a step's intervals: `stage` names what is gathered
-    /// (`crate::rank_train`), `mb` the item.
+    /// (the trainer), `mb` the item.
     Gather,
 }
 

@@ -15,8 +15,8 @@ use graphpp_schedule::bytes::{ByteModel, OverlapBytes, StageBytes};
 use graphpp_schedule::generate::human_bytes;
 use graphpp_schedule::{check_size, Action, GenerateError, Kind, Schedule, Shape};
 
-use crate::executor::peak_live_bytes;
-use crate::stage::kept_names;
+use crate::exec::peak_live_bytes;
+use crate::pipeline::stage::kept_names;
 use crate::verify::VerifyError;
 
 /// Saved-activation bytes of one microbatch through the whole model (all layers on one stage).
@@ -202,7 +202,7 @@ pub fn check_step(
 }
 
 /// The bytes stage `graphs` hold and run in for one microbatch ([`StageBytes`]), from the graphs'
-/// value types alone: what the runtime's caches keep ([`crate::stage`]: the backward's reads
+/// value types alone: what the runtime's caches keep ([`crate::pipeline::stage`]: the backward's reads
 /// from F until B or I, bw_di's outputs and bw_dw's reads from I until W) and each graph's
 /// [`peak_live_bytes`]. A stage without the dI/dW split (a model's first stage) keeps its
 /// backward inputs from I and runs full_bw at W.
@@ -308,10 +308,10 @@ pub fn byte_model(graphs: &[&StageGraphs], schedule: &Schedule) -> Result<ByteMo
 /// expert shard.
 ///
 /// # Errors
-/// As [`crate::build::stage_specs`] and [`crate::build::graphs_of`].
+/// As [`crate::train::build::stage_specs`] and [`crate::train::build::graphs_of`].
 pub fn run_stage_graphs(setup: &crate::TrainSetup) -> Result<Vec<Arc<StageGraphs>>, VerifyError> {
-    let (specs, opts) = crate::build::run_stages(setup, 0)?;
-    crate::build::all_stage_graphs(&*setup.model, &specs, &opts)
+    let (specs, opts) = crate::train::build::run_stages(setup, 0)?;
+    crate::train::build::all_stage_graphs(&*setup.model, &specs, &opts)
 }
 
 /// The [`ByteModel`] of a training run's `schedule` (compute-only or lowered) over its

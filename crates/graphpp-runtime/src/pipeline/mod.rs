@@ -18,6 +18,9 @@
 //! the same schedule runs in every data-parallel replica. Errors name world ranks; the intervals
 //! of the timeline name schedule ranks.
 
+pub mod data_parallel;
+pub mod stage;
+
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -28,9 +31,9 @@ use graphpp_schedule::{
     Action, CommKind, CommSpan, ComputeKind, Interval, Schedule, StageOpKind, Task, Timeline,
 };
 
-use crate::comm::{Comm, CommError, Group, Tag, TagKind, ThreadComm};
-use crate::executor::CollectiveSpan;
-use crate::mesh::Mesh;
+use crate::exec::CollectiveSpan;
+use graphpp_comm::mesh::Mesh;
+use graphpp_comm::{Comm, CommError, Group, Tag, TagKind, ThreadComm};
 
 /// The error type stage computations return.
 pub type WorkError = Box<dyn std::error::Error + Send + Sync>;

@@ -255,7 +255,7 @@ impl Comm for EmulatedComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::{TagKind, ThreadComm};
+    use crate::{TagKind, ThreadComm};
     use candle_core::Device;
 
     #[test]
@@ -320,7 +320,7 @@ mod tests {
 #[cfg(test)]
 mod lifetime_tests {
     use super::*;
-    use crate::comm::{TagKind, ThreadComm};
+    use crate::{TagKind, ThreadComm};
     use candle_core::Device;
 
     /// A rank that sends and drops its communicator at once still delivers (the drop waits for

@@ -1,0 +1,310 @@
+//! The compiled executor: a graph compiled once into a [`Program`] (fusion groups, an order with
+//! matmuls side by side, the values released after each node) and the one run loop ([`exec`])
+//! the interpreter and the program share.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+use graphpp_graph::{Graph, Op, ValueId};
+
+use super::collective::{collective_error, complete, start, CollectiveSpan, GraphComm, InFlight, Value};
+use super::fusion::Fusion;
+use super::kernel::{eval, kernel_error};
+use super::liveness::{peak_in_order, Liveness};
+use super::{ordered_inputs, ExecError, ExecResult, RunOptions, RunReport};
+use crate::kernels::matmul::{compiled_matmul, Threads};
+use crate::kernels::tensor::candle_dtype;
+
+/// A graph compiled once for many runs (docs/ARCHITECTURE.md "Runtime" → Compiled executor): its
+/// f32 elementwise chains fused into single-pass kernels ([`crate::exec::fusion`]), an execution
+/// order with independent matmuls side by side ([`crate::exec::pairs`]) and, per node, the values the
+/// run drops after it. [`Program::run_named_with`] computes bitwise what the interpreter
+/// ([`run_named_with`]) computes and reports the same peak live bytes (the logical accounting
+/// of the module doc, which the memory model predicts: a pair is kept only where its order
+/// peaks exactly as the graph's; a fused group's inner values are never allocated, so the
+/// memory actually held is at most that). With [`RunOptions::time_nodes`] a group's time is
+/// its anchor's (its members read zero) and a pair's is its first product's (the second reads
+/// about zero), and [`RunOptions::trace_peak`] lists only the values the run held.
+#[derive(Clone, Debug)]
+pub struct Program {
+    /// Node count of the graph compiled (a run checks it).
+    nodes: usize,
+    fusion: Fusion,
+    /// `frees[i]`: the values no node after `i` reads.
+    frees: Vec<Vec<usize>>,
+    /// Row-major copies of transposed parameters, kept across runs ([`crate::exec::transposed`]).
+    transposed: crate::exec::transposed::Cache,
+    /// The execution order and the matmuls that run side by side ([`crate::exec::pairs`]).
+    pairs: crate::exec::pairs::Pairs,
+}
+
+impl Program {
+    /// Compiles `graph`: the fusion plan, the pairs (each candidate pair costs one pass of the
+    /// live-byte accounting over the graph) and the frees; nothing is run.
+    pub fn compile(graph: &Graph) -> Program {
+        let fusion = crate::exec::fusion::plan(graph);
+        let n = graph.nodes.len();
+        // A fused group's inner member is never computed on its own.
+        let runs: Vec<bool> =
+            (0..n).map(|i| fusion.member_of[i].is_none_or(|g| fusion.groups[g].anchor == i)).collect();
+        let pairs = crate::exec::pairs::plan(graph, &runs, |p| peak_in_order(graph, &p.order, &p.partner));
+        // Each value is freed after its last reader in the execution order.
+        let mut last_read: Vec<Option<usize>> = vec![None; n];
+        for &i in pairs.order.iter().filter(|&&i| runs[i]) {
+            let reads = match fusion.member_of[i] {
+                Some(g) => &fusion.groups[g].inputs,
+                None => &graph.nodes[i].inputs,
+            };
+            for x in reads {
+                last_read[x.0] = Some(i);
+            }
+        }
+        let mut freed = runs;
+        for o in &graph.outputs {
+            freed[o.value.0] = false; // kept to the end: never freed
+        }
+        let mut frees = vec![Vec::new(); n];
+        for v in (0..n).filter(|&v| freed[v]) {
+            frees[last_read[v].unwrap_or(v)].push(v);
+        }
+        Program { nodes: n, fusion, frees, transposed: crate::exec::transposed::Cache::plan(graph), pairs }
+    }
+
+    /// The execution order and its side-by-side matmuls ([`crate::exec::pairs`]).
+    pub fn pairs(&self) -> &crate::exec::pairs::Pairs {
+        &self.pairs
+    }
+
+    /// The fusion groups.
+    pub fn fusion(&self) -> &Fusion {
+        &self.fusion
+    }
+
+    /// Drops the row-major copies of transposed parameters this program keeps across runs
+    /// ([`crate::exec::transposed`]): their sources are going away (a stage's RESHARD).
+    pub fn clear_kept(&self) {
+        self.transposed.clear();
+    }
+
+    /// [`run_named_with`] through this program; `graph` must be the graph it was compiled from.
+    ///
+    /// # Errors
+    /// Those of [`run_named_with`]; [`ExecError::Input`] when `graph` has another node count
+    /// than the graph compiled.
+    pub fn run_named_with(
+        &self,
+        graph: &Graph,
+        inputs: &HashMap<String, Tensor>,
+        opts: &RunOptions,
+        comm: Option<&GraphComm>,
+    ) -> ExecResult<RunReport> {
+        debug_assert_eq!(
+            crate::exec::fusion::plan(graph),
+            self.fusion,
+            "a program runs the graph it was compiled from"
+        );
+        if graph.nodes.len() != self.nodes {
+            return Err(ExecError::Input {
+                graph: graph.name.clone(),
+                name: "*".into(),
+                reason: format!("compiled for {} nodes, the graph has {}", self.nodes, graph.nodes.len()),
+            });
+        }
+        exec(graph, &ordered_inputs(graph, inputs)?, opts, comm, Some(self))
+    }
+}
+
+pub(super) fn exec(
+    graph: &Graph,
+    inputs: &[Tensor],
+    opts: &RunOptions,
+    comm: Option<&GraphComm>,
+    program: Option<&Program>,
+) -> ExecResult<RunReport> {
+    if cfg!(debug_assertions) {
+        graphpp_graph::verify(graph)?;
+    }
+    if inputs.len() != graph.inputs.len() {
+        return Err(ExecError::Input {
+            graph: graph.name.clone(),
+            name: "*".into(),
+            reason: format!("expected {} inputs, got {}", graph.inputs.len(), inputs.len()),
+        });
+    }
+    let n = graph.nodes.len();
+    let mut live = Liveness::new(graph);
+    let mut vals: Vec<Option<Value>> = (0..n).map(|_| None).collect();
+    let mut times = opts.time_nodes.then(|| vec![Duration::ZERO; n]);
+    let mut next_input = 0;
+    let mut at_peak = Vec::new();
+    let mut spans = Vec::new();
+    let graph_order: Vec<usize>;
+    let order = match program {
+        Some(p) => &p.pairs.order,
+        None => {
+            graph_order = (0..n).collect();
+            &graph_order
+        }
+    };
+    // The value of a pair's second matmul, computed beside the first (it comes next in `order`),
+    // and the first, whose operands are released with the second's.
+    let mut early: Option<(usize, Tensor)> = None;
+    let mut deferred: Option<usize> = None;
+    for &i in order {
+        let node = &graph.nodes[i];
+        let t0 = Instant::now();
+        let value = if let Op::Input { name, ty, .. } = &node.op {
+            let t = inputs[next_input].clone();
+            next_input += 1;
+            if t.dims() != ty.shape.as_slice() || t.dtype() != candle_dtype(ty.dtype) {
+                return Err(ExecError::Input {
+                    graph: graph.name.clone(),
+                    name: name.clone(),
+                    reason: format!("expected {ty}, got {:?} {:?}", t.dtype(), t.dims()),
+                });
+            }
+            Value::Ready(t)
+        } else if let Some((_, t)) = early.take_if(|(j, _)| *j == i) {
+            // A pair's second value, computed beside the first.
+            Value::Ready(t)
+        } else {
+            let group = program.and_then(|p| p.fusion.member_of[i].map(|g| &p.fusion.groups[g]));
+            let reads = match group {
+                // A fused group's inner value is never computed (its anchor computes the group).
+                Some(g) if g.anchor != i => {
+                    live.produce(i);
+                    live.release(i, &node.inputs, |_| {});
+                    continue;
+                }
+                Some(g) => &g.inputs,
+                None => &node.inputs,
+            };
+            // A collective in flight completes when a node first reads it (normally its wait).
+            for x in reads {
+                if let Some(Value::InFlight(_)) = vals[x.0] {
+                    let Some(Value::InFlight(f)) = vals[x.0].take() else { unreachable!("matched above") };
+                    let t = finish(graph, f, comm, &mut spans)?;
+                    vals[x.0] = Some(Value::Ready(t));
+                }
+            }
+            let args = operands(&vals, reads);
+            match (&node.op, group) {
+                (_, Some(g)) => Value::Ready(g.eval(&args).map_err(|e| kernel_error(graph, i, e))?),
+                (Op::CollectiveStart { kind, group, axis }, None) => {
+                    start(comm, *kind, group, *axis, &args, i).map_err(|e| collective_error(graph, i, e))?
+                }
+                (Op::Permute { perm }, None) if program.is_some_and(|p| p.transposed.keeps(i)) => {
+                    let p = program.expect("matched above");
+                    Value::Ready(p.transposed.get(i, args[0], perm).map_err(|e| kernel_error(graph, i, e))?)
+                }
+                (Op::Matmul, None) if program.is_some() => {
+                    let p = program.expect("matched above");
+                    match p.pairs.partner[i] {
+                        Some(j) => {
+                            let (vi, vj) = matmul_pair(
+                                graph,
+                                [i, j],
+                                [&args, &operands(&vals, &graph.nodes[j].inputs)],
+                            )?;
+                            early = Some((j, vj));
+                            Value::Ready(vi)
+                        }
+                        None => Value::Ready(
+                            compiled_matmul(args[0], args[1], Threads::Pool)
+                                .map_err(|e| kernel_error(graph, i, e))?,
+                        ),
+                    }
+                }
+                (op, None) => Value::Ready(eval(graph, i, op, &args)?),
+            }
+        };
+        if live.produce(i) && opts.trace_peak {
+            at_peak = (0..n).filter(|&j| vals[j].is_some() || j == i).map(ValueId).collect();
+        }
+        vals[i] = Some(value);
+        match program {
+            Some(p) => {
+                for k in released(i, &p.pairs.partner, &mut deferred) {
+                    live.release(k, &graph.nodes[k].inputs, |_| {});
+                    for &j in &p.frees[k] {
+                        vals[j] = None;
+                    }
+                }
+            }
+            None => live.release(i, &node.inputs, |j| vals[j] = None),
+        }
+        if let Some(t) = times.as_mut() {
+            t[i] = t0.elapsed();
+        }
+    }
+    let mut outputs = Vec::with_capacity(graph.outputs.len());
+    for o in &graph.outputs {
+        let t = match vals[o.value.0].take() {
+            Some(Value::Ready(t)) => t,
+            // An output read straight from a start: complete it here.
+            Some(Value::InFlight(f)) => finish(graph, f, comm, &mut spans)?,
+            None => unreachable!("outputs are kept"),
+        };
+        vals[o.value.0] = Some(Value::Ready(t.clone()));
+        outputs.push(t);
+    }
+    let live_at_peak = opts.trace_peak.then_some(at_peak);
+    Ok(RunReport { outputs, peak_live_bytes: live.peak, node_times: times, live_at_peak, collectives: spans })
+}
+
+/// Completes `f` (waiting at most the communicator's timeout) and records its span.
+fn finish(
+    graph: &Graph,
+    f: InFlight,
+    comm: Option<&GraphComm>,
+    spans: &mut Vec<CollectiveSpan>,
+) -> ExecResult<Tensor> {
+    let (node, start, wait) = (f.node, f.started, Instant::now());
+    let timeout = comm.map_or(Duration::ZERO, |c| c.timeout);
+    let t = complete(f, timeout).map_err(|e| collective_error(graph, node, e))?;
+    spans.push(CollectiveSpan { node, start, wait, end: Instant::now() });
+    Ok(t)
+}
+
+/// The nodes whose operands are released once node `i` has run: none after the first of a pair
+/// (kept in `deferred`), both after its partner, else `i` — a pair's two values exist at once
+/// ([`crate::exec::pairs`]). The one rule of the run ([`exec`]) and its accounting ([`peak_in_order`]).
+pub(super) fn released(
+    i: usize,
+    partner: &[Option<usize>],
+    deferred: &mut Option<usize>,
+) -> impl Iterator<Item = usize> {
+    if partner[i].is_some() {
+        *deferred = Some(i);
+        None.into_iter().chain(None)
+    } else {
+        deferred.take().into_iter().chain(Some(i))
+    }
+}
+
+/// The values `reads`, each computed and complete (an operand in flight is completed before it
+/// is read; a pair's second node reads only values computed before the first).
+fn operands<'a>(vals: &'a [Option<Value>], reads: &[ValueId]) -> Vec<&'a Tensor> {
+    reads
+        .iter()
+        .map(|x| match &vals[x.0] {
+            Some(Value::Ready(t)) => t,
+            _ => unreachable!("live operand, completed before it is read"),
+        })
+        .collect()
+}
+
+/// The products of matmuls `nodes` from their `args`, side by side on one thread each where the
+/// pool has two or more ([`crate::exec::pairs`]), else one after the other.
+fn matmul_pair(graph: &Graph, nodes: [usize; 2], args: [&[&Tensor]; 2]) -> ExecResult<(Tensor, Tensor)> {
+    let product = |k: usize, threads: Threads| {
+        compiled_matmul(args[k][0], args[k][1], threads).map_err(|e| kernel_error(graph, nodes[k], e))
+    };
+    let (a, b) = if rayon::current_num_threads() > 1 {
+        rayon::join(|| product(0, Threads::One), || product(1, Threads::One))
+    } else {
+        (product(0, Threads::Pool), product(1, Threads::Pool))
+    };
+    Ok((a?, b?))
+}
