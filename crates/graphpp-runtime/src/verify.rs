@@ -25,17 +25,18 @@ use std::time::Duration;
 
 use candle_core::Tensor;
 use graphpp_graph::names::{LOSS, TARGETS, TOKENS};
-use graphpp_graph::{stage_graphs, DType, GraphError, RecomputePolicy};
+use graphpp_graph::{stage_graphs, DType, RecomputePolicy};
 use graphpp_models::rng::Rng;
-use graphpp_models::{split_layers, Model, ModelError, StageOptions};
-use graphpp_schedule::{lower, GenerateError, Kind, LowerError, LowerOptions, Options, Schedule, Shape};
+use graphpp_models::{split_layers, Model, StageOptions};
+use graphpp_schedule::{lower, Kind, LowerOptions, Options, Schedule, Shape};
 
 use crate::exec::{run_named, ExecError, RunOptions};
 use crate::kernels::tensor::{tensor_u32, to_f64};
 use crate::pipeline::stage::{sum_by_name, Env, GraphStages, Microbatches};
 use crate::pipeline::{run_pipeline, PipelineError};
 use crate::train::build::{stage_specs, StageBuild};
-use crate::train::memory::{check_step, SizeError};
+use crate::train::error::SetupError;
+use crate::train::memory::check_step;
 
 /// Default tolerance of `graphpp verify`: relative difference (see [`VerifyReport`]) in f32.
 /// Source: the acceptance criterion of issue 4 (1e-5 relative, f32).
@@ -68,40 +69,12 @@ const SCALE_FLOOR: f64 = 1e-12;
 /// Why a verification step could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum VerifyError {
-    /// More pipeline stages than decoder layers.
-    #[error(
-        "the model has {layers} decoder {}, too few for {stages} pipeline stages (one layer at \
-         least per stage); use a model with more layers (--layers) or fewer stages",
-        if *.layers == 1 { "layer" } else { "layers" }
-    )]
-    TooFewLayers {
-        /// Decoder layers of the model.
-        layers: usize,
-        /// Model stages the shape needs (S = p·v, or p for DualPipe).
-        stages: usize,
-    },
-    /// A schedule given as data (a file) that does not fit the run: another shape, another
-    /// placement than its kind's, or not compute-only ([`crate::train::build::compute_schedule`]).
-    #[error("{0}")]
-    ScheduleFile(String),
-    /// The kind cannot serve the shape.
+    /// Building the schedule, the stage split or the stage graphs failed.
     #[error(transparent)]
-    Generate(#[from] GenerateError),
-    /// The step would be too large to run (schedule size or memory), from estimates.
-    #[error(transparent)]
-    Size(#[from] SizeError),
+    Setup(#[from] SetupError),
     /// The tolerance is not a finite number >= 0.
     #[error("--tolerance {0}: the tolerance must be a finite number >= 0 (a relative difference)")]
     Tolerance(f64),
-    /// Lowering failed.
-    #[error(transparent)]
-    Lower(#[from] LowerError),
-    /// Bad model config or split.
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    /// A graph pass failed.
-    #[error(transparent)]
-    Graph(#[from] GraphError),
     /// The single-device step failed.
     #[error("single-device step: {0}")]
     Exec(#[from] ExecError),
@@ -276,7 +249,7 @@ pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
         &setup.options,
         setup.schedule.as_deref(),
     )?;
-    let schedule = lower(&compute, &LowerOptions::default())?;
+    let schedule = lower(&compute, &LowerOptions::default()).map_err(SetupError::from)?;
     let specs = stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
     let m = setup.shape.microbatches;
     let data =
@@ -303,9 +276,10 @@ pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
 pub fn single_device_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     let cfg = &*setup.model;
     let m = setup.shape.microbatches;
-    let spec = split_layers(cfg.num_layers(), 1, None)?.remove(0);
+    let spec = split_layers(cfg.num_layers(), 1, None).map_err(SetupError::from)?.remove(0);
     let opts = StageOptions::mixed(setup.batch * m, setup.seq, setup.reference_dtype);
-    let graphs = stage_graphs(&cfg.build_stage(&spec, &opts)?, &RecomputePolicy::SaveAll)?;
+    let stage = cfg.build_stage(&spec, &opts).map_err(SetupError::from)?;
+    let graphs = stage_graphs(&stage, &RecomputePolicy::SaveAll).map_err(SetupError::from)?;
     let data = random_microbatches(cfg.vocab_size(), m, setup.batch, setup.seq, setup.seed)?;
     let given = setup.weights.as_deref();
     let build =
@@ -423,10 +397,11 @@ pub fn data_parallel_step(
 }
 
 /// Runs `setup` pipelined and on one device and compares them (what `graphpp verify` prints).
-/// Errors: [`VerifyError::Size`] (before anything is built) when the schedule or the step would be
+/// Errors: [`SetupError::Size`] in [`VerifyError::Setup`] (before anything is built) when the schedule or the step would be
 /// too large ([`check_step`]), else those of the two steps.
 pub fn verify_step(setup: &VerifySetup) -> Result<VerifyReport, VerifyError> {
-    check_step(&*setup.model, setup.kind, &setup.shape, setup.batch / setup.dp.max(1), setup.seq, true)?;
+    check_step(&*setup.model, setup.kind, &setup.shape, setup.batch / setup.dp.max(1), setup.seq, true)
+        .map_err(SetupError::from)?;
     let a = if setup.dp > 1 || setup.fsdp || setup.ep > 1 {
         data_parallel_step(setup, None)?.ok_or_else(|| VerifyError::Mismatch("no leader".into()))?
     } else {

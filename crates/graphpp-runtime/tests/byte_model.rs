@@ -7,7 +7,7 @@ mod common;
 
 use graphpp_models::Recompute;
 use graphpp_runtime::exec::{peak_live_bytes, run, RunOptions};
-use graphpp_runtime::train::memory::run_byte_model;
+use graphpp_runtime::train::build::run_byte_model;
 use graphpp_runtime::verify::random_microbatches;
 use graphpp_runtime::{TrainSetup, Trainer};
 use graphpp_schedule::Kind;

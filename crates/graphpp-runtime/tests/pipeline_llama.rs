@@ -12,10 +12,11 @@ use graphpp_models::{LlamaConfig, StageOptions};
 use graphpp_runtime::kernels::tensor::to_f64;
 use graphpp_runtime::pipeline::stage::{GraphStages, Microbatches};
 use graphpp_runtime::train::build::{stage_specs, StageBuild};
+use graphpp_runtime::train::error::SetupError;
 use graphpp_runtime::verify::{
     compare, pipelined_step, random_microbatches, single_device_step, StepResult, TOLERANCE,
 };
-use graphpp_runtime::{run_pipeline, run_rank, PipelineError, RankOptions, VerifyError, VerifySetup};
+use graphpp_runtime::{run_pipeline, run_rank, PipelineError, RankOptions, VerifySetup};
 use graphpp_schedule::{
     generate, lower, Action, GenerateError, Kind, LowerOptions, Options, Schedule, Shape,
 };
@@ -208,7 +209,7 @@ fn a_failing_stage_is_named_and_nothing_hangs() {
 fn too_few_layers_is_a_typed_error() {
     let cfg = LlamaConfig::tiny();
     let e = stage_specs(&cfg, Kind::Interleaved1F1B, &Shape::new(4, 2, 8), None).unwrap_err();
-    assert!(matches!(e, VerifyError::TooFewLayers { layers: 4, stages: 8 }), "{e}");
+    assert!(matches!(e, SetupError::TooFewLayers { layers: 4, stages: 8 }), "{e}");
     // DualPipe needs p model stages only.
     assert_eq!(stage_specs(&cfg, Kind::DualPipe, &Shape::new(4, 2, 8), None).unwrap().len(), 8);
 }

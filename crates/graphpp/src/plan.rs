@@ -20,8 +20,8 @@ use graphpp_graph::names::OUTPUT;
 use graphpp_graph::{DType, InputKind, StageGraphs};
 use graphpp_models::{ModelConfig, Recompute, StageOptions};
 use graphpp_runtime::train::build::{model_stages, stage_specs, GraphCache};
-use graphpp_runtime::train::memory::{byte_model, input_bytes};
-use graphpp_runtime::VerifyError;
+use graphpp_runtime::train::bytes::{byte_model, input_bytes};
+use graphpp_runtime::SetupError;
 use graphpp_schedule::simulate::simulate_with;
 use graphpp_schedule::{generate, Action, Kind, Memory, Options, Schedule, Shape};
 
@@ -128,7 +128,7 @@ fn schedule_graphs(
     recompute: Recompute,
     cache: &mut GraphCache,
 ) -> Result<Vec<Arc<StageGraphs>>, PlanError> {
-    let build = |e: VerifyError| PlanError::Build(e.to_string());
+    let build = |e: SetupError| PlanError::Build(e.to_string());
     let specs = stage_specs(&req.model, kind, shape, None).map_err(build)?;
     let opts = StageOptions { recompute, ..StageOptions::mixed(batch, req.seq_len, req.dtype) };
     specs.iter().map(|spec| cache.get(&req.model, spec, &opts).map_err(build)).collect()

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use graphpp_graph::{DType, Graph, Op, StageGraphs};
 use graphpp_models::Recompute;
-use graphpp_runtime::train::memory::{byte_model, run_stage_graphs};
+use graphpp_runtime::train::{build::run_stage_graphs, bytes::byte_model};
 use graphpp_schedule::bytes::ByteModel;
 use graphpp_schedule::{Action, ComputeKind, Kind, Schedule, Timeline};
 use serde::{Deserialize, Serialize};

@@ -3,8 +3,6 @@
 
 use graphpp_graph::{Graph, InputKind, Op, ValueId};
 
-use super::program::released;
-
 /// The peak live bytes a run of `graph` reports ([`RunReport::peak_live_bytes`]), from the
 /// value types alone: the same accounting (module doc), without running anything. Exact for
 /// every graph whose value shapes are static (all of graphpp's); a compiled [`Program`] runs
@@ -98,4 +96,20 @@ fn state_derived(g: &Graph) -> Vec<bool> {
         };
     }
     s
+}
+
+/// The nodes whose operands are released once node `i` has run: none after the first of a pair
+/// (kept in `deferred`), both after its partner, else `i` — a pair's two values exist at once
+/// ([`crate::exec::pairs`]). The one rule of the run ([`super::program`]) and its accounting ([`peak_in_order`]).
+pub(super) fn released(
+    i: usize,
+    partner: &[Option<usize>],
+    deferred: &mut Option<usize>,
+) -> impl Iterator<Item = usize> {
+    if partner[i].is_some() {
+        *deferred = Some(i);
+        None.into_iter().chain(None)
+    } else {
+        deferred.take().into_iter().chain(Some(i))
+    }
 }

@@ -11,7 +11,7 @@ use graphpp_graph::{Graph, Op, ValueId};
 use super::collective::{collective_error, complete, start, CollectiveSpan, GraphComm, InFlight, Value};
 use super::fusion::Fusion;
 use super::kernel::{eval, kernel_error};
-use super::liveness::{peak_in_order, Liveness};
+use super::liveness::{peak_in_order, released, Liveness};
 use super::{ordered_inputs, ExecError, ExecResult, RunOptions, RunReport};
 use crate::kernels::matmul::{compiled_matmul, Threads};
 use crate::kernels::tensor::candle_dtype;
@@ -265,22 +265,6 @@ fn finish(
     let t = complete(f, timeout).map_err(|e| collective_error(graph, node, e))?;
     spans.push(CollectiveSpan { node, start, wait, end: Instant::now() });
     Ok(t)
-}
-
-/// The nodes whose operands are released once node `i` has run: none after the first of a pair
-/// (kept in `deferred`), both after its partner, else `i` — a pair's two values exist at once
-/// ([`crate::exec::pairs`]). The one rule of the run ([`exec`]) and its accounting ([`peak_in_order`]).
-pub(super) fn released(
-    i: usize,
-    partner: &[Option<usize>],
-    deferred: &mut Option<usize>,
-) -> impl Iterator<Item = usize> {
-    if partner[i].is_some() {
-        *deferred = Some(i);
-        None.into_iter().chain(None)
-    } else {
-        deferred.take().into_iter().chain(Some(i))
-    }
 }
 
 /// The values `reads`, each computed and complete (an operand in flight is completed before it

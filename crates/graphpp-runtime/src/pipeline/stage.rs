@@ -182,7 +182,7 @@ impl Programs {
 /// What a stage keeps between its actions: the names its backward graphs read that are not
 /// state (`is_state`) — kept from F until B or I, where present then — and those bw_dw reads
 /// (kept from I until W). One rule for the runtime's caches and the byte model
-/// ([`crate::train::memory::stage_bytes`]).
+/// ([`crate::train::bytes::stage_bytes`]).
 pub(crate) fn kept_names(
     graphs: &StageGraphs,
     is_state: impl Fn(&str) -> bool,

@@ -7,11 +7,13 @@ use std::sync::Arc;
 
 use graphpp_graph::{stage_graphs, StageGraphs};
 use graphpp_models::{split_layers, Model, StageOptions, StageSpec};
+use graphpp_schedule::bytes::ByteModel;
 use graphpp_schedule::{Kind, Schedule, Shape};
 
 use crate::kernels::tensor::tensor_from_f64;
 use crate::pipeline::stage::{Env, GraphStages, Microbatches, Stage};
-use crate::verify::VerifyError;
+use crate::train::bytes::byte_model;
+use crate::train::error::SetupError;
 
 /// Model stages of `kind` at `shape`: `S = p·v`, except DualPipe's `p` (its `2p` schedule stages
 /// hold two copies of a `p`-stage split).
@@ -26,19 +28,19 @@ pub fn model_stages(kind: Kind, shape: &Shape) -> usize {
 /// The model stage each schedule stage runs: `S = p·v` stages over the layers, except DualPipe,
 /// whose `2p` schedule stages hold two copies of a `p`-stage split (stage `p + i` ≡ stage `i`).
 /// `layers_per_stage` gives each model stage's layer count (`None`: an even split).
-/// Errors: [`VerifyError::TooFewLayers`] when the model has fewer layers than model stages;
-/// [`ModelError::Split`] (as [`VerifyError::Model`]) when the layers do not divide into the
+/// Errors: [`SetupError::TooFewLayers`] when the model has fewer layers than model stages;
+/// [`ModelError::Split`] (as [`SetupError::Model`]) when the layers do not divide into the
 /// stages or the given counts do not add up.
 pub fn stage_specs(
     cfg: &dyn Model,
     kind: Kind,
     shape: &Shape,
     layers_per_stage: Option<&[usize]>,
-) -> Result<Vec<StageSpec>, VerifyError> {
+) -> Result<Vec<StageSpec>, SetupError> {
     let s = shape.stages();
     let model_stages = model_stages(kind, shape);
     if model_stages > cfg.num_layers() {
-        return Err(VerifyError::TooFewLayers { layers: cfg.num_layers(), stages: model_stages });
+        return Err(SetupError::TooFewLayers { layers: cfg.num_layers(), stages: model_stages });
     }
     let specs = split_layers(cfg.num_layers(), model_stages, layers_per_stage)?;
     Ok((0..s).map(|st| specs[st % model_stages].clone()).collect())
@@ -52,17 +54,17 @@ pub fn stage_specs(
 /// by the validator (every dependency met, no deadlock).
 ///
 /// # Errors
-/// [`VerifyError::ScheduleFile`] naming what does not fit; [`VerifyError::Generate`] when the
+/// [`SetupError::ScheduleFile`] naming what does not fit; [`SetupError::Generate`] when the
 /// kind cannot serve the shape.
 pub fn compute_schedule(
     kind: Kind,
     shape: &Shape,
     options: &graphpp_schedule::Options,
     given: Option<&Schedule>,
-) -> Result<Schedule, VerifyError> {
+) -> Result<Schedule, SetupError> {
     let generated = graphpp_schedule::generate(kind, shape, options)?;
     let Some(given) = given else { return Ok(generated) };
-    let bad = |m: String| VerifyError::ScheduleFile(m);
+    let bad = |m: String| SetupError::ScheduleFile(m);
     let expect = graphpp_schedule::ValidateOptions {
         microbatches: Some(shape.microbatches),
         ranks: Some(shape.ranks),
@@ -108,7 +110,7 @@ pub fn compute_schedule(
 pub fn run_stages(
     setup: &crate::TrainSetup,
     ep_index: usize,
-) -> Result<(Vec<StageSpec>, StageOptions), VerifyError> {
+) -> Result<(Vec<StageSpec>, StageOptions), SetupError> {
     let specs = stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
     let ep = graphpp_models::ExpertShard { index: ep_index, size: setup.ep };
     let specs = specs.into_iter().map(|s| StageSpec { ep, ..s }).collect();
@@ -127,7 +129,7 @@ pub fn graphs_of(
     model: &dyn Model,
     spec: &StageSpec,
     opts: &StageOptions,
-) -> Result<StageGraphs, VerifyError> {
+) -> Result<StageGraphs, SetupError> {
     Ok(stage_graphs(&model.build_stage(spec, opts)?, &opts.recompute.policy(spec))?)
 }
 
@@ -140,7 +142,7 @@ pub fn all_stage_graphs(
     model: &dyn Model,
     specs: &[StageSpec],
     opts: &StageOptions,
-) -> Result<Vec<Arc<StageGraphs>>, VerifyError> {
+) -> Result<Vec<Arc<StageGraphs>>, SetupError> {
     let mut cache = GraphCache::default();
     specs.iter().map(|spec| cache.get(model, spec, opts)).collect()
 }
@@ -162,7 +164,7 @@ impl GraphCache {
         model: &dyn Model,
         spec: &StageSpec,
         opts: &StageOptions,
-    ) -> Result<Arc<StageGraphs>, VerifyError> {
+    ) -> Result<Arc<StageGraphs>, SetupError> {
         if let Some((_, _, g)) = self.built.iter().find(|(s, o, _)| s == spec && o == opts) {
             return Ok(Arc::clone(g));
         }
@@ -195,8 +197,8 @@ impl StageBuild<'_> {
     /// [`StageOptions::parameter_dtype`], the buffers of the compute dtype.
     ///
     /// # Errors
-    /// [`VerifyError::Mismatch`] for a parameter `given` lacks or holds in another shape.
-    pub fn state(&self, spec: &StageSpec) -> Result<Env, VerifyError> {
+    /// [`SetupError::Parameter`] for a parameter `given` lacks or holds in another shape.
+    pub fn state(&self, spec: &StageSpec) -> Result<Env, SetupError> {
         let (model, opts) = (self.model, self.opts);
         let mut env = Env::new();
         match self.given {
@@ -208,14 +210,15 @@ impl StageBuild<'_> {
             }
             Some(given) => {
                 for (name, shape) in model.stage_parameters(spec) {
-                    let t = given.get(&name).ok_or_else(|| {
-                        VerifyError::Mismatch(format!("initial parameter {name}: not given"))
+                    let t = given.get(&name).ok_or_else(|| SetupError::Parameter {
+                        name: name.clone(),
+                        reason: "not given".into(),
                     })?;
                     if t.dims() != shape.as_slice() {
-                        return Err(VerifyError::Mismatch(format!(
-                            "initial parameter {name}: shape {:?}, the model needs {shape:?}",
-                            t.dims()
-                        )));
+                        return Err(SetupError::Parameter {
+                            reason: format!("shape {:?}, the model needs {shape:?}", t.dims()),
+                            name,
+                        });
                     }
                     env.insert(
                         name,
@@ -235,13 +238,13 @@ impl StageBuild<'_> {
     /// with its graphs (under the options' recompute policy) and [`StageBuild::state`].
     ///
     /// # Errors
-    /// [`VerifyError::Mismatch`] for a schedule stage without a model stage; graph building.
+    /// [`SetupError::Inconsistent`] for a schedule stage without a model stage; graph building.
     pub fn rank(
         &self,
         schedule: &Schedule,
         data: Arc<Microbatches>,
         rank: usize,
-    ) -> Result<GraphStages, VerifyError> {
+    ) -> Result<GraphStages, SetupError> {
         let mut stages = BTreeMap::new();
         for (stage, ranks) in schedule.placement() {
             if !ranks.contains(&rank) {
@@ -250,7 +253,7 @@ impl StageBuild<'_> {
             let spec = self
                 .specs
                 .get(stage)
-                .ok_or_else(|| VerifyError::Mismatch(format!("stage {stage}: no model stage for it")))?;
+                .ok_or_else(|| SetupError::Inconsistent(format!("stage {stage}: no model stage for it")))?;
             stages.insert(stage, Stage::new(graphs_of(self.model, spec, self.opts)?, self.state(spec)?));
         }
         Ok(GraphStages::new(stages, data))
@@ -264,7 +267,29 @@ impl StageBuild<'_> {
         &self,
         schedule: &Schedule,
         data: Arc<Microbatches>,
-    ) -> Result<Vec<GraphStages>, VerifyError> {
+    ) -> Result<Vec<GraphStages>, SetupError> {
         (0..schedule.num_ranks()).map(|r| self.rank(schedule, Arc::clone(&data), r)).collect()
     }
+}
+
+/// The graphs of every schedule stage of a training run (index = stage id), built as its ranks
+/// build theirs: `B / dp` sequences per replica, the run's recompute policy and dtype, the first
+/// expert shard.
+///
+/// # Errors
+/// As [`stage_specs`] and [`graphs_of`].
+pub fn run_stage_graphs(setup: &crate::TrainSetup) -> Result<Vec<Arc<StageGraphs>>, SetupError> {
+    let (specs, opts) = run_stages(setup, 0)?;
+    all_stage_graphs(&*setup.model, &specs, &opts)
+}
+
+/// The [`ByteModel`] of a training run's `schedule` (compute-only or lowered) over its
+/// [`run_stage_graphs`]. FSDP's gathered parameters are not counted.
+///
+/// # Errors
+/// As [`run_stage_graphs`] and [`byte_model`].
+pub fn run_byte_model(setup: &crate::TrainSetup, schedule: &Schedule) -> Result<ByteModel, SetupError> {
+    let graphs = run_stage_graphs(setup)?;
+    let refs: Vec<&StageGraphs> = graphs.iter().map(|g| &**g).collect();
+    byte_model(&refs, schedule)
 }

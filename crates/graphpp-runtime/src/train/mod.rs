@@ -21,153 +21,35 @@
 //! one device from the current parameters.
 
 pub mod build;
+pub mod bytes;
+pub mod error;
 pub mod memory;
 pub mod rank_train;
 pub mod sample;
+pub mod setup;
+
+pub use error::TrainError;
+pub use setup::TrainSetup;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle_core::Tensor;
 use graphpp_graph::names::{LOGITS, LOSS, TARGETS, TOKENS};
 use graphpp_graph::Graph;
-use graphpp_models::{split_layers, Model, Recompute, StageOptions};
-use graphpp_schedule::{Kind, Options, Schedule, Shape, Timeline};
+use graphpp_models::{split_layers, StageOptions};
+use graphpp_schedule::{Schedule, Timeline};
 
 use crate::exec::{Program, RunOptions};
 use crate::kernels::tensor::{tensor_from_f64, tensor_u32, to_f64};
-use crate::optim::lr::CosineSchedule;
-use crate::optim::{AdamWConfig, OptimError};
-use crate::pipeline::stage::{Env, GraphStages, Microbatches, StageError};
+use crate::pipeline::stage::{Env, GraphStages, Microbatches};
 use crate::pipeline::PipelineError;
+use crate::train::error::SetupError;
 use crate::train::rank_train::{train_schedule, RankStepReport, RankTrainer};
-use crate::train::sample::{sample_next, SampleError};
-use crate::verify::VerifyError;
+use crate::train::sample::sample_next;
 use graphpp_comm::mesh::Mesh;
 use graphpp_comm::{Comm, ThreadComm};
-
-/// Why training could not start or a step failed.
-#[derive(Debug, thiserror::Error)]
-pub enum TrainError {
-    /// Building the schedule, the stage split or the stage graphs failed, or a step's pipeline run
-    /// failed (the latter names the rank, step and action).
-    #[error(transparent)]
-    Setup(#[from] VerifyError),
-    /// The step would be too large to run (schedule size or memory), from estimates.
-    #[error(transparent)]
-    Size(#[from] crate::train::memory::SizeError),
-    /// The optimizer, clipping or a loaded optimizer state was rejected.
-    #[error("optimizer: {0}")]
-    Optim(#[from] OptimError),
-    /// A stage rejected loaded parameters.
-    #[error("loading parameters: {0}")]
-    Stage(#[from] StageError),
-    /// Sampling a token failed (e.g. NaN logits after a diverged run).
-    #[error("generation: {0}")]
-    Sample(#[from] SampleError),
-    /// A tensor operation failed.
-    #[error("tensor: {0}")]
-    Tensor(#[from] candle_core::Error),
-    /// A step's data does not fit the trainer (wrong microbatch count, shape or token id).
-    #[error("bad step data: {0}")]
-    Data(String),
-    /// A collective after the pipeline run failed (a timeout, another rank's abort).
-    #[error("collective: {0}")]
-    Comm(Box<graphpp_comm::CommError>),
-    /// The microbatch's sequences do not split evenly over the data-parallel replicas.
-    #[error("batch {batch} does not divide into {dp} data-parallel replicas (dp must be ≥ 1 and divide the batch)")]
-    BatchNotDivisible {
-        /// Sequences per microbatch.
-        batch: usize,
-        /// Data-parallel replicas.
-        dp: usize,
-    },
-    /// Expert parallelism that this run cannot have: a degree that does not divide dp or the
-    /// routed experts, a dense model, or FSDP with it.
-    #[error("--ep {ep}: {reason}")]
-    ExpertParallel {
-        /// The expert-parallel degree asked for.
-        ep: usize,
-        /// What is wrong.
-        reason: String,
-    },
-    /// A previous step failed; its stages were lost with the failing ranks.
-    #[error("the trainer's stages were lost in an earlier failed step; start a new run")]
-    Poisoned,
-}
-
-/// Everything a training run is built from.
-#[derive(Debug, Clone)]
-pub struct TrainSetup {
-    /// The model (any [`Model`]; the Llama config implements it).
-    pub model: Arc<dyn Model>,
-    /// Schedule kind.
-    pub kind: Kind,
-    /// Pipeline shape (p ranks, v stages per rank, m microbatches per step).
-    pub shape: Shape,
-    /// Generator options (group size, zb-auto costs).
-    pub options: Options,
-    /// A compute-only order of one's own (e.g. from a schedule file) run instead of `kind`'s
-    /// generated one; it keeps `kind`'s placement ([`crate::train::build::compute_schedule`]).
-    pub schedule: Option<Arc<Schedule>>,
-    /// Decoder layers of each model stage; `None` splits evenly.
-    pub layers_per_stage: Option<Vec<usize>>,
-    /// Sequences per microbatch `B` (the global microbatch: each data-parallel replica runs
-    /// `B / dp` of them).
-    pub batch: usize,
-    /// Data-parallel replicas of the pipeline (1: none); the world is `p × dp` ranks.
-    pub dp: usize,
-    /// FSDP (ZeRO-3) over the data-parallel replicas: parameters, gradients and AdamW state
-    /// sharded ([`crate::pipeline::data_parallel`]); with dp = 1 the same as without.
-    pub fsdp: bool,
-    /// Expert-parallel degree (1: none): each MoE layer's routed experts are split over groups
-    /// of `ep` data-parallel replicas, which exchange tokens by all-to-all ([`graphpp_comm::mesh`]);
-    /// must divide dp and the routed experts.
-    pub ep: usize,
-    /// Optimizer post-validation (`--post-validate`, [`RankTrainer`]): step at once, validate
-    /// the global norm after, roll back when clipping or a non-finite gradient says so.
-    pub post_validate: bool,
-    /// Tokens per sequence `T`.
-    pub seq: usize,
-    /// Seed of the initial weights.
-    pub seed: u64,
-    /// AdamW hyperparameters.
-    pub adamw: AdamWConfig,
-    /// Learning rate per step.
-    pub lr: CosineSchedule,
-    /// Global gradient-norm bound (`clip_grad_norm_`'s `max_norm`); `None` disables clipping.
-    pub max_grad_norm: Option<f64>,
-    /// Activation recomputation of every stage.
-    pub recompute: Recompute,
-    /// An emulated interconnect every rank's traffic goes through ([`graphpp_comm::emulated`]);
-    /// `None`: the communicator as it is.
-    pub link: Option<graphpp_comm::LinkModel>,
-    /// Bias update speed γ of MoE load balancing, per step (DeepSeek-V3 uses 0.001; 0 freezes
-    /// the biases); unused by a dense model.
-    pub expert_bias_update: f64,
-    /// Bound on every RECV of a step.
-    pub timeout: Duration,
-    /// Compute dtype of the stage graphs: f32, or bf16 for mixed precision (f32 master weights,
-    /// gradients and AdamW state; bf16 activations and messages; f32 loss — see
-    /// [`StageOptions::mixed`]). Evaluation and generation compute in it too.
-    pub dtype: graphpp_graph::DType,
-}
-
-impl TrainError {
-    /// Whether the step was refused as a whole and not applied — a non-finite global gradient
-    /// norm, which every rank sees alike — so the trainer is intact and the next step may run
-    /// (a caller may skip such a step, as mixed-precision loss scaling does).
-    pub fn is_skipped_step(&self) -> bool {
-        matches!(self, TrainError::Optim(OptimError::NonFiniteNorm { .. }))
-    }
-}
-
-impl From<graphpp_comm::CommError> for TrainError {
-    fn from(e: graphpp_comm::CommError) -> Self {
-        TrainError::Comm(Box::new(e))
-    }
-}
 
 /// What one step did.
 #[derive(Debug, Clone)]
@@ -233,7 +115,7 @@ fn rank_pools(ranks: &[RankTrainer], threads: usize) -> Result<Vec<rayon::Thread
         .iter()
         .map(|r| {
             crate::kernels::threads::rank_pool(r.rank(), threads)
-                .map_err(|e| VerifyError::Mismatch(format!("rank {}: thread pool: {e}", r.rank())).into())
+                .map_err(|e| SetupError::ThreadPool { rank: r.rank(), reason: e.to_string() }.into())
         })
         .collect()
 }
@@ -249,9 +131,7 @@ impl Trainer {
     pub fn new(setup: TrainSetup) -> Result<Self, TrainError> {
         let schedule = Arc::new(train_schedule(&setup)?);
         let p = schedule.num_ranks();
-        let mesh = Mesh::new(p, setup.dp)
-            .and_then(|m| m.with_ep(setup.ep))
-            .map_err(|e| VerifyError::Mismatch(e.to_string()))?;
+        let mesh = Mesh::new(p, setup.dp).and_then(|m| m.with_ep(setup.ep)).map_err(SetupError::from)?;
         let ranks = ThreadComm::world(mesh.world())
             .into_iter()
             .map(|c| RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, Arc::new(c)))
@@ -268,7 +148,7 @@ impl Trainer {
         let p = schedule.num_ranks();
         let mesh = Mesh::for_world(comm.world(), p, setup.dp)
             .and_then(|m| m.with_ep(setup.ep))
-            .map_err(|e| VerifyError::Mismatch(e.to_string()))?;
+            .map_err(SetupError::from)?;
         let ranks = vec![RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, comm)?];
         Self::with_ranks(setup, schedule, ranks)
     }
@@ -422,7 +302,7 @@ impl Trainer {
     ///
     /// # Errors
     /// [`TrainError::Data`] for a wrong microbatch count; a failing rank
-    /// ([`TrainError::Setup`] wrapping the pipeline error that names rank, step and action — the
+    /// ([`TrainError::Pipeline`]: the pipeline error that names rank, step and action — the
     /// trainer is then [`TrainError::Poisoned`]); [`TrainError::Optim`] for a non-finite gradient
     /// norm (the step is not applied; the trainer stays usable, see
     /// [`TrainError::is_skipped_step`]).
@@ -535,9 +415,9 @@ impl Trainer {
             return Ok(Arc::clone(g));
         }
         let model = &self.setup.model;
-        let spec = split_layers(model.num_layers(), 1, None).map_err(VerifyError::from)?.remove(0);
+        let spec = split_layers(model.num_layers(), 1, None).map_err(SetupError::from)?.remove(0);
         let opts = StageOptions { logits, ..StageOptions::mixed(batch, self.setup.seq, self.setup.dtype) };
-        let g = Arc::new(model.build_stage(&spec, &opts).map_err(VerifyError::from)?);
+        let g = Arc::new(model.build_stage(&spec, &opts).map_err(SetupError::from)?);
         self.inference.insert((batch, logits), Arc::clone(&g));
         Ok(g)
     }
@@ -589,8 +469,7 @@ impl Trainer {
         for (x, y) in batches {
             env.insert(TOKENS.into(), tensor_u32(x, &[batch, self.setup.seq])?);
             env.insert(TARGETS.into(), tensor_u32(y, &[batch, self.setup.seq])?);
-            let r =
-                program.run_named_with(&g, &env, &RunOptions::default(), None).map_err(VerifyError::from)?;
+            let r = program.run_named_with(&g, &env, &RunOptions::default(), None)?;
             let loss = r.output(&g, LOSS).ok_or_else(|| TrainError::Data("no loss output".into()))?;
             sum += to_f64(loss)?[0];
         }
@@ -628,8 +507,7 @@ impl Trainer {
             let mut ids = window.to_vec();
             ids.resize(t, 0);
             env.insert(TOKENS.into(), tensor_u32(&ids, &[1, t])?);
-            let r =
-                program.run_named_with(&g, &env, &RunOptions::default(), None).map_err(VerifyError::from)?;
+            let r = program.run_named_with(&g, &env, &RunOptions::default(), None)?;
             let logits = r.output(&g, LOGITS).ok_or_else(|| TrainError::Data("no logits output".into()))?;
             let row: Vec<f32> = logits.get(window.len() - 1)?.to_vec1()?;
             text.push(sample_next(&row, temperature, top_k, rng)?);
@@ -644,7 +522,7 @@ impl Trainer {
 fn first_train_failure(mut errors: Vec<TrainError>) -> TrainError {
     fn pipeline(e: &TrainError) -> Option<&PipelineError> {
         match e {
-            TrainError::Setup(VerifyError::Pipeline(p)) => Some(p),
+            TrainError::Pipeline(p) => Some(p),
             _ => None,
         }
     }

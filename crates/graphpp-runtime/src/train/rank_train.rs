@@ -41,8 +41,9 @@ use crate::pipeline::data_parallel::DataParallel;
 use crate::pipeline::stage::{env_bytes, sum_by_name, Env, GraphStages, Microbatches, StageError};
 use crate::pipeline::{run_rank, RankOptions, RankOutcome};
 use crate::train::build::{compute_schedule, StageBuild};
-use crate::train::{TrainError, TrainSetup};
-use crate::verify::VerifyError;
+use crate::train::error::SetupError;
+use crate::train::error::TrainError;
+use crate::train::setup::TrainSetup;
 use graphpp_comm::mesh::Mesh;
 use graphpp_comm::{Comm, Group, Pending, Tag, TagKind};
 
@@ -60,7 +61,7 @@ pub fn train_schedule(setup: &TrainSetup) -> Result<Schedule, TrainError> {
     let local = setup.batch / setup.dp;
     crate::train::memory::check_step(&*setup.model, setup.kind, &setup.shape, local, setup.seq, false)?;
     let schedule = compute_schedule(setup.kind, &setup.shape, &setup.options, setup.schedule.as_deref())?;
-    Ok(lower(&schedule, &lower_options(setup)).map_err(VerifyError::from)?)
+    Ok(lower(&schedule, &lower_options(setup)).map_err(SetupError::from)?)
 }
 
 /// Checks the expert-parallel degree: a MoE model whose routed experts it divides, a divisor
@@ -296,7 +297,7 @@ impl std::fmt::Debug for RankTrainer {
 }
 
 fn mismatch(msg: String) -> TrainError {
-    TrainError::Setup(VerifyError::Mismatch(msg))
+    TrainError::Setup(SetupError::Inconsistent(msg))
 }
 
 impl RankTrainer {
@@ -327,10 +328,10 @@ impl RankTrainer {
                 comm.world()
             )));
         }
-        let pipeline = mesh.pipeline_group(rank).map_err(|e| mismatch(e.to_string()))?;
+        let pipeline = mesh.pipeline_group(rank).map_err(SetupError::from)?;
         let world = Group::world(comm.world())?;
-        let data_parallel = mesh.data_parallel_group(rank).map_err(|e| mismatch(e.to_string()))?;
-        let replica = mesh.coords(rank).map_err(|e| mismatch(e.to_string()))?.dp;
+        let data_parallel = mesh.data_parallel_group(rank).map_err(SetupError::from)?;
+        let replica = mesh.coords(rank).map_err(SetupError::from)?.dp;
         if setup.dp != mesh.dp() || setup.dp == 0 || !setup.batch.is_multiple_of(setup.dp) {
             return Err(TrainError::BatchNotDivisible { batch: setup.batch, dp: mesh.dp() });
         }
@@ -339,7 +340,7 @@ impl RankTrainer {
         if mesh.ep() != setup.ep {
             return Err(mismatch(format!("mesh ep {} for a run of ep {}", mesh.ep(), setup.ep)));
         }
-        let ep_index = mesh.ep_index(rank).map_err(|e| mismatch(e.to_string()))?;
+        let ep_index = mesh.ep_index(rank).map_err(SetupError::from)?;
         let (specs, opts) = crate::train::build::run_stages(&setup, ep_index)?;
         let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
         let build =
@@ -356,7 +357,7 @@ impl RankTrainer {
                 DataParallel::new(Arc::clone(&comm), data_parallel.clone(), setup.fsdp, setup.timeout)?;
             if setup.ep > 1 {
                 let experts = mine.iter().filter(|n| setup.model.expert_of(n).is_some()).cloned().collect();
-                let group = mesh.expert_data_parallel_group(rank).map_err(|e| mismatch(e.to_string()))?;
+                let group = mesh.expert_data_parallel_group(rank).map_err(SetupError::from)?;
                 dp.set_expert_parallel(group, experts)?;
             }
             work.set_data_parallel(dp)?;
@@ -403,8 +404,7 @@ impl RankTrainer {
         for (name, hs) in holders {
             let replica = lead[&name];
             if let Some(&first) = hs.first() {
-                let owner =
-                    mesh.rank_of(Coords { pp: first, dp: replica }).map_err(|e| mismatch(e.to_string()))?;
+                let owner = mesh.rank_of(Coords { pp: first, dp: replica }).map_err(SetupError::from)?;
                 owned.entry(owner).or_default().push(name.clone());
             }
             let held = mine.contains(&name);
@@ -419,7 +419,7 @@ impl RankTrainer {
         }
         let mut bias_owned: BTreeMap<usize, Vec<String>> = BTreeMap::new();
         for (bias, first) in bias_holders {
-            let owner = mesh.rank_of(Coords { pp: first, dp: 0 }).map_err(|e| mismatch(e.to_string()))?;
+            let owner = mesh.rank_of(Coords { pp: first, dp: 0 }).map_err(SetupError::from)?;
             bias_owned.entry(owner).or_default().push(bias);
         }
         let optim = AdamW::new(setup.adamw)?;
@@ -483,7 +483,7 @@ impl RankTrainer {
     ///
     /// # Errors
     /// [`TrainError::Data`] for a wrong microbatch count or a microbatch without a loss;
-    /// [`TrainError::Poisoned`] after an earlier failed step; [`TrainError::Setup`] wrapping the
+    /// [`TrainError::Poisoned`] after an earlier failed step; [`TrainError::Pipeline`]: the
     /// pipeline error (naming rank, step and action); [`TrainError::Comm`] for a failed
     /// collective; [`TrainError::Optim`] for a non-finite gradient norm (the step is not
     /// applied). On any failure after the pipeline run the communicator is aborted, so the other
@@ -579,7 +579,7 @@ impl RankTrainer {
         let mut work = self.work.take().ok_or(TrainError::Poisoned)?;
         work.start_step(data);
         let opts = RankOptions { timeout: self.setup.timeout, start };
-        Ok(run_rank(&self.schedule, &self.pipeline, work, &*self.comm, &opts).map_err(VerifyError::from)?)
+        Ok(run_rank(&self.schedule, &self.pipeline, work, &*self.comm, &opts)?)
     }
 
     /// This replica's rows of every microbatch (`B / dp` sequences from row `replica · B / dp`).
@@ -870,7 +870,7 @@ impl RankTrainer {
         comm: Vec<CommSpan>,
     ) -> Result<(Vec<Interval>, Vec<CommSpan>), TrainError> {
         let (rank, timeout) = (self.comm.rank(), self.setup.timeout);
-        let coords = self.mesh.coords(rank).map_err(|e| mismatch(e.to_string()))?;
+        let coords = self.mesh.coords(rank).map_err(SetupError::from)?;
         if coords.dp != 0 {
             return Ok((intervals, comm));
         }
@@ -885,7 +885,7 @@ impl RankTrainer {
         }
         let (mut all, mut all_comm) = (intervals, comm);
         for pp in 1..self.mesh.pp() {
-            let from = self.mesh.rank_of(Coords { pp, dp: 0 }).map_err(|e| mismatch(e.to_string()))?;
+            let from = self.mesh.rank_of(Coords { pp, dp: 0 }).map_err(SetupError::from)?;
             let program = self.schedule.program(pp);
             let times: Vec<Vec<f64>> =
                 self.comm.recv(from, gather_tag(Gathered::Intervals, 0), timeout)?.to_vec2()?;
