@@ -18,6 +18,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use crate::action::{Action, CommKind, ComputeKind, Task};
+use crate::route::{routes_of, tasks_of, widen_route};
 use crate::schedule::{RankId, Schedule, Step};
 use crate::table::TaskMap;
 
@@ -67,46 +68,6 @@ pub struct DepGraph {
     /// `dep_start[g]..dep_start[g + 1]`: the slice of `dep_list` holding action g's dependencies.
     dep_start: Vec<u32>,
     dep_list: Vec<Dep>,
-}
-
-/// Routes of all microbatches (see [`Schedule::route`]), computed in one pass; `None` for a
-/// microbatch that no action names.
-pub fn routes(programs: &[Vec<Action>]) -> Vec<Option<Range<usize>>> {
-    routes_of(programs.iter().flatten())
-}
-
-/// [`routes`] of any sequence of actions (e.g. a schedule's cells, idle steps skipped).
-pub fn routes_of<'a>(actions: impl IntoIterator<Item = &'a Action>) -> Vec<Option<Range<usize>>> {
-    let mut r: Vec<Option<Range<usize>>> = Vec::new();
-    for t in actions.into_iter().flat_map(tasks_of) {
-        widen_route(&mut r, t);
-    }
-    r
-}
-
-/// Widens `routes[t.mb]` (growing `routes` as needed) to include stage `t.stage`.
-pub(crate) fn widen_route(routes: &mut Vec<Option<Range<usize>>>, t: Task) {
-    if routes.len() <= t.mb {
-        routes.resize(t.mb + 1, None);
-    }
-    match &mut routes[t.mb] {
-        Some(x) => {
-            x.start = x.start.min(t.stage);
-            x.end = x.end.max(t.stage + 1);
-        }
-        r => *r = Some(t.stage..t.stage + 1),
-    }
-}
-
-/// The (stage, microbatch) tasks an action names.
-#[inline]
-pub fn tasks_of(a: &Action) -> impl Iterator<Item = Task> {
-    let (x, y) = match *a {
-        Action::Compute { task, .. } | Action::Comm { task, .. } => (Some(task), None),
-        Action::Overlap { f, b } => (Some(f), Some(b)),
-        Action::StageOp { .. } => (None, None),
-    };
-    x.into_iter().chain(y)
 }
 
 /// A program cell: an action ([`DepGraph::programs`]) or a step that may be idle ([`Schedule::ranks`]).

@@ -193,7 +193,7 @@ impl Schedule {
 
     /// Routes of all microbatches in one pass (index = microbatch; see [`Schedule::route`]).
     pub fn routes(&self) -> Vec<Option<std::ops::Range<StageId>>> {
-        crate::deps::routes_of(self.ranks.iter().flatten().flatten())
+        crate::route::routes_of(self.ranks.iter().flatten().flatten())
     }
 
     /// Every non-idle action with its rank, rank by rank in program order.
