@@ -403,9 +403,4 @@ impl GraphBuilder {
         verify(&self.graph)?;
         Ok(self.graph)
     }
-
-    /// The graph without verification (for passes that verify at their end).
-    pub fn into_graph(self) -> Graph {
-        self.graph
-    }
 }

@@ -1,5 +1,5 @@
 //! Peak memory per rank in bytes: the simulator's memory model with each stage's real sizes in
-//! place of M_B / M_W units (issue 12, item 3).
+//! place of M_B / M_W units.
 //!
 //! The walk is the runtime's own accounting (`graphpp_runtime::pipeline::stage`: a rank's activation peak is
 //! the largest, over the compute actions it runs, of the bytes the other (stage, microbatch) pairs

@@ -408,7 +408,7 @@ mod tests {
         assert!(matches!(e, LowerError::AlreadyHas { pass: "add_send_recv", at } if at.step == 1), "{e:?}");
         let e = add_send_recv(&sched("0F0\n0B0\n")).unwrap_err();
         assert!(
-            matches!(e, LowerError::Invalid(ref v) if v.kind() == crate::validate::ErrorKind::StageOnManyRanks)
+            matches!(e, LowerError::Invalid(ref v) if matches!(**v, ValidationError::StageOnManyRanks { .. }))
         );
     }
 

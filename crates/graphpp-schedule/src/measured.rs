@@ -1,6 +1,7 @@
 //! Measured versus predicted: fit per-action costs to a measured timeline, simulate the same
-//! schedule with them, and compare the bubbles (issue 4: "the end summary gives the measured bubble
-//! beside the simulator's prediction from the measured per-action times").
+//! schedule with them, and compare the bubbles: a
+//! run's summary gives the measured bubble beside the simulator's prediction from the measured
+//! per-action times.
 //!
 //! The prediction gives every compute action the duration it was measured to take (so stage
 //! imbalance — the first stage holds the embedding, the last the LM head and the loss — and

@@ -135,7 +135,7 @@ fn zb_auto_is_never_slower_than_the_reference_and_stays_under_the_cap() {
 
 #[test]
 fn zbv_auto_beats_the_fixed_order_where_m_equals_p() {
-    // Issue 13's example: p = 8, m = 8, F = 1, I = 2, W = 1, c = 0 — zbv 92, the reference 78.
+    // p = 8, m = 8, F = 1, I = 2, W = 1, c = 0 — zbv 92, the reference 78.
     let c = costs(1.0, 2.0, 1.0, 0.0);
     let (_, fixed) = run(Kind::Zbv, Shape::new(8, 2, 8), &c);
     let (_, auto) = run(Kind::ZbvAuto, Shape::new(8, 2, 8), &c);
@@ -171,7 +171,7 @@ fn memory_decisions_do_not_depend_on_the_cost_unit() {
 
 #[test]
 fn decisions_do_not_depend_on_the_cost_unit() {
-    // Issue 13's example: the reference gives 14.3 for these costs and 13.4 for them ×10.
+    // The reference gives 14.3 for these costs and 13.4 for them ×10.
     let (one, ten) = both_units(Kind::ZbAuto, Shape::new(2, 1, 4), &costs(1.0, 1.0, 1.0, 0.1));
     assert!((one - 13.4).abs() < 1e-9 && (ten - 134.0).abs() < 1e-9, "{one} vs {ten}");
     for p in [2, 4, 6, 8] {

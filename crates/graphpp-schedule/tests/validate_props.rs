@@ -5,7 +5,6 @@
 
 mod hand;
 
-use graphpp_schedule::validate::ErrorKind;
 use graphpp_schedule::{validate, Action, ComputeKind, Schedule, ValidateOptions, ValidationError};
 use hand::{build, runs_to_completion, stages, Family, FAMILIES};
 use proptest::prelude::*;
@@ -92,14 +91,19 @@ proptest! {
                 && matches!((ka, kb), (ComputeKind::F, ComputeKind::B | ComputeKind::I) | (ComputeKind::I, ComputeKind::W)),
             _ => false,
         };
-        let got = validate(&mutated, &opts()).map_err(|e| e.kind());
-        let expected = if dependent {
-            Err(ErrorKind::OrderViolation)
-        } else if runs_to_completion(&mutated, stages(f, p)) {
-            Ok(())
-        } else {
-            Err(ErrorKind::Deadlock)
+        let got = match validate(&mutated, &opts()) {
+            Ok(_) => "valid",
+            Err(ValidationError::OrderViolation { .. }) => "order violation",
+            Err(ValidationError::Deadlock { .. }) => "deadlock",
+            Err(e) => return Err(TestCaseError::fail(format!("unexpected error {e}\n{mutated}"))),
         };
-        prop_assert_eq!(got.map(|_| ()), expected, "swap {} {} on rank {}\n{}", a, b, r, mutated);
+        let expected = if dependent {
+            "order violation"
+        } else if runs_to_completion(&mutated, stages(f, p)) {
+            "valid"
+        } else {
+            "deadlock"
+        };
+        prop_assert_eq!(got, expected, "swap {} {} on rank {}\n{}", a, b, r, mutated);
     }
 }

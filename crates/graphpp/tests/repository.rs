@@ -1,4 +1,4 @@
-//! The repository stands alone (issue 9): no file in it reads or points at a path outside it, so
+//! The repository stands alone: no file in it reads or points at a path outside it, so
 //! a fresh clone builds, tests and documents itself. Scans every text file of the work tree
 //! (build folders `target*` and `.git` excepted) for two kinds of escape:
 //! - a relative path whose `../` steps climb above the repository root, counted from the file's
@@ -32,12 +32,15 @@ fn files(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 /// Depth below the repository root of the folder relative paths in `file` start from: the
-/// shallower of the file's own folder and its crate root (the nearest folder with a Cargo.toml).
+/// shallower of the file's own folder and its crate root (the nearest folder below the
+/// repository root with a Cargo.toml; the root's is the workspace's, not a crate's).
 fn anchor_depth(root: &Path, file: &Path) -> usize {
     let dir = file.parent().unwrap();
     let depth = |d: &Path| d.strip_prefix(root).unwrap().components().count();
-    let crate_root =
-        dir.ancestors().take_while(|d| d.starts_with(root)).find(|d| d.join("Cargo.toml").is_file());
+    let crate_root = dir
+        .ancestors()
+        .take_while(|d| d.starts_with(root) && *d != root)
+        .find(|d| d.join("Cargo.toml").is_file());
     crate_root.map_or(depth(dir), |c| depth(c).min(depth(dir)))
 }
 
@@ -107,6 +110,8 @@ fn the_scan_catches_a_path_that_climbs_out() {
     // A test file two folders below its crate root climbs at most two folders.
     assert_eq!(anchor_depth(&root, &root.join("crates/graphpp/tests/repository.rs")), 2);
     assert_eq!(anchor_depth(&root, &root.join("README.md")), 0);
+    // A page in docs/ links its neighbours from its own folder.
+    assert_eq!(anchor_depth(&root, &root.join("docs/cli/train.md")), 2);
 }
 
 /// The sections that files cite as `docs/ARCHITECTURE.md` … "Section" (a heading, or a bold

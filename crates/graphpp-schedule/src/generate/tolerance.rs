@@ -4,8 +4,8 @@
 //! A heuristic that asks "does this W fit into the gap before the next input arrives?" must give
 //! the same answer for costs `F=1, c=0.1` and for the same costs ×10. In `f64`, `9.3` and
 //! `9.299999999999999` (the sum of the same costs in another order) compare unequal, and the
-//! zero-bubble reference heuristics take different schedules for the two units (issue 13's
-//! example: p=2, m=4, F=I=W=1, c=0.1 gives 14.3 vs 13.4). Here two times closer than
+//! zero-bubble reference heuristics take different schedules for the two units (for
+//! example p=2, m=4, F=I=W=1, c=0.1 gives 14.3 vs 13.4). Here two times closer than
 //! `1e-9 × (T_F + T_I + T_W + c)` are equal: far above the rounding error of any sum of ≤ 10^6
 //! costs, far below any difference a schedule can make, and scaled with the cost unit.
 //!

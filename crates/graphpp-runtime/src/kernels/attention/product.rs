@@ -1,6 +1,6 @@
 //! The small dense products of attention's tiles (`q kᵀ`, `P v`, `g vᵀ`, `dS k`, `dSᵀ q`, `Pᵀ g`:
 //! at most 128 × 128 × E), register-blocked without packing, summing only where the mask lets a
-//! term be non-zero (issue 11 item 1).
+//! term be non-zero.
 //!
 //! gemm packs both operands into panels before its micro-kernel runs, once per call, and cannot
 //! know that a causal mask zeroes a third of a 64 × 64 tile's terms: at `small`'s training shape
