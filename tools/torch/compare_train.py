@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""`graphpp train` beside PyTorch pipelining, alternating in one run (issue 11: a training step
-benchmark that prints graphpp and the reference side by side).
+"""`graphpp train` beside PyTorch pipelining, alternating in one run: a training
+step benchmark that prints graphpp and the reference side by side.
 
 Each round runs, for every schedule asked for, `graphpp train --model M --ranks 2
 --threads-per-rank 1 --schedule S --steps N --eval-every 0` and then

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Hugging Face Llama fixtures for `graphpp train --init-from DIR` (issue 9).
+"""Hugging Face Llama fixtures for `graphpp train --init-from DIR`.
 
 Builds two tiny `transformers.LlamaForCausalLM` models with configs that exercise every Llama
 field graphpp implements, saves each with `save_pretrained` (config.json + model.safetensors, HF

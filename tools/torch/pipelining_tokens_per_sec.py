@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch reference for `graphpp train` throughput: training tokens/s of graphpp's `tiny` (or,
 with --model small, `small`: D=256, 8 layers, 8 heads, SwiGLU inner 688) model under
-torch.distributed.pipelining on this CPU (issues 4 and 11).
+torch.distributed.pipelining on this CPU.
 
 What it measures: two processes (ranks) joined by a gloo process group, each limited to
 `--threads` intra-op threads, train graphpp's `tiny` Llama-style decoder (V=256 byte tokens,

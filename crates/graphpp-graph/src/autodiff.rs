@@ -15,10 +15,8 @@ use crate::verify::{at, verify};
 /// Name of the output that is seeded with gradient 1.
 pub const LOSS: &str = "loss";
 
-/// Name of the gradient of input or output `name`.
-pub fn grad_name(name: &str) -> String {
-    format!("grad.{name}")
-}
+/// Name of the gradient of input or output `name` ([`crate::names::grad_of`]).
+pub use crate::names::grad_of as grad_name;
 
 /// Which forward values carry a gradient: float values reachable from float parameter/activation
 /// inputs through differentiable ops.

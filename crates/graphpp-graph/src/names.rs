@@ -22,3 +22,66 @@ pub const EXPERT_LOAD: &str = "expert_load.";
 pub const AUX_LOSS: &str = "aux_loss.";
 /// Next-token logits `[B·T, V]` of an inference graph's last stage (no targets, no loss).
 pub const LOGITS: &str = "logits";
+
+/// Prefix of a gradient's name: `grad.<x>` is d loss / d `x` for a parameter or activation input
+/// `x` of the forward (an output of the backward), or the tangent input d loss / d `x` of a float
+/// output `x` other than the loss (docs/ARCHITECTURE.md "Graph IR" → Autodiff).
+pub const GRAD: &str = "grad.";
+
+/// The name of the gradient of input or output `name`: `grad.<name>`.
+pub fn grad_of(name: &str) -> String {
+    format!("{GRAD}{name}")
+}
+
+/// The input or output a gradient name is of (`grad.<x>` → `x`); `None` for any other name.
+pub fn grad_target(name: &str) -> Option<&str> {
+    name.strip_prefix(GRAD)
+}
+
+/// Prefix of a saved activation: the forward's output `saved.<k>` is the k-th value the
+/// backward reads from the forward (see [`crate::partition`]), an input of the backward.
+pub const SAVED: &str = "saved.";
+
+/// The name of the `k`-th saved activation: `saved.<k>`.
+pub fn saved(k: usize) -> String {
+    format!("{SAVED}{k}")
+}
+
+/// Whether `name` is a saved activation's name.
+pub fn is_saved(name: &str) -> bool {
+    name.starts_with(SAVED)
+}
+
+/// The two sides of a multiplexed F&B graph ([`crate::passes::multiplex`]): every input and
+/// output of the forward graph is renamed `f.<name>`, every one of the backward `b.<name>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// The forward microbatch's side, prefix `f.`.
+    Fw,
+    /// The backward microbatch's side, prefix `b.`.
+    Bw,
+}
+
+impl Side {
+    /// Both sides, forward first.
+    pub const BOTH: [Side; 2] = [Side::Fw, Side::Bw];
+
+    /// The prefix of this side's names.
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Side::Fw => "f.",
+            Side::Bw => "b.",
+        }
+    }
+
+    /// `name` on this side: `f.<name>` or `b.<name>`.
+    pub fn name(self, name: &str) -> String {
+        format!("{}{name}", self.prefix())
+    }
+
+    /// The side a multiplexed name is on and the name without its prefix; `None` for a name of
+    /// neither side.
+    pub fn split(name: &str) -> Option<(Side, &str)> {
+        Side::BOTH.into_iter().find_map(|s| name.strip_prefix(s.prefix()).map(|n| (s, n)))
+    }
+}

@@ -115,7 +115,7 @@ pub fn partition(joint: &Graph, num_user_outputs: usize, policy: &RecomputePolic
     }
     let saved: Vec<ValueId> =
         (0..joint.nodes.len()).map(ValueId).filter(|v| route[v.0] == Route::Saved).collect();
-    let saved_names: Vec<String> = saved.iter().enumerate().map(|(k, _)| format!("saved.{k}")).collect();
+    let saved_names: Vec<String> = saved.iter().enumerate().map(|(k, _)| crate::names::saved(k)).collect();
     let fw = build_fw(joint, num_user_outputs, &saved, &saved_names)?;
     let full_bw = build_bw(joint, grad_outs, &route, &live, &saved, &saved_names)?;
     Ok(FwBw { fw, full_bw, saved: saved_names })

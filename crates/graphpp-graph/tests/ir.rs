@@ -3,6 +3,7 @@
 mod common;
 
 use graphpp_graph::layers::linear;
+use graphpp_graph::names::grad_of;
 use graphpp_graph::print::{from_json, to_dot, to_json, to_text};
 use graphpp_graph::{DType, GraphBuilder, GraphError, InputKind, TensorType};
 
@@ -99,7 +100,7 @@ fn attention_refuses_a_mask_that_needs_a_gradient() {
     let joint = build(InputKind::Buffer).unwrap();
     let backward = joint.nodes.iter().filter(|n| n.op.mnemonic() == "attention_backward").count();
     assert_eq!(backward, 1);
-    assert!(joint.output_by_name("grad.q").is_some());
+    assert!(joint.output_by_name(&grad_of("q")).is_some());
     // A mask computed from an activation would silently get no gradient: refused, naming the
     // op and the operand.
     let err = build(InputKind::Activation).unwrap_err();

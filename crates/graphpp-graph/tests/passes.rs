@@ -3,6 +3,7 @@
 mod common;
 
 use graphpp_graph::autodiff::autodiff;
+use graphpp_graph::names::{grad_of, GRAD};
 use graphpp_graph::passes::{dce, is_comm, multiplex_fw_bw, split_fsdp_collectives, Multiplex};
 use graphpp_graph::{
     partition, stage_graphs, verify, CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, Op,
@@ -44,8 +45,8 @@ fn bw_di_holds_input_grad_matmuls_and_no_weight_grad_matmuls() {
         let in_dw = matmul_shapes(&dw, scope);
         assert_eq!(in_dw, vec![weight_grad], "{scope}: bw_dw should hold only the dW matmul");
     }
-    assert_eq!(di.output_names()[0], "grad.input");
-    assert!(dw.output_names().iter().all(|n| n.starts_with("grad.") && n != "grad.input"));
+    assert_eq!(di.output_names()[0], grad_of("input"));
+    assert!(dw.output_names().iter().all(|n| n.starts_with(GRAD) && *n != grad_of("input")));
     assert_eq!(dw.outputs.len(), 9, "one gradient per parameter");
 }
 
@@ -58,7 +59,7 @@ fn first_stage_keeps_full_bw_only() {
     b.output("output", x);
     let sg = stage_graphs(&b.finish().unwrap(), &RecomputePolicy::SaveAll).unwrap();
     assert!(sg.di_dw.is_none());
-    assert_eq!(sg.full_bw.output_names(), vec!["grad.embed.weight"]);
+    assert_eq!(sg.full_bw.output_names(), vec![grad_of("embed.weight")]);
 }
 
 #[test]
@@ -72,7 +73,7 @@ fn partition_interfaces_are_explicit() {
     assert_eq!(p.fw.outputs.len(), 1 + p.saved.len());
     // bw: params/buffers/activation first, then saved in order, then the tangent last.
     let specs = p.full_bw.input_specs();
-    assert_eq!(specs.last().unwrap().name, "grad.output");
+    assert_eq!(specs.last().unwrap().name, grad_of("output"));
     assert_eq!(specs.last().unwrap().kind, InputKind::Tangent);
     let saved: Vec<String> =
         specs.iter().filter(|s| s.kind == InputKind::Saved).map(|s| s.name.clone()).collect();
@@ -106,8 +107,9 @@ fn recompute_saves_only_stage_inputs_and_recomputes_in_bw() {
 fn comm_graph(name: &str, with_bw: bool) -> Graph {
     let mut b = GraphBuilder::new(name, DType::F32);
     let g = CommGroup { name: "ep".into(), size: 1 };
+    let grad_out = grad_of("output");
     let x =
-        b.input(if with_bw { "grad.output" } else { "input" }, InputKind::Activation, vec![4, 4]).unwrap();
+        b.input(if with_bw { &grad_out } else { "input" }, InputKind::Activation, vec![4, 4]).unwrap();
     b.set_phase(if with_bw { Phase::Backward } else { Phase::Forward });
     let mut v = b.exp(x).unwrap();
     for k in 0..2 {
@@ -197,8 +199,8 @@ fn fsdp_split_moves_all_gathers_and_reduce_scatters_out() {
     assert_eq!(s.unshard.node(s.unshard.outputs[0].value).ty.shape, vec![6, 8]);
     assert!(s.fw.input_names().contains(&"unsharded.w".to_string()));
     assert!(!s.fw.input_names().contains(&"w".to_string()));
-    assert!(s.bw.output_names().contains(&"grad.unsharded.w".to_string()));
-    assert_eq!(s.reduce_grad.output_names(), vec!["grad.w"]);
+    assert!(s.bw.output_names().contains(&grad_of("unsharded.w")));
+    assert_eq!(s.reduce_grad.output_names(), vec![grad_of("w")]);
     assert_eq!(s.reduce_grad.node(s.reduce_grad.outputs[0].value).ty.shape, vec![3, 8]);
 }
 

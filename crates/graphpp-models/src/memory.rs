@@ -117,7 +117,7 @@ mod tests {
         let fw = &sg.fw;
         fw.outputs
             .iter()
-            .filter(|o| o.name.starts_with("saved."))
+            .filter(|o| graphpp_graph::names::is_saved(&o.name))
             .map(|o| fw.node(o.value).ty.size_bytes() as u128)
             .sum()
     }

@@ -645,6 +645,7 @@ mod tests {
     use super::*;
     use crate::model::Model;
     use crate::split_layers;
+    use graphpp_graph::names::grad_of;
     use graphpp_graph::RecomputePolicy;
 
     const BASE: &str = r#""vocab_size":32,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":3,"num_attention_heads":2"#;
@@ -715,7 +716,7 @@ mod tests {
         assert_eq!(names(0.0), (vec![], vec![]));
         let (outs, seeds) = names(0.01);
         assert_eq!(outs, ["aux_loss.1", "aux_loss.2"]);
-        assert_eq!(seeds, ["grad.aux_loss.1", "grad.aux_loss.2"]);
+        assert_eq!(seeds, [grad_of("aux_loss.1"), grad_of("aux_loss.2")]);
     }
 
     #[test]
@@ -788,7 +789,7 @@ mod tests {
                 .fw
                 .outputs
                 .iter()
-                .filter(|o| o.name.starts_with("saved."))
+                .filter(|o| graphpp_graph::names::is_saved(&o.name))
                 .map(|o| sg.fw.node(o.value).ty.size_bytes() as u128)
                 .sum();
             let est = Model::stage_activation_bytes(&m, &whole, b, t);

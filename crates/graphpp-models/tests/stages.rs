@@ -1,5 +1,6 @@
 //! Stage split and stage graphs of the Llama-style model.
 
+use graphpp_graph::names::grad_of;
 use graphpp_graph::print::{render, stats, Format};
 use graphpp_graph::{GraphKind, InputKind, Op, RecomputePolicy};
 use graphpp_models::{
@@ -261,7 +262,7 @@ fn bf16_stage_graphs_say_where_precision_changes() {
     assert_eq!(dtype_of(&logits, "logits"), DType::F32);
     let bw = stage_graphs(&last, &RecomputePolicy::SaveAll).unwrap().full_bw;
     for name in bw.output_names() {
-        let want = if name == "grad.input" { DType::BF16 } else { DType::F32 };
+        let want = if name == grad_of("input") { DType::BF16 } else { DType::F32 };
         assert_eq!(dtype_of(&bw, &name), want, "{name}");
     }
     // Saved activations are bf16 but for the f32 islands (norm statistics, softmax, loss).
@@ -278,7 +279,7 @@ fn bf16_stage_graphs_say_where_precision_changes() {
 
 /// What W holds from I to W (its non-state inputs: the stash and the stage's saved values it
 /// reads) is chosen by a minimum cut: under every recompute policy it is no more than under
-/// save-all, on tiny and small (issue 12, item 7: the split used to hold 1,097,728 bytes under
+/// save-all, on tiny and small (an earlier split held 1,097,728 bytes under
 /// `layers` against 876,544 under save-all on tiny's stage 1 of 2); W runs no forward matmul —
 /// its matmul FLOPs are the weight gradients' alone, the same under every policy.
 #[test]

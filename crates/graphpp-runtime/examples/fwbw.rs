@@ -3,7 +3,7 @@
 //! (`tools/torch/time_fwbw.py`, same shapes), alternating in rounds in one run, each on every
 //! intra-op thread count of `--threads` (graphpp in a rank pool of that size, as `graphpp train`
 //! runs a rank). Prints each one's median over the rounds (each round's figure is the median of
-//! `--runs` runs) and the ratios. Issue 11's benchmark of the compiled executor.
+//! `--runs` runs) and the ratios.
 //!
 //! Run: `cargo run --release -p graphpp-runtime --example fwbw -- [--model small|tiny]
 //! [--threads 1,2] [--rounds R] [--runs K] [--torch /path/to/python]`

@@ -3,7 +3,7 @@
 //! call it), in a rank pool of `--threads` threads, with the operands hot (one pair, in L2) and
 //! cold (`--copies` pairs cycled, more than L2 holds). Prints milliseconds and GFLOP/s
 //! (2·m·n·k per product) per shape; `tools/torch/time_matmul.py` times PyTorch on the same
-//! shapes. Issue 11: the in-model matmuls run at about half these speeds, PyTorch's too.
+//! shapes.
 //!
 //! Run: `cargo run --release -p graphpp-runtime --example matmul -- [--threads 1] [--copies 64]
 //! [--reps 400]`

@@ -1,5 +1,5 @@
-//! The allocators of a training process (issue 11: a stage's step allocates and frees the same
-//! tensor sizes every microbatch).
+//! The allocators of a training process: a stage's step allocates and frees the same tensor
+//! sizes every microbatch.
 //!
 //! graphpp's binaries allocate from mimalloc ([`MiMalloc`]: each declares it the global
 //! allocator). A freed tensor's block goes back to a free list of its size class and is handed

@@ -39,7 +39,7 @@ use crate::train::error::SetupError;
 use crate::train::memory::check_step;
 
 /// Default tolerance of `graphpp verify`: relative difference (see [`VerifyReport`]) in f32.
-/// Source: the acceptance criterion of issue 4 (1e-5 relative, f32).
+/// Source: the project's acceptance criterion for pipelined gradients (1e-5 relative, f32).
 pub const TOLERANCE: f64 = 1e-5;
 
 /// Default tolerance of `graphpp verify` when either step computes in bf16 (relative, as
@@ -392,7 +392,7 @@ pub fn data_parallel_step(
     Ok(grads.map(|g| StepResult {
         loss,
         microbatch_losses: Vec::new(),
-        grads: g.into_iter().map(|(n, t)| (format!("grad.{n}"), t)).collect(),
+        grads: g.into_iter().map(|(n, t)| (graphpp_graph::names::grad_of(&n), t)).collect(),
     }))
 }
 

@@ -1,4 +1,4 @@
-//! bf16 mixed precision (issue 9): the cast op's backward, the executor's bf16 kernels, the loss in
+//! bf16 mixed precision: the cast op's backward, the executor's bf16 kernels, the loss in
 //! f32, bf16 messages between ranks, the pipelined bf16 step against one device (bf16 and f32),
 //! and training steps under bf16.
 //!
@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use candle_core::{DType as CDType, Device, Tensor};
 use graphpp_graph::autodiff::autodiff;
+use graphpp_graph::names::grad_of;
 use graphpp_graph::{DType, GraphBuilder, InputKind, TensorType};
 use graphpp_models::{LlamaConfig, StageOptions};
 use graphpp_runtime::exec::{run, RunOptions};
@@ -53,9 +54,9 @@ fn cast_vjp_gives_an_f32_master_weight_the_widened_bf16_gradient() {
     b.output("loss", loss);
     let joint = autodiff(&b.finish().unwrap()).unwrap();
     let dtype = |name: &str| joint.node(joint.output_by_name(name).unwrap()).ty.dtype;
-    assert_eq!(dtype("grad.w"), DType::F32, "the master weight's gradient is f32");
-    assert_eq!(dtype("grad.c"), DType::F32);
-    assert_eq!(dtype("grad.x"), DType::BF16, "an activation's gradient has its dtype");
+    assert_eq!(dtype(&grad_of("w")), DType::F32, "the master weight's gradient is f32");
+    assert_eq!(dtype(&grad_of("c")), DType::F32);
+    assert_eq!(dtype(&grad_of("x")), DType::BF16, "an activation's gradient has its dtype");
     assert_eq!(dtype("loss"), DType::F32);
 
     let (wv, cv) = ([1.0 + 2f64.powi(-12), 0.1, -3.0, 1e-3], [1.0 / 3.0, 0.1, 7.0, -2.5]);
@@ -71,17 +72,17 @@ fn cast_vjp_gives_an_f32_master_weight_the_widened_bf16_gradient() {
     )
     .unwrap();
     let out = |name: &str| r.output(&joint, name).unwrap().clone();
-    assert_eq!(out("grad.w").dtype(), CDType::F32);
-    assert_eq!(out("grad.x").dtype(), CDType::BF16);
+    assert_eq!(out(&grad_of("w")).dtype(), CDType::F32);
+    assert_eq!(out(&grad_of("x")).dtype(), CDType::BF16);
     let (gw, gx, gc) =
-        (to_f64(&out("grad.w")).unwrap(), to_f64(&out("grad.x")).unwrap(), to_f64(&out("grad.c")).unwrap());
+        (to_f64(&out(&grad_of("w"))).unwrap(), to_f64(&out(&grad_of("x"))).unwrap(), to_f64(&out(&grad_of("c"))).unwrap());
     for i in 0..4 {
         // d loss/d y = bf16(c) (the f32 → bf16 rounding of the bf16→f32 cast's VJP) …
         let gy = bf16(cv[i]);
         // … times x in bf16, widened exactly to f32 by the f32→bf16 cast's VJP.
-        assert_eq!(gw[i], bf16(gy * xv[i]), "grad.w[{i}]");
-        assert_eq!(gx[i], bf16(gy * bf16(wv[i])), "grad.x[{i}]");
-        assert_eq!(gc[i], bf16(bf16(wv[i]) * xv[i]), "grad.c[{i}]");
+        assert_eq!(gw[i], bf16(gy * xv[i]), "dw[{i}]");
+        assert_eq!(gx[i], bf16(gy * bf16(wv[i])), "dx[{i}]");
+        assert_eq!(gc[i], bf16(bf16(wv[i]) * xv[i]), "dc[{i}]");
     }
     // 1 + 2⁻¹² is no bf16 value: the forward saw 1.0, and grad.c records it.
     assert_eq!(gc[0], xv[0]);

@@ -4,6 +4,7 @@
 mod common;
 
 use candle_core::Tensor;
+use graphpp_graph::names::grad_of;
 use graphpp_graph::passes::{multiplex_fw_bw, split_fsdp_collectives, Multiplex};
 use graphpp_graph::{stage_graphs, CommGroup, Graph, RecomputePolicy};
 use graphpp_models::rng::Rng;
@@ -33,7 +34,7 @@ fn stage_env(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions, seed: u64
     }
     let d = [opts.batch, opts.seq, cfg.hidden_size];
     let g: Vec<f64> = (0..d.iter().product()).map(|_| rng.normal() * 1e-2).collect();
-    env.insert("grad.output".into(), tensor_from_f64(&g, &d, opts.dtype).unwrap());
+    env.insert(grad_of("output"), tensor_from_f64(&g, &d, opts.dtype).unwrap());
     env
 }
 
@@ -73,12 +74,12 @@ fn bw_di_then_bw_dw_give_exactly_the_full_bw_gradients() {
         let (dio, _) = outputs(&di, &env);
         env.extend(dio.clone());
         let (dwo, _) = outputs(&dw, &env);
-        assert!(common::same(&dio["grad.input"], &full["grad.input"]), "stage {stage} grad.input");
+        assert!(common::same(&dio[&grad_of("input")], &full[&grad_of("input")]), "stage {stage} grad.input");
         assert_eq!(dwo.len() + 1, full.len());
         for (name, g) in &dwo {
             assert!(common::same(g, &full[name]), "stage {stage} {name} differs");
         }
-        let w = format!("grad.model.layers.{stage}.mlp.down_proj.weight");
+        let w = grad_of(&format!("model.layers.{stage}.mlp.down_proj.weight"));
         assert!(to_f64(&dwo[&w]).unwrap().iter().any(|x| *x != 0.0), "{w} is all zeros");
     }
 }
@@ -91,8 +92,8 @@ fn first_stage_has_no_di_dw_split() {
         stage_graphs(&build_stage(&cfg, &sp, &StageOptions::new(1, 4)).unwrap(), &RecomputePolicy::SaveAll)
             .unwrap();
     assert!(sg.di_dw.is_none());
-    assert!(!sg.full_bw.output_names().contains(&"grad.input".to_string()));
-    assert!(sg.full_bw.output_names().contains(&"grad.model.embed_tokens.weight".to_string()));
+    assert!(!sg.full_bw.output_names().contains(&grad_of("input")));
+    assert!(sg.full_bw.output_names().contains(&grad_of("model.embed_tokens.weight")));
 }
 
 #[test]
@@ -192,11 +193,11 @@ fn two_stages_compose_to_the_single_stage_loss_and_gradients() {
     env_b.insert("targets".into(), env1["targets"].clone());
     let (fb, bb, _, _) = common::fw_then_bw(&gb.fw, &gb.full_bw, &env_b, &HashMap::new());
     env_a.extend(fa);
-    env_a.insert("grad.output".into(), bb["grad.input"].clone());
+    env_a.insert(grad_of("output"), bb[&grad_of("input")].clone());
     let (ba, _) = outputs(&ga.full_bw, &env_a);
     assert!(common::rel_err(&fb["loss"], &f1["loss"], 1e-12) < 1e-6);
     let mut n = 0;
-    for (k, g) in ba.iter().chain(bb.iter().filter(|(k, _)| *k != "grad.input")) {
+    for (k, g) in ba.iter().chain(bb.iter().filter(|(k, _)| *k != &grad_of("input"))) {
         assert!(common::rel_err(g, &b1[k], 1e-12) < 1e-5, "{k}: {}", common::rel_err(g, &b1[k], 1e-12));
         n += 1;
     }

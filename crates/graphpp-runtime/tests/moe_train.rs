@@ -214,7 +214,7 @@ fn expert_parallel_training_matches_and_restores() {
 }
 
 /// DualPipeV's overlapped F&B hides expert parallelism's all-to-alls behind the other
-/// microbatch's work (issue 10, "real overlap"): behind a 50 ms emulated link (dp = ep = 2), on
+/// microbatch's work: behind a 50 ms emulated link (dp = ep = 2), on
 /// the rank holding two MoE stages, every OVERLAP_F_B has a forward and a backward all-to-all
 /// in flight at the same time, and takes less time — and less time blocked on the link — than
 /// the same rank's plain F and B of those stages back to back. All from the measured intervals

@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use graphpp_graph::names::grad_of;
 use graphpp_models::MoeConfig;
 use graphpp_runtime::kernels::tensor::to_f64;
 use graphpp_runtime::verify::{compare, pipelined_step, single_device_step, verify_step, TOLERANCE};
@@ -76,7 +77,7 @@ fn aux_loss_gradients_are_pipelined_exactly() {
     let s = |alpha| setup(alpha, Kind::OneFOneB, Shape::new(2, 1, 4), 1, 1);
     let (with, without) = (single_device_step(&s(0.05)).unwrap(), single_device_step(&s(0.0)).unwrap());
     assert_eq!(with.loss.to_bits(), without.loss.to_bits(), "the reported loss is the cross-entropy");
-    let gate = "grad.model.layers.2.mlp.gate.weight";
+    let gate = &grad_of("model.layers.2.mlp.gate.weight");
     let (a, b) = (to_f64(&with.grads[gate]).unwrap(), to_f64(&without.grads[gate]).unwrap());
     let scale = b.iter().fold(0.0f64, |m, x| m.max(x.abs()));
     let diff = a.iter().zip(&b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs())) / scale;

@@ -7,7 +7,7 @@
 mod common;
 
 use candle_core::{DType as CDType, Device, Tensor};
-use graphpp_graph::names::AUX_LOSS;
+use graphpp_graph::names::{grad_of, AUX_LOSS, GRAD};
 use graphpp_graph::{stage_graphs, DType, RecomputePolicy};
 use graphpp_models::{split_layers, LlamaConfig, Model, MoeConfig, StageOptions};
 use graphpp_runtime::kernels::tensor::{tensor_from_f64, to_f64};
@@ -75,13 +75,13 @@ fn check_model(fixture: &str, cfg: &dyn Model, text: &str, dtype: DType, stages:
         envs[s].extend(aux_loss_seeds(&graphs[s].full_bw, 1.0).unwrap());
         let (bo, _) = run(&graphs[s].full_bw, &envs[s]);
         if s > 0 {
-            envs[s - 1].insert("grad.output".into(), bo["grad.input"].clone());
+            envs[s - 1].insert(grad_of("output"), bo[&grad_of("input")].clone());
         }
-        grads.extend(bo.into_iter().filter(|(k, _)| k != "grad.input"));
+        grads.extend(bo.into_iter().filter(|(k, _)| *k != grad_of("input")));
     }
     let loss_err = common::rel_err(&loss.unwrap(), &fx["loss"], 1e-12);
     assert!(loss_err < tol, "{dtype:?} loss rel err {loss_err}");
-    let want: Vec<&String> = fx.keys().filter(|k| k.starts_with("grad.")).collect();
+    let want: Vec<&String> = fx.keys().filter(|k| k.starts_with(GRAD)).collect();
     assert_eq!(grads.len(), want.len());
     let mut worst = 0.0f64;
     for k in want {

@@ -6,6 +6,7 @@ mod common;
 
 use candle_core::Tensor;
 use graphpp_graph::layers;
+use graphpp_graph::names::grad_of;
 use graphpp_graph::{
     partition, CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, RecomputePolicy, TensorType,
     ValueId,
@@ -91,7 +92,7 @@ fn check(c: &Case, seed: u64) {
     for (i, shape) in c.floats.iter().enumerate() {
         let name = format!("x{i}");
         let x = to_f64(&env[&name]).unwrap();
-        let got = to_f64(&grads[&format!("grad.{name}")]).unwrap();
+        let got = to_f64(&grads[&grad_of(&name)]).unwrap();
         for k in 0..x.len() {
             let bump = |d: f64| {
                 let mut xk = x.clone();

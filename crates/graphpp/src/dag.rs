@@ -1,4 +1,4 @@
-//! The global training DAG of one step (issue 12, item 2; Piper's "one training DAG"): every
+//! The global training DAG of one step (Piper's "one training DAG"): every
 //! compute and communication action of every rank's lowered program as a node — with the stage
 //! graph a compute action runs — and every dependency as an edge: program order within a rank,
 //! data dependencies within a rank, and hops between ranks (a SEND's RECV, an activation or

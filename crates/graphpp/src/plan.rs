@@ -1,4 +1,4 @@
-//! The planner (issue 12, item 4): every feasible strategy for a model on N ranks — schedule
+//! The planner: every feasible strategy for a model on N ranks — schedule
 //! kind, pipeline × data-parallel degrees, microbatch count and size, recompute policy —
 //! simulated with a cost model and the byte model of its real stage graphs, and ranked.
 //!

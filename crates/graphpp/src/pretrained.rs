@@ -1,5 +1,5 @@
 //! Pretrained weights from a Hugging Face Llama-style model folder (`graphpp train --init-from
-//! DIR`, `graphpp verify --init-from DIR`; issue 9).
+//! DIR`, `graphpp verify --init-from DIR`).
 //!
 //! The folder holds `config.json` (parsed by [`LlamaConfig::from_json`], which refuses settings
 //! graphpp does not implement) and the weights: `model.safetensors`, or the shards a

@@ -1,4 +1,4 @@
-//! Profiles (issue 12, item 3): what a training run measured per stage — the mean time of each
+//! Profiles: what a training run measured per stage — the mean time of each
 //! F, B, I, W and OVERLAP_F_B — beside the byte model of its stage graphs
 //! ([`graphpp_schedule::bytes`]) and the peak bytes each rank measured, saved as JSON.
 //! `graphpp schedule simulate --profile FILE` simulates any schedule of the same stages with

@@ -1,4 +1,4 @@
-//! Strategies as data (issue 12, after Piper's directives: `../seeds` 004): a training strategy
+//! Strategies as data (after Piper's directives): a training strategy
 //! is a small TOML (or JSON) file of six directives, each one decision about the distributed
 //! step —
 //!

@@ -1,5 +1,5 @@
 //! A training run on text: the corpus, the sampler, the pipelined [`Trainer`], evaluation,
-//! checkpoints and resume — what `graphpp train` drives step by step (issue 4; docs/ARCHITECTURE.md "Models,
+//! checkpoints and resume — what `graphpp train` drives step by step (docs/ARCHITECTURE.md "Models,
 //! data, training").
 //!
 //! Each step draws `m·B` windows of `T + 1` byte tokens from the training split with a

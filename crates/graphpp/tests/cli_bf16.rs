@@ -1,4 +1,4 @@
-//! `--dtype bf16` end to end (issue 9): `graphpp train` in bf16 mixed precision with f32
+//! `--dtype bf16` end to end: `graphpp train` in bf16 mixed precision with f32
 //! checkpoints, checkpoints from before `--dtype` resuming as f32, and `graphpp verify --dtype
 //! bf16` against the one-device f32 step.
 

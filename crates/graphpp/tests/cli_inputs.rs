@@ -1,4 +1,4 @@
-//! Inputs are checked up front (issue 9): sizes from estimates before anything is allocated,
+//! Inputs are checked up front: sizes from estimates before anything is allocated,
 //! numbers finite and in range and given once, messages that name the flag and say the problem in
 //! the command's own terms, and the CSV that spreadsheets write. Every rejection exits with
 //! status 1 (status 2 is left to clap for a malformed command line).

@@ -1,5 +1,5 @@
-//! `graphpp train` with one process per rank under Open MPI's `mpirun` (cargo feature `mpi`;
-//! issue 8): the same losses as the threads run, checkpoints that resume under another layout,
+//! `graphpp train` with one process per rank under Open MPI's `mpirun` (cargo feature
+//! `mpi`): the same losses as the threads run, checkpoints that resume under another layout,
 //! a world that does not fit the mesh refused before step 1, a killed rank that stops the run.
 #![cfg(feature = "mpi")]
 

@@ -1,5 +1,4 @@
-//! `graphpp profile`, `graphpp schedule simulate --profile` and `graphpp plan` (issue 12, items
-//! 3 and 4): a profile's predicted peak bytes equal the run's measured ones; a profile of one
+//! `graphpp profile`, `graphpp schedule simulate --profile` and `graphpp plan`: a profile's predicted peak bytes equal the run's measured ones; a profile of one
 //! schedule predicts another schedule of the same stages (its measured peaks within 10%); the
 //! planner's table ranks strategies, marks those over the memory per rank, names the best's
 //! command — which runs — and refuses a cap nothing fits.

@@ -1,4 +1,4 @@
-//! Runs never mix and interrupted work is kept (issue 9): a checkpoint folder belongs to one
+//! Runs never mix and interrupted work is kept: a checkpoint folder belongs to one
 //! run; SIGTERM / SIGINT save the step in progress and exit 143 / 130; a resumed run's
 //! `--metrics` holds each step once; `--resume` extends a finished run; `--resume-if-present`
 //! serves a job that a cluster scheduler restarts.

@@ -1,4 +1,4 @@
-//! Strategies as data (issue 12): every flag combination of `train` printed with
+//! Strategies as data: every flag combination of `train` printed with
 //! `--print-strategy` prints back as itself and, run with `--strategy`, trains bit for bit as
 //! the flags do (losses and gradient norms of 3 steps); bad strategy
 //! files are refused before any work with an error naming the directive and field.

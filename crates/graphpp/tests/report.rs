@@ -1,4 +1,4 @@
-//! The run report page (`graphpp::report`, issue 9): well-formed SVG, one table row per evaluation,
+//! The run report page (`graphpp::report`): well-formed SVG, one table row per evaluation,
 //! chart coordinates inside the plot, escaping, non-finite values, the write error.
 
 use std::path::Path;

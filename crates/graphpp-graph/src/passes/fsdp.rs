@@ -98,7 +98,7 @@ pub fn split_fsdp_collectives(fw: &Graph, bw: &Graph) -> Result<FsdpSplit> {
 fn split_reduce(bw: &Graph, params: &[String]) -> Result<(Graph, Graph)> {
     let mut moved: HashMap<String, ValueId> = HashMap::new();
     for o in &bw.outputs {
-        let Some(p) = o.name.strip_prefix("grad.") else { continue };
+        let Some(p) = crate::names::grad_target(&o.name) else { continue };
         let w = bw.node(o.value);
         if params.iter().any(|q| q == p) && matches!(w.op, Op::CollectiveWait) {
             if let Op::CollectiveStart { kind: CollectiveKind::ReduceScatter, .. } = bw.node(w.inputs[0]).op {
@@ -123,7 +123,7 @@ fn split_reduce(bw: &Graph, params: &[String]) -> Result<(Graph, Graph)> {
             Some(&w) => {
                 let s = bw.node(w).inputs[0];
                 let x = bw.node(s).inputs[0];
-                let un = grad_name(&unsharded(&o.name["grad.".len()..]));
+                let un = grad_name(&unsharded(crate::names::grad_target(&o.name).expect("a moved output is a gradient")));
                 b.output(&un, x)?;
                 r.input(x, &un, InputKind::Saved);
                 r.copy(s, None)?;

@@ -13,6 +13,7 @@
 use crate::error::Result;
 use crate::extract::Extractor;
 use crate::graph::{Graph, Region, ValueId};
+use crate::names::Side;
 use crate::op::{InputKind, Op};
 use crate::verify::verify;
 use serde::{Deserialize, Serialize};
@@ -54,13 +55,6 @@ fn segments(g: &Graph) -> Vec<Vec<ValueId>> {
     segs
 }
 
-/// Which source graph a merged node comes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Side {
-    Fw,
-    Bw,
-}
-
 /// Builds the overlap graph of `fw` and `bw`. Errors: a malformed input graph.
 pub fn multiplex_fw_bw(fw: &Graph, bw: &Graph, mode: Multiplex) -> Result<Graph> {
     verify(fw)?;
@@ -87,13 +81,13 @@ pub fn multiplex_fw_bw(fw: &Graph, bw: &Graph, mode: Multiplex) -> Result<Graph>
     }
     let mut out = Graph::new(&name);
     let mut maps = [Vec::new(), Vec::new()];
-    for (side, g, prefix) in [(Side::Fw, fw, "f."), (Side::Bw, bw, "b.")] {
+    for (side, g) in [(Side::Fw, fw), (Side::Bw, bw)] {
         let mut ex = Extractor::new(g, "tmp", "multiplex_fw_bw");
         ex.graph = std::mem::take(&mut out);
         for &v in &g.inputs {
             if let Op::Input { name, kind, .. } = &g.node(v).op {
                 let kind: InputKind = *kind;
-                ex.input(v, &format!("{prefix}{name}"), kind);
+                ex.input(v, &side.name(name), kind);
             }
         }
         maps[side as usize] = (0..g.nodes.len()).map(|i| ex.get(ValueId(i))).collect();
@@ -106,9 +100,9 @@ pub fn multiplex_fw_bw(fw: &Graph, bw: &Graph, mode: Multiplex) -> Result<Graph>
         node.inputs = node.inputs.iter().map(|x| map[x.0].expect("operands precede users")).collect();
         map[v.0] = Some(out.push(node));
     }
-    for (side, g, prefix) in [(Side::Fw, fw, "f."), (Side::Bw, bw, "b.")] {
+    for (side, g) in [(Side::Fw, fw), (Side::Bw, bw)] {
         for o in &g.outputs {
-            out.add_output(format!("{prefix}{}", o.name), maps[side as usize][o.value.0].expect("mapped"));
+            out.add_output(side.name(&o.name), maps[side as usize][o.value.0].expect("mapped"));
         }
     }
     verify(&out)?;

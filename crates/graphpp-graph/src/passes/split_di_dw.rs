@@ -30,7 +30,7 @@ pub struct DiDw {
 /// `grad.input`) and every non-state input is available at I, and a forward matmul (one
 /// recomputed under a recompute policy) may run in I but never in W. The cut values are what W
 /// keeps — `stash.<n>` outputs of `bw_di` for computed values, the `full_bw` inputs W reads.
-/// Under a recompute policy W holds no more than under `save-all` (issue 12, item 7).
+/// Under a recompute policy W holds no more than under `save-all`.
 pub fn split_di_dw(full_bw: &Graph) -> Result<Option<DiDw>> {
     let Some(dinput) = full_bw.output_by_name(&grad_name(INPUT)) else { return Ok(None) };
     let w_outs: Vec<_> =

@@ -1,5 +1,5 @@
 //! Elementwise fusion of the compiled executor (docs/ARCHITECTURE.md "Runtime" → Compiled
-//! executor; issue 11 item 1).
+//! executor).
 //!
 //! [`plan`] groups the f32 elementwise nodes of a graph (unary, affine, binary, broadcast,
 //! `full`) into [`Group`]s: each group has one *anchor* (its last node, the only one whose value

@@ -1,5 +1,5 @@
-//! Independent matmuls side by side: the compiled executor's inter-op parallelism (issue 11
-//! item 2, threads that help).
+//! Independent matmuls side by side: the compiled executor's inter-op parallelism: a second
+//! thread of a rank's pool helps where one matmul alone cannot use it.
 //!
 //! A stage's matmuls are small (`small`: 128 × 256 · 256 × 688 at B = 2), and gemm splits one
 //! over two threads at 1.36–1.55× (`examples/matmul --threads 2` against `--threads 1`). But

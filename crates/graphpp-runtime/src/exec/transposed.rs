@@ -1,5 +1,5 @@
 //! Row-major copies of transposed parameters, kept by a compiled [`crate::Program`] across runs
-//! (issue 11: a compiled stage reads its weights in the layout its matmuls are fastest on).
+//! so that a compiled stage reads its weights in the layout its matmuls are fastest on.
 //!
 //! A linear layer's forward is `x · Wᵀ` with `W` stored `[out, in]`: its rhs is a transposed
 //! view, which gemm reads more slowly than a row-major matrix (`examples/matmul`, `small`'s

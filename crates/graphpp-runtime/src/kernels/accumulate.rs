@@ -1,5 +1,4 @@
-//! A stage's gradient accumulators, summed in place (issue 11 item 1: gradient accumulation in
-//! place).
+//! A stage's gradient accumulators, summed in place.
 //!
 //! Each backward of a step adds its `grad.<param>` outputs, scaled by 1/m on a route's last
 //! stage (`crate::pipeline::stage`), to the stage's running sums. `a.add(&g.affine(s, 0))` allocates two

@@ -1,6 +1,6 @@
 //! The softmax kernels ([`graphpp_graph::Op::Softmax`], [`graphpp_graph::Op::SoftmaxBackward`],
 //! [`graphpp_graph::Op::LogSoftmax`], [`graphpp_graph::Op::LogSoftmaxBackward`]), one row at a
-//! time (issue 11 item 1: a reduction fused with the elementwise chain around it).
+//! time: each reduction fused with the elementwise chain around it.
 //!
 //! Each row of `n` elements along the axis is finished in L1, a block of rows at a time: for the
 //! softmax, `z = scale · x + mask`, `m = max z` (NaN-ignoring, so a row holding NaN gives NaN

@@ -1,4 +1,4 @@
-//! Intra-op threads (docs/ARCHITECTURE.md "Runtime" → Threads; issue 11 item 2): each rank runs
+//! Intra-op threads (docs/ARCHITECTURE.md "Runtime" → Threads): each rank runs
 //! its kernels on its own fixed-size rayon pool ([`rank_pool`]), so ranks that are threads of one
 //! process never share — or fight over — one pool. gemm's matmuls (candle passes it
 //! `Parallelism::Rayon(RAYON_NUM_THREADS)`) and the compiled executor's fused kernels

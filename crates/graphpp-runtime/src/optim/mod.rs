@@ -304,8 +304,8 @@ fn bias_corrections(c: &AdamWConfig, t: u64) -> (f64, f64) {
 /// Elements from which a fused update splits over the current rayon pool.
 const PARALLEL_MIN: usize = 1 << 16;
 
-/// One AdamW step of a parameter in one pass (issue 11: PyTorch's `fused=True` AdamW does the
-/// same): reads p, g, m, v once and writes new p, m, v, where the composition makes a tensor per
+/// One AdamW step of a parameter in one pass (as PyTorch's `fused=True` AdamW
+/// does): reads p, g, m, v once and writes new p, m, v, where the composition makes a tensor per
 /// operation (thirteen passes, each making a tensor; `tests::composed`). The constants are
 /// candle's: each f64 hyperparameter rounded to f32 as its affine rounds it, and `x · a + b`
 /// computed as a multiply, then an add (no fused multiply-add), so every element is the

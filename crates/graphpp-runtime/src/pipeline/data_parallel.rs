@@ -1,6 +1,6 @@
 //! Data parallelism and FSDP (ZeRO-3) inside one rank's stages: what the lowered schedule's
 //! REDUCE_GRAD, UNSHARD and RESHARD actions do (docs/ARCHITECTURE.md "Runtime": data
-//! parallelism and FSDP; issue 8).
+//! parallelism and FSDP).
 //!
 //! Every rank of a data-parallel group holds the same stages (the same pipeline position in
 //! each replica) and runs the same schedule, so the members call the same collectives in the

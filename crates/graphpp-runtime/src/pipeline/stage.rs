@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use candle_core::Tensor;
-use graphpp_graph::names::{AUX_LOSS, EXPERT_LOAD, INPUT, LOSS, OUTPUT, TARGETS, TOKENS};
+use graphpp_graph::names::{grad_of, grad_target, Side, AUX_LOSS, EXPERT_LOAD, INPUT, LOSS, OUTPUT, TARGETS, TOKENS};
 use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
 use graphpp_graph::{Graph, GraphError, InputKind, StageGraphs};
 use graphpp_schedule::Task;
@@ -288,7 +288,7 @@ impl Stage {
         self.grads
             .take()
             .into_iter()
-            .map(|(k, v)| (k.strip_prefix("grad.").map(str::to_string).unwrap_or(k), v))
+            .map(|(k, v)| (grad_target(&k).map(str::to_string).unwrap_or(k), v))
             .collect()
     }
 
@@ -343,10 +343,6 @@ impl std::fmt::Debug for StageComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StageComm").field("rank", &self.comm.rank()).field("mesh", &self.mesh).finish()
     }
-}
-
-fn grad_of(name: &str) -> String {
-    format!("grad.{name}")
 }
 
 /// Runs `g` through its compiled `program` (its collectives over `comm`); returns its outputs by
@@ -721,7 +717,7 @@ impl GraphStages {
             return Ok(None);
         };
         let mut outs = self.run_graph(di, pdi, &env, t)?;
-        let gin = outs.remove(&grad_of(INPUT)).ok_or_else(|| missing(t, "grad.input output of bw_di"))?;
+        let gin = outs.remove(&grad_of(INPUT)).ok_or_else(|| missing(t, "input gradient output of bw_di"))?;
         let dw_reads = &self.stage(t)?.dw_reads;
         outs.extend(env.into_iter().filter(|(k, _)| dw_reads.contains(k)));
         self.stash.insert(t, outs);
@@ -757,15 +753,15 @@ impl GraphStages {
         let g = self.overlap_graph(f.stage, b.stage)?;
         let fenv = self.fw_env(f, input)?;
         let benv = self.bw_env(b, grad)?;
-        let mut env: Env = fenv.iter().map(|(k, v)| (format!("f.{k}"), v.clone())).collect();
-        env.extend(benv.into_iter().map(|(k, v)| (format!("b.{k}"), v)));
+        let mut env: Env = fenv.iter().map(|(k, v)| (Side::Fw.name(k), v.clone())).collect();
+        env.extend(benv.into_iter().map(|(k, v)| (Side::Bw.name(&k), v)));
         let (mut fo, mut bo) = (Env::new(), Env::new());
         for (k, v) in self.run_graph(&g.0, &g.1, &env, f)? {
-            if let Some(n) = k.strip_prefix("f.") {
-                fo.insert(n.to_string(), v);
-            } else if let Some(n) = k.strip_prefix("b.") {
-                bo.insert(n.to_string(), v);
-            }
+            match Side::split(&k) {
+                Some((Side::Fw, n)) => fo.insert(n.to_string(), v),
+                Some((Side::Bw, n)) => bo.insert(n.to_string(), v),
+                None => None,
+            };
         }
         let out = self.after_fw(f, fenv, fo)?;
         let gin = self.after_bw(b, bo)?;

@@ -1,5 +1,5 @@
 //! Training steps under a pipeline schedule: the per-step loop that `graphpp train` drives
-//! (docs/ARCHITECTURE.md "Runtime" → Executor of a schedule; issue 4, "Schedule executor").
+//! (docs/ARCHITECTURE.md "Runtime" → Executor of a schedule).
 //!
 //! A [`Trainer`] is the part of a training run that lives in this process: the lowered schedule
 //! and the [`RankTrainer`]s of the ranks this process runs (graphs built once, reused every

@@ -1,5 +1,5 @@
 //! `graphpp train`: trains a Llama-style model on text under a pipeline schedule, one thread per
-//! rank, or one process per rank under `mpirun` (issues 4 and 8; [`graphpp::launch`]): then
+//! rank, or one process per rank under `mpirun` ([`graphpp::launch`]): then
 //! only the leader (world rank 0) prints and writes files, and every process calls the steps,
 //! evaluations, checkpoints and the sample at the same points. Progress bar with loss, tokens/s and ETA; validation loss every N steps; a
 //! generated sample at the end; checkpoints and `--resume`; `--trace` writes a Chrome trace of the
