@@ -32,11 +32,12 @@
 //!
 //! # Graph groups
 //!
-//! A graph's collectives name a [`CommGroup`] (name + size); [`Mesh::resolve`] maps it, for one
+//! A graph's collectives name a [`CommGroup`] (mesh axis + size); [`Mesh::resolve`] maps it, for one
 //! rank, to the world ranks it runs over: `pp` → the rank's pipeline, `dp` and `fsdp` → its
 //! data-parallel group (FSDP shards over the replicas), `ep` and `edp` → its expert-parallel
 //! and expert-data-parallel groups, `world` → every rank.
 
+pub use graphpp_graph::MeshAxis;
 use graphpp_graph::CommGroup;
 
 use crate::Group;
@@ -94,17 +95,11 @@ pub enum MeshError {
         /// The axis's degree.
         degree: usize,
     },
-    /// A graph group name the mesh does not know.
-    #[error("graph group `{name}` is not a mesh group (pp, dp, fsdp, ep, edp, world)")]
-    UnknownGroup {
-        /// The graph group's name.
-        name: String,
-    },
     /// A graph group whose size differs from the mesh group it names.
-    #[error("graph group `{name}` has size {graph_size} but the mesh's {name} group of rank {rank} is {mesh_group}")]
+    #[error("graph group `{axis}` has size {graph_size} but the mesh's {axis} group of rank {rank} is {mesh_group}")]
     GroupSize {
-        /// The graph group's name.
-        name: String,
+        /// The graph group's mesh axis.
+        axis: MeshAxis,
         /// Its size in the graph.
         graph_size: usize,
         /// The rank resolving it.
@@ -112,32 +107,6 @@ pub enum MeshError {
         /// The mesh group, as `name[ranks]`.
         mesh_group: String,
     },
-}
-
-/// A mesh axis: the kind of group it forms.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum MeshAxis {
-    /// Pipeline ranks of one replica (`pp`); its group is named `pp`.
-    Pipeline,
-    /// Replicas of one pipeline rank (`dp`); its group is named `dp`.
-    DataParallel,
-}
-
-impl MeshAxis {
-    /// The axis's short name, also the name of its groups: `pp`, `dp`.
-    pub fn name(self) -> &'static str {
-        match self {
-            MeshAxis::Pipeline => "pp",
-            MeshAxis::DataParallel => "dp",
-        }
-    }
-}
-
-impl std::fmt::Display for MeshAxis {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
 }
 
 /// A rank's position in the mesh.
@@ -204,10 +173,7 @@ impl Mesh {
     /// # Errors
     /// [`MeshError::RankOutOfRange`].
     pub fn expert_parallel_group(&self, rank: usize) -> Result<Group, MeshError> {
-        let c = self.coords(rank)?;
-        let first = c.dp - c.dp % self.ep;
-        let ranks = (first..first + self.ep).map(|d| d * self.pp + c.pp).collect();
-        Ok(Group::checked_by_caller("ep", ranks))
+        self.group(MeshAxis::Expert, rank)
     }
 
     /// The replicas holding the same routed experts as `rank` (`edp[…]`: dp indices ≡ its own
@@ -216,9 +182,7 @@ impl Mesh {
     /// # Errors
     /// [`MeshError::RankOutOfRange`].
     pub fn expert_data_parallel_group(&self, rank: usize) -> Result<Group, MeshError> {
-        let c = self.coords(rank)?;
-        let ranks = (c.dp % self.ep..self.dp).step_by(self.ep).map(|d| d * self.pp + c.pp).collect();
-        Ok(Group::checked_by_caller("edp", ranks))
+        self.group(MeshAxis::ExpertDataParallel, rank)
     }
 
     /// The mesh of `pp` × `dp` for a run of `world` ranks (e.g. `mpirun -n world`).
@@ -274,16 +238,23 @@ impl Mesh {
         Ok(Coords { dp: rank / self.pp, pp: rank % self.pp })
     }
 
-    /// The group along `axis` through `rank`, named after the axis, members in index order along
-    /// the axis (group rank = the pp or dp index).
+    /// The group along `axis` through `rank` (see the module doc), named after the axis, members
+    /// in index order along the axis (group rank = the pp or dp index, or the world rank).
     ///
     /// # Errors
     /// [`MeshError::RankOutOfRange`].
     pub fn group(&self, axis: MeshAxis, rank: usize) -> Result<Group, MeshError> {
         let c = self.coords(rank)?;
+        let replica = |d: usize| d * self.pp + c.pp;
         let ranks: Vec<usize> = match axis {
             MeshAxis::Pipeline => (0..self.pp).map(|p| c.dp * self.pp + p).collect(),
-            MeshAxis::DataParallel => (0..self.dp).map(|d| d * self.pp + c.pp).collect(),
+            MeshAxis::DataParallel | MeshAxis::Fsdp => (0..self.dp).map(replica).collect(),
+            MeshAxis::Expert => {
+                let first = c.dp - c.dp % self.ep;
+                (first..first + self.ep).map(replica).collect()
+            }
+            MeshAxis::ExpertDataParallel => (c.dp % self.ep..self.dp).step_by(self.ep).map(replica).collect(),
+            MeshAxis::World => (0..self.world()).collect(),
         };
         // Non-empty and duplicate-free by construction (degrees ≥ 1, distinct indices).
         Ok(Group::checked_by_caller(axis.name(), ranks))
@@ -309,28 +280,17 @@ impl Mesh {
 
 impl Mesh {
     /// The world ranks that `rank` runs the graph group `group`'s collectives over (see the
-    /// module doc), as a [`Group`] named after the graph group — so collectives of different
-    /// graph groups (`dp`, `fsdp`) keep separate call sequences even over the same ranks.
+    /// module doc), as a [`Group`] named after the graph group's axis — so collectives of
+    /// different axes (`dp`, `fsdp`) keep separate call sequences even over the same ranks.
     ///
     /// # Errors
-    /// [`MeshError::UnknownGroup`]; [`MeshError::RankOutOfRange`]; [`MeshError::GroupSize`] when
-    /// the graph was built for another degree.
+    /// [`MeshError::RankOutOfRange`]; [`MeshError::GroupSize`] when the graph was built for
+    /// another degree.
     pub fn resolve(&self, group: &CommGroup, rank: usize) -> Result<Group, MeshError> {
-        let ranks = match group.name.as_str() {
-            "pp" => self.pipeline_group(rank)?.ranks().to_vec(),
-            "dp" | "fsdp" => self.data_parallel_group(rank)?.ranks().to_vec(),
-            "ep" => self.expert_parallel_group(rank)?.ranks().to_vec(),
-            "edp" => self.expert_data_parallel_group(rank)?.ranks().to_vec(),
-            "world" => {
-                self.coords(rank)?;
-                (0..self.world()).collect()
-            }
-            _ => return Err(MeshError::UnknownGroup { name: group.name.clone() }),
-        };
-        let g = Group::checked_by_caller(&group.name, ranks);
+        let g = self.group(group.mesh_axis, rank)?;
         if g.size() != group.size {
             return Err(MeshError::GroupSize {
-                name: group.name.clone(),
+                axis: group.mesh_axis,
                 graph_size: group.size,
                 rank,
                 mesh_group: g.to_string(),
@@ -386,18 +346,18 @@ mod tests {
     #[test]
     fn graph_groups_resolve_to_world_ranks() {
         let m = Mesh::new(2, 3).unwrap();
-        let cg = |name: &str, size| CommGroup { name: name.into(), size };
+        let cg = |name: &str, size| CommGroup::new(name.parse().unwrap(), size);
         assert_eq!(ranks(m.resolve(&cg("dp", 3), 3)), ("dp".into(), vec![1, 3, 5]));
         assert_eq!(ranks(m.resolve(&cg("fsdp", 3), 4)), ("fsdp".into(), vec![0, 2, 4]));
         assert_eq!(ranks(m.resolve(&cg("pp", 2), 3)), ("pp".into(), vec![2, 3]));
         assert_eq!(ranks(m.resolve(&cg("world", 6), 0)).1, vec![0, 1, 2, 3, 4, 5]);
-        assert_eq!(m.resolve(&cg("tp", 2), 0), Err(MeshError::UnknownGroup { name: "tp".into() }));
+        assert_eq!("tp".parse::<MeshAxis>(), Err(graphpp_graph::UnknownMeshAxis("tp".into())));
         assert_eq!(m.resolve(&cg("world", 6), 6), Err(MeshError::RankOutOfRange { rank: 6, world: 6 }));
         let e = m.resolve(&cg("dp", 2), 1).unwrap_err();
         assert_eq!(
             e,
             MeshError::GroupSize {
-                name: "dp".into(),
+                axis: MeshAxis::DataParallel,
                 graph_size: 2,
                 rank: 1,
                 mesh_group: "dp[1,3,5]".into()
@@ -414,7 +374,7 @@ mod tests {
     #[test]
     fn expert_groups_split_the_replicas() {
         let m = Mesh::new(2, 4).unwrap().with_ep(2).unwrap();
-        let cg = |name: &str, size| CommGroup { name: name.into(), size };
+        let cg = |name: &str, size| CommGroup::new(name.parse().unwrap(), size);
         // Rank 5 = dp 2, pp 1.
         assert_eq!(ranks(m.expert_parallel_group(5)), ("ep".into(), vec![5, 7]));
         assert_eq!(ranks(m.expert_data_parallel_group(5)), ("edp".into(), vec![1, 5]));

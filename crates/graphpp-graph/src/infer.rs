@@ -303,7 +303,7 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
         }
         Op::CollectiveStart { kind, group, axis } => {
             arity(op, ins, if matches!(kind, CollectiveKind::AllToAllV { .. }) { 3 } else { 1 })?;
-            need(group.size >= 1, || format!("group {} has size 0", group.name))?;
+            need(group.size >= 1, || format!("group {} has size 0", group.mesh_axis))?;
             let mut shape = ins[0].shape.clone();
             match kind {
                 CollectiveKind::AllToAllV { rows } => {
@@ -378,7 +378,7 @@ mod tests {
 
     #[test]
     fn collective_shapes_follow_group_size() {
-        let g = crate::op::CommGroup { name: "fsdp".into(), size: 4 };
+        let g = crate::op::CommGroup::new(crate::op::MeshAxis::Fsdp, 4);
         let ag = Op::CollectiveStart { kind: CollectiveKind::AllGather, group: g.clone(), axis: 0 };
         assert_eq!(infer(&ag, &[&t(&[2, 8])]).unwrap().shape, vec![8, 8]);
         let rs = Op::CollectiveStart { kind: CollectiveKind::ReduceScatter, group: g, axis: 0 };

@@ -27,7 +27,7 @@ pub use builder::GraphBuilder;
 pub use dtype::{DType, Shape, TensorType, UnknownDType};
 pub use error::{GraphError, Result};
 pub use graph::{Graph, GraphOutput, InputSpec, Node, NodeMeta, Phase, Region, ValueId};
-pub use op::{BinaryOp, CollectiveKind, CommGroup, InputKind, Op, UnaryOp};
+pub use op::{BinaryOp, CollectiveKind, CommGroup, InputKind, MeshAxis, Op, UnaryOp, UnknownMeshAxis};
 pub use partition::{partition, FwBw, RecomputePolicy};
 pub use stage::{stage_graphs, GraphKind, StageGraphs, UnknownGraphKind};
 pub use verify::verify;

@@ -112,13 +112,106 @@ impl CollectiveKind {
     }
 }
 
-/// A process group a collective runs over.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// An axis of the device mesh: which of a rank's process groups a collective runs over. The
+/// runtime's mesh (`graphpp_comm::Mesh`) resolves it to world ranks; its short name (`pp`, `dp`,
+/// …) is what graphs print and parse, as PyTorch's device-mesh dimensions are named.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum MeshAxis {
+    /// The pipeline ranks of one replica (`pp`).
+    Pipeline,
+    /// The data-parallel replicas of one pipeline rank (`dp`).
+    DataParallel,
+    /// The ranks that shard a stage's parameters under FSDP (`fsdp`): the data-parallel
+    /// replicas of one pipeline rank, the same ranks as `dp`.
+    Fsdp,
+    /// The replicas that share a MoE layer's routed experts and exchange tokens (`ep`).
+    Expert,
+    /// The holders of one routed expert, over which its gradient is reduced (`edp`).
+    ExpertDataParallel,
+    /// Every rank (`world`).
+    World,
+}
+
+impl MeshAxis {
+    /// Every axis, in declaration order.
+    pub const ALL: [MeshAxis; 6] = [
+        MeshAxis::Pipeline,
+        MeshAxis::DataParallel,
+        MeshAxis::Fsdp,
+        MeshAxis::Expert,
+        MeshAxis::ExpertDataParallel,
+        MeshAxis::World,
+    ];
+
+    /// The axis's short name, also the name of its groups: `pp`, `dp`, `fsdp`, `ep`, `edp`,
+    /// `world`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MeshAxis::Pipeline => "pp",
+            MeshAxis::DataParallel => "dp",
+            MeshAxis::Fsdp => "fsdp",
+            MeshAxis::Expert => "ep",
+            MeshAxis::ExpertDataParallel => "edp",
+            MeshAxis::World => "world",
+        }
+    }
+}
+
+impl std::fmt::Display for MeshAxis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A name that is no [`MeshAxis`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown mesh axis `{0}` (expected one of pp, dp, fsdp, ep, edp, world)")]
+pub struct UnknownMeshAxis(pub String);
+
+impl std::str::FromStr for MeshAxis {
+    type Err = UnknownMeshAxis;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        MeshAxis::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| UnknownMeshAxis(s.to_string()))
+    }
+}
+
+impl TryFrom<String> for MeshAxis {
+    type Error = UnknownMeshAxis;
+
+    fn try_from(s: String) -> std::result::Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl From<MeshAxis> for String {
+    fn from(a: MeshAxis) -> String {
+        a.name().to_string()
+    }
+}
+
+/// A process group a collective runs over: the group of the running rank along a mesh axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CommGroup {
-    /// Group name (e.g. `fsdp`, `ep`).
-    pub name: String,
+    /// The mesh axis whose group it is.
+    pub mesh_axis: MeshAxis,
     /// Number of ranks in the group (≥ 1).
     pub size: usize,
+}
+
+impl CommGroup {
+    /// The group along `mesh_axis` of `size` ranks.
+    pub fn new(mesh_axis: MeshAxis, size: usize) -> Self {
+        CommGroup { mesh_axis, size }
+    }
+}
+
+impl std::fmt::Display for CommGroup {
+    /// `<axis> (size <n>)`, e.g. `fsdp (size 2)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (size {})", self.mesh_axis, self.size)
+    }
 }
 
 /// One primitive operation. Every node produces exactly one value (SSA).
@@ -302,7 +395,7 @@ impl Op {
             Op::SegmentMatmul { transpose } => vec![format!("transpose={transpose}")],
             Op::Cast { dtype } => vec![format!("dtype={dtype}")],
             Op::CollectiveStart { group, axis, kind } => {
-                let mut a = vec![format!("group={}/{}", group.name, group.size), format!("axis={axis}")];
+                let mut a = vec![format!("group={}/{}", group.mesh_axis, group.size), format!("axis={axis}")];
                 if let CollectiveKind::AllToAllV { rows } = kind {
                     a.push(format!("rows={rows}"));
                 }

@@ -2,6 +2,7 @@
 
 mod common;
 
+use graphpp_graph::MeshAxis;
 use graphpp_graph::autodiff::autodiff;
 use graphpp_graph::names::{grad_of, GRAD};
 use graphpp_graph::passes::{dce, is_comm, multiplex_fw_bw, split_fsdp_collectives, Multiplex};
@@ -106,7 +107,7 @@ fn recompute_saves_only_stage_inputs_and_recomputes_in_bw() {
 /// A graph with two comm regions: `compute → all_to_all → compute → all_to_all → compute`.
 fn comm_graph(name: &str, with_bw: bool) -> Graph {
     let mut b = GraphBuilder::new(name, DType::F32);
-    let g = CommGroup { name: "ep".into(), size: 1 };
+    let g = CommGroup::new(MeshAxis::Expert, 1);
     let grad_out = grad_of("output");
     let x =
         b.input(if with_bw { &grad_out } else { "input" }, InputKind::Activation, vec![4, 4]).unwrap();
@@ -181,7 +182,7 @@ fn comm_overlap_interleaves_compute_of_one_graph_with_comm_of_the_other() {
 #[test]
 fn fsdp_split_moves_all_gathers_and_reduce_scatters_out() {
     let mut b = GraphBuilder::new("fw", DType::F32);
-    let group = CommGroup { name: "fsdp".into(), size: 2 };
+    let group = CommGroup::new(MeshAxis::Fsdp, 2);
     let w = b.input("w", InputKind::Parameter, vec![3, 8]).unwrap();
     let x = b.input("input", InputKind::Activation, vec![5, 8]).unwrap();
     let wf = b.collective(CollectiveKind::AllGather, &group, 0, w).unwrap();
@@ -250,7 +251,7 @@ proptest! {
 /// A random chain of `ops` (0 = exp, 1 = all_to_all start+wait, 2 = neg of an earlier value).
 fn random_comm_graph(name: &str, backward: bool, ops: &[u8]) -> Graph {
     let mut b = GraphBuilder::new(name, DType::F32);
-    let g = CommGroup { name: "ep".into(), size: 1 };
+    let g = CommGroup::new(MeshAxis::Expert, 1);
     let x = b.input("x", InputKind::Activation, vec![2, 2]).unwrap();
     b.set_phase(if backward { Phase::Backward } else { Phase::Forward });
     let mut vals = vec![x];

@@ -518,7 +518,7 @@ fn parameter(
     shard[0] /= group.size;
     let v = b.input_typed(name, InputKind::Parameter, ty(shard))?;
     b.set_scope(name.trim_end_matches(".weight").trim_end_matches(".bias"));
-    b.set_region(graphpp_graph::Region::Comm(format!("{}.unshard", group.name)));
+    b.set_region(graphpp_graph::Region::Comm(format!("{}.unshard", group.mesh_axis)));
     let g = b.collective(CollectiveKind::AllGather, group, 0, v)?;
     b.set_region(graphpp_graph::Region::Compute);
     b.set_scope("");

@@ -31,7 +31,9 @@ use std::collections::HashMap;
 
 use graphpp_graph::layers::{activation, linear};
 use graphpp_graph::names::{AUX_LOSS, EXPERT_LOAD};
-use graphpp_graph::{CollectiveKind, CommGroup, Graph, GraphBuilder, InputKind, Region, TensorType, ValueId};
+use graphpp_graph::{
+    CollectiveKind, CommGroup, Graph, GraphBuilder, InputKind, MeshAxis, Region, TensorType, ValueId,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -502,7 +504,7 @@ impl MoeConfig {
         sorted: ValueId,
         counts: ValueId,
     ) -> Result<Dispatched, ModelError> {
-        let group = CommGroup { name: EP_GROUP.into(), size: ep.size };
+        let group = CommGroup::new(MeshAxis::Expert, ep.size);
         let rows = b.shape(sorted)[0];
         b.set_region(Region::Comm("ep.dispatch".into()));
         let per_member = b.reshape(counts, vec![ep.size, self.n_routed_experts / ep.size])?;
@@ -524,16 +526,13 @@ impl MoeConfig {
         d: &Dispatched,
         rows: usize,
     ) -> Result<ValueId, ModelError> {
-        let group = CommGroup { name: EP_GROUP.into(), size: ep.size };
+        let group = CommGroup::new(MeshAxis::Expert, ep.size);
         b.set_region(Region::Comm("ep.combine".into()));
         let back = b.all_to_all_v(&group, out, d.recv, d.send, rows)?;
         b.set_region(Region::Compute);
         Ok(back)
     }
 }
-
-/// The graph group of expert parallelism (the runtime's mesh resolves it).
-pub const EP_GROUP: &str = "ep";
 
 /// What [`MoeConfig::dispatch`] produced.
 struct Dispatched {
@@ -762,7 +761,7 @@ mod tests {
             let ep_ops = g
                 .nodes
                 .iter()
-                .filter(|n| matches!(&n.op, graphpp_graph::Op::CollectiveStart { group, .. } if group.name == EP_GROUP))
+                .filter(|n| matches!(&n.op, graphpp_graph::Op::CollectiveStart { group, .. } if group.mesh_axis == MeshAxis::Expert))
                 .count();
             // Per MoE layer: the counts exchange, the dispatch and the combine.
             assert_eq!(ep_ops, 3 * 3);

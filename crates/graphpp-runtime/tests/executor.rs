@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use graphpp_comm::{Comm, CommError, Mesh, MeshError, ThreadComm};
+use graphpp_graph::MeshAxis;
 use graphpp_graph::{CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, TensorType};
 use graphpp_runtime::exec::{
     peak_live_bytes, run, run_with, CollectiveError, ExecError, GraphComm, RunOptions,
@@ -84,16 +85,16 @@ fn topk_and_eq_kernels() {
 fn bad_inputs_and_multi_rank_collectives_are_typed_errors() {
     let mut b = GraphBuilder::new("c", DType::F32);
     let x = b.input("x", InputKind::Activation, vec![2, 3]).unwrap();
-    let g2 = CommGroup { name: "fsdp".into(), size: 2 };
+    let g2 = CommGroup::new(MeshAxis::Fsdp, 2);
     let y = b.collective(CollectiveKind::AllGather, &g2, 0, x).unwrap();
     b.output("y", y);
     let g = b.finish().unwrap();
     let ok = tensor_from_f64(&[0.0; 6], &[2, 3], DType::F32).unwrap();
     match run(&g, &[ok], &RunOptions::default()) {
-        Err(ExecError::Collective { size: 2, group, node: 1, source, .. })
+        Err(ExecError::Collective { group: Some(group), node: 1, source, .. })
             if matches!(*source, CollectiveError::NoComm) =>
         {
-            assert_eq!(group, "fsdp")
+            assert_eq!(group, g2)
         }
         other => panic!("expected a collective error, got {other:?}"),
     }
@@ -143,7 +144,7 @@ fn on_threads(
 
 #[test]
 fn all_reduce_over_two_ranks_gives_the_sum_on_both() {
-    let dp = CommGroup { name: "dp".into(), size: 2 };
+    let dp = CommGroup::new(MeshAxis::DataParallel, 2);
     let g = one_collective(CollectiveKind::AllReduce, &dp, 0, &[2, 3]);
     let input = |r: usize| (0..6).map(|i| (10 * r + i) as f64).collect::<Vec<_>>();
     let out = on_threads(&g, Mesh::new(1, 2).unwrap(), input, &[2, 3]);
@@ -157,7 +158,7 @@ fn all_reduce_over_two_ranks_gives_the_sum_on_both() {
 fn collectives_along_axis_1_move_it_to_dim_0_and_back() {
     // pp = 2, dp = 2: ranks 0 and 2 form dp[0,2], ranks 1 and 3 dp[1,3].
     let mesh = Mesh::new(2, 2).unwrap();
-    let dp = CommGroup { name: "dp".into(), size: 2 };
+    let dp = CommGroup::new(MeshAxis::DataParallel, 2);
     // x_r = [[r, r+1, r+2], [r+3, r+4, r+5]] (rows of 3): all-gather along axis 1 puts the
     // members' rows side by side.
     let input = |r: usize| (0..6).map(|i| (r * 100 + i) as f64).collect::<Vec<_>>();
@@ -198,7 +199,7 @@ fn collectives_along_axis_1_move_it_to_dim_0_and_back() {
 #[test]
 fn a_size_one_group_needs_no_communication_and_keeps_the_bits() {
     // A group the mesh does not know, of size 1: the identity, bitwise, with or without a Comm.
-    let ep = CommGroup { name: "ep".into(), size: 1 };
+    let ep = CommGroup::new(MeshAxis::Expert, 1);
     let data = [0.1, -2.5e-7, 3.0, f64::from(f32::MAX), 1e-30, -0.0];
     let x = tensor_from_f64(&data, &[2, 3], DType::F32).unwrap();
     let bits = |t: &candle_core::Tensor| -> Vec<u32> {
@@ -218,21 +219,23 @@ fn a_size_one_group_needs_no_communication_and_keeps_the_bits() {
 
 #[test]
 fn graph_collective_errors_are_typed() {
-    // A group the mesh does not resolve.
-    let ep = CommGroup { name: "tp".into(), size: 2 };
+    // A group the mesh does not resolve: the graph was built for another degree.
+    let ep = CommGroup::new(MeshAxis::Expert, 2);
     let g = one_collective(CollectiveKind::AllReduce, &ep, 0, &[2]);
     let out = on_threads(&g, Mesh::new(1, 2).unwrap(), |_| vec![1.0, 2.0], &[2]);
     for o in out {
         match o {
             Err(ExecError::Collective { source, .. }) => match *source {
-                CollectiveError::Group(MeshError::UnknownGroup { name }) => assert_eq!(name, "tp"),
-                other => panic!("expected an unknown-group error, got {other:?}"),
+                CollectiveError::Group(MeshError::GroupSize { axis, graph_size: 2, .. }) => {
+                    assert_eq!(axis, MeshAxis::Expert)
+                }
+                other => panic!("expected a group-size error, got {other:?}"),
             },
-            other => panic!("expected an unknown-group error, got {other:?}"),
+            other => panic!("expected a group-size error, got {other:?}"),
         }
     }
     // Another rank aborts while this one waits in the collective.
-    let dp = CommGroup { name: "dp".into(), size: 2 };
+    let dp = CommGroup::new(MeshAxis::DataParallel, 2);
     let g = one_collective(CollectiveKind::AllReduce, &dp, 0, &[2]);
     let mesh = Mesh::new(1, 2).unwrap();
     let mut comms = ThreadComm::world(2);
@@ -264,7 +267,7 @@ fn graph_collective_errors_are_typed() {
 #[test]
 fn all_to_all_v_delivers_variable_pieces_padded() {
     let mesh = Mesh::new(1, 2).unwrap().with_ep(2).unwrap();
-    let ep = CommGroup { name: "ep".into(), size: 2 };
+    let ep = CommGroup::new(MeshAxis::Expert, 2);
     // Rank 0 sends [1 row → 0, 2 rows → 1] of its 3; rank 1 sends [0 → 0, 1 → 1] (its third row
     // is padding, not sent).
     let sends = [[1u32, 2], [0, 1]];

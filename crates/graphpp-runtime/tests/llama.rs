@@ -4,6 +4,7 @@
 mod common;
 
 use candle_core::Tensor;
+use graphpp_graph::MeshAxis;
 use graphpp_graph::names::grad_of;
 use graphpp_graph::passes::{multiplex_fw_bw, split_fsdp_collectives, Multiplex};
 use graphpp_graph::{stage_graphs, CommGroup, Graph, RecomputePolicy};
@@ -101,7 +102,7 @@ fn multiplexed_graph_gives_the_outputs_of_separate_runs() {
     let plain = StageOptions::new(2, 8);
     multiplex_case(&plain);
     // FSDP on a single-rank group: fw holds all-gathers, bw reduce-scatters (comm regions).
-    multiplex_case(&StageOptions { fsdp: Some(CommGroup { name: "fsdp".into(), size: 1 }), ..plain });
+    multiplex_case(&StageOptions { fsdp: Some(CommGroup::new(MeshAxis::Fsdp, 1)), ..plain });
 }
 
 fn multiplex_case(opts: &StageOptions) {
@@ -209,7 +210,7 @@ fn fsdp_graphs_on_a_single_rank_group_give_the_plain_gradients() {
     let cfg = LlamaConfig::tiny();
     let sp = spec(&cfg, 2, 1);
     let plain = StageOptions::new(1, 8);
-    let fsdp = StageOptions { fsdp: Some(CommGroup { name: "fsdp".into(), size: 1 }), ..plain.clone() };
+    let fsdp = StageOptions { fsdp: Some(CommGroup::new(MeshAxis::Fsdp, 1)), ..plain.clone() };
     let gp = stage_graphs(&build_stage(&cfg, &sp, &plain).unwrap(), &RecomputePolicy::SaveAll).unwrap();
     let gs = stage_graphs(&build_stage(&cfg, &sp, &fsdp).unwrap(), &RecomputePolicy::SaveAll).unwrap();
     let split = split_fsdp_collectives(&gs.fw, &gs.full_bw).unwrap();

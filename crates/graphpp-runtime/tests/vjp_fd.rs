@@ -5,6 +5,7 @@
 mod common;
 
 use candle_core::Tensor;
+use graphpp_graph::MeshAxis;
 use graphpp_graph::layers;
 use graphpp_graph::names::grad_of;
 use graphpp_graph::{
@@ -121,7 +122,7 @@ fn dim(rng: &mut Rng, max: u64) -> usize {
 fn cases(seed: u64) -> Vec<Case> {
     let mut r = Rng::new(seed);
     let (a, b_, c, d) = (dim(&mut r, 3), dim(&mut r, 4), dim(&mut r, 4), dim(&mut r, 3) + 1);
-    let g1 = CommGroup { name: "solo".into(), size: 1 };
+    let g1 = CommGroup::new(MeshAxis::World, 1);
     let mut v = vec![
         case("neg", vec![vec![a, b_]], |b, x, _| b.neg(x[0]).unwrap()),
         case("exp", vec![vec![a, b_]], |b, x, _| b.exp(x[0]).unwrap()),
@@ -146,7 +147,7 @@ fn cases(seed: u64) -> Vec<Case> {
             b.exp(y).unwrap()
         }),
         case("reduce_scatter+all_reduce+all_to_all", vec![vec![a, b_]], {
-            let g = CommGroup { name: "solo".into(), size: 1 };
+            let g = CommGroup::new(MeshAxis::World, 1);
             move |b, x, _| {
                 let y = b.collective(CollectiveKind::ReduceScatter, &g, 1, x[0]).unwrap();
                 let y = b.collective(CollectiveKind::AllReduce, &g, 0, y).unwrap();

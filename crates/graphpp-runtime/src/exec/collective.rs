@@ -226,8 +226,8 @@ pub(super) fn complete(f: InFlight, timeout: Duration) -> Result<Tensor, Collect
 /// The [`ExecError::Collective`] of the collective started at `node`.
 pub(super) fn collective_error(graph: &Graph, node: usize, source: CollectiveError) -> ExecError {
     let (kind, group) = match &graph.nodes[node].op {
-        Op::CollectiveStart { kind, group, .. } => (kind.name().to_string(), group.clone()),
-        other => (other.mnemonic(), CommGroup { name: "?".into(), size: 0 }),
+        Op::CollectiveStart { kind, group, .. } => (kind.name().to_string(), Some(*group)),
+        other => (other.mnemonic(), None),
     };
-    ExecError::Collective { kind, group: group.name, size: group.size, node, source: Box::new(source) }
+    ExecError::Collective { kind, group, node, source: Box::new(source) }
 }

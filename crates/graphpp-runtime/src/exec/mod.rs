@@ -65,14 +65,15 @@ pub enum ExecError {
         reason: String,
     },
     /// A collective could not be started or completed.
-    #[error("collective {kind} over group {group} (size {size}) at node %{node}: {source}")]
+    #[error(
+        "collective {kind} over group {} at node %{node}: {source}",
+        group.map_or("?".to_string(), |g| g.to_string())
+    )]
     Collective {
         /// Collective kind.
         kind: String,
-        /// Graph group name.
-        group: String,
-        /// Graph group size.
-        size: usize,
+        /// The graph group (`None` when the node is no collective start).
+        group: Option<graphpp_graph::CommGroup>,
         /// Node id of the start.
         node: usize,
         /// What went wrong (boxed: a communicator error is large).

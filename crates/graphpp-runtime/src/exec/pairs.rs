@@ -164,8 +164,8 @@ mod tests {
     /// No pair spans a collective start (the start would move later); products after it pair.
     #[test]
     fn collectives_bound_the_pairs() {
-        use graphpp_graph::{CollectiveKind, CommGroup};
-        let group = CommGroup { name: "dp".into(), size: 2 };
+        use graphpp_graph::{CollectiveKind, CommGroup, MeshAxis};
+        let group = CommGroup::new(MeshAxis::DataParallel, 2);
         let mut b = GraphBuilder::new("g", DType::F32);
         let a = b.input("a", InputKind::Activation, vec![8, 8]).unwrap();
         let m1 = b.matmul(a, a).unwrap();
