@@ -255,7 +255,7 @@ impl Comm for EmulatedComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{TagKind, ThreadComm};
+    use crate::ThreadComm;
     use candle_core::Device;
 
     #[test]
@@ -282,7 +282,7 @@ mod tests {
         // 10 ms latency, 0.1 GB/s: 1 MB takes 10 ms on the wire.
         let [a, b]: [EmulatedComm; 2] = pair("10000,0.1").try_into().ok().unwrap();
         let x = Tensor::ones(250_000, candle_core::DType::F32, &Device::Cpu).unwrap();
-        let tag = |mb| Tag { kind: TagKind::Activation, stage: 1, mb };
+        let tag = |mb| Tag::Activation { stage: 1, mb };
         let t0 = Instant::now();
         a.send(1, tag(0), x.clone()).unwrap();
         a.send(1, tag(1), (x.clone() * 2.0).unwrap()).unwrap();
@@ -320,7 +320,7 @@ mod tests {
 #[cfg(test)]
 mod lifetime_tests {
     use super::*;
-    use crate::{TagKind, ThreadComm};
+    use crate::ThreadComm;
     use candle_core::Device;
 
     /// A rank that sends and drops its communicator at once still delivers (the drop waits for
@@ -331,7 +331,7 @@ mod lifetime_tests {
         let mut world = ThreadComm::world(2).into_iter();
         let (a, b) = (world.next().unwrap(), Arc::new(world.next().unwrap()));
         let a = EmulatedComm::new(Arc::new(a), link);
-        let tag = Tag { kind: TagKind::Gradient, stage: 0, mb: 3 };
+        let tag = Tag::Gradient { stage: 0, mb: 3 };
         a.send(1, tag, Tensor::new(&[7f32], &Device::Cpu).unwrap()).unwrap();
         drop(a);
         let got = b.recv(0, tag, Duration::from_millis(1)).unwrap();

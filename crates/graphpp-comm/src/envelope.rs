@@ -19,7 +19,7 @@
 use candle_core::Tensor;
 
 use super::wire::{self, WireError};
-use super::{CollectiveOp, CommError, Group, Tag, TagKind};
+use super::{CollectiveOp, CommError, Group, Tag};
 
 /// First two bytes of every envelope.
 pub const MAGIC: [u8; 2] = *b"GE";
@@ -84,13 +84,14 @@ impl Envelope {
         match self {
             Envelope::Message { tag, tensor } => {
                 out.push(0);
-                out.push(match tag.kind {
-                    TagKind::Activation => 0,
-                    TagKind::Gradient => 1,
-                    TagKind::Gather => 2,
-                });
-                out.extend_from_slice(&(tag.stage as u64).to_le_bytes());
-                out.extend_from_slice(&(tag.mb as u64).to_le_bytes());
+                let (kind, a, b) = match *tag {
+                    Tag::Activation { stage, mb } => (0, stage, mb),
+                    Tag::Gradient { stage, mb } => (1, stage, mb),
+                    Tag::Gather { what, item } => (2, usize::from(what), item),
+                };
+                out.push(kind);
+                out.extend_from_slice(&(a as u64).to_le_bytes());
+                out.extend_from_slice(&(b as u64).to_le_bytes());
                 out.extend_from_slice(&wire::encode(tensor)?);
             }
             Envelope::Contribution { op, group, seq, tensor } => {
@@ -136,15 +137,18 @@ impl Envelope {
         }
         match r.u8()? {
             0 => {
-                let kind = match r.u8()? {
-                    0 => TagKind::Activation,
-                    1 => TagKind::Gradient,
-                    2 => TagKind::Gather,
+                let kind = r.u8()?;
+                let (a, b) = (r.usize()?, r.usize()?);
+                let tag = match kind {
+                    0 => Tag::Activation { stage: a, mb: b },
+                    1 => Tag::Gradient { stage: a, mb: b },
+                    2 => Tag::Gather {
+                        what: u8::try_from(a).map_err(|_| bad(format!("gather code {a} is over 255")))?,
+                        item: b,
+                    },
                     k => return Err(bad(format!("unknown tag kind {k}"))),
                 };
-                let stage = r.usize()?;
-                let mb = r.usize()?;
-                Ok(Envelope::Message { tag: Tag { kind, stage, mb }, tensor: wire::decode(r.rest())? })
+                Ok(Envelope::Message { tag, tensor: wire::decode(r.rest())? })
             }
             1 => {
                 let code = r.u8()?;
@@ -238,7 +242,7 @@ mod tests {
     #[test]
     fn every_kind_round_trips() {
         let t = Tensor::new(&[[1f32, -2.5], [3.0, 4.0]], &Device::Cpu).unwrap();
-        let tag = Tag { kind: TagKind::Gradient, stage: 3, mb: 7 };
+        let tag = Tag::Gradient { stage: 3, mb: 7 };
         match roundtrip(&Envelope::Message { tag, tensor: t.clone() }) {
             Envelope::Message { tag: got, tensor } => {
                 assert_eq!(got, tag);

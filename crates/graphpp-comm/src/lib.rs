@@ -47,29 +47,33 @@ pub use mesh::{Coords, Mesh, MeshAxis, MeshError};
 pub use mpi::MpiComm;
 pub use thread::ThreadComm;
 
-/// What a point-to-point message carries, so that a forward activation and a backward gradient
-/// of the same (stage, microbatch) never mix.
+/// A point-to-point message tag: what the message carries and where it goes, so that a forward
+/// activation and a backward gradient of the same (stage, microbatch) never mix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum TagKind {
-    /// Activation flowing forward into `stage`.
-    Activation,
-    /// Gradient flowing backward into `stage` (the gradient of its output).
-    Gradient,
+pub enum Tag {
+    /// The activation of microbatch `mb` flowing forward into `stage`.
+    Activation {
+        /// The stage that consumes it.
+        stage: usize,
+        /// The microbatch.
+        mb: usize,
+    },
+    /// The gradient of microbatch `mb` flowing backward into `stage` (the gradient of its
+    /// output).
+    Gradient {
+        /// The stage that consumes it.
+        stage: usize,
+        /// The microbatch.
+        mb: usize,
+    },
     /// State or measurements sent to the leader (world rank 0) outside the schedule — a
-    /// checkpoint's tensors, a step's intervals: `stage` names what is gathered
-    /// (the trainer), `mb` the item.
-    Gather,
-}
-
-/// A point-to-point message tag: kind, receiving stage, microbatch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Tag {
-    /// What the message carries.
-    pub kind: TagKind,
-    /// The stage that consumes it.
-    pub stage: usize,
-    /// The microbatch.
-    pub mb: usize,
+    /// checkpoint's tensors, a step's intervals.
+    Gather {
+        /// What is gathered (a code of the sender's own, e.g. the trainer's).
+        what: u8,
+        /// Which item of it.
+        item: usize,
+    },
 }
 
 /// An ordered list of world ranks that run collectives together, with a name.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use graphpp_comm::loopback;
 use graphpp_comm::Mesh;
-use graphpp_comm::{Awaited, CollectiveOp, Comm, CommError, Group, Tag, TagKind, TensorDesc, ThreadComm};
+use graphpp_comm::{Awaited, CollectiveOp, Comm, CommError, Group, Tag, TensorDesc, ThreadComm};
 
 /// Generous: nothing in these tests should come near it.
 const T: Duration = Duration::from_secs(20);
@@ -294,7 +294,7 @@ fn start_then_point_to_point_then_wait_overlaps(world: World) {
     // Rank r > 0 starts the all-reduce only after a token from rank r - 1, so rank 0's handle
     // cannot be complete while rank 0 still has to send the first token: the start did not
     // block, and point-to-point traffic flows while the collective is in flight.
-    let tag = |mb| Tag { kind: TagKind::Activation, stage: 0, mb };
+    let tag = |mb| Tag::Activation { stage: 0, mb };
     let results = ranks(world, 4, |c| {
         let r = c.rank();
         let g = Group::world(4).unwrap();
@@ -356,12 +356,12 @@ fn abort_fails_every_pending_wait_and_recv_at_once_naming_the_failed_rank(world:
                 c.abort("loss is NaN at step 7");
                 return None;
             }
-            1 => c.recv(3, Tag { kind: TagKind::Gradient, stage: 1, mb: 0 }, timeout).map(|_| ()),
+            1 => c.recv(3, Tag::Gradient { stage: 1, mb: 0 }, timeout).map(|_| ()),
             _ => c.all_reduce(&g, &x).unwrap().wait(timeout).map(|_| ()),
         };
         let elapsed = t0.elapsed();
         // Later calls fail too.
-        let later_send = c.send(0, Tag { kind: TagKind::Activation, stage: 0, mb: 0 }, x.clone());
+        let later_send = c.send(0, Tag::Activation { stage: 0, mb: 0 }, x.clone());
         let later_start = c.barrier(&g).map(|_| ());
         Some((r, elapsed, later_send, later_start))
     });
@@ -465,7 +465,7 @@ fn timeouts_name_what_was_awaited() {
         e.to_string(),
         "rank 0: timed out after 0.03 s waiting for all_reduce #0 on group world[0,1,2,3] (not started by ranks [3])"
     );
-    let tag = Tag { kind: TagKind::Gradient, stage: 2, mb: 5 };
+    let tag = Tag::Gradient { stage: 2, mb: 5 };
     match comms[2].recv(1, tag, Duration::from_millis(10)).unwrap_err() {
         CommError::Timeout { rank: 2, awaited: Awaited::Message { peer: 1, tag: t }, .. } => {
             assert_eq!(t, tag)
@@ -478,7 +478,7 @@ fn bad_peers_groups_and_inputs_are_typed_errors(world: World) {
     let comms = world(4);
     let c = &comms[1];
     let x = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
-    let tag = Tag { kind: TagKind::Activation, stage: 0, mb: 0 };
+    let tag = Tag::Activation { stage: 0, mb: 0 };
     assert!(matches!(c.send(4, tag, x.clone()), Err(CommError::BadPeer { rank: 1, peer: 4, world: 4 })));
     assert!(matches!(c.recv(9, tag, T), Err(CommError::BadPeer { rank: 1, peer: 9, world: 4 })));
     let others = Group::new("dp", vec![0, 2]).unwrap();

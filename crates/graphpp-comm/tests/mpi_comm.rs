@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use graphpp_comm::mpi::MpiComm;
-use graphpp_comm::{Comm, CommError, Group, Tag, TagKind};
+use graphpp_comm::{Comm, CommError, Group, Tag};
 
 const WORLD: usize = 3;
 const T: Duration = Duration::from_secs(60);
@@ -119,10 +119,10 @@ fn collectives_and_messages_between_processes_equal_the_serial_results() {
     let next = (me + 1) % n;
     let prev = (me + n - 1) % n;
     for mb in 0..3 {
-        c.send(next, Tag { kind: TagKind::Activation, stage: next, mb }, big.clone()).unwrap();
+        c.send(next, Tag::Activation { stage: next, mb }, big.clone()).unwrap();
     }
     for mb in 0..3 {
-        let got = c.recv(prev, Tag { kind: TagKind::Activation, stage: me, mb }, T).unwrap();
+        let got = c.recv(prev, Tag::Activation { stage: me, mb }, T).unwrap();
         assert_eq!(
             bits(&got),
             bits(&Tensor::from_vec(random(prev as u64, 1 << 20), 1 << 20, &Device::Cpu).unwrap())

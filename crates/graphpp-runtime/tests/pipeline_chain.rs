@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use graphpp_comm::{Comm, CommError, Group, Mesh, Tag, TagKind, ThreadComm};
+use graphpp_comm::{Comm, CommError, Group, Mesh, Tag, ThreadComm};
 use graphpp_runtime::{
     run_pipeline, run_rank, PipelineError, RankOptions, RankOutcome, StageWork, WorkError,
 };
@@ -278,7 +278,7 @@ fn run_rank_gives_run_pipeline_gradients_and_checks_its_group() {
         matches!(e, PipelineError::Setup(ref m) if m.contains("pp[1] has 1 ranks, the schedule 2")),
         "{e}"
     );
-    match comms[1].recv(0, Tag { kind: TagKind::Activation, stage: 1, mb: 0 }, Duration::from_secs(600)) {
+    match comms[1].recv(0, Tag::Activation { stage: 1, mb: 0 }, Duration::from_secs(600)) {
         Err(CommError::Aborted { failed_rank: 0, .. }) => {}
         other => panic!("{other:?}"),
     }

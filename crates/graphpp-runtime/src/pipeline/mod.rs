@@ -33,7 +33,7 @@ use graphpp_schedule::{
 
 use crate::exec::CollectiveSpan;
 use graphpp_comm::mesh::Mesh;
-use graphpp_comm::{Comm, CommError, Group, Tag, TagKind, ThreadComm};
+use graphpp_comm::{Comm, CommError, Group, Tag, ThreadComm};
 
 /// The error type stage computations return.
 pub type WorkError = Box<dyn std::error::Error + Send + Sync>;
@@ -356,7 +356,7 @@ impl<W: StageWork> RankRunner<'_, W> {
             CommKind::SendF => {
                 let peer = self.peer(t.stage + 1)?;
                 let msg = self.buf.to_send_f.remove(&t).ok_or_else(|| format!("{t:?}: nothing to send"))?;
-                self.comm.send(peer, Tag { kind: TagKind::Activation, stage: t.stage + 1, mb: t.mb }, msg)?;
+                self.comm.send(peer, Tag::Activation { stage: t.stage + 1, mb: t.mb }, msg)?;
             }
             CommKind::SendB => {
                 let peer = self.peer(t.stage.wrapping_sub(1))?;
@@ -365,18 +365,18 @@ impl<W: StageWork> RankRunner<'_, W> {
                     .to_send_b
                     .remove(&t)
                     .ok_or_else(|| format!("{t:?}: no input gradient to send"))?;
-                let tag = Tag { kind: TagKind::Gradient, stage: t.stage.wrapping_sub(1), mb: t.mb };
+                let tag = Tag::Gradient { stage: t.stage.wrapping_sub(1), mb: t.mb };
                 self.comm.send(peer, tag, msg)?;
             }
             CommKind::RecvF => {
                 let peer = self.peer(t.stage.wrapping_sub(1))?;
-                let tag = Tag { kind: TagKind::Activation, stage: t.stage, mb: t.mb };
+                let tag = Tag::Activation { stage: t.stage, mb: t.mb };
                 let msg = self.comm.recv(peer, tag, self.timeout)?;
                 self.buf.input.insert(t, msg);
             }
             CommKind::RecvB => {
                 let peer = self.peer(t.stage + 1)?;
-                let tag = Tag { kind: TagKind::Gradient, stage: t.stage, mb: t.mb };
+                let tag = Tag::Gradient { stage: t.stage, mb: t.mb };
                 let msg = self.comm.recv(peer, tag, self.timeout)?;
                 self.buf.grad.insert(t, msg);
             }

@@ -48,7 +48,7 @@ use crate::train::error::SetupError;
 use crate::train::error::TrainError;
 use crate::train::setup::TrainSetup;
 use graphpp_comm::mesh::Mesh;
-use graphpp_comm::{Comm, Group, Pending, Tag, TagKind};
+use graphpp_comm::{Comm, Group, Pending, Tag};
 
 /// Checks that dp divides the batch and the step's size, and builds the lowered schedule of `setup` (the same on every rank).
 ///
@@ -176,7 +176,7 @@ struct StepSums {
     expert_load: Vec<Vec<f64>>,
 }
 
-/// What a [`TagKind::Gather`] message carries (its tag's `stage`).
+/// What a [`Tag::Gather`] message carries (its tag's `what`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Gathered {
     /// A step's intervals: `[n, 2]` f64 (start, end) in program order.
@@ -245,7 +245,7 @@ fn parameter_of(key: &str) -> &str {
 }
 
 fn gather_tag(what: Gathered, item: usize) -> Tag {
-    Tag { kind: TagKind::Gather, stage: what as usize, mb: item }
+    Tag::Gather { what: what as u8, item }
 }
 
 /// A parameter held on more than one rank: the group of its holders.
