@@ -107,9 +107,9 @@ pub struct VerifySetup {
     /// [`crate::TrainSetup::schedule`]).
     pub schedule: Option<Arc<Schedule>>,
     /// Sequences per microbatch `B`.
-    pub batch: usize,
+    pub microbatch_size: usize,
     /// Tokens per sequence `T`.
-    pub seq: usize,
+    pub seq_len: usize,
     /// Seed of the weights and of the batch.
     pub seed: u64,
     /// Bound on every RECV of the pipelined run.
@@ -135,15 +135,15 @@ pub struct VerifySetup {
 
 impl VerifySetup {
     /// A setup with default generator options, seed 0, a 60 s RECV timeout, both steps in f32.
-    pub fn new(model: impl Model + 'static, kind: Kind, shape: Shape, batch: usize, seq: usize) -> Self {
+    pub fn new(model: impl Model + 'static, kind: Kind, shape: Shape, microbatch_size: usize, seq_len: usize) -> Self {
         VerifySetup {
             model: Arc::new(model),
             kind,
             shape,
             options: Options::default(),
             schedule: None,
-            batch,
-            seq,
+            microbatch_size,
+            seq_len,
             seed: 0,
             timeout: Duration::from_secs(60),
             layers_per_stage: None,
@@ -253,8 +253,8 @@ pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     let specs = stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
     let m = setup.shape.microbatches;
     let data =
-        Arc::new(random_microbatches(setup.model.vocab_size(), m, setup.batch, setup.seq, setup.seed)?);
-    let opts = StageOptions::mixed(setup.batch, setup.seq, setup.dtype);
+        Arc::new(random_microbatches(setup.model.vocab_size(), m, setup.microbatch_size, setup.seq_len, setup.seed)?);
+    let opts = StageOptions::mixed(setup.microbatch_size, setup.seq_len, setup.dtype);
     let given = setup.weights.as_deref();
     let build = StageBuild { model: &*setup.model, specs: &specs, opts: &opts, seed: setup.seed, given };
     let workers = build.all_ranks(&schedule, data)?;
@@ -277,10 +277,10 @@ pub fn single_device_step(setup: &VerifySetup) -> Result<StepResult, VerifyError
     let cfg = &*setup.model;
     let m = setup.shape.microbatches;
     let spec = split_layers(cfg.num_layers(), 1, None).map_err(SetupError::from)?.remove(0);
-    let opts = StageOptions::mixed(setup.batch * m, setup.seq, setup.reference_dtype);
+    let opts = StageOptions::mixed(setup.microbatch_size * m, setup.seq_len, setup.reference_dtype);
     let stage = cfg.build_stage(&spec, &opts).map_err(SetupError::from)?;
     let graphs = stage_graphs(&stage, &RecomputePolicy::SaveAll).map_err(SetupError::from)?;
-    let data = random_microbatches(cfg.vocab_size(), m, setup.batch, setup.seq, setup.seed)?;
+    let data = random_microbatches(cfg.vocab_size(), m, setup.microbatch_size, setup.seq_len, setup.seed)?;
     let given = setup.weights.as_deref();
     let build =
         StageBuild { model: cfg, specs: std::slice::from_ref(&spec), opts: &opts, seed: setup.seed, given };
@@ -362,16 +362,16 @@ pub fn data_parallel_step(
         options: setup.options,
         schedule: setup.schedule.clone(),
         layers_per_stage: setup.layers_per_stage.clone(),
-        batch: setup.batch,
+        microbatch_size: setup.microbatch_size,
         dp: setup.dp,
         fsdp: setup.fsdp,
         ep: setup.ep,
         post_validate: false,
-        seq: setup.seq,
+        seq_len: setup.seq_len,
         seed: setup.seed,
         adamw: crate::optim::AdamWConfig::default(),
         lr,
-        max_grad_norm: None,
+        grad_clip: None,
         recompute: graphpp_models::Recompute::SaveAll,
         expert_bias_update: 0.001,
         link: None,
@@ -387,7 +387,7 @@ pub fn data_parallel_step(
         t.load_parameters(w).map_err(train)?;
     }
     let m = setup.shape.microbatches;
-    let data = random_microbatches(setup.model.vocab_size(), m, setup.batch, setup.seq, setup.seed)?;
+    let data = random_microbatches(setup.model.vocab_size(), m, setup.microbatch_size, setup.seq_len, setup.seed)?;
     let (loss, grads) = t.gradient_step(data).map_err(train)?;
     Ok(grads.map(|g| StepResult {
         loss,
@@ -400,7 +400,7 @@ pub fn data_parallel_step(
 /// Errors: [`SetupError::Size`] in [`VerifyError::Setup`] (before anything is built) when the schedule or the step would be
 /// too large ([`check_step`]), else those of the two steps.
 pub fn verify_step(setup: &VerifySetup) -> Result<VerifyReport, VerifyError> {
-    check_step(&*setup.model, setup.kind, &setup.shape, setup.batch / setup.dp.max(1), setup.seq, true)
+    check_step(&*setup.model, setup.kind, &setup.shape, setup.microbatch_size / setup.dp.max(1), setup.seq_len, true)
         .map_err(SetupError::from)?;
     let a = if setup.dp > 1 || setup.fsdp || setup.ep > 1 {
         data_parallel_step(setup, None)?.ok_or_else(|| VerifyError::Mismatch("no leader".into()))?

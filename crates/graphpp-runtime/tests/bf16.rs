@@ -215,7 +215,7 @@ fn pipelined_bf16_matches_one_device_bf16() {
 fn bf16_training_lowers_the_loss() {
     let setup = |dtype| TrainSetup {
         lr: CosineSchedule::new(1e-2, 1e-3, 2, 8).unwrap(),
-        max_grad_norm: Some(1.0),
+        grad_clip: Some(1.0),
         dtype,
         ..common::tiny_setup(Kind::OneFOneB, 2, 1, 4)
     };

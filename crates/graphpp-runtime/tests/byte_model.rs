@@ -15,7 +15,7 @@ use graphpp_schedule::Kind;
 /// One step of `setup` (B = 2, T = 16): the peak bytes each pipeline rank of replica 0
 /// measured and those the byte model predicts for the trainer's lowered schedule.
 fn measured_and_predicted(setup: TrainSetup) -> (Vec<u64>, Vec<u64>) {
-    let s = TrainSetup { batch: 2, seq: 16, ..setup };
+    let s = TrainSetup { microbatch_size: 2, seq_len: 16, ..setup };
     let (m, p) = (s.shape.microbatches, s.shape.ranks);
     let model = run_byte_model(&s, &graphpp_runtime::train_schedule(&s).unwrap()).unwrap();
     let mut t = Trainer::new(s).unwrap();

@@ -15,7 +15,7 @@ use graphpp_schedule::{Kind, StageOpKind};
 
 fn setup(kind: Kind, dp: usize, fsdp: bool) -> TrainSetup {
     let v = kind.default_stages_per_rank();
-    TrainSetup { batch: 2, dp, fsdp, ..common::tiny_setup(kind, 2, v, 4) }
+    TrainSetup { microbatch_size: 2, dp, fsdp, ..common::tiny_setup(kind, 2, v, 4) }
 }
 
 /// Relative L2 distance of two tensors' values.

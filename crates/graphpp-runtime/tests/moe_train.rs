@@ -28,7 +28,7 @@ fn model() -> MoeConfig {
 fn setup(dp: usize, gamma: f64) -> TrainSetup {
     TrainSetup {
         model: Arc::new(model()),
-        batch: 2,
+        microbatch_size: 2,
         dp,
         expert_bias_update: gamma,
         ..common::tiny_setup(Kind::DualPipeV, 2, 2, 4)
@@ -282,7 +282,7 @@ fn overlapped_f_and_b_hide_the_expert_all_to_alls() {
 fn the_aux_loss_is_reported_the_same_in_every_layout() {
     let aux = |kind: Kind, p: usize, v: usize, dp: usize, ep: usize, alpha: f64| {
         let model = Arc::new(MoeConfig { aux_loss_alpha: alpha, ..model() });
-        let s = TrainSetup { model, batch: 2, dp, ep, ..common::tiny_setup(kind, p, v, 4) };
+        let s = TrainSetup { model, microbatch_size: 2, dp, ep, ..common::tiny_setup(kind, p, v, 4) };
         Trainer::new(s).unwrap().step(data(0)).unwrap().aux_loss
     };
     let one = aux(Kind::OneFOneB, 1, 1, 1, 1, 0.1);

@@ -125,7 +125,7 @@ fn global_norm_equals_the_one_device_norm() {
 fn data_parallel_equals_one_replica() {
     for (kind, v) in [(Kind::OneFOneB, 1), (Kind::Zbv, 2)] {
         let run = |dp: usize| {
-            let mut t = Trainer::new(TrainSetup { batch: 2, dp, ..setup(kind, 2, v, 4) }).unwrap();
+            let mut t = Trainer::new(TrainSetup { microbatch_size: 2, dp, ..setup(kind, 2, v, 4) }).unwrap();
             let losses: Vec<f64> = (0..3)
                 .map(|k| t.step(random_microbatches(256, 4, 2, 8, 10 + k).unwrap()).unwrap().loss)
                 .collect();
@@ -152,7 +152,7 @@ fn data_parallel_equals_one_replica() {
 /// A batch that does not split over the replicas is a typed error before anything is built.
 #[test]
 fn dp_must_divide_the_batch() {
-    let e = Trainer::new(TrainSetup { batch: 3, dp: 2, ..setup(Kind::OneFOneB, 2, 1, 2) }).unwrap_err();
+    let e = Trainer::new(TrainSetup { microbatch_size: 3, dp: 2, ..setup(Kind::OneFOneB, 2, 1, 2) }).unwrap_err();
     assert!(matches!(e, graphpp_runtime::TrainError::BatchNotDivisible { batch: 3, dp: 2 }), "{e}");
     let e = Trainer::new(TrainSetup { dp: 0, ..setup(Kind::OneFOneB, 2, 1, 2) }).unwrap_err();
     assert!(matches!(e, graphpp_runtime::TrainError::BatchNotDivisible { batch: 1, dp: 0 }), "{e}");
@@ -166,7 +166,7 @@ fn dp_must_divide_the_batch() {
 #[test]
 fn process_trainers_over_a_byte_link_equal_the_harness_and_gather_to_the_leader() {
     use graphpp_comm::{loopback, Comm};
-    let s = TrainSetup { batch: 2, dp: 2, ..setup(Kind::DualPipe, 2, 2, 4) };
+    let s = TrainSetup { microbatch_size: 2, dp: 2, ..setup(Kind::DualPipe, 2, 2, 4) };
     let mut harness = Trainer::new(s.clone()).unwrap();
     let comms: Vec<Arc<dyn Comm>> = loopback(4).into_iter().map(|c| Arc::new(c) as Arc<dyn Comm>).collect();
     let mut trainers: Vec<Trainer> =
@@ -233,7 +233,7 @@ fn process_trainers_over_a_byte_link_equal_the_harness_and_gather_to_the_leader(
 fn post_validation_equals_the_synchronous_step_and_rolls_back_when_it_must() {
     for (kind, v, dp) in [(Kind::OneFOneB, 1, 1), (Kind::DualPipeV, 2, 2)] {
         for (max_norm, clips) in [(1e9, false), (1e-3, true)] {
-            let base = TrainSetup { batch: 2, dp, max_grad_norm: Some(max_norm), ..setup(kind, 2, v, 4) };
+            let base = TrainSetup { microbatch_size: 2, dp, grad_clip: Some(max_norm), ..setup(kind, 2, v, 4) };
             let mut sync = Trainer::new(base.clone()).unwrap();
             let mut post = Trainer::new(TrainSetup { post_validate: true, ..base }).unwrap();
             for k in 0..3 {
@@ -253,7 +253,7 @@ fn post_validation_equals_the_synchronous_step_and_rolls_back_when_it_must() {
     }
     // A NaN weight gives a NaN loss and gradient norm: both fail the step; neither applies it.
     for post_validate in [false, true] {
-        let s = TrainSetup { max_grad_norm: None, post_validate, ..setup(Kind::OneFOneB, 2, 1, 2) };
+        let s = TrainSetup { grad_clip: None, post_validate, ..setup(Kind::OneFOneB, 2, 1, 2) };
         let mut t = Trainer::new(s).unwrap();
         let mut params: std::collections::HashMap<_, _> = t.parameters().into_iter().collect();
         let w = &params["model.norm.weight"];

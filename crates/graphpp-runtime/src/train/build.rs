@@ -116,7 +116,7 @@ pub fn run_stages(
     let specs = specs.into_iter().map(|s| StageSpec { ep, ..s }).collect();
     let opts = StageOptions {
         recompute: setup.recompute,
-        ..StageOptions::mixed(setup.batch / setup.dp.max(1), setup.seq, setup.dtype)
+        ..StageOptions::mixed(setup.microbatch_size / setup.dp.max(1), setup.seq_len, setup.dtype)
     };
     Ok((specs, opts))
 }

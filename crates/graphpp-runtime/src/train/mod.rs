@@ -416,7 +416,7 @@ impl Trainer {
         }
         let model = &self.setup.model;
         let spec = split_layers(model.num_layers(), 1, None).map_err(SetupError::from)?.remove(0);
-        let opts = StageOptions { logits, ..StageOptions::mixed(batch, self.setup.seq, self.setup.dtype) };
+        let opts = StageOptions { logits, ..StageOptions::mixed(batch, self.setup.seq_len, self.setup.dtype) };
         let g = Arc::new(model.build_stage(&spec, &opts).map_err(SetupError::from)?);
         self.inference.insert((batch, logits), Arc::clone(&g));
         Ok(g)
@@ -427,7 +427,7 @@ impl Trainer {
     fn inference_env(&mut self) -> Result<Option<Env>, TrainError> {
         let Some(params) = self.gather_state(false)? else { return Ok(None) };
         let mut env = Env::new();
-        for (name, shape, data) in self.setup.model.stage_buffers(self.setup.seq) {
+        for (name, shape, data) in self.setup.model.stage_buffers(self.setup.seq_len) {
             let dtype = self.setup.model.buffer_dtype(&name, self.setup.dtype);
             env.insert(name, tensor_from_f64(&data, &shape, dtype)?);
         }
@@ -453,11 +453,11 @@ impl Trainer {
         batches: &[(Vec<u32>, Vec<u32>)],
         batch: usize,
     ) -> Result<Option<f64>, TrainError> {
-        let n = batch * self.setup.seq;
+        let n = batch * self.setup.seq_len;
         if batches.is_empty() || batches.iter().any(|(x, y)| x.len() != n || y.len() != n) {
             return Err(TrainError::Data(format!(
                 "evaluation needs batches of {batch}×{} tokens",
-                self.setup.seq
+                self.setup.seq_len
             )));
         }
         let Some(mut env) = self.inference_env()? else { return Ok(None) };
@@ -467,8 +467,8 @@ impl Trainer {
         let program = Program::compile(&g);
         let mut sum = 0.0;
         for (x, y) in batches {
-            env.insert(TOKENS.into(), tensor_u32(x, &[batch, self.setup.seq])?);
-            env.insert(TARGETS.into(), tensor_u32(y, &[batch, self.setup.seq])?);
+            env.insert(TOKENS.into(), tensor_u32(x, &[batch, self.setup.seq_len])?);
+            env.insert(TARGETS.into(), tensor_u32(y, &[batch, self.setup.seq_len])?);
             let r = program.run_named_with(&g, &env, &RunOptions::default(), None)?;
             let loss = r.output(&g, LOSS).ok_or_else(|| TrainError::Data("no loss output".into()))?;
             sum += to_f64(loss)?[0];
@@ -492,7 +492,7 @@ impl Trainer {
         top_k: usize,
         rng: &mut u64,
     ) -> Result<Option<Vec<u32>>, TrainError> {
-        let (t, vocab) = (self.setup.seq, self.setup.model.vocab_size());
+        let (t, vocab) = (self.setup.seq_len, self.setup.model.vocab_size());
         if prompt.is_empty() || prompt.iter().any(|&x| x as usize >= vocab) {
             return Err(TrainError::Data(format!("a prompt needs 1 or more token ids below {vocab}")));
         }

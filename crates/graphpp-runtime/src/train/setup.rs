@@ -29,7 +29,7 @@ pub struct TrainSetup {
     pub layers_per_stage: Option<Vec<usize>>,
     /// Sequences per microbatch `B` (the global microbatch: each data-parallel replica runs
     /// `B / dp` of them).
-    pub batch: usize,
+    pub microbatch_size: usize,
     /// Data-parallel replicas of the pipeline (1: none); the world is `p × dp` ranks.
     pub dp: usize,
     /// FSDP (ZeRO-3) over the data-parallel replicas: parameters, gradients and AdamW state
@@ -43,7 +43,7 @@ pub struct TrainSetup {
     /// the global norm after, roll back when clipping or a non-finite gradient says so.
     pub post_validate: bool,
     /// Tokens per sequence `T`.
-    pub seq: usize,
+    pub seq_len: usize,
     /// Seed of the initial weights.
     pub seed: u64,
     /// AdamW hyperparameters.
@@ -51,7 +51,7 @@ pub struct TrainSetup {
     /// Learning rate per step.
     pub lr: CosineSchedule,
     /// Global gradient-norm bound (`clip_grad_norm_`'s `max_norm`); `None` disables clipping.
-    pub max_grad_norm: Option<f64>,
+    pub grad_clip: Option<f64>,
     /// Activation recomputation of every stage.
     pub recompute: Recompute,
     /// An emulated interconnect every rank's traffic goes through ([`graphpp_comm::emulated`]);

@@ -57,12 +57,12 @@ use graphpp_comm::{Comm, Group, Pending, Tag};
 /// [`TrainError::Size`] when the schedule or the step would be too large;
 /// [`TrainError::Setup`] when the kind cannot serve the shape.
 pub fn train_schedule(setup: &TrainSetup) -> Result<Schedule, TrainError> {
-    if setup.dp == 0 || !setup.batch.is_multiple_of(setup.dp) {
-        return Err(TrainError::BatchNotDivisible { batch: setup.batch, dp: setup.dp });
+    if setup.dp == 0 || !setup.microbatch_size.is_multiple_of(setup.dp) {
+        return Err(TrainError::BatchNotDivisible { batch: setup.microbatch_size, dp: setup.dp });
     }
     check_ep(setup)?;
-    let local = setup.batch / setup.dp;
-    crate::train::memory::check_step(&*setup.model, setup.kind, &setup.shape, local, setup.seq, false)?;
+    let local = setup.microbatch_size / setup.dp;
+    crate::train::memory::check_step(&*setup.model, setup.kind, &setup.shape, local, setup.seq_len, false)?;
     let schedule = compute_schedule(setup.kind, &setup.shape, &setup.options, setup.schedule.as_deref())?;
     Ok(lower(&schedule, &lower_options(setup)).map_err(SetupError::from)?)
 }
@@ -335,8 +335,8 @@ impl RankTrainer {
         let world = Group::world(comm.world())?;
         let data_parallel = mesh.data_parallel_group(rank).map_err(SetupError::from)?;
         let replica = mesh.coords(rank).map_err(SetupError::from)?.dp;
-        if setup.dp != mesh.dp() || setup.dp == 0 || !setup.batch.is_multiple_of(setup.dp) {
-            return Err(TrainError::BatchNotDivisible { batch: setup.batch, dp: mesh.dp() });
+        if setup.dp != mesh.dp() || setup.dp == 0 || !setup.microbatch_size.is_multiple_of(setup.dp) {
+            return Err(TrainError::BatchNotDivisible { batch: setup.microbatch_size, dp: mesh.dp() });
         }
         let me =
             pipeline.index_of(rank).ok_or_else(|| mismatch(format!("rank {rank} outside {pipeline}")))?;
@@ -587,16 +587,16 @@ impl RankTrainer {
 
     /// This replica's rows of every microbatch (`B / dp` sequences from row `replica · B / dp`).
     fn slice(&self, data: &Microbatches) -> Result<Microbatches, TrainError> {
-        let b = self.setup.batch / self.setup.dp;
+        let b = self.setup.microbatch_size / self.setup.dp;
         let cut = |ts: &[Tensor]| -> Result<Vec<Tensor>, TrainError> {
             ts.iter()
                 .enumerate()
                 .map(|(mb, t)| {
-                    if t.dims().first() != Some(&self.setup.batch) {
+                    if t.dims().first() != Some(&self.setup.microbatch_size) {
                         return Err(TrainError::Data(format!(
                             "microbatch {mb} has shape {:?}, [{}, T] expected",
                             t.dims(),
-                            self.setup.batch
+                            self.setup.microbatch_size
                         )));
                     }
                     Ok(t.narrow(0, self.replica * b, b)?)
@@ -670,7 +670,7 @@ impl RankTrainer {
     /// # Errors
     /// [`TrainError::Optim`] for a non-finite norm (the step is not applied).
     fn checked_scale(&self, sq: f64) -> Result<f32, TrainError> {
-        match self.setup.max_grad_norm {
+        match self.setup.grad_clip {
             Some(max_norm) => Ok(clip_scale(sq, max_norm)?),
             None if sq.is_finite() => Ok(1.0),
             None => Err(OptimError::NonFiniteNorm { sq_norm: sq }.into()),
