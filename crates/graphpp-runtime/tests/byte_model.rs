@@ -17,7 +17,7 @@ use graphpp_schedule::Kind;
 fn measured_and_predicted(setup: TrainSetup) -> (Vec<u64>, Vec<u64>) {
     let s = TrainSetup { microbatch_size: 2, seq_len: 16, ..setup };
     let (m, p) = (s.shape.microbatches, s.shape.ranks);
-    let model = run_byte_model(&s, &graphpp_runtime::train_schedule(&s).unwrap()).unwrap();
+    let model = run_byte_model(&s, &s.lowered_schedule().unwrap()).unwrap();
     let mut t = Trainer::new(s).unwrap();
     let r = t.step(random_microbatches(256, m, 2, 16, 7).unwrap()).unwrap();
     let predicted = model.peak_bytes(t.schedule()).unwrap();

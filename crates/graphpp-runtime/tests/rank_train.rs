@@ -10,7 +10,7 @@ use std::time::Instant;
 use graphpp_comm::{Mesh, ThreadComm};
 use graphpp_runtime::kernels::tensor::to_f64;
 use graphpp_runtime::verify::random_microbatches;
-use graphpp_runtime::{train_schedule, RankTrainer, TrainSetup, Trainer};
+use graphpp_runtime::{RankTrainer, TrainSetup, Trainer};
 use graphpp_schedule::Kind;
 
 fn setup(kind: Kind, p: usize, v: usize, m: usize) -> TrainSetup {
@@ -19,7 +19,7 @@ fn setup(kind: Kind, p: usize, v: usize, m: usize) -> TrainSetup {
 
 /// Builds one RankTrainer per rank of a ThreadComm world (dp = 1).
 fn rank_trainers(s: &TrainSetup) -> Vec<RankTrainer> {
-    let schedule = Arc::new(train_schedule(s).unwrap());
+    let schedule = Arc::new(s.lowered_schedule().unwrap());
     let p = schedule.num_ranks();
     let mesh = Mesh::new(p, 1).unwrap();
     ThreadComm::world(p)

@@ -23,7 +23,8 @@ use graphpp_comm::Comm;
 use graphpp_models::{Model, ModelConfig, Recompute};
 use graphpp_runtime::kernels::tensor::{tensor_u32, to_f64};
 use graphpp_runtime::{
-    AdamWConfig, CosineSchedule, LrError, Microbatches, StepReport, TrainError, TrainSetup, Trainer,
+    AdamWConfig, CosineSchedule, LrError, Microbatches, SetupError, StepReport, TrainError, TrainSetup,
+    Trainer,
 };
 use graphpp_schedule::{Kind, Options, Shape};
 use serde::{Deserialize, Serialize};
@@ -226,28 +227,12 @@ impl RunConfig {
                 ByteTokenizer::VOCAB
             )));
         }
-        let setup = train_setup(self)?;
-        graphpp_runtime::train::rank_train::check_ep(&setup)?;
-        let shape = Shape::new(self.ranks, self.stages_per_rank, self.microbatches);
-        if let (Some(path), Some(given)) = (&self.schedule_file, &setup.schedule) {
-            graphpp_runtime::train::build::compute_schedule(
-                self.kind,
-                &shape,
-                &self.generator_options(),
-                Some(given),
-            )
-            .map_err(|e| RunError::Config(format!("--schedule-file {}: {e}", path.display())))?;
+        match (train_setup(self)?.check(), &self.schedule_file) {
+            (Err(TrainError::Setup(SetupError::ScheduleFile(e))), Some(path)) => {
+                Err(RunError::Config(format!("--schedule-file {}: {e}", path.display())))
+            }
+            (r, _) => r.map(|_| ()).map_err(RunError::from),
         }
-        graphpp_runtime::check_step(
-            &self.model,
-            self.kind,
-            &shape,
-            self.microbatch_size / self.dp,
-            self.seq_len,
-            false,
-        )
-        .map_err(TrainError::from)?;
-        Ok(())
     }
 
     /// The generator options of the run's schedule kind (`--group`, `--mem-cap`; default costs).

@@ -46,7 +46,7 @@ use crate::kernels::tensor::{tensor_from_f64, tensor_u32, to_f64};
 use crate::pipeline::stage::{Env, GraphStages, Microbatches};
 use crate::pipeline::PipelineError;
 use crate::train::error::SetupError;
-use crate::train::rank_train::{train_schedule, RankStepReport, RankTrainer};
+use crate::train::rank_train::{RankStepReport, RankTrainer};
 use crate::train::sample::sample_next;
 use graphpp_comm::mesh::Mesh;
 use graphpp_comm::{Comm, ThreadComm};
@@ -129,7 +129,7 @@ impl Trainer {
     /// large; [`TrainError::Setup`] when the kind cannot serve the shape, the layers do not divide
     /// into the stages, or a graph fails to build; [`TrainError::Optim`] for bad AdamW settings.
     pub fn new(setup: TrainSetup) -> Result<Self, TrainError> {
-        let schedule = Arc::new(train_schedule(&setup)?);
+        let schedule = Arc::new(setup.lowered_schedule()?);
         let p = schedule.num_ranks();
         let mesh = Mesh::new(p, setup.dp).and_then(|m| m.with_ep(setup.ep)).map_err(SetupError::from)?;
         let ranks = ThreadComm::world(mesh.world())
@@ -144,7 +144,7 @@ impl Trainer {
     /// # Errors
     /// As [`Trainer::new`]; [`TrainError::Setup`] when the communicator's world is not p × dp.
     pub fn on_comm(setup: TrainSetup, comm: Arc<dyn Comm>) -> Result<Self, TrainError> {
-        let schedule = Arc::new(train_schedule(&setup)?);
+        let schedule = Arc::new(setup.lowered_schedule()?);
         let p = schedule.num_ranks();
         let mesh = Mesh::for_world(comm.world(), p, setup.dp)
             .and_then(|m| m.with_ep(setup.ep))

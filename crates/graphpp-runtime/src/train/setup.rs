@@ -6,10 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use graphpp_models::{Model, Recompute};
-use graphpp_schedule::{Kind, Options, Schedule, Shape};
+use graphpp_schedule::{lower, Kind, LowerOptions, Options, Schedule, Shape};
 
 use crate::optim::lr::CosineSchedule;
 use crate::optim::AdamWConfig;
+use crate::train::build::compute_schedule;
+use crate::train::error::{SetupError, TrainError};
+use crate::train::memory::check_step;
 
 /// Everything a training run is built from.
 #[derive(Debug, Clone)]
@@ -66,4 +69,73 @@ pub struct TrainSetup {
     /// gradients and AdamW state; bf16 activations and messages; f32 loss — see
     /// [`graphpp_models::StageOptions::mixed`]). Evaluation and generation compute in it too.
     pub dtype: graphpp_graph::DType,
+}
+
+impl TrainSetup {
+    /// Every check of a run's setup that needs no tensor, in one place, cheapest first: dp
+    /// divides the microbatch size, the expert-parallel degree ([`TrainSetup::check_ep`]), the
+    /// step's size from estimates ([`crate::check_step`], before any schedule is generated),
+    /// and the schedule: `kind`'s generated one, or the given order checked against it
+    /// ([`compute_schedule`]). Returns that compute-only schedule.
+    ///
+    /// # Errors
+    /// [`TrainError::BatchNotDivisible`] when dp is 0 or does not divide the microbatch size;
+    /// [`TrainError::ExpertParallel`]; [`TrainError::Size`] when the schedule or the step would
+    /// be too large; [`TrainError::Setup`] when the kind cannot serve the shape or a given
+    /// order does not fit it ([`SetupError::ScheduleFile`]).
+    pub fn check(&self) -> Result<Schedule, TrainError> {
+        if self.dp == 0 || !self.microbatch_size.is_multiple_of(self.dp) {
+            return Err(TrainError::BatchNotDivisible { batch: self.microbatch_size, dp: self.dp });
+        }
+        self.check_ep()?;
+        let local = self.microbatch_size / self.dp;
+        check_step(&*self.model, self.kind, &self.shape, local, self.seq_len, false)?;
+        Ok(compute_schedule(self.kind, &self.shape, &self.options, self.schedule.as_deref())?)
+    }
+
+    /// The lowered schedule of the run (the same on every rank), after [`TrainSetup::check`].
+    ///
+    /// # Errors
+    /// Those of [`TrainSetup::check`]; [`TrainError::Setup`] when lowering fails.
+    pub fn lowered_schedule(&self) -> Result<Schedule, TrainError> {
+        let compute = self.check()?;
+        Ok(lower(&compute, &self.lower_options()).map_err(SetupError::from)?)
+    }
+
+    /// Checks the expert-parallel degree: a MoE model whose routed experts it divides, a
+    /// divisor of dp, and no FSDP with it.
+    ///
+    /// # Errors
+    /// [`TrainError::ExpertParallel`].
+    pub fn check_ep(&self) -> Result<(), TrainError> {
+        let ep = self.ep;
+        let bad = |reason: String| Err(TrainError::ExpertParallel { ep, reason });
+        if ep == 0 || !self.dp.is_multiple_of(ep) {
+            return bad(format!(
+                "the expert-parallel degree must divide the data-parallel degree dp = {} (ep groups are made of replicas)",
+                self.dp
+            ));
+        }
+        if ep > 1 && self.model.routed_experts() == 0 {
+            return bad("expert parallelism needs a mixture-of-experts model (e.g. --model moe-tiny)".into());
+        }
+        if let Err(e) = self.model.check_ep(ep) {
+            return bad(e.to_string());
+        }
+        if ep > 1 && self.fsdp {
+            return bad("expert parallelism with FSDP is not implemented (drop --fsdp or --ep)".into());
+        }
+        Ok(())
+    }
+
+    /// The lowering a run needs: REDUCE_GRAD with data parallelism; UNSHARD / RESHARD too with
+    /// FSDP, keeping every stage of a rank unsharded once gathered (one all-gather per stage
+    /// and step, as FSDP2 without resharding after forward).
+    pub fn lower_options(&self) -> LowerOptions {
+        let dp = self.dp > 1;
+        LowerOptions {
+            fsdp_max_unsharded: (dp && self.fsdp).then_some(self.shape.stages_per_rank.max(1)),
+            reduce_grad: dp,
+        }
+    }
 }

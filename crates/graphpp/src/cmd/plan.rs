@@ -131,7 +131,7 @@ fn compile(a: &PlanArgs, path: &std::path::Path, profile: Option<&Profile>) -> R
     }
     let config = crate::cmd::train::strategy_config(path, &flags)?;
     let setup = graphpp::train::train_setup(&config)?;
-    let schedule = graphpp_runtime::train_schedule(&setup)?;
+    let schedule = setup.lowered_schedule()?;
     let graphs = graphpp_runtime::train::build::run_stage_graphs(&setup)?;
     let dag = TrainingDag::of(&schedule, &|s| graphs.get(s).is_some_and(|g| g.di_dw.is_some()))?;
     let speed = profile.and_then(Profile::speed).unwrap_or_default();

@@ -7,15 +7,15 @@
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use graphpp::checkpoint::CheckpointError;
+use graphpp::fit::{fit, Evaluation, Fit, FitError, FitOptions, Observer};
 use graphpp::launch::Launch;
 use graphpp::metrics::{MetricsLog, StepRecord};
 use graphpp::profile::Profile;
-use graphpp::stop::{Interrupted, StopRequest, StopSignal};
+use graphpp::stop::{Interrupted, StopRequest};
 use graphpp::strategy::Strategy;
 use graphpp::train::{
     bubble_summary, check_checkpoint_dir, comm_summary, joined_timeline, newest_checkpoint, Run, RunConfig,
@@ -413,107 +413,116 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     let threads = crate::cmd::set_op_threads(local_ranks, a.threads_per_rank.map(|n| n as usize));
     // `_lock` holds the checkpoint folder for the whole run.
     let (mut run, mut metrics, _lock) = start(a, launch)?;
-    let c = run.config().clone();
     print_header(&run, threads, launch.world())?;
-    let last = a.stop_after.map_or(c.steps, |s| s.min(c.steps));
-    let pb = if run.is_leader() { progress(last, run.steps_done()) } else { ProgressBar::hidden() };
-    let tokens = c.tokens_per_step() as f64;
-    let t_run = Instant::now();
-    // Seconds of training before this process (a resumed run's log continues its clock).
-    let before = metrics.records().last().map_or(0.0, |r| r.elapsed_s);
-    let mut kept: VecDeque<(f64, Timeline)> = VecDeque::new();
-    // Per step: the longest any local rank was blocked at the iteration boundary, and rollbacks.
-    let mut boundary: Vec<f64> = Vec::new();
-    let mut exposed: Vec<f64> = Vec::new();
-    let mut rollbacks = 0u64;
-    // Each step's own seconds (`run.step`, without evaluations and checkpoints).
-    let mut step_secs: Vec<f64> = Vec::new();
-    // For a profile: every step's timeline and the largest peak bytes of each pipeline rank of
-    // replica 0.
-    let mut profiled: Vec<Timeline> = Vec::new();
-    let mut peaks: Vec<u64> = vec![0; c.ranks];
-    let mut val = None;
-    // The step of the last checkpoint written and, on the leader, its path: the same step on
-    // every process, so all agree whether a stop needs one more checkpoint.
-    let mut saved_at: Option<(u64, Option<PathBuf>)> = None;
-    let first = run.steps_done();
-    while run.steps_done() < last {
-        let start = t_run.elapsed().as_secs_f64();
-        let r = run.step().with_context(|| format!("step {}", run.steps_done() + 1))?;
-        let secs = t_run.elapsed().as_secs_f64() - start;
-        step_secs.push(secs);
-        pb.set_message(format!("loss {:.3} | {:.0} tok/s", r.loss, tokens / secs));
-        pb.inc(1);
-        if !r.loss.is_finite() {
-            bail!("step {}: the loss is {} (diverged); lower --lr", r.step, r.loss);
+    let options = FitOptions {
+        last_step: a.stop_after.map_or(run.config().steps, |s| s.min(run.config().steps)),
+        eval_every: a.eval_every,
+        checkpoint_dir: a.checkpoint_dir.clone(),
+        keep_checkpoints: a.keep_checkpoints,
+        keep_timelines: TRACE_STEPS,
+        profile: a.profile.is_some(),
+    };
+    let pb = if run.is_leader() { progress(options.last_step, run.steps_done()) } else { ProgressBar::hidden() };
+    let mut observer = Lines { pb, tokens: run.config().tokens_per_step() as f64 };
+    let fit = match fit(&mut run, &options, &mut metrics, &stop, &mut observer) {
+        Ok(fit) => fit,
+        Err(FitError::Interrupted(i)) => {
+            observer.pb.finish_and_clear();
+            return Err(i.into());
         }
-        let at_eval = (a.eval_every > 0 && r.step % a.eval_every == 0) || r.step == last;
-        let timing = (secs, before + t_run.elapsed().as_secs_f64());
-        if let Some(v) = after_step(a, &mut run, &r, at_eval, timing, &pb, &mut metrics)? {
-            val = v.0;
-            saved_at = a.checkpoint_dir.as_ref().map(|_| (r.step, v.1));
-        }
-        boundary.push(r.boundary_wait_s.iter().copied().fold(0.0, f64::max));
-        exposed.push(r.reduce_wait_s.iter().copied().fold(0.0, f64::max) / secs.max(1e-12));
-        rollbacks += u64::from(r.rolled_back);
-        if a.profile.is_some() {
-            peaks.iter_mut().zip(&r.peak_bytes).for_each(|(p, b)| *p = (*p).max(*b));
-            profiled.push(r.timeline.clone());
-        }
-        kept.push_back((start, r.timeline));
-        if kept.len() > TRACE_STEPS {
-            kept.pop_front();
-        }
-        // Every process stops after the same step, whichever saw the signal.
-        let signal = stop.requested();
-        if run.trainer().any(signal.is_some())? {
-            pb.finish_and_clear();
-            let signal = signal.unwrap_or(StopSignal::Terminate);
-            return Err(interrupted(a, &mut run, signal, saved_at)?.into());
-        }
+        Err(e) => return Err(e.into()),
+    };
+    observer.pb.finish_and_clear();
+    if fit.steps_run() == 0 {
+        out!("nothing to train: the run is at step {} and ends at step {}", fit.first_step, options.last_step);
     }
-    pb.finish_and_clear();
-    let wall = t_run.elapsed().as_secs_f64();
-    if run.steps_done() == first {
-        val = run.evaluate()?;
-        out!("nothing to train: the run is at step {first} and ends at step {last}");
+    summarise(a, &mut run, &fit.kept, fit.val_loss)?;
+    if run.is_leader() {
+        print_waits(a, &fit)?;
+        write_outputs(a, &run, &fit, metrics.records())?;
     }
-    let ran = run.steps_done() - first;
-    summarise(a, &mut run, &kept, val)?;
-    if run.is_leader() && !boundary.is_empty() {
-        boundary.sort_by(f64::total_cmp);
-        out!(
-            "iteration boundary: ranks blocked {:.2} ms per step (median of the per-step maximum){}",
-            1e3 * boundary[boundary.len() / 2],
-            if a.post_validate {
-                format!(", post-validation rolled back {}", crate::cmd::plural(rollbacks, "step", "steps"))
-            } else {
-                String::new()
-            }
-        );
-        if a.dp() > 1 {
-            exposed.sort_by(f64::total_cmp);
-            out!(
-                "data-parallel gradient reduction: {:.1}% of the step spent waiting for it after the pipeline (median over steps; the rest ran behind compute)",
-                100.0 * exposed[exposed.len() / 2]
-            );
-        }
+    Ok(())
+}
+
+/// The progress bar and the evaluation lines of a run ([`graphpp::fit::Observer`]).
+struct Lines {
+    pb: ProgressBar,
+    /// Tokens per step.
+    tokens: f64,
+}
+
+impl Observer for Lines {
+    fn stepped(&mut self, r: &StepReport, step_s: f64) -> std::io::Result<()> {
+        self.pb.set_message(format!("loss {:.3} | {:.0} tok/s", r.loss, self.tokens / step_s));
+        self.pb.inc(1);
+        Ok(())
     }
-    if !run.is_leader() {
+
+    fn evaluated(&mut self, e: &Evaluation) -> std::io::Result<()> {
+        let r = e.report;
+        let line = format!(
+            "step {:>6}  train loss {:.4}  val loss {:.4}  lr {:.2e}  grad norm {:.3}  {:.0} tok/s  {:.3} GFLOP/s  peak MiB/rank {}  state MiB/rank {}  {:.0} s",
+            r.step,
+            r.loss,
+            e.val_loss,
+            r.lr,
+            r.grad_norm,
+            e.tokens_per_s,
+            e.flops_per_s / 1e9,
+            mib(&r.peak_bytes),
+            mib(&r.resident_bytes),
+            e.elapsed_s,
+        ) + &expert_balance(&r.expert_load).map_or(String::new(), |b| format!("  {b}"))
+            + &(if r.aux_loss != 0.0 { format!("  aux loss {:.4}", r.aux_loss) } else { String::new() });
+        say(&self.pb, line).map_err(std::io::Error::other)
+    }
+}
+
+/// The iteration-boundary and data-parallel wait lines of the summary (leader only).
+fn print_waits(a: &TrainArgs, fit: &Fit) -> Result<()> {
+    if fit.boundary_wait_s.is_empty() {
         return Ok(());
     }
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    out!(
+        "iteration boundary: ranks blocked {:.2} ms per step (median of the per-step maximum){}",
+        1e3 * median(&fit.boundary_wait_s),
+        if a.post_validate {
+            format!(", post-validation rolled back {}", crate::cmd::plural(fit.rollbacks, "step", "steps"))
+        } else {
+            String::new()
+        }
+    );
+    if a.dp() > 1 {
+        out!(
+            "data-parallel gradient reduction: {:.1}% of the step spent waiting for it after the pipeline (median over steps; the rest ran behind compute)",
+            100.0 * median(&fit.exposed_reduce)
+        );
+    }
+    Ok(())
+}
+
+/// The report, the profile and the throughput line, at the end of a run (leader only).
+fn write_outputs(a: &TrainArgs, run: &Run, fit: &Fit, records: &[StepRecord]) -> Result<()> {
     if let Some(dir) = &a.report {
-        let path = graphpp::report::write(dir, &report(&run, &kept, metrics.records())?)?;
+        let path = graphpp::report::write(dir, &report(run, &fit.kept, records)?)?;
         out!("report: {}", path.display());
     }
     if let Some(path) = &a.profile {
-        write_profile(path, &run, &profiled, &peaks)?;
+        write_profile(path, run, &fit.profiled, &fit.peaks)?;
     }
-    let ran_steps = crate::cmd::plural(ran, "step", "steps");
+    let tokens = run.config().tokens_per_step() as f64;
+    let ran = fit.steps_run();
     out!(
-        "{ran_steps} in {wall:.1} s: {:.0} tokens/s{}",
-        ran as f64 * tokens / wall.max(1e-9),
-        steady(&step_secs, tokens)
+        "{} in {:.1} s: {:.0} tokens/s{}",
+        crate::cmd::plural(ran, "step", "steps"),
+        fit.wall_s,
+        ran as f64 * tokens / fit.wall_s.max(1e-9),
+        steady(&fit.step_s, tokens)
     );
     Ok(())
 }
@@ -601,87 +610,6 @@ fn resume_point(a: &TrainArgs) -> Result<Option<(u64, RunConfig)>> {
         None if a.resume => Err(CheckpointError::NotFound(dir.clone()).into()),
         None => Ok(None),
     }
-}
-
-/// After SIGINT / SIGTERM: saves the step just finished (unless it was just saved) and returns
-/// the error that makes the binary exit with 128 + the signal number.
-fn interrupted(
-    a: &TrainArgs,
-    run: &mut Run,
-    signal: StopSignal,
-    saved_at: Option<(u64, Option<PathBuf>)>,
-) -> Result<Interrupted> {
-    let step = run.steps_done();
-    let saved = match (&a.checkpoint_dir, saved_at) {
-        (Some(_), Some((at, path))) if at == step => path,
-        (Some(dir), _) => run.save(dir, None)?,
-        (None, _) => None,
-    };
-    Ok(Interrupted { signal, step, saved })
-}
-
-/// After a step: evaluates when `at_eval` (printing a line and writing a checkpoint), and logs
-/// the step; at an evaluation returns the validation loss and the checkpoint written (both only
-/// on the leader: the other processes take part in the gathers). `timing` = (step seconds,
-/// seconds since the run began).
-fn after_step(
-    a: &TrainArgs,
-    run: &mut Run,
-    r: &StepReport,
-    at_eval: bool,
-    (secs, elapsed): (f64, f64),
-    pb: &ProgressBar,
-    metrics: &mut MetricsLog,
-) -> Result<Option<(Option<f64>, Option<PathBuf>)>> {
-    let tokens = run.config().tokens_per_step() as f64;
-    let flops_per_s = run.flops_per_token() * tokens / secs;
-    if at_eval && !run.is_leader() {
-        // The leader evaluates and writes; this process takes part in the gathers.
-        run.evaluate()?;
-        if let Some(dir) = &a.checkpoint_dir {
-            run.save(dir, None)?;
-        }
-        return Ok(Some((None, None)));
-    }
-    let v = if at_eval { run.evaluate()? } else { None };
-    metrics.push(StepRecord {
-        step: r.step,
-        loss: r.loss,
-        lr: r.lr,
-        grad_norm: r.grad_norm,
-        step_s: secs,
-        tokens_per_s: tokens / secs,
-        elapsed_s: elapsed,
-        val_loss: v,
-        peak_bytes: Some(r.peak_bytes.clone()),
-        resident_bytes: Some(r.resident_bytes.clone()),
-        boundary_wait_s: Some(r.boundary_wait_s.clone()),
-        flops_per_s: Some(flops_per_s),
-        aux_loss: (r.aux_loss != 0.0).then_some(r.aux_loss),
-    })?;
-    let Some(v) = v else { return Ok(None) };
-    // The checkpoint first: a failing terminal must not cost the step.
-    let mut saved = None;
-    if let Some(dir) = &a.checkpoint_dir {
-        saved = run.save(dir, Some(v))?;
-        graphpp::checkpoint::prune(dir, a.keep_checkpoints)?;
-    }
-    say(
-        pb,
-        format!(
-            "step {:>6}  train loss {:.4}  val loss {v:.4}  lr {:.2e}  grad norm {:.3}  {:.0} tok/s  {:.3} GFLOP/s  peak MiB/rank {}  state MiB/rank {}  {elapsed:.0} s",
-            r.step,
-            r.loss,
-            r.lr,
-            r.grad_norm,
-            tokens / secs,
-            flops_per_s / 1e9,
-            mib(&r.peak_bytes),
-            mib(&r.resident_bytes),
-        ) + &expert_balance(&r.expert_load).map_or(String::new(), |b| format!("  {b}"))
-            + &(if r.aux_loss != 0.0 { format!("  aux loss {:.4}", r.aux_loss) } else { String::new() }),
-    )?;
-    Ok(Some((Some(v), saved)))
 }
 
 /// The step's expert load in one phrase, for a MoE model: the tokens per expert of the least

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use graphpp_schedule::{lower, CommSpan, Interval, LowerOptions, Schedule};
+use graphpp_schedule::{CommSpan, Interval, Schedule};
 
 use graphpp_comm::mesh::Coords;
 
@@ -43,66 +43,13 @@ use crate::optim::{AdamW, OptimError, M_PREFIX, STEP_KEY, V_PREFIX};
 use crate::pipeline::data_parallel::DataParallel;
 use crate::pipeline::stage::{env_bytes, sum_by_name, Env, GraphStages, Microbatches, StageError};
 use crate::pipeline::{run_rank, RankOptions, RankOutcome};
-use crate::train::build::{compute_schedule, StageBuild};
+use crate::train::build::StageBuild;
 use crate::train::error::SetupError;
 use crate::train::error::TrainError;
 use crate::train::setup::TrainSetup;
 use graphpp_comm::mesh::Mesh;
 use graphpp_comm::{Comm, Group, Pending, Tag};
 
-/// Checks that dp divides the batch and the step's size, and builds the lowered schedule of `setup` (the same on every rank).
-///
-/// # Errors
-/// [`TrainError::BatchNotDivisible`] when dp is 0 or does not divide the batch;
-/// [`TrainError::Size`] when the schedule or the step would be too large;
-/// [`TrainError::Setup`] when the kind cannot serve the shape.
-pub fn train_schedule(setup: &TrainSetup) -> Result<Schedule, TrainError> {
-    if setup.dp == 0 || !setup.microbatch_size.is_multiple_of(setup.dp) {
-        return Err(TrainError::BatchNotDivisible { batch: setup.microbatch_size, dp: setup.dp });
-    }
-    check_ep(setup)?;
-    let local = setup.microbatch_size / setup.dp;
-    crate::train::memory::check_step(&*setup.model, setup.kind, &setup.shape, local, setup.seq_len, false)?;
-    let schedule = compute_schedule(setup.kind, &setup.shape, &setup.options, setup.schedule.as_deref())?;
-    Ok(lower(&schedule, &lower_options(setup)).map_err(SetupError::from)?)
-}
-
-/// Checks the expert-parallel degree: a MoE model whose routed experts it divides, a divisor
-/// of dp, and no FSDP with it.
-///
-/// # Errors
-/// [`TrainError::ExpertParallel`].
-pub fn check_ep(setup: &TrainSetup) -> Result<(), TrainError> {
-    let ep = setup.ep;
-    let bad = |reason: String| Err(TrainError::ExpertParallel { ep, reason });
-    if ep == 0 || !setup.dp.is_multiple_of(ep) {
-        return bad(format!(
-            "the expert-parallel degree must divide the data-parallel degree dp = {} (ep groups are made of replicas)",
-            setup.dp
-        ));
-    }
-    if ep > 1 && setup.model.routed_experts() == 0 {
-        return bad("expert parallelism needs a mixture-of-experts model (e.g. --model moe-tiny)".into());
-    }
-    if let Err(e) = setup.model.check_ep(ep) {
-        return bad(e.to_string());
-    }
-    if ep > 1 && setup.fsdp {
-        return bad("expert parallelism with FSDP is not implemented (drop --fsdp or --ep)".into());
-    }
-    Ok(())
-}
-
-/// The lowering a run needs: REDUCE_GRAD with data parallelism; UNSHARD / RESHARD too with
-/// FSDP, keeping every stage of a rank unsharded once gathered (one all-gather per stage and
-/// step, as FSDP2 without resharding after forward).
-pub fn lower_options(setup: &TrainSetup) -> LowerOptions {
-    let dp = setup.dp > 1;
-    LowerOptions {
-        fsdp_max_unsharded: (dp && setup.fsdp).then_some(setup.shape.stages_per_rank.max(1)),
-        reduce_grad: dp,
-    }
-}
 
 /// What one rank's step did.
 #[derive(Debug, Clone)]
@@ -304,7 +251,7 @@ fn mismatch(msg: String) -> TrainError {
 }
 
 impl RankTrainer {
-    /// Builds rank `comm.rank()` of `mesh`: the stages `schedule` (from [`train_schedule`])
+    /// Builds rank `comm.rank()` of `mesh`: the stages `schedule` (from [`TrainSetup::lowered_schedule`])
     /// places on its pipeline position, with the initial weights of `setup.seed`.
     ///
     /// # Errors
