@@ -41,11 +41,7 @@ pub fn messages_per_microbatch(g: &DepGraph, microbatches: usize) -> f64 {
 /// The factor a chunk's cost is of a full stage's: 1/v for v equal chunks per rank, 1 for
 /// DualPipe (each of its two stages per rank is a full stage of one parameter copy).
 pub fn chunk_cost_factor(kind: Kind, v: usize) -> f64 {
-    if kind == Kind::DualPipe {
-        1.0
-    } else {
-        1.0 / v as f64
-    }
+    kind.model_copies() as f64 / v as f64
 }
 
 /// `costs` with every action duration multiplied by `factor` (the hop latency c is kept; an unset

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use graphpp_graph::names::OUTPUT;
 use graphpp_graph::{DType, InputKind, StageGraphs};
 use graphpp_models::{ModelConfig, Recompute, StageOptions};
-use graphpp_runtime::train::build::{model_stages, stage_specs, GraphCache};
+use graphpp_runtime::train::build::{stage_specs, GraphCache};
 use graphpp_runtime::train::bytes::{byte_model, input_bytes};
 use graphpp_runtime::SetupError;
 use graphpp_schedule::simulate::simulate_with;
@@ -228,7 +228,7 @@ pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
             if pp == 1 && v > 1 {
                 continue;
             }
-            let stages = model_stages(kind, &Shape::new(pp, v, 1));
+            let stages = kind.model_stages(&Shape::new(pp, v, 1));
             if stages > layers || !layers.is_multiple_of(stages) {
                 continue;
             }

@@ -347,8 +347,7 @@ impl Profile {
         if stages != self.stages.len() {
             return Err(ProfileError::Stages { profile: self.stages.len(), schedule: stages });
         }
-        let copies = |k: Kind| k == Kind::DualPipe;
-        if let Some(k) = kind.filter(|&k| copies(k) != copies(self.schedule)) {
+        if let Some(k) = kind.filter(|&k| k.model_copies() != self.schedule.model_copies()) {
             return Err(ProfileError::Copies { profile: self.schedule, schedule: k });
         }
         Ok(())

@@ -267,7 +267,7 @@ impl Strategy {
             return Err(field("shard", "ep", reason));
         }
         let shape = self.shape();
-        let model_stages = graphpp_runtime::train::build::model_stages(self.order.schedule, &shape);
+        let model_stages = self.order.schedule.model_stages(&shape);
         if let Some(l) = self.place.layers_per_stage.as_ref().filter(|l| l.len() != model_stages) {
             let reason = format!("{} entries for the {model_stages} model stages of this placement", l.len());
             return Err(field("place", "layers_per_stage", reason));

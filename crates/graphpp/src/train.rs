@@ -198,12 +198,6 @@ impl RunConfig {
         if let Some((flag, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(RunError::Config(format!("{flag} must be at least 1")));
         }
-        if !self.microbatch_size.is_multiple_of(self.dp) {
-            return Err(RunError::Config(format!(
-                "--dp {} does not divide --microbatch-size {}: each replica runs B/dp sequences",
-                self.dp, self.microbatch_size
-            )));
-        }
         if self.steps == 0 {
             return Err(RunError::Config("--steps must be at least 1".into()));
         }
@@ -228,6 +222,9 @@ impl RunConfig {
             )));
         }
         match (train_setup(self)?.check(), &self.schedule_file) {
+            (Err(TrainError::BatchNotDivisible { batch, dp }), _) => Err(RunError::Config(format!(
+                "--dp {dp} does not divide --microbatch-size {batch}: each replica runs B/dp sequences"
+            ))),
             (Err(TrainError::Setup(SetupError::ScheduleFile(e))), Some(path)) => {
                 Err(RunError::Config(format!("--schedule-file {}: {e}", path.display())))
             }

@@ -15,16 +15,6 @@ use crate::pipeline::stage::{Env, GraphStages, Microbatches, Stage};
 use crate::train::bytes::byte_model;
 use crate::train::error::SetupError;
 
-/// Model stages of `kind` at `shape`: `S = p·v`, except DualPipe's `p` (its `2p` schedule stages
-/// hold two copies of a `p`-stage split).
-pub fn model_stages(kind: Kind, shape: &Shape) -> usize {
-    if kind == Kind::DualPipe {
-        shape.ranks
-    } else {
-        shape.stages()
-    }
-}
-
 /// The model stage each schedule stage runs: `S = p·v` stages over the layers, except DualPipe,
 /// whose `2p` schedule stages hold two copies of a `p`-stage split (stage `p + i` ≡ stage `i`).
 /// `layers_per_stage` gives each model stage's layer count (`None`: an even split).
@@ -38,7 +28,7 @@ pub fn stage_specs(
     layers_per_stage: Option<&[usize]>,
 ) -> Result<Vec<StageSpec>, SetupError> {
     let s = shape.stages();
-    let model_stages = model_stages(kind, shape);
+    let model_stages = kind.model_stages(shape);
     if model_stages > cfg.num_layers() {
         return Err(SetupError::TooFewLayers { layers: cfg.num_layers(), stages: model_stages });
     }

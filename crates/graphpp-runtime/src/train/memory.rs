@@ -46,7 +46,7 @@ impl StepMemory {
         single_device: bool,
     ) -> StepMemory {
         let (m, stages) = (shape.microbatches as u128, shape.stages() as u128);
-        let copies: u128 = if kind == Kind::DualPipe { 2 } else { 1 };
+        let copies = kind.model_copies() as u128;
         let mut activations = whole_model_activation_bytes(cfg, batch, seq);
         if single_device {
             activations = activations.max(whole_model_activation_bytes(

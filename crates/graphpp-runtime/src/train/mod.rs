@@ -46,34 +46,19 @@ use crate::kernels::tensor::{tensor_from_f64, tensor_u32, to_f64};
 use crate::pipeline::stage::{Env, GraphStages, Microbatches};
 use crate::pipeline::PipelineError;
 use crate::train::error::SetupError;
-use crate::train::rank_train::{RankStepReport, RankTrainer};
+use crate::train::rank_train::{RankStepReport, RankTrainer, StepStats};
 use crate::train::sample::sample_next;
 use graphpp_comm::mesh::Mesh;
 use graphpp_comm::{Comm, ThreadComm};
 
-/// What one step did.
+/// What one step did in this process.
 #[derive(Debug, Clone)]
 pub struct StepReport {
-    /// Optimizer steps completed, this one included (1-based).
-    pub step: u64,
-    /// Step loss: mean over the microbatches of their mean token loss (nats per token).
-    pub loss: f64,
-    /// The MoE auxiliary balance loss of the step (see [`RankStepReport::aux_loss`]).
-    pub aux_loss: f64,
-    /// Global L2 norm of the gradients before clipping.
-    pub grad_norm: f64,
-    /// Learning rate used.
-    pub lr: f64,
+    /// The step's figures, the same on every rank.
+    pub stats: StepStats,
     /// Measured timeline of the pipeline run of replica 0 (seconds since the step began on each
     /// rank); complete on the leader, only this process's ranks elsewhere.
     pub timeline: Timeline,
-    /// Peak memory of every rank during the step, bytes (index = world rank): parameters, buffers,
-    /// gradient accumulators and AdamW moments, plus the rank's activation peak
-    /// ([`GraphStages::peak_activation_bytes`]). Logical tensor sizes, not allocator figures.
-    pub peak_bytes: Vec<u64>,
-    /// Resident training state of every rank, bytes (index = world rank): its distinct
-    /// parameters, their gradients and the two AdamW moments, all f32 — with FSDP, the shards.
-    pub resident_bytes: Vec<u64>,
     /// Seconds each rank of this process was blocked at the iteration boundary (index = world
     /// rank for a thread run; this process's rank alone otherwise): see
     /// [`RankStepReport::boundary_wait_s`].
@@ -81,12 +66,6 @@ pub struct StepReport {
     /// Seconds each rank of this process waited for its data-parallel gradient reductions after
     /// its pipeline run (see [`RankStepReport::reduce_wait_s`]); indexed as `boundary_wait_s`.
     pub reduce_wait_s: Vec<f64>,
-    /// Whether post-validation rolled the optimistic step back (see
-    /// [`RankStepReport::rolled_back`]).
-    pub rolled_back: bool,
-    /// Tokens routed to each expert in the step, per MoE layer (see
-    /// [`RankStepReport::expert_load`]); empty for a dense model.
-    pub expert_load: Vec<Vec<u64>>,
 }
 
 /// This process's part of a training run: the [`RankTrainer`]s of its ranks (see the module doc).
@@ -325,25 +304,17 @@ impl Trainer {
         let reduce_wait_s = reports.iter().map(|r| r.reduce_wait_s).collect();
         // The first local rank: the leader where it is local, whose intervals are replica 0's.
         let first = reports.swap_remove(0);
-        self.step = first.step;
+        self.step = first.stats.step;
         Ok(StepReport {
-            step: first.step,
-            loss: first.loss,
-            aux_loss: first.aux_loss,
-            grad_norm: first.grad_norm,
-            lr: first.lr,
+            stats: first.stats,
             timeline: Timeline {
                 ranks: self.schedule.num_ranks(),
                 intervals: first.intervals,
                 comm: first.comm,
                 unit: "s".into(),
             },
-            peak_bytes: first.peak_bytes,
-            resident_bytes: first.resident_bytes,
             boundary_wait_s,
             reduce_wait_s,
-            rolled_back: first.rolled_back,
-            expert_load: first.expert_load,
         })
     }
 

@@ -158,6 +158,22 @@ impl Kind {
         }
     }
 
+    /// Copies of the model the kind's stages hold: 2 for DualPipe (its `2p` stages are two
+    /// copies of a `p`-stage split, one per direction; DeepSeek-V3 report §3.2.1), else 1.
+    pub fn model_copies(self) -> usize {
+        if self == Kind::DualPipe {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Model stages of the kind at `shape`: the schedule's `S = p·v` stages over the
+    /// [`Kind::model_copies`] copies (DualPipe: `p`).
+    pub fn model_stages(self, shape: &Shape) -> usize {
+        shape.stages() / self.model_copies()
+    }
+
     /// The placement the kind uses.
     pub fn placement(self) -> Placement {
         match self {

@@ -51,23 +51,44 @@ use graphpp_comm::mesh::Mesh;
 use graphpp_comm::{Comm, Group, Pending, Tag};
 
 
-/// What one rank's step did.
-#[derive(Debug, Clone)]
-pub struct RankStepReport {
+/// The figures of one step that every rank agrees on: the loss, the norm, the learning rate,
+/// every rank's bytes, post-validation's verdict and the experts' load. Part of a rank's report
+/// ([`RankStepReport`]) and of the process's ([`crate::StepReport`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepStats {
     /// Optimizer steps completed, this one included (1-based).
     pub step: u64,
-    /// Step loss: mean over the microbatches of their mean token loss (nats per token); the same
-    /// on every rank.
+    /// Step loss: mean over the microbatches of their mean token loss (nats per token).
     pub loss: f64,
     /// The MoE layers' auxiliary balance losses, summed over the layers and averaged as `loss`
     /// (0 without one; [`graphpp_models::MoeConfig::aux_loss_alpha`]); part of the objective
     /// the gradients are of, not of `loss`.
     pub aux_loss: f64,
-    /// Global L2 norm of the gradients before clipping (each distinct parameter once); the same
-    /// on every rank.
+    /// Global L2 norm of the gradients before clipping (each distinct parameter once).
     pub grad_norm: f64,
     /// Learning rate used.
     pub lr: f64,
+    /// Peak memory of every rank during the step, bytes (index = world rank): parameters,
+    /// buffers, gradient accumulators and AdamW moments, plus the rank's activation peak
+    /// ([`GraphStages::peak_activation_bytes`]). Logical tensor sizes, not allocator figures.
+    pub peak_bytes: Vec<u64>,
+    /// Resident training state of every rank, bytes (index = world rank): its distinct
+    /// parameters, their gradients and the two AdamW moments, all f32 — with FSDP, the shards.
+    pub resident_bytes: Vec<u64>,
+    /// Whether post-validation rolled the optimistic optimizer step back (clipping applied, so
+    /// the step was redone with the clipped gradients).
+    pub rolled_back: bool,
+    /// Tokens routed to each expert in the step, per MoE layer in
+    /// [`graphpp_models::Model::moe_layers`] order, summed over the microbatches and the
+    /// data-parallel replicas (empty for a dense model).
+    pub expert_load: Vec<Vec<u64>>,
+}
+
+/// What one rank's step did.
+#[derive(Debug, Clone)]
+pub struct RankStepReport {
+    /// The step's figures, the same on every rank.
+    pub stats: StepStats,
     /// Measured intervals (seconds since the step's start on the rank that ran them, `rank` =
     /// schedule rank): on the leader (world rank 0) those of every rank of replica 0, gathered;
     /// on any other rank its own.
@@ -75,12 +96,6 @@ pub struct RankStepReport {
     /// The in-graph collectives of those ranks' actions (expert parallelism's all-to-alls),
     /// same clock and ranks as `intervals`.
     pub comm: Vec<CommSpan>,
-    /// Peak memory of every rank during the step, bytes, index = world rank (see
-    /// [`crate::StepReport::peak_bytes`]); the same on every rank.
-    pub peak_bytes: Vec<u64>,
-    /// Resident training state of every rank, bytes, index = world rank (see
-    /// [`crate::StepReport::resident_bytes`]); the same on every rank.
-    pub resident_bytes: Vec<u64>,
     /// Seconds this rank was blocked at the iteration boundary: waiting for the world-wide loss
     /// and gradient-norm reductions (what `--post-validate` overlaps with the optimizer step).
     pub boundary_wait_s: f64,
@@ -88,13 +103,6 @@ pub struct RankStepReport {
     /// reductions its REDUCE_GRAD actions started (the part of them not hidden behind compute;
     /// 0 without data parallelism).
     pub reduce_wait_s: f64,
-    /// Whether post-validation rolled the optimistic optimizer step back (clipping applied, so
-    /// the step was redone with the clipped gradients).
-    pub rolled_back: bool,
-    /// Tokens routed to each expert in the step, per MoE layer in [`graphpp_models::Model::moe_layers`]
-    /// order, summed over the microbatches and the data-parallel replicas; the same on every
-    /// rank (empty for a dense model).
-    pub expert_load: Vec<Vec<u64>>,
 }
 
 /// What [`RankTrainer::update`] did.
@@ -447,18 +455,14 @@ impl RankTrainer {
         match updated {
             Ok((u, (intervals, comm))) => {
                 self.work = Some(work);
-                Ok(RankStepReport {
+                let stats = StepStats {
                     step: self.step,
                     loss: u.sums.loss,
                     aux_loss: u.sums.aux_loss,
                     grad_norm: u.norm,
                     lr: u.lr,
-                    intervals,
-                    comm,
                     peak_bytes: u.sums.peak,
                     resident_bytes: u.sums.resident,
-                    boundary_wait_s: u.waited.as_secs_f64(),
-                    reduce_wait_s: u.reduce_wait.as_secs_f64(),
                     rolled_back: u.rolled_back,
                     expert_load: u
                         .sums
@@ -466,6 +470,13 @@ impl RankTrainer {
                         .iter()
                         .map(|l| l.iter().map(|&x| x as u64).collect())
                         .collect(),
+                };
+                Ok(RankStepReport {
+                    stats,
+                    intervals,
+                    comm,
+                    boundary_wait_s: u.waited.as_secs_f64(),
+                    reduce_wait_s: u.reduce_wait.as_secs_f64(),
                 })
             }
             Err(e) if e.is_skipped_step() => {
