@@ -222,7 +222,7 @@ fn bf16_training_lowers_the_loss() {
     let train = |dtype| {
         let mut t = Trainer::new(setup(dtype)).unwrap();
         let losses: Vec<f64> =
-            (0..8).map(|_| t.step(random_microbatches(256, 4, 1, 8, 100).unwrap()).unwrap().loss).collect();
+            (0..8).map(|_| t.step(random_microbatches(256, 4, 1, 8, 100).unwrap()).unwrap().stats.loss).collect();
         (t, losses)
     };
     let (mut t, bf) = train(DType::BF16);

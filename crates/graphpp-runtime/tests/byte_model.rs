@@ -22,7 +22,7 @@ fn measured_and_predicted(setup: TrainSetup) -> (Vec<u64>, Vec<u64>) {
     let r = t.step(random_microbatches(256, m, 2, 16, 7).unwrap()).unwrap();
     let predicted = model.peak_bytes(t.schedule()).unwrap();
     assert_eq!(predicted.len(), p);
-    (r.peak_bytes[..p].to_vec(), predicted)
+    (r.stats.peak_bytes[..p].to_vec(), predicted)
 }
 
 #[test]

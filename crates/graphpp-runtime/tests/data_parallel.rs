@@ -56,8 +56,8 @@ fn run(
     let mut resident = Vec::new();
     for k in 0..3 {
         let r = t.step(random_microbatches(256, 4, 2, 8, 40 + k).unwrap()).unwrap();
-        losses.push(r.loss);
-        resident = r.resident_bytes;
+        losses.push(r.stats.loss);
+        resident = r.stats.resident_bytes;
     }
     let params = t.gather_state(false).unwrap().unwrap().into_iter().collect();
     let ops = stage_ops(&t);
@@ -98,7 +98,7 @@ fn data_parallel_and_fsdp_equal_one_replica_under_every_schedule() {
 fn an_fsdp_checkpoint_resumes_under_another_layout() {
     let batches: Vec<_> = (0..4).map(|k| random_microbatches(256, 4, 2, 8, 60 + k).unwrap()).collect();
     let mut straight = Trainer::new(setup(Kind::Zbv, 1, false)).unwrap();
-    let want: Vec<f64> = batches.iter().map(|b| straight.step(b.clone()).unwrap().loss).collect();
+    let want: Vec<f64> = batches.iter().map(|b| straight.step(b.clone()).unwrap().stats.loss).collect();
     let mut fsdp = Trainer::new(setup(Kind::DualPipeV, 2, true)).unwrap();
     for b in &batches[..2] {
         fsdp.step(b.clone()).unwrap();
@@ -106,7 +106,7 @@ fn an_fsdp_checkpoint_resumes_under_another_layout() {
     let saved: HashMap<_, _> = fsdp.gather_state(true).unwrap().unwrap().into_iter().collect();
     let mut resumed = Trainer::new(setup(Kind::Zbv, 1, false)).unwrap();
     resumed.load_state(&saved).unwrap();
-    let got: Vec<f64> = batches[2..].iter().map(|b| resumed.step(b.clone()).unwrap().loss).collect();
+    let got: Vec<f64> = batches[2..].iter().map(|b| resumed.step(b.clone()).unwrap().stats.loss).collect();
     for (a, b) in got.iter().zip(&want[2..]) {
         assert!((a - b).abs() <= 1e-5 * b.abs(), "resumed {got:?} vs {:?}", &want[2..]);
     }
@@ -170,7 +170,7 @@ fn fsdp_with_one_replica_equals_no_fsdp() {
     for k in 0..2 {
         let data = random_microbatches(256, 4, 2, 8, 90 + k).unwrap();
         let (a, b) = (plain.step(data.clone()).unwrap(), fsdp.step(data).unwrap());
-        assert_eq!(a.loss.to_bits(), b.loss.to_bits());
-        assert_eq!(a.resident_bytes, b.resident_bytes);
+        assert_eq!(a.stats.loss.to_bits(), b.stats.loss.to_bits());
+        assert_eq!(a.stats.resident_bytes, b.stats.resident_bytes);
     }
 }

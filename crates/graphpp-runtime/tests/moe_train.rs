@@ -52,12 +52,12 @@ fn loads_are_counted_and_biases_move_against_them() {
         assert!(biases(&mut t).iter().flatten().all(|&b| b == 0.0));
         let r = t.step(data(0)).unwrap();
         // m · B · T tokens, k = 2 copies each, in each of the 3 MoE layers.
-        assert_eq!(r.expert_load.len(), 3);
-        for load in &r.expert_load {
+        assert_eq!(r.stats.expert_load.len(), 3);
+        for load in &r.stats.expert_load {
             assert_eq!(load.len(), 4);
             assert_eq!(load.iter().sum::<u64>(), 4 * 2 * 8 * 2, "dp={dp}: {load:?}");
         }
-        for (load, bias) in r.expert_load.iter().zip(biases(&mut t)) {
+        for (load, bias) in r.stats.expert_load.iter().zip(biases(&mut t)) {
             let mean = load.iter().sum::<u64>() as f64 / 4.0;
             for (&l, b) in load.iter().zip(bias) {
                 let want = if l as f64 > mean {
@@ -85,8 +85,8 @@ fn a_restored_run_continues_bitwise_with_its_biases() {
     let mut resumed = Trainer::new(setup(2, 0.05)).unwrap();
     resumed.load_state(&saved).unwrap();
     let again = resumed.step(data(2)).unwrap();
-    assert_eq!(last.loss.to_bits(), again.loss.to_bits());
-    assert_eq!(last.expert_load, again.expert_load);
+    assert_eq!(last.stats.loss.to_bits(), again.stats.loss.to_bits());
+    assert_eq!(last.stats.expert_load, again.stats.expert_load);
     // Without the biases the routing differs: the restored run used them.
     let mut fresh = Trainer::new(setup(2, 0.05)).unwrap();
     let params: HashMap<_, _> = saved
@@ -95,7 +95,7 @@ fn a_restored_run_continues_bitwise_with_its_biases() {
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     fresh.load_state(&params).unwrap();
-    assert_ne!(fresh.step(data(2)).unwrap().loss.to_bits(), last.loss.to_bits());
+    assert_ne!(fresh.step(data(2)).unwrap().stats.loss.to_bits(), last.stats.loss.to_bits());
 }
 
 /// An emulated link changes when messages and collectives arrive, never what they carry: the
@@ -107,7 +107,7 @@ fn an_emulated_link_changes_no_loss() {
         let mut t =
             Trainer::new(TrainSetup { link: link.map(|l| l.parse().unwrap()), ..setup(2, 0.01) }).unwrap();
         let t0 = std::time::Instant::now();
-        let losses = (0..2).map(|s| t.step(data(s)).unwrap().loss.to_bits()).collect::<Vec<_>>();
+        let losses = (0..2).map(|s| t.step(data(s)).unwrap().stats.loss.to_bits()).collect::<Vec<_>>();
         (losses, t0.elapsed())
     };
     let (plain, _) = run(None);
@@ -139,11 +139,11 @@ fn bf16_keeps_the_biases_in_f32() {
 fn dualpipe_copies_and_fsdp_restore() {
     let mut t = Trainer::new(TrainSetup { kind: Kind::DualPipe, ..setup(1, 0.01) }).unwrap();
     let r = t.step(data(0)).unwrap();
-    for load in &r.expert_load {
+    for load in &r.stats.expert_load {
         assert_eq!(load.iter().sum::<u64>(), 4 * 2 * 8 * 2, "{load:?}");
     }
     // The gathered biases (from each layer's owning copy) moved by ±γ against the global load.
-    for (load, bias) in r.expert_load.iter().zip(biases(&mut t)) {
+    for (load, bias) in r.stats.expert_load.iter().zip(biases(&mut t)) {
         let mean = load.iter().sum::<u64>() as f64 / 4.0;
         for (&l, b) in load.iter().zip(bias) {
             let want = if l as f64 > mean {
@@ -166,7 +166,7 @@ fn dualpipe_copies_and_fsdp_restore() {
     let last = straight.step(data(2)).unwrap();
     let mut resumed = Trainer::new(fsdp()).unwrap();
     resumed.load_state(&saved).unwrap();
-    assert_eq!(resumed.step(data(2)).unwrap().loss.to_bits(), last.loss.to_bits());
+    assert_eq!(resumed.step(data(2)).unwrap().stats.loss.to_bits(), last.stats.loss.to_bits());
 }
 
 /// Expert parallelism (dp 2, ep 2: each replica holds half of every layer's experts) trains as
@@ -192,9 +192,9 @@ fn expert_parallel_training_matches_and_restores() {
     }
     for s in 0..2 {
         let (a, b) = (replicated.step(data(s)).unwrap(), sharded.step(data(s)).unwrap());
-        assert!((a.loss - b.loss).abs() <= 1e-6 * a.loss.abs(), "step {s}: {} vs {}", a.loss, b.loss);
-        assert!((a.grad_norm - b.grad_norm).abs() <= 1e-5 * a.grad_norm, "step {s}: norms");
-        assert_eq!(a.expert_load, b.expert_load, "step {s}");
+        assert!((a.stats.loss - b.stats.loss).abs() <= 1e-6 * a.stats.loss.abs(), "step {s}: {} vs {}", a.stats.loss, b.stats.loss);
+        assert!((a.stats.grad_norm - b.stats.grad_norm).abs() <= 1e-5 * a.stats.grad_norm, "step {s}: norms");
+        assert_eq!(a.stats.expert_load, b.stats.expert_load, "step {s}");
     }
     let saved: HashMap<_, _> = sharded.gather_state(true).unwrap().unwrap().into_iter().collect();
     let full: HashMap<_, _> = replicated.gather_state(true).unwrap().unwrap().into_iter().collect();
@@ -206,11 +206,11 @@ fn expert_parallel_training_matches_and_restores() {
     let last = sharded.step(data(2)).unwrap();
     let mut resumed = Trainer::new(ep()).unwrap();
     resumed.load_state(&saved).unwrap();
-    assert_eq!(resumed.step(data(2)).unwrap().loss.to_bits(), last.loss.to_bits());
+    assert_eq!(resumed.step(data(2)).unwrap().stats.loss.to_bits(), last.stats.loss.to_bits());
     let mut unsharded = Trainer::new(setup(2, 0.05)).unwrap();
     unsharded.load_state(&saved).unwrap();
-    let other = unsharded.step(data(2)).unwrap().loss;
-    assert!((other - last.loss).abs() <= 1e-6 * last.loss.abs(), "{other} vs {}", last.loss);
+    let other = unsharded.step(data(2)).unwrap().stats.loss;
+    assert!((other - last.stats.loss).abs() <= 1e-6 * last.stats.loss.abs(), "{other} vs {}", last.stats.loss);
 }
 
 /// DualPipeV's overlapped F&B hides expert parallelism's all-to-alls behind the other
@@ -283,7 +283,7 @@ fn the_aux_loss_is_reported_the_same_in_every_layout() {
     let aux = |kind: Kind, p: usize, v: usize, dp: usize, ep: usize, alpha: f64| {
         let model = Arc::new(MoeConfig { aux_loss_alpha: alpha, ..model() });
         let s = TrainSetup { model, microbatch_size: 2, dp, ep, ..common::tiny_setup(kind, p, v, 4) };
-        Trainer::new(s).unwrap().step(data(0)).unwrap().aux_loss
+        Trainer::new(s).unwrap().step(data(0)).unwrap().stats.aux_loss
     };
     let one = aux(Kind::OneFOneB, 1, 1, 1, 1, 0.1);
     assert!(one > 0.1 * 3.0 * 0.8 && one < 0.1 * 3.0 * 2.0, "3 layers at α = 0.1: {one}");

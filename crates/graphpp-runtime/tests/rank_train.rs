@@ -52,9 +52,9 @@ fn rank_trainers_on_threads_equal_the_harness_bitwise() {
                 hs.into_iter().map(|h| h.join().unwrap()).collect()
             });
             for r in &reports {
-                assert_eq!(r.step, k + 1);
-                assert_eq!(r.loss.to_bits(), want.loss.to_bits(), "{kind} step {k}: loss");
-                assert_eq!(r.grad_norm.to_bits(), want.grad_norm.to_bits(), "{kind} step {k}: norm");
+                assert_eq!(r.stats.step, k + 1);
+                assert_eq!(r.stats.loss.to_bits(), want.stats.loss.to_bits(), "{kind} step {k}: loss");
+                assert_eq!(r.stats.grad_norm.to_bits(), want.stats.grad_norm.to_bits(), "{kind} step {k}: norm");
             }
         }
         let want = harness.parameters();
@@ -111,9 +111,9 @@ fn copies_form_one_group_per_name_of_their_holders() {
 #[test]
 fn global_norm_equals_the_one_device_norm() {
     let data = random_microbatches(256, 4, 1, 8, 7).unwrap();
-    let one = Trainer::new(setup(Kind::Gpipe, 1, 1, 4)).unwrap().step(data.clone()).unwrap().grad_norm;
+    let one = Trainer::new(setup(Kind::Gpipe, 1, 1, 4)).unwrap().step(data.clone()).unwrap().stats.grad_norm;
     for (kind, p, v) in [(Kind::DualPipe, 2, 2), (Kind::Zbv, 2, 2)] {
-        let n = Trainer::new(setup(kind, p, v, 4)).unwrap().step(data.clone()).unwrap().grad_norm;
+        let n = Trainer::new(setup(kind, p, v, 4)).unwrap().step(data.clone()).unwrap().stats.grad_norm;
         assert!((n - one).abs() / one < 1e-5, "{kind}: norm {n} vs one device {one}");
     }
 }
@@ -127,7 +127,7 @@ fn data_parallel_equals_one_replica() {
         let run = |dp: usize| {
             let mut t = Trainer::new(TrainSetup { microbatch_size: 2, dp, ..setup(kind, 2, v, 4) }).unwrap();
             let losses: Vec<f64> = (0..3)
-                .map(|k| t.step(random_microbatches(256, 4, 2, 8, 10 + k).unwrap()).unwrap().loss)
+                .map(|k| t.step(random_microbatches(256, 4, 2, 8, 10 + k).unwrap()).unwrap().stats.loss)
                 .collect();
             (losses, t.parameters(), t.rank_trainers().len())
         };
@@ -187,10 +187,10 @@ fn process_trainers_over_a_byte_link_equal_the_harness_and_gather_to_the_leader(
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         for (rank, r) in reports.iter().enumerate() {
-            assert_eq!(r.loss.to_bits(), want.loss.to_bits(), "step {k} rank {rank}: loss");
-            assert_eq!(r.grad_norm.to_bits(), want.grad_norm.to_bits(), "step {k} rank {rank}: norm");
-            assert_eq!(r.peak_bytes.len(), 4);
-            assert_eq!(r.peak_bytes, want.peak_bytes, "step {k} rank {rank}: peaks");
+            assert_eq!(r.stats.loss.to_bits(), want.stats.loss.to_bits(), "step {k} rank {rank}: loss");
+            assert_eq!(r.stats.grad_norm.to_bits(), want.stats.grad_norm.to_bits(), "step {k} rank {rank}: norm");
+            assert_eq!(r.stats.peak_bytes.len(), 4);
+            assert_eq!(r.stats.peak_bytes, want.stats.peak_bytes, "step {k} rank {rank}: peaks");
         }
         let actions = |t: &graphpp_schedule::Timeline, rank: usize| {
             t.intervals.iter().filter(|i| i.rank == rank).count()
@@ -239,10 +239,10 @@ fn post_validation_equals_the_synchronous_step_and_rolls_back_when_it_must() {
             for k in 0..3 {
                 let data = random_microbatches(256, 4, 2, 8, 70 + k).unwrap();
                 let (a, b) = (sync.step(data.clone()).unwrap(), post.step(data).unwrap());
-                assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{kind} step {k}: loss");
-                assert_eq!(a.grad_norm.to_bits(), b.grad_norm.to_bits(), "{kind} step {k}: norm");
-                assert!(!a.rolled_back, "the synchronous step never rolls back");
-                assert_eq!(b.rolled_back, clips, "{kind} step {k}: norm {} vs max {max_norm}", b.grad_norm);
+                assert_eq!(a.stats.loss.to_bits(), b.stats.loss.to_bits(), "{kind} step {k}: loss");
+                assert_eq!(a.stats.grad_norm.to_bits(), b.stats.grad_norm.to_bits(), "{kind} step {k}: norm");
+                assert!(!a.stats.rolled_back, "the synchronous step never rolls back");
+                assert_eq!(b.stats.rolled_back, clips, "{kind} step {k}: norm {} vs max {max_norm}", b.stats.grad_norm);
                 assert_eq!(b.boundary_wait_s.len(), 2 * dp);
             }
             let (pa, pb) = (sync.parameters(), post.parameters());

@@ -24,7 +24,7 @@ fn train(s: TrainSetup, steps: u64) -> (Vec<f64>, HashMap<String, Vec<f64>>) {
     let mut losses = Vec::new();
     for _ in 0..steps {
         let data = random_microbatches(256, m, 1, 8, 100).unwrap();
-        losses.push(t.step(data).unwrap().loss);
+        losses.push(t.step(data).unwrap().stats.loss);
     }
     let params = t.parameters().into_iter().map(|(n, v)| (n, to_f64(&v).unwrap())).collect();
     (losses, params)
@@ -96,7 +96,7 @@ fn restored_state_continues_the_loss_sequence() {
     let mut saved = HashMap::new();
     let mut straight = Vec::new();
     for (k, b) in batches.iter().enumerate() {
-        straight.push(a.step(b.clone()).unwrap().loss);
+        straight.push(a.step(b.clone()).unwrap().stats.loss);
         if k == 1 {
             saved.extend(a.parameters());
             saved.extend(a.optimizer_state().unwrap());
@@ -105,7 +105,7 @@ fn restored_state_continues_the_loss_sequence() {
     let mut b = Trainer::new(s).unwrap();
     b.load_state(&saved).unwrap();
     assert_eq!(b.steps_done(), 2);
-    let resumed: Vec<f64> = batches[2..].iter().map(|x| b.step(x.clone()).unwrap().loss).collect();
+    let resumed: Vec<f64> = batches[2..].iter().map(|x| b.step(x.clone()).unwrap().stats.loss).collect();
     assert_eq!(resumed, straight[2..].to_vec());
 }
 
@@ -133,7 +133,7 @@ fn evaluate_and_generate() {
         .collect();
     let eval = t.evaluate(&batches, 1).unwrap().expect("the harness is the leader");
     let step = t.step(data).unwrap();
-    assert!((eval - step.loss).abs() < 1e-6, "{eval} vs {}", step.loss);
+    assert!((eval - step.stats.loss).abs() < 1e-6, "{eval} vs {}", step.stats.loss);
     let mut rng = 5;
     let g1 = t.generate(&[72, 105], 12, 0.0, 0, &mut rng).unwrap().unwrap();
     let g2 = t.generate(&[72, 105], 12, 0.0, 0, &mut rng).unwrap().unwrap();
@@ -156,7 +156,7 @@ fn memory_step(kind: Kind, recompute: Recompute) -> (f64, Vec<u64>, Vec<usize>, 
             w.stages().values().flat_map(|s| s.parameters().into_values()).map(|p| 4 * p.elem_count()).sum()
         })
         .collect();
-    (r.loss, r.peak_bytes, act, params)
+    (r.stats.loss, r.stats.peak_bytes, act, params)
 }
 
 /// Peak memory per rank = parameters, gradients and AdamW moments (4 × the f32 parameter bytes),

@@ -177,15 +177,15 @@ pub fn fit(
         let r = run.step().map_err(|error| FitError::Step { step: run.steps_done() + 1, error })?;
         let secs = t0.elapsed().as_secs_f64() - start;
         observer.stepped(&r, secs)?;
-        if !r.loss.is_finite() {
-            return Err(FitError::Diverged { step: r.step, loss: r.loss });
+        if !r.stats.loss.is_finite() {
+            return Err(FitError::Diverged { step: r.stats.step, loss: r.stats.loss });
         }
-        let at_eval = (o.eval_every > 0 && r.step % o.eval_every == 0) || r.step == o.last_step;
+        let at_eval = (o.eval_every > 0 && r.stats.step % o.eval_every == 0) || r.stats.step == o.last_step;
         let elapsed = before + t0.elapsed().as_secs_f64();
         if at_eval {
             if let Some((val, saved)) = evaluate(run, o, &r, (secs, elapsed), metrics, observer)? {
                 fit.val_loss = val;
-                saved_at = o.checkpoint_dir.as_ref().map(|_| (r.step, saved));
+                saved_at = o.checkpoint_dir.as_ref().map(|_| (r.stats.step, saved));
             }
         } else {
             metrics.push(record(run, &r, secs, elapsed, None))?;
@@ -211,9 +211,9 @@ impl Fit {
         self.step_s.push(secs);
         self.boundary_wait_s.push(r.boundary_wait_s.iter().copied().fold(0.0, f64::max));
         self.exposed_reduce.push(r.reduce_wait_s.iter().copied().fold(0.0, f64::max) / secs.max(1e-12));
-        self.rollbacks += u64::from(r.rolled_back);
+        self.rollbacks += u64::from(r.stats.rolled_back);
         if o.profile {
-            self.peaks.iter_mut().zip(&r.peak_bytes).for_each(|(p, b)| *p = (*p).max(*b));
+            self.peaks.iter_mut().zip(&r.stats.peak_bytes).for_each(|(p, b)| *p = (*p).max(*b));
             self.profiled.push(r.timeline.clone());
         }
         self.kept.push_back((start, r.timeline));
@@ -227,19 +227,19 @@ impl Fit {
 fn record(run: &Run, r: &StepReport, secs: f64, elapsed: f64, val_loss: Option<f64>) -> StepRecord {
     let tokens = run.config().tokens_per_step() as f64;
     StepRecord {
-        step: r.step,
-        loss: r.loss,
-        lr: r.lr,
-        grad_norm: r.grad_norm,
+        step: r.stats.step,
+        loss: r.stats.loss,
+        lr: r.stats.lr,
+        grad_norm: r.stats.grad_norm,
         step_s: secs,
         tokens_per_s: tokens / secs,
         elapsed_s: elapsed,
         val_loss,
-        peak_bytes: Some(r.peak_bytes.clone()),
-        resident_bytes: Some(r.resident_bytes.clone()),
+        peak_bytes: Some(r.stats.peak_bytes.clone()),
+        resident_bytes: Some(r.stats.resident_bytes.clone()),
         boundary_wait_s: Some(r.boundary_wait_s.clone()),
         flops_per_s: Some(run.flops_per_token() * tokens / secs),
-        aux_loss: (r.aux_loss != 0.0).then_some(r.aux_loss),
+        aux_loss: (r.stats.aux_loss != 0.0).then_some(r.stats.aux_loss),
     }
 }
 

@@ -70,7 +70,7 @@ fn run_saving_at(cfg: RunConfig, steps: usize, at: usize, dir: &Path) -> (Run, V
     let mut run = Run::new(cfg).unwrap();
     let mut losses = Vec::new();
     for k in 1..=steps {
-        losses.push(run.step().unwrap().loss);
+        losses.push(run.step().unwrap().stats.loss);
         if k == at {
             run.save(dir, None).unwrap();
         }
@@ -89,7 +89,7 @@ fn resume_reproduces_the_next_ten_losses() {
     assert!(losses[14] < losses[0] - 0.5, "the run learns: {losses:?}");
     let mut resumed = Run::new(cfg).unwrap();
     assert_eq!(resumed.resume(&ck).unwrap(), 5);
-    let again: Vec<f64> = (0..10).map(|_| resumed.step().unwrap().loss).collect();
+    let again: Vec<f64> = (0..10).map(|_| resumed.step().unwrap().stats.loss).collect();
     assert_eq!(again, losses[5..].to_vec());
     assert_eq!(resumed.evaluate().unwrap(), straight.evaluate().unwrap());
 }
@@ -104,7 +104,7 @@ fn resume_under_another_schedule() {
     let mut other = Run::new(RunConfig { kind: Kind::OneFOneB, stages_per_rank: 1, ..zbv }).unwrap();
     other.resume(d.path()).unwrap();
     for want in &losses[4..] {
-        let got = other.step().unwrap().loss;
+        let got = other.step().unwrap().stats.loss;
         assert!((got - want).abs() < 1e-5 * want, "{got} vs {want}");
     }
 }
@@ -119,7 +119,7 @@ fn resume_with_data_parallel_replicas() {
     let mut dp = Run::new(RunConfig { dp: 2, ..cfg }).unwrap();
     dp.resume(d.path()).unwrap();
     for want in &losses[3..] {
-        let got = dp.step().unwrap().loss;
+        let got = dp.step().unwrap().stats.loss;
         assert!((got - want).abs() < 1e-5 * want, "{got} vs {want}");
     }
 }

@@ -345,7 +345,7 @@ fn training_starts_from_the_folder_and_tied_copies_stay_equal() {
     }
     for _ in 0..3 {
         let r = run.step().unwrap();
-        assert!(r.loss.is_finite());
+        assert!(r.stats.loss.is_finite());
     }
     let copies: Vec<Vec<f64>> = run
         .trainer()

@@ -453,7 +453,7 @@ struct Lines {
 
 impl Observer for Lines {
     fn stepped(&mut self, r: &StepReport, step_s: f64) -> std::io::Result<()> {
-        self.pb.set_message(format!("loss {:.3} | {:.0} tok/s", r.loss, self.tokens / step_s));
+        self.pb.set_message(format!("loss {:.3} | {:.0} tok/s", r.stats.loss, self.tokens / step_s));
         self.pb.inc(1);
         Ok(())
     }
@@ -462,18 +462,18 @@ impl Observer for Lines {
         let r = e.report;
         let line = format!(
             "step {:>6}  train loss {:.4}  val loss {:.4}  lr {:.2e}  grad norm {:.3}  {:.0} tok/s  {:.3} GFLOP/s  peak MiB/rank {}  state MiB/rank {}  {:.0} s",
-            r.step,
-            r.loss,
+            r.stats.step,
+            r.stats.loss,
             e.val_loss,
-            r.lr,
-            r.grad_norm,
+            r.stats.lr,
+            r.stats.grad_norm,
             e.tokens_per_s,
             e.flops_per_s / 1e9,
-            mib(&r.peak_bytes),
-            mib(&r.resident_bytes),
+            mib(&r.stats.peak_bytes),
+            mib(&r.stats.resident_bytes),
             e.elapsed_s,
-        ) + &expert_balance(&r.expert_load).map_or(String::new(), |b| format!("  {b}"))
-            + &(if r.aux_loss != 0.0 { format!("  aux loss {:.4}", r.aux_loss) } else { String::new() });
+        ) + &expert_balance(&r.stats.expert_load).map_or(String::new(), |b| format!("  {b}"))
+            + &(if r.stats.aux_loss != 0.0 { format!("  aux loss {:.4}", r.stats.aux_loss) } else { String::new() });
         say(&self.pb, line).map_err(std::io::Error::other)
     }
 }
