@@ -1,7 +1,7 @@
 //! Graph builder: appends primitive nodes with inferred types under the current scope, phase and
 //! region. Composite layers live in [`crate::layers`].
 
-use crate::dtype::{DType, Shape, TensorType};
+use crate::dtype::{DType, Dims, TensorType};
 use crate::error::{GraphError, Result};
 use crate::graph::{Graph, Node, NodeMeta, Phase, Region, ValueId};
 use crate::infer::infer;
@@ -41,7 +41,7 @@ impl GraphBuilder {
     }
 
     /// Shape of value `v`.
-    pub fn shape(&self, v: ValueId) -> Shape {
+    pub fn shape(&self, v: ValueId) -> Dims {
         self.ty(v).shape.clone()
     }
 
@@ -85,7 +85,7 @@ impl GraphBuilder {
     }
 
     /// A graph input of the builder's float dtype.
-    pub fn input(&mut self, name: &str, kind: InputKind, shape: Shape) -> Result<ValueId> {
+    pub fn input(&mut self, name: &str, kind: InputKind, shape: Dims) -> Result<ValueId> {
         self.input_typed(name, kind, TensorType::new(self.dtype, shape))
     }
 
@@ -102,7 +102,7 @@ impl GraphBuilder {
     }
 
     /// Constant `value` of the builder's float dtype.
-    pub fn full(&mut self, value: f64, shape: Shape) -> Result<ValueId> {
+    pub fn full(&mut self, value: f64, shape: Dims) -> Result<ValueId> {
         let ty = TensorType::new(self.dtype, shape);
         self.add(Op::Full { value, ty }, &[])
     }
@@ -247,7 +247,7 @@ impl GraphBuilder {
         self.add(Op::Matmul, &[a, b])
     }
     /// Reshape.
-    pub fn reshape(&mut self, x: ValueId, shape: Shape) -> Result<ValueId> {
+    pub fn reshape(&mut self, x: ValueId, shape: Dims) -> Result<ValueId> {
         if self.shape(x) == shape {
             return Ok(x);
         }
@@ -272,7 +272,7 @@ impl GraphBuilder {
         self.permute(x, perm)
     }
     /// Broadcast to `shape` (no node if already that shape).
-    pub fn broadcast(&mut self, x: ValueId, shape: Shape) -> Result<ValueId> {
+    pub fn broadcast(&mut self, x: ValueId, shape: Dims) -> Result<ValueId> {
         if self.shape(x) == shape {
             return Ok(x);
         }

@@ -81,8 +81,9 @@ impl fmt::Display for DType {
     }
 }
 
-/// A static shape: dimension sizes, outermost first. Rank 0 is a scalar.
-pub type Shape = Vec<usize>;
+/// A tensor's static shape: dimension sizes, outermost first; rank 0 is a scalar. (The
+/// pipeline's shape, p × v × m, is `graphpp_schedule::Shape`.)
+pub type Dims = Vec<usize>;
 
 /// Type of one SSA value: dtype and static shape.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -90,12 +91,12 @@ pub struct TensorType {
     /// Element type.
     pub dtype: DType,
     /// Dimension sizes.
-    pub shape: Shape,
+    pub shape: Dims,
 }
 
 impl TensorType {
     /// A type from a dtype and a shape.
-    pub fn new(dtype: DType, shape: impl Into<Shape>) -> Self {
+    pub fn new(dtype: DType, shape: impl Into<Dims>) -> Self {
         TensorType { dtype, shape: shape.into() }
     }
 
@@ -119,7 +120,7 @@ impl fmt::Display for TensorType {
 
 /// NumPy broadcasting of two shapes: align on the right; each pair of dimensions must be equal or
 /// one of them 1. Returns `None` when the shapes do not broadcast.
-pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Shape> {
+pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Dims> {
     let rank = a.len().max(b.len());
     let mut out = vec![0; rank];
     for i in 0..rank {

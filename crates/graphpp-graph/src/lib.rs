@@ -24,7 +24,7 @@ pub mod stage;
 pub mod verify;
 
 pub use builder::GraphBuilder;
-pub use dtype::{DType, Shape, TensorType, UnknownDType};
+pub use dtype::{DType, Dims, TensorType, UnknownDType};
 pub use error::{GraphError, Result};
 pub use graph::{Graph, GraphOutput, InputSpec, Node, NodeMeta, Phase, Region, ValueId};
 pub use op::{BinaryOp, CollectiveKind, CommGroup, InputKind, MeshAxis, Op, UnaryOp, UnknownMeshAxis};
