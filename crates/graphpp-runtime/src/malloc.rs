@@ -2,24 +2,18 @@
 //! sizes every microbatch.
 //!
 //! graphpp's binaries allocate from mimalloc ([`MiMalloc`]: each declares it the global
-//! allocator). A freed tensor's block goes back to a free list of its size class and is handed
-//! out again while still in cache, where glibc's best fit often returns a cold block: `small`'s
-//! fw + full_bw (one stage, B = 2, T = 64; `examples/opprof --model small --runs 20`, three
-//! alternating rounds against glibc under the settings below) 51.4–52.4 against 53.8–54.2 ms at
-//! one thread, 35.1–37.7 against 37.6–38.4 at two. mimalloc gives freed memory back to the OS
-//! after 1 s by default (10 s for whole arenas), and the next step faults it in again: `graphpp train --model small
-//! --ranks 2 --steps 8` took 74–91k page faults and 1039–1045 ms a step that way, 580 and
-//! 979–997 ms with purging off ([`retain_freed_memory`]).
+//! allocator). mimalloc puts a freed block on the free list of its size class and hands it out
+//! again while it is still in cache; glibc's best fit often returns a cold block. mimalloc gives
+//! freed memory back to the OS after 1 s by default (10 s for whole arenas), and the next step
+//! then faults the same pages in again, so [`retain_freed_memory`] turns that purging off.
 //!
 //! glibc's `malloc` still serves the C libraries (Open MPI) and any binary that keeps the system
 //! allocator. It serves a block of 128 KiB or more (its threshold grows with the blocks freed, up
 //! to 32 MiB) with a fresh `mmap`, and gives the top of a heap back to the OS once 128 KiB of it
 //! is free. Either way the next step's tensors land on pages the kernel must fault in and zero
-//! again: on a 2-vCPU KVM guest, `perf` of `small`'s fw + full_bw put ≈ 5% of the time in page
-//! faults; with the settings below, 30 runs of it at one thread (`examples/opprof --runs 30`, two
-//! alternating pairs) took 69.0 / 72.2 ms a run against 75.8 / 75.9 without, with 22k page faults
-//! against 56k / 100k (`perf stat`). A caching allocator (PyTorch's on GPUs) keeps freed memory
-//! for the same reason.
+//! again; `retain_freed_memory` also sets glibc to keep those pages. A caching allocator
+//! (PyTorch's on GPUs) keeps freed memory for the same reason. (measured: docs/PERFORMANCE.md,
+//! "Allocators")
 
 pub use mimalloc::MiMalloc;
 
@@ -30,16 +24,15 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 /// Keeps freed memory in the process for reuse: blocks under 32 MiB come from the heap instead
 /// of fresh mappings, and a heap's free top is never trimmed. The top pad matters for the
 /// heaps of threads other than the main one (a rank's pool threads): glibc shrinks those down
-/// to the pad whatever the trim threshold, and with the default pad (128 KiB) `small`'s fwbw
-/// at one thread (`opprof --model small --runs 20`) ran at 62–63 ms with ≈ 120k page faults in
-/// about half the processes against 54–56 ms and 32k in the others; with a 16 or 64 MiB pad
-/// every process ran at 53–57 ms with 27.6k faults (the pad is address space: pages never
-/// touched cost no memory). The resident size then stays at
-/// its high-water mark: a training step's peak, which every step reaches again — per malloc
-/// arena, and glibc gives threads arenas of their own, so with several rank threads the sum of
-/// their peaks at most. Call once at start-up, before the first tensor is allocated (the glibc
-/// settings are skipped where the C library is not glibc). Turns mimalloc's purging off too
-/// (module doc): the same high-water mark, kept.
+/// to the pad whatever the trim threshold, so with the default pad (128 KiB) a pool thread's
+/// freed pages go back to the OS and its next tensors fault them in again; a 64 MiB pad keeps
+/// them (the pad is address space: pages never touched cost no memory). The resident size then
+/// stays at its high-water mark: a training step's peak, which every step reaches again — per
+/// malloc arena, and glibc gives threads arenas of their own, so with several rank threads the
+/// sum of their peaks at most. Call once at start-up, before the first tensor is allocated (the
+/// glibc settings are skipped where the C library is not glibc). Turns mimalloc's purging off
+/// too (module doc): the same high-water mark, kept.
+/// (measured: docs/PERFORMANCE.md, "Allocators")
 pub fn retain_freed_memory() {
     // SAFETY: `mi_option_set` only stores the option's value (mimalloc reads it when it next
     // considers purging); −1 is its documented "never".

@@ -37,6 +37,7 @@ use crate::pipeline::{run_pipeline, PipelineError};
 use crate::train::build::{stage_specs, StageBuild};
 use crate::train::error::SetupError;
 use crate::train::memory::check_step;
+use crate::train::setup::TrainSetup;
 
 /// Default tolerance of `graphpp verify`: relative difference (see [`VerifyReport`]) in f32.
 /// Source: the project's acceptance criterion for pipelined gradients (1e-5 relative, f32).
@@ -92,68 +93,66 @@ pub enum VerifyError {
     Train(Box<crate::train::TrainError>),
 }
 
-/// What one verification step runs: the model, the schedule and the data.
+/// What one verification step runs: a training run's setup (the model, the schedule, the
+/// layout and the data's shape; its optimizer settings are unused, a verification takes no
+/// optimizer step), the initial weights and the reference step's dtype.
 #[derive(Debug, Clone)]
 pub struct VerifySetup {
-    /// The model (any [`Model`]; the Llama config implements it).
-    pub model: Arc<dyn Model>,
-    /// Schedule kind.
-    pub kind: Kind,
-    /// Pipeline shape (p, v, m).
-    pub shape: Shape,
-    /// Generator options (group size, zb-auto costs).
-    pub options: Options,
-    /// A compute-only order of one's own run instead of `kind`'s generated one (see
-    /// [`crate::TrainSetup::schedule`]).
-    pub schedule: Option<Arc<Schedule>>,
-    /// Sequences per microbatch `B`.
-    pub microbatch_size: usize,
-    /// Tokens per sequence `T`.
-    pub seq_len: usize,
-    /// Seed of the weights and of the batch.
-    pub seed: u64,
-    /// Bound on every RECV of the pipelined run.
-    pub timeout: Duration,
-    /// Decoder layers of each model stage (`--layers-per-stage 2,1,1`); `None` splits evenly.
-    pub layers_per_stage: Option<Vec<usize>>,
+    /// The run the pipelined step is one step of.
+    pub train: TrainSetup,
     /// Initial parameters by name (e.g. pretrained weights, `--init-from`), f32, HF shapes;
-    /// `None` draws them from `seed` ([`init_parameters`]).
+    /// `None` draws them from `train.seed` ([`init_parameters`]).
     pub weights: Option<Arc<Env>>,
-    /// Compute dtype of the pipelined step (f32 master weights either way; see
-    /// [`StageOptions::mixed`]).
-    pub dtype: DType,
-    /// Compute dtype of the single-device reference step.
+    /// Compute dtype of the single-device reference step (the pipelined step's is
+    /// `train.dtype`).
     pub reference_dtype: DType,
-    /// Data-parallel replicas (each runs `batch / dp` sequences of every microbatch); above 1
-    /// the pipelined step runs as a training run's ranks do ([`data_parallel_step`]).
-    pub dp: usize,
-    /// FSDP over the replicas.
-    pub fsdp: bool,
-    /// Expert-parallel degree over the replicas (1: none; see [`crate::TrainSetup::ep`]).
-    pub ep: usize,
 }
 
 impl VerifySetup {
-    /// A setup with default generator options, seed 0, a 60 s RECV timeout, both steps in f32.
+    /// A setup with default generator options, seed 0, no data parallelism, a 60 s RECV
+    /// timeout, both steps in f32.
     pub fn new(model: impl Model + 'static, kind: Kind, shape: Shape, microbatch_size: usize, seq_len: usize) -> Self {
-        VerifySetup {
+        let train = TrainSetup {
             model: Arc::new(model),
             kind,
             shape,
             options: Options::default(),
             schedule: None,
-            microbatch_size,
-            seq_len,
-            seed: 0,
-            timeout: Duration::from_secs(60),
             layers_per_stage: None,
-            weights: None,
-            dtype: DType::F32,
-            reference_dtype: DType::F32,
+            microbatch_size,
             dp: 1,
             fsdp: false,
             ep: 1,
-        }
+            post_validate: false,
+            seq_len,
+            seed: 0,
+            adamw: crate::optim::AdamWConfig::default(),
+            lr: crate::optim::lr::CosineSchedule::no_steps(),
+            grad_clip: None,
+            recompute: graphpp_models::Recompute::SaveAll,
+            expert_bias_update: 0.001,
+            link: None,
+            timeout: Duration::from_secs(60),
+            dtype: DType::F32,
+        };
+        VerifySetup { train, weights: None, reference_dtype: DType::F32 }
+    }
+
+    /// Every check of the setup that needs no tensor: the size of the single-device step
+    /// (which runs all `m·B` sequences at once, so it is the larger), then
+    /// [`TrainSetup::check`]. Returns the compute-only schedule.
+    ///
+    /// # Errors
+    /// [`VerifyError::Setup`] ([`SetupError::Size`], or the schedule's error); otherwise
+    /// [`VerifyError::Train`] with the setup's error (dp, ep).
+    pub fn check(&self) -> Result<Schedule, VerifyError> {
+        let t = &self.train;
+        check_step(&*t.model, t.kind, &t.shape, t.microbatch_size / t.dp.max(1), t.seq_len, true)
+            .map_err(SetupError::from)?;
+        t.check().map_err(|e| match e {
+            crate::train::TrainError::Setup(e) => VerifyError::Setup(e),
+            e => VerifyError::Train(Box::new(e)),
+        })
     }
 }
 
@@ -244,21 +243,21 @@ fn collect_grads(workers: &[GraphStages]) -> Result<BTreeMap<String, Tensor>, Ve
 pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     // The schedule first: a shape the kind cannot serve is the more useful error.
     let compute = crate::train::build::compute_schedule(
-        setup.kind,
-        &setup.shape,
-        &setup.options,
-        setup.schedule.as_deref(),
+        setup.train.kind,
+        &setup.train.shape,
+        &setup.train.options,
+        setup.train.schedule.as_deref(),
     )?;
     let schedule = lower(&compute, &LowerOptions::default()).map_err(SetupError::from)?;
-    let specs = stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
-    let m = setup.shape.microbatches;
+    let specs = stage_specs(&*setup.train.model, setup.train.kind, &setup.train.shape, setup.train.layers_per_stage.as_deref())?;
+    let m = setup.train.shape.microbatches;
     let data =
-        Arc::new(random_microbatches(setup.model.vocab_size(), m, setup.microbatch_size, setup.seq_len, setup.seed)?);
-    let opts = StageOptions::mixed(setup.microbatch_size, setup.seq_len, setup.dtype);
+        Arc::new(random_microbatches(setup.train.model.vocab_size(), m, setup.train.microbatch_size, setup.train.seq_len, setup.train.seed)?);
+    let opts = StageOptions::mixed(setup.train.microbatch_size, setup.train.seq_len, setup.train.dtype);
     let given = setup.weights.as_deref();
-    let build = StageBuild { model: &*setup.model, specs: &specs, opts: &opts, seed: setup.seed, given };
+    let build = StageBuild { model: &*setup.train.model, specs: &specs, opts: &opts, seed: setup.train.seed, given };
     let workers = build.all_ranks(&schedule, data)?;
-    let (workers, _) = run_pipeline(&schedule, workers, setup.timeout)?;
+    let (workers, _) = run_pipeline(&schedule, workers, setup.train.timeout)?;
     let mut losses = BTreeMap::new();
     for w in &workers {
         losses.extend(w.losses().iter().map(|(&k, &v)| (k, v)));
@@ -274,16 +273,16 @@ pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
 /// Runs the same step on one device, computing in `setup.reference_dtype`: one stage with every
 /// layer over the m microbatches concatenated along the batch axis.
 pub fn single_device_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
-    let cfg = &*setup.model;
-    let m = setup.shape.microbatches;
+    let cfg = &*setup.train.model;
+    let m = setup.train.shape.microbatches;
     let spec = split_layers(cfg.num_layers(), 1, None).map_err(SetupError::from)?.remove(0);
-    let opts = StageOptions::mixed(setup.microbatch_size * m, setup.seq_len, setup.reference_dtype);
+    let opts = StageOptions::mixed(setup.train.microbatch_size * m, setup.train.seq_len, setup.reference_dtype);
     let stage = cfg.build_stage(&spec, &opts).map_err(SetupError::from)?;
     let graphs = stage_graphs(&stage, &RecomputePolicy::SaveAll).map_err(SetupError::from)?;
-    let data = random_microbatches(cfg.vocab_size(), m, setup.microbatch_size, setup.seq_len, setup.seed)?;
+    let data = random_microbatches(cfg.vocab_size(), m, setup.train.microbatch_size, setup.train.seq_len, setup.train.seed)?;
     let given = setup.weights.as_deref();
     let build =
-        StageBuild { model: cfg, specs: std::slice::from_ref(&spec), opts: &opts, seed: setup.seed, given };
+        StageBuild { model: cfg, specs: std::slice::from_ref(&spec), opts: &opts, seed: setup.train.seed, given };
     let mut env = build.state(&spec)?;
     env.insert(TOKENS.into(), Tensor::cat(&data.tokens, 0)?);
     env.insert(TARGETS.into(), Tensor::cat(&data.targets, 0)?);
@@ -353,31 +352,7 @@ pub fn data_parallel_step(
     comm: Option<Arc<dyn graphpp_comm::Comm>>,
 ) -> Result<Option<StepResult>, VerifyError> {
     let train = |e: crate::train::TrainError| VerifyError::Train(Box::new(e));
-    let lr = crate::optim::lr::CosineSchedule::new(1e-3, 0.0, 0, 1)
-        .map_err(|e| VerifyError::Mismatch(e.to_string()))?;
-    let ts = crate::train::TrainSetup {
-        model: setup.model.clone(),
-        kind: setup.kind,
-        shape: setup.shape,
-        options: setup.options,
-        schedule: setup.schedule.clone(),
-        layers_per_stage: setup.layers_per_stage.clone(),
-        microbatch_size: setup.microbatch_size,
-        dp: setup.dp,
-        fsdp: setup.fsdp,
-        ep: setup.ep,
-        post_validate: false,
-        seq_len: setup.seq_len,
-        seed: setup.seed,
-        adamw: crate::optim::AdamWConfig::default(),
-        lr,
-        grad_clip: None,
-        recompute: graphpp_models::Recompute::SaveAll,
-        expert_bias_update: 0.001,
-        link: None,
-        timeout: setup.timeout,
-        dtype: setup.dtype,
-    };
+    let ts = setup.train.clone();
     let mut t = match comm {
         Some(c) => crate::train::Trainer::on_comm(ts, c),
         None => crate::train::Trainer::new(ts),
@@ -386,8 +361,8 @@ pub fn data_parallel_step(
     if let Some(w) = &setup.weights {
         t.load_parameters(w).map_err(train)?;
     }
-    let m = setup.shape.microbatches;
-    let data = random_microbatches(setup.model.vocab_size(), m, setup.microbatch_size, setup.seq_len, setup.seed)?;
+    let m = setup.train.shape.microbatches;
+    let data = random_microbatches(setup.train.model.vocab_size(), m, setup.train.microbatch_size, setup.train.seq_len, setup.train.seed)?;
     let (loss, grads) = t.gradient_step(data).map_err(train)?;
     Ok(grads.map(|g| StepResult {
         loss,
@@ -397,12 +372,12 @@ pub fn data_parallel_step(
 }
 
 /// Runs `setup` pipelined and on one device and compares them (what `graphpp verify` prints).
-/// Errors: [`SetupError::Size`] in [`VerifyError::Setup`] (before anything is built) when the schedule or the step would be
-/// too large ([`check_step`]), else those of the two steps.
+///
+/// # Errors
+/// Those of [`VerifySetup::check`] (before anything is built), else those of the two steps.
 pub fn verify_step(setup: &VerifySetup) -> Result<VerifyReport, VerifyError> {
-    check_step(&*setup.model, setup.kind, &setup.shape, setup.microbatch_size / setup.dp.max(1), setup.seq_len, true)
-        .map_err(SetupError::from)?;
-    let a = if setup.dp > 1 || setup.fsdp || setup.ep > 1 {
+    setup.check()?;
+    let a = if setup.train.dp > 1 || setup.train.fsdp || setup.train.ep > 1 {
         data_parallel_step(setup, None)?.ok_or_else(|| VerifyError::Mismatch("no leader".into()))?
     } else {
         pipelined_step(setup)?

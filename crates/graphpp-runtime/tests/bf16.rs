@@ -124,8 +124,8 @@ fn bf16_sigmoid_rounds_once() {
 
 fn bf16_setup(kind: Kind, p: usize, v: usize, m: usize) -> VerifySetup {
     let mut s = VerifySetup::new(LlamaConfig::tiny(), kind, Shape::new(p, v, m), 1, 16);
-    s.dtype = DType::BF16;
-    s.timeout = Duration::from_secs(60);
+    s.train.dtype = DType::BF16;
+    s.train.timeout = Duration::from_secs(60);
     s
 }
 
@@ -136,11 +136,11 @@ fn bf16_setup(kind: Kind, p: usize, v: usize, m: usize) -> VerifySetup {
 fn bf16_messages_between_ranks_and_f32_loss_and_gradients() {
     let s = bf16_setup(Kind::OneFOneB, 2, 1, 1);
     let schedule =
-        lower(&generate(s.kind, &s.shape, &Options::default()).unwrap(), &LowerOptions::default()).unwrap();
-    let specs = stage_specs(&*s.model, s.kind, &s.shape, None).unwrap();
+        lower(&generate(s.train.kind, &s.train.shape, &Options::default()).unwrap(), &LowerOptions::default()).unwrap();
+    let specs = stage_specs(&*s.train.model, s.train.kind, &s.train.shape, None).unwrap();
     let data = Arc::new(random_microbatches(256, 1, 1, 16, 5).unwrap());
     let opts = StageOptions::mixed(1, 16, DType::BF16);
-    let mut w = StageBuild { model: &*s.model, specs: &specs, opts: &opts, seed: 0, given: None }
+    let mut w = StageBuild { model: &*s.train.model, specs: &specs, opts: &opts, seed: 0, given: None }
         .all_ranks(&schedule, data)
         .unwrap();
     let act = w[0].forward(0, 0, None).unwrap().expect("stage 0 sends its output");

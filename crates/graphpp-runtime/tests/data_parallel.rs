@@ -129,8 +129,8 @@ fn verify_with_data_parallelism_matches_one_device() {
     for kind in [Kind::Gpipe, Kind::OneFOneB, Kind::Interleaved1F1B, Kind::Zbv, Kind::DualPipeV, Kind::ZbH1] {
         for fsdp in [false, true] {
             let shape = graphpp_schedule::Shape::new(2, kind.default_stages_per_rank(), 4);
-            let setup =
-                VerifySetup { dp: 2, fsdp, seed: 3, ..VerifySetup::new(model.clone(), kind, shape, 2, 8) };
+            let mut setup = VerifySetup::new(model.clone(), kind, shape, 2, 8);
+            (setup.train.dp, setup.train.fsdp, setup.train.seed) = (2, fsdp, 3);
             let r = verify_step(&setup).unwrap();
             assert!(r.passes(TOLERANCE), "{kind} fsdp={fsdp}: {r:?}");
             assert_eq!(r.gradients, 39, "{kind}: every gradient compared");

@@ -36,8 +36,8 @@ fn micro(layers: usize) -> LlamaConfig {
 fn setup(kind: Kind, shape: Shape, batch: usize) -> VerifySetup {
     let layers = if kind == Kind::DualPipe { shape.ranks } else { shape.stages() };
     let mut s = VerifySetup::new(micro(layers), kind, shape, batch, 8);
-    s.seed = 7;
-    s.timeout = Duration::from_secs(30);
+    s.train.seed = 7;
+    s.train.timeout = Duration::from_secs(30);
     s
 }
 
@@ -91,21 +91,21 @@ fn dualpipe_sums_the_two_parameter_copies() {
     // Each copy alone sees half the microbatches: its gradient differs from the full one, and
     // only the sum of both copies matches one device. DualPipe also runs OVERLAP_F_B actions.
     let s = setup(Kind::DualPipe, Shape::new(2, 2, 4), 1);
-    let schedule = lower(&generate(s.kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
+    let schedule = lower(&generate(s.train.kind, &s.train.shape, &s.train.options).unwrap(), &LowerOptions::default()).unwrap();
     assert!(schedule.actions().any(|(_, a)| matches!(a, Action::Overlap { .. })));
-    let specs = stage_specs(&*s.model, s.kind, &s.shape, None).unwrap();
+    let specs = stage_specs(&*s.train.model, s.train.kind, &s.train.shape, None).unwrap();
     assert_eq!(specs[2].layers, specs[0].layers, "stage p + i holds stage i's layers");
-    let data = Arc::new(random_microbatches(32, 4, 1, 8, s.seed).unwrap());
+    let data = Arc::new(random_microbatches(32, 4, 1, 8, s.train.seed).unwrap());
     let ws = StageBuild {
-        model: &*s.model,
+        model: &*s.train.model,
         specs: &specs,
         opts: &StageOptions::new(1, 8),
-        seed: s.seed,
+        seed: s.train.seed,
         given: None,
     }
     .all_ranks(&schedule, data)
     .unwrap();
-    let (ws, _) = run_pipeline(&schedule, ws, s.timeout).unwrap();
+    let (ws, _) = run_pipeline(&schedule, ws, s.train.timeout).unwrap();
     let b = single_device_step(&s).unwrap();
     let copy0 = StepResult {
         loss: b.loss,
@@ -161,11 +161,11 @@ fn caches_are_freed_after_the_step() {
         let v = if kind == Kind::DualPipeV { 2 } else { 1 };
         let s = setup(kind, Shape::new(2, v, 4), 1);
         let schedule =
-            lower(&generate(kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
-        let specs = stage_specs(&*s.model, kind, &s.shape, None).unwrap();
+            lower(&generate(kind, &s.train.shape, &s.train.options).unwrap(), &LowerOptions::default()).unwrap();
+        let specs = stage_specs(&*s.train.model, kind, &s.train.shape, None).unwrap();
         let data = Arc::new(random_microbatches(32, 4, 1, 8, 1).unwrap());
         let ws = StageBuild {
-            model: &*s.model,
+            model: &*s.train.model,
             specs: &specs,
             opts: &StageOptions::new(1, 8),
             seed: 0,
@@ -173,7 +173,7 @@ fn caches_are_freed_after_the_step() {
         }
         .all_ranks(&schedule, data)
         .unwrap();
-        let (ws, tl) = run_pipeline(&schedule, ws, s.timeout).unwrap();
+        let (ws, tl) = run_pipeline(&schedule, ws, s.train.timeout).unwrap();
         assert!(ws.iter().all(|w| w.live_caches() == 0), "{kind}: caches left");
         assert!(!tl.intervals.is_empty());
     }
@@ -182,13 +182,13 @@ fn caches_are_freed_after_the_step() {
 #[test]
 fn a_failing_stage_is_named_and_nothing_hangs() {
     let s = setup(Kind::OneFOneB, Shape::new(2, 1, 3), 1);
-    let schedule = lower(&generate(s.kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
-    let specs = stage_specs(&*s.model, s.kind, &s.shape, None).unwrap();
+    let schedule = lower(&generate(s.train.kind, &s.train.shape, &s.train.options).unwrap(), &LowerOptions::default()).unwrap();
+    let specs = stage_specs(&*s.train.model, s.train.kind, &s.train.shape, None).unwrap();
     let mut data: Microbatches = random_microbatches(32, 3, 1, 8, 1).unwrap();
     // Microbatch 1's tokens have a bad shape [1, 5] instead of [1, 8].
     data.tokens[1] = graphpp_runtime::kernels::tensor::tensor_u32(&[1, 2, 3, 4, 5], &[1, 5]).unwrap();
     let ws =
-        StageBuild { model: &*s.model, specs: &specs, opts: &StageOptions::new(1, 8), seed: 0, given: None }
+        StageBuild { model: &*s.train.model, specs: &specs, opts: &StageOptions::new(1, 8), seed: 0, given: None }
             .all_ranks(&schedule, Arc::new(data))
             .unwrap();
     let t0 = Instant::now();
@@ -257,12 +257,12 @@ fn run_rank_on_threads_gives_run_pipeline_results_bitwise() {
     for (kind, shape) in [(Kind::OneFOneB, Shape::new(4, 1, 6)), (Kind::Zbv, Shape::new(2, 2, 4))] {
         let s = setup(kind, shape, 1);
         let schedule =
-            lower(&generate(kind, &s.shape, &s.options).unwrap(), &LowerOptions::default()).unwrap();
-        let specs = stage_specs(&*s.model, kind, &s.shape, None).unwrap();
+            lower(&generate(kind, &s.train.shape, &s.train.options).unwrap(), &LowerOptions::default()).unwrap();
+        let specs = stage_specs(&*s.train.model, kind, &s.train.shape, None).unwrap();
         let data = Arc::new(random_microbatches(32, shape.microbatches, 1, 8, 3).unwrap());
         let build = || {
             StageBuild {
-                model: &*s.model,
+                model: &*s.train.model,
                 specs: &specs,
                 opts: &StageOptions::new(1, 8),
                 seed: 5,
@@ -271,8 +271,8 @@ fn run_rank_on_threads_gives_run_pipeline_results_bitwise() {
             .all_ranks(&schedule, Arc::clone(&data))
             .unwrap()
         };
-        let (a, _) = run_pipeline(&schedule, build(), s.timeout).unwrap();
-        let b = run_each_rank(&schedule, build(), s.timeout);
+        let (a, _) = run_pipeline(&schedule, build(), s.train.timeout).unwrap();
+        let b = run_each_rank(&schedule, build(), s.train.timeout);
         let (la, ga) = results(&a);
         let (lb, gb) = results(&b);
         assert_eq!(la.len(), shape.microbatches, "{kind}");

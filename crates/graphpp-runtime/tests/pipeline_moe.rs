@@ -24,6 +24,13 @@ fn model() -> MoeConfig {
     m
 }
 
+/// `s` with `dp` replicas and expert-parallel degree `ep`, seed 3 and a 30 s RECV bound.
+fn layout(mut s: VerifySetup, dp: usize, ep: usize) -> VerifySetup {
+    (s.train.dp, s.train.ep, s.train.seed) = (dp, ep, 3);
+    s.train.timeout = Duration::from_secs(30);
+    s
+}
+
 #[test]
 fn moe_pipelined_step_equals_one_device() {
     for (kind, shape, dp) in [
@@ -33,9 +40,9 @@ fn moe_pipelined_step_equals_one_device() {
         (Kind::DualPipeV, Shape::new(2, 2, 4), 2),
     ] {
         let mut s = VerifySetup::new(model(), kind, shape, 8, 8);
-        s.seed = 3;
-        s.timeout = Duration::from_secs(30);
-        s.dp = dp;
+        s.train.seed = 3;
+        s.train.timeout = Duration::from_secs(30);
+        s.train.dp = dp;
         let pipelined = pipelined_step(&s).unwrap_or_else(|e| panic!("{kind} dp={dp}: {e}"));
         let one = single_device_step(&s).unwrap();
         let r = compare(&pipelined, &one).unwrap();
@@ -61,12 +68,8 @@ fn moe_pipelined_step_equals_one_device() {
 /// relative, and differs from the step without it (the gates' gradients change).
 #[test]
 fn aux_loss_gradients_are_pipelined_exactly() {
-    let setup = |alpha: f64, kind: Kind, shape: Shape, dp: usize, ep: usize| VerifySetup {
-        dp,
-        ep,
-        seed: 3,
-        timeout: Duration::from_secs(30),
-        ..VerifySetup::new(MoeConfig { aux_loss_alpha: alpha, ..model() }, kind, shape, 8, 8)
+    let setup = |alpha: f64, kind: Kind, shape: Shape, dp: usize, ep: usize| {
+        layout(VerifySetup::new(MoeConfig { aux_loss_alpha: alpha, ..model() }, kind, shape, 8, 8), dp, ep)
     };
     for (kind, shape, dp, ep) in
         [(Kind::OneFOneB, Shape::new(2, 1, 4), 1, 1), (Kind::DualPipeV, Shape::new(2, 2, 4), 2, 2)]
@@ -100,13 +103,7 @@ fn expert_parallel_step_equals_one_device() {
         (Kind::OneFOneB, Shape::new(2, 1, 2), 4, 2),
         (Kind::DualPipeV, Shape::new(2, 2, 4), 2, 1),
     ] {
-        let s = VerifySetup {
-            dp,
-            ep,
-            seed: 3,
-            timeout: Duration::from_secs(30),
-            ..VerifySetup::new(model(), kind, shape, 8, 8)
-        };
+        let s = layout(VerifySetup::new(model(), kind, shape, 8, 8), dp, ep);
         let r = verify_step(&s).unwrap_or_else(|e| panic!("{kind} dp={dp} ep={ep}: {e}"));
         assert!(r.passes(TOLERANCE), "{kind} dp={dp} ep={ep}: {r:?}");
         assert_eq!(r.gradients, params, "{kind} dp={dp} ep={ep}: every parameter compared");
@@ -116,26 +113,25 @@ fn expert_parallel_step_equals_one_device() {
 /// What expert parallelism cannot be given is refused before a step, naming the flag.
 #[test]
 fn bad_expert_parallel_degrees_are_refused() {
-    let setup = |dp, ep, fsdp| VerifySetup {
-        dp,
-        ep,
-        fsdp,
-        ..VerifySetup::new(model(), Kind::OneFOneB, Shape::new(2, 1, 2), 12, 8)
+    let setup = |dp, ep, fsdp| {
+        let mut s = VerifySetup::new(model(), Kind::OneFOneB, Shape::new(2, 1, 2), 12, 8);
+        (s.train.dp, s.train.ep, s.train.fsdp) = (dp, ep, fsdp);
+        s
     };
     for (s, says) in [
         (setup(2, 4, false), "must divide the data-parallel degree dp = 2"),
         (setup(3, 3, false), "4 routed experts do not split evenly over an expert-parallel degree of 3"),
         (setup(2, 2, true), "expert parallelism with FSDP is not implemented"),
         (
-            VerifySetup {
-                dp: 2,
-                ep: 2,
-                ..VerifySetup::new(model().base, Kind::OneFOneB, Shape::new(2, 1, 2), 12, 8)
+            {
+                let mut s = VerifySetup::new(model().base, Kind::OneFOneB, Shape::new(2, 1, 2), 12, 8);
+                (s.train.dp, s.train.ep) = (2, 2);
+                s
             },
             "expert parallelism needs a mixture-of-experts model",
         ),
     ] {
         let e = verify_step(&s).unwrap_err().to_string();
-        assert!(e.contains(says) && e.contains(&format!("--ep {}", s.ep)), "{e}");
+        assert!(e.contains(says) && e.contains(&format!("--ep {}", s.train.ep)), "{e}");
     }
 }

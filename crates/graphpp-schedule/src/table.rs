@@ -69,9 +69,10 @@ impl<V: Packed> TaskMap<V> {
     /// A map for keys with `slot < slots`, `stage < stages` and `mb < mbs`, expected to hold about
     /// `entries` values; dense unless the key space is more than 16 times that (plus 2^16): a
     /// compute-only schedule fills only 2–3 of the 4 + 6 slots of the dependency walk's producer
-    /// tables (`deps::Index`; one table of 10 slots when this was measured), so a factor of 4 sent
-    /// the common case (interleaved 1F1B at p = 64, v = 2, m = 1024) to the hash map: its
-    /// validation took 135 ms instead of 24–29; untouched dense cells are zero pages.
+    /// tables (`deps::Index`), so a smaller factor (4) sent the common case (interleaved 1F1B at
+    /// p = 64, v = 2, m = 1024) to the hash map, several times slower to validate than the dense
+    /// table (measured: docs/PERFORMANCE.md, "Schedule toolchain"). Untouched dense cells are
+    /// zero pages.
     pub fn new(slots: usize, stages: usize, mbs: usize, entries: usize) -> Self {
         let keys = slots.saturating_mul(stages).saturating_mul(mbs);
         if keys <= entries.saturating_mul(16).saturating_add(1 << 16) {

@@ -30,10 +30,8 @@ const INLINE_READERS: usize = 4;
 
 /// Groups of fewer output elements than this run on one thread. A group's operands are mostly
 /// hot in the cache of the core that produced them, and another core must fetch its half
-/// through the shared cache, so splitting a small group costs more than it saves: with 16k,
-/// `tiny`'s elementwise time at 2 threads (`opprof --model tiny --threads 2`, B = 8, two runs
-/// each) was 14.2 / 15.7 ms against 12.1–12.2 at 1 thread; with 256k 11.9 / 12.5, never
-/// splitting 12.2 / 12.8; `small`'s (B = 2, groups up to 88k elements) stayed within noise.
+/// through the shared cache, so splitting a small group costs more than it saves.
+/// (measured: docs/PERFORMANCE.md, "Fused elementwise groups")
 const PARALLEL_MIN: usize = 1 << 18;
 
 /// One instruction over a block. Instruction `r` defines register `r` (emission order), so
@@ -154,11 +152,9 @@ pub fn plan(g: &Graph) -> Fusion {
 /// costs its arithmetic once per group that reads it instead of a write and the groups' reads.
 /// Except a [`transcendental`] node whose readers end in more than one group (the backward's
 /// `σ(g)`): it is computed once, in a group of its own, and read back by the groups — its
-/// exponent costs more than a write and reads of a value still in cache. The SwiGLU backward's
-/// fused nodes a fwbw (`examples/opprof --batch 8`, two alternating rounds against the binary
-/// with σ(g) inlined into both groups): `small` 9.8–10.5 against 13.6–13.8 ms, `tiny`
-/// (`--runs 40`) 1.23–1.28 against 1.69–1.72 ms. (Read only through nodes that all end in one
-/// group — the forward's σ(g), read by g·σ(g) — it is inlined: computed once there.)
+/// exponent costs more than a write and reads of a value still in cache (measured:
+/// docs/PERFORMANCE.md, "Activation recomputation"). (Read only through nodes that all end in
+/// one group — the forward's σ(g), read by g·σ(g) — it is inlined: computed once there.)
 fn inlined(g: &Graph, users: &[Vec<ValueId>], is_output: &[bool]) -> Vec<bool> {
     let pointwise = |i: usize| g.nodes[i].op.is_pointwise() && fusible(g, i);
     let cheap = |i: usize| matches!(g.nodes[i].op, Op::Broadcast { .. } | Op::Full { .. }) && fusible(g, i);
@@ -182,10 +178,10 @@ fn inlined(g: &Graph, users: &[Vec<ValueId>], is_output: &[bool]) -> Vec<bool> {
     inline
 }
 
-/// Whether `op` is an exponential, logarithm, sigmoid or erf: a sigmoid took 1.8 ns an element on
-/// an AVX2 host (`small`'s backward σ(g) group: 4.98 ms for 2.8M elements, `opprof`; exp is
-/// [`crate::kernels::expf`]'s), where writing and reading back a value a group just computed costs a
-/// fraction of that while it stays in cache. Log and erf are libm's (not measured).
+/// Whether `op` is an exponential, logarithm, sigmoid or erf: computing one costs more than
+/// writing a value a group just computed and reading it back while it stays in cache (exp is
+/// [`crate::kernels::expf`]'s; log and erf are libm's, classed with exp and sigmoid without a
+/// measurement of their own). (measured: docs/PERFORMANCE.md, "Fused elementwise groups")
 fn transcendental(op: &Op) -> bool {
     matches!(op, Op::Unary { f: UnaryOp::Exp | UnaryOp::Log | UnaryOp::Sigmoid | UnaryOp::Erf })
 }
@@ -283,11 +279,10 @@ impl Group {
         let (dims, ops) = coalesce(&self.shape, ops);
         let numel: usize = self.shape.iter().product();
         let threads = rayon::current_num_threads();
-        // Not zeroed: every element is written once. Zeroing first was a pass over the output
-        // (~2.5% of `small`'s fwbw in `perf`); under glibc's malloc, whose blocks come back
-        // cold, it paid for itself as a fast fill ahead of the writes, but with mimalloc's hot
-        // blocks (`crate::malloc`) the fused nodes of `small`'s fwbw (`opprof`, three alternating
-        // rounds) take 9.3–9.8 ms without it against 10.3–10.8 with it.
+        // Not zeroed: every element is written once. Zeroing first is a pass over the output:
+        // under an allocator whose blocks come back cold (glibc's) it pays for itself as a fast
+        // fill ahead of the writes, but mimalloc's blocks come back hot (`crate::malloc`) and
+        // the pass is pure cost (measured: docs/PERFORMANCE.md, "Fused elementwise groups").
         let mut out: Vec<f32> = Vec::with_capacity(numel);
         let spare = &mut out.spare_capacity_mut()[..numel];
         if threads > 1 && numel >= PARALLEL_MIN {

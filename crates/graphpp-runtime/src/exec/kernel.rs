@@ -52,8 +52,8 @@ impl candle_core::CustomOp1 for SigmoidOp {
 ///
 /// bf16 operands are widened to f32 by the caller and the f32 result rounded once: the same
 /// values candle's bf16 kernels produce (they compute each element in f32 and round), but its
-/// CPU bf16 add re-detects the CPU's bf16 instructions per 8 elements and ran ~5× slower than
-/// widening (`perf` of `graphpp train --dtype bf16`: half the step time in that add).
+/// CPU bf16 add re-detects the CPU's bf16 instructions per 8 elements, which costs more than the
+/// widening and the rounding (measured: docs/PERFORMANCE.md, "bf16").
 fn arithmetic(f: BinaryOp, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     match f {
         BinaryOp::Add => a.broadcast_add(b),
@@ -119,8 +119,9 @@ pub(super) fn kernel_error(graph: &Graph, i: usize, e: candle_core::Error) -> Ex
 /// Sum of an f32 tensor over a non-last `axis`, as whole rows: viewing `x` as `[A, K, B]` (`K` the
 /// axis), `out[a] = Σ_k x[a, k]` with rows of `B` added in ascending `k` from 0.0 — each element's
 /// additions in candle's order (its CPU sum visits the source in row-major order), so the same
-/// bits, but a vectorised pass over rows instead of one index computation per element (the
-/// RMSNorm weight gradients' sums over batch and sequence took 0.4 ms per 32k elements).
+/// bits, but a vectorised pass over rows instead of one index computation per element. The
+/// RMSNorm weight gradients' sums over batch and sequence are such sums. (measured:
+/// docs/PERFORMANCE.md, "Row sums over a non-last axis")
 fn sum_rows(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tensor> {
     let dims = x.dims();
     let (a, k) = (dims[..axis].iter().product::<usize>(), dims[axis]);

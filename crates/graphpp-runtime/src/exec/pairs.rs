@@ -1,14 +1,12 @@
 //! Independent matmuls side by side: the compiled executor's inter-op parallelism: a second
 //! thread of a rank's pool helps where one matmul alone cannot use it.
 //!
-//! A stage's matmuls are small (`small`: 128 × 256 · 256 × 688 at B = 2), and gemm splits one
-//! over two threads at 1.36–1.55× (`examples/matmul --threads 2` against `--threads 1`). But
-//! they come in independent pairs: a linear layer's backward computes `dX = dY · W` and
-//! `dWᵀ = Xᵀ · dY` from the same `dY`, and the forward's q, k, v (and gate, up) projections
-//! read the same normalised input. Two products on one thread each, side by side, ran at
-//! 1.46–1.98× the speed of one after the other on one thread (`opprof --model small --batch 2`,
-//! a pair's time at 2 threads against its two products' at 1), and `small`'s matmuls took
-//! 26.7–27.3 ms a fwbw at two threads against 31.4–32.0 with gemm splitting each product.
+//! A stage's matmuls are small (`small`: 128 × 256 · 256 × 688 at B = 2), and gemm splitting one
+//! over two threads makes it well under twice as fast. But they come in independent pairs: a
+//! linear layer's backward computes `dX = dY · W` and `dWᵀ = Xᵀ · dY` from the same `dY`, and the
+//! forward's q, k, v (and gate, up) projections read the same normalised input. Two products on
+//! one thread each, side by side, finish sooner than the same two with gemm splitting each over
+//! both threads. (measured: docs/PERFORMANCE.md, "Matmul pairs and transposed weights")
 //!
 //! [`plan`] finds such pairs in a graph's order: a matmul `i` and a later matmul `j` (within
 //! [`WINDOW`] nodes) whose operands are all ready before `i` runs — computed before `i`, or

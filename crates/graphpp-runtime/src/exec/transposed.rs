@@ -2,13 +2,12 @@
 //! so that a compiled stage reads its weights in the layout its matmuls are fastest on.
 //!
 //! A linear layer's forward is `x · Wᵀ` with `W` stored `[out, in]`: its rhs is a transposed
-//! view, which gemm reads more slowly than a row-major matrix (`examples/matmul`, `small`'s
-//! `128×256 · 256×688`: 0.358 ms transposed against 0.291 row-major hot at one thread, 0.349
-//! against 0.215 cold at two). Every matmul therefore reads its rhs row-major — the interpreter
-//! copies a transposed one first (`executor::matmul`), so both executors compute the same bits —
-//! and a compiled program keeps the copy of a transposed *parameter* (a graph input of kind
-//! parameter, permuted to swap its last two axes, read only as a matmul's rhs) from one run to
-//! the next: a parameter changes only at an optimizer step, so the copy is made once a step
+//! view, which gemm reads more slowly than a row-major matrix (measured: docs/PERFORMANCE.md,
+//! "Matmul pairs and transposed weights"). Every matmul therefore reads its rhs row-major — the
+//! interpreter copies a transposed one first (`executor::matmul`), so both executors compute the
+//! same bits — and a compiled program keeps the copy of a transposed *parameter* (a graph input
+//! of kind parameter, permuted to swap its last two axes, read only as a matmul's rhs) from one
+//! run to the next: a parameter changes only at an optimizer step, so the copy is made once a step
 //! and read by every microbatch's forward.
 //!
 //! A copy is keyed by the node and the source tensor's [`candle_core::TensorId`], which is never

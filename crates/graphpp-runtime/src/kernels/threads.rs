@@ -4,18 +4,16 @@
 //! `Parallelism::Rayon(RAYON_NUM_THREADS)`) and the compiled executor's fused kernels
 //! ([`crate::exec::fusion`]) split their work over the pool they run in. candle's own barrier pool
 //! (`CANDLE_NUM_THREADS`), whose workers spin between operations, is left at one thread: a
-//! spinning worker held the second core and made gemm's two-thread matmuls no faster than one
-//! (measured: 128×256 · 256×688 after an elementwise op, 1.28 ms with the barrier pool at 2
-//! threads vs 0.69 ms at 1; 1.24 ms single-threaded).
+//! spinning worker holds a core that gemm's threads need, and gemm's two-thread matmuls then run
+//! no faster than single-threaded ones (measured: docs/PERFORMANCE.md, "Thread pools").
 //!
 //! A rank's work (a step, an evaluation) runs through [`install_hot`]: while it runs, the pool's
 //! other workers poll for work instead of sleeping. A stage runs thousands of operations a step,
 //! each split into a few parallel parts; a sleeping rayon worker must be woken for every one,
-//! and waking an idle vCPU goes through the hypervisor. Measured on a 2-vCPU KVM guest: `small`'s
-//! fw + full_bw (≈ 2,400 operations) took 95 ms on 2 sleeping-pool threads against 75 ms on 1
-//! (`examples/fwbw`, medians of 4 rounds), and 55–70 ms on 2 polling ones (medians of five
-//! runs of 2–4 rounds). OpenMP runtimes spin the same way between parallel regions
-//! (`OMP_WAIT_POLICY`, `GOMP_SPINCOUNT`).
+//! and waking an idle vCPU goes through the hypervisor, so on a virtual machine the wake-ups can
+//! cost more than the second thread gains (measured: docs/PERFORMANCE.md, "Thread pools").
+//! OpenMP runtimes spin the same way between parallel regions (`OMP_WAIT_POLICY`,
+//! `GOMP_SPINCOUNT`).
 
 use rayon::{ThreadPool, Yield};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

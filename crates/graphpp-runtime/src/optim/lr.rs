@@ -55,6 +55,12 @@ impl CosineSchedule {
         Ok(CosineSchedule { lr, min_lr, warmup, total })
     }
 
+    /// The schedule of a setup that takes no optimizer step (a verification's gradient step):
+    /// `new(1e-3, 0, 0, 1)`, which cannot fail.
+    pub const fn no_steps() -> Self {
+        CosineSchedule { lr: 1e-3, min_lr: 0.0, warmup: 0, total: 1 }
+    }
+
     /// Peak learning rate.
     pub fn peak(&self) -> f64 {
         self.lr

@@ -16,8 +16,9 @@ use graphpp::strategy::Strategy;
 use graphpp_graph::DType;
 use graphpp_runtime::verify::{
     check_tolerance, compare, data_parallel_step, default_tolerance, single_device_step, verify_step,
-    VerifySetup,
+    VerifyError, VerifySetup,
 };
+use graphpp_runtime::{SetupError, TrainError};
 use graphpp_schedule::{Kind, Shape};
 
 use crate::cmd::value::count;
@@ -172,13 +173,6 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
         check_tolerance(t)?;
     }
     let dp = a.dp.unwrap_or(a.ep);
-    if dp == 0 || !a.microbatch_size.is_multiple_of(dp) {
-        bail!(
-            "--dp {dp} does not divide --microbatch-size {}: each replica runs B/dp sequences{}",
-            a.microbatch_size,
-            if a.dp.is_none() { " (--dp defaults to --ep)" } else { "" }
-        );
-    }
     launch.check_world(ranks, dp)?;
     let files = crate::cmd::settings_files(&[a.strategy.as_deref(), a.schedule_file.as_deref()]);
     launch.agree("the command line", graphpp::launch::command_fingerprint(&files))?;
@@ -202,33 +196,28 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     let v = a.stages_per_rank.unwrap_or_else(|| kind.default_stages_per_rank());
     let shape = Shape::new(ranks, v, microbatches);
     let mut setup = VerifySetup::new(model, kind, shape, a.microbatch_size, a.seq_len);
-    setup.seed = a.seed;
-    setup.options.group = a.group;
-    setup.options.mem_cap = a.mem_cap;
+    let t = &mut setup.train;
+    t.seed = a.seed;
+    t.options.group = a.group;
+    t.options.mem_cap = a.mem_cap;
     if let Some(path) = &a.schedule_file {
         let given = graphpp::train::read_schedule_file(path)
             .map_err(|e| anyhow::anyhow!("--schedule-file {}: {e}", path.display()))?;
-        graphpp_runtime::train::build::compute_schedule(kind, &shape, &setup.options, Some(&given))
-            .with_context(|| format!("--schedule-file {}", path.display()))?;
-        setup.schedule = Some(given);
+        t.schedule = Some(given);
     }
-    setup.layers_per_stage = a.layers_per_stage.clone();
+    t.layers_per_stage = a.layers_per_stage.clone();
+    (t.dtype, t.dp, t.fsdp, t.ep) = (a.dtype, dp, a.fsdp, a.ep);
     setup.weights = weights;
-    setup.dtype = a.dtype;
     setup.reference_dtype = a.reference_dtype;
-    setup.dp = dp;
-    setup.fsdp = a.fsdp;
-    setup.ep = a.ep;
     let tolerance = a.tolerance.unwrap_or_else(|| default_tolerance(a.dtype, a.reference_dtype));
     let t0 = Instant::now();
     let r = if launch.world() > 1 {
-        let local = a.microbatch_size / dp;
-        graphpp_runtime::check_step(&*setup.model, kind, &shape, local, a.seq_len, true)?;
+        setup.check().map_err(|e| flag_error(a, e))?;
         // Every process runs its rank; the leader gets the gradients and compares.
         let Some(pipelined) = data_parallel_step(&setup, launch.comm())? else { return Ok(()) };
         compare(&pipelined, &single_device_step(&setup)?)?
     } else {
-        verify_step(&setup)?
+        verify_step(&setup).map_err(|e| flag_error(a, e))?
     };
     let layout = match (dp, a.fsdp, launch.world()) {
         (1, _, 1) => String::new(),
@@ -246,8 +235,8 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
         v,
         microbatches,
         name,
-        setup.model.num_layers(),
-        if setup.model.num_layers() == 1 { "" } else { "s" },
+        setup.train.model.num_layers(),
+        if setup.train.model.num_layers() == 1 { "" } else { "s" },
         a.microbatch_size,
         a.seq_len,
         a.seed,
@@ -273,4 +262,22 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     }
     println!("PASS (tolerance {tolerance:e} relative)");
     Ok(())
+}
+
+/// A setup error that names the flag at fault: the data-parallel degree (which defaults to
+/// --ep) or the schedule file; any other error as it is.
+fn flag_error(a: &VerifyArgs, e: VerifyError) -> anyhow::Error {
+    match (e, &a.schedule_file) {
+        (VerifyError::Train(t), _) => match *t {
+            TrainError::BatchNotDivisible { batch, dp } => anyhow::anyhow!(
+                "--dp {dp} does not divide --microbatch-size {batch}: each replica runs B/dp sequences{}",
+                if a.dp.is_none() { " (--dp defaults to --ep)" } else { "" }
+            ),
+            t => VerifyError::Train(Box::new(t)).into(),
+        },
+        (VerifyError::Setup(SetupError::ScheduleFile(m)), Some(path)) => {
+            anyhow::anyhow!("--schedule-file {}: {m}", path.display())
+        }
+        (e, _) => e.into(),
+    }
 }

@@ -8,10 +8,9 @@
 //! additive mask `[T, T]`. The tasks, forward and backward, are the (batch, query head)s; in the
 //! backward a group's first query head writes its key/value head's dk and dv and the others
 //! partials of their own, added in query-head order afterwards ([`sum_partials`]), so a pool has
-//! B·H tasks to split at any KV (`examples/attnbench --batch 1 --heads 8 --kv-heads 1 --seq-len
-//! 512 --threads 2`: 4.46–4.63 ms a backward against 8.36–8.42 with one task per key/value head;
-//! at one thread, B = 8, KV = 2, T = 64, 1.42 against 1.37–1.39: the partials' pass). The
-//! results do not depend on the split.
+//! B·H tasks to split at any KV, where a task per key/value head would leave threads idle when KV
+//! is small; the partials' extra pass costs little (measured: docs/PERFORMANCE.md, "Attention").
+//! The results do not depend on the split.
 //! Operands are read in place on their strides where their columns are contiguous (heads split
 //! from `[B, T, H, E]`: rows `H · E` apart; the products' sums do not depend on the row stride,
 //! so the bits are their copies'), else copied first. The products are [`product`]'s: register

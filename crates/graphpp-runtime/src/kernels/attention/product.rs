@@ -3,16 +3,16 @@
 //! term be non-zero.
 //!
 //! gemm packs both operands into panels before its micro-kernel runs, once per call, and cannot
-//! know that a causal mask zeroes a third of a 64 × 64 tile's terms: at `small`'s training shape
-//! (B = 8, H = 8, T = 64, E = 32; `examples/attnbench --batch 8 --seq-len 64`) the kernel on gemm
-//! tiles took 0.741 ms forward and 1.51–1.53 backward, on these blocks 0.59–0.60 and 1.11–1.12. Here each block of
-//! [`MR`] × [`NR`] outputs is summed in registers straight from the operands (the rhs's rows are
-//! contiguous: a transposed rhs is copied first by the caller), and a caller-given *reach* names,
-//! per block, the range of the inner index whose terms may be non-zero; the others are known
-//! zeros and are not added. Every output element is the sum of its terms in ascending order of
-//! the inner index, starting from the destination (when accumulating) or +0, so a block's bits
-//! do not depend on the block sizes, the operands' strides, or the reach (adding a zero term
-//! changes no bit of a finite sum, `x + (±0) = x`, up to the sign of a zero).
+//! know that a causal mask zeroes a third of a 64 × 64 tile's terms, so on attention's tiles
+//! these blocks are faster than gemm calls, forward and backward (measured:
+//! docs/PERFORMANCE.md, "Attention"). Here each block of [`MR`] × [`NR`] outputs is summed in
+//! registers straight from the operands (the rhs's rows are contiguous: a transposed rhs is
+//! copied first by the caller), and a caller-given *reach* names, per block, the range of the
+//! inner index whose terms may be non-zero; the others are known zeros and are not added. Every
+//! output element is the sum of its terms in ascending order of the inner index, starting from
+//! the destination (when accumulating) or +0, so a block's bits do not depend on the block
+//! sizes, the operands' strides, or the reach (adding a zero term changes no bit of a finite
+//! sum, `x + (±0) = x`, up to the sign of a zero).
 //!
 //! Built for AVX2 with FMA where the CPU has them (one rounding per multiply-add, as the
 //! GPU kernels do), else with a separate multiply and add.
