@@ -258,6 +258,117 @@ fn mismatch(msg: String) -> TrainError {
     TrainError::Setup(SetupError::Inconsistent(msg))
 }
 
+/// Checks that the mesh, the communicator, the schedule and the setup describe one layout: pp
+/// = the schedule's ranks, world = the communicator's, the setup's dp and ep the mesh's (dp
+/// dividing the microbatch size).
+///
+/// # Errors
+/// [`TrainError::Setup`] ([`SetupError::Inconsistent`]); [`TrainError::BatchNotDivisible`].
+fn check_layout(setup: &TrainSetup, schedule: &Schedule, mesh: &Mesh, comm: &dyn Comm) -> Result<(), TrainError> {
+    if mesh.pp() != schedule.num_ranks() || mesh.world() != comm.world() {
+        return Err(mismatch(format!(
+            "mesh pp {} × dp {} for a schedule of {} ranks over a world of {}",
+            mesh.pp(),
+            mesh.dp(),
+            schedule.num_ranks(),
+            comm.world()
+        )));
+    }
+    if setup.dp != mesh.dp() || setup.dp == 0 || !setup.microbatch_size.is_multiple_of(setup.dp) {
+        return Err(TrainError::BatchNotDivisible { batch: setup.microbatch_size, dp: mesh.dp() });
+    }
+    if mesh.ep() != setup.ep {
+        return Err(mismatch(format!("mesh ep {} for a run of ep {}", mesh.ep(), setup.ep)));
+    }
+    Ok(())
+}
+
+/// The stages of pipeline position `me` with their initial weights, the graphs' communicator
+/// under expert parallelism and the data-parallel reductions (expert gradients over their
+/// holders).
+///
+/// # Errors
+/// [`TrainError::Setup`] when the layers do not divide into the stages, a graph fails to build
+/// or a group cannot be formed.
+fn build_work(
+    setup: &TrainSetup,
+    schedule: &Schedule,
+    mesh: &Mesh,
+    comm: &Arc<dyn Comm>,
+    me: usize,
+) -> Result<GraphStages, TrainError> {
+    let rank = comm.rank();
+    let ep_index = mesh.ep_index(rank).map_err(SetupError::from)?;
+    let (specs, opts) = crate::train::build::run_stages(setup, ep_index)?;
+    let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
+    let build = StageBuild { model: &*setup.model, specs: &specs, opts: &opts, seed: setup.seed, given: None };
+    let mut work = build.rank(schedule, empty, me)?;
+    if setup.ep > 1 {
+        let (comm, mesh, timeout) = (Arc::clone(comm), *mesh, setup.timeout);
+        work.set_graph_comm(crate::pipeline::stage::StageComm { comm, mesh, timeout });
+    }
+    if setup.dp > 1 {
+        let data_parallel = mesh.data_parallel_group(rank).map_err(SetupError::from)?;
+        let mut dp = DataParallel::new(Arc::clone(comm), data_parallel, setup.fsdp, setup.timeout)?;
+        if setup.ep > 1 {
+            let mine = work.stages().values().flat_map(|s| s.parameter_names().iter().cloned());
+            let experts = mine.filter(|n| setup.model.expert_of(n).is_some()).collect();
+            let group = mesh.expert_data_parallel_group(rank).map_err(SetupError::from)?;
+            dp.set_expert_parallel(group, experts)?;
+        }
+        work.set_data_parallel(dp)?;
+    }
+    Ok(work)
+}
+
+/// Who holds what, over every expert block: the schedule ranks of every parameter name, the
+/// lowest replica (expert block) holding each, and the lowest schedule rank of every MoE
+/// balancing bias. The same on every rank.
+struct Holders {
+    holders: BTreeMap<String, BTreeSet<usize>>,
+    lead: BTreeMap<String, usize>,
+    bias_holders: BTreeMap<String, usize>,
+}
+
+impl Holders {
+    /// The holders under `schedule`'s placement; checks that this rank's stages in `work`
+    /// (expert block `ep_index`) hold exactly their model stage's parameters.
+    ///
+    /// # Errors
+    /// [`TrainError::Setup`] ([`SetupError::Inconsistent`]) for a schedule stage without a
+    /// model stage or a stage whose parameters differ.
+    fn of(setup: &TrainSetup, schedule: &Schedule, work: &GraphStages, ep_index: usize) -> Result<Self, TrainError> {
+        let mut h = Holders { holders: BTreeMap::new(), lead: BTreeMap::new(), bias_holders: BTreeMap::new() };
+        for index in 0..setup.ep {
+            let (specs, _) = crate::train::build::run_stages(setup, index)?;
+            for (stage, ranks) in schedule.placement() {
+                let spec =
+                    specs.get(stage).ok_or_else(|| mismatch(format!("stage {stage}: no model stage for it")))?;
+                for bias in spec.layers.clone().filter_map(|l| setup.model.balance_bias(l)) {
+                    let first = ranks.iter().copied().min().unwrap_or_default();
+                    let e = h.bias_holders.entry(bias).or_insert(first);
+                    *e = (*e).min(first);
+                }
+                let names: BTreeSet<String> =
+                    setup.model.stage_parameters(spec).into_iter().map(|(n, _)| n).collect();
+                if index == ep_index {
+                    if let Some(st) = work.stages().get(&stage) {
+                        let held: BTreeSet<String> = st.parameter_names().iter().cloned().collect();
+                        if held != names {
+                            return Err(mismatch(format!("stage {stage}: parameters differ from the model's stage")));
+                        }
+                    }
+                }
+                for n in names {
+                    h.lead.entry(n.clone()).or_insert(index);
+                    h.holders.entry(n).or_default().extend(ranks.iter().copied());
+                }
+            }
+        }
+        Ok(h)
+    }
+}
+
 impl RankTrainer {
     /// Builds rank `comm.rank()` of `mesh`: the stages `schedule` (from [`TrainSetup::lowered_schedule`])
     /// places on its pipeline position, with the initial weights of `setup.seed`.
@@ -277,106 +388,40 @@ impl RankTrainer {
             None => comm,
         };
         let rank = comm.rank();
-        if mesh.pp() != schedule.num_ranks() || mesh.world() != comm.world() {
-            return Err(mismatch(format!(
-                "mesh pp {} × dp {} for a schedule of {} ranks over a world of {}",
-                mesh.pp(),
-                mesh.dp(),
-                schedule.num_ranks(),
-                comm.world()
-            )));
-        }
+        check_layout(&setup, &schedule, &mesh, &*comm)?;
         let pipeline = mesh.pipeline_group(rank).map_err(SetupError::from)?;
         let world = Group::world(comm.world())?;
-        let data_parallel = mesh.data_parallel_group(rank).map_err(SetupError::from)?;
         let replica = mesh.coords(rank).map_err(SetupError::from)?.dp;
-        if setup.dp != mesh.dp() || setup.dp == 0 || !setup.microbatch_size.is_multiple_of(setup.dp) {
-            return Err(TrainError::BatchNotDivisible { batch: setup.microbatch_size, dp: mesh.dp() });
-        }
         let me =
             pipeline.index_of(rank).ok_or_else(|| mismatch(format!("rank {rank} outside {pipeline}")))?;
-        if mesh.ep() != setup.ep {
-            return Err(mismatch(format!("mesh ep {} for a run of ep {}", mesh.ep(), setup.ep)));
-        }
         let ep_index = mesh.ep_index(rank).map_err(SetupError::from)?;
-        let (specs, opts) = crate::train::build::run_stages(&setup, ep_index)?;
-        let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
-        let build =
-            StageBuild { model: &*setup.model, specs: &specs, opts: &opts, seed: setup.seed, given: None };
-        let mut work = build.rank(&schedule, empty, me)?;
-        if setup.ep > 1 {
-            let timeout = setup.timeout;
-            work.set_graph_comm(crate::pipeline::stage::StageComm { comm: Arc::clone(&comm), mesh, timeout });
-        }
+        let work = build_work(&setup, &schedule, &mesh, &comm, me)?;
         let mine: BTreeSet<String> =
             work.stages().values().flat_map(|s| s.parameter_names().iter().cloned()).collect();
-        if setup.dp > 1 {
-            let mut dp =
-                DataParallel::new(Arc::clone(&comm), data_parallel.clone(), setup.fsdp, setup.timeout)?;
-            if setup.ep > 1 {
-                let experts = mine.iter().filter(|n| setup.model.expert_of(n).is_some()).cloned().collect();
-                let group = mesh.expert_data_parallel_group(rank).map_err(SetupError::from)?;
-                dp.set_expert_parallel(group, experts)?;
-            }
-            work.set_data_parallel(dp)?;
-        }
-        // Holders (schedule ranks) of every parameter name — over every expert block, with the
-        // lowest replica holding each — and of every MoE balancing bias.
-        let mut holders: BTreeMap<String, BTreeSet<usize>> = BTreeMap::new();
-        let mut lead: BTreeMap<String, usize> = BTreeMap::new();
-        let mut bias_holders: BTreeMap<String, usize> = BTreeMap::new();
-        for index in 0..setup.ep {
-            let (specs, _) = crate::train::build::run_stages(&setup, index)?;
-            for (stage, ranks) in schedule.placement() {
-                let spec = specs
-                    .get(stage)
-                    .ok_or_else(|| mismatch(format!("stage {stage}: no model stage for it")))?;
-                for bias in spec.layers.clone().filter_map(|l| setup.model.balance_bias(l)) {
-                    let first = ranks.iter().copied().min().unwrap_or_default();
-                    let e = bias_holders.entry(bias).or_insert(first);
-                    *e = (*e).min(first);
-                }
-                let names: BTreeSet<String> =
-                    setup.model.stage_parameters(spec).into_iter().map(|(n, _)| n).collect();
-                if index == ep_index {
-                    if let Some(st) = work.stages().get(&stage) {
-                        let held: BTreeSet<String> = st.parameter_names().iter().cloned().collect();
-                        if held != names {
-                            return Err(mismatch(format!(
-                                "stage {stage}: parameters differ from the model's stage"
-                            )));
-                        }
-                    }
-                }
-                for n in names {
-                    lead.entry(n.clone()).or_insert(index);
-                    holders.entry(n).or_default().extend(ranks.iter().copied());
-                }
-            }
-        }
+        let held = Holders::of(&setup, &schedule, &work, ep_index)?;
         let mut copies = Vec::new();
-        let mut all_names = Vec::with_capacity(holders.len());
-        let mut counts_here = Vec::with_capacity(holders.len());
-        let mut lead_replica = Vec::with_capacity(holders.len());
+        let mut all_names = Vec::with_capacity(held.holders.len());
+        let mut counts_here = Vec::with_capacity(held.holders.len());
+        let mut lead_replica = Vec::with_capacity(held.holders.len());
         let mut owned: BTreeMap<usize, Vec<String>> = BTreeMap::new();
-        for (name, hs) in holders {
-            let replica = lead[&name];
+        for (name, hs) in held.holders {
+            let replica = held.lead[&name];
             if let Some(&first) = hs.first() {
                 let owner = mesh.rank_of(Coords { pp: first, dp: replica }).map_err(SetupError::from)?;
                 owned.entry(owner).or_default().push(name.clone());
             }
-            let held = mine.contains(&name);
-            if hs.len() > 1 && held {
+            let here = mine.contains(&name);
+            if hs.len() > 1 && here {
                 let ranks = hs.iter().map(|&r| pipeline.ranks()[r]).collect();
                 copies
                     .push(Copies { group: Group::new(format!("copies.{name}"), ranks)?, name: name.clone() });
             }
-            counts_here.push(hs.first() == Some(&me) && held);
+            counts_here.push(hs.first() == Some(&me) && here);
             lead_replica.push(replica);
             all_names.push(name);
         }
         let mut bias_owned: BTreeMap<usize, Vec<String>> = BTreeMap::new();
-        for (bias, first) in bias_holders {
+        for (bias, first) in held.bias_holders {
             let owner = mesh.rank_of(Coords { pp: first, dp: 0 }).map_err(SetupError::from)?;
             bias_owned.entry(owner).or_default().push(bias);
         }
