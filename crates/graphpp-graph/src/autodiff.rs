@@ -144,20 +144,55 @@ fn dual(kind: CollectiveKind) -> CollectiveKind {
     }
 }
 
+/// Operand gradients of one node: one per operand, `None` where no gradient flows.
+type OperandGrads = Vec<Option<ValueId>>;
+
 /// Vector-Jacobian product of node `y` given its output gradient `g`: one optional gradient per
-/// operand (`None` = no gradient flows, e.g. into indices). Rules are the standard ones
-/// (Griewank & Walther, "Evaluating Derivatives", ch. 3); broadcasting is undone by `sum_to`.
-fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<Option<ValueId>>> {
+/// operand (`None` = no gradient flows, e.g. into indices), one rule per op family. Rules are the
+/// standard ones (Griewank & Walther, "Evaluating Derivatives", ch. 3); broadcasting is undone
+/// by `sum_to`.
+fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<OperandGrads> {
     let n = fw.node(y);
-    let x = |i: usize| n.inputs[i];
-    let shape = |v: ValueId| fw.node(v).ty.shape.clone();
-    Ok(match &n.op {
+    match &n.op {
         Op::Input { .. }
         | Op::Full { .. }
         | Op::TopK { .. }
         | Op::SortByExpert { .. }
         | Op::Bincount { .. }
-        | Op::Binary { f: BinaryOp::Eq } => vec![None; n.inputs.len()],
+        | Op::Binary { f: BinaryOp::Eq } => Ok(vec![None; n.inputs.len()]),
+        Op::SegmentMatmul { .. } | Op::SegmentOuter => vjp_segment(b, fw, y, g),
+        Op::Unary { .. } | Op::Affine { .. } | Op::Binary { .. } | Op::RotateHalf | Op::Cast { .. } => {
+            vjp_elementwise(b, fw, y, g)
+        }
+        Op::Sum { .. } | Op::Max { .. } | Op::Softmax { .. } | Op::LogSoftmax { .. } => {
+            vjp_reduction(b, fw, y, g)
+        }
+        Op::Attention { scale } => vjp_attention(b, fw, y, g, *scale),
+        Op::SoftmaxBackward { .. } | Op::LogSoftmaxBackward { .. } | Op::AttentionBackward { .. } => {
+            Err(GraphError::Autodiff {
+                at: at(fw, y),
+                reason: format!("{} has no VJP (second derivatives of softmax)", n.op.mnemonic()),
+            })
+        }
+        Op::Matmul => vjp_matmul(b, fw, y, g),
+        Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. } => vjp_layout(b, fw, y, g),
+        Op::IndexSelect { .. } | Op::IndexAdd { .. } | Op::Gather { .. } | Op::ScatterAdd { .. } => {
+            vjp_indexing(b, fw, y, g)
+        }
+        Op::CollectiveWait | Op::CollectiveStart { .. } => vjp_collective(b, fw, y, g),
+    }
+}
+
+/// VJPs of the mixture-of-experts segment products ([`Op::SegmentMatmul`], [`Op::SegmentOuter`]):
+/// segment products of `g` with the other operand; the counts get none.
+fn vjp_segment(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<OperandGrads> {
+    let n = fw.node(y);
+    let x = |i: usize| n.inputs[i];
+    Ok(match &n.op {
         // y = x·w[e]ᵀ (w [E,N,K]): dx = g·w[e], dw[e] = g_eᵀ·x_e; y = x·w[e] (w [E,K,N]): dx = g·w[e]ᵀ,
         // dw[e] = x_eᵀ·g_e.
         Op::SegmentMatmul { transpose } => {
@@ -176,6 +211,18 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
                 None,
             ]
         }
+        _ => unreachable!("vjp dispatches only segment products here"),
+    })
+}
+
+/// VJPs of the elementwise ops: unary functions (by their derivative, from the operand or the
+/// output `y`), affine maps (`g` scaled), binary ops (each operand's gradient summed to its
+/// shape, undoing the broadcast), rotate-half (`−rotate_half(g)`) and casts (`g` cast back).
+fn vjp_elementwise(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<OperandGrads> {
+    let n = fw.node(y);
+    let x = |i: usize| n.inputs[i];
+    let shape = |v: ValueId| fw.node(v).ty.shape.clone();
+    Ok(match &n.op {
         Op::Unary { f } => vec![Some(match f {
             UnaryOp::Neg => b.neg(g)?,
             UnaryOp::Exp => b.mul(g, y)?,
@@ -215,10 +262,29 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
                     let t = b.mul(da, y)?;
                     (da, b.neg(t)?)
                 }
-                BinaryOp::Eq => unreachable!("handled above"),
+                BinaryOp::Eq => unreachable!("handled by vjp"),
             };
             vec![Some(b.sum_to(da, &shape(a))?), Some(b.sum_to(dc, &shape(c))?)]
         }
+        // rotate_half is a signed permutation R with Rᵀ = −R.
+        Op::RotateHalf => {
+            let r = b.rotate_half(g)?;
+            vec![Some(b.neg(r)?)]
+        }
+        Op::Cast { .. } => vec![Some(b.cast(g, fw.node(x(0)).ty.dtype)?)],
+        _ => unreachable!("vjp dispatches only elementwise ops here"),
+    })
+}
+
+/// VJPs of the reductions over one axis and the softmaxes: a sum's gradient is `g` broadcast
+/// back over the axis, a max's flows only to the entries equal to the maximum; softmax and
+/// log-softmax read only their output `y` (softmax also gives its mask a gradient, summed to
+/// the mask's shape).
+fn vjp_reduction(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<OperandGrads> {
+    let n = fw.node(y);
+    let x = |i: usize| n.inputs[i];
+    let shape = |v: ValueId| fw.node(v).ty.shape.clone();
+    Ok(match &n.op {
         Op::Sum { axis, keepdim } => vec![Some(unreduce(b, g, &shape(x(0)), *axis, *keepdim)?)],
         Op::Max { axis, keepdim } => {
             let xs = shape(x(0));
@@ -239,39 +305,55 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
             }
             out
         }
-        // One node computes the three gradients (FlashAttention-2, Dao 2023, Algorithm 2); each is
-        // a slice of its output along the heads (H of dq, then KV of dk and of dv). The mask (a
-        // buffer) gets none.
-        Op::Attention { scale } => {
-            let st = b.attention_backward(x(0), x(1), x(2), x(3), y, g, *scale)?;
-            let (h, kv) = (shape(x(0))[1], shape(x(1))[1]);
-            vec![
-                Some(b.slice(st, 1, 0, h)?),
-                Some(b.slice(st, 1, h, h + kv)?),
-                Some(b.slice(st, 1, h + kv, h + 2 * kv)?),
-                None,
-            ]
-        }
         // y = x − ln Σ exp(x): dx = g − softmax(x) · Σ_axis g, softmax(x) = exp(y).
         Op::LogSoftmax { axis } => vec![Some(b.log_softmax_backward(y, g, *axis)?)],
-        Op::SoftmaxBackward { .. } | Op::LogSoftmaxBackward { .. } | Op::AttentionBackward { .. } => {
-            return Err(GraphError::Autodiff {
-                at: at(fw, y),
-                reason: format!("{} has no VJP (second derivatives of softmax)", n.op.mnemonic()),
-            })
-        }
-        // rotate_half is a signed permutation R with Rᵀ = −R.
-        Op::RotateHalf => {
-            let r = b.rotate_half(g)?;
-            vec![Some(b.neg(r)?)]
-        }
-        Op::Matmul => {
-            let bt = b.transpose_last(x(1))?;
-            let da = b.matmul(g, bt)?;
-            let at = b.transpose_last(x(0))?;
-            let db = b.matmul(at, g)?;
-            vec![Some(da), Some(db)]
-        }
+        _ => unreachable!("vjp dispatches only reductions and softmaxes here"),
+    })
+}
+
+/// VJP of attention `y = attention(q, k, v, mask)` with softmax scale `scale`: dq, dk and dv
+/// `[B, H, T, E]`, `[B, KV, T, E]` twice, sliced from one backward node; the mask (a buffer) gets
+/// none.
+fn vjp_attention(
+    b: &mut GraphBuilder,
+    fw: &Graph,
+    y: ValueId,
+    g: ValueId,
+    scale: f64,
+) -> Result<OperandGrads> {
+    let n = fw.node(y);
+    let x = |i: usize| n.inputs[i];
+    let shape = |v: ValueId| fw.node(v).ty.shape.clone();
+    // One node computes the three gradients (FlashAttention-2, Dao 2023, Algorithm 2); each is
+    // a slice of its output along the heads (H of dq, then KV of dk and of dv).
+    let st = b.attention_backward(x(0), x(1), x(2), x(3), y, g, scale)?;
+    let (h, kv) = (shape(x(0))[1], shape(x(1))[1]);
+    Ok(vec![
+        Some(b.slice(st, 1, 0, h)?),
+        Some(b.slice(st, 1, h, h + kv)?),
+        Some(b.slice(st, 1, h + kv, h + 2 * kv)?),
+        None,
+    ])
+}
+
+/// VJP of a batched matmul `y = a b`: `da = g bᵀ`, `db = aᵀ g` (transposes of the last two axes).
+fn vjp_matmul(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<OperandGrads> {
+    let n = fw.node(y);
+    let x = |i: usize| n.inputs[i];
+    let bt = b.transpose_last(x(1))?;
+    let da = b.matmul(g, bt)?;
+    let at = b.transpose_last(x(0))?;
+    let db = b.matmul(at, g)?;
+    Ok(vec![Some(da), Some(db)])
+}
+
+/// VJPs of the shape ops, each its inverse on `g`: reshape back, the inverse permutation, a sum
+/// undoing the broadcast, zero padding around a slice, and a concat's gradient sliced per operand.
+fn vjp_layout(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<OperandGrads> {
+    let n = fw.node(y);
+    let x = |i: usize| n.inputs[i];
+    let shape = |v: ValueId| fw.node(v).ty.shape.clone();
+    Ok(match &n.op {
         Op::Reshape { .. } => vec![Some(b.reshape(g, shape(x(0)))?)],
         Op::Permute { perm } => {
             let mut inv = vec![0; perm.len()];
@@ -307,6 +389,17 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
             }
             out
         }
+        _ => unreachable!("vjp dispatches only shape ops here"),
+    })
+}
+
+/// VJPs of the indexing ops, each the other of its pair: index-select's gradient is index-added
+/// into zeros, gather's scatter-added, and index-add's and scatter-add's source gradient is `g`
+/// picked at the indices; the indices get none.
+fn vjp_indexing(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<OperandGrads> {
+    let n = fw.node(y);
+    let x = |i: usize| n.inputs[i];
+    Ok(match &n.op {
         Op::IndexSelect { axis } => {
             let z = b.full_like(0.0, x(0))?;
             vec![Some(b.index_add(z, x(1), g, *axis)?), None]
@@ -317,7 +410,19 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
             vec![Some(b.scatter_add(z, x(1), g, *axis)?), None]
         }
         Op::ScatterAdd { axis } => vec![Some(g), None, Some(b.gather(g, x(1), *axis)?)],
-        Op::Cast { .. } => vec![Some(b.cast(g, fw.node(x(0)).ty.dtype)?)],
+        _ => unreachable!("vjp dispatches only indexing ops here"),
+    })
+}
+
+/// VJPs of a collective: a wait's gradient is the dual collective of `g` (all-gather ↔
+/// reduce-scatter, the reverse exchange for an all-to-all-v); the start passes `g` through to its
+/// tensor operand (counts get none). Errors: [`GraphError::Autodiff`] for a wait whose operand
+/// is not a start.
+fn vjp_collective(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<OperandGrads> {
+    let n = fw.node(y);
+    let x = |i: usize| n.inputs[i];
+    let shape = |v: ValueId| fw.node(v).ty.shape.clone();
+    Ok(match &n.op {
         Op::CollectiveWait => {
             let start = fw.node(x(0));
             let Op::CollectiveStart { kind, group, axis } = &start.op else {
@@ -337,6 +442,7 @@ fn vjp(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<Vec<O
             out[0] = Some(g);
             out
         }
+        _ => unreachable!("vjp dispatches only collectives here"),
     })
 }
 

@@ -28,15 +28,51 @@ fn index(t: &TensorType) -> Result<(), String> {
     need(t.dtype == DType::U32, || format!("indices must be u32, got {t}"))
 }
 
-/// Output type of `op` applied to operands of types `ins`.
+/// Output type of `op` applied to operands of types `ins`: one rule per op family.
 ///
 /// Errors: a human-readable reason (wrong arity, dtype, rank, axis, incompatible shapes).
 pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
     match op {
-        Op::Input { ty, .. } | Op::Full { ty, .. } => {
-            arity(op, ins, 0)?;
-            Ok(ty.clone())
+        Op::Input { ty, .. } | Op::Full { ty, .. } => infer_source(op, ins, ty),
+        Op::Unary { .. } | Op::Affine { .. } | Op::Binary { .. } | Op::RotateHalf | Op::Cast { .. } => {
+            infer_elementwise(op, ins)
         }
+        Op::Sum { .. }
+        | Op::Max { .. }
+        | Op::Softmax { .. }
+        | Op::LogSoftmax { .. }
+        | Op::SoftmaxBackward { .. }
+        | Op::LogSoftmaxBackward { .. } => infer_reduction(op, ins),
+        Op::Attention { .. } | Op::AttentionBackward { .. } => infer_attention(op, ins),
+        Op::Matmul => infer_matmul(op, ins),
+        Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. } => infer_layout(op, ins),
+        Op::IndexSelect { .. } | Op::IndexAdd { .. } | Op::Gather { .. } | Op::ScatterAdd { .. } => {
+            infer_indexing(op, ins)
+        }
+        Op::TopK { .. }
+        | Op::SortByExpert { .. }
+        | Op::Bincount { .. }
+        | Op::SegmentMatmul { .. }
+        | Op::SegmentOuter => infer_moe(op, ins),
+        Op::CollectiveStart { .. } | Op::CollectiveWait => infer_collective(op, ins),
+    }
+}
+
+/// A graph input or a constant ([`Op::Input`], [`Op::Full`]): no operands; its declared type `ty`.
+fn infer_source(op: &Op, ins: &[&TensorType], ty: &TensorType) -> Result<TensorType, String> {
+    arity(op, ins, 0)?;
+    Ok(ty.clone())
+}
+
+/// Elementwise ops: unary and affine maps and rotate-half keep their float operand's type
+/// (rotate-half needs an even last axis); a binary op broadcasts two float operands of one dtype
+/// (NumPy rules); a cast keeps the shape and takes the new dtype.
+fn infer_elementwise(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
+    match op {
         Op::Unary { .. } | Op::Affine { .. } => {
             arity(op, ins, 1)?;
             float(ins[0])?;
@@ -50,6 +86,29 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
                 .ok_or_else(|| format!("shapes {} and {} do not broadcast", ins[0], ins[1]))?;
             Ok(TensorType::new(ins[0].dtype, shape))
         }
+        Op::RotateHalf => {
+            arity(op, ins, 1)?;
+            float(ins[0])?;
+            let last = ins[0].shape.last().copied();
+            need(last.is_some_and(|d| d % 2 == 0), || {
+                format!("rotate_half needs a last axis of even length: {}", ins[0])
+            })?;
+            Ok(ins[0].clone())
+        }
+        Op::Cast { dtype } => {
+            arity(op, ins, 1)?;
+            Ok(TensorType::new(*dtype, ins[0].shape.clone()))
+        }
+        _ => unreachable!("infer dispatches only elementwise ops here"),
+    }
+}
+
+/// Reductions over one axis and the softmax family: sum and max drop the axis (or keep it with
+/// length 1 under `keepdim`; a sum may also count u32s); softmax (`x` or `(x, mask)`, the mask
+/// of x's dtype broadcasting to x), log-softmax and their backwards (`(y, g)` alike) keep the
+/// shape of their float operand.
+fn infer_reduction(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
+    match op {
         Op::Sum { axis, keepdim } | Op::Max { axis, keepdim } => {
             arity(op, ins, 1)?;
             // Integer sums count (expert-parallel send counts); they carry no gradient.
@@ -64,15 +123,6 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
                 shape.remove(*axis);
             }
             Ok(TensorType::new(ins[0].dtype, shape))
-        }
-        Op::RotateHalf => {
-            arity(op, ins, 1)?;
-            float(ins[0])?;
-            let last = ins[0].shape.last().copied();
-            need(last.is_some_and(|d| d % 2 == 0), || {
-                format!("rotate_half needs a last axis of even length: {}", ins[0])
-            })?;
-            Ok(ins[0].clone())
         }
         Op::Softmax { axis, .. } => {
             need((1..=2).contains(&ins.len()), || {
@@ -102,60 +152,76 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             })?;
             Ok(ins[0].clone())
         }
-        Op::Attention { .. } | Op::AttentionBackward { .. } => {
-            arity(op, ins, if matches!(op, Op::Attention { .. }) { 4 } else { 6 })?;
-            let q = ins[0];
-            float(q)?;
-            need(q.shape.len() == 4, || format!("{} needs q [B, H, T, E], got {q}", op.mnemonic()))?;
-            let (h, t) = (q.shape[1], q.shape[2]);
-            // k and v: [B, KV, T, E] with KV dividing H (grouped-query attention: query head
-            // h reads key/value head h / (H / KV)).
-            let kv = ins[1].shape.get(1).copied().unwrap_or(0);
-            for (name, x) in [("k", ins[1]), ("v", ins[2])] {
-                let fits = x.dtype == q.dtype
-                    && x.shape.len() == 4
-                    && x.shape[0] == q.shape[0]
-                    && x.shape[2..] == q.shape[2..]
-                    && x.shape[1] == kv
-                    && kv > 0
-                    && h.is_multiple_of(kv);
-                need(fits, || {
-                    format!(
-                        "{} needs {name} [B, KV, T, E] of q's dtype, KV dividing q's H and alike for k and v: \
-                         {x} vs q {q}",
-                        op.mnemonic()
-                    )
-                })?;
-            }
-            for (name, x) in [("o", ins.get(4)), ("g", ins.get(5))] {
-                if let Some(x) = x {
-                    need(*x == q, || format!("{} needs {name} like q: {x} vs {q}", op.mnemonic()))?;
-                }
-            }
-            let mask = ins[3];
-            need(mask.dtype == q.dtype.wide() && mask.shape == [t, t], || {
-                format!("{} needs a mask [{t}, {t}] of {}, got {mask}", op.mnemonic(), q.dtype.wide())
-            })?;
-            Ok(match op {
-                Op::Attention { .. } => q.clone(),
-                _ => TensorType::new(q.dtype, vec![q.shape[0], h + 2 * kv, t, q.shape[3]]),
-            })
+        _ => unreachable!("infer dispatches only reductions and softmaxes here"),
+    }
+}
+
+/// Attention and its backward: `(q [B, H, T, E], k, v [B, KV, T, E], mask [T, T])` with KV
+/// dividing H and the mask of q's wide dtype gives `o` like q; the backward, which also reads `o`
+/// and `g` like q, gives the stacked gradients `[B, H + 2·KV, T, E]`.
+fn infer_attention(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
+    arity(op, ins, if matches!(op, Op::Attention { .. }) { 4 } else { 6 })?;
+    let q = ins[0];
+    float(q)?;
+    need(q.shape.len() == 4, || format!("{} needs q [B, H, T, E], got {q}", op.mnemonic()))?;
+    let (h, t) = (q.shape[1], q.shape[2]);
+    // k and v: [B, KV, T, E] with KV dividing H (grouped-query attention: query head
+    // h reads key/value head h / (H / KV)).
+    let kv = ins[1].shape.get(1).copied().unwrap_or(0);
+    for (name, x) in [("k", ins[1]), ("v", ins[2])] {
+        let fits = x.dtype == q.dtype
+            && x.shape.len() == 4
+            && x.shape[0] == q.shape[0]
+            && x.shape[2..] == q.shape[2..]
+            && x.shape[1] == kv
+            && kv > 0
+            && h.is_multiple_of(kv);
+        need(fits, || {
+            format!(
+                "{} needs {name} [B, KV, T, E] of q's dtype, KV dividing q's H and alike for k and v: \
+                 {x} vs q {q}",
+                op.mnemonic()
+            )
+        })?;
+    }
+    for (name, x) in [("o", ins.get(4)), ("g", ins.get(5))] {
+        if let Some(x) = x {
+            need(*x == q, || format!("{} needs {name} like q: {x} vs {q}", op.mnemonic()))?;
         }
-        Op::Matmul => {
-            arity(op, ins, 2)?;
-            float(ins[0])?;
-            let (a, b) = (&ins[0].shape, &ins[1].shape);
-            need(a.len() >= 2 && a.len() == b.len(), || {
-                format!("matmul needs equal ranks ≥ 2: {} × {}", ins[0], ins[1])
-            })?;
-            let r = a.len();
-            need(a[..r - 2] == b[..r - 2], || format!("batch dims differ: {} × {}", ins[0], ins[1]))?;
-            need(a[r - 1] == b[r - 2], || format!("inner dims differ: {} × {}", ins[0], ins[1]))?;
-            need(ins[0].dtype == ins[1].dtype, || format!("dtype mismatch {} vs {}", ins[0], ins[1]))?;
-            let mut shape = a.clone();
-            shape[r - 1] = b[r - 1];
-            Ok(TensorType::new(ins[0].dtype, shape))
-        }
+    }
+    let mask = ins[3];
+    need(mask.dtype == q.dtype.wide() && mask.shape == [t, t], || {
+        format!("{} needs a mask [{t}, {t}] of {}, got {mask}", op.mnemonic(), q.dtype.wide())
+    })?;
+    Ok(match op {
+        Op::Attention { .. } => q.clone(),
+        _ => TensorType::new(q.dtype, vec![q.shape[0], h + 2 * kv, t, q.shape[3]]),
+    })
+}
+
+/// Batched matmul: `[..., m, k] × [..., k, n] → [..., m, n]`, float operands of one dtype, equal
+/// ranks ≥ 2 and equal batch dims.
+fn infer_matmul(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
+    arity(op, ins, 2)?;
+    float(ins[0])?;
+    let (a, b) = (&ins[0].shape, &ins[1].shape);
+    need(a.len() >= 2 && a.len() == b.len(), || {
+        format!("matmul needs equal ranks ≥ 2: {} × {}", ins[0], ins[1])
+    })?;
+    let r = a.len();
+    need(a[..r - 2] == b[..r - 2], || format!("batch dims differ: {} × {}", ins[0], ins[1]))?;
+    need(a[r - 1] == b[r - 2], || format!("inner dims differ: {} × {}", ins[0], ins[1]))?;
+    need(ins[0].dtype == ins[1].dtype, || format!("dtype mismatch {} vs {}", ins[0], ins[1]))?;
+    let mut shape = a.clone();
+    shape[r - 1] = b[r - 1];
+    Ok(TensorType::new(ins[0].dtype, shape))
+}
+
+/// Shape ops, which keep the dtype: reshape (same element count), permute (a permutation of the
+/// axes), broadcast (NumPy rules), slice (a non-empty range within the axis) and concat (one
+/// dtype, shapes equal off the axis).
+fn infer_layout(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
+    match op {
         Op::Reshape { shape } => {
             arity(op, ins, 1)?;
             let n: usize = shape.iter().product();
@@ -205,6 +271,15 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             }
             Ok(TensorType::new(ins[0].dtype, shape))
         }
+        _ => unreachable!("infer dispatches only shape ops here"),
+    }
+}
+
+/// Indexing along an axis by u32 indices: index-select (`(src, ids[n])` → src with n rows along
+/// the axis), index-add (`(dst, ids[n], src)` → dst), gather (`(src, idx)` → idx's shape, equal
+/// to src's off the axis) and scatter-add (`(dst, idx, src)` → dst, idx and src alike).
+fn infer_indexing(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
+    match op {
         Op::IndexSelect { axis } => {
             arity(op, ins, 2)?;
             axis_ok(ins[0], *axis)?;
@@ -247,6 +322,16 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             need(ok, || format!("scatter_add index {} does not match {} off axis {axis}", ins[1], ins[0]))?;
             Ok(ins[0].clone())
         }
+        _ => unreachable!("infer dispatches only indexing ops here"),
+    }
+}
+
+/// Mixture-of-experts ops: top-k (u32 indices, the last axis cut to k), sort-by-expert and
+/// bincount (1-D u32 ids → a u32 permutation `[R]` or counts `[bins]`), segment matmul
+/// (`(x [R, K], w [E, K, N] or [E, N, K], counts [E] or [G, E])` → `[R, N]`) and segment outer
+/// (`(a [R, N], b [R, K], counts)` → `[E, N, K]`).
+fn infer_moe(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
+    match op {
         Op::TopK { k } => {
             arity(op, ins, 1)?;
             float(ins[0])?;
@@ -297,10 +382,16 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             need(ok, || format!("segment_outer of {} and {} with counts {}", ins[0], ins[1], ins[2]))?;
             Ok(TensorType::new(ins[0].dtype, vec![c[c.len() - 1], a[1], bb[1]]))
         }
-        Op::Cast { dtype } => {
-            arity(op, ins, 1)?;
-            Ok(TensorType::new(*dtype, ins[0].shape.clone()))
-        }
+        _ => unreachable!("infer dispatches only mixture-of-experts ops here"),
+    }
+}
+
+/// Collectives: a start's result over a group of size n along `axis` (all-reduce keeps the
+/// shape, all-gather multiplies the axis by n, reduce-scatter divides it by n, all-to-all keeps
+/// it but needs it divisible by n, all-to-all-v takes `rows` rows along axis 0 and reads u32
+/// send and receive counts `[n]`); a wait yields its start's type.
+fn infer_collective(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
+    match op {
         Op::CollectiveStart { kind, group, axis } => {
             arity(op, ins, if matches!(kind, CollectiveKind::AllToAllV { .. }) { 3 } else { 1 })?;
             need(group.size >= 1, || format!("group {} has size 0", group.mesh_axis))?;
@@ -339,6 +430,7 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             arity(op, ins, 1)?;
             Ok(ins[0].clone())
         }
+        _ => unreachable!("infer dispatches only collectives here"),
     }
 }
 

@@ -387,7 +387,9 @@ pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> 
     build_decoder(cfg, spec, opts, &DenseMlp(cfg))
 }
 
-/// [`build_stage`] with the feed-forward block `ffn` (the config validated by the caller).
+/// [`build_stage`] with the feed-forward block `ffn` (the config validated by the caller): the
+/// stage's inputs, the token embedding (first stage), its decoder layers, then the final norm,
+/// the LM head and the loss (last stage) or the stage output.
 pub(crate) fn build_decoder(
     cfg: &LlamaConfig,
     spec: &StageSpec,
@@ -395,11 +397,55 @@ pub(crate) fn build_decoder(
     ffn: &dyn FeedForward,
 ) -> Result<Graph, ModelError> {
     check_shape(cfg, opts)?;
-    let (bsz, t, d) = (opts.batch, opts.seq, cfg.hidden_size);
     let mut b = GraphBuilder::new(&format!("stage{}.fw", spec.stage), opts.dtype);
+    let ins = stage_inputs(&mut b, cfg, spec, opts, ffn)?;
+    // FSDP all-gathers are emitted right after the inputs (their waits precede first use).
+    b.push_scope("model");
+    let mut x =
+        if spec.is_first() { embed_tokens(&mut b, ins.params[EMBED], ins.x, opts.dtype)? } else { ins.x };
+    for l in spec.layers.clone() {
+        x = decoder_layer(&mut b, cfg, ffn, spec.ep, &ins, l, x)?;
+    }
+    if spec.is_last() {
+        b.push_scope("norm");
+        let h = rms_norm(&mut b, x, ins.params["model.norm.weight"], cfg.rms_norm_eps)?;
+        b.pop_scope();
+        b.pop_scope();
+        lm_head_and_loss(&mut b, cfg, opts, &ins, h)?;
+    } else {
+        b.pop_scope();
+        b.output(OUTPUT, x);
+    }
+    Ok(b.finish()?)
+}
+
+/// The inputs of a stage graph, as [`stage_inputs`] adds them.
+struct StageInputs {
+    /// Every parameter of the stage by its HF name: its value cast to the stage dtype (after the
+    /// FSDP all-gather), the embedding table uncast (it is cast after its row gather).
+    params: HashMap<String, ValueId>,
+    /// The buffers `rope.cos`, `rope.sin` and `mask`, in that order ([`stage_buffer_shapes`]).
+    bufs: Vec<ValueId>,
+    /// `tokens` `[B, T]` u32 (first stage) or `input` `[B, T, D]`.
+    x: ValueId,
+    /// `targets` `[B, T]` u32 (last stage, unless `opts.logits`).
+    targets: Option<ValueId>,
+}
+
+/// Adds the stage's inputs in [`build_stage`]'s order: parameters (each but the embedding table
+/// cast to `opts.dtype`), buffers, `tokens` or `input`, then `targets`. Errors: FSDP shard sizes
+/// ([`ModelError::Split`]) and graph errors.
+fn stage_inputs(
+    b: &mut GraphBuilder,
+    cfg: &LlamaConfig,
+    spec: &StageSpec,
+    opts: &StageOptions,
+    ffn: &dyn FeedForward,
+) -> Result<StageInputs, ModelError> {
+    let (bsz, t, d) = (opts.batch, opts.seq, cfg.hidden_size);
     let mut params = HashMap::new();
     for (name, shape) in decoder_parameters(cfg, spec, ffn) {
-        let mut v = parameter(&mut b, &name, shape, opts)?;
+        let mut v = parameter(b, &name, shape, opts)?;
         // The embedding table is cast after its row gather (see `StageOptions`).
         if name != EMBED {
             b.set_scope(name.trim_end_matches(".weight"));
@@ -412,7 +458,7 @@ pub(crate) fn build_decoder(
     for (name, shape) in stage_buffer_shapes(cfg, t) {
         bufs.push(b.input(&name, InputKind::Buffer, shape)?);
     }
-    let x_in = if spec.is_first() {
+    let x = if spec.is_first() {
         b.input_typed(TOKENS, InputKind::Activation, TensorType::new(DType::U32, vec![bsz, t]))?
     } else {
         b.input(INPUT, InputKind::Activation, vec![bsz, t, d])?
@@ -422,80 +468,102 @@ pub(crate) fn build_decoder(
     } else {
         None
     };
-    // FSDP all-gathers are emitted right after the inputs (their waits precede first use).
-    let p = |name: &str| params[name];
-    b.push_scope("model");
-    let mut x = if spec.is_first() {
-        b.push_scope("embed_tokens");
-        let e = embedding(&mut b, p(EMBED), x_in)?;
-        let e = b.cast(e, opts.dtype)?;
-        b.pop_scope();
-        e
-    } else {
-        x_in
-    };
+    Ok(StageInputs { params, bufs, x, targets })
+}
+
+/// The token embedding: rows of the f32 `table` `[V, D]` picked by `tokens` `[B, T]`, cast to
+/// `dtype` → `[B, T, D]`, under scope `embed_tokens`.
+fn embed_tokens(
+    b: &mut GraphBuilder,
+    table: ValueId,
+    tokens: ValueId,
+    dtype: DType,
+) -> Result<ValueId, ModelError> {
+    b.push_scope("embed_tokens");
+    let e = embedding(b, table, tokens)?;
+    let e = b.cast(e, dtype)?;
+    b.pop_scope();
+    Ok(e)
+}
+
+/// Decoder layer `l` on the residual stream `x` `[B, T, D]` under scope `layers.{l}` (pre-norm):
+/// `x + self_attn(input_layernorm(x))`, then that plus `ffn(post_attention_layernorm(·))`, the
+/// feed-forward block on a stage holding the experts `ep`.
+fn decoder_layer(
+    b: &mut GraphBuilder,
+    cfg: &LlamaConfig,
+    ffn: &dyn FeedForward,
+    ep: ExpertShard,
+    ins: &StageInputs,
+    l: usize,
+    x: ValueId,
+) -> Result<ValueId, ModelError> {
     let dims = AttentionDims { heads: cfg.num_attention_heads, kv_heads: cfg.kv_heads() };
-    for l in spec.layers.clone() {
-        let pre = format!("model.layers.{l}");
-        let w = |s: &str| p(&format!("{pre}.{s}.weight"));
-        let bias = |s: &str| params.get(&format!("{pre}.{s}.bias")).copied();
-        b.push_scope(&format!("layers.{l}"));
-        b.push_scope("input_layernorm");
-        let h = rms_norm(&mut b, x, w("input_layernorm"), cfg.rms_norm_eps)?;
-        b.pop_scope();
-        b.push_scope("self_attn");
-        let aw = AttentionWeights {
-            q: w("self_attn.q_proj"),
-            k: w("self_attn.k_proj"),
-            v: w("self_attn.v_proj"),
-            o: w("self_attn.o_proj"),
-            q_bias: bias("self_attn.q_proj"),
-            k_bias: bias("self_attn.k_proj"),
-            v_bias: bias("self_attn.v_proj"),
-            o_bias: bias("self_attn.o_proj"),
-        };
-        let a = causal_attention(&mut b, h, aw, dims, bufs[0], bufs[1], bufs[2])?;
-        b.pop_scope();
-        x = b.add2(x, a)?;
-        b.push_scope("post_attention_layernorm");
-        let h = rms_norm(&mut b, x, w("post_attention_layernorm"), cfg.rms_norm_eps)?;
-        b.pop_scope();
-        b.push_scope("mlp");
-        let m = ffn.build(&mut b, l, spec.ep, h, &params)?;
-        b.pop_scope();
-        x = b.add2(x, m)?;
-        b.pop_scope();
-    }
-    if spec.is_last() {
-        b.push_scope("norm");
-        let h = rms_norm(&mut b, x, p("model.norm.weight"), cfg.rms_norm_eps)?;
-        b.pop_scope();
-        b.pop_scope();
-        b.push_scope("lm_head");
-        // A tied head reads the f32 embedding table, cast like every other matrix.
-        let head = if cfg.tie_word_embeddings { b.cast(p(EMBED), opts.dtype)? } else { p(LM_HEAD) };
-        let logits = linear(&mut b, h, head)?;
-        let logits = b.reshape(logits, vec![bsz * t, cfg.vocab_size])?;
-        let logits = b.cast(logits, opts.dtype.wide())?;
-        match targets {
-            Some(targets) => {
-                let tg = b.reshape(targets, vec![bsz * t])?;
-                b.pop_scope();
-                b.push_scope("loss");
-                let loss = cross_entropy(&mut b, logits, tg)?;
-                b.pop_scope();
-                b.output(LOSS, loss);
-            }
-            None => {
-                b.pop_scope();
-                b.output(LOGITS, logits);
-            }
+    let pre = format!("model.layers.{l}");
+    let w = |s: &str| ins.params[&format!("{pre}.{s}.weight")];
+    let bias = |s: &str| ins.params.get(&format!("{pre}.{s}.bias")).copied();
+    b.push_scope(&format!("layers.{l}"));
+    b.push_scope("input_layernorm");
+    let h = rms_norm(b, x, w("input_layernorm"), cfg.rms_norm_eps)?;
+    b.pop_scope();
+    b.push_scope("self_attn");
+    let aw = AttentionWeights {
+        q: w("self_attn.q_proj"),
+        k: w("self_attn.k_proj"),
+        v: w("self_attn.v_proj"),
+        o: w("self_attn.o_proj"),
+        q_bias: bias("self_attn.q_proj"),
+        k_bias: bias("self_attn.k_proj"),
+        v_bias: bias("self_attn.v_proj"),
+        o_bias: bias("self_attn.o_proj"),
+    };
+    let a = causal_attention(b, h, aw, dims, ins.bufs[0], ins.bufs[1], ins.bufs[2])?;
+    b.pop_scope();
+    let x = b.add2(x, a)?;
+    b.push_scope("post_attention_layernorm");
+    let h = rms_norm(b, x, w("post_attention_layernorm"), cfg.rms_norm_eps)?;
+    b.pop_scope();
+    b.push_scope("mlp");
+    let m = ffn.build(b, l, ep, h, &ins.params)?;
+    b.pop_scope();
+    let x = b.add2(x, m)?;
+    b.pop_scope();
+    Ok(x)
+}
+
+/// The LM head on the normalised hidden states `h` `[B, T, D]` (the embedding table when tied):
+/// `logits` `[B·T, V]` in [`DType::wide`] of `opts.dtype`, then the output `loss` (their
+/// cross-entropy against the targets, scope `loss`) or, without targets, the output `logits`.
+fn lm_head_and_loss(
+    b: &mut GraphBuilder,
+    cfg: &LlamaConfig,
+    opts: &StageOptions,
+    ins: &StageInputs,
+    h: ValueId,
+) -> Result<(), ModelError> {
+    let (bsz, t) = (opts.batch, opts.seq);
+    b.push_scope("lm_head");
+    // A tied head reads the f32 embedding table, cast like every other matrix.
+    let head =
+        if cfg.tie_word_embeddings { b.cast(ins.params[EMBED], opts.dtype)? } else { ins.params[LM_HEAD] };
+    let logits = linear(b, h, head)?;
+    let logits = b.reshape(logits, vec![bsz * t, cfg.vocab_size])?;
+    let logits = b.cast(logits, opts.dtype.wide())?;
+    match ins.targets {
+        Some(targets) => {
+            let tg = b.reshape(targets, vec![bsz * t])?;
+            b.pop_scope();
+            b.push_scope("loss");
+            let loss = cross_entropy(b, logits, tg)?;
+            b.pop_scope();
+            b.output(LOSS, loss);
         }
-    } else {
-        b.pop_scope();
-        b.output(OUTPUT, x);
+        None => {
+            b.pop_scope();
+            b.output(LOGITS, logits);
+        }
     }
-    Ok(b.finish()?)
+    Ok(())
 }
 
 /// A parameter input; with FSDP the input is this rank's shard `[out/n, …]` and the returned value

@@ -192,6 +192,16 @@ pub fn predict(
 /// [`PlanError::Rate`] for a bad speed or bandwidth; [`PlanError::Build`] when a stage graph
 /// cannot be built.
 pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
+    check_request(req)?;
+    let mut out = candidates(req)?;
+    rank(&mut out);
+    Ok(out)
+}
+
+/// Checks the counts and rates of `req`. Errors: [`PlanError::Zero`] for zero ranks, batch,
+/// sequence length or microbatches; [`PlanError::Rate`] for a speed or bandwidth that is not a
+/// positive finite number.
+fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
     for (name, v) in [
         ("--ranks", req.ranks),
         ("--global-batch", req.global_batch),
@@ -211,6 +221,14 @@ pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
             return Err(PlanError::Rate { what, value });
         }
     }
+    Ok(())
+}
+
+/// Every feasible strategy of `req`, unranked, with its prediction: each split pp × dp of the
+/// ranks (pp at most the layers), each kind (distinct) whose stages divide the layers, each
+/// microbatch count m dividing the global batch into microbatches that split over the dp
+/// replicas, each recompute policy (distinct). Errors: [`PlanError::Build`].
+fn candidates(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
     let layers = graphpp_models::Model::num_layers(&req.model);
     let (mut kinds, mut policies) = (req.kinds.clone(), req.recompute.clone());
     kinds.sort();
@@ -262,6 +280,13 @@ pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
             }
         }
     }
+    Ok(out)
+}
+
+/// Ranks `out`: those that fit first, each group by step time, then peak bytes (a stable sort);
+/// of the candidates with the same shape (pp, v, m), policy, step time and peak bytes (kinds
+/// that run alike) only the first is kept.
+fn rank(out: &mut Vec<Candidate>) {
     out.sort_by(|a, b| {
         b.fits
             .cmp(&a.fits)
@@ -281,7 +306,6 @@ pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
             c.peak_bytes,
         ))
     });
-    Ok(out)
 }
 
 #[cfg(test)]

@@ -251,11 +251,42 @@ fn line_chart(y_label: &str, series: &[Series]) -> String {
     let all = || drawn.iter().flatten();
     let (x0, x1) = range(all().map(|p| p.0), 0.5, 0.0);
     let (y0, y1) = range(all().map(|p| p.1), 1.0, 0.05);
-    let px = |x: f64| LEFT + (x - x0) / (x1 - x0) * PLOT_W;
-    let py = |y: f64| TOP + PLOT_H - (y - y0) / (y1 - y0) * PLOT_H;
-    let (xt, xd) = ticks(x0, x1, 1.0);
+    let plot = Plot { x0, x1, y0, y1 };
+    axes(&mut o, &plot, y_label);
+    for (i, (s, pts)) in series.iter().zip(&drawn).enumerate() {
+        let lx = LEFT + PLOT_W - 150.0 * (series.len() - i) as f64;
+        draw_series(&mut o, &plot, s, pts, lx);
+    }
+    o.push_str("</svg>\n");
+    o
+}
+
+/// The data ranges of a chart's plot area, `[x0, x1]` steps by `[y0, y1]` values.
+struct Plot {
+    x0: f64,
+    x1: f64,
+    y0: f64,
+    y1: f64,
+}
+
+impl Plot {
+    /// The SVG x coordinate of step `x`.
+    fn px(&self, x: f64) -> f64 {
+        LEFT + (x - self.x0) / (self.x1 - self.x0) * PLOT_W
+    }
+
+    /// The SVG y coordinate of value `y` (up is larger).
+    fn py(&self, y: f64) -> f64 {
+        TOP + PLOT_H - (y - self.y0) / (self.y1 - self.y0) * PLOT_H
+    }
+}
+
+/// Writes the axes of `plot` to `o`: step ticks (whole steps at least) below the plot area, value
+/// ticks with grid lines on its left, and the labels `step` and `y_label`.
+fn axes(o: &mut String, plot: &Plot, y_label: &str) {
+    let (xt, xd) = ticks(plot.x0, plot.x1, 1.0);
     for t in xt {
-        let x = px(t);
+        let x = plot.px(t);
         let _ = writeln!(
             o,
             r##"<line x1="{x:.1}" y1="{b}" x2="{x:.1}" y2="{b2}" stroke="#888"/><text x="{x:.1}" y="{ty}" text-anchor="middle">{t:.xd$}</text>"##,
@@ -264,9 +295,9 @@ fn line_chart(y_label: &str, series: &[Series]) -> String {
             ty = TOP + PLOT_H + 16.0
         );
     }
-    let (yt, yd) = ticks(y0, y1, 0.0);
+    let (yt, yd) = ticks(plot.y0, plot.y1, 0.0);
     for t in yt {
-        let y = py(t);
+        let y = plot.py(t);
         let _ = writeln!(
             o,
             r##"<line x1="{LEFT}" y1="{y:.1}" x2="{r}" y2="{y:.1}" stroke="#e4e4e4"/><text x="{tx}" y="{ty:.1}" text-anchor="end">{t:.yd$}</text>"##,
@@ -284,38 +315,40 @@ fn line_chart(y_label: &str, series: &[Series]) -> String {
         TOP + PLOT_H / 2.0,
         esc(y_label)
     );
-    for (i, (s, pts)) in series.iter().zip(&drawn).enumerate() {
-        let coords: Vec<String> = pts.iter().map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y))).collect();
-        let _ = writeln!(
-            o,
-            r#"<polyline data-series="{}" fill="none" stroke="{}" stroke-width="1.5" points="{}"/>"#,
-            esc(s.name),
-            s.color,
-            coords.join(" ")
-        );
-        if s.markers || pts.len() == 1 {
-            for &(x, y) in pts {
-                let _ = writeln!(
-                    o,
-                    r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{}"/>"#,
-                    px(x),
-                    py(y),
-                    s.color
-                );
-            }
+}
+
+/// Writes series `s` to `o`: its drawable points `pts` as a polyline in `plot` (with a dot at each
+/// point for a series with markers or a single point) and its legend entry at x `lx` above the
+/// plot area.
+fn draw_series(o: &mut String, plot: &Plot, s: &Series, pts: &[(f64, f64)], lx: f64) {
+    let coords: Vec<String> =
+        pts.iter().map(|&(x, y)| format!("{:.1},{:.1}", plot.px(x), plot.py(y))).collect();
+    let _ = writeln!(
+        o,
+        r#"<polyline data-series="{}" fill="none" stroke="{}" stroke-width="1.5" points="{}"/>"#,
+        esc(s.name),
+        s.color,
+        coords.join(" ")
+    );
+    if s.markers || pts.len() == 1 {
+        for &(x, y) in pts {
+            let _ = writeln!(
+                o,
+                r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{}"/>"#,
+                plot.px(x),
+                plot.py(y),
+                s.color
+            );
         }
-        let ly = TOP - 14.0;
-        let lx = LEFT + PLOT_W - 150.0 * (series.len() - i) as f64;
-        let _ = writeln!(
-            o,
-            r#"<line x1="{lx}" y1="{ly}" x2="{}" y2="{ly}" stroke="{}" stroke-width="2"/><text x="{}" y="{}">{}</text>"#,
-            lx + 20.0,
-            s.color,
-            lx + 24.0,
-            ly + 4.0,
-            esc(s.name)
-        );
     }
-    o.push_str("</svg>\n");
-    o
+    let ly = TOP - 14.0;
+    let _ = writeln!(
+        o,
+        r#"<line x1="{lx}" y1="{ly}" x2="{}" y2="{ly}" stroke="{}" stroke-width="2"/><text x="{}" y="{}">{}</text>"#,
+        lx + 20.0,
+        s.color,
+        lx + 24.0,
+        ly + 4.0,
+        esc(s.name)
+    );
 }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use graphpp_graph::{Graph, Op, ValueId};
+use graphpp_graph::{Graph, Op, TensorType, ValueId};
 
 use super::collective::{collective_error, complete, start, CollectiveSpan, GraphComm, InFlight, Value};
 use super::fusion::Fusion;
@@ -115,6 +115,13 @@ impl Program {
     }
 }
 
+/// Runs `graph` on `inputs` (in its input order): the interpreter's run loop (every node in graph
+/// order, each value dropped after its last use) or, with `program`, the compiled one (its order,
+/// fusion groups, pairs and frees). Per node: an input is checked against its type, any other
+/// node computed by [`Run::compute`]; then its value lives until [`Run::release`] drops it.
+///
+/// # Errors
+/// [`ExecError::Input`] for a wrong input count, type or shape; kernel and collective failures.
 pub(super) fn exec(
     graph: &Graph,
     inputs: &[Tensor],
@@ -133,12 +140,10 @@ pub(super) fn exec(
         });
     }
     let n = graph.nodes.len();
-    let mut live = Liveness::new(graph);
-    let mut vals: Vec<Option<Value>> = (0..n).map(|_| None).collect();
+    let mut run = Run::new(graph, comm, program);
     let mut times = opts.time_nodes.then(|| vec![Duration::ZERO; n]);
     let mut next_input = 0;
     let mut at_peak = Vec::new();
-    let mut spans = Vec::new();
     let graph_order: Vec<usize>;
     let order = match program {
         Some(p) => &p.pairs.order,
@@ -147,110 +152,196 @@ pub(super) fn exec(
             &graph_order
         }
     };
-    // The value of a pair's second matmul, computed beside the first (it comes next in `order`),
-    // and the first, whose operands are released with the second's.
-    let mut early: Option<(usize, Tensor)> = None;
-    let mut deferred: Option<usize> = None;
     for &i in order {
-        let node = &graph.nodes[i];
         let t0 = Instant::now();
-        let value = if let Op::Input { name, ty, .. } = &node.op {
-            let t = inputs[next_input].clone();
+        let value = if let Op::Input { name, ty, .. } = &graph.nodes[i].op {
+            let value = input_value(graph, name, ty, &inputs[next_input])?;
             next_input += 1;
-            if t.dims() != ty.shape.as_slice() || t.dtype() != candle_dtype(ty.dtype) {
-                return Err(ExecError::Input {
-                    graph: graph.name.clone(),
-                    name: name.clone(),
-                    reason: format!("expected {ty}, got {:?} {:?}", t.dtype(), t.dims()),
-                });
-            }
-            Value::Ready(t)
-        } else if let Some((_, t)) = early.take_if(|(j, _)| *j == i) {
-            // A pair's second value, computed beside the first.
-            Value::Ready(t)
+            value
         } else {
-            let group = program.and_then(|p| p.fusion.member_of[i].map(|g| &p.fusion.groups[g]));
-            let reads = match group {
-                // A fused group's inner value is never computed (its anchor computes the group).
-                Some(g) if g.anchor != i => {
-                    live.produce(i);
-                    live.release(i, &node.inputs, |_| {});
-                    continue;
-                }
-                Some(g) => &g.inputs,
-                None => &node.inputs,
-            };
-            // A collective in flight completes when a node first reads it (normally its wait).
-            for x in reads {
-                if let Some(Value::InFlight(_)) = vals[x.0] {
-                    let Some(Value::InFlight(f)) = vals[x.0].take() else { unreachable!("matched above") };
-                    let t = finish(graph, f, comm, &mut spans)?;
-                    vals[x.0] = Some(Value::Ready(t));
-                }
-            }
-            let args = operands(&vals, reads);
-            match (&node.op, group) {
-                (_, Some(g)) => Value::Ready(g.eval(&args).map_err(|e| kernel_error(graph, i, e))?),
-                (Op::CollectiveStart { kind, group, axis }, None) => {
-                    start(comm, *kind, group, *axis, &args, i).map_err(|e| collective_error(graph, i, e))?
-                }
-                (Op::Permute { perm }, None) if program.is_some_and(|p| p.transposed.keeps(i)) => {
-                    let p = program.expect("matched above");
-                    Value::Ready(p.transposed.get(i, args[0], perm).map_err(|e| kernel_error(graph, i, e))?)
-                }
-                (Op::Matmul, None) if program.is_some() => {
-                    let p = program.expect("matched above");
-                    match p.pairs.partner[i] {
-                        Some(j) => {
-                            let (vi, vj) = matmul_pair(
-                                graph,
-                                [i, j],
-                                [&args, &operands(&vals, &graph.nodes[j].inputs)],
-                            )?;
-                            early = Some((j, vj));
-                            Value::Ready(vi)
-                        }
-                        None => Value::Ready(
-                            compiled_matmul(args[0], args[1], Threads::Pool)
-                                .map_err(|e| kernel_error(graph, i, e))?,
-                        ),
-                    }
-                }
-                (op, None) => Value::Ready(eval(graph, i, op, &args)?),
+            match run.compute(i)? {
+                Some(value) => value,
+                // A fused group's inner member: counted, never computed.
+                None => continue,
             }
         };
-        if live.produce(i) && opts.trace_peak {
-            at_peak = (0..n).filter(|&j| vals[j].is_some() || j == i).map(ValueId).collect();
+        if run.live.produce(i) && opts.trace_peak {
+            at_peak = (0..n).filter(|&j| run.vals[j].is_some() || j == i).map(ValueId).collect();
         }
-        vals[i] = Some(value);
-        match program {
-            Some(p) => {
-                for k in released(i, &p.pairs.partner, &mut deferred) {
-                    live.release(k, &graph.nodes[k].inputs, |_| {});
-                    for &j in &p.frees[k] {
-                        vals[j] = None;
-                    }
-                }
-            }
-            None => live.release(i, &node.inputs, |j| vals[j] = None),
-        }
+        run.vals[i] = Some(value);
+        run.release(i);
         if let Some(t) = times.as_mut() {
             t[i] = t0.elapsed();
         }
     }
-    let mut outputs = Vec::with_capacity(graph.outputs.len());
-    for o in &graph.outputs {
-        let t = match vals[o.value.0].take() {
-            Some(Value::Ready(t)) => t,
-            // An output read straight from a start: complete it here.
-            Some(Value::InFlight(f)) => finish(graph, f, comm, &mut spans)?,
-            None => unreachable!("outputs are kept"),
-        };
-        vals[o.value.0] = Some(Value::Ready(t.clone()));
-        outputs.push(t);
-    }
+    let outputs = run.outputs()?;
     let live_at_peak = opts.trace_peak.then_some(at_peak);
-    Ok(RunReport { outputs, peak_live_bytes: live.peak, node_times: times, live_at_peak, collectives: spans })
+    Ok(RunReport {
+        outputs,
+        peak_live_bytes: run.live.peak,
+        node_times: times,
+        live_at_peak,
+        collectives: run.spans,
+    })
+}
+
+/// The state of one run of [`exec`]: what it reads (graph, communicator, program) and the values
+/// it holds, borrowed by the steps of its loop.
+struct Run<'a> {
+    graph: &'a Graph,
+    comm: Option<&'a GraphComm<'a>>,
+    program: Option<&'a Program>,
+    /// The live-byte accounting.
+    live: Liveness,
+    /// `vals[i]`: node `i`'s value while it lives (a collective start's while in flight).
+    vals: Vec<Option<Value>>,
+    /// Every collective completed, in completion order.
+    spans: Vec<CollectiveSpan>,
+    /// The value of a pair's second matmul, computed beside the first (it comes next in the
+    /// order).
+    early: Option<(usize, Tensor)>,
+    /// A pair's first matmul, whose operands are released with the second's.
+    deferred: Option<usize>,
+}
+
+impl<'a> Run<'a> {
+    /// A run of `graph` that holds no value yet.
+    fn new(graph: &'a Graph, comm: Option<&'a GraphComm<'a>>, program: Option<&'a Program>) -> Self {
+        let n = graph.nodes.len();
+        Run {
+            graph,
+            comm,
+            program,
+            live: Liveness::new(graph),
+            vals: (0..n).map(|_| None).collect(),
+            spans: Vec::new(),
+            early: None,
+            deferred: None,
+        }
+    }
+
+    /// The value of node `i` (not an input): a pair's second product computed beside the first,
+    /// a fused group's (at its anchor), a collective started, or its kernel's, once every
+    /// collective in flight it reads is complete. `None` for a fused group's inner member, which
+    /// is never computed: it is only counted as produced and released.
+    fn compute(&mut self, i: usize) -> ExecResult<Option<Value>> {
+        if let Some((_, t)) = self.early.take_if(|(j, _)| *j == i) {
+            // A pair's second value, computed beside the first.
+            return Ok(Some(Value::Ready(t)));
+        }
+        let (graph, program) = (self.graph, self.program);
+        let node = &graph.nodes[i];
+        let group = program.and_then(|p| p.fusion.member_of[i].map(|g| &p.fusion.groups[g]));
+        let reads = match group {
+            // A fused group's inner value is never computed (its anchor computes the group).
+            Some(g) if g.anchor != i => {
+                self.live.produce(i);
+                self.live.release(i, &node.inputs, |_| {});
+                return Ok(None);
+            }
+            Some(g) => &g.inputs,
+            None => &node.inputs,
+        };
+        self.complete_reads(reads)?;
+        let args = operands(&self.vals, reads);
+        Ok(Some(match (&node.op, group) {
+            (_, Some(g)) => Value::Ready(g.eval(&args).map_err(|e| kernel_error(graph, i, e))?),
+            (Op::CollectiveStart { kind, group, axis }, None) => {
+                start(self.comm, *kind, group, *axis, &args, i).map_err(|e| collective_error(graph, i, e))?
+            }
+            (Op::Permute { perm }, None) if program.is_some_and(|p| p.transposed.keeps(i)) => {
+                let p = program.expect("matched above");
+                Value::Ready(p.transposed.get(i, args[0], perm).map_err(|e| kernel_error(graph, i, e))?)
+            }
+            (Op::Matmul, None) if program.is_some() => {
+                let p = program.expect("matched above");
+                Value::Ready(program_matmul(graph, p, i, &args, &self.vals, &mut self.early)?)
+            }
+            (op, None) => Value::Ready(eval(graph, i, op, &args)?),
+        }))
+    }
+
+    /// Completes each collective in flight among `reads` (a collective completes when a node first
+    /// reads it, normally its wait), recording its span.
+    fn complete_reads(&mut self, reads: &[ValueId]) -> ExecResult<()> {
+        for x in reads {
+            if let Some(Value::InFlight(_)) = self.vals[x.0] {
+                let Some(Value::InFlight(f)) = self.vals[x.0].take() else { unreachable!("matched above") };
+                let t = finish(self.graph, f, self.comm, &mut self.spans)?;
+                self.vals[x.0] = Some(Value::Ready(t));
+            }
+        }
+        Ok(())
+    }
+
+    /// After node `i` ran: releases the operands whose last use it was (with a program, those of
+    /// the nodes [`released`] names and the values its frees list; else `i`'s own).
+    fn release(&mut self, i: usize) {
+        match self.program {
+            Some(p) => {
+                for k in released(i, &p.pairs.partner, &mut self.deferred) {
+                    self.live.release(k, &self.graph.nodes[k].inputs, |_| {});
+                    for &j in &p.frees[k] {
+                        self.vals[j] = None;
+                    }
+                }
+            }
+            None => self.live.release(i, &self.graph.nodes[i].inputs, |j| self.vals[j] = None),
+        }
+    }
+
+    /// The graph's outputs in order, an output read straight from a collective start completed
+    /// here.
+    fn outputs(&mut self) -> ExecResult<Vec<Tensor>> {
+        let graph = self.graph;
+        let mut outputs = Vec::with_capacity(graph.outputs.len());
+        for o in &graph.outputs {
+            let t = match self.vals[o.value.0].take() {
+                Some(Value::Ready(t)) => t,
+                // An output read straight from a start: complete it here.
+                Some(Value::InFlight(f)) => finish(graph, f, self.comm, &mut self.spans)?,
+                None => unreachable!("outputs are kept"),
+            };
+            self.vals[o.value.0] = Some(Value::Ready(t.clone()));
+            outputs.push(t);
+        }
+        Ok(outputs)
+    }
+}
+
+/// Input node `name` of type `ty` given `t`: `t` when its shape and dtype are `ty`'s.
+/// Errors: [`ExecError::Input`] otherwise.
+fn input_value(graph: &Graph, name: &str, ty: &TensorType, t: &Tensor) -> ExecResult<Value> {
+    let t = t.clone();
+    if t.dims() != ty.shape.as_slice() || t.dtype() != candle_dtype(ty.dtype) {
+        return Err(ExecError::Input {
+            graph: graph.name.clone(),
+            name: name.to_string(),
+            reason: format!("expected {ty}, got {:?} {:?}", t.dtype(), t.dims()),
+        });
+    }
+    Ok(Value::Ready(t))
+}
+
+/// The product of `p`'s matmul `i` from its `args`: beside its partner `j` where it has one
+/// (`j`'s product, from its operands in `vals`, goes to `early` for when `j` comes next in the
+/// order), else alone on the whole pool.
+fn program_matmul(
+    graph: &Graph,
+    p: &Program,
+    i: usize,
+    args: &[&Tensor],
+    vals: &[Option<Value>],
+    early: &mut Option<(usize, Tensor)>,
+) -> ExecResult<Tensor> {
+    match p.pairs.partner[i] {
+        Some(j) => {
+            let (vi, vj) = matmul_pair(graph, [i, j], [args, &operands(vals, &graph.nodes[j].inputs)])?;
+            *early = Some((j, vj));
+            Ok(vi)
+        }
+        None => compiled_matmul(args[0], args[1], Threads::Pool).map_err(|e| kernel_error(graph, i, e)),
+    }
 }
 
 /// Completes `f` (waiting at most the communicator's timeout) and records its span.
