@@ -37,8 +37,8 @@
 //! data-parallel group (FSDP shards over the replicas), `ep` and `edp` → its expert-parallel
 //! and expert-data-parallel groups, `world` → every rank.
 
-pub use graphpp_graph::MeshAxis;
 use graphpp_graph::CommGroup;
+pub use graphpp_graph::MeshAxis;
 
 use crate::Group;
 

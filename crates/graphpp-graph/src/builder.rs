@@ -343,7 +343,7 @@ impl GraphBuilder {
         axis: usize,
         x: ValueId,
     ) -> Result<ValueId> {
-        self.add(Op::CollectiveStart { kind, group: group.clone(), axis }, &[x])
+        self.add(Op::CollectiveStart { kind, group: *group, axis }, &[x])
     }
     /// Completes a collective.
     pub fn wait(&mut self, start: ValueId) -> Result<ValueId> {
@@ -372,8 +372,7 @@ impl GraphBuilder {
         recv_counts: ValueId,
         rows: usize,
     ) -> Result<ValueId> {
-        let op =
-            Op::CollectiveStart { kind: CollectiveKind::AllToAllV { rows }, group: group.clone(), axis: 0 };
+        let op = Op::CollectiveStart { kind: CollectiveKind::AllToAllV { rows }, group: *group, axis: 0 };
         let s = self.add(op, &[x, send_counts, recv_counts])?;
         self.wait(s)
     }

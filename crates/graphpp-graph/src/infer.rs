@@ -471,7 +471,7 @@ mod tests {
     #[test]
     fn collective_shapes_follow_group_size() {
         let g = crate::op::CommGroup::new(crate::op::MeshAxis::Fsdp, 4);
-        let ag = Op::CollectiveStart { kind: CollectiveKind::AllGather, group: g.clone(), axis: 0 };
+        let ag = Op::CollectiveStart { kind: CollectiveKind::AllGather, group: g, axis: 0 };
         assert_eq!(infer(&ag, &[&t(&[2, 8])]).unwrap().shape, vec![8, 8]);
         let rs = Op::CollectiveStart { kind: CollectiveKind::ReduceScatter, group: g, axis: 0 };
         assert_eq!(infer(&rs, &[&t(&[8, 8])]).unwrap().shape, vec![2, 8]);

@@ -2,10 +2,10 @@
 
 mod common;
 
-use graphpp_graph::MeshAxis;
 use graphpp_graph::autodiff::autodiff;
 use graphpp_graph::names::{grad_of, GRAD};
 use graphpp_graph::passes::{dce, is_comm, multiplex_fw_bw, split_fsdp_collectives, Multiplex};
+use graphpp_graph::MeshAxis;
 use graphpp_graph::{
     partition, stage_graphs, verify, CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, Op,
     Phase, RecomputePolicy, Region, TensorType, ValueId,
@@ -109,8 +109,7 @@ fn comm_graph(name: &str, with_bw: bool) -> Graph {
     let mut b = GraphBuilder::new(name, DType::F32);
     let g = CommGroup::new(MeshAxis::Expert, 1);
     let grad_out = grad_of("output");
-    let x =
-        b.input(if with_bw { &grad_out } else { "input" }, InputKind::Activation, vec![4, 4]).unwrap();
+    let x = b.input(if with_bw { &grad_out } else { "input" }, InputKind::Activation, vec![4, 4]).unwrap();
     b.set_phase(if with_bw { Phase::Backward } else { Phase::Forward });
     let mut v = b.exp(x).unwrap();
     for k in 0..2 {

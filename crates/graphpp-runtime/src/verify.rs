@@ -111,7 +111,13 @@ pub struct VerifySetup {
 impl VerifySetup {
     /// A setup with default generator options, seed 0, no data parallelism, a 60 s RECV
     /// timeout, both steps in f32.
-    pub fn new(model: impl Model + 'static, kind: Kind, shape: Shape, microbatch_size: usize, seq_len: usize) -> Self {
+    pub fn new(
+        model: impl Model + 'static,
+        kind: Kind,
+        shape: Shape,
+        microbatch_size: usize,
+        seq_len: usize,
+    ) -> Self {
         let train = TrainSetup {
             model: Arc::new(model),
             kind,
@@ -249,13 +255,24 @@ pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
         setup.train.schedule.as_deref(),
     )?;
     let schedule = lower(&compute, &LowerOptions::default()).map_err(SetupError::from)?;
-    let specs = stage_specs(&*setup.train.model, setup.train.kind, &setup.train.shape, setup.train.layers_per_stage.as_deref())?;
+    let specs = stage_specs(
+        &*setup.train.model,
+        setup.train.kind,
+        &setup.train.shape,
+        setup.train.layers_per_stage.as_deref(),
+    )?;
     let m = setup.train.shape.microbatches;
-    let data =
-        Arc::new(random_microbatches(setup.train.model.vocab_size(), m, setup.train.microbatch_size, setup.train.seq_len, setup.train.seed)?);
+    let data = Arc::new(random_microbatches(
+        setup.train.model.vocab_size(),
+        m,
+        setup.train.microbatch_size,
+        setup.train.seq_len,
+        setup.train.seed,
+    )?);
     let opts = StageOptions::mixed(setup.train.microbatch_size, setup.train.seq_len, setup.train.dtype);
     let given = setup.weights.as_deref();
-    let build = StageBuild { model: &*setup.train.model, specs: &specs, opts: &opts, seed: setup.train.seed, given };
+    let build =
+        StageBuild { model: &*setup.train.model, specs: &specs, opts: &opts, seed: setup.train.seed, given };
     let workers = build.all_ranks(&schedule, data)?;
     let (workers, _) = run_pipeline(&schedule, workers, setup.train.timeout)?;
     let mut losses = BTreeMap::new();
@@ -276,13 +293,25 @@ pub fn single_device_step(setup: &VerifySetup) -> Result<StepResult, VerifyError
     let cfg = &*setup.train.model;
     let m = setup.train.shape.microbatches;
     let spec = split_layers(cfg.num_layers(), 1, None).map_err(SetupError::from)?.remove(0);
-    let opts = StageOptions::mixed(setup.train.microbatch_size * m, setup.train.seq_len, setup.reference_dtype);
+    let opts =
+        StageOptions::mixed(setup.train.microbatch_size * m, setup.train.seq_len, setup.reference_dtype);
     let stage = cfg.build_stage(&spec, &opts).map_err(SetupError::from)?;
     let graphs = stage_graphs(&stage, &RecomputePolicy::SaveAll).map_err(SetupError::from)?;
-    let data = random_microbatches(cfg.vocab_size(), m, setup.train.microbatch_size, setup.train.seq_len, setup.train.seed)?;
+    let data = random_microbatches(
+        cfg.vocab_size(),
+        m,
+        setup.train.microbatch_size,
+        setup.train.seq_len,
+        setup.train.seed,
+    )?;
     let given = setup.weights.as_deref();
-    let build =
-        StageBuild { model: cfg, specs: std::slice::from_ref(&spec), opts: &opts, seed: setup.train.seed, given };
+    let build = StageBuild {
+        model: cfg,
+        specs: std::slice::from_ref(&spec),
+        opts: &opts,
+        seed: setup.train.seed,
+        given,
+    };
     let mut env = build.state(&spec)?;
     env.insert(TOKENS.into(), Tensor::cat(&data.tokens, 0)?);
     env.insert(TARGETS.into(), Tensor::cat(&data.targets, 0)?);
@@ -362,7 +391,13 @@ pub fn data_parallel_step(
         t.load_parameters(w).map_err(train)?;
     }
     let m = setup.train.shape.microbatches;
-    let data = random_microbatches(setup.train.model.vocab_size(), m, setup.train.microbatch_size, setup.train.seq_len, setup.train.seed)?;
+    let data = random_microbatches(
+        setup.train.model.vocab_size(),
+        m,
+        setup.train.microbatch_size,
+        setup.train.seq_len,
+        setup.train.seed,
+    )?;
     let (loss, grads) = t.gradient_step(data).map_err(train)?;
     Ok(grads.map(|g| StepResult {
         loss,

@@ -74,8 +74,11 @@ fn cast_vjp_gives_an_f32_master_weight_the_widened_bf16_gradient() {
     let out = |name: &str| r.output(&joint, name).unwrap().clone();
     assert_eq!(out(&grad_of("w")).dtype(), CDType::F32);
     assert_eq!(out(&grad_of("x")).dtype(), CDType::BF16);
-    let (gw, gx, gc) =
-        (to_f64(&out(&grad_of("w"))).unwrap(), to_f64(&out(&grad_of("x"))).unwrap(), to_f64(&out(&grad_of("c"))).unwrap());
+    let (gw, gx, gc) = (
+        to_f64(&out(&grad_of("w"))).unwrap(),
+        to_f64(&out(&grad_of("x"))).unwrap(),
+        to_f64(&out(&grad_of("c"))).unwrap(),
+    );
     for i in 0..4 {
         // d loss/d y = bf16(c) (the f32 → bf16 rounding of the bf16→f32 cast's VJP) …
         let gy = bf16(cv[i]);
@@ -135,8 +138,11 @@ fn bf16_setup(kind: Kind, p: usize, v: usize, m: usize) -> VerifySetup {
 #[test]
 fn bf16_messages_between_ranks_and_f32_loss_and_gradients() {
     let s = bf16_setup(Kind::OneFOneB, 2, 1, 1);
-    let schedule =
-        lower(&generate(s.train.kind, &s.train.shape, &Options::default()).unwrap(), &LowerOptions::default()).unwrap();
+    let schedule = lower(
+        &generate(s.train.kind, &s.train.shape, &Options::default()).unwrap(),
+        &LowerOptions::default(),
+    )
+    .unwrap();
     let specs = stage_specs(&*s.train.model, s.train.kind, &s.train.shape, None).unwrap();
     let data = Arc::new(random_microbatches(256, 1, 1, 16, 5).unwrap());
     let opts = StageOptions::mixed(1, 16, DType::BF16);
@@ -221,8 +227,9 @@ fn bf16_training_lowers_the_loss() {
     };
     let train = |dtype| {
         let mut t = Trainer::new(setup(dtype)).unwrap();
-        let losses: Vec<f64> =
-            (0..8).map(|_| t.step(random_microbatches(256, 4, 1, 8, 100).unwrap()).unwrap().stats.loss).collect();
+        let losses: Vec<f64> = (0..8)
+            .map(|_| t.step(random_microbatches(256, 4, 1, 8, 100).unwrap()).unwrap().stats.loss)
+            .collect();
         (t, losses)
     };
     let (mut t, bf) = train(DType::BF16);

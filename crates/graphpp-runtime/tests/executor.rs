@@ -277,7 +277,6 @@ fn all_to_all_v_delivers_variable_pieces_padded() {
                 .into_iter()
                 .map(|comm| {
                     let mesh = &mesh;
-                    let ep = ep.clone();
                     s.spawn(move || {
                         let r = comm.rank();
                         let mut b = GraphBuilder::new("a2av", DType::F32);

@@ -4,9 +4,9 @@
 mod common;
 
 use candle_core::Tensor;
-use graphpp_graph::MeshAxis;
 use graphpp_graph::names::grad_of;
 use graphpp_graph::passes::{multiplex_fw_bw, split_fsdp_collectives, Multiplex};
+use graphpp_graph::MeshAxis;
 use graphpp_graph::{stage_graphs, CommGroup, Graph, RecomputePolicy};
 use graphpp_models::rng::Rng;
 use graphpp_models::{

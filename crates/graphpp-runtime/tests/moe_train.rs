@@ -192,7 +192,12 @@ fn expert_parallel_training_matches_and_restores() {
     }
     for s in 0..2 {
         let (a, b) = (replicated.step(data(s)).unwrap(), sharded.step(data(s)).unwrap());
-        assert!((a.stats.loss - b.stats.loss).abs() <= 1e-6 * a.stats.loss.abs(), "step {s}: {} vs {}", a.stats.loss, b.stats.loss);
+        assert!(
+            (a.stats.loss - b.stats.loss).abs() <= 1e-6 * a.stats.loss.abs(),
+            "step {s}: {} vs {}",
+            a.stats.loss,
+            b.stats.loss
+        );
         assert!((a.stats.grad_norm - b.stats.grad_norm).abs() <= 1e-5 * a.stats.grad_norm, "step {s}: norms");
         assert_eq!(a.stats.expert_load, b.stats.expert_load, "step {s}");
     }
@@ -210,7 +215,11 @@ fn expert_parallel_training_matches_and_restores() {
     let mut unsharded = Trainer::new(setup(2, 0.05)).unwrap();
     unsharded.load_state(&saved).unwrap();
     let other = unsharded.step(data(2)).unwrap().stats.loss;
-    assert!((other - last.stats.loss).abs() <= 1e-6 * last.stats.loss.abs(), "{other} vs {}", last.stats.loss);
+    assert!(
+        (other - last.stats.loss).abs() <= 1e-6 * last.stats.loss.abs(),
+        "{other} vs {}",
+        last.stats.loss
+    );
 }
 
 /// DualPipeV's overlapped F&B hides expert parallelism's all-to-alls behind the other

@@ -91,7 +91,9 @@ fn dualpipe_sums_the_two_parameter_copies() {
     // Each copy alone sees half the microbatches: its gradient differs from the full one, and
     // only the sum of both copies matches one device. DualPipe also runs OVERLAP_F_B actions.
     let s = setup(Kind::DualPipe, Shape::new(2, 2, 4), 1);
-    let schedule = lower(&generate(s.train.kind, &s.train.shape, &s.train.options).unwrap(), &LowerOptions::default()).unwrap();
+    let schedule =
+        lower(&generate(s.train.kind, &s.train.shape, &s.train.options).unwrap(), &LowerOptions::default())
+            .unwrap();
     assert!(schedule.actions().any(|(_, a)| matches!(a, Action::Overlap { .. })));
     let specs = stage_specs(&*s.train.model, s.train.kind, &s.train.shape, None).unwrap();
     assert_eq!(specs[2].layers, specs[0].layers, "stage p + i holds stage i's layers");
@@ -161,7 +163,8 @@ fn caches_are_freed_after_the_step() {
         let v = if kind == Kind::DualPipeV { 2 } else { 1 };
         let s = setup(kind, Shape::new(2, v, 4), 1);
         let schedule =
-            lower(&generate(kind, &s.train.shape, &s.train.options).unwrap(), &LowerOptions::default()).unwrap();
+            lower(&generate(kind, &s.train.shape, &s.train.options).unwrap(), &LowerOptions::default())
+                .unwrap();
         let specs = stage_specs(&*s.train.model, kind, &s.train.shape, None).unwrap();
         let data = Arc::new(random_microbatches(32, 4, 1, 8, 1).unwrap());
         let ws = StageBuild {
@@ -182,15 +185,22 @@ fn caches_are_freed_after_the_step() {
 #[test]
 fn a_failing_stage_is_named_and_nothing_hangs() {
     let s = setup(Kind::OneFOneB, Shape::new(2, 1, 3), 1);
-    let schedule = lower(&generate(s.train.kind, &s.train.shape, &s.train.options).unwrap(), &LowerOptions::default()).unwrap();
+    let schedule =
+        lower(&generate(s.train.kind, &s.train.shape, &s.train.options).unwrap(), &LowerOptions::default())
+            .unwrap();
     let specs = stage_specs(&*s.train.model, s.train.kind, &s.train.shape, None).unwrap();
     let mut data: Microbatches = random_microbatches(32, 3, 1, 8, 1).unwrap();
     // Microbatch 1's tokens have a bad shape [1, 5] instead of [1, 8].
     data.tokens[1] = graphpp_runtime::kernels::tensor::tensor_u32(&[1, 2, 3, 4, 5], &[1, 5]).unwrap();
-    let ws =
-        StageBuild { model: &*s.train.model, specs: &specs, opts: &StageOptions::new(1, 8), seed: 0, given: None }
-            .all_ranks(&schedule, Arc::new(data))
-            .unwrap();
+    let ws = StageBuild {
+        model: &*s.train.model,
+        specs: &specs,
+        opts: &StageOptions::new(1, 8),
+        seed: 0,
+        given: None,
+    }
+    .all_ranks(&schedule, Arc::new(data))
+    .unwrap();
     let t0 = Instant::now();
     let e = run_pipeline(&schedule, ws, Duration::from_secs(20)).unwrap_err();
     assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
@@ -257,7 +267,8 @@ fn run_rank_on_threads_gives_run_pipeline_results_bitwise() {
     for (kind, shape) in [(Kind::OneFOneB, Shape::new(4, 1, 6)), (Kind::Zbv, Shape::new(2, 2, 4))] {
         let s = setup(kind, shape, 1);
         let schedule =
-            lower(&generate(kind, &s.train.shape, &s.train.options).unwrap(), &LowerOptions::default()).unwrap();
+            lower(&generate(kind, &s.train.shape, &s.train.options).unwrap(), &LowerOptions::default())
+                .unwrap();
         let specs = stage_specs(&*s.train.model, kind, &s.train.shape, None).unwrap();
         let data = Arc::new(random_microbatches(32, shape.microbatches, 1, 8, 3).unwrap());
         let build = || {

@@ -54,7 +54,11 @@ fn rank_trainers_on_threads_equal_the_harness_bitwise() {
             for r in &reports {
                 assert_eq!(r.stats.step, k + 1);
                 assert_eq!(r.stats.loss.to_bits(), want.stats.loss.to_bits(), "{kind} step {k}: loss");
-                assert_eq!(r.stats.grad_norm.to_bits(), want.stats.grad_norm.to_bits(), "{kind} step {k}: norm");
+                assert_eq!(
+                    r.stats.grad_norm.to_bits(),
+                    want.stats.grad_norm.to_bits(),
+                    "{kind} step {k}: norm"
+                );
             }
         }
         let want = harness.parameters();
@@ -152,7 +156,8 @@ fn data_parallel_equals_one_replica() {
 /// A batch that does not split over the replicas is a typed error before anything is built.
 #[test]
 fn dp_must_divide_the_batch() {
-    let e = Trainer::new(TrainSetup { microbatch_size: 3, dp: 2, ..setup(Kind::OneFOneB, 2, 1, 2) }).unwrap_err();
+    let e =
+        Trainer::new(TrainSetup { microbatch_size: 3, dp: 2, ..setup(Kind::OneFOneB, 2, 1, 2) }).unwrap_err();
     assert!(matches!(e, graphpp_runtime::TrainError::BatchNotDivisible { batch: 3, dp: 2 }), "{e}");
     let e = Trainer::new(TrainSetup { dp: 0, ..setup(Kind::OneFOneB, 2, 1, 2) }).unwrap_err();
     assert!(matches!(e, graphpp_runtime::TrainError::BatchNotDivisible { batch: 1, dp: 0 }), "{e}");
@@ -188,7 +193,11 @@ fn process_trainers_over_a_byte_link_equal_the_harness_and_gather_to_the_leader(
         });
         for (rank, r) in reports.iter().enumerate() {
             assert_eq!(r.stats.loss.to_bits(), want.stats.loss.to_bits(), "step {k} rank {rank}: loss");
-            assert_eq!(r.stats.grad_norm.to_bits(), want.stats.grad_norm.to_bits(), "step {k} rank {rank}: norm");
+            assert_eq!(
+                r.stats.grad_norm.to_bits(),
+                want.stats.grad_norm.to_bits(),
+                "step {k} rank {rank}: norm"
+            );
             assert_eq!(r.stats.peak_bytes.len(), 4);
             assert_eq!(r.stats.peak_bytes, want.stats.peak_bytes, "step {k} rank {rank}: peaks");
         }
@@ -233,7 +242,8 @@ fn process_trainers_over_a_byte_link_equal_the_harness_and_gather_to_the_leader(
 fn post_validation_equals_the_synchronous_step_and_rolls_back_when_it_must() {
     for (kind, v, dp) in [(Kind::OneFOneB, 1, 1), (Kind::DualPipeV, 2, 2)] {
         for (max_norm, clips) in [(1e9, false), (1e-3, true)] {
-            let base = TrainSetup { microbatch_size: 2, dp, grad_clip: Some(max_norm), ..setup(kind, 2, v, 4) };
+            let base =
+                TrainSetup { microbatch_size: 2, dp, grad_clip: Some(max_norm), ..setup(kind, 2, v, 4) };
             let mut sync = Trainer::new(base.clone()).unwrap();
             let mut post = Trainer::new(TrainSetup { post_validate: true, ..base }).unwrap();
             for k in 0..3 {
@@ -242,7 +252,11 @@ fn post_validation_equals_the_synchronous_step_and_rolls_back_when_it_must() {
                 assert_eq!(a.stats.loss.to_bits(), b.stats.loss.to_bits(), "{kind} step {k}: loss");
                 assert_eq!(a.stats.grad_norm.to_bits(), b.stats.grad_norm.to_bits(), "{kind} step {k}: norm");
                 assert!(!a.stats.rolled_back, "the synchronous step never rolls back");
-                assert_eq!(b.stats.rolled_back, clips, "{kind} step {k}: norm {} vs max {max_norm}", b.stats.grad_norm);
+                assert_eq!(
+                    b.stats.rolled_back, clips,
+                    "{kind} step {k}: norm {} vs max {max_norm}",
+                    b.stats.grad_norm
+                );
                 assert_eq!(b.boundary_wait_s.len(), 2 * dp);
             }
             let (pa, pb) = (sync.parameters(), post.parameters());

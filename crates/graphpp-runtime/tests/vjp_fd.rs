@@ -5,9 +5,9 @@
 mod common;
 
 use candle_core::Tensor;
-use graphpp_graph::MeshAxis;
 use graphpp_graph::layers;
 use graphpp_graph::names::grad_of;
+use graphpp_graph::MeshAxis;
 use graphpp_graph::{
     partition, CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, RecomputePolicy, TensorType,
     ValueId,

@@ -76,12 +76,12 @@ pub enum FitError {
     Step {
         /// The step (1-based).
         step: u64,
-        /// Why.
-        error: RunError,
+        /// Why (boxed: a run error is large).
+        error: Box<RunError>,
     },
-    /// An evaluation or a checkpoint failed.
+    /// An evaluation or a checkpoint failed (boxed: a run error is large).
     #[error(transparent)]
-    Run(#[from] RunError),
+    Run(Box<RunError>),
     /// The metrics log could not be written.
     #[error(transparent)]
     Metrics(#[from] MetricsError),
@@ -101,15 +101,21 @@ pub enum FitError {
     Output(#[from] std::io::Error),
 }
 
+impl From<RunError> for FitError {
+    fn from(e: RunError) -> Self {
+        FitError::Run(Box::new(e))
+    }
+}
+
 impl From<TrainError> for FitError {
     fn from(e: TrainError) -> Self {
-        FitError::Run(e.into())
+        FitError::Run(Box::new(e.into()))
     }
 }
 
 impl From<CheckpointError> for FitError {
     fn from(e: CheckpointError) -> Self {
-        FitError::Run(e.into())
+        FitError::Run(Box::new(e.into()))
     }
 }
 
@@ -167,14 +173,13 @@ pub fn fit(
 ) -> Result<Fit, FitError> {
     let t0 = Instant::now();
     let before = metrics.records().last().map_or(0.0, |r| r.elapsed_s);
-    let mut fit =
-        Fit { first_step: run.steps_done(), peaks: vec![0; run.config().ranks], ..Fit::default() };
+    let mut fit = Fit { first_step: run.steps_done(), peaks: vec![0; run.config().ranks], ..Fit::default() };
     // The step of the last checkpoint written and, on the leader, its path: the same step on
     // every process, so all agree whether a stop needs one more checkpoint.
     let mut saved_at: Option<(u64, Option<PathBuf>)> = None;
     while run.steps_done() < o.last_step {
         let start = t0.elapsed().as_secs_f64();
-        let r = run.step().map_err(|error| FitError::Step { step: run.steps_done() + 1, error })?;
+        let r = run.step().map_err(|e| FitError::Step { step: run.steps_done() + 1, error: Box::new(e) })?;
         let secs = t0.elapsed().as_secs_f64() - start;
         observer.stepped(&r, secs)?;
         if !r.stats.loss.is_finite() {
@@ -183,9 +188,9 @@ pub fn fit(
         let at_eval = (o.eval_every > 0 && r.stats.step % o.eval_every == 0) || r.stats.step == o.last_step;
         let elapsed = before + t0.elapsed().as_secs_f64();
         if at_eval {
-            if let Some((val, saved)) = evaluate(run, o, &r, (secs, elapsed), metrics, observer)? {
-                fit.val_loss = val;
-                saved_at = o.checkpoint_dir.as_ref().map(|_| (r.stats.step, saved));
+            if let Some(e) = evaluate(run, o, &r, (secs, elapsed), metrics, observer)? {
+                fit.val_loss = e.val_loss;
+                saved_at = o.checkpoint_dir.as_ref().map(|_| (r.stats.step, e.saved));
             }
         } else {
             metrics.push(record(run, &r, secs, elapsed, None))?;
@@ -243,6 +248,13 @@ fn record(run: &Run, r: &StepReport, secs: f64, elapsed: f64, val_loss: Option<f
     }
 }
 
+/// What an evaluation step leaves: the validation loss and the checkpoint written (both only on
+/// the leader).
+struct Evaluated {
+    val_loss: Option<f64>,
+    saved: Option<PathBuf>,
+}
+
 /// An evaluation step: the validation loss, the metrics line, the checkpoint (written before
 /// the observer prints: a failing terminal must not cost the step), then the observer. Returns
 /// the validation loss and the checkpoint written, both only on the leader (the other
@@ -255,13 +267,13 @@ fn evaluate(
     (secs, elapsed): (f64, f64),
     metrics: &mut MetricsLog,
     observer: &mut dyn Observer,
-) -> Result<Option<(Option<f64>, Option<PathBuf>)>, FitError> {
+) -> Result<Option<Evaluated>, FitError> {
     let val = run.evaluate()?;
     if !run.is_leader() {
         if let Some(dir) = &o.checkpoint_dir {
             run.save(dir, None)?;
         }
-        return Ok(Some((None, None)));
+        return Ok(Some(Evaluated { val_loss: None, saved: None }));
     }
     let rec = record(run, r, secs, elapsed, val);
     let (tokens_per_s, flops_per_s) = (rec.tokens_per_s, rec.flops_per_s.unwrap_or(0.0));
@@ -274,7 +286,7 @@ fn evaluate(
     }
     let e = Evaluation { report: r, val_loss, step_s: secs, elapsed_s: elapsed, tokens_per_s, flops_per_s };
     observer.evaluated(&e)?;
-    Ok(Some((Some(val_loss), saved)))
+    Ok(Some(Evaluated { val_loss: Some(val_loss), saved }))
 }
 
 /// After SIGINT / SIGTERM: saves the step just finished (unless it was just saved) and returns

@@ -123,7 +123,9 @@ fn split_reduce(bw: &Graph, params: &[String]) -> Result<(Graph, Graph)> {
             Some(&w) => {
                 let s = bw.node(w).inputs[0];
                 let x = bw.node(s).inputs[0];
-                let un = grad_name(&unsharded(crate::names::grad_target(&o.name).expect("a moved output is a gradient")));
+                let un = grad_name(&unsharded(
+                    crate::names::grad_target(&o.name).expect("a moved output is a gradient"),
+                ));
                 b.output(&un, x)?;
                 r.input(x, &un, InputKind::Saved);
                 r.copy(s, None)?;

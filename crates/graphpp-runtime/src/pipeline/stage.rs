@@ -17,7 +17,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use candle_core::Tensor;
-use graphpp_graph::names::{grad_of, grad_target, Side, AUX_LOSS, EXPERT_LOAD, INPUT, LOSS, OUTPUT, TARGETS, TOKENS};
+use graphpp_graph::names::{
+    grad_of, grad_target, Side, AUX_LOSS, EXPERT_LOAD, INPUT, LOSS, OUTPUT, TARGETS, TOKENS,
+};
 use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
 use graphpp_graph::{Graph, GraphError, InputKind, StageGraphs};
 use graphpp_schedule::Task;

@@ -387,7 +387,8 @@ impl Trainer {
         }
         let model = &self.setup.model;
         let spec = split_layers(model.num_layers(), 1, None).map_err(SetupError::from)?.remove(0);
-        let opts = StageOptions { logits, ..StageOptions::mixed(batch, self.setup.seq_len, self.setup.dtype) };
+        let opts =
+            StageOptions { logits, ..StageOptions::mixed(batch, self.setup.seq_len, self.setup.dtype) };
         let g = Arc::new(model.build_stage(&spec, &opts).map_err(SetupError::from)?);
         self.inference.insert((batch, logits), Arc::clone(&g));
         Ok(g)

@@ -329,4 +329,3 @@ fn missing_text(kind: ComputeKind, t: Task) -> String {
 fn route_text(r: &Option<Range<StageId>>) -> String {
     r.as_ref().map_or("no stages".into(), |r| format!("{}..{}", r.start, r.end))
 }
-

@@ -41,8 +41,8 @@ use rayon::prelude::*;
 
 use crate::action::{Action, CommKind, ComputeKind, StageId, StageOpKind, Task};
 use crate::deps::{DepGraph, Index, Pos, RunOrder, Walk};
-use crate::route::widen_route;
 use crate::placement::Placement;
+use crate::route::widen_route;
 use crate::schedule::{RankId, Schedule};
 use crate::table::TaskMap;
 
@@ -52,8 +52,8 @@ mod survey;
 mod tests;
 
 pub use error::{Loc, ValidationError, Wait};
-pub use survey::{ActionCounts, Summary};
 use survey::Survey;
+pub use survey::{ActionCounts, Summary};
 
 /// What the validator expects beyond the schedule itself: the intended shape, where known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -249,4 +249,3 @@ impl fmt::Display for Summary {
         )
     }
 }
-

@@ -49,16 +49,12 @@ fn v_placement_and_dualpipe_halves() {
 #[test]
 fn a_microbatch_that_skips_stages_is_refused() {
     // PyTorch's test suite: stage 1 runs F for microbatch 0 only (expected 2).
-    let e =
-        validate(&sched("0F0,0F1,0B0,0B1\n1F0,1B0\n"), &ValidateOptions::microbatches(2)).unwrap_err();
+    let e = validate(&sched("0F0,0F1,0B0,0B1\n1F0,1B0\n"), &ValidateOptions::microbatches(2)).unwrap_err();
     assert_eq!(
         e,
         ValidationError::MixedRoutes { mb: 1, route: 0..1, other_mb: 0, other_route: 0..2, stages: 2 }
     );
-    assert!(
-        e.to_string().starts_with("microbatch 1 visits stages 0..1 but microbatch 0 visits 0..2"),
-        "{e}"
-    );
+    assert!(e.to_string().starts_with("microbatch 1 visits stages 0..1 but microbatch 0 visits 0..2"), "{e}");
     // Microbatch 0 only on stage 0.
     let e = err("0F0,0F1,0B0,0B1\n1F1,1B1\n");
     assert_eq!(
@@ -87,10 +83,7 @@ fn the_intended_shape_is_checked() {
     assert_eq!((sum.ranks, sum.stages, sum.idle_ranks.clone()), (2, 1, vec![1]));
     let shape =
         |ranks, stages| ValidateOptions { microbatches: None, ranks: Some(ranks), stages: Some(stages) };
-    assert_eq!(
-        validate(&idle, &shape(2, 2)).unwrap_err(),
-        ValidationError::IdleRank { rank: 1, ranks: 2 }
-    );
+    assert_eq!(validate(&idle, &shape(2, 2)).unwrap_err(), ValidationError::IdleRank { rank: 1, ranks: 2 });
     assert_eq!(
         validate(&idle, &shape(3, 1)).unwrap_err(),
         ValidationError::RankCount { expected: 3, found: 2 }
@@ -227,11 +220,7 @@ fn mixed_backward_and_w_without_i() {
     let e = err("0F0,0B0,0I0,0W0\n");
     assert_eq!(
         e,
-        ValidationError::MixedBackward {
-            task: Task::new(0, 0),
-            at: at(0, 2, "0I0"),
-            other: at(0, 1, "0B0")
-        }
+        ValidationError::MixedBackward { task: Task::new(0, 0), at: at(0, 2, "0I0"), other: at(0, 1, "0B0") }
     );
     assert_eq!(
         err("0F0,0B0,0W0\n"),
@@ -259,10 +248,7 @@ fn order_violations() {
 fn comm_errors() {
     // A SEND_F out of the last stage: there is no stage 2.
     let e = err(&LOWERED.replace("1B1,1SEND_B1", "1B1,1SEND_B1,1SEND_F1"));
-    assert_eq!(
-        e,
-        ValidationError::CommOutOfRoute { at: at(1, 8, "1SEND_F1"), at_mb: 1, route: Some(0..2) }
-    );
+    assert_eq!(e, ValidationError::CommOutOfRoute { at: at(1, 8, "1SEND_F1"), at_mb: 1, route: Some(0..2) });
     // Two stages on one rank hand over locally.
     let e = err("0F0,0SEND_F0,1RECV_F0,1F0,1B0,0B0\n");
     assert_eq!(e, ValidationError::LocalComm { at: at(0, 1, "0SEND_F0"), from: 0, to: 1 });
@@ -278,10 +264,7 @@ fn comm_errors() {
     );
     assert_eq!(e.to_string(), "rank 1 has no `1RECV_F1` (its peer is at rank 0 step 3 (`0SEND_F1`))");
     let e = err(&LOWERED.replace("0SEND_F0,", "0SEND_F0,0SEND_F0,"));
-    assert_eq!(
-        e,
-        ValidationError::DuplicateComm { at: at(0, 2, "0SEND_F0"), first: at(0, 1, "0SEND_F0") }
-    );
+    assert_eq!(e, ValidationError::DuplicateComm { at: at(0, 2, "0SEND_F0"), first: at(0, 1, "0SEND_F0") });
     let e = err(&LOWERED.replace("0B1\n", "0B1,3REDUCE_GRAD\n"));
     assert_eq!(e, ValidationError::UnknownStage { at: at(0, 8, "3REDUCE_GRAD"), stage: 3, stages: 2 });
 }

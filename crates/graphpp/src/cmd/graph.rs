@@ -75,7 +75,11 @@ pub fn load_config(model: &str) -> Result<ModelConfig> {
 }
 
 fn saved_bytes(g: &Graph) -> usize {
-    g.outputs.iter().filter(|o| graphpp_graph::names::is_saved(&o.name)).map(|o| g.node(o.value).ty.size_bytes()).sum()
+    g.outputs
+        .iter()
+        .filter(|o| graphpp_graph::names::is_saved(&o.name))
+        .map(|o| g.node(o.value).ty.size_bytes())
+        .sum()
 }
 
 /// Bytes W holds from I to W: `bw_dw`'s inputs that are not stage state (the stash and the

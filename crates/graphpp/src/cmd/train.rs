@@ -422,7 +422,8 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
         keep_timelines: TRACE_STEPS,
         profile: a.profile.is_some(),
     };
-    let pb = if run.is_leader() { progress(options.last_step, run.steps_done()) } else { ProgressBar::hidden() };
+    let pb =
+        if run.is_leader() { progress(options.last_step, run.steps_done()) } else { ProgressBar::hidden() };
     let mut observer = Lines { pb, tokens: run.config().tokens_per_step() as f64 };
     let fit = match fit(&mut run, &options, &mut metrics, &stop, &mut observer) {
         Ok(fit) => fit,
@@ -434,7 +435,11 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     };
     observer.pb.finish_and_clear();
     if fit.steps_run() == 0 {
-        out!("nothing to train: the run is at step {} and ends at step {}", fit.first_step, options.last_step);
+        out!(
+            "nothing to train: the run is at step {} and ends at step {}",
+            fit.first_step,
+            options.last_step
+        );
     }
     summarise(a, &mut run, &fit.kept, fit.val_loss)?;
     if run.is_leader() {

@@ -51,13 +51,7 @@ struct Case {
 
 fn case(b: usize, h: usize, t: usize, e: usize, mask: Tensor) -> Case {
     let d = [b, h, t, e];
-    Case {
-        q: tensor(&d, 1, 2.0),
-        k: tensor(&d, 2, 2.0),
-        v: tensor(&d, 3, 1.0),
-        g: tensor(&d, 4, 1.0),
-        mask,
-    }
+    Case { q: tensor(&d, 1, 2.0), k: tensor(&d, 2, 2.0), v: tensor(&d, 3, 1.0), g: tensor(&d, 4, 1.0), mask }
 }
 
 /// The f32 kernels against the composition in f64, forward and backward.
@@ -119,14 +113,8 @@ fn grouped_query_heads_read_their_key_value_head() {
     }
     // KV must divide H.
     let c = case(1, 6, 8, 4, causal(8));
-    assert!(attention(
-        &c.q,
-        &tensor(&[1, 4, 8, 4], 1, 1.0),
-        &tensor(&[1, 4, 8, 4], 2, 1.0),
-        &c.mask,
-        1.0
-    )
-    .is_err());
+    assert!(attention(&c.q, &tensor(&[1, 4, 8, 4], 1, 1.0), &tensor(&[1, 4, 8, 4], 2, 1.0), &c.mask, 1.0)
+        .is_err());
 }
 
 #[test]

@@ -88,7 +88,11 @@ impl RankTrainer {
     /// balance — down for an expert that got more than the mean of the step's tokens, up for one
     /// that got fewer. `load` is the step's global count per expert (every replica sees the same,
     /// so the copies of a bias stay equal).
-    pub(super) fn balance_experts(&self, work: &mut GraphStages, load: &[Vec<f64>]) -> Result<(), TrainError> {
+    pub(super) fn balance_experts(
+        &self,
+        work: &mut GraphStages,
+        load: &[Vec<f64>],
+    ) -> Result<(), TrainError> {
         let gamma = self.setup.expert_bias_update;
         if gamma == 0.0 {
             return Ok(());
@@ -230,5 +234,4 @@ impl RankTrainer {
         }
         keys
     }
-
 }

@@ -50,7 +50,6 @@ use crate::train::setup::TrainSetup;
 use graphpp_comm::mesh::Mesh;
 use graphpp_comm::{Comm, Group, Pending, Tag};
 
-
 /// The figures of one step that every rank agrees on: the loss, the norm, the learning rate,
 /// every rank's bytes, post-validation's verdict and the experts' load. Part of a rank's report
 /// ([`RankStepReport`]) and of the process's ([`crate::StepReport`]).
@@ -264,7 +263,12 @@ fn mismatch(msg: String) -> TrainError {
 ///
 /// # Errors
 /// [`TrainError::Setup`] ([`SetupError::Inconsistent`]); [`TrainError::BatchNotDivisible`].
-fn check_layout(setup: &TrainSetup, schedule: &Schedule, mesh: &Mesh, comm: &dyn Comm) -> Result<(), TrainError> {
+fn check_layout(
+    setup: &TrainSetup,
+    schedule: &Schedule,
+    mesh: &Mesh,
+    comm: &dyn Comm,
+) -> Result<(), TrainError> {
     if mesh.pp() != schedule.num_ranks() || mesh.world() != comm.world() {
         return Err(mismatch(format!(
             "mesh pp {} × dp {} for a schedule of {} ranks over a world of {}",
@@ -301,7 +305,8 @@ fn build_work(
     let ep_index = mesh.ep_index(rank).map_err(SetupError::from)?;
     let (specs, opts) = crate::train::build::run_stages(setup, ep_index)?;
     let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
-    let build = StageBuild { model: &*setup.model, specs: &specs, opts: &opts, seed: setup.seed, given: None };
+    let build =
+        StageBuild { model: &*setup.model, specs: &specs, opts: &opts, seed: setup.seed, given: None };
     let mut work = build.rank(schedule, empty, me)?;
     if setup.ep > 1 {
         let (comm, mesh, timeout) = (Arc::clone(comm), *mesh, setup.timeout);
@@ -337,13 +342,20 @@ impl Holders {
     /// # Errors
     /// [`TrainError::Setup`] ([`SetupError::Inconsistent`]) for a schedule stage without a
     /// model stage or a stage whose parameters differ.
-    fn of(setup: &TrainSetup, schedule: &Schedule, work: &GraphStages, ep_index: usize) -> Result<Self, TrainError> {
-        let mut h = Holders { holders: BTreeMap::new(), lead: BTreeMap::new(), bias_holders: BTreeMap::new() };
+    fn of(
+        setup: &TrainSetup,
+        schedule: &Schedule,
+        work: &GraphStages,
+        ep_index: usize,
+    ) -> Result<Self, TrainError> {
+        let mut h =
+            Holders { holders: BTreeMap::new(), lead: BTreeMap::new(), bias_holders: BTreeMap::new() };
         for index in 0..setup.ep {
             let (specs, _) = crate::train::build::run_stages(setup, index)?;
             for (stage, ranks) in schedule.placement() {
-                let spec =
-                    specs.get(stage).ok_or_else(|| mismatch(format!("stage {stage}: no model stage for it")))?;
+                let spec = specs
+                    .get(stage)
+                    .ok_or_else(|| mismatch(format!("stage {stage}: no model stage for it")))?;
                 for bias in spec.layers.clone().filter_map(|l| setup.model.balance_bias(l)) {
                     let first = ranks.iter().copied().min().unwrap_or_default();
                     let e = h.bias_holders.entry(bias).or_insert(first);
@@ -355,7 +367,9 @@ impl Holders {
                     if let Some(st) = work.stages().get(&stage) {
                         let held: BTreeSet<String> = st.parameter_names().iter().cloned().collect();
                         if held != names {
-                            return Err(mismatch(format!("stage {stage}: parameters differ from the model's stage")));
+                            return Err(mismatch(format!(
+                                "stage {stage}: parameters differ from the model's stage"
+                            )));
                         }
                     }
                 }
@@ -706,5 +720,4 @@ impl RankTrainer {
         self.step += 1;
         self.balance_experts(work, expert_load)
     }
-
 }

@@ -66,7 +66,10 @@ impl RankTrainer {
 
     /// The full tensors of this rank's parameters and moments `local` (by name): with FSDP
     /// all-gathered over the data-parallel group, in name order (every member calls it).
-    pub(super) fn unsharded(&self, local: BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>, TrainError> {
+    pub(super) fn unsharded(
+        &self,
+        local: BTreeMap<String, Tensor>,
+    ) -> Result<BTreeMap<String, Tensor>, TrainError> {
         Self::unsharded_in(self.work.as_ref(), local)
     }
 
@@ -86,7 +89,10 @@ impl RankTrainer {
     /// This rank's view of full tensors `full` (parameters, moments by name): with FSDP each one
     /// of its parameters or their moments is checked against the parameter's full shape and
     /// replaced by this rank's shard; other names (`adam.step`, biases) are kept whole.
-    pub(super) fn localize(&self, full: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>, TrainError> {
+    pub(super) fn localize(
+        &self,
+        full: &HashMap<String, Tensor>,
+    ) -> Result<HashMap<String, Tensor>, TrainError> {
         let Some(dp) = self.sharding() else { return Ok(full.clone()) };
         let mut out = HashMap::new();
         for (k, t) in full {
