@@ -6,11 +6,11 @@
 //! seeds itself); every other float output `o` gets a tangent input `grad.<o>`.
 
 use crate::builder::GraphBuilder;
+use crate::check::{at, check_graph};
 use crate::dtype::TensorType;
 use crate::error::{GraphError, Result};
 use crate::graph::{Graph, Phase, ValueId};
 use crate::op::{BinaryOp, CollectiveKind, InputKind, Op, UnaryOp};
-use crate::verify::{at, verify};
 
 /// Name of the output that is seeded with gradient 1.
 pub const LOSS: &str = "loss";
@@ -41,7 +41,7 @@ fn requires_grad(g: &Graph) -> Vec<bool> {
 /// Builds the joint graph of `fw`. Errors: [`GraphError::Autodiff`] when an output named `loss` is
 /// not a scalar, or a value needing a gradient has no float type.
 pub fn autodiff(fw: &Graph) -> Result<Graph> {
-    verify(fw)?;
+    check_graph(fw)?;
     let rg = requires_grad(fw);
     let mut b = GraphBuilder::from_graph(fw.clone(), crate::dtype::DType::F32);
     b.set_phase(Phase::Backward);

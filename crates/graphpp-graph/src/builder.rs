@@ -1,12 +1,12 @@
 //! Graph builder: appends primitive nodes with inferred types under the current scope, phase and
 //! region. Composite layers live in [`crate::layers`].
 
+use crate::check::check_graph;
 use crate::dtype::{DType, Dims, TensorType};
 use crate::error::{GraphError, Result};
 use crate::graph::{Graph, Node, NodeMeta, Phase, Region, ValueId};
 use crate::infer::infer;
 use crate::op::{BinaryOp, CollectiveKind, CommGroup, InputKind, Op, UnaryOp};
-use crate::verify::verify;
 
 /// Builds one graph. Every method checks its operands and returns a typed
 /// [`GraphError::Shape`] naming the op and the scope on bad input.
@@ -397,9 +397,9 @@ impl GraphBuilder {
         self.graph.add_output(name, v);
     }
 
-    /// The finished graph, verified. Errors: [`GraphError::Verify`].
+    /// The finished graph, verified. Errors: [`GraphError::Malformed`].
     pub fn finish(self) -> Result<Graph> {
-        verify(&self.graph)?;
+        check_graph(&self.graph)?;
         Ok(self.graph)
     }
 }

@@ -15,9 +15,9 @@ pub enum GraphError {
         /// What is wrong.
         reason: String,
     },
-    /// A structural invariant does not hold (verifier).
+    /// A structural invariant does not hold ([`crate::check_graph`]).
     #[error("graph `{graph}` is malformed at {at}: {reason}")]
-    Verify {
+    Malformed {
         /// Graph name.
         graph: String,
         /// Node or output concerned.

@@ -1,10 +1,10 @@
 //! Copying a subset of a graph's nodes into a new graph, with explicit boundary inputs. Shared by
 //! partition, recompute and the splitting passes.
 
+use crate::check::check_graph;
 use crate::error::{GraphError, Result};
 use crate::graph::{Graph, Node, Phase, ValueId};
 use crate::op::{InputKind, Op};
-use crate::verify::verify;
 use std::collections::HashMap;
 
 /// Builds a new graph from nodes of `src`; every operand must have been mapped first.
@@ -88,7 +88,7 @@ impl<'a> Extractor<'a> {
 
     /// The verified graph.
     pub fn finish(self) -> Result<Graph> {
-        verify(&self.graph)?;
+        check_graph(&self.graph)?;
         Ok(self.graph)
     }
 }

@@ -102,7 +102,7 @@ impl Graph {
         &self.nodes[v.0]
     }
 
-    /// Appends a node (no checks; see [`crate::verify`]) and returns its value id.
+    /// Appends a node (no checks; see [`crate::check`]) and returns its value id.
     pub fn push(&mut self, node: Node) -> ValueId {
         let id = ValueId(self.nodes.len());
         if matches!(node.op, Op::Input { .. }) {
@@ -123,7 +123,7 @@ impl Graph {
             .iter()
             .map(|&v| match &self.node(v).op {
                 Op::Input { name, kind, ty } => InputSpec { name: name.clone(), kind: *kind, ty: ty.clone() },
-                _ => unreachable!("inputs list holds only Input nodes (verifier)"),
+                _ => unreachable!("inputs list holds only Input nodes (check_graph)"),
             })
             .collect()
     }

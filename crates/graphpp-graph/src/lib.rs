@@ -9,6 +9,7 @@
 
 pub mod autodiff;
 pub mod builder;
+pub mod check;
 pub mod dtype;
 pub mod error;
 pub mod extract;
@@ -21,13 +22,12 @@ pub mod partition;
 pub mod passes;
 pub mod print;
 pub mod stage;
-pub mod verify;
 
 pub use builder::GraphBuilder;
+pub use check::check_graph;
 pub use dtype::{DType, Dims, TensorType, UnknownDType};
 pub use error::{GraphError, Result};
 pub use graph::{Graph, GraphOutput, InputSpec, Node, NodeMeta, Phase, Region, ValueId};
 pub use op::{BinaryOp, CollectiveKind, CommGroup, InputKind, MeshAxis, Op, UnaryOp, UnknownMeshAxis};
 pub use partition::{partition, FwBw, RecomputePolicy};
 pub use stage::{stage_graphs, GraphKind, StageGraphs, UnknownGraphKind};
-pub use verify::verify;

@@ -1,4 +1,4 @@
-//! IR basics: text form, DOT, JSON, typed shape errors, verifier on builder output.
+//! IR basics: text form, DOT, JSON, typed shape errors, check_graph on builder output.
 
 mod common;
 

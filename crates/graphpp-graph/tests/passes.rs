@@ -7,8 +7,8 @@ use graphpp_graph::names::{grad_of, GRAD};
 use graphpp_graph::passes::{dce, is_comm, multiplex_fw_bw, split_fsdp_collectives, Multiplex};
 use graphpp_graph::MeshAxis;
 use graphpp_graph::{
-    partition, stage_graphs, verify, CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, Op,
-    Phase, RecomputePolicy, Region, TensorType, ValueId,
+    check_graph, partition, stage_graphs, CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind,
+    Op, Phase, RecomputePolicy, Region, TensorType, ValueId,
 };
 use proptest::prelude::*;
 
@@ -130,7 +130,7 @@ fn comm_overlap_interleaves_compute_of_one_graph_with_comm_of_the_other() {
     let fw = comm_graph("fw", false);
     let bw = comm_graph("bw", true);
     let m = multiplex_fw_bw(&fw, &bw, Multiplex::CommOverlap).unwrap();
-    verify(&m).unwrap();
+    check_graph(&m).unwrap();
     let is_bw = |v: ValueId| m.node(v).meta.phase == Phase::Backward;
     let users = m.users();
     let mut checked = 0;
@@ -224,7 +224,7 @@ proptest! {
         let fw = common::mlp_stage(n, &widths);
         let sg = stage_graphs(&fw, &RecomputePolicy::SaveAll).unwrap();
         let (di, dw) = sg.di_dw.unwrap();
-        for g in [&sg.fw, &sg.full_bw, &di, &dw] { verify(g).unwrap(); }
+        for g in [&sg.fw, &sg.full_bw, &di, &dw] { check_graph(g).unwrap(); }
         // Every node of full_bw runs in I or W; W may redo cheap ones (the cut holds fewer
         // bytes), but each matmul runs exactly once.
         let compute = |g: &Graph| g.nodes.iter().filter(|n| !matches!(n.op, Op::Input { .. } | Op::Full { .. })).count();
@@ -284,7 +284,7 @@ proptest! {
         let fw = random_comm_graph("fw", false, &fops);
         let bw = random_comm_graph("bw", true, &bops);
         let m = multiplex_fw_bw(&fw, &bw, Multiplex::CommOverlap).unwrap();
-        verify(&m).unwrap();
+        check_graph(&m).unwrap();
         prop_assert_eq!(m.nodes.len(), fw.nodes.len() + bw.nodes.len());
         // Non-wait nodes of each source keep their relative order (compare op sequences).
         for (src, backward) in [(&fw, false), (&bw, true)] {

@@ -107,7 +107,7 @@ fn show_selects_each_graph_and_the_first_stage_has_no_split() {
     let sg = stage_graph_set(&cfg, 4, 1, None, &opts, &RecomputePolicy::SaveAll).unwrap();
     for k in ["fw", "full_bw", "bw_di", "bw_dw", "overlap"] {
         let g = sg.select(k.parse::<GraphKind>().unwrap()).unwrap();
-        graphpp_graph::verify(&g).unwrap();
+        graphpp_graph::check_graph(&g).unwrap();
         assert!(render(&g, Format::Text).lines().count() == g.nodes.len() + 3); // header, nodes, return, closing brace
         assert!(stats(&g).contains("matmul FLOPs"));
     }

@@ -25,8 +25,8 @@ pub mod train;
 pub mod verify;
 
 pub use exec::{
-    run, run_named, run_named_with, run_with, CollectiveError, ExecError, GraphComm, Program, RunOptions,
-    RunReport,
+    run, run_named, run_named_with, run_with, CollectiveError, ExecError, ExecReport, GraphComm, Program,
+    RunOptions,
 };
 pub use optim::clip::{clip_grad_norm, clip_scale, local_sq_norm, scale_grads};
 pub use optim::lr::{CosineSchedule, LrError};

@@ -1,4 +1,4 @@
-//! Graph passes (docs/ARCHITECTURE.md "Graph IR"): each output passes the verifier.
+//! Graph passes (docs/ARCHITECTURE.md "Graph IR"): each output passes [`crate::check_graph`].
 
 pub mod dce;
 pub mod fsdp;

@@ -10,12 +10,12 @@
 //!   wait is moved to just before its first use, so one graph's communication is in flight while
 //!   the other computes.
 
+use crate::check::check_graph;
 use crate::error::Result;
 use crate::extract::Extractor;
 use crate::graph::{Graph, Region, ValueId};
 use crate::names::Side;
 use crate::op::{InputKind, Op};
-use crate::verify::verify;
 use serde::{Deserialize, Serialize};
 
 /// Node ordering of the multiplexed graph.
@@ -57,8 +57,8 @@ fn segments(g: &Graph) -> Vec<Vec<ValueId>> {
 
 /// Builds the overlap graph of `fw` and `bw`. Errors: a malformed input graph.
 pub fn multiplex_fw_bw(fw: &Graph, bw: &Graph, mode: Multiplex) -> Result<Graph> {
-    verify(fw)?;
-    verify(bw)?;
+    check_graph(fw)?;
+    check_graph(bw)?;
     let name = format!("overlap({};{})", fw.name, bw.name);
     let mut order: Vec<(Side, ValueId)> = Vec::new();
     match mode {
@@ -105,7 +105,7 @@ pub fn multiplex_fw_bw(fw: &Graph, bw: &Graph, mode: Multiplex) -> Result<Graph>
             out.add_output(side.name(&o.name), maps[side as usize][o.value.0].expect("mapped"));
         }
     }
-    verify(&out)?;
+    check_graph(&out)?;
     Ok(out)
 }
 

@@ -66,7 +66,7 @@ pub(super) struct InFlight {
     pub(super) started: Instant,
 }
 
-/// One collective over more than one rank as it ran (see [`RunReport::collectives`]):
+/// One collective over more than one rank as it ran (see [`ExecReport::collectives`]):
 /// `start ≤ wait ≤ end`. From `start` to `wait` the rank ran other nodes (compute, or waits on
 /// other collectives) while the transfer progressed; from `wait` to `end` it was blocked on the
 /// data.

@@ -2,9 +2,9 @@
 //! executor).
 //!
 //! [`plan`] groups the f32 elementwise nodes of a graph (unary, affine, binary, broadcast,
-//! `full`) into [`Group`]s: each group has one *anchor* (its last node, the only one whose value
+//! `full`) into [`FusedGroup`]s: each group has one *anchor* (its last node, the only one whose value
 //! leaves the group) and members whose every reader is in the group, all of the anchor's shape.
-//! [`Group::eval`] computes the anchor from the group's external operands in one pass over the
+//! [`FusedGroup::eval`] computes the anchor from the group's external operands in one pass over the
 //! output, in blocks of [`BLOCK`] elements held in L1-sized registers: no member value is ever
 //! allocated, and operands are read through their own strides (a broadcast or permuted operand
 //! is never copied; a contiguous one is read in place). The block loop is compiled for AVX2
@@ -38,7 +38,7 @@ const PARALLEL_MIN: usize = 1 << 18;
 /// every source register is below its destination.
 #[derive(Clone, Debug, PartialEq)]
 enum Instr {
-    /// The external operand `input` (index into [`Group::inputs`]).
+    /// The external operand `input` (index into [`FusedGroup::inputs`]).
     Load { input: usize },
     /// `value` everywhere.
     Const { value: f32 },
@@ -52,7 +52,7 @@ enum Instr {
 
 /// A fused elementwise group: computes the value of node `anchor` from `inputs`.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Group {
+pub struct FusedGroup {
     /// The node whose value the group produces.
     pub anchor: usize,
     /// Member node ids, ascending (the anchor last).
@@ -68,7 +68,7 @@ pub struct Group {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Fusion {
     /// The groups, ascending by anchor.
-    pub groups: Vec<Group>,
+    pub groups: Vec<FusedGroup>,
     /// `member_of[node]` = index into `groups` (for a node inlined into several groups, one of
     /// them).
     pub member_of: Vec<Option<usize>>,
@@ -187,7 +187,13 @@ fn transcendental(op: &Op) -> bool {
 }
 
 /// The code of the group `gid` with `members` (ascending).
-fn emit(g: &Graph, anchor: usize, members: Vec<usize>, member_of: &[Option<usize>], gid: usize) -> Group {
+fn emit(
+    g: &Graph,
+    anchor: usize,
+    members: Vec<usize>,
+    member_of: &[Option<usize>],
+    gid: usize,
+) -> FusedGroup {
     let mut code = Vec::new();
     let mut inputs: Vec<ValueId> = Vec::new();
     let mut reg_of = std::collections::HashMap::new();
@@ -230,7 +236,7 @@ fn emit(g: &Graph, anchor: usize, members: Vec<usize>, member_of: &[Option<usize
     if last + 1 != code.len() {
         code.push(Instr::Affine { mul: 1.0, add: 0.0, x: last });
     }
-    Group { anchor, members, inputs, shape: g.nodes[anchor].ty.shape.clone(), code }
+    FusedGroup { anchor, members, inputs, shape: g.nodes[anchor].ty.shape.clone(), code }
 }
 
 /// An operand as the kernel reads it: its elements and, per (coalesced) output dim, its stride.
@@ -240,8 +246,8 @@ struct Operand<'a> {
     strides: Vec<usize>,
 }
 
-impl Group {
-    /// The anchor's value from the external operands `args` (in [`Group::inputs`] order, f32
+impl FusedGroup {
+    /// The anchor's value from the external operands `args` (in [`FusedGroup::inputs`] order, f32
     /// tensors on the CPU of shapes that broadcast to the anchor's). Splits the output over the
     /// current rayon pool's threads when it has at least 256k elements (`PARALLEL_MIN`).
     ///
@@ -299,7 +305,7 @@ impl Group {
         Tensor::from_vec(out, self.shape.clone(), &Device::Cpu)
     }
 
-    /// [`Group::run`] compiled for AVX2 where the CPU has it (8 lanes instead of SSE2's 4; the
+    /// [`FusedGroup::run`] compiled for AVX2 where the CPU has it (8 lanes instead of SSE2's 4; the
     /// same operations in the same order, so the same bits: Rust never fuses a multiply and an
     /// add on its own).
     fn dispatch(&self, dims: &[usize], ops: &[Operand], start: usize, out: &mut [MaybeUninit<f32>]) {

@@ -3,7 +3,7 @@
 
 use graphpp_graph::{Graph, InputKind, Op, ValueId};
 
-/// The peak live bytes a run of `graph` reports ([`RunReport::peak_live_bytes`]), from the
+/// The peak live bytes a run of `graph` reports ([`ExecReport::peak_live_bytes`]), from the
 /// value types alone: the same accounting (module doc), without running anything. Exact for
 /// every graph whose value shapes are static (all of graphpp's); a compiled [`Program`] runs
 /// the nodes in another order only where that order peaks exactly as high ([`crate::exec::pairs`]).

@@ -98,7 +98,7 @@ pub struct RunOptions {
 
 /// Outputs and measurements of one run.
 #[derive(Debug)]
-pub struct RunReport {
+pub struct ExecReport {
     /// Output tensors, in the graph's output order.
     pub outputs: Vec<Tensor>,
     /// Peak live bytes (see the module doc).
@@ -111,7 +111,7 @@ pub struct RunReport {
     pub collectives: Vec<CollectiveSpan>,
 }
 
-impl RunReport {
+impl ExecReport {
     /// Output called `name` of `graph`.
     pub fn output(&self, graph: &Graph, name: &str) -> Option<&Tensor> {
         graph.outputs.iter().position(|o| o.name == name).map(|i| &self.outputs[i])
@@ -121,7 +121,7 @@ impl RunReport {
 /// Runs `graph` on `inputs` (in the graph's input order) without a communicator: collectives
 /// over groups of size 1 only. Errors: wrong inputs, kernel failures,
 /// [`CollectiveError::NoComm`] for a larger group.
-pub fn run(graph: &Graph, inputs: &[Tensor], opts: &RunOptions) -> ExecResult<RunReport> {
+pub fn run(graph: &Graph, inputs: &[Tensor], opts: &RunOptions) -> ExecResult<ExecReport> {
     exec(graph, inputs, opts, None, None)
 }
 
@@ -130,7 +130,7 @@ pub fn run_named(
     graph: &Graph,
     inputs: &HashMap<String, Tensor>,
     opts: &RunOptions,
-) -> ExecResult<RunReport> {
+) -> ExecResult<ExecReport> {
     run_named_with(graph, inputs, opts, None)
 }
 
@@ -143,7 +143,7 @@ pub fn run_named_with(
     inputs: &HashMap<String, Tensor>,
     opts: &RunOptions,
     comm: Option<&GraphComm>,
-) -> ExecResult<RunReport> {
+) -> ExecResult<ExecReport> {
     exec(graph, &ordered_inputs(graph, inputs)?, opts, comm, None)
 }
 
@@ -170,6 +170,6 @@ pub fn run_with(
     inputs: &[Tensor],
     opts: &RunOptions,
     comm: &GraphComm,
-) -> ExecResult<RunReport> {
+) -> ExecResult<ExecReport> {
     exec(graph, inputs, opts, Some(comm), None)
 }

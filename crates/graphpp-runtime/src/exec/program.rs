@@ -12,7 +12,7 @@ use super::collective::{collective_error, complete, start, CollectiveSpan, Graph
 use super::fusion::Fusion;
 use super::kernel::{eval, kernel_error};
 use super::liveness::{peak_in_order, released, Liveness};
-use super::{ordered_inputs, ExecError, ExecResult, RunOptions, RunReport};
+use super::{ordered_inputs, ExecError, ExecReport, ExecResult, RunOptions};
 use crate::kernels::matmul::{compiled_matmul, Threads};
 use crate::kernels::tensor::candle_dtype;
 
@@ -98,7 +98,7 @@ impl Program {
         inputs: &HashMap<String, Tensor>,
         opts: &RunOptions,
         comm: Option<&GraphComm>,
-    ) -> ExecResult<RunReport> {
+    ) -> ExecResult<ExecReport> {
         debug_assert_eq!(
             crate::exec::fusion::plan(graph),
             self.fusion,
@@ -128,9 +128,9 @@ pub(super) fn exec(
     opts: &RunOptions,
     comm: Option<&GraphComm>,
     program: Option<&Program>,
-) -> ExecResult<RunReport> {
+) -> ExecResult<ExecReport> {
     if cfg!(debug_assertions) {
-        graphpp_graph::verify(graph)?;
+        graphpp_graph::check_graph(graph)?;
     }
     if inputs.len() != graph.inputs.len() {
         return Err(ExecError::Input {
@@ -176,7 +176,7 @@ pub(super) fn exec(
     }
     let outputs = run.outputs()?;
     let live_at_peak = opts.trace_peak.then_some(at_peak);
-    Ok(RunReport {
+    Ok(ExecReport {
         outputs,
         peak_live_bytes: run.live.peak,
         node_times: times,

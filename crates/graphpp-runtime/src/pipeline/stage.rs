@@ -24,7 +24,7 @@ use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
 use graphpp_graph::{Graph, GraphError, InputKind, StageGraphs};
 use graphpp_schedule::Task;
 
-use crate::exec::{CollectiveSpan, ExecError, GraphComm, Program, RunOptions, RunReport};
+use crate::exec::{CollectiveSpan, ExecError, ExecReport, GraphComm, Program, RunOptions};
 use crate::kernels::accumulate::Accumulators;
 use crate::kernels::tensor::{tensor_from_f64, to_f64};
 use crate::pipeline::data_parallel::{DataParallel, DataParallelError};
@@ -355,7 +355,7 @@ fn run_graph(
     env: &Env,
     t: Task,
     comm: Option<&StageComm>,
-) -> Result<(Env, RunReport), StageError> {
+) -> Result<(Env, ExecReport), StageError> {
     let gc = comm.map(|c| GraphComm { comm: &*c.comm, mesh: &c.mesh, timeout: c.timeout });
     let mut r = program
         .run_named_with(g, env, &RunOptions::default(), gc.as_ref())

@@ -1,6 +1,8 @@
-//! The verifier (docs/ARCHITECTURE.md "Graph IR"): topological order, one definition per value, shapes that
-//! match inference, a consistent input list, unique input/output names, and collective pairing
-//! (a start is read only by waits; a wait reads a start).
+//! The graph checker, [`check_graph`] (docs/ARCHITECTURE.md "Graph IR"): a graph is well formed
+//! when its nodes are in topological order, each value has one definition, shapes match
+//! inference, the input list is consistent, input and output names are unique, and collectives
+//! pair up (a start is read only by waits; a wait reads a start). (`verify` is the runtime's
+//! check of pipelined gradients against one device, and the command that runs it.)
 
 use crate::error::{GraphError, Result};
 use crate::graph::{Graph, ValueId};
@@ -13,9 +15,9 @@ pub fn at(g: &Graph, v: ValueId) -> String {
     format!("%{} ({})", v.0, g.node(v).meta.scope)
 }
 
-/// Checks every invariant of `g`. Errors: [`GraphError::Verify`] naming the node and the problem.
-pub fn verify(g: &Graph) -> Result<()> {
-    let err = |at: String, reason: String| GraphError::Verify { graph: g.name.clone(), at, reason };
+/// Checks every invariant of `g`. Errors: [`GraphError::Malformed`] naming the node and the problem.
+pub fn check_graph(g: &Graph) -> Result<()> {
+    let err = |at: String, reason: String| GraphError::Malformed { graph: g.name.clone(), at, reason };
     let mut input_ids = Vec::new();
     let mut names = HashSet::new();
     for (i, n) in g.nodes.iter().enumerate() {
@@ -81,12 +83,12 @@ mod tests {
         let y = b.exp(x).unwrap();
         b.output("y", y);
         let mut g = b.finish().unwrap();
-        verify(&g).unwrap();
+        check_graph(&g).unwrap();
         let mut bad = g.clone();
         bad.nodes[1].ty = TensorType::new(DType::F32, vec![3, 2]);
-        assert!(matches!(verify(&bad), Err(GraphError::Verify { .. })));
+        assert!(matches!(check_graph(&bad), Err(GraphError::Malformed { .. })));
         g.nodes[1].inputs[0] = ValueId(1);
-        let e = verify(&g).unwrap_err().to_string();
+        let e = check_graph(&g).unwrap_err().to_string();
         assert!(e.contains("not defined before use"), "{e}");
     }
 }
