@@ -54,8 +54,8 @@ pub struct Strategy {
 pub struct Place {
     /// p: pipeline ranks.
     pub ranks: usize,
-    /// v: stages per rank (default: the schedule kind's, 2 for interleaved kinds, ZB-V and
-    /// DualPipe(V), else 1).
+    /// v: stages per rank (default: the schedule kind's, 2 for interleaved kinds and the V kinds
+    /// (ZB-V, V-Half, V-Min, DualPipe(V)), else 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stages_per_rank: Option<usize>,
     /// Decoder layers of each model stage (default: an even split).

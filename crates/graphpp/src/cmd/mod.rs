@@ -60,8 +60,10 @@ pub fn set_op_threads(ranks: usize, explicit: Option<usize>) -> usize {
 fn oversubscribed(ranks: usize, threads: usize, cores: usize) -> Option<String> {
     (ranks.saturating_mul(threads) > cores).then(|| {
         format!(
-            "warning: {ranks} ranks × {threads} threads per rank exceed this machine's {cores} cores: \
-             the ranks' thread pools will contend (expect a slowdown; lower --threads-per-rank)"
+            "warning: {ranks} ranks × {} per rank exceed this machine's {cores} cores: the ranks' \
+             thread pools will contend (expect a slowdown{})",
+            plural(threads as u64, "thread", "threads"),
+            if threads > 1 { "; lower --threads-per-rank" } else { "; use fewer ranks or a larger machine" }
         )
     })
 }

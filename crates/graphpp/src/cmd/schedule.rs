@@ -154,7 +154,8 @@ pub struct KindSpec {
     /// p: ranks in the pipeline.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub ranks: usize,
-    /// v: stages per rank (default: 2 for interleaved kinds, ZB-V and DualPipe(V), else 1).
+    /// v: stages per rank (default: 2 for interleaved kinds and the V kinds (ZB-V, V-Half, V-Min,
+    /// DualPipe(V)), else 1).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub stages_per_rank: Option<usize>,
     /// m: microbatches per step.

@@ -72,7 +72,8 @@ pub struct TrainArgs {
     /// p: pipeline ranks (one thread each; under mpirun, one process each).
     #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     ranks: usize,
-    /// v: stages per rank; default 2 for interleaved kinds, ZB-V and DualPipe(V), else 1.
+    /// v: stages per rank; default 2 for interleaved kinds and the V kinds (ZB-V, V-Half, V-Min,
+    /// DualPipe(V)), else 1.
     #[arg(long, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     stages_per_rank: Option<usize>,
     /// m: microbatches per step.
@@ -156,7 +157,8 @@ pub struct TrainArgs {
     #[arg(long)]
     stop_after: Option<u64>,
     /// Write one JSON line per step to PATH (step, loss, lr, grad_norm, step_s, tokens_per_s,
-    /// elapsed_s, peak_bytes per rank, flops_per_s, and val_loss at evaluations); a resumed run
+    /// elapsed_s, peak_bytes and resident_bytes per rank, boundary_wait_s, flops_per_s, aux_loss
+    /// for a MoE model, and val_loss at evaluations); a resumed run
     /// keeps the lines up to its checkpoint's step, a fresh one truncates the file.
     #[arg(long)]
     metrics: Option<PathBuf>,

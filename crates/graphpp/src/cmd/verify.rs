@@ -43,7 +43,7 @@ pub struct VerifyArgs {
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, required_unless_present = "strategy")]
     ranks: Option<usize>,
     /// v: stages per rank (S = p·v; DualPipe's 2p stages hold two copies of a p-stage split);
-    /// default 2 for interleaved kinds, ZB-V and DualPipe(V), else 1.
+    /// default 2 for interleaved kinds and the V kinds (ZB-V, V-Half, V-Min, DualPipe(V)), else 1.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     stages_per_rank: Option<usize>,
     /// m: microbatches in the step.
