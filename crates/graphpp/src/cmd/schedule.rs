@@ -368,66 +368,7 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
             crate::cmd::emit(&lower(&s, &LowerOptions { fsdp_max_unsharded, ..Default::default() })?.to_csv())
         }
         ScheduleCmd::Simulate { source, model, format, output, profile } => {
-            let (costs, memory) = model.resolve()?;
-            let s = match (&source.kind, &source.file) {
-                (Some(k), _) => {
-                    let (Some(ranks), Some(m)) = (source.ranks, source.microbatches) else {
-                        bail!("--schedule needs --ranks and --microbatches");
-                    };
-                    let (v, group, cap) = (source.stages_per_rank, source.group, source.mem_cap);
-                    generate_spec(*k, ranks, v, m, group, cap, &source.solver, costs, memory)?
-                }
-                (None, Some(f)) => {
-                    if source.group.is_some() || source.mem_cap.is_some() || source.solver.solver.is_some() {
-                        bail!(
-                            "--group, --mem-cap and --solver apply to --schedule, not to a schedule --file"
-                        );
-                    }
-                    let expected = Expected {
-                        ranks: source.ranks,
-                        stages: source.stages,
-                        microbatches: source.microbatches,
-                    };
-                    read_schedule(f, &expected.options()?)?.0
-                }
-                (None, None) => bail!("give --schedule (with --ranks and --microbatches) or --file"),
-            };
-            let profiled = profile.as_deref().map(Profile::load).transpose()?;
-            let (report, peak_bytes) = match &profiled {
-                Some(p) => {
-                    let path = profile.as_deref().unwrap_or(Path::new(""));
-                    p.check(&s, source.kind).with_context(|| format!("--profile {}", path.display()))?;
-                    let r = simulate_with(&s, |a| 1e3 * p.duration(a), costs.comm, &memory)?;
-                    (r, Some(p.bytes.peak_bytes(&s)?))
-                }
-                None => (simulate(&s, &costs, &memory)?, None),
-            };
-            let text = match format {
-                SimFormat::Text => {
-                    let style = GridStyle {
-                        color: output.is_none() && std::io::stdout().is_terminal(),
-                        ..GridStyle::default()
-                    };
-                    let bytes = peak_bytes.as_ref().map_or(String::new(), |b| {
-                        let each: Vec<String> = b.iter().map(|&x| human_bytes(u128::from(x))).collect();
-                        format!(
-                            "peak memory         {} (bytes, from the profile; times in ms)\n",
-                            each.join(" ")
-                        )
-                    });
-                    format!("{}{bytes}\n{}", summary(&report), grid(&report.timeline, &style))
-                }
-                SimFormat::Json => {
-                    let value = match &peak_bytes {
-                        Some(b) => serde_json::json!({ "report": &report, "peak_bytes": b }),
-                        None => serde_json::to_value(&report)?,
-                    };
-                    serde_json::to_string_pretty(&value)? + "\n"
-                }
-                SimFormat::Svg => svg(&report.timeline),
-                SimFormat::Chrome => chrome_trace(&report.timeline),
-            };
-            write_out(output.as_deref(), &text)
+            simulate_cmd(&source, &model, format, output.as_deref(), profile.as_deref())
         }
         ScheduleCmd::Compare { ranks, microbatches, model } => {
             if ranks == 0 || microbatches == 0 {
@@ -437,4 +378,73 @@ pub fn run(cmd: ScheduleCmd) -> Result<()> {
             crate::cmd::emit(&crate::cmd::compare::table(ranks, microbatches, &costs, &memory)?)
         }
     }
+}
+
+/// The schedule `graphpp schedule simulate` runs: `--schedule`'s generated one, or `--file`
+/// read and validated against the shape given.
+fn simulated_schedule(source: &Source, costs: Costs, memory: Memory) -> Result<Schedule> {
+    Ok(match (&source.kind, &source.file) {
+        (Some(k), _) => {
+            let (Some(ranks), Some(m)) = (source.ranks, source.microbatches) else {
+                bail!("--schedule needs --ranks and --microbatches");
+            };
+            let (v, group, cap) = (source.stages_per_rank, source.group, source.mem_cap);
+            generate_spec(*k, ranks, v, m, group, cap, &source.solver, costs, memory)?
+        }
+        (None, Some(f)) => {
+            if source.group.is_some() || source.mem_cap.is_some() || source.solver.solver.is_some() {
+                bail!("--group, --mem-cap and --solver apply to --schedule, not to a schedule --file");
+            }
+            let expected =
+                Expected { ranks: source.ranks, stages: source.stages, microbatches: source.microbatches };
+            read_schedule(f, &expected.options()?)?.0
+        }
+        (None, None) => bail!("give --schedule (with --ranks and --microbatches) or --file"),
+    })
+}
+
+/// Runs `graphpp schedule simulate`: the schedule under the cost model (or a profile's
+/// measured times), printed as text, JSON, SVG or a Chrome trace.
+fn simulate_cmd(
+    source: &Source,
+    model: &CostModel,
+    format: SimFormat,
+    output: Option<&Path>,
+    profile: Option<&Path>,
+) -> Result<()> {
+    let (costs, memory) = model.resolve()?;
+    let s = simulated_schedule(source, costs, memory)?;
+    let profiled = profile.map(Profile::load).transpose()?;
+    let (report, peak_bytes) = match &profiled {
+        Some(p) => {
+            let path = profile.unwrap_or(Path::new(""));
+            p.check(&s, source.kind).with_context(|| format!("--profile {}", path.display()))?;
+            let r = simulate_with(&s, |a| 1e3 * p.duration(a), costs.comm, &memory)?;
+            (r, Some(p.bytes.peak_bytes(&s)?))
+        }
+        None => (simulate(&s, &costs, &memory)?, None),
+    };
+    let text = match format {
+        SimFormat::Text => {
+            let style = GridStyle {
+                color: output.is_none() && std::io::stdout().is_terminal(),
+                ..GridStyle::default()
+            };
+            let bytes = peak_bytes.as_ref().map_or(String::new(), |b| {
+                let each: Vec<String> = b.iter().map(|&x| human_bytes(u128::from(x))).collect();
+                format!("peak memory         {} (bytes, from the profile; times in ms)\n", each.join(" "))
+            });
+            format!("{}{bytes}\n{}", summary(&report), grid(&report.timeline, &style))
+        }
+        SimFormat::Json => {
+            let value = match &peak_bytes {
+                Some(b) => serde_json::json!({ "report": &report, "peak_bytes": b }),
+                None => serde_json::to_value(&report)?,
+            };
+            serde_json::to_string_pretty(&value)? + "\n"
+        }
+        SimFormat::Svg => svg(&report.timeline),
+        SimFormat::Chrome => chrome_trace(&report.timeline),
+    };
+    write_out(output, &text)
 }

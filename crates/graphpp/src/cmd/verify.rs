@@ -16,7 +16,7 @@ use graphpp::strategy::Strategy;
 use graphpp_graph::DType;
 use graphpp_runtime::verify::{
     check_tolerance, compare, data_parallel_step, default_tolerance, single_device_step, verify_step,
-    VerifyError, VerifySetup,
+    VerifyError, VerifyReport, VerifySetup,
 };
 use graphpp_runtime::{SetupError, TrainError};
 use graphpp_schedule::{Kind, Shape};
@@ -178,6 +178,34 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     launch.agree("the command line", graphpp::launch::command_fingerprint(&files))?;
     let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp };
     crate::cmd::set_op_threads(local_ranks, None);
+    let v = a.stages_per_rank.unwrap_or_else(|| kind.default_stages_per_rank());
+    let (setup, name) = setup_of(a, kind, Shape::new(ranks, v, microbatches), dp)?;
+    let tolerance = a.tolerance.unwrap_or_else(|| default_tolerance(a.dtype, a.reference_dtype));
+    let t0 = Instant::now();
+    let r = if launch.world() > 1 {
+        setup.check().map_err(|e| flag_error(a, e))?;
+        // Every process runs its rank; the leader gets the gradients and compares.
+        let Some(pipelined) = data_parallel_step(&setup, launch.comm())? else { return Ok(()) };
+        compare(&pipelined, &single_device_step(&setup)?)?
+    } else {
+        verify_step(&setup).map_err(|e| flag_error(a, e))?
+    };
+    print_report(a, &setup, &name, launch.world(), &r);
+    println!("wall time {:.2} s", t0.elapsed().as_secs_f64());
+    if !r.passes(tolerance) {
+        return Err(AboveTolerance(tolerance).into());
+    }
+    println!("PASS (tolerance {tolerance:e} relative)");
+    Ok(())
+}
+
+/// The setup the flags describe at `shape` with `dp` replicas, and the model's name for the
+/// report (the preset or config path, or the `--init-from` folder).
+///
+/// # Errors
+/// A model config or `--init-from` folder that cannot be read; a bad `--layers`; an unreadable
+/// `--schedule-file`.
+fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(VerifySetup, String)> {
     let (mut model, weights, name) = match &a.init_from {
         Some(dir) => {
             let p = graphpp::pretrained::load(dir).context("--init-from")?;
@@ -193,8 +221,6 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
         model.base_mut().num_hidden_layers = l;
         model.validate().context("--layers")?;
     }
-    let v = a.stages_per_rank.unwrap_or_else(|| kind.default_stages_per_rank());
-    let shape = Shape::new(ranks, v, microbatches);
     let mut setup = VerifySetup::new(model, kind, shape, a.microbatch_size, a.seq_len);
     let t = &mut setup.train;
     t.seed = a.seed;
@@ -209,37 +235,32 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     (t.dtype, t.dp, t.fsdp, t.ep) = (a.dtype, dp, a.fsdp, a.ep);
     setup.weights = weights;
     setup.reference_dtype = a.reference_dtype;
-    let tolerance = a.tolerance.unwrap_or_else(|| default_tolerance(a.dtype, a.reference_dtype));
-    let t0 = Instant::now();
-    let r = if launch.world() > 1 {
-        setup.check().map_err(|e| flag_error(a, e))?;
-        // Every process runs its rank; the leader gets the gradients and compares.
-        let Some(pipelined) = data_parallel_step(&setup, launch.comm())? else { return Ok(()) };
-        compare(&pipelined, &single_device_step(&setup)?)?
-    } else {
-        verify_step(&setup).map_err(|e| flag_error(a, e))?
-    };
-    let layout = match (dp, a.fsdp, launch.world()) {
+    Ok((setup, name))
+}
+
+/// Prints the run's line, both losses and the largest gradient differences.
+fn print_report(a: &VerifyArgs, setup: &VerifySetup, name: &str, world: usize, r: &VerifyReport) {
+    let t = &setup.train;
+    let layout = match (t.dp, t.fsdp, world) {
         (1, _, 1) => String::new(),
         (dp, fsdp, w) => format!(
             " dp={dp}{}{}{}",
             if fsdp { " fsdp" } else { "" },
-            if a.ep > 1 { format!(" ep={}", a.ep) } else { String::new() },
+            if t.ep > 1 { format!(" ep={}", t.ep) } else { String::new() },
             if w > 1 { format!(", {w} processes") } else { String::new() }
         ),
     };
+    let layers = t.model.num_layers();
     println!(
-        "verify {} p={} v={} m={}{layout} (model {}, {} layer{}, B={} T={}, seed {}, {})",
-        kind,
-        ranks,
-        v,
-        microbatches,
-        name,
-        setup.train.model.num_layers(),
-        if setup.train.model.num_layers() == 1 { "" } else { "s" },
-        a.microbatch_size,
-        a.seq_len,
-        a.seed,
+        "verify {} p={} v={} m={}{layout} (model {name}, {layers} layer{}, B={} T={}, seed {}, {})",
+        t.kind,
+        t.shape.ranks,
+        t.shape.stages_per_rank,
+        t.shape.microbatches,
+        if layers == 1 { "" } else { "s" },
+        t.microbatch_size,
+        t.seq_len,
+        t.seed,
         if a.dtype == a.reference_dtype {
             a.dtype.to_string()
         } else {
@@ -256,12 +277,6 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
         r.max_rel,
         r.worst
     );
-    println!("wall time {:.2} s", t0.elapsed().as_secs_f64());
-    if !r.passes(tolerance) {
-        return Err(AboveTolerance(tolerance).into());
-    }
-    println!("PASS (tolerance {tolerance:e} relative)");
-    Ok(())
 }
 
 /// A setup error that names the flag at fault: the data-parallel degree (which defaults to
