@@ -2,6 +2,7 @@
 
 pub mod compare;
 pub mod graph;
+pub mod layout;
 pub mod plan;
 pub mod profile;
 pub mod schedule;

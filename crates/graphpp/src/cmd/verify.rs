@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use graphpp::launch::Launch;
 use graphpp::strategy::Strategy;
@@ -21,34 +21,21 @@ use graphpp_runtime::verify::{
 use graphpp_runtime::{SetupError, TrainError};
 use graphpp_schedule::{Kind, Shape};
 
+use crate::cmd::layout::{LayoutArgs, LAYOUT_FLAGS};
 use crate::cmd::value::count;
 
 /// Arguments of `graphpp verify`.
 #[derive(Args)]
+#[command(
+    mut_arg("schedule", |a| a.required_unless_present("strategy")),
+    mut_arg("ranks", |a| a.required_unless_present("strategy")),
+    mut_arg("microbatches", |a| a.required_unless_present("strategy")),
+    mut_arg("microbatch_size", |a| a.default_value("1").required(false))
+)]
 pub struct VerifyArgs {
-    /// Schedule kind (`1f1b`, `zbv`, `dualpipev`, …; PyTorch class names accepted).
-    #[arg(long, required_unless_present = "strategy")]
-    schedule: Option<Kind>,
-    /// Run the order of a compute-only schedule file (CSV or JSON) that keeps --schedule's
-    /// placement, instead of its generated one.
-    #[arg(long, value_name = "FILE")]
-    schedule_file: Option<PathBuf>,
-    /// grouped-interleaved: consecutive microbatches per chunk (default p).
-    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
-    group: Option<usize>,
-    /// zb-auto, zbv-auto: activation-memory cap per rank in M_B units (default p).
-    #[arg(long, allow_hyphen_values = true)]
-    mem_cap: Option<f64>,
-    /// p: ranks in the pipeline (one thread each; under mpirun, one process each).
-    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, required_unless_present = "strategy")]
-    ranks: Option<usize>,
-    /// v: stages per rank (S = p·v; DualPipe's 2p stages hold two copies of a p-stage split);
-    /// default 2 for interleaved kinds and the V kinds (ZB-V, V-Half, V-Min, DualPipe(V)), else 1.
-    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
-    stages_per_rank: Option<usize>,
-    /// m: microbatches in the step.
-    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, required_unless_present = "strategy")]
-    microbatches: Option<usize>,
+    /// The schedule and the layout (the flags a strategy file stands for).
+    #[command(flatten)]
+    layout: LayoutArgs,
     /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`) or a JSON config file with
     /// Hugging Face field names (DeepSeek-V3 MoE fields make it a MoE model).
     #[arg(long, default_value = "tiny")]
@@ -60,25 +47,6 @@ pub struct VerifyArgs {
     /// is the model and its weights the parameters (excludes --model and --layers).
     #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "layers"])]
     init_from: Option<PathBuf>,
-    /// Decoder layers of each model stage, e.g. `2,1,1` (default: an even split).
-    #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = count::<usize>)]
-    layers_per_stage: Option<Vec<usize>>,
-    /// B: sequences per microbatch (split over the --dp replicas).
-    #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = count::<usize>)]
-    microbatch_size: usize,
-    /// Data-parallel replicas of the pipeline (world = ranks × dp); must divide B. Default: the
-    /// --ep degree (1 without it).
-    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
-    dp: Option<usize>,
-    /// Expert parallelism: each MoE layer's routed experts split over groups of this many
-    /// data-parallel replicas (token dispatch and combine by all-to-all); must divide --dp and
-    /// the routed experts.
-    #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = count::<usize>)]
-    ep: usize,
-    /// FSDP (ZeRO-3) over the --dp replicas (the gradients are then reduce-scattered shards,
-    /// gathered for the comparison).
-    #[arg(long)]
-    fsdp: bool,
     /// T: tokens per sequence.
     #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = count::<usize>)]
     seq_len: usize,
@@ -101,51 +69,8 @@ pub struct VerifyArgs {
     /// --schedule, --schedule-file, --group, --mem-cap, --ranks, --stages-per-rank, --layers-per-stage, --microbatches,
     /// --microbatch-size, --dp, --ep and --fsdp. Its recompute policy and post-validation do not
     /// change the gradients and are not run here.
-    #[arg(long, value_name = "FILE", conflicts_with_all = VERIFY_STRATEGY_FLAGS)]
+    #[arg(long, value_name = "FILE", conflicts_with_all = LAYOUT_FLAGS)]
     strategy: Option<PathBuf>,
-}
-
-/// The flags a strategy file stands for in `verify`.
-const VERIFY_STRATEGY_FLAGS: [&str; 12] = [
-    "schedule",
-    "schedule_file",
-    "group",
-    "mem_cap",
-    "ranks",
-    "stages_per_rank",
-    "layers_per_stage",
-    "microbatches",
-    "microbatch_size",
-    "dp",
-    "ep",
-    "fsdp",
-];
-
-impl VerifyArgs {
-    /// Takes the settings of strategy `s` (the flags it stands for).
-    fn apply_strategy(&mut self, s: &Strategy) {
-        self.schedule = Some(s.order.schedule);
-        self.schedule_file = s.order.file.clone();
-        self.group = s.order.group;
-        self.mem_cap = s.order.mem_cap;
-        self.ranks = Some(s.place.ranks);
-        self.stages_per_rank = Some(s.stages_per_rank());
-        self.layers_per_stage = s.place.layers_per_stage.clone();
-        self.microbatches = Some(s.split.microbatches);
-        self.microbatch_size = s.split.microbatch_size;
-        self.dp = Some(s.dp());
-        self.ep = s.shard.ep;
-        self.fsdp = s.shard.fsdp;
-    }
-
-    /// The schedule kind, ranks and microbatches (clap requires them unless --strategy, which
-    /// sets them).
-    fn step_shape(&self) -> Result<(Kind, usize, usize)> {
-        match (self.schedule, self.ranks, self.microbatches) {
-            (Some(k), Some(p), Some(m)) => Ok((k, p, m)),
-            _ => bail!("--schedule, --ranks and --microbatches are required (or --strategy)"),
-        }
-    }
 }
 
 /// A difference above the tolerance: the step ran, so no rank failed.
@@ -158,7 +83,7 @@ struct AboveTolerance(f64);
 pub fn run(mut a: VerifyArgs) -> Result<()> {
     if let Some(path) = &a.strategy {
         let s = Strategy::load(path)?;
-        a.apply_strategy(&s);
+        a.layout.apply_strategy(&s);
     }
     Launch::run(
         crate::cmd::announce,
@@ -168,17 +93,17 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
 }
 
 fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
-    let (kind, ranks, microbatches) = a.step_shape()?;
+    let (kind, ranks, microbatches) = a.layout.shape()?;
     if let Some(t) = a.tolerance {
         check_tolerance(t)?;
     }
-    let dp = a.dp.unwrap_or(a.ep);
+    let dp = a.layout.dp();
     launch.check_world(ranks, dp)?;
-    let files = crate::cmd::settings_files(&[a.strategy.as_deref(), a.schedule_file.as_deref()]);
+    let files = crate::cmd::settings_files(&[a.strategy.as_deref(), a.layout.schedule_file.as_deref()]);
     launch.agree("the command line", graphpp::launch::command_fingerprint(&files))?;
     let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp };
     crate::cmd::set_op_threads(local_ranks, None);
-    let v = a.stages_per_rank.unwrap_or_else(|| kind.default_stages_per_rank());
+    let v = a.layout.stages_per_rank(kind);
     let (setup, name) = setup_of(a, kind, Shape::new(ranks, v, microbatches), dp)?;
     let tolerance = a.tolerance.unwrap_or_else(|| default_tolerance(a.dtype, a.reference_dtype));
     let t0 = Instant::now();
@@ -221,18 +146,19 @@ fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(Veri
         model.base_mut().num_hidden_layers = l;
         model.validate().context("--layers")?;
     }
-    let mut setup = VerifySetup::new(model, kind, shape, a.microbatch_size, a.seq_len);
+    let l = &a.layout;
+    let mut setup = VerifySetup::new(model, kind, shape, l.microbatch_size, a.seq_len);
     let t = &mut setup.train;
     t.seed = a.seed;
-    t.options.group = a.group;
-    t.options.mem_cap = a.mem_cap;
-    if let Some(path) = &a.schedule_file {
+    t.options.group = l.group;
+    t.options.mem_cap = l.mem_cap;
+    if let Some(path) = &l.schedule_file {
         let given = graphpp::train::read_schedule_file(path)
             .map_err(|e| anyhow::anyhow!("--schedule-file {}: {e}", path.display()))?;
         t.schedule = Some(given);
     }
-    t.layers_per_stage = a.layers_per_stage.clone();
-    (t.dtype, t.dp, t.fsdp, t.ep) = (a.dtype, dp, a.fsdp, a.ep);
+    t.layers_per_stage = l.layers_per_stage.clone();
+    (t.dtype, t.dp, t.fsdp, t.ep) = (a.dtype, dp, l.fsdp, l.ep);
     setup.weights = weights;
     setup.reference_dtype = a.reference_dtype;
     Ok((setup, name))
@@ -282,11 +208,11 @@ fn print_report(a: &VerifyArgs, setup: &VerifySetup, name: &str, world: usize, r
 /// A setup error that names the flag at fault: the data-parallel degree (which defaults to
 /// --ep) or the schedule file; any other error as it is.
 fn flag_error(a: &VerifyArgs, e: VerifyError) -> anyhow::Error {
-    match (e, &a.schedule_file) {
+    match (e, &a.layout.schedule_file) {
         (VerifyError::Train(t), _) => match *t {
             TrainError::BatchNotDivisible { batch, dp } => anyhow::anyhow!(
                 "--dp {dp} does not divide --microbatch-size {batch}: each replica runs B/dp sequences{}",
-                if a.dp.is_none() { " (--dp defaults to --ep)" } else { "" }
+                if a.layout.dp.is_none() { " (--dp defaults to --ep)" } else { "" }
             ),
             t => VerifyError::Train(Box::new(t)).into(),
         },

@@ -8,6 +8,7 @@
 use std::collections::VecDeque;
 use std::path::PathBuf;
 
+use crate::cmd::layout::{LayoutArgs, LAYOUT_FLAGS};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use graphpp::checkpoint::CheckpointError;
@@ -24,7 +25,7 @@ use graphpp::train::{
 use graphpp_models::Recompute;
 use graphpp_models::{Model, ModelConfig};
 use graphpp_runtime::StepReport;
-use graphpp_schedule::{render::chrome_trace, Kind, Timeline};
+use graphpp_schedule::{render::chrome_trace, Timeline};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// `println!` that survives a closed standard output (`graphpp train | head`): the run goes on and
@@ -44,7 +45,16 @@ const TRACE_STEPS: usize = 10;
 
 /// Arguments of `graphpp train`.
 #[derive(Args)]
+#[command(
+    mut_arg("schedule", |a| a.default_value("zbv")),
+    mut_arg("ranks", |a| a.default_value("2")),
+    mut_arg("microbatches", |a| a.default_value("8")),
+    mut_arg("microbatch_size", |a| a.default_value("8").required(false))
+)]
 pub struct TrainArgs {
+    /// The schedule and the layout (the flags a strategy file stands for).
+    #[command(flatten)]
+    pub layout: LayoutArgs,
     /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`) or a JSON config file with
     /// Hugging Face field names (DeepSeek-V3 MoE fields make it a MoE model).
     #[arg(long, default_value = "tiny")]
@@ -56,47 +66,6 @@ pub struct TrainArgs {
     /// the model and its weights the initial parameters (excludes --model and --layers).
     #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "layers"])]
     init_from: Option<PathBuf>,
-    /// Schedule kind (`zbv`, `1f1b`, `dualpipev`, …; PyTorch class names accepted).
-    #[arg(long, default_value = "zbv")]
-    schedule: Kind,
-    /// Follow the order of a compute-only schedule file (CSV or JSON: F, B, I, W, OVERLAP_F_B per
-    /// rank) instead of --schedule's generated one; it must keep --schedule's placement and fit
-    /// --ranks, --stages-per-rank and --microbatches (graphpp lowers it and checks it).
-    #[arg(long, value_name = "FILE")]
-    schedule_file: Option<PathBuf>,
-    /// grouped-interleaved: consecutive microbatches per chunk (default p).
-    #[arg(long, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
-    group: Option<usize>,
-    /// zb-auto, zbv-auto: activation-memory cap per rank in M_B units (default p).
-    #[arg(long, allow_hyphen_values = true)]
-    mem_cap: Option<f64>,
-    /// p: pipeline ranks (one thread each; under mpirun, one process each).
-    #[arg(long, default_value_t = 2, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
-    ranks: usize,
-    /// v: stages per rank; default 2 for interleaved kinds and the V kinds (ZB-V, V-Half, V-Min,
-    /// DualPipe(V)), else 1.
-    #[arg(long, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
-    stages_per_rank: Option<usize>,
-    /// m: microbatches per step.
-    #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
-    microbatches: usize,
-    /// B: sequences per microbatch.
-    #[arg(long, default_value_t = 8, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
-    microbatch_size: usize,
-    /// Data-parallel replicas of the pipeline (world = ranks × dp threads, or processes under
-    /// mpirun); must divide B. Default: the --ep degree (1 without it).
-    #[arg(long, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
-    dp: Option<usize>,
-    /// Expert parallelism: each MoE layer's routed experts split over groups of this many
-    /// data-parallel replicas, which exchange tokens by all-to-all (dispatch and combine);
-    /// must divide --dp and the routed experts.
-    #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
-    ep: usize,
-    /// FSDP (ZeRO-3) over the --dp replicas: parameters, gradients and AdamW state sharded,
-    /// all-gathered before a stage computes (UNSHARD) and reduce-scattered after its last
-    /// backward (REDUCE_GRAD). With --dp 1 the same as without.
-    #[arg(long)]
-    fsdp: bool,
     /// Optimizer post-validation (zero-bubble paper, section 4): each rank takes its AdamW step
     /// while the global gradient norm and the NaN/inf check are reduced, and rolls it back when
     /// they say so (clipping, a non-finite gradient); the results equal the synchronous step.
@@ -105,9 +74,6 @@ pub struct TrainArgs {
     /// T: tokens (bytes) per sequence.
     #[arg(long, default_value_t = 64, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<usize>)]
     seq_len: usize,
-    /// Decoder layers of each model stage, e.g. `2,1,1` (default: an even split).
-    #[arg(long, value_delimiter = ',')]
-    layers_per_stage: Option<Vec<usize>>,
     /// Optimizer steps of the run (the cosine learning-rate schedule ends here).
     #[arg(long, default_value_t = 1500)]
     steps: u64,
@@ -205,7 +171,7 @@ pub struct TrainArgs {
     /// order and recompute stand for --ranks, --stages-per-rank, --layers-per-stage, --dp,
     /// --fsdp, --ep, --microbatches, --microbatch-size, --schedule, --schedule-file, --group,
     /// --mem-cap, --post-validate and --recompute (which it excludes). See --print-strategy.
-    #[arg(long, value_name = "FILE", conflicts_with_all = STRATEGY_FLAGS)]
+    #[arg(long, value_name = "FILE", conflicts_with_all = strategy_flags())]
     strategy: Option<PathBuf>,
     /// Print the strategy of the flags given (or of --strategy) as TOML and exit: the file
     /// --strategy runs the same way.
@@ -216,52 +182,26 @@ pub struct TrainArgs {
     profile: Option<PathBuf>,
 }
 
-/// The flags a strategy file stands for (see [`graphpp::strategy`]).
-const STRATEGY_FLAGS: [&str; 14] = [
-    "schedule",
-    "schedule_file",
-    "group",
-    "mem_cap",
-    "ranks",
-    "stages_per_rank",
-    "layers_per_stage",
-    "microbatches",
-    "microbatch_size",
-    "dp",
-    "ep",
-    "fsdp",
-    "post_validate",
-    "recompute",
-];
+/// The flags a strategy file stands for (see [`graphpp::strategy`]): the layout's, the
+/// optimizer's post-validation and the recompute policy.
+fn strategy_flags() -> Vec<&'static str> {
+    LAYOUT_FLAGS.into_iter().chain(["post_validate", "recompute"]).collect()
+}
 
 impl TrainArgs {
     /// Takes the settings of strategy `s` (the flags it stands for).
     fn apply_strategy(&mut self, s: &Strategy) {
-        self.schedule = s.order.schedule;
-        self.schedule_file = s.order.file.clone();
-        self.group = s.order.group;
-        self.mem_cap = s.order.mem_cap;
+        self.layout.apply_strategy(s);
         self.post_validate = s.order.post_validate;
-        self.ranks = s.place.ranks;
-        self.stages_per_rank = Some(s.stages_per_rank());
-        self.layers_per_stage = s.place.layers_per_stage.clone();
-        self.microbatches = s.split.microbatches;
-        self.microbatch_size = s.split.microbatch_size;
-        self.dp = Some(s.dp());
-        self.fsdp = s.shard.fsdp;
-        self.ep = s.shard.ep;
         self.recompute = s.recompute.policy;
-    }
-
-    /// Data-parallel replicas: `--dp`, else the `--ep` degree.
-    fn dp(&self) -> usize {
-        self.dp.unwrap_or(self.ep)
     }
 
     /// The run's settings. `resumed` is the checkpoint's run when resuming: a flag left at its
     /// default whose default depends on --steps (--warmup) takes the checkpoint's value, so
     /// extending a run with a larger --steps keeps its warm-up.
     fn config(&self, resumed: Option<&RunConfig>) -> Result<RunConfig> {
+        let l = &self.layout;
+        let (kind, ranks, microbatches) = l.shape()?;
         let mut model = match &self.init_from {
             Some(dir) => ModelConfig::Llama(graphpp::pretrained::load_config(dir).context("--init-from")?),
             None => crate::cmd::graph::load_config(&self.model)?,
@@ -283,20 +223,20 @@ impl TrainArgs {
         Ok(RunConfig {
             model_name: self.init_from.as_ref().map_or(self.model.clone(), |d| d.display().to_string()),
             model,
-            kind: self.schedule,
-            schedule_file: self.schedule_file.clone(),
-            group: self.group,
-            mem_cap: self.mem_cap,
-            ranks: self.ranks,
-            stages_per_rank: self.stages_per_rank.unwrap_or_else(|| self.schedule.default_stages_per_rank()),
-            microbatches: self.microbatches,
-            microbatch_size: self.microbatch_size,
-            dp: self.dp(),
-            fsdp: self.fsdp,
-            ep: self.ep,
+            kind,
+            schedule_file: l.schedule_file.clone(),
+            group: l.group,
+            mem_cap: l.mem_cap,
+            ranks,
+            stages_per_rank: l.stages_per_rank(kind),
+            microbatches,
+            microbatch_size: l.microbatch_size,
+            dp: l.dp(),
+            fsdp: l.fsdp,
+            ep: l.ep,
             post_validate: self.post_validate,
             seq_len: self.seq_len,
-            layers_per_stage: self.layers_per_stage.clone(),
+            layers_per_stage: l.layers_per_stage.clone(),
             steps: self.steps,
             lr: self.lr,
             min_lr: self.min_lr.unwrap_or(self.lr / 10.0),
@@ -371,9 +311,11 @@ pub fn run(mut a: TrainArgs) -> Result<()> {
 
 /// The run itself (see [`run`]).
 fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
-    launch.check_world(a.ranks, a.dp())?;
+    let (_, ranks, _) = a.layout.shape()?;
+    let dp = a.layout.dp();
+    launch.check_world(ranks, dp)?;
     let stop = StopRequest::install().context("installing the SIGINT/SIGTERM handlers")?;
-    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { a.ranks * a.dp() };
+    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp };
     let threads = crate::cmd::set_op_threads(local_ranks, a.threads_per_rank.map(|n| n as usize));
     // `_lock` holds the checkpoint folder for the whole run.
     let (mut run, mut metrics, _lock) = start(a, launch)?;
@@ -420,7 +362,7 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
 fn start(a: &TrainArgs, launch: &Launch) -> Result<(Run, MetricsLog, Option<std::fs::File>)> {
     let resume_from = resume_point(a)?;
     let resume_step = resume_from.as_ref().map_or("none".to_string(), |(s, _)| s.to_string());
-    let files = crate::cmd::settings_files(&[a.strategy.as_deref(), a.schedule_file.as_deref()]);
+    let files = crate::cmd::settings_files(&[a.strategy.as_deref(), a.layout.schedule_file.as_deref()]);
     let fingerprint = graphpp::launch::command_fingerprint(&format!("resume from step {resume_step}{files}"));
     launch.agree("the command line or the checkpoint to resume", fingerprint)?;
     let config = a.config(resume_from.as_ref().map(|(_, c)| c))?;

@@ -105,7 +105,7 @@ pub(super) fn print_waits(a: &TrainArgs, fit: &Fit) -> Result<()> {
             String::new()
         }
     );
-    if a.dp() > 1 {
+    if a.layout.dp() > 1 {
         out!(
             "data-parallel gradient reduction: {:.1}% of the step spent waiting for it after the pipeline (median over steps; the rest ran behind compute)",
             100.0 * median(&fit.exposed_reduce)

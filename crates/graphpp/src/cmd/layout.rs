@@ -1,0 +1,121 @@
+//! The flags of a run's layout, shared by `train`, `profile` and `verify`: the schedule, the
+//! pipeline's shape, the layer split, the microbatch size and data/expert parallelism with FSDP
+//! — what a strategy file's directives `place`, `replicate`, `shard`, `split` and `order` stand
+//! for ([`graphpp::strategy`]). Each command sets its own defaults on them (`train`'s run, or
+//! `verify`'s required shape) with clap's `mut_arg`.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use graphpp::strategy::Strategy;
+use graphpp_schedule::Kind;
+
+use crate::cmd::value::count;
+
+/// The layout flags (see the module doc).
+#[derive(Args, Clone, Debug)]
+pub struct LayoutArgs {
+    /// Schedule kind (`zbv`, `1f1b`, `dualpipev`, …; PyTorch class names accepted).
+    #[arg(long)]
+    pub schedule: Option<Kind>,
+    /// Follow the order of a compute-only schedule file (CSV or JSON: F, B, I, W, OVERLAP_F_B per
+    /// rank) instead of --schedule's generated one; it must keep --schedule's placement and fit
+    /// --ranks, --stages-per-rank and --microbatches (graphpp lowers it and checks it).
+    #[arg(long, value_name = "FILE")]
+    pub schedule_file: Option<PathBuf>,
+    /// grouped-interleaved: consecutive microbatches per chunk (default p).
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    pub group: Option<usize>,
+    /// zb-auto, zbv-auto: activation-memory cap per rank in M_B units (default p).
+    #[arg(long, allow_hyphen_values = true)]
+    pub mem_cap: Option<f64>,
+    /// p: pipeline ranks, the pipeline's depth (one thread each; under mpirun, one process
+    /// each); the world is ranks × dp.
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    pub ranks: Option<usize>,
+    /// v: stages per rank (S = p·v; DualPipe's 2p stages hold two copies of a p-stage split);
+    /// default 2 for interleaved kinds and the V kinds (ZB-V, V-Half, V-Min, DualPipe(V)),
+    /// else 1.
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    pub stages_per_rank: Option<usize>,
+    /// Decoder layers of each model stage, e.g. `2,1,1` (default: an even split).
+    #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = count::<usize>)]
+    pub layers_per_stage: Option<Vec<usize>>,
+    /// m: microbatches per step.
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    pub microbatches: Option<usize>,
+    /// B: sequences per microbatch (split over the --dp replicas: each runs B/dp of them).
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    pub microbatch_size: usize,
+    /// Data-parallel replicas of the pipeline (world = ranks × dp threads, or processes under
+    /// mpirun); must divide B. Default: the --ep degree (1 without it).
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    pub dp: Option<usize>,
+    /// Expert parallelism: each MoE layer's routed experts split over groups of this many
+    /// data-parallel replicas, which exchange tokens by all-to-all (dispatch and combine);
+    /// must divide --dp and the routed experts.
+    #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = count::<usize>)]
+    pub ep: usize,
+    /// FSDP (ZeRO-3) over the --dp replicas: parameters, gradients and AdamW state sharded,
+    /// all-gathered before a stage computes (UNSHARD) and reduce-scattered after its last
+    /// backward (REDUCE_GRAD). With --dp 1 the same as without.
+    #[arg(long)]
+    pub fsdp: bool,
+}
+
+/// The ids of [`LayoutArgs`]' flags, which a strategy file stands for (and so excludes).
+pub const LAYOUT_FLAGS: [&str; 12] = [
+    "schedule",
+    "schedule_file",
+    "group",
+    "mem_cap",
+    "ranks",
+    "stages_per_rank",
+    "layers_per_stage",
+    "microbatches",
+    "microbatch_size",
+    "dp",
+    "ep",
+    "fsdp",
+];
+
+impl LayoutArgs {
+    /// Takes the layout of strategy `s` (the flags its directives stand for).
+    pub fn apply_strategy(&mut self, s: &Strategy) {
+        self.schedule = Some(s.order.schedule);
+        self.schedule_file = s.order.file.clone();
+        self.group = s.order.group;
+        self.mem_cap = s.order.mem_cap;
+        self.ranks = Some(s.place.ranks);
+        self.stages_per_rank = Some(s.stages_per_rank());
+        self.layers_per_stage = s.place.layers_per_stage.clone();
+        self.microbatches = Some(s.split.microbatches);
+        self.microbatch_size = s.split.microbatch_size;
+        self.dp = Some(s.dp());
+        self.fsdp = s.shard.fsdp;
+        self.ep = s.shard.ep;
+    }
+
+    /// Data-parallel replicas: `--dp`, else the `--ep` degree.
+    pub fn dp(&self) -> usize {
+        self.dp.unwrap_or(self.ep)
+    }
+
+    /// The schedule kind, ranks and microbatches (a command gives them defaults, or clap
+    /// requires them unless a strategy file sets them).
+    ///
+    /// # Errors
+    /// One of them missing.
+    pub fn shape(&self) -> Result<(Kind, usize, usize)> {
+        match (self.schedule, self.ranks, self.microbatches) {
+            (Some(k), Some(p), Some(m)) => Ok((k, p, m)),
+            _ => bail!("--schedule, --ranks and --microbatches are required (or --strategy)"),
+        }
+    }
+
+    /// v: `--stages-per-rank`, else the kind's default.
+    pub fn stages_per_rank(&self, kind: Kind) -> usize {
+        self.stages_per_rank.unwrap_or_else(|| kind.default_stages_per_rank())
+    }
+}
