@@ -50,20 +50,16 @@ fn main() {
         if let Some(stopped) = e.downcast_ref::<graphpp::stop::Interrupted>() {
             // The leader reports what was saved; the other ranks of a run say nothing.
             if !cmd::is_quiet() {
-                report(&stopped.to_string());
+                cmd::report(&stopped.to_string());
             }
             std::process::exit(stopped.signal.exit_status());
         }
-        report(&format!("error: {}{}", cmd::rank_prefix(), message(&e)));
+        // A rank of a multi-process run wrote its error before it stopped the others.
+        if e.downcast_ref::<cmd::Reported>().is_none() {
+            cmd::report(&cmd::error_line(&e));
+        }
         std::process::exit(1);
     }
-}
-
-/// Writes `line` to standard error in one write, so that the lines of several ranks under
-/// `mpirun` (which merges their standard error) do not interleave.
-fn report(line: &str) {
-    use std::io::Write;
-    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
 
 /// Prints clap's error and exits: status 1 when a value graphpp parses was rejected (`--ranks -1`,
@@ -73,20 +69,4 @@ fn exit_for(e: clap::Error) -> ! {
     let code = if e.kind() == ErrorKind::ValueValidation { 1 } else { e.exit_code() };
     let _ = e.print();
     std::process::exit(code)
-}
-
-/// The error and its causes joined by `: `, skipping a cause whose text the message already
-/// holds (typed errors often print their source themselves).
-fn message(e: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in e.chain() {
-        let c = cause.to_string();
-        if !text.contains(&c) {
-            if !text.is_empty() {
-                text.push_str(": ");
-            }
-            text.push_str(&c);
-        }
-    }
-    text
 }

@@ -12,6 +12,7 @@ pub mod verify;
 
 use std::io::Write;
 
+use graphpp::launch::Launch;
 use graphpp_graph::DType;
 
 /// Parses `--dtype` / `--reference-dtype`: the compute dtype of the stage graphs, `f32` or `bf16`
@@ -126,6 +127,61 @@ pub fn emit(text: &str) -> anyhow::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         other => Ok(other?),
     }
+}
+
+/// Writes `line` to standard error in one write, so that the lines of several ranks under
+/// `mpirun` (which merges their standard error) do not interleave.
+pub fn report(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
+/// `error: [rank N: ]<the error and its causes>`: the line a failed command ends with.
+pub fn error_line(e: &anyhow::Error) -> String {
+    format!("error: {}{}", rank_prefix(), message(e))
+}
+
+/// The error and its causes joined by `: `, skipping a cause whose text the message already
+/// holds (typed errors often print their source themselves).
+fn message(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if !text.contains(&c) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&c);
+        }
+    }
+    text
+}
+
+/// An error a rank has already written to standard error ([`launch`]); `main` exits 1 without
+/// writing it again. Holds the message, which the rank's abort also carries to the others.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Reported(String);
+
+/// Runs `f` under [`Launch::run`] (threads, or this process's rank under `mpirun`). In a run of
+/// several processes a rank that fails writes its error line first and only then tells the
+/// other ranks to stop: their answer (Open MPI's abort) may end this process before `main`
+/// could write it. `benign` errors (a stop on a signal, a verification above tolerance) stop
+/// no one.
+///
+/// # Errors
+/// Those of `f`, the failure written already as [`Reported`].
+pub fn launch(
+    benign: impl Fn(&anyhow::Error) -> bool + Copy,
+    f: impl FnOnce(&Launch) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    Launch::run(announce, benign, |launch| match f(launch) {
+        Err(e) if launch.world() > 1 && !benign(&e) => {
+            report(&error_line(&e));
+            Err(Reported(message(&e)).into())
+        }
+        r => r,
+    })
 }
 
 #[cfg(test)]

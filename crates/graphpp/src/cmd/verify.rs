@@ -85,11 +85,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         let s = Strategy::load(path)?;
         a.layout.apply_strategy(&s);
     }
-    Launch::run(
-        crate::cmd::announce,
-        |e| e.downcast_ref::<AboveTolerance>().is_some(),
-        |launch| verify(&a, launch),
-    )
+    crate::cmd::launch(|e| e.downcast_ref::<AboveTolerance>().is_some(), |launch| verify(&a, launch))
 }
 
 fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {

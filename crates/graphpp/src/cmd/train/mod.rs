@@ -302,11 +302,7 @@ pub fn run(mut a: TrainArgs) -> Result<()> {
         out!("{}", s.to_toml()?.trim_end());
         return Ok(());
     }
-    Launch::run(
-        crate::cmd::announce,
-        |e| e.downcast_ref::<Interrupted>().is_some(),
-        |launch| train(&a, launch),
-    )
+    crate::cmd::launch(|e| e.downcast_ref::<Interrupted>().is_some(), |launch| train(&a, launch))
 }
 
 /// The run itself (see [`run`]).
