@@ -155,6 +155,23 @@ fn compile(a: &PlanArgs, path: &std::path::Path, profile: Option<&Profile>) -> R
     crate::cmd::emit(&text)
 }
 
+/// The cost rates a plan used and where they come from (a profile's fit, or assumed).
+fn speed_text(a: &PlanArgs, req: &PlanRequest, profile: Option<&Profile>) -> String {
+    let rates = format!(
+        "{:.1} GFLOP/s of matmuls, {:.2} GB/s of other work, {} GB/s links",
+        1e-9 / req.speed.seconds_per_flop,
+        1e-9 / req.speed.seconds_per_byte,
+        a.link_gbps
+    );
+    match (profile.filter(|p| p.speed().is_some()), &a.profile) {
+        (Some(p), Some(path)) => {
+            format!("{rates} (fitted to {}: model {}, {} steps)", path.display(), p.model, p.steps)
+        }
+        (None, Some(path)) => format!("{rates} (assumed: {} holds no measured step)", path.display()),
+        _ => format!("{rates} (assumed; no --profile)"),
+    }
+}
+
 /// Runs `graphpp plan`.
 ///
 /// # Errors
@@ -196,19 +213,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     };
     let all = plan(&req)?;
     let fitting = all.iter().filter(|c| c.fits).count();
-    let rates = format!(
-        "{:.1} GFLOP/s of matmuls, {:.2} GB/s of other work, {} GB/s links",
-        1e-9 / req.speed.seconds_per_flop,
-        1e-9 / req.speed.seconds_per_byte,
-        a.link_gbps
-    );
-    let speed = match (profile.as_ref().filter(|p| p.speed().is_some()), &a.profile) {
-        (Some(p), Some(path)) => {
-            format!("{rates} (fitted to {}: model {}, {} steps)", path.display(), p.model, p.steps)
-        }
-        (None, Some(path)) => format!("{rates} (assumed: {} holds no measured step)", path.display()),
-        _ => format!("{rates} (assumed; no --profile)"),
-    };
+    let speed = speed_text(&a, &req, profile.as_ref());
     let mut text = format!(
         "plan: model {}, {ranks} ranks, {} per rank, {} sequences of {} tokens per step; {} strategies, {} fit; costs: {speed}\n",
         a.model,
