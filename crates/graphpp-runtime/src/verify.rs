@@ -149,8 +149,9 @@ impl VerifySetup {
     /// [`TrainSetup::check`]. Returns the compute-only schedule.
     ///
     /// # Errors
-    /// [`VerifyError::Setup`] ([`SetupError::Size`], or the schedule's error); otherwise
-    /// [`VerifyError::Train`] with the setup's error (dp, ep).
+    /// [`VerifyError::Setup`]: [`SetupError::Size`] when the single-device step would be too
+    /// large, or the schedule's error; otherwise [`VerifyError::Train`] with the setup's error
+    /// (dp, ep, or [`crate::TrainError::Size`] for the pipelined step).
     pub fn check(&self) -> Result<Schedule, VerifyError> {
         let t = &self.train;
         check_step(&*t.model, t.kind, &t.shape, t.microbatch_size / t.dp.max(1), t.seq_len, true)

@@ -77,6 +77,7 @@ pub enum FitError {
         /// The step (1-based).
         step: u64,
         /// Why (boxed: a run error is large).
+        #[source]
         error: Box<RunError>,
     },
     /// An evaluation or a checkpoint failed (boxed: a run error is large).
@@ -138,8 +139,8 @@ pub struct Fit {
     pub step_s: Vec<f64>,
     /// With [`FitOptions::profile`]: every step's timeline.
     pub profiled: Vec<Timeline>,
-    /// With [`FitOptions::profile`]: each rank's largest peak bytes over the steps (index =
-    /// world rank).
+    /// With [`FitOptions::profile`]: each pipeline rank's largest peak bytes over the steps
+    /// (index = the rank of replica 0, `0..p`).
     pub peaks: Vec<u64>,
     /// The last validation loss (the leader's; `None` elsewhere).
     pub val_loss: Option<f64>,

@@ -182,9 +182,11 @@ fn one() -> usize {
 }
 
 impl RunConfig {
-    /// Checks the ranges the pipeline and the optimizer need, then the sizes from estimates (before
-    /// the corpus is read or anything is built). Errors: [`RunError::Config`] naming the flag;
-    /// [`RunError::Train`] ([`TrainError::Size`]) when the schedule or the step would be too large.
+    /// Checks the ranges the pipeline and the optimizer need, then the run's setup with
+    /// [`TrainSetup::check`] (dp dividing B, ep, the sizes from estimates, the schedule: all
+    /// before the corpus is read or anything is built). Errors: [`RunError::Config`] naming the
+    /// flag; [`RunError::Train`] ([`TrainError::Size`]) when the schedule or the step would be
+    /// too large, or another setup error.
     pub fn validate(&self) -> Result<(), RunError> {
         let positive = [
             ("--ranks", self.ranks),
@@ -225,9 +227,12 @@ impl RunConfig {
             (Err(TrainError::BatchNotDivisible { batch, dp }), _) => Err(RunError::Config(format!(
                 "--dp {dp} does not divide --microbatch-size {batch}: each replica runs B/dp sequences"
             ))),
-            (Err(TrainError::Setup(SetupError::ScheduleFile(e))), Some(path)) => {
-                Err(RunError::Config(format!("--schedule-file {}: {e}", path.display())))
-            }
+            // The setup's only schedule errors: a given order that does not fit, or the kind
+            // that cannot serve the shape it is checked against.
+            (
+                Err(TrainError::Setup(e @ (SetupError::ScheduleFile(_) | SetupError::Generate(_)))),
+                Some(path),
+            ) => Err(RunError::Config(format!("--schedule-file {}: {e}", path.display()))),
             (r, _) => r.map(|_| ()).map_err(RunError::from),
         }
     }

@@ -168,10 +168,15 @@ impl Kind {
         }
     }
 
-    /// Model stages of the kind at `shape`: the schedule's `S = p·v` stages over the
-    /// [`Kind::model_copies`] copies (DualPipe: `p`).
+    /// Model stages of the kind at `shape`: the schedule's `S = p·v` stages, except where the
+    /// kind holds [`Kind::model_copies`] copies: DualPipe's `2p` stages (v = 2) are two copies of
+    /// a `p`-stage split.
     pub fn model_stages(self, shape: &Shape) -> usize {
-        shape.stages() / self.model_copies()
+        if self.model_copies() > 1 {
+            shape.ranks
+        } else {
+            shape.stages()
+        }
     }
 
     /// The placement the kind uses.

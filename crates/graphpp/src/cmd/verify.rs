@@ -212,8 +212,8 @@ fn flag_error(a: &VerifyArgs, e: VerifyError) -> anyhow::Error {
             ),
             t => VerifyError::Train(Box::new(t)).into(),
         },
-        (VerifyError::Setup(SetupError::ScheduleFile(m)), Some(path)) => {
-            anyhow::anyhow!("--schedule-file {}: {m}", path.display())
+        (VerifyError::Setup(e @ (SetupError::ScheduleFile(_) | SetupError::Generate(_))), Some(path)) => {
+            anyhow::anyhow!("--schedule-file {}: {e}", path.display())
         }
         (e, _) => e.into(),
     }
