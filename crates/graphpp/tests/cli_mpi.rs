@@ -98,6 +98,11 @@ fn processes_log_the_losses_of_threads() {
         c
     });
     assert!(ok, "{mpi_out}\n{e}");
+    // Two processes of one rank and one thread each fit a host of two cores, even when mpirun
+    // binds each to a core of its own (the process then sees one).
+    if graphpp_runtime::kernels::threads::host_cores() >= 2 {
+        assert!(!e.contains("exceed this machine"), "no oversubscription warning:\n{e}");
+    }
     let (a, b) = (losses(&m_mpi), losses(&m_threads));
     assert_eq!(a.len(), 20);
     assert_close(&a, &b, 0.0, "mpirun -n 2 vs threads");

@@ -38,6 +38,16 @@ pub fn rank_pool(rank: usize, threads: usize) -> Result<rayon::ThreadPool, rayon
         .build()
 }
 
+/// The cores this host has online (`sysconf(_SC_NPROCESSORS_ONLN)`), whatever this process is
+/// bound to — under `mpirun`, which binds each process to its own cores, more than
+/// [`std::thread::available_parallelism`] sees; at least 1.
+pub fn host_cores() -> usize {
+    // SAFETY: sysconf reads a system constant; it has no preconditions.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    let own = std::thread::available_parallelism().map_or(1, |n| n.get());
+    usize::try_from(online).ok().filter(|&n| n > 0).unwrap_or(own).max(own)
+}
+
 /// The ranks this host runs in all, every process's (see [`set_host_ranks`]).
 static HOST_RANKS: AtomicUsize = AtomicUsize::new(1);
 

@@ -40,8 +40,9 @@ pub fn parse_compute_dtype(s: &str) -> Result<DType, String> {
 /// ran 2.7× slower (8.1k vs 21.9k tokens/s).
 pub fn set_op_threads(ranks: usize, explicit: Option<usize>) -> usize {
     graphpp_runtime::malloc::retain_freed_memory();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let n = explicit.unwrap_or(cores / ranks.max(1)).max(1);
+    let own = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let host = graphpp_runtime::kernels::threads::host_cores();
+    let n = explicit.unwrap_or_else(|| default_threads(ranks, own, host));
     if explicit.is_some() || std::env::var_os("RAYON_NUM_THREADS").is_none() {
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
@@ -50,10 +51,17 @@ pub fn set_op_threads(ranks: usize, explicit: Option<usize>) -> usize {
     }
     let threads = graphpp_runtime::kernels::threads::op_threads();
     graphpp_runtime::kernels::threads::set_host_ranks(ranks);
-    if let Some(w) = oversubscribed(ranks, threads, cores) {
+    if let Some(w) = oversubscribed(ranks, threads, host) {
         eprintln!("{w}");
     }
     threads
+}
+
+/// Threads per rank when none is asked for: the host's cores shared among its `ranks`, but no
+/// more than the `own` cores this process may run on (under `mpirun`, the cores it is bound to);
+/// at least 1.
+fn default_threads(ranks: usize, own: usize, host: usize) -> usize {
+    (host / ranks.max(1)).min(own).max(1)
 }
 
 /// The warning when `ranks × threads` intra-op threads exceed the machine's `cores`: the ranks'
@@ -194,5 +202,21 @@ mod tests {
         assert_eq!(oversubscribed(1, 2, 2), None);
         let w = oversubscribed(2, 2, 2).unwrap();
         assert!(w.starts_with("warning: 2 ranks × 2 threads per rank exceed this machine's 2 cores"), "{w}");
+        assert!(w.ends_with("lower --threads-per-rank)"), "{w}");
+        let one = oversubscribed(4, 1, 2).unwrap();
+        assert!(one.contains("4 ranks × 1 thread per rank") && !one.contains("--threads-per-rank"), "{one}");
+    }
+
+    /// Under `mpirun` each of 2 processes on a 2-core host is bound to 1 core: 1 thread each,
+    /// and no warning (the host's cores are counted, not the process's); threads of one
+    /// process share all the cores.
+    #[test]
+    fn processes_bound_to_their_cores_are_not_oversubscribed() {
+        assert_eq!(default_threads(2, 1, 2), 1);
+        assert_eq!(oversubscribed(2, default_threads(2, 1, 2), 2), None);
+        assert_eq!(default_threads(1, 16, 16), 16);
+        assert_eq!(default_threads(2, 16, 16), 8);
+        assert_eq!(default_threads(4, 2, 2), 1);
+        assert_eq!(default_threads(2, 4, 16), 4, "no more than the cores this process may use");
     }
 }
