@@ -47,7 +47,7 @@ pub struct LayoutArgs {
     pub microbatches: Option<usize>,
     /// B: sequences per microbatch (split over the --dp replicas: each runs B/dp of them).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
-    pub microbatch_size: usize,
+    pub microbatch_size: Option<usize>,
     /// Data-parallel replicas of the pipeline (world = ranks × dp threads, or processes under
     /// mpirun); must divide B. Default: the --ep degree (1 without it).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
@@ -91,7 +91,7 @@ impl LayoutArgs {
         self.stages_per_rank = Some(s.stages_per_rank());
         self.layers_per_stage = s.place.layers_per_stage.clone();
         self.microbatches = Some(s.split.microbatches);
-        self.microbatch_size = s.split.microbatch_size;
+        self.microbatch_size = Some(s.split.microbatch_size);
         self.dp = Some(s.dp());
         self.fsdp = s.shard.fsdp;
         self.ep = s.shard.ep;
@@ -112,6 +112,12 @@ impl LayoutArgs {
             (Some(k), Some(p), Some(m)) => Ok((k, p, m)),
             _ => bail!("--schedule, --ranks and --microbatches are required (or --strategy)"),
         }
+    }
+
+    /// B: `--microbatch-size`, else (a command without a default for it) one sequence per
+    /// data-parallel replica, dp.
+    pub fn microbatch_size(&self) -> usize {
+        self.microbatch_size.unwrap_or_else(|| self.dp())
     }
 
     /// v: `--stages-per-rank`, else the kind's default.

@@ -30,7 +30,9 @@ use crate::cmd::value::count;
     mut_arg("schedule", |a| a.required_unless_present("strategy")),
     mut_arg("ranks", |a| a.required_unless_present("strategy")),
     mut_arg("microbatches", |a| a.required_unless_present("strategy")),
-    mut_arg("microbatch_size", |a| a.default_value("1").required(false))
+    mut_arg("microbatch_size", |a| {
+        a.help("B: sequences per microbatch, split over the --dp replicas (default: dp, one sequence each)")
+    })
 )]
 pub struct VerifyArgs {
     /// The schedule and the layout (the flags a strategy file stands for).
@@ -143,7 +145,7 @@ fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(Veri
         model.validate().context("--layers")?;
     }
     let l = &a.layout;
-    let mut setup = VerifySetup::new(model, kind, shape, l.microbatch_size, a.seq_len);
+    let mut setup = VerifySetup::new(model, kind, shape, l.microbatch_size(), a.seq_len);
     let t = &mut setup.train;
     t.seed = a.seed;
     t.options.group = l.group;

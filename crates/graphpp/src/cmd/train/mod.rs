@@ -49,7 +49,7 @@ const TRACE_STEPS: usize = 10;
     mut_arg("schedule", |a| a.default_value("zbv")),
     mut_arg("ranks", |a| a.default_value("2")),
     mut_arg("microbatches", |a| a.default_value("8")),
-    mut_arg("microbatch_size", |a| a.default_value("8").required(false))
+    mut_arg("microbatch_size", |a| a.default_value("8"))
 )]
 pub struct TrainArgs {
     /// The schedule and the layout (the flags a strategy file stands for).
@@ -230,7 +230,7 @@ impl TrainArgs {
             ranks,
             stages_per_rank: l.stages_per_rank(kind),
             microbatches,
-            microbatch_size: l.microbatch_size,
+            microbatch_size: l.microbatch_size(),
             dp: l.dp(),
             fsdp: l.fsdp,
             ep: l.ep,
