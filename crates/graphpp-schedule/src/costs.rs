@@ -132,13 +132,14 @@ pub struct CostsParseError {
 impl FromStr for Costs {
     type Err = CostsParseError;
 
-    /// Parses `F=1,B=2,I=1,W=1[,OVERLAP=3][,C=0.1]` (keys case-insensitive, any subset, each at
-    /// most once; the rest keep their defaults, except that a given I and W without B set
-    /// B = I + W). Every value must pass [`check_cost`].
+    /// Parses `F=1,B=2,I=1,W=1[,OVERLAP=3][,C=0.1]`: keys case-insensitive, any non-empty
+    /// subset, each at most once; every value must pass [`check_cost`]. The rest keep their
+    /// defaults, except that the backward's three costs keep B = I + W (B is the full backward,
+    /// I and W its halves): two of them give the third, B alone is split evenly, and three that
+    /// disagree are refused.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let err = |m: String| CostsParseError { text: s.to_string(), message: m };
         let mut c = Costs::default();
-        let mut b_given = false;
         let mut seen: Vec<&'static str> = Vec::new();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (k, v) = part.split_once('=').ok_or_else(|| err(format!("`{part}` is not KEY=VALUE")))?;
@@ -159,20 +160,46 @@ impl FromStr for Costs {
             let v = check_cost(key, v).map_err(|e| err(e.to_string()))?;
             match key {
                 "F" => c.f = v,
-                "B" => {
-                    c.b = v;
-                    b_given = true
-                }
+                "B" => c.b = v,
                 "I" => c.i = v,
                 "W" => c.w = v,
                 "OVERLAP" => c.overlap = Some(v),
                 _ => c.comm = v,
             }
         }
-        if !b_given {
-            c.b = c.i + c.w;
+        if seen.is_empty() {
+            return Err(err("no cost given: give at least one KEY=VALUE".into()));
         }
+        let given = |k: &str| seen.contains(&k);
+        c.backward_halves(given("B"), given("I"), given("W")).map_err(err)?;
         Ok(c)
+    }
+}
+
+impl Costs {
+    /// Makes B = I + W from the ones given (see [`Costs::from_str`]). Errors: a half larger
+    /// than B, or three that disagree beyond rounding, as text.
+    fn backward_halves(&mut self, b: bool, i: bool, w: bool) -> Result<(), String> {
+        let too_large =
+            |half: &str, v: f64| format!("{half}={v} exceeds B={}: B is the full backward, I + W", self.b);
+        match (b, i, w) {
+            (false, _, _) => self.b = self.i + self.w,
+            (true, false, false) => (self.i, self.w) = (self.b / 2.0, self.b / 2.0),
+            (true, true, false) if self.i > self.b => return Err(too_large("I", self.i)),
+            (true, true, false) => self.w = self.b - self.i,
+            (true, false, true) if self.w > self.b => return Err(too_large("W", self.w)),
+            (true, false, true) => self.i = self.b - self.w,
+            (true, true, true) => {
+                let sum = self.i + self.w;
+                if (self.b - sum).abs() > 1e-9 * self.b.max(sum).max(1.0) {
+                    return Err(format!(
+                        "B={} but I + W = {sum}: give two of B, I and W (B = I + W gives the third) or three that agree",
+                        self.b
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -218,9 +245,32 @@ mod tests {
         assert_eq!((c.f, c.b, c.i, c.w, c.overlap()), (1.0, 5.0, 2.0, 3.0, 6.0));
         let c: Costs = "f=2,b=3,c=0.5,overlap=4".parse().unwrap();
         assert_eq!((c.f, c.b, c.comm, c.overlap()), (2.0, 3.0, 0.5, 4.0));
+        assert_eq!((c.i, c.w), (1.5, 1.5), "B alone is split evenly");
         assert!("F=x".parse::<Costs>().unwrap_err().message.contains("not a number"));
         assert!("Q=1".parse::<Costs>().unwrap_err().message.contains("unknown key"));
         assert!("F=-1".parse::<Costs>().is_err());
+    }
+
+    /// B = I + W whichever two are given; a half above B, three that disagree and an empty
+    /// string are refused.
+    #[test]
+    fn the_backward_is_its_two_halves() {
+        let c: Costs = "F=1,B=2,W=1.4".parse().unwrap();
+        assert!((c.i - 0.6).abs() < 1e-12 && c.b == 2.0, "{c}");
+        let c: Costs = "B=3,I=1".parse().unwrap();
+        assert_eq!((c.b, c.i, c.w), (3.0, 1.0, 2.0));
+        let c: Costs = "B=2,I=0.5,W=1.5".parse().unwrap();
+        assert_eq!((c.b, c.i, c.w), (2.0, 0.5, 1.5));
+        for (text, says) in [
+            ("F=1,B=2,W=3", "W=3 exceeds B=2"),
+            ("B=1,I=2", "I=2 exceeds B=1"),
+            ("F=1,B=2,I=1,W=1.4", "B=2 but I + W = 2.4"),
+            ("", "no cost given"),
+            (" , ", "no cost given"),
+        ] {
+            let e = text.parse::<Costs>().unwrap_err();
+            assert!(e.message.contains(says), "{text:?}: {e}");
+        }
     }
 
     #[test]

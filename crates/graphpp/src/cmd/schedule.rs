@@ -89,7 +89,8 @@ pub enum ScheduleCmd {
 /// generators (zb-auto, zbv-auto) build for.
 #[derive(Args, Clone)]
 pub struct CostModel {
-    /// Action costs, e.g. `F=1,B=2,I=1,W=1` (a missing B is I+W; OVERLAP defaults to F+B).
+    /// Action costs, e.g. `F=1,B=2,I=1,W=1` (B = I + W: two of them give the third, B alone is
+    /// split evenly; OVERLAP defaults to F+B).
     #[arg(long, default_value = "F=1,B=2,I=1,W=1")]
     costs: Costs,
     /// Latency c of one cross-rank hop, in cost units (overrides `C=` in --costs; default 0).
