@@ -232,7 +232,11 @@ impl RunConfig {
             (
                 Err(TrainError::Setup(e @ (SetupError::ScheduleFile(_) | SetupError::Generate(_)))),
                 Some(path),
-            ) => Err(RunError::Config(format!("--schedule-file {}: {e}", path.display()))),
+            ) => Err(RunError::Config(format!(
+                "--schedule-file {}: {e} {}",
+                path.display(),
+                order_hint(self.kind)
+            ))),
             (r, _) => r.map(|_| ()).map_err(RunError::from),
         }
     }
@@ -570,6 +574,15 @@ fn describe_difference(saved: &RunConfig, now: &RunConfig) -> String {
 pub fn read_schedule_file(path: &Path) -> Result<Arc<graphpp_schedule::Schedule>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
     Ok(Arc::new(graphpp_schedule::Schedule::parse(&text).map_err(|e| e.to_string())?))
+}
+
+/// What a `--schedule-file` that does not fit must keep, and the way out: the order of one's own
+/// keeps `kind`'s placement and the run's shape, so a file of another kind needs its kind given.
+pub fn order_hint(kind: Kind) -> String {
+    format!(
+        "(the file must be an order of --schedule {kind}: its placement, --ranks, --stages-per-rank and \
+         --microbatches; give the file's own kind with --schedule)"
+    )
 }
 
 /// [`read_schedule_file`] of `--schedule-file`. Errors: [`RunError::Config`] naming it.

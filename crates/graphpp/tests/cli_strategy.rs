@@ -261,6 +261,7 @@ fn schedule_files_run_their_order() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains("--schedule-file") && err.contains(says), "{err}");
+        assert!(err.contains("give the file's own kind with --schedule"), "the way out is named: {err}");
     }
     let out = graphpp()
         .args(["verify", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "1"])

@@ -215,7 +215,8 @@ fn flag_error(a: &VerifyArgs, e: VerifyError) -> anyhow::Error {
             t => VerifyError::Train(Box::new(t)).into(),
         },
         (VerifyError::Setup(e @ (SetupError::ScheduleFile(_) | SetupError::Generate(_))), Some(path)) => {
-            anyhow::anyhow!("--schedule-file {}: {e}", path.display())
+            let hint = a.layout.schedule.map_or(String::new(), graphpp::train::order_hint);
+            anyhow::anyhow!("--schedule-file {}: {e} {hint}", path.display())
         }
         (e, _) => e.into(),
     }
