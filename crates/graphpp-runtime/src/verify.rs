@@ -28,7 +28,7 @@ use graphpp_graph::names::{LOSS, TARGETS, TOKENS};
 use graphpp_graph::{stage_graphs, DType, RecomputePolicy};
 use graphpp_models::rng::Rng;
 use graphpp_models::{split_layers, Model, StageOptions};
-use graphpp_schedule::{lower, Kind, LowerOptions, Options, Schedule, Shape};
+use graphpp_schedule::{lower, Kind, LowerOptions, Options, Shape};
 
 use crate::exec::{run_named, ExecError, RunOptions};
 use crate::kernels::tensor::{tensor_u32, to_f64};
@@ -36,7 +36,6 @@ use crate::pipeline::stage::{sum_by_name, Env, GraphStages, Microbatches};
 use crate::pipeline::{run_pipeline, PipelineError};
 use crate::train::build::{stage_specs, StageBuild};
 use crate::train::error::SetupError;
-use crate::train::memory::check_step;
 use crate::train::setup::TrainSetup;
 
 /// Default tolerance of `graphpp verify`: relative difference (see [`VerifyReport`]) in f32.
@@ -144,20 +143,15 @@ impl VerifySetup {
         VerifySetup { train, weights: None, reference_dtype: DType::F32 }
     }
 
-    /// Every check of the setup that needs no tensor: the size of the single-device step
-    /// (which runs all `m·B` sequences at once, so it is the larger), then
-    /// [`TrainSetup::check`]. Returns the compute-only schedule.
+    /// The setup's checks ([`TrainSetup::check_sized`]), the step's size estimated for the
+    /// single-device step, which runs all `m·B` sequences at once and so is the larger.
     ///
     /// # Errors
-    /// [`VerifyError::Setup`]: [`SetupError::Size`] when the single-device step would be too
-    /// large, or the schedule's error; otherwise [`VerifyError::Train`] with the setup's error
-    /// (dp, ep, or [`crate::TrainError::Size`] for the pipelined step).
-    pub fn check(&self) -> Result<Schedule, VerifyError> {
-        let t = &self.train;
-        check_step(&*t.model, t.kind, &t.shape, t.microbatch_size / t.dp.max(1), t.seq_len, true)
-            .map_err(SetupError::from)?;
-        t.check().map_err(|e| match e {
-            crate::train::TrainError::Setup(e) => VerifyError::Setup(e),
+    /// [`VerifyError::Setup`] ([`SetupError::Size`]) when a step would be too large; otherwise
+    /// [`VerifyError::Train`] with the setup's error (dp, ep).
+    pub fn check(&self) -> Result<(), VerifyError> {
+        self.train.check_sized(true).map_err(|e| match e {
+            crate::train::TrainError::Size(e) => VerifyError::Setup(SetupError::Size(e)),
             e => VerifyError::Train(Box::new(e)),
         })
     }

@@ -223,10 +223,17 @@ impl RunConfig {
                 ByteTokenizer::VOCAB
             )));
         }
-        match (train_setup(self)?.check(), &self.schedule_file) {
-            (Err(TrainError::BatchNotDivisible { batch, dp }), _) => Err(RunError::Config(format!(
-                "--dp {dp} does not divide --microbatch-size {batch}: each replica runs B/dp sequences"
-            ))),
+        let setup = train_setup(self)?;
+        // A given order is checked against its kind here, so that its error names the flag; a
+        // generated schedule is made once, by the trainer.
+        let checked = match &self.schedule_file {
+            Some(_) => setup.compute_schedule().map(drop),
+            None => setup.check(),
+        };
+        match (checked, &self.schedule_file) {
+            (Err(TrainError::BatchNotDivisible { batch, dp }), _) => {
+                Err(RunError::Config(dp_not_dividing(dp, batch)))
+            }
             // The setup's only schedule errors: a given order that does not fit, or the kind
             // that cannot serve the shape it is checked against.
             (
@@ -237,7 +244,7 @@ impl RunConfig {
                 path.display(),
                 order_hint(self.kind)
             ))),
-            (r, _) => r.map(|_| ()).map_err(RunError::from),
+            (r, _) => r.map_err(RunError::from),
         }
     }
 
@@ -574,6 +581,11 @@ fn describe_difference(saved: &RunConfig, now: &RunConfig) -> String {
 pub fn read_schedule_file(path: &Path) -> Result<Arc<graphpp_schedule::Schedule>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
     Ok(Arc::new(graphpp_schedule::Schedule::parse(&text).map_err(|e| e.to_string())?))
+}
+
+/// The refusal of a data-parallel degree that does not divide the microbatch size.
+pub fn dp_not_dividing(dp: usize, batch: usize) -> String {
+    format!("--dp {dp} does not divide --microbatch-size {batch}: each replica runs B/dp sequences")
 }
 
 /// What a `--schedule-file` that does not fit must keep, and the way out: the order of one's own

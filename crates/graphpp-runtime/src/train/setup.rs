@@ -72,34 +72,51 @@ pub struct TrainSetup {
 }
 
 impl TrainSetup {
-    /// Every check of a run's setup that needs no tensor, in one place, cheapest first: dp
-    /// divides the microbatch size, the expert-parallel degree ([`TrainSetup::check_ep`]), the
-    /// step's size from estimates ([`crate::check_step`], before any schedule is generated),
-    /// and the schedule: `kind`'s generated one, or the given order checked against it
-    /// ([`compute_schedule`]). Returns that compute-only schedule.
+    /// Every check of a run's setup that needs neither a tensor nor the schedule, in one place,
+    /// cheapest first: dp divides the microbatch size, the expert-parallel degree
+    /// ([`TrainSetup::check_ep`]), the step's size from estimates ([`crate::check_step`]).
     ///
     /// # Errors
     /// [`TrainError::BatchNotDivisible`] when dp is 0 or does not divide the microbatch size;
     /// [`TrainError::ExpertParallel`]; [`TrainError::Size`] when the schedule or the step would
-    /// be too large; [`TrainError::Setup`] when the kind cannot serve the shape or a given
-    /// order does not fit it ([`SetupError::ScheduleFile`]).
-    pub fn check(&self) -> Result<Schedule, TrainError> {
+    /// be too large.
+    pub fn check(&self) -> Result<(), TrainError> {
+        self.check_sized(false)
+    }
+
+    /// [`TrainSetup::check`], the step's size estimated for one device running every
+    /// microbatch at once when `single_device` (a verification's reference step).
+    ///
+    /// # Errors
+    /// Those of [`TrainSetup::check`].
+    pub fn check_sized(&self, single_device: bool) -> Result<(), TrainError> {
         if self.dp == 0 || !self.microbatch_size.is_multiple_of(self.dp) {
             return Err(TrainError::BatchNotDivisible { batch: self.microbatch_size, dp: self.dp });
         }
         self.check_ep()?;
         let local = self.microbatch_size / self.dp;
-        check_step(&*self.model, self.kind, &self.shape, local, self.seq_len, false)?;
+        check_step(&*self.model, self.kind, &self.shape, local, self.seq_len, single_device)?;
+        Ok(())
+    }
+
+    /// The run's compute-only schedule after [`TrainSetup::check`]: `kind`'s generated one, or
+    /// the given order checked against it ([`compute_schedule`]).
+    ///
+    /// # Errors
+    /// Those of [`TrainSetup::check`]; [`TrainError::Setup`] when the kind cannot serve the
+    /// shape or a given order does not fit it ([`SetupError::ScheduleFile`]).
+    pub fn compute_schedule(&self) -> Result<Schedule, TrainError> {
+        self.check()?;
         Ok(compute_schedule(self.kind, &self.shape, &self.options, self.schedule.as_deref())?)
     }
 
-    /// The lowered schedule of the run (the same on every rank), after [`TrainSetup::check`].
+    /// The lowered schedule of the run (the same on every rank) of
+    /// [`TrainSetup::compute_schedule`].
     ///
     /// # Errors
-    /// Those of [`TrainSetup::check`]; [`TrainError::Setup`] when lowering fails.
+    /// Those of [`TrainSetup::compute_schedule`]; [`TrainError::Setup`] when lowering fails.
     pub fn lowered_schedule(&self) -> Result<Schedule, TrainError> {
-        let compute = self.check()?;
-        Ok(lower(&compute, &self.lower_options()).map_err(SetupError::from)?)
+        Ok(lower(&self.compute_schedule()?, &self.lower_options()).map_err(SetupError::from)?)
     }
 
     /// Checks the expert-parallel degree: a MoE model whose routed experts it divides, a

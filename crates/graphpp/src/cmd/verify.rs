@@ -204,20 +204,25 @@ fn print_report(a: &VerifyArgs, setup: &VerifySetup, name: &str, world: usize, r
 }
 
 /// A setup error that names the flag at fault: the data-parallel degree (which defaults to
-/// --ep) or the schedule file; any other error as it is.
+/// --ep) or the schedule file (whichever step found it); any other error as it is.
 fn flag_error(a: &VerifyArgs, e: VerifyError) -> anyhow::Error {
-    match (e, &a.layout.schedule_file) {
-        (VerifyError::Train(t), _) => match *t {
-            TrainError::BatchNotDivisible { batch, dp } => anyhow::anyhow!(
-                "--dp {dp} does not divide --microbatch-size {batch}: each replica runs B/dp sequences{}",
-                if a.layout.dp.is_none() { " (--dp defaults to --ep)" } else { "" }
-            ),
-            t => VerifyError::Train(Box::new(t)).into(),
+    let setup = match e {
+        VerifyError::Setup(s) => s,
+        VerifyError::Train(t) => match *t {
+            TrainError::Setup(s) => s,
+            TrainError::BatchNotDivisible { batch, dp } => {
+                let default = if a.layout.dp.is_none() { " (--dp defaults to --ep)" } else { "" };
+                return anyhow::anyhow!("{}{default}", graphpp::train::dp_not_dividing(dp, batch));
+            }
+            t => return VerifyError::Train(Box::new(t)).into(),
         },
-        (VerifyError::Setup(e @ (SetupError::ScheduleFile(_) | SetupError::Generate(_))), Some(path)) => {
+        e => return e.into(),
+    };
+    match (setup, &a.layout.schedule_file) {
+        (e @ (SetupError::ScheduleFile(_) | SetupError::Generate(_)), Some(path)) => {
             let hint = a.layout.schedule.map_or(String::new(), graphpp::train::order_hint);
             anyhow::anyhow!("--schedule-file {}: {e} {hint}", path.display())
         }
-        (e, _) => e.into(),
+        (e, _) => VerifyError::Setup(e).into(),
     }
 }
