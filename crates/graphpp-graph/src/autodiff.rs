@@ -10,13 +10,11 @@ use crate::check::{at, check_graph};
 use crate::dtype::TensorType;
 use crate::error::{GraphError, Result};
 use crate::graph::{Graph, Phase, ValueId};
+use crate::names::grad_of;
 use crate::op::{BinaryOp, CollectiveKind, InputKind, Op, UnaryOp};
 
 /// Name of the output that is seeded with gradient 1.
 pub const LOSS: &str = "loss";
-
-/// Name of the gradient of input or output `name` ([`crate::names::grad_of`]).
-pub use crate::names::grad_of as grad_name;
 
 /// Which forward values carry a gradient: float values reachable from float parameter/activation
 /// inputs through differentiable ops.
@@ -61,7 +59,7 @@ pub fn autodiff(fw: &Graph) -> Result<Graph> {
             }
             b.add(Op::Full { value: 1.0, ty }, &[])?
         } else {
-            b.input_typed(&grad_name(&o.name), InputKind::Tangent, ty)?
+            b.input_typed(&grad_of(&o.name), InputKind::Tangent, ty)?
         };
         accumulate(&mut b, &mut grads, o.value, seed)?;
     }
@@ -102,7 +100,7 @@ pub fn autodiff(fw: &Graph) -> Result<Graph> {
                     Some(d) => d,
                     None => b.add(Op::Full { value: 0.0, ty: ty.clone() }, &[])?,
                 };
-                outs.push((grad_name(name), dv));
+                outs.push((grad_of(name), dv));
             }
         }
     }

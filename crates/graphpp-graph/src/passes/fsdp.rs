@@ -7,10 +7,10 @@
 //! `grad.unsharded.<p>` in place of `grad.<p>`; `reduce_grad` takes `grad.unsharded.<p>` (kind
 //! saved) and returns `grad.<p>`.
 
-use crate::autodiff::grad_name;
 use crate::error::Result;
 use crate::extract::Extractor;
 use crate::graph::{Graph, ValueId};
+use crate::names::grad_of;
 use crate::op::{CollectiveKind, InputKind, Op};
 use std::collections::HashMap;
 
@@ -123,7 +123,7 @@ fn split_reduce(bw: &Graph, params: &[String]) -> Result<(Graph, Graph)> {
             Some(&w) => {
                 let s = bw.node(w).inputs[0];
                 let x = bw.node(s).inputs[0];
-                let un = grad_name(&unsharded(
+                let un = grad_of(&unsharded(
                     crate::names::grad_target(&o.name).expect("a moved output is a gradient"),
                 ));
                 b.output(&un, x)?;

@@ -4,10 +4,10 @@
 //! minimum cut by bytes ([`split_di_dw`]); the computed values on it are returned by `bw_di` as
 //! `stash.<n>` outputs and taken by `bw_dw` as `Saved` inputs.
 
-use crate::autodiff::grad_name;
 use crate::error::Result;
 use crate::extract::Extractor;
 use crate::graph::{Graph, ValueId};
+use crate::names::grad_of;
 use crate::names::INPUT;
 use crate::op::{InputKind, Op};
 
@@ -32,9 +32,9 @@ pub struct DiDw {
 /// keeps — `stash.<n>` outputs of `bw_di` for computed values, the `full_bw` inputs W reads.
 /// Under a recompute policy W holds no more than under `save-all`.
 pub fn split_di_dw(full_bw: &Graph) -> Result<Option<DiDw>> {
-    let Some(dinput) = full_bw.output_by_name(&grad_name(INPUT)) else { return Ok(None) };
+    let Some(dinput) = full_bw.output_by_name(&grad_of(INPUT)) else { return Ok(None) };
     let w_outs: Vec<_> =
-        full_bw.outputs.iter().filter(|o| o.value != dinput || o.name != grad_name(INPUT)).collect();
+        full_bw.outputs.iter().filter(|o| o.value != dinput || o.name != grad_of(INPUT)).collect();
     let cut = w_cut(full_bw, dinput, &w_outs.iter().map(|o| o.value).collect::<Vec<_>>());
     let is_input = |v: ValueId| matches!(full_bw.node(v).op, Op::Input { .. });
     let stash: Vec<ValueId> = cut.held.iter().copied().filter(|&v| !is_input(v)).collect();
@@ -52,7 +52,7 @@ pub fn split_di_dw(full_bw: &Graph) -> Result<Option<DiDw>> {
             d.copy(v, None)?;
         }
     }
-    d.output(&grad_name(INPUT), dinput)?;
+    d.output(&grad_of(INPUT), dinput)?;
     for (v, n) in stash.iter().zip(&names) {
         d.output(n, *v)?;
     }

@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use graphpp_graph::autodiff::grad_name;
+use graphpp_graph::names::grad_of;
 use graphpp_graph::names::INPUT;
 use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
 use graphpp_graph::{Graph, InputKind, StageGraphs};
@@ -57,7 +57,7 @@ pub fn stage_bytes(graphs: &StageGraphs) -> StageBytes {
     let (held_iw, run_i, run_w) = match &graphs.di_dw {
         Some((di, dw)) => {
             let mut stash: HashMap<String, u64> =
-                outputs(di).into_iter().filter(|(n, _)| *n != grad_name(INPUT)).collect();
+                outputs(di).into_iter().filter(|(n, _)| *n != grad_of(INPUT)).collect();
             for n in dw_reads.iter().filter(|n| at_i.contains(n)) {
                 stash.entry(n.clone()).or_insert_with(|| size.get(n).copied().unwrap_or(0));
             }
