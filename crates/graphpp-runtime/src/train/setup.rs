@@ -90,9 +90,7 @@ impl TrainSetup {
     /// # Errors
     /// Those of [`TrainSetup::check`].
     pub fn check_sized(&self, single_device: bool) -> Result<(), TrainError> {
-        if self.dp == 0 || !self.microbatch_size.is_multiple_of(self.dp) {
-            return Err(TrainError::BatchNotDivisible { batch: self.microbatch_size, dp: self.dp });
-        }
+        self.check_dp()?;
         self.check_ep()?;
         let local = self.microbatch_size / self.dp;
         check_step(&*self.model, self.kind, &self.shape, local, self.seq_len, single_device)?;
@@ -117,6 +115,18 @@ impl TrainSetup {
     /// Those of [`TrainSetup::compute_schedule`]; [`TrainError::Setup`] when lowering fails.
     pub fn lowered_schedule(&self) -> Result<Schedule, TrainError> {
         Ok(lower(&self.compute_schedule()?, &self.lower_options()).map_err(SetupError::from)?)
+    }
+
+    /// Checks that dp is at least 1 and divides the microbatch size (each replica runs B/dp
+    /// sequences of every microbatch).
+    ///
+    /// # Errors
+    /// [`TrainError::BatchNotDivisible`].
+    pub fn check_dp(&self) -> Result<(), TrainError> {
+        if self.dp == 0 || !self.microbatch_size.is_multiple_of(self.dp) {
+            return Err(TrainError::BatchNotDivisible { batch: self.microbatch_size, dp: self.dp });
+        }
+        Ok(())
     }
 
     /// Checks the expert-parallel degree: a MoE model whose routed experts it divides, a

@@ -278,13 +278,16 @@ fn check_layout(
             comm.world()
         )));
     }
-    if setup.dp != mesh.dp() || setup.dp == 0 || !setup.microbatch_size.is_multiple_of(setup.dp) {
-        return Err(TrainError::BatchNotDivisible { batch: setup.microbatch_size, dp: mesh.dp() });
+    if (mesh.dp(), mesh.ep()) != (setup.dp, setup.ep) {
+        return Err(mismatch(format!(
+            "mesh dp {} ep {} for a run of dp {} ep {}",
+            mesh.dp(),
+            mesh.ep(),
+            setup.dp,
+            setup.ep
+        )));
     }
-    if mesh.ep() != setup.ep {
-        return Err(mismatch(format!("mesh ep {} for a run of ep {}", mesh.ep(), setup.ep)));
-    }
-    Ok(())
+    setup.check_dp()
 }
 
 /// The stages of pipeline position `me` with their initial weights, the graphs' communicator
