@@ -194,9 +194,9 @@ pub fn fit(
                 saved_at = o.checkpoint_dir.as_ref().map(|_| (r.stats.step, e.saved));
             }
         } else {
-            metrics.push(record(run, &r, secs, elapsed, None))?;
+            metrics.push(step_record(run, &r, secs, elapsed, None))?;
         }
-        fit.record(o, start, secs, r);
+        fit.keep(o, start, secs, r);
         // Every process stops after the same step, whichever saw the signal.
         let signal = stop.requested();
         if run.trainer().any(signal.is_some())? {
@@ -213,7 +213,7 @@ pub fn fit(
 
 impl Fit {
     /// Keeps what the summary needs of step `r` (started `start` seconds into the loop).
-    fn record(&mut self, o: &FitOptions, start: f64, secs: f64, r: StepReport) {
+    fn keep(&mut self, o: &FitOptions, start: f64, secs: f64, r: StepReport) {
         self.step_s.push(secs);
         self.boundary_wait_s.push(r.boundary_wait_s.iter().copied().fold(0.0, f64::max));
         self.exposed_reduce.push(r.reduce_wait_s.iter().copied().fold(0.0, f64::max) / secs.max(1e-12));
@@ -230,7 +230,7 @@ impl Fit {
 }
 
 /// The metrics line of step `r`.
-fn record(run: &Run, r: &StepReport, secs: f64, elapsed: f64, val_loss: Option<f64>) -> StepRecord {
+fn step_record(run: &Run, r: &StepReport, secs: f64, elapsed: f64, val_loss: Option<f64>) -> StepRecord {
     let tokens = run.config().tokens_per_step() as f64;
     StepRecord {
         step: r.stats.step,
@@ -276,7 +276,7 @@ fn evaluate(
         }
         return Ok(Some(Evaluated { val_loss: None, saved: None }));
     }
-    let rec = record(run, r, secs, elapsed, val);
+    let rec = step_record(run, r, secs, elapsed, val);
     let (tokens_per_s, flops_per_s) = (rec.tokens_per_s, rec.flops_per_s.unwrap_or(0.0));
     metrics.push(rec)?;
     let Some(val_loss) = val else { return Ok(None) };
