@@ -1,4 +1,5 @@
-//! One forward + full backward of a Llama preset on one stage (all layers, B=2, T=64, f32):
+//! One forward + full backward of a Llama preset on one stage (all layers, B=`--batch`, T=64, in
+//! f32 or in bf16 mixed precision from f32 master weights, `--dtype`):
 //! the interpreter, the compiled executor and — given `--torch PYTHON` — PyTorch eager
 //! (`tools/torch/time_fwbw.py`, same shapes), alternating in rounds in one run, each on every
 //! intra-op thread count of `--threads` (graphpp in a rank pool of that size, as `graphpp train`
@@ -6,7 +7,7 @@
 //! `--runs` runs) and the ratios.
 //!
 //! Run: `cargo run --release -p graphpp-runtime --example fwbw -- [--model small|tiny]
-//! [--threads 1,2] [--rounds R] [--runs K] [--torch /path/to/python]`
+//! [--dtype f32|bf16] [--batch 2] [--threads 1,2] [--rounds R] [--runs K] [--torch /path/to/python]`
 
 mod common;
 
@@ -23,6 +24,8 @@ use std::time::Instant;
 
 struct Args {
     model: String,
+    dtype: graphpp_graph::DType,
+    batch: usize,
     recompute: graphpp_models::Recompute,
     threads: Vec<usize>,
     rounds: usize,
@@ -31,13 +34,15 @@ struct Args {
 }
 
 const USAGE: &str =
-    "fwbw [--model small|tiny] [--recompute pointwise] [--threads 1,2] [--rounds 3] [--runs 10] [--torch PYTHON]";
+    "fwbw [--model small|tiny] [--dtype f32|bf16] [--batch 2] [--recompute pointwise] [--threads 1,2] [--rounds 3] [--runs 10] [--torch PYTHON]";
 
 fn args() -> Args {
     let f = common::Flags::parse(
         USAGE,
         &[
             ("model", "small"),
+            ("dtype", "f32"),
+            ("batch", "2"),
             ("recompute", "pointwise"),
             ("threads", "1,2"),
             ("rounds", "3"),
@@ -49,7 +54,14 @@ fn args() -> Args {
     if let Err(e) = LlamaConfig::preset(&model) {
         f.bad(format!("--model {model}: {e}"));
     }
+    let dtype = match f.text("dtype") {
+        "f32" => graphpp_graph::DType::F32,
+        "bf16" => graphpp_graph::DType::BF16,
+        d => f.bad(format!("--dtype takes f32 or bf16, not {d:?}")),
+    };
     Args {
+        dtype,
+        batch: f.num("batch"),
         threads: f.text("threads").split(',').map(|n| f.positive("threads", n)).collect(),
         rounds: f.num("rounds"),
         runs: f.num("runs"),
@@ -85,6 +97,7 @@ fn time_torch(python: &str, a: &Args, threads: usize) -> f64 {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tools/torch/time_fwbw.py");
     let out = std::process::Command::new(python)
         .args([script, "--model", &a.model, "--runs", &a.runs.to_string(), "--threads", &threads.to_string()])
+        .args(["--dtype", a.dtype.name(), "--batch", &a.batch.to_string()])
         .output()
         .unwrap_or_else(|e| {
             eprintln!("error: cannot run {python}: {e}");
@@ -113,7 +126,7 @@ fn main() {
     std::env::set_var("CANDLE_NUM_THREADS", "1");
     graphpp_runtime::malloc::retain_freed_memory();
     let cfg = LlamaConfig::preset(&a.model).expect("--model tiny or small");
-    let opts = StageOptions::new(2, 64);
+    let opts = StageOptions::mixed(a.batch, 64, a.dtype);
     let (sg, env) = common::whole_model_stage(&cfg, &opts, a.recompute);
     // gemm is asked for the largest count; in a smaller pool its parts run on the pool's threads.
     let pools: Vec<_> = a
@@ -147,7 +160,7 @@ fn main() {
         let (bi, bc, bt) = (best(&i), best(&c), best(&t));
         let (i, c) = (median(i), median(c));
         compiled.push((c, bc));
-        print!("{} fw+full_bw B=2 T=64, {n} thread(s), median (best) of {} rounds: interpreted {i:.1} ({bi:.1}) ms, compiled {c:.1} ({bc:.1}) ms, compiled / interpreted {:.2} ({:.2})", a.model, a.rounds, c / i, bc / bi);
+        print!("{} {} fw+full_bw B={} T=64, {n} thread(s), median (best) of {} rounds: interpreted {i:.1} ({bi:.1}) ms, compiled {c:.1} ({bc:.1}) ms, compiled / interpreted {:.2} ({:.2})", a.model, a.dtype.name(), a.batch, a.rounds, c / i, bc / bi);
         if !t.is_empty() {
             let t = median(t);
             print!(", torch eager {t:.1} ({bt:.1}) ms, compiled / torch {:.2} ({:.2})", c / t, bc / bt);

@@ -2,7 +2,7 @@
 //! graphs and its inputs.
 
 use candle_core::Tensor;
-use graphpp_graph::{stage_graphs, DType, StageGraphs};
+use graphpp_graph::{stage_graphs, StageGraphs};
 use graphpp_models::rng::Rng;
 use graphpp_models::{
     build_stage, init_parameters, split_layers, stage_buffers, LlamaConfig, Recompute, StageOptions,
@@ -85,7 +85,8 @@ impl Flags {
 pub type Env = HashMap<String, Tensor>;
 
 /// The graphs (under `recompute`) of one stage of every layer of `cfg` at `opts`, and every
-/// input of its forward: parameters (seed 0), buffers, and `tokens` / `targets` drawn from seed 1.
+/// input of its forward: parameters (seed 0, f32: the master weights under mixed precision),
+/// buffers (in `opts.dtype`), and `tokens` / `targets` drawn from seed 1.
 pub fn whole_model_stage(cfg: &LlamaConfig, opts: &StageOptions, recompute: Recompute) -> (StageGraphs, Env) {
     let spec = split_layers(cfg.num_hidden_layers, 1, None).unwrap().remove(0);
     let sg = stage_graphs(&build_stage(cfg, &spec, opts).unwrap(), &recompute.policy(&spec)).unwrap();
@@ -94,7 +95,7 @@ pub fn whole_model_stage(cfg: &LlamaConfig, opts: &StageOptions, recompute: Reco
         env.insert(name, Tensor::from_vec(data, shape, &candle_core::Device::Cpu).unwrap());
     }
     for (name, shape, data) in stage_buffers(cfg, opts.seq) {
-        env.insert(name, tensor_from_f64(&data, &shape, DType::F32).unwrap());
+        env.insert(name, tensor_from_f64(&data, &shape, opts.dtype).unwrap());
     }
     let mut rng = Rng::new(1);
     for name in ["tokens", "targets"] {

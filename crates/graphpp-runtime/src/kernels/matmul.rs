@@ -1,6 +1,7 @@
 //! Matrix products on candle CPU tensors: the interpreter's [`matmul`] and the compiled
 //! executor's [`compiled_matmul`], which runs gemm on the operands' own strides with the same bits.
 
+use super::bf16_gemm::{self, Strided};
 use candle_core::{CpuStorage, DType as CDType, Device, Tensor};
 use rayon::prelude::*;
 
@@ -9,6 +10,9 @@ use rayon::prelude::*;
 /// program reads its kept copy ([`crate::exec::transposed`]: the same bits); operands whose layout
 /// candle's matmul cannot take (e.g. a permuted 4-D view) are made contiguous first.
 pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    if let Some(product) = bf16_matmul(a, b, Threads::Pool)? {
+        return Ok(product);
+    }
     let copied;
     let b = if b.rank() >= 2 && b.stride()[b.rank() - 1] != 1 && b.dims()[b.rank() - 1] > 1 {
         copied = b.contiguous()?;
@@ -36,6 +40,9 @@ pub(crate) enum Threads {
 /// its copy; every other product is the interpreter's [`matmul`]. The same bits as [`matmul`]
 /// (`matmul_tests`, `tests/compiled.rs`).
 pub(crate) fn compiled_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<Tensor> {
+    if let Some(product) = bf16_matmul(a, b, threads)? {
+        return Ok(product);
+    }
     // A dim of 1 sends gemm down a path whose sums depend on the strides (a 2 × 3 · 3 × 1
     // product of a transposed lhs differed from its copy's): those are left to `matmul`.
     let (da, db) = (a.dims(), b.dims());
@@ -118,16 +125,7 @@ fn batched_gemm(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result
     };
     let (lhs, rhs) = (&va[la.start_offset()..], &vb[lb.start_offset()..]);
     let (ls, rs) = (la.stride(), lb.stride());
-    // Batch element i's first element in an operand of strides `s`.
-    let offset = |s: &[usize], i: usize| {
-        let mut rest = i;
-        let mut off = 0;
-        for d in (0..r - 2).rev() {
-            off += (rest % batch_dims[d]) * s[d];
-            rest /= batch_dims[d];
-        }
-        off
-    };
+    let offset = |s: &[usize], i: usize| batch_offset(batch_dims, s, i);
     // The last element an operand's strides reach must lie in its storage.
     let reach = |s: &[usize], rows: usize, cols: usize| {
         offset(s, batch - 1) + (rows - 1) * s[r - 2] + (cols - 1) * s[r - 1] + 1
@@ -179,6 +177,88 @@ fn batched_gemm(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result
     unsafe { out.set_len(batch * m * n) };
     drop((sa, sb));
     Tensor::from_vec(out, batch_dims.iter().copied().chain([m, n]).collect::<Vec<_>>(), &Device::Cpu)
+}
+
+/// Batch element `i`'s first element in an operand of batch dims `batch_dims` and strides
+/// `strides` (the batch dims' strides first, then the matrix's two).
+fn batch_offset(batch_dims: &[usize], strides: &[usize], i: usize) -> usize {
+    let mut rest = i;
+    let mut off = 0;
+    for d in (0..batch_dims.len()).rev() {
+        off += (rest % batch_dims[d]) * strides[d];
+        rest /= batch_dims[d];
+    }
+    off
+}
+
+/// A product of bf16 operands of rank 2–4 (batch dims equal, any strides) on the process's bf16
+/// path ([`bf16_gemm::chosen`]): f32 sums rounded to bf16 once. `None` for any other product
+/// (another dtype, ranks or batch dims that differ: candle's matmul takes those).
+///
+/// # Errors
+/// The bf16 path's [`bf16_gemm::PathError`], as a candle error.
+fn bf16_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<Option<Tensor>> {
+    let (da, db) = (a.dims(), b.dims());
+    let r = da.len();
+    let bf16s = a.dtype() == CDType::BF16 && b.dtype() == CDType::BF16;
+    if !bf16s
+        || !(2..=4).contains(&r)
+        || db.len() != r
+        || da[..r - 2] != db[..r - 2]
+        || da[r - 1] != db[r - 2]
+    {
+        return Ok(None);
+    }
+    let path = bf16_gemm::chosen().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let (m, k, n) = (da[r - 2], da[r - 1], db[r - 1]);
+    let batch_dims = &da[..r - 2];
+    let batch: usize = batch_dims.iter().product();
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    let (candle_core::Storage::Cpu(CpuStorage::BF16(va)), candle_core::Storage::Cpu(CpuStorage::BF16(vb))) =
+        (&*sa, &*sb)
+    else {
+        candle_core::bail!("bf16 matmul takes CPU bf16 tensors")
+    };
+    fn operand<'a>(
+        v: &'a [half::bf16],
+        l: &candle_core::Layout,
+        batch_dims: &[usize],
+        i: usize,
+    ) -> Strided<'a> {
+        let (s, r) = (l.stride(), l.stride().len());
+        Strided {
+            data: &v[l.start_offset() + batch_offset(batch_dims, s, i)..],
+            row_stride: s[r - 2],
+            col_stride: s[r - 1],
+        }
+    }
+    let pool = matches!(threads, Threads::Pool);
+    let element = |i: usize, dst: &mut [std::mem::MaybeUninit<half::bf16>], parallel: bool| {
+        bf16_gemm::gemm(
+            path,
+            m,
+            n,
+            k,
+            operand(va, la, batch_dims, i),
+            operand(vb, lb, batch_dims, i),
+            dst,
+            parallel,
+        )
+    };
+    let mut out: Vec<half::bf16> = Vec::with_capacity(batch * m * n);
+    let spare = &mut out.spare_capacity_mut()[..batch * m * n];
+    if m * n > 0 {
+        if batch > 1 && pool && rayon::current_num_threads() > 1 {
+            spare.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst, false));
+        } else {
+            spare.chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst, pool));
+        }
+    }
+    // SAFETY: each batch element's gemm wrote its m × n block (above), and the blocks tile `out`.
+    unsafe { out.set_len(batch * m * n) };
+    drop((sa, sb));
+    Tensor::from_vec(out, da[..r - 1].iter().copied().chain([n]).collect::<Vec<_>>(), &Device::Cpu).map(Some)
 }
 
 /// candle's refusal of operands whose batch dims do not collapse into one stride.

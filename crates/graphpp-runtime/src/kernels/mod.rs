@@ -3,6 +3,7 @@
 //! (docs/ARCHITECTURE.md, "Runtime layers").
 //!
 //! - [`matmul`]: the interpreter's and the compiled executor's matrix products (gemm);
+//! - [`bf16_gemm`]: bf16 products with f32 sums, on AVX-512 BF16 where the CPU has it;
 //! - [`softmax`], [`attention`]: row-wise softmax kernels and fused causal attention;
 //! - [`accumulate`]: gradient accumulators summed in place;
 //! - [`segment`]: the mixture-of-experts routing kernels;
@@ -13,6 +14,7 @@
 
 pub mod accumulate;
 pub mod attention;
+pub mod bf16_gemm;
 pub mod expf;
 pub mod matmul;
 pub mod segment;
