@@ -85,7 +85,7 @@ fn llama_state(cfg: &LlamaConfig, spec: &graphpp_models::StageSpec, opts: &Stage
         env.insert(name, Tensor::from_vec(data, shape, &candle_core::Device::Cpu).unwrap());
     }
     for (name, shape, data) in stage_buffers(cfg, opts.seq) {
-        env.insert(name, tensor_from_f64(&data, &shape, DType::F32).unwrap());
+        env.insert(name, tensor_from_f64(&data, &shape, opts.dtype).unwrap());
     }
     env
 }
@@ -134,6 +134,14 @@ fn grouped_query_llama_graphs_compiled_equal_interpreted() {
 #[test]
 fn small_llama_graphs_compiled_equal_interpreted() {
     check_llama(&LlamaConfig::small(), 2, &StageOptions::new(1, 16));
+}
+
+/// Mixed precision: f32 master weights cast to bf16, bf16 activations and matmuls, f32 norms,
+/// softmax and loss — the casts and the bf16 elementwise chains run in fused groups with the
+/// interpreter's bits.
+#[test]
+fn bf16_llama_graphs_compiled_equal_interpreted() {
+    check_llama(&LlamaConfig::tiny(), 2, &StageOptions::mixed(2, 16, DType::BF16));
 }
 
 #[test]

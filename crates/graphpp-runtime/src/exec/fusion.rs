@@ -1,8 +1,8 @@
 //! Elementwise fusion of the compiled executor (docs/ARCHITECTURE.md "Runtime" → Compiled
 //! executor).
 //!
-//! [`plan`] groups the f32 elementwise nodes of a graph (unary, affine, binary, broadcast,
-//! `full`) into [`FusedGroup`]s: each group has one *anchor* (its last node, the only one whose value
+//! [`plan`] groups the float elementwise nodes of a graph (unary, affine, binary, broadcast,
+//! `full`, and casts between f32 and bf16) into [`FusedGroup`]s: each group has one *anchor* (its last node, the only one whose value
 //! leaves the group) and members whose every reader is in the group, all of the anchor's shape.
 //! [`FusedGroup::eval`] computes the anchor from the group's external operands in one pass over the
 //! output, in blocks of [`BLOCK`] elements held in L1-sized registers: no member value is ever
@@ -13,8 +13,14 @@
 //!
 //! Each member is computed with the same f32 arithmetic, in the same order, as the interpreter's
 //! candle kernel for that op (`v * mul + add` for affine, `1 / (e^(−x) + 1)` for sigmoid,
-//! candle's `erf_f32`), so a fused group's value is bitwise the interpreter's.
+//! candle's `erf_f32`), so a fused group's value is bitwise the interpreter's. A bf16 member is
+//! computed as the interpreter computes a bf16 elementwise op — on its operands widened to f32,
+//! the result rounded to bf16 once ([`crate::exec::kernel`]) — so its register holds f32 values
+//! that are bf16 values, a bf16 operand is widened as it is loaded, and a bf16 anchor is
+//! written as bf16: a mixed-precision chain (RMSNorm's casts, SwiGLU) runs as one pass with no
+//! cast of its own.
 
+use crate::kernels::tensor::{round_bf16, widen_bf16};
 use candle_core::{CpuStorage, Device, Tensor};
 use graphpp_graph::{BinaryOp, DType, Graph, Op, UnaryOp, ValueId};
 use rayon::prelude::*;
@@ -48,6 +54,8 @@ enum Instr {
     Affine { mul: f32, add: f32, x: usize },
     /// `a f b`.
     Binary { f: BinaryOp, a: usize, b: usize },
+    /// `x` rounded to the nearest bf16 (kept as f32): a bf16 member's result.
+    Round { x: usize },
 }
 
 /// A fused elementwise group: computes the value of node `anchor` from `inputs`.
@@ -60,6 +68,8 @@ pub struct FusedGroup {
     /// External operands, in load order.
     pub inputs: Vec<ValueId>,
     shape: Vec<usize>,
+    /// The anchor's dtype (f32 or bf16): what [`FusedGroup::eval`] returns.
+    dtype: DType,
     /// `code[r]` defines register `r`; the last register is the anchor.
     code: Vec<Instr>,
 }
@@ -74,11 +84,30 @@ pub struct Fusion {
     pub member_of: Vec<Option<usize>>,
 }
 
-/// Whether node `i` can be a group member: an f32 elementwise op on f32 operands.
+/// Whether node `i` can be a group member: an f32 or bf16 elementwise op on operands of its
+/// dtype, or a cast between f32 and bf16.
 fn fusible(g: &Graph, i: usize) -> bool {
     let n = &g.nodes[i];
-    let f32s = n.ty.dtype == DType::F32 && n.inputs.iter().all(|x| g.nodes[x.0].ty.dtype == DType::F32);
-    f32s && (n.op.is_pointwise() || matches!(n.op, Op::Broadcast { .. } | Op::Full { .. }))
+    let float = |d: DType| matches!(d, DType::F32 | DType::BF16);
+    let operands = |same: bool| {
+        n.inputs
+            .iter()
+            .all(|x| float(g.nodes[x.0].ty.dtype) && (!same || g.nodes[x.0].ty.dtype == n.ty.dtype))
+    };
+    float(n.ty.dtype)
+        && match n.op {
+            Op::Cast { .. } => operands(false),
+            _ => {
+                operands(true)
+                    && (n.op.is_pointwise() || matches!(n.op, Op::Broadcast { .. } | Op::Full { .. }))
+            }
+        }
+}
+
+/// Whether `op` computes each element from the same element of its operands: pointwise ops and
+/// casts.
+fn elementwise(op: &Op) -> bool {
+    op.is_pointwise() || matches!(op, Op::Cast { .. })
 }
 
 /// Groups the fusible nodes of `g` (module doc). A member other than the anchor has the anchor's
@@ -156,7 +185,7 @@ pub fn plan(g: &Graph) -> Fusion {
 /// docs/PERFORMANCE.md, "Activation recomputation"). (Read only through nodes that all end in
 /// one group — the forward's σ(g), read by g·σ(g) — it is inlined: computed once there.)
 fn inlined(g: &Graph, users: &[Vec<ValueId>], is_output: &[bool]) -> Vec<bool> {
-    let pointwise = |i: usize| g.nodes[i].op.is_pointwise() && fusible(g, i);
+    let pointwise = |i: usize| elementwise(&g.nodes[i].op) && fusible(g, i);
     let cheap = |i: usize| matches!(g.nodes[i].op, Op::Broadcast { .. } | Op::Full { .. }) && fusible(g, i);
     let n = g.nodes.len();
     let mut inline = vec![false; n];
@@ -214,20 +243,29 @@ fn emit(
     for &m in &members {
         let node = &g.nodes[m];
         let ins: Vec<usize> = node.inputs.iter().map(|&x| operand(x, &mut code, &mut reg_of)).collect();
+        let bf16 = node.ty.dtype == DType::BF16;
         let instr = match &node.op {
             Op::Unary { f } => Instr::Unary { f: *f, x: ins[0] },
             Op::Affine { mul, add } => Instr::Affine { mul: *mul as f32, add: *add as f32, x: ins[0] },
             Op::Binary { f } => Instr::Binary { f: *f, a: ins[0], b: ins[1] },
-            // A broadcast member reads its operand with broadcast strides: the load is the value.
-            Op::Broadcast { .. } => {
+            // A broadcast member reads its operand with broadcast strides, and a widening cast's
+            // operand is already widened in its register: the load is the value.
+            Op::Broadcast { .. } | Op::Cast { dtype: DType::F32 } => {
                 reg_of.insert(m, ins[0]);
                 continue;
             }
-            // The interpreter's `zeros + value` (so −0.0 gives +0.0).
+            Op::Cast { .. } => Instr::Round { x: ins[0] },
+            // The interpreter's `zeros + value` (so −0.0 gives +0.0); in bf16, candle's
+            // `bf16::from_f64(value)`.
+            Op::Full { value, .. } if bf16 => Instr::Const { value: half::bf16::from_f64(*value).to_f32() },
             Op::Full { value, .. } => Instr::Const { value: 0.0 + *value as f32 },
             other => unreachable!("{} is not fusible", other.mnemonic()),
         };
+        let rounds = bf16 && node.op.is_pointwise();
         code.push(instr);
+        if rounds {
+            code.push(Instr::Round { x: code.len() - 1 });
+        }
         reg_of.insert(m, code.len() - 1);
     }
     // The anchor's register must be the last: an anchor whose value is an earlier register gets
@@ -236,23 +274,32 @@ fn emit(
     if last + 1 != code.len() {
         code.push(Instr::Affine { mul: 1.0, add: 0.0, x: last });
     }
-    FusedGroup { anchor, members, inputs, shape: g.nodes[anchor].ty.shape.clone(), code }
+    let (shape, dtype) = (g.nodes[anchor].ty.shape.clone(), g.nodes[anchor].ty.dtype);
+    FusedGroup { anchor, members, inputs, shape, dtype, code }
+}
+
+/// An operand's elements: f32, or bf16 (widened as they are loaded).
+#[derive(Clone, Copy)]
+enum Data<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [half::bf16]),
 }
 
 /// An operand as the kernel reads it: its elements and, per (coalesced) output dim, its stride.
 struct Operand<'a> {
-    data: &'a [f32],
+    data: Data<'a>,
     offset: usize,
     strides: Vec<usize>,
 }
 
 impl FusedGroup {
     /// The anchor's value from the external operands `args` (in [`FusedGroup::inputs`] order, f32
-    /// tensors on the CPU of shapes that broadcast to the anchor's). Splits the output over the
+    /// or bf16 tensors on the CPU of shapes that broadcast to the anchor's), in the anchor's
+    /// dtype. Splits the output over the
     /// current rayon pool's threads when it has at least 256k elements (`PARALLEL_MIN`).
     ///
     /// # Errors
-    /// candle's, for an operand that is not a CPU f32 tensor or does not broadcast.
+    /// candle's, for an operand that is not a CPU f32 or bf16 tensor or does not broadcast.
     pub fn eval(&self, args: &[&Tensor]) -> candle_core::Result<Tensor> {
         if args.len() != self.inputs.len() {
             candle_core::bail!(
@@ -265,12 +312,14 @@ impl FusedGroup {
         let guards: Vec<_> = args.iter().map(|t| t.storage_and_layout()).collect();
         let mut ops = Vec::with_capacity(args.len());
         for (t, (storage, layout)) in args.iter().zip(&guards) {
-            let CpuStorage::F32(data) = storage_cpu(storage)? else {
-                candle_core::bail!(
-                    "fused group of node %{}: operand is {:?}, not f32",
+            let data = match storage_cpu(storage)? {
+                CpuStorage::F32(v) => Data::F32(v),
+                CpuStorage::BF16(v) => Data::BF16(v),
+                _ => candle_core::bail!(
+                    "fused group of node %{}: operand is {:?}, not f32 or bf16",
                     self.anchor,
                     t.dtype()
-                )
+                ),
             };
             let strides = broadcast_strides(t.dims(), layout.stride(), &self.shape).ok_or_else(|| {
                 candle_core::Error::Msg(format!(
@@ -302,7 +351,12 @@ impl FusedGroup {
         }
         // SAFETY: `run` wrote every one of the `numel` elements (its blocks tile `out`).
         unsafe { out.set_len(numel) };
-        Tensor::from_vec(out, self.shape.clone(), &Device::Cpu)
+        let t = Tensor::from_vec(out, self.shape.clone(), &Device::Cpu)?;
+        match self.dtype {
+            // The anchor's last instruction rounded every value to a bf16 one: the cast is exact.
+            DType::BF16 => crate::kernels::tensor::cast(&t, candle_core::DType::BF16),
+            _ => Ok(t),
+        }
     }
 
     /// [`FusedGroup::run`] compiled for AVX2 where the CPU has it (8 lanes instead of SSE2's 4; the
@@ -384,19 +438,19 @@ impl FusedGroup {
             let (lo, hi) = regs.split_at_mut(r * BLOCK);
             let d = if r == last { &mut *out } else { &mut hi[..len] };
             let reg = |x: usize| -> &[f32] {
-                match self.code[x] {
-                    Instr::Load { input } if ops[input].contiguous(blk) => {
-                        &ops[input].data[base[input]..base[input] + len]
+                if let Instr::Load { input } = self.code[x] {
+                    if let Some(run) = ops[input].run_in_place(blk, base[input], len) {
+                        return run;
                     }
-                    // SAFETY: register x < r was written in full (`len` elements) by its
-                    // instruction earlier in this block: every instruction but an in-place
-                    // load (handled above) writes all of its `d`.
-                    _ => unsafe { assume_init(&lo[x * BLOCK..x * BLOCK + len]) },
                 }
+                // SAFETY: register x < r was written in full (`len` elements) by its
+                // instruction earlier in this block: every instruction but an in-place load
+                // (handled above) writes all of its `d`.
+                unsafe { assume_init(&lo[x * BLOCK..x * BLOCK + len]) }
             };
             match *instr {
-                // Read in place by its readers unless it is the group's value.
-                Instr::Load { input } if ops[input].contiguous(blk) && r != last => {}
+                // Read in place by its readers unless it is the group's value (or widened).
+                Instr::Load { input } if ops[input].in_place(blk) && r != last => {}
                 Instr::Load { input } => ops[input].load(base[input], blk, d),
                 Instr::Const { value } => d.iter_mut().for_each(|v| {
                     v.write(value);
@@ -404,6 +458,7 @@ impl FusedGroup {
                 Instr::Unary { f, x } => unary(f, reg(x), d),
                 Instr::Affine { mul, add, x } => map(reg(x), d, |x| x * mul + add),
                 Instr::Binary { f, a, b } => binary(f, reg(a), reg(b), d),
+                Instr::Round { x } => map(reg(x), d, |v| widen_bf16(round_bf16(v))),
             }
         }
     }
@@ -441,21 +496,50 @@ impl Operand<'_> {
         col == 1 && (blk.rows == 1 || row == blk.cols)
     }
 
-    /// Copies the block starting at `base` into `d` (every element written).
+    /// Whether the block is read in place: one contiguous run of f32 elements.
+    fn in_place(&self, blk: Block) -> bool {
+        matches!(self.data, Data::F32(_)) && self.contiguous(blk)
+    }
+
+    /// The block's `len` elements from `base`, where it is read in place ([`Operand::in_place`]).
+    #[inline(always)]
+    fn run_in_place(&self, blk: Block, base: usize, len: usize) -> Option<&[f32]> {
+        match self.data {
+            Data::F32(data) if self.contiguous(blk) => Some(&data[base..base + len]),
+            _ => None,
+        }
+    }
+
+    /// Copies the block starting at `base` into `d` (every element written; bf16 widened).
     #[inline(always)]
     fn load(&self, base: usize, blk: Block, d: &mut [MaybeUninit<f32>]) {
-        let (row, col) = self.block_strides(blk);
+        match self.data {
+            Data::F32(data) => Self::copy(data, base, blk, self.block_strides(blk), d, |x| x),
+            Data::BF16(data) => Self::copy(data, base, blk, self.block_strides(blk), d, widen_bf16),
+        }
+    }
+
+    /// [`Operand::load`] of `data` on (row, column) strides, each element through `f`.
+    #[inline(always)]
+    fn copy<T: Copy>(
+        data: &[T],
+        base: usize,
+        blk: Block,
+        (row, col): (usize, usize),
+        d: &mut [MaybeUninit<f32>],
+        f: impl Fn(T) -> f32,
+    ) {
         for (r, out) in d.chunks_mut(blk.cols).enumerate() {
             let b = base + r * row;
             match col {
                 0 => out.iter_mut().for_each(|v| {
-                    v.write(self.data[b]);
+                    v.write(f(data[b]));
                 }),
-                1 => out.iter_mut().zip(&self.data[b..b + blk.cols]).for_each(|(v, &x)| {
-                    v.write(x);
+                1 => out.iter_mut().zip(&data[b..b + blk.cols]).for_each(|(v, &x)| {
+                    v.write(f(x));
                 }),
                 _ => out.iter_mut().enumerate().for_each(|(k, v)| {
-                    v.write(self.data[b + k * col]);
+                    v.write(f(data[b + k * col]));
                 }),
             }
         }
@@ -584,8 +668,8 @@ mod tests {
         let ys: Vec<f32> = (0..40).map(|i| 1.0 + i as f32 * 0.01).collect();
         let ops = || {
             vec![
-                Operand { data: &xs, offset: 0, strides: vec![40, 1] },
-                Operand { data: &ys, offset: 0, strides: vec![0, 1] },
+                Operand { data: Data::F32(&xs), offset: 0, strides: vec![40, 1] },
+                Operand { data: Data::F32(&ys), offset: 0, strides: vec![0, 1] },
             ]
         };
         let (dims, a) = coalesce(&[3, 40], ops());
@@ -613,12 +697,12 @@ mod tests {
     #[test]
     fn coalesce_merges_contiguous_dims_only() {
         let data = [0f32; 24];
-        let contiguous = Operand { data: &data, offset: 0, strides: vec![12, 4, 1] };
+        let contiguous = Operand { data: Data::F32(&data), offset: 0, strides: vec![12, 4, 1] };
         let (dims, ops) = coalesce(&[2, 3, 4], vec![contiguous]);
         assert_eq!((dims, ops[0].strides.clone()), (vec![24], vec![1]));
         // A row broadcast along the middle dim keeps it apart.
-        let a = Operand { data: &data, offset: 0, strides: vec![12, 4, 1] };
-        let b = Operand { data: &data, offset: 0, strides: vec![4, 0, 1] };
+        let a = Operand { data: Data::F32(&data), offset: 0, strides: vec![12, 4, 1] };
+        let b = Operand { data: Data::F32(&data), offset: 0, strides: vec![4, 0, 1] };
         let (dims, ops) = coalesce(&[2, 3, 4], vec![a, b]);
         assert_eq!(dims, vec![2, 3, 4]);
         assert_eq!(ops[1].strides, vec![4, 0, 1]);

@@ -6,15 +6,12 @@ use graphpp_graph::{BinaryOp, Graph, Op, UnaryOp};
 
 use super::{ExecError, ExecResult};
 use crate::kernels::matmul::matmul;
-use crate::kernels::tensor::{candle_dtype, read_f32};
+use crate::kernels::tensor::{candle_dtype, cast, read_f32};
 
 /// σ(x) = 1 / (1 + e^(−x)) in one pass over a contiguous f32/f64 tensor (the same arithmetic as
 /// the four-op form used otherwise: negate, exp, add 1, reciprocal). A bf16 operand is computed
 /// in f32 and rounded to bf16 once, as a GPU kernel does (the four-op form would round four times).
 fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
-    if x.dtype() == CDType::BF16 {
-        return sigmoid(&x.to_dtype(CDType::F32)?)?.to_dtype(CDType::BF16);
-    }
     if x.is_contiguous() && matches!(x.dtype(), CDType::F32 | CDType::F64) {
         x.apply_op1_no_bwd(&SigmoidOp)
     } else {
@@ -99,9 +96,9 @@ fn sum(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tensor> {
     if x.dtype() == CDType::F32 && axis + 1 < x.rank() {
         return sum_rows(x, axis, keepdim);
     }
-    let wide = if x.dtype() == CDType::BF16 { x.to_dtype(CDType::F32)? } else { x.clone() };
+    let wide = if x.dtype() == CDType::BF16 { cast(x, CDType::F32)? } else { x.clone() };
     let s = if keepdim { wide.sum_keepdim(axis)? } else { wide.sum(axis)? };
-    s.to_dtype(x.dtype())
+    cast(&s, x.dtype())
 }
 
 /// The [`ExecError::Kernel`] of node `i`.
@@ -152,7 +149,17 @@ pub(super) fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor]) -> ExecResul
     kernel(op, a, &graph.nodes[i].ty).map_err(|e| kernel_error(graph, i, e))
 }
 
+/// Node `op`'s value from its operands `a`; `ty` is the node's type. A bf16 elementwise op
+/// (unary, affine, binary) runs on its operands widened to f32 and rounds its result to bf16
+/// once, as a GPU's fused kernels and the compiled executor's bf16 groups do
+/// ([`crate::exec::fusion`]): one rule for every such op instead of candle's per-op bf16
+/// arithmetic (its bf16 affine rounds `mul` and `add` to bf16 and rounds twice).
 fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core::Result<Tensor> {
+    if op.is_pointwise() && a.first().is_some_and(|x| x.dtype() == CDType::BF16) {
+        let wide = a.iter().map(|x| cast(x, CDType::F32)).collect::<candle_core::Result<Vec<_>>>()?;
+        let wide: Vec<&Tensor> = wide.iter().collect();
+        return cast(&kernel(op, &wide, ty)?, CDType::BF16);
+    }
     Ok(match op {
         Op::Input { .. } | Op::CollectiveStart { .. } | Op::CollectiveWait => {
             unreachable!("handled by caller")
@@ -171,10 +178,6 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
         },
         Op::Affine { mul, add } => a[0].affine(*mul, *add)?,
         Op::Binary { f: BinaryOp::Eq } => a[0].broadcast_eq(a[1])?.to_dtype(a[0].dtype())?,
-        Op::Binary { f } if a[0].dtype() == CDType::BF16 => {
-            let (x, y) = (a[0].to_dtype(CDType::F32)?, a[1].to_dtype(CDType::F32)?);
-            arithmetic(*f, &x, &y)?.to_dtype(CDType::BF16)?
-        }
         Op::Binary { f } => arithmetic(*f, a[0], a[1])?,
         Op::Sum { axis, keepdim } => sum(a[0], *axis, *keepdim)?,
         Op::Max { axis, keepdim } => {
@@ -221,7 +224,7 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
             crate::kernels::segment::segment_matmul(a[0], a[1], a[2], *transpose)?
         }
         Op::SegmentOuter => crate::kernels::segment::segment_outer(a[0], a[1], a[2])?,
-        Op::Cast { dtype } => a[0].to_dtype(candle_dtype(*dtype))?,
+        Op::Cast { dtype } => cast(a[0], candle_dtype(*dtype))?,
     })
 }
 

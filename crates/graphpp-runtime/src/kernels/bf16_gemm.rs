@@ -19,6 +19,7 @@
 //! Each output's sum runs over `k` in the same order whatever the thread count, so the bits do
 //! not depend on how the work is split.
 
+use super::tensor::{round_bf16, widen_bf16};
 use gemm::Parallelism;
 use half::bf16;
 use std::mem::MaybeUninit;
@@ -171,7 +172,7 @@ pub fn gemm(
 /// An operand widened to f32 (exact), with the strides of the copy: a run that is contiguous
 /// in the source (a row, or a column of a transposed view) stays contiguous.
 fn widen(s: Strided, rows: usize, cols: usize) -> (Vec<f32>, usize, usize) {
-    let wide = |h: &bf16| f32::from_bits((h.to_bits() as u32) << 16);
+    let wide = |h: &bf16| widen_bf16(*h);
     if s.col_stride == 1 {
         let v = (0..rows).flat_map(|i| s.data[i * s.row_stride..][..cols].iter().map(wide)).collect();
         (v, cols, 1)
@@ -182,14 +183,6 @@ fn widen(s: Strided, rows: usize, cols: usize) -> (Vec<f32>, usize, usize) {
         let v = (0..rows).flat_map(|i| (0..cols).map(move |j| wide(&s.at(i, j)))).collect();
         (v, cols, 1)
     }
-}
-
-/// `f32` rounded to the nearest bf16, ties to even, NaN kept quiet: `half`'s `bf16::from_f32`
-/// in a form the compiler vectorises.
-fn round(x: f32) -> bf16 {
-    let b = x.to_bits();
-    let bits = if x.is_nan() { (b >> 16) | 0x40 } else { (b + 0x7FFF + ((b >> 16) & 1)) >> 16 };
-    bf16::from_bits(bits as u16)
 }
 
 /// The widened path: both operands widened to f32, the `gemm` crate's product on their
@@ -232,7 +225,7 @@ fn widened(
         )
     };
     for (o, v) in out.iter_mut().zip(&c) {
-        o.write(round(*v));
+        o.write(round_bf16(*v));
     }
 }
 

@@ -20,7 +20,7 @@ use candle_core::{DType as CDType, Device, Tensor};
 use rayon::prelude::*;
 
 use crate::kernels::expf;
-use crate::kernels::tensor::read_f32;
+use crate::kernels::tensor::{cast, read_f32};
 
 /// Rows are split over the current rayon pool when the tensor has at least this many elements
 /// (as the fused elementwise groups, [`crate::exec::fusion`]).
@@ -45,8 +45,8 @@ pub fn softmax(x: &Tensor, mask: Option<&Tensor>, axis: usize, scale: f64) -> ca
     match x.dtype() {
         CDType::F32 => rows_f32(x, mask, scale),
         CDType::BF16 => {
-            let mask = mask.map(|m| m.to_dtype(CDType::F32)).transpose()?;
-            rows_f32(&x.to_dtype(CDType::F32)?, mask.as_ref(), scale)?.to_dtype(CDType::BF16)
+            let mask = mask.map(|m| cast(m, CDType::F32)).transpose()?;
+            cast(&rows_f32(&cast(x, CDType::F32)?, mask.as_ref(), scale)?, CDType::BF16)
         }
         _ => {
             let z = x.affine(scale, 0.0)?;
@@ -75,8 +75,8 @@ pub fn softmax_backward(y: &Tensor, g: &Tensor, axis: usize, scale: f64) -> cand
     match y.dtype() {
         CDType::F32 => backward_f32(y, g, scale),
         CDType::BF16 => {
-            let (y32, g32) = (y.to_dtype(CDType::F32)?, g.to_dtype(CDType::F32)?);
-            backward_f32(&y32, &g32, scale)?.to_dtype(CDType::BF16)
+            let (y32, g32) = (cast(y, CDType::F32)?, cast(g, CDType::F32)?);
+            cast(&backward_f32(&y32, &g32, scale)?, CDType::BF16)
         }
         _ => {
             let s = (g * y)?.sum_keepdim(axis)?;
@@ -101,7 +101,7 @@ pub fn log_softmax(x: &Tensor, axis: usize) -> candle_core::Result<Tensor> {
     }
     match x.dtype() {
         CDType::F32 => map_rows(x, |_, x, n, y| log_rows(x, n, y)),
-        CDType::BF16 => log_softmax(&x.to_dtype(CDType::F32)?, axis)?.to_dtype(CDType::BF16),
+        CDType::BF16 => cast(&log_softmax(&cast(x, CDType::F32)?, axis)?, CDType::BF16),
         _ => {
             let z = x.broadcast_sub(&x.max_keepdim(axis)?)?;
             let lse = z.exp()?.sum_keepdim(axis)?.log()?;
@@ -124,8 +124,8 @@ pub fn log_softmax_backward(y: &Tensor, g: &Tensor, axis: usize) -> candle_core:
     match y.dtype() {
         CDType::F32 => pair_rows(y, g, log_backward_rows),
         CDType::BF16 => {
-            let (y32, g32) = (y.to_dtype(CDType::F32)?, g.to_dtype(CDType::F32)?);
-            log_softmax_backward(&y32, &g32, axis)?.to_dtype(CDType::BF16)
+            let (y32, g32) = (cast(y, CDType::F32)?, cast(g, CDType::F32)?);
+            cast(&log_softmax_backward(&y32, &g32, axis)?, CDType::BF16)
         }
         _ => g.broadcast_sub(&y.exp()?.broadcast_mul(&g.sum_keepdim(axis)?)?),
     }

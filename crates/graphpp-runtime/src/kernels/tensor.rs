@@ -1,10 +1,12 @@
 //! Conversions between candle CPU tensors and plain data: IR dtypes, f64 and u32 buffers, named
-//! maps, and in-place reads of f32 storage.
+//! maps, in-place reads of f32 storage, and the bf16 ↔ f32 casts.
 
 use std::collections::HashMap;
 
 use candle_core::{CpuStorage, DType as CDType, Device, Tensor};
 use graphpp_graph::DType;
+use half::bf16;
+use rayon::prelude::*;
 
 /// candle dtype of an IR dtype.
 pub fn candle_dtype(d: DType) -> CDType {
@@ -48,4 +50,140 @@ pub fn to_f64(t: &Tensor) -> candle_core::Result<Vec<f64>> {
 /// Named value map from parallel names and tensors.
 pub fn named(names: &[String], tensors: &[Tensor]) -> HashMap<String, Tensor> {
     names.iter().cloned().zip(tensors.iter().cloned()).collect::<HashMap<_, _>>()
+}
+
+/// `x` rounded to the nearest bf16, ties to even, a NaN kept quiet: the bits of `half`'s
+/// `bf16::from_f32` (and so of candle's cast), in a form the compiler vectorises.
+#[inline(always)]
+pub fn round_bf16(x: f32) -> bf16 {
+    let b = x.to_bits();
+    let bits = if x.is_nan() { (b >> 16) | 0x40 } else { (b + 0x7FFF + ((b >> 16) & 1)) >> 16 };
+    bf16::from_bits(bits as u16)
+}
+
+/// `x` as f32 (exact: a bf16 is an f32's high half).
+#[inline(always)]
+pub fn widen_bf16(x: bf16) -> f32 {
+    f32::from_bits((x.to_bits() as u32) << 16)
+}
+
+/// Elements per part when a cast is split over the rank's pool.
+const CAST_PART: usize = 1 << 15;
+
+/// `t` in `dtype`: candle's `to_dtype`, with the bits candle gives, but a contiguous bf16 → f32
+/// or f32 → bf16 cast runs as one vectorised loop (split over the current pool for large
+/// tensors) instead of candle's per-element conversion (a quarter of a bf16 `train` step in
+/// `perf`: docs/PERFORMANCE.md, "bf16").
+///
+/// # Errors
+/// candle's, from `to_dtype`.
+pub fn cast(t: &Tensor, dtype: CDType) -> candle_core::Result<Tensor> {
+    let pair = (t.dtype(), dtype);
+    if !t.is_contiguous() || !matches!(pair, (CDType::BF16, CDType::F32) | (CDType::F32, CDType::BF16)) {
+        return t.to_dtype(dtype);
+    }
+    let n = t.elem_count();
+    let (storage, layout) = t.storage_and_layout();
+    let range = layout.start_offset()..layout.start_offset() + n;
+    let out = match &*storage {
+        candle_core::Storage::Cpu(CpuStorage::BF16(v)) => {
+            Tensor::from_vec(map(&v[range], widen_bf16), t.shape(), &Device::Cpu)
+        }
+        candle_core::Storage::Cpu(CpuStorage::F32(v)) => {
+            Tensor::from_vec(map(&v[range], round_bf16), t.shape(), &Device::Cpu)
+        }
+        _ => {
+            drop(storage);
+            return t.to_dtype(dtype);
+        }
+    };
+    out
+}
+
+/// `f` of every element of `x`, in parts over the current pool when `x` is long.
+fn map<A: Copy + Sync, B: Copy + Send>(x: &[A], f: impl Fn(A) -> B + Sync) -> Vec<B> {
+    let mut out: Vec<B> = Vec::with_capacity(x.len());
+    let spare = &mut out.spare_capacity_mut()[..x.len()];
+    let part = |(d, s): (&mut [std::mem::MaybeUninit<B>], &[A])| {
+        for (d, s) in d.iter_mut().zip(s) {
+            d.write(f(*s));
+        }
+    };
+    if x.len() > CAST_PART && rayon::current_num_threads() > 1 {
+        spare.par_chunks_mut(CAST_PART).zip(x.par_chunks(CAST_PART)).for_each(part);
+    } else {
+        part((spare, x));
+    }
+    // SAFETY: every element of the spare capacity was written above.
+    unsafe { out.set_len(x.len()) };
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fast casts give candle's bits: ties to even both ways, the carry into the exponent,
+    /// overflow, subnormals, infinities, NaNs and random patterns; a strided view and an offset
+    /// view too; and f32 → bf16 → f32 is exact on bf16 values.
+    #[test]
+    fn casts_give_candles_bits() {
+        let mut bits: Vec<u32> = vec![
+            0x3F80_8000,
+            0x3F81_8000,
+            0x3F80_8001,
+            0x3F7F_FFFF,
+            0x7F7F_FFFF,
+            0xFF7F_FFFF,
+            0x0000_8000,
+            0x0001_8000,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7FC0_0001,
+            0xFF80_0001,
+            0x7F80_0001,
+            0,
+            0x8000_0000,
+        ];
+        let mut s = 0x2545_F491_4F6C_DD1Du64;
+        bits.extend((0..(CAST_PART * 2 + 5)).map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 32) as u32
+        }));
+        let xs: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        let t = Tensor::from_vec(xs, bits.len(), &Device::Cpu).unwrap();
+        let pool = crate::kernels::threads::rank_pool(0, 2).unwrap();
+        for view in [
+            t.clone(),
+            t.narrow(0, 3, 1000).unwrap(),
+            t.narrow(0, 0, 1000).unwrap().reshape((10, 100)).unwrap().t().unwrap(),
+        ] {
+            let want = view.to_dtype(CDType::BF16).unwrap();
+            let got = pool.install(|| cast(&view, CDType::BF16)).unwrap();
+            let u16s = |x: &Tensor| {
+                x.flatten_all()
+                    .unwrap()
+                    .to_vec1::<bf16>()
+                    .unwrap()
+                    .iter()
+                    .map(|h| h.to_bits())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(u16s(&got), u16s(&want));
+            let back = pool.install(|| cast(&got, CDType::F32)).unwrap();
+            let u32s = |x: &Tensor| {
+                x.flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|f| f.to_bits())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(u32s(&back), u32s(&want.to_dtype(CDType::F32).unwrap()));
+            assert_eq!(got.dims(), view.dims());
+        }
+    }
 }

@@ -56,6 +56,7 @@ use candle_core::{DType as CDType, Device, Tensor};
 use rayon::prelude::*;
 
 use crate::kernels::softmax::{max, softmax, softmax_backward, sum};
+use crate::kernels::tensor::cast;
 use product::{product, Mat, Out, MR};
 
 /// Query rows per tile.
@@ -632,7 +633,7 @@ fn backward_in(x: Head, c: &Ctx, d: Grads, scratch: &mut Scratch) {
 /// product in q's.
 fn probabilities(q: &Tensor, k: &Tensor, mask: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
     let s = crate::kernels::matmul::matmul(q, &k.t()?)?;
-    softmax(&s.to_dtype(mask.dtype())?, Some(mask), 3, scale)
+    softmax(&cast(&s, mask.dtype())?, Some(mask), 3, scale)
 }
 
 /// `x` `[B, KV, T, E]` with each key/value head repeated for its `heads / KV` query heads:
@@ -673,7 +674,7 @@ pub fn composition(
 ) -> candle_core::Result<Tensor> {
     let heads = q.dims().get(1).copied().unwrap_or(0);
     let (k, v) = (repeat_kv(k, heads)?, repeat_kv(v, heads)?);
-    let p = probabilities(q, &k, mask, scale)?.to_dtype(q.dtype())?;
+    let p = cast(&probabilities(q, &k, mask, scale)?, q.dtype())?;
     crate::kernels::matmul::matmul(&p, &v)
 }
 
@@ -695,10 +696,10 @@ pub fn composition_backward(
     let (heads, kv) = (q.dims().get(1).copied().unwrap_or(0), k.dims().get(1).copied().unwrap_or(0));
     let (k, v) = (repeat_kv(k, heads)?, repeat_kv(v, heads)?);
     let wide = probabilities(q, &k, mask, scale)?;
-    let p = wide.to_dtype(q.dtype())?;
+    let p = cast(&wide, q.dtype())?;
     let dv = sum_kv(&matmul(&p.t()?, g)?, kv)?;
-    let dp = matmul(g, &v.t()?)?.to_dtype(wide.dtype())?;
-    let ds = softmax_backward(&wide, &dp, 3, scale)?.to_dtype(q.dtype())?;
+    let dp = cast(&matmul(g, &v.t()?)?, wide.dtype())?;
+    let ds = cast(&softmax_backward(&wide, &dp, 3, scale)?, q.dtype())?;
     let dq = matmul(&ds, &k)?;
     let dk = sum_kv(&matmul(&ds.t()?, q)?, kv)?;
     Tensor::cat(&[dq, dk, dv], 1)
