@@ -43,9 +43,9 @@
 //! visible. A row that sees no key spans every key (its softmax is over all of
 //! them, as the composition's).
 //!
-//! Other dtypes (bf16, f64) run the composition — `q kᵀ`, softmax in the wide dtype
-//! ([`crate::kernels::softmax`]), `P v` — which is also the reference the f32 kernels are tested
-//! against (`tests` below); `tests/vjp_fd.rs` checks that composition's gradients (f64) by
+//! bf16 runs the f32 kernels on its values widened, each result rounded to bf16 once. f64 runs
+//! the composition — `q kᵀ`, softmax in the wide dtype ([`crate::kernels::softmax`]), `P v` —
+//! which is also the reference the f32 kernels are tested against (`tests` below); `tests/vjp_fd.rs` checks that composition's gradients (f64) by
 //! finite differences.
 
 mod product;
@@ -68,7 +68,9 @@ pub const HIDDEN: f32 = -1e8;
 
 /// `softmax(scale · q kᵀ + mask) v` ([`graphpp_graph::Op::Attention`]): q `[B, H, T, E]`, k, v
 /// `[B, KV, T, E]` (query head `h` reads key/value head `h / (H / KV)`), mask `[T, T]` of q's
-/// wide dtype → `[B, H, T, E]`.
+/// wide dtype → `[B, H, T, E]`. bf16 q, k, v run the f32 kernel on their values widened and
+/// the output is rounded to bf16 once — f32 math inside, as FlashAttention's bf16 kernels keep
+/// the scores and the softmax in f32; f64 runs the [`composition`].
 ///
 /// # Errors
 /// candle's, for shapes other than those or a dtype other than f32, bf16 and f64.
@@ -80,6 +82,10 @@ pub fn attention(
     scale: f64,
 ) -> candle_core::Result<Tensor> {
     let sizes = Sizes::of(q, k, v, mask)?;
+    if q.dtype() == CDType::BF16 {
+        let [q, k, v, mask] = widened([q, k, v, mask])?;
+        return cast(&attention(&q, &k, &v, &mask, scale)?, CDType::BF16);
+    }
     if q.dtype() != CDType::F32 {
         return composition(q, k, v, mask, scale);
     }
@@ -109,7 +115,8 @@ pub fn attention(
 /// has work at B = 1 under grouped-query attention too: a group's first query head writes its
 /// key/value head's dk and dv, the others partials of their own, which are then added in
 /// query-head order ([`sum_partials`]) — the bits of the kernel run on k and v repeated per
-/// query head, summed per group.
+/// query head, summed per group. bf16 operands run the f32 kernel on their values widened and
+/// the gradients are rounded to bf16 once ([`attention`]'s rule).
 ///
 /// # Errors
 /// candle's, for shapes other than those or a dtype other than f32, bf16 and f64.
@@ -130,6 +137,10 @@ pub fn attention_backward(
             g.dims(),
             q.dims()
         )
+    }
+    if q.dtype() == CDType::BF16 {
+        let [q, k, v, mask, o, g] = widened([q, k, v, mask, o, g])?;
+        return cast(&attention_backward(&q, &k, &v, &mask, &o, &g, scale)?, CDType::BF16);
     }
     if q.dtype() != CDType::F32 {
         return composition_backward(q, k, v, mask, g, scale);
@@ -627,6 +638,15 @@ fn backward_in(x: Head, c: &Ctx, d: Grads, scratch: &mut Scratch) {
             product((cols, e, rows), dk, true, dst, qi, |ks, _| seen_by[ks.start / MR].clone());
         }
     }
+}
+
+/// `N` tensors widened to f32 (exact; an f32 one is kept).
+fn widened<const N: usize>(ts: [&Tensor; N]) -> candle_core::Result<[Tensor; N]> {
+    let mut out = Vec::with_capacity(N);
+    for t in ts {
+        out.push(cast(t, CDType::F32)?);
+    }
+    Ok(out.try_into().unwrap_or_else(|_| unreachable!("N tensors in, N out")))
 }
 
 /// The softmax `P = softmax(scale · q kᵀ + mask)` `[B, H, T, T]` in the mask's (wide) dtype, the

@@ -257,3 +257,36 @@ fn bad_shapes_are_errors() {
     assert!(attention(&c.q, &c.k, &c.v, &causal(7), 1.0).is_err());
     assert!(attention_backward(&c.q, &c.k, &c.v, &c.mask, &short, &c.g, 1.0).is_err());
 }
+
+/// bf16 q, k, v, g: within bf16 rounding of the f64 composition of the same (bf16) values,
+/// forward and backward — the scores and the softmax in f32, each result rounded once — and
+/// closer to it than the bf16 composition (which rounds the probabilities to bf16 before
+/// `P v`).
+#[test]
+fn bf16_runs_the_f32_kernel_and_rounds_once() {
+    let (b, h, t, e) = (2, 3, BK + 36, 16);
+    let c = case(b, h, t, e, causal(t));
+    let half = |x: &Tensor| x.to_dtype(CDType::BF16).unwrap();
+    let f64 = |x: &Tensor| x.to_dtype(CDType::F64).unwrap();
+    let (q, k, v, g) = (half(&c.q), half(&c.k), half(&c.v), half(&c.g));
+    let scale = 1.0 / (e as f64).sqrt();
+    let o = attention(&q, &k, &v, &c.mask, scale).unwrap();
+    assert_eq!(o.dtype(), CDType::BF16);
+    let want = composition(&f64(&q), &f64(&k), &f64(&v), &f64(&c.mask), scale).unwrap();
+    let err = relative(&o, &want);
+    assert!(err < 2f64.powi(-8), "forward: {err:e}");
+    let old = composition(&q, &k, &v, &c.mask, scale).unwrap();
+    assert!(
+        err < relative(&old, &want),
+        "forward: {err:e} vs the bf16 composition's {:e}",
+        relative(&old, &want)
+    );
+    let d = attention_backward(&q, &k, &v, &c.mask, &o, &g, scale).unwrap();
+    assert_eq!(d.dtype(), CDType::BF16);
+    let want = composition_backward(&f64(&q), &f64(&k), &f64(&v), &f64(&c.mask), &f64(&g), scale).unwrap();
+    for (i, at) in [0, h, 2 * h].into_iter().enumerate() {
+        let err = relative(&d.narrow(1, at, h).unwrap(), &want.narrow(1, at, h).unwrap());
+        // The backward reads the rounded output o: a few bf16 ulps.
+        assert!(err < 2f64.powi(-6), "gradient {i}: {err:e}");
+    }
+}
