@@ -332,37 +332,47 @@ impl FusedGroup {
             ops.push(Operand { data, offset: layout.start_offset(), strides });
         }
         let (dims, ops) = coalesce(&self.shape, ops);
+        let shape = self.shape.clone();
+        match self.dtype {
+            DType::BF16 => Tensor::from_vec(self.fill(&dims, &ops, |o| Out::BF16(o)), shape, &Device::Cpu),
+            _ => Tensor::from_vec(self.fill(&dims, &ops, |o| Out::F32(o)), shape, &Device::Cpu),
+        }
+    }
+
+    /// Every output element, in a vector of `T` that `wrap` views as an [`Out`]: split over the
+    /// current pool's threads for a large group (`PARALLEL_MIN`).
+    fn fill<T: Send>(
+        &self,
+        dims: &[usize],
+        ops: &[Operand],
+        wrap: impl for<'o> Fn(&'o mut [MaybeUninit<T>]) -> Out<'o> + Sync,
+    ) -> Vec<T> {
         let numel: usize = self.shape.iter().product();
         let threads = rayon::current_num_threads();
         // Not zeroed: every element is written once. Zeroing first is a pass over the output:
         // under an allocator whose blocks come back cold (glibc's) it pays for itself as a fast
         // fill ahead of the writes, but mimalloc's blocks come back hot (`crate::malloc`) and
         // the pass is pure cost (measured: docs/PERFORMANCE.md, "Fused elementwise groups").
-        let mut out: Vec<f32> = Vec::with_capacity(numel);
+        let mut out: Vec<T> = Vec::with_capacity(numel);
         let spare = &mut out.spare_capacity_mut()[..numel];
         if threads > 1 && numel >= PARALLEL_MIN {
             let chunk = numel.div_ceil(threads).next_multiple_of(BLOCK);
             spare
                 .par_chunks_mut(chunk)
                 .enumerate()
-                .for_each(|(c, o)| self.dispatch(&dims, &ops, c * chunk, o));
+                .for_each(|(c, o)| self.dispatch(dims, ops, c * chunk, wrap(o)));
         } else {
-            self.dispatch(&dims, &ops, 0, spare);
+            self.dispatch(dims, ops, 0, wrap(spare));
         }
         // SAFETY: `run` wrote every one of the `numel` elements (its blocks tile `out`).
         unsafe { out.set_len(numel) };
-        let t = Tensor::from_vec(out, self.shape.clone(), &Device::Cpu)?;
-        match self.dtype {
-            // The anchor's last instruction rounded every value to a bf16 one: the cast is exact.
-            DType::BF16 => crate::kernels::tensor::cast(&t, candle_core::DType::BF16),
-            _ => Ok(t),
-        }
+        out
     }
 
     /// [`FusedGroup::run`] compiled for AVX2 where the CPU has it (8 lanes instead of SSE2's 4; the
     /// same operations in the same order, so the same bits: Rust never fuses a multiply and an
     /// add on its own).
-    fn dispatch(&self, dims: &[usize], ops: &[Operand], start: usize, out: &mut [MaybeUninit<f32>]) {
+    fn dispatch(&self, dims: &[usize], ops: &[Operand], start: usize, out: Out) {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2 (checked just above).
@@ -373,7 +383,7 @@ impl FusedGroup {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    fn run_avx2(&self, dims: &[usize], ops: &[Operand], start: usize, out: &mut [MaybeUninit<f32>]) {
+    fn run_avx2(&self, dims: &[usize], ops: &[Operand], start: usize, out: Out) {
         self.run(dims, ops, start, out)
     }
 
@@ -383,7 +393,7 @@ impl FusedGroup {
     /// consecutive along the next one, so short rows (a head's 32 elements) do not each pay the
     /// per-block setup.
     #[inline(always)]
-    fn run(&self, dims: &[usize], ops: &[Operand], start: usize, out: &mut [MaybeUninit<f32>]) {
+    fn run(&self, dims: &[usize], ops: &[Operand], start: usize, mut out: Out) {
         let nd = dims.len();
         let inner = dims[nd - 1];
         let next = if nd >= 2 { dims[nd - 2] } else { 1 };
@@ -415,14 +425,14 @@ impl FusedGroup {
             }
             let shape = Block { rows, cols, outer: nd - 1 };
             let len = rows * cols;
-            self.block(ops, &base, shape, &mut regs, &mut out[p - start..p - start + len]);
+            self.block(ops, &base, shape, &mut regs, out.part(p - start, len));
             p += len;
         }
     }
 
     /// Runs the code over one block whose operands start at `base`; the last instruction writes
-    /// `out`. A load that is one contiguous run of the operand is not copied: its readers read
-    /// the operand in place.
+    /// `out` (an f32 one directly, a bf16 one through its register, rounded). A load that is
+    /// one contiguous run of the operand is not copied: its readers read the operand in place.
     #[inline(always)]
     fn block(
         &self,
@@ -430,13 +440,16 @@ impl FusedGroup {
         base: &[usize],
         blk: Block,
         regs: &mut [MaybeUninit<f32>],
-        out: &mut [MaybeUninit<f32>],
+        mut out: Out,
     ) {
         let len = blk.rows * blk.cols;
         let last = self.code.len() - 1;
         for (r, instr) in self.code.iter().enumerate() {
             let (lo, hi) = regs.split_at_mut(r * BLOCK);
-            let d = if r == last { &mut *out } else { &mut hi[..len] };
+            let d = match &mut out {
+                Out::F32(o) if r == last => &mut **o,
+                _ => &mut hi[..len],
+            };
             let reg = |x: usize| -> &[f32] {
                 if let Instr::Load { input } = self.code[x] {
                     if let Some(run) = ops[input].run_in_place(blk, base[input], len) {
@@ -460,6 +473,36 @@ impl FusedGroup {
                 Instr::Binary { f, a, b } => binary(f, reg(a), reg(b), d),
                 Instr::Round { x } => map(reg(x), d, |v| widen_bf16(round_bf16(v))),
             }
+        }
+        if let Out::BF16(o) = out {
+            // SAFETY: the last instruction wrote its register in full (`len` elements).
+            let values = unsafe { assume_init(&regs[last * BLOCK..last * BLOCK + len]) };
+            for (o, &v) in o.iter_mut().zip(values) {
+                o.write(round_bf16(v));
+            }
+        }
+    }
+}
+
+/// Where a group writes its output elements: the anchor's dtype.
+enum Out<'a> {
+    F32(&'a mut [MaybeUninit<f32>]),
+    BF16(&'a mut [MaybeUninit<half::bf16>]),
+}
+
+impl Out<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Out::F32(o) => o.len(),
+            Out::BF16(o) => o.len(),
+        }
+    }
+
+    /// Elements `at .. at + len`.
+    fn part(&mut self, at: usize, len: usize) -> Out<'_> {
+        match self {
+            Out::F32(o) => Out::F32(&mut o[at..at + len]),
+            Out::BF16(o) => Out::BF16(&mut o[at..at + len]),
         }
     }
 }
@@ -675,8 +718,8 @@ mod tests {
         let (dims, a) = coalesce(&[3, 40], ops());
         let (mut portable, mut dispatched) =
             ([MaybeUninit::new(f32::NAN); 120], [MaybeUninit::new(f32::NAN); 120]);
-        group.run(&dims, &a, 0, &mut portable);
-        group.dispatch(&dims, &a, 0, &mut dispatched);
+        group.run(&dims, &a, 0, Out::F32(&mut portable));
+        group.dispatch(&dims, &a, 0, Out::F32(&mut dispatched));
         // SAFETY: initialised (NaN) above, then overwritten by the kernels.
         let (portable, dispatched) =
             unsafe { (portable.map(|v| v.assume_init()), dispatched.map(|v| v.assume_init())) };
