@@ -54,13 +54,8 @@ fn args() -> Args {
     if let Err(e) = LlamaConfig::preset(&model) {
         f.bad(format!("--model {model}: {e}"));
     }
-    let dtype = match f.text("dtype") {
-        "f32" => graphpp_graph::DType::F32,
-        "bf16" => graphpp_graph::DType::BF16,
-        d => f.bad(format!("--dtype takes f32 or bf16, not {d:?}")),
-    };
     Args {
-        dtype,
+        dtype: f.dtype("dtype"),
         batch: f.num("batch"),
         threads: f.text("threads").split(',').map(|n| f.positive("threads", n)).collect(),
         rounds: f.num("rounds"),

@@ -6,7 +6,7 @@
 //! fused exponent with the scale, mask and max subtraction before it).
 //!
 //! Run: `cargo run --release -p graphpp-runtime --example opprof -- [--model tiny|small]
-//! [--batch 8] [--seq-len 64] [--threads 1] [--runs 10] [--top 30]`
+//! [--dtype f32|bf16] [--batch 8] [--seq-len 64] [--threads 1] [--runs 10] [--top 30]`
 
 mod common;
 
@@ -45,11 +45,12 @@ fn row(g: &Graph, i: usize) -> String {
 
 fn main() {
     const USAGE: &str =
-        "opprof [--model tiny|small] [--batch 8] [--seq-len 64] [--recompute pointwise] [--threads 1] [--runs 10] [--top 30]";
+        "opprof [--model tiny|small] [--dtype f32|bf16] [--batch 8] [--seq-len 64] [--recompute pointwise] [--threads 1] [--runs 10] [--top 30]";
     let a = common::Flags::parse(
         USAGE,
         &[
             ("model", "tiny"),
+            ("dtype", "f32"),
             ("batch", "8"),
             ("seq-len", "64"),
             ("recompute", "pointwise"),
@@ -70,7 +71,7 @@ fn main() {
     graphpp_runtime::malloc::retain_freed_memory();
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     let cfg = LlamaConfig::preset(model).expect("--model tiny or small");
-    let opts = StageOptions::new(num("batch"), num("seq-len"));
+    let opts = StageOptions::mixed(num("batch"), num("seq-len"), a.dtype("dtype"));
     let (sg, env) = common::whole_model_stage(&cfg, &opts, recompute);
     let runs = num("runs");
     let pool = graphpp_runtime::kernels::threads::rank_pool(0, threads).expect("thread pool");

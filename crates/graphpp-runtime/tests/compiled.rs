@@ -443,3 +443,39 @@ fn scalars_and_empty_tensors_run_both_ways() {
         both_ways(&g, &mut Env::new(), &mut Rng::new(3));
     }
 }
+
+/// A bf16 linear layer on an f32 master weight: the program keeps the weight's bf16 cast from
+/// one run to the next (`exec::kept`), and a new weight tensor — the optimizer's, after a step —
+/// gives a new cast: each run equals the interpreter's on that run's weight, going back to the
+/// first weight too.
+#[test]
+fn a_kept_bf16_weight_follows_its_master_weight() {
+    let mut b = GraphBuilder::new("bf16_linear", DType::BF16);
+    let x = b.input("x", InputKind::Activation, vec![4, 6]).unwrap();
+    let w = b
+        .input_typed("w", InputKind::Parameter, graphpp_graph::TensorType::new(DType::F32, vec![5, 6]))
+        .unwrap();
+    let wb = b.cast(w, DType::BF16).unwrap();
+    let wt = b.transpose_last(wb).unwrap();
+    let y = b.matmul(x, wt).unwrap();
+    b.output("y", y);
+    let g = b.finish().unwrap();
+    let program = Program::compile(&g);
+    let mut rng = Rng::new(3);
+    let specs = g.input_specs();
+    let draw = |rng: &mut Rng, name: &str| {
+        common::random_input(specs.iter().find(|s| s.name == name).unwrap(), rng, -1.0, 1.0, 8)
+    };
+    let x = draw(&mut rng, "x");
+    let weights = [draw(&mut rng, "w"), draw(&mut rng, "w")];
+    let o = RunOptions::default();
+    let mut seen = Vec::new();
+    for w in [&weights[0], &weights[1], &weights[0]] {
+        let env: Env = [("x".to_string(), x.clone()), ("w".to_string(), w.clone())].into();
+        let want = to_f64(&run_named(&g, &env, &o).unwrap().outputs[0]).unwrap();
+        let got = to_f64(&program.run_named_with(&g, &env, &o, None).unwrap().outputs[0]).unwrap();
+        assert_eq!(got, want);
+        seen.push(got);
+    }
+    assert_ne!(seen[0], seen[1], "the two weights give different products");
+}

@@ -75,6 +75,15 @@ impl Flags {
         self.text(k).parse().unwrap_or_else(|e: String| self.bad(format!("--{k}: {e}")))
     }
 
+    /// Flag `k` as a compute dtype, `f32` or `bf16` (exits 2 otherwise).
+    pub fn dtype(&self, k: &str) -> graphpp_graph::DType {
+        match self.text(k) {
+            "f32" => graphpp_graph::DType::F32,
+            "bf16" => graphpp_graph::DType::BF16,
+            d => self.bad(format!("--{k} takes f32 or bf16, not {d:?}")),
+        }
+    }
+
     /// Prints `problem` and the usage line; exits 2.
     pub fn bad(&self, problem: String) -> ! {
         exit_with_usage(self.usage, Some(problem))

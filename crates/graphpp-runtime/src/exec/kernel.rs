@@ -62,8 +62,9 @@ fn arithmetic(f: BinaryOp, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor
 }
 
 /// RoPE's rotate-half along the last axis ([`Op::RotateHalf`]): `[−x2, x1]` for halves `x1`,
-/// `x2`. An f32 operand in one pass over its rows (negation and copies are exact: the bits of
-/// the slice-negate-concatenate it replaces); others through candle's narrow, neg and cat.
+/// `x2`. An f32 or bf16 operand in one pass over its rows (negation and copies are exact: the
+/// bits of the slice-negate-concatenate it replaces); others through candle's narrow, neg and
+/// cat.
 fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
     let Some(last) = x.rank().checked_sub(1) else { candle_core::bail!("rotate_half of a scalar") };
     let n = x.dims()[last];
@@ -71,33 +72,52 @@ fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
         candle_core::bail!("rotate_half needs a last axis of even length, got {:?}", x.dims())
     }
     let h = n / 2;
-    if x.dtype() != CDType::F32 || h == 0 {
-        let (x1, x2) = (x.narrow(last, 0, h)?, x.narrow(last, h, h)?);
-        return Tensor::cat(&[&x2.neg()?, &x1], last);
-    }
-    let out = read_f32(x, |src| {
-        let mut out = vec![0f32; src.len()];
-        for (y, row) in out.chunks_exact_mut(n).zip(src.chunks_exact(n)) {
-            let (y1, y2) = y.split_at_mut(h);
-            for (o, &v) in y1.iter_mut().zip(&row[h..]) {
-                *o = -v;
-            }
-            y2.copy_from_slice(&row[..h]);
+    match x.dtype() {
+        CDType::F32 if h > 0 => {
+            Tensor::from_vec(read_f32(x, |src| rotate_rows(src, n))?, x.dims(), &Device::Cpu)
         }
-        out
-    })?;
-    Tensor::from_vec(out, x.dims(), &Device::Cpu)
+        CDType::BF16 if h > 0 => {
+            let x = x.contiguous()?;
+            let (storage, layout) = x.storage_and_layout();
+            let candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(v)) = &*storage else {
+                candle_core::bail!("rotate_half: expected a CPU bf16 tensor")
+            };
+            let src = &v[layout.start_offset()..layout.start_offset() + x.elem_count()];
+            Tensor::from_vec(rotate_rows(src, n), x.dims(), &Device::Cpu)
+        }
+        _ => {
+            let (x1, x2) = (x.narrow(last, 0, h)?, x.narrow(last, h, h)?);
+            Tensor::cat(&[&x2.neg()?, &x1], last)
+        }
+    }
+}
+
+/// [`rotate_half`] of rows of `n` elements.
+fn rotate_rows<T: Copy + Default + std::ops::Neg<Output = T>>(src: &[T], n: usize) -> Vec<T> {
+    let h = n / 2;
+    let mut out = vec![T::default(); src.len()];
+    for (y, row) in out.chunks_exact_mut(n).zip(src.chunks_exact(n)) {
+        let (y1, y2) = y.split_at_mut(h);
+        for (o, &v) in y1.iter_mut().zip(&row[h..]) {
+            *o = -v;
+        }
+        y2.copy_from_slice(&row[..h]);
+    }
+    out
 }
 
 /// Sum over `axis`. A bf16 operand is summed in f32 and the result rounded to bf16 once (candle's
 /// CPU sum would accumulate in bf16, losing the small terms of a long sum; GPU reductions
 /// accumulate in f32).
 fn sum(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tensor> {
-    if x.dtype() == CDType::F32 && axis + 1 < x.rank() {
-        return sum_rows(x, axis, keepdim);
-    }
     let wide = if x.dtype() == CDType::BF16 { cast(x, CDType::F32)? } else { x.clone() };
-    let s = if keepdim { wide.sum_keepdim(axis)? } else { wide.sum(axis)? };
+    let s = if wide.dtype() == CDType::F32 && axis + 1 < x.rank() {
+        sum_rows(&wide, axis, keepdim)?
+    } else if keepdim {
+        wide.sum_keepdim(axis)?
+    } else {
+        wide.sum(axis)?
+    };
     cast(&s, x.dtype())
 }
 
@@ -236,11 +256,15 @@ mod tests {
     fn rotate_half_is_the_slices_negated_and_swapped() {
         let x = Tensor::arange(0f32, 2.0 * 3.0 * 6.0, &Device::Cpu).unwrap().reshape((2, 3, 6)).unwrap();
         let permuted = x.permute((1, 0, 2)).unwrap(); // read through .contiguous()
-        for t in [&x, &permuted] {
+        let halves =
+            x.affine(0.37, -3.1).unwrap().to_dtype(CDType::BF16).unwrap().permute((1, 0, 2)).unwrap();
+        for t in [&x, &permuted, &halves] {
             let got = rotate_half(t).unwrap();
             let (x1, x2) = (t.narrow(2, 0, 3).unwrap(), t.narrow(2, 3, 3).unwrap());
             let want = Tensor::cat(&[&x2.neg().unwrap(), &x1], 2).unwrap();
-            assert_eq!(got.to_vec3::<f32>().unwrap(), want.to_vec3::<f32>().unwrap());
+            assert_eq!(got.dtype(), t.dtype());
+            let bits = |t: &Tensor| t.to_dtype(CDType::F32).unwrap().to_vec3::<f32>().unwrap();
+            assert_eq!(bits(&got), bits(&want));
         }
         // Row 0 of the contiguous operand: [0 1 2 3 4 5] → [−3 −4 −5 0 1 2].
         let row = rotate_half(&x).unwrap().get(0).unwrap().get(0).unwrap().to_vec1::<f32>().unwrap();

@@ -18,11 +18,11 @@
 
 mod collective;
 pub mod fusion;
+pub mod kept;
 mod kernel;
 mod liveness;
 pub mod pairs;
 mod program;
-pub mod transposed;
 
 use std::collections::HashMap;
 use std::time::Duration;

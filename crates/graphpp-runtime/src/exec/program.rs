@@ -33,8 +33,9 @@ pub struct Program {
     fusion: Fusion,
     /// `frees[i]`: the values no node after `i` reads.
     frees: Vec<Vec<usize>>,
-    /// Row-major copies of transposed parameters, kept across runs ([`crate::exec::transposed`]).
-    transposed: crate::exec::transposed::Cache,
+    /// Values of parameters kept across runs: transposed copies and bf16 casts
+    /// ([`crate::exec::kept`]).
+    kept: crate::exec::kept::Cache,
     /// The execution order and the matmuls that run side by side ([`crate::exec::pairs`]).
     pairs: crate::exec::pairs::Pairs,
 }
@@ -68,7 +69,9 @@ impl Program {
         for v in (0..n).filter(|&v| freed[v]) {
             frees[last_read[v].unwrap_or(v)].push(v);
         }
-        Program { nodes: n, fusion, frees, transposed: crate::exec::transposed::Cache::plan(graph), pairs }
+        let lone = |i: usize| fusion.member_of[i].is_some_and(|g| fusion.groups[g].members == [i]);
+        let kept = crate::exec::kept::Cache::plan(graph, lone);
+        Program { nodes: n, fusion, frees, kept, pairs }
     }
 
     /// The execution order and its side-by-side matmuls ([`crate::exec::pairs`]).
@@ -81,10 +84,10 @@ impl Program {
         &self.fusion
     }
 
-    /// Drops the row-major copies of transposed parameters this program keeps across runs
-    /// ([`crate::exec::transposed`]): their sources are going away (a stage's RESHARD).
+    /// Drops the values of parameters this program keeps across runs ([`crate::exec::kept`]):
+    /// their sources are going away (a stage's RESHARD).
     pub fn clear_kept(&self) {
-        self.transposed.clear();
+        self.kept.clear();
     }
 
     /// [`run_named_with`] through this program; `graph` must be the graph it was compiled from.
@@ -245,13 +248,19 @@ impl<'a> Run<'a> {
         self.complete_reads(reads)?;
         let args = operands(&self.vals, reads);
         Ok(Some(match (&node.op, group) {
+            (_, Some(g)) if program.is_some_and(|p| p.kept.keeps(i)) => {
+                let p = program.expect("matched above");
+                Value::Ready(
+                    p.kept.get(i, args[0], |_| g.eval(&args)).map_err(|e| kernel_error(graph, i, e))?,
+                )
+            }
             (_, Some(g)) => Value::Ready(g.eval(&args).map_err(|e| kernel_error(graph, i, e))?),
             (Op::CollectiveStart { kind, group, axis }, None) => {
                 start(self.comm, *kind, group, *axis, &args, i).map_err(|e| collective_error(graph, i, e))?
             }
-            (Op::Permute { perm }, None) if program.is_some_and(|p| p.transposed.keeps(i)) => {
+            (Op::Permute { perm }, None) if program.is_some_and(|p| p.kept.keeps(i)) => {
                 let p = program.expect("matched above");
-                Value::Ready(p.transposed.get(i, args[0], perm).map_err(|e| kernel_error(graph, i, e))?)
+                Value::Ready(p.kept.transposed(i, args[0], perm).map_err(|e| kernel_error(graph, i, e))?)
             }
             (Op::Matmul, None) if program.is_some() => {
                 let p = program.expect("matched above");

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 /// Batched matmul on the lhs's own strides and a row-major rhs: a rhs whose rows are not
 /// contiguous (a transposed weight) is copied first, as gemm reads it faster so and a compiled
-/// program reads its kept copy ([`crate::exec::transposed`]: the same bits); operands whose layout
+/// program reads its kept copy ([`crate::exec::kept`]: the same bits); operands whose layout
 /// candle's matmul cannot take (e.g. a permuted 4-D view) are made contiguous first.
 pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     if let Some(product) = bf16_matmul(a, b, Threads::Pool)? {
