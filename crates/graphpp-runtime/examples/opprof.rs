@@ -39,6 +39,7 @@ fn row(g: &Graph, i: usize) -> String {
         Op::Unary { f } => format!("Unary {f:?} {:?}", n.ty.shape),
         Op::Binary { f } => format!("Binary {f:?} {:?}", n.ty.shape),
         Op::Affine { .. } => format!("Affine {:?}", n.ty.shape),
+        Op::Cast { dtype } => format!("Cast to {} {:?}", dtype.name(), n.ty.shape),
         op => format!("{op:?}").split([' ', '{', '(']).next().unwrap_or("?").to_string(),
     }
 }

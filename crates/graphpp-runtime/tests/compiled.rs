@@ -103,6 +103,19 @@ fn check_llama(cfg: &LlamaConfig, stages: usize, opts: &StageOptions) {
         // RMSNorm, RoPE, SwiGLU and their backward are elementwise chains: most of them fuse.
         let nodes = sg.fw.nodes.len() + sg.full_bw.nodes.len();
         assert!(fused * 5 > nodes, "{fused} of {nodes} nodes fused: fusion has stopped finding chains");
+        // An inlined value is recomputed in each group that reads it, but never along a chain:
+        // the forward computes each fused node once (the residual stream once per layer, not
+        // again in every later norm's group); the backward's recomputation stays small.
+        for (g, most) in [(&sg.fw, 1.0), (&sg.full_bw, 1.2)] {
+            let f = Program::compile(g).fusion().clone();
+            let computed = f.groups.iter().map(|x| x.members.len()).sum::<usize>() as f64;
+            let distinct = f.member_of.iter().flatten().count() as f64;
+            assert!(
+                computed <= most * distinct,
+                "{}: {computed} member computations of {distinct} nodes",
+                g.name
+            );
+        }
         // Every linear layer's two gradient products (dX = dY · W, dWᵀ = Xᵀ · dY) run side by
         // side, as do the forward's gate and up projections and q with k (attention's own
         // products are inside its node).

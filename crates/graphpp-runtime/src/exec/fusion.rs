@@ -104,12 +104,6 @@ fn fusible(g: &Graph, i: usize) -> bool {
         }
 }
 
-/// Whether `op` computes each element from the same element of its operands: pointwise ops and
-/// casts.
-fn elementwise(op: &Op) -> bool {
-    op.is_pointwise() || matches!(op, Op::Cast { .. })
-}
-
 /// Groups the fusible nodes of `g` (module doc). A member other than the anchor has the anchor's
 /// shape, is not a graph output and is read only by members; anything else a member reads is an
 /// external operand (any shape that broadcasts to the anchor's, by NumPy rules). An *inlined*
@@ -185,7 +179,9 @@ pub fn plan(g: &Graph) -> Fusion {
 /// docs/PERFORMANCE.md, "Activation recomputation"). (Read only through nodes that all end in
 /// one group — the forward's σ(g), read by g·σ(g) — it is inlined: computed once there.)
 fn inlined(g: &Graph, users: &[Vec<ValueId>], is_output: &[bool]) -> Vec<bool> {
-    let pointwise = |i: usize| elementwise(&g.nodes[i].op) && fusible(g, i);
+    // Not casts: a value read by a cast (a bf16 residual stream read by its norm's widening
+    // cast) would be recomputed along its whole chain in every group that reads the cast.
+    let pointwise = |i: usize| g.nodes[i].op.is_pointwise() && fusible(g, i);
     let cheap = |i: usize| matches!(g.nodes[i].op, Op::Broadcast { .. } | Op::Full { .. }) && fusible(g, i);
     let n = g.nodes.len();
     let mut inline = vec![false; n];
