@@ -174,3 +174,28 @@ fn fsdp_with_one_replica_equals_no_fsdp() {
         assert_eq!(a.stats.resident_bytes, b.stats.resident_bytes);
     }
 }
+
+/// Mixed precision under FSDP: the shards are gathered in bf16 (half the bytes:
+/// `data_parallel`'s unit test), which changes no value the stages compute — rounding a shard
+/// commutes with gathering it — so three bf16 steps of FSDP (dp = 2) give plain data
+/// parallelism's losses and parameters (the f32 reductions differ only in their order).
+#[test]
+fn bf16_fsdp_gathers_change_no_value() {
+    let run = |fsdp: bool| {
+        let setup = TrainSetup { dtype: graphpp_graph::DType::BF16, ..setup(Kind::OneFOneB, 2, fsdp) };
+        let mut t = Trainer::new(setup).unwrap();
+        let losses: Vec<f64> = (0..3)
+            .map(|k| t.step(random_microbatches(256, 4, 2, 8, 80 + k).unwrap()).unwrap().stats.loss)
+            .collect();
+        let params: HashMap<String, candle_core::Tensor> =
+            t.gather_state(false).unwrap().unwrap().into_iter().collect();
+        (losses, params)
+    };
+    let ((ld, pd), (lf, pf)) = (run(false), run(true));
+    for (a, b) in lf.iter().zip(&ld) {
+        assert!((a - b).abs() <= 1e-6 * b.abs(), "fsdp {lf:?} vs dp {ld:?}");
+    }
+    for (name, want) in &pd {
+        assert!(rel_l2(&pf[name], want) <= 1e-5, "{name}: {}", rel_l2(&pf[name], want));
+    }
+}

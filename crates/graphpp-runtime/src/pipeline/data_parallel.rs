@@ -17,7 +17,12 @@
 //!   AdamW moments (the optimizer updates shards only).
 //!   **UNSHARD(s)** starts an all-gather of each of the stage's shards; the stage's next compute
 //!   waits for it and puts the full tensor (the gathered pieces, unpadded and reshaped) in the
-//!   state. **RESHARD(s)** drops the full tensors and puts the shards back.
+//!   state. **RESHARD(s)** drops the full tensors and puts the shards back. Under mixed
+//!   precision a shard the stage reads only through its cast to bf16 is rounded to bf16 before
+//!   the all-gather — half the bytes, the values the stage computes with unchanged (the
+//!   rounding commutes with the gather) — as PyTorch FSDP's `MixedPrecisionPolicy(param_dtype=
+//!   torch.bfloat16)` gathers; the gathered tensor is widened back to the f32 the stage's
+//!   parameter input is. Gradients are reduced in f32.
 //!
 //! With **expert parallelism** a routed expert's parameters live on dp / ep replicas only (see
 //! [`graphpp_comm::mesh`]): REDUCE_GRAD all-reduces their gradients over those (group `edp`), and the
@@ -31,7 +36,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
+
+use crate::kernels::tensor::cast;
 
 use graphpp_comm::{Comm, CommError, Group, Pending};
 
@@ -102,6 +109,8 @@ pub struct DataParallel {
     kept: HashMap<(usize, String), Tensor>,
     /// FSDP: all-gathers started by UNSHARD and not yet waited for, by stage.
     gathering: HashMap<usize, Vec<(String, Pending<Tensor>)>>,
+    /// FSDP: bytes this rank has sent into UNSHARD's all-gathers.
+    unshard_bytes: usize,
     /// Gradient reductions started by REDUCE_GRAD: (stage, name, handle).
     reducing: Vec<(usize, String, Pending<Tensor>)>,
     /// Bytes of the gradients whose reductions are in flight (held until [`DataParallel::finish`]).
@@ -148,6 +157,7 @@ impl DataParallel {
             shapes: HashMap::new(),
             kept: HashMap::new(),
             gathering: HashMap::new(),
+            unshard_bytes: 0,
             reducing: Vec::new(),
             reducing_bytes: 0,
             experts: None,
@@ -202,6 +212,12 @@ impl DataParallel {
         self.shapes.values().map(|s| s.iter().product::<usize>() * 4).sum()
     }
 
+    /// Bytes this rank has sent into UNSHARD's all-gathers so far (f32 shards 4 bytes an
+    /// element, shards gathered in bf16 2).
+    pub fn unshard_bytes(&self) -> usize {
+        self.unshard_bytes
+    }
+
     /// Bytes of the gradients REDUCE_GRAD handed over whose reductions [`DataParallel::finish`]
     /// has not yet collected: gradients the rank still holds, outside its stages' accumulators.
     pub fn pending_bytes(&self) -> usize {
@@ -218,20 +234,29 @@ impl DataParallel {
     }
 
     /// UNSHARD: starts the all-gather of each `(name, shard)` of `stage` (the shards are kept
-    /// until [`DataParallel::reshard`]).
+    /// until [`DataParallel::reshard`]); an f32 shard for which `in_bf16(name)` holds is gathered
+    /// rounded to bf16 (the module doc).
     ///
     /// # Errors
-    /// [`DataParallelError::Comm`] when a start fails.
+    /// [`DataParallelError::Comm`] when a start fails; [`DataParallelError::Tensor`] from the
+    /// rounding.
     pub fn start_unshard(
         &mut self,
         stage: usize,
         shards: Vec<(String, Tensor)>,
+        in_bf16: impl Fn(&str) -> bool,
     ) -> Result<(), DataParallelError> {
         let mut pending = Vec::with_capacity(shards.len());
         for (name, s) in shards {
+            let sent = if in_bf16(&name) && s.dtype() == DType::F32 {
+                cast(&s, DType::BF16).map_err(tensor_err(&name))?
+            } else {
+                s.clone()
+            };
+            self.unshard_bytes += sent.elem_count() * sent.dtype().size_in_bytes();
             pending.push((
                 name.clone(),
-                self.comm.all_gather(&self.group, &s).map_err(comm_err("unshard", stage))?,
+                self.comm.all_gather(&self.group, &sent).map_err(comm_err("unshard", stage))?,
             ));
             self.kept.insert((stage, name), s);
         }
@@ -247,7 +272,10 @@ impl DataParallel {
         let Some(pending) = self.gathering.remove(&stage) else { return Ok(Vec::new()) };
         let mut full = Vec::with_capacity(pending.len());
         for (name, p) in pending {
-            let gathered = p.wait(self.timeout).map_err(comm_err("unshard", stage))?;
+            let mut gathered = p.wait(self.timeout).map_err(comm_err("unshard", stage))?;
+            if gathered.dtype() == DType::BF16 {
+                gathered = cast(&gathered, DType::F32).map_err(tensor_err(&name))?;
+            }
             let shape =
                 self.shapes.get(&name).ok_or_else(|| DataParallelError::Unknown { name: name.clone() })?;
             full.push((name.clone(), unshard(&gathered, shape).map_err(tensor_err(&name))?));
@@ -365,5 +393,57 @@ mod tests {
         assert_eq!(back.to_vec2::<f32>().unwrap(), full.to_vec2::<f32>().unwrap());
         assert_eq!(pad_flat(&full, 4).unwrap().dims(), &[12]);
         assert_eq!(pad_flat(&full, 5).unwrap().dims(), &[10]);
+    }
+}
+
+#[cfg(test)]
+mod unshard_tests {
+    use super::*;
+    use candle_core::Device;
+    use graphpp_comm::thread::ThreadComm;
+
+    /// Two FSDP ranks gather a [3, 5] parameter: in bf16 where asked, half the bytes, and the
+    /// full tensor is the f32 one rounded to bf16 (widened back to f32); otherwise the f32 bits.
+    #[test]
+    fn a_bf16_gather_moves_half_the_bytes_and_rounds_once() {
+        let full = Tensor::arange(0f32, 15.0, &Device::Cpu)
+            .unwrap()
+            .affine(0.1013, -0.7)
+            .unwrap()
+            .reshape((3, 5))
+            .unwrap();
+        let ranks: Vec<_> = ThreadComm::world(2).into_iter().map(|c| Arc::new(c) as Arc<dyn Comm>).collect();
+        let runs: Vec<_> = ranks
+            .into_iter()
+            .map(|comm| {
+                let full = full.clone();
+                std::thread::spawn(move || {
+                    let group = Group::world(2).unwrap();
+                    let mut dp = DataParallel::new(comm, group, true, Duration::from_secs(10)).unwrap();
+                    let mut got = Vec::new();
+                    for bf16 in [false, true] {
+                        let shard = dp.to_shard("w", &full).unwrap();
+                        dp.start_unshard(0, vec![("w".into(), shard)], |_| bf16).unwrap();
+                        let before = dp.unshard_bytes();
+                        let (_, t) = dp.wait_unshard(0).unwrap().remove(0);
+                        assert_eq!(dp.reshard(0)[0].1.dtype(), DType::F32, "the kept shard stays f32");
+                        got.push((t, before));
+                    }
+                    got
+                })
+            })
+            .collect();
+        for run in runs {
+            let got = run.join().unwrap();
+            let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(got[0].0.dtype(), DType::F32);
+            assert_eq!(values(&got[0].0), values(&full));
+            let rounded = full.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+            assert_eq!(got[1].0.dtype(), DType::F32);
+            assert_eq!(values(&got[1].0), values(&rounded));
+            assert_ne!(values(&rounded), values(&full));
+            // A shard of 8 elements (15 padded to 16, over 2): 32 bytes in f32, then 16 in bf16.
+            assert_eq!((got[0].1, got[1].1 - got[0].1), (32, 16));
+        }
     }
 }

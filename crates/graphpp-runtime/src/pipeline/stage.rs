@@ -149,6 +149,9 @@ pub struct Stage {
     dw_reads: HashSet<String>,
     /// Names of the parameter inputs of fw (what the optimizer updates), in input order.
     params: Vec<String>,
+    /// The parameters every graph of the stage reads only through a cast to bf16 (mixed
+    /// precision): FSDP gathers them in bf16 ([`crate::pipeline::data_parallel`]).
+    bf16_params: HashSet<String>,
     first: bool,
     last: bool,
 }
@@ -200,6 +203,22 @@ pub(crate) fn kept_names(
     (bw_reads, dw_reads)
 }
 
+/// The `params` that every graph of `graphs` reading them reads only through a cast to bf16.
+fn read_as_bf16(graphs: &StageGraphs, params: &[String]) -> HashSet<String> {
+    let mut all = vec![&graphs.fw, &graphs.full_bw];
+    if let Some((di, dw)) = &graphs.di_dw {
+        all.extend([di, dw]);
+    }
+    let only_cast = |g: &Graph, name: &str| {
+        let Some(v) = g.input_by_name(name) else { return true };
+        let users = g.users();
+        users[v.0]
+            .iter()
+            .all(|u| matches!(g.nodes[u.0].op, graphpp_graph::Op::Cast { dtype: graphpp_graph::DType::BF16 }))
+    };
+    params.iter().filter(|p| all.iter().all(|g| only_cast(g, p))).cloned().collect()
+}
+
 impl Stage {
     /// A stage from its graphs and its `state`: every parameter and buffer input of `graphs.fw`
     /// by name. The stage reads `tokens` when fw has that input (a model's first stage) and
@@ -208,7 +227,7 @@ impl Stage {
         let (bw_reads, dw_reads) = kept_names(&graphs, |n| state.contains_key(n));
         let first = graphs.fw.input_by_name(TOKENS).is_some();
         let last = graphs.fw.output_by_name(LOSS).is_some();
-        let params = graphs
+        let params: Vec<String> = graphs
             .fw
             .input_specs()
             .into_iter()
@@ -216,6 +235,7 @@ impl Stage {
             .map(|i| i.name)
             .collect();
         let programs = Arc::new(Programs::compile(&graphs));
+        let bf16_params = read_as_bf16(&graphs, &params);
         Stage {
             graphs: Arc::new(graphs),
             programs,
@@ -224,6 +244,7 @@ impl Stage {
             bw_reads,
             dw_reads,
             params,
+            bf16_params,
             first,
             last,
         }
@@ -476,7 +497,10 @@ impl GraphStages {
                     self.stages.get_mut(&stage).ok_or_else(|| missing(t, "stage (not held by this rank)"))?;
                 let shards: Vec<(String, Tensor)> =
                     st.params.iter().filter_map(|n| st.state.remove(n).map(|s| (n.clone(), s))).collect();
-                self.dp.as_mut().map_or(Ok(()), |dp| dp.start_unshard(stage, shards))?;
+                let bf16 = &st.bf16_params;
+                self.dp
+                    .as_mut()
+                    .map_or(Ok(()), |dp| dp.start_unshard(stage, shards, |n| bf16.contains(n)))?;
             }
             StageOpKind::Reshard => {
                 self.ready(stage)?;
@@ -819,5 +843,37 @@ impl StageWork for GraphStages {
 
     fn take_collectives(&mut self) -> Vec<(String, CollectiveSpan)> {
         std::mem::take(&mut self.collectives)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use graphpp_models::{build_stage, split_layers, LlamaConfig, Recompute, StageOptions};
+
+    /// Under mixed precision every parameter of a Llama stage but the embedding table (cast after
+    /// its row gather) is read only through its bf16 cast; in f32 none is.
+    #[test]
+    fn mixed_precision_reads_every_matrix_through_its_bf16_cast() {
+        let cfg = LlamaConfig::tiny();
+        let spec = split_layers(cfg.num_hidden_layers, 1, None).unwrap().remove(0);
+        for dtype in [graphpp_graph::DType::BF16, graphpp_graph::DType::F32] {
+            let opts = StageOptions::mixed(2, 8, dtype);
+            let fw = build_stage(&cfg, &spec, &opts).unwrap();
+            let graphs = graphpp_graph::stage_graphs(&fw, &Recompute::default().policy(&spec)).unwrap();
+            let params: Vec<String> = fw
+                .input_specs()
+                .into_iter()
+                .filter(|i| i.kind == InputKind::Parameter)
+                .map(|i| i.name)
+                .collect();
+            let bf16 = read_as_bf16(&graphs, &params);
+            if dtype == graphpp_graph::DType::BF16 {
+                let rest: Vec<&String> = params.iter().filter(|p| !bf16.contains(*p)).collect();
+                assert_eq!(rest, [&graphpp_models::llama::EMBED.to_string()]);
+            } else {
+                assert!(bf16.is_empty());
+            }
+        }
     }
 }
