@@ -1,28 +1,26 @@
 #!/usr/bin/env python3
-"""PyTorch eager timing of one forward + backward of graphpp's `small` (or `tiny`) preset on one stage.
+"""PyTorch timing of one forward + backward of graphpp's `small` (or `tiny`) preset on one stage,
+written as PyTorch users write the model: `nn.Embedding`, `nn.Linear(bias=False)`,
+`F.rms_norm`, rotate-half RoPE, `F.scaled_dot_product_attention(is_causal=True)`, SwiGLU,
+cross-entropy — eager or under `torch.compile` (--mode), in f32 or under bf16 autocast (--dtype,
+`torch.autocast("cpu", dtype=torch.bfloat16)`: f32 master weights, bf16 matmuls).
 
-Same architecture as llama_fixture.py (imported from it), f32, B=2 (--batch), T=64, all layers,
-the same shapes as `cargo run --release -p graphpp-runtime --example fwbw` (which runs this script
-beside graphpp when given `--torch PYTHON`; `--batch 8` is `graphpp train`'s microbatch, beside
-`examples/opprof --batch 8`). Prints the median over N runs.
+The same shapes as `cargo run --release -p graphpp-runtime --example fwbw` (which runs this script
+beside graphpp when given `--torch PYTHON`, alternating, once per mode): B sequences of 64 tokens
+(--batch), all layers. Prints the median over N runs (after warm-up runs; `torch.compile`
+compiles during its warm-up).
 
-Usage: python tools/torch/time_fwbw.py [--model small|tiny] [--batch B] [--runs N] [--threads K]
+Usage: python tools/torch/time_fwbw.py [--model small|tiny] [--batch B] [--dtype f32|bf16]
+                                      [--mode eager|compile] [--runs N] [--threads K]
 """
 import argparse
-import os
+import math
 import statistics
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import llama_fixture  # noqa: E402
-from llama_fixture import forward, param_shapes  # noqa: E402
-
-_rope64 = llama_fixture.rope_tables
-# The fixture evaluates in float64; time the f32 model like graphpp's benchmark.
-llama_fixture.rope_tables = lambda seq, hd, theta: tuple(x.float() for x in _rope64(seq, hd, theta))
+import torch.nn.functional as F
+from torch import nn
 
 SMALL = {
     "vocab_size": 256, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 8,
@@ -30,12 +28,76 @@ SMALL = {
 }
 TINY = dict(SMALL, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=4)
+SEQ = 64
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d, f = cfg["hidden_size"], cfg["intermediate_size"]
+        self.h, self.kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.hd = d // self.h
+        self.eps = cfg["rms_norm_eps"]
+        self.input_layernorm = nn.Parameter(torch.ones(d))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(d))
+        self.q_proj = nn.Linear(d, self.h * self.hd, bias=False)
+        self.k_proj = nn.Linear(d, self.kv * self.hd, bias=False)
+        self.v_proj = nn.Linear(d, self.kv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.h * self.hd, d, bias=False)
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, d = x.shape
+        hs = F.rms_norm(x, (d,), self.input_layernorm, self.eps)
+        q = self.q_proj(hs).view(b, t, self.h, self.hd).transpose(1, 2)
+        k = self.k_proj(hs).view(b, t, self.kv, self.hd).transpose(1, 2)
+        v = self.v_proj(hs).view(b, t, self.kv, self.hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(b, t, d))
+        hs = F.rms_norm(x, (d,), self.post_attention_layernorm, self.eps)
+        return x + self.down_proj(F.silu(self.gate_proj(hs)) * self.up_proj(hs))
+
+
+class Model(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d, v = cfg["hidden_size"], cfg["vocab_size"]
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(v, d)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = nn.Parameter(torch.ones(d))
+        self.lm_head = nn.Linear(d, v, bias=False)
+        hd = d // cfg["num_attention_heads"]
+        inv = 1.0 / cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        ang = torch.arange(SEQ, dtype=torch.float32)[:, None] * inv[None, :]
+        ang = torch.cat([ang, ang], dim=-1)
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
+
+    def forward(self, tokens, targets):
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        x = F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg["rms_norm_eps"])
+        logits = self.lm_head(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["small", "tiny"], default="small")
     ap.add_argument("--batch", type=int, default=2, help="sequences of 64 tokens")
+    ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = default)")
     a = ap.parse_args()
@@ -43,21 +105,34 @@ def main():
         torch.set_num_threads(a.threads)
     cfg = SMALL if a.model == "small" else TINY
     torch.manual_seed(0)
-    p = {k: (0.02 * torch.randn(s)).requires_grad_(True) for k, s in param_shapes(cfg).items()}
-    tokens = torch.randint(0, cfg["vocab_size"], (a.batch, 64))
-    targets = torch.randint(0, cfg["vocab_size"], (a.batch, 64))
-    times = []
-    for i in range(a.runs + 3):
-        t0 = time.perf_counter()
-        loss = forward(p, cfg, tokens, targets)
+    model = Model(cfg)
+    for p in model.parameters():
+        if p.dim() == 2:
+            nn.init.normal_(p, std=0.02)
+    step_model = torch.compile(model) if a.mode == "compile" else model
+    tokens = torch.randint(0, cfg["vocab_size"], (a.batch, SEQ))
+    targets = torch.randint(0, cfg["vocab_size"], (a.batch, SEQ))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
+            loss = step_model(tokens, targets)
         loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        return loss
+
+    warm = 3 if a.mode == "eager" else 6
+    times = []
+    for i in range(a.runs + warm):
+        t0 = time.perf_counter()
+        loss = step()
         dt = time.perf_counter() - t0
-        for v in p.values():
-            v.grad = None
-        if i >= 3:
+        if i >= warm:
             times.append(dt)
-    print(f"torch {torch.__version__} threads={torch.get_num_threads()} {a.model} fw+bw B={a.batch} T=64: "
-          f"median {statistics.median(times) * 1e3:.2f} ms over {a.runs} runs (min {min(times) * 1e3:.2f} ms)")
+    assert math.isfinite(loss.item())
+    print(f"torch {torch.__version__} {a.mode} {a.dtype} threads={torch.get_num_threads()} {a.model} fw+bw "
+          f"B={a.batch} T={SEQ}: median {statistics.median(times) * 1e3:.2f} ms over {a.runs} runs "
+          f"(min {min(times) * 1e3:.2f} ms)")
 
 
 if __name__ == "__main__":

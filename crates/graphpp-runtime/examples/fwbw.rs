@@ -1,7 +1,8 @@
 //! One forward + full backward of a Llama preset on one stage (all layers, B=`--batch`, T=64, in
 //! f32 or in bf16 mixed precision from f32 master weights, `--dtype`):
-//! the interpreter, the compiled executor and — given `--torch PYTHON` — PyTorch eager
-//! (`tools/torch/time_fwbw.py`, same shapes), alternating in rounds in one run, each on every
+//! the interpreter, the compiled executor and — given `--torch PYTHON` — PyTorch eager and
+//! `torch.compile` in the same dtype (`tools/torch/time_fwbw.py`, same shapes, the model as
+//! PyTorch users write it; bf16 under autocast), alternating in rounds in one run, each on every
 //! intra-op thread count of `--threads` (graphpp in a rank pool of that size, as `graphpp train`
 //! runs a rank). Prints each one's median over the rounds (each round's figure is the median of
 //! `--runs` runs) and the ratios.
@@ -87,12 +88,13 @@ fn time_graphpp(fw: &Graph, bw: &Graph, env: &Env, runs: usize, compiled: bool) 
     median(times)
 }
 
-/// PyTorch's median, parsed from `time_fwbw.py`'s line (`… median X ms …`).
-fn time_torch(python: &str, a: &Args, threads: usize) -> f64 {
+/// PyTorch's median in `mode` (`eager` or `compile`), parsed from `time_fwbw.py`'s line
+/// (`… median X ms …`).
+fn time_torch(python: &str, a: &Args, threads: usize, mode: &str) -> f64 {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tools/torch/time_fwbw.py");
     let out = std::process::Command::new(python)
         .args([script, "--model", &a.model, "--runs", &a.runs.to_string(), "--threads", &threads.to_string()])
-        .args(["--dtype", a.dtype.name(), "--batch", &a.batch.to_string()])
+        .args(["--dtype", a.dtype.name(), "--batch", &a.batch.to_string(), "--mode", mode])
         .output()
         .unwrap_or_else(|e| {
             eprintln!("error: cannot run {python}: {e}");
@@ -129,8 +131,8 @@ fn main() {
         .iter()
         .map(|&n| graphpp_runtime::kernels::threads::rank_pool(0, n).expect("thread pool"))
         .collect();
-    // Per thread count: interpreted, compiled, torch (each one figure per round).
-    let mut figs = vec![[Vec::new(), Vec::new(), Vec::new()]; a.threads.len()];
+    // Per thread count: interpreted, compiled, torch eager, torch.compile (one figure per round).
+    let mut figs = vec![[Vec::new(), Vec::new(), Vec::new(), Vec::new()]; a.threads.len()];
     for round in 0..a.rounds {
         for (k, (&n, pool)) in a.threads.iter().zip(&pools).enumerate() {
             // candle reads it at every matmul: gemm is asked for this pool's size.
@@ -141,24 +143,33 @@ fn main() {
             let c = graphpp_runtime::kernels::threads::install_hot(pool, true, || {
                 time_graphpp(&sg.fw, &sg.full_bw, &env, a.runs, true)
             });
-            let t = a.torch.as_deref().map(|py| time_torch(py, &a, n));
-            let tt = t.map_or(String::new(), |t| format!(", torch eager {t:.1} ms"));
+            let t = a.torch.as_deref().map(|py| time_torch(py, &a, n, "eager"));
+            let tc = a.torch.as_deref().map(|py| time_torch(py, &a, n, "compile"));
+            let tt = t.zip(tc).map_or(String::new(), |(t, tc)| {
+                format!(", torch eager {t:.1} ms, torch.compile {tc:.1} ms")
+            });
             println!("round {round}, {n} thread(s): interpreted {i:.1} ms, compiled {c:.1} ms{tt}");
             figs[k][0].push(i);
             figs[k][1].push(c);
             figs[k][2].extend(t);
+            figs[k][3].extend(tc);
         }
     }
     // The best round beside the median: on a shared machine other load only ever slows a round.
     let mut compiled = Vec::new();
-    for (&n, [i, c, t]) in a.threads.iter().zip(figs) {
-        let (bi, bc, bt) = (best(&i), best(&c), best(&t));
+    for (&n, [i, c, t, tc]) in a.threads.iter().zip(figs) {
+        let (bi, bc, bt, btc) = (best(&i), best(&c), best(&t), best(&tc));
         let (i, c) = (median(i), median(c));
         compiled.push((c, bc));
         print!("{} {} fw+full_bw B={} T=64, {n} thread(s), median (best) of {} rounds: interpreted {i:.1} ({bi:.1}) ms, compiled {c:.1} ({bc:.1}) ms, compiled / interpreted {:.2} ({:.2})", a.model, a.dtype.name(), a.batch, a.rounds, c / i, bc / bi);
         if !t.is_empty() {
-            let t = median(t);
-            print!(", torch eager {t:.1} ({bt:.1}) ms, compiled / torch {:.2} ({:.2})", c / t, bc / bt);
+            let (t, tc) = (median(t), median(tc));
+            print!(", torch eager {t:.1} ({bt:.1}) ms, compiled / torch eager {:.2} ({:.2})", c / t, bc / bt);
+            print!(
+                ", torch.compile {tc:.1} ({btc:.1}) ms, compiled / torch.compile {:.2} ({:.2})",
+                c / tc,
+                bc / btc
+            );
         }
         println!();
     }
