@@ -39,7 +39,7 @@ join stage 3.
 Usage:
   python tools/torch/pipelining_tokens_per_sec.py \
       [--microbatches 8] [--microbatch-size 8] [--seq-len 64] [--steps 30] [--warmup 5] \
-      [--lr 3e-3] [--clip 1.0] [--threads 1] [--data PATH] [--schedule 1F1B]
+      [--lr 3e-3] [--clip 1.0] [--threads 1] [--dtype f32|bf16] [--data PATH] [--schedule 1F1B]
   python tools/torch/pipelining_tokens_per_sec.py --check
 --check runs no pipeline: it compares the stage modules, chained, with llama_fixture.forward
 (float64) in loss and every gradient, for the 2- and 4-stage splits, and exits non-zero if they
@@ -151,13 +151,18 @@ class StageModule(nn.Module):
         causal = torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)
         self.register_buffer("causal", causal, persistent=False)
 
+    # --dtype bf16: the forward under bf16 autocast (f32 master weights, bf16 matmuls), as
+    # PyTorch AMP users train; the logits leave the last stage in f32.
+    bf16 = False
+
     def forward(self, x):
-        if self.embed_tokens is not None:
-            x = self.embed_tokens(x)
-        for layer in self.layers:
-            x = layer(x, self.cos, self.sin, self.causal)
-        if self.lm_head is not None:
-            x = self.lm_head(self.norm(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            if self.embed_tokens is not None:
+                x = self.embed_tokens(x)
+            for layer in self.layers:
+                x = layer(x, self.cos, self.sin, self.causal)
+            if self.lm_head is not None:
+                x = self.lm_head(self.norm(x)).float()
         return x
 
 
@@ -288,6 +293,8 @@ def worker(rank, a, port):
     cls, per_rank, placement = SCHEDULES[a.schedule]
     n_stages = WORLD * per_rank
     all_stages = build_stages(MODELS[a.model], n_stages, a.seq_len)
+    for m in all_stages:
+        m.bf16 = a.dtype == "bf16"
     mine = stage_ids(rank, per_rank, placement)
     modules = [all_stages[i] for i in mine]
     pstages = [PipelineStage(m, i, n_stages, torch.device("cpu"),
@@ -334,7 +341,7 @@ def worker(rank, a, port):
     if rank == 0:
         tok = a.microbatches * a.microbatch_size * a.seq_len
         print(f"torch pipelining {a.model} {a.schedule} p={WORLD} m={a.microbatches} B={a.microbatch_size} "
-              f"T={a.seq_len} threads={a.threads}: {tok * a.steps / dt:.0f} tokens/s "
+              f"T={a.seq_len} threads={a.threads} {a.dtype}: {tok * a.steps / dt:.0f} tokens/s "
               f"({dt / a.steps:.4f} s/step), loss {fl[0]:.4f}->{fl[1]:.4f}", flush=True)
     dist.destroy_process_group()
 
@@ -355,6 +362,8 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--clip", type=float, default=1.0, help="clip_grad_norm_ max_norm (per rank)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
+                    help="bf16: the stages' forward under bf16 autocast (f32 weights and optimizer)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the window sampler")
     ap.add_argument("--data", default=None, help="UTF-8 text file or folder; default random bytes")
     ap.add_argument("--schedule", default="1F1B", choices=sorted(SCHEDULES))
