@@ -58,6 +58,8 @@ fn train_dtype_bf16_end_to_end() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.starts_with("graphpp train: model tiny in bf16 mixed precision (4 layers"), "{stdout}");
+    let path = graphpp_runtime::kernels::bf16_gemm::chosen().unwrap();
+    assert!(stdout.lines().next().unwrap().contains(&format!(", bf16 matmuls on {path},")), "{stdout}");
     let losses = train_losses(&stdout);
     assert_eq!(losses.len(), 2, "{stdout}");
     assert!(losses[1] < 3.0, "20 bf16 steps learn the corpus (ln 256 = 5.55 at start): {stdout}");
@@ -135,4 +137,38 @@ fn unknown_dtype_is_a_usage_error() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("is not a compute dtype (expected f32 or bf16)"), "{err}");
     }
+}
+
+/// `GRAPHPP_BF16_GEMM` picks the bf16 matmul path: a path the CPU has runs (and the header names
+/// it), one it does not know is refused at setup — before any rank starts — naming the variable
+/// and the paths; an f32 run ignores it.
+#[test]
+fn the_bf16_path_is_chosen_by_the_environment_and_checked_at_setup() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let run = |path: &str, dtype: &str, ck: &str| {
+        graphpp()
+            .env("GRAPHPP_BF16_GEMM", path)
+            .args(["train", "--data", data.to_str().unwrap(), "--checkpoint-dir"])
+            .arg(d.path().join(ck))
+            .args(SMALL)
+            .args(["--dtype", dtype, "--steps", "2", "--eval-every", "0"])
+            .output()
+            .unwrap()
+    };
+    let out = run("widened", "bf16", "a");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains(", bf16 matmuls on widened,"), "{stdout}");
+    let out = run("amx", "bf16", "b");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(
+            "GRAPHPP_BF16_GEMM=\"amx\" names no bf16 matmul path (expected avx512-bf16 or widened)"
+        ),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("rank 0"), "refused before any rank ran: {stderr}");
+    assert!(run("amx", "f32", "c").status.success());
 }

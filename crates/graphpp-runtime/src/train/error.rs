@@ -37,6 +37,9 @@ pub enum SetupError {
     /// The kind cannot serve the shape.
     #[error(transparent)]
     Generate(#[from] GenerateError),
+    /// A bf16 run whose `GRAPHPP_BF16_GEMM` names no bf16 matmul path this CPU has.
+    #[error(transparent)]
+    Bf16Path(#[from] crate::kernels::bf16_gemm::PathError),
     /// The step would be too large to run (schedule size or memory), from estimates.
     #[error(transparent)]
     Size(#[from] SizeError),

