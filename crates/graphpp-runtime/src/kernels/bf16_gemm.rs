@@ -173,14 +173,19 @@ pub fn gemm(
 /// in the source (a row, or a column of a transposed view) stays contiguous.
 fn widen(s: Strided, rows: usize, cols: usize) -> (Vec<f32>, usize, usize) {
     let wide = |h: &bf16| widen_bf16(*h);
+    let mut v = Vec::with_capacity(rows * cols);
     if s.col_stride == 1 {
-        let v = (0..rows).flat_map(|i| s.data[i * s.row_stride..][..cols].iter().map(wide)).collect();
+        for i in 0..rows {
+            v.extend(s.data[i * s.row_stride..][..cols].iter().map(wide));
+        }
         (v, cols, 1)
     } else if s.row_stride == 1 {
-        let v = (0..cols).flat_map(|j| s.data[j * s.col_stride..][..rows].iter().map(wide)).collect();
+        for j in 0..cols {
+            v.extend(s.data[j * s.col_stride..][..rows].iter().map(wide));
+        }
         (v, 1, rows)
     } else {
-        let v = (0..rows).flat_map(|i| (0..cols).map(move |j| wide(&s.at(i, j)))).collect();
+        v.extend((0..rows).flat_map(|i| (0..cols).map(move |j| widen_bf16(s.at(i, j)))));
         (v, cols, 1)
     }
 }
@@ -197,16 +202,17 @@ fn widened(
     parallel: bool,
 ) {
     let ((wa, ra, ca), (wb, rb, cb)) = (widen(a, m, k), widen(b, k, n));
-    let mut c = vec![0f32; m * n];
+    // Not zeroed: gemm with `read_dst` false writes every element before it reads any.
+    let mut c: Vec<f32> = Vec::with_capacity(m * n);
     let threads = if parallel { Parallelism::Rayon(rayon::current_num_threads()) } else { Parallelism::None };
-    // SAFETY: `wa` holds m × k elements on strides (ra, ca), `wb` k × n on (rb, cb), `c` m × n
-    // row-major.
+    // SAFETY: `wa` holds m × k elements on strides (ra, ca), `wb` k × n on (rb, cb), `c` has
+    // room for m × n row-major, every one of which gemm writes (so `set_len` after it).
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            c.as_mut_ptr(),
+            c.spare_capacity_mut().as_mut_ptr().cast::<f32>(),
             1,
             n as isize,
             false,
@@ -222,7 +228,8 @@ fn widened(
             false,
             false,
             threads,
-        )
+        );
+        c.set_len(m * n);
     };
     for (o, v) in out.iter_mut().zip(&c) {
         o.write(round_bf16(*v));
