@@ -30,6 +30,21 @@ pub enum DataError {
     /// A folder without any text.
     #[error("{0}: no text (an empty file, or a folder without text files)")]
     Empty(PathBuf),
+    /// A corpus too large to hold in memory: its text and its tokens (a u32 a byte) at once.
+    #[error(
+        "{path}: {bytes} bytes of text would take {need} in memory (the text and a 4-byte token a \
+         byte), more than {budget}; train on a part of it"
+    )]
+    TooLarge {
+        /// The file or folder.
+        path: PathBuf,
+        /// Its text's size in bytes.
+        bytes: u64,
+        /// What reading it would take, in words.
+        need: String,
+        /// The budget, in words.
+        budget: String,
+    },
     /// The downloaded archive has the wrong checksum.
     #[error("{path}: sha256 {got} does not match the expected {expected}")]
     Checksum {
@@ -173,11 +188,36 @@ pub fn shakespeare(cache: &Path) -> Result<PathBuf, DataError> {
     res.map(|_| dir)
 }
 
+/// Bytes a corpus byte takes once read: the text, and its token (a u32).
+const BYTES_PER_CORPUS_BYTE: u64 = 5;
+
+/// Refuses `files` (the corpus at `path`) before reading them when their text and tokens would
+/// exceed the step memory budget ([`graphpp_runtime::train::memory::memory_budget`]); the sizes
+/// come from the file system, so this takes no time whatever the size.
+fn check_corpus_size(path: &Path, files: &[PathBuf]) -> Result<(), DataError> {
+    let mut bytes = 0u64;
+    for f in files {
+        bytes = bytes.saturating_add(std::fs::metadata(f).map_err(io(f))?.len());
+    }
+    let need = u128::from(bytes) * u128::from(BYTES_PER_CORPUS_BYTE);
+    let (budget, budget_text) = graphpp_runtime::train::memory::memory_budget();
+    if need > budget {
+        return Err(DataError::TooLarge {
+            path: path.into(),
+            bytes,
+            need: graphpp_schedule::generate::human_bytes(need),
+            budget: budget_text,
+        });
+    }
+    Ok(())
+}
+
 /// Reads a UTF-8 file, or every file under a folder (recursively, in sorted path order, joined
 /// by a newline).
 ///
 /// # Errors
-/// [`DataError::Missing`], [`DataError::NotUtf8`] naming the file and offset, [`DataError::Empty`].
+/// [`DataError::Missing`], [`DataError::NotUtf8`] naming the file and offset, [`DataError::Empty`],
+/// [`DataError::TooLarge`] (before anything is read).
 pub fn read_text(path: &Path) -> Result<String, DataError> {
     if !path.exists() {
         return Err(DataError::Missing(path.into()));
@@ -185,6 +225,7 @@ pub fn read_text(path: &Path) -> Result<String, DataError> {
     let mut files = Vec::new();
     collect_files(path, &mut files)?;
     files.sort();
+    check_corpus_size(path, &files)?;
     let mut out = String::new();
     for f in &files {
         let bytes = std::fs::read(f).map_err(io(f))?;

@@ -13,4 +13,5 @@ pub mod profile;
 pub mod report;
 pub mod stop;
 pub mod strategy;
+pub mod textfile;
 pub mod train;

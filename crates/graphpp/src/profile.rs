@@ -321,7 +321,7 @@ impl Profile {
     /// [`ProfileError::Io`], [`ProfileError::Json`].
     pub fn load(path: &Path) -> Result<Profile, ProfileError> {
         let name = path.display().to_string();
-        let text = std::fs::read_to_string(path)
+        let text = crate::textfile::read_text(path)
             .map_err(|source| ProfileError::Io { path: name.clone(), source })?;
         serde_json::from_str(&text).map_err(|source| ProfileError::Json { path: name, source })
     }

@@ -184,7 +184,7 @@ impl Strategy {
     /// # Errors
     /// [`StrategyError::Read`], [`StrategyError::Parse`], and those of [`Strategy::check`].
     pub fn load(path: &Path) -> Result<Strategy, StrategyError> {
-        let text = std::fs::read_to_string(path)
+        let text = crate::textfile::read_text(path)
             .map_err(|source| StrategyError::Read { path: path.into(), source })?;
         let parse = |message: String| StrategyError::Parse { path: path.into(), message };
         let s: Strategy = if path.extension().is_some_and(|e| e == "json") {

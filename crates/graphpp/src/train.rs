@@ -579,7 +579,7 @@ fn describe_difference(saved: &RunConfig, now: &RunConfig) -> String {
 /// A schedule file (CSV or JSON, [`graphpp_schedule::Schedule::parse`]). Errors: why it cannot
 /// be read or is not a schedule (the caller names the file and its flag or field).
 pub fn read_schedule_file(path: &Path) -> Result<Arc<graphpp_schedule::Schedule>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let text = crate::textfile::read_text(path).map_err(|e| e.to_string())?;
     Ok(Arc::new(graphpp_schedule::Schedule::parse(&text).map_err(|e| e.to_string())?))
 }
 

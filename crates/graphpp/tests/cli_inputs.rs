@@ -336,3 +336,68 @@ fn mpirun_without_the_mpi_feature_is_refused() {
     assert!(e.contains("--features mpi"), "{e}");
     assert!(out.stdout.is_empty());
 }
+
+/// A 68-byte schedule file naming microbatch 4294967295 took 23.5 GB before being killed:
+/// every command that reads a schedule file now refuses it at once, naming the cell.
+#[test]
+fn a_schedule_file_naming_a_huge_microbatch_is_refused_at_once() {
+    let d = tempfile::tempdir().unwrap();
+    let f = d.path().join("huge.csv");
+    std::fs::write(&f, "0F0,0F4294967295,0B4294967295,0B0\n1F0,1F4294967295,1B4294967295,1B0\n").unwrap();
+    assert!(std::fs::metadata(&f).unwrap().len() < 80);
+    let path = f.to_str().unwrap();
+    for cmd in [
+        &["schedule", "validate", path][..],
+        &["schedule", "simulate", "--file", path],
+        &["schedule", "lower", path],
+    ] {
+        let t0 = std::time::Instant::now();
+        let err = rejected(cmd);
+        has_all(&err, &["0F4294967295", "microbatch 4294967295 is beyond the schedule's 8 actions"]);
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5), "{cmd:?} took {:?}", t0.elapsed());
+    }
+    let d2 = tempfile::tempdir().unwrap();
+    let err = train(&[
+        "--schedule",
+        "1f1b",
+        "--microbatches",
+        "2",
+        "--schedule-file",
+        path,
+        "--checkpoint-dir",
+        d2.path().to_str().unwrap(),
+    ]);
+    has_all(&err, &["--schedule-file", "microbatch 4294967295"]);
+}
+
+/// `/dev/zero` has no end: reading it whole took the machine's memory. A schedule (or strategy,
+/// profile, model config) is read up to 64 MiB and refused beyond.
+#[test]
+fn a_schedule_file_without_end_is_refused_at_the_bound() {
+    let err = rejected(&["schedule", "validate", "/dev/zero"]);
+    has_all(&err, &["/dev/zero", "longer than 64 MiB"]);
+    let err = rejected(&["schedule", "simulate", "--file", "/dev/zero"]);
+    has_all(&err, &["/dev/zero", "longer than 64 MiB"]);
+}
+
+/// A corpus larger than memory can hold (its text and a u32 token a byte) is refused from its
+/// size on disk, before a byte is read: a sparse 15 GB file here.
+#[test]
+fn a_corpus_larger_than_memory_is_refused_before_reading() {
+    let d = tempfile::tempdir().unwrap();
+    let big = d.path().join("big.txt");
+    let total = graphpp_runtime::train::memory::machine_memory().unwrap_or(16 << 30);
+    std::fs::File::create(&big).unwrap().set_len(total.max(15_000_000_000)).unwrap();
+    let t0 = std::time::Instant::now();
+    let out = Command::cargo_bin("graphpp")
+        .unwrap()
+        .args(["train", "--data", big.to_str().unwrap(), "--steps", "1"])
+        .arg("--checkpoint-dir")
+        .arg(d.path().join("ck"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    has_all(&err, &["big.txt", "bytes of text would take", "of memory"]);
+    assert!(t0.elapsed() < std::time::Duration::from_secs(5), "took {:?}", t0.elapsed());
+}

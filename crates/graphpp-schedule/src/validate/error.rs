@@ -78,6 +78,23 @@ pub enum ValidationError {
         /// Where.
         at: Loc,
     },
+    /// An action names a microbatch at least as large as the schedule's count of actions: a
+    /// valid schedule names every microbatch `0..m`, each in an action of its own, so `m` is at
+    /// most that count — some microbatch below this one is missing. Checked before any table
+    /// indexed by microbatch is built, so that a short file naming microbatch 4294967295 is
+    /// refused at once instead of sizing tables by it.
+    #[error(
+        "{at}: microbatch {mb} is beyond the schedule's {actions} actions (a schedule names every \
+         microbatch from 0 up, one action at least each, so one below {mb} is missing)"
+    )]
+    MicrobatchBeyondActions {
+        /// The microbatch named.
+        mb: usize,
+        /// Actions in the schedule.
+        actions: usize,
+        /// Where.
+        at: Loc,
+    },
     /// No compute action names microbatch `mb`.
     #[error("microbatch {mb} is missing entirely (expected m = {expected})")]
     MissingMicrobatch {

@@ -167,6 +167,19 @@ fn mbs_of(a: &Action) -> impl Iterator<Item = usize> {
     crate::route::tasks_of(a).map(|t| t.mb)
 }
 
+/// Every microbatch an action names is below the count of actions
+/// ([`ValidationError::MicrobatchBeyondActions`]): what bounds the per-microbatch tables the
+/// other checks build (stages have sparse tables of their own).
+fn check_microbatch_numbers(s: &Schedule) -> Result<(), ValidationError> {
+    let actions = s.actions().count();
+    for at in cells(s) {
+        if let Some(mb) = mbs_of(&at.action).find(|&mb| mb >= actions) {
+            return Err(ValidationError::MicrobatchBeyondActions { mb, actions, at });
+        }
+    }
+    Ok(())
+}
+
 /// The placement kind the stage → rank table of stages `0..stages` matches with `p` ranks.
 fn placement_kind(map: &StageRanks, stages: usize, p: usize) -> Option<Placement> {
     let held: Vec<(StageId, RankId)> =
@@ -676,6 +689,7 @@ impl<'a> Validated<'a> {
 /// # Errors
 /// As [`validate`].
 pub fn validated<'a>(s: &'a Schedule, opts: &ValidateOptions) -> Result<Validated<'a>, ValidationError> {
+    check_microbatch_numbers(s)?;
     let survey = Survey::of(s);
     let c = &survey.counts;
     if c.f + c.b + c.i + c.w + c.overlap == 0 {

@@ -336,3 +336,22 @@ fn reduce_grad_errors() {
     );
     assert_eq!(err("0F0,0B0,0REDUCE_GRAD\n1F0,1B0\n"), ValidationError::MissingReduceGrad { stage: 1 });
 }
+
+/// A 68-byte file naming microbatch 4294967295 (or a SEND of a microbatch that large) is
+/// refused before any table is sized by it: at once, naming the cell.
+#[test]
+fn a_microbatch_beyond_the_action_count_is_refused_before_tables_are_built() {
+    let e = err("0F0,0F4294967295,0B4294967295,0B0\n1F0,1B0\n");
+    assert_eq!(
+        e,
+        ValidationError::MicrobatchBeyondActions { mb: 4294967295, actions: 6, at: at(0, 1, "0F4294967295") }
+    );
+    assert!(e.to_string().contains("microbatch 4294967295 is beyond the schedule's 6 actions"), "{e}");
+    let e = err("0F0,0SEND_F99,0B0\n1RECV_F0,1F0,1B0\n");
+    assert!(matches!(e, ValidationError::MicrobatchBeyondActions { mb: 99, .. }), "{e}");
+    // Within the count, a gap is the missing microbatch it always was.
+    assert_eq!(
+        err("0F0,0F2,0B0,0B2\n1F0,1F2,1B0,1B2\n"),
+        ValidationError::MissingMicrobatch { mb: 1, expected: 3 }
+    );
+}

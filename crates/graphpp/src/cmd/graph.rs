@@ -68,7 +68,8 @@ pub fn load_config(model: &str) -> Result<ModelConfig> {
         );
     }
     if Path::new(model).is_file() {
-        let text = std::fs::read_to_string(model).with_context(|| format!("cannot read {model}"))?;
+        let text =
+            graphpp::textfile::read_text(Path::new(model)).with_context(|| format!("cannot read {model}"))?;
         return ModelConfig::from_json(&text).with_context(|| format!("{model}: bad model config"));
     }
     Ok(ModelConfig::preset(model)?)

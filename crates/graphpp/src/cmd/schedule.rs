@@ -290,7 +290,8 @@ fn generate_spec(
 /// schedule file checks it the same way first. Ranks without a compute action are a warning on
 /// standard error when no rank count is expected.
 pub fn read_schedule(path: &Path, expected: &ValidateOptions) -> Result<(Schedule, Summary)> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text =
+        graphpp::textfile::read_text(path).with_context(|| format!("cannot read {}", path.display()))?;
     let s = Schedule::parse(&text).with_context(|| path.display().to_string())?;
     let summary = validate(&s, expected).with_context(|| format!("{}: invalid schedule", path.display()))?;
     for r in &summary.idle_ranks {
