@@ -401,3 +401,15 @@ fn a_corpus_larger_than_memory_is_refused_before_reading() {
     has_all(&err, &["big.txt", "bytes of text would take", "of memory"]);
     assert!(t0.elapsed() < std::time::Duration::from_secs(5), "took {:?}", t0.elapsed());
 }
+
+/// `--threads-per-rank 1000000` spawned threads for 97 s and panicked; `--sample-bytes` of
+/// 10^11 generated for minutes. Both are bounded on the command line.
+#[test]
+fn thread_and_sample_counts_are_bounded() {
+    for (flag, value, range) in
+        [("--threads-per-rank", "1000000", "1..=1024"), ("--sample-bytes", "100000000000", "0..=65536")]
+    {
+        let err = rejected(&["train", flag, value]);
+        has_all(&err, &[flag, value, range]);
+    }
+}

@@ -9,6 +9,12 @@ use std::collections::VecDeque;
 use std::path::PathBuf;
 
 use crate::cmd::layout::{LayoutArgs, LAYOUT_FLAGS};
+
+/// The most bytes `--sample-bytes` may ask for: each is a forward pass of the model.
+const MAX_SAMPLE_BYTES: u64 = 65_536;
+/// The most threads `--threads-per-rank` may ask for (a pool of a million threads was asked for,
+/// and failed after minutes of spawning).
+const MAX_THREADS_PER_RANK: u64 = 1024;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use graphpp::checkpoint::CheckpointError;
@@ -132,12 +138,13 @@ pub struct TrainArgs {
     /// Write a Chrome trace (Perfetto, chrome://tracing) of the last 10 measured steps to PATH.
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Bytes of text to generate at the end (0: none).
-    #[arg(long, default_value_t = 200)]
-    sample_bytes: usize,
+    /// Bytes of text to generate at the end (0: none; at most 65536: each byte is a forward pass
+    /// of the model).
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u64).range(0..=MAX_SAMPLE_BYTES))]
+    sample_bytes: u64,
     /// Intra-op threads per rank, the size of its thread pool (default: cores / ranks, at least
-    /// 1; or RAYON_NUM_THREADS).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    /// 1; or RAYON_NUM_THREADS; at most 1024).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_THREADS_PER_RANK))]
     threads_per_rank: Option<u64>,
     /// Activation recomputation: pointwise (the backward recomputes pointwise values such as
     /// SwiGLU's σ(g) inside its fused ops), save-all (none), stage-inputs (full, per stage),

@@ -341,7 +341,7 @@ pub(super) fn summarise(
         );
     }
     if a.sample_bytes > 0 {
-        if let Some(text) = run.sample(&a.prompt, a.sample_bytes)? {
+        if let Some(text) = run.sample(&a.prompt, a.sample_bytes as usize)? {
             out!("sample (temperature 0.8, top-k 40):\n{}{}\n", a.prompt, text);
         }
     }
