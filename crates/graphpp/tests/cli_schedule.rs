@@ -355,3 +355,57 @@ fn solver_flags_apply_to_zb_auto_only() {
     let err = failure(&[&ZB_TIGHT[..], &["--solver", "heuristic", "--time-limit", "3"]].concat());
     assert!(err.contains("--time-limit applies to --solver ilp only"), "{err}");
 }
+
+/// `simulate` charged a V schedule's chunk a whole stage's cost while `compare` charged 1/v
+/// (p = 4, m = 8: simulate said zbv 51 against 1f1b 33, compare 25.5 against 33). One
+/// convention now, stated in simulate's output: the makespans agree with compare's for every
+/// kind asked, a generated schedule or its file.
+#[test]
+fn simulate_and_compare_charge_a_chunk_the_same() {
+    let table = stdout(&["schedule", "compare", "--ranks", "4", "--microbatches", "8"]);
+    let makespan_in_table = |kind: &str| -> String {
+        let row = table.lines().find(|l| l.split_whitespace().next() == Some(kind)).unwrap();
+        row.split_whitespace().nth(2).unwrap().to_string()
+    };
+    let d = tempfile::tempdir().unwrap();
+    for kind in ["1f1b", "zbv", "dualpipev", "interleaved-1f1b"] {
+        let sim =
+            stdout(&["schedule", "simulate", "--schedule", kind, "--ranks", "4", "--microbatches", "8"]);
+        let makespan =
+            |text: &str| text.lines().find_map(|l| l.strip_prefix("makespan")).unwrap().trim().to_string();
+        let want: f64 = makespan_in_table(kind).parse().unwrap();
+        assert_eq!(makespan(&sim).parse::<f64>().unwrap(), want, "{kind}: {sim}");
+        assert!(sim.starts_with("costs               per whole stage (F=1,B=2,"), "{sim}");
+        if kind != "1f1b" {
+            assert!(
+                sim.lines()
+                    .next()
+                    .unwrap()
+                    .ends_with("each chunk runs at 0.500 of them, as in `schedule compare`"),
+                "{sim}"
+            );
+        }
+        if kind != "dualpipev" {
+            let f = d.path().join(format!("{kind}.csv"));
+            let csv = stdout(&[
+                "schedule",
+                "generate",
+                "--schedule",
+                kind,
+                "--ranks",
+                "4",
+                "--microbatches",
+                "8",
+                "--format",
+                "csv",
+            ]);
+            std::fs::write(&f, csv).unwrap();
+            let from_file = stdout(&["schedule", "simulate", "--file", f.to_str().unwrap()]);
+            assert_eq!(
+                makespan(&from_file).parse::<f64>().unwrap(),
+                want,
+                "{kind} from its file: {from_file}"
+            );
+        }
+    }
+}

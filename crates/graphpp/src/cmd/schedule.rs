@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
 use graphpp::profile::Profile;
+use graphpp_schedule::compare::{chunk_cost_factor, scale_costs};
 use graphpp_schedule::generate::human_bytes;
 use graphpp_schedule::render::{chrome_trace, fixed, grid, svg, GridStyle};
 use graphpp_schedule::simulate::simulate_with;
@@ -414,8 +415,23 @@ fn simulate_cmd(
     output: Option<&Path>,
     profile: Option<&Path>,
 ) -> Result<()> {
-    let (costs, memory) = model.resolve()?;
-    let s = simulated_schedule(source, costs, memory)?;
+    let (stage_costs, memory) = model.resolve()?;
+    // The costs are a whole stage's, as `schedule compare` takes them: each of a rank's v chunks
+    // runs at chunk_cost_factor of them, so every kind does the same work per rank.
+    let factor = match (&source.kind, &source.file) {
+        (Some(k), _) => {
+            chunk_cost_factor(*k, source.stages_per_rank.unwrap_or_else(|| k.default_stages_per_rank()))
+        }
+        _ => 1.0,
+    };
+    let s = simulated_schedule(source, scale_costs(&stage_costs, factor), memory)?;
+    let factor = match source.kind {
+        Some(_) => factor,
+        // A file's kind is unknown: its v chunks per rank each run at 1/v (DualPipe's two
+        // parameter copies are not told apart).
+        None => 1.0 / (s.num_stages() / s.num_ranks().max(1)).max(1) as f64,
+    };
+    let costs = scale_costs(&stage_costs, factor);
     let profiled = profile.map(Profile::load).transpose()?;
     let (report, peak_bytes) = match &profiled {
         Some(p) => {
@@ -436,7 +452,16 @@ fn simulate_cmd(
                 let each: Vec<String> = b.iter().map(|&x| human_bytes(u128::from(x))).collect();
                 format!("peak memory         {} (bytes, from the profile; times in ms)\n", each.join(" "))
             });
-            format!("{}{bytes}\n{}", summary(&report), grid(&report.timeline, &style))
+            let convention = match (&profiled, factor < 1.0) {
+                (Some(_), _) => String::new(),
+                (None, true) => format!(
+                    "costs               per whole stage ({}); each chunk runs at {} of them, as in `schedule compare`\n",
+                    stage_costs,
+                    fixed(factor, 3)
+                ),
+                (None, false) => format!("costs               per whole stage ({})\n", stage_costs),
+            };
+            format!("{convention}{}{bytes}\n{}", summary(&report), grid(&report.timeline, &style))
         }
         SimFormat::Json => {
             let value = match &peak_bytes {
