@@ -101,7 +101,7 @@ pub fn render(r: &RunReport) -> String {
     };
     h.push_str("<h2>Loss</h2>\n");
     h.push_str(&line_chart(
-        "loss (nats/token)",
+        "loss (nats/byte)",
         &[
             Series { name: "train loss", color: "#1f77b4", markers: false, points: pts(&|s| Some(s.loss)) },
             Series { name: "validation loss", color: "#d62728", markers: true, points: pts(&|s| s.val_loss) },

@@ -109,6 +109,8 @@ fn every_svg_block_parses_as_xml() {
     let page = render(&r);
     let blocks = svg_blocks(&page);
     assert_eq!(blocks.len(), 4, "loss, tokens/s, measured, predicted");
+    // The loss axis says what the CLI says: the tokens are bytes.
+    assert!(blocks[0].contains("loss (nats/byte)") && !page.contains("nats/token"), "{}", blocks[0]);
     for b in &blocks {
         roxmltree::Document::parse(b).unwrap_or_else(|e| panic!("{e}: {b}"));
     }

@@ -157,19 +157,27 @@ fn steady(step_secs: &[f64], tokens: f64) -> String {
 }
 
 /// The step's expert load in one phrase, for a MoE model: the tokens per expert of the least
-/// balanced layer (largest max/min), `expert load 93–161 tokens/expert (max/min 1.73, layer 2 of 3)`.
-/// `None` for a dense model.
+/// balanced layer (largest max/min; a layer where experts got no token first, the most of them),
+/// `expert load 93–161 tokens/expert (max/min 1.73, MoE layer 2 of 3)`, or `expert load 0–161
+/// tokens/expert (3 of 64 experts got no token, MoE layer 2 of 3)`. `None` for a dense model.
 fn expert_balance(loads: &[Vec<u64>]) -> Option<String> {
-    let ratio = |l: &Vec<u64>| {
+    let rank = |l: &Vec<u64>| {
         let (min, max) = (l.iter().min().copied().unwrap_or(0), l.iter().max().copied().unwrap_or(0));
-        (min, max, if min == 0 { f64::INFINITY } else { max as f64 / min as f64 })
+        let idle = l.iter().filter(|&&x| x == 0).count();
+        let ratio = if min == 0 { 0.0 } else { max as f64 / min as f64 };
+        (min, max, idle, ratio, l.len())
     };
-    let (i, (min, max, r)) = loads.iter().map(ratio).enumerate().max_by(|a, b| a.1 .2.total_cmp(&b.1 .2))?;
-    Some(format!(
-        "expert load {min}–{max} tokens/expert (max/min {r:.2}, MoE layer {} of {})",
-        i + 1,
-        loads.len()
-    ))
+    let (i, (min, max, idle, ratio, experts)) = loads
+        .iter()
+        .map(rank)
+        .enumerate()
+        .max_by(|a, b| a.1 .2.cmp(&b.1 .2).then(a.1 .3.total_cmp(&b.1 .3)))?;
+    let balance = if idle > 0 {
+        format!("{idle} of {experts} experts got no token")
+    } else {
+        format!("max/min {ratio:.2}")
+    };
+    Some(format!("expert load {min}–{max} tokens/expert ({balance}, MoE layer {} of {})", i + 1, loads.len()))
 }
 
 /// Bytes per rank as `a/b/…` MiB with two decimals.
@@ -397,8 +405,9 @@ mod tests {
         assert_eq!(expert_balance(&[]), None);
         let s = expert_balance(&[vec![10, 12, 11], vec![5, 20, 10], vec![9, 9, 9]]).unwrap();
         assert_eq!(s, "expert load 5–20 tokens/expert (max/min 4.00, MoE layer 2 of 3)");
-        let s = expert_balance(&[vec![0, 4]]).unwrap();
-        assert!(s.contains("max/min inf"), "{s}");
+        // An expert without a token: counted, not an infinite ratio; that layer is the worst.
+        let s = expert_balance(&[vec![10, 12, 11], vec![0, 4, 0, 3], vec![0, 9, 9, 9]]).unwrap();
+        assert_eq!(s, "expert load 0–4 tokens/expert (2 of 4 experts got no token, MoE layer 2 of 3)");
     }
 
     /// The steady figure leaves out the first five steps (slow ones here) and needs a sixth.
