@@ -22,8 +22,10 @@ pub type Step = Option<Action>;
 /// The UTF-8 byte-order mark some editors and spreadsheets put at the start of a file.
 const BOM: char = '\u{feff}';
 
-/// A schedule: `ranks[r]` is rank `r`'s program in execution order.
+/// A schedule: `ranks[r]` is rank `r`'s program in execution order. Its JSON form has the one
+/// key `ranks`; another key is refused (a misspelt `"rank"` would otherwise read as no ranks).
 #[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Schedule {
     /// Per-rank programs; idle steps are `None`.
     pub ranks: Vec<Vec<Step>>,
@@ -414,6 +416,16 @@ mod tests {
         let e = Schedule::parse("{\"ranks\": [[\"0X0\"]]}").unwrap_err();
         assert!(matches!(e, ScheduleParseError::Json { hint: "", .. }), "{e:?}");
         assert!(matches!(Schedule::parse("0F0,0X0\n"), Err(ScheduleParseError::Csv(_))));
+    }
+
+    /// A key other than `ranks` is refused, naming it (it was read as no schedule at all, or
+    /// beside one, silently).
+    #[test]
+    fn json_with_an_unknown_key_is_refused() {
+        let e = Schedule::from_json(r#"{"ranks": [["0F0", "0B0"]], "microbatches": 4}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `microbatches`"), "{e}");
+        let e = Schedule::parse(r#"{"rank": [["0F0", "0B0"]]}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `rank`"), "{e}");
     }
 
     #[test]
