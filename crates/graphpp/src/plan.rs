@@ -51,6 +51,11 @@ pub struct PlanRequest {
     pub recompute: Vec<Recompute>,
     /// Most microbatches per step considered.
     pub max_microbatches: usize,
+    /// Only this pipeline depth pp (`--pp`), when set: it must divide the ranks.
+    pub pp: Option<usize>,
+    /// Only this microbatch count m (`--microbatches`), when set, whatever `max_microbatches`
+    /// says: it must divide the global batch.
+    pub microbatches: Option<usize>,
     /// How fast a rank computes ([`crate::profile::Profile::speed`], or the default).
     pub speed: Speed,
     /// Bytes per second between two ranks (pipeline hand-overs, gradient all-reduce).
@@ -118,6 +123,18 @@ pub enum PlanError {
     /// Building a stage graph or the byte model failed.
     #[error("{0}")]
     Build(String),
+    /// A pinned pipeline depth or microbatch count that cannot split the ranks or the batch.
+    #[error("{flag} {value} does not divide {of} {total}")]
+    Pin {
+        /// `--pp` or `--microbatches`.
+        flag: &'static str,
+        /// The pinned value.
+        value: usize,
+        /// `--ranks` or `--global-batch`.
+        of: &'static str,
+        /// What it must divide.
+        total: usize,
+    },
 }
 
 /// The graphs of each schedule stage of `kind` at `shape`, `batch` sequences per replica.
@@ -189,8 +206,9 @@ pub fn predict(
 ///
 /// # Errors
 /// [`PlanError::Zero`] for zero ranks, batch, sequence length or microbatches;
-/// [`PlanError::Rate`] for a bad speed or bandwidth; [`PlanError::Build`] when a stage graph
-/// cannot be built.
+/// [`PlanError::Rate`] for a bad speed or bandwidth; [`PlanError::Pin`] for a pinned pp or m
+/// that does not divide the ranks or the batch; [`PlanError::Build`] when a stage graph cannot
+/// be built.
 pub fn plan(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
     check_request(req)?;
     let mut out = candidates(req)?;
@@ -212,6 +230,18 @@ fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
             return Err(PlanError::Zero(name));
         }
     }
+    for (flag, pin, of, total) in [
+        ("--pp", req.pp, "--ranks", req.ranks),
+        ("--microbatches", req.microbatches, "--global-batch", req.global_batch),
+    ] {
+        match pin {
+            Some(0) => return Err(PlanError::Zero(flag)),
+            Some(value) if !total.is_multiple_of(value) => {
+                return Err(PlanError::Pin { flag, value, of, total })
+            }
+            _ => {}
+        }
+    }
     for (what, value) in [
         ("seconds per FLOP", req.speed.seconds_per_flop),
         ("seconds per byte", req.speed.seconds_per_byte),
@@ -225,9 +255,9 @@ fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
 }
 
 /// Every feasible strategy of `req`, unranked, with its prediction: each split pp × dp of the
-/// ranks (pp at most the layers), each kind (distinct) whose stages divide the layers, each
-/// microbatch count m dividing the global batch into microbatches that split over the dp
-/// replicas, each recompute policy (distinct). Errors: [`PlanError::Build`].
+/// ranks (pp at most the layers; only `req.pp` when pinned), each kind (distinct) whose stages divide the layers, each
+/// microbatch count m (only `req.microbatches` when pinned) dividing the global batch into
+/// microbatches that split over the dp replicas, each recompute policy (distinct). Errors: [`PlanError::Build`].
 fn candidates(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
     let layers = graphpp_models::Model::num_layers(&req.model);
     let (mut kinds, mut policies) = (req.kinds.clone(), req.recompute.clone());
@@ -238,7 +268,9 @@ fn candidates(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
     let mut cache = GraphCache::default();
     let mut out = Vec::new();
     // A pipeline has at most one rank per layer.
-    for pp in (1..=req.ranks.min(layers)).filter(|&pp| req.ranks.is_multiple_of(pp)) {
+    let pinned = |pin: Option<usize>, x: usize| pin.is_none_or(|p| p == x);
+    let pps = (1..=req.ranks.min(layers)).filter(|&pp| req.ranks.is_multiple_of(pp) && pinned(req.pp, pp));
+    for pp in pps {
         let dp = req.ranks / pp;
         for &kind in &kinds {
             let v = kind.default_stages_per_rank();
@@ -250,8 +282,10 @@ fn candidates(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
             if stages > layers || !layers.is_multiple_of(stages) {
                 continue;
             }
-            let most = req.max_microbatches.min(req.global_batch);
-            for m in (1..=most).filter(|&m| req.global_batch.is_multiple_of(m)) {
+            let most = req.microbatches.unwrap_or(req.max_microbatches).min(req.global_batch);
+            let ms =
+                (1..=most).filter(|&m| req.global_batch.is_multiple_of(m) && pinned(req.microbatches, m));
+            for m in ms {
                 let b = req.global_batch / m;
                 if !b.is_multiple_of(dp) {
                     continue;
@@ -323,6 +357,8 @@ mod tests {
             kinds: vec![Kind::Gpipe, Kind::OneFOneB, Kind::ZbH1, Kind::Zbv],
             recompute: vec![Recompute::SaveAll, Recompute::StageInputs],
             max_microbatches: 8,
+            pp: None,
+            microbatches: None,
             speed: Speed::default(),
             link_bytes_per_second: DEFAULT_LINK_BYTES_PER_SECOND,
         }
@@ -411,5 +447,23 @@ mod tests {
         assert_eq!(plan(&r).unwrap_err(), PlanError::Zero("--ranks"));
         let r = PlanRequest { link_bytes_per_second: f64::NAN, ..request(1) };
         assert!(matches!(plan(&r).unwrap_err(), PlanError::Rate { what: "the link bandwidth", .. }));
+        let r = PlanRequest { pp: Some(3), ..request(1) };
+        assert_eq!(plan(&r).unwrap_err().to_string(), "--pp 3 does not divide --ranks 2");
+        let r = PlanRequest { microbatches: Some(3), ..request(1) };
+        assert_eq!(plan(&r).unwrap_err().to_string(), "--microbatches 3 does not divide --global-batch 8");
+    }
+
+    /// `--pp` and `--microbatches` pin the search: every row has them, and a pinned m is
+    /// searched even above `--max-microbatches`.
+    #[test]
+    fn pinned_pp_and_microbatches_are_the_only_ones_listed() {
+        let all = plan(&request(u64::MAX)).unwrap();
+        assert!(all.iter().any(|c| c.pp == 1) && all.iter().any(|c| c.pp == 2));
+        let r = PlanRequest { pp: Some(2), microbatches: Some(8), max_microbatches: 2, ..request(u64::MAX) };
+        let pinned = plan(&r).unwrap();
+        assert!(!pinned.is_empty());
+        assert!(pinned.iter().all(|c| c.pp == 2 && c.microbatches == 8), "{pinned:?}");
+        let want = all.iter().filter(|c| c.pp == 2 && c.microbatches == 8).count();
+        assert_eq!(pinned.len(), want);
     }
 }

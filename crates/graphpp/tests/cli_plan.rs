@@ -104,17 +104,13 @@ fn plan_ranks_strategies_under_a_memory_cap() {
     let first = rows(&free)[0].clone();
     assert_eq!(first.last().unwrap(), "yes", "{free}");
     let best = free.lines().find(|l| l.starts_with("best: ")).unwrap().to_string();
-    // The best row's peak, e.g. `8.1 MB`, read back from the table.
+    // The best row's peak, e.g. `8.10 MiB` (the unit --memory-per-rank takes), read back from
+    // the table.
     let peak: f64 = first[first.len() - 3].parse().unwrap();
-    let unit = &first[first.len() - 2];
-    let scale = match unit.as_str() {
-        "kB" => 1e3,
-        "MB" => 1e6,
-        other => panic!("unit {other}"),
-    };
+    assert_eq!(first[first.len() - 2], "MiB", "{free}");
     // The table rounds to two or three digits (at most 5%): 10% below the shown figure is below
     // the true peak.
-    let cap = format!("{}", (peak * scale * 0.9) as u64);
+    let cap = format!("{:.3}MiB", peak * 0.9);
     let (capped, _) = plan(&cap, 0);
     let chosen = rows(&capped)[0].clone();
     assert_ne!(chosen[1..8], first[1..8], "{capped}");
@@ -133,7 +129,7 @@ fn plan_ranks_strategies_under_a_memory_cap() {
     let (out, _) = output(train, 0);
     assert!(out.contains("2 steps in"), "{out}");
     let (_, err) = plan("1000", 1);
-    assert!(err.contains("no strategy fits 1.0 kB per rank (the least memory any needs is"), "{err}");
+    assert!(err.contains("no strategy fits 1000 B per rank (the least memory any needs is"), "{err}");
 }
 
 /// `plan --strategy` compiles a printed strategy (ZB-V, p = 2, m = 4, dp = 2) into its training

@@ -10,7 +10,6 @@ use graphpp::dag::TrainingDag;
 use graphpp::plan::{plan, predict, Candidate, PlanRequest};
 use graphpp::profile::Profile;
 use graphpp_models::Recompute;
-use graphpp_schedule::generate::human_bytes;
 use graphpp_schedule::Kind;
 
 use crate::cmd::value::count;
@@ -34,7 +33,7 @@ pub struct PlanArgs {
     /// global training DAG — every action of every rank's lowered program, the graph each
     /// compute action runs, every dependency — and its prediction (step time, bubble, peak
     /// bytes per rank).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["ranks", "memory_per_rank", "global_batch", "max_microbatches", "schedule", "recompute", "top"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["ranks", "memory_per_rank", "global_batch", "max_microbatches", "pp", "microbatches", "schedule", "recompute", "top"])]
     strategy: Option<PathBuf>,
     /// With --strategy: how to print the DAG.
     #[arg(long, value_enum, default_value_t = DagFormat::Text, requires = "strategy")]
@@ -48,6 +47,13 @@ pub struct PlanArgs {
     /// Most microbatches per step to consider.
     #[arg(long, default_value_t = 32, allow_hyphen_values = true, value_parser = count::<usize>)]
     max_microbatches: usize,
+    /// Only this pipeline depth pp (train's --ranks); it must divide --ranks.
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    pp: Option<usize>,
+    /// Only this microbatch count m per step (train's --microbatches); it must divide
+    /// --global-batch.
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    microbatches: Option<usize>,
     /// Only these schedule kinds (comma-separated; default: every kind).
     #[arg(long, value_delimiter = ',')]
     schedule: Option<Vec<Kind>>,
@@ -76,6 +82,21 @@ pub enum DagFormat {
     Dot,
     /// `{"dag": {...}, "prediction": {...}}`.
     Json,
+}
+
+/// `bytes` in binary units, as `--memory-per-rank` takes them and `train` prints them: B below a
+/// KiB, KiB below a MiB, else MiB (two decimals below 10, one above).
+fn mib(bytes: u64) -> String {
+    let (value, unit) = match bytes {
+        0..1024 => return format!("{bytes} B"),
+        1024..1_048_576 => (bytes as f64 / 1024.0, "KiB"),
+        _ => (bytes as f64 / 1_048_576.0, "MiB"),
+    };
+    if value < 10.0 {
+        format!("{value:.2} {unit}")
+    } else {
+        format!("{value:.1} {unit}")
+    }
 }
 
 /// Parses a byte count: an integer, or a number with a unit B, KB, MB, GB (powers of 1000) or
@@ -116,7 +137,7 @@ fn row(i: usize, c: &Candidate) -> String {
         c.recompute.name(),
         1e3 * c.step_seconds,
         c.bubble,
-        human_bytes(u128::from(c.peak_bytes)),
+        mib(c.peak_bytes),
         if c.fits { "yes" } else { "no" }
     )
 }
@@ -138,7 +159,7 @@ fn compile(a: &PlanArgs, path: &std::path::Path, profile: Option<&Profile>) -> R
     let p = predict(&schedule, &graphs, config.dp, &speed, a.link_gbps * 1e9)?;
     let text = match a.format {
         DagFormat::Text => {
-            let peaks: Vec<String> = p.peak_bytes.iter().map(|&b| human_bytes(u128::from(b))).collect();
+            let peaks: Vec<String> = p.peak_bytes.iter().map(|&b| mib(b)).collect();
             format!(
                 "{}predicted: step {:.2} ms, bubble r = {:.3}, peak bytes per rank {}\n",
                 dag.to_text(),
@@ -208,6 +229,8 @@ pub fn run(a: PlanArgs) -> Result<()> {
         kinds: a.schedule.clone().unwrap_or_else(|| Kind::ALL.to_vec()),
         recompute: a.recompute.clone().unwrap_or_else(|| Recompute::ALL.to_vec()),
         max_microbatches: a.max_microbatches,
+        pp: a.pp,
+        microbatches: a.microbatches,
         speed: profile.as_ref().and_then(Profile::speed).unwrap_or_default(),
         link_bytes_per_second: a.link_gbps * 1e9,
     };
@@ -217,7 +240,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let mut text = format!(
         "plan: model {}, {ranks} ranks, {} per rank, {} sequences of {} tokens per step; {} strategies, {} fit; costs: {speed}\n",
         a.model,
-        human_bytes(u128::from(memory_per_rank)),
+        mib(memory_per_rank),
         a.global_batch,
         a.seq_len,
         all.len(),
@@ -237,11 +260,8 @@ pub fn run(a: PlanArgs) -> Result<()> {
         let least = all.iter().map(|c| c.peak_bytes).min();
         bail!(
             "no strategy fits {} per rank{}",
-            human_bytes(u128::from(memory_per_rank)),
-            least.map_or(String::new(), |b| format!(
-                " (the least memory any needs is {})",
-                human_bytes(u128::from(b))
-            ))
+            mib(memory_per_rank),
+            least.map_or(String::new(), |b| format!(" (the least memory any needs is {})", mib(b)))
         );
     };
     let mut extra = a.layers.map_or(String::new(), |l| format!(" --layers {l}"));
