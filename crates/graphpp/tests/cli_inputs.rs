@@ -140,7 +140,8 @@ fn costs_are_bounded_and_given_once() {
     has_all(&err, &["--costs", "F is given twice"]);
     // The largest accepted cost prints in a readable form.
     let ok = accepted(&simulate(&["--costs", "F=1e9,B=1e9"]));
-    assert!(ok.starts_with("makespan            6.0000e9\n"), "{ok}");
+    assert!(ok.starts_with("costs               per whole stage (F=1000000000,"), "{ok}");
+    assert!(ok.contains("\nmakespan            6.0000e9\n"), "{ok}");
 }
 
 #[test]
