@@ -87,31 +87,46 @@ impl MetricsLog {
 
     /// Opens `path` for a run that starts after step `resumed_at`: 0 truncates the file; a
     /// resumed run keeps (and loads) the records of steps `1..=resumed_at` and drops the later
-    /// ones — those of the stopped run after its last checkpoint. The file is rewritten
-    /// atomically before anything is appended.
+    /// ones — those of the stopped run after its last checkpoint. Kept lines are written back as
+    /// they were, byte for byte. A last line without its line end that does not parse is a
+    /// write the stopped run did not finish (a full disk, a kill): it is dropped with a warning
+    /// on standard error. The file is rewritten atomically before anything is appended.
     ///
     /// # Errors
     /// [`MetricsError::Io`] (cannot read or write), [`MetricsError::Parse`] (an existing line
-    /// that is not a record).
+    /// that is not a record, other than a torn last one).
     pub fn open(path: &Path, resumed_at: u64) -> Result<Self, MetricsError> {
         let io = |source| MetricsError::Io { path: path.to_path_buf(), source };
         let mut records = Vec::new();
+        let mut kept = Vec::new();
         if resumed_at > 0 && path.exists() {
             let text = std::fs::read_to_string(path).map_err(io)?;
-            for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-                let r: StepRecord = serde_json::from_str(line).map_err(|e| MetricsError::Parse {
-                    path: path.to_path_buf(),
-                    line: i + 1,
-                    message: e.to_string(),
-                })?;
+            let lines: Vec<&str> = text.lines().collect();
+            let torn_last = !text.is_empty() && !text.ends_with('\n');
+            for (i, line) in lines.iter().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+                let r: StepRecord = match serde_json::from_str(line) {
+                    Ok(r) => r,
+                    Err(_) if torn_last && i + 1 == lines.len() => {
+                        eprintln!(
+                            "warning: --metrics {}, line {}: an unfinished last line (the stopped run's last write) is dropped",
+                            path.display(),
+                            i + 1
+                        );
+                        continue;
+                    }
+                    Err(e) => {
+                        return Err(MetricsError::Parse {
+                            path: path.to_path_buf(),
+                            line: i + 1,
+                            message: e.to_string(),
+                        })
+                    }
+                };
                 if r.step <= resumed_at {
                     records.push(r);
+                    writeln!(kept, "{line}").map_err(io)?;
                 }
             }
-        }
-        let mut kept = Vec::new();
-        for r in &records {
-            writeln!(kept, "{}", serde_json::to_string(r).expect("a record serialises")).map_err(io)?;
         }
         crate::checkpoint::write_file_atomic(path, &kept).map_err(io)?;
         let file = std::fs::OpenOptions::new().append(true).open(path).map_err(io)?;
@@ -182,6 +197,25 @@ mod tests {
         // A fresh run truncates.
         drop(MetricsLog::open(&path, 0).unwrap());
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
+    }
+
+    /// A resume keeps the earlier lines as they were written — their text, not a re-serialised
+    /// record (that changed 34 of 130 lines by an ulp) — and a torn last line (a full disk
+    /// during the stopped run) is dropped instead of blocking the resume.
+    #[test]
+    fn a_resume_keeps_lines_verbatim_and_drops_a_torn_last_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.jsonl");
+        let one = r#"{"step":1,"loss":5.1000000000000005,"lr":0.001,"grad_norm":0.5,"step_s":0.1,"tokens_per_s":100.0,"elapsed_s":1.0}"#;
+        let two = r#"{"step":2,"loss":4.9,"lr":1e-3,"grad_norm":0.50,"step_s":0.1,"tokens_per_s":100,"elapsed_s":2}"#;
+        std::fs::write(&path, format!("{one}\n{two}\n{{\"step\":3,\"lo")).unwrap();
+        let log = MetricsLog::open(&path, 2).unwrap();
+        assert_eq!(log.records().iter().map(|r| r.step).collect::<Vec<_>>(), [1, 2]);
+        drop(log);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), format!("{one}\n{two}\n"));
+        // A bad line that is not the last, or a last line that ends, is still an error.
+        std::fs::write(&path, format!("{one}\n{{\"step\":3,\"lo\n")).unwrap();
+        assert!(matches!(MetricsLog::open(&path, 3).unwrap_err(), MetricsError::Parse { line: 2, .. }));
     }
 
     #[test]
