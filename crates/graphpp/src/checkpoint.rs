@@ -99,8 +99,9 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     move |source| CheckpointError::Io { path: path.to_path_buf(), source }
 }
 
-/// Writes `bytes` to `path` atomically: a temporary sibling, fsync, rename. A reader (or a
-/// process killed mid-write) sees the old file or the new one, never a part.
+/// Writes `bytes` to `path` atomically: a temporary sibling, fsync, rename, fsync of the folder
+/// (so that the rename itself survives a power loss). A reader (or a process killed mid-write)
+/// sees the old file or the new one, never a part.
 ///
 /// # Errors
 /// The I/O error of the temporary file or of the rename (the temporary file is removed).
@@ -110,7 +111,13 @@ pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
-        std::fs::rename(&tmp, path)
+        std::fs::rename(&tmp, path)?;
+        let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        // A folder that cannot be opened for fsync (not Linux) keeps the rename as it is.
+        if let Ok(d) = std::fs::File::open(folder) {
+            d.sync_all()?;
+        }
+        Ok(())
     })();
     if res.is_err() {
         let _ = std::fs::remove_file(&tmp);
@@ -270,10 +277,26 @@ pub fn lock(dir: &Path) -> Result<std::fs::File, CheckpointError> {
         .open(&path)
         .map_err(io(&path))?;
     match file.try_lock() {
-        Ok(()) => Ok(file),
+        Ok(()) => {
+            remove_temporaries(dir)?;
+            Ok(file)
+        }
         Err(std::fs::TryLockError::WouldBlock) => Err(CheckpointError::Locked(dir.to_path_buf())),
         Err(std::fs::TryLockError::Error(e)) => Err(io(&path)(e)),
     }
+}
+
+/// Removes the temporary files of writes a killed run left in `dir` (`step-….tmp-PID`): with the
+/// folder's lock held no other run writes there.
+fn remove_temporaries(dir: &Path) -> Result<(), CheckpointError> {
+    for e in std::fs::read_dir(dir).map_err(io(dir))? {
+        let p = e.map_err(io(dir))?.path();
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.starts_with("step-") && name.contains(".tmp-") {
+            std::fs::remove_file(&p).map_err(io(&p))?;
+        }
+    }
+    Ok(())
 }
 
 /// Reads and parses a sidecar (no tensors, no checksum).
@@ -286,13 +309,55 @@ pub fn load_sidecar(json_path: &Path) -> Result<Sidecar, CheckpointError> {
         .map_err(|e| CheckpointError::BadSidecar { path: json_path.to_path_buf(), message: e.to_string() })
 }
 
-/// Loads a checkpoint from a sidecar path, or the newest one in a folder; verifies the checksum.
+/// Loads a checkpoint from a sidecar path, or from a folder the newest one that loads: a newest
+/// checkpoint that is damaged (its sidecar or tensors unreadable, a checksum or step that does
+/// not match) is skipped with a warning on standard error, and the one before it tried.
 ///
 /// # Errors
-/// [`CheckpointError::NotFound`], [`CheckpointError::BadSidecar`], [`CheckpointError::BadTensors`].
+/// [`CheckpointError::NotFound`]; [`CheckpointError::BadSidecar`], [`CheckpointError::BadTensors`]
+/// (of the sidecar given, or of the newest in the folder when none loads).
 pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
-    let json_path = if path.is_dir() { latest(path)? } else { path.to_path_buf() };
-    let sidecar = load_sidecar(&json_path)?;
+    if !path.is_dir() {
+        return load_one(path);
+    }
+    let all = sidecars(path)?;
+    let mut first_error = None;
+    for (_, json) in all.iter().rev() {
+        match load_one(json) {
+            Ok(c) => return Ok(c),
+            Err(e @ (CheckpointError::BadSidecar { .. } | CheckpointError::BadTensors { .. })) => {
+                eprintln!("warning: checkpoint {} is damaged, trying the one before it: {e}", json.display());
+                first_error.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(first_error.unwrap_or_else(|| CheckpointError::NotFound(path.into())))
+}
+
+/// The checkpoint of sidecar `json_path`, its step and tensors checked against its name and its
+/// recorded checksum.
+fn load_one(json_path: &Path) -> Result<Checkpoint, CheckpointError> {
+    let sidecar = load_sidecar(json_path)?;
+    let named_step = json_path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("step-"))
+        .and_then(|n| n.strip_suffix(".json"))
+        .and_then(|n| n.parse::<u64>().ok());
+    let want_tensors = format!("step-{:06}.safetensors", sidecar.step);
+    if named_step.is_some_and(|s| s != sidecar.step) || sidecar.tensors != want_tensors {
+        return Err(CheckpointError::BadSidecar {
+            path: json_path.to_path_buf(),
+            message: format!(
+                "it records step {} and tensors {}, but its name says step {} (a sidecar edited or copied by hand?)",
+                sidecar.step,
+                sidecar.tensors,
+                named_step.map_or("?".into(), |s| s.to_string())
+            ),
+        });
+    }
+    let json_path = json_path.to_path_buf();
     let dir = json_path.parent().unwrap_or(Path::new("."));
     let tensor_path = dir.join(&sidecar.tensors);
     let bad = |message: String| CheckpointError::BadTensors { path: tensor_path.clone(), message };
@@ -380,5 +445,48 @@ mod tests {
         assert!(!d.path().join("step-000003.safetensors").exists());
         assert_eq!(latest(d.path()).unwrap(), d.path().join("step-000010.json"));
         assert_eq!(load(&d.path().join("step-000007.json")).unwrap().sidecar.step, 7);
+    }
+
+    /// A damaged newest checkpoint (its tensors truncated by a crash or a full disk) no longer
+    /// blocks a resume: the folder's newest checkpoint that loads is taken. A sidecar given by
+    /// path is not replaced.
+    #[test]
+    fn a_damaged_newest_checkpoint_falls_back_to_the_one_before() {
+        let d = tempfile::tempdir().unwrap();
+        save(d.path(), 3, &tensors(), serde_json::json!({"pos": 3})).unwrap();
+        save(d.path(), 6, &tensors(), serde_json::json!({"pos": 6})).unwrap();
+        let newest = d.path().join("step-000006.safetensors");
+        let len = std::fs::metadata(&newest).unwrap().len();
+        std::fs::OpenOptions::new().write(true).open(&newest).unwrap().set_len(len / 2).unwrap();
+        assert_eq!(load(d.path()).unwrap().sidecar.step, 3);
+        assert!(matches!(load(&d.path().join("step-000006.json")), Err(CheckpointError::BadTensors { .. })));
+        // None that loads: the newest's error.
+        std::fs::write(d.path().join("step-000003.json"), b"{").unwrap();
+        assert!(matches!(load(d.path()), Err(CheckpointError::BadTensors { .. })));
+    }
+
+    /// A sidecar whose step was edited (step 299 on step-300 tensors) is refused: its step must
+    /// be its name's and its tensors' file that step's.
+    #[test]
+    fn an_edited_sidecar_step_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let json = save(d.path(), 300, &tensors(), serde_json::json!({})).unwrap();
+        let text = std::fs::read_to_string(&json).unwrap().replace("\"step\": 300", "\"step\": 299");
+        std::fs::write(&json, text).unwrap();
+        let e = load(&json).unwrap_err();
+        assert!(matches!(e, CheckpointError::BadSidecar { .. }), "{e}");
+        assert!(e.to_string().contains("records step 299"), "{e}");
+    }
+
+    /// The temporary files of a killed save are removed when the next run takes the folder.
+    #[test]
+    fn taking_the_lock_removes_a_killed_saves_temporaries() {
+        let d = tempfile::tempdir().unwrap();
+        save(d.path(), 1, &tensors(), serde_json::json!({})).unwrap();
+        let stale = d.path().join("step-000002.tmp-99999");
+        std::fs::write(&stale, b"half").unwrap();
+        let _lock = lock(d.path()).unwrap();
+        assert!(!stale.exists());
+        assert!(d.path().join("step-000001.json").exists());
     }
 }
