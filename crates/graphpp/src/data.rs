@@ -27,6 +27,10 @@ pub enum DataError {
         /// First bad byte.
         offset: usize,
     },
+    /// A path that is neither a regular file nor a folder (a device such as `/dev/zero`, a
+    /// fifo, a socket), given or met inside the folder given.
+    #[error("{0} is not a regular file or a folder (a device, fifo or socket): give text files")]
+    NotAFile(PathBuf),
     /// A folder without any text.
     #[error("{0}: no text (an empty file, or a folder without text files)")]
     Empty(PathBuf),
@@ -247,6 +251,10 @@ fn collect_files(path: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
         out.push(path.into());
         return Ok(());
     }
+    if !path.is_dir() {
+        // A device, a fifo or a socket: no size to check before reading, and maybe no end.
+        return Err(DataError::NotAFile(path.into()));
+    }
     for e in std::fs::read_dir(path).map_err(io(path))? {
         let p = e.map_err(io(path))?.path();
         let hidden = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
@@ -375,6 +383,10 @@ mod tests {
     fn read_text_errors_name_the_file() {
         let d = tempfile::tempdir().unwrap();
         assert!(matches!(read_text(&d.path().join("nope")), Err(DataError::Missing(_))));
+        // A device (no size, no end) is refused by name, not read and not "Not a directory".
+        let e = read_text(Path::new("/dev/zero")).unwrap_err();
+        assert!(matches!(e, DataError::NotAFile(_)), "{e}");
+        assert!(e.to_string().starts_with("/dev/zero is not a regular file or a folder"), "{e}");
         assert!(matches!(read_text(d.path()), Err(DataError::Empty(_))));
         let bad = d.path().join("bad.txt");
         std::fs::write(&bad, [b'o', b'k', 0xff]).unwrap();
