@@ -414,3 +414,15 @@ fn thread_and_sample_counts_are_bounded() {
         has_all(&err, &[flag, value, range]);
     }
 }
+
+/// `--seed -1` was clap's "unexpected argument '-1'" while `--ranks -1` was graphpp's own
+/// message: every count, the seed included, now says what is wrong with the value.
+#[test]
+fn a_negative_seed_is_named_like_any_count() {
+    for flag in ["--seed", "--ranks"] {
+        let err = rejected(&["train", flag, "-1"]);
+        has_all(&err, &[&format!("invalid value '-1' for '{flag}"), "a count must be >= 0, not negative"]);
+    }
+    let err = rejected(&["verify", "--seed", "-1"]);
+    has_all(&err, &["a count must be >= 0, not negative"]);
+}

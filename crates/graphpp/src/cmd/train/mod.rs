@@ -102,7 +102,7 @@ pub struct TrainArgs {
     #[arg(long)]
     data: Option<PathBuf>,
     /// Seed of the initial weights and of the training windows.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_hyphen_values = true, value_parser = crate::cmd::value::count::<u64>)]
     seed: u64,
     /// Validation loss every N steps (0: only at the end).
     #[arg(long, default_value_t = 100)]
