@@ -69,6 +69,19 @@ pub enum PretrainedError {
         /// Its dtype.
         dtype: String,
     },
+    /// A tensor holding NaN or infinite values: training from it fails at the first step, and
+    /// would name no tensor.
+    #[error("{}: tensor `{name}` holds {count} NaN or infinite value(s) of {total}", path.display())]
+    NotFinite {
+        /// The weights file.
+        path: PathBuf,
+        /// Tensor name.
+        name: String,
+        /// Values that are NaN or infinite.
+        count: usize,
+        /// Values in the tensor.
+        total: usize,
+    },
     /// Parameters of the model the config describes that no file holds.
     #[error("{}: {} tensor(s) missing that the config's model needs: {}", dir.display(), names.len(), list(names))]
     MissingTensors {
@@ -203,8 +216,19 @@ fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>, PretrainedError> {
             }
         };
         let t = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), &Device::Cpu)
-            .map_err(|e| bad(format!("tensor `{name}`: {e}")))?;
-        out.push((name, t.to_dtype(DType::F32)?));
+            .map_err(|e| bad(format!("tensor `{name}`: {e}")))?
+            .to_dtype(DType::F32)?;
+        let values = t.flatten_all()?.to_vec1::<f32>()?;
+        let count = values.iter().filter(|x| !x.is_finite()).count();
+        if count > 0 {
+            return Err(PretrainedError::NotFinite {
+                path: path.to_path_buf(),
+                name,
+                count,
+                total: values.len(),
+            });
+        }
+        out.push((name, t));
     }
     Ok(out)
 }
@@ -214,7 +238,7 @@ fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>, PretrainedError> {
 ///
 /// # Errors
 /// [`PretrainedError::MissingFile`] (no `model.safetensors` nor index, or a shard), `Io`,
-/// `Format`, `DType`, `MissingTensors`, `Shape`, `Unexpected`, `TiedMismatch`.
+/// `Format`, `DType`, `NotFinite`, `MissingTensors`, `Shape`, `Unexpected`, `TiedMismatch`.
 pub fn load_weights(dir: &Path, cfg: &LlamaConfig) -> Result<BTreeMap<String, Tensor>, PretrainedError> {
     let expected = model_parameters(cfg)
         .map_err(|source| PretrainedError::Config { path: dir.join(CONFIG_FILE), source })?;

@@ -375,3 +375,31 @@ fn training_starts_from_the_folder_and_tied_copies_stay_equal() {
         .collect();
     assert_eq!(embeds, vec![copies[0].clone(), copies[0].clone()]);
 }
+
+/// A weight of NaNs (or with an infinity) is refused on load, naming it; it failed at the first
+/// step naming no tensor.
+#[test]
+fn a_tensor_that_is_not_finite_is_named() {
+    let d = edited(GELU, |t, _| {
+        let w = t["model.layers.1.mlp.down_proj.weight"].clone();
+        let mut v = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v[3] = f32::NAN;
+        v[7] = f32::INFINITY;
+        t.insert(
+            "model.layers.1.mlp.down_proj.weight".into(),
+            Tensor::from_vec(v, w.dims(), &Device::Cpu).unwrap(),
+        );
+    });
+    let e = load_err(d.path());
+    match &e {
+        PretrainedError::NotFinite { name, count, .. } => {
+            assert_eq!((name.as_str(), *count), ("model.layers.1.mlp.down_proj.weight", 2))
+        }
+        e => panic!("{e}"),
+    }
+    assert!(
+        e.to_string()
+            .contains("tensor `model.layers.1.mlp.down_proj.weight` holds 2 NaN or infinite value(s)"),
+        "{e}"
+    );
+}
