@@ -174,6 +174,19 @@ pub enum StrategyError {
     },
 }
 
+/// The most characters of one line of a parser's message that are echoed.
+const ECHOED_LINE: usize = 160;
+
+/// `message` with every line cut to [`ECHOED_LINE`] characters (the TOML parser echoes the
+/// offending line whole, twice: a 10 MB line filled the terminal).
+fn shorten(message: &str) -> String {
+    let cut = |line: &str| match line.char_indices().nth(ECHOED_LINE) {
+        Some((at, _)) => format!("{}… ({} more bytes)", &line[..at], line.len() - at),
+        None => line.to_string(),
+    };
+    message.lines().map(cut).collect::<Vec<_>>().join("\n")
+}
+
 fn field(directive: &'static str, field: &'static str, reason: String) -> StrategyError {
     StrategyError::Field { path: None, directive, field, reason }
 }
@@ -186,7 +199,7 @@ impl Strategy {
     pub fn load(path: &Path) -> Result<Strategy, StrategyError> {
         let text = crate::textfile::read_text(path)
             .map_err(|source| StrategyError::Read { path: path.into(), source })?;
-        let parse = |message: String| StrategyError::Parse { path: path.into(), message };
+        let parse = |message: String| StrategyError::Parse { path: path.into(), message: shorten(&message) };
         let s: Strategy = if path.extension().is_some_and(|e| e == "json") {
             serde_json::from_str(&text).map_err(|e| parse(e.to_string()))?
         } else {

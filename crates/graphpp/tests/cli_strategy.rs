@@ -167,6 +167,20 @@ fn bad_strategy_files_are_refused_naming_the_directive() {
         let out = graphpp().args(["verify", "--strategy", f.to_str().unwrap()]).output().unwrap();
         assert!(String::from_utf8_lossy(&out.stderr).contains(says), "verify, case {i}");
     }
+    // A 10 MB line is not echoed whole (the TOML parser quotes the offending line twice).
+    let long = file(
+        d.path(),
+        "long.toml",
+        &ok.replace("ranks = 2", &format!("ranks = \"{}\"", "x".repeat(10_000_000))),
+    );
+    let out = graphpp().args(["train", "--strategy", long.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("long.toml") && err.contains("more bytes)"),
+        "{}",
+        &err[..err.len().min(2000)]
+    );
+    assert!(err.len() < 2000, "{} bytes of error", err.len());
     // As --dp defaults to --ep, replicate.dp defaults to shard.ep.
     let f = file(d.path(), "ep.toml", &ok.replace("\"1f1b\"", "\"1f1b\"\n[shard]\nep = 2"));
     let out =
