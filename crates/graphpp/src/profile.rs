@@ -236,11 +236,18 @@ pub enum ProfileError {
         /// The schedule's kind.
         schedule: Kind,
     },
-    /// The profile does not fit the schedule it is used with.
-    #[error("the profile has {profile} stages, the schedule {schedule}")]
+    /// The profile does not fit the schedule it is used with: its stage graphs are another
+    /// split of the model.
+    #[error(
+        "the profile has {profile} stages (it ran {kind}), the schedule {schedule}: a profile times \
+         one split of the model; profile a run with {schedule} stages (for a V or interleaved kind: \
+         `graphpp profile --schedule zbv` or that kind, with the same --ranks)"
+    )]
     Stages {
         /// Stages of the profile.
         profile: usize,
+        /// The kind the profile ran.
+        kind: Kind,
         /// Stages of the schedule.
         schedule: usize,
     },
@@ -345,7 +352,11 @@ impl Profile {
     pub fn check(&self, schedule: &Schedule, kind: Option<Kind>) -> Result<(), ProfileError> {
         let stages = schedule.num_stages();
         if stages != self.stages.len() {
-            return Err(ProfileError::Stages { profile: self.stages.len(), schedule: stages });
+            return Err(ProfileError::Stages {
+                profile: self.stages.len(),
+                kind: self.schedule,
+                schedule: stages,
+            });
         }
         if let Some(k) = kind.filter(|&k| k.model_copies() != self.schedule.model_copies()) {
             return Err(ProfileError::Copies { profile: self.schedule, schedule: k });

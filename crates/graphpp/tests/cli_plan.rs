@@ -80,7 +80,8 @@ fn a_profile_predicts_its_own_run_and_other_schedules_of_the_same_stages() {
     ])
     .arg(&path);
     let (_, err) = output(bad, 1);
-    assert!(err.contains("the profile has 2 stages, the schedule 4"), "{err}");
+    assert!(err.contains("the profile has 2 stages (it ran 1f1b), the schedule 4"), "{err}");
+    assert!(err.contains("profile a run with 4 stages"), "the way out is named: {err}");
 }
 
 /// The table's best strategy without a cap, and the same request with a cap just below its
