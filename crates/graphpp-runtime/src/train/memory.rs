@@ -5,13 +5,30 @@
 
 use graphpp_models::{Model, StageSpec};
 use graphpp_schedule::generate::human_bytes;
-use graphpp_schedule::{check_size, GenerateError, Kind, Shape};
+use graphpp_schedule::{check_size, generate, simulate, Costs, GenerateError, Kind, Memory, Options, Shape};
 
 /// Saved-activation bytes of one microbatch through the whole model (all layers on one stage).
 fn whole_model_activation_bytes(model: &dyn Model, batch: usize, seq: usize) -> u128 {
     let whole = StageSpec::whole(model.num_layers());
     model.stage_activation_bytes(&whole, batch, seq)
 }
+
+/// How many microbatches' activations of one stage (M_B) the ranks hold at once at the
+/// schedule's peak, summed over the ranks: the simulator's peak per rank (ZB's M_W = M_B / 2)
+/// of `kind`'s schedule at `shape`; `None` where the kind cannot serve the shape.
+fn in_flight_stage_microbatches(kind: Kind, shape: &Shape) -> Option<f64> {
+    let s = generate(kind, shape, &Options::default()).ok()?;
+    let r = simulate(&s, &Costs::default(), &Memory::default()).ok()?;
+    Some(r.peak_activations.iter().sum())
+}
+
+/// Bytes per parameter a run holds: the f32 parameter, its gradient accumulator, the two AdamW
+/// moments, and the row-major copy of a transposed weight a compiled program keeps
+/// (`exec::kept`).
+const BYTES_PER_PARAMETER: u128 = 20;
+/// Bytes per parameter a checkpoint save holds on top of the run's state: the gathered
+/// parameters and moments (12) and their serialised file (12).
+const SAVE_BYTES_PER_PARAMETER: u128 = 24;
 /// Fraction of the machine's memory a step may use: 3/4 (the rest for the system and the corpus).
 pub const BUDGET_NUMERATOR: u128 = 3;
 /// Denominator of the budget fraction.
@@ -22,14 +39,19 @@ pub const ASSUMED_MEMORY: u64 = 16 << 30;
 /// Bytes of one step, at least: every figure is a lower bound of what the runtime holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepMemory {
-    /// Saved activations of one microbatch through every stage (all stages hold it at once when
-    /// the last stage runs its forward); for `verify`, the larger of that and the single-device
+    /// Saved activations at the schedule's peak: one microbatch's activations of a stage times
+    /// the microbatch-stages the ranks hold at once (the simulator's peak, at least one
+    /// microbatch through every stage); for `verify`, the larger of that and the single-device
     /// step over all `m` microbatches at once.
     pub activations: u128,
     /// Mask and RoPE tables of every schedule stage (f32), plus one f64 build of them.
     pub buffers: u128,
-    /// Parameters, gradients and the two AdamW moments (f32) of every parameter copy.
+    /// Parameters, gradients, the two AdamW moments and the transposed weight copies (f32) of
+    /// every parameter copy (20 bytes a parameter).
     pub parameters: u128,
+    /// What a checkpoint save holds on top of the parameters, after the step's activations are
+    /// gone: the gathered state and its file (24 bytes a parameter).
+    pub saving: u128,
     /// Token ids and targets of the `m` microbatches (u32).
     pub batch: u128,
 }
@@ -47,7 +69,9 @@ impl StepMemory {
     ) -> StepMemory {
         let (m, stages) = (shape.microbatches as u128, shape.stages() as u128);
         let copies = kind.model_copies() as u128;
-        let mut activations = whole_model_activation_bytes(cfg, batch, seq);
+        let whole = whole_model_activation_bytes(cfg, batch, seq);
+        let held = in_flight_stage_microbatches(kind, shape).unwrap_or(stages as f64).max(stages as f64);
+        let mut activations = (whole as f64 / stages.max(1) as f64 * held) as u128;
         if single_device {
             activations = activations.max(whole_model_activation_bytes(
                 cfg,
@@ -59,14 +83,17 @@ impl StepMemory {
         StepMemory {
             activations,
             buffers: per_stage.saturating_mul(stages).saturating_add(per_stage.saturating_mul(2)),
-            parameters: cfg.parameter_count().saturating_mul(16).saturating_mul(copies),
+            parameters: cfg.parameter_count().saturating_mul(BYTES_PER_PARAMETER).saturating_mul(copies),
+            saving: cfg.parameter_count().saturating_mul(SAVE_BYTES_PER_PARAMETER).saturating_mul(copies),
             batch: m.saturating_mul(batch as u128).saturating_mul(seq as u128).saturating_mul(8),
         }
     }
 
-    /// The sum of the parts.
+    /// The peak: the parameters, buffers and batch, with the larger of the step's activations
+    /// and a checkpoint save's copies (a save runs between steps).
     pub fn total(&self) -> u128 {
         self.activations
+            .max(self.saving)
             .saturating_add(self.buffers)
             .saturating_add(self.parameters)
             .saturating_add(self.batch)
@@ -88,14 +115,15 @@ pub enum SizeError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "one step with B={batch} sequences of T={seq} tokens per microbatch would need at least {} of \
-     memory (activations of one microbatch {}, stage buffers {}, parameters and optimizer state {}, \
-     token batch {}); the limit is {} ({source_of_budget}): lower --microbatch-size, --seq-len, \
-     --microbatches or the model size",
+     memory (activations at the schedule's peak {}, stage buffers {}, parameters, optimizer state \
+     and weight copies {}, token batch {}, a checkpoint save's copies {}); the limit is {} \
+     ({source_of_budget}): lower --microbatch-size, --seq-len, --microbatches or the model size",
     human_bytes(.need.total()),
     human_bytes(.need.activations),
     human_bytes(.need.buffers),
     human_bytes(.need.parameters),
     human_bytes(.need.batch),
+    human_bytes(.need.saving),
     human_bytes(*.budget)
 )]
 pub struct MemoryShortfall {
@@ -221,7 +249,26 @@ mod tests {
         let shape = Shape::new(2, 1, 1000);
         let pipelined = StepMemory::estimate(&tiny, Kind::OneFOneB, &shape, 100, 64, false);
         let verify = StepMemory::estimate(&tiny, Kind::OneFOneB, &shape, 100, 64, true);
-        assert_eq!(verify.activations, 1000 * pipelined.activations);
+        let whole = whole_model_activation_bytes(&tiny, 100, 64);
+        assert_eq!(verify.activations, 1000 * whole);
+        // 1F1B at p = 2 holds two microbatches on rank 0 and one on rank 1 at its peak: three
+        // stage-microbatches of the two stages, 1.5 microbatches through the whole model.
+        assert_eq!(pipelined.activations, whole * 3 / 2);
+    }
+
+    /// A checkpoint save (24 bytes a parameter, after the activations are gone) or the step's
+    /// activations, whichever is larger, on top of the 20 bytes a parameter the run holds.
+    #[test]
+    fn the_peak_is_the_step_or_the_save() {
+        let mut deep = LlamaConfig::small();
+        deep.num_hidden_layers = 600;
+        let e = StepMemory::estimate(&deep, Kind::Zbv, &Shape::new(2, 2, 8), 8, 64, false);
+        let params = deep.parameter_count();
+        assert_eq!((e.parameters, e.saving), (20 * params, 24 * params));
+        assert_eq!(e.total(), e.activations.max(e.saving) + e.parameters + e.buffers + e.batch);
+        // `--model small --layers 600` was let through and then killed for memory on a 24 GB
+        // machine: its estimate is now above that machine's budget (3/4 of it).
+        assert!(e.total() > 18 * (1u128 << 30), "{e:?}");
     }
 
     #[test]
