@@ -113,9 +113,10 @@ pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;
         let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        // A folder that cannot be opened for fsync (not Linux) keeps the rename as it is.
+        // A folder that cannot be opened or fsynced (not Linux; a file system that refuses it)
+        // keeps the rename as it is: the file is in place either way.
         if let Ok(d) = std::fs::File::open(folder) {
-            d.sync_all()?;
+            let _ = d.sync_all();
         }
         Ok(())
     })();
@@ -309,35 +310,67 @@ pub fn load_sidecar(json_path: &Path) -> Result<Sidecar, CheckpointError> {
         .map_err(|e| CheckpointError::BadSidecar { path: json_path.to_path_buf(), message: e.to_string() })
 }
 
-/// Loads a checkpoint from a sidecar path, or from a folder the newest one that loads: a newest
-/// checkpoint that is damaged (its sidecar or tensors unreadable, a checksum or step that does
-/// not match) is skipped with a warning on standard error, and the one before it tried.
+/// Loads a checkpoint from a sidecar path, or from a folder its newest checkpoint that loads
+/// ([`newest_loadable`]).
 ///
 /// # Errors
-/// [`CheckpointError::NotFound`]; [`CheckpointError::BadSidecar`], [`CheckpointError::BadTensors`]
-/// (of the sidecar given, or of the newest in the folder when none loads).
+/// [`CheckpointError::NotFound`] (no checkpoint in the folder loads); [`CheckpointError::BadSidecar`],
+/// [`CheckpointError::BadTensors`] of the sidecar given.
 pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
     if !path.is_dir() {
         return load_one(path);
     }
-    let all = sidecars(path)?;
-    let mut first_error = None;
-    for (_, json) in all.iter().rev() {
-        match load_one(json) {
-            Ok(c) => return Ok(c),
+    let json = newest_loadable(path)?.ok_or_else(|| CheckpointError::NotFound(path.into()))?;
+    load_one(&json)
+}
+
+/// The sidecar of `dir`'s newest checkpoint that loads — its sidecar parses, its step is its
+/// name's, its tensors' checksum holds — or `None`. A newer damaged checkpoint (a crash or a
+/// full disk during its save, a hand edit) is set aside with a warning: its sidecar is renamed
+/// `step-N.json.damaged`, so that pruning, the next resume and every process of the run see
+/// the same newest checkpoint (a process that finds it already set aside by another moves on).
+///
+/// # Errors
+/// [`CheckpointError::Io`] when `dir` cannot be read or a sidecar cannot be set aside.
+pub fn newest_loadable(dir: &Path) -> Result<Option<PathBuf>, CheckpointError> {
+    for (_, json) in sidecars(dir)?.iter().rev() {
+        match check_one(json) {
+            Ok(()) => return Ok(Some(json.clone())),
+            Err(CheckpointError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
             Err(e @ (CheckpointError::BadSidecar { .. } | CheckpointError::BadTensors { .. })) => {
-                eprintln!("warning: checkpoint {} is damaged, trying the one before it: {e}", json.display());
-                first_error.get_or_insert(e);
+                let aside = json.with_extension("json.damaged");
+                eprintln!(
+                    "warning: checkpoint {} is damaged ({e}); set aside as {}",
+                    json.display(),
+                    aside.display()
+                );
+                match std::fs::rename(json, &aside) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(json)(e)),
+                    _ => {}
+                }
             }
             Err(e) => return Err(e),
         }
     }
-    Err(first_error.unwrap_or_else(|| CheckpointError::NotFound(path.into())))
+    Ok(None)
 }
 
-/// The checkpoint of sidecar `json_path`, its step and tensors checked against its name and its
-/// recorded checksum.
-fn load_one(json_path: &Path) -> Result<Checkpoint, CheckpointError> {
+/// Checks sidecar `json_path` as [`load_one`] does — parse, step, checksum — without reading
+/// the tensors.
+fn check_one(json_path: &Path) -> Result<(), CheckpointError> {
+    let sidecar = checked_sidecar(json_path)?;
+    let tensor_path = json_path.parent().unwrap_or(Path::new(".")).join(&sidecar.tensors);
+    let bad = |message: String| CheckpointError::BadTensors { path: tensor_path.clone(), message };
+    let got = sha256_file(&tensor_path).map_err(|e| bad(e.to_string()))?;
+    if got != sidecar.sha256 {
+        return Err(bad(format!("sha256 {got} does not match the recorded {}", sidecar.sha256)));
+    }
+    Ok(())
+}
+
+/// Sidecar `json_path`, refused when its step is not its name's or its tensors' file that
+/// step's.
+fn checked_sidecar(json_path: &Path) -> Result<Sidecar, CheckpointError> {
     let sidecar = load_sidecar(json_path)?;
     let named_step = json_path
         .file_name()
@@ -357,6 +390,13 @@ fn load_one(json_path: &Path) -> Result<Checkpoint, CheckpointError> {
             ),
         });
     }
+    Ok(sidecar)
+}
+
+/// The checkpoint of sidecar `json_path`, its step and tensors checked against its name and its
+/// recorded checksum.
+fn load_one(json_path: &Path) -> Result<Checkpoint, CheckpointError> {
+    let sidecar = checked_sidecar(json_path)?;
     let json_path = json_path.to_path_buf();
     let dir = json_path.parent().unwrap_or(Path::new("."));
     let tensor_path = dir.join(&sidecar.tensors);
@@ -458,11 +498,14 @@ mod tests {
         let newest = d.path().join("step-000006.safetensors");
         let len = std::fs::metadata(&newest).unwrap().len();
         std::fs::OpenOptions::new().write(true).open(&newest).unwrap().set_len(len / 2).unwrap();
-        assert_eq!(load(d.path()).unwrap().sidecar.step, 3);
         assert!(matches!(load(&d.path().join("step-000006.json")), Err(CheckpointError::BadTensors { .. })));
-        // None that loads: the newest's error.
+        assert_eq!(load(d.path()).unwrap().sidecar.step, 3);
+        // Set aside: pruning and the next resume see step 3 as the newest.
+        assert_eq!(sidecars(d.path()).unwrap().iter().map(|(s, _)| *s).collect::<Vec<_>>(), [3]);
+        assert!(d.path().join("step-000006.json.damaged").exists());
+        // None that loads: not found.
         std::fs::write(d.path().join("step-000003.json"), b"{").unwrap();
-        assert!(matches!(load(d.path()), Err(CheckpointError::BadTensors { .. })));
+        assert!(matches!(load(d.path()), Err(CheckpointError::NotFound(_))));
     }
 
     /// A sidecar whose step was edited (step 299 on step-300 tensors) is refused: its step must

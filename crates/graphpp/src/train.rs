@@ -530,6 +530,29 @@ pub fn newest_checkpoint(dir: &Path) -> Result<Option<(u64, String, RunConfig)>,
         return Ok(None);
     }
     let Some(path) = checkpoint::sidecars(dir)?.pop().map(|(_, p)| p) else { return Ok(None) };
+    checkpoint_settings(&path)
+}
+
+/// The checkpoint a resume continues from: [`newest_checkpoint`], but the newest that loads
+/// ([`checkpoint::newest_loadable`]: newer damaged ones are set aside), so that the step every
+/// process agrees on is the one [`checkpoint::load`] loads.
+///
+/// # Errors
+/// [`RunError::Checkpoint`] for an unreadable folder, or a damaged checkpoint that cannot be
+/// set aside.
+pub fn resumable_checkpoint(dir: &Path) -> Result<Option<(u64, String, RunConfig)>, RunError> {
+    if !dir.is_dir() {
+        return Ok(None);
+    }
+    match checkpoint::newest_loadable(dir)? {
+        Some(path) => checkpoint_settings(&path),
+        None => Ok(None),
+    }
+}
+
+/// The step, run identity and settings recorded in sidecar `path`.
+fn checkpoint_settings(path: &Path) -> Result<Option<(u64, String, RunConfig)>, RunError> {
+    let path = path.to_path_buf();
     let sidecar = checkpoint::load_sidecar(&path)?;
     let saved: SavedState = serde_json::from_value(sidecar.state).map_err(|e| {
         RunError::Checkpoint(CheckpointError::BadSidecar { path: path.clone(), message: e.to_string() })

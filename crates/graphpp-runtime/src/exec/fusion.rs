@@ -253,7 +253,9 @@ fn emit(
             Op::Cast { .. } => Instr::Round { x: ins[0] },
             // The interpreter's `zeros + value` (so −0.0 gives +0.0); in bf16, candle's
             // `bf16::from_f64(value)`.
-            Op::Full { value, .. } if bf16 => Instr::Const { value: half::bf16::from_f64(*value).to_f32() },
+            Op::Full { value, .. } if bf16 => {
+                Instr::Const { value: 0.0 + half::bf16::from_f64(*value).to_f32() }
+            }
             Op::Full { value, .. } => Instr::Const { value: 0.0 + *value as f32 },
             other => unreachable!("{} is not fusible", other.mnemonic()),
         };

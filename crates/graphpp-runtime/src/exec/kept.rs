@@ -18,9 +18,9 @@
 //! reused (the optimizer makes new tensors: a new id, a new value). Each node keeps one value (a
 //! program belongs to one stage of one rank), replaced when its source changes, so a weight has
 //! at most one kept value per node beside it; [`Cache::clear`] drops them all (a stage's RESHARD
-//! does, so that FSDP keeps no full-size copy of a resharded stage). Under FSDP a transposed
-//! copy is made once per UNSHARD rather than once a step; a cast there reads the all-gathered
-//! shard, not a parameter input, and is not kept.
+//! does, so that FSDP keeps no full-size copy of a resharded stage). Under FSDP the full
+//! parameters are new tensors at each UNSHARD, so a transposed copy or a cast is made once per
+//! UNSHARD rather than once a step.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -107,8 +107,9 @@ pub struct DataParallel {
     shapes: HashMap<String, Vec<usize>>,
     /// FSDP: the shards of the stages that are unsharded now, by (stage, name).
     kept: HashMap<(usize, String), Tensor>,
-    /// FSDP: all-gathers started by UNSHARD and not yet waited for, by stage.
-    gathering: HashMap<usize, Vec<(String, Pending<Tensor>)>>,
+    /// FSDP: all-gathers started by UNSHARD and not yet waited for, by stage; each says
+    /// whether its shard was rounded to bf16 for the gather (and is widened back).
+    gathering: HashMap<usize, Vec<(String, Pending<Tensor>, bool)>>,
     /// FSDP: bytes this rank has sent into UNSHARD's all-gathers.
     unshard_bytes: usize,
     /// Gradient reductions started by REDUCE_GRAD: (stage, name, handle).
@@ -248,15 +249,13 @@ impl DataParallel {
     ) -> Result<(), DataParallelError> {
         let mut pending = Vec::with_capacity(shards.len());
         for (name, s) in shards {
-            let sent = if in_bf16(&name) && s.dtype() == DType::F32 {
-                cast(&s, DType::BF16).map_err(tensor_err(&name))?
-            } else {
-                s.clone()
-            };
+            let rounded = in_bf16(&name) && s.dtype() == DType::F32;
+            let sent = if rounded { cast(&s, DType::BF16).map_err(tensor_err(&name))? } else { s.clone() };
             self.unshard_bytes += sent.elem_count() * sent.dtype().size_in_bytes();
             pending.push((
                 name.clone(),
                 self.comm.all_gather(&self.group, &sent).map_err(comm_err("unshard", stage))?,
+                rounded,
             ));
             self.kept.insert((stage, name), s);
         }
@@ -271,9 +270,9 @@ impl DataParallel {
     pub fn wait_unshard(&mut self, stage: usize) -> Result<Vec<(String, Tensor)>, DataParallelError> {
         let Some(pending) = self.gathering.remove(&stage) else { return Ok(Vec::new()) };
         let mut full = Vec::with_capacity(pending.len());
-        for (name, p) in pending {
+        for (name, p, rounded) in pending {
             let mut gathered = p.wait(self.timeout).map_err(comm_err("unshard", stage))?;
-            if gathered.dtype() == DType::BF16 {
+            if rounded {
                 gathered = cast(&gathered, DType::F32).map_err(tensor_err(&name))?;
             }
             let shape =

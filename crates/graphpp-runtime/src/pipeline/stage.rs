@@ -209,14 +209,21 @@ fn read_as_bf16(graphs: &StageGraphs, params: &[String]) -> HashSet<String> {
     if let Some((di, dw)) = &graphs.di_dw {
         all.extend([di, dw]);
     }
-    let only_cast = |g: &Graph, name: &str| {
-        let Some(v) = g.input_by_name(name) else { return true };
+    let to_bf16 =
+        |op: &graphpp_graph::Op| matches!(op, graphpp_graph::Op::Cast { dtype: graphpp_graph::DType::BF16 });
+    let mut out: HashSet<String> = params.iter().cloned().collect();
+    for g in all {
+        // A graph without a cast to bf16 (every graph of an f32 stage) reads what it reads as is.
+        if !g.nodes.iter().any(|n| to_bf16(&n.op)) {
+            out.retain(|p| g.input_by_name(p).is_none());
+            continue;
+        }
         let users = g.users();
-        users[v.0]
-            .iter()
-            .all(|u| matches!(g.nodes[u.0].op, graphpp_graph::Op::Cast { dtype: graphpp_graph::DType::BF16 }))
-    };
-    params.iter().filter(|p| all.iter().all(|g| only_cast(g, p))).cloned().collect()
+        out.retain(|p| {
+            g.input_by_name(p).is_none_or(|v| users[v.0].iter().all(|u| to_bf16(&g.nodes[u.0].op)))
+        });
+    }
+    out
 }
 
 impl Stage {

@@ -25,8 +25,8 @@ use graphpp::profile::Profile;
 use graphpp::stop::{Interrupted, StopRequest};
 use graphpp::strategy::Strategy;
 use graphpp::train::{
-    bubble_summary, check_checkpoint_dir, comm_summary, joined_timeline, newest_checkpoint, Run, RunConfig,
-    RunError,
+    bubble_summary, check_checkpoint_dir, comm_summary, joined_timeline, resumable_checkpoint, Run,
+    RunConfig, RunError,
 };
 use graphpp_models::Recompute;
 use graphpp_models::{Model, ModelConfig};
@@ -412,7 +412,7 @@ fn resume_point(a: &TrainArgs) -> Result<Option<(u64, RunConfig)>> {
     let Some(dir) = a.checkpoint_dir.as_ref().filter(|_| a.resume || a.resume_if_present) else {
         return Ok(None);
     };
-    match newest_checkpoint(dir)? {
+    match resumable_checkpoint(dir)? {
         Some((step, _, config)) => Ok(Some((step, config))),
         None if a.resume && !dir.exists() => {
             bail!("--resume: the checkpoint folder {} does not exist (nothing to resume)", dir.display())
