@@ -536,31 +536,7 @@ mod tests {
             eprintln!("this CPU has no AVX-512 BF16: the vector rounding is not used here");
             return;
         }
-        let mut bits: Vec<u32> = vec![
-            0x3F80_8000,
-            0x3F81_8000,
-            0x3F80_8001,
-            0x3F7F_FFFF,
-            0x7F7F_FFFF,
-            0xFF7F_FFFF,
-            0x0000_8000,
-            0x0001_8000,
-            0x7F80_0000,
-            0xFF80_0000,
-            0x7FC0_0001,
-            0xFF80_0001,
-            0x7F80_0001,
-            0,
-            0x8000_0000,
-        ];
-        let mut s = 0x2545_F491_4F6C_DD1Du64;
-        bits.extend((0..4096).map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 32) as u32
-        }));
-        let sums: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        let sums = crate::kernels::tensor::rounding_cases(4096);
         let mut out = vec![MaybeUninit::uninit(); sums.len()];
         // SAFETY: the CPU has AVX-512 BF16 (so F; checked above), and the lengths are equal.
         unsafe { packed::round_to_bf16(&sums, &mut out) };

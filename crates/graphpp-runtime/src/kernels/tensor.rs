@@ -119,6 +119,38 @@ fn map<A: Copy + Sync, B: Copy + Send>(x: &[A], f: impl Fn(A) -> B + Sync) -> Ve
     out
 }
 
+/// f32 values that test a rounding to bf16: ties to even both ways, the carry into the
+/// exponent, overflow, subnormals, infinities, NaNs (quiet and signalling), zeros, then `random`
+/// bit patterns (xorshift).
+#[cfg(test)]
+pub(crate) fn rounding_cases(random: usize) -> Vec<f32> {
+    let mut bits: Vec<u32> = vec![
+        0x3F80_8000,
+        0x3F81_8000,
+        0x3F80_8001,
+        0x3F7F_FFFF,
+        0x7F7F_FFFF,
+        0xFF7F_FFFF,
+        0x0000_8000,
+        0x0001_8000,
+        0x7F80_0000,
+        0xFF80_0000,
+        0x7FC0_0001,
+        0xFF80_0001,
+        0x7F80_0001,
+        0,
+        0x8000_0000,
+    ];
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    bits.extend((0..random).map(|_| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 32) as u32
+    }));
+    bits.into_iter().map(f32::from_bits).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,31 +160,8 @@ mod tests {
     /// view too; and f32 → bf16 → f32 is exact on bf16 values.
     #[test]
     fn casts_give_candles_bits() {
-        let mut bits: Vec<u32> = vec![
-            0x3F80_8000,
-            0x3F81_8000,
-            0x3F80_8001,
-            0x3F7F_FFFF,
-            0x7F7F_FFFF,
-            0xFF7F_FFFF,
-            0x0000_8000,
-            0x0001_8000,
-            0x7F80_0000,
-            0xFF80_0000,
-            0x7FC0_0001,
-            0xFF80_0001,
-            0x7F80_0001,
-            0,
-            0x8000_0000,
-        ];
-        let mut s = 0x2545_F491_4F6C_DD1Du64;
-        bits.extend((0..(CAST_PART * 2 + 5)).map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 32) as u32
-        }));
-        let xs: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        let xs = rounding_cases(CAST_PART * 2 + 5);
+        let bits: Vec<u32> = xs.iter().map(|x| x.to_bits()).collect();
         let t = Tensor::from_vec(xs, bits.len(), &Device::Cpu).unwrap();
         let pool = crate::kernels::threads::rank_pool(0, 2).unwrap();
         for view in [
