@@ -17,7 +17,10 @@
 //! this was built on has them to test it (docs/ARCHITECTURE.md, "bf16 matrix products").
 //!
 //! Each output's sum runs over `k` in the same order whatever the thread count, so the bits do
-//! not depend on how the work is split.
+//! not depend on how the work is split. The two paths sum in different orders, so their bits
+//! differ within f32 rounding; and `vdpbf16ps` treats subnormal inputs and results as zero
+//! (whatever MXCSR says), so below ~1e-38 the `avx512-bf16` path gives zeros where `widened`
+//! keeps subnormals.
 
 use super::tensor::{round_bf16, widen_bf16};
 use gemm::Parallelism;
