@@ -85,7 +85,7 @@ pub enum PathError {
 pub fn parse_path(value: &str) -> Result<Bf16Gemm, PathError> {
     let path = Bf16Gemm::ALL
         .into_iter()
-        .find(|p| p.name() == value.trim())
+        .find(|p| p.name().eq_ignore_ascii_case(value.trim()))
         .ok_or_else(|| PathError::Unknown(value.to_string()))?;
     if !path.available() {
         let has: Vec<_> = Bf16Gemm::ALL.into_iter().filter(|p| p.available()).map(Bf16Gemm::name).collect();
@@ -94,8 +94,9 @@ pub fn parse_path(value: &str) -> Result<Bf16Gemm, PathError> {
     Ok(path)
 }
 
-/// The process's bf16 matmul path: [`PATH_VAR`]'s, else the first of [`Bf16Gemm::ALL`] this CPU
-/// has. Read once; later changes to the variable are not seen.
+/// The process's bf16 matmul path: [`PATH_VAR`]'s (any case; set but empty counts as unset),
+/// else the first of [`Bf16Gemm::ALL`] this CPU has. Read once; later changes to the variable
+/// are not seen.
 ///
 /// # Errors
 /// [`PathError`] where [`PATH_VAR`] is set to a name [`parse_path`] refuses.
@@ -103,8 +104,8 @@ pub fn chosen() -> Result<Bf16Gemm, PathError> {
     static CHOSEN: OnceLock<Result<Bf16Gemm, PathError>> = OnceLock::new();
     CHOSEN
         .get_or_init(|| match std::env::var(PATH_VAR) {
-            Ok(v) => parse_path(&v),
-            Err(_) => Ok(Bf16Gemm::ALL.into_iter().find(|p| p.available()).unwrap_or(Bf16Gemm::Widened)),
+            Ok(v) if !v.trim().is_empty() => parse_path(&v),
+            _ => Ok(Bf16Gemm::ALL.into_iter().find(|p| p.available()).unwrap_or(Bf16Gemm::Widened)),
         })
         .clone()
 }
@@ -523,6 +524,7 @@ mod tests {
             assert_eq!(parse_path(p.name()), Ok(p));
         }
         assert_eq!(parse_path("amx"), Err(PathError::Unknown("amx".into())));
+        assert_eq!(parse_path(" WIDENED "), Ok(Bf16Gemm::Widened), "any case, spaces trimmed");
         if !Bf16Gemm::Avx512Bf16.available() {
             let e = parse_path("avx512-bf16").unwrap_err();
             assert!(matches!(e, PathError::Unavailable(Bf16Gemm::Avx512Bf16, _)), "{e}");

@@ -51,10 +51,21 @@ pub fn set_op_threads(ranks: usize, explicit: Option<usize>) -> usize {
     }
     let threads = graphpp_runtime::kernels::threads::op_threads();
     graphpp_runtime::kernels::threads::set_host_ranks(ranks);
-    if let Some(w) = oversubscribed(ranks, threads, host) {
-        eprintln!("{w}");
+    let local_rank = std::env::var(LOCAL_RANK_VAR).ok();
+    match oversubscribed(ranks, threads, host) {
+        Some(w) if first_on_host(local_rank.as_deref()) => eprintln!("{w}"),
+        _ => {}
     }
     threads
+}
+
+/// Open MPI's variable for a process's rank among those on its host.
+const LOCAL_RANK_VAR: &str = "OMPI_COMM_WORLD_LOCAL_RANK";
+
+/// Whether this process speaks for its host: not under `mpirun` (`local_rank` unset), or its
+/// first local process — the host's warnings are printed once, not by every process.
+fn first_on_host(local_rank: Option<&str>) -> bool {
+    local_rank.is_none_or(|r| r.trim() == "0")
 }
 
 /// Threads per rank when none is asked for: the host's cores shared among its `ranks`, but no
@@ -205,6 +216,15 @@ mod tests {
         assert!(w.ends_with("lower --threads-per-rank)"), "{w}");
         let one = oversubscribed(4, 1, 2).unwrap();
         assert!(one.contains("4 ranks × 1 thread per rank") && !one.contains("--threads-per-rank"), "{one}");
+    }
+
+    /// Under mpirun each process saw the oversubscription and printed it: only a host's first
+    /// local process does now.
+    #[test]
+    fn a_hosts_warning_is_printed_by_its_first_process() {
+        assert!(first_on_host(None));
+        assert!(first_on_host(Some("0")));
+        assert!(!first_on_host(Some("1")) && !first_on_host(Some("3")));
     }
 
     /// Under `mpirun` each of 2 processes on a 2-core host is bound to 1 core: 1 thread each,

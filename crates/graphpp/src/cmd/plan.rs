@@ -27,7 +27,7 @@ pub struct PlanArgs {
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, required_unless_present = "strategy")]
     ranks: Option<usize>,
     /// Memory of one rank: bytes, or with a unit (`512MiB`, `2GB`, `1.5GiB`).
-    #[arg(long, value_parser = parse_bytes, required_unless_present = "strategy")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_bytes, required_unless_present = "strategy")]
     memory_per_rank: Option<u64>,
     /// Instead of searching: compile this strategy file (as `train --strategy` runs it) into its
     /// global training DAG — every action of every rank's lowered program, the graph each
@@ -100,19 +100,19 @@ fn mib(bytes: u64) -> String {
 }
 
 /// Parses a byte count: an integer, or a number with a unit B, KB, MB, GB (powers of 1000) or
-/// KiB, MiB, GiB (powers of 1024). Errors: anything else, naming the text.
+/// KiB, MiB, GiB (powers of 1024), in any case. Errors: anything else, naming the text.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
     let t = text.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
-    let scale: f64 = match unit.trim() {
-        "" | "B" => 1.0,
-        "KB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        "KiB" => 1024.0,
-        "MiB" => 1024.0 * 1024.0,
-        "GiB" => 1024.0 * 1024.0 * 1024.0,
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
         u => return Err(format!("`{text}`: unknown unit `{u}` (B, KB, MB, GB, KiB, MiB, GiB)")),
     };
     let n: f64 = number.trim().parse().map_err(|_| format!("`{text}` is not a byte count"))?;
@@ -284,5 +284,6 @@ mod tests {
         assert!(parse_bytes("12 parsecs").unwrap_err().contains("unknown unit"));
         assert!(parse_bytes("0").is_err());
         assert!(parse_bytes("-5MB").is_err());
+        assert_eq!(parse_bytes("20mib"), Ok(20 << 20));
     }
 }
