@@ -429,3 +429,13 @@ fn a_negative_seed_is_named_like_any_count() {
     let err = rejected(&["verify", "--seed", "-1"]);
     has_all(&err, &["a count must be >= 0, not negative"]);
 }
+
+/// `--stop-after` beyond `--steps` ran the whole schedule without a word, and `--stop-after 0`
+/// trained nothing yet evaluated: both are refused, naming the flag.
+#[test]
+fn stop_after_must_be_within_the_run() {
+    let err = train(&["--stop-after", "10"]);
+    has_all(&err, &["--stop-after 10 is beyond --steps 1"]);
+    let err = rejected(&["train", "--stop-after", "0"]);
+    has_all(&err, &["--stop-after", "0"]);
+}

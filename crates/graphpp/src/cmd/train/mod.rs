@@ -126,8 +126,9 @@ pub struct TrainArgs {
     /// folder holding another run's checkpoints is refused).
     #[arg(long, requires = "checkpoint_dir")]
     start_over: bool,
-    /// Stop after this many steps of the run (the learning-rate schedule still spans --steps).
-    #[arg(long)]
+    /// Stop after this many steps of the run (the learning-rate schedule still spans --steps);
+    /// at least 1 and at most --steps.
+    #[arg(long, allow_hyphen_values = true, value_parser = clap::value_parser!(u64).range(1..))]
     stop_after: Option<u64>,
     /// Write one JSON line per step to PATH (step, loss, lr, grad_norm, step_s, tokens_per_s,
     /// elapsed_s, peak_bytes and resident_bytes per rank, boundary_wait_s, flops_per_s, aux_loss
@@ -217,6 +218,13 @@ impl TrainArgs {
             model.base_mut().num_hidden_layers = l;
             model.validate().context("--layers")?;
         }
+        if let Some(stop) = self.stop_after.filter(|&s| s > self.steps) {
+            bail!(
+                "--stop-after {stop} is beyond --steps {}: the run ends at step {} anyway",
+                self.steps,
+                self.steps
+            );
+        }
         if !(self.grad_clip >= 0.0 && self.grad_clip.is_finite()) {
             bail!("--grad-clip {} must be a finite number >= 0 (0 disables clipping)", self.grad_clip);
         }
@@ -287,7 +295,7 @@ pub fn strategy_config(path: &std::path::Path, flags: &[&str]) -> Result<RunConf
 /// As [`run`]; the profile file cannot be written.
 pub fn profile(mut a: TrainArgs, steps: u64, output: PathBuf) -> Result<()> {
     check_output_file("--output", &output)?;
-    a.stop_after = Some(steps);
+    a.stop_after = Some(steps.min(a.steps));
     a.eval_every = 0;
     a.sample_bytes = 0;
     a.profile = Some(output);
