@@ -219,7 +219,7 @@ fn a_failing_stage_is_named_and_nothing_hangs() {
 fn too_few_layers_is_a_typed_error() {
     let cfg = LlamaConfig::tiny();
     let e = stage_specs(&cfg, Kind::Interleaved1F1B, &Shape::new(4, 2, 8), None).unwrap_err();
-    assert!(matches!(e, SetupError::TooFewLayers { layers: 4, stages: 8 }), "{e}");
+    assert!(matches!(e, SetupError::TooFewLayers { layers: 4, stages: 8, .. }), "{e}");
     // DualPipe needs p model stages only.
     assert_eq!(stage_specs(&cfg, Kind::DualPipe, &Shape::new(4, 2, 8), None).unwrap().len(), 8);
 }

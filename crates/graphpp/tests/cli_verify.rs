@@ -58,7 +58,9 @@ fn too_few_layers_names_both_numbers() {
     ]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8(out.stderr).unwrap();
-    assert!(err.contains("4 decoder layers") && err.contains("8 pipeline stages"), "{err}");
+    // The message says where the stage count comes from (p × v of the kind).
+    assert!(err.contains("4 decoder layers") && err.contains("the 8 model stages"), "{err}");
+    assert!(err.contains("p=4, v=2"), "{err}");
 }
 
 #[test]

@@ -30,7 +30,13 @@ pub fn stage_specs(
     let s = shape.stages();
     let model_stages = kind.model_stages(shape);
     if model_stages > cfg.num_layers() {
-        return Err(SetupError::TooFewLayers { layers: cfg.num_layers(), stages: model_stages });
+        return Err(SetupError::TooFewLayers {
+            layers: cfg.num_layers(),
+            stages: model_stages,
+            kind,
+            ranks: shape.ranks,
+            stages_per_rank: shape.stages_per_rank,
+        });
     }
     let specs = split_layers(cfg.num_layers(), model_stages, layers_per_stage)?;
     Ok((0..s).map(|st| specs[st % model_stages].clone()).collect())

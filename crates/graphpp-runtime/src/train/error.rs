@@ -20,8 +20,9 @@ use crate::train::sample::SampleError;
 pub enum SetupError {
     /// More pipeline stages than decoder layers.
     #[error(
-        "the model has {layers} decoder {}, too few for {stages} pipeline stages (one layer at \
-         least per stage); use a model with more layers (--layers) or fewer stages",
+        "the model has {layers} decoder {}, too few for the {stages} model stages {kind} splits it into at \
+         p={ranks}, v={stages_per_rank} (one layer at least per stage); use a model with more layers \
+         (--layers), fewer ranks, or fewer stages per rank where the kind allows it",
         if *.layers == 1 { "layer" } else { "layers" }
     )]
     TooFewLayers {
@@ -29,6 +30,12 @@ pub enum SetupError {
         layers: usize,
         /// Model stages the shape needs (S = p·v, or p for DualPipe).
         stages: usize,
+        /// The schedule kind.
+        kind: graphpp_schedule::Kind,
+        /// p.
+        ranks: usize,
+        /// v.
+        stages_per_rank: usize,
     },
     /// A schedule given as data (a file) that does not fit the run: another shape, another
     /// placement than its kind's, or not compute-only ([`crate::train::build::compute_schedule`]).
