@@ -5,7 +5,7 @@
 
 use graphpp_models::{Model, StageSpec};
 use graphpp_schedule::generate::human_bytes;
-use graphpp_schedule::{check_size, generate, simulate, Costs, GenerateError, Kind, Memory, Options, Shape};
+use graphpp_schedule::{check_size, simulate, Costs, GenerateError, Kind, Memory, Schedule, Shape};
 
 /// Saved-activation bytes of one microbatch through the whole model (all layers on one stage).
 fn whole_model_activation_bytes(model: &dyn Model, batch: usize, seq: usize) -> u128 {
@@ -13,12 +13,11 @@ fn whole_model_activation_bytes(model: &dyn Model, batch: usize, seq: usize) -> 
     model.stage_activation_bytes(&whole, batch, seq)
 }
 
-/// How many microbatches' activations of one stage (M_B) the ranks hold at once at the
-/// schedule's peak, summed over the ranks: the simulator's peak per rank (ZB's M_W = M_B / 2)
-/// of `kind`'s schedule at `shape`; `None` where the kind cannot serve the shape.
-fn in_flight_stage_microbatches(kind: Kind, shape: &Shape) -> Option<f64> {
-    let s = generate(kind, shape, &Options::default()).ok()?;
-    let r = simulate(&s, &Costs::default(), &Memory::default()).ok()?;
+/// How many microbatches' activations of one stage (M_B) the ranks hold at once at
+/// `schedule`'s peak, summed over the ranks: the simulator's peak per rank (ZB's M_W = M_B / 2);
+/// `None` where it cannot be simulated.
+fn in_flight_stage_microbatches(schedule: &Schedule) -> Option<f64> {
+    let r = simulate(schedule, &Costs::default(), &Memory::default()).ok()?;
     Some(r.peak_activations.iter().sum())
 }
 
@@ -59,18 +58,20 @@ pub struct StepMemory {
 impl StepMemory {
     /// The estimate of a step of `kind` at `shape` with `batch` sequences of `seq` tokens per
     /// microbatch; `single_device` adds `verify`'s step over all microbatches on one device.
+    /// The activations are those `schedule` holds at its peak when it is given (the run's
+    /// schedule, once made), else the lower bound of one microbatch through every stage.
     pub fn estimate(
         cfg: &dyn Model,
-        kind: Kind,
-        shape: &Shape,
+        (kind, shape): (Kind, &Shape),
         batch: usize,
         seq: usize,
         single_device: bool,
+        schedule: Option<&Schedule>,
     ) -> StepMemory {
         let (m, stages) = (shape.microbatches as u128, shape.stages() as u128);
         let copies = kind.model_copies() as u128;
         let whole = whole_model_activation_bytes(cfg, batch, seq);
-        let held = in_flight_stage_microbatches(kind, shape).unwrap_or(stages as f64).max(stages as f64);
+        let held = schedule.and_then(in_flight_stage_microbatches).unwrap_or(0.0).max(stages as f64);
         let mut activations = (whole as f64 / stages.max(1) as f64 * held) as u128;
         if single_device {
             activations = activations.max(whole_model_activation_bytes(
@@ -175,8 +176,9 @@ pub fn parse_meminfo(text: &str) -> Option<u64> {
     }
 }
 
-/// Checks a step before anything is built: the schedule's size, then [`StepMemory::estimate`]
-/// against `budget` bytes (`source_of_budget` says where it comes from; see [`memory_budget`]).
+/// Checks a step: the schedule's size, then [`StepMemory::estimate`] (with `schedule`'s peak
+/// when it is given) against `budget` bytes (`source_of_budget` says where it comes from; see
+/// [`memory_budget`]).
 ///
 /// # Errors
 /// [`SizeError::Schedule`] or [`SizeError::Memory`].
@@ -186,10 +188,11 @@ pub fn check_step_with(
     shape: &Shape,
     (batch, seq): (usize, usize),
     single_device: bool,
+    schedule: Option<&Schedule>,
     (budget, source_of_budget): (u128, String),
 ) -> Result<StepMemory, SizeError> {
     check_size(kind, shape)?;
-    let need = StepMemory::estimate(cfg, kind, shape, batch, seq, single_device);
+    let need = StepMemory::estimate(cfg, (kind, shape), batch, seq, single_device, schedule);
     if need.total() > budget {
         return Err(SizeError::Memory(Box::new(MemoryShortfall {
             batch,
@@ -210,11 +213,11 @@ pub fn check_step(
     cfg: &dyn Model,
     kind: Kind,
     shape: &Shape,
-    batch: usize,
-    seq: usize,
+    (batch, seq): (usize, usize),
     single_device: bool,
+    schedule: Option<&Schedule>,
 ) -> Result<StepMemory, SizeError> {
-    check_step_with(cfg, kind, shape, (batch, seq), single_device, memory_budget())
+    check_step_with(cfg, kind, shape, (batch, seq), single_device, schedule, memory_budget())
 }
 
 #[cfg(test)]
@@ -230,7 +233,8 @@ mod tests {
     fn a_huge_microbatch_is_refused_naming_the_estimate() {
         let tiny = LlamaConfig::tiny();
         let shape = Shape::new(2, 2, 8);
-        let e = check_step_with(&tiny, Kind::Zbv, &shape, (100_000, 64), false, budget(96)).unwrap_err();
+        let e =
+            check_step_with(&tiny, Kind::Zbv, &shape, (100_000, 64), false, None, budget(96)).unwrap_err();
         let SizeError::Memory(short) = &e else { panic!("{e:?}") };
         assert_eq!(short.need.activations, 193_843_200_000);
         let text = e.to_string();
@@ -239,7 +243,7 @@ mod tests {
             "{text}"
         );
         // The default shape of `graphpp train` fits in a few MB.
-        let ok = check_step_with(&tiny, Kind::Zbv, &shape, (8, 64), false, budget(1)).unwrap();
+        let ok = check_step_with(&tiny, Kind::Zbv, &shape, (8, 64), false, None, budget(1)).unwrap();
         assert!(ok.total() < 50_000_000, "{ok:?}");
     }
 
@@ -247,13 +251,15 @@ mod tests {
     fn verify_counts_the_single_device_step_over_all_microbatches() {
         let tiny = LlamaConfig::tiny();
         let shape = Shape::new(2, 1, 1000);
-        let pipelined = StepMemory::estimate(&tiny, Kind::OneFOneB, &shape, 100, 64, false);
-        let verify = StepMemory::estimate(&tiny, Kind::OneFOneB, &shape, 100, 64, true);
+        let schedule = graphpp_schedule::generate(Kind::OneFOneB, &shape, &Default::default()).unwrap();
+        let estimate = |single, s| StepMemory::estimate(&tiny, (Kind::OneFOneB, &shape), 100, 64, single, s);
         let whole = whole_model_activation_bytes(&tiny, 100, 64);
-        assert_eq!(verify.activations, 1000 * whole);
+        assert_eq!(estimate(true, Some(&schedule)).activations, 1000 * whole);
         // 1F1B at p = 2 holds two microbatches on rank 0 and one on rank 1 at its peak: three
         // stage-microbatches of the two stages, 1.5 microbatches through the whole model.
-        assert_eq!(pipelined.activations, whole * 3 / 2);
+        assert_eq!(estimate(false, Some(&schedule)).activations, whole * 3 / 2);
+        // Before the schedule is made: the lower bound, one microbatch through every stage.
+        assert_eq!(estimate(false, None).activations, whole);
     }
 
     /// A checkpoint save (24 bytes a parameter, after the activations are gone) or the step's
@@ -262,7 +268,7 @@ mod tests {
     fn the_peak_is_the_step_or_the_save() {
         let mut deep = LlamaConfig::small();
         deep.num_hidden_layers = 600;
-        let e = StepMemory::estimate(&deep, Kind::Zbv, &Shape::new(2, 2, 8), 8, 64, false);
+        let e = StepMemory::estimate(&deep, (Kind::Zbv, &Shape::new(2, 2, 8)), 8, 64, false, None);
         let params = deep.parameter_count();
         assert_eq!((e.parameters, e.saving), (20 * params, 24 * params));
         assert_eq!(e.total(), e.activations.max(e.saving) + e.parameters + e.buffers + e.batch);
@@ -279,6 +285,7 @@ mod tests {
             &Shape::new(1_000_000, 2, 8),
             (8, 64),
             false,
+            None,
             budget(96),
         )
         .unwrap_err();

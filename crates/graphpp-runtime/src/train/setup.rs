@@ -98,8 +98,14 @@ impl TrainSetup {
         if self.dtype == graphpp_graph::DType::BF16 {
             crate::kernels::bf16_gemm::chosen().map_err(SetupError::from)?;
         }
+        self.check_step(single_device, None)
+    }
+
+    /// The step's size from estimates ([`check_step`]): the activations at `schedule`'s peak
+    /// once the run's schedule is made, else their lower bound.
+    fn check_step(&self, single_device: bool, schedule: Option<&Schedule>) -> Result<(), TrainError> {
         let local = self.microbatch_size / self.dp;
-        check_step(&*self.model, self.kind, &self.shape, local, self.seq_len, single_device)?;
+        check_step(&*self.model, self.kind, &self.shape, (local, self.seq_len), single_device, schedule)?;
         Ok(())
     }
 
@@ -108,10 +114,13 @@ impl TrainSetup {
     ///
     /// # Errors
     /// Those of [`TrainSetup::check`]; [`TrainError::Setup`] when the kind cannot serve the
-    /// shape or a given order does not fit it ([`SetupError::ScheduleFile`]).
+    /// shape or a given order does not fit it ([`SetupError::ScheduleFile`]); [`TrainError::Size`]
+    /// when the activations at the schedule's peak exceed the memory budget.
     pub fn compute_schedule(&self) -> Result<Schedule, TrainError> {
         self.check()?;
-        Ok(compute_schedule(self.kind, &self.shape, &self.options, self.schedule.as_deref())?)
+        let s = compute_schedule(self.kind, &self.shape, &self.options, self.schedule.as_deref())?;
+        self.check_step(false, Some(&s))?;
+        Ok(s)
     }
 
     /// The lowered schedule of the run (the same on every rank) of
