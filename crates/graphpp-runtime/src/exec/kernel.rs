@@ -9,8 +9,8 @@ use crate::kernels::matmul::matmul;
 use crate::kernels::tensor::{candle_dtype, cast, read_f32};
 
 /// σ(x) = 1 / (1 + e^(−x)) in one pass over a contiguous f32/f64 tensor (the same arithmetic as
-/// the four-op form used otherwise: negate, exp, add 1, reciprocal). A bf16 operand is computed
-/// in f32 and rounded to bf16 once, as a GPU kernel does (the four-op form would round four times).
+/// the four-op form used otherwise: negate, exp, add 1, reciprocal). A bf16 operand never
+/// reaches it: [`kernel`] widens every bf16 elementwise op's operands and rounds once.
 fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
     if x.is_contiguous() && matches!(x.dtype(), CDType::F32 | CDType::F64) {
         x.apply_op1_no_bwd(&SigmoidOp)

@@ -137,7 +137,7 @@ fn batched_gemm(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result
     let gemm_threads = if pool { candle_core::utils::get_num_threads() } else { 1 };
     let parallelism =
         if gemm_threads > 1 { gemm::Parallelism::Rayon(gemm_threads) } else { gemm::Parallelism::None };
-    let element = |i: usize, dst: &mut [std::mem::MaybeUninit<f32>]| {
+    let element = |i: usize, dst: &mut [std::mem::MaybeUninit<f32>], _split: bool| {
         // SAFETY: batch element i's operands lie in `lhs` and `rhs` (the reach checked above:
         // offsets grow with every index), and `dst` holds its contiguous m × n result.
         unsafe {
@@ -166,17 +166,33 @@ fn batched_gemm(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result
     };
     // Not zeroed (candle zeroes its output first: ~5% of `small`'s fwbw in `perf`): gemm with
     // `read_dst` false writes every element of each m × n block before it reads any.
-    let mut out: Vec<f32> = Vec::with_capacity(batch * m * n);
-    let spare = &mut out.spare_capacity_mut()[..batch * m * n];
-    if batch > 1 && pool && rayon::current_num_threads() > 1 {
-        spare.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst));
-    } else {
-        spare.chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst));
-    }
-    // SAFETY: each batch element's gemm wrote its m × n block (above), and the blocks tile `out`.
-    unsafe { out.set_len(batch * m * n) };
+    let out = batch_products(batch, m * n, threads, element);
     drop((sa, sb));
     Tensor::from_vec(out, batch_dims.iter().copied().chain([m, n]).collect::<Vec<_>>(), &Device::Cpu)
+}
+
+/// The `batch` products of `len` elements each, `element(i, dst, split)` writing product `i`
+/// into `dst` (every element of it): split over the current pool, one product per task, when
+/// `threads` is the pool's, there are two or more products and two or more threads (`split`
+/// then true: the product itself should not split again); else in turn.
+fn batch_products<T: Send>(
+    batch: usize,
+    len: usize,
+    threads: Threads,
+    element: impl Fn(usize, &mut [std::mem::MaybeUninit<T>], bool) + Sync,
+) -> Vec<T> {
+    let mut out: Vec<T> = Vec::with_capacity(batch * len);
+    let spare = &mut out.spare_capacity_mut()[..batch * len];
+    let split = batch > 1 && matches!(threads, Threads::Pool) && rayon::current_num_threads() > 1;
+    if len > 0 && split {
+        spare.par_chunks_mut(len).enumerate().for_each(|(i, dst)| element(i, dst, true));
+    } else if len > 0 {
+        spare.chunks_mut(len).enumerate().for_each(|(i, dst)| element(i, dst, false));
+    }
+    // SAFETY: each product wrote its `len` elements (the caller's contract), and the blocks
+    // tile `out`.
+    unsafe { out.set_len(batch * len) };
+    out
 }
 
 /// Batch element `i`'s first element in an operand of batch dims `batch_dims` and strides
@@ -246,17 +262,7 @@ fn bf16_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<
             parallel,
         )
     };
-    let mut out: Vec<half::bf16> = Vec::with_capacity(batch * m * n);
-    let spare = &mut out.spare_capacity_mut()[..batch * m * n];
-    if m * n > 0 {
-        if batch > 1 && pool && rayon::current_num_threads() > 1 {
-            spare.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst, false));
-        } else {
-            spare.chunks_mut(m * n).enumerate().for_each(|(i, dst)| element(i, dst, pool));
-        }
-    }
-    // SAFETY: each batch element's gemm wrote its m × n block (above), and the blocks tile `out`.
-    unsafe { out.set_len(batch * m * n) };
+    let out = batch_products(batch, m * n, threads, |i, dst, split| element(i, dst, pool && !split));
     drop((sa, sb));
     Tensor::from_vec(out, da[..r - 1].iter().copied().chain([n]).collect::<Vec<_>>(), &Device::Cpu).map(Some)
 }

@@ -85,19 +85,15 @@ pub fn cast(t: &Tensor, dtype: CDType) -> candle_core::Result<Tensor> {
     let n = t.elem_count();
     let (storage, layout) = t.storage_and_layout();
     let range = layout.start_offset()..layout.start_offset() + n;
-    let out = match &*storage {
+    match &*storage {
         candle_core::Storage::Cpu(CpuStorage::BF16(v)) => {
             Tensor::from_vec(map(&v[range], widen_bf16), t.shape(), &Device::Cpu)
         }
         candle_core::Storage::Cpu(CpuStorage::F32(v)) => {
             Tensor::from_vec(map(&v[range], round_bf16), t.shape(), &Device::Cpu)
         }
-        _ => {
-            drop(storage);
-            return t.to_dtype(dtype);
-        }
-    };
-    out
+        _ => candle_core::bail!("cast: expected a CPU tensor"),
+    }
 }
 
 /// `f` of every element of `x`, in parts over the current pool when `x` is long.
