@@ -90,6 +90,28 @@ fn rgb(category: &str) -> (u8, u8, u8) {
     }
 }
 
+/// The figures block of `graphpp schedule simulate --format text` (and of the Python package's
+/// `SimReport.summary()`): makespan, both bubble ratios, busy and idle time per rank, peak
+/// in-flight activations per rank (M_B units); times in the report's unit.
+pub fn summary(r: &crate::simulate::SimReport) -> String {
+    let fmt = |v: &[f64]| v.iter().map(|&x| fixed(x, 3)).collect::<Vec<_>>().join(" ");
+    format!(
+        "makespan            {}\n\
+         bubble (in-iteration) r_bubble = {:.4}, idle fraction = {:.2}%\n\
+         bubble (steady-state) r_bubble = {:.4}\n\
+         busy per rank       {}\n\
+         idle per rank       {}\n\
+         peak activations    {} (M_B units)\n",
+        fixed(r.makespan, 3),
+        r.bubble_ratio,
+        r.idle_fraction * 100.0,
+        r.steady_bubble_ratio,
+        fmt(&r.busy),
+        fmt(&r.idle),
+        fmt(&r.peak_activations),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

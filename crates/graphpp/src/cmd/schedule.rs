@@ -8,11 +8,11 @@ use clap::{Args, Subcommand, ValueEnum};
 use graphpp::profile::Profile;
 use graphpp_schedule::compare::{chunk_cost_factor, scale_costs};
 use graphpp_schedule::generate::human_bytes;
-use graphpp_schedule::render::{chrome_trace, fixed, grid, svg, GridStyle};
+use graphpp_schedule::render::{chrome_trace, fixed, grid, summary, svg, GridStyle};
 use graphpp_schedule::simulate::simulate_with;
 use graphpp_schedule::{
-    generate, lower, simulate, validate, Costs, Kind, LowerOptions, Memory, Options, Schedule, Shape,
-    SimReport, Solver, Summary, ValidateOptions,
+    generate, lower, simulate, validate, Costs, Kind, LowerOptions, Memory, Options, Schedule, Shape, Solver,
+    Summary, ValidateOptions,
 };
 
 use crate::cmd::value::count;
@@ -317,26 +317,6 @@ fn format_schedule(s: &Schedule, format: ScheduleFormat) -> String {
         ScheduleFormat::Csv => s.to_csv(),
         ScheduleFormat::Json => s.to_json() + "\n",
     }
-}
-
-/// The figures block of `simulate --format text`.
-pub fn summary(r: &SimReport) -> String {
-    let fmt = |v: &[f64]| v.iter().map(|&x| fixed(x, 3)).collect::<Vec<_>>().join(" ");
-    format!(
-        "makespan            {}\n\
-         bubble (in-iteration) r_bubble = {:.4}, idle fraction = {:.2}%\n\
-         bubble (steady-state) r_bubble = {:.4}\n\
-         busy per rank       {}\n\
-         idle per rank       {}\n\
-         peak activations    {} (M_B units)\n",
-        fixed(r.makespan, 3),
-        r.bubble_ratio,
-        r.idle_fraction * 100.0,
-        r.steady_bubble_ratio,
-        fmt(&r.busy),
-        fmt(&r.idle),
-        fmt(&r.peak_activations),
-    )
 }
 
 /// Runs one `graphpp schedule` subcommand.

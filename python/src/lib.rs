@@ -1,0 +1,814 @@
+//! `graphpp._graphpp`: graphpp's schedule toolchain (crate `graphpp-schedule`) as a Python
+//! extension module. The Python package `graphpp` (python/graphpp/__init__.py) re-exports it;
+//! `graphpp.torch` builds on it. Every function here is a thin wrapper over the crate's own: the
+//! CSV a generator gives is the CLI's byte for byte, and every error carries the CLI's message.
+
+use std::path::PathBuf;
+
+use graphpp_schedule::bytes::{ByteModel, StageBytes};
+use graphpp_schedule::compare::{chunk_cost_factor, scale_costs};
+use graphpp_schedule::measured::measured_vs_predicted as measured_vs_predicted_rs;
+use graphpp_schedule::render::{chrome_trace, grid, summary, svg, GridStyle};
+use graphpp_schedule::simulate::simulate_with;
+use graphpp_schedule::{
+    Action, Costs as CostsRs, Interval, Kind, LowerOptions, Memory, Options, Schedule as ScheduleRs, Shape,
+    SimReport as SimReportRs, Solver, Timeline as TimelineRs, ValidateOptions,
+};
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+pyo3::create_exception!(graphpp, GraphppError, PyValueError, "Base class of graphpp's errors (a ValueError).");
+pyo3::create_exception!(
+    graphpp,
+    ScheduleParseError,
+    GraphppError,
+    "A CSV or JSON schedule that does not parse: the message names rank, line and cell."
+);
+pyo3::create_exception!(
+    graphpp,
+    GenerateError,
+    GraphppError,
+    "A generator cannot serve the shape or options (the message names the kind's rule), or an unknown kind."
+);
+pyo3::create_exception!(
+    graphpp,
+    ValidationError,
+    GraphppError,
+    "A schedule the validator refuses: missing or duplicate actions, wrong order, bad lowering, or a \
+     deadlock; the message names rank, step and action."
+);
+pyo3::create_exception!(graphpp, LowerError, GraphppError, "A schedule the lowering passes cannot lower.");
+pyo3::create_exception!(
+    graphpp,
+    SimulateError,
+    GraphppError,
+    "A schedule or cost model the simulator cannot run: bad costs, a missing producer, a deadlock."
+);
+pyo3::create_exception!(graphpp, CostError, GraphppError, "A malformed or out-of-range cost.");
+
+/// Largest schedule file `Schedule.load` reads (the CLI's limit for text inputs, 64 MiB).
+const MAX_FILE_BYTES: u64 = 64 << 20;
+
+/// The error's message and its causes, joined by `: ` (as the CLI prints them).
+fn message(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let part = c.to_string();
+        if !text.contains(&part) {
+            text = format!("{text}: {part}");
+        }
+        cause = c.source();
+    }
+    text
+}
+
+/// Maps a Rust error to the Python exception `kind` with [`message`].
+fn err<E: std::error::Error>(kind: fn(String) -> PyErr) -> impl Fn(E) -> PyErr {
+    move |e| kind(message(&e))
+}
+
+/// Action costs of one (stage, microbatch), in any time unit: `F`, `B` (the full backward,
+/// `I + W`), `I` (input gradient), `W` (weight gradient), `OVERLAP` (one OVERLAP_F_B, default
+/// `F + B`) and `C` (the latency of one cross-rank hop, default 0).
+///
+/// `Costs(F=1, I=1, W=2)` or `Costs.parse("F=1,I=1,W=2")`: the CLI's `--costs` rules (two of
+/// B, I, W give the third; B alone is split evenly; every value finite, >= 0). The reference
+/// costs are F = I = W = 1, B = 2 (docs/ARCHITECTURE.md). Raises `CostError`.
+#[pyclass(module = "graphpp", name = "Costs", frozen, eq)]
+#[derive(Clone, PartialEq)]
+struct Costs(CostsRs);
+
+#[pymethods]
+impl Costs {
+    #[new]
+    #[pyo3(signature = (F=None, B=None, I=None, W=None, OVERLAP=None, C=None))]
+    #[allow(non_snake_case)]
+    fn new(
+        F: Option<f64>,
+        B: Option<f64>,
+        I: Option<f64>,
+        W: Option<f64>,
+        OVERLAP: Option<f64>,
+        C: Option<f64>,
+    ) -> PyResult<Self> {
+        let given: Vec<String> = [("F", F), ("B", B), ("I", I), ("W", W), ("OVERLAP", OVERLAP), ("C", C)]
+            .into_iter()
+            .filter_map(|(k, v)| v.map(|v| format!("{k}={v:?}")))
+            .collect();
+        if given.is_empty() {
+            return Ok(Costs(CostsRs::default()));
+        }
+        Costs::parse(&given.join(","))
+    }
+
+    /// Parses the CLI's `--costs` text, e.g. `"F=1,B=2,I=1,W=1,C=0.1"`.
+    #[staticmethod]
+    fn parse(text: &str) -> PyResult<Self> {
+        text.parse().map(Costs).map_err(err(CostError::new_err))
+    }
+
+    /// T_F.
+    #[getter(F)]
+    fn f(&self) -> f64 {
+        self.0.f
+    }
+    /// T_B = T_I + T_W.
+    #[getter(B)]
+    fn b(&self) -> f64 {
+        self.0.b
+    }
+    /// T_I.
+    #[getter(I)]
+    fn i(&self) -> f64 {
+        self.0.i
+    }
+    /// T_W.
+    #[getter(W)]
+    fn w(&self) -> f64 {
+        self.0.w
+    }
+    /// T_overlap of one OVERLAP_F_B (T_F + T_B unless given).
+    #[getter(OVERLAP)]
+    fn overlap(&self) -> f64 {
+        self.0.overlap()
+    }
+    /// c, the latency of one cross-rank hop.
+    #[getter(C)]
+    fn c(&self) -> f64 {
+        self.0.comm
+    }
+
+    /// These costs with every action duration times `factor` (c kept): a whole stage's costs
+    /// to one of its `v` chunks' is `scaled(1 / v)`.
+    fn scaled(&self, factor: f64) -> PyResult<Self> {
+        let c = scale_costs(&self.0, factor);
+        c.check().map_err(err(CostError::new_err))?;
+        Ok(Costs(c))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Costs.parse(\"{}\")", self.0)
+    }
+
+    fn __str__(&self) -> String {
+        self.0.to_string()
+    }
+}
+
+/// Costs from `None` (the reference costs), a `Costs`, or `--costs` text.
+fn costs_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<CostsRs> {
+    match obj {
+        None => Ok(CostsRs::default()),
+        Some(o) => {
+            if let Ok(c) = o.extract::<PyRef<'_, Costs>>() {
+                Ok(c.0)
+            } else if let Ok(text) = o.extract::<String>() {
+                Ok(Costs::parse(&text)?.0)
+            } else {
+                Err(CostError::new_err(format!(
+                    "costs must be a graphpp.Costs or text such as \"F=1,B=2\", not {}",
+                    o.get_type().name()?
+                )))
+            }
+        }
+    }
+}
+
+/// The memory model with M_B = 1 and M_W = `m_w` (a fraction of M_B in [0, 1)).
+fn memory_arg(m_w: f64) -> PyResult<Memory> {
+    if !(0.0..1.0).contains(&m_w) {
+        return Err(CostError::new_err(format!("m_w must be within [0, 1) (got {m_w})")));
+    }
+    Ok(Memory { m_b: 1.0, m_w })
+}
+
+/// A schedule: per rank, its actions in execution order (`None` for an idle step). Actions are
+/// written as in PyTorch's CSV: `0F3` (stage 0, forward, microbatch 3), `1B2`, `2I0`, `2W0`,
+/// `0F1&3B0` (OVERLAP_F_B), `1SEND_F0`, `0RECV_B1`, `0UNSHARD`, …
+///
+/// Made by `graphpp.generate`, or read with `Schedule.from_csv`, `Schedule.from_json`,
+/// `Schedule.parse` (either) or `Schedule.load(path)`. Immutable.
+#[pyclass(module = "graphpp", name = "Schedule", frozen)]
+#[derive(Clone)]
+struct Schedule {
+    inner: ScheduleRs,
+    kind: Option<Kind>,
+}
+
+#[pymethods]
+impl Schedule {
+    /// Reads CSV text (one row per rank, an empty cell for an idle step; PyTorch's
+    /// `_load_csv` format). Raises `ScheduleParseError` naming rank, line and cell.
+    #[staticmethod]
+    fn from_csv(text: &str) -> PyResult<Self> {
+        let inner = ScheduleRs::from_csv(text).map_err(|e| ScheduleParseError::new_err(format!("bad CSV schedule: {}", message(&e))))?;
+        Ok(Schedule { inner, kind: None })
+    }
+
+    /// Reads JSON text, `{"ranks": [["0F0", null, …], …]}`. Raises `ScheduleParseError`.
+    #[staticmethod]
+    fn from_json(text: &str) -> PyResult<Self> {
+        let inner = ScheduleRs::from_json(text).map_err(|e| ScheduleParseError::new_err(format!("bad JSON schedule: {}", message(&e))))?;
+        Ok(Schedule { inner, kind: None })
+    }
+
+    /// Reads CSV or JSON text (JSON when the first non-blank character is `{` or `[`).
+    #[staticmethod]
+    fn parse(text: &str) -> PyResult<Self> {
+        let inner = ScheduleRs::parse(text).map_err(err(ScheduleParseError::new_err))?;
+        Ok(Schedule { inner, kind: None })
+    }
+
+    /// Reads a CSV or JSON schedule file (at most 64 MiB). Raises `OSError` for a file that
+    /// cannot be read, `ScheduleParseError` naming the file for one that does not parse.
+    #[staticmethod]
+    fn load(path: PathBuf) -> PyResult<Self> {
+        let shown = path.display().to_string();
+        let meta = std::fs::metadata(&path).map_err(|e| PyOSError::new_err(format!("cannot read {shown}: {e}")))?;
+        if meta.len() > MAX_FILE_BYTES {
+            return Err(PyOSError::new_err(format!(
+                "cannot read {shown}: {} bytes, over the {MAX_FILE_BYTES}-byte limit for a schedule file",
+                meta.len()
+            )));
+        }
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| PyOSError::new_err(format!("cannot read {shown}: {e}")))?;
+        let inner = ScheduleRs::parse(&text).map_err(|e| ScheduleParseError::new_err(format!("{shown}: {}", message(&e))))?;
+        Ok(Schedule { inner, kind: None })
+    }
+
+    /// The CSV text (what `graphpp schedule generate --format csv` prints).
+    fn to_csv(&self) -> String {
+        self.inner.to_csv()
+    }
+
+    /// The JSON text, `{"ranks": [[…], …]}` (no trailing newline).
+    fn to_json(&self) -> String {
+        self.inner.to_json()
+    }
+
+    /// Writes the CSV text to `path` (JSON when the name ends in `.json`).
+    fn save(&self, path: PathBuf) -> PyResult<()> {
+        let json = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
+        let text = if json { self.inner.to_json() + "\n" } else { self.inner.to_csv() };
+        std::fs::write(&path, text).map_err(|e| PyOSError::new_err(format!("cannot write {}: {e}", path.display())))
+    }
+
+    /// Per rank, its steps: the action's text, or `None` for an idle step.
+    #[getter]
+    fn ranks(&self) -> Vec<Vec<Option<String>>> {
+        self.inner.ranks.iter().map(|row| row.iter().map(|a| a.as_ref().map(Action::to_string)).collect()).collect()
+    }
+
+    /// p: rows (ranks).
+    #[getter]
+    fn num_ranks(&self) -> usize {
+        self.inner.num_ranks()
+    }
+
+    /// S: stages the actions name (largest + 1).
+    #[getter]
+    fn num_stages(&self) -> usize {
+        self.inner.num_stages()
+    }
+
+    /// m: microbatches the actions name (largest + 1).
+    #[getter]
+    fn num_microbatches(&self) -> usize {
+        self.inner.num_microbatches()
+    }
+
+    /// The stages `rank`'s compute actions name, ascending: the `PipelineStage` objects that rank
+    /// must hold (the V kinds place stages `r` and `S-1-r` on rank `r`). Empty for a rank out
+    /// of range.
+    fn stages_on(&self, rank: usize) -> Vec<usize> {
+        self.inner.placement().into_iter().filter(|(_, ranks)| ranks.contains(&rank)).map(|(s, _)| s).collect()
+    }
+
+    /// The kind's name when `graphpp.generate` made it, else `None`.
+    #[getter]
+    fn kind(&self) -> Option<&'static str> {
+        self.kind.map(Kind::name)
+    }
+
+    /// The schedule without its SEND/RECV, FSDP and wait actions (and without idle steps).
+    fn compute_only(&self) -> Self {
+        Schedule { inner: self.inner.compute_only(), kind: self.kind }
+    }
+
+    fn __eq__(&self, other: &Schedule) -> bool {
+        self.inner == other.inner
+    }
+
+    /// One line per rank, `.` for an idle step (`graphpp schedule generate`'s text).
+    fn __str__(&self) -> String {
+        self.inner.to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        let kind = self.kind.map_or(String::new(), |k| format!("{k} "));
+        format!(
+            "<graphpp.Schedule {kind}ranks={} stages={} microbatches={}>",
+            self.inner.num_ranks(),
+            self.inner.num_stages(),
+            self.inner.num_microbatches()
+        )
+    }
+}
+
+/// What `graphpp.validate` found: the shape, the placement, the actions by kind.
+#[pyclass(module = "graphpp", name = "Summary", frozen, get_all)]
+struct Summary {
+    /// p.
+    ranks: usize,
+    /// S.
+    stages: usize,
+    /// m.
+    microbatches: usize,
+    /// `"loop"`, `"V"`, or `None` for another placement.
+    placement: Option<&'static str>,
+    /// True when the schedule holds SEND/RECV, FSDP or wait actions.
+    lowered: bool,
+    /// Ranks without a compute action (only when no rank count was expected).
+    idle_ranks: Vec<usize>,
+    /// Actions by kind: `F`, `B`, `I`, `W`, `OVERLAP_F_B`, `SEND`, `RECV`, `UNSHARD`, `RESHARD`,
+    /// `REDUCE_GRAD`, `WAIT_SEND`, `WAIT_REDUCE_GRAD`.
+    counts: Vec<(&'static str, usize)>,
+    text: String,
+}
+
+#[pymethods]
+impl Summary {
+    /// `valid: 4 ranks, 8 stages (V placement), 8 microbatches, compute-only; 64 F, …`
+    /// (`graphpp schedule validate`'s line).
+    fn __str__(&self) -> String {
+        self.text.clone()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<graphpp.Summary {}>", self.text)
+    }
+}
+
+/// A timeline: what each rank ran and when. `intervals` are `(rank, start, end, action)` with
+/// the action as text; `unit` is `"unit"` for simulated cost units, `"s"` for seconds measured.
+///
+/// `Timeline(ranks, intervals, unit="s")` builds one from a measured run (graphpp.torch's step
+/// recorder does); raises `ScheduleParseError` for an action that does not parse and
+/// `GraphppError` for a rank out of range or an interval that ends before it starts.
+#[pyclass(module = "graphpp", name = "Timeline", frozen)]
+#[derive(Clone)]
+struct Timeline(TimelineRs);
+
+#[pymethods]
+impl Timeline {
+    #[new]
+    #[pyo3(signature = (ranks, intervals, unit="s"))]
+    fn new(ranks: usize, intervals: Vec<(usize, f64, f64, String)>, unit: &str) -> PyResult<Self> {
+        let mut out = Vec::with_capacity(intervals.len());
+        for (i, (rank, start, end, text)) in intervals.into_iter().enumerate() {
+            let action: Action = text
+                .parse()
+                .map_err(|e| ScheduleParseError::new_err(format!("interval {i}: action `{text}`: {}", message(&e))))?;
+            if rank >= ranks {
+                return Err(GraphppError::new_err(format!("interval {i}: rank {rank} but the timeline has {ranks} ranks")));
+            }
+            if !(start.is_finite() && end.is_finite() && end >= start) {
+                return Err(GraphppError::new_err(format!(
+                    "interval {i} ({text} on rank {rank}): start {start} and end {end} must be finite with end >= start"
+                )));
+            }
+            out.push(Interval { rank, start, end, action });
+        }
+        Ok(Timeline(TimelineRs { ranks, intervals: out, comm: Vec::new(), unit: unit.to_string() }))
+    }
+
+    /// Rows (ranks).
+    #[getter]
+    fn ranks(&self) -> usize {
+        self.0.ranks
+    }
+
+    /// `"unit"` (simulated) or `"s"` (measured).
+    #[getter]
+    fn unit(&self) -> String {
+        self.0.unit.clone()
+    }
+
+    /// `(rank, start, end, action)` per interval, rank by rank in step order.
+    #[getter]
+    fn intervals(&self) -> Vec<(usize, f64, f64, String)> {
+        self.0.by_rank().into_iter().flatten().map(|i| (i.rank, i.start, i.end, i.action.to_string())).collect()
+    }
+
+    /// End of the last interval.
+    #[getter]
+    fn makespan(&self) -> f64 {
+        self.0.makespan()
+    }
+
+    /// A Chrome trace (JSON text for Perfetto or chrome://tracing).
+    fn chrome_trace(&self) -> String {
+        chrome_trace(&self.0)
+    }
+
+    /// An SVG drawing of the timeline.
+    fn svg(&self) -> String {
+        svg(&self.0)
+    }
+
+    /// A terminal grid, one row per rank (at most `max_columns` wide).
+    #[pyo3(signature = (max_columns=400))]
+    fn grid(&self, max_columns: usize) -> String {
+        grid(&self.0, &GridStyle { color: false, max_columns: max_columns.max(1) })
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<graphpp.Timeline ranks={} intervals={} makespan={} {}>",
+            self.0.ranks,
+            self.0.intervals.len(),
+            self.0.makespan(),
+            self.0.unit
+        )
+    }
+}
+
+/// The simulator's figures for one schedule (times in the costs' unit, activations in M_B
+/// units of one full stage; docs/ARCHITECTURE.md, "Simulation").
+#[pyclass(module = "graphpp", name = "SimReport", frozen, get_all)]
+struct SimReport {
+    /// End of the last action.
+    makespan: f64,
+    /// In-iteration r_bubble = Σ idle / Σ busy.
+    bubble_ratio: f64,
+    /// Σ idle / (p · makespan).
+    idle_fraction: f64,
+    /// Steady-state r_bubble (each rank from its first action to its last).
+    steady_bubble_ratio: f64,
+    /// Per rank, time running actions.
+    busy: Vec<f64>,
+    /// Per rank, makespan − busy.
+    idle: Vec<f64>,
+    /// Per rank, peak in-flight activations (M_B units).
+    peak_activations: Vec<f64>,
+    /// Per rank, peak count of (stage, microbatch) pairs between F and B/I.
+    peak_in_flight: Vec<usize>,
+    /// Per rank, peak bytes (resident + activations) when `stage_bytes` was given, else `None`.
+    peak_bytes: Option<Vec<u64>>,
+    /// What ran when.
+    timeline: Timeline,
+    json: String,
+    text: String,
+}
+
+impl SimReport {
+    fn new(r: SimReportRs, peak_bytes: Option<Vec<u64>>) -> PyResult<Self> {
+        let json = match &peak_bytes {
+            Some(b) => serde_json::json!({ "report": &r, "peak_bytes": b }).to_string(),
+            None => serde_json::to_string(&r).map_err(err(GraphppError::new_err))?,
+        };
+        Ok(SimReport {
+            makespan: r.makespan,
+            bubble_ratio: r.bubble_ratio,
+            idle_fraction: r.idle_fraction,
+            steady_bubble_ratio: r.steady_bubble_ratio,
+            text: summary(&r),
+            busy: r.busy,
+            idle: r.idle,
+            peak_activations: r.peak_activations,
+            peak_in_flight: r.peak_in_flight,
+            peak_bytes,
+            timeline: Timeline(r.timeline),
+            json,
+        })
+    }
+}
+
+#[pymethods]
+impl SimReport {
+    /// The figures block `graphpp schedule simulate` prints.
+    fn summary(&self) -> String {
+        self.text.clone()
+    }
+
+    /// The figures as JSON (`graphpp schedule simulate --format json`, compact).
+    fn to_json(&self) -> String {
+        self.json.clone()
+    }
+
+    fn __str__(&self) -> String {
+        self.text.clone()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<graphpp.SimReport makespan={} bubble_ratio={:.4}>", self.makespan, self.bubble_ratio)
+    }
+}
+
+/// Every schedule kind: its name, PyTorch's class name (or `None`), its shape constraints, its
+/// default stages per rank and its placement (`"loop"` or `"V"`).
+#[pyfunction]
+fn kinds() -> Vec<(&'static str, Option<&'static str>, &'static str, usize, &'static str)> {
+    Kind::ALL
+        .iter()
+        .map(|k| {
+            let placement = if k.placement() == graphpp_schedule::Placement::V { "V" } else { "loop" };
+            (k.name(), k.pytorch_name(), k.constraints(), k.default_stages_per_rank(), placement)
+        })
+        .collect()
+}
+
+fn kind_arg(kind: &str) -> PyResult<Kind> {
+    kind.parse().map_err(err(GenerateError::new_err))
+}
+
+fn solver_arg(solver: &str, time_limit: Option<f64>) -> PyResult<Solver> {
+    match (solver.to_ascii_lowercase().as_str(), time_limit) {
+        ("heuristic", None) => Ok(Solver::Heuristic),
+        ("heuristic", Some(_)) => Err(GenerateError::new_err("time_limit applies to solver=\"ilp\" only")),
+        ("ilp", t) => {
+            let secs = t.unwrap_or(10.0);
+            if !(secs.is_finite() && secs > 0.0 && secs <= 1e6) {
+                return Err(GenerateError::new_err(format!("time_limit must be a number of seconds in (0, 1e6], got {secs}")));
+            }
+            Ok(Solver::Ilp { time_limit: std::time::Duration::from_secs_f64(secs) })
+        }
+        (other, _) => Err(GenerateError::new_err(format!("unknown solver `{other}`: heuristic or ilp"))),
+    }
+}
+
+/// Generates the schedule of `kind` (`"1f1b"`, `"zbv"`, `"zbv-auto"`, … or a PyTorch class name
+/// such as `"ScheduleZBVZeroBubble"`) for `ranks` (p) and `microbatches` (m), as
+/// `graphpp schedule generate` does.
+///
+/// `stages_per_rank` (v) defaults to 2 for the interleaved and V kinds, else 1; `group` is
+/// grouped-interleaved's microbatches per chunk; `costs` (a `Costs` or `"F=1,B=2"` text, per
+/// action), `m_w` (M_W as a fraction of M_B), `mem_cap` (activation cap per rank in M_B units,
+/// default p) and `solver` (`"heuristic"` or `"ilp"`, with `time_limit` seconds) steer zb-auto
+/// and zbv-auto. Raises `GenerateError` naming the kind's rule a shape breaks, `CostError`.
+#[pyfunction]
+#[pyo3(signature = (kind, ranks, microbatches, *, stages_per_rank=None, group=None, costs=None, m_w=0.5, mem_cap=None, solver="heuristic", time_limit=None))]
+#[allow(clippy::too_many_arguments)]
+fn generate(
+    kind: &str,
+    ranks: usize,
+    microbatches: usize,
+    stages_per_rank: Option<usize>,
+    group: Option<usize>,
+    costs: Option<&Bound<'_, PyAny>>,
+    m_w: f64,
+    mem_cap: Option<f64>,
+    solver: &str,
+    time_limit: Option<f64>,
+) -> PyResult<Schedule> {
+    let kind = kind_arg(kind)?;
+    for (v, name) in [(Some(ranks), "ranks"), (Some(microbatches), "microbatches"), (stages_per_rank, "stages_per_rank")] {
+        if v == Some(0) {
+            return Err(GenerateError::new_err(format!("{name} must be at least 1")));
+        }
+    }
+    let shape = Shape::new(ranks, stages_per_rank.unwrap_or_else(|| kind.default_stages_per_rank()), microbatches);
+    let opts = Options {
+        group,
+        costs: costs_arg(costs)?,
+        memory: memory_arg(m_w)?,
+        mem_cap,
+        solver: solver_arg(solver, time_limit)?,
+    };
+    let inner = graphpp_schedule::generate(kind, &shape, &opts).map_err(err(GenerateError::new_err))?;
+    Ok(Schedule { inner, kind: Some(kind) })
+}
+
+/// Validates `schedule` (every check of `graphpp schedule validate`, the cross-rank deadlock
+/// check of a lowered schedule included) against the shape given: `ranks` (p, each with a
+/// compute action), `stages` (S), `microbatches` (m). Returns a `Summary`; raises
+/// `ValidationError` naming rank, step and action.
+#[pyfunction]
+#[pyo3(signature = (schedule, *, ranks=None, stages=None, microbatches=None))]
+fn validate(
+    schedule: &Schedule,
+    ranks: Option<usize>,
+    stages: Option<usize>,
+    microbatches: Option<usize>,
+) -> PyResult<Summary> {
+    let opts = ValidateOptions { microbatches, ranks, stages };
+    let s = graphpp_schedule::validate(&schedule.inner, &opts).map_err(err(ValidationError::new_err))?;
+    let c = &s.counts;
+    let counts = vec![
+        ("F", c.f),
+        ("B", c.b),
+        ("I", c.i),
+        ("W", c.w),
+        ("OVERLAP_F_B", c.overlap),
+        ("SEND", c.send),
+        ("RECV", c.recv),
+        ("UNSHARD", c.unshard),
+        ("RESHARD", c.reshard),
+        ("REDUCE_GRAD", c.reduce_grad),
+        ("WAIT_SEND", c.wait_send),
+        ("WAIT_REDUCE_GRAD", c.wait_reduce_grad),
+    ];
+    let placement = s.placement.map(|p| if p == graphpp_schedule::Placement::V { "V" } else { "loop" });
+    Ok(Summary {
+        ranks: s.ranks,
+        stages: s.stages,
+        microbatches: s.microbatches,
+        placement,
+        lowered: s.lowered,
+        idle_ranks: s.idle_ranks.clone(),
+        counts,
+        text: s.to_string(),
+    })
+}
+
+/// Lowers a compute-only schedule as `graphpp schedule lower` does: validates it, adds FSDP's
+/// UNSHARD/RESHARD (at most `fsdp_max_unsharded` stages unsharded per rank) and REDUCE_GRAD when
+/// asked (`reduce_grad=True` alone: data parallelism without FSDP), then SEND/RECV. Raises
+/// `LowerError` (its message holds the validator's).
+#[pyfunction]
+#[pyo3(signature = (schedule, *, fsdp_max_unsharded=None, reduce_grad=false))]
+fn lower(schedule: &Schedule, fsdp_max_unsharded: Option<usize>, reduce_grad: bool) -> PyResult<Schedule> {
+    let inner = graphpp_schedule::lower(&schedule.inner, &LowerOptions { fsdp_max_unsharded, reduce_grad })
+        .map_err(err(LowerError::new_err))?;
+    Ok(Schedule { inner, kind: schedule.kind })
+}
+
+/// A byte model from per-stage dicts with the keys of `StageBytes` (`held_fb`, `held_iw`,
+/// `run_f`, `run_b`, `run_i`, `run_w`, `resident`; missing keys are 0).
+fn byte_model(stages: &[Bound<'_, PyDict>]) -> PyResult<ByteModel> {
+    const KEYS: [&str; 7] = ["held_fb", "held_iw", "run_f", "run_b", "run_i", "run_w", "resident"];
+    let mut out = Vec::with_capacity(stages.len());
+    for (s, d) in stages.iter().enumerate() {
+        for key in d.keys() {
+            let key: String = key.extract()?;
+            if !KEYS.contains(&key.as_str()) {
+                return Err(GraphppError::new_err(format!(
+                    "stage_bytes[{s}]: unknown key `{key}`; known: {}",
+                    KEYS.join(", ")
+                )));
+            }
+        }
+        let get = |k: &str| -> PyResult<u64> {
+            d.get_item(k)?.map_or(Ok(0), |v| {
+                v.extract::<u64>()
+                    .map_err(|_| GraphppError::new_err(format!("stage_bytes[{s}][\"{k}\"] must be a whole number of bytes >= 0")))
+            })
+        };
+        out.push(StageBytes {
+            held_fb: get("held_fb")?,
+            held_iw: get("held_iw")?,
+            run_f: get("run_f")?,
+            run_b: get("run_b")?,
+            run_i: get("run_i")?,
+            run_w: get("run_w")?,
+            resident: get("resident")?,
+        });
+    }
+    Ok(ByteModel { stages: out, overlap: Vec::new() })
+}
+
+/// Simulates `schedule` (docs/ARCHITECTURE.md, "Simulation"): each action takes its cost, each
+/// cross-rank hop adds `C`, a rank waits for what it receives. Returns a `SimReport`.
+///
+/// `costs` are a whole stage's, as for `graphpp schedule simulate`: each of a rank's chunks runs
+/// at `chunk_factor` of them, by default the CLI's (1/v; 1 for DualPipe's two model copies;
+/// 1/v for a schedule read from a file). Give `chunk_factor=1.0` when the costs are already
+/// per action (graphpp.torch's measured costs are). `stage_bytes` (a dict per stage, keys as in
+/// `StageBytes`: held_fb, held_iw, run_f, run_b, run_i, run_w, resident) adds per-rank peak
+/// bytes. Raises `SimulateError`, `CostError`, `GraphppError` (a bad byte model).
+#[pyfunction]
+#[pyo3(signature = (schedule, *, costs=None, m_w=0.5, chunk_factor=None, stage_bytes=None))]
+fn simulate(
+    schedule: &Schedule,
+    costs: Option<&Bound<'_, PyAny>>,
+    m_w: f64,
+    chunk_factor: Option<f64>,
+    stage_bytes: Option<Vec<Bound<'_, PyDict>>>,
+) -> PyResult<SimReport> {
+    let stage_costs = costs_arg(costs)?;
+    let s = &schedule.inner;
+    let v = (s.num_stages() / s.num_ranks().max(1)).max(1);
+    let factor = chunk_factor.unwrap_or_else(|| match schedule.kind {
+        Some(k) => chunk_cost_factor(k, v),
+        None => 1.0 / v as f64,
+    });
+    if !(factor.is_finite() && factor > 0.0) {
+        return Err(CostError::new_err(format!("chunk_factor must be a finite number > 0 (got {factor})")));
+    }
+    let c = scale_costs(&stage_costs, factor);
+    let report = graphpp_schedule::simulate(s, &c, &memory_arg(m_w)?).map_err(err(SimulateError::new_err))?;
+    let bytes = match stage_bytes {
+        Some(stages) => Some(byte_model(&stages)?.peak_bytes(s).map_err(err(GraphppError::new_err))?),
+        None => None,
+    };
+    SimReport::new(report, bytes)
+}
+
+/// Measured against predicted: fits each compute action's duration to `measured` (a
+/// `Timeline` of one or more runs of `schedule`, e.g. from graphpp.torch's step recorder),
+/// simulates `schedule` with those durations and a hop latency `hop` (seconds), and returns
+/// `(measured, predicted)` `SimReport`s (the measured one from compute intervals only, shifted to
+/// start at 0). Raises `SimulateError`.
+#[pyfunction]
+#[pyo3(signature = (schedule, measured, *, hop=0.0))]
+fn measured_vs_predicted(schedule: &Schedule, measured: &Timeline, hop: f64) -> PyResult<(SimReport, SimReport)> {
+    let m = measured_vs_predicted_rs(&schedule.inner, &measured.0, hop).map_err(err(SimulateError::new_err))?;
+    Ok((SimReport::new(m.measured, None)?, SimReport::new(m.predicted, None)?))
+}
+
+/// Simulates `schedule` with a duration per action text (`{"0F0": 1.5, …}`; an action not
+/// listed takes `default`) and hop latency `hop`. Returns a `SimReport`.
+#[pyfunction]
+#[pyo3(signature = (schedule, durations, *, default=0.0, hop=0.0, m_w=0.5))]
+fn simulate_durations(
+    schedule: &Schedule,
+    durations: std::collections::HashMap<String, f64>,
+    default: f64,
+    hop: f64,
+    m_w: f64,
+) -> PyResult<SimReport> {
+    let mut by_action = std::collections::HashMap::with_capacity(durations.len());
+    for (text, d) in durations {
+        let a: Action = text.parse().map_err(|e| ScheduleParseError::new_err(format!("action `{text}`: {}", message(&e))))?;
+        graphpp_schedule::check_cost(&text, d).map_err(err(CostError::new_err))?;
+        by_action.insert(a, d);
+    }
+    graphpp_schedule::check_cost("default", default).map_err(err(CostError::new_err))?;
+    let r = simulate_with(&schedule.inner, |a| by_action.get(a).copied().unwrap_or(default), hop, &memory_arg(m_w)?)
+        .map_err(err(SimulateError::new_err))?;
+    SimReport::new(r, None)
+}
+
+/// Every kind at `ranks` (p) and `microbatches` (m), as `graphpp schedule compare`: a dict per
+/// kind with `kind`, `stages_per_rank` and either `makespan`, `bubble_ratio`, `idle_fraction`,
+/// `peak_activations` (M_B units) and `messages_per_microbatch`, or `error` (why the kind cannot
+/// serve the shape). `costs` are a whole stage's; each chunk runs at 1/v of them.
+#[pyfunction]
+#[pyo3(signature = (ranks, microbatches, *, costs=None, m_w=0.5))]
+fn compare<'py>(
+    py: Python<'py>,
+    ranks: usize,
+    microbatches: usize,
+    costs: Option<&Bound<'py, PyAny>>,
+    m_w: f64,
+) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    if ranks == 0 || microbatches == 0 {
+        return Err(GenerateError::new_err(format!(
+            "ranks and microbatches must be at least 1 (got {ranks} and {microbatches})"
+        )));
+    }
+    let rows = graphpp_schedule::compare::compare(ranks, microbatches, &costs_arg(costs)?, &memory_arg(m_w)?)
+        .map_err(err(GenerateError::new_err))?;
+    rows.into_iter()
+        .map(|row| {
+            let d = PyDict::new(py);
+            d.set_item("kind", row.kind.name())?;
+            d.set_item("stages_per_rank", row.stages_per_rank)?;
+            match row.result {
+                Ok(f) => {
+                    d.set_item("makespan", f.makespan)?;
+                    d.set_item("bubble_ratio", f.bubble_ratio)?;
+                    d.set_item("idle_fraction", f.idle_fraction)?;
+                    d.set_item("peak_activations", f.peak_activations)?;
+                    d.set_item("messages_per_microbatch", f.messages_per_microbatch)?;
+                }
+                Err(e) => d.set_item("error", e)?,
+            }
+            Ok(d)
+        })
+        .collect()
+}
+
+/// graphpp's schedule toolchain (see the `graphpp` package's docstring).
+#[pymodule]
+fn _graphpp(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("GraphppError", py.get_type::<GraphppError>())?;
+    m.add("ScheduleParseError", py.get_type::<ScheduleParseError>())?;
+    m.add("GenerateError", py.get_type::<GenerateError>())?;
+    m.add("ValidationError", py.get_type::<ValidationError>())?;
+    m.add("LowerError", py.get_type::<LowerError>())?;
+    m.add("SimulateError", py.get_type::<SimulateError>())?;
+    m.add("CostError", py.get_type::<CostError>())?;
+    m.add_class::<Costs>()?;
+    m.add_class::<Schedule>()?;
+    m.add_class::<Summary>()?;
+    m.add_class::<Timeline>()?;
+    m.add_class::<SimReport>()?;
+    for f in [
+        wrap_pyfunction!(kinds, m)?,
+        wrap_pyfunction!(generate, m)?,
+        wrap_pyfunction!(validate, m)?,
+        wrap_pyfunction!(lower, m)?,
+        wrap_pyfunction!(simulate, m)?,
+        wrap_pyfunction!(simulate_durations, m)?,
+        wrap_pyfunction!(measured_vs_predicted, m)?,
+        wrap_pyfunction!(compare, m)?,
+    ] {
+        m.add_function(f)?;
+    }
+    Ok(())
+}
