@@ -18,7 +18,12 @@ use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-pyo3::create_exception!(graphpp, GraphppError, PyValueError, "Base class of graphpp's errors (a ValueError).");
+pyo3::create_exception!(
+    graphpp,
+    GraphppError,
+    PyValueError,
+    "Base class of graphpp's errors (a ValueError)."
+);
 pyo3::create_exception!(
     graphpp,
     ScheduleParseError,
@@ -203,14 +208,16 @@ impl Schedule {
     /// `_load_csv` format). Raises `ScheduleParseError` naming rank, line and cell.
     #[staticmethod]
     fn from_csv(text: &str) -> PyResult<Self> {
-        let inner = ScheduleRs::from_csv(text).map_err(|e| ScheduleParseError::new_err(format!("bad CSV schedule: {}", message(&e))))?;
+        let inner = ScheduleRs::from_csv(text)
+            .map_err(|e| ScheduleParseError::new_err(format!("bad CSV schedule: {}", message(&e))))?;
         Ok(Schedule { inner, kind: None })
     }
 
     /// Reads JSON text, `{"ranks": [["0F0", null, …], …]}`. Raises `ScheduleParseError`.
     #[staticmethod]
     fn from_json(text: &str) -> PyResult<Self> {
-        let inner = ScheduleRs::from_json(text).map_err(|e| ScheduleParseError::new_err(format!("bad JSON schedule: {}", message(&e))))?;
+        let inner = ScheduleRs::from_json(text)
+            .map_err(|e| ScheduleParseError::new_err(format!("bad JSON schedule: {}", message(&e))))?;
         Ok(Schedule { inner, kind: None })
     }
 
@@ -226,16 +233,18 @@ impl Schedule {
     #[staticmethod]
     fn load(path: PathBuf) -> PyResult<Self> {
         let shown = path.display().to_string();
-        let meta = std::fs::metadata(&path).map_err(|e| PyOSError::new_err(format!("cannot read {shown}: {e}")))?;
+        let meta =
+            std::fs::metadata(&path).map_err(|e| PyOSError::new_err(format!("cannot read {shown}: {e}")))?;
         if meta.len() > MAX_FILE_BYTES {
             return Err(PyOSError::new_err(format!(
                 "cannot read {shown}: {} bytes, over the {MAX_FILE_BYTES}-byte limit for a schedule file",
                 meta.len()
             )));
         }
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| PyOSError::new_err(format!("cannot read {shown}: {e}")))?;
-        let inner = ScheduleRs::parse(&text).map_err(|e| ScheduleParseError::new_err(format!("{shown}: {}", message(&e))))?;
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| PyOSError::new_err(format!("cannot read {shown}: {e}")))?;
+        let inner = ScheduleRs::parse(&text)
+            .map_err(|e| ScheduleParseError::new_err(format!("{shown}: {}", message(&e))))?;
         Ok(Schedule { inner, kind: None })
     }
 
@@ -253,13 +262,18 @@ impl Schedule {
     fn save(&self, path: PathBuf) -> PyResult<()> {
         let json = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
         let text = if json { self.inner.to_json() + "\n" } else { self.inner.to_csv() };
-        std::fs::write(&path, text).map_err(|e| PyOSError::new_err(format!("cannot write {}: {e}", path.display())))
+        std::fs::write(&path, text)
+            .map_err(|e| PyOSError::new_err(format!("cannot write {}: {e}", path.display())))
     }
 
     /// Per rank, its steps: the action's text, or `None` for an idle step.
     #[getter]
     fn ranks(&self) -> Vec<Vec<Option<String>>> {
-        self.inner.ranks.iter().map(|row| row.iter().map(|a| a.as_ref().map(Action::to_string)).collect()).collect()
+        self.inner
+            .ranks
+            .iter()
+            .map(|row| row.iter().map(|a| a.as_ref().map(Action::to_string)).collect())
+            .collect()
     }
 
     /// p: rows (ranks).
@@ -284,7 +298,12 @@ impl Schedule {
     /// must hold (the V kinds place stages `r` and `S-1-r` on rank `r`). Empty for a rank out
     /// of range.
     fn stages_on(&self, rank: usize) -> Vec<usize> {
-        self.inner.placement().into_iter().filter(|(_, ranks)| ranks.contains(&rank)).map(|(s, _)| s).collect()
+        self.inner
+            .placement()
+            .into_iter()
+            .filter(|(_, ranks)| ranks.contains(&rank))
+            .map(|(s, _)| s)
+            .collect()
     }
 
     /// The kind's name when `graphpp.generate` made it, else `None`.
@@ -319,22 +338,29 @@ impl Schedule {
 }
 
 /// What `graphpp.validate` found: the shape, the placement, the actions by kind.
-#[pyclass(module = "graphpp", name = "Summary", frozen, get_all)]
+#[pyclass(module = "graphpp", name = "Summary", frozen)]
 struct Summary {
     /// p.
+    #[pyo3(get)]
     ranks: usize,
     /// S.
+    #[pyo3(get)]
     stages: usize,
     /// m.
+    #[pyo3(get)]
     microbatches: usize,
     /// `"loop"`, `"V"`, or `None` for another placement.
+    #[pyo3(get)]
     placement: Option<&'static str>,
     /// True when the schedule holds SEND/RECV, FSDP or wait actions.
+    #[pyo3(get)]
     lowered: bool,
     /// Ranks without a compute action (only when no rank count was expected).
+    #[pyo3(get)]
     idle_ranks: Vec<usize>,
     /// Actions by kind: `F`, `B`, `I`, `W`, `OVERLAP_F_B`, `SEND`, `RECV`, `UNSHARD`, `RESHARD`,
     /// `REDUCE_GRAD`, `WAIT_SEND`, `WAIT_REDUCE_GRAD`.
+    #[pyo3(get)]
     counts: Vec<(&'static str, usize)>,
     text: String,
 }
@@ -369,11 +395,13 @@ impl Timeline {
     fn new(ranks: usize, intervals: Vec<(usize, f64, f64, String)>, unit: &str) -> PyResult<Self> {
         let mut out = Vec::with_capacity(intervals.len());
         for (i, (rank, start, end, text)) in intervals.into_iter().enumerate() {
-            let action: Action = text
-                .parse()
-                .map_err(|e| ScheduleParseError::new_err(format!("interval {i}: action `{text}`: {}", message(&e))))?;
+            let action: Action = text.parse().map_err(|e| {
+                ScheduleParseError::new_err(format!("interval {i}: action `{text}`: {}", message(&e)))
+            })?;
             if rank >= ranks {
-                return Err(GraphppError::new_err(format!("interval {i}: rank {rank} but the timeline has {ranks} ranks")));
+                return Err(GraphppError::new_err(format!(
+                    "interval {i}: rank {rank} but the timeline has {ranks} ranks"
+                )));
             }
             if !(start.is_finite() && end.is_finite() && end >= start) {
                 return Err(GraphppError::new_err(format!(
@@ -400,7 +428,12 @@ impl Timeline {
     /// `(rank, start, end, action)` per interval, rank by rank in step order.
     #[getter]
     fn intervals(&self) -> Vec<(usize, f64, f64, String)> {
-        self.0.by_rank().into_iter().flatten().map(|i| (i.rank, i.start, i.end, i.action.to_string())).collect()
+        self.0
+            .by_rank()
+            .into_iter()
+            .flatten()
+            .map(|i| (i.rank, i.start, i.end, i.action.to_string()))
+            .collect()
     }
 
     /// End of the last interval.
@@ -438,27 +471,37 @@ impl Timeline {
 
 /// The simulator's figures for one schedule (times in the costs' unit, activations in M_B
 /// units of one full stage; docs/ARCHITECTURE.md, "Simulation").
-#[pyclass(module = "graphpp", name = "SimReport", frozen, get_all)]
+#[pyclass(module = "graphpp", name = "SimReport", frozen)]
 struct SimReport {
     /// End of the last action.
+    #[pyo3(get)]
     makespan: f64,
     /// In-iteration r_bubble = Σ idle / Σ busy.
+    #[pyo3(get)]
     bubble_ratio: f64,
     /// Σ idle / (p · makespan).
+    #[pyo3(get)]
     idle_fraction: f64,
     /// Steady-state r_bubble (each rank from its first action to its last).
+    #[pyo3(get)]
     steady_bubble_ratio: f64,
     /// Per rank, time running actions.
+    #[pyo3(get)]
     busy: Vec<f64>,
     /// Per rank, makespan − busy.
+    #[pyo3(get)]
     idle: Vec<f64>,
     /// Per rank, peak in-flight activations (M_B units).
+    #[pyo3(get)]
     peak_activations: Vec<f64>,
     /// Per rank, peak count of (stage, microbatch) pairs between F and B/I.
+    #[pyo3(get)]
     peak_in_flight: Vec<usize>,
     /// Per rank, peak bytes (resident + activations) when `stage_bytes` was given, else `None`.
+    #[pyo3(get)]
     peak_bytes: Option<Vec<u64>>,
     /// What ran when.
+    #[pyo3(get)]
     timeline: Timeline,
     json: String,
     text: String,
@@ -532,7 +575,9 @@ fn solver_arg(solver: &str, time_limit: Option<f64>) -> PyResult<Solver> {
         ("ilp", t) => {
             let secs = t.unwrap_or(10.0);
             if !(secs.is_finite() && secs > 0.0 && secs <= 1e6) {
-                return Err(GenerateError::new_err(format!("time_limit must be a number of seconds in (0, 1e6], got {secs}")));
+                return Err(GenerateError::new_err(format!(
+                    "time_limit must be a number of seconds in (0, 1e6], got {secs}"
+                )));
             }
             Ok(Solver::Ilp { time_limit: std::time::Duration::from_secs_f64(secs) })
         }
@@ -565,12 +610,15 @@ fn generate(
     time_limit: Option<f64>,
 ) -> PyResult<Schedule> {
     let kind = kind_arg(kind)?;
-    for (v, name) in [(Some(ranks), "ranks"), (Some(microbatches), "microbatches"), (stages_per_rank, "stages_per_rank")] {
+    for (v, name) in
+        [(Some(ranks), "ranks"), (Some(microbatches), "microbatches"), (stages_per_rank, "stages_per_rank")]
+    {
         if v == Some(0) {
             return Err(GenerateError::new_err(format!("{name} must be at least 1")));
         }
     }
-    let shape = Shape::new(ranks, stages_per_rank.unwrap_or_else(|| kind.default_stages_per_rank()), microbatches);
+    let shape =
+        Shape::new(ranks, stages_per_rank.unwrap_or_else(|| kind.default_stages_per_rank()), microbatches);
     let opts = Options {
         group,
         costs: costs_arg(costs)?,
@@ -653,8 +701,11 @@ fn byte_model(stages: &[Bound<'_, PyDict>]) -> PyResult<ByteModel> {
         }
         let get = |k: &str| -> PyResult<u64> {
             d.get_item(k)?.map_or(Ok(0), |v| {
-                v.extract::<u64>()
-                    .map_err(|_| GraphppError::new_err(format!("stage_bytes[{s}][\"{k}\"] must be a whole number of bytes >= 0")))
+                v.extract::<u64>().map_err(|_| {
+                    GraphppError::new_err(format!(
+                        "stage_bytes[{s}][\"{k}\"] must be a whole number of bytes >= 0"
+                    ))
+                })
             })
         };
         out.push(StageBytes {
@@ -714,8 +765,13 @@ fn simulate(
 /// start at 0). Raises `SimulateError`.
 #[pyfunction]
 #[pyo3(signature = (schedule, measured, *, hop=0.0))]
-fn measured_vs_predicted(schedule: &Schedule, measured: &Timeline, hop: f64) -> PyResult<(SimReport, SimReport)> {
-    let m = measured_vs_predicted_rs(&schedule.inner, &measured.0, hop).map_err(err(SimulateError::new_err))?;
+fn measured_vs_predicted(
+    schedule: &Schedule,
+    measured: &Timeline,
+    hop: f64,
+) -> PyResult<(SimReport, SimReport)> {
+    let m =
+        measured_vs_predicted_rs(&schedule.inner, &measured.0, hop).map_err(err(SimulateError::new_err))?;
     Ok((SimReport::new(m.measured, None)?, SimReport::new(m.predicted, None)?))
 }
 
@@ -732,13 +788,20 @@ fn simulate_durations(
 ) -> PyResult<SimReport> {
     let mut by_action = std::collections::HashMap::with_capacity(durations.len());
     for (text, d) in durations {
-        let a: Action = text.parse().map_err(|e| ScheduleParseError::new_err(format!("action `{text}`: {}", message(&e))))?;
+        let a: Action = text
+            .parse()
+            .map_err(|e| ScheduleParseError::new_err(format!("action `{text}`: {}", message(&e))))?;
         graphpp_schedule::check_cost(&text, d).map_err(err(CostError::new_err))?;
         by_action.insert(a, d);
     }
     graphpp_schedule::check_cost("default", default).map_err(err(CostError::new_err))?;
-    let r = simulate_with(&schedule.inner, |a| by_action.get(a).copied().unwrap_or(default), hop, &memory_arg(m_w)?)
-        .map_err(err(SimulateError::new_err))?;
+    let r = simulate_with(
+        &schedule.inner,
+        |a| by_action.get(a).copied().unwrap_or(default),
+        hop,
+        &memory_arg(m_w)?,
+    )
+    .map_err(err(SimulateError::new_err))?;
     SimReport::new(r, None)
 }
 
