@@ -12,7 +12,8 @@ costs, then times ROUNDS alternating steps of each schedule (a barrier before ea
 the medians, their ratio, and graphpp's predicted step time for zbv-auto and for PyTorch's order
 (both simulated with the measured costs).
 
-Usage: python python/bench/zbv_auto_vs_pytorch.py [--ranks 2] [--dim 512] [--rows 16] [--microbatches 8] [--rounds 10]
+Usage: python python/bench/zbv_auto_vs_pytorch.py [--ranks 2] [--dim 512] [--rows 16] [--microbatches 8]
+           [--rounds 10] [--mem-cap M_B]
 """
 
 import argparse
@@ -61,7 +62,7 @@ def worker(rank: int, p: int, port: int, args) -> None:
     target = y if S - 1 in placed else None
 
     prof = gt.profile(stages, *inputs, target=target, loss_fn=loss_fn, n_microbatches=m, steps=3)
-    ours = gt.schedule("zbv-auto", stages, m, loss_fn=loss_fn, costs=prof.costs)
+    ours = gt.schedule("zbv-auto", stages, m, loss_fn=loss_fn, costs=prof.costs, mem_cap=args.mem_cap)
     theirs = ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
     times = {"graphpp zbv-auto": [], "PyTorch ScheduleZBVZeroBubble": []}
     for i in range(args.rounds + 1):
@@ -77,7 +78,7 @@ def worker(rank: int, p: int, port: int, args) -> None:
                 st.submod.zero_grad(set_to_none=True)
     if rank == 0:
         c = prof.costs
-        print(f"measured costs per action (ms): F={c.F:.3f} I={c.I:.3f} W={c.W:.3f}  (W/I = {c.W / c.I:.1f})")
+        print(f"measured costs per action (ms): F={c.F:.3f} I={c.I:.3f} W={c.W:.3f} C={c.C:.3f}  (W/I = {c.W / c.I:.1f})")
         pytorch_order = graphpp.Schedule.from_csv(_pytorch_csv(theirs))
         predicted = {
             "graphpp zbv-auto": graphpp.simulate(ours.graphpp_schedule, costs=c, chunk_factor=1.0).makespan,
@@ -104,6 +105,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--mem-cap", type=float, default=None,
+                    help="zbv-auto's activation cap per rank in M_B units (default p: ZB-V's own peak)")
     args = ap.parse_args()
     import socket
 

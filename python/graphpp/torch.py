@@ -32,7 +32,9 @@ within a pipeline group of a larger mesh.
 from __future__ import annotations
 
 import csv
+import inspect
 import io
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -42,7 +44,7 @@ from torch.distributed.pipelining import schedules as _schedules
 
 import graphpp
 
-__all__ = ["schedule", "StepRecorder", "StepReport", "Profile", "profile", "stage_shape"]
+__all__ = ["schedule", "as_schedule", "StepRecorder", "StepReport", "Profile", "profile", "stage_shape"]
 
 _RECORDED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -81,6 +83,24 @@ def _check_placement(sched: graphpp.Schedule, stages, rank: int) -> None:
         )
 
 
+def as_schedule(order) -> graphpp.Schedule:
+    """A PyTorch schedule's order as a ``graphpp.Schedule``: ``order`` is a
+    ``{rank: [_Action | None, ...]}`` such as a runtime's ``pipeline_order`` (compute only) or
+    ``pipeline_order_with_comms`` (lowered). Raises ``graphpp.ScheduleParseError`` for an action
+    graphpp cannot read."""
+    rows = [",".join("" if a is None else str(a) for a in order[r]) for r in sorted(order)]
+    return graphpp.Schedule.from_csv("\n".join(rows) + "\n")
+
+
+def _microbatch0_stages(sched: graphpp.Schedule) -> set[int]:
+    """The stages whose forward of microbatch 0 the schedule runs (OVERLAP_F_B halves included)."""
+    found: set[int] = set()
+    for row in sched.ranks:
+        for cell in row:
+            found.update(int(x) for x in re.findall(r"(?<!\d)(\d+)F0(?!\d)", cell or ""))
+    return found
+
+
 def schedule(
     kind,
     stages,
@@ -88,10 +108,10 @@ def schedule(
     loss_fn=None,
     *,
     costs=None,
-    m_w: float = 0.5,
+    m_w: float | None = None,
     mem_cap: float | None = None,
     group: int | None = None,
-    solver: str = "heuristic",
+    solver: str | None = None,
     time_limit: float | None = None,
     scale_grads: bool = True,
     **runtime_kwargs,
@@ -102,10 +122,11 @@ def schedule(
         kind: a schedule kind (``"1f1b"``, ``"zbv-auto"``, … or a PyTorch class name; see
             ``graphpp.kinds()``) or a ``graphpp.Schedule`` (e.g. ``graphpp.Schedule.load(path)``).
         stages: this rank's ``PipelineStage`` objects (one per stage it holds).
-        n_microbatches: m.
+        n_microbatches: m, the microbatches each ``step`` splits its batch into.
         loss_fn: as for PyTorch's schedules: ``loss_fn(output, target)`` on the last stage.
-        costs, m_w, mem_cap, group, solver, time_limit: as for ``graphpp.generate`` (costs per
-            action: a ``graphpp.Costs`` such as ``profile(...).costs``).
+        costs, m_w, mem_cap, group, solver, time_limit: as for ``graphpp.generate`` (``costs``
+            per action, e.g. ``profile(...).costs``; ``group`` is grouped-interleaved's
+            microbatches per chunk, not a process group); only with a kind name.
         scale_grads: divide gradients by the number of microbatches (PyTorch's default).
         runtime_kwargs: passed to ``_PipelineScheduleRuntime`` (e.g. ``defer_pp_recv``).
 
@@ -113,43 +134,45 @@ def schedule(
         a ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime``; its
         ``graphpp_schedule`` attribute is the graphpp ``Schedule`` it runs.
 
+    Before returning, graphpp validates the compute-only schedule against the stages' p, S and
+    m, checks that this rank holds ``Schedule.stages_on(rank)``, and, once PyTorch has lowered
+    the order with its own passes (with ``runtime_kwargs``), validates that lowered program —
+    the one the runtime will run, SEND/RECV/WAIT and FSDP actions included — for deadlocks.
+
     Raises:
         graphpp.GenerateError: the kind cannot serve the shape (the message names the rule).
-        graphpp.ValidationError: the schedule or its lowered program is invalid or deadlocks.
-        graphpp.GraphppError: the stages do not match the schedule (shape or placement), or the
-            kind is ``dualpipe``.
+        graphpp.ValidationError: the schedule or PyTorch's lowered program is invalid or
+            deadlocks (the message names rank, step and action).
+        graphpp.GraphppError: the stages do not match the schedule (shape or placement); a
+            schedule with two parameter copies (DualPipe); generator options with a Schedule.
     """
+    stages = list(stages)
     p, v, s = stage_shape(stages)
+    options = dict(group=group, costs=costs, m_w=m_w, mem_cap=mem_cap, solver=solver, time_limit=time_limit)
+    given = {k: o for k, o in options.items() if o is not None}
     if isinstance(kind, graphpp.Schedule):
+        if given:
+            raise graphpp.GraphppError(
+                f"{', '.join(sorted(given))} apply to generating a kind, not to a given Schedule"
+            )
         sched = kind
     else:
-        sched = graphpp.generate(
-            kind,
-            p,
-            n_microbatches,
-            stages_per_rank=v,
-            group=group,
-            costs=costs,
-            m_w=m_w,
-            mem_cap=mem_cap,
-            solver=solver,
-            time_limit=time_limit,
-        )
-    if sched.kind == "dualpipe":
-        raise graphpp.GraphppError(
-            "dualpipe runs two parameter copies per rank, which PyTorch's PipelineStage cannot hold; "
-            "use dualpipev (the same schedule folded onto one copy)"
-        )
+        sched = graphpp.generate(kind, p, n_microbatches, stages_per_rank=v, **given)
     graphpp.validate(sched, ranks=p, stages=s, microbatches=n_microbatches)
-    graphpp.validate(graphpp.lower(sched), ranks=p, stages=s, microbatches=n_microbatches)
+    if _microbatch0_stages(sched) != set(range(s)):
+        raise graphpp.GraphppError(
+            f"microbatch 0 visits stages {sorted(_microbatch0_stages(sched))}, not all {s}: a schedule "
+            "with two parameter copies (DualPipe), which PyTorch's PipelineStage cannot hold; use "
+            "dualpipev (the same schedule folded onto one copy)"
+        )
     _check_placement(sched, stages, stages[0].group_rank)
     runtime = _schedules._PipelineScheduleRuntime(
         stages, n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads, **runtime_kwargs
     )
     rows = csv.reader(io.StringIO(sched.to_csv()))
     runtime.pipeline_order = {r: [_schedules._Action.from_str(c) for c in row] for r, row in enumerate(rows)}
-    runtime._validate_and_set_stage_mapping(runtime.pipeline_order)
     runtime._prepare_schedule_with_comms(runtime.pipeline_order)
+    graphpp.validate(as_schedule(runtime.pipeline_order_with_comms), ranks=p, stages=s, microbatches=n_microbatches)
     runtime.graphpp_schedule = sched
     return runtime
 
@@ -175,19 +198,60 @@ def _counting_saved(stage, held: dict[int, int], run):
     return out
 
 
+def _tensor_bytes(value) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or a tuple/list of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _hop_latency(stages, nbytes: int, rounds: int = 20) -> float:
+    """One hop's time in ms: half the mean round trip of ``nbytes`` between pipeline ranks 0 and 1
+    over the stages' process group (gloo, NCCL, …), after a warm-up round; 0 for one rank. A
+    collective over the group."""
+    group, rank, p = stages[0].group, stages[0].group_rank, stages[0].group_size
+    if p < 2:
+        return 0.0
+    device = getattr(stages[0], "device", "cpu")
+    buf = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
+    dist.barrier(group=group)
+    elapsed = 0.0
+    if rank in (0, 1):
+        peer = 1 - rank
+        for i in range(rounds + 1):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, group_dst=peer, group=group)
+                dist.recv(buf, group_src=peer, group=group)
+            else:
+                dist.recv(buf, group_src=peer, group=group)
+                dist.send(buf, group_dst=peer, group=group)
+            _sync(stages[0])
+            if i > 0:
+                elapsed += time.perf_counter() - t0
+    times: list = [None] * p
+    dist.all_gather_object(times, elapsed, group=group)
+    return times[0] / rounds / 2 * 1e3
+
+
 def _sync(stage) -> None:
+    """Waits for the work queued on ``stage``'s current CUDA stream (not the whole device: a
+    communication stream's pending send must not block); nothing on a CPU."""
     device = getattr(stage, "device", None)
     if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 @dataclass
 class StepReport:
-    """A recorded run beside graphpp's prediction (times in seconds).
+    """Recorded steps beside graphpp's prediction of one step (times in seconds).
 
     ``measured`` and ``predicted`` are ``graphpp.SimReport`` objects: the measured one from the
-    recorded compute intervals (shifted to start at 0), the predicted one simulating the
-    schedule with each action's measured mean duration. ``timeline`` is the measured
+    recorded compute intervals, the recorded steps laid back to back (each step from its
+    starting barrier to its last action on any rank), the predicted one simulating one step of
+    the schedule with each action's measured mean duration. ``timeline`` is the measured
     ``graphpp.Timeline``; ``steps`` how many steps it holds.
     """
 
@@ -197,27 +261,31 @@ class StepReport:
     steps: int
 
     @property
+    def step_time(self) -> float:
+        """Measured seconds per step: the recorded steps' span over their number."""
+        return self.measured.makespan / self.steps
+
+    @property
     def slowest_rank(self) -> int:
         """The rank with the most busy time (measured)."""
         busy = self.measured.busy
         return max(range(len(busy)), key=busy.__getitem__)
 
     def __str__(self) -> str:
-        m, pr = self.measured, self.predicted
-        per_step = m.makespan / max(self.steps, 1)
-        err = (pr.makespan - m.makespan / max(self.steps, 1)) / max(per_step, 1e-12)
+        m, pr, per_step = self.measured, self.predicted, self.step_time
+        err = (pr.makespan - per_step) / max(per_step, 1e-12)
+        busy = m.busy[self.slowest_rank] / self.steps
         return (
-            f"step time      measured {per_step * 1e3:.3f} ms, predicted {pr.makespan * 1e3:.3f} ms "
-            f"({err:+.1%})\n"
+            f"step time      measured {per_step * 1e3:.3f} ms, predicted {pr.makespan * 1e3:.3f} ms ({err:+.1%})\n"
             f"bubble         measured r_bubble = {m.bubble_ratio:.4f}, predicted {pr.bubble_ratio:.4f}\n"
-            f"slowest rank   {self.slowest_rank} (busy {m.busy[self.slowest_rank] / max(self.steps, 1) * 1e3:.3f} ms a step)\n"
+            f"slowest rank   {self.slowest_rank} (busy {busy * 1e3:.3f} ms a step)\n"
         )
 
 
 class StepRecorder:
     """Records the F/B/I/W actions a ``_PipelineScheduleRuntime`` runs on this rank.
 
-    Use as a context manager around the steps to record (every rank of the pipeline must record
+    Use as a context manager around each step to record (every rank of the pipeline must record
     the same steps)::
 
         rec = graphpp.torch.StepRecorder(runtime)
@@ -226,43 +294,55 @@ class StepRecorder:
         report = rec.report()            # collective over the pipeline group
         if rank == 0: print(report); rec.write_trace("step.json")
 
-    Each stage's ``forward_one_chunk`` (F), ``backward_one_chunk`` (B, or I when the schedule
-    splits the backward) and ``backward_weight_one_chunk`` (W) is timed with
-    ``time.perf_counter`` from a barrier at ``__enter__``; on CUDA the device is synchronised
-    before and after each, so a time is that action's kernels. An OVERLAP_F_B shows as its F and
-    B. Times across hosts assume the barrier releases every rank at once (within its latency).
+    Each stage's ``forward_one_chunk`` (F), ``backward_one_chunk`` (B, or I when called with
+    ``full_backward=False``) and ``backward_weight_one_chunk`` (W) is timed with
+    ``time.perf_counter`` from a barrier at ``__enter__``; on CUDA the stage's current stream
+    is synchronised before and after each, so a time is that action's kernels. The last
+    stage's loss runs outside ``forward_one_chunk`` and is not in its F. An OVERLAP_F_B shows
+    as its F and B. Times across hosts assume the barrier releases every rank at once (within
+    its latency). The runtime may be any ``_PipelineScheduleRuntime``: one that
+    ``schedule()`` did not build is compared with its own ``pipeline_order``.
 
     With ``saved_bytes=True`` each forward also counts the bytes autograd saves for its backward
-    (the stage's parameters excluded) into ``held_bytes[stage_index]`` (the largest over
-    microbatches); that adds work, so time with a second recorder.
+    (the stage's parameters excluded) into ``held_bytes[stage_index]`` and the bytes of its
+    output into ``output_bytes[stage_index]`` (the largest over microbatches); that adds work, so
+    time with a second recorder.
     """
 
     def __init__(self, runtime, saved_bytes: bool = False):
         self.runtime = runtime
         self.saved_bytes = saved_bytes
         self.held_bytes: dict[int, int] = {}
+        self.output_bytes: dict[int, int] = {}
         self.stages = list(runtime._stages)
         self.group = self.stages[0].group
         self.rank = self.stages[0].group_rank
         self.ranks = self.stages[0].group_size
-        self.intervals: list[tuple[int, float, float, str]] = []
+        # (step, rank, start, end, action): times from the step's starting barrier.
+        self.intervals: list[tuple[int, int, float, float, str]] = []
         self.steps = 0
         self._t0 = 0.0
-        self._saved: list[tuple[object, str, object]] = []
+        self._patched: list[tuple[object, str, bool, object]] = []
         self._report: StepReport | None = None
 
     def _wrap(self, stage, name: str):
         original = getattr(stage, name)
+        signature = inspect.signature(original)
         index = stage.stage_index
         recorder = self
 
-        def timed(chunk, *args, **kwargs):
+        def timed(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            chunk = next(iter(bound.arguments.values()))
             _sync(stage)
             start = time.perf_counter()
             if recorder.saved_bytes and name == "forward_one_chunk":
-                out = _counting_saved(stage, recorder.held_bytes, lambda: original(chunk, *args, **kwargs))
+                out = _counting_saved(stage, recorder.held_bytes, lambda: original(*args, **kwargs))
+                sent = recorder.output_bytes.get(index, 0)
+                recorder.output_bytes[index] = max(sent, _tensor_bytes(out))
             else:
-                out = original(chunk, *args, **kwargs)
+                out = original(*args, **kwargs)
             _sync(stage)
             end = time.perf_counter()
             if name == "forward_one_chunk":
@@ -270,46 +350,60 @@ class StepRecorder:
             elif name == "backward_weight_one_chunk":
                 letter = "W"
             else:
-                full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-                letter = "B" if full else "I"
-            recorder.intervals.append((recorder.rank, start - recorder._t0, end - recorder._t0, f"{index}{letter}{chunk}"))
+                letter = "B" if bound.arguments.get("full_backward", True) else "I"
+            t0 = recorder._t0
+            recorder.intervals.append((recorder.steps, recorder.rank, start - t0, end - t0, f"{index}{letter}{chunk}"))
             return out
 
-        return original, timed
+        return timed
 
     def __enter__(self):
         dist.barrier(group=self.group)
-        if not self._saved:
-            self._t0 = time.perf_counter()
-            for stage in self.stages:
-                for name in _RECORDED:
-                    original, timed = self._wrap(stage, name)
-                    self._saved.append((stage, name, original))
-                    setattr(stage, name, timed)
+        self._t0 = time.perf_counter()
+        for stage in self.stages:
+            for name in _RECORDED:
+                own = name in vars(stage)
+                self._patched.append((stage, name, own, vars(stage).get(name)))
+                setattr(stage, name, self._wrap(stage, name))
         return self
 
     def __exit__(self, *exc):
-        for stage, name, original in self._saved:
-            setattr(stage, name, original)
-        self._saved.clear()
+        for stage, name, own, original in self._patched:
+            if own:
+                setattr(stage, name, original)
+            else:
+                delattr(stage, name)
+        self._patched.clear()
         self.steps += 1
         return False
 
-    def report(self, hop: float = 0.0) -> StepReport:
-        """Gathers every rank's records (a collective over the pipeline group: call it on every
-        rank) and returns the ``StepReport``; ``hop`` is the latency of one cross-rank transfer in
-        seconds added to the prediction."""
+    def report(self, hop_ms: float = 0.0) -> StepReport:
+        """Gathers every rank's records and returns the ``StepReport``; ``hop_ms`` is one
+        cross-rank hop's latency in ms (``Costs.C`` of a ``profile``) added to the prediction.
+
+        A collective over the pipeline group: call it on every rank after the same steps.
+        Raises ``graphpp.GraphppError`` when no step was recorded, ``graphpp.SimulateError``
+        when the schedule cannot be simulated.
+        """
+        if self.steps == 0:
+            raise graphpp.GraphppError("no step recorded: run the steps inside `with recorder:`")
         gathered: list = [None] * self.ranks
         dist.all_gather_object(gathered, self.intervals, group=self.group)
-        intervals = [i for part in gathered for i in part]
+        records = [i for part in gathered for i in part]
+        span = [0.0] * self.steps
+        for step, _, _, end, _ in records:
+            span[step] = max(span[step], end)
+        offset = [sum(span[:k]) for k in range(self.steps)]
+        intervals = [(rank, start + offset[k], end + offset[k], a) for k, rank, start, end, a in records]
         timeline = graphpp.Timeline(self.ranks, intervals, unit="s")
-        sched = self.runtime.graphpp_schedule
-        measured, predicted = graphpp.measured_vs_predicted(sched, timeline, hop=hop)
-        self._report = StepReport(measured, predicted, timeline, max(self.steps, 1))
+        sched = getattr(self.runtime, "graphpp_schedule", None) or as_schedule(self.runtime.pipeline_order)
+        measured, predicted = graphpp.measured_vs_predicted(sched, timeline, hop=hop_ms / 1e3)
+        self._report = StepReport(measured, predicted, timeline, self.steps)
         return self._report
 
     def write_trace(self, path) -> None:
-        """Writes the measured timeline as a Chrome trace (open in Perfetto); after ``report()``."""
+        """Writes the measured timeline as a Chrome trace (open in Perfetto); after ``report()``.
+        Raises ``graphpp.GraphppError`` before it, ``OSError`` when the file cannot be written."""
         if self._report is None:
             raise graphpp.GraphppError("call report() on every rank before write_trace()")
         with open(path, "w") as f:
@@ -320,7 +414,8 @@ class StepRecorder:
 class Profile:
     """Measured costs of the user's stages.
 
-    ``costs``: mean F, I, W per action in milliseconds (``B = I + W``), for
+    ``costs``: mean F, I, W per action in milliseconds (``B = I + W``) and ``C``, one hop's
+    latency (half a round trip of a stage's output between ranks 0 and 1), for
     ``schedule(..., costs=...)``; ``held_bytes``: per stage index, the bytes its forward saves
     for the backward for one microbatch (activations; parameters excluded); ``stage_bytes``: per
     rank, the sum over the stages it holds (one full stage's M_B in graphpp's memory model, as
@@ -347,17 +442,26 @@ def profile(stages, *args, target=None, loss_fn=None, n_microbatches: int | None
     """Measures F, I, W and the held activation bytes of this rank's ``stages``.
 
     Runs ``steps + 1`` steps of a schedule with the I/W split — zb-h1 at one stage per rank,
-    zbv at two, interleaved-zb at more — with ``StepRecorder``. The first step is a warm-up
+    zbv for stages in V placement (r and S-1-r), interleaved-zb for loop placement — with
+    ``StepRecorder``. The first step is a warm-up
     that also counts the bytes each forward saves for its backward (autograd's saved tensors,
-    the stage's parameters excluded); the others are timed. ``args``/``target``/``kwargs`` are
+    the stage's parameters excluded) and the bytes it sends on; the others are timed. Then ranks
+    0 and 1 time 20 round trips of the largest stage output: half the mean is the hop latency
+    C. ``args``/``target``/``kwargs`` are
     a step's inputs as for ``runtime.step`` (on the ranks that hold the first and the last
     stage), split into ``n_microbatches`` (default 2p). The stages' gradients are zeroed
     afterwards. A collective over the pipeline group: call it on every rank. Returns a
     ``Profile`` (the same on every rank).
+
+    Raises what ``schedule`` raises for stages that do not form a pipeline, and PyTorch's
+    errors from running the steps.
     """
-    p, v, _ = stage_shape(stages)
+    stages = list(stages)
+    p, v, s = stage_shape(stages)
     m = n_microbatches or 2 * p
-    kind = {1: "zb-h1", 2: "zbv"}.get(v, "interleaved-zb")
+    rank = stages[0].group_rank
+    held = sorted(st.stage_index for st in stages)
+    kind = "zb-h1" if v == 1 else "zbv" if held == sorted({rank, s - 1 - rank}) else "interleaved-zb"
     runtime = schedule(kind, stages, m, loss_fn=loss_fn)
     warmup = StepRecorder(runtime, saved_bytes=True)
     with warmup:
@@ -371,13 +475,16 @@ def profile(stages, *args, target=None, loss_fn=None, n_microbatches: int | None
         st.submod.zero_grad(set_to_none=True)
     gathered: list = [None] * p
     dist.all_gather_object(gathered, warmup.held_bytes, group=stages[0].group)
-    held = {k: b for part in gathered for k, b in part.items()}
+    held_bytes = {k: b for part in gathered for k, b in part.items()}
     timings: dict[str, list[float]] = {"F": [], "I": [], "W": []}
     for _, start, end, action in report.timeline.intervals:
         letter = next(c for c in action if c.isalpha())
         timings.setdefault(letter, []).append((end - start) * 1e3)
     mean = {k: sum(x) / len(x) for k, x in timings.items() if x}
-    costs = graphpp.Costs(F=mean["F"], I=mean["I"], W=mean["W"])
+    sent: list = [None] * p
+    dist.all_gather_object(sent, max(warmup.output_bytes.values(), default=0), group=stages[0].group)
+    hop = _hop_latency(stages, max(sent))
+    costs = graphpp.Costs(F=mean["F"], I=mean["I"], W=mean["W"], C=hop)
     placement = runtime.stage_index_to_group_rank
-    per_rank = [sum(b for st, b in held.items() if placement[st] == r) for r in range(p)]
-    return Profile(costs=costs, held_bytes=held, stage_bytes=per_rank, timings=timings)
+    per_rank = [sum(b for st, b in held_bytes.items() if placement[st] == r) for r in range(p)]
+    return Profile(costs=costs, held_bytes=held_bytes, stage_bytes=per_rank, timings=timings)

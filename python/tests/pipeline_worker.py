@@ -67,6 +67,7 @@ def run_case(case: dict, rank: int, p: int) -> dict:
         PipelineStage(copy.deepcopy(mods[s]), s, S, torch.device("cpu")) for s in sched.stages_on(rank)
     ]
     runtime = gt.schedule(sched, stages, m, loss_fn=loss_fn)
+    ran_graphpp_order = gt.as_schedule(runtime.pipeline_order) == sched
     x, y = batch(m)
     holds = {st.stage_index for st in stages}
     args = (x,) if 0 in holds else ()
@@ -75,8 +76,12 @@ def run_case(case: dict, rank: int, p: int) -> dict:
     grads = {st.stage_index: [q.grad.clone() for q in st.submod.parameters()] for st in stages}
     gathered = [None] * p if rank == 0 else None
     dist.gather_object(grads, gathered, dst=0)
+    orders = [None] * p if rank == 0 else None
+    dist.gather_object(ran_graphpp_order, orders, dst=0)
     if rank != 0:
         return {}
+    if not all(orders):
+        return {"error": f"the runtime's pipeline_order differs from graphpp's schedule on ranks {orders}"}
     ref = reference_grads(S, m)
     got = {s: g for part in gathered for s, g in part.items()}
     if sorted(got) != list(range(S)):

@@ -43,7 +43,7 @@ def main():
         trace = os.path.join(os.path.dirname(out), "trace.json")
         rec.write_trace(trace)
         json.dump({
-            "costs": [prof.costs.F, prof.costs.I, prof.costs.W, prof.costs.B],
+            "costs": [prof.costs.F, prof.costs.I, prof.costs.W, prof.costs.B, prof.costs.C],
             "held_bytes": {str(k): v for k, v in prof.held_bytes.items()},
             "stage_bytes": prof.stage_bytes,
             "timings": {k: len(v) for k, v in prof.timings.items()},
@@ -51,6 +51,7 @@ def main():
             "intervals": report.timeline.intervals,
             "steps": report.steps,
             "measured_makespan": report.measured.makespan,
+            "step_time": report.step_time,
             "predicted_makespan": report.predicted.makespan,
             "measured_bubble": report.measured.bubble_ratio,
             "slowest_rank": report.slowest_rank,

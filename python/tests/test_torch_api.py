@@ -44,14 +44,31 @@ def test_stages_that_do_not_match_the_placement_are_refused():
         gt.schedule("dualpipe", stages(2, 4, 0, [0, 3]), 4)
     with pytest.raises(graphpp.GenerateError, match="needs m >= 2p"):
         gt.schedule("dualpipev", stages(2, 4, 0, [0, 3]), 2)
+    # DualPipe read from a CSV (no kind attached) is told by its routes.
+    two_copies = graphpp.Schedule.from_csv(graphpp.generate("dualpipe", 2, 4).to_csv())
+    with pytest.raises(graphpp.GraphppError, match=r"microbatch 0 visits stages \[0, 1\], not all 4"):
+        gt.schedule(two_copies, stages(2, 4, 0, two_copies.stages_on(0)), 4)
+    with pytest.raises(graphpp.GraphppError, match="costs, mem_cap apply to generating a kind"):
+        gt.schedule(graphpp.generate("zbv", 2, 4), stages(2, 4, 0, [0, 3]), 4, costs="F=1", mem_cap=2)
+
+
+def test_every_public_name_of_graphpp_torch_has_a_docstring():
+    assert gt.__doc__
+    for name in gt.__all__:
+        obj = getattr(gt, name)
+        assert (obj.__doc__ or "").strip(), name
+        for attr, member in vars(obj).items() if isinstance(obj, type) else []:
+            if not attr.startswith("_") and callable(member):
+                assert (member.__doc__ or "").strip(), f"{name}.{attr}"
 
 
 def test_profile_and_step_recorder(tmp_path):
     out = tmp_path / "out.json"
     run_ranks("recorder_worker.py", 2, [str(out)])
     r = json.loads(out.read_text())
-    f, i, w, b = r["costs"]
+    f, i, w, b, c = r["costs"]
     assert f > 0 and i > 0 and w > 0 and b == pytest.approx(i + w)
+    assert 0 < c < 1e3  # a gloo round trip on one host: some microseconds, never a second
     # Each stage's forward saves Linear's input and tanh's output (the second Linear's input is
     # the same tensor): 2 x rows x dim f64 values per microbatch; parameters are not counted.
     per_stage = 2 * r["rows"] * r["dim"] * 8
@@ -67,7 +84,12 @@ def test_profile_and_step_recorder(tmp_path):
         a for row in graphpp.Schedule.from_csv(r["csv"]).ranks for a in row if a for _ in range(2)
     )
     assert actions == expected
-    assert 0 < r["predicted_makespan"] and r["measured_makespan"] > r["predicted_makespan"]
+    # Each rank runs one action at a time, and the second step follows the first.
+    for rank in (0, 1):
+        spans = sorted((start, end) for rk, start, end, _ in r["intervals"] if rk == rank)
+        assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:])), spans
+    assert r["step_time"] * 2 == pytest.approx(r["measured_makespan"], rel=1e-6)
+    assert 0 < r["predicted_makespan"] < r["measured_makespan"]
     assert r["measured_bubble"] >= 0 and r["slowest_rank"] in (0, 1)
     assert "step time      measured" in r["text"] and "predicted" in r["text"]
     assert r["trace_bytes"] > 100
