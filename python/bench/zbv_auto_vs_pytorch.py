@@ -79,23 +79,22 @@ def worker(rank: int, p: int, port: int, args) -> None:
     if rank == 0:
         c = prof.costs
         print(f"measured costs per action (ms): F={c.F:.3f} I={c.I:.3f} W={c.W:.3f} C={c.C:.3f}  (W/I = {c.W / c.I:.1f})")
-        pytorch_order = graphpp.Schedule.from_csv(_pytorch_csv(theirs))
+        pytorch_order = gt.as_schedule(theirs.pipeline_order)
         predicted = {
             "graphpp zbv-auto": graphpp.simulate(ours.graphpp_schedule, costs=c, chunk_factor=1.0).makespan,
             "PyTorch ScheduleZBVZeroBubble": graphpp.simulate(pytorch_order, costs=c, chunk_factor=1.0).makespan,
         }
+        peak = {
+            "graphpp zbv-auto": graphpp.simulate(ours.graphpp_schedule).peak_activations,
+            "PyTorch ScheduleZBVZeroBubble": graphpp.simulate(pytorch_order).peak_activations,
+        }
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         for k in times:
             print(f"{k:32s} median {med[k]:8.2f} ms over {args.rounds} steps; graphpp predicts {predicted[k]:8.2f} ms "
-                  f"({(predicted[k] - med[k]) / med[k]:+.1%})")
+                  f"({(predicted[k] - med[k]) / med[k]:+.1%}); peak activations per rank {peak[k]} M_B")
         ratio = med["graphpp zbv-auto"] / med["PyTorch ScheduleZBVZeroBubble"]
         print(f"zbv-auto / ScheduleZBVZeroBubble step time: {ratio:.3f}")
     dist.destroy_process_group()
-
-
-def _pytorch_csv(schedule) -> str:
-    rows = [",".join("" if a is None else str(a) for a in schedule.pipeline_order[r]) for r in sorted(schedule.pipeline_order)]
-    return "\n".join(rows) + "\n"
 
 
 def main() -> None:

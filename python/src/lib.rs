@@ -8,11 +8,11 @@ use std::path::PathBuf;
 use graphpp_schedule::bytes::{ByteModel, StageBytes};
 use graphpp_schedule::compare::{chunk_cost_factor, scale_costs};
 use graphpp_schedule::measured::measured_vs_predicted as measured_vs_predicted_rs;
-use graphpp_schedule::render::{chrome_trace, grid, summary, svg, GridStyle};
+use graphpp_schedule::render::{chrome_trace, figures, grid, svg, GridStyle};
 use graphpp_schedule::simulate::simulate_with;
 use graphpp_schedule::{
     Action, Costs as CostsRs, Interval, Kind, LowerOptions, Memory, Options, Schedule as ScheduleRs, Shape,
-    SimReport as SimReportRs, Solver, Timeline as TimelineRs, ValidateOptions,
+    SimReport as SimReportRs, Solver, SolverError, Timeline as TimelineRs, ValidateOptions,
 };
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -153,8 +153,11 @@ impl Costs {
         Ok(Costs(c))
     }
 
+    /// `Costs(F=…, I=…, W=…, C=…)`, with `OVERLAP=…` when given: it evaluates to these costs.
     fn __repr__(&self) -> String {
-        format!("Costs.parse(\"{}\")", self.0)
+        let c = &self.0;
+        let overlap = c.overlap.map_or(String::new(), |o| format!(", OVERLAP={o:?}"));
+        format!("Costs(F={:?}, I={:?}, W={:?}{overlap}, C={:?})", c.f, c.i, c.w, c.comm)
     }
 
     fn __str__(&self) -> String {
@@ -181,12 +184,11 @@ fn costs_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<CostsRs> {
     }
 }
 
-/// The memory model with M_B = 1 and M_W = `m_w` (a fraction of M_B in [0, 1)).
-fn memory_arg(m_w: f64) -> PyResult<Memory> {
-    if !(0.0..1.0).contains(&m_w) {
-        return Err(CostError::new_err(format!("m_w must be within [0, 1) (got {m_w})")));
-    }
-    Ok(Memory { m_b: 1.0, m_w })
+/// The memory model with M_B = 1 and M_W = `m_w` (a fraction of M_B in [0, 1], as the CLI's
+/// `--m-w`).
+fn memory_arg(m_w: Option<f64>) -> PyResult<Memory> {
+    let m_w = m_w.unwrap_or(0.5);
+    Memory::with_m_w(m_w).ok_or_else(|| CostError::new_err(format!("m_w must be within [0, 1] (got {m_w})")))
 }
 
 /// A schedule: per rank, its actions in execution order (`None` for an idle step). Actions are
@@ -518,7 +520,7 @@ impl SimReport {
             bubble_ratio: r.bubble_ratio,
             idle_fraction: r.idle_fraction,
             steady_bubble_ratio: r.steady_bubble_ratio,
-            text: summary(&r),
+            text: figures(&r),
             busy: r.busy,
             idle: r.idle,
             peak_activations: r.peak_activations,
@@ -568,21 +570,22 @@ fn kind_arg(kind: &str) -> PyResult<Kind> {
     kind.parse().map_err(err(GenerateError::new_err))
 }
 
-fn solver_arg(solver: &str, time_limit: Option<f64>) -> PyResult<Solver> {
-    match (solver.to_ascii_lowercase().as_str(), time_limit) {
-        ("heuristic", None) => Ok(Solver::Heuristic),
-        ("heuristic", Some(_)) => Err(GenerateError::new_err("time_limit applies to solver=\"ilp\" only")),
-        ("ilp", t) => {
-            let secs = t.unwrap_or(10.0);
-            if !(secs.is_finite() && secs > 0.0 && secs <= 1e6) {
-                return Err(GenerateError::new_err(format!(
-                    "time_limit must be a number of seconds in (0, 1e6], got {secs}"
-                )));
-            }
-            Ok(Solver::Ilp { time_limit: std::time::Duration::from_secs_f64(secs) })
+fn solver_arg(solver: Option<&str>, time_limit: Option<f64>) -> PyResult<Solver> {
+    let ilp = match solver.map(str::to_ascii_lowercase).as_deref() {
+        None | Some("heuristic") => false,
+        Some("ilp") => true,
+        Some(other) => {
+            return Err(GenerateError::new_err(format!("unknown solver `{other}`: heuristic or ilp")))
         }
-        (other, _) => Err(GenerateError::new_err(format!("unknown solver `{other}`: heuristic or ilp"))),
-    }
+    };
+    Solver::new(ilp, time_limit).map_err(|e| match e {
+        SolverError::TimeLimitWithHeuristic => {
+            GenerateError::new_err("time_limit applies to solver=\"ilp\" only")
+        }
+        SolverError::TimeLimit(secs) => {
+            GenerateError::new_err(format!("time_limit must be a number of seconds in (0, 1e6], got {secs}"))
+        }
+    })
 }
 
 /// Generates the schedule of `kind` (`"1f1b"`, `"zbv"`, `"zbv-auto"`, … or a PyTorch class name
@@ -595,7 +598,7 @@ fn solver_arg(solver: &str, time_limit: Option<f64>) -> PyResult<Solver> {
 /// default p) and `solver` (`"heuristic"` or `"ilp"`, with `time_limit` seconds) steer zb-auto
 /// and zbv-auto. Raises `GenerateError` naming the kind's rule a shape breaks, `CostError`.
 #[pyfunction]
-#[pyo3(signature = (kind, ranks, microbatches, *, stages_per_rank=None, group=None, costs=None, m_w=0.5, mem_cap=None, solver="heuristic", time_limit=None))]
+#[pyo3(signature = (kind, ranks, microbatches, *, stages_per_rank=None, group=None, costs=None, m_w=None, mem_cap=None, solver=None, time_limit=None))]
 #[allow(clippy::too_many_arguments)]
 fn generate(
     kind: &str,
@@ -604,9 +607,9 @@ fn generate(
     stages_per_rank: Option<usize>,
     group: Option<usize>,
     costs: Option<&Bound<'_, PyAny>>,
-    m_w: f64,
+    m_w: Option<f64>,
     mem_cap: Option<f64>,
-    solver: &str,
+    solver: Option<&str>,
     time_limit: Option<f64>,
 ) -> PyResult<Schedule> {
     let kind = kind_arg(kind)?;
@@ -731,11 +734,11 @@ fn byte_model(stages: &[Bound<'_, PyDict>]) -> PyResult<ByteModel> {
 /// `StageBytes`: held_fb, held_iw, run_f, run_b, run_i, run_w, resident) adds per-rank peak
 /// bytes. Raises `SimulateError`, `CostError`, `GraphppError` (a bad byte model).
 #[pyfunction]
-#[pyo3(signature = (schedule, *, costs=None, m_w=0.5, chunk_factor=None, stage_bytes=None))]
+#[pyo3(signature = (schedule, *, costs=None, m_w=None, chunk_factor=None, stage_bytes=None))]
 fn simulate(
     schedule: &Schedule,
     costs: Option<&Bound<'_, PyAny>>,
-    m_w: f64,
+    m_w: Option<f64>,
     chunk_factor: Option<f64>,
     stage_bytes: Option<Vec<Bound<'_, PyDict>>>,
 ) -> PyResult<SimReport> {
@@ -762,7 +765,7 @@ fn simulate(
 /// `Timeline` of one or more runs of `schedule`, e.g. from graphpp.torch's step recorder),
 /// simulates `schedule` with those durations and a hop latency `hop` (seconds), and returns
 /// `(measured, predicted)` `SimReport`s (the measured one from compute intervals only, shifted to
-/// start at 0). Raises `SimulateError`.
+/// start at 0). `hop` is in the timeline's unit. Raises `SimulateError`.
 #[pyfunction]
 #[pyo3(signature = (schedule, measured, *, hop=0.0))]
 fn measured_vs_predicted(
@@ -776,15 +779,17 @@ fn measured_vs_predicted(
 }
 
 /// Simulates `schedule` with a duration per action text (`{"0F0": 1.5, …}`; an action not
-/// listed takes `default`) and hop latency `hop`. Returns a `SimReport`.
+/// listed takes `default`) and hop latency `hop`, all in one time unit. Returns a `SimReport`;
+/// raises `ScheduleParseError` for an action that does not parse, `CostError` for a duration
+/// that is not finite and >= 0, `SimulateError`.
 #[pyfunction]
-#[pyo3(signature = (schedule, durations, *, default=0.0, hop=0.0, m_w=0.5))]
+#[pyo3(signature = (schedule, durations, *, default=0.0, hop=0.0, m_w=None))]
 fn simulate_durations(
     schedule: &Schedule,
     durations: std::collections::HashMap<String, f64>,
     default: f64,
     hop: f64,
-    m_w: f64,
+    m_w: Option<f64>,
 ) -> PyResult<SimReport> {
     let mut by_action = std::collections::HashMap::with_capacity(durations.len());
     for (text, d) in durations {
@@ -810,13 +815,13 @@ fn simulate_durations(
 /// `peak_activations` (M_B units) and `messages_per_microbatch`, or `error` (why the kind cannot
 /// serve the shape). `costs` are a whole stage's; each chunk runs at 1/v of them.
 #[pyfunction]
-#[pyo3(signature = (ranks, microbatches, *, costs=None, m_w=0.5))]
+#[pyo3(signature = (ranks, microbatches, *, costs=None, m_w=None))]
 fn compare<'py>(
     py: Python<'py>,
     ranks: usize,
     microbatches: usize,
     costs: Option<&Bound<'py, PyAny>>,
-    m_w: f64,
+    m_w: Option<f64>,
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
     if ranks == 0 || microbatches == 0 {
         return Err(GenerateError::new_err(format!(

@@ -31,7 +31,7 @@ def test_the_example_runs(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
-    assert re.search(r"measured costs \(ms\): F=[0-9.]+ I=[0-9.]+ W=[0-9.]+", text), text
+    assert re.search(r"measured costs \(ms\): F=[0-9.]+ I=[0-9.]+ W=[0-9.]+ C=[0-9.]+", text), text
     # Each block saves Linear's input and GELU's input (8 rows x 64 f32 each); the first stage's
     # input needs no grad but Linear still saves it.
     assert "held bytes per stage: {0: 4096, 3: 4096, 1: 4096, 2: 4096}" in text, text

@@ -228,6 +228,14 @@ pub struct Memory {
     pub m_w: f64,
 }
 
+impl Memory {
+    /// M_B = 1 and M_W = `m_w` (a fraction of M_B), or `None` when `m_w` is not within [0, 1]
+    /// (the front ends word the error with their own flag names).
+    pub fn with_m_w(m_w: f64) -> Option<Memory> {
+        (0.0..=1.0).contains(&m_w).then_some(Memory { m_b: 1.0, m_w })
+    }
+}
+
 impl Default for Memory {
     /// M_B = 1 (the unit), M_W = 0.5.
     fn default() -> Self {

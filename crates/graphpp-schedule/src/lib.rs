@@ -21,7 +21,7 @@ pub mod validate;
 
 pub use action::{Action, ActionParseError, CommKind, ComputeKind, MicrobatchId, StageId, StageOpKind, Task};
 pub use costs::{check_cost, CostError, CostProblem, Costs, Memory, MAX_COST};
-pub use generate::{check_size, generate, GenerateError, Kind, Options, Shape, Solver};
+pub use generate::{check_size, generate, GenerateError, Kind, Options, Shape, Solver, SolverError};
 pub use lower::{lower, LowerError, LowerOptions};
 pub use placement::Placement;
 pub use schedule::{CsvError, CsvProblem, RankId, Schedule, ScheduleParseError, Step};

@@ -300,6 +300,43 @@ pub enum Solver {
     },
 }
 
+/// Why a solver name and time limit do not make a [`Solver`] (each front end words it with its
+/// own flag or argument names).
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+pub enum SolverError {
+    /// A time limit given with the heuristic, which has none.
+    #[error("a time limit applies to the ilp solver only")]
+    TimeLimitWithHeuristic,
+    /// A time limit that is not a finite number of seconds in (0, 1e6].
+    #[error("the time limit must be a number of seconds in (0, 1e6], got {0}")]
+    TimeLimit(f64),
+}
+
+impl Solver {
+    /// The ILP's time limit when none is given, in seconds.
+    pub const DEFAULT_TIME_LIMIT_S: f64 = 10.0;
+
+    /// The heuristic (`ilp = false`) or the ILP with `time_limit` seconds (default
+    /// [`Solver::DEFAULT_TIME_LIMIT_S`]).
+    ///
+    /// # Errors
+    /// [`SolverError::TimeLimitWithHeuristic`] for a time limit with the heuristic;
+    /// [`SolverError::TimeLimit`] for one outside (0, 1e6] seconds or not finite.
+    pub fn new(ilp: bool, time_limit: Option<f64>) -> Result<Solver, SolverError> {
+        match (ilp, time_limit) {
+            (false, None) => Ok(Solver::Heuristic),
+            (false, Some(_)) => Err(SolverError::TimeLimitWithHeuristic),
+            (true, t) => {
+                let secs = t.unwrap_or(Self::DEFAULT_TIME_LIMIT_S);
+                if !(secs.is_finite() && secs > 0.0 && secs <= 1e6) {
+                    return Err(SolverError::TimeLimit(secs));
+                }
+                Ok(Solver::Ilp { time_limit: std::time::Duration::from_secs_f64(secs) })
+            }
+        }
+    }
+}
+
 /// The `--solver` name: `heuristic` or `ilp`.
 impl fmt::Display for Solver {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

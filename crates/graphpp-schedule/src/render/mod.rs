@@ -90,10 +90,10 @@ fn rgb(category: &str) -> (u8, u8, u8) {
     }
 }
 
-/// The figures block of `graphpp schedule simulate --format text` (and of the Python package's
-/// `SimReport.summary()`): makespan, both bubble ratios, busy and idle time per rank, peak
-/// in-flight activations per rank (M_B units); times in the report's unit.
-pub fn summary(r: &crate::simulate::SimReport) -> String {
+/// The figures block of `graphpp schedule simulate --format text`: makespan, both bubble
+/// ratios, busy and idle time per rank, peak in-flight activations per rank (M_B units); times
+/// in the report's unit.
+pub fn figures(r: &crate::simulate::SimReport) -> String {
     let fmt = |v: &[f64]| v.iter().map(|&x| fixed(x, 3)).collect::<Vec<_>>().join(" ");
     format!(
         "makespan            {}\n\

@@ -3,16 +3,16 @@
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
 use graphpp::profile::Profile;
 use graphpp_schedule::compare::{chunk_cost_factor, scale_costs};
 use graphpp_schedule::generate::human_bytes;
-use graphpp_schedule::render::{chrome_trace, fixed, grid, summary, svg, GridStyle};
+use graphpp_schedule::render::{chrome_trace, figures, fixed, grid, svg, GridStyle};
 use graphpp_schedule::simulate::simulate_with;
 use graphpp_schedule::{
     generate, lower, simulate, validate, Costs, Kind, LowerOptions, Memory, Options, Schedule, Shape, Solver,
-    Summary, ValidateOptions,
+    SolverError, Summary, ValidateOptions,
 };
 
 use crate::cmd::value::count;
@@ -109,10 +109,9 @@ impl CostModel {
             Some(c) => self.costs.with_comm_latency("--comm-latency", c)?,
             None => self.costs,
         };
-        if !(0.0..=1.0).contains(&self.m_w) {
-            bail!("--m-w must be within [0, 1] (got {})", self.m_w);
-        }
-        Ok((costs, Memory { m_b: 1.0, m_w: self.m_w }))
+        let memory = Memory::with_m_w(self.m_w)
+            .ok_or_else(|| anyhow!("--m-w must be within [0, 1] (got {})", self.m_w))?;
+        Ok((costs, memory))
     }
 }
 
@@ -199,17 +198,13 @@ impl SolverArgs {
     /// # Errors
     /// A time limit that is not a finite number of seconds > 0, or one given to the heuristic.
     fn resolve(&self) -> Result<Solver> {
-        let secs = self.time_limit.unwrap_or(10.0);
-        match self.solver {
-            None | Some(SolverName::Heuristic) if self.time_limit.is_some() => {
-                bail!("--time-limit applies to --solver ilp only")
+        let ilp = matches!(self.solver, Some(SolverName::Ilp));
+        Solver::new(ilp, self.time_limit).map_err(|e| match e {
+            SolverError::TimeLimitWithHeuristic => anyhow!("--time-limit applies to --solver ilp only"),
+            SolverError::TimeLimit(secs) => {
+                anyhow!("--time-limit must be a number of seconds in (0, 1e6], got {secs}")
             }
-            None | Some(SolverName::Heuristic) => Ok(Solver::Heuristic),
-            Some(SolverName::Ilp) if !(secs.is_finite() && secs > 0.0 && secs <= 1e6) => {
-                bail!("--time-limit must be a number of seconds in (0, 1e6], got {secs}")
-            }
-            Some(SolverName::Ilp) => Ok(Solver::Ilp { time_limit: std::time::Duration::from_secs_f64(secs) }),
-        }
+        })
     }
 }
 
@@ -441,7 +436,7 @@ fn simulate_cmd(
                 ),
                 (None, false) => format!("costs               per whole stage ({})\n", stage_costs),
             };
-            format!("{convention}{}{bytes}\n{}", summary(&report), grid(&report.timeline, &style))
+            format!("{convention}{}{bytes}\n{}", figures(&report), grid(&report.timeline, &style))
         }
         SimFormat::Json => {
             let value = match &peak_bytes {
