@@ -10,6 +10,7 @@ use graphpp_schedule::compare::{chunk_cost_factor, scale_costs};
 use graphpp_schedule::measured::measured_vs_predicted as measured_vs_predicted_rs;
 use graphpp_schedule::render::{chrome_trace, figures, grid, svg, GridStyle};
 use graphpp_schedule::simulate::simulate_with;
+use graphpp_schedule::textfile::read_text;
 use graphpp_schedule::{
     Action, Costs as CostsRs, Interval, Kind, LowerOptions, Memory, Options, Schedule as ScheduleRs, Shape,
     SimReport as SimReportRs, Solver, SolverError, Timeline as TimelineRs, ValidateOptions,
@@ -51,9 +52,6 @@ pyo3::create_exception!(
     "A schedule or cost model the simulator cannot run: bad costs, a missing producer, a deadlock."
 );
 pyo3::create_exception!(graphpp, CostError, GraphppError, "A malformed or out-of-range cost.");
-
-/// Largest schedule file `Schedule.load` reads (the CLI's limit for text inputs, 64 MiB).
-const MAX_FILE_BYTES: u64 = 64 << 20;
 
 /// The error's message and its causes, joined by `: ` (as the CLI prints them).
 fn message(e: &dyn std::error::Error) -> String {
@@ -230,21 +228,13 @@ impl Schedule {
         Ok(Schedule { inner, kind: None })
     }
 
-    /// Reads a CSV or JSON schedule file (at most 64 MiB). Raises `OSError` for a file that
-    /// cannot be read, `ScheduleParseError` naming the file for one that does not parse.
+    /// Reads a CSV or JSON schedule file (at most 64 MiB, as the CLI). Raises `OSError` for a
+    /// file that cannot be read (missing, too long, not UTF-8), `ScheduleParseError` naming the
+    /// file for one that does not parse.
     #[staticmethod]
     fn load(path: PathBuf) -> PyResult<Self> {
         let shown = path.display().to_string();
-        let meta =
-            std::fs::metadata(&path).map_err(|e| PyOSError::new_err(format!("cannot read {shown}: {e}")))?;
-        if meta.len() > MAX_FILE_BYTES {
-            return Err(PyOSError::new_err(format!(
-                "cannot read {shown}: {} bytes, over the {MAX_FILE_BYTES}-byte limit for a schedule file",
-                meta.len()
-            )));
-        }
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| PyOSError::new_err(format!("cannot read {shown}: {e}")))?;
+        let text = read_text(&path).map_err(|e| PyOSError::new_err(format!("cannot read {shown}: {e}")))?;
         let inner = ScheduleRs::parse(&text)
             .map_err(|e| ScheduleParseError::new_err(format!("{shown}: {}", message(&e))))?;
         Ok(Schedule { inner, kind: None })
@@ -475,81 +465,93 @@ impl Timeline {
 /// units of one full stage; docs/ARCHITECTURE.md, "Simulation").
 #[pyclass(module = "graphpp", name = "SimReport", frozen)]
 struct SimReport {
-    /// End of the last action.
-    #[pyo3(get)]
-    makespan: f64,
-    /// In-iteration r_bubble = Σ idle / Σ busy.
-    #[pyo3(get)]
-    bubble_ratio: f64,
-    /// Σ idle / (p · makespan).
-    #[pyo3(get)]
-    idle_fraction: f64,
-    /// Steady-state r_bubble (each rank from its first action to its last).
-    #[pyo3(get)]
-    steady_bubble_ratio: f64,
-    /// Per rank, time running actions.
-    #[pyo3(get)]
-    busy: Vec<f64>,
-    /// Per rank, makespan − busy.
-    #[pyo3(get)]
-    idle: Vec<f64>,
-    /// Per rank, peak in-flight activations (M_B units).
-    #[pyo3(get)]
-    peak_activations: Vec<f64>,
-    /// Per rank, peak count of (stage, microbatch) pairs between F and B/I.
-    #[pyo3(get)]
-    peak_in_flight: Vec<usize>,
-    /// Per rank, peak bytes (resident + activations) when `stage_bytes` was given, else `None`.
-    #[pyo3(get)]
+    report: SimReportRs,
     peak_bytes: Option<Vec<u64>>,
-    /// What ran when.
-    #[pyo3(get)]
-    timeline: Timeline,
-    json: String,
-    text: String,
 }
 
 impl SimReport {
-    fn new(r: SimReportRs, peak_bytes: Option<Vec<u64>>) -> PyResult<Self> {
-        let json = match &peak_bytes {
-            Some(b) => serde_json::json!({ "report": &r, "peak_bytes": b }).to_string(),
-            None => serde_json::to_string(&r).map_err(err(GraphppError::new_err))?,
-        };
-        Ok(SimReport {
-            makespan: r.makespan,
-            bubble_ratio: r.bubble_ratio,
-            idle_fraction: r.idle_fraction,
-            steady_bubble_ratio: r.steady_bubble_ratio,
-            text: figures(&r),
-            busy: r.busy,
-            idle: r.idle,
-            peak_activations: r.peak_activations,
-            peak_in_flight: r.peak_in_flight,
-            peak_bytes,
-            timeline: Timeline(r.timeline),
-            json,
-        })
+    fn new(report: SimReportRs, peak_bytes: Option<Vec<u64>>) -> Self {
+        SimReport { report, peak_bytes }
     }
 }
 
 #[pymethods]
 impl SimReport {
-    /// The figures block `graphpp schedule simulate` prints.
-    fn summary(&self) -> String {
-        self.text.clone()
+    /// End of the last action.
+    #[getter]
+    fn makespan(&self) -> f64 {
+        self.report.makespan
+    }
+    /// In-iteration r_bubble = Σ idle / Σ busy.
+    #[getter]
+    fn bubble_ratio(&self) -> f64 {
+        self.report.bubble_ratio
+    }
+    /// Σ idle / (p · makespan).
+    #[getter]
+    fn idle_fraction(&self) -> f64 {
+        self.report.idle_fraction
+    }
+    /// Steady-state r_bubble (each rank from its first action to its last).
+    #[getter]
+    fn steady_bubble_ratio(&self) -> f64 {
+        self.report.steady_bubble_ratio
+    }
+    /// Per rank, time running actions.
+    #[getter]
+    fn busy(&self) -> Vec<f64> {
+        self.report.busy.clone()
+    }
+    /// Per rank, makespan − busy.
+    #[getter]
+    fn idle(&self) -> Vec<f64> {
+        self.report.idle.clone()
+    }
+    /// Per rank, peak in-flight activations (M_B units).
+    #[getter]
+    fn peak_activations(&self) -> Vec<f64> {
+        self.report.peak_activations.clone()
+    }
+    /// Per rank, peak count of (stage, microbatch) pairs between F and B/I.
+    #[getter]
+    fn peak_in_flight(&self) -> Vec<usize> {
+        self.report.peak_in_flight.clone()
+    }
+    /// Per rank, peak bytes (resident + activations) when `stage_bytes` was given, else `None`.
+    #[getter]
+    fn peak_bytes(&self) -> Option<Vec<u64>> {
+        self.peak_bytes.clone()
+    }
+    /// What ran when (a `Timeline`).
+    #[getter]
+    fn timeline(&self) -> Timeline {
+        Timeline(self.report.timeline.clone())
     }
 
-    /// The figures as JSON (`graphpp schedule simulate --format json`, compact).
-    fn to_json(&self) -> String {
-        self.json.clone()
+    /// The figures block `graphpp schedule simulate` prints.
+    fn summary(&self) -> String {
+        figures(&self.report)
+    }
+
+    /// The figures as JSON (`graphpp schedule simulate --format json`, compact). Raises
+    /// `GraphppError` for a figure JSON cannot hold.
+    fn to_json(&self) -> PyResult<String> {
+        let value = match &self.peak_bytes {
+            Some(b) => serde_json::json!({ "report": &self.report, "peak_bytes": b }),
+            None => serde_json::to_value(&self.report).map_err(err(GraphppError::new_err))?,
+        };
+        Ok(value.to_string())
     }
 
     fn __str__(&self) -> String {
-        self.text.clone()
+        figures(&self.report)
     }
 
     fn __repr__(&self) -> String {
-        format!("<graphpp.SimReport makespan={} bubble_ratio={:.4}>", self.makespan, self.bubble_ratio)
+        format!(
+            "<graphpp.SimReport makespan={} bubble_ratio={:.4}>",
+            self.report.makespan, self.report.bubble_ratio
+        )
     }
 }
 
@@ -758,7 +760,7 @@ fn simulate(
         Some(stages) => Some(byte_model(&stages)?.peak_bytes(s).map_err(err(GraphppError::new_err))?),
         None => None,
     };
-    SimReport::new(report, bytes)
+    Ok(SimReport::new(report, bytes))
 }
 
 /// Measured against predicted: fits each compute action's duration to `measured` (a
@@ -775,7 +777,7 @@ fn measured_vs_predicted(
 ) -> PyResult<(SimReport, SimReport)> {
     let m =
         measured_vs_predicted_rs(&schedule.inner, &measured.0, hop).map_err(err(SimulateError::new_err))?;
-    Ok((SimReport::new(m.measured, None)?, SimReport::new(m.predicted, None)?))
+    Ok((SimReport::new(m.measured, None), SimReport::new(m.predicted, None)))
 }
 
 /// Simulates `schedule` with a duration per action text (`{"0F0": 1.5, …}`; an action not
@@ -807,7 +809,7 @@ fn simulate_durations(
         &memory_arg(m_w)?,
     )
     .map_err(err(SimulateError::new_err))?;
-    SimReport::new(r, None)
+    Ok(SimReport::new(r, None))
 }
 
 /// Every kind at `ranks` (p) and `microbatches` (m), as `graphpp schedule compare`: a dict per

@@ -145,6 +145,18 @@ def test_chunk_costs_and_bytes():
         graphpp.simulate(s, stage_bytes=[{"held": 1}] * 4)
 
 
+def test_durations_per_action_override_the_costs():
+    s = graphpp.generate("1f1b", 2, 3)
+    by_kind = graphpp.simulate(s, costs="F=1,B=3", chunk_factor=1.0)
+    durations = {a: (1.0 if "F" in a else 3.0) for row in s.ranks for a in row if a}
+    assert graphpp.simulate_durations(s, durations).makespan == by_kind.makespan
+    # One slow forward on the last stage delays every later action of that rank: 2 units more.
+    durations["1F0"] = 3.0
+    assert graphpp.simulate_durations(s, durations).makespan == by_kind.makespan + 2.0
+    with pytest.raises(graphpp.CostError):
+        graphpp.simulate_durations(s, {"0F0": -1.0})
+
+
 def test_measured_vs_predicted_round_trip():
     s = graphpp.generate("1f1b", 2, 3)
     sim = graphpp.simulate(s, costs="F=1,B=3", chunk_factor=1.0)
@@ -177,6 +189,8 @@ def test_bad_inputs_raise_typed_errors(tmp_path):
         graphpp.Schedule.from_csv('0F0,0B0\n1F0,"x')
     with pytest.raises(OSError, match="cannot read"):
         graphpp.Schedule.load(tmp_path / "missing.csv")
+    with pytest.raises(OSError, match="longer than 64 MiB"):
+        graphpp.Schedule.load("/dev/zero")  # a device without end: refused at the bound, not read whole
     assert graphpp.generate("ScheduleZBVZeroBubble", 2, 4) == graphpp.generate("zbv", 2, 4)
 
 

@@ -16,6 +16,7 @@ pub mod route;
 pub mod schedule;
 pub mod simulate;
 mod table;
+pub mod textfile;
 pub mod timeline;
 pub mod validate;
 

@@ -13,5 +13,6 @@ pub mod profile;
 pub mod report;
 pub mod stop;
 pub mod strategy;
-pub mod textfile;
+/// Bounded reads of text inputs (kept in `graphpp-schedule`, which reads schedule files too).
+pub use graphpp_schedule::textfile;
 pub mod train;

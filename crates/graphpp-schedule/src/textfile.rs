@@ -1,8 +1,9 @@
-//! Bounded reads of the text files the commands take: schedules (CSV, JSON), strategies,
-//! profiles and model configs. Each is read up to [`MAX_TEXT_BYTES`]; a larger input — or a
-//! device with no end, such as `/dev/zero` — is refused once that many bytes have been read,
-//! instead of being read whole into memory. (The training corpus, `--data`, has its own bound
-//! from the machine's memory: `crate::data::read_text`.)
+//! Bounded reads of the text files graphpp takes: schedules (CSV, JSON; the CLI's and the
+//! Python package's `Schedule.load`), strategies, profiles and model configs. Each is read up to
+//! [`MAX_TEXT_BYTES`]; a larger input — or a device with no end, such as `/dev/zero` — is
+//! refused once that many bytes have been read, instead of being read whole into memory. (The
+//! training corpus, `--data`, has its own bound from the machine's memory: the `graphpp`
+//! crate's `data::read_text`.)
 
 use std::io::Read;
 use std::path::Path;
