@@ -159,9 +159,10 @@ def schedule(
     else:
         sched = graphpp.generate(kind, p, n_microbatches, stages_per_rank=v, **given)
     graphpp.validate(sched, ranks=p, stages=s, microbatches=n_microbatches)
-    if _microbatch0_stages(sched) != set(range(s)):
+    visited = _microbatch0_stages(sched)
+    if visited != set(range(s)):
         raise graphpp.GraphppError(
-            f"microbatch 0 visits stages {sorted(_microbatch0_stages(sched))}, not all {s}: a schedule "
+            f"microbatch 0 visits stages {sorted(visited)}, not all {s}: a schedule "
             "with two parameter copies (DualPipe), which PyTorch's PipelineStage cannot hold; use "
             "dualpipev (the same schedule folded onto one copy)"
         )
