@@ -72,12 +72,9 @@ fn batched_operands(a: &Tensor, b: &Tensor) -> candle_core::Result<Option<(Tenso
     let r = da.len();
     let f32s = a.dtype() == CDType::F32 && b.dtype() == CDType::F32;
     let batch_ok = |t: &Tensor| t.stride()[..r - 2].iter().all(|&s| s > 0);
-    if !(2..=4).contains(&r)
-        || db.len() != r
+    if batched_shape(da, db).is_none()
         || !f32s
         || da.iter().chain(db).any(|&d| d == 0)
-        || da[..r - 2] != db[..r - 2]
-        || da[r - 1] != db[r - 2]
         || !batch_ok(a)
         || !batch_ok(b)
     {
@@ -87,6 +84,14 @@ fn batched_operands(a: &Tensor, b: &Tensor) -> candle_core::Result<Option<(Tenso
     let a = if r == 2 || batch_skip(a).is_some() || rows_contiguous(a) { a.clone() } else { a.contiguous()? };
     let b = if rows_contiguous(b) { b.clone() } else { b.contiguous()? };
     Ok(Some((a, b)))
+}
+
+/// `(m, k, n)` of a batched product `[.., m, k] · [.., k, n]`: ranks 2–4, equal, with equal batch
+/// dims; `None` for any other pair of shapes.
+fn batched_shape(da: &[usize], db: &[usize]) -> Option<(usize, usize, usize)> {
+    let r = da.len();
+    ((2..=4).contains(&r) && db.len() == r && da[..r - 2] == db[..r - 2] && da[r - 1] == db[r - 2])
+        .then(|| (da[r - 2], da[r - 1], db[r - 1]))
 }
 
 /// The stride between consecutive batch elements of a rank-3 or rank-4 operand, where its batch
@@ -112,8 +117,9 @@ fn batch_skip(t: &Tensor) -> Option<usize> {
 fn batched_gemm(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<Tensor> {
     let (da, db) = (a.dims(), b.dims());
     let r = da.len();
-    let (m, k, n) = (da[r - 2], da[r - 1], db[r - 1]);
-    debug_assert!((2..=4).contains(&r) && db.len() == r && db[..r - 2] == da[..r - 2] && db[r - 2] == k);
+    let Some((m, k, n)) = batched_shape(da, db) else {
+        candle_core::bail!("batched_gemm: operands {da:?} · {db:?} are not a batched product")
+    };
     let batch_dims = &da[..r - 2];
     let batch: usize = batch_dims.iter().product();
     let (sa, la) = a.storage_and_layout();
@@ -217,16 +223,10 @@ fn bf16_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<
     let (da, db) = (a.dims(), b.dims());
     let r = da.len();
     let bf16s = a.dtype() == CDType::BF16 && b.dtype() == CDType::BF16;
-    if !bf16s
-        || !(2..=4).contains(&r)
-        || db.len() != r
-        || da[..r - 2] != db[..r - 2]
-        || da[r - 1] != db[r - 2]
-    {
+    let Some((m, k, n)) = batched_shape(da, db).filter(|_| bf16s) else {
         return Ok(None);
-    }
+    };
     let path = bf16_gemm::chosen().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-    let (m, k, n) = (da[r - 2], da[r - 1], db[r - 1]);
     let batch_dims = &da[..r - 2];
     let batch: usize = batch_dims.iter().product();
     let (sa, la) = a.storage_and_layout();

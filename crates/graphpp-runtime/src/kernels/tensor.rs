@@ -167,27 +167,17 @@ mod tests {
         ] {
             let want = view.to_dtype(CDType::BF16).unwrap();
             let got = pool.install(|| cast(&view, CDType::BF16)).unwrap();
-            let u16s = |x: &Tensor| {
-                x.flatten_all()
-                    .unwrap()
-                    .to_vec1::<bf16>()
-                    .unwrap()
-                    .iter()
-                    .map(|h| h.to_bits())
-                    .collect::<Vec<_>>()
+            // f32 bits of a tensor; of a bf16 one through candle's exact widening, so equal f32
+            // bits are equal bf16 bits.
+            let bits = |x: &Tensor| {
+                let x = x.to_dtype(CDType::F32).unwrap().flatten_all().unwrap();
+                x.to_vec1::<f32>().unwrap().iter().map(|f| f.to_bits()).collect::<Vec<_>>()
             };
-            assert_eq!(u16s(&got), u16s(&want));
+            assert_eq!(got.dtype(), CDType::BF16);
+            assert_eq!(bits(&got), bits(&want));
             let back = pool.install(|| cast(&got, CDType::F32)).unwrap();
-            let u32s = |x: &Tensor| {
-                x.flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-                    .iter()
-                    .map(|f| f.to_bits())
-                    .collect::<Vec<_>>()
-            };
-            assert_eq!(u32s(&back), u32s(&want.to_dtype(CDType::F32).unwrap()));
+            assert_eq!(back.dtype(), CDType::F32);
+            assert_eq!(bits(&back), bits(&want));
             assert_eq!(got.dims(), view.dims());
         }
     }
