@@ -105,6 +105,8 @@ def save_safetensors(path, tensors):
         t = tensors[name].contiguous()
         if t.dtype == torch.float32:
             blob, dt = struct.pack(f"<{t.numel()}f", *t.flatten().tolist()), "F32"
+        elif t.dtype == torch.float64:
+            blob, dt = struct.pack(f"<{t.numel()}d", *t.flatten().tolist()), "F64"
         else:
             blob, dt = struct.pack(f"<{t.numel()}I", *t.flatten().tolist()), "U32"
         header[name] = {"dtype": dt, "shape": list(t.shape), "data_offsets": [off, off + len(blob)]}

@@ -266,6 +266,198 @@ pub fn causal_attention(
     Ok(y)
 }
 
+/// The query projection of multi-head latent attention: full rank (`q_proj`, HF `q_lora_rank`
+/// null: DeepSeek-V2-Lite) or low rank (`q_a_proj`, an RMSNorm `q_a_layernorm`, `q_b_proj`:
+/// DeepSeek-V2 §2.1.2, eqs. 12–13).
+#[derive(Clone, Copy, Debug)]
+pub enum LatentQuery {
+    /// `q_proj.weight: [H·(d_nope + d_rope), D]`.
+    Full {
+        /// The projection.
+        q: ValueId,
+    },
+    /// `q_a_proj.weight: [r_q, D]` (bias `[r_q]` with `attention_bias`), `q_a_layernorm.weight:
+    /// [r_q]`, `q_b_proj.weight: [H·(d_nope + d_rope), r_q]`.
+    LowRank {
+        /// Down-projection to the query latent.
+        a: ValueId,
+        /// Its bias.
+        a_bias: Option<ValueId>,
+        /// RMSNorm weight on the latent.
+        norm: ValueId,
+        /// Up-projection to the heads.
+        b: ValueId,
+    },
+}
+
+/// Weights of one multi-head latent attention block (HF `DeepseekV3Attention` names and layout
+/// `[out, in]`; `r_kv` = `kv_lora_rank`).
+#[derive(Clone, Copy, Debug)]
+pub struct LatentAttentionWeights {
+    /// The query projection.
+    pub query: LatentQuery,
+    /// `kv_a_proj_with_mqa.weight: [r_kv + d_rope, D]`: the key/value latent and the one RoPE key
+    /// shared by all heads.
+    pub kv_a: ValueId,
+    /// Its bias `[r_kv + d_rope]` (`attention_bias`).
+    pub kv_a_bias: Option<ValueId>,
+    /// `kv_a_layernorm.weight: [r_kv]`.
+    pub kv_norm: ValueId,
+    /// `kv_b_proj.weight: [H·(d_nope + d_v), r_kv]`: per head its key (no RoPE) and value.
+    pub kv_b: ValueId,
+    /// `o_proj.weight: [D, H·d_v]`.
+    pub o: ValueId,
+    /// `o_proj.bias: [D]` (`attention_bias`).
+    pub o_bias: Option<ValueId>,
+}
+
+/// Static sizes and constants of multi-head latent attention.
+#[derive(Clone, Copy, Debug)]
+pub struct LatentAttentionDims {
+    /// Heads `H` (keys and values have as many: MLA is multi-head after the up-projection).
+    pub heads: usize,
+    /// Key/value latent width `r_kv` (`kv_lora_rank`).
+    pub kv_lora_rank: usize,
+    /// Per-head query/key width without RoPE `d_nope` (`qk_nope_head_dim`).
+    pub nope: usize,
+    /// Per-head query/key width with RoPE `d_rope` (`qk_rope_head_dim`, even).
+    pub rope: usize,
+    /// Per-head value width `d_v` (`v_head_dim`).
+    pub v: usize,
+    /// Epsilon of the two latent RMSNorms (HF builds them with its default 1e-6).
+    pub norm_eps: f64,
+    /// RoPE dims stored as interleaved pairs `(x0, x1), (x2, x3), …` (HF `rope_interleave`, the
+    /// DeepSeek checkpoints' layout) rather than as two halves.
+    pub interleave: bool,
+    /// Softmax scale: `1/√(d_nope + d_rope)`, times YaRN's `mscale²` where the config says so.
+    pub scale: f64,
+}
+
+/// Multi-head latent attention (DeepSeek-V2 report §2.1, eqs. 9–19; DeepSeek-V3 report
+/// §2.1.1; HF `DeepseekV3Attention`): on `x: [B, T, D]`, queries `[B, H, T, d_nope + d_rope]`
+/// from [`LatentQuery`]; the key/value latent `c = RMSNorm(x W_kv_a)[.., :r_kv]` up-projected
+/// per head to a key part `[B, H, T, d_nope]` and a value `[B, H, T, d_v]`; one RoPE key
+/// `[B, 1, T, d_rope]` from the last `d_rope` outputs of `kv_a_proj_with_mqa`, rotated and
+/// shared by every head. Each head attends causally with `q = [q_nope, rope(q_rope)]`, `k =
+/// [k_nope, rope(k_rope)]` at `scale`, and `o_proj` maps the heads' `H·d_v` values back to `D`.
+/// `cos`, `sin: [T, d_rope]` (rotate-half layout), `mask: [T, T]` as for
+/// [`causal_attention`]. With `interleave` the RoPE dims are first gathered evens-then-odds
+/// (a permutation that the scores do not see, applied alike to q and k).
+///
+/// The attention node takes one head width for q, k and v: where `d_v` and `d_nope + d_rope`
+/// differ, the narrower side is padded with zero columns (which change neither the scores nor
+/// the values) and the output sliced back to `d_v` — Megatron-LM pads the same way for kernels
+/// without distinct value widths. Scopes `q_proj` (or `q_a_proj`, `q_a_layernorm`, `q_b_proj`),
+/// `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`.
+#[allow(clippy::too_many_arguments)]
+pub fn latent_attention(
+    b: &mut GraphBuilder,
+    x: ValueId,
+    w: &LatentAttentionWeights,
+    dims: LatentAttentionDims,
+    cos: ValueId,
+    sin: ValueId,
+    mask: ValueId,
+) -> Result<ValueId> {
+    let s = b.shape(x);
+    let (bsz, t, h) = (s[0], s[1], dims.heads);
+    let (nope, r, dv) = (dims.nope, dims.rope, dims.v);
+    let qk = nope + r;
+    let q = latent_query(b, x, &w.query, dims.norm_eps)?;
+    let q = heads_split(b, q, bsz, t, h, qk)?;
+    let q_nope = b.slice(q, 3, 0, nope)?;
+    let q_rope = b.slice(q, 3, nope, qk)?;
+    b.push_scope("kv_a_proj_with_mqa");
+    let ckv = linear_bias(b, x, w.kv_a, w.kv_a_bias)?;
+    b.pop_scope();
+    let c = b.slice(ckv, 2, 0, dims.kv_lora_rank)?;
+    let k_rope = b.slice(ckv, 2, dims.kv_lora_rank, dims.kv_lora_rank + r)?;
+    b.push_scope("kv_a_layernorm");
+    let c = rms_norm(b, c, w.kv_norm, dims.norm_eps)?;
+    b.pop_scope();
+    b.push_scope("kv_b_proj");
+    let kv = linear(b, c, w.kv_b)?;
+    let kv = heads_split(b, kv, bsz, t, h, nope + dv)?;
+    b.pop_scope();
+    let k_nope = b.slice(kv, 3, 0, nope)?;
+    let v = b.slice(kv, 3, nope, nope + dv)?;
+    let k_rope = b.reshape(k_rope, vec![bsz, 1, t, r])?;
+    let q_rope = latent_rope(b, q_rope, cos, sin, dims.interleave)?;
+    let k_rope = latent_rope(b, k_rope, cos, sin, dims.interleave)?;
+    let k_rope = b.broadcast(k_rope, vec![bsz, h, t, r])?;
+    let q = b.concat(&[q_nope, q_rope], 3)?;
+    let k = b.concat(&[k_nope, k_rope], 3)?;
+    let width = qk.max(dv);
+    let (q, k, v) = (pad_last(b, q, width)?, pad_last(b, k, width)?, pad_last(b, v, width)?);
+    let mask = b.cast(mask, b.ty(q).dtype.wide())?;
+    let o = b.attention(q, k, v, mask, dims.scale)?;
+    let o = if width > dv { b.slice(o, 3, 0, dv)? } else { o };
+    let o = b.permute(o, vec![0, 2, 1, 3])?;
+    let o = b.reshape(o, vec![bsz, t, h * dv])?;
+    b.push_scope("o_proj");
+    let y = linear_bias(b, o, w.o, w.o_bias)?;
+    b.pop_scope();
+    Ok(y)
+}
+
+/// The queries of [`latent_attention`], `[B, T, H·(d_nope + d_rope)]`.
+fn latent_query(b: &mut GraphBuilder, x: ValueId, q: &LatentQuery, eps: f64) -> Result<ValueId> {
+    match *q {
+        LatentQuery::Full { q } => {
+            b.push_scope("q_proj");
+            let y = linear(b, x, q)?;
+            b.pop_scope();
+            Ok(y)
+        }
+        LatentQuery::LowRank { a, a_bias, norm, b: up } => {
+            b.push_scope("q_a_proj");
+            let l = linear_bias(b, x, a, a_bias)?;
+            b.pop_scope();
+            b.push_scope("q_a_layernorm");
+            let l = rms_norm(b, l, norm, eps)?;
+            b.pop_scope();
+            b.push_scope("q_b_proj");
+            let y = linear(b, l, up)?;
+            b.pop_scope();
+            Ok(y)
+        }
+    }
+}
+
+/// RoPE on `x: [B, heads, T, d]`; with `interleave` its pairs `(x0, x1), (x2, x3), …` are first
+/// laid out as evens then odds (HF `apply_rotary_pos_emb_interleave`), then rotated by halves.
+fn latent_rope(
+    b: &mut GraphBuilder,
+    x: ValueId,
+    cos: ValueId,
+    sin: ValueId,
+    interleave: bool,
+) -> Result<ValueId> {
+    let x = if interleave {
+        let s = b.shape(x);
+        let d = s[3];
+        let pairs = b.reshape(x, vec![s[0], s[1], s[2], d / 2, 2])?;
+        let split = b.permute(pairs, vec![0, 1, 2, 4, 3])?;
+        b.reshape(split, s)?
+    } else {
+        x
+    };
+    rope(b, x, cos, sin)
+}
+
+/// `x: [.., d]` padded with zero columns to `[.., width]` (itself when `d = width`).
+fn pad_last(b: &mut GraphBuilder, x: ValueId, width: usize) -> Result<ValueId> {
+    let mut shape = b.shape(x);
+    let last = shape.len() - 1;
+    if shape[last] == width {
+        return Ok(x);
+    }
+    shape[last] = width - shape[last];
+    let zeros = b.full(0.0, shape)?;
+    let zeros = b.cast(zeros, b.ty(x).dtype)?;
+    b.concat(&[x, zeros], last)
+}
+
 /// Cross-entropy, mean over tokens: `logits: [N, V]`, u32 `targets: [N]` → scalar
 /// `mean(logsumexp(logits) − logits[target])` (as `−mean(log_softmax(logits)[target])`, one
 /// [`crate::Op::LogSoftmax`] node), computed in [`DType::wide`](crate::DType::wide)

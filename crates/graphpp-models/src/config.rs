@@ -31,7 +31,7 @@ pub enum ModelError {
         reason: &'static str,
     },
     /// An unknown preset name.
-    #[error("unknown preset `{0}` (known: tiny, small, moe-tiny, moe-small)")]
+    #[error("unknown preset `{0}` (known: tiny, small, moe-tiny, moe-small, moe-mla-tiny, moe-mla-small, deepseek-v3-16b)")]
     Preset(String),
     /// The stage split is impossible.
     #[error("stage split: {0}")]

@@ -5,6 +5,7 @@ pub mod config;
 pub mod flops;
 pub mod llama;
 pub mod memory;
+pub mod mla;
 pub mod model;
 pub mod moe;
 pub mod recompute;
@@ -16,6 +17,7 @@ pub use llama::{
     build_stage, check_shape, init_parameters, layer_checkpoints, split_layers, stage_buffer_shapes,
     stage_buffers, stage_graph_set, stage_parameters, ExpertShard, StageOptions, StageSpec, EMBED, LM_HEAD,
 };
+pub use mla::{MlaConfig, Yarn};
 pub use model::{Model, ModelConfig};
-pub use moe::{MoeConfig, ScoringFunc};
+pub use moe::{MoeConfig, ScoringFunc, TopkMethod};
 pub use recompute::Recompute;

@@ -192,7 +192,69 @@ pub fn split_layers(
 /// `model.embed_tokens.weight`, which the last stage then holds too (its own copy when it is not
 /// also the first stage; the trainer sums the copies' gradients by name, so they stay equal).
 pub fn stage_parameters(cfg: &LlamaConfig, spec: &StageSpec) -> Vec<(String, Vec<usize>)> {
-    decoder_parameters(cfg, spec, &DenseMlp(cfg))
+    decoder_parameters(cfg, spec, &GroupedQueryAttention(cfg), &DenseMlp(cfg))
+}
+
+/// The self-attention block of each decoder layer, after `input_layernorm`: Llama's
+/// grouped-query attention ([`GroupedQueryAttention`]) or DeepSeek's multi-head latent attention
+/// ([`crate::mla`]). Parameters are under `model.layers.<l>.self_attn`.
+pub(crate) trait SelfAttention {
+    /// Appends the names and shapes of the block's parameters under `pre`
+    /// (`model.layers.<l>.self_attn`).
+    fn parameters(&self, pre: &str, out: &mut Vec<(String, Vec<usize>)>);
+
+    /// Builds the block under `pre` on the normalised hidden states `h` `[B, T, D]`; `params`
+    /// maps every parameter name of the stage to its (cast) value, `bufs` are `rope.cos`,
+    /// `rope.sin` and `mask` ([`stage_buffer_shapes`]).
+    fn build(
+        &self,
+        b: &mut GraphBuilder,
+        pre: &str,
+        h: ValueId,
+        params: &HashMap<String, ValueId>,
+        bufs: &[ValueId],
+    ) -> Result<ValueId, ModelError>;
+}
+
+/// Llama's attention: `q_proj`, `k_proj`, `v_proj`, `o_proj` (optional biases), grouped-query
+/// heads, RoPE on q and k.
+pub(crate) struct GroupedQueryAttention<'a>(pub &'a LlamaConfig);
+
+impl SelfAttention for GroupedQueryAttention<'_> {
+    fn parameters(&self, pre: &str, out: &mut Vec<(String, Vec<usize>)>) {
+        let cfg = self.0;
+        let (d, hd, ab) = (cfg.hidden_size, cfg.head_dim(), cfg.attention_bias);
+        let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.kv_heads() * hd);
+        projection(out, format!("{pre}.q_proj"), qd, d, ab);
+        projection(out, format!("{pre}.k_proj"), kvd, d, ab);
+        projection(out, format!("{pre}.v_proj"), kvd, d, ab);
+        projection(out, format!("{pre}.o_proj"), d, qd, ab);
+    }
+
+    fn build(
+        &self,
+        b: &mut GraphBuilder,
+        pre: &str,
+        h: ValueId,
+        params: &HashMap<String, ValueId>,
+        bufs: &[ValueId],
+    ) -> Result<ValueId, ModelError> {
+        let cfg = self.0;
+        let dims = AttentionDims { heads: cfg.num_attention_heads, kv_heads: cfg.kv_heads() };
+        let w = |s: &str| params[&format!("{pre}.{s}.weight")];
+        let bias = |s: &str| params.get(&format!("{pre}.{s}.bias")).copied();
+        let aw = AttentionWeights {
+            q: w("q_proj"),
+            k: w("k_proj"),
+            v: w("v_proj"),
+            o: w("o_proj"),
+            q_bias: bias("q_proj"),
+            k_bias: bias("k_proj"),
+            v_bias: bias("v_proj"),
+            o_bias: bias("o_proj"),
+        };
+        Ok(causal_attention(b, h, aw, dims, bufs[0], bufs[1], bufs[2])?)
+    }
 }
 
 /// The feed-forward block of each decoder layer, after `post_attention_layernorm`: the dense
@@ -281,27 +343,22 @@ pub(crate) fn projection(
     }
 }
 
-/// [`stage_parameters`] with the feed-forward block `ffn`.
+/// [`stage_parameters`] with the self-attention block `attn` and the feed-forward block `ffn`.
 pub(crate) fn decoder_parameters(
     cfg: &LlamaConfig,
     spec: &StageSpec,
+    attn: &dyn SelfAttention,
     ffn: &dyn FeedForward,
 ) -> Vec<(String, Vec<usize>)> {
-    let (d, v, hd) = (cfg.hidden_size, cfg.vocab_size, cfg.head_dim());
-    let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.kv_heads() * hd);
+    let (d, v) = (cfg.hidden_size, cfg.vocab_size);
     let mut p = Vec::new();
     if spec.is_first() {
         p.push((EMBED.to_string(), vec![v, d]));
     }
-    let proj = projection;
-    let ab = cfg.attention_bias;
     for l in spec.layers.clone() {
         let pre = format!("model.layers.{l}");
         p.push((format!("{pre}.input_layernorm.weight"), vec![d]));
-        proj(&mut p, format!("{pre}.self_attn.q_proj"), qd, d, ab);
-        proj(&mut p, format!("{pre}.self_attn.k_proj"), kvd, d, ab);
-        proj(&mut p, format!("{pre}.self_attn.v_proj"), kvd, d, ab);
-        proj(&mut p, format!("{pre}.self_attn.o_proj"), d, qd, ab);
+        attn.parameters(&format!("{pre}.self_attn"), &mut p);
         p.push((format!("{pre}.post_attention_layernorm.weight"), vec![d]));
         ffn.parameters(l, spec.ep, &mut p);
     }
@@ -332,15 +389,28 @@ pub fn stage_buffer_shapes(cfg: &LlamaConfig, seq: usize) -> Vec<(String, Vec<us
 /// Values in f64 row-major (`8·(T² + 2·T·hd)` bytes: check [`crate::memory`] first for large `T`);
 /// cast to the stage dtype by the caller.
 pub fn stage_buffers(cfg: &LlamaConfig, seq: usize) -> Vec<(String, Vec<usize>, Vec<f64>)> {
+    scaled_buffers(cfg, seq, None)
+}
+
+/// [`stage_buffers`] with the RoPE frequencies and tables of YaRN when `yarn` is given
+/// ([`crate::mla::Yarn::inv_freq`], the tables times [`crate::mla::Yarn::attention_factor`]).
+pub(crate) fn scaled_buffers(
+    cfg: &LlamaConfig,
+    seq: usize,
+    yarn: Option<&crate::mla::Yarn>,
+) -> Vec<(String, Vec<usize>, Vec<f64>)> {
     let hd = cfg.head_dim();
+    let inv_freq: Vec<f64> = match yarn {
+        Some(y) => y.inv_freq(hd, cfg.rope_theta),
+        None => (0..hd / 2).map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)).collect(),
+    };
+    let factor = yarn.map_or(1.0, |y| y.attention_factor());
     let (mut cos, mut sin) = (Vec::with_capacity(seq * hd), Vec::with_capacity(seq * hd));
     for t in 0..seq {
         for j in 0..hd {
-            let i = j % (hd / 2);
-            let inv_freq = 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64);
-            let a = t as f64 * inv_freq;
-            cos.push(a.cos());
-            sin.push(a.sin());
+            let a = t as f64 * inv_freq[j % (hd / 2)];
+            cos.push(a.cos() * factor);
+            sin.push(a.sin() * factor);
         }
     }
     let mask = (0..seq * seq).map(|k| if k % seq > k / seq { -1e9 } else { 0.0 }).collect();
@@ -384,27 +454,28 @@ pub fn check_shape(cfg: &LlamaConfig, opts: &StageOptions) -> Result<(), ModelEr
 /// FSDP shard sizes.
 pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
     cfg.validate()?;
-    build_decoder(cfg, spec, opts, &DenseMlp(cfg))
+    build_decoder(cfg, spec, opts, &GroupedQueryAttention(cfg), &DenseMlp(cfg))
 }
 
-/// [`build_stage`] with the feed-forward block `ffn` (the config validated by the caller): the
-/// stage's inputs, the token embedding (first stage), its decoder layers, then the final norm,
-/// the LM head and the loss (last stage) or the stage output.
+/// [`build_stage`] with the self-attention block `attn` and the feed-forward block `ffn` (the
+/// config validated by the caller): the stage's inputs, the token embedding (first stage), its
+/// decoder layers, then the final norm, the LM head and the loss (last stage) or the stage output.
 pub(crate) fn build_decoder(
     cfg: &LlamaConfig,
     spec: &StageSpec,
     opts: &StageOptions,
+    attn: &dyn SelfAttention,
     ffn: &dyn FeedForward,
 ) -> Result<Graph, ModelError> {
     check_shape(cfg, opts)?;
     let mut b = GraphBuilder::new(&format!("stage{}.fw", spec.stage), opts.dtype);
-    let ins = stage_inputs(&mut b, cfg, spec, opts, ffn)?;
+    let ins = stage_inputs(&mut b, cfg, spec, opts, attn, ffn)?;
     // FSDP all-gathers are emitted right after the inputs (their waits precede first use).
     b.push_scope("model");
     let mut x =
         if spec.is_first() { embed_tokens(&mut b, ins.params[EMBED], ins.x, opts.dtype)? } else { ins.x };
     for l in spec.layers.clone() {
-        x = decoder_layer(&mut b, cfg, ffn, spec.ep, &ins, l, x)?;
+        x = decoder_layer(&mut b, cfg, (attn, ffn), spec.ep, &ins, l, x)?;
     }
     if spec.is_last() {
         b.push_scope("norm");
@@ -440,11 +511,12 @@ fn stage_inputs(
     cfg: &LlamaConfig,
     spec: &StageSpec,
     opts: &StageOptions,
+    attn: &dyn SelfAttention,
     ffn: &dyn FeedForward,
 ) -> Result<StageInputs, ModelError> {
     let (bsz, t, d) = (opts.batch, opts.seq, cfg.hidden_size);
     let mut params = HashMap::new();
-    for (name, shape) in decoder_parameters(cfg, spec, ffn) {
+    for (name, shape) in decoder_parameters(cfg, spec, attn, ffn) {
         let mut v = parameter(b, &name, shape, opts)?;
         // The embedding table is cast after its row gather (see `StageOptions`).
         if name != EMBED {
@@ -488,36 +560,24 @@ fn embed_tokens(
 
 /// Decoder layer `l` on the residual stream `x` `[B, T, D]` under scope `layers.{l}` (pre-norm):
 /// `x + self_attn(input_layernorm(x))`, then that plus `ffn(post_attention_layernorm(·))`, the
-/// feed-forward block on a stage holding the experts `ep`.
+/// blocks `(attn, ffn)`, the feed-forward one on a stage holding the experts `ep`.
 fn decoder_layer(
     b: &mut GraphBuilder,
     cfg: &LlamaConfig,
-    ffn: &dyn FeedForward,
+    (attn, ffn): (&dyn SelfAttention, &dyn FeedForward),
     ep: ExpertShard,
     ins: &StageInputs,
     l: usize,
     x: ValueId,
 ) -> Result<ValueId, ModelError> {
-    let dims = AttentionDims { heads: cfg.num_attention_heads, kv_heads: cfg.kv_heads() };
     let pre = format!("model.layers.{l}");
     let w = |s: &str| ins.params[&format!("{pre}.{s}.weight")];
-    let bias = |s: &str| ins.params.get(&format!("{pre}.{s}.bias")).copied();
     b.push_scope(&format!("layers.{l}"));
     b.push_scope("input_layernorm");
     let h = rms_norm(b, x, w("input_layernorm"), cfg.rms_norm_eps)?;
     b.pop_scope();
     b.push_scope("self_attn");
-    let aw = AttentionWeights {
-        q: w("self_attn.q_proj"),
-        k: w("self_attn.k_proj"),
-        v: w("self_attn.v_proj"),
-        o: w("self_attn.o_proj"),
-        q_bias: bias("self_attn.q_proj"),
-        k_bias: bias("self_attn.k_proj"),
-        v_bias: bias("self_attn.v_proj"),
-        o_bias: bias("self_attn.o_proj"),
-    };
-    let a = causal_attention(b, h, aw, dims, ins.bufs[0], ins.bufs[1], ins.bufs[2])?;
+    let a = attn.build(b, &format!("{pre}.self_attn"), h, &ins.params, &ins.bufs)?;
     b.pop_scope();
     let x = b.add2(x, a)?;
     b.push_scope("post_attention_layernorm");

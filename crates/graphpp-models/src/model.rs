@@ -185,24 +185,28 @@ pub enum ModelConfig {
 }
 
 impl ModelConfig {
-    /// The presets: `tiny`, `small` (dense), `moe-tiny`, `moe-small`.
-    pub const PRESETS: [&'static str; 4] = ["tiny", "small", "moe-tiny", "moe-small"];
+    /// The presets: `tiny`, `small` (dense), `moe-tiny`, `moe-small` (MoE, Llama attention),
+    /// `moe-mla-tiny`, `moe-mla-small` (MoE with multi-head latent attention) and
+    /// `deepseek-v3-16b` (the seed's model; too large to train here).
+    pub const PRESETS: [&'static str; 7] =
+        ["tiny", "small", "moe-tiny", "moe-small", "moe-mla-tiny", "moe-mla-small", "deepseek-v3-16b"];
 
     /// A preset by name. Errors: [`ModelError::Preset`].
     pub fn preset(name: &str) -> Result<Self, ModelError> {
         match name {
-            "moe-tiny" | "moe-small" => Ok(ModelConfig::Moe(MoeConfig::preset(name)?)),
-            _ => Ok(ModelConfig::Llama(LlamaConfig::preset(name)?)),
+            "tiny" | "small" => Ok(ModelConfig::Llama(LlamaConfig::preset(name)?)),
+            _ => Ok(ModelConfig::Moe(MoeConfig::preset(name)?)),
         }
     }
 
     /// Parses a `config.json`: a MoE config when it has `n_routed_experts` or `model_type`
-    /// `deepseek_v3` ([`MoeConfig::from_json`]), else a Llama one ([`LlamaConfig::from_json`]).
-    /// Errors: as those.
+    /// `deepseek_v3` / `deepseek_v2` ([`MoeConfig::from_json`]), else a Llama one
+    /// ([`LlamaConfig::from_json`]). Errors: as those.
     pub fn from_json(text: &str) -> Result<Self, ModelError> {
         let obj = crate::config::json_object(text)?;
+        let deepseek = |t: &str| t.starts_with("deepseek_v");
         let moe = obj.contains_key("n_routed_experts")
-            || obj.get("model_type").and_then(|v| v.as_str()) == Some("deepseek_v3");
+            || obj.get("model_type").and_then(|v| v.as_str()).is_some_and(deepseek);
         Ok(if moe {
             ModelConfig::Moe(MoeConfig::from_json(text)?)
         } else {

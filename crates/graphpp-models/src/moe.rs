@@ -20,8 +20,16 @@
 //! weighted. No token is dropped and every tensor the graph sees has a static shape; only the
 //! segment lengths depend on the data.
 //!
-//! Attention is Llama's (grouped-query, RoPE), not DeepSeek-V3's multi-head latent attention:
-//! a config with MLA fields is refused.
+//! **Group-limited routing** (DeepSeek-V2 §2.1.3 "device-limited routing", V3 §2.1.2
+//! "node-limited routing"; HF `n_group`, `topk_group`, `topk_method`): with `n_group > 1` the
+//! `E` experts form `n_group` groups of `E / n_group`; each group is scored (V3 `noaux_tc`: the
+//! sum of its two best biased scores; V2 `group_limited_greedy`: its best score), only the
+//! experts of the token's best `topk_group` groups stay candidates, and the top `k` is taken
+//! among them. V2's `greedy` ignores the groups.
+//!
+//! **Attention** is multi-head latent attention ([`crate::mla`]) where the config has MLA fields
+//! or a DeepSeek `model_type` (`deepseek_v3`, `deepseek_v2`, whose HF configs default to MLA),
+//! else Llama's grouped-query attention (graphpp's `moe-tiny` and `moe-small`).
 //!
 //! [`Op::SortByExpert`]: graphpp_graph::Op::SortByExpert
 //! [`Op::SegmentMatmul`]: graphpp_graph::Op::SegmentMatmul
@@ -40,8 +48,9 @@ use serde_json::Value;
 use crate::config::{json_object, LlamaConfig, ModelError};
 use crate::llama::{
     build_decoder, decoder_parameters, init_values, mlp_at, mlp_parameters, DenseMlp, ExpertShard,
-    FeedForward, StageOptions, StageSpec,
+    FeedForward, GroupedQueryAttention, SelfAttention, StageOptions, StageSpec,
 };
+use crate::mla::{LatentAttention, MlaConfig, Yarn, MLA_FIELDS};
 
 /// How the gate turns logits into scores (HF `scoring_func`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,6 +61,19 @@ pub enum ScoringFunc {
     Sigmoid,
     /// Softmax over the experts (DeepSeek-V2, Mixtral-style).
     Softmax,
+}
+
+/// How a token's experts are chosen among groups (HF `topk_method`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TopkMethod {
+    /// Top `k` of all experts, groups ignored (DeepSeek-V2's `greedy`).
+    Greedy,
+    /// Groups scored by their best expert (DeepSeek-V2's `group_limited_greedy`).
+    GroupLimitedGreedy,
+    /// Groups scored by the sum of their two best biased scores (DeepSeek-V3's `noaux_tc`).
+    #[default]
+    NoauxTc,
 }
 
 fn default_true() -> bool {
@@ -87,21 +109,30 @@ pub struct MoeConfig {
     /// Normalise the `k` chosen weights to sum 1 (HF default true).
     #[serde(default = "default_true")]
     pub norm_topk_prob: bool,
-    /// Expert groups for group-limited routing; only 1 (no grouping) is implemented.
+    /// Expert groups for group-limited routing (1: none).
     #[serde(default = "default_one")]
     pub n_group: usize,
-    /// Groups a token may route to; only 1 is implemented.
+    /// Groups a token may route to.
     #[serde(default = "default_one")]
     pub topk_group: usize,
+    /// How groups are scored (or ignored).
+    #[serde(default)]
+    pub topk_method: TopkMethod,
     /// Weight α of the sequence-wise auxiliary balance loss (DeepSeek-V3 §2.1.2, eqs. 17–20;
     /// HF `aux_loss_alpha`, `seq_aux` true); 0 (the default): none, balancing is auxiliary-loss-free
     /// only. See [`MoeConfig::aux_loss`].
     #[serde(default)]
     pub aux_loss_alpha: f64,
+    /// Multi-head latent attention in place of Llama's ([`crate::mla`]); `None`: Llama attention.
+    #[serde(flatten, default)]
+    pub mla: Option<MlaConfig>,
+    /// YaRN RoPE scaling (HF `rope_scaling`; MLA configs only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<Yarn>,
 }
 
-/// HF fields of DeepSeek's multi-head latent attention, which graphpp does not implement.
-const MLA_FIELDS: [&str; 4] = ["q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim"];
+/// The `model_type`s of DeepSeek's MoE configs.
+const DEEPSEEK_TYPES: [&str; 2] = ["deepseek_v3", "deepseek_v2"];
 
 impl MoeConfig {
     /// `moe-tiny`: the `tiny` decoder (D=64, 4 layers, 4 heads) with layers 1–3 MoE: 8 routed
@@ -119,7 +150,10 @@ impl MoeConfig {
             norm_topk_prob: true,
             n_group: 1,
             topk_group: 1,
+            topk_method: TopkMethod::NoauxTc,
             aux_loss_alpha: 0.0,
+            mla: None,
+            rope_scaling: None,
         }
     }
 
@@ -134,35 +168,148 @@ impl MoeConfig {
         }
     }
 
-    /// A preset by name (`moe-tiny`, `moe-small`). Errors: [`ModelError::Preset`].
+    /// `moe-mla-tiny`: `moe-tiny` with multi-head latent attention (query latent 48, key/value
+    /// latent 32, per head 16 + 8 RoPE query/key dims and 16 value dims) and group-limited
+    /// routing (4 groups of 2 experts, the best 2 groups per token).
+    pub fn mla_tiny() -> Self {
+        let mla = MlaConfig {
+            q_lora_rank: Some(48),
+            kv_lora_rank: 32,
+            qk_nope_head_dim: 16,
+            qk_rope_head_dim: 8,
+            v_head_dim: 16,
+            rope_interleave: true,
+        };
+        let mut cfg = MoeConfig { n_group: 4, topk_group: 2, mla: Some(mla), ..Self::tiny() };
+        cfg.apply_mla();
+        cfg
+    }
+
+    /// `moe-mla-small`: `moe-small` with the 16B's attention and routing at small scale: MLA with a
+    /// full-rank `q_proj`, key/value latent 64, per head 32 + 16 query/key dims and 32 value
+    /// dims; softmax scores, weights not renormalised.
+    pub fn mla_small() -> Self {
+        let mla = MlaConfig {
+            q_lora_rank: None,
+            kv_lora_rank: 64,
+            qk_nope_head_dim: 32,
+            qk_rope_head_dim: 16,
+            v_head_dim: 32,
+            rope_interleave: true,
+        };
+        let mut cfg = MoeConfig {
+            scoring_func: ScoringFunc::Softmax,
+            norm_topk_prob: false,
+            mla: Some(mla),
+            ..Self::small()
+        };
+        cfg.apply_mla();
+        cfg
+    }
+
+    /// `deepseek-v3-16b`: the seed's DeepSeek-V3 16B (TorchTitan's `deepseek_v3` flavour `16B`,
+    /// DeepSeek-V2-Lite's shape): V=102400, D=2048, 27 layers (the first dense, 10944 wide), 16
+    /// heads of MLA (full-rank `q_proj`, key/value latent 512, 128 + 64 query/key dims, 128
+    /// value dims), 64 routed experts of 1408 with 6 per token and 2 shared, softmax scores not
+    /// renormalised, YaRN ×40 over a 4096-token original context (mscale 0.707 both). 15.7 B
+    /// parameters: for `graph --stats`, `profile`, `plan` and the simulator; too large to train here.
+    pub fn deepseek_v3_16b() -> Self {
+        let base = LlamaConfig {
+            vocab_size: 102_400,
+            hidden_size: 2048,
+            intermediate_size: 10_944,
+            num_hidden_layers: 27,
+            num_attention_heads: 16,
+            rms_norm_eps: 1e-6,
+            max_position_embeddings: 163_840,
+            ..LlamaConfig::tiny()
+        };
+        let mla = MlaConfig {
+            q_lora_rank: None,
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+            rope_interleave: true,
+        };
+        let yarn = Yarn {
+            factor: 40.0,
+            original_max_position_embeddings: 4096,
+            beta_fast: Some(32.0),
+            beta_slow: Some(1.0),
+            mscale: Some(0.707),
+            mscale_all_dim: Some(0.707),
+            attention_factor: None,
+            truncate: None,
+        };
+        let mut cfg = MoeConfig {
+            base,
+            n_routed_experts: 64,
+            n_shared_experts: 2,
+            num_experts_per_tok: 6,
+            moe_intermediate_size: 1408,
+            first_k_dense_replace: 1,
+            routed_scaling_factor: 1.0,
+            scoring_func: ScoringFunc::Softmax,
+            norm_topk_prob: false,
+            n_group: 1,
+            topk_group: 1,
+            topk_method: TopkMethod::Greedy,
+            aux_loss_alpha: 0.0,
+            mla: Some(mla),
+            rope_scaling: Some(yarn),
+        };
+        cfg.apply_mla();
+        cfg
+    }
+
+    /// A preset by name (`moe-tiny`, `moe-small`, `moe-mla-tiny`, `moe-mla-small`,
+    /// `deepseek-v3-16b`). Errors: [`ModelError::Preset`].
     pub fn preset(name: &str) -> Result<Self, ModelError> {
         match name {
             "moe-tiny" => Ok(Self::tiny()),
             "moe-small" => Ok(Self::small()),
+            "moe-mla-tiny" => Ok(Self::mla_tiny()),
+            "moe-mla-small" => Ok(Self::mla_small()),
+            "deepseek-v3-16b" => Ok(Self::deepseek_v3_16b()),
             other => Err(ModelError::Preset(other.into())),
         }
     }
 
-    /// Parses a `config.json` with DeepSeek-V3 MoE fields: `model_type` absent or `deepseek_v3`,
-    /// no MLA fields, `moe_layer_freq` 1, `seq_aux` absent or true, the Llama fields as [`LlamaConfig::from_json`] reads
-    /// them. Errors: [`ModelError::Json`] (naming a missing field), [`ModelError::Unsupported`],
-    /// [`ModelError::Field`].
+    /// Sets the decoder fields that MLA decides ([`MlaConfig::apply`]); nothing without MLA.
+    fn apply_mla(&mut self) {
+        if let Some(m) = &self.mla {
+            m.apply(&mut self.base);
+        }
+    }
+
+    /// Parses a `config.json` with DeepSeek MoE fields: `model_type` absent, `deepseek_v3` or
+    /// `deepseek_v2`; multi-head latent attention when a DeepSeek `model_type` or any MLA field
+    /// is given ([`MlaConfig::take`], HF defaults for absent fields), with YaRN from
+    /// `rope_scaling` ([`Yarn::take`]); `topk_method` defaulting to `greedy` for `deepseek_v2`
+    /// and `noaux_tc` otherwise; `moe_layer_freq` 1, `seq_aux` absent or true; the Llama fields
+    /// as [`LlamaConfig::from_json`] reads them. Errors: [`ModelError::Json`] (naming a missing
+    /// field), [`ModelError::Unsupported`], [`ModelError::Field`].
     pub fn from_json(text: &str) -> Result<Self, ModelError> {
         let mut obj = json_object(text)?;
         let set =
             |obj: &serde_json::Map<String, Value>, k: &str| obj.get(k).filter(|v| !v.is_null()).cloned();
-        if let Some(v) = set(&obj, "model_type") {
-            if v.as_str() != Some("deepseek_v3") {
-                let reason = "a MoE config is DeepSeek-V3 style (model_type deepseek_v3, or none)";
+        let model_type = set(&obj, "model_type");
+        if let Some(v) = &model_type {
+            if !v.as_str().is_some_and(|t| DEEPSEEK_TYPES.contains(&t)) {
+                let reason =
+                    "a MoE config is DeepSeek style (model_type deepseek_v3 or deepseek_v2, or none)";
                 return Err(ModelError::Unsupported { field: "model_type", value: v.to_string(), reason });
             }
             obj.remove("model_type");
         }
-        for field in MLA_FIELDS {
-            if let Some(v) = set(&obj, field) {
-                let reason = "graphpp's MoE decoder uses Llama attention; multi-head latent attention is not implemented";
-                return Err(ModelError::Unsupported { field, value: v.to_string(), reason });
-            }
+        let v2 = model_type.as_ref().and_then(|v| v.as_str()) == Some("deepseek_v2");
+        let mla = (model_type.is_some() || MLA_FIELDS.iter().any(|f| obj.contains_key(*f)))
+            .then(|| MlaConfig::take(&mut obj))
+            .transpose()?;
+        let rope_scaling = if mla.is_some() { Yarn::take(&mut obj)? } else { None };
+        if v2 && !obj.contains_key("topk_method") {
+            obj.insert("topk_method".into(), Value::String("greedy".into()));
         }
         let alpha = set(&obj, "aux_loss_alpha").and_then(|v| v.as_f64()).unwrap_or(0.0);
         if let Some(v) = set(&obj, "seq_aux").filter(|v| v.as_bool() == Some(false) && alpha != 0.0) {
@@ -179,6 +326,8 @@ impl MoeConfig {
         let mut cfg: MoeConfig = serde_json::from_value(Value::Object(obj.clone()))
             .map_err(|e| ModelError::Json(e.to_string()))?;
         cfg.base = LlamaConfig::from_object(obj)?;
+        (cfg.mla, cfg.rope_scaling) = (mla, rope_scaling);
+        cfg.apply_mla();
         cfg.validate()?;
         Ok(cfg)
     }
@@ -230,13 +379,61 @@ impl MoeConfig {
                 ),
             );
         }
-        for (field, v) in [("n_group", self.n_group), ("topk_group", self.topk_group)] {
-            if v != 1 {
-                let reason = "group-limited routing is not implemented (n_group = topk_group = 1)";
-                return Err(ModelError::Unsupported { field, value: v.to_string(), reason });
-            }
+        self.validate_groups()?;
+        if let Some(m) = &self.mla {
+            m.validate()?;
+        } else if self.rope_scaling.is_some() {
+            let reason = "YaRN is implemented for multi-head latent attention (DeepSeek) configs only";
+            return Err(ModelError::Unsupported { field: "rope_scaling", value: "yarn".into(), reason });
         }
         Ok(())
+    }
+
+    /// Checks group-limited routing: `n_group` divides `E`, `topk_group` is in `1..=n_group`,
+    /// the kept groups hold `k` experts at least, and `noaux_tc` groups two at least (their
+    /// score sums the best two). Errors: [`ModelError::Field`].
+    fn validate_groups(&self) -> Result<(), ModelError> {
+        let (e, g, tg) = (self.n_routed_experts, self.n_group, self.topk_group);
+        let bad = |field, reason: String| Err(ModelError::Field { field, reason });
+        if g == 0 || !e.is_multiple_of(g) {
+            return bad("n_group", format!("{g} must divide n_routed_experts {e}"));
+        }
+        if !self.grouped() {
+            return Ok(());
+        }
+        if tg == 0 || tg > g {
+            return bad("topk_group", format!("{tg} must be in 1..={g} (n_group)"));
+        }
+        if tg * (e / g) < self.num_experts_per_tok {
+            let k = self.num_experts_per_tok;
+            return bad("topk_group", format!("{tg} groups of {} experts cannot hold {k} per token", e / g));
+        }
+        if self.topk_method == TopkMethod::NoauxTc && e / g < 2 {
+            return bad(
+                "n_group",
+                format!("noaux_tc scores a group by its best two experts; {g} groups of {e} have one"),
+            );
+        }
+        Ok(())
+    }
+
+    /// Whether routing is group-limited: more than one group and a grouped `topk_method`.
+    pub fn grouped(&self) -> bool {
+        self.n_group > 1 && self.topk_method != TopkMethod::Greedy
+    }
+
+    /// The self-attention block: MLA with its config, else Llama's.
+    fn attention(&self) -> Box<dyn SelfAttention + '_> {
+        match &self.mla {
+            Some(mla) => Box::new(LatentAttention {
+                mla,
+                heads: self.base.num_attention_heads,
+                hidden: self.base.hidden_size,
+                bias: self.base.attention_bias,
+                softmax_factor: self.rope_scaling.as_ref().map_or(1.0, Yarn::softmax_factor),
+            }),
+            None => Box::new(GroupedQueryAttention(&self.base)),
+        }
     }
 
     /// Checks that an expert-parallel degree `ep` splits the routed experts evenly. Errors:
@@ -269,7 +466,7 @@ impl MoeConfig {
 
     /// Parameters of stage `spec` in the stage graph's input order (see [`crate::stage_parameters`]).
     pub fn stage_parameters(&self, spec: &StageSpec) -> Vec<(String, Vec<usize>)> {
-        decoder_parameters(&self.base, spec, self)
+        decoder_parameters(&self.base, spec, &*self.attention(), self)
     }
 
     /// The forward graph of stage `spec` ([`crate::build_stage`]'s interface; a MoE layer also
@@ -277,7 +474,7 @@ impl MoeConfig {
     pub fn build_stage(&self, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
         self.validate()?;
         self.check_ep(spec.ep.size)?;
-        build_decoder(&self.base, spec, opts, self)
+        build_decoder(&self.base, spec, opts, &*self.attention(), self)
     }
 
     /// Initial parameters ([`crate::init_parameters`]' rules; the gate and every expert matrix
@@ -288,7 +485,7 @@ impl MoeConfig {
 
     /// Buffers: the Llama ones ([`crate::stage_buffers`]) and a zero bias `[E]` per MoE layer.
     pub fn stage_buffers(&self, seq: usize) -> Vec<(String, Vec<usize>, Vec<f64>)> {
-        let mut out = crate::llama::stage_buffers(&self.base, seq);
+        let mut out = crate::llama::scaled_buffers(&self.base, seq, self.rope_scaling.as_ref());
         let e = self.n_routed_experts;
         out.extend(
             (0..self.base.num_hidden_layers)
@@ -379,6 +576,7 @@ impl MoeConfig {
         };
         let bias = b.cast(bias, dtype.wide())?;
         let choice = b.add2(scores, bias)?;
+        let choice = if self.grouped() { self.limit_groups(b, choice)? } else { choice };
         let ids = b.topk(choice, k)?;
         let mut w = b.gather(scores, ids, 1)?;
         if self.norm_topk_prob {
@@ -388,6 +586,38 @@ impl MoeConfig {
         }
         let w = b.scale(w, self.routed_scaling_factor)?;
         Ok((ids, b.cast(w, dtype)?, scores))
+    }
+
+    /// Group-limited routing's candidates: `choice [N, E]` with every expert outside the token's
+    /// best `topk_group` groups pushed down by 1e30 (HF masks them with −∞), so that the top `k`
+    /// comes from those groups only. A group's score is the sum of its two best entries
+    /// (`noaux_tc`) or its best (`group_limited_greedy`). No gradient flows here: the choice only
+    /// feeds [`graphpp_graph::Op::TopK`].
+    fn limit_groups(&self, b: &mut GraphBuilder, choice: ValueId) -> Result<ValueId, ModelError> {
+        const FAR: f64 = 1e30;
+        let [n, e] = b.shape(choice)[..] else { unreachable!("choice is [N, E]") };
+        let (g, tg) = (self.n_group, self.topk_group);
+        b.push_scope("group_limit");
+        let groups = b.reshape(choice, vec![n, g, e / g])?;
+        let score = if self.topk_method == TopkMethod::NoauxTc {
+            let best2 = b.topk(groups, 2)?;
+            let best2 = b.gather(groups, best2, 2)?;
+            b.sum(best2, 2, false)?
+        } else {
+            b.max(groups, 2, false)?
+        };
+        let kept = b.topk(score, tg)?;
+        let zero = b.full_like(0.0, score)?;
+        let one = b.full(1.0, vec![n, tg])?;
+        let one = b.cast(one, b.ty(score).dtype)?;
+        let mask = b.scatter_add(zero, kept, one, 1)?;
+        let penalty = b.affine(mask, FAR, -FAR)?;
+        let penalty = b.reshape(penalty, vec![n, g, 1])?;
+        let penalty = b.broadcast(penalty, vec![n, g, e / g])?;
+        let penalty = b.reshape(penalty, vec![n, e])?;
+        let limited = b.add2(choice, penalty)?;
+        b.pop_scope();
+        Ok(limited)
     }
 
     /// The sequence-wise auxiliary balance loss of one layer (DeepSeek-V3 §2.1.2, eqs. 17–20),
@@ -661,9 +891,18 @@ mod tests {
                 .unwrap();
         assert_eq!((c.n_routed_experts, c.num_experts_per_tok, c.routed_scaling_factor), (4, 2, 2.5));
         assert_eq!((c.scoring_func, c.norm_topk_prob, c.base.hidden_size), (ScoringFunc::Softmax, false, 16));
-        // Defaults: sigmoid scores, normalised weights.
+        // A DeepSeek model_type means MLA, with HF's defaults; RoPE over qk_rope_head_dim.
+        let mla = c.mla.as_ref().expect("deepseek_v3 is MLA");
+        assert_eq!((mla.q_lora_rank, mla.kv_lora_rank, mla.qk_head_dim()), (Some(1536), 512, 192));
+        assert_eq!((c.base.head_dim(), c.topk_method), (64, TopkMethod::NoauxTc));
+        // deepseek_v2 routes greedily unless told otherwise.
+        let v2 = with(r#""model_type":"deepseek_v2","q_lora_rank":null"#).unwrap();
+        assert_eq!((v2.topk_method, v2.mla.unwrap().q_lora_rank), (TopkMethod::Greedy, None));
+        // Defaults: sigmoid scores, normalised weights, Llama attention without a model_type.
         let d = with("").unwrap();
-        assert_eq!((d.scoring_func, d.norm_topk_prob), (ScoringFunc::Sigmoid, true));
+        assert_eq!((d.scoring_func, d.norm_topk_prob, d.mla.is_none()), (ScoringFunc::Sigmoid, true, true));
+        let g = with(r#""n_group":2,"topk_group":1"#).unwrap();
+        assert!(g.grouped());
         // A missing MoE field is named.
         let e =
             MoeConfig::from_json(&format!("{{{BASE},{}}}", MOE.replace(r#""moe_intermediate_size":8,"#, "")))
@@ -673,11 +912,14 @@ mod tests {
         let big = MoeConfig { n_routed_experts: 4, ..big };
         assert!(matches!(big.validate(), Err(ModelError::Field { field: "num_experts_per_tok", .. })));
         for (extra, field) in [
-            (r#""kv_lora_rank":512"#, "kv_lora_rank"),
             (r#""model_type":"mixtral""#, "model_type"),
             (r#""moe_layer_freq":2"#, "moe_layer_freq"),
-            (r#""n_group":8"#, "n_group"),
             (r#""aux_loss_alpha":0.001,"seq_aux":false"#, "seq_aux"),
+            (
+                r#""rope_scaling":{"type":"yarn","factor":4,"original_max_position_embeddings":8}"#,
+                "rope_scaling",
+            ),
+            (r#""kv_lora_rank":8,"rope_scaling":{"type":"dynamic","factor":4}"#, "rope_scaling"),
         ] {
             match with(extra).unwrap_err() {
                 ModelError::Unsupported { field: f, .. } => assert_eq!(f, field, "{extra}"),
@@ -687,6 +929,11 @@ mod tests {
         for (extra, field) in [
             (r#""aux_loss_alpha":-0.1"#, "aux_loss_alpha"),
             (r#""first_k_dense_replace":3"#, "first_k_dense_replace"),
+            (r#""n_group":8"#, "n_group"),
+            (r#""n_group":2,"topk_group":3"#, "topk_group"),
+            (r#""n_group":4,"topk_group":1,"num_experts_per_tok":2"#, "topk_group"),
+            (r#""n_group":4,"topk_group":2"#, "n_group"),
+            (r#""kv_lora_rank":8,"qk_rope_head_dim":3"#, "qk_rope_head_dim"),
         ] {
             match with(extra).unwrap_err() {
                 ModelError::Field { field: f, .. } => assert_eq!(f, field, "{extra}"),

@@ -1,4 +1,5 @@
 //! Reference numerics from PyTorch: `tools/torch/llama_fixture.py` and `tools/torch/moe_fixture.py`
+//! (with `mla_reference.py` for the MLA fixtures)
 //! (PyTorch 2.15, float64) wrote the weights, token ids, loss and every gradient of the same
 //! Llama-style and DeepSeek-style MoE architectures into `fixtures/{llama,moe}_fixture.safetensors`
 //! (the MoE one with non-zero load-balancing biases that change the routing; `moe_aux_fixture`
@@ -7,7 +8,7 @@
 mod common;
 
 use candle_core::{DType as CDType, Device, Tensor};
-use graphpp_graph::names::{grad_of, AUX_LOSS, GRAD};
+use graphpp_graph::names::{grad_of, AUX_LOSS, EXPERT_LOAD, GRAD};
 use graphpp_graph::{stage_graphs, DType, RecomputePolicy};
 use graphpp_models::{split_layers, LlamaConfig, Model, MoeConfig, StageOptions};
 use graphpp_runtime::kernels::tensor::{tensor_from_f64, to_f64};
@@ -51,12 +52,16 @@ fn check_model(fixture: &str, cfg: &dyn Model, text: &str, dtype: DType, stages:
     let mut envs = vec![base.clone(); stages];
     let mut loss = None;
     let mut aux = 0.0;
+    let mut loads = HashMap::new();
     for s in 0..stages {
         let (fo, _) = run(&graphs[s].fw, &envs[s]);
         if let Some(x) = fo.get("output") {
             envs[s + 1].insert("input".into(), x.clone());
         }
         loss = fo.get("loss").cloned().or(loss);
+        loads.extend(
+            fo.iter().filter(|(k, _)| k.starts_with(EXPERT_LOAD)).map(|(k, v)| (k.clone(), v.clone())),
+        );
         aux += fo
             .iter()
             .filter(|(k, _)| k.starts_with(AUX_LOSS))
@@ -70,6 +75,7 @@ fn check_model(fixture: &str, cfg: &dyn Model, text: &str, dtype: DType, stages:
     } else {
         assert_eq!(aux, 0.0);
     }
+    check_routing(&fx, &loads);
     let mut grads = HashMap::new();
     for s in (0..stages).rev() {
         envs[s].extend(aux_loss_seeds(&graphs[s].full_bw, 1.0).unwrap());
@@ -93,6 +99,22 @@ fn check_model(fixture: &str, cfg: &dyn Model, text: &str, dtype: DType, stages:
         "{fixture} {dtype:?}, {stages} stage(s): loss {} rel err {loss_err:.2e}, worst gradient rel err {worst:.2e}",
         to_f64(&fx["loss"]).unwrap()[0]
     );
+}
+
+/// Where the fixture holds the tokens per expert of each MoE layer (`expert_load.<l>`, the
+/// group-limited fixtures), graphpp's routing gives exactly those; and on at least one layer a
+/// plain top-k (`plain_topk_load.<l>`) would have chosen differently, so the fixture tells
+/// group-limited routing from top-k.
+fn check_routing(fx: &HashMap<String, Tensor>, loads: &HashMap<String, Tensor>) {
+    let want: Vec<&String> = fx.keys().filter(|k| k.starts_with(EXPERT_LOAD)).collect();
+    let mut differs = false;
+    for k in &want {
+        let counts = |t: &Tensor| t.to_dtype(CDType::U32).unwrap().to_vec1::<u32>().unwrap();
+        assert_eq!(counts(&loads[*k]), counts(&fx[*k]), "{k}: graphpp's experts differ from the reference's");
+        let plain = fx[&k.replace(EXPERT_LOAD, "plain_topk_load.")].clone();
+        differs |= counts(&plain) != counts(&fx[*k]);
+    }
+    assert!(want.is_empty() || differs, "the fixture's groups change no choice: it cannot test them");
 }
 
 fn run(g: &graphpp_graph::Graph, env: &HashMap<String, Tensor>) -> (HashMap<String, Tensor>, usize) {
@@ -142,4 +164,25 @@ fn moe_aux_loss_matches_pytorch() {
 fn moe_softmax_matches_pytorch() {
     check_moe("moe_softmax_fixture", DType::F32, 3, 1e-4);
     check_moe("moe_softmax_fixture", DType::F64, 1, 1e-6);
+}
+
+/// DeepSeek-V3's multi-head latent attention (query latent, YaRN RoPE with interleaved pairs,
+/// q·k width 12 ≠ value width 6) and group-limited `noaux_tc` routing (4 groups of 2, the best
+/// 2 per token), against `tools/torch/mla_reference.py` in float64: the experts chosen equal
+/// the reference's (where a plain top-k would differ), loss and gradients within 1e-10 in f64
+/// and 1e-5 in f32, on one and on three stages.
+#[test]
+fn mla_matches_pytorch() {
+    check_moe("mla_fixture", DType::F64, 1, 1e-10);
+    check_moe("mla_fixture", DType::F64, 3, 1e-10);
+    check_moe("mla_fixture", DType::F32, 1, 1e-5);
+    check_moe("mla_fixture", DType::F32, 3, 1e-5);
+}
+
+/// DeepSeek-V2 style: a full-rank `q_proj` (`q_lora_rank` null), rotate-half RoPE, value width
+/// 10 above the q·k width 8, softmax scores and `group_limited_greedy` routing.
+#[test]
+fn mla_v2_matches_pytorch() {
+    check_moe("mla_v2_fixture", DType::F64, 1, 1e-10);
+    check_moe("mla_v2_fixture", DType::F32, 3, 1e-5);
 }
