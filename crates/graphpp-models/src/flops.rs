@@ -24,7 +24,11 @@ pub fn flops_per_token(cfg: &LlamaConfig, seq: usize) -> f64 {
 
 /// [`flops_per_token`] of a MoE decoder: `N` counts the weights *one token* multiplies — in a
 /// MoE layer the gate (`E·D`), its `k` routed experts (`3·D·F_e` each) and the shared experts
-/// (`3·D·F_s`) — not every expert's.
+/// (`3·D·F_s`) — not every expert's. With multi-head latent attention `N` counts MLA's
+/// projections instead of Llama's, and the attention products are `6·L·H·T·(d_qk + d_v)`
+/// (scores over the q·k width `d_qk = d_nope + d_rope`, the weighted sum over the value width;
+/// Llama's `12·L·H·hd·T` is the case `d_qk = d_v = hd`). The zero columns the graph pads the
+/// narrower width with ([`graphpp_graph::layers::latent_attention`]) are not model FLOPs.
 pub fn moe_flops_per_token(cfg: &crate::moe::MoeConfig, seq: usize) -> f64 {
     let base = &cfg.base;
     let moe_layers = cfg.num_moe_layers();
@@ -32,7 +36,19 @@ pub fn moe_flops_per_token(cfg: &crate::moe::MoeConfig, seq: usize) -> f64 {
     let dense_mlp = 3 * d * base.intermediate_size;
     let moe_mlp = cfg.n_routed_experts * d + (cfg.num_experts_per_tok + cfg.n_shared_experts) * 3 * d * fe;
     let delta = moe_layers as f64 * (moe_mlp as f64 - dense_mlp as f64);
-    flops_per_token(base, seq) + 6.0 * delta
+    let Some(mla) = &cfg.mla else { return flops_per_token(base, seq) + 6.0 * delta };
+    let all = StageSpec::whole(base.num_hidden_layers);
+    let attention_weights: usize = cfg
+        .stage_parameters(&all)
+        .iter()
+        .filter(|(name, shape)| name.contains(".self_attn.") && shape.len() == 2)
+        .map(|(_, shape)| shape.iter().product::<usize>())
+        .sum();
+    let dense_mlps = base.num_hidden_layers * dense_mlp;
+    let n = attention_weights + dense_mlps + base.vocab_size * d;
+    let products =
+        base.num_hidden_layers * base.num_attention_heads * (mla.qk_head_dim() + mla.v_head_dim) * seq;
+    6.0 * n as f64 + 6.0 * products as f64 + 6.0 * delta
 }
 
 #[cfg(test)]

@@ -83,13 +83,29 @@ pub fn count(params: &[(String, Vec<usize>)]) -> u128 {
 /// order, the two projections, the activation, the product and the output put back) and `5·F_s`
 /// for the shared experts (`F_e` = `moe_intermediate_size`, `F_s` = `n_shared_experts · F_e`).
 /// An estimate for the pre-flight check (within 10% of the graph's saved values, tested).
+///
+/// With multi-head latent attention each layer's Llama attention values (`2·KV·hd + H·hd` and
+/// the `3·D` of q, k and v: [`stage_activation_bytes`]) are replaced by MLA's
+/// ([`mla_attention_values`]).
 pub fn moe_stage_activation_bytes(
     cfg: &crate::moe::MoeConfig,
     spec: &StageSpec,
     batch: usize,
     seq: usize,
 ) -> u128 {
-    let dense = stage_activation_bytes(&cfg.base, spec, batch, seq);
+    let mut dense = stage_activation_bytes(&cfg.base, spec, batch, seq);
+    if let Some(mla) = &cfg.mla {
+        let b = &cfg.base;
+        let llama = (2 * b.kv_heads() * b.head_dim()
+            + b.num_attention_heads * b.head_dim()
+            + 3 * b.hidden_size) as u128;
+        let per_layer = (batch as u128).saturating_mul(seq as u128).saturating_mul(F32);
+        let layers = spec.layers.len() as u128;
+        let latent = mla_attention_values(mla, b.num_attention_heads) as u128;
+        dense = dense
+            .saturating_sub(per_layer.saturating_mul(llama).saturating_mul(layers))
+            .saturating_add(per_layer.saturating_mul(latent).saturating_mul(layers));
+    }
     let moe_layers = spec.layers.clone().filter(|&l| cfg.is_moe(l)).count() as u128;
     let (e, k, d) =
         (cfg.n_routed_experts as u128, cfg.num_experts_per_tok as u128, cfg.base.hidden_size as u128);
@@ -101,6 +117,19 @@ pub fn moe_stage_activation_bytes(
     dense
         .saturating_sub(per_layer.saturating_mul(5 * f).saturating_mul(moe_layers))
         .saturating_add(per_layer.saturating_mul(moe).saturating_mul(moe_layers))
+}
+
+/// Values per token one layer of multi-head latent attention saves for its backward (f32,
+/// `RecomputePolicy::SaveAll`), `H` heads: the query latent, its normalisation and the normed
+/// latent (`3·r_q + 2`, with a query latent), the same of the key/value latent (`3·r_kv + 2`),
+/// the attention's q, k, v and output at its width `w = max(d_qk, d_v)` and the heads' values
+/// into `o_proj` (`H·(4·w + d_v)`). RoPE saves nothing per head (its tables are buffers). Fitted
+/// to the graphs' saved values by varying one size at a time (tested within 10% with the MoE
+/// figures).
+pub fn mla_attention_values(mla: &crate::mla::MlaConfig, heads: usize) -> usize {
+    let w = mla.qk_head_dim().max(mla.v_head_dim);
+    let query = mla.q_lora_rank.map_or(0, |r| 3 * r + 2);
+    query + 3 * mla.kv_lora_rank + 2 + heads * (4 * w + mla.v_head_dim)
 }
 
 #[cfg(test)]
