@@ -1111,3 +1111,57 @@ mod deepseek_16b {
         assert!((0.97..=1.03).contains(&ratio), "estimate {est} vs graph {saved}");
     }
 }
+
+#[cfg(test)]
+mod published {
+    use super::*;
+    use crate::model::Model;
+
+    /// deepseek-ai/DeepSeek-V3's `config.json` as published (the `auto_map` left out).
+    const V3: &str = r#"{"architectures":["DeepseekV3ForCausalLM"],"attention_bias":false,"attention_dropout":0.0,
+        "aux_loss_alpha":0.001,"bos_token_id":0,"eos_token_id":1,"ep_size":1,"first_k_dense_replace":3,"hidden_act":"silu",
+        "hidden_size":7168,"initializer_range":0.02,"intermediate_size":18432,"kv_lora_rank":512,"max_position_embeddings":163840,
+        "model_type":"deepseek_v3","moe_intermediate_size":2048,"moe_layer_freq":1,"n_group":8,"n_routed_experts":256,
+        "n_shared_experts":1,"norm_topk_prob":true,"num_attention_heads":128,"num_experts_per_tok":8,"num_hidden_layers":61,
+        "num_key_value_heads":128,"num_nextn_predict_layers":1,"q_lora_rank":1536,"qk_nope_head_dim":128,"qk_rope_head_dim":64,
+        "quantization_config":{"activation_scheme":"dynamic","fmt":"e4m3","quant_method":"fp8","weight_block_size":[128,128]},
+        "rms_norm_eps":1e-06,"rope_scaling":{"beta_fast":32,"beta_slow":1,"factor":40,"mscale":1.0,"mscale_all_dim":1.0,
+        "original_max_position_embeddings":4096,"type":"yarn"},"rope_theta":10000,"routed_scaling_factor":2.5,
+        "scoring_func":"sigmoid","seq_aux":true,"tie_word_embeddings":false,"topk_group":4,"topk_method":"noaux_tc",
+        "torch_dtype":"bfloat16","transformers_version":"4.33.1","use_cache":true,"v_head_dim":128,"vocab_size":129280}"#;
+
+    /// deepseek-ai/DeepSeek-V2-Lite's `config.json` as published (the `auto_map` left out).
+    const V2_LITE: &str = r#"{"architectures":["DeepseekV2ForCausalLM"],"attention_bias":false,"attention_dropout":0.0,
+        "aux_loss_alpha":0.001,"bos_token_id":100000,"eos_token_id":100001,"first_k_dense_replace":1,"hidden_act":"silu",
+        "hidden_size":2048,"initializer_range":0.02,"intermediate_size":10944,"kv_lora_rank":512,"max_position_embeddings":163840,
+        "model_type":"deepseek_v2","moe_intermediate_size":1408,"moe_layer_freq":1,"n_group":1,"n_routed_experts":64,
+        "n_shared_experts":2,"norm_topk_prob":false,"num_attention_heads":16,"num_experts_per_tok":6,"num_hidden_layers":27,
+        "num_key_value_heads":16,"pretraining_tp":1,"q_lora_rank":null,"qk_nope_head_dim":128,"qk_rope_head_dim":64,
+        "rms_norm_eps":1e-06,"rope_scaling":{"beta_fast":32,"beta_slow":1,"factor":40,"mscale":0.707,"mscale_all_dim":0.707,
+        "original_max_position_embeddings":4096,"type":"yarn"},"rope_theta":10000,"routed_scaling_factor":1.0,
+        "scoring_func":"softmax","seq_aux":true,"tie_word_embeddings":false,"topk_group":1,"topk_method":"greedy",
+        "torch_dtype":"bfloat16","transformers_version":"4.39.3","use_cache":true,"v_head_dim":128,"vocab_size":102400}"#;
+
+    /// Both published configs load as the models their reports describe: V3 671 B parameters
+    /// without the MTP module (§1: "671B total"; its MTP module, 14 B more, is not built),
+    /// group-limited over 8 groups keeping 4; V2-Lite 15.7 B, the `deepseek-v3-16b` preset's shape.
+    #[test]
+    fn published_configs_load() {
+        let v3 = MoeConfig::from_json(V3).unwrap();
+        let billions = v3.parameter_count() as f64 / 1e9;
+        assert!((670.0..672.0).contains(&billions), "{billions} B");
+        assert!(v3.grouped() && v3.topk_method == TopkMethod::NoauxTc && v3.topk_group == 4);
+        assert_eq!(v3.mla.as_ref().unwrap().q_lora_rank, Some(1536));
+        let lite = MoeConfig::from_json(V2_LITE).unwrap();
+        assert_eq!(lite.parameter_count(), 15_706_484_224);
+        let preset = MoeConfig::deepseek_v3_16b();
+        assert_eq!(
+            (&lite.mla, &lite.rope_scaling, lite.topk_method),
+            (&preset.mla, &preset.rope_scaling, preset.topk_method)
+        );
+        assert_eq!(
+            lite.stage_parameters(&StageSpec::whole(27)),
+            preset.stage_parameters(&StageSpec::whole(27))
+        );
+    }
+}

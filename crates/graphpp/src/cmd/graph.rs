@@ -14,8 +14,9 @@ use crate::cmd::value::count;
 /// Arguments of `graphpp graph`.
 #[derive(Args)]
 pub struct GraphArgs {
-    /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`) or a JSON config file with
-    /// Hugging Face field names (DeepSeek-V3 MoE fields make it a MoE model).
+    /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`, `moe-mla-tiny`, `moe-mla-small`,
+    /// `deepseek-v3-16b`) or a JSON config file with Hugging Face field names (DeepSeek-V2/V3 MoE
+    /// fields make it a MoE model; MLA fields or a DeepSeek model_type, multi-head latent attention).
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Number of pipeline stages S.

@@ -61,8 +61,9 @@ pub struct TrainArgs {
     /// The schedule and the layout (the flags a strategy file stands for).
     #[command(flatten)]
     pub layout: LayoutArgs,
-    /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`) or a JSON config file with
-    /// Hugging Face field names (DeepSeek-V3 MoE fields make it a MoE model).
+    /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`, `moe-mla-tiny`, `moe-mla-small`,
+    /// `deepseek-v3-16b`) or a JSON config file with Hugging Face field names (DeepSeek-V2/V3 MoE
+    /// fields make it a MoE model; MLA fields or a DeepSeek model_type, multi-head latent attention).
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Override the model's number of decoder layers.
