@@ -117,13 +117,15 @@ fn data_parallel_and_fsdp_steps_match_one_device() {
 }
 
 /// `--ep 2` (pp = 2, so 4 ranks: --dp defaults to --ep) under 1f1b, zbv and dualpipev equals
-/// one device; an expert-parallel degree the run cannot have is refused naming --ep.
+/// one device, with Llama attention and with DeepSeek's MLA and group-limited routing
+/// (`moe-mla-tiny`); an expert-parallel degree the run cannot have is refused naming --ep.
 #[test]
 fn expert_parallel_steps_match_one_device() {
-    for kind in ["1f1b", "zbv", "dualpipev"] {
+    let runs = ["1f1b", "zbv", "dualpipev"].into_iter().flat_map(|k| [(k, "moe-tiny"), (k, "moe-mla-tiny")]);
+    for (kind, model) in runs {
         let out = verify(&[
             "--model",
-            "moe-tiny",
+            model,
             "--schedule",
             kind,
             "--ranks",
@@ -162,12 +164,13 @@ fn expert_parallel_steps_match_one_device() {
     }
 }
 
-/// The MoE model under every kind of schedule the issue names equals one device; a MoE config
-/// with a missing or impossible field is refused naming it, before any step.
+/// The MoE models (Llama attention; MLA) under every kind of schedule the issue names equal one
+/// device; a MoE config with a missing or impossible field is refused naming it, before any step.
 #[test]
 fn moe_steps_match_one_device_and_bad_configs_are_named() {
-    for kind in ["1f1b", "zbv", "dualpipev"] {
-        let out = verify(&["--model", "moe-tiny", "--schedule", kind, "--ranks", "2", "--microbatches", "4"]);
+    let runs = ["1f1b", "zbv", "dualpipev"].into_iter().flat_map(|k| [(k, "moe-tiny"), (k, "moe-mla-tiny")]);
+    for (kind, model) in runs {
+        let out = verify(&["--model", model, "--schedule", kind, "--ranks", "2", "--microbatches", "4"]);
         let text = String::from_utf8(out.stdout).unwrap();
         assert!(out.status.success(), "{kind}: {text}{}", String::from_utf8_lossy(&out.stderr));
         assert!(number(&text, "gradients:", "max relative difference") <= 1e-5, "{text}");
