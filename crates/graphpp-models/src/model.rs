@@ -177,6 +177,8 @@ mod tests {
 /// the MoE fields is a MoE config), so run records written before the MoE model still read.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(untagged)]
+// A config is built once per run and passed by reference: the MoE variant's size costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum ModelConfig {
     /// DeepSeek-style MoE decoder ([`MoeConfig`]).
     Moe(MoeConfig),

@@ -279,7 +279,8 @@ fn pids_of_rank(parent: u32) -> Vec<(u32, usize)> {
 fn verify_as_four_processes_with_data_parallelism_fsdp_and_ep() {
     let kinds = ["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev", "zb-h1"].map(|k| (k, "tiny"));
     // The MoE model too: its expert loads ride in the loss all-reduce across the processes.
-    let moe = [("1f1b", "moe-tiny"), ("zbv", "moe-tiny"), ("dualpipev", "moe-tiny"), ("dualpipev", "moe-mla-tiny")];
+    let moe =
+        [("1f1b", "moe-tiny"), ("zbv", "moe-tiny"), ("dualpipev", "moe-tiny"), ("dualpipev", "moe-mla-tiny")];
     for (kind, model) in kinds.into_iter().chain(moe) {
         let mut layouts: Vec<(&[&str], &str)> =
             vec![(&["--dp", "2"], "dp=2,"), (&["--dp", "2", "--fsdp"], "dp=2 fsdp,")];
