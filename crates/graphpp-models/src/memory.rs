@@ -15,7 +15,7 @@
 //!   [`graphpp_graph::Op::Attention`]); plus `4·B·T` for the token ids on the
 //!   first stage and `4·B·T·(V + 3·D + 3)` for the final norm, the log-probabilities (one
 //!   log-softmax node) and the loss on the last stage. This is exactly what the graphs save
-//!   under `RecomputePolicy::SaveAll` (tested against [`crate::stage_graph_set`]), and a bound
+//!   under `RecomputePolicy::SaveAll` (tested against the stage graphs), and a bound
 //!   on what the default `RecomputePolicy::Pointwise` saves (`2·F + 2·D` fewer values per token
 //!   and layer, `D` fewer on the last stage: `graphpp-runtime`'s `tests/compiled.rs`);
 //! - buffers of each stage: the causal mask `T²` and the RoPE tables `2·T·hd` values, built in f64
@@ -132,23 +132,28 @@ pub fn mla_attention_values(mla: &crate::mla::MlaConfig, heads: usize) -> usize 
     query + 3 * mla.kv_lora_rank + 2 + heads * (4 * w + mla.v_head_dim)
 }
 
+/// Bytes of the values the forward graph `fw` saves for its backward under
+/// `RecomputePolicy::SaveAll` (the figure the estimates are tested against).
+#[cfg(test)]
+pub(crate) fn saved_bytes(fw: &graphpp_graph::Graph) -> u128 {
+    let sg = graphpp_graph::stage_graphs(fw, &graphpp_graph::RecomputePolicy::SaveAll).unwrap();
+    sg.fw
+        .outputs
+        .iter()
+        .filter(|o| graphpp_graph::names::is_saved(&o.name))
+        .map(|o| sg.fw.node(o.value).ty.size_bytes() as u128)
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::llama::{split_layers, stage_graph_set, StageOptions};
-    use graphpp_graph::RecomputePolicy;
+    use crate::llama::{split_layers, StageOptions};
 
     /// Bytes of the values a stage's forward saves for its backward, from the graph itself.
     fn graph_saved_bytes(cfg: &LlamaConfig, stages: usize, stage: usize, b: usize, t: usize) -> u128 {
-        let sg =
-            stage_graph_set(cfg, stages, stage, None, &StageOptions::new(b, t), &RecomputePolicy::SaveAll)
-                .unwrap();
-        let fw = &sg.fw;
-        fw.outputs
-            .iter()
-            .filter(|o| graphpp_graph::names::is_saved(&o.name))
-            .map(|o| fw.node(o.value).ty.size_bytes() as u128)
-            .sum()
+        let spec = &split_layers(cfg.num_hidden_layers, stages, None).unwrap()[stage];
+        saved_bytes(&crate::build_stage(cfg, spec, &StageOptions::new(b, t)).unwrap())
     }
 
     #[test]

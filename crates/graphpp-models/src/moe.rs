@@ -1046,14 +1046,7 @@ mod tests {
                 (2 * t * m.base.num_attention_heads * (w - x.v_head_dim) * m.base.num_hidden_layers) as f64
             });
             assert_eq!(Model::flops_per_token(&m, t) / 3.0, per_token - padding, "{}", m.describe());
-            let sg = graphpp_graph::stage_graphs(&fw, &RecomputePolicy::SaveAll).unwrap();
-            let saved: u128 = sg
-                .fw
-                .outputs
-                .iter()
-                .filter(|o| graphpp_graph::names::is_saved(&o.name))
-                .map(|o| sg.fw.node(o.value).ty.size_bytes() as u128)
-                .sum();
+            let saved = crate::memory::saved_bytes(&fw);
             let est = Model::stage_activation_bytes(&m, &whole, b, t);
             let ratio = est as f64 / saved as f64;
             assert!((0.9..=1.1).contains(&ratio), "estimate {est} vs graph {saved}");
@@ -1065,7 +1058,7 @@ mod tests {
 mod deepseek_16b {
     use super::*;
     use crate::model::Model;
-    use graphpp_graph::{InputKind, Op, RecomputePolicy};
+    use graphpp_graph::{InputKind, Op};
 
     /// `graphpp graph --model deepseek-v3-16b --stages 4 --stage 1 --layers-per-stage 7,7,7,6
     /// --stats` against a count by hand. One MoE layer: norms 2·2048; MLA `q_proj` 16·192×2048,
@@ -1097,14 +1090,7 @@ mod deepseek_16b {
             .map(|n| n.ty.numel())
             .sum();
         assert_eq!(params as u128, stage1);
-        let sg = graphpp_graph::stage_graphs(&fw, &RecomputePolicy::SaveAll).unwrap();
-        let saved: u128 = sg
-            .fw
-            .outputs
-            .iter()
-            .filter(|o| graphpp_graph::names::is_saved(&o.name))
-            .map(|o| sg.fw.node(o.value).ty.size_bytes() as u128)
-            .sum();
+        let saved = crate::memory::saved_bytes(&fw);
         let input = 4 * 64 * 2048;
         let est = m.stage_activation_bytes(&specs[1], 1, 64) - input;
         let ratio = est as f64 / saved as f64;
