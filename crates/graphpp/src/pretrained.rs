@@ -1,23 +1,27 @@
-//! Pretrained weights from a Hugging Face Llama-style model folder (`graphpp train --init-from
-//! DIR`, `graphpp verify --init-from DIR`).
+//! Pretrained weights from a Hugging Face model folder, Llama-style or DeepSeek-V2/V3 (`graphpp
+//! train --init-from DIR`, `graphpp verify --init-from DIR`).
 //!
-//! The folder holds `config.json` (parsed by [`LlamaConfig::from_json`], which refuses settings
+//! The folder holds `config.json` (parsed by [`ModelConfig::from_json`], which refuses settings
 //! graphpp does not implement) and the weights: `model.safetensors`, or the shards a
 //! `model.safetensors.index.json` lists (`weight_map`), as `save_pretrained` writes them. Tensor
 //! names and layouts are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, `[out, in]`),
 //! which are graphpp's parameter names; f32, f16, bf16 and f64 tensors are converted to f32.
 //!
-//! The tensors must be exactly the parameters the config describes ([`stage_parameters`] of the
-//! whole model): a missing tensor, one of another shape and an extra one are errors naming them.
-//! Two tolerances, both about what `transformers` itself writes: `…rotary_emb.inv_freq` buffers
-//! (older versions saved them; graphpp computes RoPE from `rope_theta`) are skipped, and with
-//! `tie_word_embeddings` an `lm_head.weight` equal to `model.embed_tokens.weight` is dropped.
+//! The tensors must be exactly the parameters the config describes ([`Model::stage_parameters`]
+//! of the whole model), plus, for a MoE model, optionally each MoE layer's routing bias
+//! (`…mlp.gate.e_score_correction_bias`, a buffer HF saves; absent ones start at zero): a
+//! missing tensor, one of another shape and an extra one are errors naming them. Three
+//! tolerances, all about what the checkpoints hold: `…rotary_emb.inv_freq` buffers (older
+//! `transformers` saved them; graphpp computes RoPE from the config) are skipped; with
+//! `tie_word_embeddings` an `lm_head.weight` equal to `model.embed_tokens.weight` is dropped; and
+//! with `num_nextn_predict_layers` = n the layers `L..L+n` (DeepSeek-V3's multi-token-prediction
+//! module, which graphpp does not build) are skipped.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use graphpp_models::{split_layers, stage_parameters, LlamaConfig, ModelError, EMBED, LM_HEAD};
+use graphpp_models::{split_layers, Model, ModelConfig, ModelError, EMBED, LM_HEAD};
 
 /// The config file of a model folder.
 pub const CONFIG_FILE: &str = "config.json";
@@ -134,9 +138,10 @@ fn list(names: &[String]) -> String {
 #[derive(Debug, Clone)]
 pub struct Pretrained {
     /// The model from `config.json`.
-    pub config: LlamaConfig,
+    pub config: ModelConfig,
     /// Every parameter by HF name (once; a tied LM head reads `model.embed_tokens.weight`), f32
-    /// CPU tensors of the shapes of [`model_parameters`].
+    /// CPU tensors of the shapes of [`model_parameters`], and the MoE routing biases the folder
+    /// holds (`[E]` each).
     pub tensors: BTreeMap<String, Tensor>,
 }
 
@@ -145,9 +150,9 @@ pub struct Pretrained {
 ///
 /// # Errors
 /// [`ModelError::Split`] for a config without decoder layers.
-pub fn model_parameters(cfg: &LlamaConfig) -> Result<Vec<(String, Vec<usize>)>, ModelError> {
-    let spec = split_layers(cfg.num_hidden_layers, 1, None)?.remove(0);
-    Ok(stage_parameters(cfg, &spec))
+pub fn model_parameters(cfg: &dyn Model) -> Result<Vec<(String, Vec<usize>)>, ModelError> {
+    let spec = split_layers(cfg.num_layers(), 1, None)?.remove(0);
+    Ok(cfg.stage_parameters(&spec))
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, PretrainedError> {
@@ -162,11 +167,23 @@ fn read(path: &Path) -> Result<Vec<u8>, PretrainedError> {
 /// # Errors
 /// [`PretrainedError::MissingFile`], [`PretrainedError::Io`], [`PretrainedError::Config`] (bad
 /// JSON, an unsupported field such as `rope_scaling` named with its value, bad sizes).
-pub fn load_config(dir: &Path) -> Result<LlamaConfig, PretrainedError> {
+pub fn load_config(dir: &Path) -> Result<ModelConfig, PretrainedError> {
     let path = dir.join(CONFIG_FILE);
     let bytes = read(&path)?;
     let text = String::from_utf8_lossy(&bytes);
-    LlamaConfig::from_json(&text).map_err(|source| PretrainedError::Config { path, source })
+    ModelConfig::from_json(&text).map_err(|source| PretrainedError::Config { path, source })
+}
+
+/// The layer index of a `model.layers.<l>.…` name.
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
+}
+
+/// DeepSeek-V3's `num_nextn_predict_layers` of `dir`'s config (0 when absent or unreadable).
+fn mtp_layers(dir: &Path) -> usize {
+    let text = std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap_or_default();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    v.get("num_nextn_predict_layers").and_then(|n| n.as_u64()).unwrap_or(0) as usize
 }
 
 /// The weight files of `dir`: `model.safetensors`, else the shards of the index.
@@ -239,19 +256,21 @@ fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>, PretrainedError> {
 /// # Errors
 /// [`PretrainedError::MissingFile`] (no `model.safetensors` nor index, or a shard), `Io`,
 /// `Format`, `DType`, `NotFinite`, `MissingTensors`, `Shape`, `Unexpected`, `TiedMismatch`.
-pub fn load_weights(dir: &Path, cfg: &LlamaConfig) -> Result<BTreeMap<String, Tensor>, PretrainedError> {
+pub fn load_weights(dir: &Path, cfg: &ModelConfig) -> Result<BTreeMap<String, Tensor>, PretrainedError> {
     let expected = model_parameters(cfg)
         .map_err(|source| PretrainedError::Config { path: dir.join(CONFIG_FILE), source })?;
+    let layers = cfg.num_layers();
+    let mtp = layers..layers + mtp_layers(dir);
     let mut tensors = BTreeMap::new();
     for file in weight_files(dir)? {
         for (name, t) in read_tensors(&file)? {
-            if name.ends_with(".rotary_emb.inv_freq") {
+            if name.ends_with(".rotary_emb.inv_freq") || layer_of(&name).is_some_and(|l| mtp.contains(&l)) {
                 continue;
             }
             tensors.insert(name, t);
         }
     }
-    if cfg.tie_word_embeddings {
+    if cfg.base().tie_word_embeddings {
         if let (Some(head), Some(embed)) = (tensors.get(LM_HEAD), tensors.get(EMBED)) {
             let same = head.dims() == embed.dims() && head.eq(embed)?.min_all()?.to_scalar::<u8>()? == 1;
             if !same {
@@ -276,7 +295,20 @@ pub fn load_weights(dir: &Path, cfg: &LlamaConfig) -> Result<BTreeMap<String, Te
             });
         }
     }
-    let known: BTreeSet<&String> = expected.iter().map(|(n, _)| n).collect();
+    // The routing biases are optional; present, they must be `[E]`.
+    let biases: Vec<(String, Vec<usize>)> =
+        cfg.moe_layers().into_iter().filter_map(|(l, e)| Some((cfg.balance_bias(l)?, vec![e]))).collect();
+    for (name, shape) in &biases {
+        if let Some(t) = tensors.get(name).filter(|t| t.dims() != shape.as_slice()) {
+            return Err(PretrainedError::Shape {
+                dir: dir.to_path_buf(),
+                name: name.clone(),
+                found: t.dims().to_vec(),
+                expected: shape.clone(),
+            });
+        }
+    }
+    let known: BTreeSet<&String> = expected.iter().chain(&biases).map(|(n, _)| n).collect();
     let extra: Vec<String> = tensors.keys().filter(|n| !known.contains(n)).cloned().collect();
     if !extra.is_empty() {
         return Err(PretrainedError::Unexpected { dir: dir.to_path_buf(), names: extra });

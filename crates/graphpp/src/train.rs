@@ -364,12 +364,7 @@ impl Run {
             None => Trainer::new(setup)?,
         };
         if let Some(dir) = &config.init_from {
-            let ModelConfig::Llama(llama) = &config.model else {
-                return Err(RunError::Config(
-                    "--init-from loads Llama checkpoints; the model is a MoE".into(),
-                ));
-            };
-            let weights = crate::pretrained::load_weights(dir, llama)?;
+            let weights = crate::pretrained::load_weights(dir, &config.model)?;
             trainer.load_parameters(&weights.into_iter().collect())?;
         }
         let batcher = Batcher { seed: config.seed, position: 0 };

@@ -1,17 +1,39 @@
 //! `--init-from DIR` end to end: `graphpp verify` and `graphpp train` start from a Hugging Face
 //! model folder (the fixture written by `tools/torch/hf_llama_logits.py`: tied embeddings, GQA,
-//! head_dim ≠ hidden/heads, biases, GELU); `--model` with it is a usage error; an unsupported
+//! head_dim ≠ hidden/heads, biases, GELU; and `hf_deepseek_logits.py`'s DeepSeek-V3); `--model`
+//! with it is a usage error; an unsupported
 //! config field fails naming the field.
 
 use assert_cmd::Command;
 use std::path::Path;
 
 const GELU: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny-llama-gelu");
+const DEEPSEEK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny-deepseek-v3");
 
 fn graphpp(args: &[&str]) -> (bool, Option<i32>, String, String) {
     let out = Command::cargo_bin("graphpp").expect("binary builds").args(args).output().unwrap();
     let s = |b: Vec<u8>| String::from_utf8(b).unwrap();
     (out.status.success(), out.status.code(), s(out.stdout), s(out.stderr))
+}
+
+/// A DeepSeek-V3 folder (`tools/torch/hf_deepseek_logits.py`: MLA, YaRN, group-limited routing,
+/// its routing biases) verifies under 1F1B over its 3 layers and under ZB-V on one rank, from
+/// its own weights (the loss on random tokens is far above ln 256).
+#[test]
+fn verify_a_pretrained_deepseek_v3_model() {
+    for args in [
+        &["--schedule", "1f1b", "--ranks", "3", "--microbatches", "3"][..],
+        &["--schedule", "zbv", "--ranks", "1", "--microbatches", "2", "--layers-per-stage", "2,1"],
+    ] {
+        let mut all = vec!["verify", "--init-from", DEEPSEEK, "--seq-len", "8"];
+        all.extend_from_slice(args);
+        let (ok, _, out, err) = graphpp(&all);
+        assert!(ok, "{args:?}: {out}{err}");
+        assert!(out.contains("hf-tiny-deepseek-v3, 3 layers") && out.contains("PASS"), "{out}");
+        let line = out.lines().find(|l| l.starts_with("loss single device")).unwrap();
+        let loss: f64 = line.split_whitespace().nth(3).unwrap().parse().unwrap();
+        assert!(loss > 6.0, "{line}");
+    }
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Loading Hugging Face model folders (`--init-from`): the fixtures written by
 //! `tools/torch/hf_llama_logits.py` (transformers 5.24 `LlamaForCausalLM.save_pretrained`, with
-//! the model's logits) give PyTorch's logits and loss; bad folders give errors naming the file,
+//! the model's logits) and `tools/torch/hf_deepseek_logits.py` (transformers 5.25
+//! `DeepseekV3ForCausalLM`) give PyTorch's logits and loss; bad folders give errors naming the file,
 //! tensor or field; a tied embedding's pipeline copies stay equal through training.
 
 use std::collections::{BTreeMap, HashMap};
@@ -11,13 +12,14 @@ use graphpp::pretrained::{self, PretrainedError};
 use graphpp::train::{Run, RunConfig};
 use graphpp_graph::names::{LOGITS, LOSS, TARGETS, TOKENS};
 use graphpp_graph::DType;
-use graphpp_models::{build_stage, split_layers, stage_buffers, LlamaConfig, ModelError, StageOptions};
+use graphpp_models::{split_layers, Model, ModelError, StageOptions};
 use graphpp_runtime::exec::{run_named, RunOptions};
 use graphpp_runtime::kernels::tensor::{candle_dtype, tensor_from_f64, to_f64};
 use graphpp_schedule::Kind;
 
 const GELU: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny-llama-gelu");
 const TANH_BF16: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny-llama-tanh-bf16");
+const DEEPSEEK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny-deepseek-v3");
 
 /// The fixture's tokens, targets (u32 `[B, T]`), logits, logits_f64, loss, loss_f64.
 fn reference(dir: &str) -> HashMap<String, Tensor> {
@@ -31,24 +33,28 @@ fn reference(dir: &str) -> HashMap<String, Tensor> {
 
 /// (logits `[B·T, V]`, loss) of one device from `weights`, in `dtype`.
 fn forward(
-    cfg: &LlamaConfig,
+    cfg: &dyn Model,
     weights: &BTreeMap<String, Tensor>,
     r: &HashMap<String, Tensor>,
     dtype: DType,
 ) -> (Vec<f64>, f64) {
     let (b, t) = r["tokens"].dims2().unwrap();
-    let spec = &split_layers(cfg.num_hidden_layers, 1, None).unwrap()[0];
-    let mut env: HashMap<String, Tensor> =
-        weights.iter().map(|(k, v)| (k.clone(), v.to_dtype(candle_dtype(dtype)).unwrap())).collect();
-    for (name, shape, data) in stage_buffers(cfg, t) {
-        env.insert(name, tensor_from_f64(&data, &shape, dtype).unwrap());
+    let spec = &split_layers(cfg.num_layers(), 1, None).unwrap()[0];
+    let mut env = HashMap::new();
+    for (name, shape, data) in cfg.stage_buffers(t) {
+        env.insert(name.clone(), tensor_from_f64(&data, &shape, cfg.buffer_dtype(&name, dtype)).unwrap());
+    }
+    // The weights, and the buffers the folder gives (MoE routing biases) over the model's.
+    for (k, v) in weights {
+        let dtype = if env.contains_key(k) { cfg.buffer_dtype(k, dtype) } else { dtype };
+        env.insert(k.clone(), v.to_dtype(candle_dtype(dtype)).unwrap());
     }
     env.insert(TOKENS.into(), r["tokens"].clone());
     env.insert(TARGETS.into(), r["targets"].clone());
     let mut out = Vec::new();
     for logits in [true, false] {
         let opts = StageOptions { dtype, logits, ..StageOptions::new(b, t) };
-        let g = build_stage(cfg, spec, &opts).unwrap();
+        let g = cfg.build_stage(spec, &opts).unwrap();
         let run = run_named(&g, &env, &RunOptions::default()).unwrap();
         out.push(to_f64(run.output(&g, if logits { LOGITS } else { LOSS }).unwrap()).unwrap());
     }
@@ -84,7 +90,7 @@ fn check_fixture(dir: &str) {
 #[test]
 fn gelu_gqa_head_dim_bias_tied_fixture_gives_pytorchs_logits() {
     let p = pretrained::load(Path::new(GELU)).unwrap();
-    let c = &p.config;
+    let c = p.config.base();
     assert!(c.tie_word_embeddings && c.attention_bias && c.mlp_bias);
     assert_eq!((c.head_dim(), c.kv_heads(), c.rope_theta, c.rms_norm_eps), (8, 2, 500.0, 1e-5));
     assert!(!p.tensors.contains_key("lm_head.weight"));
@@ -94,9 +100,43 @@ fn gelu_gqa_head_dim_bias_tied_fixture_gives_pytorchs_logits() {
 #[test]
 fn bf16_gelu_tanh_untied_fixture_gives_pytorchs_logits() {
     let p = pretrained::load(Path::new(TANH_BF16)).unwrap();
-    assert_eq!((p.config.kv_heads(), p.config.rms_norm_eps), (1, 1e-6));
+    assert_eq!((p.config.base().kv_heads(), p.config.base().rms_norm_eps), (1, 1e-6));
     assert!(p.tensors.values().all(|t| t.dtype() == CDType::F32));
     check_fixture(TANH_BF16);
+}
+
+/// A tiny `DeepseekV3ForCausalLM` (`tools/torch/hf_deepseek_logits.py`: MLA with a query latent,
+/// YaRN, interleaved RoPE, q·k 12 ≠ v 6, group-limited routing with non-zero routing biases)
+/// loads as a MoE model with MLA, its biases with it, and gives transformers' logits and loss
+/// within 1e-5 relative in f32.
+#[test]
+fn deepseek_v3_folder_gives_transformers_logits() {
+    let p = pretrained::load(Path::new(DEEPSEEK)).unwrap();
+    let graphpp_models::ModelConfig::Moe(m) = &p.config else { panic!("a MoE config: {:?}", p.config) };
+    let mla = m.mla.as_ref().expect("MLA");
+    assert_eq!((mla.q_lora_rank, mla.qk_head_dim(), mla.v_head_dim, m.n_group), (Some(16), 12, 6, 4));
+    assert!(m.rope_scaling.is_some() && m.grouped());
+    let bias = to_f64(&p.tensors["model.layers.1.mlp.gate.e_score_correction_bias"]).unwrap();
+    assert!(bias.iter().any(|&x| x != 0.0), "the routing biases are read");
+    let r = reference(DEEPSEEK);
+    let (logits, loss) = forward(&p.config, &p.tensors, &r, DType::F32);
+    let want = to_f64(&r["logits"]).unwrap();
+    let loss_want = to_f64(&r["loss"]).unwrap()[0];
+    let (e, le) = (rel(&logits, &want), (loss - loss_want).abs() / loss_want);
+    eprintln!("{DEEPSEEK}: logits max rel diff {e:.3e}, loss {loss} vs {loss_want} (rel {le:.3e})");
+    assert!(e < 1e-5 && le < 1e-5, "logits {e:e}, loss {le:e}");
+    // The folder's biases are the ones used: biases that send every token to expert 0 change
+    // the logits by far more than the tolerance (4.7e-4 relative; the LM head's large logits
+    // dominate the scale).
+    let mut skewed = p.tensors.clone();
+    for (k, t) in skewed.iter_mut().filter(|(k, _)| k.ends_with("e_score_correction_bias")) {
+        let mut b = vec![0f32; t.dims()[0]];
+        b[0] = 10.0;
+        *t = Tensor::from_vec(b, t.dims(), &Device::Cpu).unwrap();
+        assert!(k.starts_with("model.layers."));
+    }
+    let (other, _) = forward(&p.config, &skewed, &r, DType::F32);
+    assert!(rel(&other, &want) > 1e-4, "{}", rel(&other, &want));
 }
 
 /// A copy of `src` in a temporary folder, with `edit` applied to its tensors (f32) and config.
@@ -299,7 +339,7 @@ fn run_config(data: PathBuf, kind: Kind, ranks: usize) -> RunConfig {
     let model = pretrained::load_config(Path::new(GELU)).unwrap();
     RunConfig {
         model_name: GELU.into(),
-        model: graphpp_models::ModelConfig::Llama(model),
+        model,
         kind,
         schedule_file: None,
         group: None,

@@ -173,7 +173,8 @@ impl GraphCache {
 /// What a rank's stages are built from: the model, the model stage each schedule stage runs
 /// (`specs[s]`, from [`stage_specs`]), the stage options and the initial weights — `given` by
 /// name (e.g. pretrained; a tied embedding's copies both read `model.embed_tokens.weight`), else
-/// drawn from `seed` ([`Model::init_parameters`], seeded per name so any split agrees).
+/// drawn from `seed` ([`Model::init_parameters`], seeded per name so any split agrees); a given
+/// buffer of the right shape (a pretrained MoE routing bias) replaces the model's initial one.
 #[derive(Clone, Copy)]
 pub struct StageBuild<'a> {
     /// The model.
@@ -225,7 +226,12 @@ impl StageBuild<'_> {
         }
         for (name, shape, data) in model.stage_buffers(opts.seq) {
             let dtype = model.buffer_dtype(&name, opts.dtype);
-            env.insert(name, tensor_from_f64(&data, &shape, dtype)?);
+            // A given buffer (a pretrained MoE routing bias) replaces the model's initial one.
+            let t = match self.given.and_then(|g| g.get(&name)).filter(|t| t.dims() == shape.as_slice()) {
+                Some(t) => t.to_dtype(crate::kernels::tensor::candle_dtype(dtype))?,
+                None => tensor_from_f64(&data, &shape, dtype)?,
+            };
+            env.insert(name, t);
         }
         Ok(env)
     }

@@ -133,11 +133,7 @@ fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(Veri
     let (mut model, weights, name) = match &a.init_from {
         Some(dir) => {
             let p = graphpp::pretrained::load(dir).context("--init-from")?;
-            (
-                graphpp_models::ModelConfig::Llama(p.config),
-                Some(Arc::new(p.tensors.into_iter().collect())),
-                dir.display().to_string(),
-            )
+            (p.config, Some(Arc::new(p.tensors.into_iter().collect())), dir.display().to_string())
         }
         None => (crate::cmd::graph::load_config(&a.model)?, None, a.model.clone()),
     };

@@ -212,7 +212,7 @@ impl TrainArgs {
         let l = &self.layout;
         let (kind, ranks, microbatches) = l.shape()?;
         let mut model = match &self.init_from {
-            Some(dir) => ModelConfig::Llama(graphpp::pretrained::load_config(dir).context("--init-from")?),
+            Some(dir) => graphpp::pretrained::load_config(dir).context("--init-from")?,
             None => crate::cmd::graph::load_config(&self.model)?,
         };
         if let Some(l) = self.layers {
