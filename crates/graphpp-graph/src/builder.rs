@@ -57,6 +57,19 @@ impl GraphBuilder {
         self.meta.scope = self.scopes.join(".");
     }
 
+    /// Builds `f`'s nodes under the sub-scope `name` ([`GraphBuilder::push_scope`], then
+    /// [`GraphBuilder::pop_scope`], also when `f` fails).
+    pub fn scoped<R, E>(
+        &mut self,
+        name: &str,
+        f: impl FnOnce(&mut Self) -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, E> {
+        self.push_scope(name);
+        let r = f(self);
+        self.pop_scope();
+        r
+    }
+
     /// Sets the full scope of the nodes that follow (used by passes that copy nodes).
     pub fn set_scope(&mut self, scope: &str) {
         self.scopes = if scope.is_empty() { vec![] } else { vec![scope.to_string()] };

@@ -28,6 +28,17 @@ pub fn linear(b: &mut GraphBuilder, x: ValueId, w: ValueId) -> Result<ValueId> {
     b.reshape(y, out)
 }
 
+/// [`linear_bias`] under the scope `name` (the projection's HF name: `q_proj`, `down_proj`, …).
+pub fn projection(
+    b: &mut GraphBuilder,
+    name: &str,
+    x: ValueId,
+    w: ValueId,
+    bias: Option<ValueId>,
+) -> Result<ValueId> {
+    b.scoped(name, |b| linear_bias(b, x, w, bias))
+}
+
 /// [`linear`] plus an optional `bias: [out]` added to every row (`nn.Linear(bias=True)`).
 pub fn linear_bias(b: &mut GraphBuilder, x: ValueId, w: ValueId, bias: Option<ValueId>) -> Result<ValueId> {
     let y = linear(b, x, w)?;
@@ -135,18 +146,11 @@ pub struct MlpWeights {
 /// Gated MLP (Shazeer 2020; HF `LlamaMLP`): `down(act(gate(x)) * up(x))`, scopes `gate_proj`,
 /// `up_proj`, `down_proj`.
 pub fn gated_mlp(b: &mut GraphBuilder, x: ValueId, w: MlpWeights, act: Activation) -> Result<ValueId> {
-    b.push_scope("gate_proj");
-    let g = linear_bias(b, x, w.gate, w.gate_bias)?;
-    b.pop_scope();
-    b.push_scope("up_proj");
-    let u = linear_bias(b, x, w.up, w.up_bias)?;
-    b.pop_scope();
+    let g = projection(b, "gate_proj", x, w.gate, w.gate_bias)?;
+    let u = projection(b, "up_proj", x, w.up, w.up_bias)?;
     let a = activation(b, g, act)?;
     let h = b.mul(a, u)?;
-    b.push_scope("down_proj");
-    let y = linear_bias(b, h, w.down, w.down_bias)?;
-    b.pop_scope();
-    Ok(y)
+    projection(b, "down_proj", h, w.down, w.down_bias)
 }
 
 /// SwiGLU MLP (Shazeer 2020; HF Llama): [`gated_mlp`] with SiLU and no biases.
@@ -240,30 +244,42 @@ pub fn causal_attention(
     let s = b.shape(x);
     let (bsz, t) = (s[0], s[1]);
     let hd = b.shape(w.q)[0] / dims.heads;
-    let proj =
-        |b: &mut GraphBuilder, name: &str, wt: ValueId, bias: Option<ValueId>, h: usize| -> Result<ValueId> {
-            b.push_scope(name);
+    let proj = |b: &mut GraphBuilder, name: &str, wt: ValueId, bias: Option<ValueId>, h: usize| {
+        b.scoped(name, |b| {
             let y = linear_bias(b, x, wt, bias)?;
-            let y = heads_split(b, y, bsz, t, h, hd)?;
-            b.pop_scope();
-            Ok(y)
-        };
+            heads_split(b, y, bsz, t, h, hd)
+        })
+    };
     let q = proj(b, "q_proj", w.q, w.q_bias, dims.heads)?;
     let k = proj(b, "k_proj", w.k, w.k_bias, dims.kv_heads)?;
     let v = proj(b, "v_proj", w.v, w.v_bias, dims.kv_heads)?;
     let q = rope(b, q, cos, sin)?;
     let k = rope(b, k, cos, sin)?;
-    // Scores, mask, softmax (in the wide dtype: f32 for bf16, as HF's
-    // `softmax(…, dtype=torch.float32)`) and the weighted sum of v in one node, whose backward
-    // saves no [B, H, T, T] probabilities.
+    let o = attend(b, q, k, v, mask, 1.0 / (hd as f64).sqrt())?;
+    output_projection(b, o, w.o, w.o_bias)
+}
+
+/// Scores, mask, softmax (in the wide dtype: f32 for bf16, as HF's
+/// `softmax(…, dtype=torch.float32)`) and the weighted sum of v in one [`crate::Op::Attention`]
+/// node, whose backward saves no `[B, H, T, T]` probabilities; the mask is cast to that dtype.
+fn attend(
+    b: &mut GraphBuilder,
+    q: ValueId,
+    k: ValueId,
+    v: ValueId,
+    mask: ValueId,
+    scale: f64,
+) -> Result<ValueId> {
     let mask = b.cast(mask, b.ty(q).dtype.wide())?;
-    let o = b.attention(q, k, v, mask, 1.0 / (hd as f64).sqrt())?;
+    b.attention(q, k, v, mask, scale)
+}
+
+/// The heads' outputs `o: [B, H, T, d]` joined to `[B, T, H·d]` and projected by `o_proj`.
+fn output_projection(b: &mut GraphBuilder, o: ValueId, w: ValueId, bias: Option<ValueId>) -> Result<ValueId> {
+    let s = b.shape(o);
     let o = b.permute(o, vec![0, 2, 1, 3])?;
-    let o = b.reshape(o, vec![bsz, t, dims.heads * hd])?;
-    b.push_scope("o_proj");
-    let y = linear_bias(b, o, w.o, w.o_bias)?;
-    b.pop_scope();
-    Ok(y)
+    let o = b.reshape(o, vec![s[0], s[2], s[1] * s[3]])?;
+    projection(b, "o_proj", o, w, bias)
 }
 
 /// The query projection of multi-head latent attention: full rank (`q_proj`, HF `q_lora_rank`
@@ -349,7 +365,6 @@ pub struct LatentAttentionDims {
 /// the values) and the output sliced back to `d_v` — Megatron-LM pads the same way for kernels
 /// without distinct value widths. Scopes `q_proj` (or `q_a_proj`, `q_a_layernorm`, `q_b_proj`),
 /// `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`.
-#[allow(clippy::too_many_arguments)]
 pub fn latent_attention(
     b: &mut GraphBuilder,
     x: ValueId,
@@ -367,18 +382,12 @@ pub fn latent_attention(
     let q = heads_split(b, q, bsz, t, h, qk)?;
     let q_nope = b.slice(q, 3, 0, nope)?;
     let q_rope = b.slice(q, 3, nope, qk)?;
-    b.push_scope("kv_a_proj_with_mqa");
-    let ckv = linear_bias(b, x, w.kv_a, w.kv_a_bias)?;
-    b.pop_scope();
+    let ckv = projection(b, "kv_a_proj_with_mqa", x, w.kv_a, w.kv_a_bias)?;
     let c = b.slice(ckv, 2, 0, dims.kv_lora_rank)?;
     let k_rope = b.slice(ckv, 2, dims.kv_lora_rank, dims.kv_lora_rank + r)?;
-    b.push_scope("kv_a_layernorm");
-    let c = rms_norm(b, c, w.kv_norm, dims.norm_eps)?;
-    b.pop_scope();
-    b.push_scope("kv_b_proj");
-    let kv = linear(b, c, w.kv_b)?;
+    let c = b.scoped("kv_a_layernorm", |b| rms_norm(b, c, w.kv_norm, dims.norm_eps))?;
+    let kv = projection(b, "kv_b_proj", c, w.kv_b, None)?;
     let kv = heads_split(b, kv, bsz, t, h, nope + dv)?;
-    b.pop_scope();
     let k_nope = b.slice(kv, 3, 0, nope)?;
     let v = b.slice(kv, 3, nope, nope + dv)?;
     let k_rope = b.reshape(k_rope, vec![bsz, 1, t, r])?;
@@ -389,37 +398,19 @@ pub fn latent_attention(
     let k = b.concat(&[k_nope, k_rope], 3)?;
     let width = qk.max(dv);
     let (q, k, v) = (pad_last(b, q, width)?, pad_last(b, k, width)?, pad_last(b, v, width)?);
-    let mask = b.cast(mask, b.ty(q).dtype.wide())?;
-    let o = b.attention(q, k, v, mask, dims.scale)?;
+    let o = attend(b, q, k, v, mask, dims.scale)?;
     let o = if width > dv { b.slice(o, 3, 0, dv)? } else { o };
-    let o = b.permute(o, vec![0, 2, 1, 3])?;
-    let o = b.reshape(o, vec![bsz, t, h * dv])?;
-    b.push_scope("o_proj");
-    let y = linear_bias(b, o, w.o, w.o_bias)?;
-    b.pop_scope();
-    Ok(y)
+    output_projection(b, o, w.o, w.o_bias)
 }
 
 /// The queries of [`latent_attention`], `[B, T, H·(d_nope + d_rope)]`.
 fn latent_query(b: &mut GraphBuilder, x: ValueId, q: &LatentQuery, eps: f64) -> Result<ValueId> {
     match *q {
-        LatentQuery::Full { q } => {
-            b.push_scope("q_proj");
-            let y = linear(b, x, q)?;
-            b.pop_scope();
-            Ok(y)
-        }
+        LatentQuery::Full { q } => projection(b, "q_proj", x, q, None),
         LatentQuery::LowRank { a, a_bias, norm, b: up } => {
-            b.push_scope("q_a_proj");
-            let l = linear_bias(b, x, a, a_bias)?;
-            b.pop_scope();
-            b.push_scope("q_a_layernorm");
-            let l = rms_norm(b, l, norm, eps)?;
-            b.pop_scope();
-            b.push_scope("q_b_proj");
-            let y = linear(b, l, up)?;
-            b.pop_scope();
-            Ok(y)
+            let l = projection(b, "q_a_proj", x, a, a_bias)?;
+            let l = b.scoped("q_a_layernorm", |b| rms_norm(b, l, norm, eps))?;
+            projection(b, "q_b_proj", l, up, None)
         }
     }
 }

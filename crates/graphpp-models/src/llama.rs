@@ -195,6 +195,28 @@ pub fn stage_parameters(cfg: &LlamaConfig, spec: &StageSpec) -> Vec<(String, Vec
     decoder_parameters(cfg, spec, &GroupedQueryAttention(cfg), &DenseMlp(cfg))
 }
 
+/// The parameters of one block of a stage by their HF names under a prefix
+/// (`model.layers.3.self_attn`): `weight("q_proj")` is `{pre}.q_proj.weight`.
+#[derive(Clone, Copy)]
+pub(crate) struct ParamsAt<'a> {
+    /// Every parameter of the stage by name, as the graph reads it (cast).
+    pub all: &'a HashMap<String, ValueId>,
+    /// The block's prefix.
+    pub pre: &'a str,
+}
+
+impl ParamsAt<'_> {
+    /// `{pre}.{name}.weight` (the stage holds it: the names come from the same config).
+    pub fn weight(&self, name: &str) -> ValueId {
+        self.all[&format!("{}.{name}.weight", self.pre)]
+    }
+
+    /// `{pre}.{name}.bias`, where the config has one.
+    pub fn bias(&self, name: &str) -> Option<ValueId> {
+        self.all.get(&format!("{}.{name}.bias", self.pre)).copied()
+    }
+}
+
 /// The self-attention block of each decoder layer, after `input_layernorm`: Llama's
 /// grouped-query attention ([`GroupedQueryAttention`]) or DeepSeek's multi-head latent attention
 /// ([`crate::mla`]). Parameters are under `model.layers.<l>.self_attn`.
@@ -203,15 +225,13 @@ pub(crate) trait SelfAttention {
     /// (`model.layers.<l>.self_attn`).
     fn parameters(&self, pre: &str, out: &mut Vec<(String, Vec<usize>)>);
 
-    /// Builds the block under `pre` on the normalised hidden states `h` `[B, T, D]`; `params`
-    /// maps every parameter name of the stage to its (cast) value, `bufs` are `rope.cos`,
-    /// `rope.sin` and `mask` ([`stage_buffer_shapes`]).
+    /// Builds the block on the normalised hidden states `h` `[B, T, D]` from its parameters
+    /// `p`; `bufs` are `rope.cos`, `rope.sin` and `mask` ([`stage_buffer_shapes`]).
     fn build(
         &self,
         b: &mut GraphBuilder,
-        pre: &str,
         h: ValueId,
-        params: &HashMap<String, ValueId>,
+        p: ParamsAt,
         bufs: &[ValueId],
     ) -> Result<ValueId, ModelError>;
 }
@@ -234,24 +254,21 @@ impl SelfAttention for GroupedQueryAttention<'_> {
     fn build(
         &self,
         b: &mut GraphBuilder,
-        pre: &str,
         h: ValueId,
-        params: &HashMap<String, ValueId>,
+        p: ParamsAt,
         bufs: &[ValueId],
     ) -> Result<ValueId, ModelError> {
         let cfg = self.0;
         let dims = AttentionDims { heads: cfg.num_attention_heads, kv_heads: cfg.kv_heads() };
-        let w = |s: &str| params[&format!("{pre}.{s}.weight")];
-        let bias = |s: &str| params.get(&format!("{pre}.{s}.bias")).copied();
         let aw = AttentionWeights {
-            q: w("q_proj"),
-            k: w("k_proj"),
-            v: w("v_proj"),
-            o: w("o_proj"),
-            q_bias: bias("q_proj"),
-            k_bias: bias("k_proj"),
-            v_bias: bias("v_proj"),
-            o_bias: bias("o_proj"),
+            q: p.weight("q_proj"),
+            k: p.weight("k_proj"),
+            v: p.weight("v_proj"),
+            o: p.weight("o_proj"),
+            q_bias: p.bias("q_proj"),
+            k_bias: p.bias("k_proj"),
+            v_bias: p.bias("v_proj"),
+            o_bias: p.bias("o_proj"),
         };
         Ok(causal_attention(b, h, aw, dims, bufs[0], bufs[1], bufs[2])?)
     }
@@ -316,15 +333,14 @@ pub(crate) fn mlp_at(
     pre: &str,
     act: crate::config::HiddenAct,
 ) -> Result<ValueId, ModelError> {
-    let w = |s: &str| params[&format!("{pre}.{s}.weight")];
-    let bias = |s: &str| params.get(&format!("{pre}.{s}.bias")).copied();
+    let p = ParamsAt { all: params, pre };
     let mw = MlpWeights {
-        gate: w("gate_proj"),
-        up: w("up_proj"),
-        down: w("down_proj"),
-        gate_bias: bias("gate_proj"),
-        up_bias: bias("up_proj"),
-        down_bias: bias("down_proj"),
+        gate: p.weight("gate_proj"),
+        up: p.weight("up_proj"),
+        down: p.weight("down_proj"),
+        gate_bias: p.bias("gate_proj"),
+        up_bias: p.bias("up_proj"),
+        down_bias: p.bias("down_proj"),
     };
     Ok(gated_mlp(b, x, mw, act.activation())?)
 }
@@ -571,24 +587,20 @@ fn decoder_layer(
     x: ValueId,
 ) -> Result<ValueId, ModelError> {
     let pre = format!("model.layers.{l}");
-    let w = |s: &str| ins.params[&format!("{pre}.{s}.weight")];
-    b.push_scope(&format!("layers.{l}"));
-    b.push_scope("input_layernorm");
-    let h = rms_norm(b, x, w("input_layernorm"), cfg.rms_norm_eps)?;
-    b.pop_scope();
-    b.push_scope("self_attn");
-    let a = attn.build(b, &format!("{pre}.self_attn"), h, &ins.params, &ins.bufs)?;
-    b.pop_scope();
-    let x = b.add2(x, a)?;
-    b.push_scope("post_attention_layernorm");
-    let h = rms_norm(b, x, w("post_attention_layernorm"), cfg.rms_norm_eps)?;
-    b.pop_scope();
-    b.push_scope("mlp");
-    let m = ffn.build(b, l, ep, h, &ins.params)?;
-    b.pop_scope();
-    let x = b.add2(x, m)?;
-    b.pop_scope();
-    Ok(x)
+    let attn_pre = format!("{pre}.self_attn");
+    let (layer, attn_params) =
+        (ParamsAt { all: &ins.params, pre: &pre }, ParamsAt { all: &ins.params, pre: &attn_pre });
+    let norm = |b: &mut GraphBuilder, name: &str, x: ValueId| {
+        b.scoped(name, |b| rms_norm(b, x, layer.weight(name), cfg.rms_norm_eps))
+    };
+    b.scoped(&format!("layers.{l}"), |b| {
+        let h = norm(b, "input_layernorm", x)?;
+        let a = b.scoped("self_attn", |b| attn.build(b, h, attn_params, &ins.bufs))?;
+        let x = b.add2(x, a)?;
+        let h = norm(b, "post_attention_layernorm", x)?;
+        let m = b.scoped("mlp", |b| ffn.build(b, l, ep, h, &ins.params))?;
+        Ok(b.add2(x, m)?)
+    })
 }
 
 /// The LM head on the normalised hidden states `h` `[B, T, D]` (the embedding table when tied):

@@ -8,15 +8,13 @@
 //! [`graphpp_graph::layers::latent_attention`]; the RoPE tables are `[T, qk_rope_head_dim]`
 //! (HF sets `head_dim = qk_rope_head_dim` for these models, and so does [`MlaConfig::apply`]).
 
-use std::collections::HashMap;
-
 use graphpp_graph::layers::{latent_attention, LatentAttentionDims, LatentAttentionWeights, LatentQuery};
 use graphpp_graph::{GraphBuilder, ValueId};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::ModelError;
-use crate::llama::{projection, SelfAttention};
+use crate::llama::{projection, ParamsAt, SelfAttention};
 
 /// Epsilon of MLA's two latent RMSNorms: HF builds `q_a_layernorm` and `kv_a_layernorm` with
 /// `DeepseekV3RMSNorm`'s default, not `rms_norm_eps` (and so does DeepSeek's reference model).
@@ -250,36 +248,33 @@ impl Yarn {
     }
 }
 
-/// MLA as a decoder's self-attention block ([`SelfAttention`]): the [`MlaConfig`] with the
-/// heads, the width `D`, `attention_bias` and the softmax factor from the rest of the config.
+/// MLA as a decoder's self-attention block ([`SelfAttention`]): the [`MlaConfig`], the rest of
+/// the decoder's config (heads, width `D`, `attention_bias` on `q_a_proj`,
+/// `kv_a_proj_with_mqa` and `o_proj`) and the YaRN scaling, which scales the softmax.
 pub(crate) struct LatentAttention<'a> {
     /// The MLA sizes.
     pub mla: &'a MlaConfig,
-    /// Heads `H`.
-    pub heads: usize,
-    /// Model width `D`.
-    pub hidden: usize,
-    /// Biases on `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj` (HF `attention_bias`).
-    pub bias: bool,
-    /// YaRN's factor on the softmax scale ([`Yarn::softmax_factor`]; 1 without YaRN).
-    pub softmax_factor: f64,
+    /// The decoder's config.
+    pub base: &'a crate::config::LlamaConfig,
+    /// YaRN, when the config scales RoPE.
+    pub yarn: Option<&'a Yarn>,
 }
 
 impl SelfAttention for LatentAttention<'_> {
     fn parameters(&self, pre: &str, out: &mut Vec<(String, Vec<usize>)>) {
         let m = self.mla;
-        let (d, h) = (self.hidden, self.heads);
+        let (d, h, bias) = (self.base.hidden_size, self.base.num_attention_heads, self.base.attention_bias);
         let qk = h * m.qk_head_dim();
         match m.q_lora_rank {
             None => projection(out, format!("{pre}.q_proj"), qk, d, false),
             Some(r) => {
-                projection(out, format!("{pre}.q_a_proj"), r, d, self.bias);
+                projection(out, format!("{pre}.q_a_proj"), r, d, bias);
                 out.push((format!("{pre}.q_a_layernorm.weight"), vec![r]));
                 projection(out, format!("{pre}.q_b_proj"), qk, r, false);
             }
         }
         let kv_a = m.kv_lora_rank + m.qk_rope_head_dim;
-        projection(out, format!("{pre}.kv_a_proj_with_mqa"), kv_a, d, self.bias);
+        projection(out, format!("{pre}.kv_a_proj_with_mqa"), kv_a, d, bias);
         out.push((format!("{pre}.kv_a_layernorm.weight"), vec![m.kv_lora_rank]));
         projection(
             out,
@@ -288,47 +283,45 @@ impl SelfAttention for LatentAttention<'_> {
             m.kv_lora_rank,
             false,
         );
-        projection(out, format!("{pre}.o_proj"), d, h * m.v_head_dim, self.bias);
+        projection(out, format!("{pre}.o_proj"), d, h * m.v_head_dim, bias);
     }
 
     fn build(
         &self,
         b: &mut GraphBuilder,
-        pre: &str,
         h: ValueId,
-        params: &HashMap<String, ValueId>,
+        p: ParamsAt,
         bufs: &[ValueId],
     ) -> Result<ValueId, ModelError> {
         let m = self.mla;
-        let w = |s: &str| params[&format!("{pre}.{s}.weight")];
-        let bias = |s: &str| params.get(&format!("{pre}.{s}.bias")).copied();
         let query = match m.q_lora_rank {
-            None => LatentQuery::Full { q: w("q_proj") },
+            None => LatentQuery::Full { q: p.weight("q_proj") },
             Some(_) => LatentQuery::LowRank {
-                a: w("q_a_proj"),
-                a_bias: bias("q_a_proj"),
-                norm: w("q_a_layernorm"),
-                b: w("q_b_proj"),
+                a: p.weight("q_a_proj"),
+                a_bias: p.bias("q_a_proj"),
+                norm: p.weight("q_a_layernorm"),
+                b: p.weight("q_b_proj"),
             },
         };
         let weights = LatentAttentionWeights {
             query,
-            kv_a: w("kv_a_proj_with_mqa"),
-            kv_a_bias: bias("kv_a_proj_with_mqa"),
-            kv_norm: w("kv_a_layernorm"),
-            kv_b: w("kv_b_proj"),
-            o: w("o_proj"),
-            o_bias: bias("o_proj"),
+            kv_a: p.weight("kv_a_proj_with_mqa"),
+            kv_a_bias: p.bias("kv_a_proj_with_mqa"),
+            kv_norm: p.weight("kv_a_layernorm"),
+            kv_b: p.weight("kv_b_proj"),
+            o: p.weight("o_proj"),
+            o_bias: p.bias("o_proj"),
         };
+        let softmax_factor = self.yarn.map_or(1.0, Yarn::softmax_factor);
         let dims = LatentAttentionDims {
-            heads: self.heads,
+            heads: self.base.num_attention_heads,
             kv_lora_rank: m.kv_lora_rank,
             nope: m.qk_nope_head_dim,
             rope: m.qk_rope_head_dim,
             v: m.v_head_dim,
             norm_eps: LATENT_NORM_EPS,
             interleave: m.rope_interleave,
-            scale: self.softmax_factor / (m.qk_head_dim() as f64).sqrt(),
+            scale: softmax_factor / (m.qk_head_dim() as f64).sqrt(),
         };
         Ok(latent_attention(b, h, &weights, dims, bufs[0], bufs[1], bufs[2])?)
     }

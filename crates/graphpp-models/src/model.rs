@@ -206,7 +206,7 @@ impl ModelConfig {
     /// ([`LlamaConfig::from_json`]). Errors: as those.
     pub fn from_json(text: &str) -> Result<Self, ModelError> {
         let obj = crate::config::json_object(text)?;
-        let deepseek = |t: &str| t.starts_with("deepseek_v");
+        let deepseek = |t: &str| crate::moe::DEEPSEEK_TYPES.contains(&t);
         let moe = obj.contains_key("n_routed_experts")
             || obj.get("model_type").and_then(|v| v.as_str()).is_some_and(deepseek);
         Ok(if moe {

@@ -48,7 +48,7 @@ use serde_json::Value;
 use crate::config::{json_object, LlamaConfig, ModelError};
 use crate::llama::{
     build_decoder, decoder_parameters, init_values, mlp_at, mlp_parameters, DenseMlp, ExpertShard,
-    FeedForward, GroupedQueryAttention, SelfAttention, StageOptions, StageSpec,
+    FeedForward, GroupedQueryAttention, ParamsAt, SelfAttention, StageOptions, StageSpec,
 };
 use crate::mla::{LatentAttention, MlaConfig, Yarn, MLA_FIELDS};
 
@@ -129,10 +129,15 @@ pub struct MoeConfig {
     /// YaRN RoPE scaling (HF `rope_scaling`; MLA configs only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<Yarn>,
+    /// Multi-token-prediction modules after the last layer (DeepSeek-V3 §2.2; HF
+    /// `num_nextn_predict_layers`). Not built: read so that a checkpoint's layers
+    /// `L..L + n` are known for what they are (`--init-from` skips them).
+    #[serde(default)]
+    pub num_nextn_predict_layers: usize,
 }
 
 /// The `model_type`s of DeepSeek's MoE configs.
-const DEEPSEEK_TYPES: [&str; 2] = ["deepseek_v3", "deepseek_v2"];
+pub(crate) const DEEPSEEK_TYPES: [&str; 2] = ["deepseek_v3", "deepseek_v2"];
 
 impl MoeConfig {
     /// `moe-tiny`: the `tiny` decoder (D=64, 4 layers, 4 heads) with layers 1–3 MoE: 8 routed
@@ -154,6 +159,7 @@ impl MoeConfig {
             aux_loss_alpha: 0.0,
             mla: None,
             rope_scaling: None,
+            num_nextn_predict_layers: 0,
         }
     }
 
@@ -258,6 +264,7 @@ impl MoeConfig {
             aux_loss_alpha: 0.0,
             mla: Some(mla),
             rope_scaling: Some(yarn),
+            num_nextn_predict_layers: 0,
         };
         cfg.apply_mla();
         cfg
@@ -382,6 +389,15 @@ impl MoeConfig {
         self.validate_groups()?;
         if let Some(m) = &self.mla {
             m.validate()?;
+            // RoPE runs over the query/key RoPE dims: HF sets head_dim to them ([`MlaConfig::apply`]).
+            if self.base.head_dim() != m.qk_rope_head_dim {
+                let reason = format!(
+                    "{} must equal qk_rope_head_dim {} with multi-head latent attention",
+                    self.base.head_dim(),
+                    m.qk_rope_head_dim
+                );
+                return Err(ModelError::Field { field: "head_dim", reason });
+            }
         } else if self.rope_scaling.is_some() {
             let reason = "YaRN is implemented for multi-head latent attention (DeepSeek) configs only";
             return Err(ModelError::Unsupported { field: "rope_scaling", value: "yarn".into(), reason });
@@ -425,13 +441,9 @@ impl MoeConfig {
     /// The self-attention block: MLA with its config, else Llama's.
     fn attention(&self) -> Box<dyn SelfAttention + '_> {
         match &self.mla {
-            Some(mla) => Box::new(LatentAttention {
-                mla,
-                heads: self.base.num_attention_heads,
-                hidden: self.base.hidden_size,
-                bias: self.base.attention_bias,
-                softmax_factor: self.rope_scaling.as_ref().map_or(1.0, Yarn::softmax_factor),
-            }),
+            Some(mla) => {
+                Box::new(LatentAttention { mla, base: &self.base, yarn: self.rope_scaling.as_ref() })
+            }
             None => Box::new(GroupedQueryAttention(&self.base)),
         }
     }
@@ -524,7 +536,7 @@ impl FeedForward for MoeConfig {
             return DenseMlp(&self.base).build(b, layer, ep, h, params);
         }
         let pre = format!("model.layers.{layer}.mlp");
-        let p = |s: &str| params[&format!("{pre}.{s}.weight")];
+        let p = ParamsAt { all: params, pre: &pre };
         let shape = b.shape(h);
         let (n, d) = (shape[..shape.len() - 1].iter().product::<usize>(), self.base.hidden_size);
         let x = b.reshape(h, vec![n, d])?;
@@ -532,14 +544,14 @@ impl FeedForward for MoeConfig {
         // The bias is state updated by ±γ steps: kept in the wide dtype (f32 under bf16).
         let wide = TensorType::new(b.ty(x).dtype.wide(), vec![self.n_routed_experts]);
         let bias = b.input_typed(&Self::bias_name(layer), InputKind::Buffer, wide)?;
-        let (ids, weights, scores) = self.route(b, x, p("gate"), bias)?;
+        let (ids, weights, scores) = self.route(b, x, p.weight("gate"), bias)?;
         if self.aux_loss_alpha > 0.0 {
             let aux = self.aux_loss(b, scores, ids, &shape)?;
             b.output(&format!("{AUX_LOSS}{layer}"), aux);
         }
         b.pop_scope();
         b.push_scope("experts");
-        let w = |e: usize, s: &str| p(&format!("experts.{e}.{s}"));
+        let w = |e: usize, s: &str| p.weight(&format!("experts.{e}.{s}"));
         let routed = self.experts(b, layer, ep, x, ids, weights, &w)?;
         b.pop_scope();
         let y = if self.n_shared_experts > 0 {
@@ -1137,7 +1149,7 @@ mod published {
         let billions = v3.parameter_count() as f64 / 1e9;
         assert!((670.0..672.0).contains(&billions), "{billions} B");
         assert!(v3.grouped() && v3.topk_method == TopkMethod::NoauxTc && v3.topk_group == 4);
-        assert_eq!(v3.mla.as_ref().unwrap().q_lora_rank, Some(1536));
+        assert_eq!((v3.mla.as_ref().unwrap().q_lora_rank, v3.num_nextn_predict_layers), (Some(1536), 1));
         let lite = MoeConfig::from_json(V2_LITE).unwrap();
         assert_eq!(lite.parameter_count(), 15_706_484_224);
         let preset = MoeConfig::deepseek_v3_16b();

@@ -179,13 +179,6 @@ fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
 }
 
-/// DeepSeek-V3's `num_nextn_predict_layers` of `dir`'s config (0 when absent or unreadable).
-fn mtp_layers(dir: &Path) -> usize {
-    let text = std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap_or_default();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-    v.get("num_nextn_predict_layers").and_then(|n| n.as_u64()).unwrap_or(0) as usize
-}
-
 /// The weight files of `dir`: `model.safetensors`, else the shards of the index.
 fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, PretrainedError> {
     let single = dir.join(WEIGHTS_FILE);
@@ -260,7 +253,10 @@ pub fn load_weights(dir: &Path, cfg: &ModelConfig) -> Result<BTreeMap<String, Te
     let expected = model_parameters(cfg)
         .map_err(|source| PretrainedError::Config { path: dir.join(CONFIG_FILE), source })?;
     let layers = cfg.num_layers();
-    let mtp = layers..layers + mtp_layers(dir);
+    let mtp = match cfg {
+        ModelConfig::Moe(m) => layers..layers + m.num_nextn_predict_layers,
+        ModelConfig::Llama(_) => 0..0,
+    };
     let mut tensors = BTreeMap::new();
     for file in weight_files(dir)? {
         for (name, t) in read_tensors(&file)? {

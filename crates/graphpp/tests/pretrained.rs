@@ -129,14 +129,32 @@ fn deepseek_v3_folder_gives_transformers_logits() {
     // the logits by far more than the tolerance (4.7e-4 relative; the LM head's large logits
     // dominate the scale).
     let mut skewed = p.tensors.clone();
-    for (k, t) in skewed.iter_mut().filter(|(k, _)| k.ends_with("e_score_correction_bias")) {
+    for (_, t) in skewed.iter_mut().filter(|(k, _)| k.ends_with("e_score_correction_bias")) {
         let mut b = vec![0f32; t.dims()[0]];
         b[0] = 10.0;
         *t = Tensor::from_vec(b, t.dims(), &Device::Cpu).unwrap();
-        assert!(k.starts_with("model.layers."));
     }
     let (other, _) = forward(&p.config, &skewed, &r, DType::F32);
     assert!(rel(&other, &want) > 1e-4, "{}", rel(&other, &want));
+}
+
+/// DeepSeek-V3 checkpoints carry their multi-token-prediction module as layers `L..L+n`
+/// (`num_nextn_predict_layers` = 1 in the fixture's config, 3 layers): those tensors are
+/// skipped, a tensor of a layer beyond them is still an unexpected one.
+#[test]
+fn deepseek_mtp_layers_are_skipped_and_nothing_else() {
+    let extra = |name: &'static str| {
+        edited(DEEPSEEK, move |t, _| {
+            t.insert(name.into(), Tensor::zeros((2, 2), CDType::F32, &Device::Cpu).unwrap());
+        })
+    };
+    let d = extra("model.layers.3.eh_proj.weight");
+    assert!(pretrained::load(d.path()).is_ok());
+    let d = extra("model.layers.4.eh_proj.weight");
+    match load_err(d.path()) {
+        PretrainedError::Unexpected { names, .. } => assert_eq!(names, ["model.layers.4.eh_proj.weight"]),
+        other => panic!("{other}"),
+    }
 }
 
 /// A copy of `src` in a temporary folder, with `edit` applied to its tensors (f32) and config.
