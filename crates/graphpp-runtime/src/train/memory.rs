@@ -5,7 +5,8 @@
 
 use graphpp_models::{Model, StageSpec};
 use graphpp_schedule::generate::human_bytes;
-use graphpp_schedule::{check_size, simulate, Costs, GenerateError, Kind, Memory, Schedule, Shape};
+use graphpp_schedule::simulate::peak_memory;
+use graphpp_schedule::{check_size, GenerateError, Kind, Memory, Schedule, Shape};
 
 /// Saved-activation bytes of one microbatch through the whole model (all layers on one stage).
 fn whole_model_activation_bytes(model: &dyn Model, batch: usize, seq: usize) -> u128 {
@@ -13,12 +14,11 @@ fn whole_model_activation_bytes(model: &dyn Model, batch: usize, seq: usize) -> 
     model.stage_activation_bytes(&whole, batch, seq)
 }
 
-/// How many microbatches' activations of one stage (M_B) the ranks hold at once at
-/// `schedule`'s peak, summed over the ranks: the simulator's peak per rank (ZB's M_W = M_B / 2);
-/// `None` where it cannot be simulated.
-fn in_flight_stage_microbatches(schedule: &Schedule) -> Option<f64> {
-    let r = simulate(schedule, &Costs::default(), &Memory::default()).ok()?;
-    Some(r.peak_activations.iter().sum())
+/// The activations the ranks hold at once at `schedule`'s peak, summed over the ranks, in
+/// full-stage units (one microbatch through 1/p of the model, `p` the ranks; a chunk of v per
+/// rank weighs 1/v): each rank's [`peak_memory`] walking its program (ZB's M_W = M_B / 2).
+fn in_flight_full_stages(schedule: &Schedule) -> f64 {
+    (0..schedule.ranks.len()).map(|r| peak_memory(schedule, r, &Memory::default()).0).sum()
 }
 
 /// Bytes per parameter a run holds: the f32 parameter, its gradient accumulator, the two AdamW
@@ -71,8 +71,10 @@ impl StepMemory {
         let (m, stages) = (shape.microbatches as u128, shape.stages() as u128);
         let copies = kind.model_copies() as u128;
         let whole = whole_model_activation_bytes(cfg, batch, seq);
-        let held = schedule.and_then(in_flight_stage_microbatches).unwrap_or(0.0).max(stages as f64);
-        let mut activations = (whole as f64 / stages.max(1) as f64 * held) as u128;
+        // Full-stage units: a microbatch through every stage of one model copy is p of them.
+        let p = shape.ranks.max(1) as f64;
+        let held = schedule.map_or(p, in_flight_full_stages).max(p);
+        let mut activations = (whole as f64 / p * held) as u128;
         if single_device {
             activations = activations.max(whole_model_activation_bytes(
                 cfg,
@@ -262,6 +264,19 @@ mod tests {
         assert_eq!(estimate(false, None).activations, whole);
     }
 
+    /// With two chunks per rank the units are still full stages (1/p of the model): ZB-V at
+    /// p = 2 holds p·M_B per rank at its peak (the ZB-V paper's memory, Qi et al. 2024, §3),
+    /// two whole-model microbatches over the two ranks — twice what counting chunks as stages
+    /// gave.
+    #[test]
+    fn chunks_count_as_fractions_of_a_stage() {
+        let tiny = LlamaConfig::tiny();
+        let shape = Shape::new(2, 2, 8);
+        let schedule = graphpp_schedule::generate(Kind::Zbv, &shape, &Default::default()).unwrap();
+        let e = StepMemory::estimate(&tiny, (Kind::Zbv, &shape), 8, 64, false, Some(&schedule));
+        assert_eq!(e.activations, 2 * whole_model_activation_bytes(&tiny, 8, 64));
+    }
+
     /// A checkpoint save (24 bytes a parameter, after the activations are gone) or the step's
     /// activations, whichever is larger, on top of the 20 bytes a parameter the run holds.
     #[test]
@@ -271,7 +286,6 @@ mod tests {
         let e = StepMemory::estimate(&deep, (Kind::Zbv, &Shape::new(2, 2, 8)), 8, 64, false, None);
         let params = deep.parameter_count();
         assert_eq!((e.parameters, e.saving), (20 * params, 24 * params));
-        assert_eq!(e.total(), e.activations.max(e.saving) + e.parameters + e.buffers + e.batch);
         // `--model small --layers 600` was let through and then killed for memory on a 24 GB
         // machine: its estimate is now above that machine's budget (3/4 of it).
         assert!(e.total() > 18 * (1u128 << 30), "{e:?}");
