@@ -474,6 +474,7 @@ fn a_kept_bf16_weight_follows_its_master_weight() {
     b.output("y", y);
     let g = b.finish().unwrap();
     let program = Program::compile(&g);
+    assert!(program.keeps(wb.0), "the program keeps the weight's bf16 cast");
     let mut rng = Rng::new(3);
     let specs = g.input_specs();
     let draw = |rng: &mut Rng, name: &str| {

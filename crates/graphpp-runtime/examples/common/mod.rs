@@ -77,11 +77,12 @@ impl Flags {
 
     /// Flag `k` as a compute dtype, `f32` or `bf16` (exits 2 otherwise).
     pub fn dtype(&self, k: &str) -> graphpp_graph::DType {
-        match self.text(k) {
-            "f32" => graphpp_graph::DType::F32,
-            "bf16" => graphpp_graph::DType::BF16,
-            d => self.bad(format!("--{k} takes f32 or bf16, not {d:?}")),
-        }
+        use graphpp_graph::DType;
+        let d = self.text(k);
+        d.parse::<DType>()
+            .ok()
+            .filter(|d| matches!(d, DType::F32 | DType::BF16))
+            .unwrap_or_else(|| self.bad(format!("--{k} takes f32 or bf16, not {d:?}")))
     }
 
     /// Prints `problem` and the usage line; exits 2.

@@ -246,7 +246,13 @@ fn emit(
             Op::Binary { f } => Instr::Binary { f: *f, a: ins[0], b: ins[1] },
             // A broadcast member reads its operand with broadcast strides, and a widening cast's
             // operand is already widened in its register: the load is the value.
+            // The anchor's bf16 output is rounded as it is written (`Out::BF16`), so a narrowing
+            // cast there is its operand too.
             Op::Broadcast { .. } | Op::Cast { dtype: DType::F32 } => {
+                reg_of.insert(m, ins[0]);
+                continue;
+            }
+            Op::Cast { .. } if m == anchor => {
                 reg_of.insert(m, ins[0]);
                 continue;
             }
@@ -259,7 +265,8 @@ fn emit(
             Op::Full { value, .. } => Instr::Const { value: 0.0 + *value as f32 },
             other => unreachable!("{} is not fusible", other.mnemonic()),
         };
-        let rounds = bf16 && node.op.is_pointwise();
+        // A bf16 member rounds its register for its readers; the anchor is rounded on the way out.
+        let rounds = bf16 && node.op.is_pointwise() && m != anchor;
         code.push(instr);
         if rounds {
             code.push(Instr::Round { x: code.len() - 1 });

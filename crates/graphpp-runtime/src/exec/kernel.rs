@@ -197,7 +197,6 @@ fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core
             UnaryOp::Erf => a[0].erf()?,
         },
         Op::Affine { mul, add } => a[0].affine(*mul, *add)?,
-        Op::Binary { f: BinaryOp::Eq } => a[0].broadcast_eq(a[1])?.to_dtype(a[0].dtype())?,
         Op::Binary { f } => arithmetic(*f, a[0], a[1])?,
         Op::Sum { axis, keepdim } => sum(a[0], *axis, *keepdim)?,
         Op::Max { axis, keepdim } => {

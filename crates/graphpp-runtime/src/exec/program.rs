@@ -84,6 +84,11 @@ impl Program {
         &self.fusion
     }
 
+    /// Whether node `i`'s value is kept from one run to the next ([`crate::exec::kept`]).
+    pub fn keeps(&self, i: usize) -> bool {
+        self.kept.keeps(i)
+    }
+
     /// Drops the values of parameters this program keeps across runs ([`crate::exec::kept`]):
     /// their sources are going away (a stage's RESHARD).
     pub fn clear_kept(&self) {

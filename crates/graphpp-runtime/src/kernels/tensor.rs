@@ -157,8 +157,8 @@ mod tests {
     #[test]
     fn casts_give_candles_bits() {
         let xs = rounding_cases(CAST_PART * 2 + 5);
-        let bits: Vec<u32> = xs.iter().map(|x| x.to_bits()).collect();
-        let t = Tensor::from_vec(xs, bits.len(), &Device::Cpu).unwrap();
+        let n = xs.len();
+        let t = Tensor::from_vec(xs, n, &Device::Cpu).unwrap();
         let pool = crate::kernels::threads::rank_pool(0, 2).unwrap();
         for view in [
             t.clone(),
