@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use graphpp_schedule::bytes::{ByteModel, StageBytes};
-use graphpp_schedule::compare::{chunk_cost_factor, scale_costs};
+use graphpp_schedule::compare::{scale_costs, schedule_chunk_factor};
 use graphpp_schedule::measured::measured_vs_predicted as measured_vs_predicted_rs;
 use graphpp_schedule::render::{chrome_trace, figures, grid, svg, GridStyle};
 use graphpp_schedule::simulate::simulate_with;
@@ -615,13 +615,6 @@ fn generate(
     time_limit: Option<f64>,
 ) -> PyResult<Schedule> {
     let kind = kind_arg(kind)?;
-    for (v, name) in
-        [(Some(ranks), "ranks"), (Some(microbatches), "microbatches"), (stages_per_rank, "stages_per_rank")]
-    {
-        if v == Some(0) {
-            return Err(GenerateError::new_err(format!("{name} must be at least 1")));
-        }
-    }
     let shape =
         Shape::new(ranks, stages_per_rank.unwrap_or_else(|| kind.default_stages_per_rank()), microbatches);
     let opts = Options {
@@ -746,11 +739,7 @@ fn simulate(
 ) -> PyResult<SimReport> {
     let stage_costs = costs_arg(costs)?;
     let s = &schedule.inner;
-    let v = (s.num_stages() / s.num_ranks().max(1)).max(1);
-    let factor = chunk_factor.unwrap_or_else(|| match schedule.kind {
-        Some(k) => chunk_cost_factor(k, v),
-        None => 1.0 / v as f64,
-    });
+    let factor = chunk_factor.unwrap_or_else(|| schedule_chunk_factor(schedule.kind, s));
     if !(factor.is_finite() && factor > 0.0) {
         return Err(CostError::new_err(format!("chunk_factor must be a finite number > 0 (got {factor})")));
     }

@@ -240,6 +240,15 @@ impl ModelConfig {
         }
     }
 
+    /// Multi-token-prediction modules a checkpoint of this model holds after its last layer
+    /// (DeepSeek-V3's `num_nextn_predict_layers`; not built); 0 for Llama.
+    pub fn mtp_layers(&self) -> usize {
+        match self {
+            ModelConfig::Moe(m) => m.num_nextn_predict_layers,
+            ModelConfig::Llama(_) => 0,
+        }
+    }
+
     /// Checks the config. Errors: [`ModelError::Field`], [`ModelError::Unsupported`].
     pub fn validate(&self) -> Result<(), ModelError> {
         match self {

@@ -82,6 +82,9 @@ fn default_true() -> bool {
 fn default_one() -> usize {
     1
 }
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
 
 /// The MoE decoder's config: the Llama fields ([`LlamaConfig`], flattened: the same JSON object)
 /// plus DeepSeek-V3's MoE fields. The five size fields have no default: a config that lacks one
@@ -132,7 +135,7 @@ pub struct MoeConfig {
     /// Multi-token-prediction modules after the last layer (DeepSeek-V3 §2.2; HF
     /// `num_nextn_predict_layers`). Not built: read so that a checkpoint's layers
     /// `L..L + n` are known for what they are (`--init-from` skips them).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub num_nextn_predict_layers: usize,
 }
 

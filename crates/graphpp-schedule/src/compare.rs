@@ -44,6 +44,14 @@ pub fn chunk_cost_factor(kind: Kind, v: usize) -> f64 {
     kind.model_copies() as f64 / v as f64
 }
 
+/// The factor a chunk's cost is of a full stage's in `schedule` (v = stages / ranks chunks per
+/// rank): [`chunk_cost_factor`] when its `kind` is known, else 1/v (a schedule file's kind is
+/// unknown: DualPipe's two parameter copies are not told apart).
+pub fn schedule_chunk_factor(kind: Option<Kind>, schedule: &crate::Schedule) -> f64 {
+    let v = (schedule.num_stages() / schedule.num_ranks().max(1)).max(1);
+    kind.map_or(1.0 / v as f64, |k| chunk_cost_factor(k, v))
+}
+
 /// `costs` with every action duration multiplied by `factor` (the hop latency c is kept; an unset
 /// T_overlap stays T_F + T_B of the scaled costs).
 pub fn scale_costs(costs: &Costs, factor: f64) -> Costs {

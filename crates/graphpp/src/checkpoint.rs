@@ -175,15 +175,6 @@ pub fn save(
     Ok(json_path)
 }
 
-/// The newest complete checkpoint's sidecar in `dir` (highest step number).
-///
-/// # Errors
-/// [`CheckpointError::NotFound`] when none exists.
-pub fn latest(dir: &Path) -> Result<PathBuf, CheckpointError> {
-    let all = sidecars(dir)?;
-    all.last().map(|(_, p)| p.clone()).ok_or_else(|| CheckpointError::NotFound(dir.into()))
-}
-
 /// The sidecars `step-N.json` in `dir`, by step, oldest first.
 ///
 /// # Errors
@@ -233,14 +224,7 @@ pub fn remove_all(dir: &Path) -> Result<(), CheckpointError> {
     for (_, json) in sidecars(dir)? {
         std::fs::remove_file(&json).map_err(io(&json))?;
     }
-    for e in std::fs::read_dir(dir).map_err(io(dir))? {
-        let p = e.map_err(io(dir))?.path();
-        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name.starts_with("step-") && (name.ends_with(".safetensors") || name.contains(".tmp-")) {
-            std::fs::remove_file(&p).map_err(io(&p))?;
-        }
-    }
-    Ok(())
+    remove_step_files(dir, |name| name.ends_with(".safetensors") || name.contains(".tmp-"))
 }
 
 /// Checks that files can be created in `dir` — or, when it does not exist yet, in the nearest
@@ -290,10 +274,15 @@ pub fn lock(dir: &Path) -> Result<std::fs::File, CheckpointError> {
 /// Removes the temporary files of writes a killed run left in `dir` (`step-….tmp-PID`): with the
 /// folder's lock held no other run writes there.
 fn remove_temporaries(dir: &Path) -> Result<(), CheckpointError> {
+    remove_step_files(dir, |name| name.contains(".tmp-"))
+}
+
+/// Removes the files `step-…` of `dir` whose name `which` selects.
+fn remove_step_files(dir: &Path, which: impl Fn(&str) -> bool) -> Result<(), CheckpointError> {
     for e in std::fs::read_dir(dir).map_err(io(dir))? {
         let p = e.map_err(io(dir))?.path();
         let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name.starts_with("step-") && name.contains(".tmp-") {
+        if name.starts_with("step-") && which(name) {
             std::fs::remove_file(&p).map_err(io(&p))?;
         }
     }
@@ -431,7 +420,7 @@ mod tests {
     }
 
     #[test]
-    fn round_trip_and_latest() {
+    fn round_trip_and_newest() {
         let d = tempfile::tempdir().unwrap();
         save(d.path(), 3, &tensors(), serde_json::json!({"lr": 0.1})).unwrap();
         save(d.path(), 12, &tensors()[..1], serde_json::json!({"pos": 12})).unwrap();
@@ -483,7 +472,7 @@ mod tests {
         let removed = prune(d.path(), 2).unwrap();
         assert_eq!(removed, vec![d.path().join("step-000003.json")]);
         assert!(!d.path().join("step-000003.safetensors").exists());
-        assert_eq!(latest(d.path()).unwrap(), d.path().join("step-000010.json"));
+        assert_eq!(newest_loadable(d.path()).unwrap(), Some(d.path().join("step-000010.json")));
         assert_eq!(load(&d.path().join("step-000007.json")).unwrap().sidecar.step, 7);
     }
 

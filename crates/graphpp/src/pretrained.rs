@@ -204,13 +204,14 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, PretrainedError> {
     Ok(files.into_iter().collect())
 }
 
-/// Reads every tensor of one safetensors file, converted to f32.
-fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>, PretrainedError> {
+/// Reads every tensor of one safetensors file but those `skip` names, converted to f32 (a
+/// skipped tensor is neither converted nor checked).
+fn read_tensors(path: &Path, skip: impl Fn(&str) -> bool) -> Result<Vec<(String, Tensor)>, PretrainedError> {
     let bytes = read(path)?;
     let bad = |reason: String| PretrainedError::Format { path: path.to_path_buf(), reason };
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
     let mut out = Vec::new();
-    for (name, view) in st.tensors() {
+    for (name, view) in st.tensors().into_iter().filter(|(name, _)| !skip(name)) {
         use safetensors::Dtype as S;
         let dtype = match view.dtype() {
             S::F32 => DType::F32,
@@ -253,18 +254,13 @@ pub fn load_weights(dir: &Path, cfg: &ModelConfig) -> Result<BTreeMap<String, Te
     let expected = model_parameters(cfg)
         .map_err(|source| PretrainedError::Config { path: dir.join(CONFIG_FILE), source })?;
     let layers = cfg.num_layers();
-    let mtp = match cfg {
-        ModelConfig::Moe(m) => layers..layers + m.num_nextn_predict_layers,
-        ModelConfig::Llama(_) => 0..0,
+    let mtp = layers..layers + cfg.mtp_layers();
+    let skip = |name: &str| {
+        name.ends_with(".rotary_emb.inv_freq") || layer_of(name).is_some_and(|l| mtp.contains(&l))
     };
     let mut tensors = BTreeMap::new();
     for file in weight_files(dir)? {
-        for (name, t) in read_tensors(&file)? {
-            if name.ends_with(".rotary_emb.inv_freq") || layer_of(&name).is_some_and(|l| mtp.contains(&l)) {
-                continue;
-            }
-            tensors.insert(name, t);
-        }
+        tensors.extend(read_tensors(&file, skip)?);
     }
     if cfg.base().tie_word_embeddings {
         if let (Some(head), Some(embed)) = (tensors.get(LM_HEAD), tensors.get(EMBED)) {
@@ -280,21 +276,10 @@ pub fn load_weights(dir: &Path, cfg: &ModelConfig) -> Result<BTreeMap<String, Te
     if !missing.is_empty() {
         return Err(PretrainedError::MissingTensors { dir: dir.to_path_buf(), names: missing });
     }
-    for (name, shape) in &expected {
-        let found = tensors[name].dims();
-        if found != shape.as_slice() {
-            return Err(PretrainedError::Shape {
-                dir: dir.to_path_buf(),
-                name: name.clone(),
-                found: found.to_vec(),
-                expected: shape.clone(),
-            });
-        }
-    }
-    // The routing biases are optional; present, they must be `[E]`.
+    // The routing biases are optional (every parameter is present by now); present, `[E]`.
     let biases: Vec<(String, Vec<usize>)> =
         cfg.moe_layers().into_iter().filter_map(|(l, e)| Some((cfg.balance_bias(l)?, vec![e]))).collect();
-    for (name, shape) in &biases {
+    for (name, shape) in expected.iter().chain(&biases) {
         if let Some(t) = tensors.get(name).filter(|t| t.dims() != shape.as_slice()) {
             return Err(PretrainedError::Shape {
                 dir: dir.to_path_buf(),

@@ -524,8 +524,7 @@ pub fn newest_checkpoint(dir: &Path) -> Result<Option<(u64, String, RunConfig)>,
     if !dir.is_dir() {
         return Ok(None);
     }
-    let Some(path) = checkpoint::sidecars(dir)?.pop().map(|(_, p)| p) else { return Ok(None) };
-    checkpoint_settings(&path)
+    checkpoint::sidecars(dir)?.pop().map(|(_, p)| checkpoint_settings(&p)).transpose()
 }
 
 /// The checkpoint a resume continues from: [`newest_checkpoint`], but the newest that loads
@@ -539,20 +538,16 @@ pub fn resumable_checkpoint(dir: &Path) -> Result<Option<(u64, String, RunConfig
     if !dir.is_dir() {
         return Ok(None);
     }
-    match checkpoint::newest_loadable(dir)? {
-        Some(path) => checkpoint_settings(&path),
-        None => Ok(None),
-    }
+    checkpoint::newest_loadable(dir)?.map(|p| checkpoint_settings(&p)).transpose()
 }
 
 /// The step, run identity and settings recorded in sidecar `path`.
-fn checkpoint_settings(path: &Path) -> Result<Option<(u64, String, RunConfig)>, RunError> {
-    let path = path.to_path_buf();
-    let sidecar = checkpoint::load_sidecar(&path)?;
+fn checkpoint_settings(path: &Path) -> Result<(u64, String, RunConfig), RunError> {
+    let sidecar = checkpoint::load_sidecar(path)?;
     let saved: SavedState = serde_json::from_value(sidecar.state).map_err(|e| {
-        RunError::Checkpoint(CheckpointError::BadSidecar { path: path.clone(), message: e.to_string() })
+        RunError::Checkpoint(CheckpointError::BadSidecar { path: path.to_path_buf(), message: e.to_string() })
     })?;
-    Ok(Some((sidecar.step, saved.run_id, saved.config)))
+    Ok((sidecar.step, saved.run_id, saved.config))
 }
 
 /// Checks `dir` for a fresh run, changing nothing: a folder that holds another run's

@@ -140,17 +140,18 @@ fn deepseek_v3_folder_gives_transformers_logits() {
 
 /// DeepSeek-V3 checkpoints carry their multi-token-prediction module as layers `L..L+n`
 /// (`num_nextn_predict_layers` = 1 in the fixture's config, 3 layers): those tensors are
-/// skipped, a tensor of a layer beyond them is still an unexpected one.
+/// skipped unread (a NaN there refuses nothing), a tensor of a layer beyond them is still an
+/// unexpected one.
 #[test]
 fn deepseek_mtp_layers_are_skipped_and_nothing_else() {
-    let extra = |name: &'static str| {
+    let extra = |name: &'static str, value: f32| {
         edited(DEEPSEEK, move |t, _| {
-            t.insert(name.into(), Tensor::zeros((2, 2), CDType::F32, &Device::Cpu).unwrap());
+            t.insert(name.into(), Tensor::from_vec(vec![value; 4], (2, 2), &Device::Cpu).unwrap());
         })
     };
-    let d = extra("model.layers.3.eh_proj.weight");
+    let d = extra("model.layers.3.eh_proj.weight", f32::NAN);
     assert!(pretrained::load(d.path()).is_ok());
-    let d = extra("model.layers.4.eh_proj.weight");
+    let d = extra("model.layers.4.eh_proj.weight", 0.0);
     match load_err(d.path()) {
         PretrainedError::Unexpected { names, .. } => assert_eq!(names, ["model.layers.4.eh_proj.weight"]),
         other => panic!("{other}"),

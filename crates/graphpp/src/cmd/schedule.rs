@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
 use graphpp::profile::Profile;
-use graphpp_schedule::compare::{chunk_cost_factor, scale_costs};
+use graphpp_schedule::compare::{chunk_cost_factor, scale_costs, schedule_chunk_factor};
 use graphpp_schedule::generate::human_bytes;
 use graphpp_schedule::render::{chrome_trace, figures, fixed, grid, svg, GridStyle};
 use graphpp_schedule::simulate::simulate_with;
@@ -393,19 +393,11 @@ fn simulate_cmd(
     let (stage_costs, memory) = model.resolve()?;
     // The costs are a whole stage's, as `schedule compare` takes them: each of a rank's v chunks
     // runs at chunk_cost_factor of them, so every kind does the same work per rank.
-    let factor = match (&source.kind, &source.file) {
-        (Some(k), _) => {
-            chunk_cost_factor(*k, source.stages_per_rank.unwrap_or_else(|| k.default_stages_per_rank()))
-        }
-        _ => 1.0,
-    };
-    let s = simulated_schedule(source, scale_costs(&stage_costs, factor), memory)?;
-    let factor = match source.kind {
-        Some(_) => factor,
-        // A file's kind is unknown: its v chunks per rank each run at 1/v (DualPipe's two
-        // parameter copies are not told apart).
-        None => 1.0 / (s.num_stages() / s.num_ranks().max(1)).max(1) as f64,
-    };
+    let generating = source.kind.map_or(1.0, |k| {
+        chunk_cost_factor(k, source.stages_per_rank.unwrap_or_else(|| k.default_stages_per_rank()))
+    });
+    let s = simulated_schedule(source, scale_costs(&stage_costs, generating), memory)?;
+    let factor = schedule_chunk_factor(source.kind, &s);
     let costs = scale_costs(&stage_costs, factor);
     let profiled = profile.map(Profile::load).transpose()?;
     let (report, peak_bytes) = match &profiled {
