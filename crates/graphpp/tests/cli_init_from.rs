@@ -16,48 +16,52 @@ fn graphpp(args: &[&str]) -> (bool, Option<i32>, String, String) {
     (out.status.success(), out.status.code(), s(out.stdout), s(out.stderr))
 }
 
-/// A DeepSeek-V3 folder (`tools/torch/hf_deepseek_logits.py`: MLA, YaRN, group-limited routing,
-/// its routing biases) verifies under 1F1B over its 3 layers and under ZB-V on one rank, from
-/// its own weights (the loss on random tokens is far above ln 256).
-#[test]
-fn verify_a_pretrained_deepseek_v3_model() {
-    for args in [
-        &["--schedule", "1f1b", "--ranks", "3", "--microbatches", "3"][..],
-        &["--schedule", "zbv", "--ranks", "1", "--microbatches", "2", "--layers-per-stage", "2,1"],
-    ] {
-        let mut all = vec!["verify", "--init-from", DEEPSEEK, "--seq-len", "8"];
+/// `graphpp verify --init-from dir --seq-len 8` with each of `cases` appended passes, names the
+/// folder as `shown`, and starts from the folder's weights, not a seeded init: the loss on random
+/// tokens is far above ln 256 (the fixtures' large weights give confident, mostly wrong logits).
+fn verify_pretrained(dir: &str, shown: &str, cases: &[&[&str]]) {
+    for args in cases {
+        let mut all = vec!["verify", "--init-from", dir, "--seq-len", "8"];
         all.extend_from_slice(args);
         let (ok, _, out, err) = graphpp(&all);
         assert!(ok, "{args:?}: {out}{err}");
-        assert!(out.contains("hf-tiny-deepseek-v3, 3 layers") && out.contains("PASS"), "{out}");
+        assert!(out.contains(shown) && out.contains("PASS"), "{out}");
         let line = out.lines().find(|l| l.starts_with("loss single device")).unwrap();
         let loss: f64 = line.split_whitespace().nth(3).unwrap().parse().unwrap();
         assert!(loss > 6.0, "{line}");
     }
 }
 
+/// A DeepSeek-V3 folder (`tools/torch/hf_deepseek_logits.py`: MLA, YaRN, group-limited routing,
+/// its routing biases) verifies under 1F1B over its 3 layers and under ZB-V on one rank.
+#[test]
+fn verify_a_pretrained_deepseek_v3_model() {
+    verify_pretrained(
+        DEEPSEEK,
+        "hf-tiny-deepseek-v3, 3 layers",
+        &[
+            &["--schedule", "1f1b", "--ranks", "3", "--microbatches", "3"],
+            &["--schedule", "zbv", "--ranks", "1", "--microbatches", "2", "--layers-per-stage", "2,1"],
+        ],
+    );
+}
+
+/// 1F1B: embedding on rank 0, its LM-head copy on rank 1; ZB-V on 1 rank: both on rank 0;
+/// DualPipeV on 1 rank likewise; DualPipe: two pipeline copies, so four copies of the matrix
+/// whose gradients add up — all equal one device.
 #[test]
 fn verify_a_tied_pretrained_model_under_pipelines() {
-    // 1F1B: embedding on rank 0, its LM-head copy on rank 1; ZB-V on 1 rank: both on rank 0;
-    // DualPipeV on 1 rank likewise; DualPipe: two pipeline copies, so four copies of the matrix
-    // whose gradients add up — all equal one device.
-    for args in [
-        &["--schedule", "1f1b", "--ranks", "2", "--microbatches", "4"][..],
-        &["--schedule", "dualpipe", "--ranks", "2", "--microbatches", "4"],
-        &["--schedule", "zbv", "--ranks", "1", "--microbatches", "3"],
-        &["--schedule", "dualpipev", "--ranks", "1", "--microbatches", "2"],
-    ] {
-        let mut all = vec!["verify", "--init-from", GELU, "--seq-len", "8", "--microbatch-size", "2"];
-        all.extend_from_slice(args);
-        let (ok, _, out, err) = graphpp(&all);
-        assert!(ok, "{args:?}: {out}{err}");
-        assert!(out.contains("hf-tiny-llama-gelu, 2 layers") && out.contains("PASS"), "{out}");
-        // The fixture's weights, not a seeded init: the loss on random tokens is far above ln 256
-        // (its large weights give confident, mostly wrong logits).
-        let line = out.lines().find(|l| l.starts_with("loss single device")).unwrap();
-        let loss: f64 = line.split_whitespace().nth(3).unwrap().parse().unwrap();
-        assert!(loss > 6.0, "{line}");
-    }
+    let b = ["--microbatch-size", "2", "--microbatches"];
+    verify_pretrained(
+        GELU,
+        "hf-tiny-llama-gelu, 2 layers",
+        &[
+            &[&b[..], &["4", "--schedule", "1f1b", "--ranks", "2"]].concat(),
+            &[&b[..], &["4", "--schedule", "dualpipe", "--ranks", "2"]].concat(),
+            &[&b[..], &["3", "--schedule", "zbv", "--ranks", "1"]].concat(),
+            &[&b[..], &["2", "--schedule", "dualpipev", "--ranks", "1"]].concat(),
+        ],
+    );
 }
 
 #[test]

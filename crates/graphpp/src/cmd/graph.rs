@@ -1,22 +1,18 @@
 //! `graphpp graph`: show one stage's graphs (fw, full_bw, bw_di, bw_dw, overlap) of a model as
 //! text, DOT or JSON, with `--stats` for node counts, FLOPs and saved-activation bytes.
 
-use std::path::Path;
-
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use graphpp_graph::print::{render, stats, Format};
 use graphpp_graph::{Graph, GraphKind, InputKind, StageGraphs};
-use graphpp_models::{split_layers, Model, ModelConfig, Recompute, StageOptions};
+use graphpp_models::{split_layers, Model, Recompute, StageOptions};
 
 use crate::cmd::value::count;
 
 /// Arguments of `graphpp graph`.
 #[derive(Args)]
 pub struct GraphArgs {
-    /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`, `moe-mla-tiny`, `moe-mla-small`,
-    /// `deepseek-v3-16b`) or a JSON config file with Hugging Face field names (DeepSeek-V2/V3 MoE
-    /// fields make it a MoE model; MLA fields or a DeepSeek model_type, multi-head latent attention).
+    /// Model: a preset or a JSON config file (as for `graphpp train`).
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Number of pipeline stages S.
@@ -57,23 +53,6 @@ pub enum GraphFormat {
     Dot,
     /// JSON.
     Json,
-}
-
-/// Loads a preset or a JSON config file (dense Llama, or MoE when the file has MoE fields).
-pub fn load_config(model: &str) -> Result<ModelConfig> {
-    let looks_like_path = model.contains('/') || model.ends_with(".json");
-    if looks_like_path && !Path::new(model).exists() {
-        anyhow::bail!(
-            "model config file {model} does not exist (or give a preset: {})",
-            ModelConfig::PRESETS.join(", ")
-        );
-    }
-    if Path::new(model).is_file() {
-        let text =
-            graphpp::textfile::read_text(Path::new(model)).with_context(|| format!("cannot read {model}"))?;
-        return ModelConfig::from_json(&text).with_context(|| format!("{model}: bad model config"));
-    }
-    Ok(ModelConfig::preset(model)?)
 }
 
 fn saved_bytes(g: &Graph) -> usize {
@@ -131,7 +110,7 @@ fn all_stats(sg: &StageGraphs) -> Result<String> {
 
 /// Runs `graphpp graph`.
 pub fn run(a: GraphArgs) -> Result<()> {
-    let cfg = load_config(&a.model)?;
+    let cfg = crate::cmd::model::load_config(&a.model)?;
     let lps = a.layers_per_stage.as_deref();
     let specs = split_layers(cfg.num_layers(), a.stages, lps)?;
     let spec =

@@ -3,6 +3,7 @@
 pub mod compare;
 pub mod graph;
 pub mod layout;
+pub mod model;
 pub mod plan;
 pub mod profile;
 pub mod schedule;

@@ -21,7 +21,7 @@ pub struct PlanArgs {
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Override the model's number of decoder layers.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     layers: Option<usize>,
     /// N: ranks in all (each strategy splits them into pipeline × data-parallel).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, required_unless_present = "strategy")]
@@ -214,11 +214,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let (Some(ranks), Some(memory_per_rank)) = (a.ranks, a.memory_per_rank) else {
         bail!("give --ranks and --memory-per-rank (or --strategy)");
     };
-    let mut model = crate::cmd::graph::load_config(&a.model)?;
-    if let Some(l) = a.layers {
-        model.base_mut().num_hidden_layers = l;
-        model.validate()?;
-    }
+    let model = crate::cmd::model::with_layers(crate::cmd::model::load_config(&a.model)?, a.layers)?;
     let req = PlanRequest {
         model,
         ranks,

@@ -5,11 +5,12 @@
 //! share of the batch; under `mpirun -n W` (W = ranks × dp) one rank per process, the leader
 //! comparing and printing.
 
+use crate::cmd::model::ModelArgs;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use graphpp::launch::Launch;
 use graphpp::strategy::Strategy;
@@ -38,18 +39,9 @@ pub struct VerifyArgs {
     /// The schedule and the layout (the flags a strategy file stands for).
     #[command(flatten)]
     layout: LayoutArgs,
-    /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`, `moe-mla-tiny`, `moe-mla-small`,
-    /// `deepseek-v3-16b`) or a JSON config file with Hugging Face field names (DeepSeek-V2/V3 MoE
-    /// fields make it a MoE model; MLA fields or a DeepSeek model_type, multi-head latent attention).
-    #[arg(long, default_value = "tiny")]
-    model: String,
-    /// Override the preset's number of decoder layers (it must be at least the model stages).
-    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
-    layers: Option<usize>,
-    /// Run the step from a Hugging Face model folder (config.json + model.safetensors): its config
-    /// is the model and its weights the parameters (excludes --model and --layers).
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "layers"])]
-    init_from: Option<PathBuf>,
+    /// The model (`--model`, `--layers`, `--init-from`).
+    #[command(flatten)]
+    model: ModelArgs,
     /// T: tokens per sequence.
     #[arg(long, default_value_t = 16, allow_hyphen_values = true, value_parser = count::<usize>)]
     seq_len: usize,
@@ -130,17 +122,8 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
 /// A model config or `--init-from` folder that cannot be read; a bad `--layers`; an unreadable
 /// `--schedule-file`.
 fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(VerifySetup, String)> {
-    let (mut model, weights, name) = match &a.init_from {
-        Some(dir) => {
-            let p = graphpp::pretrained::load(dir).context("--init-from")?;
-            (p.config, Some(Arc::new(p.tensors.into_iter().collect())), dir.display().to_string())
-        }
-        None => (crate::cmd::graph::load_config(&a.model)?, None, a.model.clone()),
-    };
-    if let Some(l) = a.layers {
-        model.base_mut().num_hidden_layers = l;
-        model.validate().context("--layers")?;
-    }
+    let (model, weights) = a.model.load()?;
+    let (weights, name) = (weights.map(|w| Arc::new(w.into_iter().collect())), a.model.name());
     let l = &a.layout;
     let mut setup = VerifySetup::new(model, kind, shape, l.microbatch_size(), a.seq_len);
     let t = &mut setup.train;

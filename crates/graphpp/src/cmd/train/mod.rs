@@ -5,6 +5,7 @@
 //! generated sample at the end; checkpoints and `--resume`; `--trace` writes a Chrome trace of the
 //! last measured steps; the summary puts the measured bubble beside the simulator's prediction.
 
+use crate::cmd::model::ModelArgs;
 use std::collections::VecDeque;
 use std::path::PathBuf;
 
@@ -61,18 +62,9 @@ pub struct TrainArgs {
     /// The schedule and the layout (the flags a strategy file stands for).
     #[command(flatten)]
     pub layout: LayoutArgs,
-    /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`, `moe-mla-tiny`, `moe-mla-small`,
-    /// `deepseek-v3-16b`) or a JSON config file with Hugging Face field names (DeepSeek-V2/V3 MoE
-    /// fields make it a MoE model; MLA fields or a DeepSeek model_type, multi-head latent attention).
-    #[arg(long, default_value = "tiny")]
-    model: String,
-    /// Override the model's number of decoder layers.
-    #[arg(long)]
-    layers: Option<usize>,
-    /// Start from a Hugging Face model folder (config.json + model.safetensors): its config is
-    /// the model and its weights the initial parameters (excludes --model and --layers).
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "layers"])]
-    init_from: Option<PathBuf>,
+    /// The model (`--model`, `--layers`, `--init-from`).
+    #[command(flatten)]
+    model: ModelArgs,
     /// Optimizer post-validation (zero-bubble paper, section 4): each rank takes its AdamW step
     /// while the global gradient norm and the NaN/inf check are reduced, and rolls it back when
     /// they say so (clipping, a non-finite gradient); the results equal the synchronous step.
@@ -211,14 +203,7 @@ impl TrainArgs {
     fn config(&self, resumed: Option<&RunConfig>) -> Result<RunConfig> {
         let l = &self.layout;
         let (kind, ranks, microbatches) = l.shape()?;
-        let mut model = match &self.init_from {
-            Some(dir) => graphpp::pretrained::load_config(dir).context("--init-from")?,
-            None => crate::cmd::graph::load_config(&self.model)?,
-        };
-        if let Some(l) = self.layers {
-            model.base_mut().num_hidden_layers = l;
-            model.validate().context("--layers")?;
-        }
+        let model = self.model.config()?;
         if let Some(stop) = self.stop_after.filter(|&s| s > self.steps) {
             bail!(
                 "--stop-after {stop} is beyond --steps {}: the run ends at step {} anyway",
@@ -237,7 +222,7 @@ impl TrainArgs {
             bail!("--prompt is empty: the sample needs one byte of prompt at least (or --sample-bytes 0)");
         }
         Ok(RunConfig {
-            model_name: self.init_from.as_ref().map_or(self.model.clone(), |d| d.display().to_string()),
+            model_name: self.model.name(),
             model,
             kind,
             schedule_file: l.schedule_file.clone(),
@@ -262,7 +247,7 @@ impl TrainArgs {
             seed: self.seed,
             data: self.data.clone(),
             recompute: self.recompute,
-            init_from: self.init_from.clone(),
+            init_from: self.model.init_from.clone(),
             dtype: self.dtype,
             expert_bias_update: self.expert_bias_update,
             link: self.link,
