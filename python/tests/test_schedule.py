@@ -178,6 +178,13 @@ def test_measured_vs_predicted_round_trip():
         graphpp.Timeline(2, [(0, 0.0, 1.0, "0X0")])
 
 
+def test_a_microbatch_beyond_the_actions_is_refused_unvalidated():
+    # Simulating never sizes per-microbatch tables by a number a file names.
+    s = graphpp.Schedule.from_csv("0F4000000000,0B4000000000\n")
+    with pytest.raises(graphpp.SimulateError, match="beyond the schedule's 2 actions"):
+        graphpp.simulate(s)
+
+
 def test_bad_inputs_raise_typed_errors(tmp_path):
     with pytest.raises(graphpp.GenerateError, match="needs m >= 2p"):
         graphpp.generate("dualpipev", 4, 4)

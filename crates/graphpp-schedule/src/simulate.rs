@@ -32,6 +32,10 @@ pub enum SimulateError {
     /// The ranks wait on each other in a cycle.
     #[error("deadlock: {0}")]
     Deadlock(String),
+    /// An action names a microbatch beyond the schedule's action count (checked before the
+    /// per-microbatch tables are sized: an unvalidated schedule file could ask for billions).
+    #[error(transparent)]
+    MicrobatchBeyondActions(Box<crate::validate::ValidationError>),
 }
 
 /// The simulator's figures. All times in cost units; memory in full-stage M_B units.
@@ -97,6 +101,8 @@ pub fn simulate_with(
     memory: &Memory,
 ) -> Result<SimReport, SimulateError> {
     check_cost("C", comm)?;
+    crate::validate::check_microbatch_numbers(schedule)
+        .map_err(|e| SimulateError::MicrobatchBeyondActions(Box::new(e)))?;
     simulate_walk(schedule, &Walk::new(schedule), None, duration, comm, memory)
 }
 
@@ -426,6 +432,16 @@ pub fn describe_cycle(g: &DepGraph, cycle: &[(crate::deps::ActionRef, crate::dep
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An unvalidated schedule naming microbatch 4·10⁹ in one action is refused before any
+    /// per-microbatch table is sized (it once asked for ~100 GB).
+    #[test]
+    fn a_microbatch_beyond_the_actions_is_refused_first() {
+        let s = Schedule::parse("0F4000000000,0B4000000000\n").unwrap();
+        let e = simulate(&s, &Costs::default(), &Memory::default()).unwrap_err();
+        assert!(matches!(e, SimulateError::MicrobatchBeyondActions(_)), "{e}");
+        assert!(e.to_string().contains("microbatch 4000000000 is beyond the schedule's 2 actions"), "{e}");
+    }
 
     /// 1F1B by its docs/ARCHITECTURE.md rule, written out independently of the generators.
     fn one_f_one_b(p: usize, m: usize) -> Schedule {

@@ -170,7 +170,7 @@ fn mbs_of(a: &Action) -> impl Iterator<Item = usize> {
 /// Every microbatch an action names is below the count of actions
 /// ([`ValidationError::MicrobatchBeyondActions`]): what bounds the per-microbatch tables the
 /// other checks build (stages have sparse tables of their own).
-fn check_microbatch_numbers(s: &Schedule) -> Result<(), ValidationError> {
+pub(crate) fn check_microbatch_numbers(s: &Schedule) -> Result<(), ValidationError> {
     let actions = s.actions().count();
     for at in cells(s) {
         if let Some(mb) = mbs_of(&at.action).find(|&mb| mb >= actions) {
