@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorView};
 
-use crate::data::sha256_file;
+use crate::data::{sha256_bytes, sha256_file};
 
 /// A named f32 tensor: shape and row-major values.
 #[derive(Debug, Clone, PartialEq)]
@@ -347,19 +347,27 @@ pub fn newest_loadable(dir: &Path) -> Result<Option<PathBuf>, CheckpointError> {
 /// Checks sidecar `json_path` as [`load_one`] does — parse, step, checksum — without reading
 /// the tensors.
 fn check_one(json_path: &Path) -> Result<(), CheckpointError> {
-    let sidecar = checked_sidecar(json_path)?;
-    let tensor_path = json_path.parent().unwrap_or(Path::new(".")).join(&sidecar.tensors);
-    let bad = |message: String| CheckpointError::BadTensors { path: tensor_path.clone(), message };
-    let got = sha256_file(&tensor_path).map_err(|e| bad(e.to_string()))?;
+    let (sidecar, tensor_path) = checked_sidecar(json_path)?;
+    let got = sha256_file(&tensor_path).map_err(|e| bad_tensors(&tensor_path, e.to_string()))?;
+    check_sum(&sidecar, &tensor_path, &got)
+}
+
+/// Refuses tensors whose sha256 `got` is not the one `sidecar` records.
+fn check_sum(sidecar: &Sidecar, tensor_path: &Path, got: &str) -> Result<(), CheckpointError> {
     if got != sidecar.sha256 {
-        return Err(bad(format!("sha256 {got} does not match the recorded {}", sidecar.sha256)));
+        let message = format!("sha256 {got} does not match the recorded {}", sidecar.sha256);
+        return Err(bad_tensors(tensor_path, message));
     }
     Ok(())
 }
 
-/// Sidecar `json_path`, refused when its step is not its name's or its tensors' file that
-/// step's.
-fn checked_sidecar(json_path: &Path) -> Result<Sidecar, CheckpointError> {
+fn bad_tensors(path: &Path, message: String) -> CheckpointError {
+    CheckpointError::BadTensors { path: path.to_path_buf(), message }
+}
+
+/// Sidecar `json_path` and the path of its tensors, refused when its step is not its name's or
+/// its tensors' file that step's.
+fn checked_sidecar(json_path: &Path) -> Result<(Sidecar, PathBuf), CheckpointError> {
     let sidecar = load_sidecar(json_path)?;
     let named_step = json_path
         .file_name()
@@ -379,22 +387,19 @@ fn checked_sidecar(json_path: &Path) -> Result<Sidecar, CheckpointError> {
             ),
         });
     }
-    Ok(sidecar)
+    let tensor_path = json_path.parent().unwrap_or(Path::new(".")).join(&sidecar.tensors);
+    Ok((sidecar, tensor_path))
 }
 
 /// The checkpoint of sidecar `json_path`, its step and tensors checked against its name and its
 /// recorded checksum.
 fn load_one(json_path: &Path) -> Result<Checkpoint, CheckpointError> {
-    let sidecar = checked_sidecar(json_path)?;
+    let (sidecar, tensor_path) = checked_sidecar(json_path)?;
     let json_path = json_path.to_path_buf();
-    let dir = json_path.parent().unwrap_or(Path::new("."));
-    let tensor_path = dir.join(&sidecar.tensors);
-    let bad = |message: String| CheckpointError::BadTensors { path: tensor_path.clone(), message };
-    let got = sha256_file(&tensor_path).map_err(|e| bad(e.to_string()))?;
-    if got != sidecar.sha256 {
-        return Err(bad(format!("sha256 {got} does not match the recorded {}", sidecar.sha256)));
-    }
-    let blob = std::fs::read(&tensor_path).map_err(io(&tensor_path))?;
+    let bad = |message: String| bad_tensors(&tensor_path, message);
+    // Read once, checked in memory.
+    let blob = std::fs::read(&tensor_path).map_err(|e| bad(e.to_string()))?;
+    check_sum(&sidecar, &tensor_path, &sha256_bytes(&blob))?;
     let st = safetensors::SafeTensors::deserialize(&blob).map_err(|e| bad(e.to_string()))?;
     let mut tensors = BTreeMap::new();
     for (name, view) in st.tensors() {

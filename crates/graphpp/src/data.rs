@@ -94,6 +94,11 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache").join("graphpp")
 }
 
+/// Hex sha256 of bytes in memory.
+pub fn sha256_bytes(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Hex sha256 of a file.
 pub fn sha256_file(path: &Path) -> Result<String, DataError> {
     let mut f = std::fs::File::open(path).map_err(io(path))?;

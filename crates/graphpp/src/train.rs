@@ -520,7 +520,7 @@ impl Run {
 ///
 /// # Errors
 /// [`RunError::Checkpoint`] for an unreadable folder or sidecar.
-pub fn newest_checkpoint(dir: &Path) -> Result<Option<(u64, String, RunConfig)>, RunError> {
+pub fn newest_checkpoint(dir: &Path) -> Result<Option<SavedRun>, RunError> {
     if !dir.is_dir() {
         return Ok(None);
     }
@@ -529,25 +529,38 @@ pub fn newest_checkpoint(dir: &Path) -> Result<Option<(u64, String, RunConfig)>,
 
 /// The checkpoint a resume continues from: [`newest_checkpoint`], but the newest that loads
 /// ([`checkpoint::newest_loadable`]: newer damaged ones are set aside), so that the step every
-/// process agrees on is the one [`checkpoint::load`] loads.
+/// process agrees on is the one it loads; with its sidecar's path, for [`Run::resume`].
 ///
 /// # Errors
 /// [`RunError::Checkpoint`] for an unreadable folder, or a damaged checkpoint that cannot be
 /// set aside.
-pub fn resumable_checkpoint(dir: &Path) -> Result<Option<(u64, String, RunConfig)>, RunError> {
+pub fn resumable_checkpoint(dir: &Path) -> Result<Option<SavedRun>, RunError> {
     if !dir.is_dir() {
         return Ok(None);
     }
     checkpoint::newest_loadable(dir)?.map(|p| checkpoint_settings(&p)).transpose()
 }
 
+/// What a checkpoint's sidecar records of its run.
+#[derive(Debug, Clone)]
+pub struct SavedRun {
+    /// The step it was saved after.
+    pub step: u64,
+    /// The run's identity (16 hex digits).
+    pub run_id: String,
+    /// The run's settings.
+    pub config: RunConfig,
+    /// The sidecar (a checkpoint path [`Run::resume`] loads directly).
+    pub sidecar: PathBuf,
+}
+
 /// The step, run identity and settings recorded in sidecar `path`.
-fn checkpoint_settings(path: &Path) -> Result<(u64, String, RunConfig), RunError> {
+fn checkpoint_settings(path: &Path) -> Result<SavedRun, RunError> {
     let sidecar = checkpoint::load_sidecar(path)?;
     let saved: SavedState = serde_json::from_value(sidecar.state).map_err(|e| {
         RunError::Checkpoint(CheckpointError::BadSidecar { path: path.to_path_buf(), message: e.to_string() })
     })?;
-    Ok((sidecar.step, saved.run_id, saved.config))
+    Ok(SavedRun { step: sidecar.step, run_id: saved.run_id, config: saved.config, sidecar: path.into() })
 }
 
 /// Checks `dir` for a fresh run, changing nothing: a folder that holds another run's
@@ -558,9 +571,13 @@ fn checkpoint_settings(path: &Path) -> Result<(u64, String, RunConfig), RunError
 /// # Errors
 /// [`RunError::FolderInUse`] naming the other run; [`RunError::Checkpoint`] for I/O failures.
 pub fn check_checkpoint_dir(dir: &Path, start_over: bool) -> Result<(), RunError> {
-    if let Some((step, run_id, _)) = newest_checkpoint(dir)? {
+    if let Some(saved) = newest_checkpoint(dir)? {
         if !start_over {
-            return Err(RunError::FolderInUse { dir: dir.to_path_buf(), run_id, step });
+            return Err(RunError::FolderInUse {
+                dir: dir.to_path_buf(),
+                run_id: saved.run_id,
+                step: saved.step,
+            });
         }
     }
     checkpoint::check_writable(dir)?;

@@ -27,7 +27,7 @@ use graphpp::stop::{Interrupted, StopRequest};
 use graphpp::strategy::Strategy;
 use graphpp::train::{
     bubble_summary, check_checkpoint_dir, comm_summary, joined_timeline, resumable_checkpoint, Run,
-    RunConfig, RunError,
+    RunConfig, RunError, SavedRun,
 };
 use graphpp_models::Recompute;
 use graphpp_models::{Model, ModelConfig};
@@ -358,11 +358,11 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
 /// process reads the checkpoint it resumes from.
 fn start(a: &TrainArgs, launch: &Launch) -> Result<(Run, MetricsLog, Option<std::fs::File>)> {
     let resume_from = resume_point(a)?;
-    let resume_step = resume_from.as_ref().map_or("none".to_string(), |(s, _)| s.to_string());
+    let resume_step = resume_from.as_ref().map_or("none".to_string(), |s| s.step.to_string());
     let files = crate::cmd::settings_files(&[a.strategy.as_deref(), a.layout.schedule_file.as_deref()]);
     let fingerprint = graphpp::launch::command_fingerprint(&format!("resume from step {resume_step}{files}"));
     launch.agree("the command line or the checkpoint to resume", fingerprint)?;
-    let config = a.config(resume_from.as_ref().map(|(_, c)| c))?;
+    let config = a.config(resume_from.as_ref().map(|s| &s.config))?;
     config.validate()?;
     let leader = launch.is_leader();
     if leader {
@@ -373,21 +373,22 @@ fn start(a: &TrainArgs, launch: &Launch) -> Result<(Run, MetricsLog, Option<std:
     if let Some(dir) = a.checkpoint_dir.as_ref().filter(|d| leader && a.start_over && d.is_dir()) {
         graphpp::checkpoint::remove_all(dir)?;
     }
-    if let (Some((step, saved)), Some(dir)) = (&resume_from, &a.checkpoint_dir) {
-        if *step > run.config().steps {
+    if let (Some(saved), Some(dir)) = (&resume_from, &a.checkpoint_dir) {
+        let step = saved.step;
+        if step > run.config().steps {
             bail!(
                 "--steps {} is below the checkpoint's step {step} in {}: give --steps {step} or more",
                 run.config().steps,
                 dir.display()
             );
         }
-        let at = run.resume(dir)?;
+        let at = run.resume(&saved.sidecar)?;
         out!("resumed run {} from {} at step {at}", run.run_id(), dir.display());
-        if saved.steps != run.config().steps {
+        if saved.config.steps != run.config().steps {
             out!(
                 "the run now ends at step {} (it was {}): the learning-rate schedule is the new one from step {}",
                 run.config().steps,
-                saved.steps,
+                saved.config.steps,
                 step + 1
             );
         }
@@ -401,13 +402,14 @@ fn start(a: &TrainArgs, launch: &Launch) -> Result<(Run, MetricsLog, Option<std:
 
 /// The checkpoint to continue from: with --resume the newest in --checkpoint-dir (an error when
 /// there is none — the folder is never created); with --resume-if-present that one or none.
-/// Returns its step and its run's settings.
-fn resume_point(a: &TrainArgs) -> Result<Option<(u64, RunConfig)>> {
+/// Returns its step, its run's settings and its sidecar (which [`Run::resume`] then loads
+/// without looking through the folder again).
+fn resume_point(a: &TrainArgs) -> Result<Option<SavedRun>> {
     let Some(dir) = a.checkpoint_dir.as_ref().filter(|_| a.resume || a.resume_if_present) else {
         return Ok(None);
     };
     match resumable_checkpoint(dir)? {
-        Some((step, _, config)) => Ok(Some((step, config))),
+        Some(saved) => Ok(Some(saved)),
         None if a.resume && !dir.exists() => {
             bail!("--resume: the checkpoint folder {} does not exist (nothing to resume)", dir.display())
         }
