@@ -38,7 +38,6 @@ use std::fmt;
 use std::time::Duration;
 
 use candle_core::{DType, Tensor};
-use graphpp_graph::CollectiveKind;
 
 pub use emulated::{EmulatedComm, LinkModel, LinkParseError};
 pub use link::{loopback, Inbox, Link, LinkComm};
@@ -156,8 +155,9 @@ impl fmt::Display for Group {
     }
 }
 
-/// The collectives a [`Comm`] runs. The graph's [`CollectiveKind`] converts into this (the graph
-/// has no barrier; its all-to-all is the equal-counts case of [`Comm::all_to_all`]).
+/// The collectives a [`Comm`] runs (a graph's collective kinds run as these; the graph has no
+/// barrier, its all-to-all is the equal-counts case of [`Comm::all_to_all`], and its replicate
+/// moves no data).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CollectiveOp {
     /// Sum over the group; every member gets the whole sum.
@@ -189,17 +189,6 @@ impl CollectiveOp {
 impl fmt::Display for CollectiveOp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
-    }
-}
-
-impl From<CollectiveKind> for CollectiveOp {
-    fn from(k: CollectiveKind) -> Self {
-        match k {
-            CollectiveKind::AllGather => CollectiveOp::AllGather,
-            CollectiveKind::ReduceScatter => CollectiveOp::ReduceScatter,
-            CollectiveKind::AllReduce => CollectiveOp::AllReduce,
-            CollectiveKind::AllToAll | CollectiveKind::AllToAllV { .. } => CollectiveOp::AllToAll,
-        }
     }
 }
 

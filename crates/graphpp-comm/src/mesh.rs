@@ -1,24 +1,23 @@
-//! The device mesh: which world ranks form each pipeline and each data-parallel group, from the
-//! degrees pp (pipeline ranks) and dp (pipeline replicas) (docs/ARCHITECTURE.md, "Runtime": Mesh).
+//! The device mesh: which world ranks form each pipeline, data-parallel, expert-parallel and
+//! tensor-parallel group, from the degrees pp (pipeline ranks), dp (pipeline replicas) and tp
+//! (tensor-parallel ranks per pipeline position) (docs/ARCHITECTURE.md, "Runtime": Mesh).
 //!
 //! # Rank order
 //!
-//! `rank = dp_index · pp + pp_index`: the pp index varies fastest, so each pipeline replica is a
-//! block of consecutive ranks (`[d·pp, (d+1)·pp)`) and a data-parallel group is strided
-//! (`{p, p + pp, p + 2·pp, …}`). With pp = 2, dp = 2: pipelines `[0,1]` and `[2,3]`, data-parallel
-//! groups `[0,2]` and `[1,3]`.
+//! `rank = (dp_index · pp + pp_index) · tp + tp_index`: the tp index varies fastest, then the pp
+//! index, so a tensor-parallel group is a block of tp consecutive ranks, each pipeline replica a
+//! block of `pp · tp` consecutive ranks, and a data-parallel group is strided. With pp = 2,
+//! dp = 2 (tp = 1): pipelines `[0,1]` and `[2,3]`, data-parallel groups `[0,2]` and `[1,3]`; with
+//! pp = 2, tp = 2 (dp = 1): tp groups `[0,1]` and `[2,3]`, pipelines `[0,2]` and `[1,3]`.
 //!
-//! Megatron-LM's default is the other way round: `initialize_model_parallel(order =
-//! "tp-cp-ep-dp-pp")` makes tp fastest and pp slowest, i.e. (without tp/cp/ep)
-//! `rank = pp_index · dp + dp_index`, pipeline groups strided and data-parallel groups
-//! contiguous — it keeps the heavy tensor- and data-parallel collectives on the fast links inside a
-//! node. Megatron also accepts `order = "tp-cp-pp-ep-dp"` (its other tested order), which is the
-//! convention here. We follow it because (1) with dp = 1 the world rank *is* the pipeline rank, so
-//! every schedule keeps today's rank numbering; (2) `mpirun` fills hosts with consecutive ranks,
-//! so a replica's per-microbatch activation and gradient messages (latency-bound, many per step)
-//! stay inside a host while the data-parallel gradient reduction (one per stage per step, started
-//! early and overlapped with compute) crosses hosts; (3) there is no tensor parallelism here for
-//! the fast links to serve. Changing the order means changing [`Mesh::rank_of`] and
+//! This is Megatron-LM's order `"tp-cp-pp-ep-dp"` (one of its two tested orders; its default
+//! `"tp-cp-ep-dp-pp"` puts pp slowest) and TorchTitan's mesh with tp innermost: (1) the tensor-
+//! parallel all-reduces, several per layer and on the critical path, stay on the fastest links
+//! (`mpirun` fills hosts with consecutive ranks); (2) with tp = dp = 1 the world rank *is* the
+//! pipeline rank, so every schedule keeps its rank numbering; (3) a replica's per-microbatch
+//! activation and gradient messages (latency-bound, many per step) stay inside a host while the
+//! data-parallel gradient reduction (one per stage per step, started early and overlapped with
+//! compute) crosses hosts. Changing the order means changing [`Mesh::rank_of`] and
 //! [`Mesh::coords`] only.
 //!
 //! # Expert parallelism
@@ -30,12 +29,19 @@
 //! (`d ≡ d' mod ep`, dp / ep of them) reduce those experts' gradients (group `edp`). With
 //! pp = 2, dp = 4, ep = 2: rank 0 (dp 0) has ep group `[0, 2]` and edp group `[0, 4]`.
 //!
+//! # Tensor parallelism
+//!
+//! The tp ranks of one (replica, pipeline position) split that position's matrices (Megatron's
+//! column- and row-parallel projections, [`Mesh::with_tp`]): they read the same microbatches and
+//! run the same schedule. Every other group is taken among the ranks of one tp index, so each tp
+//! index sees today's pp × dp mesh.
+//!
 //! # Graph groups
 //!
 //! A graph's collectives name a [`CommGroup`] (mesh axis + size); [`Mesh::resolve`] maps it, for one
 //! rank, to the world ranks it runs over: `pp` → the rank's pipeline, `dp` and `fsdp` → its
 //! data-parallel group (FSDP shards over the replicas), `ep` and `edp` → its expert-parallel
-//! and expert-data-parallel groups, `world` → every rank.
+//! and expert-data-parallel groups, `tp` → its tensor-parallel group, `world` → every rank.
 
 use graphpp_graph::CommGroup;
 pub use graphpp_graph::MeshAxis;
@@ -51,13 +57,15 @@ pub enum MeshError {
         /// `pp` or `dp`.
         axis: MeshAxis,
     },
-    /// pp × dp overflows.
-    #[error("mesh pp = {pp} × dp = {dp} is too large")]
+    /// pp × dp × tp overflows.
+    #[error("mesh pp = {pp} × dp = {dp} × tp = {tp} is too large")]
     TooLarge {
         /// Pipeline degree.
         pp: usize,
         /// Data-parallel degree.
         dp: usize,
+        /// Tensor-parallel degree.
+        tp: usize,
     },
     /// An expert-parallel degree that does not divide dp.
     #[error("expert-parallel degree ep = {ep} must divide the data-parallel degree dp = {dp} (ep groups are made of data-parallel replicas)")]
@@ -67,8 +75,8 @@ pub enum MeshError {
         /// Data-parallel degree.
         dp: usize,
     },
-    /// The world size is not pp × dp.
-    #[error("world size {world} does not equal pp × dp = {pp} × {dp} = {}", pp.saturating_mul(*dp))]
+    /// The world size is not pp × dp × tp.
+    #[error("world size {world} does not equal pp × dp × tp = {pp} × {dp} × {tp} = {}", pp.saturating_mul(*dp).saturating_mul(*tp))]
     WorldMismatch {
         /// Number of ranks present.
         world: usize,
@@ -76,13 +84,15 @@ pub enum MeshError {
         pp: usize,
         /// Data-parallel degree.
         dp: usize,
+        /// Tensor-parallel degree.
+        tp: usize,
     },
     /// A rank outside `0..world`.
     #[error("rank {rank} is outside the mesh (world size {world})")]
     RankOutOfRange {
         /// The rank.
         rank: usize,
-        /// pp × dp.
+        /// pp × dp × tp.
         world: usize,
     },
     /// A coordinate beyond its degree.
@@ -116,15 +126,25 @@ pub struct Coords {
     pub dp: usize,
     /// Which rank of its pipeline (`0..pp`).
     pub pp: usize,
+    /// Which rank of its tensor-parallel group (`0..tp`).
+    pub tp: usize,
 }
 
-/// pp pipeline ranks × dp replicas; world size = pp · dp; the replicas form expert-parallel
-/// groups of ep. See the module doc for the rank order.
+impl Coords {
+    /// Pipeline position `pp` of replica `dp`, tensor-parallel index 0.
+    pub fn at(dp: usize, pp: usize) -> Coords {
+        Coords { dp, pp, tp: 0 }
+    }
+}
+
+/// pp pipeline ranks × dp replicas × tp tensor-parallel ranks; world size = pp · dp · tp; the
+/// replicas form expert-parallel groups of ep. See the module doc for the rank order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Mesh {
     pp: usize,
     dp: usize,
     ep: usize,
+    tp: usize,
 }
 
 impl Mesh {
@@ -138,8 +158,35 @@ impl Mesh {
                 return Err(MeshError::ZeroDegree { axis });
             }
         }
-        pp.checked_mul(dp).ok_or(MeshError::TooLarge { pp, dp })?;
-        Ok(Mesh { pp, dp, ep: 1 })
+        pp.checked_mul(dp).ok_or(MeshError::TooLarge { pp, dp, tp: 1 })?;
+        Ok(Mesh { pp, dp, ep: 1, tp: 1 })
+    }
+
+    /// This mesh with tensor-parallel degree `tp` (see the module doc).
+    ///
+    /// # Errors
+    /// [`MeshError::ZeroDegree`]; [`MeshError::TooLarge`] when pp · dp · tp overflows.
+    pub fn with_tp(self, tp: usize) -> Result<Mesh, MeshError> {
+        if tp == 0 {
+            return Err(MeshError::ZeroDegree { axis: MeshAxis::Tensor });
+        }
+        let (pp, dp) = (self.pp, self.dp);
+        (pp * dp).checked_mul(tp).ok_or(MeshError::TooLarge { pp, dp, tp })?;
+        Ok(Mesh { tp, ..self })
+    }
+
+    /// Tensor-parallel degree (1: none).
+    pub fn tp(&self) -> usize {
+        self.tp
+    }
+
+    /// `rank`'s position in its tensor-parallel group: which shard of its stages' matrices it
+    /// holds.
+    ///
+    /// # Errors
+    /// [`MeshError::RankOutOfRange`].
+    pub fn tp_index(&self, rank: usize) -> Result<usize, MeshError> {
+        Ok(self.coords(rank)?.tp)
     }
 
     /// This mesh with expert-parallel degree `ep` (see the module doc).
@@ -185,14 +232,15 @@ impl Mesh {
         self.group(MeshAxis::ExpertDataParallel, rank)
     }
 
-    /// The mesh of `pp` × `dp` for a run of `world` ranks (e.g. `mpirun -n world`).
+    /// The mesh of `pp` × `dp` × `tp` for a run of `world` ranks (e.g. `mpirun -n world`).
     ///
     /// # Errors
-    /// As [`Mesh::new`]; [`MeshError::WorldMismatch`] when `world ≠ pp · dp`.
-    pub fn for_world(world: usize, pp: usize, dp: usize) -> Result<Mesh, MeshError> {
-        let m = Mesh::new(pp, dp)?;
+    /// As [`Mesh::new`] and [`Mesh::with_tp`]; [`MeshError::WorldMismatch`] when
+    /// `world ≠ pp · dp · tp`.
+    pub fn for_world(world: usize, pp: usize, dp: usize, tp: usize) -> Result<Mesh, MeshError> {
+        let m = Mesh::new(pp, dp)?.with_tp(tp)?;
         if m.world() != world {
-            return Err(MeshError::WorldMismatch { world, pp, dp });
+            return Err(MeshError::WorldMismatch { world, pp, dp, tp });
         }
         Ok(m)
     }
@@ -207,24 +255,26 @@ impl Mesh {
         self.dp
     }
 
-    /// Number of ranks, pp · dp.
+    /// Number of ranks, pp · dp · tp.
     pub fn world(&self) -> usize {
-        self.pp * self.dp
+        self.pp * self.dp * self.tp
     }
 
-    /// The world rank at `c`: `c.dp · pp + c.pp`.
+    /// The world rank at `c`: `(c.dp · pp + c.pp) · tp + c.tp`.
     ///
     /// # Errors
     /// [`MeshError::CoordOutOfRange`].
     pub fn rank_of(&self, c: Coords) -> Result<usize, MeshError> {
-        for (axis, index, degree) in
-            [(MeshAxis::Pipeline, c.pp, self.pp), (MeshAxis::DataParallel, c.dp, self.dp)]
-        {
+        for (axis, index, degree) in [
+            (MeshAxis::Pipeline, c.pp, self.pp),
+            (MeshAxis::DataParallel, c.dp, self.dp),
+            (MeshAxis::Tensor, c.tp, self.tp),
+        ] {
             if index >= degree {
                 return Err(MeshError::CoordOutOfRange { axis, index, degree });
             }
         }
-        Ok(c.dp * self.pp + c.pp)
+        Ok((c.dp * self.pp + c.pp) * self.tp + c.tp)
     }
 
     /// The coordinates of world rank `rank`.
@@ -235,32 +285,36 @@ impl Mesh {
         if rank >= self.world() {
             return Err(MeshError::RankOutOfRange { rank, world: self.world() });
         }
-        Ok(Coords { dp: rank / self.pp, pp: rank % self.pp })
+        let position = rank / self.tp;
+        Ok(Coords { dp: position / self.pp, pp: position % self.pp, tp: rank % self.tp })
     }
 
     /// The group along `axis` through `rank` (see the module doc), named after the axis, members
-    /// in index order along the axis (group rank = the pp or dp index, or the world rank).
+    /// in index order along the axis (group rank = the pp, dp or tp index, or the world rank).
     ///
     /// # Errors
     /// [`MeshError::RankOutOfRange`].
     pub fn group(&self, axis: MeshAxis, rank: usize) -> Result<Group, MeshError> {
         let c = self.coords(rank)?;
-        let replica = |d: usize| d * self.pp + c.pp;
+        let at = |dp: usize, pp: usize, tp: usize| (dp * self.pp + pp) * self.tp + tp;
+        let replica = |d: usize| at(d, c.pp, c.tp);
         let ranks: Vec<usize> = match axis {
-            MeshAxis::Pipeline => (0..self.pp).map(|p| c.dp * self.pp + p).collect(),
+            MeshAxis::Pipeline => (0..self.pp).map(|p| at(c.dp, p, c.tp)).collect(),
             MeshAxis::DataParallel | MeshAxis::Fsdp => (0..self.dp).map(replica).collect(),
             MeshAxis::Expert => {
                 let first = c.dp - c.dp % self.ep;
                 (first..first + self.ep).map(replica).collect()
             }
             MeshAxis::ExpertDataParallel => (c.dp % self.ep..self.dp).step_by(self.ep).map(replica).collect(),
+            MeshAxis::Tensor => (0..self.tp).map(|t| at(c.dp, c.pp, t)).collect(),
             MeshAxis::World => (0..self.world()).collect(),
         };
         // Non-empty and duplicate-free by construction (degrees ≥ 1, distinct indices).
         Ok(Group::checked_by_caller(axis.name(), ranks))
     }
 
-    /// The pipeline (replica) `rank` belongs to: `pp[d·pp, …, d·pp + pp − 1]`.
+    /// The pipeline `rank` belongs to: the ranks of its replica and tp index, in pipeline order
+    /// (`pp[d·pp, …, d·pp + pp − 1]` when tp = 1).
     ///
     /// # Errors
     /// [`MeshError::RankOutOfRange`].
@@ -268,8 +322,17 @@ impl Mesh {
         self.group(MeshAxis::Pipeline, rank)
     }
 
-    /// The ranks holding the same pipeline position as `rank` in every replica:
-    /// `dp[p, p + pp, …]` (gradients are reduced over it).
+    /// The tensor-parallel group of `rank`: `tp[…]`, the tp consecutive ranks of its pipeline
+    /// position.
+    ///
+    /// # Errors
+    /// [`MeshError::RankOutOfRange`].
+    pub fn tensor_parallel_group(&self, rank: usize) -> Result<Group, MeshError> {
+        self.group(MeshAxis::Tensor, rank)
+    }
+
+    /// The ranks holding the same pipeline position (and tp index) as `rank` in every replica:
+    /// `dp[p, p + pp, …]` when tp = 1 (gradients are reduced over it).
     ///
     /// # Errors
     /// [`MeshError::RankOutOfRange`].
@@ -311,16 +374,16 @@ mod tests {
 
     #[test]
     fn pp2_dp2_groups() {
-        let m = Mesh::for_world(4, 2, 2).unwrap();
+        let m = Mesh::for_world(4, 2, 2, 1).unwrap();
         let pp = [vec![0, 1], vec![0, 1], vec![2, 3], vec![2, 3]];
         let dp = [vec![0, 2], vec![1, 3], vec![0, 2], vec![1, 3]];
         for r in 0..4 {
             assert_eq!(ranks(m.pipeline_group(r)), ("pp".into(), pp[r].clone()), "rank {r}");
             assert_eq!(ranks(m.data_parallel_group(r)), ("dp".into(), dp[r].clone()), "rank {r}");
         }
-        assert_eq!(m.coords(3).unwrap(), Coords { dp: 1, pp: 1 });
-        assert_eq!(m.coords(2).unwrap(), Coords { dp: 1, pp: 0 });
-        assert_eq!(m.rank_of(Coords { dp: 1, pp: 0 }).unwrap(), 2);
+        assert_eq!(m.coords(3).unwrap(), Coords::at(1, 1));
+        assert_eq!(m.coords(2).unwrap(), Coords::at(1, 0));
+        assert_eq!(m.rank_of(Coords::at(1, 0)).unwrap(), 2);
     }
 
     #[test]
@@ -329,7 +392,7 @@ mod tests {
         for r in 0..4 {
             assert_eq!(ranks(m.pipeline_group(r)).1, vec![0, 1, 2, 3]);
             assert_eq!(ranks(m.data_parallel_group(r)).1, vec![r]);
-            assert_eq!(m.coords(r).unwrap(), Coords { dp: 0, pp: r });
+            assert_eq!(m.coords(r).unwrap(), Coords::at(0, r));
         }
     }
 
@@ -351,7 +414,7 @@ mod tests {
         assert_eq!(ranks(m.resolve(&cg("fsdp", 3), 4)), ("fsdp".into(), vec![0, 2, 4]));
         assert_eq!(ranks(m.resolve(&cg("pp", 2), 3)), ("pp".into(), vec![2, 3]));
         assert_eq!(ranks(m.resolve(&cg("world", 6), 0)).1, vec![0, 1, 2, 3, 4, 5]);
-        assert_eq!("tp".parse::<MeshAxis>(), Err(graphpp_graph::UnknownMeshAxis("tp".into())));
+        assert_eq!("cp".parse::<MeshAxis>(), Err(graphpp_graph::UnknownMeshAxis("cp".into())));
         assert_eq!(m.resolve(&cg("world", 6), 6), Err(MeshError::RankOutOfRange { rank: 6, world: 6 }));
         let e = m.resolve(&cg("dp", 2), 1).unwrap_err();
         assert_eq!(
@@ -395,17 +458,40 @@ mod tests {
     fn bad_degrees_and_ranks_are_typed_errors() {
         assert_eq!(Mesh::new(0, 2), Err(MeshError::ZeroDegree { axis: MeshAxis::Pipeline }));
         assert_eq!(Mesh::new(2, 0), Err(MeshError::ZeroDegree { axis: MeshAxis::DataParallel }));
-        assert_eq!(Mesh::for_world(3, 2, 2), Err(MeshError::WorldMismatch { world: 3, pp: 2, dp: 2 }));
-        assert_eq!(Mesh::new(usize::MAX, 2), Err(MeshError::TooLarge { pp: usize::MAX, dp: 2 }));
+        assert_eq!(Mesh::for_world(3, 2, 2, 1), Err(MeshError::WorldMismatch { world: 3, pp: 2, dp: 2, tp: 1 }));
+        assert_eq!(Mesh::new(usize::MAX, 2), Err(MeshError::TooLarge { pp: usize::MAX, dp: 2, tp: 1 }));
+        assert_eq!(Mesh::new(2, 2).unwrap().with_tp(0), Err(MeshError::ZeroDegree { axis: MeshAxis::Tensor }));
         let m = Mesh::new(2, 2).unwrap();
         assert_eq!(m.pipeline_group(4), Err(MeshError::RankOutOfRange { rank: 4, world: 4 }));
         assert_eq!(
-            m.rank_of(Coords { dp: 2, pp: 0 }),
+            m.rank_of(Coords::at(2, 0)),
             Err(MeshError::CoordOutOfRange { axis: MeshAxis::DataParallel, index: 2, degree: 2 })
         );
         assert_eq!(
-            Mesh::for_world(3, 2, 2).unwrap_err().to_string(),
-            "world size 3 does not equal pp × dp = 2 × 2 = 4"
+            Mesh::for_world(3, 2, 2, 1).unwrap_err().to_string(),
+            "world size 3 does not equal pp × dp × tp = 2 × 2 × 1 = 4"
+        );
+    }
+
+    /// pp = 2, dp = 2, tp = 2: tp groups are pairs of consecutive ranks, every other group is
+    /// taken within one tp index.
+    #[test]
+    fn tensor_parallel_groups_are_innermost() {
+        let m = Mesh::for_world(8, 2, 2, 2).unwrap();
+        // Rank 5 = dp 1, pp 0, tp 1.
+        assert_eq!(m.coords(5).unwrap(), Coords { dp: 1, pp: 0, tp: 1 });
+        assert_eq!(ranks(m.tensor_parallel_group(5)), ("tp".into(), vec![4, 5]));
+        assert_eq!(ranks(m.pipeline_group(5)).1, vec![5, 7]);
+        assert_eq!(ranks(m.data_parallel_group(5)).1, vec![1, 5]);
+        let cg = |name: &str, size| CommGroup::new(name.parse().unwrap(), size);
+        assert_eq!(ranks(m.resolve(&cg("tp", 2), 2)).1, vec![2, 3]);
+        for r in 0..8 {
+            assert_eq!(m.rank_of(m.coords(r).unwrap()).unwrap(), r);
+            assert_eq!(m.tp_index(r).unwrap(), r % 2);
+        }
+        assert_eq!(
+            Mesh::for_world(4, 2, 1, 4).unwrap_err().to_string(),
+            "world size 4 does not equal pp × dp × tp = 2 × 1 × 4 = 8"
         );
     }
 }

@@ -134,10 +134,17 @@ fn unreduce(
     b.broadcast(g, x_shape.to_vec())
 }
 
-fn dual(kind: CollectiveKind) -> CollectiveKind {
+/// The collective that carries a gradient back through `kind` over `group`: all-gather ↔
+/// reduce-scatter; over a group that shares one loss ([`crate::MeshAxis::shares_loss`], tensor
+/// parallelism) all-reduce ↔ replicate (Megatron-LM's g and f), else an all-reduce is its own
+/// adjoint (and a replicate passes the gradient through).
+fn dual(kind: CollectiveKind, group: &crate::CommGroup) -> CollectiveKind {
+    let shared = group.mesh_axis.shares_loss();
     match kind {
         CollectiveKind::AllGather => CollectiveKind::ReduceScatter,
         CollectiveKind::ReduceScatter => CollectiveKind::AllGather,
+        CollectiveKind::AllReduce if shared => CollectiveKind::Replicate,
+        CollectiveKind::Replicate if shared => CollectiveKind::AllReduce,
         k => k,
     }
 }
@@ -412,8 +419,9 @@ fn vjp_indexing(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Res
     })
 }
 
-/// VJPs of a collective: a wait's gradient is the dual collective of `g` (all-gather ↔
-/// reduce-scatter, the reverse exchange for an all-to-all-v); the start passes `g` through to its
+/// VJPs of a collective: a wait's gradient is the dual collective of `g` ([`dual`]: all-gather
+/// ↔ reduce-scatter, all-reduce ↔ replicate over a group sharing one loss; the reverse exchange
+/// for an all-to-all-v); the start passes `g` through to its
 /// tensor operand (counts get none). Errors: [`GraphError::Autodiff`] for a wait whose operand
 /// is not a start.
 fn vjp_collective(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Result<OperandGrads> {
@@ -432,7 +440,7 @@ fn vjp_collective(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> R
                 let (xv, send, recv) = (start.inputs[0], start.inputs[1], start.inputs[2]);
                 vec![Some(b.all_to_all_v(group, g, recv, send, shape(xv)[0])?)]
             } else {
-                vec![Some(b.collective(dual(*kind), group, *axis, g)?)]
+                vec![Some(b.collective(dual(*kind, group), group, *axis, g)?)]
             }
         }
         Op::CollectiveStart { .. } => {

@@ -386,8 +386,8 @@ fn infer_moe(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
     }
 }
 
-/// Collectives: a start's result over a group of size n along `axis` (all-reduce keeps the
-/// shape, all-gather multiplies the axis by n, reduce-scatter divides it by n, all-to-all keeps
+/// Collectives: a start's result over a group of size n along `axis` (all-reduce and replicate
+/// keep the shape, all-gather multiplies the axis by n, reduce-scatter divides it by n, all-to-all keeps
 /// it but needs it divisible by n, all-to-all-v takes `rows` rows along axis 0 and reads u32
 /// send and receive counts `[n]`); a wait yields its start's type.
 fn infer_collective(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
@@ -409,7 +409,7 @@ fn infer_collective(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> 
                     }
                     shape[0] = *rows;
                 }
-                CollectiveKind::AllReduce => {}
+                CollectiveKind::AllReduce | CollectiveKind::Replicate => {}
                 CollectiveKind::AllGather => {
                     axis_ok(ins[0], *axis)?;
                     shape[*axis] *= group.size;

@@ -84,6 +84,12 @@ pub enum CollectiveKind {
     ReduceScatter,
     /// Sum over the group (shape unchanged).
     AllReduce,
+    /// No data moves: every member already holds the value (shape unchanged). It marks where a
+    /// value replicated over a group that shares one loss ([`MeshAxis::shares_loss`]) is read by
+    /// computations split over it, so that autodiff all-reduces the members' partial gradients
+    /// there: Megatron-LM's `copy_to_tensor_model_parallel_region` (the operator f of Shoeybi
+    /// et al. 2019, §3), before each column-parallel projection.
+    Replicate,
     /// Split `axis` into group-size chunks, send chunk `i` to rank `i`, concatenate received chunks.
     AllToAll,
     /// All-to-all with data-dependent counts along axis 0 (expert parallelism's dispatch and
@@ -106,6 +112,7 @@ impl CollectiveKind {
             CollectiveKind::AllGather => "all_gather",
             CollectiveKind::ReduceScatter => "reduce_scatter",
             CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::Replicate => "replicate",
             CollectiveKind::AllToAll => "all_to_all",
             CollectiveKind::AllToAllV { .. } => "all_to_all_v",
         }
@@ -129,23 +136,39 @@ pub enum MeshAxis {
     Expert,
     /// The holders of one routed expert, over which its gradient is reduced (`edp`).
     ExpertDataParallel,
+    /// The ranks that split one stage's matrices under tensor parallelism (`tp`): they read the
+    /// same microbatch and compute one loss (see [`MeshAxis::shares_loss`]).
+    Tensor,
     /// Every rank (`world`).
     World,
 }
 
 impl MeshAxis {
     /// Every axis, in declaration order.
-    pub const ALL: [MeshAxis; 6] = [
+    pub const ALL: [MeshAxis; 7] = [
         MeshAxis::Pipeline,
         MeshAxis::DataParallel,
         MeshAxis::Fsdp,
         MeshAxis::Expert,
         MeshAxis::ExpertDataParallel,
+        MeshAxis::Tensor,
         MeshAxis::World,
     ];
 
+    /// Whether the members of this axis's groups compute one loss from the same samples (only
+    /// `tp`). It decides how an all-reduce is differentiated (Shoeybi et al., "Megatron-LM",
+    /// 2019, §3, the conjugate operators f and g): where every member computes its own loss
+    /// (data parallelism), the gradient of a sum over the group is the sum of the members'
+    /// gradients — an all-reduce is its own adjoint; where the members compute one loss, a value
+    /// after an all-reduce is replicated, its gradient is already whole on every member, and the
+    /// adjoint is the identity ([`CollectiveKind::Replicate`]), whose own adjoint sums the
+    /// members' partial gradients.
+    pub fn shares_loss(self) -> bool {
+        self == MeshAxis::Tensor
+    }
+
     /// The axis's short name, also the name of its groups: `pp`, `dp`, `fsdp`, `ep`, `edp`,
-    /// `world`.
+    /// `tp`, `world`.
     pub fn name(self) -> &'static str {
         match self {
             MeshAxis::Pipeline => "pp",
@@ -153,6 +176,7 @@ impl MeshAxis {
             MeshAxis::Fsdp => "fsdp",
             MeshAxis::Expert => "ep",
             MeshAxis::ExpertDataParallel => "edp",
+            MeshAxis::Tensor => "tp",
             MeshAxis::World => "world",
         }
     }

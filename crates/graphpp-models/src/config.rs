@@ -30,6 +30,17 @@ pub enum ModelError {
         /// What graphpp supports instead.
         reason: &'static str,
     },
+    /// A size the tensor-parallel degree does not divide (heads, key/value heads, MLP width), or
+    /// a degree of 0.
+    #[error("tensor parallelism: config field `{field}` = {value} does not split over tp = {tp} (tp must be at least 1 and divide it)")]
+    TensorParallel {
+        /// HF field name (`num_attention_heads`, `num_key_value_heads`, `intermediate_size`).
+        field: &'static str,
+        /// Its value.
+        value: usize,
+        /// The tensor-parallel degree asked for.
+        tp: usize,
+    },
     /// An unknown preset name.
     #[error("unknown preset `{0}` (known: tiny, small, moe-tiny, moe-small, moe-mla-tiny, moe-mla-small, deepseek-v3-16b)")]
     Preset(String),
@@ -280,6 +291,16 @@ impl LlamaConfig {
     /// Per-head width `hd`: `head_dim`, else `D / H`.
     pub fn head_dim(&self) -> usize {
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// The sizes tensor parallelism splits, by HF field name: query heads, key/value heads and
+    /// the MLP width ([`crate::tensor_parallel::check_divides`]).
+    pub fn tensor_parallel_sizes(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.kv_heads()),
+            ("intermediate_size", self.intermediate_size),
+        ]
     }
 
     /// Checks sizes. Errors: [`ModelError::Field`] naming the field.

@@ -10,6 +10,7 @@ pub mod model;
 pub mod moe;
 pub mod recompute;
 pub mod rng;
+pub mod tensor_parallel;
 
 pub use config::{check_supported, HiddenAct, LlamaConfig, ModelError};
 pub use flops::flops_per_token;
@@ -21,3 +22,4 @@ pub use mla::{MlaConfig, Yarn};
 pub use model::{Model, ModelConfig};
 pub use moe::{MoeConfig, ScoringFunc, TopkMethod};
 pub use recompute::Recompute;
+pub use tensor_parallel::TensorShard;

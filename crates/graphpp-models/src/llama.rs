@@ -9,6 +9,7 @@ use graphpp_graph::layers::{
     MlpWeights,
 };
 use graphpp_graph::names::{INPUT, LOGITS, LOSS, OUTPUT, TARGETS, TOKENS};
+use crate::tensor_parallel::{shard_dim, shard_shapes, shard_values, TensorShard};
 use graphpp_graph::{CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, TensorType, ValueId};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -86,6 +87,9 @@ pub struct StageSpec {
     pub layers: Range<usize>,
     /// Which routed experts of each MoE layer it holds (all without expert parallelism).
     pub ep: ExpertShard,
+    /// Which shard of each decoder layer's split matrices it holds (all without tensor
+    /// parallelism; [`crate::tensor_parallel`]).
+    pub tp: TensorShard,
 }
 
 /// A rank's part of the routed experts under expert parallelism (DeepSeek-V3 report §3.4;
@@ -115,7 +119,7 @@ impl ExpertShard {
 impl StageSpec {
     /// The whole model of `layers` decoder layers as one stage, every expert held.
     pub fn whole(layers: usize) -> StageSpec {
-        StageSpec { stage: 0, stages: 1, layers: 0..layers, ep: ExpertShard::WHOLE }
+        StageSpec { stage: 0, stages: 1, layers: 0..layers, ep: ExpertShard::WHOLE, tp: TensorShard::WHOLE }
     }
 
     /// Whether this stage holds the embedding.
@@ -181,7 +185,7 @@ pub fn split_layers(
         .enumerate()
         .map(|(stage, &n)| {
             start += n;
-            StageSpec { stage, stages, layers: start - n..start, ep: ExpertShard::WHOLE }
+            StageSpec { stage, stages, layers: start - n..start, ep: ExpertShard::WHOLE, tp: TensorShard::WHOLE }
         })
         .collect())
 }
@@ -222,17 +226,26 @@ impl ParamsAt<'_> {
 /// ([`crate::mla`]). Parameters are under `model.layers.<l>.self_attn`.
 pub(crate) trait SelfAttention {
     /// Appends the names and shapes of the block's parameters under `pre`
-    /// (`model.layers.<l>.self_attn`).
+    /// (`model.layers.<l>.self_attn`), whole.
     fn parameters(&self, pre: &str, out: &mut Vec<(String, Vec<usize>)>);
 
+    /// Whether the block splits over tensor parallelism (its projections are then the shards
+    /// of [`crate::tensor_parallel::shard_dim`]); one that does not is computed whole on every
+    /// rank of the group.
+    fn splits_over_tp(&self) -> bool;
+
     /// Builds the block on the normalised hidden states `h` `[B, T, D]` from its parameters
-    /// `p`; `bufs` are `rope.cos`, `rope.sin` and `mask` ([`stage_buffer_shapes`]).
+    /// `p`; `bufs` are `rope.cos`, `rope.sin` and `mask` ([`stage_buffer_shapes`]). A block
+    /// that splits over tensor parallelism builds shard `tp` (its parameters are the shards of
+    /// [`crate::tensor_parallel::shard_dim`]); one that does not ignores `tp` and is computed
+    /// whole on every rank of the group.
     fn build(
         &self,
         b: &mut GraphBuilder,
         h: ValueId,
         p: ParamsAt,
         bufs: &[ValueId],
+        tp: TensorShard,
     ) -> Result<ValueId, ModelError>;
 }
 
@@ -251,15 +264,23 @@ impl SelfAttention for GroupedQueryAttention<'_> {
         projection(out, format!("{pre}.o_proj"), d, qd, ab);
     }
 
+    fn splits_over_tp(&self) -> bool {
+        true
+    }
+
+    /// Under tensor parallelism: `H / tp` query and `KV / tp` key/value heads, the output
+    /// projection's partial sums all-reduced before its bias ([`crate::tensor_parallel`]).
     fn build(
         &self,
         b: &mut GraphBuilder,
         h: ValueId,
         p: ParamsAt,
         bufs: &[ValueId],
+        tp: TensorShard,
     ) -> Result<ValueId, ModelError> {
         let cfg = self.0;
-        let dims = AttentionDims { heads: cfg.num_attention_heads, kv_heads: cfg.kv_heads() };
+        let dims =
+            AttentionDims { heads: cfg.num_attention_heads / tp.size, kv_heads: cfg.kv_heads() / tp.size };
         let aw = AttentionWeights {
             q: p.weight("q_proj"),
             k: p.weight("k_proj"),
@@ -268,9 +289,11 @@ impl SelfAttention for GroupedQueryAttention<'_> {
             q_bias: p.bias("q_proj"),
             k_bias: p.bias("k_proj"),
             v_bias: p.bias("v_proj"),
-            o_bias: p.bias("o_proj"),
+            o_bias: None,
         };
-        Ok(causal_attention(b, h, aw, dims, bufs[0], bufs[1], bufs[2])?)
+        let h = tp.enter(b, h)?;
+        let a = causal_attention(b, h, aw, dims, bufs[0], bufs[1], bufs[2])?;
+        b.scoped("o_proj", |b| tp.exit(b, a, p.bias("o_proj")))
     }
 }
 
@@ -283,12 +306,13 @@ pub(crate) trait FeedForward {
     fn parameters(&self, layer: usize, ep: ExpertShard, out: &mut Vec<(String, Vec<usize>)>);
 
     /// Builds layer `layer`'s block on the normalised hidden states `h` `[B, T, D]`; `params` maps
-    /// every parameter name of the stage to its (cast) value.
+    /// every parameter name of the stage to its (cast) value. As [`SelfAttention::build`], a
+    /// block that splits over tensor parallelism builds shard `tp`, any other ignores it.
     fn build(
         &self,
         b: &mut GraphBuilder,
         layer: usize,
-        ep: ExpertShard,
+        shards: (ExpertShard, TensorShard),
         h: ValueId,
         params: &HashMap<String, ValueId>,
     ) -> Result<ValueId, ModelError>;
@@ -304,15 +328,21 @@ impl FeedForward for DenseMlp<'_> {
         mlp_parameters(out, &pre, cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
     }
 
+    /// Under tensor parallelism: `F / tp` of the width, `down_proj`'s partial sums all-reduced
+    /// before its bias ([`crate::tensor_parallel`]).
     fn build(
         &self,
         b: &mut GraphBuilder,
         layer: usize,
-        _ep: ExpertShard,
+        (_, tp): (ExpertShard, TensorShard),
         h: ValueId,
         params: &HashMap<String, ValueId>,
     ) -> Result<ValueId, ModelError> {
-        mlp_at(b, h, params, &format!("model.layers.{layer}.mlp"), self.0.hidden_act)
+        let pre = format!("model.layers.{layer}.mlp");
+        let h = tp.enter(b, h)?;
+        let y = mlp_at(b, h, params, &pre, self.0.hidden_act, false)?;
+        let bias = ParamsAt { all: params, pre: &pre }.bias("down_proj");
+        b.scoped("down_proj", |b| tp.exit(b, y, bias))
     }
 }
 
@@ -325,13 +355,15 @@ pub(crate) fn mlp_parameters(out: &mut Vec<(String, Vec<usize>)>, pre: &str, d: 
 }
 
 /// The gated MLP whose parameters [`mlp_parameters`] names under `pre`, on `x` (biases used
-/// where `params` holds them).
+/// where `params` holds them; `down_proj`'s only with `down_bias`: a row-parallel projection
+/// adds it after its all-reduce).
 pub(crate) fn mlp_at(
     b: &mut GraphBuilder,
     x: ValueId,
     params: &HashMap<String, ValueId>,
     pre: &str,
     act: crate::config::HiddenAct,
+    down_bias: bool,
 ) -> Result<ValueId, ModelError> {
     let p = ParamsAt { all: params, pre };
     let mw = MlpWeights {
@@ -340,7 +372,7 @@ pub(crate) fn mlp_at(
         down: p.weight("down_proj"),
         gate_bias: p.bias("gate_proj"),
         up_bias: p.bias("up_proj"),
-        down_bias: p.bias("down_proj"),
+        down_bias: p.bias("down_proj").filter(|_| down_bias),
     };
     Ok(gated_mlp(b, x, mw, act.activation())?)
 }
@@ -359,7 +391,8 @@ pub(crate) fn projection(
     }
 }
 
-/// [`stage_parameters`] with the self-attention block `attn` and the feed-forward block `ffn`.
+/// [`stage_parameters`] with the self-attention block `attn` and the feed-forward block `ffn`,
+/// split over tensor parallelism as `spec.tp` and the blocks say ([`crate::tensor_parallel`]).
 pub(crate) fn decoder_parameters(
     cfg: &LlamaConfig,
     spec: &StageSpec,
@@ -386,7 +419,7 @@ pub(crate) fn decoder_parameters(
             p.push((EMBED.to_string(), vec![v, d]));
         }
     }
-    p
+    shard_shapes(p, spec.tp, |n| shard_dim(n, attn.splits_over_tp()))
 }
 
 /// Names and shapes of the buffers of every stage ([`stage_buffers`] without their values):
@@ -491,7 +524,7 @@ pub(crate) fn build_decoder(
     let mut x =
         if spec.is_first() { embed_tokens(&mut b, ins.params[EMBED], ins.x, opts.dtype)? } else { ins.x };
     for l in spec.layers.clone() {
-        x = decoder_layer(&mut b, cfg, (attn, ffn), spec.ep, &ins, l, x)?;
+        x = decoder_layer(&mut b, cfg, (attn, ffn), (spec.ep, spec.tp), &ins, l, x)?;
     }
     if spec.is_last() {
         b.push_scope("norm");
@@ -576,12 +609,12 @@ fn embed_tokens(
 
 /// Decoder layer `l` on the residual stream `x` `[B, T, D]` under scope `layers.{l}` (pre-norm):
 /// `x + self_attn(input_layernorm(x))`, then that plus `ffn(post_attention_layernorm(·))`, the
-/// blocks `(attn, ffn)`, the feed-forward one on a stage holding the experts `ep`.
+/// blocks `(attn, ffn)` on a stage holding the experts `ep` and tensor-parallel shard `tp`.
 fn decoder_layer(
     b: &mut GraphBuilder,
     cfg: &LlamaConfig,
     (attn, ffn): (&dyn SelfAttention, &dyn FeedForward),
-    ep: ExpertShard,
+    (ep, tp): (ExpertShard, TensorShard),
     ins: &StageInputs,
     l: usize,
     x: ValueId,
@@ -595,10 +628,10 @@ fn decoder_layer(
     };
     b.scoped(&format!("layers.{l}"), |b| {
         let h = norm(b, "input_layernorm", x)?;
-        let a = b.scoped("self_attn", |b| attn.build(b, h, attn_params, &ins.bufs))?;
+        let a = b.scoped("self_attn", |b| attn.build(b, h, attn_params, &ins.bufs, tp))?;
         let x = b.add2(x, a)?;
         let h = norm(b, "post_attention_layernorm", x)?;
-        let m = b.scoped("mlp", |b| ffn.build(b, l, ep, h, &ins.params))?;
+        let m = b.scoped("mlp", |b| ffn.build(b, l, (ep, tp), h, &ins.params))?;
         Ok(b.add2(x, m)?)
     })
 }
@@ -674,7 +707,9 @@ pub fn init_parameters(
     spec: &StageSpec,
     seed: u64,
 ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    init_values(stage_parameters(cfg, spec), cfg.initializer_range, seed)
+    let whole = StageSpec { tp: TensorShard::WHOLE, ..spec.clone() };
+    let values = init_values(stage_parameters(cfg, &whole), cfg.initializer_range, seed);
+    shard_values(values, spec.tp, |n| shard_dim(n, true))
 }
 
 /// Initial values of `params` as [`init_parameters`] gives them: biases 0, 1-D weights 1,

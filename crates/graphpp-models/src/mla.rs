@@ -286,12 +286,18 @@ impl SelfAttention for LatentAttention<'_> {
         projection(out, format!("{pre}.o_proj"), d, h * m.v_head_dim, bias);
     }
 
+    /// Replicated under tensor parallelism (its split is not built yet).
+    fn splits_over_tp(&self) -> bool {
+        false
+    }
+
     fn build(
         &self,
         b: &mut GraphBuilder,
         h: ValueId,
         p: ParamsAt,
         bufs: &[ValueId],
+        _tp: crate::TensorShard,
     ) -> Result<ValueId, ModelError> {
         let m = self.mla;
         let query = match m.q_lora_rank {

@@ -101,6 +101,22 @@ pub trait Model: std::fmt::Debug + Send + Sync {
     fn routed_experts(&self) -> usize {
         0
     }
+
+    /// The dimension tensor parallelism splits parameter `name` along, `None` where every rank
+    /// of the group holds it whole ([`crate::tensor_parallel::shard_dim`]).
+    fn tensor_parallel_dim(&self, name: &str) -> Option<usize> {
+        let _ = name;
+        None
+    }
+
+    /// Checks that tensor-parallel degree `tp` splits the model's heads, key/value heads and
+    /// MLP width evenly ([`crate::tensor_parallel::check_divides`]).
+    ///
+    /// # Errors
+    /// [`ModelError::TensorParallel`] naming the field.
+    fn check_tp(&self, tp: usize) -> Result<(), ModelError> {
+        crate::tensor_parallel::check_divides(tp, &[])
+    }
 }
 
 impl Model for LlamaConfig {
@@ -150,6 +166,12 @@ impl Model for LlamaConfig {
 
     fn flops_per_token(&self, seq: usize) -> f64 {
         crate::flops::flops_per_token(self, seq)
+    }
+    fn tensor_parallel_dim(&self, name: &str) -> Option<usize> {
+        crate::tensor_parallel::shard_dim(name, true)
+    }
+    fn check_tp(&self, tp: usize) -> Result<(), ModelError> {
+        crate::tensor_parallel::check_divides(tp, &self.tensor_parallel_sizes())
     }
 }
 
@@ -312,5 +334,11 @@ impl Model for ModelConfig {
     }
     fn routed_experts(&self) -> usize {
         self.as_model().routed_experts()
+    }
+    fn tensor_parallel_dim(&self, name: &str) -> Option<usize> {
+        self.as_model().tensor_parallel_dim(name)
+    }
+    fn check_tp(&self, tp: usize) -> Result<(), ModelError> {
+        self.as_model().check_tp(tp)
     }
 }

@@ -46,6 +46,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::{json_object, LlamaConfig, ModelError};
+use crate::tensor_parallel::{shard_dim, shard_values, TensorShard};
 use crate::llama::{
     build_decoder, decoder_parameters, init_values, mlp_at, mlp_parameters, DenseMlp, ExpertShard,
     FeedForward, GroupedQueryAttention, ParamsAt, SelfAttention, StageOptions, StageSpec,
@@ -484,6 +485,14 @@ impl MoeConfig {
         decoder_parameters(&self.base, spec, &*self.attention(), self)
     }
 
+    /// The dimension tensor parallelism splits parameter `name` along
+    /// ([`crate::tensor_parallel::shard_dim`]): the grouped-query attention and the dense
+    /// layers' MLPs split; multi-head latent attention, the router and the experts are
+    /// replicated.
+    pub fn tensor_parallel_dim(&self, name: &str) -> Option<usize> {
+        shard_dim(name, self.mla.is_none())
+    }
+
     /// The forward graph of stage `spec` ([`crate::build_stage`]'s interface; a MoE layer also
     /// reads its bias buffer). Errors: config, shape, or graph building.
     pub fn build_stage(&self, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
@@ -495,7 +504,9 @@ impl MoeConfig {
     /// Initial parameters ([`crate::init_parameters`]' rules; the gate and every expert matrix
     /// normal(0, `initializer_range`)).
     pub fn init_parameters(&self, spec: &StageSpec, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-        init_values(self.stage_parameters(spec), self.base.initializer_range, seed)
+        let whole = StageSpec { tp: TensorShard::WHOLE, ..spec.clone() };
+        let values = init_values(self.stage_parameters(&whole), self.base.initializer_range, seed);
+        shard_values(values, spec.tp, |n| self.tensor_parallel_dim(n))
     }
 
     /// Buffers: the Llama ones ([`crate::stage_buffers`]) and a zero bias `[E]` per MoE layer.
@@ -531,12 +542,12 @@ impl FeedForward for MoeConfig {
         &self,
         b: &mut GraphBuilder,
         layer: usize,
-        ep: ExpertShard,
+        (ep, tp): (ExpertShard, TensorShard),
         h: ValueId,
         params: &HashMap<String, ValueId>,
     ) -> Result<ValueId, ModelError> {
         if !self.is_moe(layer) {
-            return DenseMlp(&self.base).build(b, layer, ep, h, params);
+            return DenseMlp(&self.base).build(b, layer, (ep, tp), h, params);
         }
         let pre = format!("model.layers.{layer}.mlp");
         let p = ParamsAt { all: params, pre: &pre };
@@ -559,7 +570,7 @@ impl FeedForward for MoeConfig {
         b.pop_scope();
         let y = if self.n_shared_experts > 0 {
             b.push_scope("shared_experts");
-            let s = mlp_at(b, x, params, &format!("{pre}.shared_experts"), self.base.hidden_act)?;
+            let s = mlp_at(b, x, params, &format!("{pre}.shared_experts"), self.base.hidden_act, true)?;
             b.pop_scope();
             b.add2(routed, s)?
         } else {
@@ -881,6 +892,22 @@ impl crate::model::Model for MoeConfig {
         } else {
             compute
         }
+    }
+    fn tensor_parallel_dim(&self, name: &str) -> Option<usize> {
+        MoeConfig::tensor_parallel_dim(self, name)
+    }
+    /// The grouped-query attention's heads (not multi-head latent attention's: replicated) and
+    /// the dense layers' MLP width (when the model has dense layers).
+    fn check_tp(&self, tp: usize) -> Result<(), ModelError> {
+        let base = &self.base;
+        let mut sizes = Vec::new();
+        if self.mla.is_none() {
+            sizes.extend([("num_attention_heads", base.num_attention_heads), ("num_key_value_heads", base.kv_heads())]);
+        }
+        if self.first_k_dense_replace > 0 {
+            sizes.push(("intermediate_size", base.intermediate_size));
+        }
+        crate::tensor_parallel::check_divides(tp, &sizes)
     }
 }
 

@@ -128,6 +128,7 @@ impl VerifySetup {
             dp: 1,
             fsdp: false,
             ep: 1,
+            tp: 1,
             post_validate: false,
             seq_len,
             seed: 0,
@@ -365,8 +366,9 @@ pub fn compare(a: &StepResult, b: &StepResult) -> Result<VerifyReport, VerifyErr
 
 /// The pipelined step run as a training run's ranks run it — [`crate::Trainer::gradient_step`]:
 /// the schedule lowered with REDUCE_GRAD (and FSDP's UNSHARD/RESHARD), each replica on its
-/// `batch / dp` rows, the gradients reduced over the replicas and the copies — every rank a
-/// thread here, or (with `comm`) this process's rank of a world of `p × dp` processes. Returns
+/// `batch / dp` rows, the gradients reduced over the replicas and the copies, tensor-parallel
+/// shards gathered whole — every rank a thread here, or (with `comm`) this process's rank of a
+/// world of `p × dp × tp` processes. Returns
 /// the step's loss and gradients on the leader, `None` elsewhere.
 ///
 /// # Errors
@@ -407,7 +409,8 @@ pub fn data_parallel_step(
 /// Those of [`VerifySetup::check`] (before anything is built), else those of the two steps.
 pub fn verify_step(setup: &VerifySetup) -> Result<VerifyReport, VerifyError> {
     setup.check()?;
-    let a = if setup.train.dp > 1 || setup.train.fsdp || setup.train.ep > 1 {
+    let t = &setup.train;
+    let a = if t.dp > 1 || t.fsdp || t.ep > 1 || t.tp > 1 {
         data_parallel_step(setup, None)?.ok_or_else(|| VerifyError::Mismatch("no leader".into()))?
     } else {
         pipelined_step(setup)?

@@ -33,10 +33,10 @@ pub enum LaunchError {
     Mpi(#[from] graphpp_comm::mpi::MpiError),
     /// The world size does not fit the mesh.
     #[error(
-        "mpirun started {world} processes, but --ranks {pp} × --dp {dp} = {} ranks: start \
-         `mpirun -n {}` or change --ranks / --dp",
-        pp * dp,
-        pp * dp
+        "mpirun started {world} processes, but --ranks {pp} × --dp {dp} × --tp {tp} = {} ranks: \
+         start `mpirun -n {}` or change --ranks / --dp / --tp",
+        pp * dp * tp,
+        pp * dp * tp
     )]
     WorldSize {
         /// Processes started.
@@ -45,6 +45,8 @@ pub enum LaunchError {
         pp: usize,
         /// Data-parallel replicas.
         dp: usize,
+        /// Tensor-parallel degree.
+        tp: usize,
     },
     /// The processes do not run the same thing (see [`Launch::agree`]).
     #[error(
@@ -161,14 +163,14 @@ impl Launch {
         self.rank() == 0
     }
 
-    /// Checks that a run of `pp` × `dp` ranks fits the processes started.
+    /// Checks that a run of `pp` × `dp` × `tp` ranks fits the processes started.
     ///
     /// # Errors
     /// [`LaunchError::WorldSize`].
-    pub fn check_world(&self, pp: usize, dp: usize) -> Result<(), LaunchError> {
+    pub fn check_world(&self, pp: usize, dp: usize, tp: usize) -> Result<(), LaunchError> {
         let world = self.world();
-        if world > 1 && Some(world) != pp.checked_mul(dp) {
-            return Err(LaunchError::WorldSize { world, pp, dp });
+        if world > 1 && Some(world) != pp.checked_mul(dp).and_then(|n| n.checked_mul(tp)) {
+            return Err(LaunchError::WorldSize { world, pp, dp, tp });
         }
         Ok(())
     }

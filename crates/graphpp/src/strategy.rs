@@ -86,12 +86,21 @@ pub struct Shard {
     /// Routed experts split over groups of this many replicas (MoE models); must divide `dp`.
     #[serde(default = "one")]
     pub ep: usize,
+    /// Tensor parallelism: each pipeline position split over this many ranks (Megatron's
+    /// column- and row-parallel projections); must divide the heads, key/value heads and MLP
+    /// width. The world is `place.ranks × dp × tp`.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub tp: usize,
 }
 
 impl Default for Shard {
     fn default() -> Self {
-        Shard { fsdp: false, ep: 1 }
+        Shard { fsdp: false, ep: 1, tp: 1 }
     }
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 fn one() -> usize {
@@ -260,6 +269,7 @@ impl Strategy {
             ("place", "stages_per_rank", self.stages_per_rank()),
             ("replicate", "dp", self.dp()),
             ("shard", "ep", self.shard.ep),
+            ("shard", "tp", self.shard.tp),
             ("split", "microbatches", self.split.microbatches),
             ("split", "microbatch_size", self.split.microbatch_size),
         ] {
@@ -344,7 +354,7 @@ impl Strategy {
                 stages: Some(stages),
             },
             replicate: Replicate { dp: Some(c.dp) },
-            shard: Shard { fsdp: c.fsdp, ep: c.ep },
+            shard: Shard { fsdp: c.fsdp, ep: c.ep, tp: c.tp },
             split: Split { microbatches: c.microbatches, microbatch_size: c.microbatch_size },
             order: Order {
                 schedule: c.kind,

@@ -126,6 +126,10 @@ pub struct RunConfig {
     /// change on resume (a checkpoint holds every expert).
     #[serde(default = "one")]
     pub ep: usize,
+    /// Tensor-parallel degree of each pipeline position (`--tp`; world = ranks × dp × tp
+    /// threads); a layout setting, free to change on resume (a checkpoint holds whole tensors).
+    #[serde(default = "one")]
+    pub tp: usize,
     /// Optimizer post-validation (`--post-validate`); bitwise the synchronous step, free to
     /// change on resume.
     #[serde(default)]
@@ -268,7 +272,7 @@ impl RunConfig {
     }
 
     /// What must match for a resumed run to continue the same loss sequence: everything but the
-    /// pipeline layout (kind, ranks, v, layer split, dp replicas, ep), the recompute policy, the emulated link, the display name, the
+    /// pipeline layout (kind, ranks, v, layer split, dp replicas, ep, tp), the recompute policy, the emulated link, the display name, the
     /// `--init-from` folder (the checkpoint's parameters replace the initial ones; the model must
     /// match) and the run's length (`--steps` may grow to extend a finished run: the
     /// learning-rate schedule is then the new one from the resumed step on).
@@ -284,6 +288,7 @@ impl RunConfig {
             dp: 0,
             fsdp: false,
             ep: 0,
+            tp: 0,
             post_validate: false,
             layers_per_stage: None,
             steps: 0,
@@ -648,6 +653,7 @@ pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         dp: c.dp,
         fsdp: c.fsdp,
         ep: c.ep,
+        tp: c.tp,
         post_validate: c.post_validate,
         seq_len: c.seq_len,
         seed: c.seed,

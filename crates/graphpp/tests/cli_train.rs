@@ -45,6 +45,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         dp: 1,
         fsdp: false,
         ep: 1,
+        tp: 1,
         post_validate: false,
         seq_len: 16,
         layers_per_stage: None,

@@ -370,6 +370,7 @@ fn run_config(data: PathBuf, kind: Kind, ranks: usize) -> RunConfig {
         dp: 1,
         fsdp: false,
         ep: 1,
+        tp: 1,
         post_validate: false,
         seq_len: 8,
         layers_per_stage: None,

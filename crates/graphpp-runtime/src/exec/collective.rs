@@ -119,8 +119,8 @@ fn swap0(x: &Tensor, axis: usize) -> Result<Tensor, CollectiveError> {
     }
 }
 
-/// Starts `kind` over `group` along `axis` on `args[0]` (identity for a group of size 1; an
-/// all-to-all-v also reads its counts `args[1..3]`).
+/// Starts `kind` over `group` along `axis` on `args[0]` (identity for a group of size 1 and
+/// for a replicate, which moves no data; an all-to-all-v also reads its counts `args[1..3]`).
 pub(super) fn start(
     comm: Option<&GraphComm>,
     kind: CollectiveKind,
@@ -130,7 +130,7 @@ pub(super) fn start(
     node: usize,
 ) -> Result<Value, CollectiveError> {
     let x = args[0];
-    if group.size == 1 {
+    if group.size == 1 || kind == CollectiveKind::Replicate {
         return match kind {
             CollectiveKind::AllToAllV { rows } => Ok(Value::Ready(local_all_to_all_v(args, rows)?)),
             _ => Ok(Value::Ready(x.clone())),
@@ -151,6 +151,8 @@ pub(super) fn start(
             let counts = vec![rows / g.size(); g.size()];
             Handle::AllToAll(c.comm.all_to_all(&g, &x, &counts)?)
         }
+        // Returned above; total here so that no kind can reach the communicator by mistake.
+        CollectiveKind::Replicate => return Ok(Value::Ready(args[0].clone())),
         CollectiveKind::AllToAllV { rows } => {
             let (send, expected) = (counts_of(args[1])?, counts_of(args[2])?);
             let sent: usize = send.iter().sum();

@@ -97,7 +97,8 @@ pub fn compute_schedule(
 }
 
 /// The model stage of each schedule stage of a training run as the ranks of expert-parallel
-/// index `ep_index` hold them (their share of every MoE layer's routed experts), and the options
+/// index `ep_index` and tensor-parallel index `tp_index` hold them (their share of every MoE
+/// layer's routed experts and of the split matrices), and the options
 /// their graphs are built with: `B / dp` sequences per replica, the run's recompute policy and
 /// dtype.
 ///
@@ -105,11 +106,12 @@ pub fn compute_schedule(
 /// As [`stage_specs`].
 pub fn run_stages(
     setup: &crate::TrainSetup,
-    ep_index: usize,
+    (ep_index, tp_index): (usize, usize),
 ) -> Result<(Vec<StageSpec>, StageOptions), SetupError> {
     let specs = stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
     let ep = graphpp_models::ExpertShard { index: ep_index, size: setup.ep };
-    let specs = specs.into_iter().map(|s| StageSpec { ep, ..s }).collect();
+    let tp = graphpp_models::TensorShard { index: tp_index, size: setup.tp };
+    let specs = specs.into_iter().map(|s| StageSpec { ep, tp, ..s }).collect();
     let opts = StageOptions {
         recompute: setup.recompute,
         ..StageOptions::mixed(setup.microbatch_size / setup.dp.max(1), setup.seq_len, setup.dtype)
@@ -206,7 +208,9 @@ impl StageBuild<'_> {
                 }
             }
             Some(given) => {
-                for (name, shape) in model.stage_parameters(spec) {
+                // Given tensors are whole; under tensor parallelism the stage holds its shard.
+                let whole = StageSpec { tp: graphpp_models::TensorShard::WHOLE, ..spec.clone() };
+                for (name, shape) in model.stage_parameters(&whole) {
                     let t = given.get(&name).ok_or_else(|| SetupError::Parameter {
                         name: name.clone(),
                         reason: "not given".into(),
@@ -217,6 +221,7 @@ impl StageBuild<'_> {
                             name,
                         });
                     }
+                    let t = tensor_parallel_shard(t, model.tensor_parallel_dim(&name), spec.tp)?;
                     env.insert(
                         name,
                         t.to_dtype(crate::kernels::tensor::candle_dtype(opts.parameter_dtype()))?,
@@ -276,12 +281,12 @@ impl StageBuild<'_> {
 
 /// The graphs of every schedule stage of a training run (index = stage id), built as its ranks
 /// build theirs: `B / dp` sequences per replica, the run's recompute policy and dtype, the first
-/// expert shard.
+/// expert shard and tensor-parallel shard.
 ///
 /// # Errors
 /// As [`stage_specs`] and [`graphs_of`].
 pub fn run_stage_graphs(setup: &crate::TrainSetup) -> Result<Vec<Arc<StageGraphs>>, SetupError> {
-    let (specs, opts) = run_stages(setup, 0)?;
+    let (specs, opts) = run_stages(setup, (0, 0))?;
     all_stage_graphs(&*setup.model, &specs, &opts)
 }
 
@@ -294,4 +299,24 @@ pub fn run_byte_model(setup: &crate::TrainSetup, schedule: &Schedule) -> Result<
     let graphs = run_stage_graphs(setup)?;
     let refs: Vec<&StageGraphs> = graphs.iter().map(|g| &**g).collect();
     byte_model(&refs, schedule)
+}
+
+/// Shard `tp` of the whole parameter `t` split along `dim` (block `tp.index` of `tp.size` equal
+/// blocks; [`graphpp_models::tensor_parallel`]); `t` itself for a replicated one (`dim` `None`)
+/// or without tensor parallelism.
+///
+/// # Errors
+/// A tensor error when `dim` is outside `t` (the model's rule and shapes disagree).
+pub fn tensor_parallel_shard(
+    t: &candle_core::Tensor,
+    dim: Option<usize>,
+    tp: graphpp_models::TensorShard,
+) -> candle_core::Result<candle_core::Tensor> {
+    match dim.filter(|_| tp.is_split()) {
+        Some(d) => {
+            let block = t.dim(d)? / tp.size;
+            t.narrow(d, tp.index * block, block)
+        }
+        None => Ok(t.clone()),
+    }
 }

@@ -137,6 +137,15 @@ pub enum TrainError {
         /// What is wrong.
         reason: String,
     },
+    /// A tensor-parallel degree the model cannot take: 0, or not dividing its heads, key/value
+    /// heads or MLP width.
+    #[error("--tp {tp}: {reason}")]
+    TensorParallel {
+        /// The tensor-parallel degree asked for.
+        tp: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// A previous step failed; its stages were lost with the failing ranks.
     #[error("the trainer's stages were lost in an earlier failed step; start a new run")]
     Poisoned,

@@ -110,7 +110,10 @@ impl Trainer {
     pub fn new(setup: TrainSetup) -> Result<Self, TrainError> {
         let schedule = Arc::new(setup.lowered_schedule()?);
         let p = schedule.num_ranks();
-        let mesh = Mesh::new(p, setup.dp).and_then(|m| m.with_ep(setup.ep)).map_err(SetupError::from)?;
+        let mesh = Mesh::new(p, setup.dp)
+            .and_then(|m| m.with_ep(setup.ep))
+            .and_then(|m| m.with_tp(setup.tp))
+            .map_err(SetupError::from)?;
         let ranks = ThreadComm::world(mesh.world())
             .into_iter()
             .map(|c| RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, Arc::new(c)))
@@ -118,14 +121,15 @@ impl Trainer {
         Self::with_ranks(setup, schedule, ranks)
     }
 
-    /// Builds the one rank `comm.rank()` of a world of processes (world = p × dp ranks).
+    /// Builds the one rank `comm.rank()` of a world of processes (world = p × dp × tp ranks).
     ///
     /// # Errors
-    /// As [`Trainer::new`]; [`TrainError::Setup`] when the communicator's world is not p × dp.
+    /// As [`Trainer::new`]; [`TrainError::Setup`] when the communicator's world is not
+    /// p × dp × tp.
     pub fn on_comm(setup: TrainSetup, comm: Arc<dyn Comm>) -> Result<Self, TrainError> {
         let schedule = Arc::new(setup.lowered_schedule()?);
         let p = schedule.num_ranks();
-        let mesh = Mesh::for_world(comm.world(), p, setup.dp)
+        let mesh = Mesh::for_world(comm.world(), p, setup.dp, setup.tp)
             .and_then(|m| m.with_ep(setup.ep))
             .map_err(SetupError::from)?;
         let ranks = vec![RankTrainer::new(setup.clone(), Arc::clone(&schedule), mesh, comm)?];

@@ -33,7 +33,7 @@ pub struct TrainSetup {
     /// Sequences per microbatch `B` (the global microbatch: each data-parallel replica runs
     /// `B / dp` of them).
     pub microbatch_size: usize,
-    /// Data-parallel replicas of the pipeline (1: none); the world is `p × dp` ranks.
+    /// Data-parallel replicas of the pipeline (1: none); the world is `p × dp × tp` ranks.
     pub dp: usize,
     /// FSDP (ZeRO-3) over the data-parallel replicas: parameters, gradients and AdamW state
     /// sharded ([`crate::pipeline::data_parallel`]); with dp = 1 the same as without.
@@ -42,6 +42,10 @@ pub struct TrainSetup {
     /// of `ep` data-parallel replicas, which exchange tokens by all-to-all ([`graphpp_comm::mesh`]);
     /// must divide dp and the routed experts.
     pub ep: usize,
+    /// Tensor-parallel degree (1: none): each pipeline position is tp ranks that split its
+    /// decoder layers' matrices Megatron-style ([`graphpp_models::tensor_parallel`]); the world
+    /// is `p × dp × tp` ranks, tp innermost ([`graphpp_comm::mesh`]).
+    pub tp: usize,
     /// Optimizer post-validation (`--post-validate`, [`crate::train::rank_train::RankTrainer`]): step at once, validate
     /// the global norm after, roll back when clipping or a non-finite gradient says so.
     pub post_validate: bool,
@@ -73,14 +77,14 @@ pub struct TrainSetup {
 
 impl TrainSetup {
     /// Every check of a run's setup that needs neither a tensor nor the schedule, in one place,
-    /// cheapest first: dp divides the microbatch size, the expert-parallel degree
-    /// ([`TrainSetup::check_ep`]), the bf16 matmul path a bf16 run takes
+    /// cheapest first: dp divides the microbatch size, the expert- and tensor-parallel degrees
+    /// ([`TrainSetup::check_ep`], [`TrainSetup::check_tp`]), the bf16 matmul path a bf16 run takes
     /// ([`crate::kernels::bf16_gemm::chosen`]), the step's size from estimates
     /// ([`crate::check_step`]).
     ///
     /// # Errors
     /// [`TrainError::BatchNotDivisible`] when dp is 0 or does not divide the microbatch size;
-    /// [`TrainError::ExpertParallel`]; [`SetupError::Bf16Path`] (in [`TrainError::Setup`]) when
+    /// [`TrainError::ExpertParallel`]; [`TrainError::TensorParallel`]; [`SetupError::Bf16Path`] (in [`TrainError::Setup`]) when
     /// `GRAPHPP_BF16_GEMM` names a path this CPU lacks; [`TrainError::Size`] when the schedule
     /// or the step would be too large.
     pub fn check(&self) -> Result<(), TrainError> {
@@ -95,6 +99,7 @@ impl TrainSetup {
     pub fn check_sized(&self, single_device: bool) -> Result<(), TrainError> {
         self.check_dp()?;
         self.check_ep()?;
+        self.check_tp()?;
         if self.dtype == graphpp_graph::DType::BF16 {
             crate::kernels::bf16_gemm::chosen().map_err(SetupError::from)?;
         }
@@ -168,6 +173,19 @@ impl TrainSetup {
             return bad("expert parallelism with FSDP is not implemented (drop --fsdp or --ep)".into());
         }
         Ok(())
+    }
+
+    /// Checks the tensor-parallel degree: at least 1, dividing the model's heads, key/value
+    /// heads and MLP width ([`graphpp_models::Model::check_tp`]).
+    ///
+    /// # Errors
+    /// [`TrainError::TensorParallel`].
+    pub fn check_tp(&self) -> Result<(), TrainError> {
+        let tp = self.tp;
+        if tp == 0 {
+            return Err(TrainError::TensorParallel { tp, reason: "the degree must be at least 1".into() });
+        }
+        self.model.check_tp(tp).map_err(|e| TrainError::TensorParallel { tp, reason: e.to_string() })
     }
 
     /// The lowering a run needs: REDUCE_GRAD with data parallelism; UNSHARD / RESHARD too with

@@ -70,6 +70,7 @@ pub fn tiny_setup(kind: graphpp_schedule::Kind, p: usize, v: usize, m: usize) ->
         dp: 1,
         fsdp: false,
         ep: 1,
+        tp: 1,
         post_validate: false,
         seq_len: 8,
         seed: 3,

@@ -1,5 +1,5 @@
 //! The flags of a run's layout, shared by `train`, `profile` and `verify`: the schedule, the
-//! pipeline's shape, the layer split, the microbatch size and data/expert parallelism with FSDP
+//! pipeline's shape, the layer split, the microbatch size and data/expert/tensor parallelism with FSDP
 //! — what a strategy file's directives `place`, `replicate`, `shard`, `split` and `order` stand
 //! for ([`graphpp::strategy`]). Each command sets its own defaults on them (`train`'s run, or
 //! `verify`'s required shape) with clap's `mut_arg`.
@@ -31,7 +31,7 @@ pub struct LayoutArgs {
     #[arg(long, allow_hyphen_values = true)]
     pub mem_cap: Option<f64>,
     /// p: pipeline ranks, the pipeline's depth (one thread each; under mpirun, one process
-    /// each); the world is ranks × dp.
+    /// each); the world is ranks × dp × tp.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub ranks: Option<usize>,
     /// v: stages per rank (S = p·v; DualPipe's 2p stages hold two copies of a p-stage split);
@@ -62,10 +62,16 @@ pub struct LayoutArgs {
     /// backward (REDUCE_GRAD). With --dp 1 the same as without.
     #[arg(long)]
     pub fsdp: bool,
+    /// Tensor parallelism: each pipeline rank becomes this many ranks that split its decoder
+    /// layers' matrices Megatron-style (attention heads and MLP width; an all-reduce after
+    /// o_proj and down_proj); must divide the heads, key/value heads and intermediate size.
+    /// The world is ranks × dp × tp.
+    #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = count::<usize>)]
+    pub tp: usize,
 }
 
 /// The ids of [`LayoutArgs`]' flags, which a strategy file stands for (and so excludes).
-pub const LAYOUT_FLAGS: [&str; 12] = [
+pub const LAYOUT_FLAGS: [&str; 13] = [
     "schedule",
     "schedule_file",
     "group",
@@ -78,6 +84,7 @@ pub const LAYOUT_FLAGS: [&str; 12] = [
     "dp",
     "ep",
     "fsdp",
+    "tp",
 ];
 
 impl LayoutArgs {
@@ -95,6 +102,7 @@ impl LayoutArgs {
         self.dp = Some(s.dp());
         self.fsdp = s.shard.fsdp;
         self.ep = s.shard.ep;
+        self.tp = s.shard.tp;
     }
 
     /// Data-parallel replicas: `--dp`, else the `--ep` degree.

@@ -89,10 +89,10 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
         check_tolerance(t)?;
     }
     let dp = a.layout.dp();
-    launch.check_world(ranks, dp)?;
+    launch.check_world(ranks, dp, a.layout.tp)?;
     let files = crate::cmd::settings_files(&[a.strategy.as_deref(), a.layout.schedule_file.as_deref()]);
     launch.agree("the command line", graphpp::launch::command_fingerprint(&files))?;
-    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp };
+    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp * a.layout.tp };
     crate::cmd::set_op_threads(local_ranks, None);
     let v = a.layout.stages_per_rank(kind);
     let (setup, name) = setup_of(a, kind, Shape::new(ranks, v, microbatches), dp)?;
@@ -136,7 +136,7 @@ fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(Veri
         t.schedule = Some(given);
     }
     t.layers_per_stage = l.layers_per_stage.clone();
-    (t.dtype, t.dp, t.fsdp, t.ep) = (a.dtype, dp, l.fsdp, l.ep);
+    (t.dtype, t.dp, t.fsdp, t.ep, t.tp) = (a.dtype, dp, l.fsdp, l.ep, l.tp);
     setup.weights = weights;
     setup.reference_dtype = a.reference_dtype;
     Ok((setup, name))
@@ -145,12 +145,13 @@ fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(Veri
 /// Prints the run's line, both losses and the largest gradient differences.
 fn print_report(a: &VerifyArgs, setup: &VerifySetup, name: &str, world: usize, r: &VerifyReport) {
     let t = &setup.train;
-    let layout = match (t.dp, t.fsdp, world) {
-        (1, _, 1) => String::new(),
-        (dp, fsdp, w) => format!(
-            " dp={dp}{}{}{}",
+    let layout = match (t.dp, t.fsdp, t.tp, world) {
+        (1, _, 1, 1) => String::new(),
+        (dp, fsdp, tp, w) => format!(
+            " dp={dp}{}{}{}{}",
             if fsdp { " fsdp" } else { "" },
             if t.ep > 1 { format!(" ep={}", t.ep) } else { String::new() },
+            if tp > 1 { format!(" tp={tp}") } else { String::new() },
             if w > 1 { format!(", {w} processes") } else { String::new() }
         ),
     };

@@ -17,15 +17,17 @@ impl RankTrainer {
         let layers = self.setup.model.moe_layers();
         let experts: usize = layers.iter().map(|&(_, e)| e).sum();
         let mut rows = vec![0.0f64; 2 * m + 2 * world + experts + 1];
-        rows[2 * m + 2 * world + experts] = work.aux_loss();
+        // The tp ranks of a pipeline position compute the same losses: index 0 reports them.
+        let reports = self.tp_index == 0;
+        rows[2 * m + 2 * world + experts] = if reports { work.aux_loss() } else { 0.0 };
         let mut at = 2 * m + 2 * world;
-        for (layer, e) in layers {
+        for (layer, e) in layers.into_iter().filter(|_| reports) {
             if let Some(load) = work.expert_load().get(&layer).filter(|l| l.len() == e) {
                 rows[at..at + e].copy_from_slice(load);
             }
             at += e;
         }
-        for (&mb, &l) in work.losses() {
+        for (&mb, &l) in work.losses().iter().filter(|_| reports) {
             if mb < m {
                 rows[mb] = l;
                 rows[m + mb] = 1.0;
@@ -168,8 +170,8 @@ impl RankTrainer {
         Ok(sq_all.iter().fold(0.0, |a, &x| a + x))
     }
 
-    /// The leader (world rank 0) receives the timeline of every other rank of replica 0 and
-    /// returns all of replica 0's: its intervals (an `[n, 2]` f64 tensor of start and end in
+    /// The leader (world rank 0) receives the timeline of every other rank of replica 0 (tp
+    /// index 0) and returns all of replica 0's: its intervals (an `[n, 2]` f64 tensor of start and end in
     /// program order, matched with the schedule's program there) and its in-graph collectives
     /// ([`encode_comm`]). Every other rank of replica 0 sends its own; other replicas keep theirs.
     pub(super) fn gather_timeline(
@@ -179,7 +181,7 @@ impl RankTrainer {
     ) -> Result<(Vec<Interval>, Vec<CommSpan>), TrainError> {
         let (rank, timeout) = (self.comm.rank(), self.setup.timeout);
         let coords = self.mesh.coords(rank).map_err(SetupError::from)?;
-        if coords.dp != 0 {
+        if coords.dp != 0 || coords.tp != 0 {
             return Ok((intervals, comm));
         }
         if rank != 0 {
@@ -193,7 +195,7 @@ impl RankTrainer {
         }
         let (mut all, mut all_comm) = (intervals, comm);
         for pp in 1..self.mesh.pp() {
-            let from = self.mesh.rank_of(Coords { pp, dp: 0 }).map_err(SetupError::from)?;
+            let from = self.mesh.rank_of(Coords::at(0, pp)).map_err(SetupError::from)?;
             let program = self.schedule.program(pp);
             let times: Vec<Vec<f64>> =
                 self.comm.recv(from, gather_tag(Gathered::Intervals, 0), timeout)?.to_vec2()?;

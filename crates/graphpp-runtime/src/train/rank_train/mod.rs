@@ -218,6 +218,9 @@ pub struct RankTrainer {
     world: Group,
     /// This rank's replica (`0..dp`).
     replica: usize,
+    /// This rank's position in its tensor-parallel group (`0..tp`); the ranks of index 0 report
+    /// the losses and own the replicated parameters.
+    tp_index: usize,
     mesh: Mesh,
     /// For every world rank, the parameters it owns — it is their lowest holder in their lead
     /// replica (0, or a routed expert's block) — and sends with their optimizer moments to the
@@ -234,8 +237,9 @@ pub struct RankTrainer {
     copies: Vec<Copies>,
     /// Every distinct parameter name of the model, sorted.
     all_names: Vec<String>,
-    /// For each of `all_names`, whether this rank is its lowest pipeline holder (adds it to the
-    /// norm when its replica is the parameter's lead replica).
+    /// For each of `all_names`, whether this rank is its lowest pipeline holder — and, unless
+    /// tensor parallelism splits the parameter, of tp index 0 — (adds it to the norm when its
+    /// replica is the parameter's lead replica).
     counts_here: Vec<bool>,
     /// For each of `all_names`, the lowest replica holding it: 0, or a routed expert's block
     /// under expert parallelism.
@@ -271,20 +275,23 @@ fn check_layout(
 ) -> Result<(), TrainError> {
     if mesh.pp() != schedule.num_ranks() || mesh.world() != comm.world() {
         return Err(mismatch(format!(
-            "mesh pp {} × dp {} for a schedule of {} ranks over a world of {}",
+            "mesh pp {} × dp {} × tp {} for a schedule of {} ranks over a world of {}",
             mesh.pp(),
             mesh.dp(),
+            mesh.tp(),
             schedule.num_ranks(),
             comm.world()
         )));
     }
-    if (mesh.dp(), mesh.ep()) != (setup.dp, setup.ep) {
+    if (mesh.dp(), mesh.ep(), mesh.tp()) != (setup.dp, setup.ep, setup.tp) {
         return Err(mismatch(format!(
-            "mesh dp {} ep {} for a run of dp {} ep {}",
+            "mesh dp {} ep {} tp {} for a run of dp {} ep {} tp {}",
             mesh.dp(),
             mesh.ep(),
+            mesh.tp(),
             setup.dp,
-            setup.ep
+            setup.ep,
+            setup.tp
         )));
     }
     setup.check_dp()
@@ -305,13 +312,14 @@ fn build_work(
     me: usize,
 ) -> Result<GraphStages, TrainError> {
     let rank = comm.rank();
+    let coords = mesh.coords(rank).map_err(SetupError::from)?;
     let ep_index = mesh.ep_index(rank).map_err(SetupError::from)?;
-    let (specs, opts) = crate::train::build::run_stages(setup, ep_index)?;
+    let (specs, opts) = crate::train::build::run_stages(setup, (ep_index, coords.tp))?;
     let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
     let build =
         StageBuild { model: &*setup.model, specs: &specs, opts: &opts, seed: setup.seed, given: None };
     let mut work = build.rank(schedule, empty, me)?;
-    if setup.ep > 1 {
+    if setup.ep > 1 || setup.tp > 1 {
         let (comm, mesh, timeout) = (Arc::clone(comm), *mesh, setup.timeout);
         work.set_graph_comm(crate::pipeline::stage::StageComm { comm, mesh, timeout });
     }
@@ -339,8 +347,9 @@ struct Holders {
 }
 
 impl Holders {
-    /// The holders under `schedule`'s placement; checks that this rank's stages in `work`
-    /// (expert block `ep_index`) hold exactly their model stage's parameters.
+    /// The holders under `schedule`'s placement (the same for every tensor-parallel index:
+    /// names, not shapes); checks that this rank's stages in `work` (expert block `ep_index`,
+    /// tensor-parallel shard `tp_index`) hold exactly their model stage's parameters.
     ///
     /// # Errors
     /// [`TrainError::Setup`] ([`SetupError::Inconsistent`]) for a schedule stage without a
@@ -349,12 +358,12 @@ impl Holders {
         setup: &TrainSetup,
         schedule: &Schedule,
         work: &GraphStages,
-        ep_index: usize,
+        (ep_index, tp_index): (usize, usize),
     ) -> Result<Self, TrainError> {
         let mut h =
             Holders { holders: BTreeMap::new(), lead: BTreeMap::new(), bias_holders: BTreeMap::new() };
         for index in 0..setup.ep {
-            let (specs, _) = crate::train::build::run_stages(setup, index)?;
+            let (specs, _) = crate::train::build::run_stages(setup, (index, tp_index))?;
             for (stage, ranks) in schedule.placement() {
                 let spec = specs
                     .get(stage)
@@ -408,14 +417,14 @@ impl RankTrainer {
         check_layout(&setup, &schedule, &mesh, &*comm)?;
         let pipeline = mesh.pipeline_group(rank).map_err(SetupError::from)?;
         let world = Group::world(comm.world())?;
-        let replica = mesh.coords(rank).map_err(SetupError::from)?.dp;
+        let Coords { dp: replica, tp: tp_index, .. } = mesh.coords(rank).map_err(SetupError::from)?;
         let me =
             pipeline.index_of(rank).ok_or_else(|| mismatch(format!("rank {rank} outside {pipeline}")))?;
         let ep_index = mesh.ep_index(rank).map_err(SetupError::from)?;
         let work = build_work(&setup, &schedule, &mesh, &comm, me)?;
         let mine: BTreeSet<String> =
             work.stages().values().flat_map(|s| s.parameter_names().iter().cloned()).collect();
-        let held = Holders::of(&setup, &schedule, &work, ep_index)?;
+        let held = Holders::of(&setup, &schedule, &work, (ep_index, tp_index))?;
         let mut copies = Vec::new();
         let mut all_names = Vec::with_capacity(held.holders.len());
         let mut counts_here = Vec::with_capacity(held.holders.len());
@@ -423,8 +432,9 @@ impl RankTrainer {
         let mut owned: BTreeMap<usize, Vec<String>> = BTreeMap::new();
         for (name, hs) in held.holders {
             let replica = held.lead[&name];
+            // Tensor-parallel shards are gathered whole in each group first; tp index 0 sends.
             if let Some(&first) = hs.first() {
-                let owner = mesh.rank_of(Coords { pp: first, dp: replica }).map_err(SetupError::from)?;
+                let owner = mesh.rank_of(Coords { pp: first, dp: replica, tp: 0 }).map_err(SetupError::from)?;
                 owned.entry(owner).or_default().push(name.clone());
             }
             let here = mine.contains(&name);
@@ -433,13 +443,14 @@ impl RankTrainer {
                 copies
                     .push(Copies { group: Group::new(format!("copies.{name}"), ranks)?, name: name.clone() });
             }
-            counts_here.push(hs.first() == Some(&me) && here);
+            let split = setup.model.tensor_parallel_dim(&name).is_some();
+            counts_here.push(hs.first() == Some(&me) && here && (tp_index == 0 || split));
             lead_replica.push(replica);
             all_names.push(name);
         }
         let mut bias_owned: BTreeMap<usize, Vec<String>> = BTreeMap::new();
         for (bias, first) in held.bias_holders {
-            let owner = mesh.rank_of(Coords { pp: first, dp: 0 }).map_err(SetupError::from)?;
+            let owner = mesh.rank_of(Coords::at(0, first)).map_err(SetupError::from)?;
             bias_owned.entry(owner).or_default().push(bias);
         }
         let optim = AdamW::new(setup.adamw)?;
@@ -450,6 +461,7 @@ impl RankTrainer {
             pipeline,
             world,
             replica,
+            tp_index,
             mesh,
             owned,
             bias_owned,
@@ -573,6 +585,7 @@ impl RankTrainer {
             let loss = self.finish_loss(self.start_loss(&work)?)?.loss;
             let (grads, _) = self.reduce_grads(&mut work)?;
             let local = Self::unsharded_in(Some(&work), grads.into_iter().collect())?;
+            let local = self.whole_over_tp(local)?;
             Ok((loss, self.send_to_leader(local, Gather::Gradients)?))
         })();
         match &result {

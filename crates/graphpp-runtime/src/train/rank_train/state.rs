@@ -19,7 +19,7 @@ impl RankTrainer {
         if optimizer {
             local.extend(self.optimizer_state()?);
         }
-        let local = self.unsharded(local)?;
+        let local = self.whole_over_tp(self.unsharded(local)?)?;
         self.send_to_leader(local, if optimizer { Gather::Training } else { Gather::Parameters })
     }
 
@@ -86,13 +86,51 @@ impl RankTrainer {
         Ok(full.into_iter().chain(step).collect())
     }
 
-    /// This rank's view of full tensors `full` (parameters, moments by name): with FSDP each one
-    /// of its parameters or their moments is checked against the parameter's full shape and
-    /// replaced by this rank's shard; other names (`adam.step`, biases) are kept whole.
+    /// The tensor-parallel dimension of a parameter or moment key (`None` without tensor
+    /// parallelism or for a replicated parameter).
+    fn tp_dim(&self, key: &str) -> Option<usize> {
+        (self.setup.tp > 1).then(|| self.setup.model.tensor_parallel_dim(parameter_of(key))).flatten()
+    }
+
+    /// `local` (parameters, gradients or moments by name, this rank's tensor-parallel shards)
+    /// with every split one all-gathered whole over the tensor-parallel group along its
+    /// dimension, in name order (every member calls it); `local` itself without tensor
+    /// parallelism.
+    ///
+    /// # Errors
+    /// [`TrainError::Comm`]; a tensor error.
+    pub(super) fn whole_over_tp(
+        &self,
+        mut local: BTreeMap<String, Tensor>,
+    ) -> Result<BTreeMap<String, Tensor>, TrainError> {
+        if self.setup.tp == 1 {
+            return Ok(local);
+        }
+        let group = self.mesh.tensor_parallel_group(self.comm.rank()).map_err(SetupError::from)?;
+        let split: Vec<(String, usize)> =
+            local.keys().filter_map(|k| Some((k.clone(), self.tp_dim(k)?))).collect();
+        for (k, d) in split {
+            let t = local[&k].transpose(0, d)?.contiguous()?;
+            let whole = self.comm.all_gather(&group, &t)?.wait(self.setup.timeout)?;
+            local.insert(k, whole.transpose(0, d)?.contiguous()?);
+        }
+        Ok(local)
+    }
+
+    /// This rank's view of full tensors `full` (parameters, moments by name): each split by
+    /// tensor parallelism cut to this rank's shard, then with FSDP each one of its parameters or
+    /// their moments is checked against the parameter's full shape and replaced by this rank's
+    /// shard; other names (`adam.step`, biases) are kept whole.
     pub(super) fn localize(
         &self,
         full: &HashMap<String, Tensor>,
     ) -> Result<HashMap<String, Tensor>, TrainError> {
+        let tp = graphpp_models::TensorShard { index: self.tp_index, size: self.setup.tp };
+        let mut sliced = HashMap::new();
+        for (k, t) in full {
+            sliced.insert(k.clone(), crate::train::build::tensor_parallel_shard(t, self.tp_dim(k), tp)?);
+        }
+        let full = &sliced;
         let Some(dp) = self.sharding() else { return Ok(full.clone()) };
         let mut out = HashMap::new();
         for (k, t) in full {

@@ -235,6 +235,7 @@ impl TrainArgs {
             dp: l.dp(),
             fsdp: l.fsdp,
             ep: l.ep,
+            tp: l.tp,
             post_validate: self.post_validate,
             seq_len: self.seq_len,
             layers_per_stage: l.layers_per_stage.clone(),
@@ -310,9 +311,9 @@ pub fn run(mut a: TrainArgs) -> Result<()> {
 fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     let (_, ranks, _) = a.layout.shape()?;
     let dp = a.layout.dp();
-    launch.check_world(ranks, dp)?;
+    launch.check_world(ranks, dp, a.layout.tp)?;
     let stop = StopRequest::install().context("installing the SIGINT/SIGTERM handlers")?;
-    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp };
+    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp * a.layout.tp };
     let threads = crate::cmd::set_op_threads(local_ranks, a.threads_per_rank.map(|n| n as usize));
     // `_lock` holds the checkpoint folder for the whole run.
     let (mut run, mut metrics, _lock) = start(a, launch)?;
