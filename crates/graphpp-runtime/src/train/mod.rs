@@ -165,7 +165,7 @@ impl Trainer {
 
     /// Whether this process runs every rank of the world.
     fn holds_world(&self) -> bool {
-        self.ranks.len() == self.schedule.num_ranks() * self.setup.dp
+        self.ranks.len() == self.schedule.num_ranks() * self.setup.dp * self.setup.tp
     }
 
     /// Runs `f` on every local rank, in its thread pool (on its own thread when there are
