@@ -204,6 +204,35 @@ fn fsdp_split_moves_all_gathers_and_reduce_scatters_out() {
     assert_eq!(s.reduce_grad.node(s.reduce_grad.outputs[0].value).ty.shape, vec![3, 8]);
 }
 
+/// Megatron's f and g (Shoeybi et al. 2019, §3): over the `tp` axis, whose members share one
+/// loss, a replicate's gradient is all-reduced and an all-reduce's passes through (a replicate,
+/// which moves nothing); over `dp`, where each member has its own loss, an all-reduce is its own
+/// adjoint.
+#[test]
+fn all_reduce_and_replicate_are_adjoint_over_a_shared_loss() {
+    let backward = |axis: MeshAxis, kind: CollectiveKind| {
+        let mut b = GraphBuilder::new("fw", DType::F32);
+        let group = CommGroup::new(axis, 2);
+        let x = b.input("input", InputKind::Activation, vec![4, 8]).unwrap();
+        let y = b.collective(kind, &group, 0, x).unwrap();
+        let y = b.exp(y).unwrap();
+        b.output("output", y);
+        let sg = stage_graphs(&b.finish().unwrap(), &RecomputePolicy::SaveAll).unwrap();
+        let colls: Vec<String> = sg
+            .full_bw
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, graphpp_graph::Op::CollectiveStart { .. }))
+            .map(|n| n.op.mnemonic())
+            .collect();
+        colls
+    };
+    assert_eq!(backward(MeshAxis::Tensor, CollectiveKind::Replicate), vec!["all_reduce_start"]);
+    assert_eq!(backward(MeshAxis::Tensor, CollectiveKind::AllReduce), vec!["replicate_start"]);
+    assert_eq!(backward(MeshAxis::DataParallel, CollectiveKind::AllReduce), vec!["all_reduce_start"]);
+    assert_eq!(backward(MeshAxis::Tensor, CollectiveKind::AllGather), vec!["reduce_scatter_start"]);
+}
+
 #[test]
 fn dce_removes_unused_nodes_but_keeps_inputs() {
     let mut b = GraphBuilder::new("g", DType::F32);

@@ -166,3 +166,103 @@ pub fn check_divides(tp: usize, fields: &[(&'static str, usize)]) -> Result<(), 
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{LlamaConfig, Model, StageOptions, StageSpec};
+    use graphpp_graph::Op;
+
+    #[test]
+    fn the_rule_splits_megatrons_projections_only() {
+        let l = "model.layers.3";
+        for (name, dim) in [
+            ("self_attn.q_proj.weight", Some(0)),
+            ("self_attn.k_proj.bias", Some(0)),
+            ("self_attn.v_proj.weight", Some(0)),
+            ("self_attn.o_proj.weight", Some(1)),
+            ("self_attn.o_proj.bias", None),
+            ("mlp.gate_proj.weight", Some(0)),
+            ("mlp.up_proj.bias", Some(0)),
+            ("mlp.down_proj.weight", Some(1)),
+            ("mlp.down_proj.bias", None),
+            ("mlp.shared_experts.gate_proj.weight", None),
+            ("mlp.experts.5.down_proj.weight", None),
+            ("mlp.gate.weight", None),
+            ("input_layernorm.weight", None),
+        ] {
+            assert_eq!(shard_dim(&format!("{l}.{name}"), true), dim, "{name}");
+        }
+        // Attention that does not split (multi-head latent attention) keeps its projections whole.
+        assert_eq!(shard_dim("model.layers.0.self_attn.q_proj.weight", false), None);
+        assert_eq!(shard_dim("model.layers.0.self_attn.o_proj.weight", false), None);
+        assert_eq!(shard_dim("model.embed_tokens.weight", true), None);
+        assert_eq!(shard_dim("lm_head.weight", true), None);
+    }
+
+    /// A `[2, 4]` matrix split along dim 1 over 2 ranks: rank 1 keeps columns 2..4 of each row;
+    /// along dim 0, rank 1 keeps row 1.
+    #[test]
+    fn shards_are_blocks_of_the_whole_parameter() {
+        let whole = || vec![("w".to_string(), vec![2, 4], (0..8).map(|x| x as f32).collect())];
+        let cols = shard_values(whole(), TensorShard { index: 1, size: 2 }, |_| Some(1));
+        assert_eq!(cols[0].1, vec![2, 2]);
+        assert_eq!(cols[0].2, vec![2.0, 3.0, 6.0, 7.0]);
+        let rows = shard_values(whole(), TensorShard { index: 1, size: 2 }, |_| Some(0));
+        assert_eq!((rows[0].1.clone(), rows[0].2.clone()), (vec![1, 4], vec![4.0, 5.0, 6.0, 7.0]));
+        let kept = shard_values(whole(), TensorShard { index: 1, size: 2 }, |_| None);
+        assert_eq!(kept[0].2.len(), 8);
+    }
+
+    /// The stage a rank builds at tp = 2: half the heads and half the MLP width, one replicate
+    /// before each column-parallel block and one all-reduce after each row-parallel one, and
+    /// initial weights that are the blocks of the whole model's.
+    #[test]
+    fn a_tp_stage_holds_its_shard_and_the_collectives() {
+        let cfg = LlamaConfig::tiny();
+        let whole = StageSpec::whole(cfg.num_hidden_layers);
+        let spec = StageSpec { tp: TensorShard { index: 1, size: 2 }, ..whole.clone() };
+        let shapes: std::collections::HashMap<String, Vec<usize>> =
+            cfg.stage_parameters(&spec).into_iter().collect();
+        let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
+        assert_eq!(shapes["model.layers.0.self_attn.q_proj.weight"], vec![d / 2, d]);
+        assert_eq!(shapes["model.layers.0.self_attn.o_proj.weight"], vec![d, d / 2]);
+        assert_eq!(shapes["model.layers.0.mlp.down_proj.weight"], vec![d, f / 2]);
+        assert_eq!(shapes["model.embed_tokens.weight"], vec![cfg.vocab_size, d]);
+        let g = cfg.build_stage(&spec, &StageOptions::new(1, 8)).unwrap();
+        let count = |kind: CollectiveKind| {
+            g.nodes
+                .iter()
+                .filter(|n| matches!(n.op, Op::CollectiveStart { kind: k, group, .. }
+                    if k == kind && group.mesh_axis == MeshAxis::Tensor && group.size == 2))
+                .count()
+        };
+        let layers = cfg.num_hidden_layers;
+        assert_eq!((count(CollectiveKind::Replicate), count(CollectiveKind::AllReduce)), (2 * layers, 2 * layers));
+        let full: std::collections::HashMap<String, Vec<f32>> =
+            cfg.init_parameters(&whole, 7).into_iter().map(|(n, _, v)| (n, v)).collect();
+        for (name, shape, v) in cfg.init_parameters(&spec, 7) {
+            let w = &full[&name];
+            match shard_dim(&name, true) {
+                Some(0) => assert_eq!(&v[..], &w[v.len()..], "{name}: rank 1 holds the second rows"),
+                Some(_) => assert_eq!(v[..shape[1]], w[shape[1]..2 * shape[1]], "{name}: second columns"),
+                None => assert_eq!(&v, w, "{name}: replicated"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_degree_that_does_not_divide_is_named() {
+        let cfg = LlamaConfig::tiny();
+        assert_eq!(
+            cfg.check_tp(3),
+            Err(ModelError::TensorParallel { field: "num_attention_heads", value: 4, tp: 3 })
+        );
+        let gqa = LlamaConfig { num_key_value_heads: Some(1), ..LlamaConfig::tiny() };
+        let e = gqa.check_tp(2).unwrap_err();
+        assert_eq!(e, ModelError::TensorParallel { field: "num_key_value_heads", value: 1, tp: 2 });
+        assert!(e.to_string().contains("`num_key_value_heads` = 1 does not split over tp = 2"), "{e}");
+        assert!(cfg.check_tp(0).is_err());
+        assert_eq!(cfg.check_tp(4), Ok(()));
+    }
+}
