@@ -174,7 +174,7 @@ fn a_world_that_does_not_fit_the_mesh_is_refused_before_step_1() {
         c
     });
     assert!(!ok);
-    let msg = "mpirun started 3 processes, but --ranks 2 × --dp 2 = 4 ranks";
+    let msg = "mpirun started 3 processes, but --ranks 2 × --dp 2 × --tp 1 = 4 ranks";
     assert!(e.matches(msg).count() >= 1, "{o}\n{e}");
     assert!(!o.contains("step "), "no step ran:\n{o}");
     assert!(!ck.exists(), "nothing written");
@@ -299,6 +299,34 @@ fn verify_as_four_processes_with_data_parallelism_fsdp_and_ep() {
             assert_eq!(o.matches("PASS").count(), 1, "{kind}: printed once:\n{o}");
             assert!(o.contains(says) && o.contains("4 processes"), "{o}");
         }
+    }
+}
+
+/// Tensor parallelism across processes: `verify --tp 2` as four processes (pp = 2 × tp = 2) under
+/// the five kinds the issue names, and as eight with `--dp 2` (and FSDP): the tp ranks'
+/// all-reduces cross processes, the leader gathers the shards whole and compares with one device.
+#[test]
+fn verify_tensor_parallel_as_four_and_eight_processes() {
+    let runs: Vec<(&str, usize, &[&str])> = vec![
+        ("gpipe", 4, &[]),
+        ("1f1b", 4, &[]),
+        ("interleaved-1f1b", 4, &[]),
+        ("zbv", 4, &[]),
+        ("dualpipev", 4, &[]),
+        ("1f1b", 8, &["--dp", "2"]),
+        ("dualpipev", 8, &["--dp", "2", "--fsdp"]),
+    ];
+    for (kind, n, layout) in runs {
+        let (ok, o, e) = run({
+            let mut c = mpirun(n);
+            c.args(["verify", "--schedule", kind, "--ranks", "2", "--microbatches", "4", "--tp", "2"])
+                .args(["--microbatch-size", "2"])
+                .args(layout);
+            c
+        });
+        assert!(ok, "{kind} {layout:?}:\n{o}\n{e}");
+        assert_eq!(o.matches("PASS").count(), 1, "{kind}: printed once:\n{o}");
+        assert!(o.contains(" tp=2") && o.contains(&format!("{n} processes")), "{o}");
     }
 }
 
