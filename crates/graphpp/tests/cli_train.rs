@@ -234,6 +234,41 @@ fn cli_resume_continues_the_loss_sequence() {
     }
 }
 
+/// Through the CLI: `--tp 2` (four threads: two pipeline ranks of two tensor-parallel ranks)
+/// logs `--tp 1`'s losses within 1e-5 for 20 steps, and its checkpoint at step 10 resumes at
+/// `--tp 1`, continuing them.
+#[test]
+fn tensor_parallel_training_logs_the_losses_of_one_rank_per_stage() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let ck = d.path().join("ck");
+    let run = |metrics: &str, extra: &[&str]| {
+        let out = graphpp()
+            .args(["train", "--data", data.to_str().unwrap(), "--steps", "20", "--eval-every", "10"])
+            .args(SMALL)
+            .args(["--metrics", d.path().join(metrics).to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    };
+    run("tp1.jsonl", &[]);
+    run("tp2.jsonl", &["--tp", "2"]);
+    run("moved.jsonl", &["--tp", "2", "--stop-after", "10", "--checkpoint-dir", ck.to_str().unwrap()]);
+    run("moved.jsonl", &["--tp", "1", "--resume", "--checkpoint-dir", ck.to_str().unwrap()]);
+    let tp1 = losses(&d.path().join("tp1.jsonl"));
+    for file in ["tp2.jsonl", "moved.jsonl"] {
+        let other = losses(&d.path().join(file));
+        assert_eq!(other.len(), 20, "{file}");
+        for (x, y) in tp1.iter().zip(&other) {
+            let (a, b) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "{file} step {}: {b} vs {a}", x["step"]);
+        }
+        let ranks = other.last().unwrap()["resident_bytes"].as_array().unwrap().len();
+        assert_eq!(ranks, if file == "tp2.jsonl" { 4 } else { 2 }, "{file}: one entry per rank");
+    }
+}
+
 /// Each bad input fails with exit 1, an error naming the problem, and no checkpoint.
 #[test]
 fn bad_input_is_a_clear_error_without_checkpoints() {
@@ -241,7 +276,7 @@ fn bad_input_is_a_clear_error_without_checkpoints() {
     let data = corpus(d.path());
     let data = data.to_str().unwrap();
     let ck = d.path().join("ck");
-    let cases: [(&[&str], &str); 10] = [
+    let cases: [(&[&str], &str); 12] = [
         (&["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
         (&["--data", data, "--ranks", "0"], "--ranks must be at least 1"),
         (&["--data", data, "--schedule", "1f1b", "--ranks", "3"], "--layers-per-stage"),
@@ -255,6 +290,8 @@ fn bad_input_is_a_clear_error_without_checkpoints() {
         ),
         (&["--data", data, "--lr", "0"], "peak learning rate 0 must be finite and > 0"),
         (&["--data", data, "--dp", "3"], "--dp 3 does not divide --microbatch-size 2"),
+        (&["--data", data, "--tp", "3"], "--tp 3: tensor parallelism: config field `num_attention_heads` = 4"),
+        (&["--data", data, "--tp", "0"], "--tp 0: the degree must be at least 1"),
     ];
     for (args, want) in cases {
         let out = graphpp()

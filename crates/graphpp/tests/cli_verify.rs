@@ -116,6 +116,26 @@ fn data_parallel_and_fsdp_steps_match_one_device() {
     assert!(e.contains("--dp 2 does not divide --microbatch-size 3"), "{e}");
 }
 
+/// `--tp 2` (with `--dp 2 --fsdp`) on the grouped-query, biased, tied-embedding HF fixture's
+/// config: its gradients, gathered whole, equal one device's; a key/value head count tp does not
+/// divide is refused naming the field.
+#[test]
+fn tensor_parallel_steps_match_one_device() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny-llama-gelu/config.json");
+    let base = ["--schedule", "1f1b", "--ranks", "2", "--microbatches", "4", "--microbatch-size", "2"];
+    for extra in [&["--tp", "2"][..], &["--tp", "2", "--dp", "2", "--fsdp"][..]] {
+        let out = verify(&[&base[..], &["--model", config], extra].concat());
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(text.lines().next().unwrap().contains(" tp=2 "), "{text}");
+        assert!(number(&text, "gradients:", "max relative difference") <= 1e-5, "{text}");
+    }
+    let out = verify(&[&base[..], &["--model", config, "--tp", "4"]].concat());
+    assert_eq!(out.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("`num_key_value_heads` = 2 does not split over tp = 4"), "{e}");
+}
+
 /// `--ep 2` (pp = 2, so 4 ranks: --dp defaults to --ep) under 1f1b, zbv and dualpipev equals
 /// one device, with Llama attention and with DeepSeek's MLA and group-limited routing
 /// (`moe-mla-tiny`); an expert-parallel degree the run cannot have is refused naming --ep.
