@@ -269,6 +269,31 @@ fn tensor_parallel_training_logs_the_losses_of_one_rank_per_stage() {
     }
 }
 
+/// DualPipeV at `--tp 2` over a slow emulated link (2 ms, 1 GB/s): the stage graphs' tensor-
+/// parallel all-reduces are measured as in-graph collectives — two per layer in each F and each
+/// B, so 4 microbatches × 2 one-layer stages × 4 = 32 per rank and step — and the overlapped
+/// forward and backward (OVERLAP_F_B) hide part of their time behind other work.
+#[test]
+fn tensor_parallel_all_reduces_overlap_under_dualpipev() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let out = graphpp()
+        .args(["train", "--data", data.to_str().unwrap(), "--steps", "3", "--eval-every", "3"])
+        .args(SMALL)
+        .args(["--schedule", "dualpipev", "--tp", "2", "--link", "2000,1"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let line = stdout.lines().find(|l| l.starts_with("in-graph collectives")).expect("a collectives line");
+    let number = |after: &str| -> f64 {
+        let rest = &line[line.find(after).unwrap_or_else(|| panic!("{after} in {line}")) + after.len()..];
+        rest.trim_start().split([',', ' ']).next().unwrap().parse().unwrap()
+    };
+    assert_eq!(number("(per rank and step):"), 32.0, "{line}");
+    assert!(number("in flight") > 0.0 && number("ms,") > 0.0, "some all-reduce time overlapped: {line}");
+}
+
 /// Each bad input fails with exit 1, an error naming the problem, and no checkpoint.
 #[test]
 fn bad_input_is_a_clear_error_without_checkpoints() {
