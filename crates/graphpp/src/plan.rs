@@ -1,11 +1,15 @@
 //! The planner: every feasible strategy for a model on N ranks — schedule
-//! kind, pipeline × data-parallel degrees, microbatch count and size, recompute policy —
-//! simulated with a cost model and the byte model of its real stage graphs, and ranked.
+//! kind, pipeline × data-parallel × tensor-parallel degrees, microbatch count and size,
+//! recompute policy — simulated with a cost model and the byte model of its real stage graphs,
+//! and ranked.
 //!
 //! Per candidate: the kind's compute schedule at (pp, v, m); each stage's graphs at `B / dp`
 //! sequences under the policy (built once per distinct model stage); each action's time from its
 //! graph's [`Work`] at a [`Speed`] (fitted to a [`crate::profile::Profile`] of the same model on this machine, or
-//! the default); each hop between ranks takes the stage output's bytes over the link; the step
+//! the default) plus, under tensor parallelism, its graph's all-reduces over the `tp` group (ring
+//! volume `2 (tp − 1) / tp` × their bytes over the link, counted as exposed: a bound, since the
+//! executor overlaps them with other work where the graph allows); each hop between ranks takes
+//! the stage output's bytes over the link; the step
 //! time = the simulated makespan plus the data-parallel gradient all-reduce of the fullest rank
 //! (ring volume `2 (dp − 1) / dp` × its gradient bytes over the link, counted as exposed: a
 //! bound, since REDUCE_GRAD overlaps part of it); peak bytes = [`graphpp_schedule::bytes`]' walk.
@@ -71,6 +75,8 @@ pub struct Candidate {
     pub pp: usize,
     /// Data-parallel replicas.
     pub dp: usize,
+    /// Tensor-parallel degree of each pipeline position.
+    pub tp: usize,
     /// Stages per rank v.
     pub stages_per_rank: usize,
     /// m.
@@ -93,11 +99,12 @@ impl Candidate {
     /// The `graphpp train` flags that run this strategy.
     pub fn train_flags(&self, seq_len: usize) -> String {
         format!(
-            "--schedule {} --ranks {} --stages-per-rank {} --dp {} --microbatches {} --microbatch-size {} --seq-len {} --recompute {}",
+            "--schedule {} --ranks {} --stages-per-rank {} --dp {} --tp {} --microbatches {} --microbatch-size {} --seq-len {} --recompute {}",
             self.kind.name(),
             self.pp,
             self.stages_per_rank,
             self.dp,
+            self.tp,
             self.microbatches,
             self.microbatch_size,
             seq_len,
@@ -137,23 +144,58 @@ pub enum PlanError {
     },
 }
 
-/// The graphs of each schedule stage of `kind` at `shape`, `batch` sequences per replica.
+/// The graphs of each schedule stage of `kind` at `shape`, `batch` sequences per replica, as
+/// tensor-parallel rank 0 of `tp` builds them.
 fn schedule_graphs(
     req: &PlanRequest,
-    (kind, shape): (Kind, &Shape),
+    (kind, shape, tp): (Kind, &Shape, usize),
     batch: usize,
     recompute: Recompute,
     cache: &mut GraphCache,
 ) -> Result<Vec<Arc<StageGraphs>>, PlanError> {
     let build = |e: SetupError| PlanError::Build(e.to_string());
+    let tp = graphpp_models::TensorShard { index: 0, size: tp };
     let specs = stage_specs(&req.model, kind, shape, None).map_err(build)?;
+    let specs: Vec<_> = specs.into_iter().map(|s| graphpp_models::StageSpec { tp, ..s }).collect();
     let opts = StageOptions { recompute, ..StageOptions::mixed(batch, req.seq_len, req.dtype) };
     specs.iter().map(|spec| cache.get(&req.model, spec, &opts).map_err(build)).collect()
 }
 
-/// Time of `a` on stages of `work` at `speed`, seconds.
-fn action_seconds(a: &Action, work: &[PerKind<Work>], speed: &Speed) -> f64 {
-    a.computes().map(|(kind, t)| work.get(t.stage).map_or(0.0, |w| speed.seconds(w.get(kind)))).sum()
+/// Time of `a` on stages of `work` at `speed`, seconds, plus its tensor-parallel all-reduces
+/// (`tp_bytes`: their bytes per action kind and stage) at `tp_seconds_per_byte`.
+fn action_seconds(
+    a: &Action,
+    (work, tp_bytes): (&[PerKind<Work>], &[PerKind<u64>]),
+    speed: &Speed,
+    tp_seconds_per_byte: f64,
+) -> f64 {
+    a.computes()
+        .map(|(kind, t)| {
+            let compute = work.get(t.stage).map_or(0.0, |w| speed.seconds(w.get(kind)));
+            compute + tp_bytes.get(t.stage).map_or(0, |b| b.get(kind)) as f64 * tp_seconds_per_byte
+        })
+        .sum()
+}
+
+/// Bytes all-reduced over the tensor-parallel group by one run of `g`.
+fn tp_all_reduce_bytes(g: &graphpp_graph::Graph) -> u64 {
+    g.nodes
+        .iter()
+        .filter(|n| {
+            matches!(n.op, graphpp_graph::Op::CollectiveStart { kind: graphpp_graph::CollectiveKind::AllReduce, group, .. }
+                if group.mesh_axis == graphpp_graph::MeshAxis::Tensor)
+        })
+        .map(|n| n.ty.size_bytes())
+        .sum::<usize>() as u64
+}
+
+/// [`tp_all_reduce_bytes`] of each action kind's graph of a stage.
+fn stage_tp_bytes(g: &StageGraphs) -> PerKind<u64> {
+    let (i, w) = match &g.di_dw {
+        Some((di, dw)) => (tp_all_reduce_bytes(di), tp_all_reduce_bytes(dw)),
+        None => (0, tp_all_reduce_bytes(&g.full_bw)),
+    };
+    PerKind { f: tp_all_reduce_bytes(&g.fw), b: tp_all_reduce_bytes(&g.full_bw), i, w }
 }
 
 /// What the planner predicts for one strategy.
@@ -167,24 +209,27 @@ pub struct Prediction {
     pub peak_bytes: Vec<u64>,
 }
 
-/// The [`Prediction`] for `schedule` (compute-only or lowered) whose stage `s` runs `graphs[s]`,
-/// with `dp` replicas, a rank computing at `speed` and links of `link_bytes_per_second` (see
-/// the module doc).
+/// The [`Prediction`] for `schedule` (compute-only or lowered) whose stage `s` runs `graphs[s]`
+/// (a tensor-parallel rank's, whose all-reduces run over groups of `tp`), with `dp` replicas, a
+/// rank computing at `speed` and links of `link_bytes_per_second` (see the module doc).
 ///
 /// # Errors
 /// [`PlanError::Build`] when the schedule cannot be simulated or a graph is missing.
 pub fn predict(
     schedule: &Schedule,
     graphs: &[Arc<StageGraphs>],
-    dp: usize,
+    (dp, tp): (usize, usize),
     speed: &Speed,
     link_bytes_per_second: f64,
 ) -> Result<Prediction, PlanError> {
     let work: Vec<PerKind<Work>> = graphs.iter().map(|g| stage_work(g)).collect();
+    let tp_bytes: Vec<PerKind<u64>> = graphs.iter().map(|g| stage_tp_bytes(g)).collect();
     let link = link_bytes_per_second;
+    let tp_seconds_per_byte = ring(tp) / link;
     let hop = graphs.first().and_then(|g| g.fw.output_by_name(OUTPUT).map(|v| g.fw.node(v).ty.size_bytes()));
     let hop_seconds = hop.unwrap_or(0) as f64 / link;
-    let sim = simulate_with(schedule, |a| action_seconds(a, &work, speed), hop_seconds, &Memory::default())
+    let seconds = |a: &Action| action_seconds(a, (&work, &tp_bytes), speed, tp_seconds_per_byte);
+    let sim = simulate_with(schedule, seconds, hop_seconds, &Memory::default())
         .map_err(|e| PlanError::Build(e.to_string()))?;
     let mut grads = vec![0u64; schedule.num_ranks()];
     for (stage, ranks) in schedule.placement() {
@@ -192,12 +237,16 @@ pub fn predict(
             grads[r] += graphs.get(stage).map_or(0, |g| input_bytes(g, InputKind::Parameter));
         }
     }
-    let ring = 2.0 * (dp.max(1) as f64 - 1.0) / dp.max(1) as f64;
-    let reduce = ring * grads.into_iter().max().unwrap_or(0) as f64 / link;
+    let reduce = ring(dp) * grads.into_iter().max().unwrap_or(0) as f64 / link;
     let refs: Vec<&StageGraphs> = graphs.iter().map(|g| &**g).collect();
     let bytes = byte_model(&refs, schedule).map_err(|e| PlanError::Build(e.to_string()))?;
     let peak_bytes = bytes.peak_bytes(schedule).map_err(|e| PlanError::Build(e.to_string()))?;
     Ok(Prediction { step_seconds: sim.makespan + reduce, bubble: sim.bubble_ratio, peak_bytes })
+}
+
+/// The bytes a ring all-reduce over `n` members sends per byte reduced: `2 (n − 1) / n`.
+fn ring(n: usize) -> f64 {
+    2.0 * (n.max(1) as f64 - 1.0) / n.max(1) as f64
 }
 
 /// Every feasible candidate of `req`, ranked: those that fit first, each group by predicted step
@@ -254,8 +303,9 @@ fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
     Ok(())
 }
 
-/// Every feasible strategy of `req`, unranked, with its prediction: each split pp × dp of the
-/// ranks (pp at most the layers; only `req.pp` when pinned), each kind (distinct) whose stages divide the layers, each
+/// Every feasible strategy of `req`, unranked, with its prediction: each split pp × dp × tp of
+/// the ranks (tp dividing the model's heads, key/value heads and MLP width; pp at most the
+/// layers; only `req.pp` when pinned), each kind (distinct) whose stages divide the layers, each
 /// microbatch count m (only `req.microbatches` when pinned) dividing the global batch into
 /// microbatches that split over the dp replicas, each recompute policy (distinct). Errors: [`PlanError::Build`].
 fn candidates(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
@@ -269,57 +319,75 @@ fn candidates(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
     let mut out = Vec::new();
     // A pipeline has at most one rank per layer.
     let pinned = |pin: Option<usize>, x: usize| pin.is_none_or(|p| p == x);
-    let pps = (1..=req.ranks.min(layers)).filter(|&pp| req.ranks.is_multiple_of(pp) && pinned(req.pp, pp));
-    for pp in pps {
-        let dp = req.ranks / pp;
-        for &kind in &kinds {
-            let v = kind.default_stages_per_rank();
-            // One rank per pipeline is no pipeline: chunks on it only add hand-overs.
-            if pp == 1 && v > 1 {
-                continue;
-            }
-            let stages = kind.model_stages(&Shape::new(pp, v, 1));
-            if stages > layers || !layers.is_multiple_of(stages) {
-                continue;
-            }
-            let most = req.microbatches.unwrap_or(req.max_microbatches).min(req.global_batch);
-            let ms =
-                (1..=most).filter(|&m| req.global_batch.is_multiple_of(m) && pinned(req.microbatches, m));
-            for m in ms {
-                let b = req.global_batch / m;
-                if !b.is_multiple_of(dp) {
-                    continue;
-                }
-                let shape = Shape::new(pp, v, m);
-                let Ok(schedule) = generate(kind, &shape, &Options::default()) else { continue };
-                for &recompute in &policies {
-                    let graphs = schedule_graphs(req, (kind, &shape), b / dp, recompute, &mut cache)?;
-                    let p = predict(&schedule, &graphs, dp, &req.speed, req.link_bytes_per_second)?;
-                    let (step_seconds, bubble) = (p.step_seconds, p.bubble);
-                    let peak_bytes = p.peak_bytes.into_iter().max().unwrap_or(0);
-                    out.push(Candidate {
-                        kind,
-                        pp,
-                        dp,
-                        stages_per_rank: v,
-                        microbatches: m,
-                        microbatch_size: b,
-                        recompute,
-                        step_seconds,
-                        bubble,
-                        peak_bytes,
-                        fits: peak_bytes <= req.memory_per_rank,
-                    });
-                }
-            }
+    let tps = (1..=req.ranks).filter(|&tp| {
+        req.ranks.is_multiple_of(tp) && graphpp_models::Model::check_tp(&req.model, tp).is_ok()
+    });
+    for tp in tps {
+        let per_tp = req.ranks / tp;
+        let pps = (1..=per_tp.min(layers)).filter(|&pp| per_tp.is_multiple_of(pp) && pinned(req.pp, pp));
+        for pp in pps {
+            layout_candidates(req, (pp, per_tp / pp, tp), (&kinds, &policies), &mut cache, &mut out)?;
         }
     }
     Ok(out)
 }
 
+/// The candidates of one layout `(pp, dp, tp)` (see [`candidates`]), appended to `out`.
+fn layout_candidates(
+    req: &PlanRequest,
+    (pp, dp, tp): (usize, usize, usize),
+    (kinds, policies): (&[Kind], &[Recompute]),
+    cache: &mut GraphCache,
+    out: &mut Vec<Candidate>,
+) -> Result<(), PlanError> {
+    let layers = graphpp_models::Model::num_layers(&req.model);
+    let pinned = |pin: Option<usize>, x: usize| pin.is_none_or(|p| p == x);
+    for &kind in kinds {
+        let v = kind.default_stages_per_rank();
+        // One rank per pipeline is no pipeline: chunks on it only add hand-overs.
+        if pp == 1 && v > 1 {
+            continue;
+        }
+        let stages = kind.model_stages(&Shape::new(pp, v, 1));
+        if stages > layers || !layers.is_multiple_of(stages) {
+            continue;
+        }
+        let most = req.microbatches.unwrap_or(req.max_microbatches).min(req.global_batch);
+        let ms = (1..=most).filter(|&m| req.global_batch.is_multiple_of(m) && pinned(req.microbatches, m));
+        for m in ms {
+            let b = req.global_batch / m;
+            if !b.is_multiple_of(dp) {
+                continue;
+            }
+            let shape = Shape::new(pp, v, m);
+            let Ok(schedule) = generate(kind, &shape, &Options::default()) else { continue };
+            for &recompute in policies {
+                let graphs = schedule_graphs(req, (kind, &shape, tp), b / dp, recompute, cache)?;
+                let p = predict(&schedule, &graphs, (dp, tp), &req.speed, req.link_bytes_per_second)?;
+                let peak_bytes = p.peak_bytes.into_iter().max().unwrap_or(0);
+                out.push(Candidate {
+                    kind,
+                    pp,
+                    dp,
+                    tp,
+                    stages_per_rank: v,
+                    microbatches: m,
+                    microbatch_size: b,
+                    recompute,
+                    step_seconds: p.step_seconds,
+                    bubble: p.bubble,
+                    peak_bytes,
+                    fits: peak_bytes <= req.memory_per_rank,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Ranks `out`: those that fit first, each group by step time, then peak bytes (a stable sort);
-/// of the candidates with the same shape (pp, v, m), policy, step time and peak bytes (kinds
-/// that run alike) only the first is kept.
+/// of the candidates with the same layout (pp, dp, tp), shape (v, m), policy, step time and
+/// peak bytes (kinds that run alike) only the first is kept.
 fn rank(out: &mut Vec<Candidate>) {
     out.sort_by(|a, b| {
         b.fits
@@ -332,7 +400,7 @@ fn rank(out: &mut Vec<Candidate>) {
     let mut seen = std::collections::HashSet::new();
     out.retain(|c| {
         seen.insert((
-            c.pp,
+            (c.pp, c.dp, c.tp),
             c.stages_per_rank,
             c.microbatches,
             c.recompute,
@@ -376,17 +444,12 @@ mod tests {
         let capped = plan(&request(cap)).unwrap();
         let chosen = &capped[0];
         assert!(chosen.fits && chosen.peak_bytes <= cap, "{chosen:?}");
-        assert_ne!(
-            (chosen.kind, chosen.pp, chosen.microbatches, chosen.recompute),
-            (best.kind, best.pp, best.microbatches, best.recompute)
-        );
+        let id = |c: &Candidate| (c.kind, c.pp, c.dp, c.tp, c.microbatches, c.recompute);
+        assert_ne!(id(chosen), id(best));
         assert!(chosen.step_seconds >= best.step_seconds);
         let same = capped
             .iter()
-            .find(|c| {
-                (c.kind, c.pp, c.microbatches, c.recompute)
-                    == (best.kind, best.pp, best.microbatches, best.recompute)
-            })
+            .find(|c| id(c) == id(best))
             .unwrap();
         assert!(!same.fits);
         // Everything that fits is ranked before everything that does not.
@@ -401,6 +464,7 @@ mod tests {
             all.iter()
                 .find(|c| {
                     c.pp == pp
+                        && c.tp == 1
                         && c.kind == Kind::Gpipe
                         && c.microbatches == 2
                         && c.recompute == Recompute::SaveAll
@@ -414,6 +478,46 @@ mod tests {
         let params = graphpp_models::Model::parameter_count(&ModelConfig::preset("tiny").unwrap()) as u64;
         assert!(dp2.peak_bytes > 16 * params, "{dp2:?}");
         assert!(pp2.peak_bytes < dp2.peak_bytes, "{pp2:?} vs {dp2:?}");
+    }
+
+    /// Tensor parallelism is searched: on 4 ranks tiny (4 heads, MLP width 176) is listed at
+    /// tp = 1, 2 and 4 (all dividing it); a split layout holds fewer bytes per rank than the
+    /// same pipeline without it, and its all-reduces are costed; at pp = 2 a cap below every
+    /// tp = 1 candidate's peak makes the planner choose tp = 2.
+    #[test]
+    fn tensor_parallel_layouts_are_searched_and_shrink_the_peak() {
+        let r = PlanRequest { ranks: 4, ..request(u64::MAX) };
+        let all = plan(&r).unwrap();
+        let tps: std::collections::BTreeSet<usize> = all.iter().map(|c| c.tp).collect();
+        assert_eq!(tps.into_iter().collect::<Vec<_>>(), vec![1, 2, 4]);
+        assert!(all.iter().all(|c| c.pp * c.dp * c.tp == 4), "every layout uses the 4 ranks");
+        let find = |dp: usize, tp: usize| {
+            all.iter()
+                .find(|c| (c.kind, c.pp, c.dp, c.tp, c.microbatches) == (Kind::OneFOneB, 2, dp, tp, 4))
+                .filter(|c| c.recompute == Recompute::SaveAll)
+                .unwrap()
+                .clone()
+        };
+        let (replicated, split) = (find(2, 1), find(1, 2));
+        assert!(split.peak_bytes < replicated.peak_bytes, "{split:?} vs {replicated:?}");
+        // Its all-reduces are costed: two of [B, T, D] f32 per layer in the forward, two in the
+        // full backward (Megatron's f and g), 2 layers per stage at B = 2, T = 16, D = 64.
+        let graphs = schedule_graphs(
+            &r,
+            (Kind::OneFOneB, &Shape::new(2, 1, 4), 2),
+            2,
+            Recompute::SaveAll,
+            &mut GraphCache::default(),
+        )
+        .unwrap();
+        let bytes = stage_tp_bytes(&graphs[0]);
+        assert_eq!((bytes.f, bytes.b), (2 * 2 * 2 * 16 * 64 * 4, 2 * 2 * 2 * 16 * 64 * 4));
+        // Two pipeline ranks: the other two replicate (dp = 2) or split (tp = 2) the stages.
+        let pinned = PlanRequest { pp: Some(2), ..r };
+        let two = plan(&pinned).unwrap();
+        let cap = two.iter().filter(|c| c.tp == 1).map(|c| c.peak_bytes).min().unwrap() - 1;
+        let capped = plan(&PlanRequest { memory_per_rank: cap, ..pinned }).unwrap();
+        assert!(capped[0].fits && capped[0].tp == 2, "{:?}", capped[0]);
     }
 
     /// One rank per pipeline still lists every kind of one stage per rank: 1F1B there is

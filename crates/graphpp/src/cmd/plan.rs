@@ -23,7 +23,7 @@ pub struct PlanArgs {
     /// Override the model's number of decoder layers.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     layers: Option<usize>,
-    /// N: ranks in all (each strategy splits them into pipeline × data-parallel).
+    /// N: ranks in all (each strategy splits them into pipeline × data-parallel × tensor-parallel).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, required_unless_present = "strategy")]
     ranks: Option<usize>,
     /// Memory of one rank: bytes, or with a unit (`512MiB`, `2GB`, `1.5GiB`).
@@ -126,11 +126,12 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
 /// One table row.
 fn row(i: usize, c: &Candidate) -> String {
     format!(
-        "{:>3}  {:<20} {:>3} {:>3} {:>2} {:>4} {:>4}  {:<12} {:>10.2} {:>8.3} {:>12}  {}\n",
+        "{:>3}  {:<20} {:>3} {:>3} {:>3} {:>2} {:>4} {:>4}  {:<12} {:>10.2} {:>8.3} {:>12}  {}\n",
         i + 1,
         c.kind.name(),
         c.pp,
         c.dp,
+        c.tp,
         c.stages_per_rank,
         c.microbatches,
         c.microbatch_size,
@@ -156,7 +157,7 @@ fn compile(a: &PlanArgs, path: &std::path::Path, profile: Option<&Profile>) -> R
     let graphs = graphpp_runtime::train::build::run_stage_graphs(&setup)?;
     let dag = TrainingDag::of(&schedule, &|s| graphs.get(s).is_some_and(|g| g.di_dw.is_some()))?;
     let speed = profile.and_then(Profile::speed).unwrap_or_default();
-    let p = predict(&schedule, &graphs, config.dp, &speed, a.link_gbps * 1e9)?;
+    let p = predict(&schedule, &graphs, (config.dp, config.tp), &speed, a.link_gbps * 1e9)?;
     let text = match a.format {
         DagFormat::Text => {
             let peaks: Vec<String> = p.peak_bytes.iter().map(|&b| mib(b)).collect();
@@ -242,7 +243,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         all.len(),
         fitting
     );
-    text.push_str("  #  schedule              pp  dp  v    m    B  recompute     step (ms)   bubble    peak/rank  fits\n");
+    text.push_str("  #  schedule              pp  dp  tp  v    m    B  recompute     step (ms)   bubble    peak/rank  fits\n");
     for (i, c) in all.iter().take(a.top).enumerate() {
         text.push_str(&row(i, c));
     }
