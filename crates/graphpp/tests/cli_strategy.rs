@@ -36,7 +36,7 @@ fn losses(path: &Path) -> Vec<(u64, u64)> {
 fn printed_strategies_train_as_their_flags() {
     let d = tempfile::tempdir().unwrap();
     let data = common::corpus(d.path(), 200);
-    let combos: [&[&str]; 9] = [
+    let combos: [&[&str]; 10] = [
         &["--microbatch-size", "2", "--microbatches", "4"],
         &["--schedule", "1f1b", "--ranks", "4", "--microbatch-size", "2", "--microbatches", "4"],
         &[
@@ -74,6 +74,7 @@ fn printed_strategies_train_as_their_flags() {
             "2",
         ],
         &["--schedule", "gpipe", "--stages-per-rank", "1", "--microbatch-size", "2", "--microbatches", "3"],
+        &["--schedule", "1f1b", "--tp", "2", "--dp", "2", "--microbatch-size", "2", "--microbatches", "4"],
         &["--schedule", "zb-auto", "--mem-cap", "1.5", "--microbatch-size", "2", "--microbatches", "4"],
         &[
             "--schedule",
