@@ -458,9 +458,15 @@ mod tests {
     fn bad_degrees_and_ranks_are_typed_errors() {
         assert_eq!(Mesh::new(0, 2), Err(MeshError::ZeroDegree { axis: MeshAxis::Pipeline }));
         assert_eq!(Mesh::new(2, 0), Err(MeshError::ZeroDegree { axis: MeshAxis::DataParallel }));
-        assert_eq!(Mesh::for_world(3, 2, 2, 1), Err(MeshError::WorldMismatch { world: 3, pp: 2, dp: 2, tp: 1 }));
+        assert_eq!(
+            Mesh::for_world(3, 2, 2, 1),
+            Err(MeshError::WorldMismatch { world: 3, pp: 2, dp: 2, tp: 1 })
+        );
         assert_eq!(Mesh::new(usize::MAX, 2), Err(MeshError::TooLarge { pp: usize::MAX, dp: 2, tp: 1 }));
-        assert_eq!(Mesh::new(2, 2).unwrap().with_tp(0), Err(MeshError::ZeroDegree { axis: MeshAxis::Tensor }));
+        assert_eq!(
+            Mesh::new(2, 2).unwrap().with_tp(0),
+            Err(MeshError::ZeroDegree { axis: MeshAxis::Tensor })
+        );
         let m = Mesh::new(2, 2).unwrap();
         assert_eq!(m.pipeline_group(4), Err(MeshError::RankOutOfRange { rank: 4, world: 4 }));
         assert_eq!(

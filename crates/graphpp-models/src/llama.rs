@@ -4,12 +4,12 @@
 
 use crate::config::{LlamaConfig, ModelError};
 use crate::recompute::Recompute;
+use crate::tensor_parallel::{shard_dim, shard_shapes, shard_values, TensorShard};
 use graphpp_graph::layers::{
     causal_attention, cross_entropy, embedding, gated_mlp, linear, rms_norm, AttentionDims, AttentionWeights,
     MlpWeights,
 };
 use graphpp_graph::names::{INPUT, LOGITS, LOSS, OUTPUT, TARGETS, TOKENS};
-use crate::tensor_parallel::{shard_dim, shard_shapes, shard_values, TensorShard};
 use graphpp_graph::{CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, TensorType, ValueId};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -185,7 +185,13 @@ pub fn split_layers(
         .enumerate()
         .map(|(stage, &n)| {
             start += n;
-            StageSpec { stage, stages, layers: start - n..start, ep: ExpertShard::WHOLE, tp: TensorShard::WHOLE }
+            StageSpec {
+                stage,
+                stages,
+                layers: start - n..start,
+                ep: ExpertShard::WHOLE,
+                tp: TensorShard::WHOLE,
+            }
         })
         .collect())
 }

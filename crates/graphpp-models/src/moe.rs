@@ -46,12 +46,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::{json_object, LlamaConfig, ModelError};
-use crate::tensor_parallel::{shard_dim, shard_values, TensorShard};
 use crate::llama::{
     build_decoder, decoder_parameters, init_values, mlp_at, mlp_parameters, DenseMlp, ExpertShard,
     FeedForward, GroupedQueryAttention, ParamsAt, SelfAttention, StageOptions, StageSpec,
 };
 use crate::mla::{LatentAttention, MlaConfig, Yarn, MLA_FIELDS};
+use crate::tensor_parallel::{shard_dim, shard_values, TensorShard};
 
 /// How the gate turns logits into scores (HF `scoring_func`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -902,7 +902,10 @@ impl crate::model::Model for MoeConfig {
         let base = &self.base;
         let mut sizes = Vec::new();
         if self.mla.is_none() {
-            sizes.extend([("num_attention_heads", base.num_attention_heads), ("num_key_value_heads", base.kv_heads())]);
+            sizes.extend([
+                ("num_attention_heads", base.num_attention_heads),
+                ("num_key_value_heads", base.kv_heads()),
+            ]);
         }
         if self.first_k_dense_replace > 0 {
             sizes.push(("intermediate_size", base.intermediate_size));

@@ -93,7 +93,13 @@ mod tests {
             .parse::<Recompute>()
             .unwrap_err()
             .contains("save-all, pointwise, stage-inputs, matmuls, layers"));
-        let spec = StageSpec { stage: 1, stages: 2, layers: 2..4, ep: crate::ExpertShard::WHOLE, tp: crate::TensorShard::WHOLE };
+        let spec = StageSpec {
+            stage: 1,
+            stages: 2,
+            layers: 2..4,
+            ep: crate::ExpertShard::WHOLE,
+            tp: crate::TensorShard::WHOLE,
+        };
         let want = vec!["model.layers.2".to_string(), "model.layers.3".to_string()];
         assert_eq!(Recompute::Layers.policy(&spec), RecomputePolicy::Checkpoints(want));
     }

@@ -66,7 +66,12 @@ impl TensorShard {
     ///
     /// # Errors
     /// Building the nodes.
-    pub fn exit(&self, b: &mut GraphBuilder, y: ValueId, bias: Option<ValueId>) -> Result<ValueId, ModelError> {
+    pub fn exit(
+        &self,
+        b: &mut GraphBuilder,
+        y: ValueId,
+        bias: Option<ValueId>,
+    ) -> Result<ValueId, ModelError> {
         let y = if self.is_split() {
             b.set_region(Region::Comm("tp.all_reduce".into()));
             let s = b.collective(CollectiveKind::AllReduce, &self.group(), 0, y);
@@ -233,12 +238,17 @@ mod tests {
         let count = |kind: CollectiveKind| {
             g.nodes
                 .iter()
-                .filter(|n| matches!(n.op, Op::CollectiveStart { kind: k, group, .. }
-                    if k == kind && group.mesh_axis == MeshAxis::Tensor && group.size == 2))
+                .filter(|n| {
+                    matches!(n.op, Op::CollectiveStart { kind: k, group, .. }
+                    if k == kind && group.mesh_axis == MeshAxis::Tensor && group.size == 2)
+                })
                 .count()
         };
         let layers = cfg.num_hidden_layers;
-        assert_eq!((count(CollectiveKind::Replicate), count(CollectiveKind::AllReduce)), (2 * layers, 2 * layers));
+        assert_eq!(
+            (count(CollectiveKind::Replicate), count(CollectiveKind::AllReduce)),
+            (2 * layers, 2 * layers)
+        );
         let full: std::collections::HashMap<String, Vec<f32>> =
             cfg.init_parameters(&whole, 7).into_iter().map(|(n, _, v)| (n, v)).collect();
         for (name, shape, v) in cfg.init_parameters(&spec, 7) {

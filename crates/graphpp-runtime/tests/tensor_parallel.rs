@@ -63,7 +63,11 @@ fn training_at_tp_2_gives_tp_1s_losses_on_half_the_matrices() {
     let run = |tp: usize| {
         let mut t = Trainer::new(setup(Kind::OneFOneB, 1, false, tp)).unwrap();
         let stats: Vec<_> = batches.iter().map(|b| t.step(b.clone()).unwrap().stats).collect();
-        (stats.iter().map(|s| s.loss).collect::<Vec<_>>(), stats[3].resident_bytes.clone(), stats[3].grad_norm)
+        (
+            stats.iter().map(|s| s.loss).collect::<Vec<_>>(),
+            stats[3].resident_bytes.clone(),
+            stats[3].grad_norm,
+        )
     };
     let (l1, r1, n1) = run(1);
     let (l2, r2, n2) = run(2);

@@ -447,10 +447,7 @@ mod tests {
         let id = |c: &Candidate| (c.kind, c.pp, c.dp, c.tp, c.microbatches, c.recompute);
         assert_ne!(id(chosen), id(best));
         assert!(chosen.step_seconds >= best.step_seconds);
-        let same = capped
-            .iter()
-            .find(|c| id(c) == id(best))
-            .unwrap();
+        let same = capped.iter().find(|c| id(c) == id(best)).unwrap();
         assert!(!same.fits);
         // Everything that fits is ranked before everything that does not.
         let first_out = capped.iter().position(|c| !c.fits).unwrap();

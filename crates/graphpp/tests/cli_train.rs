@@ -315,7 +315,10 @@ fn bad_input_is_a_clear_error_without_checkpoints() {
         ),
         (&["--data", data, "--lr", "0"], "peak learning rate 0 must be finite and > 0"),
         (&["--data", data, "--dp", "3"], "--dp 3 does not divide --microbatch-size 2"),
-        (&["--data", data, "--tp", "3"], "--tp 3: tensor parallelism: config field `num_attention_heads` = 4"),
+        (
+            &["--data", data, "--tp", "3"],
+            "--tp 3: tensor parallelism: config field `num_attention_heads` = 4",
+        ),
         (&["--data", data, "--tp", "0"], "--tp 0: the degree must be at least 1"),
     ];
     for (args, want) in cases {

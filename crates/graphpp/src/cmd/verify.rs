@@ -92,7 +92,8 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     launch.check_world(ranks, dp, a.layout.tp)?;
     let files = crate::cmd::settings_files(&[a.strategy.as_deref(), a.layout.schedule_file.as_deref()]);
     launch.agree("the command line", graphpp::launch::command_fingerprint(&files))?;
-    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp * a.layout.tp };
+    let local_ranks =
+        if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp * a.layout.tp };
     crate::cmd::set_op_threads(local_ranks, None);
     let v = a.layout.stages_per_rank(kind);
     let (setup, name) = setup_of(a, kind, Shape::new(ranks, v, microbatches), dp)?;

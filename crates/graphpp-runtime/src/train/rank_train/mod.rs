@@ -434,7 +434,8 @@ impl RankTrainer {
             let replica = held.lead[&name];
             // Tensor-parallel shards are gathered whole in each group first; tp index 0 sends.
             if let Some(&first) = hs.first() {
-                let owner = mesh.rank_of(Coords { pp: first, dp: replica, tp: 0 }).map_err(SetupError::from)?;
+                let owner =
+                    mesh.rank_of(Coords { pp: first, dp: replica, tp: 0 }).map_err(SetupError::from)?;
                 owned.entry(owner).or_default().push(name.clone());
             }
             let here = mine.contains(&name);

@@ -313,7 +313,8 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     let dp = a.layout.dp();
     launch.check_world(ranks, dp, a.layout.tp)?;
     let stop = StopRequest::install().context("installing the SIGINT/SIGTERM handlers")?;
-    let local_ranks = if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp * a.layout.tp };
+    let local_ranks =
+        if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp * a.layout.tp };
     let threads = crate::cmd::set_op_threads(local_ranks, a.threads_per_rank.map(|n| n as usize));
     // `_lock` holds the checkpoint folder for the whole run.
     let (mut run, mut metrics, _lock) = start(a, launch)?;
