@@ -527,8 +527,12 @@ pub(crate) fn build_decoder(
     let ins = stage_inputs(&mut b, cfg, spec, opts, attn, ffn)?;
     // FSDP all-gathers are emitted right after the inputs (their waits precede first use).
     b.push_scope("model");
-    let mut x =
-        if spec.is_first() { embed_tokens(&mut b, ins.params[EMBED], ins.x, opts.dtype)? } else { ins.x };
+    let mut x = if spec.is_first() {
+        let tokens = spec.tp.local_tokens(&mut b, ins.x)?;
+        embed_tokens(&mut b, ins.params[EMBED], tokens, opts.dtype)?
+    } else {
+        ins.x
+    };
     for l in spec.layers.clone() {
         x = decoder_layer(&mut b, cfg, (attn, ffn), (spec.ep, spec.tp), &ins, l, x)?;
     }
@@ -537,7 +541,7 @@ pub(crate) fn build_decoder(
         let h = rms_norm(&mut b, x, ins.params["model.norm.weight"], cfg.rms_norm_eps)?;
         b.pop_scope();
         b.pop_scope();
-        lm_head_and_loss(&mut b, cfg, opts, &ins, h)?;
+        lm_head_and_loss(&mut b, cfg, (opts, spec.tp), &ins, h)?;
     } else {
         b.pop_scope();
         b.output(OUTPUT, x);
@@ -585,10 +589,11 @@ fn stage_inputs(
     for (name, shape) in stage_buffer_shapes(cfg, t) {
         bufs.push(b.input(&name, InputKind::Buffer, shape)?);
     }
+    // With sequence parallelism a stage hands over its own tokens only.
     let x = if spec.is_first() {
         b.input_typed(TOKENS, InputKind::Activation, TensorType::new(DType::U32, vec![bsz, t]))?
     } else {
-        b.input(INPUT, InputKind::Activation, vec![bsz, t, d])?
+        b.input(INPUT, InputKind::Activation, vec![bsz, spec.tp.local_seq(t), d])?
     };
     let targets = if spec.is_last() && !opts.logits {
         Some(b.input_typed(TARGETS, InputKind::Target, TensorType::new(DType::U32, vec![bsz, t]))?)
@@ -645,27 +650,32 @@ fn decoder_layer(
 /// The LM head on the normalised hidden states `h` `[B, T, D]` (the embedding table when tied):
 /// `logits` `[B·T, V]` in [`DType::wide`] of `opts.dtype`, then the output `loss` (their
 /// cross-entropy against the targets, scope `loss`) or, without targets, the output `logits`.
+/// With sequence parallelism `h` holds this rank's `T / tp` tokens, the loss is over their
+/// targets, then averaged over the group ([`TensorShard::mean_loss`]).
 fn lm_head_and_loss(
     b: &mut GraphBuilder,
     cfg: &LlamaConfig,
-    opts: &StageOptions,
+    (opts, tp): (&StageOptions, TensorShard),
     ins: &StageInputs,
     h: ValueId,
 ) -> Result<(), ModelError> {
-    let (bsz, t) = (opts.batch, opts.seq);
+    let shape = b.shape(h);
+    let rows = shape[0] * shape[1];
     b.push_scope("lm_head");
     // A tied head reads the f32 embedding table, cast like every other matrix.
     let head =
         if cfg.tie_word_embeddings { b.cast(ins.params[EMBED], opts.dtype)? } else { ins.params[LM_HEAD] };
     let logits = linear(b, h, head)?;
-    let logits = b.reshape(logits, vec![bsz * t, cfg.vocab_size])?;
+    let logits = b.reshape(logits, vec![rows, cfg.vocab_size])?;
     let logits = b.cast(logits, opts.dtype.wide())?;
     match ins.targets {
         Some(targets) => {
-            let tg = b.reshape(targets, vec![bsz * t])?;
             b.pop_scope();
             b.push_scope("loss");
+            let targets = tp.local_tokens(b, targets)?;
+            let tg = b.reshape(targets, vec![rows])?;
             let loss = cross_entropy(b, logits, tg)?;
+            let loss = tp.mean_loss(b, loss)?;
             b.pop_scope();
             b.output(LOSS, loss);
         }

@@ -16,6 +16,16 @@
 //!   mixture of experts' router, routed and shared experts — is replicated: every rank of the
 //!   group computes it whole, and its gradients are whole and equal on every rank.
 //!
+//! - With sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation in Large
+//!   Transformer Models", 2022, §4.2.2; `TensorShard::sequence`) the residual stream, the norms
+//!   and the stage's input and output are split along the sequence: each rank holds `T / tp`
+//!   tokens. f becomes an all-gather along the sequence before each column-parallel block, g a
+//!   reduce-scatter after each row-parallel one (their adjoints: reduce-scatter and all-gather).
+//!   The first stage embeds its own tokens, the last computes the loss of its own tokens and
+//!   averages it over the group (an all-reduce); the replicated parameters read by sequence
+//!   shards (norms, embedding, LM head, row-parallel biases) get one partial gradient per rank,
+//!   which the trainer sums over the group.
+//!
 //! The rule for which parameter is split along which dimension is [`shard_dim`]; the initial
 //! weights of a shard are the rows or columns of the full parameter ([`shard_values`]), so any
 //! tp gives the same model.
@@ -32,15 +42,78 @@ pub struct TensorShard {
     pub index: usize,
     /// Tensor-parallel degree.
     pub size: usize,
+    /// Sequence parallelism: the residual stream split along the sequence (see the module doc).
+    pub sequence: bool,
 }
 
 impl TensorShard {
     /// No tensor parallelism.
-    pub const WHOLE: TensorShard = TensorShard { index: 0, size: 1 };
+    pub const WHOLE: TensorShard = TensorShard { index: 0, size: 1, sequence: false };
+
+    /// Position `index` of `size` ranks, without sequence parallelism.
+    pub fn new(index: usize, size: usize) -> TensorShard {
+        TensorShard { index, size, sequence: false }
+    }
 
     /// Whether the layer is split over more than one rank.
     pub fn is_split(&self) -> bool {
         self.size > 1
+    }
+
+    /// Whether the residual stream is split along the sequence (sequence parallelism over more
+    /// than one rank).
+    pub fn splits_sequence(&self) -> bool {
+        self.sequence && self.is_split()
+    }
+
+    /// Tokens of a sequence of `seq` this rank's residual stream holds: `seq / size` with
+    /// sequence parallelism, else `seq`.
+    pub fn local_seq(&self, seq: usize) -> usize {
+        if self.splits_sequence() {
+            seq / self.size
+        } else {
+            seq
+        }
+    }
+
+    /// This rank's tokens of `x` `[B, T, …]` along the sequence (axis 1): `[B, T/tp, …]` from
+    /// `index · T/tp`, with sequence parallelism; `x` itself otherwise.
+    ///
+    /// # Errors
+    /// Building the node.
+    pub fn local_tokens(&self, b: &mut GraphBuilder, x: ValueId) -> Result<ValueId, ModelError> {
+        if !self.splits_sequence() {
+            return Ok(x);
+        }
+        let per = b.shape(x)[1] / self.size;
+        Ok(b.slice(x, 1, self.index * per, (self.index + 1) * per)?)
+    }
+
+    /// The mean over the group of a per-rank mean `loss` over equally many tokens (an all-reduce
+    /// and a scale by `1 / tp`) with sequence parallelism; `loss` itself otherwise.
+    ///
+    /// # Errors
+    /// Building the nodes.
+    pub fn mean_loss(&self, b: &mut GraphBuilder, loss: ValueId) -> Result<ValueId, ModelError> {
+        if !self.splits_sequence() {
+            return Ok(loss);
+        }
+        let sum = self.reduce(b, CollectiveKind::AllReduce, 0, loss)?;
+        Ok(b.scale(sum, 1.0 / self.size as f64)?)
+    }
+
+    /// `kind` over the group along `axis` on `x`, in the comm region `tp.<kind>`.
+    fn reduce(
+        &self,
+        b: &mut GraphBuilder,
+        kind: CollectiveKind,
+        axis: usize,
+        x: ValueId,
+    ) -> Result<ValueId, ModelError> {
+        b.set_region(Region::Comm(format!("tp.{}", kind.name())));
+        let y = b.collective(kind, &self.group(), axis, x);
+        b.set_region(Region::Compute);
+        Ok(y?)
     }
 
     /// The graph group of the collectives.
@@ -48,21 +121,28 @@ impl TensorShard {
         CommGroup::new(MeshAxis::Tensor, self.size)
     }
 
-    /// Megatron's f: `x` (replicated, read by column-parallel projections next) through a
-    /// [`CollectiveKind::Replicate`], so that its gradient is all-reduced; `x` itself when not
-    /// split.
+    /// Megatron's f: `x` `[B, T, D]` (replicated, read by column-parallel projections next)
+    /// through a [`CollectiveKind::Replicate`], so that its gradient is all-reduced — with
+    /// sequence parallelism `x` is this rank's `[B, T/tp, D]` and is all-gathered along the
+    /// sequence (comm region `tp.all_gather`; its gradient reduce-scattered); `x` itself when
+    /// not split.
     ///
     /// # Errors
     /// Building the node.
     pub fn enter(&self, b: &mut GraphBuilder, x: ValueId) -> Result<ValueId, ModelError> {
+        if self.splits_sequence() {
+            return self.reduce(b, CollectiveKind::AllGather, 1, x);
+        }
         if !self.is_split() {
             return Ok(x);
         }
         Ok(b.collective(CollectiveKind::Replicate, &self.group(), 0, x)?)
     }
 
-    /// Megatron's g: the row-parallel projection's partial output `y` summed over the group
-    /// (comm region `tp.all_reduce`), then `bias` added once; `y + bias` when not split.
+    /// Megatron's g: the row-parallel projection's partial output `y` `[B, T, D]` summed over
+    /// the group (comm region `tp.all_reduce`) — with sequence parallelism reduce-scattered
+    /// along the sequence to this rank's `[B, T/tp, D]` (`tp.reduce_scatter`) —, then `bias`
+    /// added once; `y + bias` when not split.
     ///
     /// # Errors
     /// Building the nodes.
@@ -72,11 +152,10 @@ impl TensorShard {
         y: ValueId,
         bias: Option<ValueId>,
     ) -> Result<ValueId, ModelError> {
-        let y = if self.is_split() {
-            b.set_region(Region::Comm("tp.all_reduce".into()));
-            let s = b.collective(CollectiveKind::AllReduce, &self.group(), 0, y);
-            b.set_region(Region::Compute);
-            s?
+        let y = if self.splits_sequence() {
+            self.reduce(b, CollectiveKind::ReduceScatter, 1, y)?
+        } else if self.is_split() {
+            self.reduce(b, CollectiveKind::AllReduce, 0, y)?
         } else {
             y
         };
@@ -210,12 +289,12 @@ mod tests {
     #[test]
     fn shards_are_blocks_of_the_whole_parameter() {
         let whole = || vec![("w".to_string(), vec![2, 4], (0..8).map(|x| x as f32).collect())];
-        let cols = shard_values(whole(), TensorShard { index: 1, size: 2 }, |_| Some(1));
+        let cols = shard_values(whole(), TensorShard::new(1, 2), |_| Some(1));
         assert_eq!(cols[0].1, vec![2, 2]);
         assert_eq!(cols[0].2, vec![2.0, 3.0, 6.0, 7.0]);
-        let rows = shard_values(whole(), TensorShard { index: 1, size: 2 }, |_| Some(0));
+        let rows = shard_values(whole(), TensorShard::new(1, 2), |_| Some(0));
         assert_eq!((rows[0].1.clone(), rows[0].2.clone()), (vec![1, 4], vec![4.0, 5.0, 6.0, 7.0]));
-        let kept = shard_values(whole(), TensorShard { index: 1, size: 2 }, |_| None);
+        let kept = shard_values(whole(), TensorShard::new(1, 2), |_| None);
         assert_eq!(kept[0].2.len(), 8);
     }
 
@@ -226,7 +305,7 @@ mod tests {
     fn a_tp_stage_holds_its_shard_and_the_collectives() {
         let cfg = LlamaConfig::tiny();
         let whole = StageSpec::whole(cfg.num_hidden_layers);
-        let spec = StageSpec { tp: TensorShard { index: 1, size: 2 }, ..whole.clone() };
+        let spec = StageSpec { tp: TensorShard::new(1, 2), ..whole.clone() };
         let shapes: std::collections::HashMap<String, Vec<usize>> =
             cfg.stage_parameters(&spec).into_iter().collect();
         let (d, f) = (cfg.hidden_size, cfg.intermediate_size);

@@ -129,6 +129,7 @@ impl VerifySetup {
             fsdp: false,
             ep: 1,
             tp: 1,
+            sequence_parallel: false,
             post_validate: false,
             seq_len,
             seed: 0,

@@ -28,20 +28,51 @@ fn gqa() -> LlamaConfig {
     }
 }
 
+/// With and without sequence parallelism (the residual stream, norms and hand-overs split
+/// along the sequence; all-gathers and reduce-scatters instead of the all-reduces; the
+/// replicated parameters' partial gradients summed over the tp group).
 #[test]
 fn tensor_parallel_gradients_equal_one_devices_under_every_schedule() {
     for (model, name, gradients) in [(LlamaConfig::tiny(), "tiny", 39), (gqa(), "gqa", 66)] {
         for kind in KINDS {
-            for (dp, fsdp) in [(1, false), (2, false), (2, true)] {
+            for (dp, fsdp, sp) in
+                [(1, false, false), (2, false, false), (2, true, false), (1, false, true), (2, true, true)]
+            {
                 let shape = Shape::new(2, kind.default_stages_per_rank(), 4);
                 let mut setup = VerifySetup::new(model.clone(), kind, shape, 2, 8);
                 (setup.train.dp, setup.train.fsdp, setup.train.tp, setup.train.seed) = (dp, fsdp, 2, 5);
+                setup.train.sequence_parallel = sp;
                 let r = verify_step(&setup).unwrap();
-                let what = format!("{name} {kind} dp={dp} fsdp={fsdp}");
+                let what = format!("{name} {kind} dp={dp} fsdp={fsdp} sp={sp}");
                 assert!(r.passes(TOLERANCE), "{what}: {r:?}");
                 assert_eq!(r.gradients, gradients, "{what}: every gradient compared, whole");
             }
         }
+    }
+}
+
+/// Sequence parallelism trains with the losses of one rank per stage, hands over half the
+/// activation bytes between stages and holds fewer activations; refused where it cannot run.
+#[test]
+fn sequence_parallel_training_gives_tp_1s_losses() {
+    let batches: Vec<_> = (0..3).map(|k| random_microbatches(256, 4, 2, 8, 90 + k).unwrap()).collect();
+    let run = |tp: usize, sp: bool| {
+        let setup = TrainSetup { sequence_parallel: sp, ..setup(Kind::Zbv, 1, false, tp) };
+        let mut t = Trainer::new(setup).unwrap();
+        let stats: Vec<_> = batches.iter().map(|b| t.step(b.clone()).unwrap().stats).collect();
+        (stats.iter().map(|s| s.loss).collect::<Vec<_>>(), stats[2].peak_bytes.clone())
+    };
+    let (l1, _) = run(1, false);
+    let (l2, p2) = run(2, false);
+    let (ls, ps) = run(2, true);
+    assert!(close(&ls, &l1) && close(&l2, &l1), "sp {ls:?}, tp {l2:?} vs tp=1 {l1:?}");
+    assert!(ps.iter().zip(&p2).all(|(s, t)| s < t), "peaks with sp {ps:?} vs without {p2:?}");
+    for (sp, tp, seq, why) in
+        [(true, 1, 8, "needs --tp 2 or more"), (true, 2, 9, "divide the sequence length 9")]
+    {
+        let bad = TrainSetup { sequence_parallel: sp, seq_len: seq, ..setup(Kind::Zbv, 1, false, tp) };
+        let e = Trainer::new(bad).unwrap_err();
+        assert!(matches!(e, TrainError::TensorParallel { .. }) && e.to_string().contains(why), "{e}");
     }
 }
 

@@ -154,7 +154,7 @@ fn schedule_graphs(
     cache: &mut GraphCache,
 ) -> Result<Vec<Arc<StageGraphs>>, PlanError> {
     let build = |e: SetupError| PlanError::Build(e.to_string());
-    let tp = graphpp_models::TensorShard { index: 0, size: tp };
+    let tp = graphpp_models::TensorShard::new(0, tp);
     let specs = stage_specs(&req.model, kind, shape, None).map_err(build)?;
     let specs: Vec<_> = specs.into_iter().map(|s| graphpp_models::StageSpec { tp, ..s }).collect();
     let opts = StageOptions { recompute, ..StageOptions::mixed(batch, req.seq_len, req.dtype) };

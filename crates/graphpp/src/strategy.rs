@@ -91,11 +91,15 @@ pub struct Shard {
     /// width. The world is `place.ranks × dp × tp`.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub tp: usize,
+    /// Sequence parallelism over the `tp` ranks (residual stream and hand-overs split along the
+    /// sequence).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sequence_parallel: bool,
 }
 
 impl Default for Shard {
     fn default() -> Self {
-        Shard { fsdp: false, ep: 1, tp: 1 }
+        Shard { fsdp: false, ep: 1, tp: 1, sequence_parallel: false }
     }
 }
 
@@ -354,7 +358,7 @@ impl Strategy {
                 stages: Some(stages),
             },
             replicate: Replicate { dp: Some(c.dp) },
-            shard: Shard { fsdp: c.fsdp, ep: c.ep, tp: c.tp },
+            shard: Shard { fsdp: c.fsdp, ep: c.ep, tp: c.tp, sequence_parallel: c.sequence_parallel },
             split: Split { microbatches: c.microbatches, microbatch_size: c.microbatch_size },
             order: Order {
                 schedule: c.kind,

@@ -130,6 +130,10 @@ pub struct RunConfig {
     /// threads); a layout setting, free to change on resume (a checkpoint holds whole tensors).
     #[serde(default = "one")]
     pub tp: usize,
+    /// Sequence parallelism over the tp ranks (`--sequence-parallel`); a layout setting, free
+    /// to change on resume.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sequence_parallel: bool,
     /// Optimizer post-validation (`--post-validate`); bitwise the synchronous step, free to
     /// change on resume.
     #[serde(default)]
@@ -272,7 +276,7 @@ impl RunConfig {
     }
 
     /// What must match for a resumed run to continue the same loss sequence: everything but the
-    /// pipeline layout (kind, ranks, v, layer split, dp replicas, ep, tp), the recompute policy, the emulated link, the display name, the
+    /// pipeline layout (kind, ranks, v, layer split, dp replicas, ep, tp, sequence parallelism), the recompute policy, the emulated link, the display name, the
     /// `--init-from` folder (the checkpoint's parameters replace the initial ones; the model must
     /// match) and the run's length (`--steps` may grow to extend a finished run: the
     /// learning-rate schedule is then the new one from the resumed step on).
@@ -289,6 +293,7 @@ impl RunConfig {
             fsdp: false,
             ep: 0,
             tp: 0,
+            sequence_parallel: false,
             post_validate: false,
             layers_per_stage: None,
             steps: 0,
@@ -654,6 +659,7 @@ pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         fsdp: c.fsdp,
         ep: c.ep,
         tp: c.tp,
+        sequence_parallel: c.sequence_parallel,
         post_validate: c.post_validate,
         seq_len: c.seq_len,
         seed: c.seed,

@@ -304,7 +304,8 @@ fn verify_as_four_processes_with_data_parallelism_fsdp_and_ep() {
 
 /// Tensor parallelism across processes: `verify --tp 2` as four processes (pp = 2 × tp = 2) under
 /// the five kinds the issue names, and as eight with `--dp 2` (and FSDP): the tp ranks'
-/// all-reduces cross processes, the leader gathers the shards whole and compares with one device.
+/// all-reduces cross processes (with sequence parallelism, the all-gathers and reduce-scatters),
+/// the leader gathers the shards whole and compares with one device.
 #[test]
 fn verify_tensor_parallel_as_four_and_eight_processes() {
     let runs: Vec<(&str, usize, &[&str])> = vec![
@@ -315,6 +316,7 @@ fn verify_tensor_parallel_as_four_and_eight_processes() {
         ("dualpipev", 4, &[]),
         ("1f1b", 8, &["--dp", "2"]),
         ("dualpipev", 8, &["--dp", "2", "--fsdp"]),
+        ("zbv", 8, &["--dp", "2", "--sequence-parallel"]),
     ];
     for (kind, n, layout) in runs {
         let (ok, o, e) = run({

@@ -46,6 +46,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         fsdp: false,
         ep: 1,
         tp: 1,
+        sequence_parallel: false,
         post_validate: false,
         seq_len: 16,
         layers_per_stage: None,
@@ -301,7 +302,7 @@ fn bad_input_is_a_clear_error_without_checkpoints() {
     let data = corpus(d.path());
     let data = data.to_str().unwrap();
     let ck = d.path().join("ck");
-    let cases: [(&[&str], &str); 12] = [
+    let cases: [(&[&str], &str); 13] = [
         (&["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
         (&["--data", data, "--ranks", "0"], "--ranks must be at least 1"),
         (&["--data", data, "--schedule", "1f1b", "--ranks", "3"], "--layers-per-stage"),
@@ -320,6 +321,10 @@ fn bad_input_is_a_clear_error_without_checkpoints() {
             "--tp 3: tensor parallelism: config field `num_attention_heads` = 4",
         ),
         (&["--data", data, "--tp", "0"], "--tp 0: the degree must be at least 1"),
+        (
+            &["--data", data, "--sequence-parallel"],
+            "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp 2 or more",
+        ),
     ];
     for (args, want) in cases {
         let out = graphpp()

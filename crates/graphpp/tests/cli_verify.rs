@@ -116,18 +116,20 @@ fn data_parallel_and_fsdp_steps_match_one_device() {
     assert!(e.contains("--dp 2 does not divide --microbatch-size 3"), "{e}");
 }
 
-/// `--tp 2` (with `--dp 2 --fsdp`) on the grouped-query, biased, tied-embedding HF fixture's
+/// `--tp 2` (with `--dp 2 --fsdp`, and with `--sequence-parallel`) on the grouped-query, biased, tied-embedding HF fixture's
 /// config: its gradients, gathered whole, equal one device's; a key/value head count tp does not
 /// divide is refused naming the field.
 #[test]
 fn tensor_parallel_steps_match_one_device() {
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny-llama-gelu/config.json");
     let base = ["--schedule", "1f1b", "--ranks", "2", "--microbatches", "4", "--microbatch-size", "2"];
-    for extra in [&["--tp", "2"][..], &["--tp", "2", "--dp", "2", "--fsdp"][..]] {
+    let sp = ["--tp", "2", "--sequence-parallel", "--dp", "2", "--fsdp"];
+    for extra in [&["--tp", "2"][..], &["--tp", "2", "--dp", "2", "--fsdp"][..], &sp[..]] {
         let out = verify(&[&base[..], &["--model", config], extra].concat());
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
-        assert!(text.lines().next().unwrap().contains(" tp=2 "), "{text}");
+        let says = if extra.contains(&"--sequence-parallel") { " tp=2 sp " } else { " tp=2 " };
+        assert!(text.lines().next().unwrap().contains(says), "{text}");
         assert!(number(&text, "gradients:", "max relative difference") <= 1e-5, "{text}");
     }
     let out = verify(&[&base[..], &["--model", config, "--tp", "4"]].concat());

@@ -371,6 +371,7 @@ fn run_config(data: PathBuf, kind: Kind, ranks: usize) -> RunConfig {
         fsdp: false,
         ep: 1,
         tp: 1,
+        sequence_parallel: false,
         post_validate: false,
         seq_len: 8,
         layers_per_stage: None,

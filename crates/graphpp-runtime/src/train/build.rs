@@ -110,7 +110,8 @@ pub fn run_stages(
 ) -> Result<(Vec<StageSpec>, StageOptions), SetupError> {
     let specs = stage_specs(&*setup.model, setup.kind, &setup.shape, setup.layers_per_stage.as_deref())?;
     let ep = graphpp_models::ExpertShard { index: ep_index, size: setup.ep };
-    let tp = graphpp_models::TensorShard { index: tp_index, size: setup.tp };
+    let tp =
+        graphpp_models::TensorShard { index: tp_index, size: setup.tp, sequence: setup.sequence_parallel };
     let specs = specs.into_iter().map(|s| StageSpec { ep, tp, ..s }).collect();
     let opts = StageOptions {
         recompute: setup.recompute,

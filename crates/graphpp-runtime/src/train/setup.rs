@@ -46,6 +46,11 @@ pub struct TrainSetup {
     /// decoder layers' matrices Megatron-style ([`graphpp_models::tensor_parallel`]); the world
     /// is `p × dp × tp` ranks, tp innermost ([`graphpp_comm::mesh`]).
     pub tp: usize,
+    /// Sequence parallelism with tensor parallelism (`--sequence-parallel`): the residual
+    /// stream, norms and stage hand-overs split along the sequence over the tp ranks
+    /// ([`graphpp_models::tensor_parallel`]); needs tp > 1, tp dividing the sequence length, and
+    /// a dense model.
+    pub sequence_parallel: bool,
     /// Optimizer post-validation (`--post-validate`, [`crate::train::rank_train::RankTrainer`]): step at once, validate
     /// the global norm after, roll back when clipping or a non-finite gradient says so.
     pub post_validate: bool,
@@ -176,16 +181,36 @@ impl TrainSetup {
     }
 
     /// Checks the tensor-parallel degree: at least 1, dividing the model's heads, key/value
-    /// heads and MLP width ([`graphpp_models::Model::check_tp`]).
+    /// heads and MLP width ([`graphpp_models::Model::check_tp`]); with sequence parallelism,
+    /// above 1, dividing the sequence length, on a dense model.
     ///
     /// # Errors
     /// [`TrainError::TensorParallel`].
     pub fn check_tp(&self) -> Result<(), TrainError> {
         let tp = self.tp;
+        let bad = |reason: String| Err(TrainError::TensorParallel { tp, reason });
         if tp == 0 {
-            return Err(TrainError::TensorParallel { tp, reason: "the degree must be at least 1".into() });
+            return bad("the degree must be at least 1".into());
         }
-        self.model.check_tp(tp).map_err(|e| TrainError::TensorParallel { tp, reason: e.to_string() })
+        if let Err(e) = self.model.check_tp(tp) {
+            return bad(e.to_string());
+        }
+        if !self.sequence_parallel {
+            return Ok(());
+        }
+        if tp == 1 {
+            return bad("--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp 2 or more".into());
+        }
+        if !self.seq_len.is_multiple_of(tp) {
+            return bad(format!(
+                "--sequence-parallel: tp must divide the sequence length {} (--seq-len)",
+                self.seq_len
+            ));
+        }
+        if self.model.routed_experts() > 0 {
+            return bad("--sequence-parallel is built for dense models (a MoE layer's routing statistics span the whole sequence)".into());
+        }
+        Ok(())
     }
 
     /// The lowering a run needs: REDUCE_GRAD with data parallelism; UNSHARD / RESHARD too with

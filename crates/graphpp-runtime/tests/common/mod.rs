@@ -71,6 +71,7 @@ pub fn tiny_setup(kind: graphpp_schedule::Kind, p: usize, v: usize, m: usize) ->
         fsdp: false,
         ep: 1,
         tp: 1,
+        sequence_parallel: false,
         post_validate: false,
         seq_len: 8,
         seed: 3,

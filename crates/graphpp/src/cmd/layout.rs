@@ -68,10 +68,16 @@ pub struct LayoutArgs {
     /// The world is ranks × dp × tp.
     #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub tp: usize,
+    /// Sequence parallelism (Megatron's, with --tp): the residual stream, norms and the
+    /// activations handed between stages split along the sequence over the tp ranks;
+    /// all-gathers before the column-parallel blocks and reduce-scatters after the row-parallel
+    /// ones replace the all-reduces. Needs --tp 2 or more dividing --seq-len, and a dense model.
+    #[arg(long)]
+    pub sequence_parallel: bool,
 }
 
 /// The ids of [`LayoutArgs`]' flags, which a strategy file stands for (and so excludes).
-pub const LAYOUT_FLAGS: [&str; 13] = [
+pub const LAYOUT_FLAGS: [&str; 14] = [
     "schedule",
     "schedule_file",
     "group",
@@ -85,6 +91,7 @@ pub const LAYOUT_FLAGS: [&str; 13] = [
     "ep",
     "fsdp",
     "tp",
+    "sequence_parallel",
 ];
 
 impl LayoutArgs {
@@ -103,6 +110,7 @@ impl LayoutArgs {
         self.fsdp = s.shard.fsdp;
         self.ep = s.shard.ep;
         self.tp = s.shard.tp;
+        self.sequence_parallel = s.shard.sequence_parallel;
     }
 
     /// Data-parallel replicas: `--dp`, else the `--ep` degree.

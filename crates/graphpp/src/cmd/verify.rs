@@ -138,6 +138,7 @@ fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(Veri
     }
     t.layers_per_stage = l.layers_per_stage.clone();
     (t.dtype, t.dp, t.fsdp, t.ep, t.tp) = (a.dtype, dp, l.fsdp, l.ep, l.tp);
+    t.sequence_parallel = l.sequence_parallel;
     setup.weights = weights;
     setup.reference_dtype = a.reference_dtype;
     Ok((setup, name))
@@ -152,7 +153,11 @@ fn print_report(a: &VerifyArgs, setup: &VerifySetup, name: &str, world: usize, r
             " dp={dp}{}{}{}{}",
             if fsdp { " fsdp" } else { "" },
             if t.ep > 1 { format!(" ep={}", t.ep) } else { String::new() },
-            if tp > 1 { format!(" tp={tp}") } else { String::new() },
+            if tp > 1 {
+                format!(" tp={tp}{}", if t.sequence_parallel { " sp" } else { "" })
+            } else {
+                String::new()
+            },
             if w > 1 { format!(", {w} processes") } else { String::new() }
         ),
     };

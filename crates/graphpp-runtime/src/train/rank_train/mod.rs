@@ -418,6 +418,7 @@ impl RankTrainer {
         let pipeline = mesh.pipeline_group(rank).map_err(SetupError::from)?;
         let world = Group::world(comm.world())?;
         let Coords { dp: replica, tp: tp_index, .. } = mesh.coords(rank).map_err(SetupError::from)?;
+        let replica_of_rank = replica;
         let me =
             pipeline.index_of(rank).ok_or_else(|| mismatch(format!("rank {rank} outside {pipeline}")))?;
         let ep_index = mesh.ep_index(rank).map_err(SetupError::from)?;
@@ -439,12 +440,20 @@ impl RankTrainer {
                 owned.entry(owner).or_default().push(name.clone());
             }
             let here = mine.contains(&name);
-            if hs.len() > 1 && here {
-                let ranks = hs.iter().map(|&r| pipeline.ranks()[r]).collect();
+            let split = setup.model.tensor_parallel_dim(&name).is_some();
+            // Under sequence parallelism a replicated parameter read by sequence shards gets a
+            // partial gradient on every tp rank: its copies span the tp group too.
+            let tps = if setup.sequence_parallel && !split { 0..setup.tp } else { tp_index..tp_index + 1 };
+            if hs.len() * tps.len() > 1 && here {
+                let ranks = hs
+                    .iter()
+                    .flat_map(|&pp| tps.clone().map(move |tp| Coords { dp: replica_of_rank, pp, tp }))
+                    .map(|c| mesh.rank_of(c))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(SetupError::from)?;
                 copies
                     .push(Copies { group: Group::new(format!("copies.{name}"), ranks)?, name: name.clone() });
             }
-            let split = setup.model.tensor_parallel_dim(&name).is_some();
             counts_here.push(hs.first() == Some(&me) && here && (tp_index == 0 || split));
             lead_replica.push(replica);
             all_names.push(name);

@@ -125,7 +125,7 @@ impl RankTrainer {
         &self,
         full: &HashMap<String, Tensor>,
     ) -> Result<HashMap<String, Tensor>, TrainError> {
-        let tp = graphpp_models::TensorShard { index: self.tp_index, size: self.setup.tp };
+        let tp = graphpp_models::TensorShard::new(self.tp_index, self.setup.tp);
         let mut sliced = HashMap::new();
         for (k, t) in full {
             sliced.insert(k.clone(), crate::train::build::tensor_parallel_shard(t, self.tp_dim(k), tp)?);

@@ -236,6 +236,7 @@ impl TrainArgs {
             fsdp: l.fsdp,
             ep: l.ep,
             tp: l.tp,
+            sequence_parallel: l.sequence_parallel,
             post_validate: self.post_validate,
             seq_len: self.seq_len,
             layers_per_stage: l.layers_per_stage.clone(),
