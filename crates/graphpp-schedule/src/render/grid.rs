@@ -22,10 +22,12 @@ impl Default for GridStyle {
     }
 }
 
-/// Short cell label: kind letter and microbatch, e.g. `F3`, `I12`, `7&3` for an overlap of F7 and B3,
-/// `s`/`r`/`w` for SEND/RECV/WAIT_SEND, `g` for stage-level actions.
-fn label(a: &Action) -> String {
+/// Short cell label: kind letter and microbatch, e.g. `F3`, `I12` — with the stage first
+/// (`0F3`, `3F3`, as the action text) when `staged`, where a rank holds several stages —, `7&3`
+/// for an overlap of F7 and B3, `s`/`r`/`w` for SEND/RECV/WAIT_SEND, `g` for stage-level actions.
+fn label(a: &Action, staged: bool) -> String {
     match a {
+        Action::Compute { kind, task } if staged => format!("{}{kind}{}", task.stage, task.mb),
         Action::Compute { kind, task } => format!("{kind}{}", task.mb),
         Action::Overlap { f, b } => format!("{}&{}", f.mb, b.mb),
         Action::Comm { kind, .. } => match kind {
@@ -40,7 +42,8 @@ fn label(a: &Action) -> String {
 
 /// Renders `t` as text. The quantum is the shortest non-zero interval, scaled up so the grid has at
 /// most `style.max_columns` columns; zero-length actions (SEND/RECV) are not drawn. A legend line
-/// gives the quantum. Each row is `rank r |cells|`.
+/// gives the quantum. Each row is `rank r |cells|`; where a rank computes on more than one stage
+/// (interleaved, V and DualPipe schedules) the cells name the stage too.
 pub fn grid(t: &Timeline, style: &GridStyle) -> String {
     let makespan = t.makespan();
     let mut quantum =
@@ -53,7 +56,8 @@ pub fn grid(t: &Timeline, style: &GridStyle) -> String {
         quantum = makespan / style.max_columns as f64;
         cols = style.max_columns;
     }
-    let width = t.intervals.iter().map(|i| label(&i.action).len()).max().unwrap_or(1).max(1);
+    let staged = several_stages_per_rank(t);
+    let width = t.intervals.iter().map(|i| label(&i.action, staged).len()).max().unwrap_or(1).max(1);
     let mut out = String::new();
     for (r, row) in t.by_rank().iter().enumerate() {
         let mut cells: Vec<Option<Action>> = vec![None; cols];
@@ -68,7 +72,7 @@ pub fn grid(t: &Timeline, style: &GridStyle) -> String {
         for c in cells {
             match c {
                 Some(a) => {
-                    let text = format!("{:<width$}", label(&a));
+                    let text = format!("{:<width$}", label(&a, staged));
                     if style.color {
                         let (rr, gg, bb) = rgb(category(&a));
                         let _ = write!(out, "\x1b[48;2;{rr};{gg};{bb}m\x1b[30m{text}\x1b[0m");
@@ -91,6 +95,15 @@ pub fn grid(t: &Timeline, style: &GridStyle) -> String {
     };
     let _ = writeln!(out, "one column = {}; makespan {}", amount(quantum), amount(makespan));
     out
+}
+
+/// Whether some rank of `t` computes on more than one stage.
+fn several_stages_per_rank(t: &Timeline) -> bool {
+    let mut first = std::collections::HashMap::new();
+    t.intervals.iter().any(|i| match i.action {
+        Action::Compute { task, .. } => *first.entry(i.rank).or_insert(task.stage) != task.stage,
+        _ => false,
+    })
 }
 
 #[cfg(test)]
@@ -121,5 +134,20 @@ mod tests {
         assert_eq!(lines[0], "rank  0 |F0|. |. |B0|B0|");
         assert_eq!(lines[1], "rank  1 |. |F0|s |. |. |");
         assert_eq!(lines[2], "one column = 1 cost unit; makespan 5 cost units");
+    }
+
+    /// A rank holding stages 0 and 3 (a V placement) labels each cell with its stage, so F0 of
+    /// stage 0 and F0 of stage 3 differ.
+    #[test]
+    fn cells_name_the_stage_where_a_rank_holds_several() {
+        let at = |start: f64, action| Interval { rank: 0, start, end: start + 1.0, action };
+        let t = Timeline {
+            ranks: 1,
+            comm: Vec::new(),
+            unit: "unit".into(),
+            intervals: vec![at(0.0, Action::f(0, 0)), at(1.0, Action::f(3, 0))],
+        };
+        let g = grid(&t, &GridStyle::default());
+        assert_eq!(g.lines().next().unwrap(), "rank  0 |0F0|3F0|");
     }
 }

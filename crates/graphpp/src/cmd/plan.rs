@@ -68,7 +68,8 @@ pub struct PlanArgs {
     /// data-parallel all-reduce.
     #[arg(long, default_value_t = 10.0, allow_hyphen_values = true)]
     link_gbps: f64,
-    /// Rows of the table.
+    /// Rows of the table (0: none; the summary and the best strategy's command are printed
+    /// whatever the count).
     #[arg(long, default_value_t = 10)]
     top: usize,
 }
