@@ -333,13 +333,13 @@ impl Profile {
         serde_json::from_str(&text).map_err(|source| ProfileError::Json { path: name, source })
     }
 
-    /// Writes the profile as JSON.
+    /// Writes the profile as JSON, atomically (a killed run leaves the old file or the new one).
     ///
     /// # Errors
     /// [`ProfileError::Io`].
     pub fn save(&self, path: &Path) -> Result<(), ProfileError> {
         let text = serde_json::to_string_pretty(self).expect("a profile serialises");
-        std::fs::write(path, text + "\n")
+        crate::checkpoint::write_file_atomic(path, (text + "\n").as_bytes())
             .map_err(|source| ProfileError::Io { path: path.display().to_string(), source })
     }
 

@@ -385,7 +385,8 @@ pub(super) fn summarise(
     }
     if let Some(path) = &a.trace {
         let steps: Vec<(f64, Timeline)> = kept.iter().cloned().collect();
-        std::fs::write(path, chrome_trace(&joined_timeline(&steps)))
+        // Atomic: a run killed or a disk filled while writing leaves no torn (or empty) trace.
+        graphpp::checkpoint::write_file_atomic(path, chrome_trace(&joined_timeline(&steps)).as_bytes())
             .with_context(|| format!("cannot write the trace {}", path.display()))?;
         out!(
             "trace of the last {}: {}",
