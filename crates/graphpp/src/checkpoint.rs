@@ -131,18 +131,13 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     write_file_atomic(path, bytes).map_err(io(path))
 }
 
-/// Saves a checkpoint for `step` into `dir` (created if needed) and returns the sidecar path.
+/// The safetensors file of `tensors` (f32, little-endian, in their order), to be written to
+/// `path` (named in errors).
 ///
 /// # Errors
-/// [`CheckpointError::Shape`] for a tensor whose data does not fill its shape; I/O errors.
-pub fn save(
-    dir: &Path,
-    step: u64,
-    tensors: &[NamedTensor],
-    state: serde_json::Value,
-) -> Result<PathBuf, CheckpointError> {
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let mut views = Vec::with_capacity(tensors.len());
+/// [`CheckpointError::Shape`] for a tensor whose data does not fill its shape;
+/// [`CheckpointError::BadTensors`] when safetensors refuses one.
+pub fn safetensors_bytes(tensors: &[NamedTensor], path: &Path) -> Result<Vec<u8>, CheckpointError> {
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
         .map(|t| {
@@ -156,15 +151,31 @@ pub fn save(
             Ok(t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
         })
         .collect::<Result<_, _>>()?;
+    let bad = |e: safetensors::SafeTensorError| CheckpointError::BadTensors {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    };
+    let mut views = Vec::with_capacity(tensors.len());
     for (t, b) in tensors.iter().zip(&bytes) {
-        let view = TensorView::new(Dtype::F32, t.shape.clone(), b)
-            .map_err(|e| CheckpointError::BadTensors { path: dir.into(), message: e.to_string() })?;
-        views.push((t.name.clone(), view));
+        views.push((t.name.clone(), TensorView::new(Dtype::F32, t.shape.clone(), b).map_err(bad)?));
     }
+    safetensors::serialize(views, None).map_err(bad)
+}
+
+/// Saves a checkpoint for `step` into `dir` (created if needed) and returns the sidecar path.
+///
+/// # Errors
+/// [`CheckpointError::Shape`] for a tensor whose data does not fill its shape; I/O errors.
+pub fn save(
+    dir: &Path,
+    step: u64,
+    tensors: &[NamedTensor],
+    state: serde_json::Value,
+) -> Result<PathBuf, CheckpointError> {
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
     let tensor_name = format!("step-{step:06}.safetensors");
     let tensor_path = dir.join(&tensor_name);
-    let blob = safetensors::serialize(views, None)
-        .map_err(|e| CheckpointError::BadTensors { path: tensor_path.clone(), message: e.to_string() })?;
+    let blob = safetensors_bytes(tensors, &tensor_path)?;
     write_atomic(&tensor_path, &blob)?;
     let sha256 = sha256_file(&tensor_path)
         .map_err(|e| CheckpointError::BadTensors { path: tensor_path.clone(), message: e.to_string() })?;

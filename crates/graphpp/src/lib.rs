@@ -4,6 +4,7 @@
 pub mod checkpoint;
 pub mod dag;
 pub mod data;
+pub mod export;
 pub mod fit;
 pub mod launch;
 pub mod metrics;

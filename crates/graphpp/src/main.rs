@@ -34,6 +34,9 @@ enum Command {
     /// Find the best strategy for a model on N ranks under a memory cap: every feasible schedule,
     /// pp × dp, microbatch count and recompute policy, simulated and ranked.
     Plan(cmd::plan::PlanArgs),
+    /// Write a training checkpoint as a Hugging Face model folder (config.json and
+    /// model.safetensors), for `from_pretrained` and `--init-from`.
+    Export(cmd::export::ExportArgs),
 }
 
 fn main() {
@@ -45,6 +48,7 @@ fn main() {
         Command::Train(a) => cmd::train::run(*a),
         Command::Profile(a) => cmd::profile::run(*a),
         Command::Plan(a) => cmd::plan::run(a),
+        Command::Export(a) => cmd::export::run(a),
     };
     if let Err(e) = result {
         if let Some(stopped) = e.downcast_ref::<graphpp::stop::Interrupted>() {

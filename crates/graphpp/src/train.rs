@@ -565,7 +565,10 @@ pub struct SavedRun {
 }
 
 /// The step, run identity and settings recorded in sidecar `path`.
-fn checkpoint_settings(path: &Path) -> Result<SavedRun, RunError> {
+///
+/// # Errors
+/// [`RunError::Checkpoint`]: an unreadable sidecar, or one that records no graphpp run.
+pub fn checkpoint_settings(path: &Path) -> Result<SavedRun, RunError> {
     let sidecar = checkpoint::load_sidecar(path)?;
     let saved: SavedState = serde_json::from_value(sidecar.state).map_err(|e| {
         RunError::Checkpoint(CheckpointError::BadSidecar { path: path.to_path_buf(), message: e.to_string() })

@@ -105,6 +105,93 @@ fn train_from_a_pretrained_folder_and_checkpoint_the_tied_matrix_once() {
     assert_eq!(st["model.layers.1.self_attn.q_proj.weight"].dims(), &[32, 24]);
 }
 
+/// Trains 2 steps from `dir` with a checkpoint in `ck`, writing the corpus into `tmp`.
+fn train_from(dir: &str, tmp: &Path, ck: &Path) {
+    let data = tmp.join("corpus.txt");
+    let text: String =
+        (0..300).map(|i| format!("{i}: a small corpus for a tiny pretrained model.\n")).collect();
+    std::fs::write(&data, text).unwrap();
+    let (ok, _, out, err) = graphpp(&[
+        "train",
+        "--init-from",
+        dir,
+        "--schedule",
+        "1f1b",
+        "--ranks",
+        "1",
+        "--steps",
+        "2",
+        "--microbatches",
+        "2",
+        "--microbatch-size",
+        "2",
+        "--seq-len",
+        "8",
+        "--sample-bytes",
+        "0",
+        "--data",
+        data.to_str().unwrap(),
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}{err}");
+}
+
+/// `graphpp export` writes a trained checkpoint as a Hugging Face folder: the config reads back
+/// as the model trained (Llama with tied embeddings and biases; DeepSeek-V3 with MLA), the
+/// weights are the checkpoint's parameters bit for bit (the DeepSeek routing biases included,
+/// the AdamW moments not), `--init-from` verifies from it; a folder that already holds a model
+/// is not overwritten, and a file that is no checkpoint is refused naming it.
+#[test]
+fn a_checkpoint_exports_as_a_folder_that_init_from_reads() {
+    for (dir, tensors) in [(GELU, 34), (DEEPSEEK, 0)] {
+        let d = tempfile::tempdir().unwrap();
+        let (ck, hf) = (d.path().join("ck"), d.path().join("hf"));
+        train_from(dir, d.path(), &ck);
+        let (ok, _, out, err) = graphpp(&["export", ck.to_str().unwrap(), "--output", hf.to_str().unwrap()]);
+        assert!(ok, "{out}{err}");
+        assert!(out.contains("(step 2)"), "{out}");
+        let exported = graphpp::pretrained::load(&hf).unwrap();
+        let original = graphpp::pretrained::load_config(Path::new(dir)).unwrap();
+        assert_eq!(exported.config, original, "{dir}: the config reads back as the model trained");
+        let saved =
+            candle_core::safetensors::load(ck.join("step-000002.safetensors"), &candle_core::Device::Cpu)
+                .unwrap();
+        let same = |a: &candle_core::Tensor, b: &candle_core::Tensor| {
+            a.dims() == b.dims()
+                && a.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                    == b.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        for (name, t) in &exported.tensors {
+            assert!(same(t, &saved[name]), "{name} differs from the checkpoint");
+        }
+        let hf_names: Vec<String> =
+            candle_core::safetensors::load(hf.join("model.safetensors"), &candle_core::Device::Cpu)
+                .unwrap()
+                .into_keys()
+                .collect();
+        assert!(hf_names.iter().all(|n| !n.starts_with("adam.")), "{hf_names:?}");
+        if tensors > 0 {
+            assert_eq!(hf_names.len(), tensors, "{hf_names:?}");
+        } else {
+            assert!(hf_names.iter().any(|n| n.ends_with("e_score_correction_bias")), "{hf_names:?}");
+        }
+        verify_pretrained(
+            hf.to_str().unwrap(),
+            "hf",
+            &[&["--schedule", "1f1b", "--ranks", "1", "--microbatches", "2"]],
+        );
+        let (ok, code, _, err) = graphpp(&["export", ck.to_str().unwrap(), "--output", hf.to_str().unwrap()]);
+        assert!(!ok && code == Some(1) && err.contains("already exists"), "{err}");
+    }
+    let d = tempfile::tempdir().unwrap();
+    let junk = d.path().join("step-000001.json");
+    std::fs::write(&junk, b"{}").unwrap();
+    let (ok, _, _, err) =
+        graphpp(&["export", junk.to_str().unwrap(), "--output", d.path().join("o").to_str().unwrap()]);
+    assert!(!ok && err.contains("step-000001.json"), "{err}");
+}
+
 #[test]
 fn init_from_excludes_model_and_layers() {
     for extra in [&["--model", "tiny"][..], &["--layers", "1"]] {

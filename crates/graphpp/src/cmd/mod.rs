@@ -1,6 +1,7 @@
 //! The subcommands, plus [`emit`], the one way they write to standard output.
 
 pub mod compare;
+pub mod export;
 pub mod graph;
 pub mod layout;
 pub mod model;
