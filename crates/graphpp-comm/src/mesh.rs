@@ -54,7 +54,7 @@ pub enum MeshError {
     /// A degree of 0.
     #[error("mesh degree {axis} must be at least 1, got 0")]
     ZeroDegree {
-        /// `pp` or `dp`.
+        /// `pp`, `dp` or `tp`.
         axis: MeshAxis,
     },
     /// pp × dp × tp overflows.

@@ -910,6 +910,11 @@ impl crate::model::Model for MoeConfig {
         if self.first_k_dense_replace > 0 {
             sizes.push(("intermediate_size", base.intermediate_size));
         }
+        if tp > 1 && sizes.is_empty() {
+            let reason = "tensor parallelism splits grouped-query attention and dense MLPs; with \
+                          multi-head latent attention and every layer MoE this model has none (use tp = 1)";
+            return Err(ModelError::Field { field: "first_k_dense_replace", reason: reason.into() });
+        }
         crate::tensor_parallel::check_divides(tp, &sizes)
     }
 }

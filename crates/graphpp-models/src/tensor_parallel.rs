@@ -60,6 +60,17 @@ impl TensorShard {
         self.size > 1
     }
 
+    /// This rank's block of a dimension of `whole` elements split over the group:
+    /// `index · whole/size .. (index + 1) · whole/size`; `None` when `size` does not divide it.
+    /// The one rule of every shard (shapes, initial values, given or saved whole tensors).
+    pub fn block(&self, whole: usize) -> Option<std::ops::Range<usize>> {
+        let size = self.size.max(1);
+        whole.is_multiple_of(size).then(|| {
+            let per = whole / size;
+            self.index * per..(self.index + 1) * per
+        })
+    }
+
     /// Whether the residual stream is split along the sequence (sequence parallelism over more
     /// than one rank).
     pub fn splits_sequence(&self) -> bool {
@@ -200,7 +211,7 @@ pub fn shard_shapes(
         .into_iter()
         .map(|(name, mut shape)| {
             if let Some(d) = dim(&name).filter(|_| tp.is_split()) {
-                shape[d] /= tp.size;
+                shape[d] = tp.block(shape[d]).map_or(0, |b| b.len());
             }
             (name, shape)
         })
@@ -220,14 +231,14 @@ pub fn shard_values(
             Some(d) => {
                 let (outer, inner): (usize, usize) =
                     (shape[..d].iter().product(), shape[d + 1..].iter().product());
-                let block = shape[d] / tp.size;
-                let mut kept = Vec::with_capacity(outer * block * inner);
+                let block = tp.block(shape[d]).unwrap_or(0..0);
+                let mut kept = Vec::with_capacity(outer * block.len() * inner);
                 for o in 0..outer {
-                    let start = (o * shape[d] + tp.index * block) * inner;
-                    kept.extend_from_slice(&data[start..start + block * inner]);
+                    let start = (o * shape[d] + block.start) * inner;
+                    kept.extend_from_slice(&data[start..start + block.len() * inner]);
                 }
                 let mut s = shape;
-                s[d] = block;
+                s[d] = block.len();
                 (name, s, kept)
             }
             None => (name, shape, data),

@@ -196,7 +196,7 @@ pub fn fit(
         } else {
             metrics.push(step_record(run, &r, secs, elapsed, None))?;
         }
-        fit.keep(o, start, secs, r);
+        fit.keep(o, run.config().tp, start, secs, r);
         // Every process stops after the same step, whichever saw the signal.
         let signal = stop.requested();
         if run.trainer().any(signal.is_some())? {
@@ -212,14 +212,18 @@ pub fn fit(
 }
 
 impl Fit {
-    /// Keeps what the summary needs of step `r` (started `start` seconds into the loop).
-    fn keep(&mut self, o: &FitOptions, start: f64, secs: f64, r: StepReport) {
+    /// Keeps what the summary needs of step `r` (started `start` seconds into the loop); `tp`:
+    /// the run's tensor-parallel degree (pipeline rank p of replica 0 is world rank `p · tp`).
+    fn keep(&mut self, o: &FitOptions, tp: usize, start: f64, secs: f64, r: StepReport) {
         self.step_s.push(secs);
         self.boundary_wait_s.push(r.boundary_wait_s.iter().copied().fold(0.0, f64::max));
         self.exposed_reduce.push(r.reduce_wait_s.iter().copied().fold(0.0, f64::max) / secs.max(1e-12));
         self.rollbacks += u64::from(r.stats.rolled_back);
         if o.profile {
-            self.peaks.iter_mut().zip(&r.stats.peak_bytes).for_each(|(p, b)| *p = (*p).max(*b));
+            for (p, peak) in self.peaks.iter_mut().enumerate() {
+                let b = r.stats.peak_bytes.get(p * tp).copied().unwrap_or(0);
+                *peak = (*peak).max(b);
+            }
             self.profiled.push(r.timeline.clone());
         }
         self.kept.push_back((start, r.timeline));

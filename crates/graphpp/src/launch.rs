@@ -35,8 +35,8 @@ pub enum LaunchError {
     #[error(
         "mpirun started {world} processes, but --ranks {pp} × --dp {dp} × --tp {tp} = {} ranks: \
          start `mpirun -n {}` or change --ranks / --dp / --tp",
-        pp * dp * tp,
-        pp * dp * tp
+        pp.saturating_mul(*dp).saturating_mul(*tp),
+        pp.saturating_mul(*dp).saturating_mul(*tp)
     )]
     WorldSize {
         /// Processes started.

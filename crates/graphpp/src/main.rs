@@ -32,7 +32,7 @@ enum Command {
     /// profile (JSON) for `schedule simulate --profile` and `plan --profile`.
     Profile(Box<cmd::profile::ProfileArgs>),
     /// Find the best strategy for a model on N ranks under a memory cap: every feasible schedule,
-    /// pp × dp, microbatch count and recompute policy, simulated and ranked.
+    /// pp × dp × tp, microbatch count and recompute policy, simulated and ranked.
     Plan(cmd::plan::PlanArgs),
     /// Write a training checkpoint as a Hugging Face model folder (config.json and
     /// model.safetensors), for `from_pretrained` and `--init-from`.

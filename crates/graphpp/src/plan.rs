@@ -6,9 +6,9 @@
 //! Per candidate: the kind's compute schedule at (pp, v, m); each stage's graphs at `B / dp`
 //! sequences under the policy (built once per distinct model stage); each action's time from its
 //! graph's [`Work`] at a [`Speed`] (fitted to a [`crate::profile::Profile`] of the same model on this machine, or
-//! the default) plus, under tensor parallelism, its graph's all-reduces over the `tp` group (ring
-//! volume `2 (tp − 1) / tp` × their bytes over the link, counted as exposed: a bound, since the
-//! executor overlaps them with other work where the graph allows); each hop between ranks takes
+//! the default) plus, under tensor parallelism, its graph's collectives over the `tp` group (the
+//! bytes a ring sends — `2 (tp − 1) / tp` of an all-reduced value — over the link, counted as
+//! exposed: a bound, since the executor overlaps them with other work where the graph allows); each hop between ranks takes
 //! the stage output's bytes over the link; the step
 //! time = the simulated makespan plus the data-parallel gradient all-reduce of the fullest rank
 //! (ring volume `2 (dp − 1) / dp` × its gradient bytes over the link, counted as exposed: a
@@ -177,25 +177,35 @@ fn action_seconds(
         .sum()
 }
 
-/// Bytes all-reduced over the tensor-parallel group by one run of `g`.
-fn tp_all_reduce_bytes(g: &graphpp_graph::Graph) -> u64 {
-    g.nodes
-        .iter()
-        .filter(|n| {
-            matches!(n.op, graphpp_graph::Op::CollectiveStart { kind: graphpp_graph::CollectiveKind::AllReduce, group, .. }
-                if group.mesh_axis == graphpp_graph::MeshAxis::Tensor)
-        })
-        .map(|n| n.ty.size_bytes())
-        .sum::<usize>() as u64
+/// Bytes one rank sends over the tensor-parallel group in one run of `g`, ring algorithms:
+/// `2 (t − 1) / t` of each all-reduced value, `(t − 1) / t` of each all-gather's result and of
+/// each reduce-scatter's operand (sequence parallelism); a replicate sends nothing.
+fn tp_ring_bytes(g: &graphpp_graph::Graph) -> u64 {
+    use graphpp_graph::{CollectiveKind, MeshAxis, Op};
+    let mut bytes = 0.0;
+    for n in &g.nodes {
+        let Op::CollectiveStart { kind, group, .. } = n.op else { continue };
+        if group.mesh_axis != MeshAxis::Tensor {
+            continue;
+        }
+        let share = (group.size.max(1) - 1) as f64 / group.size.max(1) as f64;
+        bytes += match kind {
+            CollectiveKind::AllReduce => 2.0 * share * n.ty.size_bytes() as f64,
+            CollectiveKind::AllGather => share * n.ty.size_bytes() as f64,
+            CollectiveKind::ReduceScatter => share * g.node(n.inputs[0]).ty.size_bytes() as f64,
+            _ => 0.0,
+        };
+    }
+    bytes as u64
 }
 
-/// [`tp_all_reduce_bytes`] of each action kind's graph of a stage.
+/// [`tp_ring_bytes`] of each action kind's graph of a stage.
 fn stage_tp_bytes(g: &StageGraphs) -> PerKind<u64> {
     let (i, w) = match &g.di_dw {
-        Some((di, dw)) => (tp_all_reduce_bytes(di), tp_all_reduce_bytes(dw)),
-        None => (0, tp_all_reduce_bytes(&g.full_bw)),
+        Some((di, dw)) => (tp_ring_bytes(di), tp_ring_bytes(dw)),
+        None => (0, tp_ring_bytes(&g.full_bw)),
     };
-    PerKind { f: tp_all_reduce_bytes(&g.fw), b: tp_all_reduce_bytes(&g.full_bw), i, w }
+    PerKind { f: tp_ring_bytes(&g.fw), b: tp_ring_bytes(&g.full_bw), i, w }
 }
 
 /// What the planner predicts for one strategy.
@@ -225,7 +235,8 @@ pub fn predict(
     let work: Vec<PerKind<Work>> = graphs.iter().map(|g| stage_work(g)).collect();
     let tp_bytes: Vec<PerKind<u64>> = graphs.iter().map(|g| stage_tp_bytes(g)).collect();
     let link = link_bytes_per_second;
-    let tp_seconds_per_byte = ring(tp) / link;
+    // The graphs say what a tp rank sends; the group size is the graph's own.
+    let tp_seconds_per_byte = if tp > 1 { 1.0 / link } else { 0.0 };
     let hop = graphs.first().and_then(|g| g.fw.output_by_name(OUTPUT).map(|v| g.fw.node(v).ty.size_bytes()));
     let hop_seconds = hop.unwrap_or(0) as f64 / link;
     let seconds = |a: &Action| action_seconds(a, (&work, &tp_bytes), speed, tp_seconds_per_byte);
@@ -247,6 +258,11 @@ pub fn predict(
 /// The bytes a ring all-reduce over `n` members sends per byte reduced: `2 (n − 1) / n`.
 fn ring(n: usize) -> f64 {
     2.0 * (n.max(1) as f64 - 1.0) / n.max(1) as f64
+}
+
+/// Whether `x` is the pinned value, when one is pinned.
+fn pinned(pin: Option<usize>, x: usize) -> bool {
+    pin.is_none_or(|p| p == x)
 }
 
 /// Every feasible candidate of `req`, ranked: those that fit first, each group by predicted step
@@ -317,13 +333,14 @@ fn candidates(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
     policies.dedup();
     let mut cache = GraphCache::default();
     let mut out = Vec::new();
-    // A pipeline has at most one rank per layer.
-    let pinned = |pin: Option<usize>, x: usize| pin.is_none_or(|p| p == x);
-    let tps = (1..=req.ranks).filter(|&tp| {
+    // tp splits the heads: no more of it than heads (and the loop stays short for any --ranks).
+    let heads = req.model.base().num_attention_heads;
+    let tps = (1..=req.ranks.min(heads)).filter(|&tp| {
         req.ranks.is_multiple_of(tp) && graphpp_models::Model::check_tp(&req.model, tp).is_ok()
     });
     for tp in tps {
         let per_tp = req.ranks / tp;
+        // A pipeline has at most one rank per layer.
         let pps = (1..=per_tp.min(layers)).filter(|&pp| per_tp.is_multiple_of(pp) && pinned(req.pp, pp));
         for pp in pps {
             layout_candidates(req, (pp, per_tp / pp, tp), (&kinds, &policies), &mut cache, &mut out)?;
@@ -341,7 +358,6 @@ fn layout_candidates(
     out: &mut Vec<Candidate>,
 ) -> Result<(), PlanError> {
     let layers = graphpp_models::Model::num_layers(&req.model);
-    let pinned = |pin: Option<usize>, x: usize| pin.is_none_or(|p| p == x);
     for &kind in kinds {
         let v = kind.default_stages_per_rank();
         // One rank per pipeline is no pipeline: chunks on it only add hand-overs.
@@ -507,6 +523,7 @@ mod tests {
             &mut GraphCache::default(),
         )
         .unwrap();
+        // A ring all-reduce over 2 sends 2 · (2 − 1) / 2 = 1 × the value.
         let bytes = stage_tp_bytes(&graphs[0]);
         assert_eq!((bytes.f, bytes.b), (2 * 2 * 2 * 16 * 64 * 4, 2 * 2 * 2 * 16 * 64 * 4));
         // Two pipeline ranks: the other two replicate (dp = 2) or split (tp = 2) the stages.

@@ -169,6 +169,10 @@ pub struct OverlapProfile {
     pub seconds: f64,
 }
 
+fn one() -> usize {
+    1
+}
+
 /// What a run measured and its byte model (see the module doc).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Profile {
@@ -186,6 +190,13 @@ pub struct Profile {
     pub microbatch_size: usize,
     /// Data-parallel replicas.
     pub dp: usize,
+    /// Tensor-parallel degree: the times and bytes are one tp rank's, its in-graph tp
+    /// collectives included (absent in profiles made before tensor parallelism: 1).
+    #[serde(default = "one")]
+    pub tp: usize,
+    /// Sequence parallelism over the tp ranks.
+    #[serde(default)]
+    pub sequence_parallel: bool,
     /// T.
     pub seq_len: usize,
     /// Recompute policy.
@@ -310,6 +321,8 @@ impl Profile {
             microbatches: config.microbatches,
             microbatch_size: config.microbatch_size,
             dp: config.dp,
+            tp: config.tp,
+            sequence_parallel: config.sequence_parallel,
             seq_len: config.seq_len,
             recompute: config.recompute,
             dtype: config.dtype,

@@ -66,7 +66,7 @@ pub struct Place {
     pub stages: Option<Vec<Vec<usize>>>,
 }
 
-/// `replicate`: data-parallel replicas of the pipeline (the world is `ranks × dp`).
+/// `replicate`: data-parallel replicas of the pipeline (the world is `ranks × dp × shard.tp`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Replicate {
@@ -76,7 +76,8 @@ pub struct Replicate {
     pub dp: Option<usize>,
 }
 
-/// `shard`: FSDP (ZeRO-3) over the replicas, and the expert-parallel degree.
+/// `shard`: FSDP (ZeRO-3) over the replicas, the expert-parallel degree, and the
+/// tensor-parallel degree with or without sequence parallelism.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Shard {

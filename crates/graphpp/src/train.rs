@@ -114,7 +114,7 @@ pub struct RunConfig {
     pub microbatches: usize,
     /// B: sequences per microbatch (split over the data-parallel replicas).
     pub microbatch_size: usize,
-    /// Data-parallel replicas of the pipeline (`--dp`; world = ranks × dp threads); absent in
+    /// Data-parallel replicas of the pipeline (`--dp`; world = ranks × dp × tp threads); absent in
     /// checkpoints made before it existed (1).
     #[serde(default = "one")]
     pub dp: usize,
@@ -204,6 +204,7 @@ impl RunConfig {
             ("--seq-len", self.seq_len),
             ("--ep", self.ep),
             ("--dp", self.dp),
+            ("--tp", self.tp),
         ];
         if let Some((flag, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(RunError::Config(format!("{flag} must be at least 1")));
@@ -345,10 +346,10 @@ impl Run {
     }
 
     /// As [`Run::new`]; with `comm`, this process runs only the rank `comm.rank()` of a world of
-    /// processes (ranks × dp of them), each of which builds its `Run` with the same settings.
+    /// processes (ranks × dp × tp of them), each of which builds its `Run` with the same settings.
     ///
     /// # Errors
-    /// As [`Run::new`]; [`RunError::Train`] when the world is not ranks × dp.
+    /// As [`Run::new`]; [`RunError::Train`] when the world is not ranks × dp × tp.
     pub fn with_comm(config: RunConfig, comm: Option<Arc<dyn Comm>>) -> Result<Self, RunError> {
         config.validate()?;
         let text_path = match &config.data {

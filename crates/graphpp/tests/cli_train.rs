@@ -320,7 +320,7 @@ fn bad_input_is_a_clear_error_without_checkpoints() {
             &["--data", data, "--tp", "3"],
             "--tp 3: tensor parallelism: config field `num_attention_heads` = 4",
         ),
-        (&["--data", data, "--tp", "0"], "--tp 0: the degree must be at least 1"),
+        (&["--data", data, "--tp", "0"], "--tp must be at least 1"),
         (
             &["--data", data, "--sequence-parallel"],
             "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp 2 or more",

@@ -222,7 +222,8 @@ impl StageBuild<'_> {
                             name,
                         });
                     }
-                    let t = tensor_parallel_shard(t, model.tensor_parallel_dim(&name), spec.tp)?;
+                    let t = tensor_parallel_shard(t, model.tensor_parallel_dim(&name), spec.tp)
+                        .map_err(|reason| SetupError::Parameter { name: name.clone(), reason })?;
                     env.insert(
                         name,
                         t.to_dtype(crate::kernels::tensor::candle_dtype(opts.parameter_dtype()))?,
@@ -303,21 +304,21 @@ pub fn run_byte_model(setup: &crate::TrainSetup, schedule: &Schedule) -> Result<
 }
 
 /// Shard `tp` of the whole parameter `t` split along `dim` (block `tp.index` of `tp.size` equal
-/// blocks; [`graphpp_models::tensor_parallel`]); `t` itself for a replicated one (`dim` `None`)
-/// or without tensor parallelism.
+/// blocks, [`graphpp_models::TensorShard::block`]); `t` itself for a replicated one (`dim`
+/// `None`) or without tensor parallelism.
 ///
 /// # Errors
-/// A tensor error when `dim` is outside `t` (the model's rule and shapes disagree).
+/// A reason when `dim` is outside `t` or tp does not divide it (a whole tensor of another
+/// shape than the model's).
 pub fn tensor_parallel_shard(
     t: &candle_core::Tensor,
     dim: Option<usize>,
     tp: graphpp_models::TensorShard,
-) -> candle_core::Result<candle_core::Tensor> {
-    match dim.filter(|_| tp.is_split()) {
-        Some(d) => {
-            let block = t.dim(d)? / tp.size;
-            t.narrow(d, tp.index * block, block)
-        }
-        None => Ok(t.clone()),
-    }
+) -> Result<candle_core::Tensor, String> {
+    let Some(d) = dim.filter(|_| tp.is_split()) else { return Ok(t.clone()) };
+    let len = t.dim(d).map_err(|e| e.to_string())?;
+    let block = tp.block(len).ok_or_else(|| {
+        format!("shape {:?}: dimension {d} ({len}) does not split over tp = {}", t.dims(), tp.size)
+    })?;
+    t.narrow(d, block.start, block.len()).map_err(|e| e.to_string())
 }

@@ -324,15 +324,17 @@ impl Trainer {
 
     /// The parameters held in this process by name (DualPipe's copies are equal; one is taken):
     /// every distinct parameter of the model when this process runs every rank
-    /// ([`Trainer::new`]) without FSDP. With FSDP they are 1-D shards (one replica's wins the
-    /// name), and in a process of a multi-process run only its rank's: use
-    /// [`Trainer::gather_state`] for the full tensors.
+    /// ([`Trainer::new`]) without FSDP or tensor parallelism. With FSDP they are 1-D shards (one
+    /// replica's wins the name), under tensor parallelism the split ones are one tp rank's
+    /// blocks, and in a process of a multi-process run only its rank's: use
+    /// [`Trainer::gather_state`] for the whole tensors.
     pub fn parameters(&self) -> BTreeMap<String, Tensor> {
         self.ranks.iter().filter_map(|r| r.parameters().ok()).flatten().collect()
     }
 
     /// The optimizer state of the parameters held in this process (`adam.m.<name>`,
-    /// `adam.v.<name>`), `adam.step` (i64 scalar) and the MoE routing biases; shards with FSDP — see
+    /// `adam.v.<name>`), `adam.step` (i64 scalar) and the MoE routing biases; shards with FSDP or
+    /// tensor parallelism — see
     /// [`Trainer::parameters`] and [`Trainer::gather_state`].
     ///
     /// # Errors

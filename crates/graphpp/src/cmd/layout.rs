@@ -48,8 +48,8 @@ pub struct LayoutArgs {
     /// B: sequences per microbatch (split over the --dp replicas: each runs B/dp of them).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub microbatch_size: Option<usize>,
-    /// Data-parallel replicas of the pipeline (world = ranks × dp threads, or processes under
-    /// mpirun); must divide B. Default: the --ep degree (1 without it).
+    /// Data-parallel replicas of the pipeline (world = ranks × dp × tp threads, or processes
+    /// under mpirun); must divide B. Default: the --ep degree (1 without it).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub dp: Option<usize>,
     /// Expert parallelism: each MoE layer's routed experts split over groups of this many

@@ -1,9 +1,9 @@
 //! `graphpp verify`: one training step pipelined under a schedule and one on a single device from
 //! the same weights and batch; prints both losses and the largest gradient differences, and fails
 //! (exit 1) above the tolerance (docs/ARCHITECTURE.md "Runtime" → Semantics). With `--dp N`
-//! (and `--fsdp`) the pipelined step runs as a training run's ranks do, each replica on its
-//! share of the batch; under `mpirun -n W` (W = ranks × dp) one rank per process, the leader
-//! comparing and printing.
+//! (and `--fsdp`), `--ep N` or `--tp N` the pipelined step runs as a training run's ranks do,
+//! each replica on its share of the batch; under `mpirun -n W` (W = ranks × dp × tp) one rank per
+//! process, the leader comparing and printing.
 
 use crate::cmd::model::ModelArgs;
 use std::path::PathBuf;
@@ -62,7 +62,7 @@ pub struct VerifyArgs {
     tolerance: Option<f64>,
     /// Verify the strategy of a TOML (or .json) file (see `train --strategy`): it stands for
     /// --schedule, --schedule-file, --group, --mem-cap, --ranks, --stages-per-rank, --layers-per-stage, --microbatches,
-    /// --microbatch-size, --dp, --ep and --fsdp. Its recompute policy and post-validation do not
+    /// --microbatch-size, --dp, --ep, --fsdp, --tp and --sequence-parallel. Its recompute policy and post-validation do not
     /// change the gradients and are not run here.
     #[arg(long, value_name = "FILE", conflicts_with_all = LAYOUT_FLAGS)]
     strategy: Option<PathBuf>,
@@ -92,8 +92,11 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     launch.check_world(ranks, dp, a.layout.tp)?;
     let files = crate::cmd::settings_files(&[a.strategy.as_deref(), a.layout.schedule_file.as_deref()]);
     launch.agree("the command line", graphpp::launch::command_fingerprint(&files))?;
-    let local_ranks =
-        if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp * a.layout.tp };
+    let local_ranks = if launch.world() > 1 {
+        graphpp::launch::local_processes()
+    } else {
+        ranks.saturating_mul(dp).saturating_mul(a.layout.tp)
+    };
     crate::cmd::set_op_threads(local_ranks, None);
     let v = a.layout.stages_per_rank(kind);
     let (setup, name) = setup_of(a, kind, Shape::new(ranks, v, microbatches), dp)?;
@@ -147,20 +150,20 @@ fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(Veri
 /// Prints the run's line, both losses and the largest gradient differences.
 fn print_report(a: &VerifyArgs, setup: &VerifySetup, name: &str, world: usize, r: &VerifyReport) {
     let t = &setup.train;
-    let layout = match (t.dp, t.fsdp, t.tp, world) {
-        (1, _, 1, 1) => String::new(),
-        (dp, fsdp, tp, w) => format!(
-            " dp={dp}{}{}{}{}",
-            if fsdp { " fsdp" } else { "" },
-            if t.ep > 1 { format!(" ep={}", t.ep) } else { String::new() },
-            if tp > 1 {
-                format!(" tp={tp}{}", if t.sequence_parallel { " sp" } else { "" })
-            } else {
-                String::new()
-            },
-            if w > 1 { format!(", {w} processes") } else { String::new() }
-        ),
-    };
+    let mut parts = Vec::new();
+    if t.dp > 1 || t.fsdp {
+        parts.push(format!("dp={}{}", t.dp, if t.fsdp { " fsdp" } else { "" }));
+    }
+    if t.ep > 1 {
+        parts.push(format!("ep={}", t.ep));
+    }
+    if t.tp > 1 {
+        parts.push(format!("tp={}{}", t.tp, if t.sequence_parallel { " sp" } else { "" }));
+    }
+    let mut layout = if parts.is_empty() { String::new() } else { format!(" {}", parts.join(" ")) };
+    if world > 1 {
+        layout.push_str(&format!(", {world} processes"));
+    }
     let layers = t.model.num_layers();
     println!(
         "verify {} p={} v={} m={}{layout} (model {name}, {layers} layer{}, B={} T={}, seed {}, {})",

@@ -5,12 +5,15 @@
 //! lowered schedule. [`RankTrainer::step`] runs the rank's program with [`run_rank`], then, as
 //! Megatron-LM does after the last backward, with collectives only:
 //! 1. a parameter held on several ranks (DualPipe's two copies, a tied embedding on the first
-//!    and last stage) has its gradient summed by an `all_reduce` over the ranks holding it — one
-//!    group per parameter name (`copies.<name>`), started in name order on every holder;
+//!    and last stage; under sequence parallelism a replicated parameter on every tp rank) has
+//!    its gradient summed by an `all_reduce` over the ranks holding it — one group per parameter
+//!    name (`copies.<name>`), started in name order on every holder;
 //! 2. the global squared L2 norm is an `all_reduce` over the world of a vector with one entry
 //!    per distinct parameter (names sorted), each filled in by the parameter's lowest holder
-//!    only, so a copy counts once; the entries are then added in name order, which gives the
-//!    bitwise value of a single-process [`local_sq_norm`] over all distinct gradients;
+//!    only, so a copy counts once (a parameter split by tensor parallelism: by every tp rank,
+//!    each its block's sum); the entries are then added in name order, which gives the bitwise
+//!    value of a single-process [`local_sq_norm`] over all distinct gradients without tensor
+//!    parallelism;
 //! 3. every gradient is scaled by [`clip_scale`] of that norm;
 //! 4. the local AdamW step at [`crate::optim::lr::CosineSchedule::lr_at`].
 //!
@@ -89,7 +92,8 @@ pub struct RankStepReport {
     /// The step's figures, the same on every rank.
     pub stats: StepStats,
     /// Measured intervals (seconds since the step's start on the rank that ran them, `rank` =
-    /// schedule rank): on the leader (world rank 0) those of every rank of replica 0, gathered;
+    /// schedule rank): on the leader (world rank 0) those of every rank of replica 0 (tp index
+    /// 0), gathered;
     /// on any other rank its own.
     pub intervals: Vec<Interval>,
     /// The in-graph collectives of those ranks' actions (expert parallelism's all-to-alls),
@@ -262,8 +266,8 @@ fn mismatch(msg: String) -> TrainError {
 }
 
 /// Checks that the mesh, the communicator, the schedule and the setup describe one layout: pp
-/// = the schedule's ranks, world = the communicator's, the setup's dp and ep the mesh's (dp
-/// dividing the microbatch size).
+/// = the schedule's ranks, world = the communicator's, the setup's dp, ep and tp the mesh's (dp
+/// dividing the microbatch size, tp the model's heads and width: [`TrainSetup::check_tp`]).
 ///
 /// # Errors
 /// [`TrainError::Setup`] ([`SetupError::Inconsistent`]); [`TrainError::BatchNotDivisible`].
@@ -294,7 +298,8 @@ fn check_layout(
             setup.tp
         )));
     }
-    setup.check_dp()
+    setup.check_dp()?;
+    setup.check_tp()
 }
 
 /// The stages of pipeline position `me` with their initial weights, the graphs' communicator
@@ -418,7 +423,6 @@ impl RankTrainer {
         let pipeline = mesh.pipeline_group(rank).map_err(SetupError::from)?;
         let world = Group::world(comm.world())?;
         let Coords { dp: replica, tp: tp_index, .. } = mesh.coords(rank).map_err(SetupError::from)?;
-        let replica_of_rank = replica;
         let me =
             pipeline.index_of(rank).ok_or_else(|| mismatch(format!("rank {rank} outside {pipeline}")))?;
         let ep_index = mesh.ep_index(rank).map_err(SetupError::from)?;
@@ -432,11 +436,10 @@ impl RankTrainer {
         let mut lead_replica = Vec::with_capacity(held.holders.len());
         let mut owned: BTreeMap<usize, Vec<String>> = BTreeMap::new();
         for (name, hs) in held.holders {
-            let replica = held.lead[&name];
+            let lead = held.lead[&name];
             // Tensor-parallel shards are gathered whole in each group first; tp index 0 sends.
             if let Some(&first) = hs.first() {
-                let owner =
-                    mesh.rank_of(Coords { pp: first, dp: replica, tp: 0 }).map_err(SetupError::from)?;
+                let owner = mesh.rank_of(Coords { pp: first, dp: lead, tp: 0 }).map_err(SetupError::from)?;
                 owned.entry(owner).or_default().push(name.clone());
             }
             let here = mine.contains(&name);
@@ -447,7 +450,7 @@ impl RankTrainer {
             if hs.len() * tps.len() > 1 && here {
                 let ranks = hs
                     .iter()
-                    .flat_map(|&pp| tps.clone().map(move |tp| Coords { dp: replica_of_rank, pp, tp }))
+                    .flat_map(|&pp| tps.clone().map(move |tp| Coords { dp: replica, pp, tp }))
                     .map(|c| mesh.rank_of(c))
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(SetupError::from)?;
@@ -455,7 +458,7 @@ impl RankTrainer {
                     .push(Copies { group: Group::new(format!("copies.{name}"), ranks)?, name: name.clone() });
             }
             counts_here.push(hs.first() == Some(&me) && here && (tp_index == 0 || split));
-            lead_replica.push(replica);
+            lead_replica.push(lead);
             all_names.push(name);
         }
         let mut bias_owned: BTreeMap<usize, Vec<String>> = BTreeMap::new();

@@ -5,10 +5,11 @@ use super::*;
 
 impl RankTrainer {
     /// Every distinct parameter of the model and the MoE routing biases (and, with `optimizer`,
-    /// the AdamW moments and `adam.step`), gathered to the leader: every rank of the world calls it at the same point;
-    /// each parameter's owner (its lowest holder in its lead replica: 0, or a routed expert's
-    /// block) sends its tensors to world rank
-    /// 0, which returns them all; the others return `None`.
+    /// the AdamW moments and `adam.step`), gathered to the leader: every rank of the world calls
+    /// it at the same point; FSDP shards are all-gathered over the replicas and tensor-parallel
+    /// blocks over the tp group first ([`RankTrainer::whole_over_tp`]), then each parameter's
+    /// owner (its lowest holder in its lead replica: 0, or a routed expert's block; tp index 0)
+    /// sends its whole tensors to world rank 0, which returns them all; the others return `None`.
     ///
     /// # Errors
     /// [`TrainError::Poisoned`]; [`TrainError::Comm`] (a timeout, an abort);
@@ -128,7 +129,9 @@ impl RankTrainer {
         let tp = graphpp_models::TensorShard::new(self.tp_index, self.setup.tp);
         let mut sliced = HashMap::new();
         for (k, t) in full {
-            sliced.insert(k.clone(), crate::train::build::tensor_parallel_shard(t, self.tp_dim(k), tp)?);
+            let shard = crate::train::build::tensor_parallel_shard(t, self.tp_dim(k), tp)
+                .map_err(|reason| StageError::Parameter { name: k.clone(), reason })?;
+            sliced.insert(k.clone(), shard);
         }
         let full = &sliced;
         let Some(dp) = self.sharding() else { return Ok(full.clone()) };

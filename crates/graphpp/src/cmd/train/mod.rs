@@ -170,8 +170,8 @@ pub struct TrainArgs {
     dtype: graphpp_graph::DType,
     /// Run the strategy of a TOML (or .json) file: its directives place, replicate, shard, split,
     /// order and recompute stand for --ranks, --stages-per-rank, --layers-per-stage, --dp,
-    /// --fsdp, --ep, --microbatches, --microbatch-size, --schedule, --schedule-file, --group,
-    /// --mem-cap, --post-validate and --recompute (which it excludes). See --print-strategy.
+    /// --fsdp, --ep, --tp, --sequence-parallel, --microbatches, --microbatch-size, --schedule,
+    /// --schedule-file, --group, --mem-cap, --post-validate and --recompute (which it excludes). See --print-strategy.
     #[arg(long, value_name = "FILE", conflicts_with_all = strategy_flags())]
     strategy: Option<PathBuf>,
     /// Print the strategy of the flags given (or of --strategy) as TOML and exit: the file
@@ -314,8 +314,11 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     let dp = a.layout.dp();
     launch.check_world(ranks, dp, a.layout.tp)?;
     let stop = StopRequest::install().context("installing the SIGINT/SIGTERM handlers")?;
-    let local_ranks =
-        if launch.world() > 1 { graphpp::launch::local_processes() } else { ranks * dp * a.layout.tp };
+    let local_ranks = if launch.world() > 1 {
+        graphpp::launch::local_processes()
+    } else {
+        ranks.saturating_mul(dp).saturating_mul(a.layout.tp)
+    };
     let threads = crate::cmd::set_op_threads(local_ranks, a.threads_per_rank.map(|n| n as usize));
     // `_lock` holds the checkpoint folder for the whole run.
     let (mut run, mut metrics, _lock) = start(a, launch)?;

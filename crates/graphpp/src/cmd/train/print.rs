@@ -271,6 +271,9 @@ fn layout(c: &graphpp::train::RunConfig, processes: usize) -> String {
     if c.ep > 1 {
         parts.push(format!("ep={}", c.ep));
     }
+    if c.tp > 1 {
+        parts.push(format!("tp={}{}", c.tp, if c.sequence_parallel { " sequence-parallel" } else { "" }));
+    }
     if c.post_validate {
         parts.push("post-validate".to_string());
     }
