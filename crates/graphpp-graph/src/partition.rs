@@ -12,7 +12,7 @@
 use crate::error::Result;
 use crate::extract::{input_order, Extractor};
 use crate::graph::{Graph, Phase, ValueId};
-use crate::op::{InputKind, Op};
+use crate::op::{CollectiveKind, InputKind, Op};
 use serde::{Deserialize, Serialize};
 
 /// Which forward values the backward may read from memory; the rest is recomputed.
@@ -126,11 +126,37 @@ fn classify(g: &Graph, x: ValueId, policy: &RecomputePolicy, param_only: &[bool]
     match n.op {
         Op::Input { .. } => Route::Input,
         Op::Full { .. } => Route::Clone,
+        Op::CollectiveWait | Op::Reshape { .. } if regathered(g, x, policy) => Route::Clone,
         Op::CollectiveWait => Route::Saved,
+        // Reached only from a wait that is recomputed: its start is recomputed with it.
+        Op::CollectiveStart { .. } => Route::Clone,
         _ if param_only[x.0] => Route::Clone,
         _ if policy.may_save(g, x) => Route::Saved,
         _ => Route::Clone,
     }
+}
+
+/// Whether `x` — the wait of a sequence-parallel all-gather of activations (over a group sharing
+/// one loss: `tp`), or a reshape of one (a projection reads its input as `[B·T, D]`) — is
+/// gathered again in the backward from the saved shard instead of being saved whole: what
+/// Megatron-LM does under sequence parallelism (Korthikanti et al. 2022, §4.2.2: only the shard
+/// is kept), under every policy that recomputes (not [`RecomputePolicy::SaveAll`]). The backward
+/// then runs the all-gather once more.
+fn regathered(g: &Graph, x: ValueId, policy: &RecomputePolicy) -> bool {
+    if *policy == RecomputePolicy::SaveAll {
+        return false;
+    }
+    let mut x = x;
+    while let Op::Reshape { .. } = g.node(x).op {
+        x = g.node(x).inputs[0];
+    }
+    if !matches!(g.node(x).op, Op::CollectiveWait) {
+        return false;
+    }
+    let start = g.node(g.node(x).inputs[0]);
+    let Op::CollectiveStart { kind: CollectiveKind::AllGather, group, .. } = start.op else { return false };
+    let operand = &g.node(start.inputs[0]).op;
+    group.mesh_axis.shares_loss() && !matches!(operand, Op::Input { kind: InputKind::Parameter, .. })
 }
 
 /// The forward values [`RecomputePolicy::Pointwise`] recomputes: unary, affine and binary values

@@ -351,6 +351,28 @@ mod tests {
         }
     }
 
+    /// Sequence parallelism keeps only this rank's tokens of what the backward reads: the
+    /// residual stream and norms are split, and the all-gathered inputs of the column-parallel
+    /// projections are gathered again in the backward from the saved shard (Megatron's way) —
+    /// under a recomputing policy; `save-all` saves them gathered.
+    #[test]
+    fn sequence_parallelism_saves_the_shards() {
+        let cfg = LlamaConfig::tiny();
+        let saved = |sequence: bool, policy: &graphpp_graph::RecomputePolicy| {
+            let spec = StageSpec { tp: TensorShard { index: 0, size: 2, sequence }, ..StageSpec::whole(1) };
+            let g = cfg.build_stage(&spec, &StageOptions::new(1, 16)).unwrap();
+            let sg = graphpp_graph::stage_graphs(&g, policy).unwrap();
+            let specs = sg.full_bw.input_specs();
+            let saved = specs.iter().filter(|s| s.kind == graphpp_graph::InputKind::Saved);
+            saved.map(|s| s.ty.shape.iter().product::<usize>()).sum::<usize>() as f64
+        };
+        let pointwise = graphpp_graph::RecomputePolicy::Pointwise;
+        let ratio = saved(true, &pointwise) / saved(false, &pointwise);
+        assert!(ratio <= 0.6, "saved floats with sequence parallelism: {ratio:.3} of without");
+        let all = graphpp_graph::RecomputePolicy::SaveAll;
+        assert!(saved(true, &all) > saved(true, &pointwise), "save-all keeps the gathered inputs");
+    }
+
     #[test]
     fn a_degree_that_does_not_divide_is_named() {
         let cfg = LlamaConfig::tiny();
