@@ -527,11 +527,15 @@ pub(crate) fn build_decoder(
     let ins = stage_inputs(&mut b, cfg, spec, opts, attn, ffn)?;
     // FSDP all-gathers are emitted right after the inputs (their waits precede first use).
     b.push_scope("model");
-    let mut x = if spec.is_first() {
-        let tokens = spec.tp.local_tokens(&mut b, ins.x)?;
-        embed_tokens(&mut b, ins.params[EMBED], tokens, opts.dtype)?
-    } else {
+    let mut x = if !spec.is_first() {
         ins.x
+    } else if spec.tp.is_split() {
+        // Vocabulary-parallel: every token looked up in this rank's rows, summed over the group
+        // (reduce-scattered to this rank's tokens with sequence parallelism).
+        let (table, vocab) = (ins.params[EMBED], cfg.vocab_size);
+        b.scoped("embed_tokens", |b| spec.tp.vocab_embedding(b, table, ins.x, (vocab, opts.dtype)))?
+    } else {
+        embed_tokens(&mut b, ins.params[EMBED], ins.x, opts.dtype)?
     };
     for l in spec.layers.clone() {
         x = decoder_layer(&mut b, cfg, (attn, ffn), (spec.ep, spec.tp), &ins, l, x)?;
@@ -650,8 +654,10 @@ fn decoder_layer(
 /// The LM head on the normalised hidden states `h` `[B, T, D]` (the embedding table when tied):
 /// `logits` `[B·T, V]` in [`DType::wide`] of `opts.dtype`, then the output `loss` (their
 /// cross-entropy against the targets, scope `loss`) or, without targets, the output `logits`.
-/// With sequence parallelism `h` holds this rank's `T / tp` tokens, the loss is over their
-/// targets, then averaged over the group ([`TensorShard::mean_loss`]).
+/// Under tensor parallelism the head is vocabulary-parallel: `h` is gathered (replicated, or
+/// all-gathered along the sequence under sequence parallelism), this rank computes the logits of
+/// its `V / tp` block for every token, and the loss is
+/// [`TensorShard::vocab_parallel_cross_entropy`] — the `[B·T, V]` logits are never formed.
 fn lm_head_and_loss(
     b: &mut GraphBuilder,
     cfg: &LlamaConfig,
@@ -659,23 +665,28 @@ fn lm_head_and_loss(
     ins: &StageInputs,
     h: ValueId,
 ) -> Result<(), ModelError> {
+    b.push_scope("lm_head");
+    // Vocabulary-parallel head: every token's logits of this rank's block of the vocabulary
+    // (with sequence parallelism, of the gathered sequence).
+    let h = if tp.is_split() { tp.enter(b, h)? } else { h };
     let shape = b.shape(h);
     let rows = shape[0] * shape[1];
-    b.push_scope("lm_head");
     // A tied head reads the f32 embedding table, cast like every other matrix.
     let head =
         if cfg.tie_word_embeddings { b.cast(ins.params[EMBED], opts.dtype)? } else { ins.params[LM_HEAD] };
     let logits = linear(b, h, head)?;
-    let logits = b.reshape(logits, vec![rows, cfg.vocab_size])?;
+    let logits = b.reshape(logits, vec![rows, b.shape(head)[0]])?;
     let logits = b.cast(logits, opts.dtype.wide())?;
     match ins.targets {
         Some(targets) => {
             b.pop_scope();
             b.push_scope("loss");
-            let targets = tp.local_tokens(b, targets)?;
             let tg = b.reshape(targets, vec![rows])?;
-            let loss = cross_entropy(b, logits, tg)?;
-            let loss = tp.mean_loss(b, loss)?;
+            let loss = if tp.is_split() {
+                tp.vocab_parallel_cross_entropy(b, logits, tg, cfg.vocab_size)?
+            } else {
+                cross_entropy(b, logits, tg)?
+            };
             b.pop_scope();
             b.output(LOSS, loss);
         }

@@ -896,8 +896,8 @@ impl crate::model::Model for MoeConfig {
     fn tensor_parallel_dim(&self, name: &str) -> Option<usize> {
         MoeConfig::tensor_parallel_dim(self, name)
     }
-    /// The grouped-query attention's heads (not multi-head latent attention's: replicated) and
-    /// the dense layers' MLP width (when the model has dense layers).
+    /// The grouped-query attention's heads (not multi-head latent attention's: replicated), the
+    /// dense layers' MLP width (when the model has dense layers) and the vocabulary.
     fn check_tp(&self, tp: usize) -> Result<(), ModelError> {
         let base = &self.base;
         let mut sizes = Vec::new();
@@ -910,11 +910,7 @@ impl crate::model::Model for MoeConfig {
         if self.first_k_dense_replace > 0 {
             sizes.push(("intermediate_size", base.intermediate_size));
         }
-        if tp > 1 && sizes.is_empty() {
-            let reason = "tensor parallelism splits grouped-query attention and dense MLPs; with \
-                          multi-head latent attention and every layer MoE this model has none (use tp = 1)";
-            return Err(ModelError::Field { field: "first_k_dense_replace", reason: reason.into() });
-        }
+        sizes.push(("vocab_size", base.vocab_size));
         crate::tensor_parallel::check_divides(tp, &sizes)
     }
 }

@@ -12,9 +12,14 @@
 //!   [`CollectiveKind::Replicate`], after each row-parallel one an [`CollectiveKind::AllReduce`]:
 //!   Megatron's conjugate operators f and g, which autodiff turns into an all-reduce of the input
 //!   gradient and an identity ([`graphpp_graph::MeshAxis::shares_loss`]).
-//! - Everything else — embedding, norms, LM head and loss, multi-head latent attention, a
-//!   mixture of experts' router, routed and shared experts — is replicated: every rank of the
-//!   group computes it whole, and its gradients are whole and equal on every rank.
+//! - Embedding and LM head are vocabulary-parallel (Megatron's `VocabParallelEmbedding` and
+//!   column-parallel head): each rank holds `V / tp` rows; the embedding looks up the tokens of
+//!   its block and sums over the group; the cross-entropy combines the blocks' maxima, sums of
+//!   exponentials and target logits by small collectives
+//!   ([`TensorShard::vocab_parallel_cross_entropy`]), so the `[N, V]` logits are never formed.
+//! - Everything else — norms, multi-head latent attention, a mixture of experts' router, routed
+//!   and shared experts — is replicated: every rank of the group computes it whole, and its
+//!   gradients are whole and equal on every rank.
 //!
 //! - With sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation in Large
 //!   Transformer Models", 2022, §4.2.2; `TensorShard::sequence`) the residual stream, the norms
@@ -33,6 +38,10 @@
 use graphpp_graph::{CollectiveKind, CommGroup, GraphBuilder, MeshAxis, Region, ValueId};
 
 use crate::config::ModelError;
+
+/// Added to a row's maximum logit before its floor is taken through u32 (see
+/// [`TensorShard::vocab_parallel_cross_entropy`]): maxima down to −2²⁰ stay positive.
+const SHIFT_OFFSET: f64 = 1_048_576.0;
 
 /// A rank's part of each decoder layer under tensor parallelism: position `index` in a group of
 /// `size` ranks (graph group `tp`). [`TensorShard::WHOLE`] (size 1) holds every parameter whole.
@@ -132,6 +141,116 @@ impl TensorShard {
         CommGroup::new(MeshAxis::Tensor, self.size)
     }
 
+    /// This rank's vocabulary block's view of the token ids `ids` `[n, 1]` (u32): the ids
+    /// minus the block's first, clamped into the block (u32 `[n, 1]`, for row gathers), and a
+    /// mask `[n, 1]` in `wide` (1 where the id falls in the block, else 0). Built of float ops
+    /// only (ids below 2²⁴ are exact in f32): `clamp(x, 0, K) = K − relu(K − relu(x))`, each relu
+    /// a max over `[x, 0]`.
+    fn local_ids(
+        &self,
+        b: &mut GraphBuilder,
+        ids: ValueId,
+        vocab: usize,
+        wide: graphpp_graph::DType,
+    ) -> Result<(ValueId, ValueId), ModelError> {
+        let block = self.block(vocab).unwrap_or(0..0);
+        let n = b.shape(ids)[0];
+        let x = b.cast(ids, wide)?;
+        let local = b.affine(x, 1.0, -(block.start as f64))?;
+        let zero = b.full(0.0, vec![n, 1])?;
+        let zero = b.cast(zero, wide)?;
+        let relu = |b: &mut GraphBuilder, v: ValueId| -> Result<ValueId, ModelError> {
+            let both = b.concat(&[v, zero], 1)?;
+            Ok(b.max(both, 1, true)?)
+        };
+        let last = block.len().saturating_sub(1) as f64;
+        let r = relu(b, local)?;
+        let below = b.affine(r, -1.0, last)?;
+        let r2 = relu(b, below)?;
+        let clamped = b.affine(r2, -1.0, last)?;
+        let mask = b.eq(local, clamped)?;
+        let idx = b.cast(clamped, graphpp_graph::DType::U32)?;
+        Ok((idx, mask))
+    }
+
+    /// The vocabulary-parallel token embedding (Megatron's `VocabParallelEmbedding`): this
+    /// rank's rows `table` `[V/tp, D]` (f32) looked up for the ids of `tokens` `[B, T]` that fall
+    /// in its block (zero rows for the others), cast to `dtype` and summed over the group
+    /// ([`TensorShard::exit`]: `[B, T, D]`, or this rank's `[B, T/tp, D]` with sequence
+    /// parallelism).
+    ///
+    /// # Errors
+    /// Building the nodes.
+    pub fn vocab_embedding(
+        &self,
+        b: &mut GraphBuilder,
+        table: ValueId,
+        tokens: ValueId,
+        (vocab, dtype): (usize, graphpp_graph::DType),
+    ) -> Result<ValueId, ModelError> {
+        let shape = b.shape(tokens);
+        let n: usize = shape.iter().product();
+        let ids = b.reshape(tokens, vec![n, 1])?;
+        let wide = b.ty(table).dtype;
+        let (idx, mask) = self.local_ids(b, ids, vocab, wide)?;
+        let idx = b.reshape(idx, vec![n])?;
+        let rows = b.index_select(table, idx, 0)?;
+        let rows = b.mul(rows, mask)?;
+        let d = b.shape(table)[1];
+        let e = b.reshape(rows, vec![shape[0], shape[1], d])?;
+        let e = b.cast(e, dtype)?;
+        self.exit(b, e, None)
+    }
+
+    /// The vocabulary-parallel cross-entropy (Megatron's `vocab_parallel_cross_entropy`): the
+    /// mean over the `N` rows of `−log softmax(z)[target]` where this rank holds the logits
+    /// `logits` `[N, V/tp]` of its vocabulary block and `targets` `[N]` (u32) are whole; the
+    /// full `[N, V]` logits are never formed. Per row: a shift `M` (the floor of the global
+    /// maximum: an all-gather of the blocks' maxima; a constant to autodiff), `S = Σ exp(z − M)`
+    /// and the target's logit `z_t` (each an all-reduce of the blocks' parts); the loss is
+    /// `ln S + M − z_t`. In the logits'
+    /// [`graphpp_graph::DType::wide`]; the result is the same on every rank.
+    ///
+    /// # Errors
+    /// Building the nodes.
+    pub fn vocab_parallel_cross_entropy(
+        &self,
+        b: &mut GraphBuilder,
+        logits: ValueId,
+        targets: ValueId,
+        vocab: usize,
+    ) -> Result<ValueId, ModelError> {
+        let wide = b.ty(logits).dtype.wide();
+        let z = b.cast(logits, wide)?;
+        let n = b.shape(z)[0];
+        let block_max = b.max(z, 1, true)?;
+        let maxima = self.reduce(b, CollectiveKind::AllGather, 1, block_max)?;
+        let m = b.max(maxima, 1, true)?;
+        // The shift only keeps exp in range: any constant near the maximum gives the same loss
+        // and gradient. Its floor, through u32 (which carries no gradient), is such a constant
+        // — so no rounding noise flows back through the maximum (exact for |M| < 2²⁰).
+        let lifted = b.affine(m, 1.0, SHIFT_OFFSET)?;
+        let floor = b.cast(lifted, graphpp_graph::DType::U32)?;
+        let floor = b.cast(floor, wide)?;
+        let m = b.affine(floor, 1.0, -SHIFT_OFFSET)?;
+        let shifted = b.sub(z, m)?;
+        let e = b.exp(shifted)?;
+        let part = b.sum(e, 1, false)?;
+        let s = self.reduce(b, CollectiveKind::AllReduce, 0, part)?;
+        let ids = b.reshape(targets, vec![n, 1])?;
+        let (idx, mask) = self.local_ids(b, ids, vocab, wide)?;
+        let picked = b.gather(z, idx, 1)?;
+        let picked = b.mul(picked, mask)?;
+        let picked = b.reshape(picked, vec![n])?;
+        let zt = self.reduce(b, CollectiveKind::AllReduce, 0, picked)?;
+        let ln_s = b.log(s)?;
+        let m = b.reshape(m, vec![n])?;
+        let a = b.add2(ln_s, m)?;
+        let per_row = b.sub(a, zt)?;
+        let total = b.sum(per_row, 0, false)?;
+        Ok(b.scale(total, 1.0 / n as f64)?)
+    }
+
     /// Megatron's f: `x` `[B, T, D]` (replicated, read by column-parallel projections next)
     /// through a [`CollectiveKind::Replicate`], so that its gradient is all-reduced — with
     /// sequence parallelism `x` is this rank's `[B, T/tp, D]` and is all-gathered along the
@@ -178,12 +297,17 @@ impl TensorShard {
 }
 
 /// The dimension along which tensor parallelism splits parameter `name` (HF layout `[out, in]`),
-/// `None` for a replicated one: 0 for the column-parallel projections' weights and biases
-/// (`self_attn.{q,k,v}_proj` when `attention` is split, `mlp.{gate,up}_proj` of a dense MLP), 1
+/// `None` for a replicated one: 0 for the vocabulary-parallel embedding and LM head
+/// (`model.embed_tokens.weight`, `lm_head.weight`: rows are tokens) and the column-parallel
+/// projections' weights and biases (`self_attn.{q,k,v}_proj` when `attention` is split,
+/// `mlp.{gate,up}_proj` of a dense MLP), 1
 /// for the row-parallel weights (`self_attn.o_proj.weight`, `mlp.down_proj.weight`). The
 /// row-parallel biases, shared and routed experts (`mlp.shared_experts.…`,
 /// `mlp.experts.<e>.…`) and every other parameter are replicated.
 pub fn shard_dim(name: &str, attention: bool) -> Option<usize> {
+    if name == crate::EMBED || name == crate::LM_HEAD {
+        return Some(0);
+    }
     let mut parts = name.rsplit('.');
     let (kind, proj, block) = (parts.next()?, parts.next()?, parts.next()?);
     let column = match (block, proj) {
@@ -291,8 +415,8 @@ mod tests {
         // Attention that does not split (multi-head latent attention) keeps its projections whole.
         assert_eq!(shard_dim("model.layers.0.self_attn.q_proj.weight", false), None);
         assert_eq!(shard_dim("model.layers.0.self_attn.o_proj.weight", false), None);
-        assert_eq!(shard_dim("model.embed_tokens.weight", true), None);
-        assert_eq!(shard_dim("lm_head.weight", true), None);
+        assert_eq!(shard_dim("model.embed_tokens.weight", true), Some(0));
+        assert_eq!(shard_dim("lm_head.weight", false), Some(0));
     }
 
     /// A `[2, 4]` matrix split along dim 1 over 2 ranks: rank 1 keeps columns 2..4 of each row;
@@ -323,7 +447,7 @@ mod tests {
         assert_eq!(shapes["model.layers.0.self_attn.q_proj.weight"], vec![d / 2, d]);
         assert_eq!(shapes["model.layers.0.self_attn.o_proj.weight"], vec![d, d / 2]);
         assert_eq!(shapes["model.layers.0.mlp.down_proj.weight"], vec![d, f / 2]);
-        assert_eq!(shapes["model.embed_tokens.weight"], vec![cfg.vocab_size, d]);
+        assert_eq!(shapes["model.embed_tokens.weight"], vec![cfg.vocab_size / 2, d]);
         let g = cfg.build_stage(&spec, &StageOptions::new(1, 8)).unwrap();
         let count = |kind: CollectiveKind| {
             g.nodes
@@ -334,10 +458,12 @@ mod tests {
                 })
                 .count()
         };
+        // Two per layer, plus the vocabulary-parallel embedding's all-reduce, the LM head's
+        // replicate and the cross-entropy's two all-reduces (sum of exponentials, target logit).
         let layers = cfg.num_hidden_layers;
         assert_eq!(
             (count(CollectiveKind::Replicate), count(CollectiveKind::AllReduce)),
-            (2 * layers, 2 * layers)
+            (2 * layers + 1, 2 * layers + 3)
         );
         let full: std::collections::HashMap<String, Vec<f32>> =
             cfg.init_parameters(&whole, 7).into_iter().map(|(n, _, v)| (n, v)).collect();
@@ -358,8 +484,10 @@ mod tests {
     #[test]
     fn sequence_parallelism_saves_the_shards() {
         let cfg = LlamaConfig::tiny();
+        // A middle stage: one decoder layer, no embedding or head.
         let saved = |sequence: bool, policy: &graphpp_graph::RecomputePolicy| {
-            let spec = StageSpec { tp: TensorShard { index: 0, size: 2, sequence }, ..StageSpec::whole(1) };
+            let tp = TensorShard { index: 0, size: 2, sequence };
+            let spec = StageSpec { stage: 1, stages: 3, layers: 1..2, ep: crate::ExpertShard::WHOLE, tp };
             let g = cfg.build_stage(&spec, &StageOptions::new(1, 16)).unwrap();
             let sg = graphpp_graph::stage_graphs(&g, policy).unwrap();
             let specs = sg.full_bw.input_specs();

@@ -89,8 +89,8 @@ fn close(a: &[f64], b: &[f64]) -> bool {
 }
 
 /// Four steps at tp = 2 (with clipping and AdamW) give tp = 1's losses on the same batches;
-/// each rank's resident parameters, gradients and moments are its shard: the split matrices
-/// halve, the embedding, norms and LM head stay whole.
+/// each rank's resident parameters, gradients and moments are its shard: the split matrices,
+/// the embedding and the LM head halve, the norms stay whole.
 #[test]
 fn training_at_tp_2_gives_tp_1s_losses_on_half_the_matrices() {
     let batches: Vec<_> = (0..4).map(|k| random_microbatches(256, 4, 2, 8, 70 + k).unwrap()).collect();
@@ -100,24 +100,27 @@ fn training_at_tp_2_gives_tp_1s_losses_on_half_the_matrices() {
         (
             stats.iter().map(|s| s.loss).collect::<Vec<_>>(),
             stats[3].resident_bytes.clone(),
-            stats[3].grad_norm,
+            stats[0].grad_norm,
         )
     };
     let (l1, r1, n1) = run(1);
     let (l2, r2, n2) = run(2);
     assert!(close(&l2, &l1), "tp=2 {l2:?} vs tp=1 {l1:?}");
-    assert!((n2 - n1).abs() <= 1e-5 * n1, "grad norm {n2} vs {n1}: each split shard counted once");
+    // The first step's norm (same weights): each split shard counted once, each replicated
+    // parameter once. (Later steps drift by ~1e-5: the vocabulary-parallel softmax sums in
+    // another order, and AdamW amplifies the last bits of near-zero gradients.)
+    assert!((n2 - n1).abs() <= 1e-6 * n1, "grad norm {n2} vs {n1}");
     // World rank = pipeline rank · 2 + tp index: both tp ranks of a position hold the same bytes.
     assert_eq!(r2.len(), 4);
     let cfg = LlamaConfig::tiny();
     let (d, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-    // Per layer 4·D² attention and 3·D·F MLP floats are split; 16 bytes each (f32 parameter,
-    // gradient, two moments).
-    let layer_split = 4 * d * d + 3 * d * f;
+    // Per layer 4·D² attention and 3·D·F MLP floats are split, and the V·D embedding (first
+    // stage) or LM head (last stage); 16 bytes each (f32 parameter, gradient, two moments).
+    let split = 2 * (4 * d * d + 3 * d * f) + v * d;
     for p in 0..2 {
         assert_eq!(r2[2 * p], r2[2 * p + 1], "pipeline rank {p}: tp ranks hold equal shards");
         let saved = r1[p] - r2[2 * p];
-        assert_eq!(saved as usize, 16 * 2 * layer_split / 2, "pipeline rank {p}: half of 2 layers' matrices");
+        assert_eq!(saved as usize, 16 * split / 2, "pipeline rank {p}: half of its matrices");
     }
     assert!(r1[0] as usize > 16 * v * d, "the embedding is in rank 0's state");
 }

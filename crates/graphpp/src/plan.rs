@@ -514,7 +514,7 @@ mod tests {
         let (replicated, split) = (find(2, 1), find(1, 2));
         assert!(split.peak_bytes < replicated.peak_bytes, "{split:?} vs {replicated:?}");
         // Its all-reduces are costed: two of [B, T, D] f32 per layer in the forward, two in the
-        // full backward (Megatron's f and g), 2 layers per stage at B = 2, T = 16, D = 64.
+        // full backward (Megatron's g and f), 2 layers per stage at B = 2, T = 16, D = 64.
         let graphs = schedule_graphs(
             &r,
             (Kind::OneFOneB, &Shape::new(2, 1, 4), 2),
@@ -523,9 +523,11 @@ mod tests {
             &mut GraphCache::default(),
         )
         .unwrap();
-        // A ring all-reduce over 2 sends 2 · (2 − 1) / 2 = 1 × the value.
+        // A ring all-reduce over 2 sends 2 · (2 − 1) / 2 = 1 × the value. The first stage's
+        // forward also all-reduces the vocabulary-parallel embedding's [B, T, D].
         let bytes = stage_tp_bytes(&graphs[0]);
-        assert_eq!((bytes.f, bytes.b), (2 * 2 * 2 * 16 * 64 * 4, 2 * 2 * 2 * 16 * 64 * 4));
+        let value = 2 * 16 * 64 * 4;
+        assert_eq!((bytes.f, bytes.b), ((2 * 2 + 1) * value, 2 * 2 * value));
         // Two pipeline ranks: the other two replicate (dp = 2) or split (tp = 2) the stages.
         let pinned = PlanRequest { pp: Some(2), ..r };
         let two = plan(&pinned).unwrap();
