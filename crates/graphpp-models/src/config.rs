@@ -293,12 +293,12 @@ impl LlamaConfig {
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
-    /// The sizes tensor parallelism splits, by HF field name: query heads, key/value heads, the
-    /// MLP width and the vocabulary ([`crate::tensor_parallel::check_divides`]).
+    /// The sizes tensor parallelism splits evenly, by HF field name: query heads, the MLP
+    /// width and the vocabulary (the key/value heads have their own rule:
+    /// [`crate::tensor_parallel::check_divides`]).
     pub fn tensor_parallel_sizes(&self) -> Vec<(&'static str, usize)> {
         vec![
             ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.kv_heads()),
             ("intermediate_size", self.intermediate_size),
             ("vocab_size", self.vocab_size),
         ]

@@ -4,7 +4,7 @@
 
 use crate::config::{LlamaConfig, ModelError};
 use crate::recompute::Recompute;
-use crate::tensor_parallel::{shard_dim, shard_shapes, shard_values, TensorShard};
+use crate::tensor_parallel::{shard_shapes, shard_values, split_of, TensorShard};
 use graphpp_graph::layers::{
     causal_attention, cross_entropy, embedding, gated_mlp, linear, rms_norm, AttentionDims, AttentionWeights,
     MlpWeights,
@@ -274,7 +274,8 @@ impl SelfAttention for GroupedQueryAttention<'_> {
         true
     }
 
-    /// Under tensor parallelism: `H / tp` query and `KV / tp` key/value heads, the output
+    /// Under tensor parallelism: `H / tp` query and `KV / tp` key/value heads (one, held by
+    /// `tp / KV` ranks, when KV < tp), the output
     /// projection's partial sums all-reduced before its bias ([`crate::tensor_parallel`]).
     fn build(
         &self,
@@ -285,8 +286,9 @@ impl SelfAttention for GroupedQueryAttention<'_> {
         tp: TensorShard,
     ) -> Result<ValueId, ModelError> {
         let cfg = self.0;
-        let dims =
-            AttentionDims { heads: cfg.num_attention_heads / tp.size, kv_heads: cfg.kv_heads() / tp.size };
+        // Key/value heads fewer than tp: each rank reads the one its query heads share.
+        let kv_heads = (cfg.kv_heads() / tp.size).max(1);
+        let dims = AttentionDims { heads: cfg.num_attention_heads / tp.size, kv_heads };
         let aw = AttentionWeights {
             q: p.weight("q_proj"),
             k: p.weight("k_proj"),
@@ -425,7 +427,7 @@ pub(crate) fn decoder_parameters(
             p.push((EMBED.to_string(), vec![v, d]));
         }
     }
-    shard_shapes(p, spec.tp, |n| shard_dim(n, attn.splits_over_tp()))
+    shard_shapes(p, spec.tp, |n| split_of(n, attn.splits_over_tp(), cfg.kv_heads(), spec.tp.size))
 }
 
 /// Names and shapes of the buffers of every stage ([`stage_buffers`] without their values):
@@ -736,7 +738,7 @@ pub fn init_parameters(
 ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let whole = StageSpec { tp: TensorShard::WHOLE, ..spec.clone() };
     let values = init_values(stage_parameters(cfg, &whole), cfg.initializer_range, seed);
-    shard_values(values, spec.tp, |n| shard_dim(n, true))
+    shard_values(values, spec.tp, |n| split_of(n, true, cfg.kv_heads(), spec.tp.size))
 }
 
 /// Initial values of `params` as [`init_parameters`] gives them: biases 0, 1-D weights 1,

@@ -102,10 +102,10 @@ pub trait Model: std::fmt::Debug + Send + Sync {
         0
     }
 
-    /// The dimension tensor parallelism splits parameter `name` along, `None` where every rank
-    /// of the group holds it whole ([`crate::tensor_parallel::shard_dim`]).
-    fn tensor_parallel_dim(&self, name: &str) -> Option<usize> {
-        let _ = name;
+    /// How tensor parallelism over `tp` ranks splits parameter `name`, `None` where every rank
+    /// of the group holds it whole ([`crate::tensor_parallel::split_of`]).
+    fn tensor_parallel_split(&self, name: &str, tp: usize) -> Option<crate::tensor_parallel::Split> {
+        let _ = (name, tp);
         None
     }
 
@@ -115,7 +115,7 @@ pub trait Model: std::fmt::Debug + Send + Sync {
     /// # Errors
     /// [`ModelError::TensorParallel`] naming the field.
     fn check_tp(&self, tp: usize) -> Result<(), ModelError> {
-        crate::tensor_parallel::check_divides(tp, &[])
+        crate::tensor_parallel::check_divides(tp, &[], None)
     }
 }
 
@@ -167,11 +167,11 @@ impl Model for LlamaConfig {
     fn flops_per_token(&self, seq: usize) -> f64 {
         crate::flops::flops_per_token(self, seq)
     }
-    fn tensor_parallel_dim(&self, name: &str) -> Option<usize> {
-        crate::tensor_parallel::shard_dim(name, true)
+    fn tensor_parallel_split(&self, name: &str, tp: usize) -> Option<crate::tensor_parallel::Split> {
+        crate::tensor_parallel::split_of(name, true, self.kv_heads(), tp)
     }
     fn check_tp(&self, tp: usize) -> Result<(), ModelError> {
-        crate::tensor_parallel::check_divides(tp, &self.tensor_parallel_sizes())
+        crate::tensor_parallel::check_divides(tp, &self.tensor_parallel_sizes(), Some(self.kv_heads()))
     }
 }
 
@@ -335,8 +335,8 @@ impl Model for ModelConfig {
     fn routed_experts(&self) -> usize {
         self.as_model().routed_experts()
     }
-    fn tensor_parallel_dim(&self, name: &str) -> Option<usize> {
-        self.as_model().tensor_parallel_dim(name)
+    fn tensor_parallel_split(&self, name: &str, tp: usize) -> Option<crate::tensor_parallel::Split> {
+        self.as_model().tensor_parallel_split(name, tp)
     }
     fn check_tp(&self, tp: usize) -> Result<(), ModelError> {
         self.as_model().check_tp(tp)

@@ -51,7 +51,7 @@ use crate::llama::{
     FeedForward, GroupedQueryAttention, ParamsAt, SelfAttention, StageOptions, StageSpec,
 };
 use crate::mla::{LatentAttention, MlaConfig, Yarn, MLA_FIELDS};
-use crate::tensor_parallel::{shard_dim, shard_values, TensorShard};
+use crate::tensor_parallel::{shard_values, split_of, Split, TensorShard};
 
 /// How the gate turns logits into scores (HF `scoring_func`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -485,12 +485,12 @@ impl MoeConfig {
         decoder_parameters(&self.base, spec, &*self.attention(), self)
     }
 
-    /// The dimension tensor parallelism splits parameter `name` along
-    /// ([`crate::tensor_parallel::shard_dim`]): the grouped-query attention and the dense
-    /// layers' MLPs split; multi-head latent attention, the router and the experts are
-    /// replicated.
-    pub fn tensor_parallel_dim(&self, name: &str) -> Option<usize> {
-        shard_dim(name, self.mla.is_none())
+    /// How tensor parallelism over `tp` ranks splits parameter `name`
+    /// ([`crate::tensor_parallel::split_of`]): the grouped-query attention, the dense layers'
+    /// MLPs, the embedding and the head split; multi-head latent attention, the router and the
+    /// experts are replicated.
+    pub fn tensor_parallel_split(&self, name: &str, tp: usize) -> Option<Split> {
+        split_of(name, self.mla.is_none(), self.base.kv_heads(), tp)
     }
 
     /// The forward graph of stage `spec` ([`crate::build_stage`]'s interface; a MoE layer also
@@ -506,7 +506,7 @@ impl MoeConfig {
     pub fn init_parameters(&self, spec: &StageSpec, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
         let whole = StageSpec { tp: TensorShard::WHOLE, ..spec.clone() };
         let values = init_values(self.stage_parameters(&whole), self.base.initializer_range, seed);
-        shard_values(values, spec.tp, |n| self.tensor_parallel_dim(n))
+        shard_values(values, spec.tp, |n| self.tensor_parallel_split(n, spec.tp.size))
     }
 
     /// Buffers: the Llama ones ([`crate::stage_buffers`]) and a zero bias `[E]` per MoE layer.
@@ -893,8 +893,8 @@ impl crate::model::Model for MoeConfig {
             compute
         }
     }
-    fn tensor_parallel_dim(&self, name: &str) -> Option<usize> {
-        MoeConfig::tensor_parallel_dim(self, name)
+    fn tensor_parallel_split(&self, name: &str, tp: usize) -> Option<Split> {
+        MoeConfig::tensor_parallel_split(self, name, tp)
     }
     /// The grouped-query attention's heads (not multi-head latent attention's: replicated), the
     /// dense layers' MLP width (when the model has dense layers) and the vocabulary.
@@ -911,7 +911,8 @@ impl crate::model::Model for MoeConfig {
             sizes.push(("intermediate_size", base.intermediate_size));
         }
         sizes.push(("vocab_size", base.vocab_size));
-        crate::tensor_parallel::check_divides(tp, &sizes)
+        let kv = self.mla.is_none().then(|| base.kv_heads());
+        crate::tensor_parallel::check_divides(tp, &sizes, kv)
     }
 }
 

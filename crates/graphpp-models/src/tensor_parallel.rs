@@ -71,13 +71,23 @@ impl TensorShard {
 
     /// This rank's block of a dimension of `whole` elements split over the group:
     /// `index · whole/size .. (index + 1) · whole/size`; `None` when `size` does not divide it.
-    /// The one rule of every shard (shapes, initial values, given or saved whole tensors).
     pub fn block(&self, whole: usize) -> Option<std::ops::Range<usize>> {
-        let size = self.size.max(1);
-        whole.is_multiple_of(size).then(|| {
-            let per = whole / size;
-            self.index * per..(self.index + 1) * per
-        })
+        self.block_of(whole, 1)
+    }
+
+    /// This rank's block of a dimension of `whole` elements cut into `size / replicas` parts,
+    /// each held by `replicas` consecutive ranks (key/value heads fewer than tp: Megatron's
+    /// replication): part `index / replicas`; `None` when the parts do not divide `whole` or
+    /// `replicas` does not divide `size`. The one rule of every shard (shapes, initial values,
+    /// given or saved whole tensors).
+    pub fn block_of(&self, whole: usize, replicas: usize) -> Option<std::ops::Range<usize>> {
+        let (size, replicas) = (self.size.max(1), replicas.max(1));
+        if !size.is_multiple_of(replicas) || !whole.is_multiple_of(size / replicas) {
+            return None;
+        }
+        let per = whole / (size / replicas);
+        let part = self.index / replicas;
+        Some(part * per..(part + 1) * per)
     }
 
     /// Whether the residual stream is split along the sequence (sequence parallelism over more
@@ -296,6 +306,29 @@ impl TensorShard {
     }
 }
 
+/// How tensor parallelism splits a parameter: along `dim` (HF layout `[out, in]`), into
+/// `tp / replicas` blocks, each held by `replicas` consecutive tp ranks (1, except key/value
+/// projections with fewer key/value heads than tp: [`split_of`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Split {
+    /// The dimension cut.
+    pub dim: usize,
+    /// Ranks holding each block (their gradients of it are partial and summed).
+    pub replicas: usize,
+}
+
+/// How parameter `name` of a model with `kv_heads` key/value heads splits over `tp` ranks
+/// ([`shard_dim`] with `attention`), `None` for a replicated one: the key/value projections
+/// (`self_attn.{k,v}_proj.{weight,bias}`) of a model with fewer key/value heads than `tp` are
+/// cut into `kv_heads` blocks of one head, each held by `tp / kv_heads` ranks (Megatron-LM
+/// replicates them so: each rank's query heads read one key/value head).
+pub fn split_of(name: &str, attention: bool, kv_heads: usize, tp: usize) -> Option<Split> {
+    let dim = shard_dim(name, attention)?;
+    let kv = name.contains(".self_attn.k_proj.") || name.contains(".self_attn.v_proj.");
+    let replicas = if kv && kv_heads < tp && kv_heads > 0 { tp / kv_heads } else { 1 };
+    Some(Split { dim, replicas })
+}
+
 /// The dimension along which tensor parallelism splits parameter `name` (HF layout `[out, in]`),
 /// `None` for a replicated one: 0 for the vocabulary-parallel embedding and LM head
 /// (`model.embed_tokens.weight`, `lm_head.weight`: rows are tokens) and the column-parallel
@@ -324,18 +357,18 @@ pub fn shard_dim(name: &str, attention: bool) -> Option<usize> {
     }
 }
 
-/// `params` (names and whole shapes) with the split ones divided along their [`shard_dim`] by
-/// `tp.size` (`dim` of the rule).
+/// `params` (names and whole shapes) with the split ones cut to rank `tp`'s block (`split` of
+/// the rule, [`TensorShard::block_of`]).
 pub fn shard_shapes(
     params: Vec<(String, Vec<usize>)>,
     tp: TensorShard,
-    dim: impl Fn(&str) -> Option<usize>,
+    split: impl Fn(&str) -> Option<Split>,
 ) -> Vec<(String, Vec<usize>)> {
     params
         .into_iter()
         .map(|(name, mut shape)| {
-            if let Some(d) = dim(&name).filter(|_| tp.is_split()) {
-                shape[d] = tp.block(shape[d]).map_or(0, |b| b.len());
+            if let Some(Split { dim, replicas }) = split(&name).filter(|_| tp.is_split()) {
+                shape[dim] = tp.block_of(shape[dim], replicas).map_or(0, |b| b.len());
             }
             (name, shape)
         })
@@ -343,19 +376,19 @@ pub fn shard_shapes(
 }
 
 /// Rank `tp`'s shard of each of `params` (name, whole row-major shape, f32 values): the split
-/// ones cut along their `dim` into `tp.size` equal blocks, block `tp.index` kept.
+/// ones cut along their dimension to the rank's block ([`TensorShard::block_of`]).
 pub fn shard_values(
     params: Vec<(String, Vec<usize>, Vec<f32>)>,
     tp: TensorShard,
-    dim: impl Fn(&str) -> Option<usize>,
+    split: impl Fn(&str) -> Option<Split>,
 ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     params
         .into_iter()
-        .map(|(name, shape, data)| match dim(&name).filter(|_| tp.is_split()) {
-            Some(d) => {
+        .map(|(name, shape, data)| match split(&name).filter(|_| tp.is_split()) {
+            Some(Split { dim: d, replicas }) => {
                 let (outer, inner): (usize, usize) =
                     (shape[..d].iter().product(), shape[d + 1..].iter().product());
-                let block = tp.block(shape[d]).unwrap_or(0..0);
+                let block = tp.block_of(shape[d], replicas).unwrap_or(0..0);
                 let mut kept = Vec::with_capacity(outer * block.len() * inner);
                 for o in 0..outer {
                     let start = (o * shape[d] + block.start) * inner;
@@ -371,16 +404,27 @@ pub fn shard_values(
 }
 
 /// Checks that tensor-parallel degree `tp` splits each of `fields` (HF name, size: the attention
-/// heads, key/value heads and MLP width) evenly — Megatron's condition; key/value heads fewer
-/// than tp, which Megatron replicates, are not supported yet.
+/// heads, MLP width, vocabulary) evenly — Megatron's condition — and `kv_heads` (the key/value
+/// heads, when the attention splits) evenly or, fewer than tp, into tp (each head is then held
+/// by `tp / KV` ranks: [`split_of`]).
 ///
 /// # Errors
 /// [`ModelError::TensorParallel`] naming the first field tp does not divide (every field when
 /// tp is 0).
-pub fn check_divides(tp: usize, fields: &[(&'static str, usize)]) -> Result<(), ModelError> {
+pub fn check_divides(
+    tp: usize,
+    fields: &[(&'static str, usize)],
+    kv_heads: Option<usize>,
+) -> Result<(), ModelError> {
     for &(field, value) in fields {
         if tp == 0 || !value.is_multiple_of(tp) {
             return Err(ModelError::TensorParallel { field, value, tp });
+        }
+    }
+    if let Some(kv) = kv_heads {
+        let replicated = kv > 0 && kv < tp && tp.is_multiple_of(kv);
+        if tp == 0 || !(kv.is_multiple_of(tp) || replicated) {
+            return Err(ModelError::TensorParallel { field: "num_key_value_heads", value: kv, tp });
         }
     }
     Ok(())
@@ -424,10 +468,11 @@ mod tests {
     #[test]
     fn shards_are_blocks_of_the_whole_parameter() {
         let whole = || vec![("w".to_string(), vec![2, 4], (0..8).map(|x| x as f32).collect())];
-        let cols = shard_values(whole(), TensorShard::new(1, 2), |_| Some(1));
+        let split = |dim| move |_: &str| Some(Split { dim, replicas: 1 });
+        let cols = shard_values(whole(), TensorShard::new(1, 2), split(1));
         assert_eq!(cols[0].1, vec![2, 2]);
         assert_eq!(cols[0].2, vec![2.0, 3.0, 6.0, 7.0]);
-        let rows = shard_values(whole(), TensorShard::new(1, 2), |_| Some(0));
+        let rows = shard_values(whole(), TensorShard::new(1, 2), split(0));
         assert_eq!((rows[0].1.clone(), rows[0].2.clone()), (vec![1, 4], vec![4.0, 5.0, 6.0, 7.0]));
         let kept = shard_values(whole(), TensorShard::new(1, 2), |_| None);
         assert_eq!(kept[0].2.len(), 8);
@@ -501,6 +546,23 @@ mod tests {
         assert!(saved(true, &all) > saved(true, &pointwise), "save-all keeps the gathered inputs");
     }
 
+    /// One key/value head at tp = 2: both ranks hold it whole (each block held by 2 ranks).
+    #[test]
+    fn a_key_value_head_is_replicated_when_fewer_than_tp() {
+        let s = split_of("model.layers.0.self_attn.k_proj.weight", true, 1, 2);
+        assert_eq!(s, Some(Split { dim: 0, replicas: 2 }));
+        assert_eq!(
+            split_of("model.layers.0.self_attn.q_proj.weight", true, 1, 2).map(|s| s.replicas),
+            Some(1)
+        );
+        for index in 0..2 {
+            assert_eq!(TensorShard::new(index, 2).block_of(16, 2), Some(0..16));
+        }
+        // 2 heads over tp = 4: ranks 0, 1 hold head 0; ranks 2, 3 head 1.
+        assert_eq!(TensorShard::new(3, 4).block_of(32, 2), Some(16..32));
+        assert_eq!(TensorShard::new(1, 4).block_of(32, 2), Some(0..16));
+    }
+
     #[test]
     fn a_degree_that_does_not_divide_is_named() {
         let cfg = LlamaConfig::tiny();
@@ -508,10 +570,21 @@ mod tests {
             cfg.check_tp(3),
             Err(ModelError::TensorParallel { field: "num_attention_heads", value: 4, tp: 3 })
         );
-        let gqa = LlamaConfig { num_key_value_heads: Some(1), ..LlamaConfig::tiny() };
-        let e = gqa.check_tp(2).unwrap_err();
-        assert_eq!(e, ModelError::TensorParallel { field: "num_key_value_heads", value: 1, tp: 2 });
-        assert!(e.to_string().contains("`num_key_value_heads` = 1 does not split over tp = 2"), "{e}");
+        // Fewer key/value heads than tp is fine where they divide it (replicated), not otherwise:
+        // 6 heads, 2 key/value heads, tp = 3.
+        let mqa = LlamaConfig { num_key_value_heads: Some(1), ..LlamaConfig::tiny() };
+        assert_eq!(mqa.check_tp(2), Ok(()));
+        let gqa = LlamaConfig {
+            num_attention_heads: 6,
+            num_key_value_heads: Some(2),
+            head_dim: Some(16),
+            intermediate_size: 192,
+            vocab_size: 258,
+            ..LlamaConfig::tiny()
+        };
+        let e = gqa.check_tp(3).unwrap_err();
+        assert_eq!(e, ModelError::TensorParallel { field: "num_key_value_heads", value: 2, tp: 3 });
+        assert!(e.to_string().contains("`num_key_value_heads` = 2 does not split over tp = 3"), "{e}");
         assert!(cfg.check_tp(0).is_err());
         assert_eq!(cfg.check_tp(4), Ok(()));
     }

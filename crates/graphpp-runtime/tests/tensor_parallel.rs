@@ -158,6 +158,38 @@ fn a_checkpoint_resumes_under_another_tensor_parallel_degree() {
     assert!(close(&got, &want[2..]), "tp=1 → tp=2 dp=2 fsdp: {got:?} vs {:?}", &want[2..]);
 }
 
+/// Key/value heads fewer than tp (one, multi-query attention, at tp = 2): each rank holds the
+/// whole head, as Megatron replicates it, and the two ranks' partial gradients of it are summed;
+/// gradients equal one device's (with sequence parallelism and FSDP too), and a checkpoint's
+/// whole tensors go into the shards and come back whole.
+#[test]
+fn key_value_heads_fewer_than_tp_are_replicated() {
+    let mqa = LlamaConfig { num_key_value_heads: Some(1), ..gqa() };
+    for kind in [Kind::OneFOneB, Kind::DualPipeV] {
+        for (dp, fsdp, sp) in [(1, false, false), (2, true, true)] {
+            let shape = Shape::new(2, kind.default_stages_per_rank(), 4);
+            let mut setup = VerifySetup::new(mqa.clone(), kind, shape, 2, 8);
+            (setup.train.dp, setup.train.fsdp, setup.train.tp, setup.train.seed) = (dp, fsdp, 2, 7);
+            setup.train.sequence_parallel = sp;
+            let r = verify_step(&setup).unwrap();
+            assert!(r.passes(TOLERANCE), "{kind} dp={dp} sp={sp}: {r:?}");
+        }
+    }
+    let make = |tp: usize| {
+        let s = TrainSetup { model: std::sync::Arc::new(mqa.clone()), ..setup(Kind::OneFOneB, 1, false, tp) };
+        Trainer::new(s).unwrap()
+    };
+    let mut one = make(1);
+    one.step(random_microbatches(256, 4, 2, 8, 3).unwrap()).unwrap();
+    let saved: HashMap<_, _> = one.gather_state(true).unwrap().unwrap().into_iter().collect();
+    let mut two = make(2);
+    two.load_state(&saved).unwrap();
+    let again: HashMap<_, _> = two.gather_state(true).unwrap().unwrap().into_iter().collect();
+    for (name, t) in &saved {
+        assert!(common::same(&again[name], t), "{name} changed through the tp = 2 shards");
+    }
+}
+
 /// A degree that does not split the heads is refused before anything is built, naming the
 /// field.
 #[test]

@@ -117,25 +117,32 @@ fn data_parallel_and_fsdp_steps_match_one_device() {
 }
 
 /// `--tp 2` (with `--dp 2 --fsdp`, and with `--sequence-parallel`) on the grouped-query, biased, tied-embedding HF fixture's
-/// config: its gradients, gathered whole, equal one device's; a key/value head count tp does not
-/// divide is refused naming the field.
+/// config: its gradients, gathered whole, equal one device's — also at `--tp 4`, where each of
+/// its 2 key/value heads is held by 2 ranks; a head count tp does not divide is refused naming
+/// the field.
 #[test]
 fn tensor_parallel_steps_match_one_device() {
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny-llama-gelu/config.json");
     let base = ["--schedule", "1f1b", "--ranks", "2", "--microbatches", "4", "--microbatch-size", "2"];
     let sp = ["--tp", "2", "--sequence-parallel", "--dp", "2", "--fsdp"];
-    for extra in [&["--tp", "2"][..], &["--tp", "2", "--dp", "2", "--fsdp"][..], &sp[..]] {
+    // tp 4 over the 2 key/value heads: each held by 2 ranks.
+    let kv = ["--tp", "4", "--seq-len", "8"];
+    for extra in [&["--tp", "2"][..], &["--tp", "2", "--dp", "2", "--fsdp"][..], &sp[..], &kv[..]] {
         let out = verify(&[&base[..], &["--model", config], extra].concat());
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
-        let says = if extra.contains(&"--sequence-parallel") { " tp=2 sp " } else { " tp=2 " };
+        let says = match extra {
+            e if e.contains(&"--sequence-parallel") => " tp=2 sp ",
+            e if e.contains(&"4") => " tp=4 ",
+            _ => " tp=2 ",
+        };
         assert!(text.lines().next().unwrap().contains(says), "{text}");
         assert!(number(&text, "gradients:", "max relative difference") <= 1e-5, "{text}");
     }
-    let out = verify(&[&base[..], &["--model", config, "--tp", "4"]].concat());
+    let out = verify(&[&base[..], &["--model", config, "--tp", "3"]].concat());
     assert_eq!(out.status.code(), Some(1));
     let e = String::from_utf8_lossy(&out.stderr);
-    assert!(e.contains("`num_key_value_heads` = 2 does not split over tp = 4"), "{e}");
+    assert!(e.contains("`num_attention_heads` = 4 does not split over tp = 3"), "{e}");
 }
 
 /// `--ep 2` (pp = 2, so 4 ranks: --dp defaults to --ep) under 1f1b, zbv and dualpipev equals

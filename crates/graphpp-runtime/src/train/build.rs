@@ -222,8 +222,9 @@ impl StageBuild<'_> {
                             name,
                         });
                     }
-                    let t = tensor_parallel_shard(t, model.tensor_parallel_dim(&name), spec.tp)
-                        .map_err(|reason| SetupError::Parameter { name: name.clone(), reason })?;
+                    let t =
+                        tensor_parallel_shard(t, model.tensor_parallel_split(&name, spec.tp.size), spec.tp)
+                            .map_err(|reason| SetupError::Parameter { name: name.clone(), reason })?;
                     env.insert(
                         name,
                         t.to_dtype(crate::kernels::tensor::candle_dtype(opts.parameter_dtype()))?,
@@ -303,21 +304,22 @@ pub fn run_byte_model(setup: &crate::TrainSetup, schedule: &Schedule) -> Result<
     byte_model(&refs, schedule)
 }
 
-/// Shard `tp` of the whole parameter `t` split along `dim` (block `tp.index` of `tp.size` equal
-/// blocks, [`graphpp_models::TensorShard::block`]); `t` itself for a replicated one (`dim`
+/// Shard `tp` of the whole parameter `t` split as `split` says (rank `tp`'s block,
+/// [`graphpp_models::TensorShard::block_of`]); `t` itself for a replicated one (`split`
 /// `None`) or without tensor parallelism.
 ///
 /// # Errors
-/// A reason when `dim` is outside `t` or tp does not divide it (a whole tensor of another
-/// shape than the model's).
+/// A reason when the dimension is outside `t` or the blocks do not divide it (a whole tensor of
+/// another shape than the model's).
 pub fn tensor_parallel_shard(
     t: &candle_core::Tensor,
-    dim: Option<usize>,
+    split: Option<graphpp_models::tensor_parallel::Split>,
     tp: graphpp_models::TensorShard,
 ) -> Result<candle_core::Tensor, String> {
-    let Some(d) = dim.filter(|_| tp.is_split()) else { return Ok(t.clone()) };
+    let Some(split) = split.filter(|_| tp.is_split()) else { return Ok(t.clone()) };
+    let d = split.dim;
     let len = t.dim(d).map_err(|e| e.to_string())?;
-    let block = tp.block(len).ok_or_else(|| {
+    let block = tp.block_of(len, split.replicas).ok_or_else(|| {
         format!("shape {:?}: dimension {d} ({len}) does not split over tp = {}", t.dims(), tp.size)
     })?;
     t.narrow(d, block.start, block.len()).map_err(|e| e.to_string())

@@ -443,10 +443,16 @@ impl RankTrainer {
                 owned.entry(owner).or_default().push(name.clone());
             }
             let here = mine.contains(&name);
-            let split = setup.model.tensor_parallel_dim(&name).is_some();
-            // Under sequence parallelism a replicated parameter read by sequence shards gets a
-            // partial gradient on every tp rank: its copies span the tp group too.
-            let tps = if setup.sequence_parallel && !split { 0..setup.tp } else { tp_index..tp_index + 1 };
+            let split = setup.model.tensor_parallel_split(&name, setup.tp).filter(|_| setup.tp > 1);
+            // A partial gradient on several tp ranks is summed over them: under sequence
+            // parallelism a replicated parameter's (read by sequence shards), and a block held
+            // by several ranks (replicated key/value heads).
+            let replicas = split.map_or(1, |s| s.replicas);
+            let first = tp_index - tp_index % replicas;
+            let tps = match split {
+                None if setup.sequence_parallel => 0..setup.tp,
+                _ => first..first + replicas,
+            };
             if hs.len() * tps.len() > 1 && here {
                 let ranks = hs
                     .iter()
@@ -457,7 +463,13 @@ impl RankTrainer {
                 copies
                     .push(Copies { group: Group::new(format!("copies.{name}"), ranks)?, name: name.clone() });
             }
-            counts_here.push(hs.first() == Some(&me) && here && (tp_index == 0 || split));
+            // The norm counts a replicated parameter at tp index 0, a split one at the first
+            // holder of each block.
+            let counted = match split {
+                Some(_) => tp_index % replicas == 0,
+                None => tp_index == 0,
+            };
+            counts_here.push(hs.first() == Some(&me) && here && counted);
             lead_replica.push(lead);
             all_names.push(name);
         }

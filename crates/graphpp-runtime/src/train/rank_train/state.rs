@@ -87,10 +87,11 @@ impl RankTrainer {
         Ok(full.into_iter().chain(step).collect())
     }
 
-    /// The tensor-parallel dimension of a parameter or moment key (`None` without tensor
+    /// How tensor parallelism splits a parameter or moment key (`None` without tensor
     /// parallelism or for a replicated parameter).
-    fn tp_dim(&self, key: &str) -> Option<usize> {
-        (self.setup.tp > 1).then(|| self.setup.model.tensor_parallel_dim(parameter_of(key))).flatten()
+    fn tp_split(&self, key: &str) -> Option<graphpp_models::tensor_parallel::Split> {
+        let tp = self.setup.tp;
+        (tp > 1).then(|| self.setup.model.tensor_parallel_split(parameter_of(key), tp)).flatten()
     }
 
     /// `local` (parameters, gradients or moments by name, this rank's tensor-parallel shards)
@@ -108,12 +109,19 @@ impl RankTrainer {
             return Ok(local);
         }
         let group = self.mesh.tensor_parallel_group(self.comm.rank()).map_err(SetupError::from)?;
-        let split: Vec<(String, usize)> =
-            local.keys().filter_map(|k| Some((k.clone(), self.tp_dim(k)?))).collect();
-        for (k, d) in split {
-            let t = local[&k].transpose(0, d)?.contiguous()?;
-            let whole = self.comm.all_gather(&group, &t)?.wait(self.setup.timeout)?;
-            local.insert(k, whole.transpose(0, d)?.contiguous()?);
+        let split: Vec<(String, graphpp_models::tensor_parallel::Split)> =
+            local.keys().filter_map(|k| Some((k.clone(), self.tp_split(k)?))).collect();
+        for (k, s) in split {
+            let t = local[&k].transpose(0, s.dim)?.contiguous()?;
+            let gathered = self.comm.all_gather(&group, &t)?.wait(self.setup.timeout)?;
+            // Blocks held by several ranks (replicated key/value heads) are kept once each.
+            let block = t.dim(0)?;
+            let blocks: Vec<Tensor> = (0..self.setup.tp)
+                .step_by(s.replicas.max(1))
+                .map(|r| gathered.narrow(0, r * block, block))
+                .collect::<candle_core::Result<_>>()?;
+            let whole = Tensor::cat(&blocks, 0)?;
+            local.insert(k, whole.transpose(0, s.dim)?.contiguous()?);
         }
         Ok(local)
     }
@@ -129,7 +137,7 @@ impl RankTrainer {
         let tp = graphpp_models::TensorShard::new(self.tp_index, self.setup.tp);
         let mut sliced = HashMap::new();
         for (k, t) in full {
-            let shard = crate::train::build::tensor_parallel_shard(t, self.tp_dim(k), tp)
+            let shard = crate::train::build::tensor_parallel_shard(t, self.tp_split(k), tp)
                 .map_err(|reason| StageError::Parameter { name: k.clone(), reason })?;
             sliced.insert(k.clone(), shard);
         }
