@@ -568,10 +568,16 @@ impl FeedForward for MoeConfig {
         let w = |e: usize, s: &str| p.weight(&format!("experts.{e}.{s}"));
         let routed = self.experts(b, layer, ep, x, ids, weights, &w)?;
         b.pop_scope();
+        // The shared experts follow the dense rules under tensor parallelism (column-parallel
+        // gate/up, row-parallel down, an all-reduce after it); the router and the routed experts
+        // are computed whole on every tp rank.
         let y = if self.n_shared_experts > 0 {
-            b.push_scope("shared_experts");
-            let s = mlp_at(b, x, params, &format!("{pre}.shared_experts"), self.base.hidden_act, true)?;
-            b.pop_scope();
+            let shared = format!("{pre}.shared_experts");
+            let s = b.scoped("shared_experts", |b| {
+                let x = tp.enter(b, x)?;
+                let s = mlp_at(b, x, params, &shared, self.base.hidden_act, false)?;
+                tp.exit(b, s, None)
+            })?;
             b.add2(routed, s)?
         } else {
             routed
@@ -911,6 +917,12 @@ impl crate::model::Model for MoeConfig {
             sizes.push(("intermediate_size", base.intermediate_size));
         }
         sizes.push(("vocab_size", base.vocab_size));
+        if self.n_shared_experts > 0 {
+            sizes.push((
+                "moe_intermediate_size × n_shared_experts",
+                self.moe_intermediate_size * self.n_shared_experts,
+            ));
+        }
         let kv = self.mla.is_none().then(|| base.kv_heads());
         crate::tensor_parallel::check_divides(tp, &sizes, kv)
     }

@@ -17,8 +17,9 @@
 //!   its block and sums over the group; the cross-entropy combines the blocks' maxima, sums of
 //!   exponentials and target logits by small collectives
 //!   ([`TensorShard::vocab_parallel_cross_entropy`]), so the `[N, V]` logits are never formed.
-//! - Everything else — norms, multi-head latent attention, a mixture of experts' router, routed
-//!   and shared experts — is replicated: every rank of the group computes it whole, and its
+//! - A MoE layer's shared experts follow the dense MLP's rule. Everything else — norms,
+//!   multi-head latent attention, a mixture of experts' router and routed experts (those split
+//!   over expert parallelism) — is replicated: every rank of the group computes it whole, and its
 //!   gradients are whole and equal on every rank.
 //!
 //! - With sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation in Large
@@ -334,9 +335,10 @@ pub fn split_of(name: &str, attention: bool, kv_heads: usize, tp: usize) -> Opti
 /// (`model.embed_tokens.weight`, `lm_head.weight`: rows are tokens) and the column-parallel
 /// projections' weights and biases (`self_attn.{q,k,v}_proj` when `attention` is split,
 /// `mlp.{gate,up}_proj` of a dense MLP), 1
-/// for the row-parallel weights (`self_attn.o_proj.weight`, `mlp.down_proj.weight`). The
-/// row-parallel biases, shared and routed experts (`mlp.shared_experts.…`,
-/// `mlp.experts.<e>.…`) and every other parameter are replicated.
+/// for the row-parallel weights (`self_attn.o_proj.weight`, `mlp.down_proj.weight`); a MoE
+/// layer's shared experts (`mlp.shared_experts.…`) follow the dense MLP's rule. The row-parallel
+/// biases, the router and the routed experts (`mlp.gate.weight`, `mlp.experts.<e>.…`) and every
+/// other parameter are replicated.
 pub fn shard_dim(name: &str, attention: bool) -> Option<usize> {
     if name == crate::EMBED || name == crate::LM_HEAD {
         return Some(0);
@@ -345,9 +347,9 @@ pub fn shard_dim(name: &str, attention: bool) -> Option<usize> {
     let (kind, proj, block) = (parts.next()?, parts.next()?, parts.next()?);
     let column = match (block, proj) {
         ("self_attn", "q_proj" | "k_proj" | "v_proj") if attention => true,
-        ("mlp", "gate_proj" | "up_proj") => true,
+        ("mlp" | "shared_experts", "gate_proj" | "up_proj") => true,
         ("self_attn", "o_proj") if attention => false,
-        ("mlp", "down_proj") => false,
+        ("mlp" | "shared_experts", "down_proj") => false,
         _ => return None,
     };
     match (column, kind) {
@@ -449,7 +451,8 @@ mod tests {
             ("mlp.up_proj.bias", Some(0)),
             ("mlp.down_proj.weight", Some(1)),
             ("mlp.down_proj.bias", None),
-            ("mlp.shared_experts.gate_proj.weight", None),
+            ("mlp.shared_experts.gate_proj.weight", Some(0)),
+            ("mlp.shared_experts.down_proj.weight", Some(1)),
             ("mlp.experts.5.down_proj.weight", None),
             ("mlp.gate.weight", None),
             ("input_layernorm.weight", None),

@@ -190,6 +190,24 @@ fn key_value_heads_fewer_than_tp_are_replicated() {
     }
 }
 
+/// MoE models under tensor parallelism, with and without expert parallelism: the attention
+/// (grouped-query, or multi-head latent attention replicated), the dense layers' MLPs, the shared
+/// experts and the vocabulary split; the router and routed experts computed whole on every tp
+/// rank (the experts split over ep): gradients equal one device's.
+#[test]
+fn moe_models_under_tensor_and_expert_parallelism() {
+    for name in ["moe-tiny", "moe-mla-tiny"] {
+        let model = graphpp_models::ModelConfig::preset(name).unwrap();
+        for (kind, dp, ep) in [(Kind::OneFOneB, 1, 1), (Kind::DualPipeV, 2, 2)] {
+            let shape = Shape::new(2, kind.default_stages_per_rank(), 4);
+            let mut setup = VerifySetup::new(model.clone(), kind, shape, 2, 8);
+            (setup.train.dp, setup.train.ep, setup.train.tp, setup.train.seed) = (dp, ep, 2, 11);
+            let r = verify_step(&setup).unwrap();
+            assert!(r.passes(TOLERANCE), "{name} {kind} ep={ep}: {r:?}");
+        }
+    }
+}
+
 /// A degree that does not split the heads is refused before anything is built, naming the
 /// field.
 #[test]
