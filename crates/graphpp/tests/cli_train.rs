@@ -325,10 +325,14 @@ fn bad_input_is_a_clear_error_without_checkpoints() {
         ),
         (&["--data", data, "--tp", "0"], "--tp must be at least 1"),
         (
-            &["--data", data, "--sequence-parallel"],
+            &["--data", data, "--tp", "1", "--sequence-parallel"],
             "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp 2 or more",
         ),
     ];
+    // Without --tp at all, --sequence-parallel is a usage error (clap's exit 2).
+    let out = graphpp().args(["train", "--data", data, "--sequence-parallel"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--tp <TP>"));
     for (args, want) in cases {
         let out = graphpp()
             .arg("train")

@@ -72,7 +72,7 @@ pub struct LayoutArgs {
     /// activations handed between stages split along the sequence over the tp ranks;
     /// all-gathers before the column-parallel blocks and reduce-scatters after the row-parallel
     /// ones replace the all-reduces. Needs --tp 2 or more dividing --seq-len, and a dense model.
-    #[arg(long)]
+    #[arg(long, requires = "tp")]
     pub sequence_parallel: bool,
 }
 
