@@ -57,6 +57,8 @@ pub struct PlanRequest {
     pub max_microbatches: usize,
     /// Only this pipeline depth pp (`--pp`), when set: it must divide the ranks.
     pub pp: Option<usize>,
+    /// Only this tensor-parallel degree (`--tp`), when set: it must divide the ranks.
+    pub tp: Option<usize>,
     /// Only this microbatch count m (`--microbatches`), when set, whatever `max_microbatches`
     /// says: it must divide the global batch.
     pub microbatches: Option<usize>,
@@ -297,6 +299,7 @@ fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
     }
     for (flag, pin, of, total) in [
         ("--pp", req.pp, "--ranks", req.ranks),
+        ("--tp", req.tp, "--ranks", req.ranks),
         ("--microbatches", req.microbatches, "--global-batch", req.global_batch),
     ] {
         match pin {
@@ -336,7 +339,9 @@ fn candidates(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
     // tp splits the heads: no more of it than heads (and the loop stays short for any --ranks).
     let heads = req.model.base().num_attention_heads;
     let tps = (1..=req.ranks.min(heads)).filter(|&tp| {
-        req.ranks.is_multiple_of(tp) && graphpp_models::Model::check_tp(&req.model, tp).is_ok()
+        req.ranks.is_multiple_of(tp)
+            && pinned(req.tp, tp)
+            && graphpp_models::Model::check_tp(&req.model, tp).is_ok()
     });
     for tp in tps {
         let per_tp = req.ranks / tp;
@@ -442,6 +447,7 @@ mod tests {
             recompute: vec![Recompute::SaveAll, Recompute::StageInputs],
             max_microbatches: 8,
             pp: None,
+            tp: None,
             microbatches: None,
             speed: Speed::default(),
             link_bytes_per_second: DEFAULT_LINK_BYTES_PER_SECOND,
@@ -571,10 +577,12 @@ mod tests {
         assert_eq!(plan(&r).unwrap_err().to_string(), "--pp 3 does not divide --ranks 2");
         let r = PlanRequest { microbatches: Some(3), ..request(1) };
         assert_eq!(plan(&r).unwrap_err().to_string(), "--microbatches 3 does not divide --global-batch 8");
+        let r = PlanRequest { tp: Some(3), ..request(1) };
+        assert_eq!(plan(&r).unwrap_err().to_string(), "--tp 3 does not divide --ranks 2");
     }
 
-    /// `--pp` and `--microbatches` pin the search: every row has them, and a pinned m is
-    /// searched even above `--max-microbatches`.
+    /// `--pp`, `--tp` and `--microbatches` pin the search: every row has them, and a pinned m
+    /// is searched even above `--max-microbatches`.
     #[test]
     fn pinned_pp_and_microbatches_are_the_only_ones_listed() {
         let all = plan(&request(u64::MAX)).unwrap();
@@ -585,5 +593,8 @@ mod tests {
         assert!(pinned.iter().all(|c| c.pp == 2 && c.microbatches == 8), "{pinned:?}");
         let want = all.iter().filter(|c| c.pp == 2 && c.microbatches == 8).count();
         assert_eq!(pinned.len(), want);
+        let tp2 = plan(&PlanRequest { tp: Some(2), ..request(u64::MAX) }).unwrap();
+        assert!(!tp2.is_empty() && tp2.iter().all(|c| c.tp == 2), "{tp2:?}");
+        assert_eq!(tp2.len(), all.iter().filter(|c| c.tp == 2).count());
     }
 }

@@ -33,7 +33,7 @@ pub struct PlanArgs {
     /// global training DAG — every action of every rank's lowered program, the graph each
     /// compute action runs, every dependency — and its prediction (step time, bubble, peak
     /// bytes per rank).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["ranks", "memory_per_rank", "global_batch", "max_microbatches", "pp", "microbatches", "schedule", "recompute", "top"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["ranks", "memory_per_rank", "global_batch", "max_microbatches", "pp", "tp", "microbatches", "schedule", "recompute", "top"])]
     strategy: Option<PathBuf>,
     /// With --strategy: how to print the DAG.
     #[arg(long, value_enum, default_value_t = DagFormat::Text, requires = "strategy")]
@@ -50,6 +50,9 @@ pub struct PlanArgs {
     /// Only this pipeline depth pp (train's --ranks); it must divide --ranks.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pp: Option<usize>,
+    /// Only this tensor-parallel degree (train's --tp); it must divide --ranks.
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    tp: Option<usize>,
     /// Only this microbatch count m per step (train's --microbatches); it must divide
     /// --global-batch.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
@@ -228,6 +231,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         recompute: a.recompute.clone().unwrap_or_else(|| Recompute::ALL.to_vec()),
         max_microbatches: a.max_microbatches,
         pp: a.pp,
+        tp: a.tp,
         microbatches: a.microbatches,
         speed: profile.as_ref().and_then(Profile::speed).unwrap_or_default(),
         link_bytes_per_second: a.link_gbps * 1e9,
