@@ -33,6 +33,20 @@ impl StopSignal {
         128 + self.number()
     }
 
+    /// What a process stopped by a second signal says on standard error before it exits: that
+    /// it did not finish the step or the checkpoint in progress, and that the checkpoints
+    /// already in the folder are complete (each is written to a temporary file and renamed).
+    pub fn second_signal_line(self) -> &'static [u8] {
+        match self {
+            StopSignal::Interrupt => {
+                b"graphpp: a second SIGINT: exiting at once (130); the step or checkpoint in progress is dropped, the checkpoints already written are complete\n"
+            }
+            StopSignal::Terminate => {
+                b"graphpp: a second SIGTERM: exiting at once (143); the step or checkpoint in progress is dropped, the checkpoints already written are complete\n"
+            }
+        }
+    }
+
     /// `SIGINT` or `SIGTERM`.
     pub fn name(self) -> &'static str {
         match self {
@@ -51,7 +65,8 @@ pub struct StopRequest {
 
 impl StopRequest {
     /// Installs the handlers for SIGINT and SIGTERM: the first records the signal, the second
-    /// exits the process at once with status 128 + its number.
+    /// writes one line to standard error ([`StopSignal::second_signal_line`]) and exits the
+    /// process at once with status 128 + its number.
     ///
     /// # Errors
     /// The OS refused to install a handler.
@@ -61,7 +76,16 @@ impl StopRequest {
         for s in [StopSignal::Interrupt, StopSignal::Terminate] {
             // Handlers run in registration order: the exit checks the flag before it is set, so
             // only a second signal exits.
-            signal_hook::flag::register_conditional_shutdown(s.number(), s.exit_status(), seen.clone())?;
+            let (status, line, first) = (s.exit_status(), s.second_signal_line(), seen.clone());
+            let exit_on_second = move || {
+                if first.load(Ordering::SeqCst) {
+                    // SAFETY: write(2) and _exit(2) are async-signal-safe; `line` is 'static.
+                    unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+                    signal_hook::low_level::exit(status);
+                }
+            };
+            // SAFETY: the action only loads an atomic, writes and exits (async-signal-safe).
+            unsafe { signal_hook::low_level::register(s.number(), exit_on_second) }?;
             signal_hook::flag::register_usize(s.number(), signal.clone(), s.number() as usize)?;
             signal_hook::flag::register(s.number(), seen.clone())?;
         }
