@@ -13,7 +13,9 @@
 //! The progress thread polls; when nothing happened for a while it sleeps 50 µs between polls.
 //! [`MpiComm::finish`] drains the queued sends and calls `MPI_Finalize`. A failed rank first
 //! [`Comm::abort`]s, which reaches every other rank as a message, so each of them fails its
-//! pending waits at once, reports, and finalizes too.
+//! pending waits at once, reports, and finalizes too. A rank whose `MPI_Finalize` does not return
+//! within 10 s (a peer that is alive but silent, e.g. stopped, never joins it) exits, so that
+//! `mpirun` ends the job.
 
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -123,6 +125,25 @@ impl LinkComm<MpiLink> {
     }
 }
 
+/// `MPI_Finalize` (dropping `universe`), or — when it has not returned after [`DRAIN`]: a peer
+/// that is alive but silent (stopped, hung) never reaches it — a line on standard error and
+/// `_exit(1)`, which makes `mpirun` end the job instead of waiting for that peer forever.
+fn finalize_or_exit(universe: mpi::environment::Universe) {
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Err(mpsc::RecvTimeoutError::Timeout) = done_rx.recv_timeout(DRAIN) {
+            eprintln!(
+                "MPI_Finalize did not return in {} s (another rank is silent: stopped or hung): exiting",
+                DRAIN.as_secs()
+            );
+            // SAFETY: _exit ends the process at once; MPI state is abandoned on purpose.
+            unsafe { libc::_exit(1) };
+        }
+    });
+    drop(universe);
+    let _ = done_tx.send(());
+}
+
 /// An `MPI_Isend` in flight and the buffer it reads, owned here until it completes.
 struct InFlight {
     request: Request<'static, [u8], StaticScope>,
@@ -202,7 +223,7 @@ fn progress(
                     std::mem::forget(in_flight);
                     world.abort(1);
                 }
-                drop(universe);
+                finalize_or_exit(universe);
                 return;
             }
         }

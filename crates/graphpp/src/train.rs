@@ -177,6 +177,17 @@ pub struct RunConfig {
     /// bytes over its bandwidth. It changes the timing, never the losses.
     #[serde(default)]
     pub link: Option<graphpp_comm::LinkModel>,
+    /// How long a rank waits for a message or a collective before the run fails naming the ranks
+    /// it waited for (`--timeout`, seconds; a silent peer — hung, stopped, on a dead host — ends
+    /// the run); free to change on resume.
+    #[serde(default = "default_timeout")]
+    pub timeout: f64,
+}
+
+/// `--timeout`'s default: 300 s (PyTorch's process groups wait 10–30 minutes; graphpp's
+/// messages are per microbatch, so a healthy peer answers within one step).
+pub fn default_timeout() -> f64 {
+    300.0
 }
 
 /// The default of [`RunConfig::expert_bias_update`]: DeepSeek-V3's γ (technical report §4.2).
@@ -211,6 +222,12 @@ impl RunConfig {
         }
         if self.steps == 0 {
             return Err(RunError::Config("--steps must be at least 1".into()));
+        }
+        if !(self.timeout > 0.0 && self.timeout.is_finite() && self.timeout <= 1e7) {
+            return Err(RunError::Config(format!(
+                "--timeout {} must be a number of seconds above 0 (at most 10⁷)",
+                self.timeout
+            )));
         }
         if !(self.expert_bias_update >= 0.0 && self.expert_bias_update.is_finite()) {
             return Err(RunError::Config(format!(
@@ -301,6 +318,7 @@ impl RunConfig {
             recompute: Recompute::SaveAll,
             init_from: None,
             link: None,
+            timeout: 0.0,
             ..self.clone()
         }
     }
@@ -673,7 +691,7 @@ pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         recompute: c.recompute,
         expert_bias_update: c.expert_bias_update,
         link: c.link,
-        timeout: Duration::from_secs(300),
+        timeout: Duration::from_secs_f64(c.timeout),
         dtype: c.dtype,
     })
 }

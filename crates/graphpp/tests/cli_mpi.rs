@@ -246,6 +246,53 @@ fn a_killed_rank_stops_the_run_and_the_last_checkpoint_resumes() {
     assert!(o.contains(&format!("from {} at step {newest}", ck.display())), "{o}");
 }
 
+/// A rank stopped with SIGSTOP (alive, silent): with `--timeout 5` the others fail within
+/// seconds naming the rank they waited for, and the job ends (it used to wait 300 s without a
+/// word).
+#[test]
+fn a_silent_rank_times_out_naming_it() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let metrics = d.path().join("m.jsonl");
+    let mut child = mpirun(2)
+        .args(train_args(
+            &data,
+            &["--schedule", "1f1b", "--steps", "100000", "--eval-every", "0", "--timeout", "5"],
+        ))
+        .arg("--metrics")
+        .arg(&metrics)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no steps ran");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let victim = pids_of_rank(child.id()).into_iter().find(|(_, r)| *r == 1).expect("rank 1 runs").0;
+    let stopped = Instant::now();
+    Command::new("kill").args(["-STOP", &victim.to_string()]).status().unwrap();
+    // The job must end by itself; if it does not, the stopped rank is killed so the test ends.
+    let ended = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if stopped.elapsed() > Duration::from_secs(90) {
+            Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap();
+            panic!("the job still ran 90 s after rank 1 stopped");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let waited = stopped.elapsed();
+    let _ = Command::new("kill").args(["-9", &victim.to_string()]).status();
+    let mut e = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut e).unwrap();
+    assert!(!ended.success());
+    assert!(waited < Duration::from_secs(60), "took {waited:?}");
+    assert!(e.contains("timed out after 5") && e.contains("rank 1"), "{e}");
+}
+
 /// The `graphpp` processes under `mpirun` pid `parent`, with their world rank (from their
 /// `OMPI_COMM_WORLD_RANK` environment).
 fn pids_of_rank(parent: u32) -> Vec<(u32, usize)> {

@@ -47,6 +47,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         ep: 1,
         tp: 1,
         sequence_parallel: false,
+        timeout: 300.0,
         post_validate: false,
         seq_len: 16,
         layers_per_stage: None,

@@ -372,6 +372,7 @@ fn run_config(data: PathBuf, kind: Kind, ranks: usize) -> RunConfig {
         ep: 1,
         tp: 1,
         sequence_parallel: false,
+        timeout: 300.0,
         post_validate: false,
         seq_len: 8,
         layers_per_stage: None,

@@ -156,6 +156,10 @@ pub struct TrainArgs {
     /// its link to be free), so communication costs can be measured on one machine.
     #[arg(long)]
     link: Option<graphpp_comm::LinkModel>,
+    /// Seconds a rank waits for a message or a collective before the run fails naming the ranks
+    /// it waited for (a hung or stopped peer, a dead host).
+    #[arg(long, default_value_t = graphpp::train::default_timeout(), allow_hyphen_values = true)]
+    timeout: f64,
     /// Write an HTML report of the run to DIR/index.html at the end: strategy, loss and tokens/s
     /// curves, the measured timeline of the last steps beside the simulator's prediction, a row
     /// per evaluation.
@@ -253,6 +257,7 @@ impl TrainArgs {
             dtype: self.dtype,
             expert_bias_update: self.expert_bias_update,
             link: self.link,
+            timeout: self.timeout,
         })
     }
 }
