@@ -346,6 +346,8 @@ fn bad_input_is_a_clear_error_without_checkpoints() {
         assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: {err}");
         assert_eq!(err.matches(want).count(), 1, "the cause is not repeated: {err}");
+        // A run that cannot start says why, without a warning about how it would have run.
+        assert!(!err.contains("exceed this machine's"), "{args:?}: {err}");
         assert!(!ck.exists(), "{args:?} wrote a checkpoint");
     }
 }

@@ -34,13 +34,14 @@ pub fn parse_compute_dtype(s: &str) -> Result<DType, String> {
 /// worker held a core that gemm's second thread needed); and makes the C allocator keep freed
 /// memory ([`graphpp_runtime::malloc::retain_freed_memory`]); `ranks` are this host's, every
 /// local process's ([`graphpp_runtime::kernels::threads::set_host_ranks`]: idle workers poll for work
-/// only when all of them fit the cores). Returns the threads per rank. Must run before the first
-/// tensor operation.
+/// only when all of them fit the cores). Returns the threads per rank and the oversubscription
+/// warning to print ([`OpThreads::warn`]) once the run's settings are known to be valid (an
+/// invalid run should say why, not warn first). Must run before the first tensor operation.
 ///
 /// Why: every rank is an OS thread; with candle's default (all cores per operation) the ranks'
 /// spinning worker pools fight over the cores — on this 2-core machine `graphpp train` with 2 ranks
 /// ran 2.7× slower (8.1k vs 21.9k tokens/s).
-pub fn set_op_threads(ranks: usize, explicit: Option<usize>) -> usize {
+pub fn set_op_threads(ranks: usize, explicit: Option<usize>) -> OpThreads {
     graphpp_runtime::malloc::retain_freed_memory();
     let own = std::thread::available_parallelism().map_or(1, |n| n.get());
     let host = graphpp_runtime::kernels::threads::host_cores();
@@ -54,11 +55,25 @@ pub fn set_op_threads(ranks: usize, explicit: Option<usize>) -> usize {
     let threads = graphpp_runtime::kernels::threads::op_threads();
     graphpp_runtime::kernels::threads::set_host_ranks(ranks);
     let local_rank = std::env::var(LOCAL_RANK_VAR).ok();
-    match oversubscribed(ranks, threads, host) {
-        Some(w) if first_on_host(local_rank.as_deref()) => eprintln!("{w}"),
-        _ => {}
+    let warning = oversubscribed(ranks, threads, host).filter(|_| first_on_host(local_rank.as_deref()));
+    OpThreads { threads, warning }
+}
+
+/// What [`set_op_threads`] chose.
+pub struct OpThreads {
+    /// Intra-op threads per rank.
+    pub threads: usize,
+    /// The oversubscription warning of this host, if any.
+    warning: Option<String>,
+}
+
+impl OpThreads {
+    /// Prints the oversubscription warning, if any, to standard error.
+    pub fn warn(&self) {
+        if let Some(w) = &self.warning {
+            eprintln!("{w}");
+        }
     }
-    threads
 }
 
 /// Open MPI's variable for a process's rank among those on its host.

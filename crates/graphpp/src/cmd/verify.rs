@@ -97,13 +97,14 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     } else {
         ranks.saturating_mul(dp).saturating_mul(a.layout.tp)
     };
-    crate::cmd::set_op_threads(local_ranks, None);
+    let op = crate::cmd::set_op_threads(local_ranks, None);
     let v = a.layout.stages_per_rank(kind);
     let (setup, name) = setup_of(a, kind, Shape::new(ranks, v, microbatches), dp)?;
     let tolerance = a.tolerance.unwrap_or_else(|| default_tolerance(a.dtype, a.reference_dtype));
+    setup.check().map_err(|e| flag_error(a, e))?;
+    op.warn();
     let t0 = Instant::now();
     let r = if launch.world() > 1 {
-        setup.check().map_err(|e| flag_error(a, e))?;
         // Every process runs its rank; the leader gets the gradients and compares.
         let Some(pipelined) = data_parallel_step(&setup, launch.comm())? else { return Ok(()) };
         compare(&pipelined, &single_device_step(&setup)?)?

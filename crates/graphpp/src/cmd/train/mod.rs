@@ -324,9 +324,11 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     } else {
         ranks.saturating_mul(dp).saturating_mul(a.layout.tp)
     };
-    let threads = crate::cmd::set_op_threads(local_ranks, a.threads_per_rank.map(|n| n as usize));
+    let op = crate::cmd::set_op_threads(local_ranks, a.threads_per_rank.map(|n| n as usize));
     // `_lock` holds the checkpoint folder for the whole run.
     let (mut run, mut metrics, _lock) = start(a, launch)?;
+    op.warn();
+    let threads = op.threads;
     print_header(&run, threads, launch.world())?;
     let options = FitOptions {
         last_step: a.stop_after.map_or(run.config().steps, |s| s.min(run.config().steps)),
