@@ -175,7 +175,7 @@ pub enum StrategyError {
         message: String,
     },
     /// A directive's field has an impossible value (in the file `path`, when read from one).
-    #[error("strategy{}: {directive}.{field}: {reason}", path.as_ref().map_or(String::new(), |p| format!(" {}", p.display())))]
+    #[error("{}: {directive}.{field}: {reason}", path.as_ref().map_or("strategy".to_string(), |p| format!("--strategy {}", p.display())))]
     Field {
         /// The strategy file, when the strategy came from one.
         path: Option<PathBuf>,

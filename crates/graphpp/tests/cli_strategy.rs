@@ -164,6 +164,11 @@ fn bad_strategy_files_are_refused_naming_the_directive() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(says), "case {i}: expected `{says}` in:\n{err}");
         assert!(err.contains(&format!("bad{i}.toml")), "case {i}: the file is named:\n{err}");
+        // One prefix for every strategy error: the flag and the file.
+        assert!(
+            err.contains(&format!("--strategy {}", d.path().join(format!("bad{i}.toml")).display())),
+            "case {i}: {err}"
+        );
         assert!(!d.path().join("ck").exists(), "case {i}: no work before the error");
         let out = graphpp().args(["verify", "--strategy", f.to_str().unwrap()]).output().unwrap();
         assert!(String::from_utf8_lossy(&out.stderr).contains(says), "verify, case {i}");
