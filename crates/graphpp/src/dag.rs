@@ -139,6 +139,15 @@ impl TrainingDag {
             let (a, b) = (&self.nodes[e.from], &self.nodes[e.to]);
             let _ = writeln!(out, "hop: rank {} {} -> rank {} {}", a.rank, a.action, b.rank, b.action);
         }
+        let bare_i = self.nodes.iter().find(|n| n.runs.is_none() && n.action.contains('I'));
+        if let Some(n) = bare_i {
+            let _ = writeln!(
+                out,
+                "{}: an I without a graph is a stage without the dI/dW split (the first stage: its \
+                 input is the tokens, so it has no input gradient); its W runs the full backward",
+                n.action
+            );
+        }
         out
     }
 
@@ -186,6 +195,7 @@ mod tests {
         assert_eq!(dag.count(EdgeKind::Hop), 4, "{text}");
         assert!(text.contains("hop: rank 0 0SEND_F0 -> rank 1 1RECV_F0"), "{text}");
         assert!(text.contains("hop: rank 1 1SEND_B1 -> rank 0 0RECV_B1"), "{text}");
+        assert!(!text.contains("an I without a graph"), "1F1B has no I: {text}");
         assert_eq!(dag.count(EdgeKind::Program), dag.nodes.len() - 2);
         let dot = dag.to_dot();
         assert!(dot.contains("subgraph cluster_rank1") && dot.contains("penwidth=2"), "{dot}");
@@ -201,6 +211,8 @@ mod tests {
         // The first stage has no split: I keeps its inputs, W runs the full backward.
         assert_eq!(runs("0I0"), None);
         assert_eq!(runs("0W0"), Some("full_bw"));
+        // The text says why 0I0 runs no graph.
+        assert!(dag.to_text().contains("0I0: an I without a graph is a stage without the dI/dW split"));
         // 1I0 needs 1F0 on its own rank (data) and 0I0 needs 1I0 (a hop).
         let id = |a: &str| dag.nodes.iter().find(|n| n.action == a).unwrap().id;
         assert!(dag.edges.contains(&DagEdge { from: id("1F0"), to: id("1I0"), kind: EdgeKind::Data }));
