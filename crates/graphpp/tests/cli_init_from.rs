@@ -67,35 +67,8 @@ fn verify_a_tied_pretrained_model_under_pipelines() {
 #[test]
 fn train_from_a_pretrained_folder_and_checkpoint_the_tied_matrix_once() {
     let d = tempfile::tempdir().unwrap();
-    let data = d.path().join("corpus.txt");
-    let text: String =
-        (0..300).map(|i| format!("{i}: a small corpus for a tiny pretrained model.\n")).collect();
-    std::fs::write(&data, text).unwrap();
     let ck = d.path().join("ck");
-    let (ok, _, out, err) = graphpp(&[
-        "train",
-        "--init-from",
-        GELU,
-        "--schedule",
-        "1f1b",
-        "--ranks",
-        "2",
-        "--steps",
-        "2",
-        "--microbatches",
-        "2",
-        "--microbatch-size",
-        "2",
-        "--seq-len",
-        "8",
-        "--sample-bytes",
-        "4",
-        "--data",
-        data.to_str().unwrap(),
-        "--checkpoint-dir",
-        ck.to_str().unwrap(),
-    ]);
-    assert!(ok, "{out}{err}");
+    let out = train_from(GELU, d.path(), &ck, ["--ranks", "2", "--sample-bytes", "4"]);
     assert!(out.contains("hf-tiny-llama-gelu (2 layers"), "{out}");
     let st = candle_core::safetensors::load(ck.join("step-000002.safetensors"), &candle_core::Device::Cpu)
         .unwrap();
@@ -105,36 +78,20 @@ fn train_from_a_pretrained_folder_and_checkpoint_the_tied_matrix_once() {
     assert_eq!(st["model.layers.1.self_attn.q_proj.weight"].dims(), &[32, 24]);
 }
 
-/// Trains 2 steps from `dir` with a checkpoint in `ck`, writing the corpus into `tmp`.
-fn train_from(dir: &str, tmp: &Path, ck: &Path) {
+/// Trains 2 steps of 1F1B from `dir` with a checkpoint in `ck` and `extra` flags (ranks, sample
+/// bytes), writing the corpus into `tmp`; returns standard output.
+fn train_from(dir: &str, tmp: &Path, ck: &Path, extra: [&str; 4]) -> String {
     let data = tmp.join("corpus.txt");
     let text: String =
         (0..300).map(|i| format!("{i}: a small corpus for a tiny pretrained model.\n")).collect();
     std::fs::write(&data, text).unwrap();
-    let (ok, _, out, err) = graphpp(&[
-        "train",
-        "--init-from",
-        dir,
-        "--schedule",
-        "1f1b",
-        "--ranks",
-        "1",
-        "--steps",
-        "2",
-        "--microbatches",
-        "2",
-        "--microbatch-size",
-        "2",
-        "--seq-len",
-        "8",
-        "--sample-bytes",
-        "0",
-        "--data",
-        data.to_str().unwrap(),
-        "--checkpoint-dir",
-        ck.to_str().unwrap(),
-    ]);
+    let mut args = vec!["train", "--init-from", dir, "--schedule", "1f1b", "--steps", "2"];
+    args.extend(["--microbatches", "2", "--microbatch-size", "2", "--seq-len", "8"]);
+    args.extend(["--data", data.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()]);
+    args.extend(extra);
+    let (ok, _, out, err) = graphpp(&args);
     assert!(ok, "{out}{err}");
+    out
 }
 
 /// `graphpp export` writes a trained checkpoint as a Hugging Face folder: the config reads back
@@ -147,7 +104,7 @@ fn a_checkpoint_exports_as_a_folder_that_init_from_reads() {
     for (dir, tensors) in [(GELU, 34), (DEEPSEEK, 0)] {
         let d = tempfile::tempdir().unwrap();
         let (ck, hf) = (d.path().join("ck"), d.path().join("hf"));
-        train_from(dir, d.path(), &ck);
+        train_from(dir, d.path(), &ck, ["--ranks", "1", "--sample-bytes", "0"]);
         let (ok, _, out, err) = graphpp(&["export", ck.to_str().unwrap(), "--output", hf.to_str().unwrap()]);
         assert!(ok, "{out}{err}");
         assert!(out.contains("(step 2)"), "{out}");

@@ -188,18 +188,8 @@ fn a_killed_rank_stops_the_run_and_the_last_checkpoint_resumes() {
     let data = corpus(d.path());
     let ck = d.path().join("ck");
     let metrics = d.path().join("m.jsonl");
-    let mut child = mpirun(2)
-        .args(train_args(
-            &data,
-            &["--schedule", "1f1b", "--steps", "100000", "--eval-every", "5", "--checkpoint-dir"],
-        ))
-        .arg(&ck)
-        .arg("--metrics")
-        .arg(&metrics)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let ck_flag = ["--eval-every", "5", "--checkpoint-dir", ck.to_str().unwrap()];
+    let mut child = spawn_two_ranks(&data, &ck_flag, &metrics);
     // Wait for two checkpoints, then kill rank 1 (the second `graphpp` child of mpirun).
     let t0 = Instant::now();
     while checkpoint::sidecars(&ck).map_or(0, |s| s.len()) < 2 {
@@ -254,17 +244,7 @@ fn a_silent_rank_times_out_naming_it() {
     let d = tempfile::tempdir().unwrap();
     let data = corpus(d.path());
     let metrics = d.path().join("m.jsonl");
-    let mut child = mpirun(2)
-        .args(train_args(
-            &data,
-            &["--schedule", "1f1b", "--steps", "100000", "--eval-every", "0", "--timeout", "5"],
-        ))
-        .arg("--metrics")
-        .arg(&metrics)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_two_ranks(&data, &["--eval-every", "0", "--timeout", "5"], &metrics);
     let t0 = Instant::now();
     while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < 2 {
         assert!(t0.elapsed() < Duration::from_secs(120), "no steps ran");
@@ -291,6 +271,20 @@ fn a_silent_rank_times_out_naming_it() {
     assert!(!ended.success());
     assert!(waited < Duration::from_secs(60), "took {waited:?}");
     assert!(e.contains("timed out after 5") && e.contains("rank 1"), "{e}");
+}
+
+/// A long 1F1B training run (100,000 steps) as two processes with `extra` flags, its metrics in
+/// `metrics`, standard error piped: the tests stop or kill a rank of it.
+fn spawn_two_ranks(data: &Path, extra: &[&str], metrics: &Path) -> std::process::Child {
+    let long = [&["--schedule", "1f1b", "--steps", "100000"][..], extra].concat();
+    mpirun(2)
+        .args(train_args(data, &long))
+        .arg("--metrics")
+        .arg(metrics)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
 }
 
 /// The `graphpp` processes under `mpirun` pid `parent`, with their world rank (from their

@@ -202,6 +202,22 @@ fn trains_evaluates_checkpoints_and_traces() {
     }
 }
 
+/// Runs `graphpp train` on `data` with [`SMALL`], `length` (steps, evaluation) and `--metrics
+/// dir/<name>` plus the extra flags given to the returned closure; each run must succeed.
+fn metered_runs<'a>(data: &'a Path, dir: &'a Path, length: [&'a str; 4]) -> impl Fn(&str, &[&str]) + 'a {
+    move |metrics: &str, extra: &[&str]| {
+        let out = graphpp()
+            .args(["train", "--data", data.to_str().unwrap()])
+            .args(length)
+            .args(SMALL)
+            .args(["--metrics", dir.join(metrics).to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
 fn losses(path: &Path) -> Vec<serde_json::Value> {
     let text = std::fs::read_to_string(path).unwrap();
     text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
@@ -214,16 +230,7 @@ fn cli_resume_continues_the_loss_sequence() {
     let d = tempfile::tempdir().unwrap();
     let data = corpus(d.path());
     let ck = d.path().join("ck");
-    let run = |metrics: &str, extra: &[&str]| {
-        let out = graphpp()
-            .args(["train", "--data", data.to_str().unwrap(), "--steps", "15", "--eval-every", "5"])
-            .args(SMALL)
-            .args(["--metrics", d.path().join(metrics).to_str().unwrap()])
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    };
+    let run = metered_runs(&data, d.path(), ["--steps", "15", "--eval-every", "5"]);
     run("a.jsonl", &[]);
     run("b.jsonl", &["--stop-after", "5", "--checkpoint-dir", ck.to_str().unwrap()]);
     run("b.jsonl", &["--resume", "--checkpoint-dir", ck.to_str().unwrap()]);
@@ -244,16 +251,7 @@ fn tensor_parallel_training_logs_the_losses_of_one_rank_per_stage() {
     let d = tempfile::tempdir().unwrap();
     let data = corpus(d.path());
     let ck = d.path().join("ck");
-    let run = |metrics: &str, extra: &[&str]| {
-        let out = graphpp()
-            .args(["train", "--data", data.to_str().unwrap(), "--steps", "20", "--eval-every", "10"])
-            .args(SMALL)
-            .args(["--metrics", d.path().join(metrics).to_str().unwrap()])
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    };
+    let run = metered_runs(&data, d.path(), ["--steps", "20", "--eval-every", "10"]);
     run("tp1.jsonl", &[]);
     run("tp2.jsonl", &["--tp", "2"]);
     run("moved.jsonl", &["--tp", "2", "--stop-after", "10", "--checkpoint-dir", ck.to_str().unwrap()]);
