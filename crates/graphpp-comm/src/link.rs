@@ -100,6 +100,12 @@ impl Inbox {
         self.ends[self.rank].abort(reason);
     }
 
+    /// Whether this rank was stopped: by itself ([`Comm::abort`]), by another rank's abort, or
+    /// by [`Inbox::abort_local`].
+    pub fn is_aborted(&self) -> bool {
+        self.ends[self.rank].aborted().is_some()
+    }
+
     /// Starts, on the proxy of the sender, the collective it contributed to.
     fn replay(
         &self,

@@ -13,9 +13,9 @@
 //! The progress thread polls; when nothing happened for a while it sleeps 50 µs between polls.
 //! [`MpiComm::finish`] drains the queued sends and calls `MPI_Finalize`. A failed rank first
 //! [`Comm::abort`]s, which reaches every other rank as a message, so each of them fails its
-//! pending waits at once, reports, and finalizes too. A rank whose `MPI_Finalize` does not return
-//! within 10 s (a peer that is alive but silent, e.g. stopped, never joins it) exits, so that
-//! `mpirun` ends the job.
+//! pending waits at once, reports, and finalizes too. A failed rank whose `MPI_Finalize` does
+//! not return within 10 s (a peer that is alive but silent, e.g. stopped, never joins it) exits,
+//! so that `mpirun` ends the job; a healthy rank waits in it as long as the others work.
 
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -125,9 +125,10 @@ impl LinkComm<MpiLink> {
     }
 }
 
-/// `MPI_Finalize` (dropping `universe`), or — when it has not returned after [`DRAIN`]: a peer
-/// that is alive but silent (stopped, hung) never reaches it — a line on standard error and
-/// `_exit(1)`, which makes `mpirun` end the job instead of waiting for that peer forever.
+/// `MPI_Finalize` (dropping `universe`) for a rank whose run failed, or — when it has not
+/// returned after [`DRAIN`]: a peer that is alive but silent (stopped, hung) never reaches it —
+/// a line on standard error and `_exit(1)`, which makes `mpirun` end the job instead of waiting
+/// for that peer forever.
 fn finalize_or_exit(universe: mpi::environment::Universe) {
     let (done_tx, done_rx) = mpsc::channel::<()>();
     std::thread::spawn(move || {
@@ -223,7 +224,14 @@ fn progress(
                     std::mem::forget(in_flight);
                     world.abort(1);
                 }
-                finalize_or_exit(universe);
+                // A healthy rank finalizes and waits there for the leader's last solo work (the
+                // final checkpoint, the sample, the report); one whose run failed must not wait
+                // for a peer that may never come.
+                if inbox.is_aborted() {
+                    finalize_or_exit(universe);
+                } else {
+                    drop(universe);
+                }
                 return;
             }
         }

@@ -7,7 +7,9 @@
 //!   saved values, then the tangents; outputs: the `grad.*` outputs of the joint graph.
 //! * Values derived only from parameters, buffers and constants (e.g. a transposed weight) are
 //!   recomputed in the backward instead of saved: they do not depend on the microbatch.
-//! * Collective results are always saved, never recomputed (no extra communication in bw).
+//! * Collective results are saved, not recomputed (no extra communication in bw) — except a
+//!   sequence-parallel all-gather of activations under a recomputing policy, which the backward
+//!   runs again from the saved shard, as Megatron-LM does ([`regathered`]).
 
 use crate::error::Result;
 use crate::extract::{input_order, Extractor};
@@ -136,8 +138,8 @@ fn classify(g: &Graph, x: ValueId, policy: &RecomputePolicy, param_only: &[bool]
     }
 }
 
-/// Whether `x` — the wait of a sequence-parallel all-gather of activations (over a group sharing
-/// one loss: `tp`), or a reshape of one (a projection reads its input as `[B·T, D]`) — is
+/// Whether `x` — the wait of a sequence-parallel all-gather of activations (along axis 1 of a
+/// `[B, T/tp, D]` value, over a group sharing one loss: `tp`), or a reshape of one (a projection reads its input as `[B·T, D]`) — is
 /// gathered again in the backward from the saved shard instead of being saved whole: what
 /// Megatron-LM does under sequence parallelism (Korthikanti et al. 2022, §4.2.2: only the shard
 /// is kept), under every policy that recomputes (not [`RecomputePolicy::SaveAll`]). The backward
@@ -154,9 +156,14 @@ fn regathered(g: &Graph, x: ValueId, policy: &RecomputePolicy) -> bool {
         return false;
     }
     let start = g.node(g.node(x).inputs[0]);
-    let Op::CollectiveStart { kind: CollectiveKind::AllGather, group, .. } = start.op else { return false };
-    let operand = &g.node(start.inputs[0]).op;
-    group.mesh_axis.shares_loss() && !matches!(operand, Op::Input { kind: InputKind::Parameter, .. })
+    let Op::CollectiveStart { kind: CollectiveKind::AllGather, group, axis: 1 } = start.op else {
+        return false;
+    };
+    // Along the sequence of a [B, T/tp, D] activation: not a parameter, not a [N, 1] statistic.
+    let operand = g.node(start.inputs[0]);
+    group.mesh_axis.shares_loss()
+        && operand.ty.shape.len() == 3
+        && !matches!(operand.op, Op::Input { kind: InputKind::Parameter, .. })
 }
 
 /// The forward values [`RecomputePolicy::Pointwise`] recomputes: unary, affine and binary values

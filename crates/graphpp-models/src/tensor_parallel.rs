@@ -3,7 +3,8 @@
 //! rank builds is its shard of the layer, with the collectives as graph ops over the `tp` group.
 //!
 //! - Attention: `q_proj`, `k_proj`, `v_proj` are column-parallel (rows split: each rank holds
-//!   `H / tp` query heads and `KV / tp` key/value heads, so tp must divide both), `o_proj` is
+//!   `H / tp` query heads and `KV / tp` key/value heads — one, held by `tp / KV` ranks, when there
+//!   are fewer key/value heads than ranks, as Megatron replicates them), `o_proj` is
 //!   row-parallel (columns split); its partial outputs are summed by an all-reduce, then its bias
 //!   (if any) is added once.
 //! - MLP: `gate_proj` and `up_proj` column-parallel (the width `F` split), `down_proj`
@@ -27,14 +28,13 @@
 //!   and the stage's input and output are split along the sequence: each rank holds `T / tp`
 //!   tokens. f becomes an all-gather along the sequence before each column-parallel block, g a
 //!   reduce-scatter after each row-parallel one (their adjoints: reduce-scatter and all-gather).
-//!   The first stage embeds its own tokens, the last computes the loss of its own tokens and
-//!   averages it over the group (an all-reduce); the replicated parameters read by sequence
-//!   shards (norms, embedding, LM head, row-parallel biases) get one partial gradient per rank,
-//!   which the trainer sums over the group.
+//!   The vocabulary-parallel embedding reduce-scatters to the rank's tokens; the LM head gathers
+//!   the sequence back; the replicated parameters read by sequence shards (norms, row-parallel
+//!   biases) get one partial gradient per rank, which the trainer sums over the group.
 //!
-//! The rule for which parameter is split along which dimension is [`shard_dim`]; the initial
-//! weights of a shard are the rows or columns of the full parameter ([`shard_values`]), so any
-//! tp gives the same model.
+//! The rule for which parameter is split along which dimension, and by how many ranks each
+//! block is held, is [`split_of`]; the initial weights of a shard are the rows or columns of the
+//! full parameter ([`shard_values`]), so any tp gives the same model.
 
 use graphpp_graph::{CollectiveKind, CommGroup, GraphBuilder, MeshAxis, Region, ValueId};
 
@@ -76,6 +76,15 @@ impl TensorShard {
         self.block_of(whole, 1)
     }
 
+    /// The tp indices holding this rank's block when each block is held by `replicas` ranks
+    /// (`index − index mod replicas ..`, `replicas` of them): their gradients of it are summed,
+    /// and the first counts it in the norm.
+    pub fn holders(&self, replicas: usize) -> std::ops::Range<usize> {
+        let replicas = replicas.max(1);
+        let first = self.index - self.index % replicas;
+        first..first + replicas
+    }
+
     /// This rank's block of a dimension of `whole` elements cut into `size / replicas` parts,
     /// each held by `replicas` consecutive ranks (key/value heads fewer than tp: Megatron's
     /// replication): part `index / replicas`; `None` when the parts do not divide `whole` or
@@ -107,32 +116,6 @@ impl TensorShard {
         }
     }
 
-    /// This rank's tokens of `x` `[B, T, …]` along the sequence (axis 1): `[B, T/tp, …]` from
-    /// `index · T/tp`, with sequence parallelism; `x` itself otherwise.
-    ///
-    /// # Errors
-    /// Building the node.
-    pub fn local_tokens(&self, b: &mut GraphBuilder, x: ValueId) -> Result<ValueId, ModelError> {
-        if !self.splits_sequence() {
-            return Ok(x);
-        }
-        let per = b.shape(x)[1] / self.size;
-        Ok(b.slice(x, 1, self.index * per, (self.index + 1) * per)?)
-    }
-
-    /// The mean over the group of a per-rank mean `loss` over equally many tokens (an all-reduce
-    /// and a scale by `1 / tp`) with sequence parallelism; `loss` itself otherwise.
-    ///
-    /// # Errors
-    /// Building the nodes.
-    pub fn mean_loss(&self, b: &mut GraphBuilder, loss: ValueId) -> Result<ValueId, ModelError> {
-        if !self.splits_sequence() {
-            return Ok(loss);
-        }
-        let sum = self.reduce(b, CollectiveKind::AllReduce, 0, loss)?;
-        Ok(b.scale(sum, 1.0 / self.size as f64)?)
-    }
-
     /// `kind` over the group along `axis` on `x`, in the comm region `tp.<kind>`.
     fn reduce(
         &self,
@@ -155,8 +138,8 @@ impl TensorShard {
     /// This rank's vocabulary block's view of the token ids `ids` `[n, 1]` (u32): the ids
     /// minus the block's first, clamped into the block (u32 `[n, 1]`, for row gathers), and a
     /// mask `[n, 1]` in `wide` (1 where the id falls in the block, else 0). Built of float ops
-    /// only (ids below 2²⁴ are exact in f32): `clamp(x, 0, K) = K − relu(K − relu(x))`, each relu
-    /// a max over `[x, 0]`.
+    /// only (`wide` must hold the ids exactly: f32 below 2²⁴): `clamp(x, 0, K) = K − relu(K −
+    /// relu(x))`, each relu a max over `[x, 0]`.
     fn local_ids(
         &self,
         b: &mut GraphBuilder,
@@ -202,8 +185,9 @@ impl TensorShard {
         let shape = b.shape(tokens);
         let n: usize = shape.iter().product();
         let ids = b.reshape(tokens, vec![n, 1])?;
-        let wide = b.ty(table).dtype;
-        let (idx, mask) = self.local_ids(b, ids, vocab, wide)?;
+        // Token ids compared in f32 (exact below 2²⁴), whatever the table's dtype.
+        let (idx, mask) = self.local_ids(b, ids, vocab, graphpp_graph::DType::F32)?;
+        let mask = b.cast(mask, b.ty(table).dtype)?;
         let idx = b.reshape(idx, vec![n])?;
         let rows = b.index_select(table, idx, 0)?;
         let rows = b.mul(rows, mask)?;
@@ -239,7 +223,9 @@ impl TensorShard {
         let m = b.max(maxima, 1, true)?;
         // The shift only keeps exp in range: any constant near the maximum gives the same loss
         // and gradient. Its floor, through u32 (which carries no gradient), is such a constant
-        // — so no rounding noise flows back through the maximum (exact for |M| < 2²⁰).
+        // — so no rounding noise flows back through the maximum. (In f32, M + 2²⁰ rounds to
+        // 1/8, so the floor may be M's rounded up: within 1 of M either way, which is all the
+        // shift needs, for |M| < 2²⁰.)
         let lifted = b.affine(m, 1.0, SHIFT_OFFSET)?;
         let floor = b.cast(lifted, graphpp_graph::DType::U32)?;
         let floor = b.cast(floor, wide)?;

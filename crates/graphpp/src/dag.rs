@@ -139,7 +139,11 @@ impl TrainingDag {
             let (a, b) = (&self.nodes[e.from], &self.nodes[e.to]);
             let _ = writeln!(out, "hop: rank {} {} -> rank {} {}", a.rank, a.action, b.rank, b.action);
         }
-        let bare_i = self.nodes.iter().find(|n| n.runs.is_none() && n.action.contains('I'));
+        let is_i = |n: &&DagNode| {
+            let a = n.action.parse::<graphpp_schedule::Action>();
+            matches!(a, Ok(graphpp_schedule::Action::Compute { kind: graphpp_schedule::ComputeKind::I, .. }))
+        };
+        let bare_i = self.nodes.iter().filter(|n| n.runs.is_none()).find(is_i);
         if let Some(n) = bare_i {
             let _ = writeln!(
                 out,

@@ -310,6 +310,11 @@ fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
             _ => {}
         }
     }
+    // A pinned tp the model cannot take says why (rather than "no candidate").
+    if let Some(tp) = req.tp.filter(|&tp| tp > 0) {
+        graphpp_models::Model::check_tp(&req.model, tp)
+            .map_err(|e| PlanError::Build(format!("--tp {tp}: {e}")))?;
+    }
     for (what, value) in [
         ("seconds per FLOP", req.speed.seconds_per_flop),
         ("seconds per byte", req.speed.seconds_per_byte),
@@ -323,7 +328,7 @@ fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
 }
 
 /// Every feasible strategy of `req`, unranked, with its prediction: each split pp × dp × tp of
-/// the ranks (tp dividing the model's heads, key/value heads and MLP width; pp at most the
+/// the ranks (tp one the model accepts: [`graphpp_models::Model::check_tp`]; pp at most the
 /// layers; only `req.pp` when pinned), each kind (distinct) whose stages divide the layers, each
 /// microbatch count m (only `req.microbatches` when pinned) dividing the global batch into
 /// microbatches that split over the dp replicas, each recompute policy (distinct). Errors: [`PlanError::Build`].
@@ -579,6 +584,12 @@ mod tests {
         assert_eq!(plan(&r).unwrap_err().to_string(), "--microbatches 3 does not divide --global-batch 8");
         let r = PlanRequest { tp: Some(3), ..request(1) };
         assert_eq!(plan(&r).unwrap_err().to_string(), "--tp 3 does not divide --ranks 2");
+        // A pinned tp the model cannot take names the field, not "no candidate".
+        let two_heads =
+            graphpp_models::LlamaConfig { num_attention_heads: 2, ..graphpp_models::LlamaConfig::tiny() };
+        let r = PlanRequest { ranks: 4, tp: Some(4), model: ModelConfig::Llama(two_heads), ..request(1) };
+        let e = plan(&r).unwrap_err().to_string();
+        assert!(e.starts_with("--tp 4: ") && e.contains("`num_attention_heads` = 2"), "{e}");
     }
 
     /// `--pp`, `--tp` and `--microbatches` pin the search: every row has them, and a pinned m

@@ -39,10 +39,10 @@ impl StopSignal {
     pub fn second_signal_line(self) -> &'static [u8] {
         match self {
             StopSignal::Interrupt => {
-                b"graphpp: a second SIGINT: exiting at once (130); the step or checkpoint in progress is dropped, the checkpoints already written are complete\n"
+                b"graphpp: a second stop signal (SIGINT): exiting at once (130); the step or checkpoint in progress is dropped, the checkpoints already written are complete\n"
             }
             StopSignal::Terminate => {
-                b"graphpp: a second SIGTERM: exiting at once (143); the step or checkpoint in progress is dropped, the checkpoints already written are complete\n"
+                b"graphpp: a second stop signal (SIGTERM): exiting at once (143); the step or checkpoint in progress is dropped, the checkpoints already written are complete\n"
             }
         }
     }

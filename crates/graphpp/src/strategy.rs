@@ -88,8 +88,9 @@ pub struct Shard {
     #[serde(default = "one")]
     pub ep: usize,
     /// Tensor parallelism: each pipeline position split over this many ranks (Megatron's
-    /// column- and row-parallel projections); must divide the heads, key/value heads and MLP
-    /// width. The world is `place.ranks × dp × tp`.
+    /// column- and row-parallel projections, vocabulary-parallel embedding and head); must divide
+    /// the heads, MLP width and vocabulary, and the key/value heads (or be a multiple of them).
+    /// The world is `place.ranks × dp × tp`.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub tp: usize,
     /// Sequence parallelism over the `tp` ranks (residual stream and hand-overs split along the

@@ -184,8 +184,9 @@ pub struct RunConfig {
     pub timeout: f64,
 }
 
-/// `--timeout`'s default: 300 s (PyTorch's process groups wait 10–30 minutes; graphpp's
-/// messages are per microbatch, so a healthy peer answers within one step).
+/// `--timeout`'s default: 300 s (PyTorch's process groups wait 10–30 minutes). A healthy peer
+/// answers within one step, except while the leader evaluates, samples or writes a checkpoint
+/// alone: the timeout must exceed those.
 pub fn default_timeout() -> f64 {
     300.0
 }

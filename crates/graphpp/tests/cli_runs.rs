@@ -218,7 +218,8 @@ fn sigint_and_a_second_signal() {
     // Either the first signal's stop finished before the second arrived, or the second one
     // says why the run ended (it used to exit silently).
     assert!(
-        err.contains("stopped by SIGTERM") || err.contains("a second SIGTERM: exiting at once (143)"),
+        err.contains("stopped by SIGTERM")
+            || err.contains("a second stop signal (SIGTERM): exiting at once (143)"),
         "{err}"
     );
     if ck2.exists() {

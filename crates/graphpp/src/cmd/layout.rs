@@ -64,7 +64,8 @@ pub struct LayoutArgs {
     pub fsdp: bool,
     /// Tensor parallelism: each pipeline rank becomes this many ranks that split its decoder
     /// layers' matrices Megatron-style (attention heads and MLP width; an all-reduce after
-    /// o_proj and down_proj); must divide the heads, key/value heads and intermediate size.
+    /// o_proj and down_proj; vocabulary-parallel embedding and LM head); must divide the heads,
+    /// intermediate size and vocabulary, and the key/value heads (or be a multiple of them).
     /// The world is ranks × dp × tp.
     #[arg(long, default_value_t = 1, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub tp: usize,

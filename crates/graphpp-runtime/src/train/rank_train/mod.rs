@@ -448,10 +448,10 @@ impl RankTrainer {
             // parallelism a replicated parameter's (read by sequence shards), and a block held
             // by several ranks (replicated key/value heads).
             let replicas = split.map_or(1, |s| s.replicas);
-            let first = tp_index - tp_index % replicas;
+            let holders = graphpp_models::TensorShard::new(tp_index, setup.tp).holders(replicas);
             let tps = match split {
                 None if setup.sequence_parallel => 0..setup.tp,
-                _ => first..first + replicas,
+                _ => holders.clone(),
             };
             if hs.len() * tps.len() > 1 && here {
                 let ranks = hs
@@ -466,7 +466,7 @@ impl RankTrainer {
             // The norm counts a replicated parameter at tp index 0, a split one at the first
             // holder of each block.
             let counted = match split {
-                Some(_) => tp_index % replicas == 0,
+                Some(_) => tp_index == holders.start,
                 None => tp_index == 0,
             };
             counts_here.push(hs.first() == Some(&me) && here && counted);
