@@ -6,6 +6,7 @@ pub mod dag;
 pub mod data;
 pub mod export;
 pub mod fit;
+pub mod hardware;
 pub mod launch;
 pub mod metrics;
 pub mod plan;

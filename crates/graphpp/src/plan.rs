@@ -34,6 +34,26 @@ use crate::profile::{stage_work, PerKind, Speed, Work};
 /// Link bandwidth assumed between ranks: 10 GB/s (the order of a PCIe 4.0 x16 link).
 pub const DEFAULT_LINK_BYTES_PER_SECOND: f64 = 10e9;
 
+/// The bandwidths (bytes/s) a layout's traffic runs at: the pipeline's hand-overs, the
+/// tensor-parallel collectives and the data-parallel gradient reduction (one link everywhere, or
+/// by the links each crosses on a cluster: [`crate::hardware::Hardware::links`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Links {
+    /// Hand-overs between pipeline ranks.
+    pub hop: f64,
+    /// Tensor-parallel collectives.
+    pub tensor: f64,
+    /// The data-parallel gradient reduction.
+    pub data: f64,
+}
+
+impl Links {
+    /// One bandwidth for every kind of traffic.
+    pub fn uniform(bytes_per_second: f64) -> Links {
+        Links { hop: bytes_per_second, tensor: bytes_per_second, data: bytes_per_second }
+    }
+}
+
 /// What to plan for.
 #[derive(Debug, Clone)]
 pub struct PlanRequest {
@@ -66,6 +86,19 @@ pub struct PlanRequest {
     pub speed: Speed,
     /// Bytes per second between two ranks (pipeline hand-overs, gradient all-reduce).
     pub link_bytes_per_second: f64,
+    /// The cluster, when planning for one: its links replace `link_bytes_per_second` by the
+    /// links each layout's traffic crosses.
+    pub hardware: Option<crate::hardware::Hardware>,
+}
+
+impl PlanRequest {
+    /// The bandwidths of layout `(pp, dp, tp)`'s traffic.
+    pub fn links(&self, layout: (usize, usize, usize)) -> Links {
+        match &self.hardware {
+            Some(h) => h.links(layout),
+            None => Links::uniform(self.link_bytes_per_second),
+        }
+    }
 }
 
 /// One strategy and its predicted figures.
@@ -222,8 +255,8 @@ pub struct Prediction {
 }
 
 /// The [`Prediction`] for `schedule` (compute-only or lowered) whose stage `s` runs `graphs[s]`
-/// (a tensor-parallel rank's, whose all-reduces run over groups of `tp`), with `dp` replicas, a
-/// rank computing at `speed` and links of `link_bytes_per_second` (see the module doc).
+/// (a tensor-parallel rank's, whose collectives run over groups of `tp`), with `dp` replicas, a
+/// rank computing at `speed` and its traffic at `links` (see the module doc).
 ///
 /// # Errors
 /// [`PlanError::Build`] when the schedule cannot be simulated or a graph is missing.
@@ -232,15 +265,14 @@ pub fn predict(
     graphs: &[Arc<StageGraphs>],
     (dp, tp): (usize, usize),
     speed: &Speed,
-    link_bytes_per_second: f64,
+    links: Links,
 ) -> Result<Prediction, PlanError> {
     let work: Vec<PerKind<Work>> = graphs.iter().map(|g| stage_work(g)).collect();
     let tp_bytes: Vec<PerKind<u64>> = graphs.iter().map(|g| stage_tp_bytes(g)).collect();
-    let link = link_bytes_per_second;
     // The graphs say what a tp rank sends; the group size is the graph's own.
-    let tp_seconds_per_byte = if tp > 1 { 1.0 / link } else { 0.0 };
+    let tp_seconds_per_byte = if tp > 1 { 1.0 / links.tensor } else { 0.0 };
     let hop = graphs.first().and_then(|g| g.fw.output_by_name(OUTPUT).map(|v| g.fw.node(v).ty.size_bytes()));
-    let hop_seconds = hop.unwrap_or(0) as f64 / link;
+    let hop_seconds = hop.unwrap_or(0) as f64 / links.hop;
     let seconds = |a: &Action| action_seconds(a, (&work, &tp_bytes), speed, tp_seconds_per_byte);
     let sim = simulate_with(schedule, seconds, hop_seconds, &Memory::default())
         .map_err(|e| PlanError::Build(e.to_string()))?;
@@ -250,7 +282,7 @@ pub fn predict(
             grads[r] += graphs.get(stage).map_or(0, |g| input_bytes(g, InputKind::Parameter));
         }
     }
-    let reduce = ring(dp) * grads.into_iter().max().unwrap_or(0) as f64 / link;
+    let reduce = ring(dp) * grads.into_iter().max().unwrap_or(0) as f64 / links.data;
     let refs: Vec<&StageGraphs> = graphs.iter().map(|g| &**g).collect();
     let bytes = byte_model(&refs, schedule).map_err(|e| PlanError::Build(e.to_string()))?;
     let peak_bytes = bytes.peak_bytes(schedule).map_err(|e| PlanError::Build(e.to_string()))?;
@@ -389,7 +421,7 @@ fn layout_candidates(
             let Ok(schedule) = generate(kind, &shape, &Options::default()) else { continue };
             for &recompute in policies {
                 let graphs = schedule_graphs(req, (kind, &shape, tp), b / dp, recompute, cache)?;
-                let p = predict(&schedule, &graphs, (dp, tp), &req.speed, req.link_bytes_per_second)?;
+                let p = predict(&schedule, &graphs, (dp, tp), &req.speed, req.links((pp, dp, tp)))?;
                 let peak_bytes = p.peak_bytes.into_iter().max().unwrap_or(0);
                 out.push(Candidate {
                     kind,
@@ -456,6 +488,7 @@ mod tests {
             microbatches: None,
             speed: Speed::default(),
             link_bytes_per_second: DEFAULT_LINK_BYTES_PER_SECOND,
+            hardware: None,
         }
     }
 
@@ -545,6 +578,33 @@ mod tests {
         let cap = two.iter().filter(|c| c.tp == 1).map(|c| c.peak_bytes).min().unwrap() - 1;
         let capped = plan(&PlanRequest { memory_per_rank: cap, ..pinned }).unwrap();
         assert!(capped[0].fits && capped[0].tp == 2, "{:?}", capped[0]);
+    }
+
+    /// On a cluster the same layout costs what its traffic crosses: tp = 4 on nodes of 4
+    /// devices keeps its collectives on NVLink; on nodes of 2 they cross the network, and the
+    /// predicted step is longer (compute equal: the device is the same).
+    #[test]
+    fn a_cluster_charges_the_links_a_layout_crosses() {
+        let mut node4 = crate::hardware::Hardware::preset("h100-sxm").unwrap();
+        node4.devices_per_node = 4;
+        let node2 = crate::hardware::Hardware { devices_per_node: 2, ..node4.clone() };
+        let step = |h: crate::hardware::Hardware| {
+            let r = PlanRequest {
+                ranks: 4,
+                tp: Some(4),
+                microbatches: Some(4),
+                kinds: vec![Kind::OneFOneB],
+                speed: h.speed(DType::F32),
+                hardware: Some(h),
+                ..request(u64::MAX)
+            };
+            let all = plan(&r).unwrap();
+            let c = all.iter().find(|c| c.recompute == Recompute::SaveAll).unwrap().clone();
+            assert_eq!((c.pp, c.dp, c.tp), (1, 1, 4));
+            c.step_seconds
+        };
+        let (inside, across) = (step(node4), step(node2));
+        assert!(across > inside, "tp over the network {across} s vs inside a node {inside} s");
     }
 
     /// One rank per pipeline still lists every kind of one stage per rank: 1F1B there is

@@ -186,3 +186,49 @@ fn plan_compiles_a_strategy_into_its_training_dag() {
     let actions = format!("{} actions;", json["dag"]["nodes"].as_array().unwrap().len());
     assert!(text.contains(&actions), "{actions} {text}");
 }
+
+/// `plan --hardware`: a preset plans at its device's rates and memory (no --memory-per-rank
+/// needed) and says which; `--print-hardware` writes a TOML file that plans the same; a file with
+/// a field that is not a positive number is refused naming it; it excludes `--profile`.
+#[test]
+fn plans_for_a_cluster_from_a_preset_or_a_file() {
+    let d = tempfile::tempdir().unwrap();
+    let base = [
+        "plan",
+        "--model",
+        "tiny",
+        "--ranks",
+        "4",
+        "--global-batch",
+        "8",
+        "--max-microbatches",
+        "4",
+        "--top",
+        "3",
+    ];
+    let mut c = graphpp();
+    c.args(base).args(["--hardware", "h100-sxm", "--dtype", "bf16"]);
+    let (preset, _) = output(c, 0);
+    assert!(preset.contains("989.5 TFLOP/s of matmuls (bf16)") && preset.contains("(h100-sxm)"), "{preset}");
+    assert!(preset.contains("76293.9 MiB per rank"), "80 GB of device memory: {preset}");
+    let mut c = graphpp();
+    c.args(["plan", "--hardware", "h100-sxm", "--print-hardware"]);
+    let (toml, _) = output(c, 0);
+    let file = d.path().join("cluster.toml");
+    std::fs::write(&file, &toml).unwrap();
+    let mut c = graphpp();
+    c.args(base).args(["--dtype", "bf16", "--hardware"]).arg(&file);
+    let (from_file, _) = output(c, 0);
+    let rows = |t: &str| t.lines().skip(1).map(str::to_string).collect::<Vec<_>>();
+    assert_eq!(rows(&from_file), rows(&preset), "the printed file plans as the preset");
+    std::fs::write(&file, toml.replace("memory_bandwidth = 3350000000000.0", "memory_bandwidth = -1.0"))
+        .unwrap();
+    let mut c = graphpp();
+    c.args(base).arg("--hardware").arg(&file);
+    let (_, err) = output(c, 1);
+    assert!(err.contains("device.memory_bandwidth is -1"), "{err}");
+    let mut c = graphpp();
+    c.args(base).args(["--hardware", "h100-sxm", "--profile", "p.json"]);
+    let (_, err) = output(c, 2);
+    assert!(err.contains("cannot be used with"), "{err}");
+}

@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use graphpp::dag::TrainingDag;
-use graphpp::plan::{plan, predict, Candidate, PlanRequest};
+use graphpp::hardware::Hardware;
+use graphpp::plan::{plan, predict, Candidate, Links, PlanRequest};
 use graphpp::profile::Profile;
 use graphpp_models::Recompute;
 use graphpp_schedule::Kind;
@@ -24,10 +25,11 @@ pub struct PlanArgs {
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     layers: Option<usize>,
     /// N: ranks in all (each strategy splits them into pipeline × data-parallel × tensor-parallel).
-    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, required_unless_present = "strategy")]
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>, required_unless_present_any = ["strategy", "print_hardware"])]
     ranks: Option<usize>,
-    /// Memory of one rank: bytes, or with a unit (`512MiB`, `2GB`, `1.5GiB`).
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_bytes, required_unless_present = "strategy")]
+    /// Memory of one rank: bytes, or with a unit (`512MiB`, `2GB`, `1.5GiB`); with --hardware,
+    /// the device's by default.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_bytes, required_unless_present_any = ["strategy", "hardware"])]
     memory_per_rank: Option<u64>,
     /// Instead of searching: compile this strategy file (as `train --strategy` runs it) into its
     /// global training DAG — every action of every rank's lowered program, the graph each
@@ -67,6 +69,18 @@ pub struct PlanArgs {
     /// measured action times replaces the default (50 GFLOP/s of matmuls, 5 GB/s of other work).
     #[arg(long, value_name = "FILE")]
     profile: Option<PathBuf>,
+    /// Plan for a cluster instead of this machine: a preset (h100-sxm, h200-sxm: the vendors'
+    /// published figures) or a TOML file of the same fields. Matmuls run at the device's peak
+    /// for --dtype, other work at its memory bandwidth, each layout's traffic over the links it
+    /// crosses (tp inside a node where it fits); --memory-per-rank defaults to the device's.
+    #[arg(long, value_name = "PRESET|FILE", conflicts_with_all = ["profile", "link_gbps"])]
+    hardware: Option<String>,
+    /// With --hardware: print its description as TOML (a file to edit) and exit.
+    #[arg(long, requires = "hardware")]
+    print_hardware: bool,
+    /// Compute dtype of the stage graphs planned (default: the profile's, else f32).
+    #[arg(long, value_parser = crate::cmd::parse_compute_dtype)]
+    dtype: Option<graphpp_graph::DType>,
     /// Bandwidth between ranks in GB/s (gigabytes per second): pipeline hand-overs and the
     /// data-parallel all-reduce.
     #[arg(long, default_value_t = 10.0, allow_hyphen_values = true)]
@@ -148,7 +162,12 @@ fn row(i: usize, c: &Candidate) -> String {
 }
 
 /// `plan --strategy`: the strategy's training DAG and prediction (see [`PlanArgs::strategy`]).
-fn compile(a: &PlanArgs, path: &std::path::Path, profile: Option<&Profile>) -> Result<()> {
+fn compile(
+    a: &PlanArgs,
+    path: &std::path::Path,
+    profile: Option<&Profile>,
+    hardware: Option<&Hardware>,
+) -> Result<()> {
     let layers = a.layers.map(|l| l.to_string());
     let seq = a.seq_len.to_string();
     let mut flags = vec!["--model", a.model.as_str(), "--seq-len", seq.as_str()];
@@ -160,8 +179,11 @@ fn compile(a: &PlanArgs, path: &std::path::Path, profile: Option<&Profile>) -> R
     let schedule = setup.lowered_schedule()?;
     let graphs = graphpp_runtime::train::build::run_stage_graphs(&setup)?;
     let dag = TrainingDag::of(&schedule, &|s| graphs.get(s).is_some_and(|g| g.di_dw.is_some()))?;
-    let speed = profile.and_then(Profile::speed).unwrap_or_default();
-    let p = predict(&schedule, &graphs, (config.dp, config.tp), &speed, a.link_gbps * 1e9)?;
+    let (speed, links) = match hardware {
+        Some(h) => (h.speed(config.dtype), h.links((config.ranks, config.dp, config.tp))),
+        None => (profile.and_then(Profile::speed).unwrap_or_default(), Links::uniform(a.link_gbps * 1e9)),
+    };
+    let p = predict(&schedule, &graphs, (config.dp, config.tp), &speed, links)?;
     let text = match a.format {
         DagFormat::Text => {
             let peaks: Vec<String> = p.peak_bytes.iter().map(|&b| mib(b)).collect();
@@ -213,32 +235,55 @@ pub fn run(a: PlanArgs) -> Result<()> {
             p.model, a.model
         );
     }
-    if let Some(path) = &a.strategy {
-        return compile(&a, path, profile.as_ref());
+    let hardware = a.hardware.as_deref().map(Hardware::load).transpose()?;
+    if let Some(h) = hardware.as_ref().filter(|_| a.print_hardware) {
+        return crate::cmd::emit(&h.to_toml());
     }
-    let (Some(ranks), Some(memory_per_rank)) = (a.ranks, a.memory_per_rank) else {
+    if let Some(path) = &a.strategy {
+        return compile(&a, path, profile.as_ref(), hardware.as_ref());
+    }
+    let memory = a.memory_per_rank.or(hardware.as_ref().map(|h| h.device.memory_bytes));
+    let (Some(ranks), Some(memory_per_rank)) = (a.ranks, memory) else {
         bail!("give --ranks and --memory-per-rank (or --strategy)");
     };
     let model = crate::cmd::model::with_layers(crate::cmd::model::load_config(&a.model)?, a.layers)?;
+    let dtype = a.dtype.or(profile.as_ref().map(|p| p.dtype)).unwrap_or(graphpp_graph::DType::F32);
+    let speed = match &hardware {
+        Some(h) => h.speed(dtype),
+        None => profile.as_ref().and_then(Profile::speed).unwrap_or_default(),
+    };
     let req = PlanRequest {
         model,
         ranks,
         memory_per_rank,
         global_batch: a.global_batch,
         seq_len: a.seq_len,
-        dtype: profile.as_ref().map_or(graphpp_graph::DType::F32, |p| p.dtype),
+        dtype,
         kinds: a.schedule.clone().unwrap_or_else(|| Kind::ALL.to_vec()),
         recompute: a.recompute.clone().unwrap_or_else(|| Recompute::ALL.to_vec()),
         max_microbatches: a.max_microbatches,
         pp: a.pp,
         tp: a.tp,
         microbatches: a.microbatches,
-        speed: profile.as_ref().and_then(Profile::speed).unwrap_or_default(),
+        speed,
         link_bytes_per_second: a.link_gbps * 1e9,
+        hardware: hardware.clone(),
     };
     let all = plan(&req)?;
     let fitting = all.iter().filter(|c| c.fits).count();
-    let speed = speed_text(&a, &req, profile.as_ref());
+    let speed = match &hardware {
+        Some(h) => format!(
+            "{:.1} TFLOP/s of matmuls ({}), {:.2} TB/s of other work, links {:.0} GB/s in a node of {} and {:.0} GB/s between nodes ({})",
+            1e-12 / req.speed.seconds_per_flop,
+            req.dtype,
+            1e-12 / req.speed.seconds_per_byte,
+            h.intra_node.bandwidth / 1e9,
+            h.devices_per_node,
+            h.inter_node.bandwidth / 1e9,
+            h.name
+        ),
+        None => speed_text(&a, &req, profile.as_ref()),
+    };
     let mut text = format!(
         "plan: model {}, {ranks} ranks, {} per rank, {} sequences of {} tokens per step; {} strategies, {} fit; costs: {speed}\n",
         a.model,

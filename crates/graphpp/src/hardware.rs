@@ -1,0 +1,241 @@
+//! A cluster's hardware as data (`graphpp plan --hardware FILE`): what a device computes and
+//! holds, how many share a node, and the links inside and between nodes — so the planner can
+//! rank strategies for machines it does not run on. A TOML file, or a preset from the vendors'
+//! published figures (each preset's `source` names them).
+//!
+//! The planner's cost model reads it as rates: matmul FLOPs at the device's peak for the
+//! compute dtype, every other node's written bytes at the memory bandwidth ([`Hardware::speed`]:
+//! additive, so a bound that ignores overlap of compute and memory traffic), and each
+//! communication over the link it crosses under graphpp's rank order (tp innermost, then the
+//! pipeline, then the replicas: [`Hardware::links`]).
+
+use std::path::Path;
+
+use graphpp_graph::DType;
+use serde::{Deserialize, Serialize};
+
+use crate::profile::Speed;
+
+/// One device: peak matmul rates, memory bandwidth and capacity.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Device {
+    /// Dense f32 matmul FLOP/s (no tensor cores, no sparsity).
+    pub flops_f32: f64,
+    /// Dense bf16 matmul FLOP/s (tensor cores, no sparsity).
+    pub flops_bf16: f64,
+    /// Memory bandwidth, bytes/s.
+    pub memory_bandwidth: f64,
+    /// Memory capacity, bytes.
+    pub memory_bytes: u64,
+}
+
+/// A link class: bandwidth one way per device, and latency.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Link {
+    /// Bytes/s one way, per device.
+    pub bandwidth: f64,
+    /// Microseconds per message.
+    pub latency_us: f64,
+}
+
+/// A cluster (see the module doc).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hardware {
+    /// Name, e.g. `h100-sxm`.
+    pub name: String,
+    /// Where the figures come from.
+    pub source: String,
+    /// Devices per node (consecutive ranks share a node).
+    pub devices_per_node: usize,
+    /// Every device.
+    pub device: Device,
+    /// Between devices of one node (NVLink).
+    pub intra_node: Link,
+    /// Between nodes (the network, per device).
+    pub inter_node: Link,
+}
+
+/// Why a hardware description cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum HardwareError {
+    /// The file could not be read.
+    #[error("--hardware {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// Not TOML of a [`Hardware`] (a missing or unknown field is named).
+    #[error("--hardware {path}: {message}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// The parser's message.
+        message: String,
+    },
+    /// A figure that is not a positive finite number.
+    #[error("--hardware {path}: {field} is {value}: it must be a positive finite number")]
+    Field {
+        /// The file, or the preset's name.
+        path: String,
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+}
+
+/// The preset names.
+pub const PRESETS: [&str; 2] = ["h100-sxm", "h200-sxm"];
+
+/// NVIDIA's published H100 SXM5 figures: 67 TFLOP/s FP32, 989.5 TFLOP/s BF16 dense (1,979
+/// with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s per GPU (both ways: 450 one way),
+/// 8 GPUs per HGX node; the network one 400 Gb/s ConnectX-7 NDR port per GPU (50 GB/s).
+fn h100(name: &str, memory_bandwidth: f64, memory_bytes: u64, source: &str) -> Hardware {
+    Hardware {
+        name: name.into(),
+        source: source.into(),
+        devices_per_node: 8,
+        device: Device { flops_f32: 67e12, flops_bf16: 989.5e12, memory_bandwidth, memory_bytes },
+        intra_node: Link { bandwidth: 450e9, latency_us: 3.0 },
+        inter_node: Link { bandwidth: 50e9, latency_us: 5.0 },
+    }
+}
+
+impl Hardware {
+    /// A preset by name ([`PRESETS`]): `h100-sxm`, `h200-sxm` (an H100's compute with 141 GB of
+    /// HBM3e at 4.8 TB/s).
+    pub fn preset(name: &str) -> Option<Hardware> {
+        match name {
+            "h100-sxm" => Some(h100(
+                name,
+                3.35e12,
+                80_000_000_000,
+                "NVIDIA H100 Tensor Core GPU datasheet (SXM5: FP32 67 TFLOPS, BF16 989.5 TFLOPS dense, \
+                 80 GB HBM3 3.35 TB/s, NVLink 900 GB/s); ConnectX-7 NDR 400 Gb/s per GPU",
+            )),
+            "h200-sxm" => Some(h100(
+                name,
+                4.8e12,
+                141_000_000_000,
+                "NVIDIA H200 Tensor Core GPU datasheet (SXM: FP32 67 TFLOPS, BF16 989.5 TFLOPS dense, \
+                 141 GB HBM3e 4.8 TB/s, NVLink 900 GB/s); ConnectX-7 NDR 400 Gb/s per GPU",
+            )),
+            _ => None,
+        }
+    }
+
+    /// A preset's name or a TOML file's path.
+    ///
+    /// # Errors
+    /// [`HardwareError`]: an unreadable file, bad TOML, a figure that is not positive.
+    pub fn load(name_or_path: &str) -> Result<Hardware, HardwareError> {
+        let h = match Hardware::preset(name_or_path) {
+            Some(h) => h,
+            None => {
+                let path = name_or_path.to_string();
+                let text = crate::textfile::read_text(Path::new(name_or_path)).map_err(|e| {
+                    HardwareError::Io { path: path.clone(), source: std::io::Error::other(e.to_string()) }
+                })?;
+                toml::from_str(&text).map_err(|e| HardwareError::Parse { path, message: e.to_string() })?
+            }
+        };
+        h.check(name_or_path)?;
+        Ok(h)
+    }
+
+    /// Checks every figure is a positive finite number (and at least one device per node).
+    fn check(&self, path: &str) -> Result<(), HardwareError> {
+        let d = &self.device;
+        for (field, value) in [
+            ("device.flops_f32", d.flops_f32),
+            ("device.flops_bf16", d.flops_bf16),
+            ("device.memory_bandwidth", d.memory_bandwidth),
+            ("device.memory_bytes", d.memory_bytes as f64),
+            ("devices_per_node", self.devices_per_node as f64),
+            ("intra_node.bandwidth", self.intra_node.bandwidth),
+            ("inter_node.bandwidth", self.inter_node.bandwidth),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(HardwareError::Field { path: path.into(), field, value });
+            }
+        }
+        Ok(())
+    }
+
+    /// The device's rates for stage graphs computing in `dtype`: matmul FLOPs at its peak for
+    /// the dtype (bf16's for bf16, f32's otherwise), other nodes' bytes at the memory bandwidth.
+    pub fn speed(&self, dtype: DType) -> Speed {
+        let peak = if dtype == DType::BF16 { self.device.flops_bf16 } else { self.device.flops_f32 };
+        Speed { seconds_per_flop: 1.0 / peak, seconds_per_byte: 1.0 / self.device.memory_bandwidth }
+    }
+
+    /// The bandwidths (bytes/s) of a layout's three kinds of traffic under graphpp's rank order
+    /// (`rank = (dp_index · pp + pp_index) · tp + tp_index`, nodes of `devices_per_node`
+    /// consecutive ranks): a tp group stays in a node when tp fits one; a pipeline's hand-overs
+    /// when its `pp · tp` ranks do; the data-parallel reduction when the whole world does.
+    pub fn links(&self, (pp, dp, tp): (usize, usize, usize)) -> crate::plan::Links {
+        let fits = |ranks: usize| ranks <= self.devices_per_node;
+        let rate = |inside: bool| if inside { self.intra_node.bandwidth } else { self.inter_node.bandwidth };
+        crate::plan::Links {
+            tensor: rate(fits(tp)),
+            hop: rate(fits(pp * tp)),
+            data: rate(fits(pp * dp * tp)),
+        }
+    }
+
+    /// The TOML text of this description (what `graphpp plan --hardware` reads).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_carry_the_published_figures_and_round_trip() {
+        let h = Hardware::load("h100-sxm").unwrap();
+        assert_eq!((h.device.flops_bf16, h.device.memory_bandwidth), (989.5e12, 3.35e12));
+        assert_eq!(h.device.memory_bytes, 80_000_000_000);
+        let h200 = Hardware::load("h200-sxm").unwrap();
+        assert_eq!((h200.device.memory_bandwidth, h200.device.memory_bytes), (4.8e12, 141_000_000_000));
+        let back: Hardware = toml::from_str(&h.to_toml()).unwrap();
+        assert_eq!(back, h);
+        let s = h.speed(DType::BF16);
+        assert!((1.0 / s.seconds_per_flop - 989.5e12).abs() < 1.0);
+        assert!((1.0 / h.speed(DType::F32).seconds_per_flop - 67e12).abs() < 1.0);
+    }
+
+    /// 8 devices per node: tp 8 stays inside, pp 2 × tp 8 crosses nodes for its hand-overs, and
+    /// a 16-rank world reduces over the network.
+    #[test]
+    fn a_layouts_traffic_takes_the_links_it_crosses() {
+        let h = Hardware::load("h100-sxm").unwrap();
+        let l = h.links((2, 1, 8));
+        assert_eq!((l.tensor, l.hop, l.data), (450e9, 50e9, 50e9));
+        let l = h.links((2, 2, 2));
+        assert_eq!((l.tensor, l.hop, l.data), (450e9, 450e9, 450e9));
+    }
+
+    #[test]
+    fn bad_files_name_the_field() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("h.toml");
+        let mut h = Hardware::load("h100-sxm").unwrap();
+        h.inter_node.bandwidth = 0.0;
+        std::fs::write(&path, h.to_toml()).unwrap();
+        let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
+        assert!(e.contains("inter_node.bandwidth is 0"), "{e}");
+        std::fs::write(&path, "name = \"x\"\n").unwrap();
+        let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
+        assert!(e.contains("missing field"), "{e}");
+        let e = Hardware::load("/nonexistent/h.toml").unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/h.toml"), "{e}");
+    }
+}
