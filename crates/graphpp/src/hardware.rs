@@ -77,6 +77,16 @@ pub enum HardwareError {
         /// The parser's message.
         message: String,
     },
+    /// A latency that is not a finite number ≥ 0.
+    #[error("--hardware {path}: {field} is {value}: it must be a finite number of microseconds ≥ 0")]
+    Latency {
+        /// The file, or the preset's name.
+        path: String,
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
     /// A figure that is not a positive finite number.
     #[error("--hardware {path}: {field} is {value}: it must be a positive finite number")]
     Field {
@@ -164,6 +174,14 @@ impl Hardware {
                 return Err(HardwareError::Field { path: path.into(), field, value });
             }
         }
+        for (field, value) in [
+            ("intra_node.latency_us", self.intra_node.latency_us),
+            ("inter_node.latency_us", self.inter_node.latency_us),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(HardwareError::Latency { path: path.into(), field, value });
+            }
+        }
         Ok(())
     }
 
@@ -177,14 +195,18 @@ impl Hardware {
     /// The bandwidths (bytes/s) of a layout's three kinds of traffic under graphpp's rank order
     /// (`rank = (dp_index · pp + pp_index) · tp + tp_index`, nodes of `devices_per_node`
     /// consecutive ranks): a tp group stays in a node when tp fits one; a pipeline's hand-overs
-    /// when its `pp · tp` ranks do; the data-parallel reduction when the whole world does.
+    /// when its `pp · tp` ranks do; the data-parallel reduction when the whole world does. Each
+    /// hand-over and each tp ring step also pays its link's latency.
     pub fn links(&self, (pp, dp, tp): (usize, usize, usize)) -> crate::plan::Links {
         let fits = |ranks: usize| ranks <= self.devices_per_node;
-        let rate = |inside: bool| if inside { self.intra_node.bandwidth } else { self.inter_node.bandwidth };
+        let link = |inside: bool| if inside { self.intra_node } else { self.inter_node };
+        let (tensor, hop) = (link(fits(tp)), link(fits(pp * tp)));
         crate::plan::Links {
-            tensor: rate(fits(tp)),
-            hop: rate(fits(pp * tp)),
-            data: rate(fits(pp * dp * tp)),
+            tensor: tensor.bandwidth,
+            hop: hop.bandwidth,
+            data: link(fits(pp * dp * tp)).bandwidth,
+            hop_latency: hop.latency_us * 1e-6,
+            tensor_latency: tensor.latency_us * 1e-6,
         }
     }
 
@@ -219,6 +241,7 @@ mod tests {
         let h = Hardware::load("h100-sxm").unwrap();
         let l = h.links((2, 1, 8));
         assert_eq!((l.tensor, l.hop, l.data), (450e9, 50e9, 50e9));
+        assert!((l.tensor_latency - 3e-6).abs() < 1e-15 && (l.hop_latency - 5e-6).abs() < 1e-15, "{l:?}");
         let l = h.links((2, 2, 2));
         assert_eq!((l.tensor, l.hop, l.data), (450e9, 450e9, 450e9));
     }
@@ -232,6 +255,11 @@ mod tests {
         std::fs::write(&path, h.to_toml()).unwrap();
         let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
         assert!(e.contains("inter_node.bandwidth is 0"), "{e}");
+        let mut h = Hardware::load("h100-sxm").unwrap();
+        h.intra_node.latency_us = -1.0;
+        std::fs::write(&path, h.to_toml()).unwrap();
+        let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
+        assert!(e.contains("intra_node.latency_us is -1"), "{e}");
         std::fs::write(&path, "name = \"x\"\n").unwrap();
         let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
         assert!(e.contains("missing field"), "{e}");

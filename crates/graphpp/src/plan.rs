@@ -45,12 +45,23 @@ pub struct Links {
     pub tensor: f64,
     /// The data-parallel gradient reduction.
     pub data: f64,
+    /// Seconds per message of a hand-over.
+    pub hop_latency: f64,
+    /// Seconds per step of a tensor-parallel ring (an all-reduce over t ranks takes
+    /// `2 (t − 1)` steps, an all-gather or reduce-scatter `t − 1`).
+    pub tensor_latency: f64,
 }
 
 impl Links {
-    /// One bandwidth for every kind of traffic.
+    /// One bandwidth for every kind of traffic, no latency.
     pub fn uniform(bytes_per_second: f64) -> Links {
-        Links { hop: bytes_per_second, tensor: bytes_per_second, data: bytes_per_second }
+        Links {
+            hop: bytes_per_second,
+            tensor: bytes_per_second,
+            data: bytes_per_second,
+            hop_latency: 0.0,
+            tensor_latency: 0.0,
+        }
     }
 }
 
@@ -196,51 +207,70 @@ fn schedule_graphs(
     specs.iter().map(|spec| cache.get(&req.model, spec, &opts).map_err(build)).collect()
 }
 
-/// Time of `a` on stages of `work` at `speed`, seconds, plus its tensor-parallel all-reduces
-/// (`tp_bytes`: their bytes per action kind and stage) at `tp_seconds_per_byte`.
+/// Time of `a` on stages of `work` at `speed`, seconds, plus its tensor-parallel collectives
+/// (`tp`: their traffic per action kind and stage) over `links`.
 fn action_seconds(
     a: &Action,
-    (work, tp_bytes): (&[PerKind<Work>], &[PerKind<u64>]),
+    (work, tp): (&[PerKind<Work>], &[PerKind<TpTraffic>]),
     speed: &Speed,
-    tp_seconds_per_byte: f64,
+    links: &Links,
 ) -> f64 {
     a.computes()
         .map(|(kind, t)| {
             let compute = work.get(t.stage).map_or(0.0, |w| speed.seconds(w.get(kind)));
-            compute + tp_bytes.get(t.stage).map_or(0, |b| b.get(kind)) as f64 * tp_seconds_per_byte
+            compute + tp.get(t.stage).map_or(0.0, |x| x.get(kind).seconds(links))
         })
         .sum()
 }
 
-/// Bytes one rank sends over the tensor-parallel group in one run of `g`, ring algorithms:
-/// `2 (t − 1) / t` of each all-reduced value, `(t − 1) / t` of each all-gather's result and of
-/// each reduce-scatter's operand (sequence parallelism); a replicate sends nothing.
-fn tp_ring_bytes(g: &graphpp_graph::Graph) -> u64 {
+/// What one rank sends over the tensor-parallel group in one run of `g`, ring algorithms: the
+/// bytes — `2 (t − 1) / t` of each all-reduced value, `(t − 1) / t` of each all-gather's result
+/// and of each reduce-scatter's operand (sequence parallelism); a replicate sends nothing — and
+/// the ring steps, each paying a link's latency (`2 (t − 1)` per all-reduce, `t − 1` per
+/// all-gather or reduce-scatter).
+fn tp_ring(g: &graphpp_graph::Graph) -> TpTraffic {
     use graphpp_graph::{CollectiveKind, MeshAxis, Op};
-    let mut bytes = 0.0;
+    let (mut bytes, mut steps) = (0.0, 0);
     for n in &g.nodes {
         let Op::CollectiveStart { kind, group, .. } = n.op else { continue };
         if group.mesh_axis != MeshAxis::Tensor {
             continue;
         }
-        let share = (group.size.max(1) - 1) as f64 / group.size.max(1) as f64;
-        bytes += match kind {
-            CollectiveKind::AllReduce => 2.0 * share * n.ty.size_bytes() as f64,
-            CollectiveKind::AllGather => share * n.ty.size_bytes() as f64,
-            CollectiveKind::ReduceScatter => share * g.node(n.inputs[0]).ty.size_bytes() as f64,
-            _ => 0.0,
+        let t = group.size.max(1);
+        let share = (t - 1) as f64 / t as f64;
+        let (b, s) = match kind {
+            CollectiveKind::AllReduce => (2.0 * share * n.ty.size_bytes() as f64, 2 * (t - 1)),
+            CollectiveKind::AllGather => (share * n.ty.size_bytes() as f64, t - 1),
+            CollectiveKind::ReduceScatter => (share * g.node(n.inputs[0]).ty.size_bytes() as f64, t - 1),
+            _ => (0.0, 0),
         };
+        bytes += b;
+        steps += s;
     }
-    bytes as u64
+    TpTraffic { bytes: bytes as u64, steps: steps as u64 }
 }
 
-/// [`tp_ring_bytes`] of each action kind's graph of a stage.
-fn stage_tp_bytes(g: &StageGraphs) -> PerKind<u64> {
+/// A graph's tensor-parallel traffic ([`tp_ring`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct TpTraffic {
+    bytes: u64,
+    steps: u64,
+}
+
+impl TpTraffic {
+    /// Seconds of it over `links`.
+    fn seconds(&self, links: &Links) -> f64 {
+        self.bytes as f64 / links.tensor + self.steps as f64 * links.tensor_latency
+    }
+}
+
+/// [`tp_ring`] of each action kind's graph of a stage.
+fn stage_tp_traffic(g: &StageGraphs) -> PerKind<TpTraffic> {
     let (i, w) = match &g.di_dw {
-        Some((di, dw)) => (tp_ring_bytes(di), tp_ring_bytes(dw)),
-        None => (0, tp_ring_bytes(&g.full_bw)),
+        Some((di, dw)) => (tp_ring(di), tp_ring(dw)),
+        None => (TpTraffic::default(), tp_ring(&g.full_bw)),
     };
-    PerKind { f: tp_ring_bytes(&g.fw), b: tp_ring_bytes(&g.full_bw), i, w }
+    PerKind { f: tp_ring(&g.fw), b: tp_ring(&g.full_bw), i, w }
 }
 
 /// What the planner predicts for one strategy.
@@ -255,7 +285,7 @@ pub struct Prediction {
 }
 
 /// The [`Prediction`] for `schedule` (compute-only or lowered) whose stage `s` runs `graphs[s]`
-/// (a tensor-parallel rank's, whose collectives run over groups of `tp`), with `dp` replicas, a
+/// (a tensor-parallel rank's: its collectives name their group's size), with `dp` replicas, a
 /// rank computing at `speed` and its traffic at `links` (see the module doc).
 ///
 /// # Errors
@@ -263,17 +293,15 @@ pub struct Prediction {
 pub fn predict(
     schedule: &Schedule,
     graphs: &[Arc<StageGraphs>],
-    (dp, tp): (usize, usize),
+    dp: usize,
     speed: &Speed,
     links: Links,
 ) -> Result<Prediction, PlanError> {
     let work: Vec<PerKind<Work>> = graphs.iter().map(|g| stage_work(g)).collect();
-    let tp_bytes: Vec<PerKind<u64>> = graphs.iter().map(|g| stage_tp_bytes(g)).collect();
-    // The graphs say what a tp rank sends; the group size is the graph's own.
-    let tp_seconds_per_byte = if tp > 1 { 1.0 / links.tensor } else { 0.0 };
+    let tp_traffic: Vec<PerKind<TpTraffic>> = graphs.iter().map(|g| stage_tp_traffic(g)).collect();
     let hop = graphs.first().and_then(|g| g.fw.output_by_name(OUTPUT).map(|v| g.fw.node(v).ty.size_bytes()));
-    let hop_seconds = hop.unwrap_or(0) as f64 / links.hop;
-    let seconds = |a: &Action| action_seconds(a, (&work, &tp_bytes), speed, tp_seconds_per_byte);
+    let hop_seconds = hop.unwrap_or(0) as f64 / links.hop + links.hop_latency;
+    let seconds = |a: &Action| action_seconds(a, (&work, &tp_traffic), speed, &links);
     let sim = simulate_with(schedule, seconds, hop_seconds, &Memory::default())
         .map_err(|e| PlanError::Build(e.to_string()))?;
     let mut grads = vec![0u64; schedule.num_ranks()];
@@ -421,7 +449,7 @@ fn layout_candidates(
             let Ok(schedule) = generate(kind, &shape, &Options::default()) else { continue };
             for &recompute in policies {
                 let graphs = schedule_graphs(req, (kind, &shape, tp), b / dp, recompute, cache)?;
-                let p = predict(&schedule, &graphs, (dp, tp), &req.speed, req.links((pp, dp, tp)))?;
+                let p = predict(&schedule, &graphs, dp, &req.speed, req.links((pp, dp, tp)))?;
                 let peak_bytes = p.peak_bytes.into_iter().max().unwrap_or(0);
                 out.push(Candidate {
                     kind,
@@ -567,11 +595,12 @@ mod tests {
             &mut GraphCache::default(),
         )
         .unwrap();
-        // A ring all-reduce over 2 sends 2 · (2 − 1) / 2 = 1 × the value. The first stage's
-        // forward also all-reduces the vocabulary-parallel embedding's [B, T, D].
-        let bytes = stage_tp_bytes(&graphs[0]);
+        // A ring all-reduce over 2 sends 2 · (2 − 1) / 2 = 1 × the value in 2 steps. The first
+        // stage's forward also all-reduces the vocabulary-parallel embedding's [B, T, D].
+        let t = stage_tp_traffic(&graphs[0]);
         let value = 2 * 16 * 64 * 4;
-        assert_eq!((bytes.f, bytes.b), ((2 * 2 + 1) * value, 2 * 2 * value));
+        assert_eq!((t.f.bytes, t.b.bytes), ((2 * 2 + 1) * value, 2 * 2 * value));
+        assert_eq!((t.f.steps, t.b.steps), (2 * 5, 2 * 4));
         // Two pipeline ranks: the other two replicate (dp = 2) or split (tp = 2) the stages.
         let pinned = PlanRequest { pp: Some(2), ..r };
         let two = plan(&pinned).unwrap();
@@ -603,8 +632,14 @@ mod tests {
             assert_eq!((c.pp, c.dp, c.tp), (1, 1, 4));
             c.step_seconds
         };
-        let (inside, across) = (step(node4), step(node2));
+        let slow = crate::hardware::Hardware {
+            intra_node: crate::hardware::Link { latency_us: 1000.0, ..node4.intra_node },
+            ..node4.clone()
+        };
+        let (inside, across, late) = (step(node4), step(node2), step(slow));
         assert!(across > inside, "tp over the network {across} s vs inside a node {inside} s");
+        // Every tp ring step pays the latency: at least one 1 ms step lies on the critical path.
+        assert!(late - inside >= 1e-3, "1 ms latency: {late} s vs {inside} s");
     }
 
     /// One rank per pipeline still lists every kind of one stage per rank: 1F1B there is

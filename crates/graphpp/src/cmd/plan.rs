@@ -183,7 +183,7 @@ fn compile(
         Some(h) => (h.speed(config.dtype), h.links((config.ranks, config.dp, config.tp))),
         None => (profile.and_then(Profile::speed).unwrap_or_default(), Links::uniform(a.link_gbps * 1e9)),
     };
-    let p = predict(&schedule, &graphs, (config.dp, config.tp), &speed, links)?;
+    let p = predict(&schedule, &graphs, config.dp, &speed, links)?;
     let text = match a.format {
         DagFormat::Text => {
             let peaks: Vec<String> = p.peak_bytes.iter().map(|&b| mib(b)).collect();
