@@ -216,6 +216,119 @@ impl Hardware {
     }
 }
 
+/// What [`probe`] measured, and how.
+#[derive(Debug, Clone)]
+pub struct Probed {
+    /// The description, in the format `plan --hardware` reads.
+    pub hardware: Hardware,
+    /// Seconds spent measuring.
+    pub seconds: f64,
+}
+
+/// Runs `f` until `budget` has passed (at least 3 times) and returns the best time of one run.
+fn best_of(
+    budget: std::time::Duration,
+    mut f: impl FnMut() -> candle_core::Result<()>,
+) -> candle_core::Result<f64> {
+    let start = std::time::Instant::now();
+    let (mut best, mut runs) = (f64::INFINITY, 0);
+    while runs < 3 || start.elapsed() < budget {
+        let t = std::time::Instant::now();
+        f()?;
+        best = best.min(t.elapsed().as_secs_f64());
+        runs += 1;
+    }
+    Ok(best)
+}
+
+/// Measures this machine in the format of a cluster description, each rank a device with the
+/// intra-op threads the caller set (`graphpp hardware probe`): matmul FLOP/s of a `[512, 256] ·
+/// [256, 688]` product (the shape of `small`'s MLP at B·T = 512) in f32 and bf16, the bytes per
+/// second an elementwise add writes over 16 MiB, the threads communicator's bandwidth (a 4 MiB
+/// message) and latency (a one-float ping-pong) between two ranks, the machine's memory shared
+/// by its cores. One host: `devices_per_node` is the core count and the two links are equal.
+/// The best of repeated runs is taken (noise only slows a run down).
+///
+/// # Errors
+/// A tensor or communicator error.
+pub fn probe() -> Result<Probed, Box<dyn std::error::Error + Send + Sync>> {
+    use candle_core::{DType as C, Device as Cpu, Tensor};
+    let t0 = std::time::Instant::now();
+    let budget = std::time::Duration::from_millis(400);
+    let (m, k, n) = (512usize, 256usize, 688usize);
+    let a = Tensor::randn(0f32, 1.0, (m, k), &Cpu::Cpu)?;
+    let b = Tensor::randn(0f32, 1.0, (k, n), &Cpu::Cpu)?;
+    let flops = 2.0 * (m * k * n) as f64;
+    let f32_s = best_of(budget, || a.matmul(&b).map(drop))?;
+    let (a16, b16) = (a.to_dtype(C::BF16)?, b.to_dtype(C::BF16)?);
+    let bf16_s = best_of(budget, || a16.matmul(&b16).map(drop))?;
+    let x = Tensor::randn(0f32, 1.0, 4 << 20, &Cpu::Cpu)?;
+    let add_s = best_of(budget, || (&x + &x).map(drop))?;
+    let (bandwidth, latency_us) = probe_link()?;
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let memory = graphpp_runtime::train::memory::machine_memory().unwrap_or(0) / cores as u64;
+    let link = Link { bandwidth, latency_us };
+    let hardware = Hardware {
+        name: "this machine".into(),
+        source: format!("graphpp hardware probe, {cores} cores (one rank a core)"),
+        devices_per_node: cores,
+        device: Device {
+            flops_f32: flops / f32_s,
+            flops_bf16: flops / bf16_s,
+            memory_bandwidth: (x.elem_count() * 4) as f64 / add_s,
+            memory_bytes: memory.max(1),
+        },
+        intra_node: link,
+        inter_node: link,
+    };
+    Ok(Probed { hardware, seconds: t0.elapsed().as_secs_f64() })
+}
+
+/// The threads communicator between two ranks: bytes per second of a 4 MiB message (best of
+/// 8 round trips, the reply one float) and the one-way latency of a one-float message (half a
+/// ping-pong, median of 200).
+fn probe_link() -> Result<(f64, f64), Box<dyn std::error::Error + Send + Sync>> {
+    use candle_core::{Device as Cpu, Tensor};
+    use graphpp_comm::{Comm, Tag};
+    let mut ends = graphpp_comm::ThreadComm::world(2).into_iter();
+    let (a, b) = (ends.next().ok_or("no rank 0")?, ends.next().ok_or("no rank 1")?);
+    let timeout = std::time::Duration::from_secs(10);
+    let tag = |mb| Tag::Activation { stage: 0, mb };
+    let echo = std::thread::spawn(move || -> Result<(), graphpp_comm::CommError> {
+        for i in 0..208 {
+            b.recv(0, tag(i), timeout)?;
+            b.send(
+                0,
+                tag(i),
+                Tensor::zeros(1, candle_core::DType::F32, &Cpu::Cpu).map_err(|e| {
+                    graphpp_comm::CommError::Aborted { failed_rank: 1, reason: e.to_string() }
+                })?,
+            )?;
+        }
+        Ok(())
+    });
+    let big = Tensor::zeros(1 << 20, candle_core::DType::F32, &Cpu::Cpu)?;
+    let one = Tensor::zeros(1, candle_core::DType::F32, &Cpu::Cpu)?;
+    let mut best = f64::INFINITY;
+    for i in 0..8 {
+        let t = std::time::Instant::now();
+        a.send(1, tag(i), big.clone())?;
+        a.recv(1, tag(i), timeout)?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    let mut pings = Vec::with_capacity(200);
+    for i in 8..208 {
+        let t = std::time::Instant::now();
+        a.send(1, tag(i), one.clone())?;
+        a.recv(1, tag(i), timeout)?;
+        pings.push(t.elapsed().as_secs_f64() / 2.0);
+    }
+    echo.join().map_err(|_| "the echo rank panicked")??;
+    pings.sort_by(f64::total_cmp);
+    let latency = pings[pings.len() / 2];
+    Ok(((4 << 20) as f64 / (best - latency).max(1e-9), latency * 1e6))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

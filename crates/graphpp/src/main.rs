@@ -37,6 +37,8 @@ enum Command {
     /// Write a training checkpoint as a Hugging Face model folder (config.json and
     /// model.safetensors), for `from_pretrained` and `--init-from`.
     Export(cmd::export::ExportArgs),
+    /// Cluster descriptions for `plan --hardware`: measure this machine, or print a preset.
+    Hardware(cmd::hardware::HardwareArgs),
 }
 
 fn main() {
@@ -49,6 +51,7 @@ fn main() {
         Command::Profile(a) => cmd::profile::run(*a),
         Command::Plan(a) => cmd::plan::run(a),
         Command::Export(a) => cmd::export::run(a),
+        Command::Hardware(a) => cmd::hardware::run(a),
     };
     if let Err(e) = result {
         if let Some(stopped) = e.downcast_ref::<graphpp::stop::Interrupted>() {

@@ -210,6 +210,7 @@ fn plans_for_a_cluster_from_a_preset_or_a_file() {
     c.args(base).args(["--hardware", "h100-sxm", "--dtype", "bf16"]);
     let (preset, _) = output(c, 0);
     assert!(preset.contains("989.5 TFLOP/s of matmuls (bf16)") && preset.contains("(h100-sxm)"), "{preset}");
+    assert!(preset.contains("3.4 TB/s of other work, links 450.0 GB/s in a node of 8"), "{preset}");
     assert!(preset.contains("76293.9 MiB per rank"), "80 GB of device memory: {preset}");
     let mut c = graphpp();
     c.args(["plan", "--hardware", "h100-sxm", "--print-hardware"]);
@@ -231,4 +232,33 @@ fn plans_for_a_cluster_from_a_preset_or_a_file() {
     c.args(base).args(["--hardware", "h100-sxm", "--profile", "p.json"]);
     let (_, err) = output(c, 2);
     assert!(err.contains("cannot be used with"), "{err}");
+}
+
+/// `graphpp hardware probe` measures this machine into a file `plan --hardware` reads (every
+/// figure positive, one device per core); `hardware show` prints a preset that reads back.
+#[test]
+fn a_probe_of_this_machine_plans() {
+    let d = tempfile::tempdir().unwrap();
+    let file = d.path().join("here.toml");
+    let mut c = graphpp();
+    c.args(["hardware", "probe", "--output"]).arg(&file);
+    let (said, _) = output(c, 0);
+    assert!(said.contains("GFLOP/s f32") && said.contains("devices (cores)"), "{said}");
+    let h = graphpp::hardware::Hardware::load(file.to_str().unwrap()).unwrap();
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    assert_eq!(h.devices_per_node, cores);
+    assert!(
+        h.device.flops_f32 > 1e8 && h.device.memory_bandwidth > 1e8 && h.intra_node.bandwidth > 1e6,
+        "{h:?}"
+    );
+    let mut c = graphpp();
+    c.args(["plan", "--model", "tiny", "--ranks", "2", "--global-batch", "8", "--top", "1", "--hardware"])
+        .arg(&file);
+    let (plan, _) = output(c, 0);
+    assert!(plan.contains("(this machine)") && plan.contains("best: graphpp train"), "{plan}");
+    let mut c = graphpp();
+    c.args(["hardware", "show", "h200-sxm"]);
+    let (toml, _) = output(c, 0);
+    let back: graphpp::hardware::Hardware = toml::from_str(&toml).unwrap();
+    assert_eq!(back, graphpp::hardware::Hardware::preset("h200-sxm").unwrap());
 }

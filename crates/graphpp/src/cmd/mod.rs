@@ -3,6 +3,7 @@
 pub mod compare;
 pub mod export;
 pub mod graph;
+pub mod hardware;
 pub mod layout;
 pub mod model;
 pub mod plan;

@@ -161,6 +161,15 @@ fn row(i: usize, c: &Candidate) -> String {
     )
 }
 
+/// `value` `unit` with a G or T prefix (`989.5 TFLOP/s`, `43.0 GFLOP/s`).
+fn rate(value: f64, unit: &str) -> String {
+    if value >= 1e12 {
+        format!("{:.1} T{unit}", value / 1e12)
+    } else {
+        format!("{:.1} G{unit}", value / 1e9)
+    }
+}
+
 /// `plan --strategy`: the strategy's training DAG and prediction (see [`PlanArgs::strategy`]).
 fn compile(
     a: &PlanArgs,
@@ -273,13 +282,13 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let fitting = all.iter().filter(|c| c.fits).count();
     let speed = match &hardware {
         Some(h) => format!(
-            "{:.1} TFLOP/s of matmuls ({}), {:.2} TB/s of other work, links {:.0} GB/s in a node of {} and {:.0} GB/s between nodes ({})",
-            1e-12 / req.speed.seconds_per_flop,
+            "{} of matmuls ({}), {} of other work, links {} in a node of {} and {} between nodes ({})",
+            rate(1.0 / req.speed.seconds_per_flop, "FLOP/s"),
             req.dtype,
-            1e-12 / req.speed.seconds_per_byte,
-            h.intra_node.bandwidth / 1e9,
+            rate(1.0 / req.speed.seconds_per_byte, "B/s"),
+            rate(h.intra_node.bandwidth, "B/s"),
             h.devices_per_node,
-            h.inter_node.bandwidth / 1e9,
+            rate(h.inter_node.bandwidth, "B/s"),
             h.name
         ),
         None => speed_text(&a, &req, profile.as_ref()),
