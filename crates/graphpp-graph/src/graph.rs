@@ -189,32 +189,32 @@ impl Graph {
     /// Multiply-add FLOPs of the matmuls (2·m·n·k per batch element), the MoE segment matmuls
     /// (2·R·N·K over all segments) and their weight gradients, and the products inside attention
     /// nodes (forward `4·T²·E`, backward `10·T²·E` per batch element and head, the mask not
-    /// skipped) — a cost estimate for `--stats`.
+    /// skipped) — a cost estimate for `--stats`: the sum of [`Graph::node_flops`].
     pub fn matmul_flops(&self) -> u64 {
-        self.nodes
-            .iter()
-            .filter_map(|n| {
-                let a = || &self.node(n.inputs[0]).ty.shape;
-                match n.op {
-                    // out [.., m, n] from [.., m, k]: 2·k per output element.
-                    Op::Matmul | Op::SegmentMatmul { .. } => {
-                        Some(2 * *a().last()? as u64 * n.ty.numel() as u64)
-                    }
-                    // q kᵀ and P v, each 2·T·T·E per (batch, head): 4·T per output element
-                    // (the whole T × T, masked or not).
-                    Op::Attention { .. } => Some(4 * n.ty.shape[2] as u64 * n.ty.numel() as u64),
-                    // The scores again, g vᵀ, Pᵀ g, dS k and dSᵀ q: five products, 10·T per
-                    // element of q (per query head, whatever the key/value heads).
-                    Op::AttentionBackward { .. } => {
-                        Some(10 * n.ty.shape[2] as u64 * a().iter().product::<usize>() as u64)
-                    }
-                    // out [E, N, K] sums over the R rows: 2·R·N·K in all.
-                    Op::SegmentOuter => {
-                        Some(2 * *a().first()? as u64 * (n.ty.numel() as u64 / n.ty.shape[0].max(1) as u64))
-                    }
-                    _ => None,
-                }
-            })
-            .sum()
+        (0..self.nodes.len()).filter_map(|i| self.node_flops(ValueId(i))).sum()
+    }
+
+    /// The multiply-add FLOPs of node `v` when it is a product ([`Graph::matmul_flops`]'s
+    /// terms), `None` for any other node.
+    pub fn node_flops(&self, v: ValueId) -> Option<u64> {
+        let n = self.node(v);
+        let a = || &self.node(n.inputs[0]).ty.shape;
+        match n.op {
+            // out [.., m, n] from [.., m, k]: 2·k per output element.
+            Op::Matmul | Op::SegmentMatmul { .. } => Some(2 * *a().last()? as u64 * n.ty.numel() as u64),
+            // q kᵀ and P v, each 2·T·T·E per (batch, head): 4·T per output element
+            // (the whole T × T, masked or not).
+            Op::Attention { .. } => Some(4 * n.ty.shape[2] as u64 * n.ty.numel() as u64),
+            // The scores again, g vᵀ, Pᵀ g, dS k and dSᵀ q: five products, 10·T per
+            // element of q (per query head, whatever the key/value heads).
+            Op::AttentionBackward { .. } => {
+                Some(10 * n.ty.shape[2] as u64 * a().iter().product::<usize>() as u64)
+            }
+            // out [E, N, K] sums over the R rows: 2·R·N·K in all.
+            Op::SegmentOuter => {
+                Some(2 * *a().first()? as u64 * (n.ty.numel() as u64 / n.ty.shape[0].max(1) as u64))
+            }
+            _ => None,
+        }
     }
 }

@@ -28,6 +28,16 @@ pub struct Device {
     pub memory_bandwidth: f64,
     /// Memory capacity, bytes.
     pub memory_bytes: u64,
+    /// Measured matmul rates by size: pairs `[FLOPs of one product, achieved FLOP/s]` in f32,
+    /// ascending (`graphpp hardware probe`); a product's rate is interpolated between them (in
+    /// log–log), clamped at the ends, and scaled to bf16 by `flops_bf16 / flops_f32`. Empty: every
+    /// product at the peak.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub matmul_curve: Vec<[f64; 2]>,
+    /// Seconds every other node a compiled program writes costs besides its bytes (dispatch,
+    /// small-tensor overheads; measured by the probe), microseconds.
+    #[serde(default)]
+    pub node_overhead_us: f64,
 }
 
 /// A link class: bandwidth one way per device, and latency.
@@ -110,7 +120,14 @@ fn h100(name: &str, memory_bandwidth: f64, memory_bytes: u64, source: &str) -> H
         name: name.into(),
         source: source.into(),
         devices_per_node: 8,
-        device: Device { flops_f32: 67e12, flops_bf16: 989.5e12, memory_bandwidth, memory_bytes },
+        device: Device {
+            flops_f32: 67e12,
+            flops_bf16: 989.5e12,
+            memory_bandwidth,
+            memory_bytes,
+            matmul_curve: Vec::new(),
+            node_overhead_us: 0.0,
+        },
         intra_node: Link { bandwidth: 450e9, latency_us: 3.0 },
         inter_node: Link { bandwidth: 50e9, latency_us: 5.0 },
     }
@@ -185,6 +202,31 @@ impl Hardware {
         Ok(())
     }
 
+    /// Seconds of one run of `g` computing in `dtype`, node by node: each product at its size's
+    /// rate ([`Device::matmul_curve`], else the peak for the dtype), each other node the compiled
+    /// program writes at the memory bandwidth plus [`Device::node_overhead_us`] (fused members
+    /// are computed in registers: not counted, as [`crate::profile::Work::of`]).
+    pub fn graph_seconds(&self, g: &graphpp_graph::Graph, dtype: DType) -> f64 {
+        let d = &self.device;
+        let peak = if dtype == DType::BF16 { d.flops_bf16 } else { d.flops_f32 };
+        let scale = peak / d.flops_f32;
+        let rate = |flops: f64| match d.matmul_curve.as_slice() {
+            [] => peak,
+            curve => scale * interpolate(curve, flops),
+        };
+        let fusion = graphpp_runtime::exec::fusion::plan(g);
+        let written = |i: usize| fusion.member_of[i].is_none_or(|k| fusion.groups[k].anchor == i);
+        let mut seconds = 0.0;
+        for (i, n) in g.nodes.iter().enumerate() {
+            if let Some(f) = g.node_flops(graphpp_graph::ValueId(i)) {
+                seconds += f as f64 / rate(f as f64);
+            } else if !matches!(n.op, graphpp_graph::Op::Input { .. }) && written(i) {
+                seconds += n.ty.size_bytes() as f64 / d.memory_bandwidth + d.node_overhead_us * 1e-6;
+            }
+        }
+        seconds
+    }
+
     /// The device's rates for stage graphs computing in `dtype`: matmul FLOPs at its peak for
     /// the dtype (bf16's for bf16, f32's otherwise), other nodes' bytes at the memory bandwidth.
     pub fn speed(&self, dtype: DType) -> Speed {
@@ -214,6 +256,22 @@ impl Hardware {
     pub fn to_toml(&self) -> String {
         toml::to_string(self).unwrap_or_default()
     }
+}
+
+/// `y` at `x` on the ascending points `[x, y]` of `curve`, interpolated in log–log and clamped
+/// at the ends.
+fn interpolate(curve: &[[f64; 2]], x: f64) -> f64 {
+    let (first, last) = (curve[0], curve[curve.len() - 1]);
+    if x <= first[0] {
+        return first[1];
+    }
+    if x >= last[0] {
+        return last[1];
+    }
+    let i = curve.windows(2).position(|w| x <= w[1][0]).unwrap_or(0);
+    let ([x0, y0], [x1, y1]) = (curve[i], curve[i + 1]);
+    let t = (x.ln() - x0.ln()) / (x1.ln() - x0.ln()).max(f64::MIN_POSITIVE);
+    (y0.ln() + t * (y1.ln() - y0.ln())).exp()
 }
 
 /// What [`probe`] measured, and how.
@@ -264,6 +322,20 @@ pub fn probe() -> Result<Probed, Box<dyn std::error::Error + Send + Sync>> {
     let bf16_s = best_of(budget, || a16.matmul(&b16).map(drop))?;
     let x = Tensor::randn(0f32, 1.0, 4 << 20, &Cpu::Cpu)?;
     let add_s = best_of(budget, || (&x + &x).map(drop))?;
+    // Matmul rates by size: [512, s] · [s, 2.75 s] for s from 16 to 512 (a model's projections
+    // at B·T = 512 and width s).
+    let mut matmul_curve = Vec::new();
+    for s in [16usize, 32, 64, 128, 256, 512] {
+        let n = s * 11 / 4;
+        let (p, q) =
+            (Tensor::randn(0f32, 1.0, (m, s), &Cpu::Cpu)?, Tensor::randn(0f32, 1.0, (s, n), &Cpu::Cpu)?);
+        let f = 2.0 * (m * s * n) as f64;
+        let t = best_of(budget / 4, || p.matmul(&q).map(drop))?;
+        matmul_curve.push([f, f / t]);
+    }
+    // A node's overhead: an add over 16 floats, bytes negligible.
+    let tiny = Tensor::randn(0f32, 1.0, 16, &Cpu::Cpu)?;
+    let overhead_s = best_of(budget / 4, || (&tiny + &tiny).map(drop))?;
     let (bandwidth, latency_us) = probe_link()?;
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let memory = graphpp_runtime::train::memory::machine_memory().unwrap_or(0) / cores as u64;
@@ -277,6 +349,8 @@ pub fn probe() -> Result<Probed, Box<dyn std::error::Error + Send + Sync>> {
             flops_bf16: flops / bf16_s,
             memory_bandwidth: (x.elem_count() * 4) as f64 / add_s,
             memory_bytes: memory.max(1),
+            matmul_curve,
+            node_overhead_us: overhead_s * 1e6,
         },
         intra_node: link,
         inter_node: link,
@@ -357,6 +431,35 @@ mod tests {
         assert!((l.tensor_latency - 3e-6).abs() < 1e-15 && (l.hop_latency - 5e-6).abs() < 1e-15, "{l:?}");
         let l = h.links((2, 2, 2));
         assert_eq!((l.tensor, l.hop, l.data), (450e9, 450e9, 450e9));
+    }
+
+    /// A measured curve sets each product's rate by its size (log–log between the points,
+    /// clamped at the ends), and every other written node pays its bytes and the overhead.
+    #[test]
+    fn products_run_at_their_sizes_rate() {
+        assert!((interpolate(&[[1e6, 1e9], [1e8, 1e10]], 1e7) - 10f64.powf(9.5)).abs() < 1e3);
+        assert_eq!(interpolate(&[[1e6, 1e9], [1e8, 1e10]], 1e3), 1e9);
+        assert_eq!(interpolate(&[[1e6, 1e9], [1e8, 1e10]], 1e12), 1e10);
+        let mut b = graphpp_graph::GraphBuilder::new("g", DType::F32);
+        let x = b.input("x", graphpp_graph::InputKind::Activation, vec![100, 50]).unwrap();
+        let w = b.input("w", graphpp_graph::InputKind::Parameter, vec![50, 100]).unwrap();
+        let y = b.matmul(x, w).unwrap();
+        let z = b.neg(y).unwrap();
+        b.output("z", z);
+        let g = b.finish().unwrap();
+        let mut h = Hardware::load("h100-sxm").unwrap();
+        h.device.matmul_curve = vec![[1e6, 1e9], [1e8, 1e10]];
+        (h.device.memory_bandwidth, h.device.node_overhead_us) = (4e10, 2.0);
+        // 2·100·50·100 = 1e6 FLOPs at 1e9 FLOP/s; the negation writes 4e4 bytes at 4e10 B/s, + 2 µs.
+        let want = 1e-3 + 1e-6 + 2e-6;
+        assert!(
+            (h.graph_seconds(&g, DType::F32) - want).abs() < 1e-12,
+            "{}",
+            h.graph_seconds(&g, DType::F32)
+        );
+        // bf16 scales the curve by the peaks' ratio.
+        let ratio = h.device.flops_bf16 / h.device.flops_f32;
+        assert!((h.graph_seconds(&g, DType::BF16) - (1e-3 / ratio + 3e-6)).abs() < 1e-12);
     }
 
     #[test]

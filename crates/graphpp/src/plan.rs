@@ -29,7 +29,7 @@ use graphpp_runtime::SetupError;
 use graphpp_schedule::simulate::simulate_with;
 use graphpp_schedule::{generate, Action, Kind, Memory, Options, Schedule, Shape};
 
-use crate::profile::{stage_work, PerKind, Speed, Work};
+use crate::profile::{PerKind, Speed, Work};
 
 /// Link bandwidth assumed between ranks: 10 GB/s (the order of a PCIe 4.0 x16 link).
 pub const DEFAULT_LINK_BYTES_PER_SECOND: f64 = 10e9;
@@ -207,20 +207,46 @@ fn schedule_graphs(
     specs.iter().map(|spec| cache.get(&req.model, spec, &opts).map_err(build)).collect()
 }
 
-/// Time of `a` on stages of `work` at `speed`, seconds, plus its tensor-parallel collectives
-/// (`tp`: their traffic per action kind and stage) over `links`.
-fn action_seconds(
-    a: &Action,
-    (work, tp): (&[PerKind<Work>], &[PerKind<TpTraffic>]),
-    speed: &Speed,
-    links: &Links,
-) -> f64 {
+/// Time of `a` on stages whose actions compute for `compute` seconds, plus its tensor-parallel
+/// collectives (`tp`: their traffic per action kind and stage) over `links`.
+fn action_seconds(a: &Action, (compute, tp): (&[PerKind<f64>], &[PerKind<TpTraffic>]), links: &Links) -> f64 {
     a.computes()
         .map(|(kind, t)| {
-            let compute = work.get(t.stage).map_or(0.0, |w| speed.seconds(w.get(kind)));
-            compute + tp.get(t.stage).map_or(0.0, |x| x.get(kind).seconds(links))
+            let c = compute.get(t.stage).map_or(0.0, |w| w.get(kind));
+            c + tp.get(t.stage).map_or(0.0, |x| x.get(kind).seconds(links))
         })
         .sum()
+}
+
+/// How long one run of a graph computes: at a fitted or assumed [`Speed`] (seconds per matmul
+/// FLOP and per byte other nodes write), or node by node on a cluster's device
+/// ([`crate::hardware::Hardware::graph_seconds`]).
+#[derive(Debug, Clone, Copy)]
+pub enum Cost<'a> {
+    /// The action's [`Work`] at a speed.
+    Speed(&'a Speed),
+    /// The device's per-node rates for graphs computing in the dtype.
+    Device(&'a crate::hardware::Hardware, DType),
+}
+
+impl Cost<'_> {
+    /// Seconds of one run of `g`.
+    pub fn seconds(&self, g: &graphpp_graph::Graph) -> f64 {
+        match self {
+            Cost::Speed(s) => s.seconds(Work::of(g)),
+            Cost::Device(h, dtype) => h.graph_seconds(g, *dtype),
+        }
+    }
+
+    /// Seconds of each action kind of a stage (I nothing and W the full backward where the
+    /// stage has no dI/dW split, as [`stage_work`]).
+    fn stage(&self, g: &StageGraphs) -> PerKind<f64> {
+        let (i, w) = match &g.di_dw {
+            Some((di, dw)) => (self.seconds(di), self.seconds(dw)),
+            None => (0.0, self.seconds(&g.full_bw)),
+        };
+        PerKind { f: self.seconds(&g.fw), b: self.seconds(&g.full_bw), i, w }
+    }
 }
 
 /// What one rank sends over the tensor-parallel group in one run of `g`, ring algorithms: the
@@ -286,7 +312,7 @@ pub struct Prediction {
 
 /// The [`Prediction`] for `schedule` (compute-only or lowered) whose stage `s` runs `graphs[s]`
 /// (a tensor-parallel rank's: its collectives name their group's size), with `dp` replicas, a
-/// rank computing at `speed` and its traffic at `links` (see the module doc).
+/// rank's graphs running for `cost` and its traffic at `links` (see the module doc).
 ///
 /// # Errors
 /// [`PlanError::Build`] when the schedule cannot be simulated or a graph is missing.
@@ -294,14 +320,14 @@ pub fn predict(
     schedule: &Schedule,
     graphs: &[Arc<StageGraphs>],
     dp: usize,
-    speed: &Speed,
+    cost: Cost,
     links: Links,
 ) -> Result<Prediction, PlanError> {
-    let work: Vec<PerKind<Work>> = graphs.iter().map(|g| stage_work(g)).collect();
+    let compute: Vec<PerKind<f64>> = graphs.iter().map(|g| cost.stage(g)).collect();
     let tp_traffic: Vec<PerKind<TpTraffic>> = graphs.iter().map(|g| stage_tp_traffic(g)).collect();
     let hop = graphs.first().and_then(|g| g.fw.output_by_name(OUTPUT).map(|v| g.fw.node(v).ty.size_bytes()));
     let hop_seconds = hop.unwrap_or(0) as f64 / links.hop + links.hop_latency;
-    let seconds = |a: &Action| action_seconds(a, (&work, &tp_traffic), speed, &links);
+    let seconds = |a: &Action| action_seconds(a, (&compute, &tp_traffic), &links);
     let sim = simulate_with(schedule, seconds, hop_seconds, &Memory::default())
         .map_err(|e| PlanError::Build(e.to_string()))?;
     let mut grads = vec![0u64; schedule.num_ranks()];
@@ -449,7 +475,11 @@ fn layout_candidates(
             let Ok(schedule) = generate(kind, &shape, &Options::default()) else { continue };
             for &recompute in policies {
                 let graphs = schedule_graphs(req, (kind, &shape, tp), b / dp, recompute, cache)?;
-                let p = predict(&schedule, &graphs, dp, &req.speed, req.links((pp, dp, tp)))?;
+                let cost = match &req.hardware {
+                    Some(h) => Cost::Device(h, req.dtype),
+                    None => Cost::Speed(&req.speed),
+                };
+                let p = predict(&schedule, &graphs, dp, cost, req.links((pp, dp, tp)))?;
                 let peak_bytes = p.peak_bytes.into_iter().max().unwrap_or(0);
                 out.push(Candidate {
                     kind,

@@ -8,7 +8,7 @@ use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use graphpp::dag::TrainingDag;
 use graphpp::hardware::Hardware;
-use graphpp::plan::{plan, predict, Candidate, Links, PlanRequest};
+use graphpp::plan::{plan, predict, Candidate, Cost, Links, PlanRequest};
 use graphpp::profile::Profile;
 use graphpp_models::Recompute;
 use graphpp_schedule::Kind;
@@ -188,11 +188,12 @@ fn compile(
     let schedule = setup.lowered_schedule()?;
     let graphs = graphpp_runtime::train::build::run_stage_graphs(&setup)?;
     let dag = TrainingDag::of(&schedule, &|s| graphs.get(s).is_some_and(|g| g.di_dw.is_some()))?;
-    let (speed, links) = match hardware {
-        Some(h) => (h.speed(config.dtype), h.links((config.ranks, config.dp, config.tp))),
-        None => (profile.and_then(Profile::speed).unwrap_or_default(), Links::uniform(a.link_gbps * 1e9)),
+    let speed = profile.and_then(Profile::speed).unwrap_or_default();
+    let (cost, links) = match hardware {
+        Some(h) => (Cost::Device(h, config.dtype), h.links((config.ranks, config.dp, config.tp))),
+        None => (Cost::Speed(&speed), Links::uniform(a.link_gbps * 1e9)),
     };
-    let p = predict(&schedule, &graphs, config.dp, &speed, links)?;
+    let p = predict(&schedule, &graphs, config.dp, cost, links)?;
     let text = match a.format {
         DagFormat::Text => {
             let peaks: Vec<String> = p.peak_bytes.iter().map(|&b| mib(b)).collect();
