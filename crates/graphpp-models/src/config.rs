@@ -32,7 +32,10 @@ pub enum ModelError {
     },
     /// A size the tensor-parallel degree does not divide (heads, key/value heads, MLP width), or
     /// a degree of 0.
-    #[error("tensor parallelism: config field `{field}` = {value} does not split over tp = {tp} (tp must be at least 1 and divide it)")]
+    #[error(
+        "tensor parallelism: config field `{field}` = {value} does not split over tp = {tp} (tp must be at least 1 and divide it{})",
+        if *field == "num_key_value_heads" { ", or be a multiple of it" } else { "" }
+    )]
     TensorParallel {
         /// HF field name (`num_attention_heads`, `num_key_value_heads`, `intermediate_size`).
         field: &'static str,

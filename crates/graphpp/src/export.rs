@@ -84,6 +84,10 @@ pub fn hf_config(model: &ModelConfig) -> serde_json::Value {
 
 /// The sidecar to export: `path` itself, or a folder's newest checkpoint that loads.
 fn sidecar_of(path: &Path) -> Result<PathBuf, ExportError> {
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        let reason = format!("give its sidecar {} (or the folder)", path.with_extension("json").display());
+        return Err(ExportError::NotARun { path: path.to_path_buf(), reason });
+    }
     if !path.is_dir() {
         return Ok(path.to_path_buf());
     }

@@ -71,8 +71,8 @@ pub struct Hardware {
 /// Why a hardware description cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum HardwareError {
-    /// The file could not be read.
-    #[error("--hardware {path}: {source}")]
+    /// Neither a preset nor a readable file.
+    #[error("{path}: not a preset ({}) and not a readable file: {source}", PRESETS.join(", "))]
     Io {
         /// The file.
         path: String,
@@ -126,7 +126,9 @@ fn h100(name: &str, memory_bandwidth: f64, memory_bytes: u64, source: &str) -> H
             memory_bandwidth,
             memory_bytes,
             matmul_curve: Vec::new(),
-            node_overhead_us: 0.0,
+            // A kernel launch and a small kernel's tail: a few microseconds per node on a GPU
+            // (CUDA launch latency is ~2–5 µs); without it a small model's step is all FLOPs.
+            node_overhead_us: 4.0,
         },
         intra_node: Link { bandwidth: 450e9, latency_us: 3.0 },
         inter_node: Link { bandwidth: 50e9, latency_us: 5.0 },
@@ -481,5 +483,7 @@ mod tests {
         assert!(e.contains("missing field"), "{e}");
         let e = Hardware::load("/nonexistent/h.toml").unwrap_err().to_string();
         assert!(e.contains("/nonexistent/h.toml"), "{e}");
+        let e = Hardware::load("h100").unwrap_err().to_string();
+        assert!(e.starts_with("h100: not a preset (h100-sxm, h200-sxm) and not a readable file"), "{e}");
     }
 }

@@ -396,6 +396,14 @@ fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
             _ => {}
         }
     }
+    if let (Some(pp), Some(tp)) = (req.pp, req.tp) {
+        let both = pp.saturating_mul(tp);
+        if both > 0 && !req.ranks.is_multiple_of(both) {
+            return Err(PlanError::Pin {
+                flag: "--pp × --tp", value: both, of: "--ranks", total: req.ranks
+            });
+        }
+    }
     // A pinned tp the model cannot take says why (rather than "no candidate").
     if let Some(tp) = req.tp.filter(|&tp| tp > 0) {
         graphpp_models::Model::check_tp(&req.model, tp)
@@ -709,6 +717,8 @@ mod tests {
         assert_eq!(plan(&r).unwrap_err().to_string(), "--microbatches 3 does not divide --global-batch 8");
         let r = PlanRequest { tp: Some(3), ..request(1) };
         assert_eq!(plan(&r).unwrap_err().to_string(), "--tp 3 does not divide --ranks 2");
+        let r = PlanRequest { pp: Some(2), tp: Some(2), ..request(1) };
+        assert_eq!(plan(&r).unwrap_err().to_string(), "--pp × --tp 4 does not divide --ranks 2");
         // A pinned tp the model cannot take names the field, not "no candidate".
         let two_heads =
             graphpp_models::LlamaConfig { num_attention_heads: 2, ..graphpp_models::LlamaConfig::tiny() };

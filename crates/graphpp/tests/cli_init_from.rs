@@ -140,6 +140,9 @@ fn a_checkpoint_exports_as_a_folder_that_init_from_reads() {
         );
         let (ok, code, _, err) = graphpp(&["export", ck.to_str().unwrap(), "--output", hf.to_str().unwrap()]);
         assert!(!ok && code == Some(1) && err.contains("already exists"), "{err}");
+        let tensors = ck.join("step-000002.safetensors");
+        let (ok, _, _, err) = graphpp(&["export", tensors.to_str().unwrap(), "--output", "/tmp/unused"]);
+        assert!(!ok && err.contains("give its sidecar") && err.contains("step-000002.json"), "{err}");
     }
     let d = tempfile::tempdir().unwrap();
     let junk = d.path().join("step-000001.json");

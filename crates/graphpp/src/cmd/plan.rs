@@ -29,7 +29,7 @@ pub struct PlanArgs {
     ranks: Option<usize>,
     /// Memory of one rank: bytes, or with a unit (`512MiB`, `2GB`, `1.5GiB`); with --hardware,
     /// the device's by default.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_bytes, required_unless_present_any = ["strategy", "hardware"])]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_bytes, required_unless_present_any = ["strategy", "hardware", "print_hardware"])]
     memory_per_rank: Option<u64>,
     /// Instead of searching: compile this strategy file (as `train --strategy` runs it) into its
     /// global training DAG — every action of every rank's lowered program, the graph each
@@ -144,7 +144,7 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
 /// One table row.
 fn row(i: usize, c: &Candidate) -> String {
     format!(
-        "{:>3}  {:<20} {:>3} {:>3} {:>3} {:>2} {:>4} {:>4}  {:<12} {:>10.2} {:>8.3} {:>12}  {}\n",
+        "{:>3}  {:<20} {:>3} {:>3} {:>3} {:>2} {:>4} {:>4}  {:<12} {:>10} {:>8.3} {:>12}  {}\n",
         i + 1,
         c.kind.name(),
         c.pp,
@@ -154,11 +154,19 @@ fn row(i: usize, c: &Candidate) -> String {
         c.microbatches,
         c.microbatch_size,
         c.recompute.name(),
-        1e3 * c.step_seconds,
+        milliseconds(c.step_seconds),
         c.bubble,
         mib(c.peak_bytes),
         if c.fits { "yes" } else { "no" }
     )
+}
+
+/// A step time in milliseconds with 4 significant digits (`1234`, `12.34`, `0.01234`): cluster
+/// predictions can be far below a millisecond.
+fn milliseconds(seconds: f64) -> String {
+    let ms = 1e3 * seconds;
+    let decimals = if ms <= 0.0 { 2 } else { (3 - ms.log10().floor() as i32).clamp(0, 6) as usize };
+    format!("{ms:.decimals$}")
 }
 
 /// `value` `unit` with a G or T prefix (`989.5 TFLOP/s`, `43.0 GFLOP/s`).
