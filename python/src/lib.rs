@@ -562,7 +562,7 @@ fn kinds() -> Vec<(&'static str, Option<&'static str>, &'static str, usize, &'st
     Kind::ALL
         .iter()
         .map(|k| {
-            let placement = if k.placement() == graphpp_schedule::Placement::V { "V" } else { "loop" };
+            let placement = k.placement().name();
             (k.name(), k.pytorch_name(), k.constraints(), k.default_stages_per_rank(), placement)
         })
         .collect()
@@ -642,22 +642,8 @@ fn validate(
 ) -> PyResult<Summary> {
     let opts = ValidateOptions { microbatches, ranks, stages };
     let s = graphpp_schedule::validate(&schedule.inner, &opts).map_err(err(ValidationError::new_err))?;
-    let c = &s.counts;
-    let counts = vec![
-        ("F", c.f),
-        ("B", c.b),
-        ("I", c.i),
-        ("W", c.w),
-        ("OVERLAP_F_B", c.overlap),
-        ("SEND", c.send),
-        ("RECV", c.recv),
-        ("UNSHARD", c.unshard),
-        ("RESHARD", c.reshard),
-        ("REDUCE_GRAD", c.reduce_grad),
-        ("WAIT_SEND", c.wait_send),
-        ("WAIT_REDUCE_GRAD", c.wait_reduce_grad),
-    ];
-    let placement = s.placement.map(|p| if p == graphpp_schedule::Placement::V { "V" } else { "loop" });
+    let counts = s.counts.named().to_vec();
+    let placement = s.placement.map(graphpp_schedule::Placement::name);
     Ok(Summary {
         ranks: s.ranks,
         stages: s.stages,

@@ -11,6 +11,14 @@ pub enum Placement {
 }
 
 impl Placement {
+    /// `loop` or `V`, as summaries and the Python package name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Loop => "loop",
+            Placement::V => "V",
+        }
+    }
+
     /// The rank that holds `stage` with `p` ranks. For [`Placement::V`], `stage < 2p`.
     pub fn rank_of(self, stage: usize, p: usize) -> usize {
         match self {

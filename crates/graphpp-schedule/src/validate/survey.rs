@@ -41,6 +41,27 @@ pub struct ActionCounts {
 }
 
 impl ActionCounts {
+    /// Every count with its kind's name in the action text (`F`, …, `OVERLAP_F_B`, `SEND`, …,
+    /// `WAIT_REDUCE_GRAD`), in that order: what the summary line and the Python binding list.
+    pub fn named(&self) -> [(&'static str, usize); 12] {
+        [
+            ("F", self.f),
+            ("B", self.b),
+            ("I", self.i),
+            ("W", self.w),
+            ("OVERLAP_F_B", self.overlap),
+            ("SEND", self.send),
+            ("RECV", self.recv),
+            ("UNSHARD", self.unshard),
+            ("RESHARD", self.reshard),
+            ("REDUCE_GRAD", self.reduce_grad),
+            ("WAIT_SEND", self.wait_send),
+            ("WAIT_REDUCE_GRAD", self.wait_reduce_grad),
+        ]
+    }
+}
+
+impl ActionCounts {
     /// Counts the actions of a schedule.
     pub fn of(s: &Schedule) -> Self {
         let mut c = ActionCounts::default();
@@ -212,30 +233,9 @@ pub struct Summary {
 /// One line: `valid: 4 ranks, 8 stages (loop placement), 8 microbatches, compute-only; 64 F, 64 B`.
 impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let placement = match self.placement {
-            Some(Placement::Loop) => "loop",
-            Some(Placement::V) => "V",
-            None => "other",
-        };
-        let c = &self.counts;
-        let parts: Vec<String> = [
-            (c.f, "F"),
-            (c.b, "B"),
-            (c.i, "I"),
-            (c.w, "W"),
-            (c.overlap, "OVERLAP_F_B"),
-            (c.send, "SEND"),
-            (c.recv, "RECV"),
-            (c.unshard, "UNSHARD"),
-            (c.reshard, "RESHARD"),
-            (c.reduce_grad, "REDUCE_GRAD"),
-            (c.wait_send, "WAIT_SEND"),
-            (c.wait_reduce_grad, "WAIT_REDUCE_GRAD"),
-        ]
-        .iter()
-        .filter(|(n, _)| *n > 0)
-        .map(|(n, k)| format!("{n} {k}"))
-        .collect();
+        let placement = self.placement.map_or("other", Placement::name);
+        let parts: Vec<String> =
+            self.counts.named().iter().filter(|(_, n)| *n > 0).map(|(k, n)| format!("{n} {k}")).collect();
         let n =
             |count: usize, one: &str, many: &str| format!("{count} {}", if count == 1 { one } else { many });
         write!(
