@@ -243,7 +243,7 @@ pub(crate) trait SelfAttention {
     /// Builds the block on the normalised hidden states `h` `[B, T, D]` from its parameters
     /// `p`; `bufs` are `rope.cos`, `rope.sin` and `mask` ([`stage_buffer_shapes`]). A block
     /// that splits over tensor parallelism builds shard `tp` (its parameters are the shards of
-    /// [`crate::tensor_parallel::shard_dim`]); one that does not ignores `tp` and is computed
+    /// [`crate::tensor_parallel::split_of`]); one that does not ignores `tp` and is computed
     /// whole on every rank of the group.
     fn build(
         &self,

@@ -908,10 +908,7 @@ impl crate::model::Model for MoeConfig {
         let base = &self.base;
         let mut sizes = Vec::new();
         if self.mla.is_none() {
-            sizes.extend([
-                ("num_attention_heads", base.num_attention_heads),
-                ("num_key_value_heads", base.kv_heads()),
-            ]);
+            sizes.push(("num_attention_heads", base.num_attention_heads));
         }
         if self.first_k_dense_replace > 0 {
             sizes.push(("intermediate_size", base.intermediate_size));
