@@ -177,9 +177,7 @@ pub fn save(
     let tensor_path = dir.join(&tensor_name);
     let blob = safetensors_bytes(tensors, &tensor_path)?;
     write_atomic(&tensor_path, &blob)?;
-    let sha256 = sha256_file(&tensor_path)
-        .map_err(|e| CheckpointError::BadTensors { path: tensor_path.clone(), message: e.to_string() })?;
-    let sidecar = Sidecar { step, sha256, tensors: tensor_name, state };
+    let sidecar = Sidecar { step, sha256: sha256_bytes(&blob), tensors: tensor_name, state };
     let json_path = dir.join(format!("step-{step:06}.json"));
     let json = serde_json::to_vec_pretty(&sidecar).expect("sidecar serialises");
     write_atomic(&json_path, &json)?;

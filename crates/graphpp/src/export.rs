@@ -9,7 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
-use graphpp_models::{Model, ModelConfig};
+use graphpp_models::ModelConfig;
 
 use crate::checkpoint::{self, CheckpointError, NamedTensor};
 use crate::pretrained::{model_parameters, CONFIG_FILE, WEIGHTS_FILE};
@@ -82,18 +82,6 @@ pub fn hf_config(model: &ModelConfig) -> serde_json::Value {
     v
 }
 
-/// The sidecar to export: `path` itself, or a folder's newest checkpoint that loads.
-fn sidecar_of(path: &Path) -> Result<PathBuf, ExportError> {
-    if path.extension().is_some_and(|e| e == "safetensors") {
-        let reason = format!("give its sidecar {} (or the folder)", path.with_extension("json").display());
-        return Err(ExportError::NotARun { path: path.to_path_buf(), reason });
-    }
-    if !path.is_dir() {
-        return Ok(path.to_path_buf());
-    }
-    Ok(checkpoint::newest_loadable(path)?.ok_or_else(|| CheckpointError::NotFound(path.into()))?)
-}
-
 /// Exports checkpoint `path` (a sidecar `step-N.json`, or a checkpoint folder: its newest one
 /// that loads) into the folder `out` (created; it must not hold a `config.json` or
 /// `model.safetensors` yet) as a Hugging Face model: [`hf_config`] and the model's parameters
@@ -104,16 +92,21 @@ fn sidecar_of(path: &Path) -> Result<PathBuf, ExportError> {
 /// sidecar without a run's settings; [`ExportError::Parameter`] for a parameter the checkpoint
 /// lacks or holds in another shape; [`ExportError::Exists`].
 pub fn export_hf(path: &Path, out: &Path) -> Result<Exported, ExportError> {
-    let sidecar = sidecar_of(path)?;
-    let saved = crate::train::checkpoint_settings(&sidecar)
-        .map_err(|e| ExportError::NotARun { path: sidecar.clone(), reason: e.to_string() })?;
-    let model = saved.config.model;
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        let reason = format!("give its sidecar {} (or the folder)", path.with_extension("json").display());
+        return Err(ExportError::NotARun { path: path.to_path_buf(), reason });
+    }
     for file in [CONFIG_FILE, WEIGHTS_FILE] {
         if out.join(file).exists() {
             return Err(ExportError::Exists(out.join(file)));
         }
     }
-    let ck = checkpoint::load(&sidecar)?;
+    // One read and check of the tensors (a folder resolves to its newest loadable checkpoint).
+    let ck = checkpoint::load(path)?;
+    let sidecar = ck.path.clone();
+    let saved = crate::train::checkpoint_settings(&sidecar)
+        .map_err(|e| ExportError::NotARun { path: sidecar.clone(), reason: e.to_string() })?;
+    let model = saved.config.model;
     let bad = |name: &str, reason: String| ExportError::Parameter {
         path: sidecar.clone(),
         name: name.into(),
@@ -121,8 +114,7 @@ pub fn export_hf(path: &Path, out: &Path) -> Result<Exported, ExportError> {
     };
     let mut names: Vec<(String, Vec<usize>)> = model_parameters(model.as_model())
         .map_err(|e| ExportError::NotARun { path: sidecar.clone(), reason: e.to_string() })?;
-    let biases = (0..model.num_layers()).filter_map(|l| model.balance_bias(l));
-    names.extend(biases.map(|b| (b, vec![model.routed_experts()])));
+    names.extend(crate::pretrained::model_biases(model.as_model()));
     let mut tensors = Vec::with_capacity(names.len());
     for (name, shape) in names {
         let t = ck.tensors.get(&name).ok_or_else(|| bad(&name, "not in the checkpoint".into()))?;

@@ -155,6 +155,12 @@ pub fn model_parameters(cfg: &dyn Model) -> Result<Vec<(String, Vec<usize>)>, Mo
     Ok(cfg.stage_parameters(&spec))
 }
 
+/// Names and shapes (`[E]`) of the MoE routing biases of `cfg`'s model (buffers a folder may
+/// hold beside the parameters: HF `e_score_correction_bias`), in layer order.
+pub fn model_biases(cfg: &dyn Model) -> Vec<(String, Vec<usize>)> {
+    cfg.moe_layers().into_iter().filter_map(|(l, e)| Some((cfg.balance_bias(l)?, vec![e]))).collect()
+}
+
 fn read(path: &Path) -> Result<Vec<u8>, PretrainedError> {
     if !path.is_file() {
         return Err(PretrainedError::MissingFile { path: path.to_path_buf() });
@@ -277,8 +283,7 @@ pub fn load_weights(dir: &Path, cfg: &ModelConfig) -> Result<BTreeMap<String, Te
         return Err(PretrainedError::MissingTensors { dir: dir.to_path_buf(), names: missing });
     }
     // The routing biases are optional (every parameter is present by now); present, `[E]`.
-    let biases: Vec<(String, Vec<usize>)> =
-        cfg.moe_layers().into_iter().filter_map(|(l, e)| Some((cfg.balance_bias(l)?, vec![e]))).collect();
+    let biases = model_biases(cfg.as_model());
     for (name, shape) in expected.iter().chain(&biases) {
         if let Some(t) = tensors.get(name).filter(|t| t.dims() != shape.as_slice()) {
             return Err(PretrainedError::Shape {
