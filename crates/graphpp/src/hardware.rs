@@ -14,7 +14,7 @@ use std::path::Path;
 use graphpp_graph::DType;
 use serde::{Deserialize, Serialize};
 
-use crate::profile::Speed;
+use crate::profile::{NodeCost, Speed};
 
 /// One device: peak matmul rates, memory bandwidth and capacity.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -216,17 +216,13 @@ impl Hardware {
             [] => peak,
             curve => scale * interpolate(curve, flops),
         };
-        let fusion = graphpp_runtime::exec::fusion::plan(g);
-        let written = |i: usize| fusion.member_of[i].is_none_or(|k| fusion.groups[k].anchor == i);
-        let mut seconds = 0.0;
-        for (i, n) in g.nodes.iter().enumerate() {
-            if let Some(f) = g.node_flops(graphpp_graph::ValueId(i)) {
-                seconds += f as f64 / rate(f as f64);
-            } else if !matches!(n.op, graphpp_graph::Op::Input { .. }) && written(i) {
-                seconds += n.ty.size_bytes() as f64 / d.memory_bandwidth + d.node_overhead_us * 1e-6;
-            }
-        }
-        seconds
+        crate::profile::node_costs(g)
+            .into_iter()
+            .map(|c| match c {
+                NodeCost::Product { flops } => flops as f64 / rate(flops as f64),
+                NodeCost::Written { bytes } => bytes as f64 / d.memory_bandwidth + d.node_overhead_us * 1e-6,
+            })
+            .sum()
     }
 
     /// The device's rates for stage graphs computing in `dtype`: matmul FLOPs at its peak for

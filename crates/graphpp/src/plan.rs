@@ -241,11 +241,7 @@ impl Cost<'_> {
     /// Seconds of each action kind of a stage (I nothing and W the full backward where the
     /// stage has no dI/dW split, as [`stage_work`]).
     fn stage(&self, g: &StageGraphs) -> PerKind<f64> {
-        let (i, w) = match &g.di_dw {
-            Some((di, dw)) => (self.seconds(di), self.seconds(dw)),
-            None => (0.0, self.seconds(&g.full_bw)),
-        };
-        PerKind { f: self.seconds(&g.fw), b: self.seconds(&g.full_bw), i, w }
+        PerKind::of_stage(g, |graph| self.seconds(graph))
     }
 }
 
@@ -292,11 +288,7 @@ impl TpTraffic {
 
 /// [`tp_ring`] of each action kind's graph of a stage.
 fn stage_tp_traffic(g: &StageGraphs) -> PerKind<TpTraffic> {
-    let (i, w) = match &g.di_dw {
-        Some((di, dw)) => (tp_ring(di), tp_ring(dw)),
-        None => (TpTraffic::default(), tp_ring(&g.full_bw)),
-    };
-    PerKind { f: tp_ring(&g.fw), b: tp_ring(&g.full_bw), i, w }
+    PerKind::of_stage(g, tp_ring)
 }
 
 /// What the planner predicts for one strategy.

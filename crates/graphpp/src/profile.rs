@@ -30,6 +30,19 @@ pub struct PerKind<T> {
     pub w: T,
 }
 
+impl<T: Copy + Default> PerKind<T> {
+    /// `f` of each compute kind's graph of a stage — fw, full_bw, bw_di and bw_dw; a stage
+    /// without the dI/dW split (a model's first stage) does nothing at I (`T::default()`) and
+    /// runs full_bw at W, as the runtime does.
+    pub fn of_stage(g: &StageGraphs, f: impl Fn(&Graph) -> T) -> PerKind<T> {
+        let (i, w) = match &g.di_dw {
+            Some((di, dw)) => (f(di), f(dw)),
+            None => (T::default(), f(&g.full_bw)),
+        };
+        PerKind { f: f(&g.fw), b: f(&g.full_bw), i, w }
+    }
+}
+
 impl<T: Copy> PerKind<T> {
     /// The value of `kind`.
     pub fn get(&self, kind: ComputeKind) -> T {
@@ -67,28 +80,57 @@ pub struct Work {
 impl Work {
     /// The work of one run of `g` as its compiled program runs it.
     pub fn of(g: &Graph) -> Work {
-        let fusion = graphpp_runtime::exec::fusion::plan(g);
-        let written = |i: usize| fusion.member_of[i].is_none_or(|k| fusion.groups[k].anchor == i);
-        let bytes = g
-            .nodes
-            .iter()
-            .enumerate()
-            .filter(|&(i, n)| !matches!(n.op, Op::Input { .. }) && !n.op.is_product() && written(i))
-            .map(|(_, n)| n.ty.size_bytes() as u64)
-            .sum();
-        Work { flops: g.matmul_flops(), bytes }
+        let mut w = Work::default();
+        for cost in node_costs(g) {
+            match cost {
+                NodeCost::Product { flops } => w.flops += flops,
+                NodeCost::Written { bytes } => w.bytes += bytes,
+            }
+        }
+        w
     }
+}
+
+/// What one node of a compiled program costs (see [`node_costs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeCost {
+    /// A product (matmul, attention, segment matmul): its multiply-add FLOPs
+    /// ([`Graph::node_flops`]).
+    Product {
+        /// FLOPs.
+        flops: u64,
+    },
+    /// Any other node the program writes: its value's logical bytes.
+    Written {
+        /// Bytes.
+        bytes: u64,
+    },
+}
+
+/// The cost of every node of `g` as its compiled program runs it: products by their FLOPs,
+/// every other node it writes by its bytes; inputs, and fused group members other than the
+/// anchor (computed in registers, never written: `graphpp_runtime::exec::fusion`), cost nothing.
+pub fn node_costs(g: &Graph) -> Vec<NodeCost> {
+    let fusion = graphpp_runtime::exec::fusion::plan(g);
+    let written = |i: usize| fusion.member_of[i].is_none_or(|k| fusion.groups[k].anchor == i);
+    g.nodes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, n)| match g.node_flops(graphpp_graph::ValueId(i)) {
+            Some(flops) => Some(NodeCost::Product { flops }),
+            None if !matches!(n.op, Op::Input { .. }) && written(i) => {
+                Some(NodeCost::Written { bytes: n.ty.size_bytes() as u64 })
+            }
+            None => None,
+        })
+        .collect()
 }
 
 /// The work of each compute kind of a stage (one microbatch): fw, full_bw, bw_di and bw_dw; a
 /// stage without the dI/dW split (a model's first stage) does nothing at I and runs full_bw at
 /// W, as the runtime does.
 pub fn stage_work(graphs: &StageGraphs) -> PerKind<Work> {
-    let (i, w) = match &graphs.di_dw {
-        Some((di, dw)) => (Work::of(di), Work::of(dw)),
-        None => (Work::default(), Work::of(&graphs.full_bw)),
-    };
-    PerKind { f: Work::of(&graphs.fw), b: Work::of(&graphs.full_bw), i, w }
+    PerKind::of_stage(graphs, Work::of)
 }
 
 /// How fast a rank computes: seconds per matmul FLOP and per byte written by other nodes. An
