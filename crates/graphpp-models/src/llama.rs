@@ -348,7 +348,7 @@ impl FeedForward for DenseMlp<'_> {
     ) -> Result<ValueId, ModelError> {
         let pre = format!("model.layers.{layer}.mlp");
         let h = tp.enter(b, h)?;
-        let y = mlp_at(b, h, params, &pre, self.0.hidden_act, false)?;
+        let y = mlp_at(b, h, params, &pre, self.0.hidden_act)?;
         let bias = ParamsAt { all: params, pre: &pre }.bias("down_proj");
         b.scoped("down_proj", |b| tp.exit(b, y, bias))
     }
@@ -363,15 +363,14 @@ pub(crate) fn mlp_parameters(out: &mut Vec<(String, Vec<usize>)>, pre: &str, d: 
 }
 
 /// The gated MLP whose parameters [`mlp_parameters`] names under `pre`, on `x` (biases used
-/// where `params` holds them; `down_proj`'s only with `down_bias`: a row-parallel projection
-/// adds it after its all-reduce).
+/// where `params` holds them, except `down_proj`'s: the caller adds it, after the all-reduce of
+/// a row-parallel projection — [`TensorShard::exit`]).
 pub(crate) fn mlp_at(
     b: &mut GraphBuilder,
     x: ValueId,
     params: &HashMap<String, ValueId>,
     pre: &str,
     act: crate::config::HiddenAct,
-    down_bias: bool,
 ) -> Result<ValueId, ModelError> {
     let p = ParamsAt { all: params, pre };
     let mw = MlpWeights {
@@ -380,7 +379,7 @@ pub(crate) fn mlp_at(
         down: p.weight("down_proj"),
         gate_bias: p.bias("gate_proj"),
         up_bias: p.bias("up_proj"),
-        down_bias: p.bias("down_proj").filter(|_| down_bias),
+        down_bias: None,
     };
     Ok(gated_mlp(b, x, mw, act.activation())?)
 }

@@ -575,7 +575,7 @@ impl FeedForward for MoeConfig {
             let shared = format!("{pre}.shared_experts");
             let s = b.scoped("shared_experts", |b| {
                 let x = tp.enter(b, x)?;
-                let s = mlp_at(b, x, params, &shared, self.base.hidden_act, false)?;
+                let s = mlp_at(b, x, params, &shared, self.base.hidden_act)?;
                 tp.exit(b, s, None)
             })?;
             b.add2(routed, s)?

@@ -175,6 +175,12 @@ pub fn fit(
     let t0 = Instant::now();
     let before = metrics.records().last().map_or(0.0, |r| r.elapsed_s);
     let mut fit = Fit { first_step: run.steps_done(), peaks: vec![0; run.config().ranks], ..Fit::default() };
+    // The world rank of each pipeline rank of replica 0 (tp index 0), whose peak a profile keeps.
+    let c = run.config();
+    let mesh = graphpp_comm::Mesh::new(c.ranks, c.dp).and_then(|m| m.with_tp(c.tp)).ok();
+    let leads: Vec<usize> = (0..c.ranks)
+        .map(|p| mesh.and_then(|m| m.rank_of(graphpp_comm::Coords::at(0, p)).ok()).unwrap_or(p))
+        .collect();
     // The step of the last checkpoint written and, on the leader, its path: the same step on
     // every process, so all agree whether a stop needs one more checkpoint.
     let mut saved_at: Option<(u64, Option<PathBuf>)> = None;
@@ -196,7 +202,7 @@ pub fn fit(
         } else {
             metrics.push(step_record(run, &r, secs, elapsed, None))?;
         }
-        fit.keep(o, run.config().tp, start, secs, r);
+        fit.keep(o, &leads, start, secs, r);
         // Every process stops after the same step, whichever saw the signal.
         let signal = stop.requested();
         if run.trainer().any(signal.is_some())? {
@@ -212,17 +218,16 @@ pub fn fit(
 }
 
 impl Fit {
-    /// Keeps what the summary needs of step `r` (started `start` seconds into the loop); `tp`:
-    /// the run's tensor-parallel degree (pipeline rank p of replica 0 is world rank `p · tp`).
-    fn keep(&mut self, o: &FitOptions, tp: usize, start: f64, secs: f64, r: StepReport) {
+    /// Keeps what the summary needs of step `r` (started `start` seconds into the loop); `leads`:
+    /// the world rank of each pipeline rank of replica 0 (tp index 0).
+    fn keep(&mut self, o: &FitOptions, leads: &[usize], start: f64, secs: f64, r: StepReport) {
         self.step_s.push(secs);
         self.boundary_wait_s.push(r.boundary_wait_s.iter().copied().fold(0.0, f64::max));
         self.exposed_reduce.push(r.reduce_wait_s.iter().copied().fold(0.0, f64::max) / secs.max(1e-12));
         self.rollbacks += u64::from(r.stats.rolled_back);
         if o.profile {
-            for (p, peak) in self.peaks.iter_mut().enumerate() {
-                let b = r.stats.peak_bytes.get(p * tp).copied().unwrap_or(0);
-                *peak = (*peak).max(b);
+            for (peak, &rank) in self.peaks.iter_mut().zip(leads) {
+                *peak = (*peak).max(r.stats.peak_bytes.get(rank).copied().unwrap_or(0));
             }
             self.profiled.push(r.timeline.clone());
         }

@@ -132,7 +132,7 @@ fn tensor_parallel_steps_match_one_device() {
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
         let says = match extra {
-            e if e.contains(&"--sequence-parallel") => " tp=2 sp ",
+            e if e.contains(&"--sequence-parallel") => " tp=2 sequence-parallel ",
             e if e.contains(&"4") => " tp=4 ",
             _ => " tp=2 ",
         };

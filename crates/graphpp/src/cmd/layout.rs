@@ -142,3 +142,24 @@ impl LayoutArgs {
         self.stages_per_rank.unwrap_or_else(|| kind.default_stages_per_rank())
     }
 }
+
+/// The parallel layout a run's header line names, each degree above 1 (`dp=2 fsdp`, `ep=2`,
+/// `tp=2 sequence-parallel`): what `train` and `verify` print.
+pub fn parallel_parts(
+    dp: usize,
+    fsdp: bool,
+    ep: usize,
+    (tp, sequence_parallel): (usize, bool),
+) -> Vec<String> {
+    let mut parts = Vec::new();
+    if dp > 1 || fsdp {
+        parts.push(format!("dp={dp}{}", if fsdp { " fsdp" } else { "" }));
+    }
+    if ep > 1 {
+        parts.push(format!("ep={ep}"));
+    }
+    if tp > 1 {
+        parts.push(format!("tp={tp}{}", if sequence_parallel { " sequence-parallel" } else { "" }));
+    }
+    parts
+}

@@ -151,16 +151,7 @@ fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(Veri
 /// Prints the run's line, both losses and the largest gradient differences.
 fn print_report(a: &VerifyArgs, setup: &VerifySetup, name: &str, world: usize, r: &VerifyReport) {
     let t = &setup.train;
-    let mut parts = Vec::new();
-    if t.dp > 1 || t.fsdp {
-        parts.push(format!("dp={}{}", t.dp, if t.fsdp { " fsdp" } else { "" }));
-    }
-    if t.ep > 1 {
-        parts.push(format!("ep={}", t.ep));
-    }
-    if t.tp > 1 {
-        parts.push(format!("tp={}{}", t.tp, if t.sequence_parallel { " sp" } else { "" }));
-    }
+    let parts = crate::cmd::layout::parallel_parts(t.dp, t.fsdp, t.ep, (t.tp, t.sequence_parallel));
     let mut layout = if parts.is_empty() { String::new() } else { format!(" {}", parts.join(" ")) };
     if world > 1 {
         layout.push_str(&format!(", {world} processes"));

@@ -264,16 +264,7 @@ fn say(pb: &ProgressBar, line: String) -> Result<()> {
 /// The data-parallel part of a run's layout for the header: `, dp=2 fsdp, post-validate, 4
 /// processes` (empty for a plain threads run).
 fn layout(c: &graphpp::train::RunConfig, processes: usize) -> String {
-    let mut parts = Vec::new();
-    if c.dp > 1 {
-        parts.push(format!("dp={}{}", c.dp, if c.fsdp { " fsdp" } else { "" }));
-    }
-    if c.ep > 1 {
-        parts.push(format!("ep={}", c.ep));
-    }
-    if c.tp > 1 {
-        parts.push(format!("tp={}{}", c.tp, if c.sequence_parallel { " sequence-parallel" } else { "" }));
-    }
+    let mut parts = crate::cmd::layout::parallel_parts(c.dp, c.fsdp, c.ep, (c.tp, c.sequence_parallel));
     if c.post_validate {
         parts.push("post-validate".to_string());
     }
