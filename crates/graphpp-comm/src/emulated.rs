@@ -173,8 +173,10 @@ impl<T: Send + Sync> PendingOp<T> for Delayed<T> {
     }
 }
 
-/// The share of a tensor a ring collective moves through each of `n` ranks: `(n−1)/n`.
-fn ring(n: usize) -> f64 {
+/// The share of a tensor a ring collective moves through each of `n` ranks: `(n−1)/n` (an
+/// all-gather's or reduce-scatter's whole volume per byte of the full tensor; an all-reduce is
+/// twice it). The emulated link and the planner's cost model both charge it.
+pub fn ring(n: usize) -> f64 {
     (n.saturating_sub(1)) as f64 / n.max(1) as f64
 }
 

@@ -259,7 +259,7 @@ fn tp_ring(g: &graphpp_graph::Graph) -> TpTraffic {
             continue;
         }
         let t = group.size.max(1);
-        let share = (t - 1) as f64 / t as f64;
+        let share = graphpp_comm::emulated::ring(t);
         let (b, s) = match kind {
             CollectiveKind::AllReduce => (2.0 * share * n.ty.size_bytes() as f64, 2 * (t - 1)),
             CollectiveKind::AllGather => (share * n.ty.size_bytes() as f64, t - 1),
@@ -328,16 +328,13 @@ pub fn predict(
             grads[r] += graphs.get(stage).map_or(0, |g| input_bytes(g, InputKind::Parameter));
         }
     }
-    let reduce = ring(dp) * grads.into_iter().max().unwrap_or(0) as f64 / links.data;
+    // A ring all-reduce sends 2 (n − 1) / n of the value.
+    let reduce =
+        2.0 * graphpp_comm::emulated::ring(dp) * grads.into_iter().max().unwrap_or(0) as f64 / links.data;
     let refs: Vec<&StageGraphs> = graphs.iter().map(|g| &**g).collect();
     let bytes = byte_model(&refs, schedule).map_err(|e| PlanError::Build(e.to_string()))?;
     let peak_bytes = bytes.peak_bytes(schedule).map_err(|e| PlanError::Build(e.to_string()))?;
     Ok(Prediction { step_seconds: sim.makespan + reduce, bubble: sim.bubble_ratio, peak_bytes })
-}
-
-/// The bytes a ring all-reduce over `n` members sends per byte reduced: `2 (n − 1) / n`.
-fn ring(n: usize) -> f64 {
-    2.0 * (n.max(1) as f64 - 1.0) / n.max(1) as f64
 }
 
 /// Whether `x` is the pinned value, when one is pinned.
