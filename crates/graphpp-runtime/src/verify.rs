@@ -109,7 +109,7 @@ pub struct VerifySetup {
 
 impl VerifySetup {
     /// A setup with default generator options, seed 0, no data parallelism, a 60 s RECV
-    /// timeout, both steps in f32.
+    /// timeout, both steps in f32 on the CPU.
     pub fn new(
         model: impl Model + 'static,
         kind: Kind,
@@ -141,6 +141,7 @@ impl VerifySetup {
             link: None,
             timeout: Duration::from_secs(60),
             dtype: DType::F32,
+            device: candle_core::Device::Cpu,
         };
         VerifySetup { train, weights: None, reference_dtype: DType::F32 }
     }
@@ -269,7 +270,14 @@ pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     let opts = StageOptions::mixed(setup.train.microbatch_size, setup.train.seq_len, setup.train.dtype);
     let given = setup.weights.as_deref();
     let build =
-        StageBuild { model: &*setup.train.model, specs: &specs, opts: &opts, seed: setup.train.seed, given };
+        StageBuild {
+            model: &*setup.train.model,
+            specs: &specs,
+            opts: &opts,
+            seed: setup.train.seed,
+            given,
+            device: &setup.train.device,
+        };
     let workers = build.all_ranks(&schedule, data)?;
     let (workers, _) = run_pipeline(&schedule, workers, setup.train.timeout)?;
     let mut losses = BTreeMap::new();
@@ -284,8 +292,8 @@ pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     Ok(StepResult { loss, microbatch_losses, grads: collect_grads(&workers)? })
 }
 
-/// Runs the same step on one device, computing in `setup.reference_dtype`: one stage with every
-/// layer over the m microbatches concatenated along the batch axis.
+/// Runs the same step on one device, the CPU, computing in `setup.reference_dtype`: one stage
+/// with every layer over the m microbatches concatenated along the batch axis.
 pub fn single_device_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     let cfg = &*setup.train.model;
     let m = setup.train.shape.microbatches;
@@ -302,12 +310,15 @@ pub fn single_device_step(setup: &VerifySetup) -> Result<StepResult, VerifyError
         setup.train.seed,
     )?;
     let given = setup.weights.as_deref();
+    // The reference runs on the host, whatever device the pipelined step ran on.
+    let host = candle_core::Device::Cpu;
     let build = StageBuild {
         model: cfg,
         specs: std::slice::from_ref(&spec),
         opts: &opts,
         seed: setup.train.seed,
         given,
+        device: &host,
     };
     let mut env = build.state(&spec)?;
     env.insert(TOKENS.into(), Tensor::cat(&data.tokens, 0)?);

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use graphpp_comm::Comm;
 use graphpp_comm::{CommError, Group};
+use graphpp_runtime::kernels::device::DeviceSpec;
 
 /// Environment variables through which `mpirun` (Open MPI; MPICH and PMIx launchers) gives a
 /// process its world size, and its number of processes on this host.
@@ -26,6 +27,19 @@ pub enum LaunchError {
     NoMpi {
         /// The world size mpirun gave.
         world: usize,
+    },
+    /// A GPU run started as several processes: its ranks run as threads sharing the device
+    /// (a communicator over NCCL for one process per GPU is not built yet).
+    #[error(
+        "mpirun started {world} processes with --device {device}: a GPU run's ranks are threads \
+         sharing the device in one process (one process per GPU over NCCL is not built yet); \
+         run it without mpirun"
+    )]
+    DeviceProcesses {
+        /// The world size mpirun gave.
+        world: usize,
+        /// The device asked for.
+        device: DeviceSpec,
     },
     /// MPI did not start.
     #[cfg(feature = "mpi")]
@@ -163,12 +177,15 @@ impl Launch {
         self.rank() == 0
     }
 
-    /// Checks that a run of `pp` × `dp` × `tp` ranks fits the processes started.
+    /// Checks that a run of `pp` × `dp` × `tp` ranks on `device` fits the processes started.
     ///
     /// # Errors
-    /// [`LaunchError::WorldSize`].
-    pub fn check_world(&self, pp: usize, dp: usize, tp: usize) -> Result<(), LaunchError> {
+    /// [`LaunchError::WorldSize`]; [`LaunchError::DeviceProcesses`] for a GPU run under mpirun.
+    pub fn check_world(&self, pp: usize, dp: usize, tp: usize, device: DeviceSpec) -> Result<(), LaunchError> {
         let world = self.world();
+        if world > 1 && !device.is_cpu() {
+            return Err(LaunchError::DeviceProcesses { world, device });
+        }
         if world > 1 && Some(world) != pp.checked_mul(dp).and_then(|n| n.checked_mul(tp)) {
             return Err(LaunchError::WorldSize { world, pp, dp, tp });
         }

@@ -23,6 +23,7 @@
 use std::path::{Path, PathBuf};
 
 use graphpp_models::Recompute;
+use graphpp_runtime::kernels::device::DeviceSpec;
 use graphpp_schedule::{generate, Kind, Options, Shape};
 use serde::{Deserialize, Serialize};
 
@@ -64,6 +65,9 @@ pub struct Place {
     /// The stages of each rank, row r = rank r (checked against `order.schedule`'s placement).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stages: Option<Vec<Vec<usize>>>,
+    /// Where every rank computes (`--device`): `cpu` (the default) or `cuda` / `cuda:N`.
+    #[serde(default, skip_serializing_if = "DeviceSpec::is_cpu")]
+    pub device: DeviceSpec,
 }
 
 /// `replicate`: data-parallel replicas of the pipeline (the world is `ranks × dp × shard.tp`).
@@ -358,6 +362,7 @@ impl Strategy {
                 stages_per_rank: Some(c.stages_per_rank),
                 layers_per_stage: c.layers_per_stage.clone(),
                 stages: Some(stages),
+                device: c.device,
             },
             replicate: Replicate { dp: Some(c.dp) },
             shard: Shard { fsdp: c.fsdp, ep: c.ep, tp: c.tp, sequence_parallel: c.sequence_parallel },

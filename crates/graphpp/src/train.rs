@@ -182,6 +182,10 @@ pub struct RunConfig {
     /// the run); free to change on resume.
     #[serde(default = "default_timeout")]
     pub timeout: f64,
+    /// Where every rank computes (`--device`); absent in checkpoints made before it existed,
+    /// which ran on the CPU. Free to change on resume.
+    #[serde(default)]
+    pub device: graphpp_runtime::kernels::device::DeviceSpec,
 }
 
 /// `--timeout`'s default: 300 s (PyTorch's process groups wait 10–30 minutes). A healthy peer
@@ -295,7 +299,7 @@ impl RunConfig {
     }
 
     /// What must match for a resumed run to continue the same loss sequence: everything but the
-    /// pipeline layout (kind, ranks, v, layer split, dp replicas, ep, tp, sequence parallelism), the recompute policy, the emulated link, the display name, the
+    /// pipeline layout (kind, ranks, v, layer split, dp replicas, ep, tp, sequence parallelism), the recompute policy, the emulated link, the device, the display name, the
     /// `--init-from` folder (the checkpoint's parameters replace the initial ones; the model must
     /// match) and the run's length (`--steps` may grow to extend a finished run: the
     /// learning-rate schedule is then the new one from the resumed step on).
@@ -320,6 +324,7 @@ impl RunConfig {
             init_from: None,
             link: None,
             timeout: 0.0,
+            device: Default::default(),
             ..self.clone()
         }
     }
@@ -668,7 +673,8 @@ fn schedule_flag(path: &Path) -> Result<Arc<graphpp_schedule::Schedule>, RunErro
 /// The runtime setup of `c`.
 ///
 /// # Errors
-/// [`RunError`] for a schedule file that cannot be read or a bad learning-rate schedule.
+/// [`RunError`] for a schedule file that cannot be read, a bad learning-rate schedule or a
+/// device that cannot be opened.
 pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
     Ok(TrainSetup {
         model: Arc::new(c.model.clone()),
@@ -694,6 +700,7 @@ pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         link: c.link,
         timeout: Duration::from_secs_f64(c.timeout),
         dtype: c.dtype,
+        device: c.device.open().map_err(|e| RunError::Config(format!("--device: {e}")))?,
     })
 }
 

@@ -48,6 +48,7 @@ fn config(data: PathBuf, kind: Kind) -> RunConfig {
         tp: 1,
         sequence_parallel: false,
         timeout: 300.0,
+        device: Default::default(),
         post_validate: false,
         seq_len: 16,
         layers_per_stage: None,

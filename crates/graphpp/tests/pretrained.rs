@@ -373,6 +373,7 @@ fn run_config(data: PathBuf, kind: Kind, ranks: usize) -> RunConfig {
         tp: 1,
         sequence_parallel: false,
         timeout: 300.0,
+        device: Default::default(),
         post_validate: false,
         seq_len: 8,
         layers_per_stage: None,

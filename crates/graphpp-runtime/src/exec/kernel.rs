@@ -2,6 +2,7 @@
 //! CPU kernels of [`crate::kernels`].
 
 use candle_core::{DType as CDType, Device, Tensor};
+use crate::kernels::device::composed;
 use graphpp_graph::{BinaryOp, Graph, Op, UnaryOp};
 
 use super::{ExecError, ExecResult};
@@ -12,7 +13,7 @@ use crate::kernels::tensor::{candle_dtype, cast, read_f32};
 /// the four-op form used otherwise: negate, exp, add 1, reciprocal). A bf16 operand never
 /// reaches it: [`kernel`] widens every bf16 elementwise op's operands and rounds once.
 fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
-    if x.is_contiguous() && matches!(x.dtype(), CDType::F32 | CDType::F64) {
+    if x.is_contiguous() && matches!(x.dtype(), CDType::F32 | CDType::F64) && !composed(x) {
         x.apply_op1_no_bwd(&SigmoidOp)
     } else {
         (x.neg()?.exp()? + 1.0)?.recip()
@@ -62,9 +63,9 @@ fn arithmetic(f: BinaryOp, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor
 }
 
 /// RoPE's rotate-half along the last axis ([`Op::RotateHalf`]): `[−x2, x1]` for halves `x1`,
-/// `x2`. An f32 or bf16 operand in one pass over its rows (negation and copies are exact: the
-/// bits of the slice-negate-concatenate it replaces); others through candle's narrow, neg and
-/// cat.
+/// `x2`. An f32 or bf16 CPU operand in one pass over its rows (negation and copies are exact:
+/// the bits of the slice-negate-concatenate it replaces); others, and every [`composed`]
+/// operand, through candle's narrow, neg and cat.
 fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
     let Some(last) = x.rank().checked_sub(1) else { candle_core::bail!("rotate_half of a scalar") };
     let n = x.dims()[last];
@@ -73,10 +74,14 @@ fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
     }
     let h = n / 2;
     match x.dtype() {
-        CDType::F32 if h > 0 => {
+        _ if composed(x) || h == 0 => {
+            let (x1, x2) = (x.narrow(last, 0, h)?, x.narrow(last, h, h)?);
+            Tensor::cat(&[&x2.neg()?, &x1], last)
+        }
+        CDType::F32 => {
             Tensor::from_vec(read_f32(x, |src| rotate_rows(src, n))?, x.dims(), &Device::Cpu)
         }
-        CDType::BF16 if h > 0 => {
+        CDType::BF16 => {
             let x = x.contiguous()?;
             let (storage, layout) = x.storage_and_layout();
             let candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(v)) = &*storage else {
@@ -111,7 +116,7 @@ fn rotate_rows<T: Copy + Default + std::ops::Neg<Output = T>>(src: &[T], n: usiz
 /// accumulate in f32).
 fn sum(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tensor> {
     let wide = if x.dtype() == CDType::BF16 { cast(x, CDType::F32)? } else { x.clone() };
-    let s = if wide.dtype() == CDType::F32 && axis + 1 < x.rank() {
+    let s = if wide.dtype() == CDType::F32 && axis + 1 < x.rank() && !composed(x) {
         sum_rows(&wide, axis, keepdim)?
     } else if keepdim {
         wide.sum_keepdim(axis)?
@@ -161,12 +166,14 @@ fn sum_rows(x: &Tensor, axis: usize, keepdim: bool) -> candle_core::Result<Tenso
     Tensor::from_vec(out, shape, &Device::Cpu)
 }
 
-pub(super) fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor]) -> ExecResult<Tensor> {
+/// Node `i`'s value (its op `op`) from its operands `a`; an operand-less node (a constant)
+/// is made on `device`, the run's.
+pub(super) fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor], device: &Device) -> ExecResult<Tensor> {
     if let Op::CollectiveWait = op {
         // The start's value was completed when this node read it.
         return Ok(a[0].clone());
     }
-    kernel(op, a, &graph.nodes[i].ty).map_err(|e| kernel_error(graph, i, e))
+    kernel(op, a, &graph.nodes[i].ty, device).map_err(|e| kernel_error(graph, i, e))
 }
 
 /// Node `op`'s value from its operands `a`; `ty` is the node's type. A bf16 elementwise op
@@ -174,18 +181,18 @@ pub(super) fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor]) -> ExecResul
 /// once, as a GPU's fused kernels and the compiled executor's bf16 groups do
 /// ([`crate::exec::fusion`]): one rule for every such op instead of candle's per-op bf16
 /// arithmetic (its bf16 affine rounds `mul` and `add` to bf16 and rounds twice).
-fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType) -> candle_core::Result<Tensor> {
+fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType, device: &Device) -> candle_core::Result<Tensor> {
     if op.is_pointwise() && a.first().is_some_and(|x| x.dtype() == CDType::BF16) {
         let wide = a.iter().map(|x| cast(x, CDType::F32)).collect::<candle_core::Result<Vec<_>>>()?;
         let wide: Vec<&Tensor> = wide.iter().collect();
-        return cast(&kernel(op, &wide, ty)?, CDType::BF16);
+        return cast(&kernel(op, &wide, ty, device)?, CDType::BF16);
     }
     Ok(match op {
         Op::Input { .. } | Op::CollectiveStart { .. } | Op::CollectiveWait => {
             unreachable!("handled by caller")
         }
         Op::Full { value, ty } => {
-            (Tensor::zeros(ty.shape.clone(), candle_dtype(ty.dtype), &Device::Cpu)? + *value)?
+            (Tensor::zeros(ty.shape.clone(), candle_dtype(ty.dtype), device)? + *value)?
         }
         Op::Unary { f } => match f {
             UnaryOp::Neg => a[0].neg()?,

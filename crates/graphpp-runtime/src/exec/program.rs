@@ -96,6 +96,9 @@ impl Program {
     }
 
     /// [`run_named_with`] through this program; `graph` must be the graph it was compiled from.
+    /// Inputs on a device other than the CPU (or any under `GRAPHPP_KERNELS=composed`:
+    /// [`crate::kernels::device`]) run through the interpreter's loop on candle's kernels: the
+    /// program's fused groups and products read CPU storage.
     ///
     /// # Errors
     /// Those of [`run_named_with`]; [`ExecError::Input`] when `graph` has another node count
@@ -119,7 +122,11 @@ impl Program {
                 reason: format!("compiled for {} nodes, the graph has {}", self.nodes, graph.nodes.len()),
             });
         }
-        exec(graph, &ordered_inputs(graph, inputs)?, opts, comm, Some(self))
+        let inputs = ordered_inputs(graph, inputs)?;
+        // The compiled kernels read CPU storage: a run on another device (or with the
+        // compositions forced) is the interpreter's, on candle's kernels.
+        let compiled = inputs.first().is_none_or(|x| !crate::kernels::device::composed(x));
+        exec(graph, &inputs, opts, comm, compiled.then_some(self))
     }
 }
 
@@ -148,7 +155,8 @@ pub(super) fn exec(
         });
     }
     let n = graph.nodes.len();
-    let mut run = Run::new(graph, comm, program);
+    let device = inputs.first().map_or(candle_core::Device::Cpu, |x| x.device().clone());
+    let mut run = Run::new(graph, comm, program, device);
     let mut times = opts.time_nodes.then(|| vec![Duration::ZERO; n]);
     let mut next_input = 0;
     let mut at_peak = Vec::new();
@@ -210,11 +218,18 @@ struct Run<'a> {
     early: Option<(usize, Tensor)>,
     /// A pair's first matmul, whose operands are released with the second's.
     deferred: Option<usize>,
+    /// The device of the run's inputs, where a node without operands makes its value.
+    device: candle_core::Device,
 }
 
 impl<'a> Run<'a> {
     /// A run of `graph` that holds no value yet.
-    fn new(graph: &'a Graph, comm: Option<&'a GraphComm<'a>>, program: Option<&'a Program>) -> Self {
+    fn new(
+        graph: &'a Graph,
+        comm: Option<&'a GraphComm<'a>>,
+        program: Option<&'a Program>,
+        device: candle_core::Device,
+    ) -> Self {
         let n = graph.nodes.len();
         Run {
             graph,
@@ -225,6 +240,7 @@ impl<'a> Run<'a> {
             spans: Vec::new(),
             early: None,
             deferred: None,
+            device,
         }
     }
 
@@ -271,7 +287,7 @@ impl<'a> Run<'a> {
                 let p = program.expect("matched above");
                 Value::Ready(program_matmul(graph, p, i, &args, &self.vals, &mut self.early)?)
             }
-            (op, None) => Value::Ready(eval(graph, i, op, &args)?),
+            (op, None) => Value::Ready(eval(graph, i, op, &args, &self.device)?),
         }))
     }
 

@@ -8,11 +8,14 @@
 //! gradient into it in one pass, computing `acc + (g · s + 0)` per element — the f32 operations
 //! candle's affine and add perform, in the same order, so the sums are bitwise those of the
 //! allocating form. An unscaled first gradient is kept as it came (it may share storage with
-//! other values of the backward's outputs: it is never written).
+//! other values of the backward's outputs: it is never written). Sums on a device other than the
+//! CPU ([`composed`]) take the allocating form.
 
 use std::collections::{HashMap, HashSet};
 
 use candle_core::{CpuStorage, DType, Layout, Tensor};
+
+use super::device::composed;
 use rayon::prelude::*;
 
 /// Elements from which an in-place add splits over the rank's pool.
@@ -44,7 +47,7 @@ impl Accumulators {
                 // A transposed weight gradient goes through the blocks of `AddScaled` into
                 // zeros: 0 + (g · s + 0) is g · s + 0 bit for bit (the + 0 already made −0 +0),
                 // where candle's affine walks the view element by element.
-                Some(_) if g.dtype() == DType::F32 && g.rank() == 2 && !g.is_contiguous() => {
+                Some(_) if g.dtype() == DType::F32 && g.rank() == 2 && !g.is_contiguous() && !composed(&g) => {
                     let sum = g.zeros_like()?;
                     sum.inplace_op2(&g, &AddScaled { scale })?;
                     sum
@@ -58,6 +61,7 @@ impl Accumulators {
             return Ok(());
         };
         let in_place = self.owned.contains(name)
+            && !composed(acc)
             && acc.dtype() == DType::F32
             && g.dtype() == DType::F32
             && acc.dims() == g.dims()

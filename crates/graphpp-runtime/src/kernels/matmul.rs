@@ -3,13 +3,23 @@
 
 use super::bf16_gemm::{self, Strided};
 use candle_core::{CpuStorage, DType as CDType, Device, Tensor};
+
+use super::device::composed;
 use rayon::prelude::*;
 
 /// Batched matmul on the lhs's own strides and a row-major rhs: a rhs whose rows are not
 /// contiguous (a transposed weight) is copied first, as gemm reads it faster so and a compiled
 /// program reads its kept copy ([`crate::exec::kept`]: the same bits); operands whose layout
-/// candle's matmul cannot take (e.g. a permuted 4-D view) are made contiguous first.
+/// candle's matmul cannot take (e.g. a permuted 4-D view) are made contiguous first. An operand
+/// [`composed`] names goes to candle's product as it is.
 pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    if composed(a) {
+        // candle's product on the operands' device (cuBLAS on a GPU; bf16 sums in f32 there).
+        return match a.matmul(b) {
+            Err(e) if is_striding(&e) => a.contiguous()?.matmul(&b.contiguous()?),
+            r => r,
+        };
+    }
     if let Some(product) = bf16_matmul(a, b, Threads::Pool)? {
         return Ok(product);
     }
@@ -40,6 +50,9 @@ pub(crate) enum Threads {
 /// its copy; every other product is the interpreter's [`matmul`]. The same bits as [`matmul`]
 /// (`matmul_tests`, `tests/compiled.rs`).
 pub(crate) fn compiled_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<Tensor> {
+    if composed(a) {
+        return matmul(a, b);
+    }
     if let Some(product) = bf16_matmul(a, b, threads)? {
         return Ok(product);
     }

@@ -10,11 +10,14 @@
 //! - [`expf`], [`tile8`]: the SIMD building blocks (the C library's `expf` bits eight lanes at a
 //!   time, 8 × 8 register transposes), each behind a run-time CPU check;
 //! - [`tensor`]: conversions between candle tensors and plain data;
+//! - [`device`]: which tensors run these kernels and which run candle's compositions (a tensor
+//!   on a GPU, or any under `GRAPHPP_KERNELS=composed`);
 //! - [`threads`]: the rank's own thread pool every kernel splits its work over.
 
 pub mod accumulate;
 pub mod attention;
 pub mod bf16_gemm;
+pub mod device;
 pub mod expf;
 pub mod matmul;
 pub mod segment;

@@ -11,9 +11,14 @@
 //! [`Op::SegmentMatmul`]: graphpp_graph::Op::SegmentMatmul
 //! [`Op::SegmentOuter`]: graphpp_graph::Op::SegmentOuter
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{Result, Tensor};
 
+use super::device::count_host_read;
+
+/// The ids as host data (a read to the host counted where `ids` lives on a device:
+/// [`count_host_read`]).
 fn ids_of(ids: &Tensor, bins: usize) -> Result<Vec<u32>> {
+    count_host_read(ids);
     let v = ids.flatten_all()?.to_vec1::<u32>()?;
     match v.iter().find(|&&i| i as usize >= bins) {
         Some(bad) => Err(candle_core::Error::Msg(format!("expert id {bad} is not below {bins}"))),
@@ -27,7 +32,7 @@ pub fn bincount(ids: &Tensor, bins: usize) -> Result<Tensor> {
     for i in ids_of(ids, bins)? {
         counts[i as usize] += 1;
     }
-    Tensor::from_vec(counts, bins, &Device::Cpu)
+    Tensor::from_vec(counts, bins, ids.device())
 }
 
 /// The stable counting-sort permutation of `ids` by expert (u32 `[R]`: `out[j]` is the row at
@@ -46,7 +51,7 @@ pub fn sort_by_expert(ids: &Tensor, experts: usize) -> Result<Tensor> {
         out[start[i as usize] as usize] = row as u32;
         start[i as usize] += 1;
     }
-    Tensor::from_vec(out, v.len(), &Device::Cpu)
+    Tensor::from_vec(out, v.len(), ids.device())
 }
 
 /// The segments of `counts` (`[E]`, or `[G, E]`: G groups of E segments, row-major) as
@@ -57,6 +62,7 @@ fn segments(counts: &Tensor, rows: usize) -> Result<Vec<(usize, usize)>> {
         [e] | [_, e] => *e,
         other => return Err(candle_core::Error::Msg(format!("expert counts of shape {other:?}"))),
     };
+    count_host_read(counts);
     let c: Vec<u32> = counts.flatten_all()?.to_vec1::<u32>()?;
     let total: usize = c.iter().map(|&n| n as usize).sum();
     // Padding comes only with the rows received from G ranks (counts [G, E]).
@@ -84,10 +90,10 @@ pub fn segment_matmul(x: &Tensor, w: &Tensor, counts: &Tensor, transpose: bool) 
         off += len;
     }
     if off < rows {
-        parts.push(Tensor::zeros((rows - off, n), x.dtype(), &Device::Cpu)?);
+        parts.push(Tensor::zeros((rows - off, n), x.dtype(), x.device())?);
     }
     if parts.is_empty() {
-        return Tensor::zeros((0, n), x.dtype(), &Device::Cpu);
+        return Tensor::zeros((0, n), x.dtype(), x.device());
     }
     Tensor::cat(&parts, 0)
 }
@@ -118,7 +124,7 @@ pub fn segment_outer(a: &Tensor, b: &Tensor, counts: &Tensor) -> Result<Tensor> 
     let parts = acc
         .into_iter()
         .map(|p| {
-            p.map_or_else(|| Tensor::zeros((n, k), a.dtype(), &Device::Cpu), |t| t.to_dtype(a.dtype()))?
+            p.map_or_else(|| Tensor::zeros((n, k), a.dtype(), a.device()), |t| t.to_dtype(a.dtype()))?
                 .unsqueeze(0)
         })
         .collect::<Result<Vec<_>>>()?;
@@ -128,6 +134,7 @@ pub fn segment_outer(a: &Tensor, b: &Tensor, counts: &Tensor) -> Result<Tensor> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     fn u32s(v: &[u32]) -> Tensor {
         Tensor::from_slice(v, v.len(), &Device::Cpu).unwrap()

@@ -19,6 +19,7 @@
 use candle_core::{DType as CDType, Device, Tensor};
 use rayon::prelude::*;
 
+use crate::kernels::device::composed;
 use crate::kernels::expf;
 use crate::kernels::tensor::{cast, read_f32};
 
@@ -27,7 +28,8 @@ use crate::kernels::tensor::{cast, read_f32};
 const PARALLEL_MIN: usize = 1 << 18;
 
 /// Softmax of `scale · x + mask` over `axis` ([`graphpp_graph::Op::Softmax`]); the mask
-/// broadcasts to x's shape.
+/// broadcasts to x's shape. f32 (and bf16, in f32) one row at a time; f64, and every operand
+/// [`composed`] names, through candle.
 ///
 /// # Errors
 /// candle's, for an axis out of range, a mask that does not broadcast, or a dtype other than
@@ -43,15 +45,15 @@ pub fn softmax(x: &Tensor, mask: Option<&Tensor>, axis: usize, scale: f64) -> ca
         return softmax(&x.transpose(axis, last)?, mask.as_ref(), last, scale)?.transpose(axis, last);
     }
     match x.dtype() {
-        CDType::F32 => rows_f32(x, mask, scale),
         CDType::BF16 => {
             let mask = mask.map(|m| cast(m, CDType::F32)).transpose()?;
-            cast(&rows_f32(&cast(x, CDType::F32)?, mask.as_ref(), scale)?, CDType::BF16)
+            cast(&softmax(&cast(x, CDType::F32)?, mask.as_ref(), axis, scale)?, CDType::BF16)
         }
+        CDType::F32 if !composed(x) => rows_f32(x, mask, scale),
         _ => {
             let z = x.affine(scale, 0.0)?;
             let z = match mask {
-                Some(m) => z.broadcast_add(m)?,
+                Some(m) => z.broadcast_add(&m.to_dtype(z.dtype())?)?,
                 None => z,
             };
             let e = z.broadcast_sub(&z.max_keepdim(axis)?)?.exp()?;
@@ -62,7 +64,7 @@ pub fn softmax(x: &Tensor, mask: Option<&Tensor>, axis: usize, scale: f64) -> ca
 }
 
 /// `scale · y ⊙ (g − Σ_axis g ⊙ y)` ([`graphpp_graph::Op::SoftmaxBackward`]): f32 (and bf16, in
-/// f32) one row at a time, the sum in the order of [`softmax`]'s; f64 through candle.
+/// f32) one row at a time, the sum in the order of [`softmax`]'s; f64, and every operand [`composed`] names, through candle.
 ///
 /// # Errors
 /// candle's, for an axis out of range, shapes that differ or another dtype.
@@ -73,11 +75,11 @@ pub fn softmax_backward(y: &Tensor, g: &Tensor, axis: usize, scale: f64) -> cand
         return softmax_backward(&y, &g, last, scale)?.transpose(axis, last);
     }
     match y.dtype() {
-        CDType::F32 => backward_f32(y, g, scale),
         CDType::BF16 => {
             let (y32, g32) = (cast(y, CDType::F32)?, cast(g, CDType::F32)?);
-            cast(&backward_f32(&y32, &g32, scale)?, CDType::BF16)
+            cast(&softmax_backward(&y32, &g32, axis, scale)?, CDType::BF16)
         }
+        CDType::F32 if !composed(y) => backward_f32(y, g, scale),
         _ => {
             let s = (g * y)?.sum_keepdim(axis)?;
             (y * g.broadcast_sub(&s)?)?.affine(scale, 0.0)
@@ -87,7 +89,7 @@ pub fn softmax_backward(y: &Tensor, g: &Tensor, axis: usize, scale: f64) -> cand
 
 /// Log-softmax of `x` over `axis` ([`graphpp_graph::Op::LogSoftmax`]): `z − ln Σ e^z` with
 /// `z = x − max x`, f32 (and bf16, in f32) one row at a time — max, exponent and sum as
-/// [`softmax`]'s, then `ln` of the sum once a row —; f64 through candle.
+/// [`softmax`]'s, then `ln` of the sum once a row —; f64, and every operand [`composed`] names, through candle.
 ///
 /// # Errors
 /// candle's, for an axis out of range or another dtype.
@@ -100,8 +102,8 @@ pub fn log_softmax(x: &Tensor, axis: usize) -> candle_core::Result<Tensor> {
         return log_softmax(&x.transpose(axis, last)?, last)?.transpose(axis, last);
     }
     match x.dtype() {
-        CDType::F32 => map_rows(x, |_, x, n, y| log_rows(x, n, y)),
         CDType::BF16 => cast(&log_softmax(&cast(x, CDType::F32)?, axis)?, CDType::BF16),
+        CDType::F32 if !composed(x) => map_rows(x, |_, x, n, y| log_rows(x, n, y)),
         _ => {
             let z = x.broadcast_sub(&x.max_keepdim(axis)?)?;
             let lse = z.exp()?.sum_keepdim(axis)?.log()?;
@@ -111,7 +113,7 @@ pub fn log_softmax(x: &Tensor, axis: usize) -> candle_core::Result<Tensor> {
 }
 
 /// `g − e^y ⊙ Σ_axis g` ([`graphpp_graph::Op::LogSoftmaxBackward`]), f32 (and bf16, in f32) one
-/// row at a time, the sum in the fixed order of the module doc; f64 through candle.
+/// row at a time, the sum in the fixed order of the module doc; f64, and every operand [`composed`] names, through candle.
 ///
 /// # Errors
 /// candle's, for an axis out of range, shapes that differ or another dtype.
@@ -122,7 +124,7 @@ pub fn log_softmax_backward(y: &Tensor, g: &Tensor, axis: usize) -> candle_core:
         return log_softmax_backward(&y, &g, last)?.transpose(axis, last);
     }
     match y.dtype() {
-        CDType::F32 => pair_rows(y, g, log_backward_rows),
+        CDType::F32 if !composed(y) => pair_rows(y, g, log_backward_rows),
         CDType::BF16 => {
             let (y32, g32) = (cast(y, CDType::F32)?, cast(g, CDType::F32)?);
             cast(&log_softmax_backward(&y32, &g32, axis)?, CDType::BF16)

@@ -70,8 +70,8 @@ pub fn widen_bf16(x: bf16) -> f32 {
 /// Elements per part when a cast is split over the rank's pool.
 const CAST_PART: usize = 1 << 15;
 
-/// `t` in `dtype`: candle's `to_dtype`, with the bits candle gives, but a contiguous bf16 → f32
-/// or f32 → bf16 cast runs as one vectorised loop (split over the current pool for large
+/// `t` in `dtype`: candle's `to_dtype`, with the bits candle gives, but a contiguous CPU bf16 →
+/// f32 or f32 → bf16 cast runs as one vectorised loop (split over the current pool for large
 /// tensors) instead of candle's per-element conversion (a quarter of a bf16 `train` step in
 /// `perf`: docs/PERFORMANCE.md, "bf16").
 ///
@@ -79,7 +79,8 @@ const CAST_PART: usize = 1 << 15;
 /// candle's, from `to_dtype`.
 pub fn cast(t: &Tensor, dtype: CDType) -> candle_core::Result<Tensor> {
     let pair = (t.dtype(), dtype);
-    if !t.is_contiguous() || !matches!(pair, (CDType::BF16, CDType::F32) | (CDType::F32, CDType::BF16)) {
+    let widen_or_round = matches!(pair, (CDType::BF16, CDType::F32) | (CDType::F32, CDType::BF16));
+    if !t.is_contiguous() || !widen_or_round || !t.device().is_cpu() {
         return t.to_dtype(dtype);
     }
     let n = t.elem_count();

@@ -202,8 +202,12 @@ impl AdamW {
         lr: f64,
         t: u64,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let fused = Fused::new(&self.cfg, lr, t);
+        if crate::kernels::device::composed(p) {
+            return fused.composed(p, g, m, v);
+        }
         let [p, g, m, v] = [p, g, m, v].map(|x| x.contiguous());
-        Fused::new(&self.cfg, lr, t).apply(&p?, &g?, &m?, &v?)
+        fused.apply(&p?, &g?, &m?, &v?)
     }
 
     /// After the first step the parameter names must equal those in the state.
@@ -382,6 +386,26 @@ impl Fused {
         let shape = p.dims();
         let t = |x: Vec<f32>| Tensor::from_vec(x, shape, p.device());
         Ok((t(po)?, t(mo)?, t(vo)?))
+    }
+
+    /// [`Fused::apply`]'s update as candle operations on the operands' device (a GPU's, or the
+    /// CPU's under `GRAPHPP_KERNELS=composed`): the same formula, each operation rounded to f32.
+    ///
+    /// # Errors
+    /// candle's, for operands of another dtype, device or shape.
+    fn composed(
+        &self,
+        p: &Tensor,
+        g: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let f = |x: f32| f64::from(x);
+        let m1 = ((g - m)?.affine(f(self.one_minus_beta1), 0.0)? + m)?;
+        let v1 = (v.affine(f(self.beta2), 0.0)? + g.sqr()?.affine(f(self.one_minus_beta2), 0.0)?)?;
+        let denom = v1.sqrt()?.affine(f(self.inv_bias2_sqrt), f(self.eps))?;
+        let p1 = (p.affine(f(self.decay), 0.0)? - (m1.clone() / denom)?.affine(f(self.step_size), 0.0)?)?;
+        Ok((p1, m1, v1))
     }
 
     /// The update over one run of elements: `[p, g, m, v]` in, new p, m, v out.

@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use graphpp_graph::names::{
     grad_of, grad_target, Side, AUX_LOSS, EXPERT_LOAD, INPUT, LOSS, OUTPUT, TARGETS, TOKENS,
 };
@@ -154,6 +154,9 @@ pub struct Stage {
     bf16_params: HashSet<String>,
     first: bool,
     last: bool,
+    /// Where the stage's state lives and its graphs run; the inputs a step brings (tokens,
+    /// targets, received activations and gradients) are moved here.
+    device: Device,
 }
 
 /// A stage's graphs compiled ([`Program::compile`]), field for field as in [`StageGraphs`].
@@ -227,10 +230,10 @@ fn read_as_bf16(graphs: &StageGraphs, params: &[String]) -> HashSet<String> {
 }
 
 impl Stage {
-    /// A stage from its graphs and its `state`: every parameter and buffer input of `graphs.fw`
-    /// by name. The stage reads `tokens` when fw has that input (a model's first stage) and
-    /// produces the loss when fw outputs `loss` (its last stage).
-    pub fn new(graphs: StageGraphs, state: Env) -> Self {
+    /// A stage from its graphs and its `state` on `device`: every parameter and buffer input of
+    /// `graphs.fw` by name. The stage reads `tokens` when fw has that input (a model's first
+    /// stage) and produces the loss when fw outputs `loss` (its last stage).
+    pub fn new(graphs: StageGraphs, state: Env, device: Device) -> Self {
         let (bw_reads, dw_reads) = kept_names(&graphs, |n| state.contains_key(n));
         let first = graphs.fw.input_by_name(TOKENS).is_some();
         let last = graphs.fw.output_by_name(LOSS).is_some();
@@ -254,7 +257,13 @@ impl Stage {
             bf16_params,
             first,
             last,
+            device,
         }
+    }
+
+    /// The device the stage's state lives on and its graphs run on.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// Names of the stage's parameters (the fw inputs of kind parameter), in input order.
@@ -289,12 +298,19 @@ impl Stage {
     }
 
     /// Replaces every parameter of the stage with the tensor of the same name in `params` (other
-    /// names are ignored). Errors: as [`Stage::check_parameters`]; nothing changes then.
+    /// names are ignored), moved to the stage's device. Errors: as [`Stage::check_parameters`],
+    /// or a move that fails; nothing changes then.
     pub fn set_parameters(&mut self, params: &Env) -> Result<(), StageError> {
         self.check_parameters(params)?;
-        for n in &self.params {
-            self.state.insert(n.clone(), params[n].clone());
-        }
+        let moved = self
+            .params
+            .iter()
+            .map(|n| match params[n].to_device(&self.device) {
+                Ok(p) => Ok((n.clone(), p)),
+                Err(e) => Err(StageError::Parameter { name: n.clone(), reason: e.to_string() }),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.state.extend(moved);
         Ok(())
     }
 
@@ -307,8 +323,8 @@ impl Stage {
         if old.dims() != value.dims() {
             return Err(bad(format!("buffer shape {:?}, expected {:?}", value.dims(), old.dims())));
         }
-        let v = value.to_dtype(old.dtype()).map_err(|e| bad(e.to_string()))?;
-        self.state.insert(name.to_string(), v);
+        let v = value.to_dtype(old.dtype()).and_then(|v| v.to_device(&self.device));
+        self.state.insert(name.to_string(), v.map_err(|e| bad(e.to_string()))?);
         Ok(true)
     }
 
@@ -544,8 +560,23 @@ impl GraphStages {
         self.stages.values().map(|s| env_bytes(s.state.values()) + env_bytes(s.grads.sums().values())).sum()
     }
 
-    /// Runs `g` for `t` and records the rank's activation peak during it.
+    /// Runs `g` for `t` on its stage's device (an input from elsewhere — tokens, a received
+    /// activation or gradient — moved there first) and records the rank's activation peak
+    /// during it.
     fn run_graph(&mut self, g: &Graph, program: &Program, env: &Env, t: Task) -> Result<Env, StageError> {
+        let device = self.stage(t)?.device.clone();
+        let moved;
+        let env = if env.values().all(|x| x.device().same_device(&device)) {
+            env
+        } else {
+            let to = |(k, x): (&String, &Tensor)| Ok((k.clone(), x.to_device(&device)?));
+            moved = env
+                .iter()
+                .map(to)
+                .collect::<candle_core::Result<Env>>()
+                .map_err(|source| StageError::Tensor { stage: t.stage, source })?;
+            &moved
+        };
         let (outs, report) = run_graph(g, program, env, t, self.graph_comm.as_ref())?;
         let cached = env_bytes(self.saved.values().chain(self.stash.values()).flat_map(|e| e.values()));
         self.peak_activation_bytes = self.peak_activation_bytes.max(cached + report.peak_live_bytes);

@@ -190,11 +190,13 @@ pub struct StageBuild<'a> {
     pub seed: u64,
     /// Initial parameters by name, f32, the model's shapes.
     pub given: Option<&'a Env>,
+    /// Where the stages' state lives and their graphs run.
+    pub device: &'a candle_core::Device,
 }
 
 impl StageBuild<'_> {
-    /// Parameters and buffers of stage `spec`: the parameters as tensors of
-    /// [`StageOptions::parameter_dtype`], the buffers of the compute dtype.
+    /// Parameters and buffers of stage `spec` on the build's device: the parameters as tensors
+    /// of [`StageOptions::parameter_dtype`], the buffers of the compute dtype.
     ///
     /// # Errors
     /// [`SetupError::Parameter`] for a parameter `given` lacks or holds in another shape.
@@ -241,7 +243,7 @@ impl StageBuild<'_> {
             };
             env.insert(name, t);
         }
-        Ok(env)
+        env.into_iter().map(|(name, t)| Ok((name, t.to_device(self.device)?))).collect()
     }
 
     /// The [`GraphStages`] of schedule rank `rank`: the stages the schedule places on it, each
@@ -264,7 +266,8 @@ impl StageBuild<'_> {
                 .specs
                 .get(stage)
                 .ok_or_else(|| SetupError::Inconsistent(format!("stage {stage}: no model stage for it")))?;
-            stages.insert(stage, Stage::new(graphs_of(self.model, spec, self.opts)?, self.state(spec)?));
+            let state = self.state(spec)?;
+            stages.insert(stage, Stage::new(graphs_of(self.model, spec, self.opts)?, state, self.device.clone()));
         }
         Ok(GraphStages::new(stages, data))
     }

@@ -417,7 +417,8 @@ impl Trainer {
             };
             env.insert(name, t);
         }
-        Ok(Some(env))
+        let on_device = |(name, t): (String, Tensor)| Ok((name, t.to_device(&self.setup.device)?));
+        Ok(Some(env.into_iter().map(on_device).collect::<candle_core::Result<Env>>()?))
     }
 
     /// Mean token loss (nats per token) of the current parameters over `batches`, each a pair
@@ -445,8 +446,9 @@ impl Trainer {
         let program = Program::compile(&g);
         let mut sum = 0.0;
         for (x, y) in batches {
-            env.insert(TOKENS.into(), tensor_u32(x, &[batch, self.setup.seq_len])?);
-            env.insert(TARGETS.into(), tensor_u32(y, &[batch, self.setup.seq_len])?);
+            let dev = &self.setup.device;
+            env.insert(TOKENS.into(), tensor_u32(x, &[batch, self.setup.seq_len])?.to_device(dev)?);
+            env.insert(TARGETS.into(), tensor_u32(y, &[batch, self.setup.seq_len])?.to_device(dev)?);
             let r = program.run_named_with(&g, &env, &RunOptions::default(), None)?;
             let loss = r.output(&g, LOSS).ok_or_else(|| TrainError::Data("no loss output".into()))?;
             sum += to_f64(loss)?[0];
@@ -484,7 +486,7 @@ impl Trainer {
             let window = &text[text.len().saturating_sub(t)..];
             let mut ids = window.to_vec();
             ids.resize(t, 0);
-            env.insert(TOKENS.into(), tensor_u32(&ids, &[1, t])?);
+            env.insert(TOKENS.into(), tensor_u32(&ids, &[1, t])?.to_device(&self.setup.device)?);
             let r = program.run_named_with(&g, &env, &RunOptions::default(), None)?;
             let logits = r.output(&g, LOGITS).ok_or_else(|| TrainError::Data("no logits output".into()))?;
             let row: Vec<f32> = logits.get(window.len() - 1)?.to_vec1()?;

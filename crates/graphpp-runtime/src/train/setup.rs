@@ -78,6 +78,10 @@ pub struct TrainSetup {
     /// gradients and AdamW state; bf16 activations and messages; f32 loss — see
     /// [`graphpp_models::StageOptions::mixed`]). Evaluation and generation compute in it too.
     pub dtype: graphpp_graph::DType,
+    /// The device every rank's stages live and run on (the CPU, or a CUDA device in a build with
+    /// the `cuda` feature; ranks as threads share it). Off the CPU the stage graphs run through
+    /// candle's kernels ([`crate::kernels::device`]).
+    pub device: candle_core::Device,
 }
 
 impl TrainSetup {

@@ -1,6 +1,6 @@
 //! The flags of a run's layout, shared by `train`, `profile` and `verify`: the schedule, the
-//! pipeline's shape, the layer split, the microbatch size and data/expert/tensor parallelism with FSDP
-//! — what a strategy file's directives `place`, `replicate`, `shard`, `split` and `order` stand
+//! pipeline's shape, the layer split, the microbatch size, data/expert/tensor parallelism with FSDP
+//! and the device — what a strategy file's directives `place`, `replicate`, `shard`, `split` and `order` stand
 //! for ([`graphpp::strategy`]). Each command sets its own defaults on them (`train`'s run, or
 //! `verify`'s required shape) with clap's `mut_arg`.
 
@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use clap::Args;
 use graphpp::strategy::Strategy;
+use graphpp_runtime::kernels::device::DeviceSpec;
 use graphpp_schedule::Kind;
 
 use crate::cmd::value::count;
@@ -75,10 +76,14 @@ pub struct LayoutArgs {
     /// ones replace the all-reduces. Needs --tp 2 or more dividing --seq-len, and a dense model.
     #[arg(long, requires = "tp")]
     pub sequence_parallel: bool,
+    /// Where every rank computes: `cpu`, or `cuda` / `cuda:N` (a build with the `cuda` feature;
+    /// the ranks run as threads sharing the GPU, the stage graphs on candle's CUDA kernels).
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceSpec,
 }
 
 /// The ids of [`LayoutArgs`]' flags, which a strategy file stands for (and so excludes).
-pub const LAYOUT_FLAGS: [&str; 14] = [
+pub const LAYOUT_FLAGS: [&str; 15] = [
     "schedule",
     "schedule_file",
     "group",
@@ -93,6 +98,7 @@ pub const LAYOUT_FLAGS: [&str; 14] = [
     "fsdp",
     "tp",
     "sequence_parallel",
+    "device",
 ];
 
 impl LayoutArgs {
@@ -112,6 +118,7 @@ impl LayoutArgs {
         self.ep = s.shard.ep;
         self.tp = s.shard.tp;
         self.sequence_parallel = s.shard.sequence_parallel;
+        self.device = s.place.device;
     }
 
     /// Data-parallel replicas: `--dp`, else the `--ep` degree.

@@ -62,7 +62,7 @@ pub struct VerifyArgs {
     tolerance: Option<f64>,
     /// Verify the strategy of a TOML (or .json) file (see `train --strategy`): it stands for
     /// --schedule, --schedule-file, --group, --mem-cap, --ranks, --stages-per-rank, --layers-per-stage, --microbatches,
-    /// --microbatch-size, --dp, --ep, --fsdp, --tp and --sequence-parallel. Its recompute policy and post-validation do not
+    /// --microbatch-size, --dp, --ep, --fsdp, --tp, --sequence-parallel and --device. Its recompute policy and post-validation do not
     /// change the gradients and are not run here.
     #[arg(long, value_name = "FILE", conflicts_with_all = LAYOUT_FLAGS)]
     strategy: Option<PathBuf>,
@@ -89,7 +89,7 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
         check_tolerance(t)?;
     }
     let dp = a.layout.dp();
-    launch.check_world(ranks, dp, a.layout.tp)?;
+    launch.check_world(ranks, dp, a.layout.tp, a.layout.device)?;
     let files = crate::cmd::settings_files(&[a.strategy.as_deref(), a.layout.schedule_file.as_deref()]);
     launch.agree("the command line", graphpp::launch::command_fingerprint(&files))?;
     let local_ranks = if launch.world() > 1 {
@@ -125,7 +125,7 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
 ///
 /// # Errors
 /// A model config or `--init-from` folder that cannot be read; a bad `--layers`; an unreadable
-/// `--schedule-file`.
+/// `--schedule-file`; a `--device` that cannot be opened.
 fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(VerifySetup, String)> {
     let (model, weights) = a.model.load()?;
     let (weights, name) = (weights.map(|w| Arc::new(w.into_iter().collect())), a.model.name());
@@ -143,6 +143,7 @@ fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(Veri
     t.layers_per_stage = l.layers_per_stage.clone();
     (t.dtype, t.dp, t.fsdp, t.ep, t.tp) = (a.dtype, dp, l.fsdp, l.ep, l.tp);
     t.sequence_parallel = l.sequence_parallel;
+    t.device = l.device.open().map_err(|e| anyhow::anyhow!("--device: {e}"))?;
     setup.weights = weights;
     setup.reference_dtype = a.reference_dtype;
     Ok((setup, name))
@@ -155,6 +156,9 @@ fn print_report(a: &VerifyArgs, setup: &VerifySetup, name: &str, world: usize, r
     let mut layout = if parts.is_empty() { String::new() } else { format!(" {}", parts.join(" ")) };
     if world > 1 {
         layout.push_str(&format!(", {world} processes"));
+    }
+    if !a.layout.device.is_cpu() {
+        layout.push_str(&format!(" on {}", a.layout.device));
     }
     let layers = t.model.num_layers();
     println!(

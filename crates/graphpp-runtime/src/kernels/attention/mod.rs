@@ -55,6 +55,7 @@ use std::ops::Range;
 use candle_core::{DType as CDType, Device, Tensor};
 use rayon::prelude::*;
 
+use crate::kernels::device::composed;
 use crate::kernels::softmax::{max, softmax, softmax_backward, sum};
 use crate::kernels::tensor::cast;
 use product::{product, Mat, Out, MR};
@@ -70,7 +71,8 @@ pub const HIDDEN: f32 = -1e8;
 /// `[B, KV, T, E]` (query head `h` reads key/value head `h / (H / KV)`), mask `[T, T]` of q's
 /// wide dtype → `[B, H, T, E]`. bf16 q, k, v run the f32 kernel on their values widened and
 /// the output is rounded to bf16 once — f32 math inside, as FlashAttention's bf16 kernels keep
-/// the scores and the softmax in f32; f64 runs the [`composition`].
+/// the scores and the softmax in f32; f64, and every operand [`composed`] names, runs the
+/// [`composition`].
 ///
 /// # Errors
 /// candle's, for shapes other than those or a dtype other than f32, bf16 and f64.
@@ -86,7 +88,7 @@ pub fn attention(
         let [q, k, v, mask] = widened([q, k, v, mask])?;
         return cast(&attention(&q, &k, &v, &mask, scale)?, CDType::BF16);
     }
-    if q.dtype() != CDType::F32 {
+    if q.dtype() != CDType::F32 || composed(q) {
         return composition(q, k, v, mask, scale);
     }
     let held = Held::of(&[q, k, v, &mask.reshape((1, 1, sizes.t, sizes.t))?])?;
@@ -142,7 +144,7 @@ pub fn attention_backward(
         let [q, k, v, mask, o, g] = widened([q, k, v, mask, o, g])?;
         return cast(&attention_backward(&q, &k, &v, &mask, &o, &g, scale)?, CDType::BF16);
     }
-    if q.dtype() != CDType::F32 {
+    if q.dtype() != CDType::F32 || composed(q) {
         return composition_backward(q, k, v, mask, g, scale);
     }
     let held = Held::of(&[q, k, v, o, g, &mask.reshape((1, 1, sizes.t, sizes.t))?])?;

@@ -254,8 +254,11 @@ impl RankTrainer {
         let names = w.stages().values().flat_map(|s| s.parameter_names().iter());
         let keys = std::iter::once(STEP_KEY.to_string())
             .chain(names.flat_map(|n| [format!("{M_PREFIX}{n}"), format!("{V_PREFIX}{n}")]));
-        let state: HashMap<String, Tensor> =
-            keys.filter_map(|k| tensors.get(&k).map(|t| (k, t.clone()))).collect();
+        // The moments live where the parameters do; the step count stays a host scalar.
+        let device = |k: &str| if k == STEP_KEY { &candle_core::Device::Cpu } else { &self.setup.device };
+        let state = keys
+            .filter_map(|k| tensors.get(&k).map(|t| Ok((k.clone(), t.to_device(device(&k))?))))
+            .collect::<candle_core::Result<HashMap<String, Tensor>>>()?;
         let mut opt = self.optim.clone();
         opt.load_state_dict(&state)?;
         Ok(opt)

@@ -174,7 +174,7 @@ pub struct TrainArgs {
     dtype: graphpp_graph::DType,
     /// Run the strategy of a TOML (or .json) file: its directives place, replicate, shard, split,
     /// order and recompute stand for --ranks, --stages-per-rank, --layers-per-stage, --dp,
-    /// --fsdp, --ep, --tp, --sequence-parallel, --microbatches, --microbatch-size, --schedule,
+    /// --fsdp, --ep, --tp, --sequence-parallel, --device, --microbatches, --microbatch-size, --schedule,
     /// --schedule-file, --group, --mem-cap, --post-validate and --recompute (which it excludes). See --print-strategy.
     #[arg(long, value_name = "FILE", conflicts_with_all = strategy_flags())]
     strategy: Option<PathBuf>,
@@ -258,6 +258,7 @@ impl TrainArgs {
             expert_bias_update: self.expert_bias_update,
             link: self.link,
             timeout: self.timeout,
+            device: l.device,
         })
     }
 }
@@ -317,7 +318,7 @@ pub fn run(mut a: TrainArgs) -> Result<()> {
 fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     let (_, ranks, _) = a.layout.shape()?;
     let dp = a.layout.dp();
-    launch.check_world(ranks, dp, a.layout.tp)?;
+    launch.check_world(ranks, dp, a.layout.tp, a.layout.device)?;
     let stop = StopRequest::install().context("installing the SIGINT/SIGTERM handlers")?;
     let local_ranks = if launch.world() > 1 {
         graphpp::launch::local_processes()
