@@ -1,5 +1,6 @@
-//! Which kernels run a tensor: the CPU kernels of this layer (they read candle's CPU storage in
-//! place) or candle's own operations, composed, on whatever device the tensor lives on.
+//! Devices: which device a run computes on ([`DeviceSpec`], `--device`), and which kernels run a
+//! tensor — the CPU kernels of this layer (they read candle's CPU storage in place) or candle's
+//! own operations, composed, on whatever device the tensor lives on.
 //!
 //! Every kernel of this layer that reads CPU storage first asks [`composed`] of its operand;
 //! where it says yes the kernel runs its candle composition instead (the same formula, without

@@ -81,8 +81,19 @@ impl Observer for Lines {
             mib(&r.stats.resident_bytes),
             e.elapsed_s,
         ) + &expert_balance(&r.stats.expert_load).map_or(String::new(), |b| format!("  {b}"))
-            + &(if r.stats.aux_loss != 0.0 { format!("  aux loss {:.4}", r.stats.aux_loss) } else { String::new() });
+            + &(if r.stats.aux_loss != 0.0 { format!("  aux loss {:.4}", r.stats.aux_loss) } else { String::new() })
+            + &host_reads();
         say(&self.pb, line).map_err(std::io::Error::other)
+    }
+}
+
+/// `  host reads N (X KiB)`: the reads of device tensors to the host so far, which kernels
+/// without a device form made ([`graphpp_runtime::kernels::device::host_reads`]); nothing on
+/// the CPU, where no read is a copy.
+fn host_reads() -> String {
+    match graphpp_runtime::kernels::device::host_reads() {
+        (0, _) => String::new(),
+        (n, bytes) => format!("  host reads {n} ({:.1} KiB)", bytes as f64 / 1024.0),
     }
 }
 
@@ -270,6 +281,9 @@ fn layout(c: &graphpp::train::RunConfig, processes: usize) -> String {
     }
     if processes > 1 {
         parts.push(format!("{processes} processes"));
+    }
+    if !c.device.is_cpu() {
+        parts.push(format!("on {}", c.device));
     }
     parts.iter().map(|p| format!(", {p}")).collect()
 }

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Builds the binaries tools/gpu/check.sh runs on a GPU machine, here, on a machine without a GPU:
+# `graphpp` with the `cuda` feature, release, into .gpu/ at the repository's root (carried to the
+# device machine, which has CUDA's libraries and driver but no Rust toolchain).
+#
+# candle links CUDA's libraries at build time (cudarc's `dynamic-linking`), and no wheel ships the
+# driver's libcuda.so. So the link runs twice: first against empty stand-ins, whose undefined
+# references name every CUDA function the binary calls; then against stand-ins that define those
+# functions (each returns an error code), under the real libraries' sonames. The binary loads the
+# real libraries at start-up on the GPU machine (LD_LIBRARY_PATH, set by check.sh); on a machine
+# without them it does not start. Usage: tools/gpu/build.sh (after nothing: it runs
+# tools/cuda/setup.sh itself).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$root"
+eval "$(tools/cuda/setup.sh)"
+out="$root/.gpu"
+stubs="$out/stubs"
+mkdir -p "$stubs"
+# library -> soname of the CUDA 13 / NCCL 2 libraries the device machine holds.
+declare -A soname=([cuda]=libcuda.so.1 [cublas]=libcublas.so.13 [cublasLt]=libcublasLt.so.13
+    [curand]=libcurand.so.10 [nvrtc]=libnvrtc.so.13 [nccl]=libnccl.so.2)
+make_stub() { # lib, C source
+    gcc -shared -fPIC -o "$stubs/lib$1.so" -Wl,-soname,"${soname[$1]}" -x c - <<<"$2"
+}
+for lib in "${!soname[@]}"; do make_stub "$lib" ""; done
+export CARGO_TARGET_DIR="$root/target/cuda-release"
+export RUSTFLAGS="-L native=$stubs"
+build() { cargo build --release --locked -p graphpp --features cuda --bin graphpp 2>&1; }
+if ! log="$(build)"; then
+    syms="$(grep -o "undefined reference to \`[A-Za-z0-9_]*'" <<<"$log" | sed "s/.*\`\(.*\)'/\1/" | sort -u)"
+    [ -n "$syms" ] || { echo "$log" >&2; exit 1; }
+    for lib in "${!soname[@]}"; do
+        case $lib in
+            cublasLt) pat='^cublasLt' ;; cublas) pat='^cublas[^L]' ;; curand) pat='^curand' ;;
+            nvrtc) pat='^nvrtc' ;; nccl) pat='^nccl' ;; cuda) pat='^cu[A-Z]' ;;
+        esac
+        src="$(grep -E "$pat" <<<"$syms" | sed 's/.*/int &(void) { return 999; }/' || true)"
+        make_stub "$lib" "$src"
+    done
+    touch crates/graphpp/src/main.rs
+    build >/dev/null || { build >&2; exit 1; }
+fi
+cp "$CARGO_TARGET_DIR/release/graphpp" "$out/graphpp"
+strip "$out/graphpp"
+ls -l "$out/graphpp"

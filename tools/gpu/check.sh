@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The device check of `--device cuda` (issue: GPU execution), run on a GPU machine from the
+# repository's root with .gpu/ (tools/gpu/build.sh) beside it; ≤ 8 minutes on one H100/H200.
+# Every figure goes to $OUT/gpu-check.txt (or ./gpu-check.txt without $OUT):
+#   1. the GPU, its driver, and where CUDA's libraries were found;
+#   2. `graphpp verify --device cuda` (ranks as threads sharing the GPU) for 1f1b, zbv and
+#      dualpipev, f32 and bf16, tiny and small: the GPU's gradients against the CPU's reference;
+#   3. `graphpp train --device cuda --model small`, f32 and bf16: tokens/s and GFLOP/s, and the MFU
+#      against the GPU's dense bf16 peak (989 TFLOP/s H100 SXM, the same H200; NVIDIA datasheets).
+# Usage: tools/gpu/check.sh   (device tool: carry [".gpu"], command `bash tools/gpu/check.sh`)
+set -uo pipefail
+report="${OUT:-.}/gpu-check.txt"
+bin=".gpu/graphpp"
+exec > >(tee "$report") 2>&1
+echo "== gpu"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# CUDA's libraries: the driver's libcuda, and the pip wheels of the machine's Python.
+site="$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null)"
+libs="$(find "$site/nvidia" /usr/local/nvidia /usr/lib/x86_64-linux-gnu -maxdepth 3 \
+    \( -name 'libcublas.so.*' -o -name 'libnvrtc.so.*' -o -name 'libcurand.so.*' -o -name 'libcuda.so.1' \
+    -o -name 'libnccl.so.*' \) -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)"
+export LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}"
+echo "libraries: $LD_LIBRARY_PATH"
+"$bin" --version || { echo "FAIL: $bin does not start (run tools/gpu/build.sh first)"; exit 1; }
+fail=0
+echo "== verify --device cuda"
+for model in tiny small; do
+    for kind in 1f1b zbv dualpipev; do
+        for dtype in f32 bf16; do
+            if ! timeout 120 "$bin" verify --device cuda --model "$model" --schedule "$kind" --ranks 2 \
+                --microbatches 4 --dtype "$dtype" | tail -3; then
+                echo "FAIL: verify $model $kind $dtype"; fail=1
+            fi
+        done
+    done
+done
+echo "== train --device cuda --model small"
+for dtype in f32 bf16; do
+    line="$(timeout 240 "$bin" train --device cuda --model small --schedule 1f1b --steps 30 --eval-every 0 \
+        --sample-bytes 0 --dtype "$dtype" --checkpoint-dir "/tmp/gpu-check-$dtype" --start-over | grep '^step' | tail -1)"
+    echo "$dtype: $line"
+    gflops="$(grep -o '[0-9.]* GFLOP/s' <<<"$line" | cut -d' ' -f1)"
+    [ -n "$gflops" ] && echo "$dtype MFU: $(python3 -c "print(f'{$gflops / 989e3:.4%}')") of 989 TFLOP/s" || fail=1
+done
+echo "== host reads: each train line above ends with them (none: every kernel ran on the GPU)"
+[ "$fail" = 0 ] && echo "PASS" || echo "FAIL"
+exit "$fail"
