@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the binaries tools/gpu/check.sh runs on a GPU machine, here, on a machine without a GPU:
-# `graphpp` with the `cuda` feature, release, into .gpu/ at the repository's root (carried to the
-# device machine, which has CUDA's libraries and driver but no Rust toolchain).
+# `graphpp` and the `fwbw` benchmark with the `cuda` feature, release, into .gpu/ at the
+# repository's root (carried to the device machine, which has CUDA's libraries and driver but no
+# Rust toolchain).
 #
 # candle links CUDA's libraries at build time (cudarc's `dynamic-linking`), and no wheel ships the
 # driver's libcuda.so. So the link runs twice: first against empty stand-ins, whose undefined
@@ -26,7 +27,10 @@ make_stub() { # lib, C source
 for lib in "${!soname[@]}"; do make_stub "$lib" ""; done
 export CARGO_TARGET_DIR="$root/target/cuda-release"
 export RUSTFLAGS="-L native=$stubs"
-build() { cargo build --release --locked -p graphpp --features cuda --bin graphpp 2>&1; }
+build() {
+    cargo build --release --locked -p graphpp --features cuda --bin graphpp 2>&1 &&
+        cargo build --release --locked -p graphpp-runtime --features cuda --example fwbw 2>&1
+}
 if ! log="$(build)"; then
     syms="$(grep -o "undefined reference to \`[A-Za-z0-9_]*'" <<<"$log" | sed "s/.*\`\(.*\)'/\1/" | sort -u)"
     [ -n "$syms" ] || { echo "$log" >&2; exit 1; }
@@ -38,9 +42,9 @@ if ! log="$(build)"; then
         src="$(grep -E "$pat" <<<"$syms" | sed 's/.*/int &(void) { return 999; }/' || true)"
         make_stub "$lib" "$src"
     done
-    touch crates/graphpp/src/main.rs
+    touch crates/graphpp/src/main.rs crates/graphpp-runtime/examples/fwbw.rs
     build >/dev/null || { build >&2; exit 1; }
 fi
-cp "$CARGO_TARGET_DIR/release/graphpp" "$out/graphpp"
-strip "$out/graphpp"
-ls -l "$out/graphpp"
+cp "$CARGO_TARGET_DIR/release/graphpp" "$CARGO_TARGET_DIR/release/examples/fwbw" "$out/"
+strip "$out/graphpp" "$out/fwbw"
+ls -l "$out/graphpp" "$out/fwbw"

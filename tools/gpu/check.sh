@@ -5,8 +5,11 @@
 #   1. the GPU, its driver, and where CUDA's libraries were found;
 #   2. `graphpp verify --device cuda` (ranks as threads sharing the GPU) for 1f1b, zbv and
 #      dualpipev, f32 and bf16, tiny and small: the GPU's gradients against the CPU's reference;
-#   3. `graphpp train --device cuda --model small`, f32 and bf16: tokens/s and GFLOP/s, and the MFU
-#      against the GPU's dense bf16 peak (989 TFLOP/s H100 SXM, the same H200; NVIDIA datasheets).
+#   3. one forward + backward on the GPU (`fwbw --device cuda`) of `small` and of a 1.1B Llama
+#      (tools/gpu/llama-1b.json), bf16, beside PyTorch eager and torch.compile on the same GPU;
+#   4. `graphpp train --device cuda`: `small` in f32 and bf16, the 1.1B Llama in bf16 — tokens/s,
+#      GFLOP/s, and the MFU against the GPU's dense bf16 peak (989 TFLOP/s H100 SXM, the same for
+#      the H200; NVIDIA's datasheets). The corpus is docs/ (the machine has no network).
 # Usage: tools/gpu/check.sh   (device tool: carry [".gpu"], command `bash tools/gpu/check.sh`)
 set -uo pipefail
 report="${OUT:-.}/gpu-check.txt"
@@ -33,14 +36,25 @@ for model in tiny small; do
         done
     done
 done
-echo "== train --device cuda --model small"
-for dtype in f32 bf16; do
-    line="$(timeout 240 "$bin" train --device cuda --model small --schedule 1f1b --steps 30 --eval-every 0 \
-        --sample-bytes 0 --dtype "$dtype" --checkpoint-dir "/tmp/gpu-check-$dtype" --start-over | grep '^step' | tail -1)"
-    echo "$dtype: $line"
-    gflops="$(grep -o '[0-9.]* GFLOP/s' <<<"$line" | cut -d' ' -f1)"
-    [ -n "$gflops" ] && echo "$dtype MFU: $(python3 -c "print(f'{$gflops / 989e3:.4%}')") of 989 TFLOP/s" || fail=1
+echo "== fwbw --device cuda (graphpp beside PyTorch on the same GPU)"
+for model in "--model small --batch 8 --seq 64" "--config tools/gpu/llama-1b.json --batch 4 --seq 512"; do
+    # shellcheck disable=SC2086
+    timeout 200 .gpu/fwbw $model --dtype bf16 --device cuda --rounds 2 --runs 5 --torch python3 || {
+        echo "FAIL: fwbw $model"; fail=1; }
 done
+echo "== train --device cuda"
+train() { # label, flags...
+    local label="$1"; shift
+    line="$(timeout 240 "$bin" train --device cuda --data docs --eval-every 0 --sample-bytes 0 \
+        --checkpoint-dir "/tmp/gpu-check-$label" --start-over "$@" | grep '^step' | tail -1)"
+    echo "$label: $line"
+    gflops="$(grep -o '[0-9.]* GFLOP/s' <<<"$line" | cut -d' ' -f1)"
+    [ -n "$gflops" ] && echo "$label MFU: $(python3 -c "print(f'{$gflops / 989e3:.4%}')") of 989 TFLOP/s" || fail=1
+}
+train small-f32 --model small --schedule 1f1b --steps 30 --dtype f32
+train small-bf16 --model small --schedule 1f1b --steps 30 --dtype bf16
+train llama-1b-bf16 --model tools/gpu/llama-1b.json --schedule 1f1b --ranks 2 --microbatches 4 \
+    --microbatch-size 4 --seq-len 512 --steps 8 --dtype bf16
 echo "== host reads: each train line above ends with them (none: every kernel ran on the GPU)"
 [ "$fail" = 0 ] && echo "PASS" || echo "FAIL"
 exit "$fail"

@@ -10,10 +10,16 @@ beside graphpp when given `--torch PYTHON`, alternating, once per mode): B seque
 (--batch), all layers. Prints the median over N runs (after warm-up runs; `torch.compile`
 compiles during its warm-up).
 
-Usage: python tools/torch/time_fwbw.py [--model small|tiny] [--batch B] [--dtype f32|bf16]
-                                      [--mode eager|compile] [--runs N] [--threads K]
+With --device cuda the model runs on the GPU (bf16 under `torch.autocast("cuda")`), each run
+ended by `torch.cuda.synchronize()`; --config takes a Hugging Face Llama config.json instead of a
+preset, --seq another sequence length.
+
+Usage: python tools/torch/time_fwbw.py [--model small|tiny] [--config FILE] [--batch B] [--seq T]
+                                      [--dtype f32|bf16] [--mode eager|compile] [--runs N]
+                                      [--threads K] [--device cpu|cuda]
 """
 import argparse
+import json
 import math
 import statistics
 import time
@@ -95,6 +101,9 @@ class Model(nn.Module):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["small", "tiny"], default="small")
+    ap.add_argument("--config", help="a Hugging Face Llama config.json (replaces --model)")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--batch", type=int, default=2, help="sequences of 64 tokens")
     ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
@@ -103,22 +112,37 @@ def main():
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    cfg = SMALL if a.model == "small" else TINY
+    global SEQ
+    SEQ = a.seq
+    if a.config:
+        with open(a.config) as f:
+            hf = json.load(f)
+        cfg = {k: hf[k] for k in SMALL if k in hf}
+        cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+        cfg.setdefault("rms_norm_eps", 1e-5)
+        cfg.setdefault("rope_theta", 10000.0)
+        name = a.config
+    else:
+        cfg = SMALL if a.model == "small" else TINY
+        name = a.model
+    dev = torch.device(a.device)
     torch.manual_seed(0)
-    model = Model(cfg)
+    model = Model(cfg).to(dev)
     for p in model.parameters():
         if p.dim() == 2:
             nn.init.normal_(p, std=0.02)
     step_model = torch.compile(model) if a.mode == "compile" else model
-    tokens = torch.randint(0, cfg["vocab_size"], (a.batch, SEQ))
-    targets = torch.randint(0, cfg["vocab_size"], (a.batch, SEQ))
+    tokens = torch.randint(0, cfg["vocab_size"], (a.batch, SEQ), device=dev)
+    targets = torch.randint(0, cfg["vocab_size"], (a.batch, SEQ), device=dev)
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
+        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
             loss = step_model(tokens, targets)
         loss.backward()
         for p in model.parameters():
             p.grad = None
+        if a.device == "cuda":
+            torch.cuda.synchronize()
         return loss
 
     warm = 3 if a.mode == "eager" else 6
@@ -130,8 +154,8 @@ def main():
         if i >= warm:
             times.append(dt)
     assert math.isfinite(loss.item())
-    print(f"torch {torch.__version__} {a.mode} {a.dtype} threads={torch.get_num_threads()} {a.model} fw+bw "
-          f"B={a.batch} T={SEQ}: median {statistics.median(times) * 1e3:.2f} ms over {a.runs} runs "
+    print(f"torch {torch.__version__} {a.mode} {a.dtype} threads={torch.get_num_threads()} {name} fw+bw "
+          f"B={a.batch} T={SEQ} on {a.device}: median {statistics.median(times) * 1e3:.2f} ms over {a.runs} runs "
           f"(min {min(times) * 1e3:.2f} ms)")
 
 

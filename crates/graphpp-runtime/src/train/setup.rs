@@ -12,7 +12,7 @@ use crate::optim::lr::CosineSchedule;
 use crate::optim::AdamWConfig;
 use crate::train::build::compute_schedule;
 use crate::train::error::{SetupError, TrainError};
-use crate::train::memory::check_step;
+use crate::train::memory::{check_step, StepMemory};
 
 /// Everything a training run is built from.
 #[derive(Debug, Clone)]
@@ -113,6 +113,18 @@ impl TrainSetup {
             crate::kernels::bf16_gemm::chosen().map_err(SetupError::from)?;
         }
         self.check_step(single_device, None)
+    }
+
+    /// The memory of one step of this run, estimated before anything is built
+    /// ([`StepMemory::estimate`] at the peak of the run's compute schedule): what the pre-flight
+    /// check holds against the budget, for the whole process.
+    ///
+    /// # Errors
+    /// As [`TrainSetup::compute_schedule`].
+    pub fn memory_estimate(&self) -> Result<StepMemory, TrainError> {
+        let s = self.compute_schedule()?;
+        let local = (self.microbatch_size / self.dp.max(1), self.seq_len);
+        Ok(StepMemory::estimate(&*self.model, (self.kind, &self.shape), local.0, local.1, false, Some(&s)))
     }
 
     /// The step's size from estimates ([`check_step`]): the activations at `schedule`'s peak
