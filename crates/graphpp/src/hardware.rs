@@ -298,9 +298,11 @@ fn best_of(
 }
 
 /// Measures this machine in the format of a cluster description, each rank a device with the
-/// intra-op threads the caller set (`graphpp hardware probe`): matmul FLOP/s of a `[512, 256] ·
-/// [256, 688]` product (the shape of `small`'s MLP at B·T = 512) in f32 and bf16, the bytes per
-/// second an elementwise add writes over 16 MiB, the threads communicator's bandwidth (a 4 MiB
+/// intra-op threads the caller set (`graphpp hardware probe`): the peak matmul FLOP/s of a
+/// `[512, 256] · [256, 688]` product (the shape of `small`'s MLP at B·T = 512) in f32 and bf16;
+/// the matmul curve, the bytes per second other nodes write (at most an elementwise add's over
+/// 16 MiB) and the per-node overhead that graphpp's executor achieves on a stage's own ops
+/// ([`executor_rates`]); the threads communicator's bandwidth (a 4 MiB
 /// message) and latency (a one-float ping-pong) between two ranks, the machine's memory shared
 /// by its cores. One host: `devices_per_node` is the core count and the two links are equal.
 /// The best of repeated runs is taken (noise only slows a run down).
@@ -320,20 +322,9 @@ pub fn probe() -> Result<Probed, Box<dyn std::error::Error + Send + Sync>> {
     let bf16_s = best_of(budget, || a16.matmul(&b16).map(drop))?;
     let x = Tensor::randn(0f32, 1.0, 4 << 20, &Cpu::Cpu)?;
     let add_s = best_of(budget, || (&x + &x).map(drop))?;
-    // Matmul rates by size: [512, s] · [s, 2.75 s] for s from 16 to 512 (a model's projections
-    // at B·T = 512 and width s).
-    let mut matmul_curve = Vec::new();
-    for s in [16usize, 32, 64, 128, 256, 512] {
-        let n = s * 11 / 4;
-        let (p, q) =
-            (Tensor::randn(0f32, 1.0, (m, s), &Cpu::Cpu)?, Tensor::randn(0f32, 1.0, (s, n), &Cpu::Cpu)?);
-        let f = 2.0 * (m * s * n) as f64;
-        let t = best_of(budget / 4, || p.matmul(&q).map(drop))?;
-        matmul_curve.push([f, f / t]);
-    }
-    // A node's overhead: an add over 16 floats, bytes negligible.
-    let tiny = Tensor::randn(0f32, 1.0, 16, &Cpu::Cpu)?;
-    let overhead_s = best_of(budget / 4, || (&tiny + &tiny).map(drop))?;
+    // What the executor achieves on a stage's own ops: products by size, other nodes' bytes
+    // and per-node overhead.
+    let rates = executor_rates(5)?;
     let (bandwidth, latency_us) = probe_link()?;
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let memory = graphpp_runtime::train::memory::machine_memory().unwrap_or(0) / cores as u64;
@@ -345,15 +336,120 @@ pub fn probe() -> Result<Probed, Box<dyn std::error::Error + Send + Sync>> {
         device: Device {
             flops_f32: flops / f32_s,
             flops_bf16: flops / bf16_s,
-            memory_bandwidth: (x.elem_count() * 4) as f64 / add_s,
+            memory_bandwidth: rates.bandwidth.min((x.elem_count() * 4) as f64 / add_s),
             memory_bytes: memory.max(1),
-            matmul_curve,
-            node_overhead_us: overhead_s * 1e6,
+            matmul_curve: rates.matmul_curve,
+            node_overhead_us: rates.node_overhead_us,
         },
         intra_node: link,
         inter_node: link,
     };
     Ok(Probed { hardware, seconds: t0.elapsed().as_secs_f64() })
+}
+
+/// What graphpp's compiled executor achieves on this machine ([`executor_rates`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecutorRates {
+    /// Products' FLOP/s by size, `[flops, flop/s]` ascending (one point per 4× bin of sizes).
+    pub matmul_curve: Vec<[f64; 2]>,
+    /// Bytes per second a node other than a product writes (the fitted line's slope).
+    pub bandwidth: f64,
+    /// Microseconds a node other than a product costs on top of its bytes (the line's intercept).
+    pub node_overhead_us: f64,
+}
+
+/// Rates of graphpp's own compiled executor, from every node of one stage's forward and backward
+/// — every layer of `small`, B = 8 sequences of T = 64 tokens, f32, the pointwise recompute
+/// policy `train` defaults to — each node timed ([`graphpp_runtime::exec::RunOptions::time_nodes`])
+/// over `runs` runs, its best kept: the products' FLOP/s by size (a pair run side by side
+/// counts as one product of both sizes, its time being the first's:
+/// [`graphpp_runtime::exec::pairs`]), and the least-squares line `t = overhead + bytes /
+/// bandwidth` over every other node the program writes (fused members cost nothing, as in
+/// [`crate::profile::node_costs`]). These are the costs `graph_seconds` charges, measured on the
+/// ops a stage runs rather than on one large product.
+///
+/// # Errors
+/// Building the stage or running it.
+pub fn executor_rates(runs: usize) -> Result<ExecutorRates, Box<dyn std::error::Error + Send + Sync>> {
+    use graphpp_models::{Model, StageOptions};
+    use graphpp_runtime::exec::RunOptions;
+    let cfg = graphpp_models::LlamaConfig::small();
+    let opts = StageOptions::mixed(8, 64, DType::F32);
+    let spec = graphpp_models::split_layers(cfg.num_layers(), 1, None)?.remove(0);
+    let stage = cfg.build_stage(&spec, &opts)?;
+    let graphs = graphpp_graph::stage_graphs(&stage, &graphpp_models::Recompute::Pointwise.policy(&spec))?;
+    let cpu = candle_core::Device::Cpu;
+    let build = graphpp_runtime::train::build::StageBuild {
+        model: &cfg,
+        specs: std::slice::from_ref(&spec),
+        opts: &opts,
+        seed: 0,
+        given: None,
+        device: &cpu,
+    };
+    let mut env = build.state(&spec)?;
+    let data = graphpp_runtime::verify::random_microbatches(cfg.vocab_size, 1, 8, 64, 0)?;
+    env.insert(graphpp_graph::names::TOKENS.into(), data.tokens[0].clone());
+    env.insert(graphpp_graph::names::TARGETS.into(), data.targets[0].clone());
+    let (mut products, mut written) = (Vec::new(), Vec::new());
+    for g in [&graphs.fw, &graphs.full_bw] {
+        let program = graphpp_runtime::Program::compile(g);
+        let opts = RunOptions { time_nodes: true, ..RunOptions::default() };
+        let mut best = vec![f64::INFINITY; g.nodes.len()];
+        let mut outputs = Vec::new();
+        for _ in 0..runs.max(1) {
+            let r = program.run_named_with(g, &env, &opts, None)?;
+            let times = r.node_times.as_deref().unwrap_or_default();
+            best.iter_mut().zip(times).for_each(|(b, t)| *b = b.min(t.as_secs_f64()));
+            outputs = r.outputs;
+        }
+        let (fusion, partner) = (program.fusion(), &program.pairs().partner);
+        for (i, node) in g.nodes.iter().enumerate() {
+            let flops = |j: usize| g.node_flops(graphpp_graph::ValueId(j));
+            match flops(i) {
+                // A pair's second product was timed with its first.
+                Some(_) if partner.iter().any(|p| *p == Some(i)) => {}
+                Some(f) => products.push((f as f64 + partner[i].and_then(flops).unwrap_or(0) as f64, best[i])),
+                None if matches!(node.op, graphpp_graph::Op::Input { .. }) => {}
+                None if fusion.member_of[i].is_none_or(|k| fusion.groups[k].anchor == i) => {
+                    written.push((node.ty.size_bytes() as f64, best[i]))
+                }
+                None => {}
+            }
+        }
+        env.extend(g.output_names().into_iter().zip(outputs));
+    }
+    let (intercept, slope) = least_squares(&written);
+    Ok(ExecutorRates {
+        matmul_curve: binned_rates(&products),
+        bandwidth: if slope > 0.0 { 1.0 / slope } else { f64::INFINITY },
+        node_overhead_us: intercept.max(0.0) * 1e6,
+    })
+}
+
+/// `[flops, flop/s]` of products `(flops, seconds)` binned by size (4× bins), ascending.
+fn binned_rates(products: &[(f64, f64)]) -> Vec<[f64; 2]> {
+    let mut bins: std::collections::BTreeMap<i64, (f64, f64, usize)> = Default::default();
+    for &(f, t) in products.iter().filter(|(f, t)| *f > 0.0 && t.is_finite() && *t > 0.0) {
+        let b = bins.entry((f.ln() / 4f64.ln()).floor() as i64).or_default();
+        (b.0, b.1, b.2) = (b.0 + f, b.1 + t, b.2 + 1);
+    }
+    bins.values().map(|&(f, t, n)| [f / n as f64, f / t]).collect()
+}
+
+/// The least-squares line `y = a + b·x` through `points` (`(x, y)`): `(a, b)`; `(mean y, 0)`
+/// when the x do not vary.
+fn least_squares(points: &[(f64, f64)]) -> (f64, f64) {
+    let pts: Vec<_> = points.iter().filter(|(_, y)| y.is_finite()).collect();
+    let n = pts.len().max(1) as f64;
+    let (mx, my) = (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
+    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    if sxx <= 0.0 {
+        return (my, 0.0);
+    }
+    let b = sxy / sxx;
+    (my - b * mx, b)
 }
 
 /// The threads communicator between two ranks: bytes per second of a 4 MiB message (best of
@@ -404,6 +500,25 @@ fn probe_link() -> Result<(f64, f64), Box<dyn std::error::Error + Send + Sync>> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_line_through_timed_nodes_gives_overhead_and_bandwidth() {
+        // t = 5 µs + bytes / 10 GB/s, exactly.
+        let pts: Vec<(f64, f64)> = [0.0, 1e3, 1e5, 1e6].iter().map(|&b| (b, 5e-6 + b / 1e10)).collect();
+        let (a, b) = least_squares(&pts);
+        assert!((a - 5e-6).abs() < 1e-12 && (1.0 / b - 1e10).abs() < 1.0, "{a} {b}");
+        assert_eq!(least_squares(&[(3.0, 1.0), (3.0, 2.0)]), (1.5, 0.0));
+    }
+
+    #[test]
+    fn products_are_binned_by_size_into_their_combined_rate() {
+        // Two products in one 4x bin (1.1e6 and 2e6 FLOPs: 4^10 ≈ 1.05e6, 1 ms each), one far
+        // larger, and an untimed one left out.
+        let curve = binned_rates(&[(1.1e6, 1e-3), (2e6, 1e-3), (1e9, 1e-2), (5.0, f64::INFINITY)]);
+        assert_eq!(curve.len(), 2, "{curve:?}");
+        assert_eq!(curve[0], [1.55e6, 3.1e6 / 2e-3]);
+        assert_eq!(curve[1], [1e9, 1e11]);
+    }
 
     #[test]
     fn presets_round_trip_and_pick_the_dtypes_peak() {
