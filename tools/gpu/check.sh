@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device check of `--device cuda` (issue: GPU execution), run on a GPU machine from the
-# repository's root with .gpu/ (tools/gpu/build.sh) beside it; ≤ 8 minutes on one H100/H200.
+# repository's root with .gpu/carry/ (tools/gpu/build.sh) beside it; ≤ 8 minutes on one H100/H200.
 # Every figure goes to $OUT/gpu-check.txt (or ./gpu-check.txt without $OUT):
 #   1. the GPU, its driver, and where CUDA's libraries were found;
 #   2. `graphpp verify --device cuda` (ranks as threads sharing the GPU) for 1f1b, zbv and
@@ -10,10 +10,13 @@
 #   4. `graphpp train --device cuda`: `small` in f32 and bf16, the 1.1B Llama in bf16 — tokens/s,
 #      GFLOP/s, and the MFU against the GPU's dense bf16 peak (989 TFLOP/s H100 SXM, the same for
 #      the H200; NVIDIA's datasheets). The corpus is docs/ (the machine has no network).
-# Usage: tools/gpu/check.sh   (device tool: carry [".gpu"], command `bash tools/gpu/check.sh`)
+# Usage: tools/gpu/check.sh   (device tool: carry [".gpu/carry"], command `bash tools/gpu/check.sh`)
 set -uo pipefail
+export RUST_BACKTRACE=0
 report="${OUT:-.}/gpu-check.txt"
-bin=".gpu/graphpp"
+dir="$(mktemp -d)"
+for f in .gpu/carry/*.xz; do xz -dc "$f" >"$dir/$(basename "$f" .xz)" && chmod +x "$dir/$(basename "$f" .xz)"; done
+bin="$dir/graphpp"
 exec > >(tee "$report") 2>&1
 echo "== gpu"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 # CUDA's libraries: the driver's libcuda, and the pip wheels of the machine's Python.
@@ -39,7 +42,7 @@ done
 echo "== fwbw --device cuda (graphpp beside PyTorch on the same GPU)"
 for model in "--model small --batch 8 --seq 64" "--config tools/gpu/llama-1b.json --batch 4 --seq 512"; do
     # shellcheck disable=SC2086
-    timeout 200 .gpu/fwbw $model --dtype bf16 --device cuda --rounds 2 --runs 5 --torch python3 || {
+    timeout 200 "$dir/fwbw" $model --dtype bf16 --device cuda --rounds 2 --runs 5 --torch python3 || {
         echo "FAIL: fwbw $model"; fail=1; }
 done
 echo "== train --device cuda"

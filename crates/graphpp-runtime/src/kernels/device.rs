@@ -98,9 +98,11 @@ impl DeviceSpec {
         match self {
             DeviceSpec::Cpu => Ok(Device::Cpu),
             DeviceSpec::Cuda(_) if !candle_core::utils::cuda_is_available() => Err(DeviceError::NotBuilt(self)),
-            DeviceSpec::Cuda(n) => {
-                Device::new_cuda(n).map_err(|e| DeviceError::Open { spec: self, reason: e.to_string() })
-            }
+            DeviceSpec::Cuda(n) => Device::new_cuda(n).map_err(|e| DeviceError::Open {
+                spec: self,
+                // candle appends a backtrace when RUST_BACKTRACE is set: the first line says why.
+                reason: e.to_string().lines().next().unwrap_or_default().to_string(),
+            }),
         }
     }
 }
@@ -177,7 +179,7 @@ mod spec_tests {
     #[test]
     fn a_cuda_device_in_a_build_without_cuda_is_refused_by_name() {
         if candle_core::utils::cuda_is_available() {
-            eprintln!("skipped: this build has CUDA; tests/gpu.rs checks the device");
+            eprintln!("skipped: this build has CUDA (tools/gpu/check.sh checks a device)");
             return;
         }
         let e = DeviceSpec::Cuda(1).open().unwrap_err();
