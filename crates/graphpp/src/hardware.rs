@@ -358,9 +358,9 @@ pub struct ExecutorRates {
     pub node_overhead_us: f64,
 }
 
-/// Rates of graphpp's own compiled executor, from every node of one stage's forward and backward
-/// — every layer of `small`, B = 8 sequences of T = 64 tokens, f32, the pointwise recompute
-/// policy `train` defaults to — each node timed ([`graphpp_runtime::exec::RunOptions::time_nodes`])
+/// Rates of graphpp's own compiled executor, from every node of a stage's forward and backward
+/// — every layer of `tiny`, then of `small` (products from 4 to 400 MFLOP), B = 8 sequences of
+/// T = 64 tokens, f32, the pointwise recompute policy `train` defaults to — each node timed ([`graphpp_runtime::exec::RunOptions::time_nodes`])
 /// over `runs` runs, its best kept: the products' FLOP/s by size (a pair run side by side
 /// counts as one product of both sizes, its time being the first's:
 /// [`graphpp_runtime::exec::pairs`]), and the least-squares line `t = overhead + bytes /
@@ -371,16 +371,36 @@ pub struct ExecutorRates {
 /// # Errors
 /// Building the stage or running it.
 pub fn executor_rates(runs: usize) -> Result<ExecutorRates, Box<dyn std::error::Error + Send + Sync>> {
+    let (mut products, mut written) = (Vec::new(), Vec::new());
+    for cfg in [graphpp_models::LlamaConfig::tiny(), graphpp_models::LlamaConfig::small()] {
+        time_stage_nodes(&cfg, runs, &mut products, &mut written)?;
+    }
+    let (intercept, slope) = least_squares(&written);
+    Ok(ExecutorRates {
+        matmul_curve: binned_rates(&products),
+        bandwidth: if slope > 0.0 { 1.0 / slope } else { f64::INFINITY },
+        node_overhead_us: intercept.max(0.0) * 1e6,
+    })
+}
+
+/// Times every node of one stage holding all of `cfg`'s layers (B = 8, T = 64, f32, the
+/// pointwise policy), fw then full_bw, `runs` runs each, the best per node: appends products as
+/// `(flops, seconds)` and other written nodes as `(bytes, seconds)` ([`executor_rates`]).
+fn time_stage_nodes(
+    cfg: &graphpp_models::LlamaConfig,
+    runs: usize,
+    products: &mut Vec<(f64, f64)>,
+    written: &mut Vec<(f64, f64)>,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     use graphpp_models::{Model, StageOptions};
     use graphpp_runtime::exec::RunOptions;
-    let cfg = graphpp_models::LlamaConfig::small();
     let opts = StageOptions::mixed(8, 64, DType::F32);
     let spec = graphpp_models::split_layers(cfg.num_layers(), 1, None)?.remove(0);
     let stage = cfg.build_stage(&spec, &opts)?;
     let graphs = graphpp_graph::stage_graphs(&stage, &graphpp_models::Recompute::Pointwise.policy(&spec))?;
     let cpu = candle_core::Device::Cpu;
     let build = graphpp_runtime::train::build::StageBuild {
-        model: &cfg,
+        model: cfg,
         specs: std::slice::from_ref(&spec),
         opts: &opts,
         seed: 0,
@@ -391,7 +411,6 @@ pub fn executor_rates(runs: usize) -> Result<ExecutorRates, Box<dyn std::error::
     let data = graphpp_runtime::verify::random_microbatches(cfg.vocab_size, 1, 8, 64, 0)?;
     env.insert(graphpp_graph::names::TOKENS.into(), data.tokens[0].clone());
     env.insert(graphpp_graph::names::TARGETS.into(), data.targets[0].clone());
-    let (mut products, mut written) = (Vec::new(), Vec::new());
     for g in [&graphs.fw, &graphs.full_bw] {
         let program = graphpp_runtime::Program::compile(g);
         let opts = RunOptions { time_nodes: true, ..RunOptions::default() };
@@ -419,12 +438,7 @@ pub fn executor_rates(runs: usize) -> Result<ExecutorRates, Box<dyn std::error::
         }
         env.extend(g.output_names().into_iter().zip(outputs));
     }
-    let (intercept, slope) = least_squares(&written);
-    Ok(ExecutorRates {
-        matmul_curve: binned_rates(&products),
-        bandwidth: if slope > 0.0 { 1.0 / slope } else { f64::INFINITY },
-        node_overhead_us: intercept.max(0.0) * 1e6,
-    })
+    Ok(())
 }
 
 /// `[flops, flop/s]` of products `(flops, seconds)` binned by size (4× bins), ascending.
