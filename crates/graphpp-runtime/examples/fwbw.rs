@@ -73,8 +73,10 @@ fn args() -> Args {
             (model, cfg)
         }
         path => {
-            let text = std::fs::read_to_string(path).unwrap_or_else(|e| f.bad(format!("--config {path}: {e}")));
-            let cfg = LlamaConfig::from_json(&text).unwrap_or_else(|e| f.bad(format!("--config {path}: {e}")));
+            let text =
+                std::fs::read_to_string(path).unwrap_or_else(|e| f.bad(format!("--config {path}: {e}")));
+            let cfg =
+                LlamaConfig::from_json(&text).unwrap_or_else(|e| f.bad(format!("--config {path}: {e}")));
             (path.to_string(), cfg)
         }
     };
@@ -109,7 +111,9 @@ fn time_graphpp(fw: &Graph, bw: &Graph, env: &Env, runs: usize, compiled: bool) 
         let mut e = env.clone();
         e.extend(fw.output_names().into_iter().zip(f.outputs));
         run(bw, &pb, &e);
-        device.as_ref().map(|d| d.synchronize().expect("device synchronizes"));
+        if let Some(d) = &device {
+            d.synchronize().expect("device synchronizes");
+        }
         if i >= 2 {
             times.push(t0.elapsed().as_secs_f64() * 1e3);
         }
@@ -219,7 +223,8 @@ fn on_device(a: &Args, sg: &graphpp_graph::StageGraphs, env: Env) {
         eprintln!("error: --device: {e}");
         std::process::exit(1)
     });
-    let env: Env = env.into_iter().map(|(k, t)| (k, t.to_device(&device).expect("moves to the device"))).collect();
+    let env: Env =
+        env.into_iter().map(|(k, t)| (k, t.to_device(&device).expect("moves to the device"))).collect();
     let flops: u64 = [&sg.fw, &sg.full_bw]
         .iter()
         .flat_map(|g| (0..g.nodes.len()).filter_map(|i| g.node_flops(graphpp_graph::ValueId(i))))
@@ -228,7 +233,11 @@ fn on_device(a: &Args, sg: &graphpp_graph::StageGraphs, env: Env) {
     for round in 0..a.rounds {
         let g = time_graphpp(&sg.fw, &sg.full_bw, &env, a.runs, false);
         let t = a.torch.as_deref().map(|py| (time_torch(py, a, 0, "eager"), time_torch(py, a, 0, "compile")));
-        println!("round {round}, {}: graphpp {g:.2} ms{}", a.device, t.map_or(String::new(), |(t, tc)| format!(", torch eager {t:.2} ms, torch.compile {tc:.2} ms")));
+        println!(
+            "round {round}, {}: graphpp {g:.2} ms{}",
+            a.device,
+            t.map_or(String::new(), |(t, tc)| format!(", torch eager {t:.2} ms, torch.compile {tc:.2} ms"))
+        );
         figs[0].push(g);
         if let Some((t, tc)) = t {
             figs[1].push(t);

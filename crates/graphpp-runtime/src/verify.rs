@@ -269,15 +269,14 @@ pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     )?);
     let opts = StageOptions::mixed(setup.train.microbatch_size, setup.train.seq_len, setup.train.dtype);
     let given = setup.weights.as_deref();
-    let build =
-        StageBuild {
-            model: &*setup.train.model,
-            specs: &specs,
-            opts: &opts,
-            seed: setup.train.seed,
-            given,
-            device: &setup.train.device,
-        };
+    let build = StageBuild {
+        model: &*setup.train.model,
+        specs: &specs,
+        opts: &opts,
+        seed: setup.train.seed,
+        given,
+        device: &setup.train.device,
+    };
     let workers = build.all_ranks(&schedule, data)?;
     let (workers, _) = run_pipeline(&schedule, workers, setup.train.timeout)?;
     let mut losses = BTreeMap::new();

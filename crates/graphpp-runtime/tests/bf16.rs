@@ -146,9 +146,16 @@ fn bf16_messages_between_ranks_and_f32_loss_and_gradients() {
     let specs = stage_specs(&*s.train.model, s.train.kind, &s.train.shape, None).unwrap();
     let data = Arc::new(random_microbatches(256, 1, 1, 16, 5).unwrap());
     let opts = StageOptions::mixed(1, 16, DType::BF16);
-    let mut w = StageBuild { model: &*s.train.model, specs: &specs, opts: &opts, seed: 0, given: None , device: &candle_core::Device::Cpu}
-        .all_ranks(&schedule, data)
-        .unwrap();
+    let mut w = StageBuild {
+        model: &*s.train.model,
+        specs: &specs,
+        opts: &opts,
+        seed: 0,
+        given: None,
+        device: &candle_core::Device::Cpu,
+    }
+    .all_ranks(&schedule, data)
+    .unwrap();
     let act = w[0].forward(0, 0, None).unwrap().expect("stage 0 sends its output");
     assert_eq!((act.dtype(), act.dims()), (CDType::BF16, &[1, 16, 64][..]));
     assert!(w[1].forward(1, 0, Some(act)).unwrap().is_none());

@@ -153,9 +153,16 @@ fn fsdp_stage_ops_without_a_data_parallel_group_are_an_error() {
     let specs = stage_specs(&model, Kind::OneFOneB, &shape, None).unwrap();
     let opts = graphpp_models::StageOptions::mixed(1, 8, graphpp_graph::DType::F32);
     let data = Arc::new(random_microbatches(256, 2, 1, 8, 0).unwrap());
-    let workers = StageBuild { model: &model, specs: &specs, opts: &opts, seed: 0, given: None , device: &candle_core::Device::Cpu}
-        .all_ranks(&lowered, data)
-        .unwrap();
+    let workers = StageBuild {
+        model: &model,
+        specs: &specs,
+        opts: &opts,
+        seed: 0,
+        given: None,
+        device: &candle_core::Device::Cpu,
+    }
+    .all_ranks(&lowered, data)
+    .unwrap();
     let e = graphpp_runtime::run_pipeline(&lowered, workers, std::time::Duration::from_secs(20)).unwrap_err();
     let msg = e.to_string();
     assert!(msg.contains("UNSHARD") && msg.contains("needs a data-parallel group"), "{msg}");

@@ -103,7 +103,8 @@ fn dualpipe_sums_the_two_parameter_copies() {
         specs: &specs,
         opts: &StageOptions::new(1, 8),
         seed: s.train.seed,
-        given: None, device: &candle_core::Device::Cpu
+        given: None,
+        device: &candle_core::Device::Cpu,
     }
     .all_ranks(&schedule, data)
     .unwrap();
@@ -172,7 +173,8 @@ fn caches_are_freed_after_the_step() {
             specs: &specs,
             opts: &StageOptions::new(1, 8),
             seed: 0,
-            given: None, device: &candle_core::Device::Cpu
+            given: None,
+            device: &candle_core::Device::Cpu,
         }
         .all_ranks(&schedule, data)
         .unwrap();
@@ -197,7 +199,8 @@ fn a_failing_stage_is_named_and_nothing_hangs() {
         specs: &specs,
         opts: &StageOptions::new(1, 8),
         seed: 0,
-        given: None, device: &candle_core::Device::Cpu
+        given: None,
+        device: &candle_core::Device::Cpu,
     }
     .all_ranks(&schedule, Arc::new(data))
     .unwrap();
@@ -277,7 +280,8 @@ fn run_rank_on_threads_gives_run_pipeline_results_bitwise() {
                 specs: &specs,
                 opts: &StageOptions::new(1, 8),
                 seed: 5,
-                given: None, device: &candle_core::Device::Cpu
+                given: None,
+                device: &candle_core::Device::Cpu,
             }
             .all_ranks(&schedule, Arc::clone(&data))
             .unwrap()

@@ -423,12 +423,15 @@ fn time_stage_nodes(
             outputs = r.outputs;
         }
         let (fusion, partner) = (program.fusion(), &program.pairs().partner);
+        let seconds: std::collections::HashSet<usize> = partner.iter().flatten().copied().collect();
         for (i, node) in g.nodes.iter().enumerate() {
             let flops = |j: usize| g.node_flops(graphpp_graph::ValueId(j));
             match flops(i) {
                 // A pair's second product was timed with its first.
-                Some(_) if partner.iter().any(|p| *p == Some(i)) => {}
-                Some(f) => products.push((f as f64 + partner[i].and_then(flops).unwrap_or(0) as f64, best[i])),
+                Some(_) if seconds.contains(&i) => {}
+                Some(f) => {
+                    products.push((f as f64 + partner[i].and_then(flops).unwrap_or(0) as f64, best[i]))
+                }
                 None if matches!(node.op, graphpp_graph::Op::Input { .. }) => {}
                 None if fusion.member_of[i].is_none_or(|k| fusion.groups[k].anchor == i) => {
                     written.push((node.ty.size_bytes() as f64, best[i]))

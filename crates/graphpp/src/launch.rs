@@ -181,7 +181,13 @@ impl Launch {
     ///
     /// # Errors
     /// [`LaunchError::WorldSize`]; [`LaunchError::DeviceProcesses`] for a GPU run under mpirun.
-    pub fn check_world(&self, pp: usize, dp: usize, tp: usize, device: DeviceSpec) -> Result<(), LaunchError> {
+    pub fn check_world(
+        &self,
+        pp: usize,
+        dp: usize,
+        tp: usize,
+        device: DeviceSpec,
+    ) -> Result<(), LaunchError> {
         let world = self.world();
         if world > 1 && !device.is_cpu() {
             return Err(LaunchError::DeviceProcesses { world, device });

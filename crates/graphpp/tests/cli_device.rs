@@ -6,9 +6,16 @@
 use assert_cmd::Command;
 
 fn graphpp(kernels: &str, args: &[&str]) -> (bool, String) {
-    let out =
-        Command::cargo_bin("graphpp").expect("binary builds").env("GRAPHPP_KERNELS", kernels).args(args).output().unwrap();
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    let out = Command::cargo_bin("graphpp")
+        .expect("binary builds")
+        .env("GRAPHPP_KERNELS", kernels)
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+    )
 }
 
 /// The number after `key` on the first line starting with `line`.
@@ -25,9 +32,32 @@ fn the_compositions_a_gpu_runs_match_the_cpu_kernels() {
     // the CPU kernels' within f32 rounding.
     for args in [
         &["--schedule", "zbv", "--ranks", "2", "--microbatches", "4"][..],
-        &["--schedule", "dualpipev", "--ranks", "2", "--microbatches", "4", "--model", "moe-tiny", "--ep", "2"],
+        &[
+            "--schedule",
+            "dualpipev",
+            "--ranks",
+            "2",
+            "--microbatches",
+            "4",
+            "--model",
+            "moe-tiny",
+            "--ep",
+            "2",
+        ],
         &["--schedule", "1f1b", "--ranks", "2", "--microbatches", "4", "--tp", "2", "--sequence-parallel"],
-        &["--schedule", "1f1b", "--ranks", "2", "--microbatches", "4", "--dp", "2", "--fsdp", "--dtype", "bf16"],
+        &[
+            "--schedule",
+            "1f1b",
+            "--ranks",
+            "2",
+            "--microbatches",
+            "4",
+            "--dp",
+            "2",
+            "--fsdp",
+            "--dtype",
+            "bf16",
+        ],
         &["--schedule", "zbv", "--ranks", "2", "--microbatches", "4", "--model", "moe-mla-tiny"],
     ] {
         let verify: Vec<&str> = std::iter::once("verify").chain(args.iter().copied()).collect();
@@ -35,7 +65,10 @@ fn the_compositions_a_gpu_runs_match_the_cpu_kernels() {
         assert!(ok, "{args:?}: {composed}");
         let (ok, compiled) = graphpp("compiled", &verify);
         assert!(ok, "{args:?}: {compiled}");
-        let (a, b) = (number(&composed, "loss pipelined", "pipelined"), number(&compiled, "loss pipelined", "pipelined"));
+        let (a, b) = (
+            number(&composed, "loss pipelined", "pipelined"),
+            number(&compiled, "loss pipelined", "pipelined"),
+        );
         let tolerance = if args.contains(&"bf16") { 1e-2 } else { 1e-6 };
         assert!((a - b).abs() <= tolerance * b.abs(), "{args:?}: composed {a} vs compiled {b}");
     }
@@ -49,16 +82,35 @@ fn training_on_the_compositions_follows_the_cpu_kernels_losses() {
     let losses = |kernels: &str| {
         let ck = dir.path().join(kernels);
         let args = [
-            "train", "--schedule", "1f1b", "--steps", "4", "--lr", "1e-2", "--warmup", "0", "--eval-every", "1",
-            "--sample-bytes", "0", "--checkpoint-dir", ck.to_str().unwrap(),
+            "train",
+            "--schedule",
+            "1f1b",
+            "--steps",
+            "4",
+            "--lr",
+            "1e-2",
+            "--warmup",
+            "0",
+            "--eval-every",
+            "1",
+            "--sample-bytes",
+            "0",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
         ];
         let (ok, out) = graphpp(kernels, &args);
         assert!(ok, "{out}");
-        out.lines().filter(|l| l.starts_with("step")).map(|l| number(l, "step", "train loss")).collect::<Vec<f64>>()
+        out.lines()
+            .filter(|l| l.starts_with("step"))
+            .map(|l| number(l, "step", "train loss"))
+            .collect::<Vec<f64>>()
     };
     let (composed, compiled) = (losses("composed"), losses("compiled"));
     assert_eq!(composed.len(), 4, "{composed:?}");
-    assert!(compiled[3] < compiled[0] - 0.1, "the run must learn for the comparison to mean anything: {compiled:?}");
+    assert!(
+        compiled[3] < compiled[0] - 0.1,
+        "the run must learn for the comparison to mean anything: {compiled:?}"
+    );
     for (a, b) in composed.iter().zip(&compiled) {
         assert!((a - b).abs() <= 2e-4, "composed {composed:?} vs compiled {compiled:?}");
     }
@@ -66,7 +118,10 @@ fn training_on_the_compositions_follows_the_cpu_kernels_losses() {
 
 #[test]
 fn a_cuda_device_needs_a_cuda_build_and_names_it() {
-    let (ok, out) = graphpp("compiled", &["verify", "--device", "cuda:1", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "2"]);
+    let (ok, out) = graphpp(
+        "compiled",
+        &["verify", "--device", "cuda:1", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "2"],
+    );
     assert!(!ok);
     assert!(out.contains("--device: device cuda:1: this graphpp was built without CUDA"), "{out}");
     assert!(out.contains("--features cuda"), "{out}");
@@ -85,7 +140,8 @@ fn a_strategy_carries_the_device() {
     assert!(gpu.contains("device = \"cuda:1\""), "{gpu}");
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("s.toml");
-    std::fs::write(&file, gpu.lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>().join("\n")).unwrap();
+    std::fs::write(&file, gpu.lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>().join("\n"))
+        .unwrap();
     let (ok, out) = graphpp("compiled", &["verify", "--strategy", file.to_str().unwrap()]);
     assert!(!ok, "{out}");
     assert!(out.contains("device cuda:1"), "the strategy's device reaches the run: {out}");

@@ -1,8 +1,8 @@
 //! One node's kernel: the op of a node applied to its operands' tensors, through candle or the
 //! CPU kernels of [`crate::kernels`].
 
-use candle_core::{DType as CDType, Device, Tensor};
 use crate::kernels::device::composed;
+use candle_core::{DType as CDType, Device, Tensor};
 use graphpp_graph::{BinaryOp, Graph, Op, UnaryOp};
 
 use super::{ExecError, ExecResult};
@@ -78,9 +78,7 @@ fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
             let (x1, x2) = (x.narrow(last, 0, h)?, x.narrow(last, h, h)?);
             Tensor::cat(&[&x2.neg()?, &x1], last)
         }
-        CDType::F32 => {
-            Tensor::from_vec(read_f32(x, |src| rotate_rows(src, n))?, x.dims(), &Device::Cpu)
-        }
+        CDType::F32 => Tensor::from_vec(read_f32(x, |src| rotate_rows(src, n))?, x.dims(), &Device::Cpu),
         CDType::BF16 => {
             let x = x.contiguous()?;
             let (storage, layout) = x.storage_and_layout();
@@ -181,7 +179,12 @@ pub(super) fn eval(graph: &Graph, i: usize, op: &Op, a: &[&Tensor], device: &Dev
 /// once, as a GPU's fused kernels and the compiled executor's bf16 groups do
 /// ([`crate::exec::fusion`]): one rule for every such op instead of candle's per-op bf16
 /// arithmetic (its bf16 affine rounds `mul` and `add` to bf16 and rounds twice).
-fn kernel(op: &Op, a: &[&Tensor], ty: &graphpp_graph::TensorType, device: &Device) -> candle_core::Result<Tensor> {
+fn kernel(
+    op: &Op,
+    a: &[&Tensor],
+    ty: &graphpp_graph::TensorType,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
     if op.is_pointwise() && a.first().is_some_and(|x| x.dtype() == CDType::BF16) {
         let wide = a.iter().map(|x| cast(x, CDType::F32)).collect::<candle_core::Result<Vec<_>>>()?;
         let wide: Vec<&Tensor> = wide.iter().collect();

