@@ -180,6 +180,25 @@ fn a_world_that_does_not_fit_the_mesh_is_refused_before_step_1() {
     assert!(!ck.exists(), "nothing written");
 }
 
+/// A GPU run under mpirun is refused by every process, naming why (its ranks are threads sharing
+/// the device; one process per GPU is not built), before anything is built or written.
+#[test]
+fn a_gpu_run_as_processes_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let ck = d.path().join("ck");
+    let (ok, o, e) = run({
+        let mut c = mpirun(2);
+        c.args(train_args(&data, &["--ranks", "2", "--device", "cuda", "--steps", "2", "--checkpoint-dir"]))
+            .arg(&ck);
+        c
+    });
+    assert!(!ok);
+    assert!(e.contains("mpirun started 2 processes with --device cuda:0"), "{o}\n{e}");
+    assert!(!o.contains("step "), "no step ran:\n{o}");
+    assert!(!ck.exists(), "nothing written");
+}
+
 /// A rank killed with SIGKILL mid-run: the run ends within seconds with a non-zero status that
 /// names the rank; every checkpoint left loads; `--resume` continues from the newest.
 #[test]
