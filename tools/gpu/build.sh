@@ -14,7 +14,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
-eval "$(tools/cuda/setup.sh)"
+cuda_env="$(tools/cuda/setup.sh)"
+eval "$cuda_env"
 out="$root/.gpu"
 stubs="$out/stubs"
 mkdir -p "$stubs"
@@ -37,7 +38,8 @@ build() {
     return $rc
 }
 if ! log="$(build)"; then
-    # GNU ld says "undefined reference to `f'", lld "undefined symbol: f".
+    # lld (rustc's linker here) says "undefined symbol: f"; GNU ld "undefined reference to `f'"
+    # (it rejects --error-limit: this script expects rust-lld, Rust ≥ 1.90 on x86-64 Linux).
     syms="$( (grep -o "undefined reference to \`[A-Za-z0-9_]*'" <<<"$log" | sed "s/.*\`\(.*\)'/\1/";
         grep -o "undefined symbol: [A-Za-z0-9_]*" <<<"$log" | sed "s/.*: //") | sort -u)"
     [ -n "$syms" ] || { echo "$log" >&2; exit 1; }

@@ -103,8 +103,8 @@ def main():
     ap.add_argument("--model", choices=["small", "tiny"], default="small")
     ap.add_argument("--config", help="a Hugging Face Llama config.json (replaces --model)")
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--batch", type=int, default=2, help="sequences of 64 tokens")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--batch", type=int, default=2, help="sequences of --seq tokens")
     ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
     ap.add_argument("--runs", type=int, default=20)
@@ -136,13 +136,13 @@ def main():
     targets = torch.randint(0, cfg["vocab_size"], (a.batch, SEQ), device=dev)
 
     def step():
-        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
             loss = step_model(tokens, targets)
         loss.backward()
         for p in model.parameters():
             p.grad = None
-        if a.device == "cuda":
-            torch.cuda.synchronize()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         return loss
 
     warm = 3 if a.mode == "eager" else 6

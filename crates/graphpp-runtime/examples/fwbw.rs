@@ -129,7 +129,7 @@ fn time_torch(python: &str, a: &Args, threads: usize, mode: &str) -> f64 {
         .args([script, "--runs", &a.runs.to_string(), "--threads", &threads.to_string()])
         .args(if a.model.ends_with(".json") { ["--config", &a.model] } else { ["--model", &a.model] })
         .args(["--dtype", a.dtype.name(), "--batch", &a.batch.to_string(), "--mode", mode])
-        .args(["--seq", &a.seq.to_string(), "--device", if a.device.is_cpu() { "cpu" } else { "cuda" }])
+        .args(["--seq", &a.seq.to_string(), "--device", &a.device.to_string()])
         .output()
         .unwrap_or_else(|e| {
             eprintln!("error: cannot run {python}: {e}");

@@ -291,9 +291,17 @@ pub fn pipelined_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     Ok(StepResult { loss, microbatch_losses, grads: collect_grads(&workers)? })
 }
 
-/// Runs the same step on one device, the CPU, computing in `setup.reference_dtype`: one stage
-/// with every layer over the m microbatches concatenated along the batch axis.
+/// Runs the same step on one device, the CPU with its own kernels (whatever `GRAPHPP_KERNELS`
+/// says), computing in `setup.reference_dtype`: one stage with every layer over the m
+/// microbatches concatenated along the batch axis.
 pub fn single_device_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
+    // The CPU's own kernels, also when GRAPHPP_KERNELS forces the compositions the pipelined
+    // step is checked on.
+    crate::kernels::device::with_composed(false, || reference_step(setup))
+}
+
+/// [`single_device_step`]'s body.
+fn reference_step(setup: &VerifySetup) -> Result<StepResult, VerifyError> {
     let cfg = &*setup.train.model;
     let m = setup.train.shape.microbatches;
     let spec = split_layers(cfg.num_layers(), 1, None).map_err(SetupError::from)?.remove(0);

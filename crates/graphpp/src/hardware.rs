@@ -422,21 +422,17 @@ fn time_stage_nodes(
             best.iter_mut().zip(times).for_each(|(b, t)| *b = b.min(t.as_secs_f64()));
             outputs = r.outputs;
         }
-        let (fusion, partner) = (program.fusion(), &program.pairs().partner);
+        let partner = &program.pairs().partner;
         let seconds: std::collections::HashSet<usize> = partner.iter().flatten().copied().collect();
-        for (i, node) in g.nodes.iter().enumerate() {
-            let flops = |j: usize| g.node_flops(graphpp_graph::ValueId(j));
-            match flops(i) {
+        let flops = |j: usize| g.node_flops(graphpp_graph::ValueId(j)).unwrap_or(0) as f64;
+        for (i, cost) in crate::profile::indexed_node_costs(g) {
+            match cost {
                 // A pair's second product was timed with its first.
-                Some(_) if seconds.contains(&i) => {}
-                Some(f) => {
-                    products.push((f as f64 + partner[i].and_then(flops).unwrap_or(0) as f64, best[i]))
+                NodeCost::Product { .. } if seconds.contains(&i) => {}
+                NodeCost::Product { flops: f } => {
+                    products.push((f as f64 + partner[i].map_or(0.0, flops), best[i]))
                 }
-                None if matches!(node.op, graphpp_graph::Op::Input { .. }) => {}
-                None if fusion.member_of[i].is_none_or(|k| fusion.groups[k].anchor == i) => {
-                    written.push((node.ty.size_bytes() as f64, best[i]))
-                }
-                None => {}
+                NodeCost::Written { bytes } => written.push((bytes as f64, best[i])),
             }
         }
         env.extend(g.output_names().into_iter().zip(outputs));

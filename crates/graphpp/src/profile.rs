@@ -107,19 +107,25 @@ pub enum NodeCost {
     },
 }
 
-/// The cost of every node of `g` as its compiled program runs it: products by their FLOPs,
-/// every other node it writes by its bytes; inputs, and fused group members other than the
-/// anchor (computed in registers, never written: `graphpp_runtime::exec::fusion`), cost nothing.
+/// The cost of every node of `g` as its compiled program runs it ([`indexed_node_costs`]).
 pub fn node_costs(g: &Graph) -> Vec<NodeCost> {
+    indexed_node_costs(g).into_iter().map(|(_, c)| c).collect()
+}
+
+/// The cost of every node of `g` that costs something as its compiled program runs it, with the
+/// node's index: products by their FLOPs, every other node it writes by its bytes; inputs, and
+/// fused group members other than the anchor (computed in registers, never written:
+/// `graphpp_runtime::exec::fusion`), cost nothing and are left out.
+pub fn indexed_node_costs(g: &Graph) -> Vec<(usize, NodeCost)> {
     let fusion = graphpp_runtime::exec::fusion::plan(g);
     let written = |i: usize| fusion.member_of[i].is_none_or(|k| fusion.groups[k].anchor == i);
     g.nodes
         .iter()
         .enumerate()
         .filter_map(|(i, n)| match g.node_flops(graphpp_graph::ValueId(i)) {
-            Some(flops) => Some(NodeCost::Product { flops }),
+            Some(flops) => Some((i, NodeCost::Product { flops })),
             None if !matches!(n.op, Op::Input { .. }) && written(i) => {
-                Some(NodeCost::Written { bytes: n.ty.size_bytes() as u64 })
+                Some((i, NodeCost::Written { bytes: n.ty.size_bytes() as u64 }))
             }
             None => None,
         })

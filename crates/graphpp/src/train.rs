@@ -45,6 +45,9 @@ pub enum RunError {
     /// A setting is out of range (`--ranks 0`, `--steps 0`, …).
     #[error("{0}")]
     Config(String),
+    /// `--device` names a device this build or machine cannot open.
+    #[error("--device: {0}")]
+    Device(#[from] graphpp_runtime::kernels::device::DeviceError),
     /// The corpus could not be read or fetched.
     #[error(transparent)]
     Data(#[from] DataError),
@@ -393,7 +396,8 @@ impl Run {
         let val_split_len = val.len();
         let (x, y) = data::sample(val, VAL_SEQUENCES, t, VAL_STREAM);
         let val = x.chunks(t * 8).zip(y.chunks(t * 8)).map(|(a, b)| (a.to_vec(), b.to_vec())).collect();
-        let setup = train_setup(&config)?;
+        // The run's device, opened once (train_setup leaves every setup on the CPU).
+        let setup = TrainSetup { device: config.device.open()?, ..train_setup(&config)? };
         let mut trainer = match comm {
             Some(c) => Trainer::on_comm(setup, c)?,
             None => Trainer::new(setup)?,
@@ -670,11 +674,10 @@ fn schedule_flag(path: &Path) -> Result<Arc<graphpp_schedule::Schedule>, RunErro
     read_schedule_file(path).map_err(|e| RunError::Config(format!("--schedule-file {}: {e}", path.display())))
 }
 
-/// The runtime setup of `c`.
+/// The runtime setup of `c`, on the CPU: a run moves it to `c.device` ([`Run::with_comm`]).
 ///
 /// # Errors
-/// [`RunError`] for a schedule file that cannot be read, a bad learning-rate schedule or a
-/// device that cannot be opened.
+/// [`RunError`] for a schedule file that cannot be read or a bad learning-rate schedule.
 pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
     Ok(TrainSetup {
         model: Arc::new(c.model.clone()),
@@ -700,7 +703,9 @@ pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         link: c.link,
         timeout: Duration::from_secs_f64(c.timeout),
         dtype: c.dtype,
-        device: c.device.open().map_err(|e| RunError::Config(format!("--device: {e}")))?,
+        // Opened by the run itself (`Run::with_comm`): planning, profiling and checking a
+        // setup never touch a GPU.
+        device: candle_core::Device::Cpu,
     })
 }
 

@@ -175,6 +175,7 @@ fn axis_err(e: candle_core::Error) -> CollectiveError {
 
 /// A u32 count vector as `usize`s.
 fn counts_of(t: &Tensor) -> Result<Vec<usize>, CollectiveError> {
+    crate::kernels::device::count_host_read(t);
     let v = t.to_vec1::<u32>().map_err(axis_err)?;
     Ok(v.into_iter().map(|c| c as usize).collect())
 }

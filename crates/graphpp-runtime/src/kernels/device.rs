@@ -20,16 +20,49 @@ use candle_core::{Device, Tensor};
 /// (the default: the CPU kernels). Read once per process.
 pub const KERNELS_VAR: &str = "GRAPHPP_KERNELS";
 
-/// Whether the compositions are forced on the CPU ([`KERNELS_VAR`] is `composed`).
-pub fn forced_composed() -> bool {
-    static FORCED: OnceLock<bool> = OnceLock::new();
-    *FORCED.get_or_init(|| std::env::var(KERNELS_VAR).is_ok_and(|v| v.eq_ignore_ascii_case("composed")))
+/// What [`KERNELS_VAR`] says: whether the compositions are forced on the CPU.
+///
+/// # Errors
+/// [`DeviceError::KernelsVar`] for a value other than `composed` and `compiled`.
+pub fn kernels_choice() -> Result<bool, DeviceError> {
+    static CHOICE: OnceLock<Result<bool, DeviceError>> = OnceLock::new();
+    CHOICE
+        .get_or_init(|| match std::env::var(KERNELS_VAR) {
+            Err(_) => Ok(false),
+            Ok(v) if v.eq_ignore_ascii_case("composed") => Ok(true),
+            Ok(v) if v.eq_ignore_ascii_case("compiled") || v.is_empty() => Ok(false),
+            Ok(v) => Err(DeviceError::KernelsVar(v)),
+        })
+        .clone()
 }
 
-/// Whether an op on `x` runs as a candle composition: `x` is not on the CPU, or
-/// [`forced_composed`].
+/// Whether the compositions are forced on the CPU ([`KERNELS_VAR`] is `composed`; an unknown
+/// value forces nothing: [`kernels_choice`] refuses it at a run's setup).
+pub fn forced_composed() -> bool {
+    kernels_choice().unwrap_or(false)
+}
+
+thread_local! {
+    /// This thread's choice, over [`KERNELS_VAR`]'s, while [`with_composed`] runs.
+    static CHOSEN: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with this thread's CPU tensors on the compositions (`true`) or on the CPU kernels
+/// (`false`), whatever [`KERNELS_VAR`] says: `verify`'s single-device reference keeps the CPU
+/// kernels when the compositions are forced, and tests compare the two paths in one process.
+/// Kernels that run inside `f` on other threads (a rank's pool) are not covered: the choice is
+/// made by the thread that calls a kernel.
+pub fn with_composed<R>(composed: bool, f: impl FnOnce() -> R) -> R {
+    let before = CHOSEN.with(|c| c.replace(Some(composed)));
+    let out = f();
+    CHOSEN.with(|c| c.set(before));
+    out
+}
+
+/// Whether an op on `x` runs as a candle composition: `x` is not on the CPU, or the
+/// compositions are chosen for this thread ([`with_composed`]) or forced ([`forced_composed`]).
 pub fn composed(x: &Tensor) -> bool {
-    !x.device().is_cpu() || forced_composed()
+    !x.device().is_cpu() || CHOSEN.with(|c| c.get()).unwrap_or_else(forced_composed)
 }
 
 static HOST_READS: AtomicU64 = AtomicU64::new(0);
@@ -69,10 +102,13 @@ pub enum DeviceError {
     Unknown(String),
     /// A CUDA device asked of a build without the `cuda` feature.
     #[error(
-        "device {0}: this graphpp was built without CUDA (build with `--features cuda`: tools/cuda/setup.sh \
-         prepares the compiler; docs/ARCHITECTURE.md, \"Devices\")"
+        "device {0}: this graphpp was built without CUDA (build it with `--features cuda` on a machine \
+         with CUDA's libraries, or with tools/gpu/build.sh anywhere: docs/ARCHITECTURE.md, \"Devices\")"
     )]
     NotBuilt(DeviceSpec),
+    /// [`KERNELS_VAR`] names no choice.
+    #[error("{KERNELS_VAR}={0}: expected composed or compiled")]
+    KernelsVar(String),
     /// The device could not be opened (no GPU, no driver, an index past the last device).
     #[error("device {spec}: {reason}")]
     Open {
@@ -153,9 +189,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_cpu_tensor_is_not_composed_unless_forced_and_its_reads_are_not_copies() {
+    fn a_thread_chooses_its_kernels_for_cpu_tensors_and_their_reads_are_not_copies() {
         let x = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
-        assert_eq!(composed(&x), forced_composed());
+        assert!(with_composed(true, || composed(&x)));
+        assert!(!with_composed(false, || composed(&x)));
+        // Nested choices restore the outer one.
+        assert!(with_composed(true, || with_composed(false, || !composed(&x)) && composed(&x)));
         let before = host_reads();
         count_host_read(&x);
         assert_eq!(host_reads(), before);
@@ -188,7 +227,10 @@ mod spec_tests {
         }
         let e = DeviceSpec::Cuda(1).open().unwrap_err();
         assert_eq!(e, DeviceError::NotBuilt(DeviceSpec::Cuda(1)));
-        assert!(e.to_string().contains("--features cuda"), "{e}");
+        assert!(
+            e.to_string().contains("--features cuda") && e.to_string().contains("tools/gpu/build.sh"),
+            "{e}"
+        );
         assert!(DeviceSpec::Cpu.open().unwrap().is_cpu());
     }
 }

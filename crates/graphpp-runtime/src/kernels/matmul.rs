@@ -15,8 +15,13 @@ use rayon::prelude::*;
 pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     if composed(a) {
         // candle's product on the operands' device (cuBLAS on a GPU; bf16 sums in f32 there).
+        // Its CUDA backend refuses views it cannot stride through with its own error
+        // (`MatMulNonContiguous`, not the CPU's `MatMulUnexpectedStriding`): any refusal of a
+        // view is retried on contiguous copies.
         return match a.matmul(b) {
-            Err(e) if is_striding(&e) => a.contiguous()?.matmul(&b.contiguous()?),
+            Err(e) if is_striding(&e) || !a.is_contiguous() || !b.is_contiguous() => {
+                a.contiguous()?.matmul(&b.contiguous()?)
+            }
             r => r,
         };
     }

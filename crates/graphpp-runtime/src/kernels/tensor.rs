@@ -1,5 +1,6 @@
-//! Conversions between candle CPU tensors and plain data: IR dtypes, f64 and u32 buffers, named
-//! maps, in-place reads of f32 storage, and the bf16 ↔ f32 casts.
+//! Conversions between candle tensors and plain data: IR dtypes, f64 and u32 buffers (made on
+//! the CPU), named maps, in-place reads of CPU f32 storage, and the bf16 ↔ f32 casts (one
+//! vectorised loop on the CPU, candle's cast elsewhere).
 
 use std::collections::HashMap;
 

@@ -234,6 +234,10 @@ impl Stage {
     /// `graphs.fw` by name. The stage reads `tokens` when fw has that input (a model's first
     /// stage) and produces the loss when fw outputs `loss` (its last stage).
     pub fn new(graphs: StageGraphs, state: Env, device: Device) -> Self {
+        debug_assert!(
+            state.values().all(|t| t.device().same_device(&device)),
+            "a stage's state lives on its device"
+        );
         let (bw_reads, dw_reads) = kept_names(&graphs, |n| state.contains_key(n));
         let first = graphs.fw.input_by_name(TOKENS).is_some();
         let last = graphs.fw.output_by_name(LOSS).is_some();

@@ -47,6 +47,9 @@ pub enum SetupError {
     /// A bf16 run whose `GRAPHPP_BF16_GEMM` names no bf16 matmul path this CPU has.
     #[error(transparent)]
     Bf16Path(#[from] crate::kernels::bf16_gemm::PathError),
+    /// `GRAPHPP_KERNELS` names no choice of kernels, or a device cannot be opened.
+    #[error(transparent)]
+    Device(#[from] crate::kernels::device::DeviceError),
     /// The step would be too large to run (schedule size or memory), from estimates.
     #[error(transparent)]
     Size(#[from] SizeError),

@@ -94,7 +94,8 @@ impl TrainSetup {
     /// # Errors
     /// [`TrainError::BatchNotDivisible`] when dp is 0 or does not divide the microbatch size;
     /// [`TrainError::ExpertParallel`]; [`TrainError::TensorParallel`]; [`SetupError::Bf16Path`] (in [`TrainError::Setup`]) when
-    /// `GRAPHPP_BF16_GEMM` names a path this CPU lacks; [`TrainError::Size`] when the schedule
+    /// `GRAPHPP_BF16_GEMM` names a path this CPU lacks; [`SetupError::Device`] when
+    /// `GRAPHPP_KERNELS` names no choice; [`TrainError::Size`] when the schedule
     /// or the step would be too large.
     pub fn check(&self) -> Result<(), TrainError> {
         self.check_sized(false)
@@ -112,19 +113,16 @@ impl TrainSetup {
         if self.dtype == graphpp_graph::DType::BF16 {
             crate::kernels::bf16_gemm::chosen().map_err(SetupError::from)?;
         }
+        crate::kernels::device::kernels_choice().map_err(SetupError::from)?;
         self.check_step(single_device, None)
     }
 
-    /// The memory of one step of this run, estimated before anything is built
-    /// ([`StepMemory::estimate`] at the peak of the run's compute schedule): what the pre-flight
-    /// check holds against the budget, for the whole process.
-    ///
-    /// # Errors
-    /// As [`TrainSetup::compute_schedule`].
-    pub fn memory_estimate(&self) -> Result<StepMemory, TrainError> {
-        let s = self.compute_schedule()?;
+    /// The memory of one step of this run on `schedule` (the run's, compute-only or lowered:
+    /// communication actions hold nothing), as the pre-flight check estimates it before anything
+    /// is built ([`StepMemory::estimate`] at the schedule's peak), for the whole process.
+    pub fn memory_estimate(&self, schedule: &Schedule) -> StepMemory {
         let local = (self.microbatch_size / self.dp.max(1), self.seq_len);
-        Ok(StepMemory::estimate(&*self.model, (self.kind, &self.shape), local.0, local.1, false, Some(&s)))
+        StepMemory::estimate(&*self.model, (self.kind, &self.shape), local.0, local.1, false, Some(schedule))
     }
 
     /// The step's size from estimates ([`check_step`]): the activations at `schedule`'s peak

@@ -112,7 +112,7 @@ impl RankTrainer {
                 .collect();
             for s in work.stages_mut().values_mut() {
                 let Some(bias) = s.state().get(&name) else { continue };
-                let moved = (bias.to_dtype(DType::F64)? + Tensor::new(step.as_slice(), &Device::Cpu)?)?;
+                let moved = (bias.to_dtype(DType::F64)? + Tensor::new(step.as_slice(), bias.device())?)?;
                 s.set_buffer(&name, &moved)?;
             }
         }

