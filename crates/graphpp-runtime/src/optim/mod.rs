@@ -524,23 +524,8 @@ mod tests {
         assert!((vals(&p["w"])[0] as f64 - want).abs() < 1e-6, "{:?} vs {want}", vals(&p["w"]));
     }
 
-    /// The update as candle ops (the composition [`Fused`] replaced): the reference.
-    fn composed(
-        c: &AdamWConfig,
-        [p, g, m, v]: [&Tensor; 4],
-        lr: f64,
-        t: u64,
-    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-        let (bias1, bias2_sqrt) = bias_corrections(c, t);
-        let p = p.affine(1.0 - lr * c.weight_decay, 0.0)?;
-        let m = ((g - m)?.affine(1.0 - c.beta1, 0.0)? + m)?;
-        let v = (v.affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?;
-        let denom = v.sqrt()?.affine(1.0 / bias2_sqrt, c.eps)?;
-        let p = (p - (m.div(&denom)?).affine(lr / bias1, 0.0)?)?;
-        Ok((p, m, v))
-    }
-
-    /// The one-pass update is the candle composition bit for bit: three steps (the first from
+    /// The one-pass update is the candle composition ([`Fused::composed`], what a GPU runs) bit
+    /// for bit on the CPU: three steps (the first from
     /// one zero tensor for both moments, as `step` passes them) over values that round, ±0, tiny
     /// and huge gradients, weight decay, odd hyperparameters, at 1 and 3 threads (70,001
     /// elements: split over the pool), and with a transposed gradient (copied first).
@@ -575,7 +560,7 @@ mod tests {
             let (mut p, mut m, mut v) = (wave(0), z.clone(), z);
             for t in 1..=3 {
                 let (g, lr) = (wave(t as usize), 1e-3 * t as f64);
-                let want = composed(&cfg, [&p, &g, &m, &v], lr, t).unwrap();
+                let want = Fused::new(&cfg, lr, t).composed(&p, &g, &m, &v).unwrap();
                 let got = pool.install(|| opt.update(&p, &g, &m, &v, lr, t)).unwrap();
                 same(&got, &want, &format!("step {t}, {threads} threads"));
                 (p, m, v) = got;
@@ -586,7 +571,7 @@ mod tests {
         let z = p.zeros_like().unwrap();
         assert!(Fused::new(&cfg, 1e-3, 1).apply(&p, &g, &z, &z).is_err(), "apply takes contiguous operands");
         let got = opt.update(&p, &g, &z, &z, 1e-3, 1).unwrap();
-        same(&got, &composed(&cfg, [&p, &g, &z, &z], 1e-3, 1).unwrap(), "a transposed gradient");
+        same(&got, &Fused::new(&cfg, 1e-3, 1).composed(&p, &g, &z, &z).unwrap(), "a transposed gradient");
     }
 
     #[test]
