@@ -45,8 +45,9 @@ pub enum RunError {
     /// A setting is out of range (`--ranks 0`, `--steps 0`, …).
     #[error("{0}")]
     Config(String),
-    /// `--device` names a device this build or machine cannot open.
-    #[error("--device: {0}")]
+    /// `--device` (or a strategy's `place.device`) names a device this build or machine cannot
+    /// open.
+    #[error("--device (or a strategy's place.device): {0}")]
     Device(#[from] graphpp_runtime::kernels::device::DeviceError),
     /// The corpus could not be read or fetched.
     #[error(transparent)]

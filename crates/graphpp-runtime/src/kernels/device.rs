@@ -161,7 +161,7 @@ impl std::str::FromStr for DeviceSpec {
         let unknown = || DeviceError::Unknown(s.to_string());
         match s.trim().to_ascii_lowercase().as_str() {
             "cpu" => Ok(DeviceSpec::Cpu),
-            "cuda" | "gpu" => Ok(DeviceSpec::Cuda(0)),
+            "cuda" => Ok(DeviceSpec::Cuda(0)),
             t => match t.strip_prefix("cuda:") {
                 Some(n) => n.parse().map(DeviceSpec::Cuda).map_err(|_| unknown()),
                 None => Err(unknown()),
@@ -214,7 +214,7 @@ mod spec_tests {
             assert_eq!(d, want);
             assert_eq!(d.to_string().parse::<DeviceSpec>().unwrap(), d);
         }
-        for bad in ["tpu", "cuda:", "cuda:-1", "cuda:x", ""] {
+        for bad in ["tpu", "gpu", "cuda:", "cuda:-1", "cuda:x", ""] {
             assert_eq!(bad.parse::<DeviceSpec>(), Err(DeviceError::Unknown(bad.to_string())), "{bad}");
         }
     }

