@@ -34,7 +34,7 @@ pub use optim::{AdamW, AdamWConfig, OptimError};
 pub use pipeline::stage::{GraphStages, Microbatches, Stage, StageError};
 pub use pipeline::{run_pipeline, run_rank, PipelineError, RankOptions, RankOutcome, StageWork, WorkError};
 pub use train::error::SetupError;
-pub use train::memory::{check_step, SizeError, StepMemory};
+pub use train::memory::{check_step, Layout as MemoryLayout, SizeError, StepMemory};
 pub use train::rank_train::{RankStepReport, RankTrainer, StepStats};
 pub use train::sample::{sample_next, SampleError};
 pub use train::{StepReport, TrainError, TrainSetup, Trainer};

@@ -142,6 +142,7 @@ impl VerifySetup {
             timeout: Duration::from_secs(60),
             dtype: DType::F32,
             device: candle_core::Device::Cpu,
+            ranks_here: None,
         };
         VerifySetup { train, weights: None, reference_dtype: DType::F32 }
     }

@@ -707,6 +707,10 @@ pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         // Opened by the run itself (`Run::with_comm`): planning, profiling and checking a
         // setup never touch a GPU.
         device: candle_core::Device::Cpu,
+        // Under mpirun over several hosts the memory check holds this host's part of the job.
+        ranks_here: crate::launch::launched_world_size()
+            .filter(|&world| world > 1)
+            .map(|_| crate::launch::local_processes()),
     })
 }
 

@@ -561,7 +561,10 @@ mod tests {
             for t in 1..=3 {
                 let (g, lr) = (wave(t as usize), 1e-3 * t as f64);
                 let want = Fused::new(&cfg, lr, t).composed(&p, &g, &m, &v).unwrap();
-                let got = pool.install(|| opt.update(&p, &g, &m, &v, lr, t)).unwrap();
+                // The fused CPU update, also under GRAPHPP_KERNELS=composed.
+                let fused =
+                    || crate::kernels::device::with_composed(false, || opt.update(&p, &g, &m, &v, lr, t));
+                let got = pool.install(fused).unwrap();
                 same(&got, &want, &format!("step {t}, {threads} threads"));
                 (p, m, v) = got;
             }
@@ -570,7 +573,8 @@ mod tests {
         let (p, g) = (square(0), square(1).t().unwrap());
         let z = p.zeros_like().unwrap();
         assert!(Fused::new(&cfg, 1e-3, 1).apply(&p, &g, &z, &z).is_err(), "apply takes contiguous operands");
-        let got = opt.update(&p, &g, &z, &z, 1e-3, 1).unwrap();
+        let got =
+            crate::kernels::device::with_composed(false, || opt.update(&p, &g, &z, &z, 1e-3, 1)).unwrap();
         same(&got, &Fused::new(&cfg, 1e-3, 1).composed(&p, &g, &z, &z).unwrap(), "a transposed gradient");
     }
 

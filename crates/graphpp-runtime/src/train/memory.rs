@@ -46,8 +46,11 @@ pub struct StepMemory {
     /// Mask and RoPE tables of every schedule stage (f32), plus one f64 build of them.
     pub buffers: u128,
     /// Parameters, gradients, the two AdamW moments and the transposed weight copies (f32) of
-    /// every parameter copy (20 bytes a parameter).
+    /// every parameter copy (20 bytes a parameter), for one data-parallel replica.
     pub parameters: u128,
+    /// The routed experts' part of `parameters` (a MoE model's; each expert lives on dp/ep of
+    /// the replicas under expert parallelism).
+    pub routed: u128,
     /// What a checkpoint save holds on top of the parameters, after the step's activations are
     /// gone: the gathered state and its file (24 bytes a parameter).
     pub saving: u128,
@@ -83,33 +86,63 @@ impl StepMemory {
             ));
         }
         let per_stage = cfg.buffer_bytes(seq);
+        let whole_model = StageSpec::whole(cfg.num_layers());
+        let routed: u128 = cfg
+            .stage_parameters(&whole_model)
+            .iter()
+            .filter(|(name, _)| cfg.expert_of(name).is_some())
+            .map(|(_, shape)| shape.iter().product::<usize>() as u128)
+            .sum();
         StepMemory {
             activations,
             buffers: per_stage.saturating_mul(stages).saturating_add(per_stage.saturating_mul(2)),
             parameters: cfg.parameter_count().saturating_mul(BYTES_PER_PARAMETER).saturating_mul(copies),
+            routed: routed.saturating_mul(BYTES_PER_PARAMETER).saturating_mul(copies),
             saving: cfg.parameter_count().saturating_mul(SAVE_BYTES_PER_PARAMETER).saturating_mul(copies),
             batch: m.saturating_mul(batch as u128).saturating_mul(seq as u128).saturating_mul(8),
         }
     }
 
     /// The estimate of `dp` data-parallel replicas of this one (a replica's), all in this
-    /// process: each holds its activations, buffers and token batch, and its copy of the
-    /// parameters, gradients and AdamW state — or with `fsdp` one copy sharded over them plus
-    /// each replica's gathered f32 weights (4 of the 20 bytes a parameter). A checkpoint save
-    /// gathers one copy whatever `dp`.
-    pub fn replicated(self, dp: usize, fsdp: bool) -> StepMemory {
-        let dp = dp.max(1) as u128;
-        let parameters = if fsdp {
-            self.parameters.saturating_add((self.parameters / BYTES_PER_PARAMETER * 4).saturating_mul(dp))
+    /// process: each holds its activations, buffers and token batch, and its copy of the shared
+    /// parameters' 20 bytes a parameter; a routed expert lives on dp/ep replicas (expert
+    /// parallelism). With `fsdp` (dp > 1) the parameters, AdamW moments and reduced gradients
+    /// (16 bytes a parameter) are one copy sharded over the replicas, while each replica still
+    /// holds the full gradient accumulators, the gathered weights and their transposed copies
+    /// (12 bytes a parameter). A checkpoint save gathers one copy whatever `dp`.
+    pub fn replicated(self, dp: usize, fsdp: bool, ep: usize) -> StepMemory {
+        let (dp, ep) = (dp.max(1) as u128, ep.max(1) as u128);
+        let shared = self.parameters.saturating_sub(self.routed);
+        let shared = if fsdp && dp > 1 {
+            let per = shared / BYTES_PER_PARAMETER;
+            per.saturating_mul(16).saturating_add(per.saturating_mul(12).saturating_mul(dp))
         } else {
-            self.parameters.saturating_mul(dp)
+            shared.saturating_mul(dp)
         };
+        let routed = self.routed.saturating_mul(dp) / ep;
         StepMemory {
             activations: self.activations.saturating_mul(dp),
             buffers: self.buffers.saturating_mul(dp),
-            parameters,
+            parameters: shared.saturating_add(routed),
+            routed,
             saving: self.saving,
             batch: self.batch.saturating_mul(dp),
+        }
+    }
+
+    /// This machine's part of a job of `world` ranks of which `here` run on it (processes under
+    /// `mpirun` on several hosts): every figure but a checkpoint save's (the leader gathers the
+    /// whole state) scaled by `here / world`.
+    pub fn on_this_machine(self, here: usize, world: usize) -> StepMemory {
+        let (here, world) = (here.min(world) as u128, world.max(1) as u128);
+        let part = |x: u128| x.saturating_mul(here) / world;
+        StepMemory {
+            activations: part(self.activations),
+            buffers: part(self.buffers),
+            parameters: part(self.parameters),
+            routed: part(self.routed),
+            saving: self.saving,
+            batch: part(self.batch),
         }
     }
 
@@ -203,9 +236,9 @@ pub fn parse_meminfo(text: &str) -> Option<u64> {
 }
 
 /// Checks a step: the schedule's size, then [`StepMemory::estimate`] (with `schedule`'s peak
-/// when it is given) of `replicas` = (dp, fsdp) data-parallel replicas of `batch` sequences
-/// each ([`StepMemory::replicated`]) against `budget` bytes (`source_of_budget` says where it
-/// comes from; see [`memory_budget`]).
+/// when it is given) of `layout`'s data-parallel replicas of `batch` sequences each, this
+/// machine's part of them ([`Layout::of`]), against `budget` bytes (`source_of_budget` says where
+/// it comes from; see [`memory_budget`]).
 ///
 /// # Errors
 /// [`SizeError::Schedule`] or [`SizeError::Memory`].
@@ -215,14 +248,14 @@ pub fn check_step_with(
     kind: Kind,
     shape: &Shape,
     (batch, seq): (usize, usize),
-    (dp, fsdp): (usize, bool),
+    layout: &Layout,
     single_device: bool,
     schedule: Option<&Schedule>,
     (budget, source_of_budget): (u128, String),
 ) -> Result<StepMemory, SizeError> {
     check_size(kind, shape)?;
-    let need =
-        StepMemory::estimate(cfg, (kind, shape), batch, seq, single_device, schedule).replicated(dp, fsdp);
+    let need = layout.of(StepMemory::estimate(cfg, (kind, shape), batch, seq, single_device, schedule));
+    let dp = layout.dp;
     if need.total() > budget {
         return Err(SizeError::Memory(Box::new(MemoryShortfall {
             batch,
@@ -245,11 +278,40 @@ pub fn check_step(
     kind: Kind,
     shape: &Shape,
     (batch, seq): (usize, usize),
-    replicas: (usize, bool),
+    layout: &Layout,
     single_device: bool,
     schedule: Option<&Schedule>,
 ) -> Result<StepMemory, SizeError> {
-    check_step_with(cfg, kind, shape, (batch, seq), replicas, single_device, schedule, memory_budget())
+    check_step_with(cfg, kind, shape, (batch, seq), layout, single_device, schedule, memory_budget())
+}
+
+/// What turns one replica's estimate into this machine's: the data-parallel degree, FSDP, the
+/// expert-parallel degree ([`StepMemory::replicated`]), and the job's ranks on this machine out
+/// of all (`None`: every rank, as threads of this process; [`StepMemory::on_this_machine`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// FSDP over them.
+    pub fsdp: bool,
+    /// Expert-parallel degree.
+    pub ep: usize,
+    /// (ranks on this machine, ranks in the job) under `mpirun`; `None` for threads.
+    pub here: Option<(usize, usize)>,
+}
+
+impl Layout {
+    /// One replica on its own, every rank here.
+    pub const ONE: Layout = Layout { dp: 1, fsdp: false, ep: 1, here: None };
+
+    /// `one` replica's estimate as this machine holds it under this layout.
+    pub fn of(&self, one: StepMemory) -> StepMemory {
+        let all = one.replicated(self.dp, self.fsdp, self.ep);
+        match self.here {
+            Some((here, world)) => all.on_this_machine(here, world),
+            None => all,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -265,8 +327,9 @@ mod tests {
     fn a_huge_microbatch_is_refused_naming_the_estimate() {
         let tiny = LlamaConfig::tiny();
         let shape = Shape::new(2, 2, 8);
-        let e = check_step_with(&tiny, Kind::Zbv, &shape, (100_000, 64), (1, false), false, None, budget(96))
-            .unwrap_err();
+        let e =
+            check_step_with(&tiny, Kind::Zbv, &shape, (100_000, 64), &Layout::ONE, false, None, budget(96))
+                .unwrap_err();
         let SizeError::Memory(short) = &e else { panic!("{e:?}") };
         assert_eq!(short.need.activations, 193_843_200_000);
         let text = e.to_string();
@@ -276,7 +339,7 @@ mod tests {
         );
         // The default shape of `graphpp train` fits in a few MB.
         let ok =
-            check_step_with(&tiny, Kind::Zbv, &shape, (8, 64), (1, false), false, None, budget(1)).unwrap();
+            check_step_with(&tiny, Kind::Zbv, &shape, (8, 64), &Layout::ONE, false, None, budget(1)).unwrap();
         assert!(ok.total() < 50_000_000, "{ok:?}");
     }
 
@@ -326,23 +389,46 @@ mod tests {
     fn replicas_hold_their_own_activations_and_state_and_fsdp_one_state() {
         let tiny = LlamaConfig::tiny();
         let one = StepMemory::estimate(&tiny, (Kind::OneFOneB, &Shape::new(2, 1, 4)), 8, 64, false, None);
-        let four = one.replicated(4, false);
+        assert_eq!(one.routed, 0);
+        let four = one.replicated(4, false, 1);
         assert_eq!(
             (four.activations, four.parameters, four.batch),
             (4 * one.activations, 4 * one.parameters, 4 * one.batch)
         );
         assert_eq!(four.saving, one.saving);
-        let sharded = one.replicated(4, true);
-        // One sharded copy of 20 bytes a parameter, and 4 bytes a parameter gathered per replica.
-        assert_eq!(sharded.parameters, one.parameters + 4 * one.parameters / 5);
-        assert!(four.total() > sharded.total() && sharded.total() > one.total());
-        // A run of 4 replicas of B = 64 sequences at T = 512 needs what one replica of 256 does
-        // (the trial's run that passed the check and was OOM-killed).
+        // FSDP: 16 bytes a parameter sharded once, 12 per replica (gradients, gathered and
+        // transposed weights); over one replica it is plain data parallelism.
+        let per = one.parameters / 20;
+        assert_eq!(one.replicated(4, true, 1).parameters, 16 * per + 4 * 12 * per);
+        assert_eq!(one.replicated(1, true, 1), one.replicated(1, false, 1));
+        assert!(four.total() > one.replicated(4, true, 1).total());
+        // Four replicas of B = 64 at T = 512 hold the activations of one of B = 256 (the
+        // trial's run that passed the check and was OOM-killed); one replica fits 19 GB.
         let small = LlamaConfig::small();
         let shape = Shape::new(2, 1, 2);
-        let per_replica =
-            check_step_with(&small, Kind::OneFOneB, &shape, (64, 512), (4, false), false, None, budget(19));
-        assert!(matches!(per_replica, Err(SizeError::Memory(_))), "{per_replica:?}");
+        let b64 = StepMemory::estimate(&small, (Kind::OneFOneB, &shape), 64, 512, false, None);
+        let b256 = StepMemory::estimate(&small, (Kind::OneFOneB, &shape), 256, 512, false, None);
+        assert_eq!(b64.replicated(4, false, 1).activations, b256.activations);
+        let dp = |dp| Layout { dp, ..Layout::ONE };
+        assert!(check_step_with(&small, Kind::OneFOneB, &shape, (64, 512), &dp(1), false, None, budget(19))
+            .is_ok());
+        let e = check_step_with(&small, Kind::OneFOneB, &shape, (64, 512), &dp(4), false, None, budget(19));
+        assert!(matches!(e, Err(SizeError::Memory(_))), "{e:?}");
+        // Under mpirun on two hosts of 4 ranks each, this machine holds half of the job.
+        let eight = Layout { here: Some((4, 8)), ..dp(4) };
+        let half = eight.of(b64);
+        assert_eq!(half.activations, dp(4).of(b64).activations / 2);
+        assert_eq!(half.saving, b64.saving);
+    }
+
+    #[test]
+    fn routed_experts_live_on_dp_over_ep_replicas() {
+        let moe = graphpp_models::MoeConfig::preset("moe-small").unwrap();
+        let one = StepMemory::estimate(&moe, (Kind::OneFOneB, &Shape::new(2, 1, 4)), 8, 64, false, None);
+        assert!(one.routed > one.parameters / 2, "moe-small is mostly routed experts: {one:?}");
+        let ep4 = one.replicated(4, false, 4);
+        assert_eq!(ep4.parameters, 4 * (one.parameters - one.routed) + one.routed);
+        assert_eq!(ep4.routed, one.routed);
     }
 
     #[test]
@@ -352,7 +438,7 @@ mod tests {
             Kind::Zbv,
             &Shape::new(1_000_000, 2, 8),
             (8, 64),
-            (1, false),
+            &Layout::ONE,
             false,
             None,
             budget(96),

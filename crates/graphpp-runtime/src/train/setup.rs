@@ -12,7 +12,7 @@ use crate::optim::lr::CosineSchedule;
 use crate::optim::AdamWConfig;
 use crate::train::build::compute_schedule;
 use crate::train::error::{SetupError, TrainError};
-use crate::train::memory::{check_step, StepMemory};
+use crate::train::memory::{check_step, Layout, StepMemory};
 
 /// Everything a training run is built from.
 #[derive(Debug, Clone)]
@@ -82,6 +82,10 @@ pub struct TrainSetup {
     /// the `cuda` feature; ranks as threads share it). Off the CPU the stage graphs run through
     /// candle's kernels ([`crate::kernels::device`]).
     pub device: candle_core::Device,
+    /// How many of the job's ranks run on this machine when they are processes (`mpirun` over
+    /// several hosts): the memory check holds this machine's part of the job. `None`: every rank
+    /// runs here (threads, or processes on one host).
+    pub ranks_here: Option<usize>,
 }
 
 impl TrainSetup {
@@ -120,24 +124,37 @@ impl TrainSetup {
     /// The memory of one step of this run on `schedule` (the run's, compute-only or lowered:
     /// communication actions hold nothing), as the pre-flight check estimates it before anything
     /// is built ([`StepMemory::estimate`] at the schedule's peak, for every data-parallel
-    /// replica: [`StepMemory::replicated`]), for the whole job on this machine.
+    /// replica and this machine's part of them: [`Layout`]).
     pub fn memory_estimate(&self, schedule: &Schedule) -> StepMemory {
         let local = (self.microbatch_size / self.dp.max(1), self.seq_len);
-        StepMemory::estimate(&*self.model, (self.kind, &self.shape), local.0, local.1, false, Some(schedule))
-            .replicated(self.dp, self.fsdp)
+        let one = StepMemory::estimate(
+            &*self.model,
+            (self.kind, &self.shape),
+            local.0,
+            local.1,
+            false,
+            Some(schedule),
+        );
+        self.memory_layout().of(one)
+    }
+
+    /// The layout the memory estimate scales one replica's figures by ([`Layout`]).
+    fn memory_layout(&self) -> Layout {
+        let world = self.shape.ranks * self.dp * self.tp;
+        Layout { dp: self.dp, fsdp: self.fsdp, ep: self.ep, here: self.ranks_here.map(|n| (n, world)) }
     }
 
     /// The step's size from estimates ([`check_step`]): the activations at `schedule`'s peak
     /// once the run's schedule is made, else their lower bound.
     fn check_step(&self, single_device: bool, schedule: Option<&Schedule>) -> Result<(), TrainError> {
         let local = self.microbatch_size / self.dp;
-        let replicas = (self.dp, self.fsdp);
+        let layout = self.memory_layout();
         check_step(
             &*self.model,
             self.kind,
             &self.shape,
             (local, self.seq_len),
-            replicas,
+            &layout,
             single_device,
             schedule,
         )?;

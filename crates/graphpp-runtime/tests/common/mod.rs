@@ -84,5 +84,6 @@ pub fn tiny_setup(kind: graphpp_schedule::Kind, p: usize, v: usize, m: usize) ->
         timeout: std::time::Duration::from_secs(60),
         dtype: graphpp_graph::DType::F32,
         device: candle_core::Device::Cpu,
+        ranks_here: None,
     }
 }
