@@ -191,6 +191,31 @@ fn plan_compiles_a_strategy_into_its_training_dag() {
 /// needed) and says which; `--print-hardware` writes a TOML file that plans the same; a file with
 /// a field that is not a positive number is refused naming it; it excludes `--profile`.
 #[test]
+fn a_strategy_too_large_for_this_machine_is_still_planned_for_a_cluster() {
+    // 60 GB of activations: more than this machine's memory, a plan for H100s allocates nothing.
+    let d = tempfile::tempdir().unwrap();
+    let file = d.path().join("big.toml");
+    let mut c = graphpp();
+    c.args(["train", "--model", "small", "--microbatch-size", "512", "--seq-len", "512", "--print-strategy"]);
+    let (toml, _) = output(c, 0);
+    std::fs::write(&file, toml).unwrap();
+    let mut c = graphpp();
+    c.args(["plan", "--model", "small", "--seq-len", "512", "--hardware", "h100-sxm", "--strategy"])
+        .arg(&file);
+    let (text, _) = output(c, 0);
+    let line = text.lines().find(|l| l.starts_with("predicted: step")).unwrap_or_else(|| panic!("{text}"));
+    // Each rank's peak in the tens of GB, which this machine could not hold.
+    let peaks: Vec<f64> = line
+        .split("peak bytes per rank ")
+        .nth(1)
+        .unwrap()
+        .split(" MiB")
+        .filter_map(|x| x.trim().parse().ok())
+        .collect();
+    assert!(peaks.len() == 2 && peaks.iter().all(|&p| p > 20_000.0), "{line}");
+}
+
+#[test]
 fn plans_for_a_cluster_from_a_preset_or_a_file() {
     let d = tempfile::tempdir().unwrap();
     let base = [

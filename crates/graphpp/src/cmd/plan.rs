@@ -193,7 +193,15 @@ fn compile(
     }
     let config = crate::cmd::train::strategy_config(path, &flags)?;
     let setup = graphpp::train::train_setup(&config)?;
-    let schedule = setup.lowered_schedule()?;
+    // A plan allocates nothing (and may be for other hardware): the run's schedule without this
+    // machine's memory check.
+    let compute = graphpp_runtime::train::build::compute_schedule(
+        setup.kind,
+        &setup.shape,
+        &setup.options,
+        setup.schedule.as_deref(),
+    )?;
+    let schedule = graphpp_schedule::lower(&compute, &setup.lower_options())?;
     let graphs = graphpp_runtime::train::build::run_stage_graphs(&setup)?;
     let dag = TrainingDag::of(&schedule, &|s| graphs.get(s).is_some_and(|g| g.di_dw.is_some()))?;
     let speed = profile.and_then(Profile::speed).unwrap_or_default();

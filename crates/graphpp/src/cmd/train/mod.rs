@@ -330,7 +330,7 @@ fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
     let (mut run, mut metrics, _lock) = start(a, launch)?;
     op.warn();
     let threads = op.threads;
-    print_header(&run, threads, launch.world())?;
+    print_header(&run, threads, launch.world(), a.stop_after)?;
     let options = FitOptions {
         last_step: a.stop_after.map_or(run.config().steps, |s| s.min(run.config().steps)),
         eval_every: a.eval_every,

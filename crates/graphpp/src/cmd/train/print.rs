@@ -303,7 +303,12 @@ fn layers_text(model: &ModelConfig) -> String {
     }
 }
 
-pub(super) fn print_header(run: &Run, threads: usize, processes: usize) -> Result<()> {
+pub(super) fn print_header(
+    run: &Run,
+    threads: usize,
+    processes: usize,
+    stop_after: Option<u64>,
+) -> Result<()> {
     let c = run.config();
     let params = c.model.parameter_count();
     let (train, val) = run.split_sizes();
@@ -331,7 +336,8 @@ pub(super) fn print_header(run: &Run, threads: usize, processes: usize) -> Resul
         c.tokens_per_step(),
         c.recompute,
         bf16_path(c.dtype),
-        crate::cmd::plural(c.steps, "step", "steps"),
+        crate::cmd::plural(c.steps, "step", "steps")
+            + &stop_after.filter(|&s| s < c.steps).map_or(String::new(), |s| format!(" (stopping after step {s})")),
         crate::cmd::plural(threads as u64, "thread", "threads"),
         kernels,
         memory,
