@@ -12,7 +12,8 @@ dest="$root/.cuda"
 # A marker written after the whole install: a half-finished one is redone.
 if [ ! -e "$dest/.complete" ]; then
     rm -rf "$dest"
-    python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$dest" \
+    # --target installs beside, not into, the interpreter (PEP 668's mark does not apply).
+    PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$dest" \
         nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 \
         nvidia-cuda-cccl==13.0.85 nvidia-nvvm==13.0.88 >&2
     touch "$dest/.complete"
