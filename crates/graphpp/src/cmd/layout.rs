@@ -78,7 +78,9 @@ pub struct LayoutArgs {
     pub sequence_parallel: bool,
     /// Where every rank computes: `cpu`, or `cuda` / `cuda:N` (a build with the `cuda` feature;
     /// the ranks run as threads sharing the GPU, the stage graphs on candle's CUDA kernels; not
-    /// yet run on a GPU by the project: tools/gpu/check.sh is the prepared check).
+    /// yet run on a GPU by the project: tools/gpu/check.sh is the prepared check). The
+    /// environment variable GRAPHPP_KERNELS=composed runs those candle kernels on the CPU
+    /// (`compiled`, the default, runs the CPU's own).
     #[arg(long, default_value = "cpu")]
     pub device: DeviceSpec,
 }
