@@ -239,3 +239,15 @@ fn data_parallelism_without_a_microbatch_size_runs_a_sequence_per_replica() {
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.starts_with("verify 1f1b p=2 v=1 m=2 dp=2 (model tiny, 4 layers, B=2 T=16"), "{text}");
 }
+
+/// A shape the model cannot serve is refused before the warning about ranks contending for
+/// cores (a new user saw the warning first), and a shape the kind cannot serve still names the
+/// kind's rule.
+#[test]
+fn a_refused_shape_is_refused_before_any_warning() {
+    let out = verify(&["--schedule", "zbv", "--ranks", "3", "--microbatches", "4"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("too few for the 6 model stages"), "{err}");
+    assert!(!err.contains("warning:"), "{err}");
+}

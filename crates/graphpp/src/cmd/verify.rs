@@ -102,6 +102,12 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     let (setup, name) = setup_of(a, kind, Shape::new(ranks, v, microbatches), dp)?;
     let tolerance = a.tolerance.unwrap_or_else(|| default_tolerance(a.dtype, a.reference_dtype));
     setup.check().map_err(|e| flag_error(a, e))?;
+    // Whatever else the shape can be refused for, before the warning: the kind's own shape
+    // rules (its schedule, generated again by the step) and the model's layer split.
+    let refused = |e: TrainError| flag_error(a, VerifyError::Train(Box::new(e)));
+    setup.train.compute_schedule().map_err(refused)?;
+    graphpp_runtime::train::build::run_stages(&setup.train, (0, 0))
+        .map_err(|e| flag_error(a, VerifyError::Setup(e)))?;
     op.warn();
     let t0 = Instant::now();
     let r = if launch.world() > 1 {
