@@ -3,25 +3,23 @@
 //! softmax family and their backwards, attention under grouped-query heads and its backward, and
 //! AdamW's update. A wrong composition differs far beyond f32 rounding.
 
+mod common;
+
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
+use graphpp_models::rng::Rng;
+use graphpp_runtime::kernels::tensor::tensor_from_f64;
 use graphpp_runtime::kernels::attention::{attention, attention_backward};
 use graphpp_runtime::kernels::device::with_composed;
 use graphpp_runtime::kernels::softmax::{log_softmax, log_softmax_backward, softmax, softmax_backward};
 use graphpp_runtime::{AdamW, AdamWConfig};
 
-/// Values in [-2, 2) from a fixed linear congruential sequence.
+/// Values uniform in [-2, 2), drawn from `seed`.
 fn values(shape: &[usize], seed: u64) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    let mut rng = Rng::new(seed);
+    let v: Vec<f64> = (0..shape.iter().product()).map(|_| 4.0 * rng.uniform() - 2.0).collect();
+    tensor_from_f64(&v, shape, graphpp_graph::DType::F32).unwrap()
 }
 
 /// Both paths of `f`: (CPU kernels, compositions).
@@ -29,13 +27,9 @@ fn both(f: impl Fn() -> Tensor) -> (Tensor, Tensor) {
     (with_composed(false, &f), with_composed(true, &f))
 }
 
-/// The largest |a − b| over max(|a|), f64.
+/// The largest |a − b| relative to `a`'s scale ([`common::rel_err`]).
 fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.dims(), b.dims());
-    let (a, b) = (a.to_dtype(DType::F64).unwrap(), b.to_dtype(DType::F64).unwrap());
-    let diff = (&a - &b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
-    let scale = a.abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap().max(1e-30);
-    diff / scale
+    common::rel_err(b, a, 1e-30)
 }
 
 fn causal(t: usize) -> Tensor {

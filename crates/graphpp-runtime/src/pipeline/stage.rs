@@ -265,11 +265,6 @@ impl Stage {
         }
     }
 
-    /// The device the stage's state lives on and its graphs run on.
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
     /// Names of the stage's parameters (the fw inputs of kind parameter), in input order.
     pub fn parameter_names(&self) -> &[String] {
         &self.params
