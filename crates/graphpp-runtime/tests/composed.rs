@@ -9,10 +9,10 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use graphpp_models::rng::Rng;
-use graphpp_runtime::kernels::tensor::tensor_from_f64;
 use graphpp_runtime::kernels::attention::{attention, attention_backward};
 use graphpp_runtime::kernels::device::with_composed;
 use graphpp_runtime::kernels::softmax::{log_softmax, log_softmax_backward, softmax, softmax_backward};
+use graphpp_runtime::kernels::tensor::tensor_from_f64;
 use graphpp_runtime::{AdamW, AdamWConfig};
 
 /// Values uniform in [-2, 2), drawn from `seed`.

@@ -102,9 +102,9 @@ pub fn export_hf(path: &Path, out: &Path) -> Result<Exported, ExportError> {
         }
     }
     // One read and check of the tensors (a folder resolves to its newest loadable checkpoint).
-    let ck = checkpoint::load(path)?;
+    let mut ck = checkpoint::load(path)?;
     let sidecar = ck.path.clone();
-    let saved = crate::train::checkpoint_settings(&sidecar)
+    let saved = crate::train::saved_run(ck.sidecar.clone(), &sidecar)
         .map_err(|e| ExportError::NotARun { path: sidecar.clone(), reason: e.to_string() })?;
     let model = saved.config.model;
     let bad = |name: &str, reason: String| ExportError::Parameter {
@@ -117,14 +117,14 @@ pub fn export_hf(path: &Path, out: &Path) -> Result<Exported, ExportError> {
     names.extend(crate::pretrained::model_biases(model.as_model()));
     let mut tensors = Vec::with_capacity(names.len());
     for (name, shape) in names {
-        let t = ck.tensors.get(&name).ok_or_else(|| bad(&name, "not in the checkpoint".into()))?;
+        let t = ck.tensors.remove(&name).ok_or_else(|| bad(&name, "not in the checkpoint".into()))?;
         if t.shape != shape {
             return Err(bad(
                 &name,
                 format!("shape {:?} in the checkpoint, the model's is {shape:?}", t.shape),
             ));
         }
-        tensors.push(NamedTensor { name, shape, data: t.data.clone() });
+        tensors.push(NamedTensor { name, shape, data: t.data });
     }
     std::fs::create_dir_all(out).map_err(|source| CheckpointError::Io { path: out.into(), source })?;
     let weights = out.join(WEIGHTS_FILE);

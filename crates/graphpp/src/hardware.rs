@@ -534,23 +534,12 @@ mod tests {
     }
 
     #[test]
-    fn presets_round_trip_and_pick_the_dtypes_peak() {
+    fn presets_round_trip() {
         for name in PRESETS {
             let h = Hardware::load(name).unwrap();
             let back: Hardware = toml::from_str(&h.to_toml()).unwrap();
             assert_eq!(back, h, "{name}");
-            // bf16 graphs run at the tensor-core peak, f32 at the plain one; bytes at the HBM rate.
-            let (b, f) = (h.speed(DType::BF16), h.speed(DType::F32));
-            assert_eq!(
-                (b.seconds_per_flop, f.seconds_per_flop),
-                (1.0 / h.device.flops_bf16, 1.0 / h.device.flops_f32)
-            );
-            assert_eq!(b.seconds_per_byte, 1.0 / h.device.memory_bandwidth);
         }
-        // The H200 is an H100 with more and faster memory.
-        let (h100, h200) = (Hardware::load("h100-sxm").unwrap(), Hardware::load("h200-sxm").unwrap());
-        assert_eq!(h100.device.flops_bf16, h200.device.flops_bf16);
-        assert!(h200.device.memory_bandwidth > h100.device.memory_bandwidth);
     }
 
     /// 8 devices per node: tp 8 stays inside, pp 2 × tp 8 crosses nodes for its hand-overs, and

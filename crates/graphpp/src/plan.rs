@@ -602,7 +602,6 @@ mod tests {
         let all = plan(&r).unwrap();
         let tps: std::collections::BTreeSet<usize> = all.iter().map(|c| c.tp).collect();
         assert_eq!(tps.into_iter().collect::<Vec<_>>(), vec![1, 2, 4]);
-        assert!(all.iter().all(|c| c.pp * c.dp * c.tp == 4), "every layout uses the 4 ranks");
         let find = |dp: usize, tp: usize| {
             all.iter()
                 .find(|c| (c.kind, c.pp, c.dp, c.tp, c.microbatches) == (Kind::OneFOneB, 2, dp, tp, 4))

@@ -35,11 +35,12 @@ impl<T: Copy + Default> PerKind<T> {
     /// without the dI/dW split (a model's first stage) does nothing at I (`T::default()`) and
     /// runs full_bw at W, as the runtime does.
     pub fn of_stage(g: &StageGraphs, f: impl Fn(&Graph) -> T) -> PerKind<T> {
+        let b = f(&g.full_bw);
         let (i, w) = match &g.di_dw {
             Some((di, dw)) => (f(di), f(dw)),
-            None => (T::default(), f(&g.full_bw)),
+            None => (T::default(), b),
         };
-        PerKind { f: f(&g.fw), b: f(&g.full_bw), i, w }
+        PerKind { f: f(&g.fw), b, i, w }
     }
 }
 
@@ -217,10 +218,6 @@ pub struct OverlapProfile {
     pub seconds: f64,
 }
 
-fn one() -> usize {
-    1
-}
-
 /// What a run measured and its byte model (see the module doc).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Profile {
@@ -240,7 +237,7 @@ pub struct Profile {
     pub dp: usize,
     /// Tensor-parallel degree: the times and bytes are one tp rank's, its in-graph tp
     /// collectives included (absent in profiles made before tensor parallelism: 1).
-    #[serde(default = "one")]
+    #[serde(default = "crate::train::one")]
     pub tp: usize,
     /// Sequence parallelism over the tp ranks.
     #[serde(default)]

@@ -89,13 +89,13 @@ pub struct Shard {
     #[serde(default)]
     pub fsdp: bool,
     /// Routed experts split over groups of this many replicas (MoE models); must divide `dp`.
-    #[serde(default = "one")]
+    #[serde(default = "crate::train::one")]
     pub ep: usize,
     /// Tensor parallelism: each pipeline position split over this many ranks (Megatron's
     /// column- and row-parallel projections, vocabulary-parallel embedding and head); must divide
     /// the heads, MLP width and vocabulary, and the key/value heads (or be a multiple of them).
     /// The world is `place.ranks × dp × tp`.
-    #[serde(default = "one", skip_serializing_if = "is_one")]
+    #[serde(default = "crate::train::one", skip_serializing_if = "is_one")]
     pub tp: usize,
     /// Sequence parallelism over the `tp` ranks (residual stream and hand-overs split along the
     /// sequence).
@@ -111,10 +111,6 @@ impl Default for Shard {
 
 fn is_one(n: &usize) -> bool {
     *n == 1
-}
-
-fn one() -> usize {
-    1
 }
 
 /// `split`: m microbatches of B sequences per step.

@@ -204,8 +204,8 @@ pub fn default_expert_bias_update() -> f64 {
     0.001
 }
 
-/// The default of [`RunConfig::dp`].
-fn one() -> usize {
+/// The default of [`RunConfig::dp`] (and of the other counts that default to one).
+pub(crate) fn one() -> usize {
     1
 }
 
@@ -599,7 +599,14 @@ pub struct SavedRun {
 /// # Errors
 /// [`RunError::Checkpoint`]: an unreadable sidecar, or one that records no graphpp run.
 pub fn checkpoint_settings(path: &Path) -> Result<SavedRun, RunError> {
-    let sidecar = checkpoint::load_sidecar(path)?;
+    saved_run(checkpoint::load_sidecar(path)?, path)
+}
+
+/// The run a sidecar already read from `path` describes ([`checkpoint_settings`]).
+///
+/// # Errors
+/// [`RunError::Checkpoint`] when its state is not a graphpp run's.
+pub fn saved_run(sidecar: checkpoint::Sidecar, path: &Path) -> Result<SavedRun, RunError> {
     let saved: SavedState = serde_json::from_value(sidecar.state).map_err(|e| {
         RunError::Checkpoint(CheckpointError::BadSidecar { path: path.to_path_buf(), message: e.to_string() })
     })?;
