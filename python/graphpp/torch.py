@@ -34,7 +34,6 @@ from __future__ import annotations
 import csv
 import inspect
 import io
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -90,15 +89,6 @@ def as_schedule(order) -> graphpp.Schedule:
     graphpp cannot read."""
     rows = [",".join("" if a is None else str(a) for a in order[r]) for r in sorted(order)]
     return graphpp.Schedule.from_csv("\n".join(rows) + "\n")
-
-
-def _microbatch0_stages(sched: graphpp.Schedule) -> set[int]:
-    """The stages whose forward of microbatch 0 the schedule runs (OVERLAP_F_B halves included)."""
-    found: set[int] = set()
-    for row in sched.ranks:
-        for cell in row:
-            found.update(int(x) for x in re.findall(r"(?<!\d)(\d+)F0(?!\d)", cell or ""))
-    return found
 
 
 def schedule(
@@ -159,10 +149,10 @@ def schedule(
     else:
         sched = graphpp.generate(kind, p, n_microbatches, stages_per_rank=v, **given)
     graphpp.validate(sched, ranks=p, stages=s, microbatches=n_microbatches)
-    visited = _microbatch0_stages(sched)
-    if visited != set(range(s)):
+    visited = sched.forward_stages(0)
+    if visited != list(range(s)):
         raise graphpp.GraphppError(
-            f"microbatch 0 visits stages {sorted(visited)}, not all {s}: a schedule "
+            f"microbatch 0 visits stages {visited}, not all {s}: a schedule "
             "with two parameter copies (DualPipe), which PyTorch's PipelineStage cannot hold; use "
             "dualpipev (the same schedule folded onto one copy)"
         )

@@ -12,8 +12,9 @@ use graphpp_schedule::render::{chrome_trace, figures, grid, svg, GridStyle};
 use graphpp_schedule::simulate::simulate_with;
 use graphpp_schedule::textfile::read_text;
 use graphpp_schedule::{
-    Action, Costs as CostsRs, Interval, Kind, LowerOptions, Memory, Options, Schedule as ScheduleRs, Shape,
-    SimReport as SimReportRs, Solver, SolverError, Timeline as TimelineRs, ValidateOptions,
+    Action, ComputeKind, Costs as CostsRs, Interval, Kind, LowerOptions, Memory, Options,
+    Schedule as ScheduleRs, Shape, SimReport as SimReportRs, Solver, SolverError, Timeline as TimelineRs,
+    ValidateOptions,
 };
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -296,6 +297,24 @@ impl Schedule {
             .filter(|(_, ranks)| ranks.contains(&rank))
             .map(|(s, _)| s)
             .collect()
+    }
+
+    /// The stages that run the forward of `microbatch` (an OVERLAP_F_B's forward half included),
+    /// ascending. A schedule of one parameter copy visits every stage with each microbatch;
+    /// DualPipe's two copies split the microbatches between the directions. Empty for a
+    /// microbatch the schedule does not name.
+    fn forward_stages(&self, microbatch: usize) -> Vec<usize> {
+        let stages: std::collections::BTreeSet<usize> = self
+            .inner
+            .ranks
+            .iter()
+            .flatten()
+            .flatten()
+            .flat_map(Action::computes)
+            .filter(|(kind, task)| *kind == ComputeKind::F && task.mb == microbatch)
+            .map(|(_, task)| task.stage)
+            .collect();
+        stages.into_iter().collect()
     }
 
     /// The kind's name when `graphpp.generate` made it, else `None`.

@@ -116,6 +116,18 @@ def test_summary_reads_the_shape():
     assert lowered.lowered and dict(lowered.counts)["SEND"] > 0
 
 
+def test_forward_stages_reads_overlapped_halves_and_dualpipes_two_copies():
+    # DualPipeV runs the forward of its last microbatches only inside OVERLAP_F_B actions
+    # (microbatch 9 has no plain F at p = 4, m = 10): they must still count.
+    v = graphpp.generate("dualpipev", 4, 10)
+    assert not any(c and "F9" in c and "OVERLAP" not in c for row in v.ranks for c in row)
+    assert all(v.forward_stages(mb) == list(range(8)) for mb in range(10))
+    # DualPipe sends half the microbatches down each parameter copy.
+    d = graphpp.generate("dualpipe", 2, 4)
+    assert [d.forward_stages(mb) for mb in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert d.forward_stages(4) == []
+
+
 def test_simulation_equals_the_cli():
     s = graphpp.generate("1f1b", 4, 8)
     ours = graphpp.simulate(s, costs="F=1,B=2,C=0.1")
