@@ -6,14 +6,21 @@ PyTorch's fixed ZB-V order (built for F = I = W) can leave bubbles: each stage i
 once, I is one small product with the saved chain, and W back-propagates through the chain
 (several DIM^3 products), so W >> I at few rows per microbatch.
 
-Runs p gloo processes on this host (``--ranks``, default 2; 1 thread each: give it p cores).
+``--emulate F,I,W`` replaces that compute by waits of F, I and W milliseconds (a forward that
+sleeps F, an input-gradient node that sleeps I, a weight-gradient node that sleeps W), as a
+device's kernels would occupy it while the host idles: PyTorch's runtime, its I/W split, gloo
+and the schedules run for real, but p ranks need no p cores. Use it where the host has fewer
+cores than ranks (p = 4 on 2 cores).
+
+Runs p gloo processes on this host (``--ranks``, default 2; 1 thread each: give it p cores,
+unless ``--emulate``).
 Each rank profiles its stages with graphpp.torch.profile, builds zbv-auto from the measured
 costs, then times ROUNDS alternating steps of each schedule (a barrier before each; the step time is rank 0's wall clock) and prints
 the medians, their ratio, and graphpp's predicted step time for zbv-auto and for PyTorch's order
 (both simulated with the measured costs).
 
 Usage: python python/bench/zbv_auto_vs_pytorch.py [--ranks 2] [--dim 512] [--rows 16] [--microbatches 8]
-           [--rounds 10] [--mem-cap M_B]
+           [--rounds 10] [--mem-cap M_B] [--emulate F,I,W]
 """
 
 import argparse
@@ -43,6 +50,36 @@ class ChainLinear(nn.Module):
         return x + torch.tanh(x @ (self.a @ self.b @ self.c))
 
 
+class Wait(torch.autograd.Function):
+    """Identity that sleeps ``forward_ms`` in the forward and ``backward_ms`` in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, forward_ms: float, backward_ms: float):
+        ctx.backward_ms = backward_ms
+        time.sleep(forward_ms / 1e3)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_ms / 1e3)
+        return grad, None, None
+
+
+class EmulatedLinear(nn.Module):
+    """``x * w`` whose input path waits F ms forward and I ms backward, and whose weight path
+    waits W ms backward: PyTorch's ``stage_backward_input`` runs only the first wait and
+    ``stage_backward_weight`` only the second, so the profiler measures F, I and W as given."""
+
+    def __init__(self, dim: int, f_ms: float, i_ms: float, w_ms: float):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(dim))
+        self.ms = (f_ms, i_ms, w_ms)
+
+    def forward(self, x):
+        f_ms, i_ms, w_ms = self.ms
+        return Wait.apply(x, f_ms, i_ms) * Wait.apply(self.w, 0.0, w_ms)
+
+
 def loss_fn(out, target):
     return nn.functional.mse_loss(out, target)
 
@@ -53,7 +90,7 @@ def worker(rank: int, p: int, port: int, args) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=p)
     S, m = 2 * p, args.microbatches
     torch.manual_seed(0)
-    mods = [ChainLinear(args.dim) for _ in range(S)]
+    mods = [EmulatedLinear(args.dim, *args.emulate) if args.emulate else ChainLinear(args.dim) for _ in range(S)]
     placed = [rank, S - 1 - rank]  # the V placement of ZB-V
     stages = [PipelineStage(mods[s], s, S, torch.device("cpu")) for s in placed]
     x = torch.randn(m * args.rows, args.dim)
@@ -106,13 +143,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--mem-cap", type=float, default=None,
                     help="zbv-auto's activation cap per rank in M_B units (default p: ZB-V's own peak)")
+    ap.add_argument("--emulate", type=lambda t: tuple(float(x) for x in t.split(",")), default=None,
+                    metavar="F,I,W", help="replace the stage's compute by waits of F, I and W ms (see above)")
     args = ap.parse_args()
+    if args.emulate is not None and len(args.emulate) != 3:
+        ap.error("--emulate takes three durations in ms: F,I,W")
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    if os.cpu_count() < args.ranks:
+    if os.cpu_count() < args.ranks and not args.emulate:
         print(f"warning: {args.ranks} ranks on {os.cpu_count()} cores: the ranks share cores, the times are not a pipeline's")
     mp.spawn(worker, args=(args.ranks, port, args), nprocs=args.ranks)
 
