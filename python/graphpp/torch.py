@@ -149,7 +149,7 @@ def schedule(
     else:
         sched = graphpp.generate(kind, p, n_microbatches, stages_per_rank=v, **given)
     graphpp.validate(sched, ranks=p, stages=s, microbatches=n_microbatches)
-    visited = sched.forward_stages(0)
+    visited = sched.route(0)
     if visited != list(range(s)):
         raise graphpp.GraphppError(
             f"microbatch 0 visits stages {visited}, not all {s}: a schedule "

@@ -12,9 +12,8 @@ use graphpp_schedule::render::{chrome_trace, figures, grid, svg, GridStyle};
 use graphpp_schedule::simulate::simulate_with;
 use graphpp_schedule::textfile::read_text;
 use graphpp_schedule::{
-    Action, ComputeKind, Costs as CostsRs, Interval, Kind, LowerOptions, Memory, Options,
-    Schedule as ScheduleRs, Shape, SimReport as SimReportRs, Solver, SolverError, Timeline as TimelineRs,
-    ValidateOptions,
+    Action, Costs as CostsRs, Interval, Kind, LowerOptions, Memory, Options, Schedule as ScheduleRs, Shape,
+    SimReport as SimReportRs, Solver, SolverError, Timeline as TimelineRs, ValidateOptions,
 };
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -299,22 +298,12 @@ impl Schedule {
             .collect()
     }
 
-    /// The stages that run the forward of `microbatch` (an OVERLAP_F_B's forward half included),
-    /// ascending. A schedule of one parameter copy visits every stage with each microbatch;
-    /// DualPipe's two copies split the microbatches between the directions. Empty for a
-    /// microbatch the schedule does not name.
-    fn forward_stages(&self, microbatch: usize) -> Vec<usize> {
-        let stages: std::collections::BTreeSet<usize> = self
-            .inner
-            .ranks
-            .iter()
-            .flatten()
-            .flatten()
-            .flat_map(Action::computes)
-            .filter(|(kind, task)| *kind == ComputeKind::F && task.mb == microbatch)
-            .map(|(_, task)| task.stage)
-            .collect();
-        stages.into_iter().collect()
+    /// The route of `microbatch`: the stages it visits, ascending (every action naming it,
+    /// OVERLAP_F_B's halves included). Every schedule of one parameter copy routes each
+    /// microbatch through all stages; DualPipe's two copies split the microbatches between the
+    /// directions. Empty for a microbatch the schedule does not name.
+    fn route(&self, microbatch: usize) -> Vec<usize> {
+        self.inner.route(microbatch).map_or_else(Vec::new, |r| r.collect())
     }
 
     /// The kind's name when `graphpp.generate` made it, else `None`.

@@ -116,16 +116,16 @@ def test_summary_reads_the_shape():
     assert lowered.lowered and dict(lowered.counts)["SEND"] > 0
 
 
-def test_forward_stages_reads_overlapped_halves_and_dualpipes_two_copies():
+def test_route_reads_overlapped_halves_and_dualpipes_two_copies():
     # DualPipeV runs the forward of its last microbatches only inside OVERLAP_F_B actions
     # (microbatch 9 has no plain F at p = 4, m = 10): they must still count.
     v = graphpp.generate("dualpipev", 4, 10)
     assert not any(c and "F9" in c and "OVERLAP" not in c for row in v.ranks for c in row)
-    assert all(v.forward_stages(mb) == list(range(8)) for mb in range(10))
+    assert all(v.route(mb) == list(range(8)) for mb in range(10))
     # DualPipe sends half the microbatches down each parameter copy.
     d = graphpp.generate("dualpipe", 2, 4)
-    assert [d.forward_stages(mb) for mb in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert d.forward_stages(4) == []
+    assert [d.route(mb) for mb in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert d.route(4) == []
 
 
 def test_simulation_equals_the_cli():

@@ -234,6 +234,10 @@ fn schedule_files_run_their_order() {
     ];
     let by_file = run(&[&file_flags[..], &shape[..]].concat(), "file");
     assert_eq!(by_file, run(&[&["--schedule", "gpipe"][..], &shape[..]].concat(), "gpipe"));
+    // The shape flags not given are the file's: 1f1b (loop placement, one stage per rank), two
+    // ranks and its 4 microbatches (train's default is 8).
+    let inferred = ["--schedule-file", order.to_str().unwrap(), "--microbatch-size", "2"];
+    assert_eq!(run(&inferred, "inferred"), by_file);
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     let mut rank0: Vec<(f64, String)> = v["traceEvents"]
         .as_array()
@@ -272,7 +276,7 @@ fn schedule_files_run_their_order() {
     let lowered = file(d.path(), "lowered.csv", "0F0,0SEND_F0,0RECV_B0,0B0\n1RECV_F0,1F0,1B0,1SEND_B0\n");
     for (flags, says) in [
         (vec!["--schedule", "1f1b", "--microbatches", "8"], "m=8 microbatches"),
-        (vec!["--schedule", "zbv", "--microbatches", "4"], "expected 4"),
+        (vec!["--schedule", "zbv", "--microbatches", "4"], "needs exactly 2 stages per rank"),
     ] {
         let out = graphpp()
             .args(["train", "--schedule-file", order.to_str().unwrap(), "--data", data.to_str().unwrap()])
@@ -293,4 +297,29 @@ fn schedule_files_run_their_order() {
     let out = graphpp().args(["train", "--strategy", bad.to_str().unwrap()]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("bad.toml: order.file:") && err.contains("m=6 microbatches"), "{err}");
+}
+
+/// DualPipe's order (two parameter copies, each microbatch on one of them) has ZB-V's placement:
+/// given as zbv's order it is refused, naming the microbatch whose route differs (it used to
+/// pass the check and fail at step 1 with a missing activation); given alone, its kind, ranks
+/// and microbatches are read from it and it verifies.
+#[test]
+fn a_dualpipe_order_is_told_by_its_routes() {
+    let d = tempfile::tempdir().unwrap();
+    let gen = graphpp()
+        .args(["schedule", "generate", "--schedule", "dualpipe", "--ranks", "2", "--microbatches", "4"])
+        .args(["--format", "csv"])
+        .output()
+        .unwrap();
+    let order = file(d.path(), "dualpipe.csv", &String::from_utf8_lossy(&gen.stdout));
+    let out = graphpp()
+        .args(["verify", "--schedule", "zbv", "--ranks", "2", "--microbatches", "4"])
+        .args(["--schedule-file", order.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("microbatch 0 visits stages 0..2 in the file"), "{err}");
+    let out = graphpp().args(["verify", "--schedule-file", order.to_str().unwrap()]).output().unwrap();
+    let o = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && o.contains("verify dualpipe p=2 v=2 m=4") && o.contains("PASS"), "{o}");
 }

@@ -93,6 +93,18 @@ pub fn compute_schedule(
             want.get(stage).cloned().unwrap_or_default()
         )));
     }
+    let (want, got) = (generated.routes(), given.routes());
+    if let Some(mb) = (0..want.len()).find(|&mb| want[mb] != got.get(mb).cloned().flatten()) {
+        let shown =
+            |r: &Option<std::ops::Range<usize>>| r.as_ref().map_or("none".into(), |r| format!("{r:?}"));
+        return Err(bad(format!(
+            "microbatch {mb} visits stages {} in the file, but {kind} routes it through {} (DualPipe \
+             splits the microbatches between two parameter copies; every other kind routes each \
+             through all stages)",
+            shown(&got.get(mb).cloned().flatten()),
+            shown(&want[mb])
+        )));
+    }
     Ok(given.clone())
 }
 

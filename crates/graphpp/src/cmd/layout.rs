@@ -2,27 +2,30 @@
 //! pipeline's shape, the layer split, the microbatch size, data/expert/tensor parallelism with FSDP
 //! and the device — what a strategy file's directives `place`, `replicate`, `shard`, `split` and `order` stand
 //! for ([`graphpp::strategy`]). Each command sets its own defaults on them (`train`'s run, or
-//! `verify`'s required shape) with clap's `mut_arg`.
+//! `verify`'s required shape); a `--schedule-file` supplies the shape flags not given.
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use graphpp::strategy::Strategy;
 use graphpp_runtime::kernels::device::DeviceSpec;
-use graphpp_schedule::Kind;
+use graphpp_schedule::{Kind, Placement, ValidateOptions};
 
 use crate::cmd::value::count;
 
 /// The layout flags (see the module doc).
 #[derive(Args, Clone, Debug)]
 pub struct LayoutArgs {
-    /// Schedule kind (`zbv`, `1f1b`, `dualpipev`, …; PyTorch class names accepted).
+    /// Schedule kind (`zbv`, `1f1b`, `dualpipev`, …; PyTorch class names accepted). With
+    /// --schedule-file, default the kind its placement implies (zbv for the V placement, 1f1b or
+    /// interleaved-1f1b for the loop).
     #[arg(long)]
     pub schedule: Option<Kind>,
     /// Follow the order of a compute-only schedule file (CSV or JSON: F, B, I, W, OVERLAP_F_B per
     /// rank) instead of --schedule's generated one; it must keep --schedule's placement and fit
-    /// --ranks, --stages-per-rank and --microbatches (graphpp lowers it and checks it).
+    /// --ranks, --stages-per-rank and --microbatches, which default to the file's own (graphpp
+    /// lowers it and checks it).
     #[arg(long, value_name = "FILE")]
     pub schedule_file: Option<PathBuf>,
     /// grouped-interleaved: consecutive microbatches per chunk (default p).
@@ -129,16 +132,57 @@ impl LayoutArgs {
         self.dp.unwrap_or(self.ep)
     }
 
-    /// The schedule kind, ranks and microbatches (a command gives them defaults, or clap
-    /// requires them unless a strategy file sets them).
+    /// The schedule kind, ranks and microbatches: the flags (or a strategy's), else what
+    /// `--schedule-file` implies ([`LayoutArgs::take_schedule_file_shape`]), else `defaults`
+    /// (train's; verify has none).
     ///
     /// # Errors
     /// One of them missing.
-    pub fn shape(&self) -> Result<(Kind, usize, usize)> {
-        match (self.schedule, self.ranks, self.microbatches) {
+    pub fn shape(&self, defaults: Option<(Kind, usize, usize)>) -> Result<(Kind, usize, usize)> {
+        let (k, p, m) = defaults.map_or((None, None, None), |(k, p, m)| (Some(k), Some(p), Some(m)));
+        match (self.schedule.or(k), self.ranks.or(p), self.microbatches.or(m)) {
             (Some(k), Some(p), Some(m)) => Ok((k, p, m)),
-            _ => bail!("--schedule, --ranks and --microbatches are required (or --strategy)"),
+            _ => bail!(
+                "--schedule, --ranks and --microbatches are required (or --strategy, or --schedule-file)"
+            ),
         }
+    }
+
+    /// Fills the shape flags not given from `--schedule-file`'s order: `--ranks` its rows,
+    /// `--microbatches` the microbatches it names, `--stages-per-rank` its stages over its rows,
+    /// and `--schedule` the kind its placement and routes imply (dualpipe for two parameter
+    /// copies, zbv for the V placement, 1f1b or interleaved-1f1b for the loop placement at one or
+    /// more stages per rank). Given flags are
+    /// kept: the run then checks the file against them and names what does not fit.
+    ///
+    /// # Errors
+    /// The file cannot be read or is not a valid schedule (named with the flag); a placement that
+    /// implies no kind without `--schedule`.
+    pub fn take_schedule_file_shape(&mut self) -> Result<()> {
+        let Some(path) = &self.schedule_file else { return Ok(()) };
+        let shown = path.display();
+        let order =
+            graphpp::train::read_schedule_file(path).map_err(|e| anyhow!("--schedule-file {shown}: {e}"))?;
+        let found = graphpp_schedule::validate(&order, &ValidateOptions::default())
+            .map_err(|e| anyhow!("--schedule-file {shown}: not a valid schedule: {e}"))?;
+        let (p, v) = (found.ranks, found.stages / found.ranks.max(1));
+        self.ranks.get_or_insert(p);
+        self.microbatches.get_or_insert(found.microbatches);
+        self.stages_per_rank.get_or_insert(v);
+        if self.schedule.is_none() {
+            let two_copies = order.route(0) != Some(0..found.stages);
+            self.schedule = Some(match (found.placement, v) {
+                (Some(Placement::V), _) if two_copies => Kind::DualPipe,
+                (Some(Placement::V), _) => Kind::Zbv,
+                (Some(Placement::Loop), 1) => Kind::OneFOneB,
+                (Some(Placement::Loop), _) => Kind::Interleaved1F1B,
+                (None, _) => bail!(
+                    "--schedule-file {shown}: its stages are placed neither in a loop nor in a V: \
+                     give its kind with --schedule"
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// B: `--microbatch-size`, else (a command without a default for it) one sequence per

@@ -28,9 +28,9 @@ use crate::cmd::value::count;
 /// Arguments of `graphpp verify`.
 #[derive(Args)]
 #[command(
-    mut_arg("schedule", |a| a.required_unless_present("strategy")),
-    mut_arg("ranks", |a| a.required_unless_present("strategy")),
-    mut_arg("microbatches", |a| a.required_unless_present("strategy")),
+    mut_arg("schedule", |a| a.required_unless_present_any(["strategy", "schedule_file"])),
+    mut_arg("ranks", |a| a.required_unless_present_any(["strategy", "schedule_file"])),
+    mut_arg("microbatches", |a| a.required_unless_present_any(["strategy", "schedule_file"])),
     mut_arg("microbatch_size", |a| {
         a.help("B: sequences per microbatch, split over the --dp replicas (default: dp, one sequence each)")
     })
@@ -80,11 +80,12 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         let s = Strategy::load(path)?;
         a.layout.apply_strategy(&s);
     }
+    a.layout.take_schedule_file_shape()?;
     crate::cmd::launch(|e| e.downcast_ref::<AboveTolerance>().is_some(), |launch| verify(&a, launch))
 }
 
 fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
-    let (kind, ranks, microbatches) = a.layout.shape()?;
+    let (kind, ranks, microbatches) = a.layout.shape(None)?;
     if let Some(t) = a.tolerance {
         check_tolerance(t)?;
     }

@@ -32,7 +32,7 @@ use graphpp::train::{
 use graphpp_models::Recompute;
 use graphpp_models::{Model, ModelConfig};
 use graphpp_runtime::StepReport;
-use graphpp_schedule::{render::chrome_trace, Timeline};
+use graphpp_schedule::{render::chrome_trace, Kind, Timeline};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// `println!` that survives a closed standard output (`graphpp train | head`): the run goes on and
@@ -50,12 +50,23 @@ use print::{print_header, print_waits, progress, summarise, write_outputs, Lines
 /// Steps kept for `--trace` and the bubble summary (the last ones of the run).
 const TRACE_STEPS: usize = 10;
 
+/// `train`'s schedule kind, ranks and microbatches where neither the flags, a strategy nor a
+/// `--schedule-file` give them.
+const DEFAULT_SHAPE: (Kind, usize, usize) = (Kind::Zbv, 2, 8);
+
+/// `a` with `[default: value]` added to its help: one of [`DEFAULT_SHAPE`], which applies after
+/// `--schedule-file`'s shape, so it cannot be clap's own default.
+fn shown_default(a: clap::Arg, value: &str) -> clap::Arg {
+    let help = a.get_help().map(ToString::to_string).unwrap_or_default();
+    a.help(format!("{help} [default: {value}]"))
+}
+
 /// Arguments of `graphpp train`.
 #[derive(Args)]
 #[command(
-    mut_arg("schedule", |a| a.default_value("zbv")),
-    mut_arg("ranks", |a| a.default_value("2")),
-    mut_arg("microbatches", |a| a.default_value("8")),
+    mut_arg("schedule", |a| shown_default(a, "zbv")),
+    mut_arg("ranks", |a| shown_default(a, "2")),
+    mut_arg("microbatches", |a| shown_default(a, "8")),
     mut_arg("microbatch_size", |a| a.default_value("8"))
 )]
 pub struct TrainArgs {
@@ -206,7 +217,7 @@ impl TrainArgs {
     /// extending a run with a larger --steps keeps its warm-up.
     fn config(&self, resumed: Option<&RunConfig>) -> Result<RunConfig> {
         let l = &self.layout;
-        let (kind, ranks, microbatches) = l.shape()?;
+        let (kind, ranks, microbatches) = l.shape(Some(DEFAULT_SHAPE))?;
         let model = self.model.config()?;
         if let Some(stop) = self.stop_after.filter(|&s| s > self.steps) {
             bail!(
@@ -305,6 +316,7 @@ pub fn run(mut a: TrainArgs) -> Result<()> {
         let s = Strategy::load(path)?;
         a.apply_strategy(&s);
     }
+    a.layout.take_schedule_file_shape()?;
     if a.print_strategy {
         let s = Strategy::of_config(&a.config(None)?)?;
         s.check()?;
@@ -316,7 +328,7 @@ pub fn run(mut a: TrainArgs) -> Result<()> {
 
 /// The run itself (see [`run`]).
 fn train(a: &TrainArgs, launch: &Launch) -> Result<()> {
-    let (_, ranks, _) = a.layout.shape()?;
+    let (_, ranks, _) = a.layout.shape(Some(DEFAULT_SHAPE))?;
     let dp = a.layout.dp();
     launch.check_world(ranks, dp, a.layout.tp, a.layout.device)?;
     let stop = StopRequest::install().context("installing the SIGINT/SIGTERM handlers")?;
