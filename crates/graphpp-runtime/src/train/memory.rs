@@ -56,6 +56,10 @@ pub struct StepMemory {
     pub saving: u128,
     /// Token ids and targets of the `m` microbatches (u32).
     pub batch: u128,
+    /// What the processes hold beside the step: each one's program as resident when the check
+    /// runs, the corpus it reads and its computing threads' own memory ([`process_bytes`],
+    /// [`Layout::process`]); 0 in one replica's estimate.
+    pub process: u128,
 }
 
 impl StepMemory {
@@ -100,6 +104,7 @@ impl StepMemory {
             routed: routed.saturating_mul(BYTES_PER_PARAMETER).saturating_mul(copies),
             saving: cfg.parameter_count().saturating_mul(SAVE_BYTES_PER_PARAMETER).saturating_mul(copies),
             batch: m.saturating_mul(batch as u128).saturating_mul(seq as u128).saturating_mul(8),
+            process: 0,
         }
     }
 
@@ -127,6 +132,7 @@ impl StepMemory {
             routed,
             saving: self.saving,
             batch: self.batch.saturating_mul(dp),
+            process: self.process,
         }
     }
 
@@ -143,17 +149,19 @@ impl StepMemory {
             routed: part(self.routed),
             saving: self.saving,
             batch: part(self.batch),
+            process: self.process,
         }
     }
 
-    /// The peak: the parameters, buffers and batch, with the larger of the step's activations
-    /// and a checkpoint save's copies (a save runs between steps).
+    /// The peak: the processes, the parameters, buffers and batch, with the larger of the
+    /// step's activations and a checkpoint save's copies (a save runs between steps).
     pub fn total(&self) -> u128 {
         self.activations
             .max(self.saving)
             .saturating_add(self.buffers)
             .saturating_add(self.parameters)
             .saturating_add(self.batch)
+            .saturating_add(self.process)
     }
 }
 
@@ -173,7 +181,8 @@ pub enum SizeError {
 #[error(
     "one step with B={batch} sequences of T={seq} tokens per microbatch{} would need at least {} of \
      memory (activations at the schedule's peak {}, stage buffers {}, parameters, optimizer state \
-     and weight copies {}, token batch {}, a checkpoint save's copies {}); the limit is {} \
+     and weight copies {}, token batch {}, a checkpoint save's copies {}, the program, its corpus \
+     and threads {}); the limit is {} \
      ({source_of_budget}): lower --microbatch-size, --seq-len, --microbatches or the model size",
     if *.replicas > 1 { format!(" on each of {} data-parallel replicas", .replicas) } else { String::new() },
     human_bytes(.need.total()),
@@ -182,6 +191,7 @@ pub enum SizeError {
     human_bytes(.need.parameters),
     human_bytes(.need.batch),
     human_bytes(.need.saving),
+    human_bytes(.need.process),
     human_bytes(*.budget)
 )]
 pub struct MemoryShortfall {
@@ -225,8 +235,35 @@ pub fn machine_memory() -> Option<u64> {
 
 /// `MemTotal` in bytes from the text of `/proc/meminfo` (`MemTotal:   24555520 kB`).
 pub fn parse_meminfo(text: &str) -> Option<u64> {
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let mut words = line["MemTotal:".len()..].split_whitespace();
+    kib_field(text, "MemTotal:")
+}
+
+/// Bytes each computing thread (a rank's thread and each worker of its op pool) keeps beside the
+/// tensors the runtime counts: its allocator's own pages (mimalloc keeps a heap per thread, and
+/// [`crate::malloc::retain_freed_memory`] keeps what it frees) and the matmul kernels' packing
+/// buffers. Measured on this project's 2-core host (docs/PERFORMANCE.md, "Memory history"):
+/// `train --model tiny --steps 3` at 1, 2 and 4 ranks × 1 and 2 threads per rank kept 11–24 MiB
+/// per thread above its tensors, program and corpus; 16 MiB is their middle.
+pub const THREAD_BYTES: u128 = 16 << 20;
+
+/// What a process holds beside the steps' tensors ([`Layout::process`]): its program as
+/// resident now ([`resident_bytes`], 0 where unknown), `corpus` bytes it will read, and
+/// [`THREAD_BYTES`] for each of its `computing_threads`.
+pub fn process_bytes(corpus: u128, computing_threads: usize) -> u128 {
+    let program = u128::from(resident_bytes().unwrap_or(0));
+    program.saturating_add(corpus).saturating_add(THREAD_BYTES.saturating_mul(computing_threads as u128))
+}
+
+/// This process's resident memory in bytes (`VmRSS` of `/proc/self/status`): the program, its
+/// libraries and what it holds so far; `None` where it cannot be read (not Linux).
+pub fn resident_bytes() -> Option<u64> {
+    kib_field(&std::fs::read_to_string("/proc/self/status").ok()?, "VmRSS:")
+}
+
+/// The value of the line `name   N kB` of a `/proc` status text, in bytes (a bare `N` as is).
+fn kib_field(text: &str, name: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(name))?;
+    let mut words = line[name.len()..].split_whitespace();
     let n: u64 = words.next()?.parse().ok()?;
     match words.next() {
         Some("kB") => n.checked_mul(1024),
@@ -286,8 +323,9 @@ pub fn check_step(
 }
 
 /// What turns one replica's estimate into this machine's: the data-parallel degree, FSDP, the
-/// expert-parallel degree ([`StepMemory::replicated`]), and the job's ranks on this machine out
-/// of all (`None`: every rank, as threads of this process; [`StepMemory::on_this_machine`]).
+/// expert-parallel degree ([`StepMemory::replicated`]), the job's ranks on this machine out
+/// of all (`None`: every rank, as threads of this process; [`StepMemory::on_this_machine`]),
+/// and what each process holds beside the step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
     /// Data-parallel replicas.
@@ -298,19 +336,24 @@ pub struct Layout {
     pub ep: usize,
     /// (ranks on this machine, ranks in the job) under `mpirun`; `None` for threads.
     pub here: Option<(usize, usize)>,
+    /// Bytes each process holds beside the step ([`process_bytes`]): its program as resident
+    /// when checked, its corpus as read and tokenized (`graphpp::data`) and its computing
+    /// threads' own memory. Under `mpirun` every process on this machine holds its own.
+    pub process: u128,
 }
 
 impl Layout {
     /// One replica on its own, every rank here.
-    pub const ONE: Layout = Layout { dp: 1, fsdp: false, ep: 1, here: None };
+    pub const ONE: Layout = Layout { dp: 1, fsdp: false, ep: 1, here: None, process: 0 };
 
     /// `one` replica's estimate as this machine holds it under this layout.
     pub fn of(&self, one: StepMemory) -> StepMemory {
         let all = one.replicated(self.dp, self.fsdp, self.ep);
-        match self.here {
-            Some((here, world)) => all.on_this_machine(here, world),
-            None => all,
-        }
+        let (part, processes) = match self.here {
+            Some((here, world)) => (all.on_this_machine(here, world), here.min(world)),
+            None => (all, 1),
+        };
+        StepMemory { process: self.process.saturating_mul(processes as u128), ..part }
     }
 }
 
@@ -419,6 +462,11 @@ mod tests {
         let half = eight.of(b64);
         assert_eq!(half.activations, dp(4).of(b64).activations / 2);
         assert_eq!(half.saving, b64.saving);
+        // Each process holds its program and corpus once: one process for threads, each of the
+        // 4 on this host under mpirun.
+        let outside = 100 << 20;
+        assert_eq!(Layout { process: outside, ..dp(4) }.of(b64).total(), dp(4).of(b64).total() + outside);
+        assert_eq!(Layout { process: outside, ..eight }.of(b64).total(), half.total() + 4 * outside);
     }
 
     #[test]
@@ -451,6 +499,9 @@ mod tests {
     fn meminfo_is_read_in_bytes() {
         assert_eq!(parse_meminfo("MemTotal:       24555520 kB\nMemFree: 1 kB\n"), Some(24_555_520 * 1024));
         assert_eq!(parse_meminfo("MemFree: 1 kB\n"), None);
+        assert_eq!(kib_field("VmPeak:\t 20 kB\nVmRSS:\t   12228 kB\n", "VmRSS:"), Some(12228 * 1024));
+        #[cfg(target_os = "linux")]
+        assert!(resident_bytes().is_some_and(|b| b > 1 << 20), "a test process holds more than 1 MiB");
         let (b, what) = memory_budget();
         assert!(b > 0 && what.starts_with("3/4 of the "), "{what}");
     }

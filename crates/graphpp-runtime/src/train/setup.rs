@@ -86,6 +86,11 @@ pub struct TrainSetup {
     /// several hosts): the memory check holds this machine's part of the job. `None`: every rank
     /// runs here (threads, or processes on one host).
     pub ranks_here: Option<usize>,
+    /// Bytes this process holds beside the step ([`crate::train::memory::process_bytes`]): its
+    /// program as resident when the run was set up, the corpus it reads and its computing
+    /// threads' own memory; the memory estimate and the pre-flight check add them. 0 where
+    /// nothing else is counted (tests).
+    pub process_bytes: u128,
 }
 
 impl TrainSetup {
@@ -141,7 +146,8 @@ impl TrainSetup {
     /// The layout the memory estimate scales one replica's figures by ([`Layout`]).
     fn memory_layout(&self) -> Layout {
         let world = self.shape.ranks * self.dp * self.tp;
-        Layout { dp: self.dp, fsdp: self.fsdp, ep: self.ep, here: self.ranks_here.map(|n| (n, world)) }
+        let here = self.ranks_here.map(|n| (n, world));
+        Layout { dp: self.dp, fsdp: self.fsdp, ep: self.ep, here, process: self.process_bytes }
     }
 
     /// The step's size from estimates ([`check_step`]): the activations at `schedule`'s peak

@@ -85,5 +85,6 @@ pub fn tiny_setup(kind: graphpp_schedule::Kind, p: usize, v: usize, m: usize) ->
         dtype: graphpp_graph::DType::F32,
         device: candle_core::Device::Cpu,
         ranks_here: None,
+        process_bytes: 0,
     }
 }
