@@ -205,18 +205,30 @@ const BYTES_PER_CORPUS_BYTE: u64 = 5;
 const SHAKESPEARE_BYTES: u64 = 5_057_198;
 
 /// The memory a run's corpus takes once read and tokenized (5 bytes a byte): the files at
-/// `data` (their sizes from the file system; 0 for what cannot be listed, which reading it then
-/// reports), or the Shakespeare corpus without it.
-pub fn corpus_memory(data: Option<&Path>) -> u128 {
+/// `data` (their sizes from the file system), or the Shakespeare corpus without it.
+///
+/// # Errors
+/// As [`read_text`] before it reads: [`DataError::Missing`], [`DataError::NotAFile`],
+/// [`DataError::TooLarge`] naming the corpus.
+pub fn corpus_memory(data: Option<&Path>) -> Result<u128, DataError> {
     let bytes = match data {
-        Some(path) => {
-            let mut files = Vec::new();
-            let listed = collect_files(path, &mut files).is_ok();
-            files.iter().filter(|_| listed).filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum()
-        }
+        Some(path) => corpus_files(path)?.1,
         None => SHAKESPEARE_BYTES,
     };
-    u128::from(bytes) * u128::from(BYTES_PER_CORPUS_BYTE)
+    Ok(u128::from(bytes) * u128::from(BYTES_PER_CORPUS_BYTE))
+}
+
+/// The files of the corpus at `path` in reading order (a file, or every file under a folder,
+/// sorted) and their bytes, refused before reading when too large ([`check_corpus_size`]).
+fn corpus_files(path: &Path) -> Result<(Vec<PathBuf>, u64), DataError> {
+    if !path.exists() {
+        return Err(DataError::Missing(path.into()));
+    }
+    let mut files = Vec::new();
+    collect_files(path, &mut files)?;
+    files.sort();
+    let bytes = check_corpus_size(path, &files)?;
+    Ok((files, bytes))
 }
 
 /// Refuses `files` (the corpus at `path`) before reading them when their text and tokens would
@@ -247,13 +259,7 @@ fn check_corpus_size(path: &Path, files: &[PathBuf]) -> Result<u64, DataError> {
 /// [`DataError::Missing`], [`DataError::NotUtf8`] naming the file and offset, [`DataError::Empty`],
 /// [`DataError::TooLarge`] (before anything is read).
 pub fn read_text(path: &Path) -> Result<String, DataError> {
-    if !path.exists() {
-        return Err(DataError::Missing(path.into()));
-    }
-    let mut files = Vec::new();
-    collect_files(path, &mut files)?;
-    files.sort();
-    let bytes = check_corpus_size(path, &files)?;
+    let (files, bytes) = corpus_files(path)?;
     // Sized once: growing by doubling would leave the allocator holding the smaller copies.
     let mut out = String::with_capacity(usize::try_from(bytes).unwrap_or(0).saturating_add(files.len()));
     for f in &files {
@@ -409,11 +415,12 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         std::fs::write(d.path().join("a.txt"), [b'x'; 10]).unwrap();
         std::fs::write(d.path().join("b.txt"), [b'y'; 20]).unwrap();
-        assert_eq!(corpus_memory(Some(d.path())), 150);
-        assert_eq!(corpus_memory(Some(&d.path().join("a.txt"))), 50);
-        assert_eq!(corpus_memory(None), 5 * u128::from(SHAKESPEARE_BYTES));
-        // What cannot be listed counts nothing here: reading it is refused by name.
-        assert_eq!(corpus_memory(Some(Path::new("/dev/zero"))), 0);
+        assert_eq!(corpus_memory(Some(d.path())).unwrap(), 150);
+        assert_eq!(corpus_memory(Some(&d.path().join("a.txt"))).unwrap(), 50);
+        assert_eq!(corpus_memory(None).unwrap(), 5 * u128::from(SHAKESPEARE_BYTES));
+        // Refused as reading it would be, by name.
+        assert!(matches!(corpus_memory(Some(Path::new("/dev/zero"))), Err(DataError::NotAFile(_))));
+        assert!(matches!(corpus_memory(Some(&d.path().join("nope"))), Err(DataError::Missing(_))));
     }
 
     #[test]

@@ -714,7 +714,7 @@ pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         // Under mpirun over several hosts the memory check holds this host's part of the job.
         ranks_here: launched.map(|_| crate::launch::local_processes()),
         process_bytes: graphpp_runtime::train::memory::process_bytes(
-            crate::data::corpus_memory(c.data.as_deref()),
+            crate::data::corpus_memory(c.data.as_deref())?,
             ranks_in_process.saturating_mul(graphpp_runtime::kernels::threads::op_threads()),
         ),
     })
