@@ -78,11 +78,16 @@ pub fn count(params: &[(String, Vec<usize>)]) -> u128 {
 
 /// Saved-activation bytes of one microbatch through stage `spec` of a MoE decoder: the Llama
 /// figure ([`stage_activation_bytes`]) with each MoE layer's dense MLP (`5·F` values per token)
-/// replaced by what the MoE block saves per token: `3·E + 2·k` for the gate (logits, scores,
-/// biased scores, the k ids and weights), `k·(2·D + 5·F_e)` for the routed rows (the copies, their sorted
-/// order, the two projections, the activation, the product and the output put back) and `5·F_s`
-/// for the shared experts (`F_e` = `moe_intermediate_size`, `F_s` = `n_shared_experts · F_e`).
-/// An estimate for the pre-flight check (within 10% of the graph's saved values, tested).
+/// replaced by what the MoE block saves: per token `E + k·(2·D + 5·F_e + 3) + 5·F_s − D` (the
+/// gate's E scores; per routed copy the row, its sorted order, the two projections, the
+/// activation, the product and the output put back; the shared experts; the block's input is
+/// saved once, where the dense layer counted it as the MLP's), `k + 1` more with
+/// `norm_topk_prob` (the weights before and after renormalising), `E + 1` more with a balance
+/// loss (its scores); and per layer whatever the tokens, the `E` expert counts and, with the
+/// sequence-wise balance loss, `B·E` (`F_e` = `moe_intermediate_size`, `F_s` =
+/// `n_shared_experts · F_e`). Exactly what the graphs save under `RecomputePolicy::SaveAll`
+/// (tested on six configurations, whole and split, at two microbatch shapes; found by varying
+/// one size at a time).
 ///
 /// With multi-head latent attention each layer's Llama attention values (`2·KV·hd + H·hd` and
 /// the `3·D` of q, k and v: [`stage_activation_bytes`]) are replaced by MLA's
@@ -111,12 +116,20 @@ pub fn moe_stage_activation_bytes(
         (cfg.n_routed_experts as u128, cfg.num_experts_per_tok as u128, cfg.base.hidden_size as u128);
     let (fe, f) = (cfg.moe_intermediate_size as u128, cfg.base.intermediate_size as u128);
     let fs = fe * cfg.n_shared_experts as u128;
-    let moe = 3 * e + 2 * k + k * (2 * d + 5 * fe) + 5 * fs;
+    let aux = cfg.aux_loss_alpha > 0.0;
+    let normalised = if cfg.norm_topk_prob { k + 1 } else { 0 };
+    // Per token: the gate's scores, the routed copies, the shared experts, the renormalisation,
+    // the balance loss's scores; the block's input is saved once, not as the dense MLP's.
+    let moe =
+        (e + k * (2 * d + 5 * fe + 3) + 5 * fs + normalised + if aux { e + 1 } else { 0 }).saturating_sub(d);
+    // Per layer, whatever the tokens: the expert counts, and the sequence-wise balance loss's
+    // per-sequence share of each expert.
+    let per_layer = e.saturating_add(if aux { (batch as u128).saturating_mul(e) } else { 0 });
     let tokens = (batch as u128).saturating_mul(seq as u128);
-    let per_layer = tokens.saturating_mul(F32);
+    let values = tokens.saturating_mul(moe).saturating_add(per_layer);
     dense
-        .saturating_sub(per_layer.saturating_mul(5 * f).saturating_mul(moe_layers))
-        .saturating_add(per_layer.saturating_mul(moe).saturating_mul(moe_layers))
+        .saturating_sub(tokens.saturating_mul(F32).saturating_mul(5 * f).saturating_mul(moe_layers))
+        .saturating_add(values.saturating_mul(F32).saturating_mul(moe_layers))
 }
 
 /// Values per token one layer of multi-head latent attention saves for its backward (f32,
@@ -124,7 +137,7 @@ pub fn moe_stage_activation_bytes(
 /// latent (`3·r_q + 2`, with a query latent), the same of the key/value latent (`3·r_kv + 2`),
 /// the attention's q, k, v and output at its width `w = max(d_qk, d_v)` and the heads' values
 /// into `o_proj` (`H·(4·w + d_v)`). RoPE saves nothing per head (its tables are buffers). Fitted
-/// to the graphs' saved values by varying one size at a time (tested within 10% with the MoE
+/// to the graphs' saved values by varying one size at a time (exact, tested with the MoE
 /// figures).
 pub fn mla_attention_values(mla: &crate::mla::MlaConfig, heads: usize) -> usize {
     let w = mla.qk_head_dim().max(mla.v_head_dim);
