@@ -330,15 +330,20 @@ fn vjp_attention(
     let x = |i: usize| n.inputs[i];
     let shape = |v: ValueId| fw.node(v).ty.shape.clone();
     // One node computes the three gradients (FlashAttention-2, Dao 2023, Algorithm 2); each is
-    // a slice of its output along the heads (H of dq, then KV of dk and of dv).
+    // a slice of its output along the heads (H of dq, then KV of dk and of dv), and along the
+    // width where q·k's and v's widths differ (the narrower ones are zero-padded).
     let st = b.attention_backward(x(0), x(1), x(2), x(3), y, g, scale)?;
-    let (h, kv) = (shape(x(0))[1], shape(x(1))[1]);
-    Ok(vec![
-        Some(b.slice(st, 1, 0, h)?),
-        Some(b.slice(st, 1, h, h + kv)?),
-        Some(b.slice(st, 1, h + kv, h + 2 * kv)?),
-        None,
-    ])
+    let (h, kv, e, ev) = (shape(x(0))[1], shape(x(1))[1], shape(x(0))[3], shape(x(2))[3]);
+    let width = e.max(ev);
+    let mut part = |from: usize, to: usize, w: usize| -> Result<ValueId> {
+        let heads = b.slice(st, 1, from, to)?;
+        if w < width {
+            b.slice(heads, 3, 0, w)
+        } else {
+            Ok(heads)
+        }
+    };
+    Ok(vec![Some(part(0, h, e)?), Some(part(h, h + kv, e)?), Some(part(h + kv, h + 2 * kv, ev)?), None])
 }
 
 /// VJP of a batched matmul `y = a b`: `da = g bᵀ`, `db = aᵀ g` (transposes of the last two axes).

@@ -210,8 +210,8 @@ impl GraphBuilder {
     pub fn softmax_backward(&mut self, y: ValueId, g: ValueId, axis: usize, scale: f64) -> Result<ValueId> {
         self.add(Op::SoftmaxBackward { axis, scale }, &[y, g])
     }
-    /// `softmax(scale · q kᵀ + mask) v` ([`Op::Attention`]): q `[B, H, T, E]`, k, v
-    /// `[B, KV, T, E]` (KV dividing H), mask `[T, T]` of q's wide dtype.
+    /// `softmax(scale · q kᵀ + mask) v` ([`Op::Attention`]): q `[B, H, T, E]`, k `[B, KV, T, E]`,
+    /// v `[B, KV, T, E_v]` (KV dividing H), mask `[T, T]` of q's wide dtype → `[B, H, T, E_v]`.
     pub fn attention(
         &mut self,
         q: ValueId,
@@ -222,8 +222,9 @@ impl GraphBuilder {
     ) -> Result<ValueId> {
         self.add(Op::Attention { scale }, &[q, k, v, mask])
     }
-    /// The gradients of q, k, v along the heads, `[B, H + 2·KV, T, E]`, of an [`Op::Attention`]
-    /// with output `o` and output gradient `g` ([`Op::AttentionBackward`]).
+    /// The gradients of q, k, v along the heads, `[B, H + 2·KV, T, max(E, E_v)]` (the narrower
+    /// zero-padded), of an [`Op::Attention`] with output `o` and output gradient `g`
+    /// ([`Op::AttentionBackward`]).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_backward(
         &mut self,

@@ -202,13 +202,19 @@ impl Graph {
         match n.op {
             // out [.., m, n] from [.., m, k]: 2·k per output element.
             Op::Matmul | Op::SegmentMatmul { .. } => Some(2 * *a().last()? as u64 * n.ty.numel() as u64),
-            // q kᵀ and P v, each 2·T·T·E per (batch, head): 4·T per output element
-            // (the whole T × T, masked or not).
-            Op::Attention { .. } => Some(4 * n.ty.shape[2] as u64 * n.ty.numel() as u64),
-            // The scores again, g vᵀ, Pᵀ g, dS k and dSᵀ q: five products, 10·T per
-            // element of q (per query head, whatever the key/value heads).
+            // q kᵀ (2·T·T·E per (batch, query head)) and P v (2·T·T·E_v): 2·T per element of q
+            // and of the output (the whole T × T, masked or not).
+            Op::Attention { .. } => {
+                let q = a().iter().product::<usize>() as u64;
+                Some(2 * n.ty.shape[2] as u64 * (q + n.ty.numel() as u64))
+            }
+            // The scores again, dS k and dSᵀ q over E; g vᵀ and Pᵀ g over E_v: five products,
+            // 6·T per element of q and 4·T per element of g (per query head, whatever the
+            // key/value heads).
             Op::AttentionBackward { .. } => {
-                Some(10 * n.ty.shape[2] as u64 * a().iter().product::<usize>() as u64)
+                let q = a().iter().product::<usize>() as u64;
+                let g = self.node(*n.inputs.get(5)?).ty.numel() as u64;
+                Some(n.ty.shape[2] as u64 * (6 * q + 4 * g))
             }
             // out [E, N, K] sums over the R rows: 2·R·N·K in all.
             Op::SegmentOuter => {

@@ -156,37 +156,42 @@ fn infer_reduction(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
     }
 }
 
-/// Attention and its backward: `(q [B, H, T, E], k, v [B, KV, T, E], mask [T, T])` with KV
-/// dividing H and the mask of q's wide dtype gives `o` like q; the backward, which also reads `o`
-/// and `g` like q, gives the stacked gradients `[B, H + 2·KV, T, E]`.
+/// Attention and its backward: `(q [B, H, T, E], k [B, KV, T, E], v [B, KV, T, E_v], mask
+/// [T, T])` with KV dividing H and the mask of q's wide dtype gives `o [B, H, T, E_v]`; the
+/// backward, which also reads `o` and `g` like `o`, gives the stacked gradients `[B, H + 2·KV, T,
+/// max(E, E_v)]` (each narrower one zero-padded).
 fn infer_attention(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
     arity(op, ins, if matches!(op, Op::Attention { .. }) { 4 } else { 6 })?;
     let q = ins[0];
     float(q)?;
     need(q.shape.len() == 4, || format!("{} needs q [B, H, T, E], got {q}", op.mnemonic()))?;
     let (h, t) = (q.shape[1], q.shape[2]);
-    // k and v: [B, KV, T, E] with KV dividing H (grouped-query attention: query head
-    // h reads key/value head h / (H / KV)).
+    // k [B, KV, T, E] and v [B, KV, T, E_v] with KV dividing H (grouped-query attention: query
+    // head h reads key/value head h / (H / KV)); v's width may differ (multi-head latent
+    // attention's d_v against d_nope + d_rope).
     let kv = ins[1].shape.get(1).copied().unwrap_or(0);
-    for (name, x) in [("k", ins[1]), ("v", ins[2])] {
+    for (name, x, width) in [("k", ins[1], Some(q.shape.get(3))), ("v", ins[2], None)] {
         let fits = x.dtype == q.dtype
             && x.shape.len() == 4
             && x.shape[0] == q.shape[0]
-            && x.shape[2..] == q.shape[2..]
+            && x.shape[2] == t
+            && width.is_none_or(|w| x.shape.get(3) == w)
             && x.shape[1] == kv
             && kv > 0
             && h.is_multiple_of(kv);
         need(fits, || {
             format!(
-                "{} needs {name} [B, KV, T, E] of q's dtype, KV dividing q's H and alike for k and v: \
-                 {x} vs q {q}",
+                "{} needs k [B, KV, T, E] and v [B, KV, T, E_v] of q's dtype, KV dividing q's H \
+                 (k's E q's): {name} {x} vs q {q}",
                 op.mnemonic()
             )
         })?;
     }
+    let ev = ins[2].shape[3];
+    let o = TensorType::new(q.dtype, vec![q.shape[0], h, t, ev]);
     for (name, x) in [("o", ins.get(4)), ("g", ins.get(5))] {
         if let Some(x) = x {
-            need(*x == q, || format!("{} needs {name} like q: {x} vs {q}", op.mnemonic()))?;
+            need(**x == o, || format!("{} needs {name} {o} (q's heads, v's width): {x}", op.mnemonic()))?;
         }
     }
     let mask = ins[3];
@@ -194,8 +199,8 @@ fn infer_attention(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
         format!("{} needs a mask [{t}, {t}] of {}, got {mask}", op.mnemonic(), q.dtype.wide())
     })?;
     Ok(match op {
-        Op::Attention { .. } => q.clone(),
-        _ => TensorType::new(q.dtype, vec![q.shape[0], h + 2 * kv, t, q.shape[3]]),
+        Op::Attention { .. } => o,
+        _ => TensorType::new(q.dtype, vec![q.shape[0], h + 2 * kv, t, q.shape[3].max(ev)]),
     })
 }
 

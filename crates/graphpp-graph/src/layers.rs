@@ -360,10 +360,9 @@ pub struct LatentAttentionDims {
 /// [`causal_attention`]. With `interleave` the RoPE dims are first gathered evens-then-odds
 /// (a permutation that the scores do not see, applied alike to q and k).
 ///
-/// The attention node takes one head width for q, k and v: where `d_v` and `d_nope + d_rope`
-/// differ, the narrower side is padded with zero columns (which change neither the scores nor
-/// the values) and the output sliced back to `d_v` — Megatron-LM pads the same way for kernels
-/// without distinct value widths. Scopes `q_proj` (or `q_a_proj`, `q_a_layernorm`, `q_b_proj`),
+/// The attention node takes the value width `d_v` apart from q·k's `d_nope + d_rope`, so
+/// nothing is padded (Megatron-LM pads the narrower side with zeros for kernels without distinct
+/// value widths). Scopes `q_proj` (or `q_a_proj`, `q_a_layernorm`, `q_b_proj`),
 /// `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`.
 pub fn latent_attention(
     b: &mut GraphBuilder,
@@ -396,10 +395,7 @@ pub fn latent_attention(
     let k_rope = b.broadcast(k_rope, vec![bsz, h, t, r])?;
     let q = b.concat(&[q_nope, q_rope], 3)?;
     let k = b.concat(&[k_nope, k_rope], 3)?;
-    let width = qk.max(dv);
-    let (q, k, v) = (pad_last(b, q, width)?, pad_last(b, k, width)?, pad_last(b, v, width)?);
     let o = attend(b, q, k, v, mask, dims.scale)?;
-    let o = if width > dv { b.slice(o, 3, 0, dv)? } else { o };
     output_projection(b, o, w.o, w.o_bias)
 }
 
@@ -434,19 +430,6 @@ fn latent_rope(
         x
     };
     rope(b, x, cos, sin)
-}
-
-/// `x: [.., d]` padded with zero columns to `[.., width]` (itself when `d = width`).
-fn pad_last(b: &mut GraphBuilder, x: ValueId, width: usize) -> Result<ValueId> {
-    let mut shape = b.shape(x);
-    let last = shape.len() - 1;
-    if shape[last] == width {
-        return Ok(x);
-    }
-    shape[last] = width - shape[last];
-    let zeros = b.full(0.0, shape)?;
-    let zeros = b.cast(zeros, b.ty(x).dtype)?;
-    b.concat(&[x, zeros], last)
 }
 
 /// Cross-entropy, mean over tokens: `logits: [N, V]`, u32 `targets: [N]` → scalar

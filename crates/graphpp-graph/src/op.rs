@@ -275,8 +275,9 @@ pub enum Op {
     /// output gradient `g` (same shape and dtype). Has no VJP of its own.
     LogSoftmaxBackward { axis: usize },
     /// Scaled dot-product self-attention in one node (Vaswani et al. 2017, eq. 1):
-    /// `(q [B, H, T, E], k, v [B, KV, T, E], mask [T, T])` → `o = softmax(scale · q kᵀ + mask) v`
-    /// `[B, H, T, E]`, query head `h` reading key/value head `h / (H / KV)` (grouped-query
+    /// `(q [B, H, T, E], k [B, KV, T, E], v [B, KV, T, E_v], mask [T, T])` → `o = softmax(scale ·
+    /// q kᵀ + mask) v` `[B, H, T, E_v]` (the value width may differ from q·k's, as in multi-head
+    /// latent attention), query head `h` reading key/value head `h / (H / KV)` (grouped-query
     /// attention, Ainslie et al. 2023; KV = H is multi-head attention), the softmax over the
     /// key axis with an additive mask (0 where a query sees a key, −1e9 where it does not: the
     /// causal mask), the products in the operands' dtype and
@@ -288,9 +289,10 @@ pub enum Op {
     /// Milakov & Gimelshein 2018). The mask takes no gradient (autodiff refuses one that would
     /// need it).
     Attention { scale: f64 },
-    /// `(q, k, v, mask, o, g)` → `[B, H + 2·KV, T, E]`: the gradients of q, k and v (in that
-    /// order along the heads: H, KV, KV) of the [`Op::Attention`] with those operands, output
-    /// `o` and output gradient `g` (a key/value head's gradient sums its query heads'): with
+    /// `(q, k, v, mask, o, g)` → `[B, H + 2·KV, T, max(E, E_v)]`: the gradients of q, k and v
+    /// (in that order along the heads: H, KV, KV; the narrower ones zero-padded to the width) of
+    /// the [`Op::Attention`] with those operands, output `o` and output gradient `g` (a
+    /// key/value head's gradient sums its query heads'): with
     /// `P = softmax(scale · q kᵀ + mask)`, `dv = Pᵀ g`, `dS = scale · P ⊙ (g vᵀ − rowsum(g ⊙ o))`, `dq = dS k`, `dk = dSᵀ q` (Dao 2023,
     /// Algorithm 2, with `D = rowsum(g ⊙ o)`). Has no VJP of its own.
     AttentionBackward { scale: f64 },

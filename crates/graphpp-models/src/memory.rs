@@ -135,14 +135,13 @@ pub fn moe_stage_activation_bytes(
 /// Values per token one layer of multi-head latent attention saves for its backward (f32,
 /// `RecomputePolicy::SaveAll`), `H` heads: the query latent, its normalisation and the normed
 /// latent (`3·r_q + 2`, with a query latent), the same of the key/value latent (`3·r_kv + 2`),
-/// the attention's q, k, v and output at its width `w = max(d_qk, d_v)` and the heads' values
-/// into `o_proj` (`H·(4·w + d_v)`). RoPE saves nothing per head (its tables are buffers). Fitted
+/// the attention's q and k (`d_qk` each), v and output (`d_v` each) and the heads' values into
+/// `o_proj` (`H·(2·d_qk + 3·d_v)`). RoPE saves nothing per head (its tables are buffers). Fitted
 /// to the graphs' saved values by varying one size at a time (exact, tested with the MoE
 /// figures).
 pub fn mla_attention_values(mla: &crate::mla::MlaConfig, heads: usize) -> usize {
-    let w = mla.qk_head_dim().max(mla.v_head_dim);
     let query = mla.q_lora_rank.map_or(0, |r| 3 * r + 2);
-    query + 3 * mla.kv_lora_rank + 2 + heads * (4 * w + mla.v_head_dim)
+    query + 3 * mla.kv_lora_rank + 2 + heads * (2 * mla.qk_head_dim() + 3 * mla.v_head_dim)
 }
 
 /// Bytes of the values the forward graph `fw` saves for its backward under

@@ -3,9 +3,10 @@
 //! Algorithms 1 and 2; query tiles outermost), the backward recomputing each row's maximum and
 //! sum instead of saving the log-sum-exp.
 //!
-//! Shapes: q, o and g `[B, H, T, E]`, k and v `[B, KV, T, E]` with KV dividing H (query head h
-//! reads key/value head h / (H/KV): grouped-query attention, never repeated in memory), the
-//! additive mask `[T, T]`. The tasks, forward and backward, are the (batch, query head)s; in the
+//! Shapes: q `[B, H, T, E]`, k `[B, KV, T, E]`, v `[B, KV, T, E_v]` and o and g `[B, H, T,
+//! E_v]` with KV dividing H (query head h reads key/value head h / (H/KV): grouped-query
+//! attention, never repeated in memory; the value width may differ from q·k's, as in
+//! multi-head latent attention), the additive mask `[T, T]`. The tasks, forward and backward, are the (batch, query head)s; in the
 //! backward a group's first query head writes its key/value head's dk and dv and the others
 //! partials of their own, added in query-head order afterwards ([`sum_partials`]), so a pool has
 //! B·H tasks to split at any KV, where a task per key/value head would leave threads idle when KV
@@ -67,9 +68,9 @@ pub const BK: usize = 128;
 /// A mask entry at or below this hides its key (graphpp's causal mask is −1e9).
 pub const HIDDEN: f32 = -1e8;
 
-/// `softmax(scale · q kᵀ + mask) v` ([`graphpp_graph::Op::Attention`]): q `[B, H, T, E]`, k, v
-/// `[B, KV, T, E]` (query head `h` reads key/value head `h / (H / KV)`), mask `[T, T]` of q's
-/// wide dtype → `[B, H, T, E]`. bf16 q, k, v run the f32 kernel on their values widened and
+/// `softmax(scale · q kᵀ + mask) v` ([`graphpp_graph::Op::Attention`]): q `[B, H, T, E]`, k
+/// `[B, KV, T, E]`, v `[B, KV, T, E_v]` (query head `h` reads key/value head `h / (H / KV)`),
+/// mask `[T, T]` of q's wide dtype → `[B, H, T, E_v]`. bf16 q, k, v run the f32 kernel on their values widened and
 /// the output is rounded to bf16 once — f32 math inside, as FlashAttention's bf16 kernels keep
 /// the scores and the softmax in f32; f64, and every operand [`composed`] names, runs the
 /// [`composition`].
@@ -92,7 +93,7 @@ pub fn attention(
         return composition(q, k, v, mask, scale);
     }
     let held = Held::of(&[q, k, v, &mask.reshape((1, 1, sizes.t, sizes.t))?])?;
-    let te = sizes.t * sizes.e;
+    let te = sizes.t * sizes.ev;
     let mut out = vec![0f32; sizes.b * sizes.h * te];
     held.with(|x| {
         let (q, k, v, mask) = (x[0], x[1], x[2], x[3].head(0));
@@ -108,12 +109,12 @@ pub fn attention(
             },
         );
     })?;
-    Tensor::from_vec(out, sizes.dims(), &Device::Cpu)
+    Tensor::from_vec(out, sizes.out_dims(), &Device::Cpu)
 }
 
-/// The gradients of q, k and v along the heads, `[B, H + 2·KV, T, E]`
-/// ([`graphpp_graph::Op::AttentionBackward`]), of the [`attention`] with output `o` and output
-/// gradient `g` (both `[B, H, T, E]`). One task per (batch, query head), so that a wide pool
+/// The gradients of q, k and v along the heads, `[B, H + 2·KV, T, max(E, E_v)]`, the narrower
+/// ones zero-padded ([`graphpp_graph::Op::AttentionBackward`]), of the [`attention`] with output
+/// `o` and output gradient `g` (both `[B, H, T, E_v]`). One task per (batch, query head), so that a wide pool
 /// has work at B = 1 under grouped-query attention too: a group's first query head writes its
 /// key/value head's dk and dv, the others partials of their own, which are then added in
 /// query-head order ([`sum_partials`]) — the bits of the kernel run on k and v repeated per
@@ -132,12 +133,12 @@ pub fn attention_backward(
     scale: f64,
 ) -> candle_core::Result<Tensor> {
     let sizes = Sizes::of(q, k, v, mask)?;
-    if o.dims() != q.dims() || g.dims() != q.dims() {
+    if o.dims() != sizes.out_dims() || g.dims() != sizes.out_dims() {
         candle_core::bail!(
-            "attention backward: o {:?} and g {:?} must be q's {:?}",
+            "attention backward: o {:?} and g {:?} must be the output's {:?}",
             o.dims(),
             g.dims(),
-            q.dims()
+            sizes.out_dims()
         )
     }
     if q.dtype() == CDType::BF16 {
@@ -148,7 +149,8 @@ pub fn attention_backward(
         return composition_backward(q, k, v, mask, g, scale);
     }
     let held = Held::of(&[q, k, v, o, g, &mask.reshape((1, 1, sizes.t, sizes.t))?])?;
-    let te = sizes.t * sizes.e;
+    // Each head's gradient `[T, w]`, w the wider of q·k's and v's widths.
+    let te = sizes.t * sizes.w();
     let group = sizes.h / sizes.kv;
     let mut out = vec![0f32; sizes.b * (sizes.h + 2 * sizes.kv) * te];
     // dk and dv of each query head after its group's first, summed into the group's afterwards.
@@ -183,14 +185,14 @@ pub fn attention_backward(
         );
     })?;
     sum_partials(&mut out, &partials, sizes);
-    Tensor::from_vec(out, (sizes.b, sizes.h + 2 * sizes.kv, sizes.t, sizes.e), &Device::Cpu)
+    Tensor::from_vec(out, (sizes.b, sizes.h + 2 * sizes.kv, sizes.t, sizes.w()), &Device::Cpu)
 }
 
 /// Adds each key/value head's partial dk and dv (`partials`: per (batch, key/value head), its
-/// query heads after the first, each dk then dv, `[T, E]`) into `out`'s (`[B, H + 2·KV, T, E]`),
+/// query heads after the first, each dk then dv, `[T, w]`) into `out`'s (`[B, H + 2·KV, T, w]`),
 /// in query-head order: the sums of the kernel run on k and v repeated per query head.
 fn sum_partials(out: &mut [f32], partials: &[f32], s: Sizes) {
-    let (te, group) = (s.t * s.e, s.h / s.kv);
+    let (te, group) = (s.t * s.w(), s.h / s.kv);
     if group == 1 || te == 0 {
         return;
     }
@@ -210,7 +212,7 @@ fn sum_partials(out: &mut [f32], partials: &[f32], s: Sizes) {
 }
 
 /// Static sizes of one call: `B · H` query heads (`B · KV` key/value heads) of `t` rows of `e`
-/// features.
+/// features of q and k, `ev` of v and the output.
 #[derive(Clone, Copy, Debug)]
 struct Sizes {
     b: usize,
@@ -218,6 +220,7 @@ struct Sizes {
     kv: usize,
     t: usize,
     e: usize,
+    ev: usize,
 }
 
 impl Sizes {
@@ -226,18 +229,19 @@ impl Sizes {
             candle_core::bail!("attention: q must be [B, H, T, E], got {:?}", q.dims())
         };
         let kv = k.dims().get(1).copied().unwrap_or(0);
+        let ev = v.dims().get(3).copied().unwrap_or(0);
         let kv_fits = k.dims() == [b, kv, t, e] && kv > 0 && h.is_multiple_of(kv);
-        if !kv_fits || v.dims() != k.dims() || mask.dims() != [t, t] {
+        if !kv_fits || v.dims() != [b, kv, t, ev] || mask.dims() != [t, t] {
             candle_core::bail!(
-                "attention: k {:?} and v {:?} must be [B, KV, T, E] of q {:?} with KV dividing H, and the \
-                 mask {:?} [{t}, {t}]",
+                "attention: k {:?} and v {:?} must be [B, KV, T, E] and [B, KV, T, E_v] of q {:?} with KV \
+                 dividing H, and the mask {:?} [{t}, {t}]",
                 k.dims(),
                 v.dims(),
                 q.dims(),
                 mask.dims()
             )
         }
-        Ok(Sizes { b, h, kv, t, e })
+        Ok(Sizes { b, h, kv, t, e, ev })
     }
 
     /// The key/value head (batch-major index) query head `bh` (batch-major) reads.
@@ -245,9 +249,14 @@ impl Sizes {
         (bh / self.h) * self.kv + (bh % self.h) / (self.h / self.kv)
     }
 
-    /// `[B, H, T, E]`.
-    fn dims(&self) -> Vec<usize> {
-        vec![self.b, self.h, self.t, self.e]
+    /// The output's `[B, H, T, E_v]`.
+    fn out_dims(&self) -> Vec<usize> {
+        vec![self.b, self.h, self.t, self.ev]
+    }
+
+    /// The backward's width per head: the wider of q·k's and v's.
+    fn w(&self) -> usize {
+        self.e.max(self.ev)
     }
 }
 
@@ -422,7 +431,8 @@ fn transpose(x: View, (t, e): (usize, usize), dst: &mut [f32]) {
     }
 }
 
-/// One task's scratch, reused by the (batch, head)s it runs: k and v transposed `[E, T]`, a tile
+/// One task's scratch, reused by the (batch, head)s it runs: k and v transposed `[E, T]` and
+/// `[E_v, T]`, a tile
 /// of scores `z` (the backward's: one row) and of probabilities `p` (the backward's: a `BQ × T`
 /// row block), and a tile of the backward's `dS`.
 struct Scratch {
@@ -438,7 +448,7 @@ impl Scratch {
         let tile = BQ.min(s.t) * BK.min(s.t);
         Scratch {
             kt: vec![0.0; s.t * s.e],
-            vt: vec![0.0; s.t * s.e],
+            vt: vec![0.0; s.t * s.ev],
             z: vec![0.0; tile.max(s.t)],
             p: vec![0.0; BQ.min(s.t) * s.t],
             ds: vec![0.0; tile],
@@ -493,16 +503,17 @@ impl Job<'_, '_> {
     }
 }
 
-/// One (batch, head) of the forward (module doc): q, k, v `[T, E]` rows, o its `[T, E]` output.
+/// One (batch, head) of the forward (module doc): q, k `[T, E]` and v `[T, E_v]` rows, o its
+/// `[T, E_v]` output.
 #[inline(always)]
 fn forward_in([q, k, v]: [View; 3], c: &Ctx, o: &mut [f32], Scratch { kt, z, p, .. }: &mut Scratch) {
     let Ctx { mask, spans, s, scale } = *c;
-    let (t, e) = (s.t, s.e);
+    let (t, e, ev) = (s.t, s.e, s.ev);
     transpose(k, (t, e), kt);
     let (mut m, mut l) = ([f32::NEG_INFINITY; BQ], [0f32; BQ]);
     for r0 in (0..t).step_by(BQ) {
         let rows = BQ.min(t - r0);
-        let acc = &mut o[r0 * e..(r0 + rows) * e];
+        let acc = &mut o[r0 * ev..(r0 + rows) * ev];
         acc.fill(0.0);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
@@ -540,22 +551,22 @@ fn forward_in([q, k, v]: [View; 3], c: &Ctx, o: &mut [f32], Scratch { kt, z, p, 
                 l[r] = l[r] * shrink + sum(pr);
                 m[r] = top;
                 if shrink != 1.0 {
-                    acc[r * e..(r + 1) * e].iter_mut().for_each(|x| *x *= shrink);
+                    acc[r * ev..(r + 1) * ev].iter_mut().for_each(|x| *x *= shrink);
                 }
             }
             let vj = Mat { data: v.from(c0), rs: v.rs, cs: 1 };
             let pm = Mat { data: p, rs: cols, cs: 1 };
-            product((rows, e, cols), Out { data: acc, rs: e }, true, pm, vj, |rs, _| {
+            product((rows, ev, cols), Out { data: acc, rs: ev }, true, pm, vj, |rs, _| {
                 seen[rs.start / MR].clone()
             });
         }
-        for (r, row) in acc.chunks_exact_mut(e.max(1)).enumerate() {
+        for (r, row) in acc.chunks_exact_mut(ev.max(1)).enumerate() {
             row.iter_mut().for_each(|x| *x /= l[r]);
         }
     }
 }
 
-/// One (batch, head)'s operands, each `[T, E]` rows.
+/// One (batch, head)'s operands: q and k `[T, E]` rows, v, o and g `[T, E_v]`.
 struct Head<'a> {
     q: View<'a>,
     k: View<'a>,
@@ -564,7 +575,8 @@ struct Head<'a> {
     g: View<'a>,
 }
 
-/// One (batch, head)'s gradients, each `[T, E]` row-major.
+/// One (batch, head)'s gradients, each `[T, w]` row-major (w the wider width; dq and dk fill
+/// the first E columns, dv the first E_v).
 struct Grads<'a> {
     dq: &'a mut [f32],
     dk: &'a mut [f32],
@@ -575,11 +587,11 @@ struct Grads<'a> {
 #[inline(always)]
 fn backward_in(x: Head, c: &Ctx, d: Grads, scratch: &mut Scratch) {
     let Ctx { mask, spans, s, scale } = *c;
-    let (t, e) = (s.t, s.e);
+    let (t, e, ev, w) = (s.t, s.e, s.ev, s.w());
     // p: the softmax of the query tile's row block over its key tiles (row stride t).
     let Scratch { kt, vt, z, p, ds } = scratch;
     transpose(x.k, (t, e), kt);
-    transpose(x.v, (t, e), vt);
+    transpose(x.v, (t, ev), vt);
     for r0 in (0..t).step_by(BQ) {
         let rows = BQ.min(t - r0);
         let tiles: Vec<(usize, usize)> = spans.key_tiles(r0..r0 + rows, t).collect();
@@ -616,15 +628,15 @@ fn backward_in(x: Head, c: &Ctx, d: Grads, scratch: &mut Scratch) {
             row[span].iter_mut().for_each(|y| *y /= total);
         }
         let gi = Mat { data: x.g.from(r0), rs: x.g.rs, cs: 1 };
-        let big_d: Vec<f32> = (r0..r0 + rows).map(|r| dot(&x.g.from(r)[..e], &x.o.from(r)[..e])).collect();
+        let big_d: Vec<f32> = (r0..r0 + rows).map(|r| dot(&x.g.from(r)[..ev], &x.o.from(r)[..ev])).collect();
         for ((&(c0, cols), seen), seen_by) in tiles.iter().zip(&seen).zip(&seen_by) {
             let pt = Mat { data: &p[c0..], rs: 1, cs: t };
-            let dv = Out { data: &mut d.dv[c0 * e..], rs: e };
-            product((cols, e, rows), dv, true, pt, gi, |ks, _| seen_by[ks.start / MR].clone());
+            let dv = Out { data: &mut d.dv[c0 * w..], rs: w };
+            product((cols, ev, rows), dv, true, pt, gi, |ks, _| seen_by[ks.start / MR].clone());
             let ds = &mut ds[..rows * cols];
             let vtj = Mat { data: &vt[c0..], rs: t, cs: 1 };
-            product((rows, cols, e), Out { data: ds, rs: cols }, false, gi, vtj, |rs, ks| {
-                all_if(&seen[rs.start / MR], ks, e)
+            product((rows, cols, ev), Out { data: ds, rs: cols }, false, gi, vtj, |rs, ks| {
+                all_if(&seen[rs.start / MR], ks, ev)
             });
             for (r, dr) in ds.chunks_exact_mut(cols).enumerate() {
                 for (y, &pv) in dr.iter_mut().zip(&p[r * t + c0..r * t + c0 + cols]) {
@@ -632,10 +644,10 @@ fn backward_in(x: Head, c: &Ctx, d: Grads, scratch: &mut Scratch) {
                 }
             }
             let kj = Mat { data: x.k.from(c0), rs: x.k.rs, cs: 1 };
-            let dq = Out { data: &mut d.dq[r0 * e..], rs: e };
+            let dq = Out { data: &mut d.dq[r0 * w..], rs: w };
             let dsm = Mat { data: ds, rs: cols, cs: 1 };
             product((rows, e, cols), dq, true, dsm, kj, |rs, _| seen[rs.start / MR].clone());
-            let dk = Out { data: &mut d.dk[c0 * e..], rs: e };
+            let dk = Out { data: &mut d.dk[c0 * w..], rs: w };
             let dst = Mat { data: ds, rs: 1, cs: cols };
             product((cols, e, rows), dk, true, dst, qi, |ks, _| seen_by[ks.start / MR].clone());
         }
@@ -702,7 +714,8 @@ pub fn composition(
 
 /// [`attention_backward`] as the composition's autodiff gives it: `dv = Pᵀ g`, `dP = g vᵀ`,
 /// `dS` the softmax backward of `dP` (in the wide dtype), `dq = dS k`, `dk = dSᵀ q` (dk and dv
-/// summed over each key/value head's query heads), joined along the heads `[B, H + 2·KV, T, E]`.
+/// summed over each key/value head's query heads), joined along the heads `[B, H + 2·KV, T,
+/// max(E, E_v)]`, the narrower ones zero-padded.
 ///
 /// # Errors
 /// candle's, for shapes that do not fit.
@@ -724,7 +737,16 @@ pub fn composition_backward(
     let ds = cast(&softmax_backward(&wide, &dp, 3, scale)?, q.dtype())?;
     let dq = matmul(&ds, &k)?;
     let dk = sum_kv(&matmul(&ds.t()?, q)?, kv)?;
-    Tensor::cat(&[dq, dk, dv], 1)
+    let width = dq.dim(3)?.max(dv.dim(3)?);
+    let pad = |x: Tensor| {
+        let short = width - x.dim(3)?;
+        if short == 0 {
+            Ok(x)
+        } else {
+            x.pad_with_zeros(3, 0, short)
+        }
+    };
+    Tensor::cat(&[pad(dq)?, pad(dk)?, pad(dv)?], 1)
 }
 
 #[cfg(test)]

@@ -249,6 +249,46 @@ fn spans_bound_what_each_row_and_key_sees() {
     assert_eq!(Spans::hull(&spans.rows, 0..1, 1..8), 0..0);
 }
 
+/// Values of a width apart from q·k's (multi-head latent attention's d_v ≠ d_nope + d_rope),
+/// narrower and wider, with grouped-query heads, across tiles: the kernels against the
+/// composition in f64, and against the kernels on zero-padded operands (the padding the
+/// attention of MLA did before), whose columns they must give; the backward's narrower
+/// gradients are zero past their width.
+#[test]
+fn values_may_be_narrower_or_wider_than_queries_and_keys() {
+    let (b, h, kv, t) = (2, 4, 2, BK + 36);
+    for (e, ev) in [(24, 16), (8, 20)] {
+        let c = Case {
+            q: tensor(&[b, h, t, e], 1, 2.0),
+            k: tensor(&[b, kv, t, e], 2, 2.0),
+            v: tensor(&[b, kv, t, ev], 3, 1.0),
+            g: tensor(&[b, h, t, ev], 4, 1.0),
+            mask: causal(t),
+        };
+        let scale = 1.0 / (e as f64).sqrt();
+        check(&c, scale);
+        let o = attention(&c.q, &c.k, &c.v, &c.mask, scale).unwrap();
+        assert_eq!(o.dims(), [b, h, t, ev]);
+        let d = attention_backward(&c.q, &c.k, &c.v, &c.mask, &o, &c.g, scale).unwrap();
+        let w = e.max(ev);
+        assert_eq!(d.dims(), [b, h + 2 * kv, t, w]);
+        let zeros = |heads: (usize, usize), from: usize| {
+            let tail = d.narrow(1, heads.0, heads.1).unwrap().narrow(3, from, w - from).unwrap();
+            f64s(&tail).iter().all(|&x| x == 0.0)
+        };
+        assert!(zeros((0, h + kv), e) && zeros((h + kv, kv), ev), "padding past each width");
+        // The padded run: q, k and v widened to w with zero columns.
+        let pad = |x: &Tensor| x.pad_with_zeros(3, 0, w - x.dims()[3]).unwrap();
+        let (qp, kp, vp, gp) = (pad(&c.q), pad(&c.k), pad(&c.v), pad(&c.g));
+        let op = attention(&qp, &kp, &vp, &c.mask, scale).unwrap();
+        let err = relative(&o, &op.narrow(3, 0, ev).unwrap());
+        assert!(err < 1e-6, "forward against the padded run: {err:e}");
+        let dp = attention_backward(&qp, &kp, &vp, &c.mask, &op, &gp, scale).unwrap();
+        let err = relative(&d, &dp);
+        assert!(err < 1e-5, "backward against the padded run: {err:e}");
+    }
+}
+
 #[test]
 fn bad_shapes_are_errors() {
     let c = case(1, 1, 8, 4, causal(8));
@@ -256,6 +296,10 @@ fn bad_shapes_are_errors() {
     assert!(attention(&c.q, &short, &c.v, &c.mask, 1.0).is_err());
     assert!(attention(&c.q, &c.k, &c.v, &causal(7), 1.0).is_err());
     assert!(attention_backward(&c.q, &c.k, &c.v, &c.mask, &short, &c.g, 1.0).is_err());
+    // k must have q's width; o and g v's.
+    let wide = tensor(&[1, 1, 8, 6], 6, 1.0);
+    assert!(attention(&c.q, &wide, &c.v, &c.mask, 1.0).is_err());
+    assert!(attention_backward(&c.q, &c.k, &wide, &c.mask, &c.q, &c.g, 1.0).is_err());
 }
 
 /// bf16 q, k, v, g: within bf16 rounding of the f64 composition of the same (bf16) values,
