@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use graphpp_schedule::bytes::{ByteModel, StageBytes};
 use graphpp_schedule::compare::{scale_costs, schedule_chunk_factor};
+use graphpp_schedule::error_text::with_causes as message;
 use graphpp_schedule::measured::measured_vs_predicted as measured_vs_predicted_rs;
 use graphpp_schedule::render::{chrome_trace, figures, grid, svg, GridStyle};
 use graphpp_schedule::simulate::simulate_with;
@@ -52,20 +53,6 @@ pyo3::create_exception!(
     "A schedule or cost model the simulator cannot run: bad costs, a missing producer, a deadlock."
 );
 pyo3::create_exception!(graphpp, CostError, GraphppError, "A malformed or out-of-range cost.");
-
-/// The error's message and its causes, joined by `: ` (as the CLI prints them).
-fn message(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let part = c.to_string();
-        if !text.contains(&part) {
-            text = format!("{text}: {part}");
-        }
-        cause = c.source();
-    }
-    text
-}
 
 /// Maps a Rust error to the Python exception `kind` with [`message`].
 fn err<E: std::error::Error>(kind: fn(String) -> PyErr) -> impl Fn(E) -> PyErr {

@@ -7,6 +7,7 @@ pub mod bytes;
 pub mod compare;
 pub mod costs;
 pub mod deps;
+pub mod error_text;
 pub mod generate;
 pub mod lower;
 pub mod measured;

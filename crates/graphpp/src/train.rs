@@ -654,7 +654,8 @@ fn describe_difference(saved: &RunConfig, now: &RunConfig) -> String {
 /// be read or is not a schedule (the caller names the file and its flag or field).
 pub fn read_schedule_file(path: &Path) -> Result<Arc<graphpp_schedule::Schedule>, String> {
     let text = crate::textfile::read_text(path).map_err(|e| e.to_string())?;
-    Ok(Arc::new(graphpp_schedule::Schedule::parse(&text).map_err(|e| e.to_string())?))
+    let parsed = graphpp_schedule::Schedule::parse(&text);
+    Ok(Arc::new(parsed.map_err(|e| graphpp_schedule::error_text::with_causes(&e))?))
 }
 
 /// The refusal of a data-parallel degree that does not divide the microbatch size.
@@ -666,8 +667,9 @@ pub fn dp_not_dividing(dp: usize, batch: usize) -> String {
 /// keeps `kind`'s placement and the run's shape, so a file of another kind needs its kind given.
 pub fn order_hint(kind: Kind) -> String {
     format!(
-        "(the file must be an order of --schedule {kind}: its placement, --ranks, --stages-per-rank and \
-         --microbatches; give the file's own kind with --schedule)"
+        "(the file must be an order of --schedule {kind}, given or implied by the file: its placement, \
+         and --ranks, --stages-per-rank and --microbatches, given or the file's; give the file's own \
+         kind with --schedule)"
     )
 }
 

@@ -321,5 +321,30 @@ fn a_dualpipe_order_is_told_by_its_routes() {
     assert!(!out.status.success() && err.contains("microbatch 0 visits stages 0..2 in the file"), "{err}");
     let out = graphpp().args(["verify", "--schedule-file", order.to_str().unwrap()]).output().unwrap();
     let o = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && o.contains("verify dualpipe p=2 v=2 m=4") && o.contains("PASS"), "{o}");
+    let header = format!("verify dualpipe (order of {}) p=2 v=2 m=4", order.display());
+    assert!(out.status.success() && o.contains(&header) && o.contains("PASS"), "{o}");
+    // DualPipeV's order (V placement, OVERLAP_F_B actions) is read as dualpipev, not zbv.
+    let gen = graphpp()
+        .args(["schedule", "generate", "--schedule", "dualpipev", "--ranks", "2", "--microbatches", "5"])
+        .args(["--format", "csv"])
+        .output()
+        .unwrap();
+    let v = file(d.path(), "dualpipev.csv", &String::from_utf8_lossy(&gen.stdout));
+    let out = graphpp().args(["verify", "--schedule-file", v.to_str().unwrap()]).output().unwrap();
+    let o = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && o.contains("verify dualpipev (order of") && o.contains("PASS"), "{o}");
+}
+
+/// A schedule file that does not parse is refused naming the cell and why, as `schedule
+/// validate` does.
+#[test]
+fn a_bad_schedule_file_cell_says_why() {
+    let d = tempfile::tempdir().unwrap();
+    let bad = file(d.path(), "bad.csv", "0F0,0XX2\n");
+    let out = graphpp().args(["verify", "--schedule-file", bad.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("cell 2") && err.contains("unknown action kind `XX2`"),
+        "{err}"
+    );
 }

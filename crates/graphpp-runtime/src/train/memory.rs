@@ -242,9 +242,10 @@ pub fn parse_meminfo(text: &str) -> Option<u64> {
 /// tensors the runtime counts: its allocator's own pages (mimalloc keeps a heap per thread, and
 /// [`crate::malloc::retain_freed_memory`] keeps what it frees) and the matmul kernels' packing
 /// buffers. Measured on this project's 2-core host (docs/PERFORMANCE.md, "Memory history"):
-/// `train --model tiny --steps 3` at 1, 2 and 4 ranks × 1 and 2 threads per rank kept 11–24 MiB
-/// per thread above its tensors, program and corpus; 16 MiB is their middle.
-pub const THREAD_BYTES: u128 = 16 << 20;
+/// `train --model tiny` at 1, 2 and 4 ranks × 1 and 2 threads per rank kept 11–24 MiB per
+/// thread above its tensors, program and corpus after 3 steps, and the default 2 ranks about 32
+/// after 20 (a MoE model's varying expert loads keep more); 24 MiB is their middle.
+pub const THREAD_BYTES: u128 = 24 << 20;
 
 /// What a process holds beside the steps' tensors ([`Layout::process`]): its program as
 /// resident now ([`resident_bytes`], 0 where unknown), `corpus` bytes it will read, and

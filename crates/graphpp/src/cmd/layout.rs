@@ -10,7 +10,7 @@ use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use graphpp::strategy::Strategy;
 use graphpp_runtime::kernels::device::DeviceSpec;
-use graphpp_schedule::{Kind, Placement, ValidateOptions};
+use graphpp_schedule::{Action, Kind, Placement, ValidateOptions};
 
 use crate::cmd::value::count;
 
@@ -18,8 +18,9 @@ use crate::cmd::value::count;
 #[derive(Args, Clone, Debug)]
 pub struct LayoutArgs {
     /// Schedule kind (`zbv`, `1f1b`, `dualpipev`, …; PyTorch class names accepted). With
-    /// --schedule-file, default the kind its placement implies (zbv for the V placement, 1f1b or
-    /// interleaved-1f1b for the loop).
+    /// --schedule-file, default the kind the file implies: dualpipe for two parameter copies,
+    /// dualpipev for the V placement with OVERLAP_F_B actions, zbv for other V orders, 1f1b or
+    /// interleaved-1f1b for the loop.
     #[arg(long)]
     pub schedule: Option<Kind>,
     /// Follow the order of a compute-only schedule file (CSV or JSON: F, B, I, W, OVERLAP_F_B per
@@ -35,18 +36,18 @@ pub struct LayoutArgs {
     #[arg(long, allow_hyphen_values = true)]
     pub mem_cap: Option<f64>,
     /// p: pipeline ranks, the pipeline's depth (one thread each; under mpirun, one process
-    /// each); the world is ranks × dp × tp.
+    /// each); the world is ranks × dp × tp. With --schedule-file, default its rows.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub ranks: Option<usize>,
     /// v: stages per rank (S = p·v; DualPipe's 2p stages hold two copies of a p-stage split);
     /// default 2 for interleaved kinds and the V kinds (ZB-V, V-Half, V-Min, DualPipe(V)),
-    /// else 1.
+    /// else 1; with --schedule-file, its stages over its rows.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub stages_per_rank: Option<usize>,
     /// Decoder layers of each model stage, e.g. `2,1,1` (default: an even split).
     #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = count::<usize>)]
     pub layers_per_stage: Option<Vec<usize>>,
-    /// m: microbatches per step.
+    /// m: microbatches per step. With --schedule-file, default those it names.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub microbatches: Option<usize>,
     /// B: sequences per microbatch (split over the --dp replicas: each runs B/dp of them).
@@ -150,9 +151,9 @@ impl LayoutArgs {
 
     /// Fills the shape flags not given from `--schedule-file`'s order: `--ranks` its rows,
     /// `--microbatches` the microbatches it names, `--stages-per-rank` its stages over its rows,
-    /// and `--schedule` the kind its placement and routes imply (dualpipe for two parameter
-    /// copies, zbv for the V placement, 1f1b or interleaved-1f1b for the loop placement at one or
-    /// more stages per rank). Given flags are
+    /// and `--schedule` the kind the file implies (dualpipe for two parameter copies, dualpipev
+    /// for the V placement with OVERLAP_F_B actions, zbv for other V orders, 1f1b or
+    /// interleaved-1f1b for the loop placement at one or more stages per rank). Given flags are
     /// kept: the run then checks the file against them and names what does not fit.
     ///
     /// # Errors
@@ -171,8 +172,10 @@ impl LayoutArgs {
         self.stages_per_rank.get_or_insert(v);
         if self.schedule.is_none() {
             let two_copies = order.route(0) != Some(0..found.stages);
+            let overlapped = order.actions().any(|(_, a)| matches!(a, Action::Overlap { .. }));
             self.schedule = Some(match (found.placement, v) {
                 (Some(Placement::V), _) if two_copies => Kind::DualPipe,
+                (Some(Placement::V), _) if overlapped => Kind::DualPipeV,
                 (Some(Placement::V), _) => Kind::Zbv,
                 (Some(Placement::Loop), 1) => Kind::OneFOneB,
                 (Some(Placement::Loop), _) => Kind::Interleaved1F1B,

@@ -178,20 +178,9 @@ pub fn error_line(e: &anyhow::Error) -> String {
     format!("error: {}{}", rank_prefix(), message(e))
 }
 
-/// The error and its causes joined by `: `, skipping a cause whose text the message already
-/// holds (typed errors often print their source themselves).
+/// The error and its causes on one line ([`graphpp_schedule::error_text::with_causes`]).
 fn message(e: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in e.chain() {
-        let c = cause.to_string();
-        if !text.contains(&c) {
-            if !text.is_empty() {
-                text.push_str(": ");
-            }
-            text.push_str(&c);
-        }
-    }
-    text
+    graphpp_schedule::error_text::with_causes(e.as_ref())
 }
 
 /// An error a rank has already written to standard error ([`launch`]); `main` exits 1 without

@@ -172,8 +172,9 @@ fn print_report(a: &VerifyArgs, setup: &VerifySetup, name: &str, world: usize, r
     }
     let layers = t.model.num_layers();
     println!(
-        "verify {} p={} v={} m={}{layout} (model {name}, {layers} layer{}, B={} T={}, seed {}, {})",
+        "verify {}{} p={} v={} m={}{layout} (model {name}, {layers} layer{}, B={} T={}, seed {}, {})",
         t.kind,
+        a.layout.schedule_file.as_ref().map_or(String::new(), |f| format!(" (order of {})", f.display())),
         t.shape.ranks,
         t.shape.stages_per_rank,
         t.shape.microbatches,
