@@ -191,6 +191,11 @@ fn compile(
     if let Some(l) = &layers {
         flags.extend(["--layers", l.as_str()]);
     }
+    // The compute dtype is train's flag, not a strategy directive: --dtype (or the profile's).
+    let dtype = a.dtype.or(profile.map(|p| p.dtype)).map(|d| d.name());
+    if let Some(d) = dtype {
+        flags.extend(["--dtype", d]);
+    }
     let config = crate::cmd::train::strategy_config(path, &flags)?;
     let setup = graphpp::train::train_setup(&config)?;
     // A plan allocates nothing (and may be for other hardware): the run's schedule without this
