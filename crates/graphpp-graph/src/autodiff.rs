@@ -317,8 +317,8 @@ fn vjp_reduction(b: &mut GraphBuilder, fw: &Graph, y: ValueId, g: ValueId) -> Re
 }
 
 /// VJP of attention `y = attention(q, k, v, mask)` with softmax scale `scale`: dq, dk and dv
-/// `[B, H, T, E]`, `[B, KV, T, E]` twice, sliced from one backward node; the mask (a buffer) gets
-/// none.
+/// `[B, H, T, E]`, `[B, KV, T, E]`, `[B, KV, T, E_v]`, sliced from one backward node; the mask (a
+/// buffer) gets none.
 fn vjp_attention(
     b: &mut GraphBuilder,
     fw: &Graph,

@@ -181,8 +181,8 @@ fn infer_attention(op: &Op, ins: &[&TensorType]) -> Result<TensorType, String> {
             && h.is_multiple_of(kv);
         need(fits, || {
             format!(
-                "{} needs k [B, KV, T, E] and v [B, KV, T, E_v] of q's dtype, KV dividing q's H \
-                 (k's E q's): {name} {x} vs q {q}",
+                "{} needs k [B, KV, T, E] (E q's) and v [B, KV, T, E_v] of q's dtype, KV dividing \
+                 q's H: {name} {x} vs q {q}",
                 op.mnemonic()
             )
         })?;

@@ -27,8 +27,7 @@ pub fn flops_per_token(cfg: &LlamaConfig, seq: usize) -> f64 {
 /// (`3·D·F_s`) — not every expert's. With multi-head latent attention `N` counts MLA's
 /// projections instead of Llama's, and the attention products are `6·L·H·T·(d_qk + d_v)`
 /// (scores over the q·k width `d_qk = d_nope + d_rope`, the weighted sum over the value width;
-/// Llama's `12·L·H·hd·T` is the case `d_qk = d_v = hd`). The zero columns the graph pads the
-/// narrower width with ([`graphpp_graph::layers::latent_attention`]) are not model FLOPs.
+/// Llama's `12·L·H·hd·T` is the case `d_qk = d_v = hd`), as the graph's attention node runs them.
 pub fn moe_flops_per_token(cfg: &crate::moe::MoeConfig, seq: usize) -> f64 {
     let base = &cfg.base;
     let moe_layers = cfg.num_moe_layers();

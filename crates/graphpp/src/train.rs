@@ -678,14 +678,22 @@ fn schedule_flag(path: &Path) -> Result<Arc<graphpp_schedule::Schedule>, RunErro
     read_schedule_file(path).map_err(|e| RunError::Config(format!("--schedule-file {}: {e}", path.display())))
 }
 
+/// The ranks this process runs of a job of `world` ranks: one under `mpirun` (every rank a
+/// process), else all of them (threads).
+pub fn ranks_in_process(world: usize) -> usize {
+    match crate::launch::launched_world_size() {
+        Some(n) if n > 1 => 1,
+        _ => world,
+    }
+}
+
 /// The runtime setup of `c`, on the CPU: a run moves it to `c.device` ([`Run::with_comm`]).
 ///
 /// # Errors
 /// [`RunError`] for a schedule file that cannot be read or a bad learning-rate schedule.
 pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
-    // Under mpirun every rank is a process of its own; else the ranks are this process's threads.
     let launched = crate::launch::launched_world_size().filter(|&world| world > 1);
-    let ranks_in_process = if launched.is_some() { 1 } else { c.ranks * c.dp * c.tp };
+    let ranks_in_process = ranks_in_process(c.ranks * c.dp * c.tp);
     Ok(TrainSetup {
         model: Arc::new(c.model.clone()),
         kind: c.kind,
@@ -717,7 +725,8 @@ pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
         ranks_here: launched.map(|_| crate::launch::local_processes()),
         process_bytes: graphpp_runtime::train::memory::process_bytes(
             crate::data::corpus_memory(c.data.as_deref())?,
-            ranks_in_process.saturating_mul(graphpp_runtime::kernels::threads::op_threads()),
+            ranks_in_process,
+            graphpp_runtime::kernels::threads::op_threads(),
         ),
     })
 }

@@ -62,13 +62,13 @@ fn train_with_a_billion_microbatches_is_refused() {
 fn train_with_a_huge_microbatch_is_refused_from_the_memory_estimate() {
     // One microbatch of 100000 × 64 tokens saves 194 GB of activations in the tiny model (more
     // than 3/4 of any machine up to 258 GB).
-    let err = train(&["--microbatch-size", "100000"]);
+    let err = train(&["--microbatch-size", "100000", "--threads-per-rank", "1"]);
     has_all(
         &err,
         &["B=100000", "activations at the schedule's peak 194 GB", "the limit is", "--microbatch-size"],
     );
     // Beside the step the process holds its program, the test corpus and 24 MiB for each of its
-    // two rank threads: more than 50.3 MB.
+    // two ranks (one thread each): more than 50.3 MB.
     let (_, after) = err.split_once("the program, its corpus and threads ").expect(&err);
     let (value, unit) = after.split_once(' ').expect(&err);
     let mb: f64 = value.parse().expect(&err);

@@ -238,21 +238,27 @@ pub fn parse_meminfo(text: &str) -> Option<u64> {
     kib_field(text, "MemTotal:")
 }
 
-/// Bytes each computing thread (a rank's thread and each worker of its op pool) keeps beside the
-/// tensors the runtime counts: its allocator's own pages (mimalloc keeps a heap per thread, and
+/// Bytes each rank keeps beside the tensors the runtime counts: the allocator's own pages of
+/// the threads that compute for it (mimalloc keeps a heap per thread, and
 /// [`crate::malloc::retain_freed_memory`] keeps what it frees) and the matmul kernels' packing
-/// buffers. Measured on this project's 2-core host (docs/PERFORMANCE.md, "Memory history"):
-/// `train --model tiny` at 1, 2 and 4 ranks × 1 and 2 threads per rank kept 11–24 MiB per
-/// thread above its tensors, program and corpus after 3 steps, and the default 2 ranks about 32
-/// after 20 (a MoE model's varying expert loads keep more); 24 MiB is their middle.
-pub const THREAD_BYTES: u128 = 24 << 20;
+/// buffers, with one worker in its op pool. Measured on this project's 2-core host
+/// (docs/PERFORMANCE.md, "Memory history"): `train --model tiny` kept 20 MiB above its tensors,
+/// program and corpus at 1 rank × 1 thread, 48 at 2 × 1 and 63 at 4 × 1 after 3 steps, about 10
+/// more after 20 (a MoE model's varying expert loads keep more).
+pub const RANK_BYTES: u128 = 24 << 20;
+
+/// Bytes each further worker of a rank's op pool keeps ([`RANK_BYTES`]'s measurement: 1 × 2
+/// threads kept 30 MiB against 1 × 1's 20, 2 × 2 58 against 48, 4 × 2 89 against 63).
+pub const WORKER_BYTES: u128 = 8 << 20;
 
 /// What a process holds beside the steps' tensors ([`Layout::process`]): its program as
-/// resident now ([`resident_bytes`], 0 where unknown), `corpus` bytes it will read, and
-/// [`THREAD_BYTES`] for each of its `computing_threads`.
-pub fn process_bytes(corpus: u128, computing_threads: usize) -> u128 {
+/// resident now ([`resident_bytes`], 0 where unknown), `corpus` bytes it will read, and for each
+/// of its `ranks` [`RANK_BYTES`] and [`WORKER_BYTES`] per op-pool worker past the first
+/// (`workers` per rank).
+pub fn process_bytes(corpus: u128, ranks: usize, workers: usize) -> u128 {
     let program = u128::from(resident_bytes().unwrap_or(0));
-    program.saturating_add(corpus).saturating_add(THREAD_BYTES.saturating_mul(computing_threads as u128))
+    let per_rank = RANK_BYTES.saturating_add(WORKER_BYTES.saturating_mul(workers.saturating_sub(1) as u128));
+    program.saturating_add(corpus).saturating_add(per_rank.saturating_mul(ranks as u128))
 }
 
 /// This process's resident memory in bytes (`VmRSS` of `/proc/self/status`): the program, its
@@ -468,6 +474,10 @@ mod tests {
         let outside = 100 << 20;
         assert_eq!(Layout { process: outside, ..dp(4) }.of(b64).total(), dp(4).of(b64).total() + outside);
         assert_eq!(Layout { process: outside, ..eight }.of(b64).total(), half.total() + 4 * outside);
+        // A process's own: the corpus, and per rank 24 MiB with 8 more per op-pool worker past
+        // the first (the program's resident size, read twice, may move a little between).
+        let own = process_bytes(100, 2, 3) as i128 - process_bytes(0, 0, 1) as i128;
+        assert!((own - (100 + 2 * (24 + 2 * 8) * (1 << 20))).abs() < 1 << 20, "{own}");
     }
 
     #[test]

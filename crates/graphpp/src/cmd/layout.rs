@@ -41,7 +41,7 @@ pub struct LayoutArgs {
     pub ranks: Option<usize>,
     /// v: stages per rank (S = p·v; DualPipe's 2p stages hold two copies of a p-stage split);
     /// default 2 for interleaved kinds and the V kinds (ZB-V, V-Half, V-Min, DualPipe(V)),
-    /// else 1; with --schedule-file, its stages over its rows.
+    /// else 1; with --schedule-file and no --schedule, its stages over its rows.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     pub stages_per_rank: Option<usize>,
     /// Decoder layers of each model stage, e.g. `2,1,1` (default: an even split).
@@ -150,15 +150,17 @@ impl LayoutArgs {
     }
 
     /// Fills the shape flags not given from `--schedule-file`'s order: `--ranks` its rows,
-    /// `--microbatches` the microbatches it names, `--stages-per-rank` its stages over its rows,
-    /// and `--schedule` the kind the file implies (dualpipe for two parameter copies, dualpipev
-    /// for the V placement with OVERLAP_F_B actions, zbv for other V orders, 1f1b or
-    /// interleaved-1f1b for the loop placement at one or more stages per rank). Given flags are
-    /// kept: the run then checks the file against them and names what does not fit.
+    /// `--microbatches` the microbatches it names and, when `--schedule` is not given either,
+    /// `--stages-per-rank` its stages over its rows and `--schedule` the kind the file implies
+    /// (dualpipe for two parameter copies, dualpipev for OVERLAP_F_B actions, zbv for other V
+    /// orders, 1f1b or interleaved-1f1b for the loop placement at one or more stages per rank).
+    /// Given flags are kept: the run then checks the file against them and names what does not
+    /// fit.
     ///
     /// # Errors
     /// The file cannot be read or is not a valid schedule (named with the flag); a placement that
-    /// implies no kind without `--schedule`.
+    /// implies no kind without `--schedule`; idle rows, or stages that do not split evenly over
+    /// the rows.
     pub fn take_schedule_file_shape(&mut self) -> Result<()> {
         let Some(path) = &self.schedule_file else { return Ok(()) };
         let shown = path.display();
@@ -166,25 +168,40 @@ impl LayoutArgs {
             graphpp::train::read_schedule_file(path).map_err(|e| anyhow!("--schedule-file {shown}: {e}"))?;
         let found = graphpp_schedule::validate(&order, &ValidateOptions::default())
             .map_err(|e| anyhow!("--schedule-file {shown}: not a valid schedule: {e}"))?;
-        let (p, v) = (found.ranks, found.stages / found.ranks.max(1));
+        let p = found.ranks;
+        if !found.idle_ranks.is_empty() || !found.stages.is_multiple_of(p) {
+            bail!(
+                "--schedule-file {shown}: its {p} rows hold {} stage(s), {}: every rank must run \
+                 S/p of them",
+                found.stages,
+                if found.idle_ranks.is_empty() {
+                    "which do not split evenly over them".to_string()
+                } else {
+                    format!("and rank(s) {:?} run nothing", found.idle_ranks)
+                }
+            );
+        }
         self.ranks.get_or_insert(p);
         self.microbatches.get_or_insert(found.microbatches);
-        self.stages_per_rank.get_or_insert(v);
-        if self.schedule.is_none() {
-            let two_copies = order.route(0) != Some(0..found.stages);
-            let overlapped = order.actions().any(|(_, a)| matches!(a, Action::Overlap { .. }));
-            self.schedule = Some(match (found.placement, v) {
-                (Some(Placement::V), _) if two_copies => Kind::DualPipe,
-                (Some(Placement::V), _) if overlapped => Kind::DualPipeV,
-                (Some(Placement::V), _) => Kind::Zbv,
-                (Some(Placement::Loop), 1) => Kind::OneFOneB,
-                (Some(Placement::Loop), _) => Kind::Interleaved1F1B,
-                (None, _) => bail!(
-                    "--schedule-file {shown}: its stages are placed neither in a loop nor in a V: \
-                     give its kind with --schedule"
-                ),
-            });
+        if self.schedule.is_some() {
+            // The kind given: its own default stages per rank, unless given too.
+            return Ok(());
         }
+        let v = found.stages / p;
+        self.stages_per_rank.get_or_insert(v);
+        let two_copies = order.route(0) != Some(0..found.stages);
+        let overlapped = order.actions().any(|(_, a)| matches!(a, Action::Overlap { .. }));
+        self.schedule = Some(match (found.placement, v) {
+            _ if two_copies => Kind::DualPipe,
+            _ if overlapped => Kind::DualPipeV,
+            (Some(Placement::V), _) => Kind::Zbv,
+            (Some(Placement::Loop), 1) => Kind::OneFOneB,
+            (Some(Placement::Loop), _) => Kind::Interleaved1F1B,
+            (None, _) => bail!(
+                "--schedule-file {shown}: its stages are placed neither in a loop nor in a V: give \
+                 its kind with --schedule"
+            ),
+        });
         Ok(())
     }
 

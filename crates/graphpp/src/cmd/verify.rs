@@ -151,6 +151,10 @@ fn setup_of(a: &VerifyArgs, kind: Kind, shape: Shape, dp: usize) -> Result<(Veri
     (t.dtype, t.dp, t.fsdp, t.ep, t.tp) = (a.dtype, dp, l.fsdp, l.ep, l.tp);
     t.sequence_parallel = l.sequence_parallel;
     t.device = l.device.open().map_err(graphpp::train::RunError::from)?;
+    // verify reads no corpus; its ranks are threads of this process, or one process each.
+    let ranks = graphpp::train::ranks_in_process(shape.ranks * dp * l.tp);
+    let workers = graphpp_runtime::kernels::threads::op_threads();
+    t.process_bytes = graphpp_runtime::train::memory::process_bytes(0, ranks, workers);
     setup.weights = weights;
     setup.reference_dtype = a.reference_dtype;
     Ok((setup, name))
