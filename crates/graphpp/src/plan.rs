@@ -50,6 +50,9 @@ pub struct Links {
     /// Seconds per step of a tensor-parallel ring (an all-reduce over t ranks takes
     /// `2 (t − 1)` steps, an all-gather or reduce-scatter `t − 1`).
     pub tensor_latency: f64,
+    /// Expert parallelism's all-to-alls: the bytes a rank sends per second, over the links its
+    /// group's members cross ([`crate::hardware::Hardware::expert_bandwidth`]).
+    pub expert: f64,
 }
 
 impl Links {
@@ -61,6 +64,7 @@ impl Links {
             data: bytes_per_second,
             hop_latency: 0.0,
             tensor_latency: 0.0,
+            expert: bytes_per_second,
         }
     }
 }
@@ -208,14 +212,24 @@ fn schedule_graphs(
 }
 
 /// Time of `a` on stages whose actions compute for `compute` seconds, plus its tensor-parallel
-/// collectives (`tp`: their traffic per action kind and stage) over `links`.
-fn action_seconds(a: &Action, (compute, tp): (&[PerKind<f64>], &[PerKind<TpTraffic>]), links: &Links) -> f64 {
-    a.computes()
-        .map(|(kind, t)| {
-            let c = compute.get(t.stage).map_or(0.0, |w| w.get(kind));
-            c + tp.get(t.stage).map_or(0.0, |x| x.get(kind).seconds(links))
-        })
-        .sum()
+/// collectives (`tp`: their traffic per action kind and stage) and its expert-parallel
+/// all-to-alls over `links`. An OVERLAP_F_B runs one half's all-to-alls while the other
+/// computes (DualPipe's overlap, DeepSeek-V3 §3.2.1): the longer of its compute and its
+/// all-to-alls; any other action waits for its all-to-alls.
+fn action_seconds(
+    a: &Action,
+    (compute, traffic): (&[PerKind<f64>], &[PerKind<Traffic>]),
+    links: &Links,
+) -> f64 {
+    let (mut work, mut tp, mut ep) = (0.0, 0.0, 0.0);
+    for (kind, t) in a.computes() {
+        work += compute.get(t.stage).map_or(0.0, |w| w.get(kind));
+        let x = traffic.get(t.stage).map_or(Traffic::default(), |x| x.get(kind));
+        tp += x.tensor_seconds(links);
+        ep += x.expert as f64 / links.expert;
+    }
+    let overlapped = matches!(a, Action::Overlap { .. });
+    tp + if overlapped { work.max(ep) } else { work + ep }
 }
 
 /// How long one run of a graph computes: at a fitted or assumed [`Speed`] (seconds per matmul
@@ -250,45 +264,60 @@ impl Cost<'_> {
 /// and of each reduce-scatter's operand (sequence parallelism); a replicate sends nothing — and
 /// the ring steps, each paying a link's latency (`2 (t − 1)` per all-reduce, `t − 1` per
 /// all-gather or reduce-scatter).
-fn tp_ring(g: &graphpp_graph::Graph) -> TpTraffic {
+///
+/// And what it sends to the other members of its expert-parallel group: of each variable-count
+/// all-to-all (dispatch, combine, and their adjoints in the backward), the rows it holds —
+/// the smaller of what it sends and the static rows it could receive — of which `(G − 1) / G`
+/// go to other members under balanced routing.
+fn traffic(g: &graphpp_graph::Graph) -> Traffic {
     use graphpp_graph::{CollectiveKind, MeshAxis, Op};
-    let (mut bytes, mut steps) = (0.0, 0);
+    let (mut bytes, mut steps, mut expert) = (0.0, 0, 0.0);
     for n in &g.nodes {
         let Op::CollectiveStart { kind, group, .. } = n.op else { continue };
-        if group.mesh_axis != MeshAxis::Tensor {
-            continue;
-        }
         let t = group.size.max(1);
-        let share = graphpp_comm::emulated::ring(t);
-        let (b, s) = match kind {
-            CollectiveKind::AllReduce => (2.0 * share * n.ty.size_bytes() as f64, 2 * (t - 1)),
-            CollectiveKind::AllGather => (share * n.ty.size_bytes() as f64, t - 1),
-            CollectiveKind::ReduceScatter => (share * g.node(n.inputs[0]).ty.size_bytes() as f64, t - 1),
-            _ => (0.0, 0),
-        };
-        bytes += b;
-        steps += s;
+        match (group.mesh_axis, kind) {
+            (MeshAxis::Expert, CollectiveKind::AllToAllV { .. }) => {
+                let held = g.node(n.inputs[0]).ty.size_bytes().min(n.ty.size_bytes());
+                expert += (t - 1) as f64 / t as f64 * held as f64;
+            }
+            (MeshAxis::Tensor, _) => {
+                let share = graphpp_comm::emulated::ring(t);
+                let (b, s) = match kind {
+                    CollectiveKind::AllReduce => (2.0 * share * n.ty.size_bytes() as f64, 2 * (t - 1)),
+                    CollectiveKind::AllGather => (share * n.ty.size_bytes() as f64, t - 1),
+                    CollectiveKind::ReduceScatter => {
+                        (share * g.node(n.inputs[0]).ty.size_bytes() as f64, t - 1)
+                    }
+                    _ => (0.0, 0),
+                };
+                bytes += b;
+                steps += s;
+            }
+            _ => {}
+        }
     }
-    TpTraffic { bytes: bytes as u64, steps: steps as u64 }
+    Traffic { tensor: bytes as u64, steps: steps as u64, expert: expert as u64 }
 }
 
-/// A graph's tensor-parallel traffic ([`tp_ring`]).
+/// A graph's collective traffic ([`traffic`]): tensor-parallel bytes and ring steps, and the
+/// bytes its expert-parallel all-to-alls send to other members.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct TpTraffic {
-    bytes: u64,
+struct Traffic {
+    tensor: u64,
     steps: u64,
+    expert: u64,
 }
 
-impl TpTraffic {
-    /// Seconds of it over `links`.
-    fn seconds(&self, links: &Links) -> f64 {
-        self.bytes as f64 / links.tensor + self.steps as f64 * links.tensor_latency
+impl Traffic {
+    /// Seconds of its tensor-parallel part over `links`.
+    fn tensor_seconds(&self, links: &Links) -> f64 {
+        self.tensor as f64 / links.tensor + self.steps as f64 * links.tensor_latency
     }
 }
 
-/// [`tp_ring`] of each action kind's graph of a stage.
-fn stage_tp_traffic(g: &StageGraphs) -> PerKind<TpTraffic> {
-    PerKind::of_stage(g, tp_ring)
+/// [`traffic`] of each action kind's graph of a stage.
+fn stage_traffic(g: &StageGraphs) -> PerKind<Traffic> {
+    PerKind::of_stage(g, traffic)
 }
 
 /// What the planner predicts for one strategy.
@@ -316,10 +345,10 @@ pub fn predict(
     links: Links,
 ) -> Result<Prediction, PlanError> {
     let compute: Vec<PerKind<f64>> = graphs.iter().map(|g| cost.stage(g)).collect();
-    let tp_traffic: Vec<PerKind<TpTraffic>> = graphs.iter().map(|g| stage_tp_traffic(g)).collect();
+    let traffic: Vec<PerKind<Traffic>> = graphs.iter().map(|g| stage_traffic(g)).collect();
     let hop = graphs.first().and_then(|g| g.fw.output_by_name(OUTPUT).map(|v| g.fw.node(v).ty.size_bytes()));
     let hop_seconds = hop.unwrap_or(0) as f64 / links.hop + links.hop_latency;
-    let seconds = |a: &Action| action_seconds(a, (&compute, &tp_traffic), &links);
+    let seconds = |a: &Action| action_seconds(a, (&compute, &traffic), &links);
     let sim = simulate_with(schedule, seconds, hop_seconds, &Memory::default())
         .map_err(|e| PlanError::Build(e.to_string()))?;
     let mut grads = vec![0u64; schedule.num_ranks()];
@@ -526,6 +555,7 @@ fn rank(out: &mut Vec<Candidate>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use graphpp_schedule::Task;
 
     fn request(memory_per_rank: u64) -> PlanRequest {
         PlanRequest {
@@ -623,9 +653,10 @@ mod tests {
         .unwrap();
         // A ring all-reduce over 2 sends 2 · (2 − 1) / 2 = 1 × the value in 2 steps. The first
         // stage's forward also all-reduces the vocabulary-parallel embedding's [B, T, D].
-        let t = stage_tp_traffic(&graphs[0]);
+        let t = stage_traffic(&graphs[0]);
         let value = 2 * 16 * 64 * 4;
-        assert_eq!((t.f.bytes, t.b.bytes), ((2 * 2 + 1) * value, 2 * 2 * value));
+        assert_eq!((t.f.tensor, t.b.tensor), ((2 * 2 + 1) * value, 2 * 2 * value));
+        assert_eq!((t.f.expert, t.b.expert), (0, 0));
         assert_eq!((t.f.steps, t.b.steps), (2 * 5, 2 * 4));
         // Two pipeline ranks: the other two replicate (dp = 2) or split (tp = 2) the stages.
         let pinned = PlanRequest { pp: Some(2), ..r };
@@ -633,6 +664,41 @@ mod tests {
         let cap = two.iter().filter(|c| c.tp == 1).map(|c| c.peak_bytes).min().unwrap() - 1;
         let capped = plan(&PlanRequest { memory_per_rank: cap, ..pinned }).unwrap();
         assert!(capped[0].fits && capped[0].tp == 2, "{:?}", capped[0]);
+    }
+
+    /// Expert parallelism's all-to-alls cost their bytes over the expert link: a slower link
+    /// lengthens ZB-V's predicted step; DualPipeV runs one half's all-to-alls under the other
+    /// half's compute, so the same slowdown costs it less (the seed's reason for DualPipeV).
+    #[test]
+    fn expert_all_to_alls_cost_their_link_and_hide_under_overlap() {
+        let model = ModelConfig::preset("moe-tiny").unwrap();
+        let shape = Shape::new(2, 2, 8);
+        let ep = graphpp_models::ExpertShard { index: 0, size: 2 };
+        let opts = StageOptions::mixed(2, 16, DType::F32);
+        let step = |kind: Kind, expert: f64| {
+            let specs = stage_specs(&model, kind, &shape, None).unwrap();
+            let specs: Vec<_> = specs.into_iter().map(|s| graphpp_models::StageSpec { ep, ..s }).collect();
+            let graphs = graphpp_runtime::train::build::all_stage_graphs(&model, &specs, &opts).unwrap();
+            // Stage 1 holds MoE layer 1 (layer 0 is dense).
+            let t = stage_traffic(&graphs[1]);
+            assert!(t.f.expert > 0 && t.b.expert > 0, "the MoE stage sends rows both ways: {t:?}");
+            let schedule = graphpp_schedule::generate(kind, &shape, &Default::default()).unwrap();
+            let links = Links { expert, ..Links::uniform(1e12) };
+            predict(&schedule, &graphs, 2, Cost::Speed(&Speed::default()), links).unwrap().step_seconds
+        };
+        let slowdown = |kind| step(kind, 1e6) - step(kind, 1e12);
+        let (zbv, dualpipev) = (slowdown(Kind::Zbv), slowdown(Kind::DualPipeV));
+        assert!(zbv > 0.0 && dualpipev < zbv, "ZB-V slows by {zbv} s, DualPipeV by {dualpipev} s");
+        // The rule itself, on one stage computing F 1 s and B 2 s and sending 1 MB each way
+        // per action at 1 MB/s: F alone waits for its all-to-alls (2 s); an OVERLAP_F_B's 2 s of
+        // all-to-alls run under its 3 s of compute; a slower link (0.5 MB/s: 4 s) shows.
+        let compute = [PerKind { f: 1.0, b: 2.0, i: 0.0, w: 0.0 }];
+        let sent = Traffic { expert: 1_000_000, ..Traffic::default() };
+        let traffic = [PerKind { f: sent, b: sent, i: sent, w: sent }];
+        let at = |expert: f64| Links { expert, ..Links::uniform(1e12) };
+        let (f, fb) = (Action::f(0, 0), Action::overlap(Task::new(0, 1), Task::new(0, 0)));
+        let seconds = |a: &Action, l: f64| action_seconds(a, (&compute, &traffic), &at(l));
+        assert_eq!((seconds(&f, 1e6), seconds(&fb, 1e6), seconds(&fb, 5e5)), (2.0, 3.0, 4.0));
     }
 
     /// On a cluster the same layout costs what its traffic crosses: tp = 4 on nodes of 4

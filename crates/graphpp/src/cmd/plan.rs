@@ -211,7 +211,11 @@ fn compile(
     let dag = TrainingDag::of(&schedule, &|s| graphs.get(s).is_some_and(|g| g.di_dw.is_some()))?;
     let speed = profile.and_then(Profile::speed).unwrap_or_default();
     let (cost, links) = match hardware {
-        Some(h) => (Cost::Device(h, config.dtype), h.links((config.ranks, config.dp, config.tp))),
+        Some(h) => {
+            let mut links = h.links((config.ranks, config.dp, config.tp));
+            links.expert = h.expert_bandwidth((config.ranks, config.tp, config.ep));
+            (Cost::Device(h, config.dtype), links)
+        }
         None => (Cost::Speed(&speed), Links::uniform(a.link_gbps * 1e9)),
     };
     let p = predict(&schedule, &graphs, config.dp, cost, links)?;
