@@ -285,10 +285,11 @@ impl Schedule {
             .collect()
     }
 
-    /// The route of `microbatch`: the stages it visits, ascending (every action naming it,
-    /// OVERLAP_F_B's halves included). Every schedule of one parameter copy routes each
-    /// microbatch through all stages; DualPipe's two copies split the microbatches between the
-    /// directions. Empty for a microbatch the schedule does not name.
+    /// The route of `microbatch`: the stages from the lowest to the highest that any action
+    /// names for it (OVERLAP_F_B's halves included), ascending — the stages it visits, in a valid
+    /// schedule. Every schedule of one parameter copy routes each microbatch through all stages;
+    /// DualPipe's two copies split the microbatches between the directions. Empty for a
+    /// microbatch the schedule does not name.
     fn route(&self, microbatch: usize) -> Vec<usize> {
         self.inner.route(microbatch).map_or_else(Vec::new, |r| r.collect())
     }
