@@ -27,7 +27,7 @@ use graphpp_runtime::train::build::{stage_specs, GraphCache};
 use graphpp_runtime::train::bytes::{byte_model, input_bytes};
 use graphpp_runtime::SetupError;
 use graphpp_schedule::simulate::simulate_with;
-use graphpp_schedule::{generate, Action, Kind, Memory, Options, Schedule, Shape};
+use graphpp_schedule::{generate, Action, Kind, Memory, Options, Schedule, Shape, StageOpKind};
 
 use crate::profile::{PerKind, Speed, Work};
 
@@ -323,7 +323,8 @@ fn stage_traffic(g: &StageGraphs) -> PerKind<Traffic> {
 /// What the planner predicts for one strategy.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Prediction {
-    /// Step time, seconds: the simulated makespan plus the exposed gradient all-reduce.
+    /// Step time, seconds: the simulated makespan (FSDP's all-gathers and reduce-scatters on the
+    /// ranks' timelines) plus the exposed gradient all-reduce without FSDP.
     pub step_seconds: f64,
     /// In-iteration r_bubble of the simulated schedule.
     pub bubble: f64,
@@ -348,18 +349,34 @@ pub fn predict(
     let traffic: Vec<PerKind<Traffic>> = graphs.iter().map(|g| stage_traffic(g)).collect();
     let hop = graphs.first().and_then(|g| g.fw.output_by_name(OUTPUT).map(|v| g.fw.node(v).ty.size_bytes()));
     let hop_seconds = hop.unwrap_or(0) as f64 / links.hop + links.hop_latency;
-    let seconds = |a: &Action| action_seconds(a, (&compute, &traffic), &links);
+    let params: Vec<f64> = graphs.iter().map(|g| input_bytes(g, InputKind::Parameter) as f64).collect();
+    let ring = graphpp_comm::emulated::ring(dp);
+    let has = |kind: StageOpKind| {
+        schedule.actions().any(|(_, a)| matches!(a, Action::StageOp { kind: k, .. } if *k == kind))
+    };
+    let (fsdp, reduced) = (has(StageOpKind::Unshard), has(StageOpKind::ReduceGrad));
+    // The lowered schedule's stage operations, on the rank's timeline: FSDP's all-gather before a
+    // stage computes sends (dp − 1) / dp of its parameters' bytes over the data-parallel link, as
+    // does its gradients' reduce-scatter; a REDUCE_GRAD without FSDP all-reduces them (twice that).
+    let seconds = |a: &Action| match *a {
+        Action::StageOp { kind: kind @ (StageOpKind::Unshard | StageOpKind::ReduceGrad), stage } => {
+            let passes = if kind == StageOpKind::ReduceGrad && !fsdp { 2.0 } else { 1.0 };
+            passes * ring * params.get(stage).copied().unwrap_or(0.0) / links.data
+        }
+        _ => action_seconds(a, (&compute, &traffic), &links),
+    };
     let sim = simulate_with(schedule, seconds, hop_seconds, &Memory::default())
         .map_err(|e| PlanError::Build(e.to_string()))?;
-    let mut grads = vec![0u64; schedule.num_ranks()];
+    let mut grads = vec![0f64; schedule.num_ranks()];
     for (stage, ranks) in schedule.placement() {
         for r in ranks {
-            grads[r] += graphs.get(stage).map_or(0, |g| input_bytes(g, InputKind::Parameter));
+            grads[r] += params.get(stage).copied().unwrap_or(0.0);
         }
     }
-    // A ring all-reduce sends 2 (n − 1) / n of the value.
-    let reduce =
-        2.0 * graphpp_comm::emulated::ring(dp) * grads.into_iter().max().unwrap_or(0) as f64 / links.data;
+    // A compute-only schedule's replicas all-reduce their gradients after the step: a ring sends
+    // 2 (n − 1) / n of them.
+    let fullest = grads.into_iter().fold(0.0, f64::max);
+    let reduce = if reduced { 0.0 } else { 2.0 * ring * fullest / links.data };
     let refs: Vec<&StageGraphs> = graphs.iter().map(|g| &**g).collect();
     let bytes = byte_model(&refs, schedule).map_err(|e| PlanError::Build(e.to_string()))?;
     let peak_bytes = bytes.peak_bytes(schedule).map_err(|e| PlanError::Build(e.to_string()))?;
@@ -699,6 +716,40 @@ mod tests {
         let (f, fb) = (Action::f(0, 0), Action::overlap(Task::new(0, 1), Task::new(0, 0)));
         let seconds = |a: &Action, l: f64| action_seconds(a, (&compute, &traffic), &at(l));
         assert_eq!((seconds(&f, 1e6), seconds(&fb, 1e6), seconds(&fb, 5e5)), (2.0, 3.0, 4.0));
+    }
+
+    /// The lowered schedule's stage operations pay the data-parallel link: over a slow link an
+    /// FSDP step (UNSHARD's all-gather and REDUCE_GRAD's reduce-scatter, each (dp − 1) / dp of
+    /// the parameters) costs what the plain replicas' all-reduce does, whether that runs as
+    /// REDUCE_GRAD actions or after a compute-only schedule — and each link-bound part shows.
+    #[test]
+    fn fsdp_and_data_parallel_reductions_pay_the_data_link() {
+        let r = request(u64::MAX);
+        let shape = Shape::new(1, 1, 4);
+        let graphs = schedule_graphs(
+            &r,
+            (Kind::OneFOneB, &shape, 1),
+            2,
+            Recompute::SaveAll,
+            &mut GraphCache::default(),
+        )
+        .unwrap();
+        let compute = generate(Kind::OneFOneB, &shape, &Options::default()).unwrap();
+        let lowered = |fsdp: bool, reduce_grad: bool| {
+            let opts = graphpp_schedule::LowerOptions { fsdp_max_unsharded: fsdp.then_some(1), reduce_grad };
+            graphpp_schedule::lower(&compute, &opts).unwrap()
+        };
+        let step = |s: &Schedule, link: f64| {
+            predict(s, &graphs, 2, Cost::Speed(&Speed::default()), Links::uniform(link)).unwrap().step_seconds
+        };
+        let params = input_bytes(&graphs[0], InputKind::Parameter) as f64;
+        // dp 2: an all-reduce sends 2 · 1/2 of the gradients, at 1 MB/s.
+        let link_part = params / 1e6;
+        let fast = step(&compute, 1e15);
+        for s in [compute.clone(), lowered(true, false), lowered(false, true)] {
+            let slow = step(&s, 1e6);
+            assert!((slow - fast - link_part).abs() < 1e-6 * link_part, "{slow} vs {fast} + {link_part}");
+        }
     }
 
     /// On a cluster the same layout costs what its traffic crosses: tp = 4 on nodes of 4
