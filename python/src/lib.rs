@@ -586,6 +586,13 @@ fn solver_arg(solver: Option<&str>, time_limit: Option<f64>) -> PyResult<Solver>
     })
 }
 
+/// A count argument of [`generate`] as `usize`: `GenerateError` naming it when negative (as the
+/// CLI refuses `--ranks -1`), not Python's bare `OverflowError`.
+fn count_arg(name: &str, value: i64) -> PyResult<usize> {
+    usize::try_from(value)
+        .map_err(|_| GenerateError::new_err(format!("{name} = {value}: a count cannot be negative")))
+}
+
 /// Generates the schedule of `kind` (`"1f1b"`, `"zbv"`, `"zbv-auto"`, … or a PyTorch class name
 /// such as `"ScheduleZBVZeroBubble"`) for `ranks` (p) and `microbatches` (m), as
 /// `graphpp schedule generate` does.
@@ -600,10 +607,10 @@ fn solver_arg(solver: Option<&str>, time_limit: Option<f64>) -> PyResult<Solver>
 #[allow(clippy::too_many_arguments)]
 fn generate(
     kind: &str,
-    ranks: usize,
-    microbatches: usize,
-    stages_per_rank: Option<usize>,
-    group: Option<usize>,
+    ranks: i64,
+    microbatches: i64,
+    stages_per_rank: Option<i64>,
+    group: Option<i64>,
     costs: Option<&Bound<'_, PyAny>>,
     m_w: Option<f64>,
     mem_cap: Option<f64>,
@@ -611,10 +618,11 @@ fn generate(
     time_limit: Option<f64>,
 ) -> PyResult<Schedule> {
     let kind = kind_arg(kind)?;
-    let shape =
-        Shape::new(ranks, stages_per_rank.unwrap_or_else(|| kind.default_stages_per_rank()), microbatches);
+    let (ranks, microbatches) = (count_arg("ranks", ranks)?, count_arg("microbatches", microbatches)?);
+    let v = stages_per_rank.map(|v| count_arg("stages_per_rank", v)).transpose()?;
+    let shape = Shape::new(ranks, v.unwrap_or_else(|| kind.default_stages_per_rank()), microbatches);
     let opts = Options {
-        group,
+        group: group.map(|g| count_arg("group", g)).transpose()?,
         costs: costs_arg(costs)?,
         memory: memory_arg(m_w)?,
         mem_cap,

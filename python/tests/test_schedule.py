@@ -204,6 +204,8 @@ def test_bad_inputs_raise_typed_errors(tmp_path):
         graphpp.generate("zzz", 2, 2)
     with pytest.raises(graphpp.GenerateError, match="needs at least 1 rank"):
         graphpp.generate("1f1b", 0, 2)
+    with pytest.raises(graphpp.GenerateError, match="ranks = -1: a count cannot be negative"):
+        graphpp.generate("zbv", -1, 4)
     with pytest.raises(graphpp.GenerateError, match="needs at least 1 stage per rank"):
         graphpp.generate("interleaved-1f1b", 2, 4, stages_per_rank=0)
     with pytest.raises(graphpp.CostError, match="exceeds B"):

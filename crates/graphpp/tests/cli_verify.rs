@@ -68,7 +68,8 @@ fn difference_above_tolerance_exits_1() {
     // f32 summation order differs between the two steps, so a zero tolerance cannot hold.
     let out = verify(&["--schedule", "1f1b", "--ranks", "4", "--microbatches", "8", "--tolerance", "0"]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("FAIL"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("FAIL: difference above tolerance 0 relative"), "{err}");
 }
 
 #[test]

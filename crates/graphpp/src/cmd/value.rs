@@ -15,7 +15,7 @@ pub fn count<T: TryFrom<u128>>(text: &str) -> Result<T, String> {
         return T::try_from(n).map_err(|_| "the number is too large".to_string());
     }
     if t.strip_prefix('-').is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit())) {
-        return Err("a count must be >= 0, not negative".into());
+        return Err("a count cannot be negative".into());
     }
     Err("expected a whole number >= 0".into())
 }
@@ -28,7 +28,7 @@ mod tests {
     fn counts_are_whole_numbers_at_least_zero() {
         assert_eq!(count::<usize>("4"), Ok(4));
         assert_eq!(count::<usize>("0"), Ok(0));
-        assert_eq!(count::<usize>("-1").unwrap_err(), "a count must be >= 0, not negative");
+        assert_eq!(count::<usize>("-1").unwrap_err(), "a count cannot be negative");
         assert_eq!(count::<u64>("2.5").unwrap_err(), "expected a whole number >= 0");
         assert_eq!(count::<u64>("nan").unwrap_err(), "expected a whole number >= 0");
         assert_eq!(count::<u64>("99999999999999999999999").unwrap_err(), "the number is too large");

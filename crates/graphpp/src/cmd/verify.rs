@@ -70,7 +70,7 @@ pub struct VerifyArgs {
 
 /// A difference above the tolerance: the step ran, so no rank failed.
 #[derive(Debug, thiserror::Error)]
-#[error("FAIL: difference above tolerance {0:e} relative")]
+#[error("FAIL: difference above tolerance {} relative", if *.0 == 0.0 { "0".to_string() } else { format!("{:e}", .0) })]
 struct AboveTolerance(f64);
 
 /// Runs `graphpp verify`. Errors: bad shape or model (typed, with the numbers), a failing rank,
