@@ -20,6 +20,10 @@ pub const EXPERT_LOAD: &str = "expert_load.";
 /// of the training objective. Its gradient input `grad.aux_loss.<layer>` is the seed the runtime
 /// gives it: d objective / d aux = 1 per microbatch, before the 1/m of the microbatch mean.
 pub const AUX_LOSS: &str = "aux_loss.";
+/// The multi-token-prediction loss (DeepSeek-V3 §2.2): λ times its cross-entropy, a scalar in
+/// the wide dtype, an [`AUX_LOSS`] output (seeded and summed as the others are) that the runtime
+/// reports apart.
+pub const MTP_LOSS: &str = "aux_loss.mtp";
 /// Next-token logits `[B·T, V]` of an inference graph's last stage (no targets, no loss).
 pub const LOGITS: &str = "logits";
 

@@ -9,7 +9,7 @@ use graphpp_graph::layers::{
     causal_attention, cross_entropy, embedding, gated_mlp, linear, rms_norm, AttentionDims, AttentionWeights,
     MlpWeights,
 };
-use graphpp_graph::names::{INPUT, LOGITS, LOSS, OUTPUT, TARGETS, TOKENS};
+use graphpp_graph::names::{INPUT, LOGITS, LOSS, MTP_LOSS, OUTPUT, TARGETS, TOKENS};
 use graphpp_graph::{CollectiveKind, CommGroup, DType, Graph, GraphBuilder, InputKind, TensorType, ValueId};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -202,7 +202,7 @@ pub fn split_layers(
 /// `model.embed_tokens.weight`, which the last stage then holds too (its own copy when it is not
 /// also the first stage; the trainer sums the copies' gradients by name, so they stay equal).
 pub fn stage_parameters(cfg: &LlamaConfig, spec: &StageSpec) -> Vec<(String, Vec<usize>)> {
-    decoder_parameters(cfg, spec, &GroupedQueryAttention(cfg), &DenseMlp(cfg))
+    decoder_parameters(cfg, spec, &GroupedQueryAttention(cfg), &DenseMlp(cfg), None)
 }
 
 /// The parameters of one block of a stage by their HF names under a prefix
@@ -405,25 +405,40 @@ pub(crate) fn decoder_parameters(
     spec: &StageSpec,
     attn: &dyn SelfAttention,
     ffn: &dyn FeedForward,
+    mtp: Option<Mtp>,
 ) -> Vec<(String, Vec<usize>)> {
     let (d, v) = (cfg.hidden_size, cfg.vocab_size);
     let mut p = Vec::new();
     if spec.is_first() {
         p.push((EMBED.to_string(), vec![v, d]));
     }
-    for l in spec.layers.clone() {
+    let layer = |p: &mut Vec<(String, Vec<usize>)>, l: usize| {
         let pre = format!("model.layers.{l}");
         p.push((format!("{pre}.input_layernorm.weight"), vec![d]));
-        attn.parameters(&format!("{pre}.self_attn"), &mut p);
+        attn.parameters(&format!("{pre}.self_attn"), p);
         p.push((format!("{pre}.post_attention_layernorm.weight"), vec![d]));
-        ffn.parameters(l, spec.ep, &mut p);
+        ffn.parameters(l, spec.ep, p);
+    };
+    for l in spec.layers.clone() {
+        layer(&mut p, l);
     }
     if spec.is_last() {
         p.push(("model.norm.weight".to_string(), vec![d]));
         if !cfg.tie_word_embeddings {
             p.push((LM_HEAD.to_string(), vec![v, d]));
-        } else if !spec.is_first() {
+        }
+        // The last stage reads the embedding table for a tied head, or for the MTP module's
+        // embedding of the next tokens (shared with the first stage's: one parameter by name).
+        if !spec.is_first() && (cfg.tie_word_embeddings || mtp.is_some()) {
             p.push((EMBED.to_string(), vec![v, d]));
+        }
+        if let Some(m) = mtp {
+            let pre = format!("model.layers.{}", m.layer);
+            p.push((format!("{pre}.enorm.weight"), vec![d]));
+            p.push((format!("{pre}.hnorm.weight"), vec![d]));
+            p.push((format!("{pre}.eh_proj.weight"), vec![d, 2 * d]));
+            layer(&mut p, m.layer);
+            p.push((format!("{pre}.shared_head.norm.weight"), vec![d]));
         }
     }
     shard_shapes(p, spec.tp, |n| split_of(n, attn.splits_over_tp(), cfg.kv_heads(), spec.tp.size))
@@ -510,7 +525,7 @@ pub fn check_shape(cfg: &LlamaConfig, opts: &StageOptions) -> Result<(), ModelEr
 /// FSDP shard sizes.
 pub fn build_stage(cfg: &LlamaConfig, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
     cfg.validate()?;
-    build_decoder(cfg, spec, opts, &GroupedQueryAttention(cfg), &DenseMlp(cfg))
+    build_decoder(cfg, spec, opts, &GroupedQueryAttention(cfg), &DenseMlp(cfg), None)
 }
 
 /// [`build_stage`] with the self-attention block `attn` and the feed-forward block `ffn` (the
@@ -522,10 +537,16 @@ pub(crate) fn build_decoder(
     opts: &StageOptions,
     attn: &dyn SelfAttention,
     ffn: &dyn FeedForward,
+    mtp: Option<Mtp>,
 ) -> Result<Graph, ModelError> {
     check_shape(cfg, opts)?;
+    if mtp.is_some() && spec.tp.is_split() {
+        return Err(ModelError::Split(
+            "the multi-token-prediction module is not built under tensor parallelism".into(),
+        ));
+    }
     let mut b = GraphBuilder::new(&format!("stage{}.fw", spec.stage), opts.dtype);
-    let ins = stage_inputs(&mut b, cfg, spec, opts, attn, ffn)?;
+    let ins = stage_inputs(&mut b, cfg, spec, opts, (attn, ffn, mtp))?;
     // FSDP all-gathers are emitted right after the inputs (their waits precede first use).
     b.push_scope("model");
     let mut x = if !spec.is_first() {
@@ -545,6 +566,9 @@ pub(crate) fn build_decoder(
         b.push_scope("norm");
         let h = rms_norm(&mut b, x, ins.params["model.norm.weight"], cfg.rms_norm_eps)?;
         b.pop_scope();
+        if let (Some(m), Some(targets)) = (mtp, ins.targets) {
+            mtp_loss(&mut b, cfg, (attn, ffn, m), (spec, opts), &ins, (x, targets))?;
+        }
         b.pop_scope();
         lm_head_and_loss(&mut b, cfg, (opts, spec.tp), &ins, h)?;
     } else {
@@ -575,12 +599,11 @@ fn stage_inputs(
     cfg: &LlamaConfig,
     spec: &StageSpec,
     opts: &StageOptions,
-    attn: &dyn SelfAttention,
-    ffn: &dyn FeedForward,
+    (attn, ffn, mtp): (&dyn SelfAttention, &dyn FeedForward, Option<Mtp>),
 ) -> Result<StageInputs, ModelError> {
     let (bsz, t, d) = (opts.batch, opts.seq, cfg.hidden_size);
     let mut params = HashMap::new();
-    for (name, shape) in decoder_parameters(cfg, spec, attn, ffn) {
+    for (name, shape) in decoder_parameters(cfg, spec, attn, ffn, mtp) {
         let mut v = parameter(b, &name, shape, opts)?;
         // The embedding table is cast after its row gather (see `StageOptions`).
         if name != EMBED {
@@ -650,6 +673,63 @@ fn decoder_layer(
         let m = b.scoped("mlp", |b| ffn.build(b, l, (ep, tp), h, &ins.params))?;
         Ok(b.add2(x, m)?)
     })
+}
+
+/// DeepSeek-V3's multi-token-prediction module of depth 1 (§2.2), built on the last stage as
+/// decoder layer `layer` and weighted by λ = `weight` in the objective.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Mtp {
+    /// Its layer number `L` (the decoder's layer count): its parameters are `model.layers.{L}.*`.
+    pub layer: usize,
+    /// λ.
+    pub weight: f64,
+}
+
+/// The multi-token-prediction loss (DeepSeek-V3 §2.2, eqs. 21–25; parameter names as its
+/// checkpoints' layer `L`), output as [`MTP_LOSS`] = λ · the mean cross-entropy, on the main
+/// model's last hidden states `h` `[B, T, D]` (before the final norm) and the `targets`
+/// `[B, T]`, token i's next token: `h'ᵢ = eh_proj [enorm(Emb(tᵢ₊₁)); hnorm(hᵢ)]` (the shared
+/// embedding; vLLM's order of the two halves), one decoder layer `L` over all T positions (causal,
+/// so position i sees no later one), `shared_head.norm`, the shared LM head, and the
+/// cross-entropy of positions `0..T−1` against the targets shifted by one (token i + 2; the last
+/// position has none in the window).
+fn mtp_loss(
+    b: &mut GraphBuilder,
+    cfg: &LlamaConfig,
+    (attn, ffn, m): (&dyn SelfAttention, &dyn FeedForward, Mtp),
+    (spec, opts): (&StageSpec, &StageOptions),
+    ins: &StageInputs,
+    (h, targets): (ValueId, ValueId),
+) -> Result<(), ModelError> {
+    let pre = format!("model.layers.{}", m.layer);
+    let p = |name: &str| ins.params[&format!("{pre}.{name}.weight")];
+    let eps = cfg.rms_norm_eps;
+    let next = embed_tokens(b, ins.params[EMBED], targets, opts.dtype)?;
+    b.push_scope(&format!("layers.{}", m.layer));
+    let next = b.scoped("enorm", |b| rms_norm(b, next, p("enorm"), eps))?;
+    let hn = b.scoped("hnorm", |b| rms_norm(b, h, p("hnorm"), eps))?;
+    let joined = b.concat(&[next, hn], 2)?;
+    let x = b.scoped("eh_proj", |b| linear(b, joined, p("eh_proj")))?;
+    b.pop_scope();
+    let x = decoder_layer(b, cfg, (attn, ffn), (spec.ep, spec.tp), ins, m.layer, x)?;
+    b.push_scope(&format!("layers.{}.shared_head", m.layer));
+    let x = b.scoped("norm", |b| rms_norm(b, x, p("shared_head.norm"), eps))?;
+    let (bsz, t, d) = (b.shape(x)[0], b.shape(x)[1], b.shape(x)[2]);
+    let rows = bsz * (t - 1);
+    let x = b.slice(x, 1, 0, t - 1)?;
+    let head =
+        if cfg.tie_word_embeddings { b.cast(ins.params[EMBED], opts.dtype)? } else { ins.params[LM_HEAD] };
+    let logits = linear(b, x, head)?;
+    let logits = b.reshape(logits, vec![rows, b.shape(head)[0]])?;
+    let logits = b.cast(logits, opts.dtype.wide())?;
+    let shifted = b.slice(targets, 1, 1, t)?;
+    let shifted = b.reshape(shifted, vec![rows])?;
+    let ce = cross_entropy(b, logits, shifted)?;
+    let loss = b.scale(ce, m.weight)?;
+    b.pop_scope();
+    debug_assert_eq!(d, cfg.hidden_size);
+    b.output(MTP_LOSS, loss);
+    Ok(())
 }
 
 /// The LM head on the normalised hidden states `h` `[B, T, D]` (the embedding table when tied):

@@ -72,6 +72,12 @@ pub trait Model: std::fmt::Debug + Send + Sync {
         Vec::new()
     }
 
+    /// λ of the multi-token-prediction loss when the model builds that module (its last stage
+    /// outputs [`graphpp_graph::names::MTP_LOSS`], λ times the cross-entropy), else 0.
+    fn mtp_loss_weight(&self) -> f64 {
+        0.0
+    }
+
     /// The buffer `[E]` of MoE layer `layer` that biases its routing for load balance (updated by
     /// the trainer outside the gradient, DeepSeek-V3's auxiliary-loss-free balancing); `None`
     /// for a dense layer.
@@ -263,7 +269,7 @@ impl ModelConfig {
     }
 
     /// Multi-token-prediction modules a checkpoint of this model holds after its last layer
-    /// (DeepSeek-V3's `num_nextn_predict_layers`; not built); 0 for Llama.
+    /// (DeepSeek-V3's `num_nextn_predict_layers`; built when `mtp_loss_weight` is above 0); 0 for Llama.
     pub fn mtp_layers(&self) -> usize {
         match self {
             ModelConfig::Moe(m) => m.num_nextn_predict_layers,
@@ -319,6 +325,9 @@ impl Model for ModelConfig {
     }
     fn moe_layers(&self) -> Vec<(usize, usize)> {
         self.as_model().moe_layers()
+    }
+    fn mtp_loss_weight(&self) -> f64 {
+        self.as_model().mtp_loss_weight()
     }
     fn buffer_dtype(&self, name: &str, compute: graphpp_graph::DType) -> graphpp_graph::DType {
         self.as_model().buffer_dtype(name, compute)

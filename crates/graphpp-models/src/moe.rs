@@ -134,10 +134,20 @@ pub struct MoeConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<Yarn>,
     /// Multi-token-prediction modules after the last layer (DeepSeek-V3 §2.2; HF
-    /// `num_nextn_predict_layers`). Not built: read so that a checkpoint's layers
-    /// `L..L + n` are known for what they are (`--init-from` skips them).
+    /// `num_nextn_predict_layers`): built (one, as layer `L`) when [`MoeConfig::mtp_loss_weight`]
+    /// is above 0; otherwise read so that a checkpoint's layers `L..L + n` are known for what
+    /// they are (`--init-from` skips them).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub num_nextn_predict_layers: usize,
+    /// λ, the weight of the multi-token-prediction loss in the objective (DeepSeek-V3 §2.2, eq.
+    /// 25: 0.3, then 0.1, in its pre-training); graphpp's own field, not Hugging Face's. 0 (the
+    /// default): the module is not built.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub mtp_loss_weight: f64,
+}
+
+fn is_zero_f64(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// The `model_type`s of DeepSeek's MoE configs.
@@ -164,6 +174,7 @@ impl MoeConfig {
             mla: None,
             rope_scaling: None,
             num_nextn_predict_layers: 0,
+            mtp_loss_weight: 0.0,
         }
     }
 
@@ -269,6 +280,7 @@ impl MoeConfig {
             mla: Some(mla),
             rope_scaling: Some(yarn),
             num_nextn_predict_layers: 0,
+            mtp_loss_weight: 0.0,
         };
         cfg.apply_mla();
         cfg
@@ -281,6 +293,9 @@ impl MoeConfig {
             "moe-tiny" => Ok(Self::tiny()),
             "moe-small" => Ok(Self::small()),
             "moe-mla-tiny" => Ok(Self::mla_tiny()),
+            "moe-mla-tiny-mtp" => {
+                Ok(Self { num_nextn_predict_layers: 1, mtp_loss_weight: 0.3, ..Self::mla_tiny() })
+            }
             "moe-mla-small" => Ok(Self::mla_small()),
             "deepseek-v3-16b" => Ok(Self::deepseek_v3_16b()),
             other => Err(ModelError::Preset(other.into())),
@@ -348,6 +363,19 @@ impl MoeConfig {
     pub fn validate(&self) -> Result<(), ModelError> {
         self.base.validate()?;
         let bad = |field, reason: String| Err(ModelError::Field { field, reason });
+        let w = self.mtp_loss_weight;
+        if !(w.is_finite() && w >= 0.0) {
+            return bad("mtp_loss_weight", format!("{w} must be a finite number ≥ 0"));
+        }
+        if w > 0.0 && self.num_nextn_predict_layers != 1 {
+            return bad(
+                "num_nextn_predict_layers",
+                format!(
+                    "{} with mtp_loss_weight {w}: one multi-token-prediction module is built (set it to 1)",
+                    self.num_nextn_predict_layers
+                ),
+            );
+        }
         if self.n_routed_experts == 0 {
             return bad("n_routed_experts", "must be > 0".into());
         }
@@ -475,6 +503,20 @@ impl MoeConfig {
         layer >= self.first_k_dense_replace
     }
 
+    /// The multi-token-prediction module, when built ([`MoeConfig::mtp_loss_weight`] above 0):
+    /// layer `L` (after the `L` decoder layers, as DeepSeek-V3's checkpoints number it), a MoE
+    /// layer, weighted by λ.
+    pub fn mtp(&self) -> Option<crate::llama::Mtp> {
+        (self.mtp_loss_weight > 0.0)
+            .then_some(crate::llama::Mtp { layer: self.base.num_hidden_layers, weight: self.mtp_loss_weight })
+    }
+
+    /// The MoE layers: `first_k_dense_replace..L`, and the multi-token-prediction module's.
+    fn moe_layer_ids(&self) -> impl Iterator<Item = usize> + '_ {
+        let mtp = self.mtp().map(|m| m.layer);
+        (0..self.base.num_hidden_layers).filter(|&l| self.is_moe(l)).chain(mtp)
+    }
+
     /// Name of layer `layer`'s load-balancing bias buffer `[E]`.
     pub fn bias_name(layer: usize) -> String {
         format!("model.layers.{layer}.mlp.gate.e_score_correction_bias")
@@ -482,7 +524,7 @@ impl MoeConfig {
 
     /// Parameters of stage `spec` in the stage graph's input order (see [`crate::stage_parameters`]).
     pub fn stage_parameters(&self, spec: &StageSpec) -> Vec<(String, Vec<usize>)> {
-        decoder_parameters(&self.base, spec, &*self.attention(), self)
+        decoder_parameters(&self.base, spec, &*self.attention(), self, self.mtp())
     }
 
     /// How tensor parallelism over `tp` ranks splits parameter `name`
@@ -498,7 +540,7 @@ impl MoeConfig {
     pub fn build_stage(&self, spec: &StageSpec, opts: &StageOptions) -> Result<Graph, ModelError> {
         self.validate()?;
         self.check_ep(spec.ep.size)?;
-        build_decoder(&self.base, spec, opts, &*self.attention(), self)
+        build_decoder(&self.base, spec, opts, &*self.attention(), self, self.mtp())
     }
 
     /// Initial parameters ([`crate::init_parameters`]' rules; the gate and every expert matrix
@@ -513,11 +555,7 @@ impl MoeConfig {
     pub fn stage_buffers(&self, seq: usize) -> Vec<(String, Vec<usize>, Vec<f64>)> {
         let mut out = crate::llama::scaled_buffers(&self.base, seq, self.rope_scaling.as_ref());
         let e = self.n_routed_experts;
-        out.extend(
-            (0..self.base.num_hidden_layers)
-                .filter(|&l| self.is_moe(l))
-                .map(|l| (Self::bias_name(l), vec![e], vec![0.0; e])),
-        );
+        out.extend(self.moe_layer_ids().map(|l| (Self::bias_name(l), vec![e], vec![0.0; e])));
         out
     }
 }
@@ -855,7 +893,20 @@ impl crate::model::Model for MoeConfig {
     }
 
     fn stage_activation_bytes(&self, spec: &StageSpec, batch: usize, seq: usize) -> u128 {
-        crate::memory::moe_stage_activation_bytes(self, spec, batch, seq)
+        let stage = crate::memory::moe_stage_activation_bytes(self, spec, batch, seq);
+        match self.mtp().filter(|_| spec.is_last()) {
+            // The MTP module counted as one more MoE layer (a middle stage's) and a second head.
+            Some(m) => {
+                let layer = StageSpec { stage: 1, stages: 3, layers: m.layer..m.layer + 1, ..spec.clone() };
+                let head = (batch * seq) as u128
+                    * (self.base.vocab_size + 3 * self.base.hidden_size + 3) as u128
+                    * 4;
+                stage
+                    .saturating_add(crate::memory::moe_stage_activation_bytes(self, &layer, batch, seq))
+                    .saturating_add(head)
+            }
+            None => stage,
+        }
     }
 
     fn buffer_bytes(&self, seq: usize) -> u128 {
@@ -868,14 +919,15 @@ impl crate::model::Model for MoeConfig {
     }
 
     fn moe_layers(&self) -> Vec<(usize, usize)> {
-        (0..self.base.num_hidden_layers)
-            .filter(|&l| self.is_moe(l))
-            .map(|l| (l, self.n_routed_experts))
-            .collect()
+        self.moe_layer_ids().map(|l| (l, self.n_routed_experts)).collect()
     }
 
     fn balance_bias(&self, layer: usize) -> Option<String> {
         self.is_moe(layer).then(|| Self::bias_name(layer))
+    }
+
+    fn mtp_loss_weight(&self) -> f64 {
+        self.mtp().map_or(0.0, |m| m.weight)
     }
 
     fn check_ep(&self, ep: usize) -> Result<(), ModelError> {
@@ -998,6 +1050,56 @@ mod tests {
         }
         let aux = with(r#""aux_loss_alpha":0.001,"seq_aux":true"#).unwrap();
         assert_eq!(aux.aux_loss_alpha, 0.001);
+    }
+
+    /// The multi-token-prediction module (`moe-mla-tiny-mtp`): only the last stage holds it, as
+    /// layer L = 4 with DeepSeek-V3's names and the shared embedding, outputs `aux_loss.mtp` and
+    /// seeds its backward; it is a MoE layer (its expert load and routing bias); the pre-flight
+    /// estimate stays within 15% of what its save-all graph saves; λ without the module, or a
+    /// negative λ, is refused naming the field.
+    #[test]
+    fn the_mtp_module_sits_on_the_last_stage() {
+        use graphpp_graph::names::{grad_of, MTP_LOSS};
+        let m = MoeConfig::preset("moe-mla-tiny-mtp").unwrap();
+        assert_eq!(m.mtp(), Some(crate::llama::Mtp { layer: 4, weight: 0.3 }));
+        let specs = crate::split_layers(4, 2, None).unwrap();
+        let names = |s: &StageSpec| m.stage_parameters(s).into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+        let (first, last) = (names(&specs[0]), names(&specs[1]));
+        assert!(!first.iter().any(|n| n.starts_with("model.layers.4.")), "{first:?}");
+        for n in
+            ["model.layers.4.enorm.weight", "model.layers.4.hnorm.weight", "model.layers.4.eh_proj.weight"]
+        {
+            assert!(last.iter().any(|x| x == n), "{n} missing: {last:?}");
+        }
+        assert!(last.iter().any(|x| x == "model.layers.4.mlp.experts.0.up_proj.weight"), "MoE: {last:?}");
+        assert!(
+            last.iter().any(|x| x == "model.embed_tokens.weight")
+                && first.contains(&"model.embed_tokens.weight".to_string())
+        );
+        assert!(
+            m.moe_layers().iter().any(|&(l, _)| l == 4)
+                && m.stage_buffers(8).iter().any(|(n, ..)| *n == MoeConfig::bias_name(4))
+        );
+        let opts = StageOptions::new(2, 8);
+        let fw = m.build_stage(&specs[1], &opts).unwrap();
+        assert!(fw.output_names().contains(&MTP_LOSS.to_string()));
+        assert!(!m.build_stage(&specs[0], &opts).unwrap().output_names().contains(&MTP_LOSS.to_string()));
+        let sg = graphpp_graph::stage_graphs(&fw, &graphpp_graph::RecomputePolicy::SaveAll).unwrap();
+        assert!(
+            sg.full_bw.input_specs().iter().any(|i| i.name == grad_of(MTP_LOSS)),
+            "the backward takes its seed"
+        );
+        let input = (4 * 2 * 8 * m.base.hidden_size) as u128;
+        let est = Model::stage_activation_bytes(&m, &specs[1], 2, 8) - input;
+        let saved = crate::memory::saved_bytes(&fw);
+        let ratio = est as f64 / saved as f64;
+        assert!((0.85..=1.15).contains(&ratio), "estimate {est} against the graph's {saved}");
+        let bad = |c: MoeConfig| c.validate().unwrap_err().to_string();
+        assert!(
+            bad(MoeConfig { mtp_loss_weight: 0.3, ..MoeConfig::tiny() }).contains("num_nextn_predict_layers")
+        );
+        let negative = MoeConfig { mtp_loss_weight: -1.0, num_nextn_predict_layers: 1, ..MoeConfig::tiny() };
+        assert!(bad(negative).contains("mtp_loss_weight"));
     }
 
     /// With α > 0 each MoE layer's forward outputs its scalar `aux_loss.<layer>` and the backward

@@ -304,3 +304,25 @@ fn the_aux_loss_is_reported_the_same_in_every_layout() {
     }
     assert_eq!(aux(Kind::OneFOneB, 1, 1, 1, 1, 0.0), 0.0);
 }
+
+/// Multi-token prediction (DeepSeek-V3 §2.2): the step reports the MTP module's cross-entropy
+/// apart from the loss and from the balance losses, the same whatever λ (λ scales its share of
+/// the objective, not the value reported), while the gradients follow λ; its MoE layer (layer
+/// 4) has its expert load counted like the others.
+#[test]
+fn the_mtp_loss_is_reported_apart_and_weighted_by_lambda() {
+    let with = |lambda: f64| {
+        let m = MoeConfig { num_nextn_predict_layers: 1, mtp_loss_weight: lambda, ..model() };
+        let mut t = Trainer::new(TrainSetup { model: Arc::new(m), ..setup(1, 0.0) }).unwrap();
+        t.step(data(0)).unwrap().stats
+    };
+    let (a, b) = (with(0.3), with(0.6));
+    // About ln 256 at the start, as the main loss.
+    assert!((a.mtp_loss - 256f64.ln()).abs() < 0.5, "{}", a.mtp_loss);
+    assert!((a.mtp_loss - b.mtp_loss).abs() < 1e-6 * a.mtp_loss, "{} vs {}", a.mtp_loss, b.mtp_loss);
+    assert_eq!((a.loss, a.aux_loss), (b.loss, 0.0));
+    assert!((a.grad_norm - b.grad_norm).abs() > 1e-3 * a.grad_norm, "{} vs {}", a.grad_norm, b.grad_norm);
+    assert_eq!(a.expert_load.len(), 4, "the 3 MoE layers and the MTP module's");
+    let without = Trainer::new(setup(1, 0.0)).unwrap().step(data(0)).unwrap().stats;
+    assert_eq!((without.mtp_loss, without.loss), (0.0, a.loss));
+}

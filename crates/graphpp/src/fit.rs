@@ -255,6 +255,7 @@ fn step_record(run: &Run, r: &StepReport, secs: f64, elapsed: f64, val_loss: Opt
         boundary_wait_s: Some(r.boundary_wait_s.clone()),
         flops_per_s: Some(run.flops_per_token() * tokens / secs),
         aux_loss: (r.stats.aux_loss != 0.0).then_some(r.stats.aux_loss),
+        mtp_loss: (r.stats.mtp_loss != 0.0).then_some(r.stats.mtp_loss),
     }
 }
 

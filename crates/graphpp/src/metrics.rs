@@ -46,6 +46,10 @@ pub struct StepRecord {
     /// `graphpp_runtime::StepReport::aux_loss`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub aux_loss: Option<f64>,
+    /// The multi-token-prediction cross-entropy of the step (a model with `mtp_loss_weight` > 0;
+    /// see `graphpp_runtime::StepStats::mtp_loss`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtp_loss: Option<f64>,
 }
 
 /// Errors of the metrics file, naming it.
@@ -171,6 +175,7 @@ mod tests {
             resident_bytes: None,
             boundary_wait_s: None,
             aux_loss: None,
+            mtp_loss: None,
         }
     }
 

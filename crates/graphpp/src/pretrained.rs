@@ -15,7 +15,8 @@
 //! `transformers` saved them; graphpp computes RoPE from the config) are skipped; with
 //! `tie_word_embeddings` an `lm_head.weight` equal to `model.embed_tokens.weight` is dropped; and
 //! with `num_nextn_predict_layers` = n the layers `L..L+n` (DeepSeek-V3's multi-token-prediction
-//! module, which graphpp does not build) are skipped.
+//! module) are skipped where graphpp does not build the module (`mtp_loss_weight` 0), else its
+//! layer is read but for its copies of the embedding and the head (shared in graphpp).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -261,8 +262,14 @@ pub fn load_weights(dir: &Path, cfg: &ModelConfig) -> Result<BTreeMap<String, Te
         .map_err(|source| PretrainedError::Config { path: dir.join(CONFIG_FILE), source })?;
     let layers = cfg.num_layers();
     let mtp = layers..layers + cfg.mtp_layers();
+    // A built MTP module (`mtp_loss_weight` > 0) reads its layer's tensors, less the copies of
+    // the embedding and head DeepSeek's checkpoints keep in it (graphpp shares the model's).
+    let built = cfg.mtp_loss_weight() > 0.0;
+    let copy =
+        |name: &str| name.ends_with(".embed_tokens.weight") || name.ends_with(".shared_head.head.weight");
     let skip = |name: &str| {
-        name.ends_with(".rotary_emb.inv_freq") || layer_of(name).is_some_and(|l| mtp.contains(&l))
+        name.ends_with(".rotary_emb.inv_freq")
+            || layer_of(name).is_some_and(|l| mtp.contains(&l) && (!built || copy(name)))
     };
     let mut tensors = BTreeMap::new();
     for file in weight_files(dir)? {

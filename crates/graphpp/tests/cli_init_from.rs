@@ -194,3 +194,27 @@ fn an_unsupported_config_field_fails_naming_it() {
         graphpp(&["verify", "--init-from", dir, "--schedule", "1f1b", "--ranks", "1", "--microbatches", "1"]);
     assert!(!ok && err.contains("model.safetensors: missing"), "{err}");
 }
+
+/// A checkpoint of a model with the multi-token-prediction module exports its layer L with
+/// DeepSeek-V3's names, and `--init-from` reads it back (the module is built, so its layer is
+/// loaded, not skipped) and verifies.
+#[test]
+fn the_mtp_module_exports_and_loads_back() {
+    let d = tempfile::tempdir().unwrap();
+    let (ck, hf, data) = (d.path().join("ck"), d.path().join("hf"), d.path().join("c.txt"));
+    std::fs::write(&data, "a small corpus for the multi-token-prediction module.\n".repeat(60)).unwrap();
+    let mut args = vec!["train", "--model", "moe-mla-tiny-mtp", "--schedule", "1f1b", "--steps", "2"];
+    args.extend(["--microbatches", "2", "--microbatch-size", "2", "--seq-len", "8", "--sample-bytes", "0"]);
+    args.extend(["--data", data.to_str().unwrap(), "--checkpoint-dir", ck.to_str().unwrap()]);
+    let (ok, _, out, err) = graphpp(&args);
+    assert!(ok, "{out}{err}");
+    let (ok, _, out, err) = graphpp(&["export", ck.to_str().unwrap(), "--output", hf.to_str().unwrap()]);
+    assert!(ok, "{out}{err}");
+    let exported = graphpp::pretrained::load(&hf).unwrap();
+    assert_eq!(graphpp_models::Model::mtp_loss_weight(&exported.config), 0.3);
+    assert!(exported.tensors.contains_key("model.layers.4.eh_proj.weight"), "the module was read back");
+    let hf = hf.to_str().unwrap();
+    let (ok, _, out, err) =
+        graphpp(&["verify", "--init-from", hf, "--schedule", "1f1b", "--ranks", "2", "--microbatches", "2"]);
+    assert!(ok && out.contains("PASS"), "{out}{err}");
+}

@@ -532,3 +532,24 @@ fn an_emulated_link_is_reported() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("expected LATENCY_US,GBPS"));
 }
+
+/// Multi-token prediction's cross-entropy is logged on train's step lines and in `--metrics`,
+/// apart from the train loss, and it falls as the module trains (2 steps at lr 1e-2).
+#[test]
+fn the_mtp_loss_is_logged() {
+    let d = tempfile::tempdir().unwrap();
+    let data = corpus(d.path());
+    let metrics = d.path().join("m.jsonl");
+    let out = graphpp()
+        .args(["train", "--model", "moe-mla-tiny-mtp", "--steps", "3", "--seq-len", "16", "--lr", "1e-2"])
+        .args(["--eval-every", "0", "--sample-bytes", "0", "--data"])
+        .arg(&data)
+        .arg("--metrics")
+        .arg(&metrics)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("mtp loss "), "{text}");
+    let mtp: Vec<f64> = losses(&metrics).iter().map(|l| l["mtp_loss"].as_f64().unwrap()).collect();
+    assert!(mtp.len() == 3 && mtp[2] < mtp[0], "{mtp:?}");
+}

@@ -147,11 +147,14 @@ fn tensor_parallel_steps_match_one_device() {
 }
 
 /// `--ep 2` (pp = 2, so 4 ranks: --dp defaults to --ep) under 1f1b, zbv and dualpipev equals
-/// one device, with Llama attention and with DeepSeek's MLA and group-limited routing
-/// (`moe-mla-tiny`); an expert-parallel degree the run cannot have is refused naming --ep.
+/// one device, with Llama attention, with DeepSeek's MLA and group-limited routing
+/// (`moe-mla-tiny`) and with its multi-token-prediction module (`moe-mla-tiny-mtp`, whose
+/// gradients reach the shared embedding from both ends of the pipeline); an expert-parallel
+/// degree the run cannot have is refused naming --ep.
 #[test]
 fn expert_parallel_steps_match_one_device() {
-    let runs = ["1f1b", "zbv", "dualpipev"].into_iter().flat_map(|k| [(k, "moe-tiny"), (k, "moe-mla-tiny")]);
+    let models = ["moe-tiny", "moe-mla-tiny", "moe-mla-tiny-mtp"];
+    let runs = ["1f1b", "zbv", "dualpipev"].into_iter().flat_map(|k| models.map(|m| (k, m)));
     for (kind, model) in runs {
         let out = verify(&[
             "--model",

@@ -22,6 +22,7 @@ fn rec(step: u64, loss: f64, val_loss: Option<f64>, tokens_per_s: f64) -> StepRe
         boundary_wait_s: None,
         flops_per_s: None,
         aux_loss: None,
+        mtp_loss: None,
     }
 }
 

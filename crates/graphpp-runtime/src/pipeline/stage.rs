@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use graphpp_graph::names::{
-    grad_of, grad_target, Side, AUX_LOSS, EXPERT_LOAD, INPUT, LOSS, OUTPUT, TARGETS, TOKENS,
+    grad_of, grad_target, Side, AUX_LOSS, EXPERT_LOAD, INPUT, LOSS, MTP_LOSS, OUTPUT, TARGETS, TOKENS,
 };
 use graphpp_graph::passes::{multiplex_fw_bw, Multiplex};
 use graphpp_graph::{Graph, GraphError, InputKind, StageGraphs};
@@ -360,8 +360,11 @@ pub struct GraphStages {
     losses: BTreeMap<usize, f64>,
     /// Tokens per expert of each MoE layer this step, by layer.
     expert_load: BTreeMap<usize, Vec<f64>>,
-    /// Auxiliary losses of this step's forwards, summed.
+    /// Auxiliary losses of this step's forwards, summed (the MTP loss apart).
     aux_loss: f64,
+    /// The multi-token-prediction losses ([`MTP_LOSS`], λ-weighted) of this step's forwards,
+    /// summed.
+    mtp_loss: f64,
     overlap: HashMap<(usize, usize), Arc<(Graph, Program)>>,
     /// Peak activation bytes of the step so far (see [`GraphStages::peak_activation_bytes`]).
     peak_activation_bytes: usize,
@@ -442,6 +445,7 @@ impl GraphStages {
             losses: BTreeMap::new(),
             expert_load: BTreeMap::new(),
             aux_loss: 0.0,
+            mtp_loss: 0.0,
             overlap: HashMap::new(),
             peak_activation_bytes: 0,
             dp: None,
@@ -599,6 +603,7 @@ impl GraphStages {
         self.data = data;
         self.losses.clear();
         self.aux_loss = 0.0;
+        self.mtp_loss = 0.0;
         self.expert_load.clear();
         self.saved.clear();
         self.stash.clear();
@@ -606,9 +611,15 @@ impl GraphStages {
     }
 
     /// The auxiliary losses (`aux_loss.<layer>` outputs) of the forwards this rank ran this
-    /// step, summed over layers and microbatches.
+    /// step, summed over layers and microbatches (the MTP loss apart).
     pub fn aux_loss(&self) -> f64 {
         self.aux_loss
+    }
+
+    /// The multi-token-prediction losses ([`MTP_LOSS`]: λ times the cross-entropy) of the
+    /// forwards this rank ran this step, summed over microbatches.
+    pub fn mtp_loss(&self) -> f64 {
+        self.mtp_loss
     }
 
     /// Loss (mean over its tokens) of each microbatch whose route ends on this rank.
@@ -645,8 +656,9 @@ impl GraphStages {
     /// Keeps what the backward reads, records the loss; returns the output for the next stage.
     fn after_fw(&mut self, t: Task, mut env: Env, outs: Env) -> Result<Option<Tensor>, StageError> {
         self.count_expert_load(t, &outs)?;
-        for aux in outs.iter().filter(|(k, _)| k.starts_with(AUX_LOSS)).map(|(_, v)| v) {
-            self.aux_loss += to_f64(aux).map_err(|source| StageError::Tensor { stage: t.stage, source })?[0];
+        for (name, aux) in outs.iter().filter(|(k, _)| k.starts_with(AUX_LOSS)) {
+            let value = to_f64(aux).map_err(|source| StageError::Tensor { stage: t.stage, source })?[0];
+            *(if name == MTP_LOSS { &mut self.mtp_loss } else { &mut self.aux_loss }) += value;
         }
         let st = self.stage(t)?;
         env.extend(outs);

@@ -15,8 +15,9 @@ use crate::cmd::value::count;
 /// `--model`, `--layers` and `--init-from` of `train` and `verify`.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`, `moe-mla-tiny`, `moe-mla-small`,
-    /// `deepseek-v3-16b`) or a JSON config file with Hugging Face field names (DeepSeek-V2/V3 MoE
+    /// Model: a preset (`tiny`, `small`, `moe-tiny`, `moe-small`, `moe-mla-tiny`,
+    /// `moe-mla-tiny-mtp` (with multi-token prediction), `moe-mla-small`, `deepseek-v3-16b`) or a
+    /// JSON config file with Hugging Face field names (DeepSeek-V2/V3 MoE
     /// fields make it a MoE model; MLA fields or a DeepSeek model_type, multi-head latent attention).
     #[arg(long, default_value = "tiny")]
     pub model: String,

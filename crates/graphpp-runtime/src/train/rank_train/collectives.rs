@@ -13,13 +13,16 @@ impl RankTrainer {
         // Summed over the world: m losses, m counts (where this rank holds the last stage), then
         // each rank's peak bytes and resident bytes at its own index, then the tokens per expert
         // of every MoE layer (where this rank ran it), then the auxiliary losses this rank's
-        // MoE layers output.
+        // MoE layers output, then its multi-token-prediction losses.
         let layers = self.setup.model.moe_layers();
         let experts: usize = layers.iter().map(|&(_, e)| e).sum();
-        let mut rows = vec![0.0f64; 2 * m + 2 * world + experts + 1];
+        let mut rows = vec![0.0f64; 2 * m + 2 * world + experts + 2];
         // The tp ranks of a pipeline position compute the same losses: index 0 reports them.
         let reports = self.tp_index == 0;
-        rows[2 * m + 2 * world + experts] = if reports { work.aux_loss() } else { 0.0 };
+        if reports {
+            rows[2 * m + 2 * world + experts] = work.aux_loss();
+            rows[2 * m + 2 * world + experts + 1] = work.mtp_loss();
+        }
         let mut at = 2 * m + 2 * world;
         for (layer, e) in layers.into_iter().filter(|_| reports) {
             if let Some(load) = work.expert_load().get(&layer).filter(|l| l.len() == e) {
@@ -76,9 +79,13 @@ impl RankTrainer {
             )));
         }
         let mean = |sum: f64| sum / (m * self.setup.dp) as f64;
+        // The MTP output is λ times its cross-entropy: the cross-entropy is reported.
+        let lambda = self.setup.model.mtp_loss_weight();
+        let mtp = if lambda > 0.0 { mean(loads.get(1).copied().unwrap_or(0.0)) / lambda } else { 0.0 };
         Ok(StepSums {
             loss: mean(losses.iter().sum::<f64>()),
             aux_loss: mean(loads.first().copied().unwrap_or(0.0)),
+            mtp_loss: mtp,
             peak: peaks.iter().map(|&b| b as u64).collect(),
             resident: resident.iter().map(|&b| b as u64).collect(),
             expert_load,

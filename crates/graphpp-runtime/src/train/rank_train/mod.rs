@@ -66,6 +66,10 @@ pub struct StepStats {
     /// (0 without one; [`graphpp_models::MoeConfig::aux_loss_alpha`]); part of the objective
     /// the gradients are of, not of `loss`.
     pub aux_loss: f64,
+    /// The multi-token-prediction module's cross-entropy (of each token's second next token),
+    /// averaged as `loss` (0 without the module; [`graphpp_models::MoeConfig::mtp_loss_weight`]):
+    /// λ times it is part of the objective, not of `loss` or `aux_loss`.
+    pub mtp_loss: f64,
     /// Global L2 norm of the gradients before clipping (each distinct parameter once).
     pub grad_norm: f64,
     /// Learning rate used.
@@ -126,6 +130,8 @@ struct StepSums {
     loss: f64,
     /// Mean over the microbatches and replicas of the MoE layers' auxiliary losses, summed.
     aux_loss: f64,
+    /// Mean over the microbatches and replicas of the multi-token-prediction cross-entropy.
+    mtp_loss: f64,
     /// Each rank's peak bytes (index = world rank).
     peak: Vec<u64>,
     /// Each rank's resident bytes.
@@ -379,7 +385,10 @@ impl Holders {
                 let spec = specs
                     .get(stage)
                     .ok_or_else(|| mismatch(format!("stage {stage}: no model stage for it")))?;
-                for bias in spec.layers.clone().filter_map(|l| setup.model.balance_bias(l)) {
+                // The last stage also runs the multi-token-prediction module, layer L.
+                let mtp =
+                    (spec.is_last() && setup.model.mtp_loss_weight() > 0.0).then(|| setup.model.num_layers());
+                for bias in spec.layers.clone().chain(mtp).filter_map(|l| setup.model.balance_bias(l)) {
                     let first = ranks.iter().copied().min().unwrap_or_default();
                     let e = h.bias_holders.entry(bias).or_insert(first);
                     *e = (*e).min(first);
@@ -564,6 +573,7 @@ impl RankTrainer {
                     step: self.step,
                     loss: u.sums.loss,
                     aux_loss: u.sums.aux_loss,
+                    mtp_loss: u.sums.mtp_loss,
                     grad_norm: u.norm,
                     lr: u.lr,
                     peak_bytes: u.sums.peak,

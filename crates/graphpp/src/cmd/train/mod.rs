@@ -136,7 +136,7 @@ pub struct TrainArgs {
     stop_after: Option<u64>,
     /// Write one JSON line per step to PATH (step, loss, lr, grad_norm, step_s, tokens_per_s,
     /// elapsed_s, peak_bytes and resident_bytes per rank, boundary_wait_s, flops_per_s, aux_loss
-    /// for a MoE model, and val_loss at evaluations); a resumed run
+    /// and mtp_loss for a MoE model with them, and val_loss at evaluations); a resumed run
     /// keeps the lines up to its checkpoint's step, a fresh one truncates the file.
     #[arg(long)]
     metrics: Option<PathBuf>,

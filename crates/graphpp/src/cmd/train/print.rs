@@ -82,6 +82,7 @@ impl Observer for Lines {
             e.elapsed_s,
         ) + &expert_balance(&r.stats.expert_load).map_or(String::new(), |b| format!("  {b}"))
             + &(if r.stats.aux_loss != 0.0 { format!("  aux loss {:.4}", r.stats.aux_loss) } else { String::new() })
+            + &(if r.stats.mtp_loss != 0.0 { format!("  mtp loss {:.4}", r.stats.mtp_loss) } else { String::new() })
             + &host_reads();
         say(&self.pb, line).map_err(std::io::Error::other)
     }
