@@ -28,6 +28,7 @@ pub fn flops_per_token(cfg: &LlamaConfig, seq: usize) -> f64 {
 /// projections instead of Llama's, and the attention products are `6·L·H·T·(d_qk + d_v)`
 /// (scores over the q·k width `d_qk = d_nope + d_rope`, the weighted sum over the value width;
 /// Llama's `12·L·H·hd·T` is the case `d_qk = d_v = hd`), as the graph's attention node runs them.
+/// The multi-token-prediction module's work is not counted: model FLOPs are the main model's.
 pub fn moe_flops_per_token(cfg: &crate::moe::MoeConfig, seq: usize) -> f64 {
     let base = &cfg.base;
     let moe_layers = cfg.num_moe_layers();
@@ -37,7 +38,9 @@ pub fn moe_flops_per_token(cfg: &crate::moe::MoeConfig, seq: usize) -> f64 {
     let delta = moe_layers as f64 * (moe_mlp as f64 - dense_mlp as f64);
     let Some(mla) = &cfg.mla else { return flops_per_token(base, seq) + 6.0 * delta };
     let all = StageSpec::whole(base.num_hidden_layers);
-    let attention_weights: usize = cfg
+    // The main model's: the multi-token-prediction module is left out of model FLOPs.
+    let main = crate::moe::MoeConfig { mtp_loss_weight: 0.0, ..cfg.clone() };
+    let attention_weights: usize = main
         .stage_parameters(&all)
         .iter()
         .filter(|(name, shape)| name.contains(".self_attn.") && shape.len() == 2)

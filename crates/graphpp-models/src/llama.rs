@@ -545,6 +545,13 @@ pub(crate) fn build_decoder(
             "the multi-token-prediction module is not built under tensor parallelism".into(),
         ));
     }
+    if mtp.is_some() && opts.seq < 2 {
+        return Err(ModelError::Shape(format!(
+            "the multi-token-prediction module predicts each token's second next token: it needs \
+             sequences of at least 2 tokens (--seq-len {})",
+            opts.seq
+        )));
+    }
     let mut b = GraphBuilder::new(&format!("stage{}.fw", spec.stage), opts.dtype);
     let ins = stage_inputs(&mut b, cfg, spec, opts, (attn, ffn, mtp))?;
     // FSDP all-gathers are emitted right after the inputs (their waits precede first use).

@@ -957,6 +957,12 @@ impl crate::model::Model for MoeConfig {
     /// The grouped-query attention's heads (not multi-head latent attention's: replicated), the
     /// dense layers' MLP width (when the model has dense layers) and the vocabulary.
     fn check_tp(&self, tp: usize) -> Result<(), ModelError> {
+        if tp > 1 && self.mtp().is_some() {
+            return Err(ModelError::Field {
+                field: "mtp_loss_weight",
+                reason: "the multi-token-prediction module is not built under tensor parallelism".into(),
+            });
+        }
         let base = &self.base;
         let mut sizes = Vec::new();
         if self.mla.is_none() {

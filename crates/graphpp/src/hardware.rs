@@ -251,18 +251,20 @@ impl Hardware {
         }
     }
 
-    /// The bytes per second a rank's expert-parallel all-to-all sends under graphpp's rank order:
-    /// the `ep` members of a group are data-parallel replicas `pp · tp` ranks apart, so a node
-    /// holds `devices_per_node / (pp · tp)` of them (at least 1); of what a rank sends, the share
-    /// for members in other nodes crosses the inter-node link while the rest takes NVLink, both
-    /// at once: `1 / max(inside / intra, outside / inter)` with `outside = 1 − here / ep` (all of
-    /// it inside for ep = 1).
+    /// The bytes per second a rank's expert-parallel all-to-all sends to the other members under
+    /// graphpp's rank order: the `ep` members of a group are data-parallel replicas `pp · tp`
+    /// ranks apart, so a node holds `devices_per_node / (pp · tp)` of them (at least 1); of what a
+    /// rank sends to its `ep − 1` peers, `(here − 1) / (ep − 1)` stays on NVLink and `(ep − here)
+    /// / (ep − 1)` crosses the network, both at once: `1 / max(inside / intra, outside / inter)`
+    /// (NVLink's bandwidth for ep = 1, where nothing is sent).
     pub fn expert_bandwidth(&self, (pp, tp, ep): (usize, usize, usize)) -> f64 {
-        let ep = ep.max(1);
+        if ep <= 1 {
+            return self.intra_node.bandwidth;
+        }
         let here = (self.devices_per_node / (pp * tp).max(1)).clamp(1, ep);
-        let outside = 1.0 - here as f64 / ep as f64;
-        let time = ((1.0 - outside) / self.intra_node.bandwidth).max(outside / self.inter_node.bandwidth);
-        1.0 / time
+        let peers = (ep - 1) as f64;
+        let (inside, outside) = ((here - 1) as f64 / peers, (ep - here) as f64 / peers);
+        1.0 / (inside / self.intra_node.bandwidth).max(outside / self.inter_node.bandwidth)
     }
 
     /// The TOML text of this description (what `graphpp plan --hardware` reads).
@@ -567,10 +569,12 @@ mod tests {
         assert!((l.tensor_latency - 3e-6).abs() < 1e-15 && (l.hop_latency - 5e-6).abs() < 1e-15, "{l:?}");
         let l = h.links((2, 2, 2));
         assert_eq!((l.tensor, l.hop, l.data), (450e9, 450e9, 450e9));
-        // Expert parallelism over 16 replicas of a 4-rank pipeline: 2 members a node, so 7/8
-        // of the all-to-all crosses the network at 50 GB/s; within one node, NVLink.
-        assert!((h.expert_bandwidth((4, 1, 16)) - 50e9 * 8.0 / 7.0).abs() < 1.0);
+        // Expert parallelism over 16 replicas of a 4-rank pipeline: 2 members a node, so 14 of a
+        // rank's 15 peers are across the network at 50 GB/s; within one node, NVLink; two
+        // members in two nodes send everything over the network.
+        assert!((h.expert_bandwidth((4, 1, 16)) - 50e9 * 15.0 / 14.0).abs() < 1.0);
         assert_eq!(h.expert_bandwidth((1, 1, 8)), 450e9);
+        assert_eq!(h.expert_bandwidth((8, 1, 2)), 50e9);
         assert_eq!(h.expert_bandwidth((4, 1, 1)), 450e9);
     }
 

@@ -24,7 +24,7 @@ use graphpp_graph::names::OUTPUT;
 use graphpp_graph::{DType, InputKind, StageGraphs};
 use graphpp_models::{ModelConfig, Recompute, StageOptions};
 use graphpp_runtime::train::build::{stage_specs, GraphCache};
-use graphpp_runtime::train::bytes::{byte_model, input_bytes};
+use graphpp_runtime::train::bytes::byte_model;
 use graphpp_runtime::SetupError;
 use graphpp_schedule::simulate::simulate_with;
 use graphpp_schedule::{generate, Action, Kind, Memory, Options, Schedule, Shape, StageOpKind};
@@ -332,16 +332,52 @@ pub struct Prediction {
     pub peak_bytes: Vec<u64>,
 }
 
+/// A stage's parameter bytes as its data-parallel collectives move them: the f32 bytes of the
+/// shared parameters and of the routed experts (reduced over dp / ep replicas), and what FSDP
+/// gathers (bf16 for a parameter every graph reads only through a cast to bf16, as the runtime
+/// gathers it).
+#[derive(Debug, Clone, Copy, Default)]
+struct StageParams {
+    shared: f64,
+    routed: f64,
+    gathered: f64,
+}
+
+impl StageParams {
+    fn of(g: &StageGraphs, model: &dyn graphpp_models::Model) -> StageParams {
+        let inputs = g.fw.input_specs();
+        let params: Vec<&graphpp_graph::InputSpec> =
+            inputs.iter().filter(|i| i.kind == InputKind::Parameter).collect();
+        let names: Vec<String> = params.iter().map(|i| i.name.clone()).collect();
+        let bf16 = graphpp_runtime::pipeline::stage::read_as_bf16(g, &names);
+        let mut p = StageParams::default();
+        for i in params {
+            let bytes = i.ty.size_bytes() as f64;
+            *(if model.expert_of(&i.name).is_some() { &mut p.routed } else { &mut p.shared }) += bytes;
+            p.gathered += if bf16.contains(&i.name) { bytes / 2.0 } else { bytes };
+        }
+        p
+    }
+
+    /// Bytes one rank sends reducing these gradients with ring collectives: `passes` (2 for an
+    /// all-reduce, 1 for a reduce-scatter) times `(n − 1) / n` of each part over its group.
+    fn reduced(&self, passes: f64, (dp, ep): (usize, usize)) -> f64 {
+        let ring = graphpp_comm::emulated::ring;
+        passes * (ring(dp) * self.shared + ring(dp / ep.max(1)) * self.routed)
+    }
+}
+
 /// The [`Prediction`] for `schedule` (compute-only or lowered) whose stage `s` runs `graphs[s]`
-/// (a tensor-parallel rank's: its collectives name their group's size), with `dp` replicas, a
-/// rank's graphs running for `cost` and its traffic at `links` (see the module doc).
+/// (a tensor-parallel rank's: its collectives name their group's size) of `model`, with `dp`
+/// replicas in expert-parallel groups of `ep`, a rank's graphs running for `cost` and its
+/// traffic at `links` (see the module doc).
 ///
 /// # Errors
 /// [`PlanError::Build`] when the schedule cannot be simulated or a graph is missing.
 pub fn predict(
     schedule: &Schedule,
     graphs: &[Arc<StageGraphs>],
-    dp: usize,
+    (model, dp, ep): (&dyn graphpp_models::Model, usize, usize),
     cost: Cost,
     links: Links,
 ) -> Result<Prediction, PlanError> {
@@ -349,34 +385,37 @@ pub fn predict(
     let traffic: Vec<PerKind<Traffic>> = graphs.iter().map(|g| stage_traffic(g)).collect();
     let hop = graphs.first().and_then(|g| g.fw.output_by_name(OUTPUT).map(|v| g.fw.node(v).ty.size_bytes()));
     let hop_seconds = hop.unwrap_or(0) as f64 / links.hop + links.hop_latency;
-    let params: Vec<f64> = graphs.iter().map(|g| input_bytes(g, InputKind::Parameter) as f64).collect();
-    let ring = graphpp_comm::emulated::ring(dp);
+    let params: Vec<StageParams> = graphs.iter().map(|g| StageParams::of(g, model)).collect();
+    let of = |stage: usize| params.get(stage).copied().unwrap_or_default();
     let has = |kind: StageOpKind| {
         schedule.actions().any(|(_, a)| matches!(a, Action::StageOp { kind: k, .. } if *k == kind))
     };
     let (fsdp, reduced) = (has(StageOpKind::Unshard), has(StageOpKind::ReduceGrad));
     // The lowered schedule's stage operations, on the rank's timeline: FSDP's all-gather before a
-    // stage computes sends (dp − 1) / dp of its parameters' bytes over the data-parallel link, as
-    // does its gradients' reduce-scatter; a REDUCE_GRAD without FSDP all-reduces them (twice that).
+    // stage computes sends (dp − 1) / dp of what it gathers over the data-parallel link, and its
+    // gradients' reduce-scatter as much of their f32 bytes; a REDUCE_GRAD without FSDP
+    // all-reduces them (twice that), a routed expert's over its dp / ep replicas only.
     let seconds = |a: &Action| match *a {
-        Action::StageOp { kind: kind @ (StageOpKind::Unshard | StageOpKind::ReduceGrad), stage } => {
-            let passes = if kind == StageOpKind::ReduceGrad && !fsdp { 2.0 } else { 1.0 };
-            passes * ring * params.get(stage).copied().unwrap_or(0.0) / links.data
+        Action::StageOp { kind: StageOpKind::Unshard, stage } => {
+            graphpp_comm::emulated::ring(dp) * of(stage).gathered / links.data
+        }
+        Action::StageOp { kind: StageOpKind::ReduceGrad, stage } => {
+            of(stage).reduced(if fsdp { 1.0 } else { 2.0 }, (dp, ep)) / links.data
         }
         _ => action_seconds(a, (&compute, &traffic), &links),
     };
     let sim = simulate_with(schedule, seconds, hop_seconds, &Memory::default())
         .map_err(|e| PlanError::Build(e.to_string()))?;
-    let mut grads = vec![0f64; schedule.num_ranks()];
+    // A compute-only schedule's replicas all-reduce their gradients after the step, the fullest
+    // rank's last.
+    let mut sent = vec![0f64; schedule.num_ranks()];
     for (stage, ranks) in schedule.placement() {
         for r in ranks {
-            grads[r] += params.get(stage).copied().unwrap_or(0.0);
+            sent[r] += of(stage).reduced(2.0, (dp, ep));
         }
     }
-    // A compute-only schedule's replicas all-reduce their gradients after the step: a ring sends
-    // 2 (n − 1) / n of them.
-    let fullest = grads.into_iter().fold(0.0, f64::max);
-    let reduce = if reduced { 0.0 } else { 2.0 * ring * fullest / links.data };
+    let fullest = sent.into_iter().fold(0.0, f64::max);
+    let reduce = if reduced { 0.0 } else { fullest / links.data };
     let refs: Vec<&StageGraphs> = graphs.iter().map(|g| &**g).collect();
     let bytes = byte_model(&refs, schedule).map_err(|e| PlanError::Build(e.to_string()))?;
     let peak_bytes = bytes.peak_bytes(schedule).map_err(|e| PlanError::Build(e.to_string()))?;
@@ -522,7 +561,7 @@ fn layout_candidates(
                     Some(h) => Cost::Device(h, req.dtype),
                     None => Cost::Speed(&req.speed),
                 };
-                let p = predict(&schedule, &graphs, dp, cost, req.links((pp, dp, tp)))?;
+                let p = predict(&schedule, &graphs, (&req.model, dp, 1), cost, req.links((pp, dp, tp)))?;
                 let peak_bytes = p.peak_bytes.into_iter().max().unwrap_or(0);
                 out.push(Candidate {
                     kind,
@@ -701,7 +740,9 @@ mod tests {
             assert!(t.f.expert > 0 && t.b.expert > 0, "the MoE stage sends rows both ways: {t:?}");
             let schedule = graphpp_schedule::generate(kind, &shape, &Default::default()).unwrap();
             let links = Links { expert, ..Links::uniform(1e12) };
-            predict(&schedule, &graphs, 2, Cost::Speed(&Speed::default()), links).unwrap().step_seconds
+            predict(&schedule, &graphs, (&model, 2, 2), Cost::Speed(&Speed::default()), links)
+                .unwrap()
+                .step_seconds
         };
         let slowdown = |kind| step(kind, 1e6) - step(kind, 1e12);
         let (zbv, dualpipev) = (slowdown(Kind::Zbv), slowdown(Kind::DualPipeV));
@@ -740,9 +781,11 @@ mod tests {
             graphpp_schedule::lower(&compute, &opts).unwrap()
         };
         let step = |s: &Schedule, link: f64| {
-            predict(s, &graphs, 2, Cost::Speed(&Speed::default()), Links::uniform(link)).unwrap().step_seconds
+            predict(s, &graphs, (&r.model, 2, 1), Cost::Speed(&Speed::default()), Links::uniform(link))
+                .unwrap()
+                .step_seconds
         };
-        let params = input_bytes(&graphs[0], InputKind::Parameter) as f64;
+        let params = graphpp_runtime::train::bytes::input_bytes(&graphs[0], InputKind::Parameter) as f64;
         // dp 2: an all-reduce sends 2 · 1/2 of the gradients, at 1 MB/s.
         let link_part = params / 1e6;
         let fast = step(&compute, 1e15);
@@ -750,6 +793,29 @@ mod tests {
             let slow = step(&s, 1e6);
             assert!((slow - fast - link_part).abs() < 1e-6 * link_part, "{slow} vs {fast} + {link_part}");
         }
+    }
+
+    /// A routed expert's gradients are reduced over its dp / ep replicas only (none when ep = dp),
+    /// and FSDP gathers a parameter the bf16 graphs read only through their cast in bf16: half
+    /// its f32 bytes.
+    #[test]
+    fn reductions_take_their_groups_and_bf16_gathers_half() {
+        let p = StageParams { shared: 160.0, routed: 80.0, gathered: 0.0 };
+        assert_eq!(p.reduced(2.0, (16, 16)), 2.0 * 15.0 / 16.0 * 160.0);
+        assert_eq!(p.reduced(1.0, (16, 4)), 15.0 / 16.0 * 160.0 + 3.0 / 4.0 * 80.0);
+        let model = ModelConfig::preset("moe-tiny").unwrap();
+        let spec = &stage_specs(&model, Kind::OneFOneB, &Shape::new(2, 1, 2), None).unwrap()[1];
+        let of = |dtype| {
+            let opts = StageOptions::mixed(2, 8, dtype);
+            let graphs =
+                graphpp_runtime::train::build::all_stage_graphs(&model, std::slice::from_ref(spec), &opts)
+                    .unwrap();
+            StageParams::of(&graphs[0], &model)
+        };
+        let (f32s, bf16s) = (of(DType::F32), of(DType::BF16));
+        assert!(f32s.routed > 0.0 && f32s.shared > 0.0, "{f32s:?}");
+        assert_eq!(f32s.gathered, f32s.shared + f32s.routed);
+        assert!(bf16s.gathered < 0.6 * bf16s.shared + 0.6 * bf16s.routed, "{bf16s:?}");
     }
 
     /// On a cluster the same layout costs what its traffic crosses: tp = 4 on nodes of 4

@@ -206,8 +206,9 @@ pub(crate) fn kept_names(
     (bw_reads, dw_reads)
 }
 
-/// The `params` that every graph of `graphs` reading them reads only through a cast to bf16.
-fn read_as_bf16(graphs: &StageGraphs, params: &[String]) -> HashSet<String> {
+/// The `params` that every graph of `graphs` reading them reads only through a cast to bf16
+/// (FSDP gathers those in bf16).
+pub fn read_as_bf16(graphs: &StageGraphs, params: &[String]) -> HashSet<String> {
     let mut all = vec![&graphs.fw, &graphs.full_bw];
     if let Some((di, dw)) = &graphs.di_dw {
         all.extend([di, dw]);

@@ -218,7 +218,7 @@ fn compile(
         }
         None => (Cost::Speed(&speed), Links::uniform(a.link_gbps * 1e9)),
     };
-    let p = predict(&schedule, &graphs, config.dp, cost, links)?;
+    let p = predict(&schedule, &graphs, (&config.model, config.dp, config.ep), cost, links)?;
     let text = match a.format {
         DagFormat::Text => {
             let peaks: Vec<String> = p.peak_bytes.iter().map(|&b| mib(b)).collect();
