@@ -255,3 +255,25 @@ fn a_refused_shape_is_refused_before_any_warning() {
     assert!(err.contains("too few for the 6 model stages"), "{err}");
     assert!(!err.contains("warning:"), "{err}");
 }
+
+/// The multi-token-prediction module under DualPipe's two parameter copies (each copy's last
+/// stage runs it), the interleaved loop, FSDP, and bf16 against a bf16 single device.
+#[test]
+fn the_mtp_module_verifies_under_more_layouts() {
+    let base = ["--model", "moe-mla-tiny-mtp", "--ranks", "2", "--microbatches", "4"];
+    for extra in [
+        &["--schedule", "dualpipe"][..],
+        &["--schedule", "interleaved-1f1b"],
+        &["--schedule", "1f1b", "--dp", "2", "--microbatch-size", "2", "--fsdp"],
+        &["--schedule", "zbv", "--dtype", "bf16", "--reference-dtype", "bf16"],
+    ] {
+        let out = verify(&[&base[..], extra].concat());
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            out.status.success() && text.contains("PASS"),
+            "{extra:?}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(text.contains("gradients: 167 tensors"), "the module's gradients are compared: {text}");
+    }
+}
