@@ -195,13 +195,27 @@ impl Graph {
     }
 
     /// The multiply-add FLOPs of node `v` when it is a product ([`Graph::matmul_flops`]'s
-    /// terms), `None` for any other node.
+    /// terms), `None` for any other node. A segment product over counts `[G, E]` (the rows
+    /// expert parallelism receives from G members into G times the static rows one member
+    /// sends) counts the 1/G of its rows balanced routing fills.
     pub fn node_flops(&self, v: ValueId) -> Option<u64> {
         let n = self.node(v);
         let a = || &self.node(n.inputs[0]).ty.shape;
+        // The members whose rows a segment product's counts lay out (1 without expert parallelism).
+        let members = || {
+            n.inputs.get(2).map_or(1, |&c| {
+                let s = &self.node(c).ty.shape;
+                if s.len() == 2 {
+                    s[0].max(1) as u64
+                } else {
+                    1
+                }
+            })
+        };
         match n.op {
             // out [.., m, n] from [.., m, k]: 2·k per output element.
-            Op::Matmul | Op::SegmentMatmul { .. } => Some(2 * *a().last()? as u64 * n.ty.numel() as u64),
+            Op::Matmul => Some(2 * *a().last()? as u64 * n.ty.numel() as u64),
+            Op::SegmentMatmul { .. } => Some(2 * *a().last()? as u64 * n.ty.numel() as u64 / members()),
             // q kᵀ (2·T·T·E per (batch, query head)) and P v (2·T·T·E_v): 2·T per element of q
             // and of the output (the whole T × T, masked or not).
             Op::Attention { .. } => {
@@ -217,9 +231,9 @@ impl Graph {
                 Some(n.ty.shape[2] as u64 * (6 * q + 4 * g))
             }
             // out [E, N, K] sums over the R rows: 2·R·N·K in all.
-            Op::SegmentOuter => {
-                Some(2 * *a().first()? as u64 * (n.ty.numel() as u64 / n.ty.shape[0].max(1) as u64))
-            }
+            Op::SegmentOuter => Some(
+                2 * *a().first()? as u64 * (n.ty.numel() as u64 / n.ty.shape[0].max(1) as u64) / members(),
+            ),
             _ => None,
         }
     }

@@ -1176,6 +1176,10 @@ mod tests {
                 .count();
             // Per MoE layer: the counts exchange, the dispatch and the combine.
             assert_eq!(ep_ops, 3 * 3);
+            // Balanced routing fills 1/2 of the 2·R static rows a member may receive: its expert
+            // products count the R rows one member computes without expert parallelism.
+            let one = Model::build_stage(&cfg, &whole, &StageOptions::new(2, 8)).unwrap();
+            assert_eq!(g.matmul_flops(), one.matmul_flops());
         }
         assert_eq!(Model::expert_of(&cfg, "model.layers.2.mlp.experts.7.up_proj.weight"), Some(7));
         assert_eq!(Model::expert_of(&cfg, "model.layers.2.mlp.shared_experts.up_proj.weight"), None);

@@ -218,21 +218,38 @@ fn compile(
         }
         None => (Cost::Speed(&speed), Links::uniform(a.link_gbps * 1e9)),
     };
-    let p = predict(&schedule, &graphs, (&config.model, config.dp, config.ep), cost, links)?;
+    let layout = (&config.model as &dyn graphpp_models::Model, config.dp, config.ep);
+    let p = predict(&schedule, &graphs, layout, cost, links)?;
+    // The communication the schedule does not hide: the step less the same step over free links.
+    let alone = predict(&schedule, &graphs, layout, cost, Links::uniform(f64::INFINITY))?;
+    let exposed = (p.step_seconds - alone.step_seconds).max(0.0);
+    // Model FLOPs per second over the world's peak (PaLM's MFU), on a cluster's device.
+    let mfu = hardware.map(|h| {
+        let peak =
+            if config.dtype == graphpp_graph::DType::BF16 { h.device.flops_bf16 } else { h.device.flops_f32 };
+        let tokens = (config.microbatches * config.microbatch_size * config.seq_len) as f64;
+        let world = (config.ranks * config.dp * config.tp) as f64;
+        graphpp_models::Model::flops_per_token(&config.model, config.seq_len) * tokens
+            / p.step_seconds
+            / (world * peak)
+    });
     let text = match a.format {
         DagFormat::Text => {
             let peaks: Vec<String> = p.peak_bytes.iter().map(|&b| mib(b)).collect();
+            let mfu = mfu.map_or(String::new(), |m| format!(", MFU {:.1}%", 100.0 * m));
             format!(
-                "{}predicted: step {:.2} ms, bubble r = {:.3}, peak bytes per rank {}\n",
+                "{}predicted: step {:.2} ms, bubble r = {:.3}, exposed communication {:.2} ms{mfu}, peak bytes per rank {}\n",
                 dag.to_text(),
                 1e3 * p.step_seconds,
                 p.bubble,
+                1e3 * exposed,
                 peaks.join(" ")
             )
         }
         DagFormat::Dot => dag.to_dot(),
         DagFormat::Json => {
-            serde_json::to_string_pretty(&serde_json::json!({ "dag": dag, "prediction": p }))? + "\n"
+            let json = serde_json::json!({ "dag": dag, "prediction": p, "exposed_comm_seconds": exposed, "mfu": mfu });
+            serde_json::to_string_pretty(&json)? + "\n"
         }
     };
     crate::cmd::emit(&text)
