@@ -328,6 +328,9 @@ pub struct Prediction {
     pub step_seconds: f64,
     /// In-iteration r_bubble of the simulated schedule.
     pub bubble: f64,
+    /// Seconds of the step the schedule does not hide communication under: the step less the
+    /// same step over free links.
+    pub exposed_comm_seconds: f64,
     /// Peak bytes of every rank.
     pub peak_bytes: Vec<u64>,
 }
@@ -344,12 +347,15 @@ struct StageParams {
 }
 
 impl StageParams {
-    fn of(g: &StageGraphs, model: &dyn graphpp_models::Model) -> StageParams {
+    /// The parts of stage `g` of `model`; what FSDP gathers only when `fsdp` (else the f32 bytes,
+    /// without walking the graphs' readers).
+    fn of(g: &StageGraphs, model: &dyn graphpp_models::Model, fsdp: bool) -> StageParams {
         let inputs = g.fw.input_specs();
         let params: Vec<&graphpp_graph::InputSpec> =
             inputs.iter().filter(|i| i.kind == InputKind::Parameter).collect();
         let names: Vec<String> = params.iter().map(|i| i.name.clone()).collect();
-        let bf16 = graphpp_runtime::pipeline::stage::read_as_bf16(g, &names);
+        let bf16 =
+            if fsdp { graphpp_runtime::pipeline::stage::read_as_bf16(g, &names) } else { Default::default() };
         let mut p = StageParams::default();
         for i in params {
             let bytes = i.ty.size_bytes() as f64;
@@ -384,28 +390,12 @@ pub fn predict(
     let compute: Vec<PerKind<f64>> = graphs.iter().map(|g| cost.stage(g)).collect();
     let traffic: Vec<PerKind<Traffic>> = graphs.iter().map(|g| stage_traffic(g)).collect();
     let hop = graphs.first().and_then(|g| g.fw.output_by_name(OUTPUT).map(|v| g.fw.node(v).ty.size_bytes()));
-    let hop_seconds = hop.unwrap_or(0) as f64 / links.hop + links.hop_latency;
-    let params: Vec<StageParams> = graphs.iter().map(|g| StageParams::of(g, model)).collect();
-    let of = |stage: usize| params.get(stage).copied().unwrap_or_default();
     let has = |kind: StageOpKind| {
         schedule.actions().any(|(_, a)| matches!(a, Action::StageOp { kind: k, .. } if *k == kind))
     };
     let (fsdp, reduced) = (has(StageOpKind::Unshard), has(StageOpKind::ReduceGrad));
-    // The lowered schedule's stage operations, on the rank's timeline: FSDP's all-gather before a
-    // stage computes sends (dp − 1) / dp of what it gathers over the data-parallel link, and its
-    // gradients' reduce-scatter as much of their f32 bytes; a REDUCE_GRAD without FSDP
-    // all-reduces them (twice that), a routed expert's over its dp / ep replicas only.
-    let seconds = |a: &Action| match *a {
-        Action::StageOp { kind: StageOpKind::Unshard, stage } => {
-            graphpp_comm::emulated::ring(dp) * of(stage).gathered / links.data
-        }
-        Action::StageOp { kind: StageOpKind::ReduceGrad, stage } => {
-            of(stage).reduced(if fsdp { 1.0 } else { 2.0 }, (dp, ep)) / links.data
-        }
-        _ => action_seconds(a, (&compute, &traffic), &links),
-    };
-    let sim = simulate_with(schedule, seconds, hop_seconds, &Memory::default())
-        .map_err(|e| PlanError::Build(e.to_string()))?;
+    let params: Vec<StageParams> = graphs.iter().map(|g| StageParams::of(g, model, fsdp)).collect();
+    let of = |stage: usize| params.get(stage).copied().unwrap_or_default();
     // A compute-only schedule's replicas all-reduce their gradients after the step, the fullest
     // rank's last.
     let mut sent = vec![0f64; schedule.num_ranks()];
@@ -414,12 +404,34 @@ pub fn predict(
             sent[r] += of(stage).reduced(2.0, (dp, ep));
         }
     }
-    let fullest = sent.into_iter().fold(0.0, f64::max);
-    let reduce = if reduced { 0.0 } else { fullest / links.data };
+    let after = if reduced { 0.0 } else { sent.into_iter().fold(0.0, f64::max) };
+    // The step and its bubble over `links`.
+    let step = |links: &Links| -> Result<(f64, f64), PlanError> {
+        // The lowered schedule's stage operations, on the rank's timeline: FSDP's all-gather
+        // before a stage computes sends (dp − 1) / dp of what it gathers over the data-parallel
+        // link, and its gradients' reduce-scatter as much of their f32 bytes; a REDUCE_GRAD
+        // without FSDP all-reduces them (twice that), a routed expert's over dp / ep replicas.
+        let seconds = |a: &Action| match *a {
+            Action::StageOp { kind: StageOpKind::Unshard, stage } => {
+                graphpp_comm::emulated::ring(dp) * of(stage).gathered / links.data
+            }
+            Action::StageOp { kind: StageOpKind::ReduceGrad, stage } => {
+                of(stage).reduced(if fsdp { 1.0 } else { 2.0 }, (dp, ep)) / links.data
+            }
+            _ => action_seconds(a, (&compute, &traffic), links),
+        };
+        let hop_seconds = hop.unwrap_or(0) as f64 / links.hop + links.hop_latency;
+        let sim = simulate_with(schedule, seconds, hop_seconds, &Memory::default())
+            .map_err(|e| PlanError::Build(e.to_string()))?;
+        Ok((sim.makespan + after / links.data, sim.bubble_ratio))
+    };
+    let (step_seconds, bubble) = step(&links)?;
+    let (alone, _) = step(&Links::uniform(f64::INFINITY))?;
     let refs: Vec<&StageGraphs> = graphs.iter().map(|g| &**g).collect();
     let bytes = byte_model(&refs, schedule).map_err(|e| PlanError::Build(e.to_string()))?;
     let peak_bytes = bytes.peak_bytes(schedule).map_err(|e| PlanError::Build(e.to_string()))?;
-    Ok(Prediction { step_seconds: sim.makespan + reduce, bubble: sim.bubble_ratio, peak_bytes })
+    let exposed_comm_seconds = (step_seconds - alone).max(0.0);
+    Ok(Prediction { step_seconds, bubble, exposed_comm_seconds, peak_bytes })
 }
 
 /// Whether `x` is the pinned value, when one is pinned.
@@ -810,7 +822,7 @@ mod tests {
             let graphs =
                 graphpp_runtime::train::build::all_stage_graphs(&model, std::slice::from_ref(spec), &opts)
                     .unwrap();
-            StageParams::of(&graphs[0], &model)
+            StageParams::of(&graphs[0], &model, true)
         };
         let (f32s, bf16s) = (of(DType::F32), of(DType::BF16));
         assert!(f32s.routed > 0.0 && f32s.shared > 0.0, "{f32s:?}");

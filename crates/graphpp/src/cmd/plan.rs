@@ -218,11 +218,7 @@ fn compile(
         }
         None => (Cost::Speed(&speed), Links::uniform(a.link_gbps * 1e9)),
     };
-    let layout = (&config.model as &dyn graphpp_models::Model, config.dp, config.ep);
-    let p = predict(&schedule, &graphs, layout, cost, links)?;
-    // The communication the schedule does not hide: the step less the same step over free links.
-    let alone = predict(&schedule, &graphs, layout, cost, Links::uniform(f64::INFINITY))?;
-    let exposed = (p.step_seconds - alone.step_seconds).max(0.0);
+    let p = predict(&schedule, &graphs, (&config.model, config.dp, config.ep), cost, links)?;
     // Model FLOPs per second over the world's peak (PaLM's MFU), on a cluster's device.
     let mfu = hardware.map(|h| {
         let peak =
@@ -242,13 +238,13 @@ fn compile(
                 dag.to_text(),
                 1e3 * p.step_seconds,
                 p.bubble,
-                1e3 * exposed,
+                1e3 * p.exposed_comm_seconds,
                 peaks.join(" ")
             )
         }
         DagFormat::Dot => dag.to_dot(),
         DagFormat::Json => {
-            let json = serde_json::json!({ "dag": dag, "prediction": p, "exposed_comm_seconds": exposed, "mfu": mfu });
+            let json = serde_json::json!({ "dag": dag, "prediction": p, "mfu": mfu });
             serde_json::to_string_pretty(&json)? + "\n"
         }
     };
