@@ -232,12 +232,13 @@ impl Hardware {
         Speed { seconds_per_flop: 1.0 / peak, seconds_per_byte: 1.0 / self.device.memory_bandwidth }
     }
 
-    /// The bandwidths (bytes/s) of a layout's three kinds of traffic under graphpp's rank order
+    /// The bandwidths (bytes/s) of a layout's four kinds of traffic under graphpp's rank order
     /// (`rank = (dp_index · pp + pp_index) · tp + tp_index`, nodes of `devices_per_node`
     /// consecutive ranks): a tp group stays in a node when tp fits one; a pipeline's hand-overs
-    /// when its `pp · tp` ranks do; the data-parallel reduction when the whole world does. Each
-    /// hand-over and each tp ring step also pays its link's latency.
-    pub fn links(&self, (pp, dp, tp): (usize, usize, usize)) -> crate::plan::Links {
+    /// when its `pp · tp` ranks do; the data-parallel reduction when the whole world does; the
+    /// all-to-alls of expert-parallel groups of `ep` replicas as [`Hardware::expert_bandwidth`]
+    /// splits them. Each hand-over and each tp ring step also pays its link's latency.
+    pub fn links(&self, (pp, dp, tp, ep): (usize, usize, usize, usize)) -> crate::plan::Links {
         let fits = |ranks: usize| ranks <= self.devices_per_node;
         let link = |inside: bool| if inside { self.intra_node } else { self.inter_node };
         let (tensor, hop) = (link(fits(tp)), link(fits(pp * tp)));
@@ -247,17 +248,17 @@ impl Hardware {
             data: link(fits(pp * dp * tp)).bandwidth,
             hop_latency: hop.latency_us * 1e-6,
             tensor_latency: tensor.latency_us * 1e-6,
-            expert: self.expert_bandwidth((pp, tp, 1)),
+            expert: self.expert_bandwidth((pp, tp, ep)),
         }
     }
 
     /// The bytes per second a rank's expert-parallel all-to-all sends to the other members under
-    /// graphpp's rank order: the `ep` members of a group are data-parallel replicas `pp · tp`
+    /// graphpp's rank order ([`Hardware::links`]'s `expert`): the `ep` members of a group are data-parallel replicas `pp · tp`
     /// ranks apart, so a node holds `devices_per_node / (pp · tp)` of them (at least 1); of what a
     /// rank sends to its `ep − 1` peers, `(here − 1) / (ep − 1)` stays on NVLink and `(ep − here)
     /// / (ep − 1)` crosses the network, both at once: `1 / max(inside / intra, outside / inter)`
     /// (NVLink's bandwidth for ep = 1, where nothing is sent).
-    pub fn expert_bandwidth(&self, (pp, tp, ep): (usize, usize, usize)) -> f64 {
+    fn expert_bandwidth(&self, (pp, tp, ep): (usize, usize, usize)) -> f64 {
         if ep <= 1 {
             return self.intra_node.bandwidth;
         }
@@ -564,10 +565,10 @@ mod tests {
     #[test]
     fn a_layouts_traffic_takes_the_links_it_crosses() {
         let h = Hardware::load("h100-sxm").unwrap();
-        let l = h.links((2, 1, 8));
+        let l = h.links((2, 1, 8, 1));
         assert_eq!((l.tensor, l.hop, l.data), (450e9, 50e9, 50e9));
         assert!((l.tensor_latency - 3e-6).abs() < 1e-15 && (l.hop_latency - 5e-6).abs() < 1e-15, "{l:?}");
-        let l = h.links((2, 2, 2));
+        let l = h.links((2, 2, 2, 1));
         assert_eq!((l.tensor, l.hop, l.data), (450e9, 450e9, 450e9));
         // Expert parallelism over 16 replicas of a 4-rank pipeline: 2 members a node, so 14 of a
         // rank's 15 peers are across the network at 50 GB/s; within one node, NVLink; two

@@ -51,7 +51,7 @@ pub struct Links {
     /// `2 (t − 1)` steps, an all-gather or reduce-scatter `t − 1`).
     pub tensor_latency: f64,
     /// Expert parallelism's all-to-alls: the bytes a rank sends per second, over the links its
-    /// group's members cross ([`crate::hardware::Hardware::expert_bandwidth`]).
+    /// group's members cross ([`crate::hardware::Hardware::links`]).
     pub expert: f64,
 }
 
@@ -107,10 +107,10 @@ pub struct PlanRequest {
 }
 
 impl PlanRequest {
-    /// The bandwidths of layout `(pp, dp, tp)`'s traffic.
-    pub fn links(&self, layout: (usize, usize, usize)) -> Links {
+    /// The bandwidths of layout `(pp, dp, tp)`'s traffic (the search has no expert parallelism).
+    pub fn links(&self, (pp, dp, tp): (usize, usize, usize)) -> Links {
         match &self.hardware {
-            Some(h) => h.links(layout),
+            Some(h) => h.links((pp, dp, tp, 1)),
             None => Links::uniform(self.link_bytes_per_second),
         }
     }

@@ -211,11 +211,7 @@ fn compile(
     let dag = TrainingDag::of(&schedule, &|s| graphs.get(s).is_some_and(|g| g.di_dw.is_some()))?;
     let speed = profile.and_then(Profile::speed).unwrap_or_default();
     let (cost, links) = match hardware {
-        Some(h) => {
-            let mut links = h.links((config.ranks, config.dp, config.tp));
-            links.expert = h.expert_bandwidth((config.ranks, config.tp, config.ep));
-            (Cost::Device(h, config.dtype), links)
-        }
+        Some(h) => (Cost::Device(h, config.dtype), h.links((config.ranks, config.dp, config.tp, config.ep))),
         None => (Cost::Speed(&speed), Links::uniform(a.link_gbps * 1e9)),
     };
     let p = predict(&schedule, &graphs, (&config.model, config.dp, config.ep), cost, links)?;
