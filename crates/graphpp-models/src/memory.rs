@@ -32,7 +32,7 @@ const F32: u128 = 4;
 /// counting the stage's input as saved. Saturating.
 pub fn stage_activation_bytes(cfg: &LlamaConfig, spec: &StageSpec, batch: usize, seq: usize) -> u128 {
     let (b, t) = (batch as u128, seq as u128);
-    let (d, f, v) = (cfg.hidden_size as u128, cfg.intermediate_size as u128, cfg.vocab_size as u128);
+    let (d, f) = (cfg.hidden_size as u128, cfg.intermediate_size as u128);
     let heads = (cfg.num_attention_heads * cfg.head_dim()) as u128;
     let kv_heads = (cfg.kv_heads() * cfg.head_dim()) as u128;
     let per_token_layer = 11 * d + 2 * kv_heads + heads + 5 * f + 4;
@@ -42,9 +42,16 @@ pub fn stage_activation_bytes(cfg: &LlamaConfig, spec: &StageSpec, batch: usize,
         values = values.saturating_add(t);
     }
     if spec.is_last() {
-        values = values.saturating_add(t.saturating_mul(v + 3 * d + 3));
+        values = values.saturating_add(head_values(cfg, seq));
     }
     values.saturating_mul(b).saturating_mul(F32)
+}
+
+/// Values per sequence the final norm, the log-probabilities (one log-softmax node) and the loss
+/// save on a last stage: `T·(V + 3·D + 3)`.
+fn head_values(cfg: &LlamaConfig, seq: usize) -> u128 {
+    let (d, v) = (cfg.hidden_size as u128, cfg.vocab_size as u128);
+    (seq as u128).saturating_mul(v + 3 * d + 3)
 }
 
 /// Saved-activation bytes of one microbatch through the whole model (all layers on one stage).
@@ -98,7 +105,14 @@ pub fn moe_stage_activation_bytes(
     batch: usize,
     seq: usize,
 ) -> u128 {
-    let mut dense = stage_activation_bytes(&cfg.base, spec, batch, seq);
+    // The multi-token-prediction module on a last stage: one more MoE layer (L, where the stage's
+    // layers end) and a second head (an estimate; not in the exactness tests).
+    let mtp = cfg.mtp().is_some() && spec.is_last();
+    let extended =
+        StageSpec { layers: spec.layers.start..spec.layers.end + usize::from(mtp), ..spec.clone() };
+    let spec = &extended;
+    let second_head = if mtp { head_values(&cfg.base, seq) * batch as u128 * F32 } else { 0 };
+    let mut dense = stage_activation_bytes(&cfg.base, spec, batch, seq).saturating_add(second_head);
     if let Some(mla) = &cfg.mla {
         let b = &cfg.base;
         let llama = (2 * b.kv_heads() * b.head_dim()

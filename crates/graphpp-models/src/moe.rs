@@ -893,20 +893,7 @@ impl crate::model::Model for MoeConfig {
     }
 
     fn stage_activation_bytes(&self, spec: &StageSpec, batch: usize, seq: usize) -> u128 {
-        let stage = crate::memory::moe_stage_activation_bytes(self, spec, batch, seq);
-        match self.mtp().filter(|_| spec.is_last()) {
-            // The MTP module counted as one more MoE layer (a middle stage's) and a second head.
-            Some(m) => {
-                let layer = StageSpec { stage: 1, stages: 3, layers: m.layer..m.layer + 1, ..spec.clone() };
-                let head = (batch * seq) as u128
-                    * (self.base.vocab_size + 3 * self.base.hidden_size + 3) as u128
-                    * 4;
-                stage
-                    .saturating_add(crate::memory::moe_stage_activation_bytes(self, &layer, batch, seq))
-                    .saturating_add(head)
-            }
-            None => stage,
-        }
+        crate::memory::moe_stage_activation_bytes(self, spec, batch, seq)
     }
 
     fn buffer_bytes(&self, seq: usize) -> u128 {
