@@ -721,16 +721,11 @@ fn mtp_loss(
     let x = decoder_layer(b, cfg, (attn, ffn), (spec.ep, spec.tp), ins, m.layer, x)?;
     b.push_scope(&format!("layers.{}.shared_head", m.layer));
     let x = b.scoped("norm", |b| rms_norm(b, x, p("shared_head.norm"), eps))?;
-    let (bsz, t) = (b.shape(x)[0], b.shape(x)[1]);
-    let rows = bsz * (t - 1);
+    let t = b.shape(x)[1];
     let x = b.slice(x, 1, 0, t - 1)?;
-    let head =
-        if cfg.tie_word_embeddings { b.cast(ins.params[EMBED], opts.dtype)? } else { ins.params[LM_HEAD] };
-    let logits = linear(b, x, head)?;
-    let logits = b.reshape(logits, vec![rows, b.shape(head)[0]])?;
-    let logits = b.cast(logits, opts.dtype.wide())?;
+    let logits = head_logits(b, cfg, opts, ins, x)?;
     let shifted = b.slice(targets, 1, 1, t)?;
-    let shifted = b.reshape(shifted, vec![rows])?;
+    let shifted = b.reshape(shifted, vec![b.shape(logits)[0]])?;
     let ce = cross_entropy(b, logits, shifted)?;
     let loss = b.scale(ce, m.weight)?;
     b.pop_scope();
@@ -756,14 +751,8 @@ fn lm_head_and_loss(
     // Vocabulary-parallel head: every token's logits of this rank's block of the vocabulary
     // (with sequence parallelism, of the gathered sequence).
     let h = if tp.is_split() { tp.enter(b, h)? } else { h };
-    let shape = b.shape(h);
-    let rows = shape[0] * shape[1];
-    // A tied head reads the f32 embedding table, cast like every other matrix.
-    let head =
-        if cfg.tie_word_embeddings { b.cast(ins.params[EMBED], opts.dtype)? } else { ins.params[LM_HEAD] };
-    let logits = linear(b, h, head)?;
-    let logits = b.reshape(logits, vec![rows, b.shape(head)[0]])?;
-    let logits = b.cast(logits, opts.dtype.wide())?;
+    let rows = b.shape(h)[0] * b.shape(h)[1];
+    let logits = head_logits(b, cfg, opts, ins, h)?;
     match ins.targets {
         Some(targets) => {
             b.pop_scope();
@@ -783,6 +772,24 @@ fn lm_head_and_loss(
         }
     }
     Ok(())
+}
+
+/// The LM head's logits `[B·T, V]` (this rank's vocabulary block under tensor parallelism) in
+/// [`DType::wide`] of `opts.dtype`, of the hidden states `h` `[B, T, D]`: the model's head, or
+/// the embedding table when tied (the f32 table, cast like every other matrix).
+fn head_logits(
+    b: &mut GraphBuilder,
+    cfg: &LlamaConfig,
+    opts: &StageOptions,
+    ins: &StageInputs,
+    h: ValueId,
+) -> Result<ValueId, ModelError> {
+    let rows = b.shape(h)[0] * b.shape(h)[1];
+    let head =
+        if cfg.tie_word_embeddings { b.cast(ins.params[EMBED], opts.dtype)? } else { ins.params[LM_HEAD] };
+    let logits = linear(b, h, head)?;
+    let logits = b.reshape(logits, vec![rows, b.shape(head)[0]])?;
+    Ok(b.cast(logits, opts.dtype.wide())?)
 }
 
 /// A parameter input; with FSDP the input is this rank's shard `[out/n, …]` and the returned value
