@@ -72,6 +72,12 @@ pub trait Model: std::fmt::Debug + Send + Sync {
         Vec::new()
     }
 
+    /// The decoder layers stage `spec` runs: its `spec.layers`, and on a last stage the
+    /// multi-token-prediction module's layer `L` where the model builds one.
+    fn stage_layers(&self, spec: &StageSpec) -> Vec<usize> {
+        spec.layers.clone().collect()
+    }
+
     /// λ of the multi-token-prediction loss when the model builds that module (its last stage
     /// outputs [`graphpp_graph::names::MTP_LOSS`], λ times the cross-entropy), else 0.
     fn mtp_loss_weight(&self) -> f64 {
@@ -325,6 +331,9 @@ impl Model for ModelConfig {
     }
     fn moe_layers(&self) -> Vec<(usize, usize)> {
         self.as_model().moe_layers()
+    }
+    fn stage_layers(&self, spec: &StageSpec) -> Vec<usize> {
+        self.as_model().stage_layers(spec)
     }
     fn mtp_loss_weight(&self) -> f64 {
         self.as_model().mtp_loss_weight()

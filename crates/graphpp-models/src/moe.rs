@@ -909,6 +909,11 @@ impl crate::model::Model for MoeConfig {
         self.moe_layer_ids().map(|l| (l, self.n_routed_experts)).collect()
     }
 
+    fn stage_layers(&self, spec: &StageSpec) -> Vec<usize> {
+        let mtp = self.mtp().filter(|_| spec.is_last()).map(|m| m.layer);
+        spec.layers.clone().chain(mtp).collect()
+    }
+
     fn balance_bias(&self, layer: usize) -> Option<String> {
         self.is_moe(layer).then(|| Self::bias_name(layer))
     }

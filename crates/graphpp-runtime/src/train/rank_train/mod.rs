@@ -385,10 +385,9 @@ impl Holders {
                 let spec = specs
                     .get(stage)
                     .ok_or_else(|| mismatch(format!("stage {stage}: no model stage for it")))?;
-                // The last stage also runs the multi-token-prediction module, layer L.
-                let mtp =
-                    (spec.is_last() && setup.model.mtp_loss_weight() > 0.0).then(|| setup.model.num_layers());
-                for bias in spec.layers.clone().chain(mtp).filter_map(|l| setup.model.balance_bias(l)) {
+                for bias in
+                    setup.model.stage_layers(spec).into_iter().filter_map(|l| setup.model.balance_bias(l))
+                {
                     let first = ranks.iter().copied().min().unwrap_or_default();
                     let e = h.bias_holders.entry(bias).or_insert(first);
                     *e = (*e).min(first);
