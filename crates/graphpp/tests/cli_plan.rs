@@ -332,27 +332,18 @@ fn the_seeds_experiment_keeps_its_order_on_h100s() {
 /// does not support, is left out of the search) and refuses `--tp` naming why.
 #[test]
 fn a_model_with_multi_token_prediction_plans_without_tensor_parallelism() {
+    let model = ["--model", "moe-mla-tiny-mtp"];
     let mut c = graphpp();
-    c.args(["plan", "--model", "moe-mla-tiny-mtp", "--ranks", "2", "--memory-per-rank", "1GiB"]).args([
-        "--global-batch",
-        "4",
-        "--max-microbatches",
-        "2",
-        "--top",
-        "3",
-    ]);
+    c.arg("plan").args(model).args(["--ranks", "2", "--memory-per-rank", "1GiB", "--global-batch", "4"]);
+    c.args(["--max-microbatches", "2", "--top", "3"]);
     let (text, _) = output(c, 0);
     assert!(
         text.contains("best: graphpp train --model moe-mla-tiny-mtp") && text.contains("--tp 1"),
         "{text}"
     );
     let mut c = graphpp();
-    c.args(["verify", "--model", "moe-mla-tiny-mtp", "--schedule", "1f1b", "--ranks", "1"]).args([
-        "--microbatches",
-        "2",
-        "--tp",
-        "2",
-    ]);
+    c.arg("verify").args(model).args(["--schedule", "1f1b", "--ranks", "1", "--microbatches", "2"]);
+    c.args(["--tp", "2"]);
     let (_, err) = output(c, 1);
     assert!(err.contains("mtp_loss_weight") && err.contains("not built under tensor parallelism"), "{err}");
 }
