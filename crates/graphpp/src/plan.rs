@@ -1,18 +1,20 @@
 //! The planner: every feasible strategy for a model on N ranks — schedule
-//! kind, pipeline × data-parallel × tensor-parallel degrees, microbatch count and size,
-//! recompute policy — simulated with a cost model and the byte model of its real stage graphs,
-//! and ranked.
+//! kind, pipeline × data-parallel × tensor-parallel degrees, FSDP or plain replicas,
+//! microbatch count and size, recompute policy — simulated with a cost model and the byte model
+//! of its real stage graphs, and ranked.
 //!
-//! Per candidate: the kind's compute schedule at (pp, v, m); each stage's graphs at `B / dp`
+//! Per candidate: the kind's compute schedule at (pp, v, m), lowered as the runtime lowers it
+//! (with dp > 1 a REDUCE_GRAD after each stage's last backward, and under FSDP the UNSHARD /
+//! RESHARD around its compute); each stage's graphs at `B / dp`
 //! sequences under the policy (built once per distinct model stage); each action's time from its
 //! graph's [`Work`] at a [`Speed`] (fitted to a [`crate::profile::Profile`] of the same model on this machine, or
 //! the default) plus, under tensor parallelism, its graph's collectives over the `tp` group (the
 //! bytes a ring sends — `2 (tp − 1) / tp` of an all-reduced value — over the link, counted as
 //! exposed: a bound, since the executor overlaps them with other work where the graph allows); each hop between ranks takes
-//! the stage output's bytes over the link; the step
-//! time = the simulated makespan plus the data-parallel gradient all-reduce of the fullest rank
-//! (ring volume `2 (dp − 1) / dp` × its gradient bytes over the link, counted as exposed: a
-//! bound, since REDUCE_GRAD overlaps part of it); peak bytes = [`graphpp_schedule::bytes`]' walk.
+//! the stage output's bytes over the link; the data-parallel collectives (UNSHARD's all-gather,
+//! REDUCE_GRAD's all-reduce or reduce-scatter, ring volumes) take the data link on the rank's
+//! timeline ([`predict`]); the step time = the simulated makespan; peak bytes =
+//! [`graphpp_schedule::bytes`]' walk, with FSDP's sharded state in place of a replica's.
 //! A candidate fits when every rank's peak is within the memory per rank. Layer splits are even
 //! (a split that does not divide the layers is left out); with one rank per pipeline only the
 //! kinds of one stage per rank are listed (they differ there in memory: GPipe holds every
@@ -27,7 +29,9 @@ use graphpp_runtime::train::build::{stage_specs, GraphCache};
 use graphpp_runtime::train::bytes::byte_model;
 use graphpp_runtime::SetupError;
 use graphpp_schedule::simulate::simulate_with;
-use graphpp_schedule::{generate, Action, Kind, Memory, Options, Schedule, Shape, StageOpKind};
+use graphpp_schedule::{
+    generate, lower, Action, Kind, LowerOptions, Memory, Options, Schedule, Shape, StageOpKind,
+};
 
 use crate::profile::{PerKind, Speed, Work};
 
@@ -125,6 +129,9 @@ pub struct Candidate {
     pub pp: usize,
     /// Data-parallel replicas.
     pub dp: usize,
+    /// Whether the replicas shard the parameters, gradients and AdamW moments (FSDP; only with
+    /// dp > 1): all-gathers before a stage computes, reduce-scatters after its last backward.
+    pub fsdp: bool,
     /// Tensor-parallel degree of each pipeline position.
     pub tp: usize,
     /// Stages per rank v.
@@ -149,11 +156,12 @@ impl Candidate {
     /// The `graphpp train` flags that run this strategy.
     pub fn train_flags(&self, seq_len: usize) -> String {
         format!(
-            "--schedule {} --ranks {} --stages-per-rank {} --dp {} --tp {} --microbatches {} --microbatch-size {} --seq-len {} --recompute {}",
+            "--schedule {} --ranks {} --stages-per-rank {} --dp {}{} --tp {} --microbatches {} --microbatch-size {} --seq-len {} --recompute {}",
             self.kind.name(),
             self.pp,
             self.stages_per_rank,
             self.dp,
+            if self.fsdp { " --fsdp" } else { "" },
             self.tp,
             self.microbatches,
             self.microbatch_size,
@@ -331,7 +339,9 @@ pub struct Prediction {
     /// Seconds of the step the schedule does not hide communication under: the step less the
     /// same step over free links.
     pub exposed_comm_seconds: f64,
-    /// Peak bytes of every rank.
+    /// Peak bytes of every rank: the byte model's walk ([`graphpp_schedule::bytes`]), each
+    /// stage's resident bytes under FSDP those the runtime holds (`StageParams::fsdp_resident`
+    /// and the buffers).
     pub peak_bytes: Vec<u64>,
 }
 
@@ -363,6 +373,18 @@ impl StageParams {
             p.gathered += if bf16.contains(&i.name) { bytes / 2.0 } else { bytes };
         }
         p
+    }
+
+    /// Bytes one rank holds for the whole step under FSDP, as the runtime holds them
+    /// (`graphpp_runtime::pipeline::data_parallel`): its shard of the f32 parameters and of their
+    /// two AdamW moments (12 bytes a parameter over the group: dp for shared parameters, dp / ep
+    /// for a routed expert's), the full f32 gradient accumulators (4 bytes a parameter: each
+    /// microbatch's backward adds into them before REDUCE_GRAD's reduce-scatter) and the gathered
+    /// parameters (bf16 or f32, [`StageParams::gathered`]). Buffers are not included.
+    fn fsdp_resident(&self, (dp, ep): (usize, usize)) -> f64 {
+        let group = |n: usize| n.max(1) as f64;
+        let shards = 3.0 * (self.shared / group(dp) + self.routed / group(dp / ep.max(1)));
+        shards + self.shared + self.routed + self.gathered
     }
 
     /// Bytes one rank sends reducing these gradients with ring collectives: `passes` (2 for an
@@ -428,7 +450,13 @@ pub fn predict(
     let (step_seconds, bubble) = step(&links)?;
     let (alone, _) = step(&Links::uniform(f64::INFINITY))?;
     let refs: Vec<&StageGraphs> = graphs.iter().map(|g| &**g).collect();
-    let bytes = byte_model(&refs, schedule).map_err(|e| PlanError::Build(e.to_string()))?;
+    let mut bytes = byte_model(&refs, schedule).map_err(|e| PlanError::Build(e.to_string()))?;
+    if fsdp {
+        for (s, (st, g)) in bytes.stages.iter_mut().zip(graphs).enumerate() {
+            let buffers = graphpp_runtime::train::bytes::input_bytes(g, InputKind::Buffer);
+            st.resident = of(s).fsdp_resident((dp, ep)) as u64 + buffers;
+        }
+    }
     let peak_bytes = bytes.peak_bytes(schedule).map_err(|e| PlanError::Build(e.to_string()))?;
     let exposed_comm_seconds = (step_seconds - alone).max(0.0);
     Ok(Prediction { step_seconds, bubble, exposed_comm_seconds, peak_bytes })
@@ -567,28 +595,34 @@ fn layout_candidates(
             }
             let shape = Shape::new(pp, v, m);
             let Ok(schedule) = generate(kind, &shape, &Options::default()) else { continue };
-            for &recompute in policies {
-                let graphs = schedule_graphs(req, (kind, &shape, tp), b / dp, recompute, cache)?;
-                let cost = match &req.hardware {
-                    Some(h) => Cost::Device(h, req.dtype),
-                    None => Cost::Speed(&req.speed),
-                };
-                let p = predict(&schedule, &graphs, (&req.model, dp, 1), cost, req.links((pp, dp, tp)))?;
-                let peak_bytes = p.peak_bytes.into_iter().max().unwrap_or(0);
-                out.push(Candidate {
-                    kind,
-                    pp,
-                    dp,
-                    tp,
-                    stages_per_rank: v,
-                    microbatches: m,
-                    microbatch_size: b,
-                    recompute,
-                    step_seconds: p.step_seconds,
-                    bubble: p.bubble,
-                    peak_bytes,
-                    fits: peak_bytes <= req.memory_per_rank,
-                });
+            // Replicas run with and without FSDP, lowered as the runtime lowers them.
+            for fsdp in [false, true].into_iter().filter(|&f| !f || dp > 1) {
+                let opts = LowerOptions { fsdp_max_unsharded: fsdp.then_some(v), reduce_grad: dp > 1 };
+                let lowered = lower(&schedule, &opts).map_err(|e| PlanError::Build(e.to_string()))?;
+                for &recompute in policies {
+                    let graphs = schedule_graphs(req, (kind, &shape, tp), b / dp, recompute, cache)?;
+                    let cost = match &req.hardware {
+                        Some(h) => Cost::Device(h, req.dtype),
+                        None => Cost::Speed(&req.speed),
+                    };
+                    let p = predict(&lowered, &graphs, (&req.model, dp, 1), cost, req.links((pp, dp, tp)))?;
+                    let peak_bytes = p.peak_bytes.into_iter().max().unwrap_or(0);
+                    out.push(Candidate {
+                        kind,
+                        pp,
+                        dp,
+                        fsdp,
+                        tp,
+                        stages_per_rank: v,
+                        microbatches: m,
+                        microbatch_size: b,
+                        recompute,
+                        step_seconds: p.step_seconds,
+                        bubble: p.bubble,
+                        peak_bytes,
+                        fits: peak_bytes <= req.memory_per_rank,
+                    });
+                }
             }
         }
     }
@@ -610,7 +644,7 @@ fn rank(out: &mut Vec<Candidate>) {
     let mut seen = std::collections::HashSet::new();
     out.retain(|c| {
         seen.insert((
-            (c.pp, c.dp, c.tp),
+            (c.pp, c.dp, c.fsdp, c.tp),
             c.stages_per_rank,
             c.microbatches,
             c.recompute,
@@ -657,7 +691,7 @@ mod tests {
         let capped = plan(&request(cap)).unwrap();
         let chosen = &capped[0];
         assert!(chosen.fits && chosen.peak_bytes <= cap, "{chosen:?}");
-        let id = |c: &Candidate| (c.kind, c.pp, c.dp, c.tp, c.microbatches, c.recompute);
+        let id = |c: &Candidate| (c.kind, c.pp, c.dp, c.fsdp, c.tp, c.microbatches, c.recompute);
         assert_ne!(id(chosen), id(best));
         assert!(chosen.step_seconds >= best.step_seconds);
         let same = capped.iter().find(|c| id(c) == id(best)).unwrap();
@@ -665,6 +699,22 @@ mod tests {
         // Everything that fits is ranked before everything that does not.
         let first_out = capped.iter().position(|c| !c.fits).unwrap();
         assert!(capped[first_out..].iter().all(|c| !c.fits));
+    }
+
+    /// Replicas are searched with and without FSDP: under a cap below every replicated
+    /// layout's peak the planner chooses a sharded one, and its command says `--fsdp`.
+    #[test]
+    fn fsdp_is_searched_and_fits_where_replicas_do_not() {
+        let mut req = PlanRequest { pp: Some(1), tp: Some(1), ..request(u64::MAX) };
+        let free = plan(&req).unwrap();
+        let least = |fsdp: bool| free.iter().filter(|c| c.fsdp == fsdp).map(|c| c.peak_bytes).min().unwrap();
+        assert!(free.iter().all(|c| c.dp == 2));
+        let (replicated, sharded) = (least(false), least(true));
+        assert!(sharded < replicated, "{sharded} {replicated}");
+        req.memory_per_rank = replicated - 1;
+        let chosen = &plan(&req).unwrap()[0];
+        assert!(chosen.fits && chosen.fsdp, "{chosen:?}");
+        assert!(chosen.train_flags(16).contains("--dp 2 --fsdp --tp 1"), "{}", chosen.train_flags(16));
     }
 
     #[test]

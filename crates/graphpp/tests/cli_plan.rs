@@ -187,6 +187,39 @@ fn plan_compiles_a_strategy_into_its_training_dag() {
     assert!(text.contains(&actions), "{actions} {text}");
 }
 
+/// Under FSDP a rank holds its shard of the parameters and AdamW moments, the full gradient
+/// accumulators and the gathered parameters: `plan --strategy` predicts the peaks a run of the
+/// strategy measures, byte for byte, and below the same strategy's without FSDP.
+#[test]
+fn fsdp_peaks_are_predicted_as_the_run_measures_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::corpus(dir.path(), 300);
+    let run = ["--schedule", "1f1b", "--ranks", "2", "--microbatches", "4", "--microbatch-size", "4"];
+    let predicted = |fsdp: bool| {
+        let mut print = graphpp();
+        print.arg("train").args(run).args(["--dp", "2", "--print-strategy"]);
+        if fsdp {
+            print.arg("--fsdp");
+        }
+        let strategy = dir.path().join(format!("fsdp-{fsdp}.toml"));
+        std::fs::write(&strategy, output(print, 0).0).unwrap();
+        let mut c = graphpp();
+        c.args(["plan", "--seq-len", "16", "--format", "json", "--strategy"]).arg(&strategy);
+        let json: serde_json::Value = serde_json::from_str(&output(c, 0).0).unwrap();
+        let peaks = json["prediction"]["peak_bytes"].as_array().unwrap().iter();
+        peaks.map(|x| x.as_u64().unwrap()).collect::<Vec<u64>>()
+    };
+    let path = dir.path().join("p.json");
+    let mut prof = graphpp();
+    prof.arg("profile").args(run).args(["--dp", "2", "--fsdp", "--seq-len", "16", "--profile-steps", "2"]);
+    prof.args(["--threads-per-rank", "1", "--data"]).arg(&data).arg("--output").arg(&path);
+    output(prof, 0);
+    let measured = Profile::load(&path).unwrap().measured_peak_bytes;
+    let (sharded, replicated) = (predicted(true), predicted(false));
+    assert_eq!(sharded, measured[..sharded.len()]);
+    assert!(sharded.iter().zip(&replicated).all(|(s, r)| s < r), "{sharded:?} {replicated:?}");
+}
+
 /// `plan --hardware`: a preset plans at its device's rates and memory (no --memory-per-rank
 /// needed) and says which; `--print-hardware` writes a TOML file that plans the same; a file with
 /// a field that is not a positive number is refused naming it; it excludes `--profile`.

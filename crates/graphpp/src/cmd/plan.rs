@@ -144,11 +144,12 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
 /// One table row.
 fn row(i: usize, c: &Candidate) -> String {
     format!(
-        "{:>3}  {:<20} {:>3} {:>3} {:>3} {:>2} {:>4} {:>4}  {:<12} {:>10} {:>8.3} {:>12}  {}\n",
+        "{:>3}  {:<20} {:>3} {:>3} {:>4} {:>3} {:>2} {:>4} {:>4}  {:<12} {:>10} {:>8.3} {:>12}  {}\n",
         i + 1,
         c.kind.name(),
         c.pp,
         c.dp,
+        if c.fsdp { "yes" } else { "no" },
         c.tp,
         c.stages_per_rank,
         c.microbatches,
@@ -337,7 +338,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         all.len(),
         fitting
     );
-    text.push_str("  #  schedule              pp  dp  tp  v    m    B  recompute     step (ms)   bubble    peak/rank  fits\n");
+    text.push_str("  #  schedule              pp  dp fsdp  tp  v    m    B  recompute     step (ms)   bubble    peak/rank  fits\n");
     for (i, c) in all.iter().take(a.top).enumerate() {
         text.push_str(&row(i, c));
     }
