@@ -146,6 +146,9 @@ pub struct Candidate {
     pub step_seconds: f64,
     /// Predicted in-iteration r_bubble.
     pub bubble: f64,
+    /// Seconds of the step its schedule does not hide communication under
+    /// ([`Prediction::exposed_comm_seconds`]).
+    pub exposed_comm_seconds: f64,
     /// Predicted peak bytes of the fullest rank.
     pub peak_bytes: u64,
     /// Whether every rank's peak is within the memory per rank.
@@ -619,6 +622,7 @@ fn layout_candidates(
                         recompute,
                         step_seconds: p.step_seconds,
                         bubble: p.bubble,
+                        exposed_comm_seconds: p.exposed_comm_seconds,
                         peak_bytes,
                         fits: peak_bytes <= req.memory_per_rank,
                     });

@@ -114,8 +114,8 @@ fn plan_ranks_strategies_under_a_memory_cap() {
     let cap = format!("{:.3}MiB", peak * 0.9);
     let (capped, _) = plan(&cap, 0);
     let chosen = rows(&capped)[0].clone();
-    assert_ne!(chosen[1..8], first[1..8], "{capped}");
-    let same = rows(&capped).into_iter().find(|r| r[1..8] == first[1..8]).unwrap();
+    assert_ne!(chosen[1..10], first[1..10], "{capped}");
+    let same = rows(&capped).into_iter().find(|r| r[1..10] == first[1..10]).unwrap();
     assert_eq!(same.last().unwrap(), "no", "{capped}");
     // The chosen command trains.
     let cmd = capped.lines().find(|l| l.starts_with("best: graphpp train ")).unwrap();
@@ -218,6 +218,70 @@ fn fsdp_peaks_are_predicted_as_the_run_measures_them() {
     let (sharded, replicated) = (predicted(true), predicted(false));
     assert_eq!(sharded, measured[..sharded.len()]);
     assert!(sharded.iter().zip(&replicated).all(|(s, r)| s < r), "{sharded:?} {replicated:?}");
+}
+
+/// A strategy whose tensor-parallel degree does not divide the model's MLP width is refused
+/// naming the field (before, each rank's MLP was cut to the floor of its share and the
+/// prediction was of a smaller model).
+#[test]
+fn a_strategy_the_model_cannot_split_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("odd.json");
+    let cfg = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,"intermediate_size":171,
+        "num_attention_heads":4,"num_hidden_layers":4,"num_key_value_heads":4,"vocab_size":256,"rms_norm_eps":1e-05,
+        "tie_word_embeddings":false,"hidden_act":"silu"}"#;
+    std::fs::write(&model, cfg).unwrap();
+    let mut print = graphpp();
+    print.args(["train", "--model", "small", "--tp", "2", "--print-strategy"]);
+    let strategy = dir.path().join("tp2.toml");
+    std::fs::write(&strategy, output(print, 0).0).unwrap();
+    let mut c = graphpp();
+    c.args(["plan", "--hardware", "h100-sxm", "--model"]).arg(&model).arg("--strategy").arg(&strategy);
+    let (_, err) = output(c, 1);
+    assert!(err.contains("`intermediate_size` = 171 does not split over tp = 2"), "{err}");
+}
+
+/// `plan --against FILE` predicts a strategy file beside the search's best: GPipe over one
+/// microbatch (a step with no overlap at all) is slower than the best by the printed share;
+/// under a cap below its peak it says it does not fit; a file for another world is refused.
+#[test]
+fn plan_says_how_the_best_compares_with_a_given_strategy() {
+    let dir = tempfile::tempdir().unwrap();
+    let strategy = |name: &str, flags: &[&str]| {
+        let mut print = graphpp();
+        print
+            .args(["train", "--schedule", "gpipe", "--microbatch-size", "8", "--print-strategy"])
+            .args(flags);
+        let path = dir.path().join(name);
+        std::fs::write(&path, output(print, 0).0).unwrap();
+        path
+    };
+    let slow = strategy("slow.toml", &["--ranks", "2", "--microbatches", "1"]);
+    let plan = |file: &Path, cap: &str, code: i32| {
+        let mut c = graphpp();
+        c.args(["plan", "--ranks", "2", "--memory-per-rank", cap, "--global-batch", "8", "--seq-len", "16"])
+            .args(["--top", "1", "--against"])
+            .arg(file);
+        output(c, code)
+    };
+    let (text, _) = plan(&slow, "1GiB", 0);
+    let line = text.lines().find(|l| l.starts_with("against ")).unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains("gpipe pp 2 × dp 1 × tp 1, v 1, m 1, B 8") && line.contains("(fits)"), "{line}");
+    let ms = |after: &str| -> f64 {
+        let x = line.split(after).nth(1).unwrap();
+        x.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    let (best, given) = (ms("less time: step "), ms(": step "));
+    let share: f64 = line.split("takes ").nth(1).unwrap().split('%').next().unwrap().parse().unwrap();
+    assert!(best < given && (share - 100.0 * (1.0 - best / given)).abs() < 0.1, "{line}");
+    let (tight, _) = plan(&slow, "1000", 1);
+    assert!(tight.is_empty() || !tight.contains("against"), "{tight}");
+    let other = strategy("other.toml", &["--ranks", "4", "--microbatches", "1"]);
+    let (_, err) = plan(&other, "1GiB", 1);
+    assert!(
+        err.contains("the strategy runs 4 ranks and 8 sequences a step; the search is for --ranks 2"),
+        "{err}"
+    );
 }
 
 /// `plan --hardware`: a preset plans at its device's rates and memory (no --memory-per-rank

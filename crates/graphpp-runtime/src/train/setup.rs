@@ -116,14 +116,24 @@ impl TrainSetup {
     /// # Errors
     /// Those of [`TrainSetup::check`].
     pub fn check_sized(&self, single_device: bool) -> Result<(), TrainError> {
-        self.check_dp()?;
-        self.check_ep()?;
-        self.check_tp()?;
+        self.check_layout()?;
         if self.dtype == graphpp_graph::DType::BF16 {
             crate::kernels::bf16_gemm::chosen().map_err(SetupError::from)?;
         }
         crate::kernels::device::kernels_choice().map_err(SetupError::from)?;
         self.check_step(single_device, None)
+    }
+
+    /// Whether the model splits over the layout: [`TrainSetup::check_dp`],
+    /// [`TrainSetup::check_ep`] and [`TrainSetup::check_tp`], without this machine's memory
+    /// (a plan for other hardware checks this much).
+    ///
+    /// # Errors
+    /// Those three's.
+    pub fn check_layout(&self) -> Result<(), TrainError> {
+        self.check_dp()?;
+        self.check_ep()?;
+        self.check_tp()
     }
 
     /// The memory of one step of this run on `schedule` (the run's, compute-only or lowered:

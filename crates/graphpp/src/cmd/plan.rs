@@ -37,6 +37,11 @@ pub struct PlanArgs {
     /// bytes per rank).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["ranks", "memory_per_rank", "global_batch", "max_microbatches", "pp", "tp", "microbatches", "schedule", "recompute", "top"])]
     strategy: Option<PathBuf>,
+    /// With a search: predict this strategy file too (it must use --ranks ranks and
+    /// --global-batch sequences) and say how the best strategy compares with it — step, bubble,
+    /// exposed communication, peak — or that it is the best.
+    #[arg(long, value_name = "FILE", conflicts_with = "strategy")]
+    against: Option<PathBuf>,
     /// With --strategy: how to print the DAG.
     #[arg(long, value_enum, default_value_t = DagFormat::Text, requires = "strategy")]
     format: DagFormat,
@@ -179,13 +184,24 @@ fn rate(value: f64, unit: &str) -> String {
     }
 }
 
-/// `plan --strategy`: the strategy's training DAG and prediction (see [`PlanArgs::strategy`]).
-fn compile(
+/// A strategy file compiled as `train --strategy` runs it: its run configuration, training DAG,
+/// prediction and (on a cluster's device) MFU.
+struct Compiled {
+    config: graphpp::train::RunConfig,
+    dag: TrainingDag,
+    prediction: graphpp::plan::Prediction,
+    mfu: Option<f64>,
+}
+
+/// Compiles the strategy file at `path` for `a`'s model, sequence length and dtype (see
+/// [`PlanArgs::strategy`]). Errors: a bad file, a layout the model cannot split, a schedule
+/// that cannot be lowered or simulated.
+fn compile_strategy(
     a: &PlanArgs,
     path: &std::path::Path,
     profile: Option<&Profile>,
     hardware: Option<&Hardware>,
-) -> Result<()> {
+) -> Result<Compiled> {
     let layers = a.layers.map(|l| l.to_string());
     let seq = a.seq_len.to_string();
     let mut flags = vec!["--model", a.model.as_str(), "--seq-len", seq.as_str()];
@@ -199,6 +215,7 @@ fn compile(
     }
     let config = crate::cmd::train::strategy_config(path, &flags)?;
     let setup = graphpp::train::train_setup(&config)?;
+    setup.check_layout()?;
     // A plan allocates nothing (and may be for other hardware): the run's schedule without this
     // machine's memory check.
     let compute = graphpp_runtime::train::build::compute_schedule(
@@ -215,7 +232,7 @@ fn compile(
         Some(h) => (Cost::Device(h, config.dtype), h.links((config.ranks, config.dp, config.tp, config.ep))),
         None => (Cost::Speed(&speed), Links::uniform(a.link_gbps * 1e9)),
     };
-    let p = predict(&schedule, &graphs, (&config.model, config.dp, config.ep), cost, links)?;
+    let prediction = predict(&schedule, &graphs, (&config.model, config.dp, config.ep), cost, links)?;
     // Model FLOPs per second over the world's peak (PaLM's MFU), on a cluster's device.
     let mfu = hardware.map(|h| {
         let peak =
@@ -223,9 +240,20 @@ fn compile(
         let tokens = (config.microbatches * config.microbatch_size * config.seq_len) as f64;
         let world = (config.ranks * config.dp * config.tp) as f64;
         graphpp_models::Model::flops_per_token(&config.model, config.seq_len) * tokens
-            / p.step_seconds
+            / prediction.step_seconds
             / (world * peak)
     });
+    Ok(Compiled { config, dag, prediction, mfu })
+}
+
+/// `plan --strategy`: the strategy's training DAG and prediction (see [`PlanArgs::strategy`]).
+fn compile(
+    a: &PlanArgs,
+    path: &std::path::Path,
+    profile: Option<&Profile>,
+    hardware: Option<&Hardware>,
+) -> Result<()> {
+    let Compiled { dag, prediction: p, mfu, .. } = compile_strategy(a, path, profile, hardware)?;
     let text = match a.format {
         DagFormat::Text => {
             let peaks: Vec<String> = p.peak_bytes.iter().map(|&b| mib(b)).collect();
@@ -246,6 +274,75 @@ fn compile(
         }
     };
     crate::cmd::emit(&text)
+}
+
+/// `plan --against FILE`: the strategy file's prediction beside the `best` candidate's, and by
+/// how much the best is faster (or that the file's layout is the best). Errors: a strategy
+/// that cannot be compiled, or whose world or global batch differs from the search's.
+fn against(
+    a: &PlanArgs,
+    path: &std::path::Path,
+    best: &Candidate,
+    (ranks, profile, hardware): (usize, Option<&Profile>, Option<&Hardware>),
+) -> Result<String> {
+    let Compiled { config: c, prediction: p, .. } = compile_strategy(a, path, profile, hardware)?;
+    let (world, batch) = (c.ranks * c.dp * c.tp, c.microbatches * c.microbatch_size);
+    if (world, batch) != (ranks, a.global_batch) {
+        bail!(
+            "--against {}: the strategy runs {world} ranks and {batch} sequences a step; the search \
+             is for --ranks {ranks} and --global-batch {}",
+            path.display(),
+            a.global_batch
+        );
+    }
+    let peak = p.peak_bytes.iter().copied().max().unwrap_or(0);
+    let memory = a.memory_per_rank.or(hardware.map(|h| h.device.memory_bytes)).unwrap_or(u64::MAX);
+    let fits = if peak <= memory { "fits" } else { "does not fit" };
+    let layout = format!(
+        "{} pp {} × dp {}{} × tp {}, v {}, m {}, B {}, recompute {}",
+        c.kind.name(),
+        c.ranks,
+        c.dp,
+        if c.fsdp { " (FSDP)" } else { "" },
+        c.tp,
+        c.stages_per_rank,
+        c.microbatches,
+        c.microbatch_size,
+        c.recompute.name()
+    );
+    let faster = 1.0 - best.step_seconds / p.step_seconds;
+    let verdict = if faster > 0.0 {
+        format!(
+            "the best strategy takes {:.1}% less time: step {} against {} ms, bubble {:.3} against {:.3}, exposed \
+             communication {} against {} ms, peak {} against {}",
+            100.0 * faster,
+            milliseconds(best.step_seconds),
+            milliseconds(p.step_seconds),
+            best.bubble,
+            p.bubble,
+            milliseconds(best.exposed_comm_seconds),
+            milliseconds(p.exposed_comm_seconds),
+            mib(best.peak_bytes),
+            mib(peak)
+        )
+    } else if peak > memory {
+        format!(
+            "it would take {:.1}% less time than the best strategy, but needs {} per rank, more than {}",
+            100.0 * (1.0 - p.step_seconds / best.step_seconds),
+            mib(peak),
+            mib(memory)
+        )
+    } else {
+        "no strategy of the search is predicted faster".to_string()
+    };
+    Ok(format!(
+        "against {}: {layout}: step {} ms, bubble {:.3}, exposed communication {} ms, peak/rank {} ({fits}); {verdict}\n",
+        path.display(),
+        milliseconds(p.step_seconds),
+        p.bubble,
+        milliseconds(p.exposed_comm_seconds),
+        mib(peak)
+    ))
 }
 
 /// The cost rates a plan used and where they come from (a profile's fit, or assumed).
@@ -356,6 +453,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
             least.map_or(String::new(), |b| format!(" (the least memory any needs is {})", mib(b)))
         );
     };
+    if let Some(path) = &a.against {
+        text.push_str(&against(&a, path, best, (ranks, profile.as_ref(), hardware.as_ref()))?);
+    }
     let mut extra = a.layers.map_or(String::new(), |l| format!(" --layers {l}"));
     if req.dtype != graphpp_graph::DType::F32 {
         extra.push_str(&format!(" --dtype {}", req.dtype.name()));
