@@ -34,6 +34,11 @@ pub struct Device {
     /// product at the peak.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub matmul_curve: Vec<[f64; 2]>,
+    /// Measured attention rates by size, as [`Device::matmul_curve`] but for the fused attention
+    /// ops (forward and backward: per-head products beside softmax, slower than a matmul of the
+    /// same FLOPs); empty: they run at the matmul curve's rate (or the peak).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attention_curve: Vec<[f64; 2]>,
     /// Seconds every other node a compiled program writes costs besides its bytes (dispatch,
     /// small-tensor overheads; measured by the probe), microseconds.
     #[serde(default)]
@@ -97,6 +102,18 @@ pub enum HardwareError {
         /// Its value.
         value: f64,
     },
+    /// A point of a measured curve that is not positive, or out of order.
+    #[error("--hardware {path}: {field} point {point}: {reason}")]
+    Curve {
+        /// The file, or the preset's name.
+        path: String,
+        /// The curve.
+        field: &'static str,
+        /// The point's index (from 0).
+        point: usize,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// A figure that is not a positive finite number.
     #[error("--hardware {path}: {field} is {value}: it must be a positive finite number")]
     Field {
@@ -126,6 +143,7 @@ fn h100(name: &str, memory_bandwidth: f64, memory_bytes: u64, source: &str) -> H
             memory_bandwidth,
             memory_bytes,
             matmul_curve: Vec::new(),
+            attention_curve: Vec::new(),
             // A kernel launch and a small kernel's tail: a few microseconds per node on a GPU
             // (CUDA launch latency is ~2–5 µs); without it a small model's step is all FLOPs.
             node_overhead_us: 4.0,
@@ -193,6 +211,22 @@ impl Hardware {
                 return Err(HardwareError::Field { path: path.into(), field, value });
             }
         }
+        for (field, curve) in
+            [("device.matmul_curve", &d.matmul_curve), ("device.attention_curve", &d.attention_curve)]
+        {
+            let curve_error = |point: usize, reason: &'static str| HardwareError::Curve {
+                path: path.into(),
+                field,
+                point,
+                reason,
+            };
+            if let Some(i) = curve.iter().position(|p| p.iter().any(|v| !(v.is_finite() && *v > 0.0))) {
+                return Err(curve_error(i, "its FLOPs and FLOP/s must be positive finite numbers"));
+            }
+            if let Some(i) = curve.windows(2).position(|w| w[1][0] <= w[0][0]) {
+                return Err(curve_error(i + 1, "the sizes must ascend"));
+            }
+        }
         for (field, value) in [
             ("intra_node.latency_us", self.intra_node.latency_us),
             ("inter_node.latency_us", self.inter_node.latency_us),
@@ -205,21 +239,24 @@ impl Hardware {
     }
 
     /// Seconds of one run of `g` computing in `dtype`, node by node: each product at its size's
-    /// rate ([`Device::matmul_curve`], else the peak for the dtype), each other node the compiled
+    /// rate ([`Device::matmul_curve`], an attention op's on [`Device::attention_curve`] where
+    /// there is one; else the peak for the dtype), each other node the compiled
     /// program writes at the memory bandwidth plus [`Device::node_overhead_us`] (fused members
     /// are computed in registers: not counted, as [`crate::profile::Work::of`]).
     pub fn graph_seconds(&self, g: &graphpp_graph::Graph, dtype: DType) -> f64 {
         let d = &self.device;
         let peak = if dtype == DType::BF16 { d.flops_bf16 } else { d.flops_f32 };
         let scale = peak / d.flops_f32;
-        let rate = |flops: f64| match d.matmul_curve.as_slice() {
-            [] => peak,
-            curve => scale * interpolate(curve, flops),
-        };
+        let rate =
+            |flops: f64, attention: bool| match (d.matmul_curve.as_slice(), d.attention_curve.as_slice()) {
+                (_, curve @ [_, ..]) if attention => scale * interpolate(curve, flops),
+                ([], _) => peak,
+                (curve, _) => scale * interpolate(curve, flops),
+            };
         crate::profile::node_costs(g)
             .into_iter()
             .map(|c| match c {
-                NodeCost::Product { flops } => flops as f64 / rate(flops as f64),
+                NodeCost::Product { flops, attention } => flops as f64 / rate(flops as f64, attention),
                 NodeCost::Written { bytes } => bytes as f64 / d.memory_bandwidth + d.node_overhead_us * 1e-6,
             })
             .sum()
@@ -357,6 +394,7 @@ pub fn probe() -> Result<Probed, Box<dyn std::error::Error + Send + Sync>> {
             memory_bandwidth: rates.bandwidth.min((x.elem_count() * 4) as f64 / add_s),
             memory_bytes: memory.max(1),
             matmul_curve: rates.matmul_curve,
+            attention_curve: rates.attention_curve,
             node_overhead_us: rates.node_overhead_us,
         },
         intra_node: link,
@@ -370,6 +408,8 @@ pub fn probe() -> Result<Probed, Box<dyn std::error::Error + Send + Sync>> {
 pub struct ExecutorRates {
     /// Products' FLOP/s by size, `[flops, flop/s]` ascending (one point per 4× bin of sizes).
     pub matmul_curve: Vec<[f64; 2]>,
+    /// Attention ops' FLOP/s by size, as `matmul_curve`.
+    pub attention_curve: Vec<[f64; 2]>,
     /// Bytes per second a node other than a product writes (the fitted line's slope).
     pub bandwidth: f64,
     /// Microseconds a node other than a product costs on top of its bytes (the line's intercept).
@@ -377,9 +417,10 @@ pub struct ExecutorRates {
 }
 
 /// Rates of graphpp's own compiled executor, from every node of a stage's forward and backward
-/// — every layer of `tiny`, then of `small` (products from 4 to 400 MFLOP), B = 8 sequences of
-/// T = 64 tokens, f32, the pointwise recompute policy `train` defaults to — each node timed ([`graphpp_runtime::exec::RunOptions::time_nodes`])
-/// over `runs` runs, its best kept: the products' FLOP/s by size (a pair run side by side
+/// — every layer of `tiny` at B = 8 sequences, then of `small` at B = 4 and 8 (products from 4
+/// to 400 MFLOP; the same shapes at two row counts, so a product's size is not confounded with
+/// its width), T = 64 tokens, f32, the pointwise recompute policy `train` defaults to — each node timed ([`graphpp_runtime::exec::RunOptions::time_nodes`])
+/// over `runs` runs, its median kept: the matmuls' FLOP/s by size and the attention ops' apart (a pair run side by side
 /// counts as one product of both sizes, its time being the first's:
 /// [`graphpp_runtime::exec::pairs`]), and the least-squares line `t = overhead + bytes /
 /// bandwidth` over every other node the program writes (fused members cost nothing, as in
@@ -389,30 +430,33 @@ pub struct ExecutorRates {
 /// # Errors
 /// Building the stage or running it.
 pub fn executor_rates(runs: usize) -> Result<ExecutorRates, Box<dyn std::error::Error + Send + Sync>> {
-    let (mut products, mut written) = (Vec::new(), Vec::new());
-    for cfg in [graphpp_models::LlamaConfig::tiny(), graphpp_models::LlamaConfig::small()] {
-        time_stage_nodes(&cfg, runs, &mut products, &mut written)?;
+    let (mut products, mut attention, mut written) = (Vec::new(), Vec::new(), Vec::new());
+    let (tiny, small) = (graphpp_models::LlamaConfig::tiny(), graphpp_models::LlamaConfig::small());
+    for (cfg, batch) in [(&tiny, 8), (&small, 4), (&small, 8)] {
+        time_stage_nodes(cfg, batch, runs, (&mut products, &mut attention), &mut written)?;
     }
     let (intercept, slope) = least_squares(&written);
     Ok(ExecutorRates {
         matmul_curve: binned_rates(&products),
+        attention_curve: binned_rates(&attention),
         bandwidth: if slope > 0.0 { 1.0 / slope } else { f64::INFINITY },
         node_overhead_us: intercept.max(0.0) * 1e6,
     })
 }
 
-/// Times every node of one stage holding all of `cfg`'s layers (B = 8, T = 64, f32, the
-/// pointwise policy), fw then full_bw, `runs` runs each, the best per node: appends products as
+/// Times every node of one stage holding all of `cfg`'s layers (`batch` sequences, T = 64, f32,
+/// the pointwise policy), fw then full_bw, `runs` runs each, the median per node: appends products as
 /// `(flops, seconds)` and other written nodes as `(bytes, seconds)` ([`executor_rates`]).
 fn time_stage_nodes(
     cfg: &graphpp_models::LlamaConfig,
+    batch: usize,
     runs: usize,
-    products: &mut Vec<(f64, f64)>,
+    (products, attention): (&mut Vec<(f64, f64)>, &mut Vec<(f64, f64)>),
     written: &mut Vec<(f64, f64)>,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     use graphpp_models::{Model, StageOptions};
     use graphpp_runtime::exec::RunOptions;
-    let opts = StageOptions::mixed(8, 64, DType::F32);
+    let opts = StageOptions::mixed(batch, 64, DType::F32);
     let spec = graphpp_models::split_layers(cfg.num_layers(), 1, None)?.remove(0);
     let stage = cfg.build_stage(&spec, &opts)?;
     let graphs = graphpp_graph::stage_graphs(&stage, &graphpp_models::Recompute::Pointwise.policy(&spec))?;
@@ -426,20 +470,28 @@ fn time_stage_nodes(
         device: &cpu,
     };
     let mut env = build.state(&spec)?;
-    let data = graphpp_runtime::verify::random_microbatches(cfg.vocab_size, 1, 8, 64, 0)?;
+    let data = graphpp_runtime::verify::random_microbatches(cfg.vocab_size, 1, batch, 64, 0)?;
     env.insert(graphpp_graph::names::TOKENS.into(), data.tokens[0].clone());
     env.insert(graphpp_graph::names::TARGETS.into(), data.targets[0].clone());
     for g in [&graphs.fw, &graphs.full_bw] {
         let program = graphpp_runtime::Program::compile(g);
         let opts = RunOptions { time_nodes: true, ..RunOptions::default() };
-        let mut best = vec![f64::INFINITY; g.nodes.len()];
+        let mut times: Vec<Vec<f64>> = vec![Vec::new(); g.nodes.len()];
         let mut outputs = Vec::new();
         for _ in 0..runs.max(1) {
             let r = program.run_named_with(g, &env, &opts, None)?;
-            let times = r.node_times.as_deref().unwrap_or_default();
-            best.iter_mut().zip(times).for_each(|(b, t)| *b = b.min(t.as_secs_f64()));
+            let run = r.node_times.as_deref().unwrap_or_default();
+            times.iter_mut().zip(run).for_each(|(ts, t)| ts.push(t.as_secs_f64()));
             outputs = r.outputs;
         }
+        // Each node's median run: the steady state a step sees, neither the best case nor noise.
+        let median: Vec<f64> = times
+            .into_iter()
+            .map(|mut ts| {
+                ts.sort_by(f64::total_cmp);
+                ts.get(ts.len() / 2).copied().unwrap_or(f64::INFINITY)
+            })
+            .collect();
         let partner = &program.pairs().partner;
         let seconds: std::collections::HashSet<usize> = partner.iter().flatten().copied().collect();
         let flops = |j: usize| g.node_flops(graphpp_graph::ValueId(j)).unwrap_or(0) as f64;
@@ -447,10 +499,11 @@ fn time_stage_nodes(
             match cost {
                 // A pair's second product was timed with its first.
                 NodeCost::Product { .. } if seconds.contains(&i) => {}
-                NodeCost::Product { flops: f } => {
-                    products.push((f as f64 + partner[i].map_or(0.0, flops), best[i]))
+                NodeCost::Product { flops: f, attention: true } => attention.push((f as f64, median[i])),
+                NodeCost::Product { flops: f, attention: false } => {
+                    products.push((f as f64 + partner[i].map_or(0.0, flops), median[i]))
                 }
-                NodeCost::Written { bytes } => written.push((bytes as f64, best[i])),
+                NodeCost::Written { bytes } => written.push((bytes as f64, median[i])),
             }
         }
         env.extend(g.output_names().into_iter().zip(outputs));
@@ -608,6 +661,30 @@ mod tests {
         assert!((h.graph_seconds(&g, DType::BF16) - (1e-3 / ratio + 3e-6)).abs() < 1e-12);
     }
 
+    /// An attention curve charges the attention ops (and only them) at its rate: a stage's
+    /// forward costs more by exactly their FLOPs at the slower rate.
+    #[test]
+    fn attention_runs_on_its_own_curve() {
+        use graphpp_models::{Model, StageOptions};
+        let cfg = graphpp_models::LlamaConfig::tiny();
+        let spec = graphpp_models::split_layers(cfg.num_layers(), 1, None).unwrap().remove(0);
+        let g = cfg.build_stage(&spec, &StageOptions::mixed(2, 16, DType::F32)).unwrap();
+        let mut h = Hardware::load("h100-sxm").unwrap();
+        h.device.matmul_curve = vec![[1e3, 1e10], [1e9, 1e10]];
+        let before = h.graph_seconds(&g, DType::F32);
+        h.device.attention_curve = vec![[1e3, 1e9], [1e9, 1e9]];
+        let attention: u64 = crate::profile::node_costs(&g)
+            .into_iter()
+            .filter_map(|c| match c {
+                NodeCost::Product { flops, attention: true } => Some(flops),
+                _ => None,
+            })
+            .sum();
+        assert!(attention > 0);
+        let want = before + attention as f64 * (1e-9 - 1e-10);
+        assert!((h.graph_seconds(&g, DType::F32) - want).abs() < 1e-12 * want.max(1.0), "{want}");
+    }
+
     #[test]
     fn bad_files_name_the_field() {
         let d = tempfile::tempdir().unwrap();
@@ -625,6 +702,16 @@ mod tests {
         std::fs::write(&path, "name = \"x\"\n").unwrap();
         let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
         assert!(e.contains("missing field"), "{e}");
+        for (curve, want) in [
+            (vec![[1e6, 1e9], [1e5, 1e10]], "device.matmul_curve point 1: the sizes must ascend"),
+            (vec![[1e6, -1e9]], "device.matmul_curve point 0: its FLOPs and FLOP/s must be positive"),
+        ] {
+            let mut h = Hardware::load("h100-sxm").unwrap();
+            h.device.matmul_curve = curve;
+            std::fs::write(&path, h.to_toml()).unwrap();
+            let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
         let e = Hardware::load("/nonexistent/h.toml").unwrap_err().to_string();
         assert!(e.contains("/nonexistent/h.toml"), "{e}");
         let e = Hardware::load("h100").unwrap_err().to_string();

@@ -84,7 +84,7 @@ impl Work {
         let mut w = Work::default();
         for cost in node_costs(g) {
             match cost {
-                NodeCost::Product { flops } => w.flops += flops,
+                NodeCost::Product { flops, .. } => w.flops += flops,
                 NodeCost::Written { bytes } => w.bytes += bytes,
             }
         }
@@ -100,6 +100,10 @@ pub enum NodeCost {
     Product {
         /// FLOPs.
         flops: u64,
+        /// Whether it is an attention op (forward or backward): its products are small
+        /// per-head tiles beside softmax, so it runs at its own rate
+        /// ([`crate::hardware::Device::attention_curve`]).
+        attention: bool,
     },
     /// Any other node the program writes: its value's logical bytes.
     Written {
@@ -124,7 +128,10 @@ pub fn indexed_node_costs(g: &Graph) -> Vec<(usize, NodeCost)> {
         .iter()
         .enumerate()
         .filter_map(|(i, n)| match g.node_flops(graphpp_graph::ValueId(i)) {
-            Some(flops) => Some((i, NodeCost::Product { flops })),
+            Some(flops) => {
+                let attention = matches!(n.op, Op::Attention { .. } | Op::AttentionBackward { .. });
+                Some((i, NodeCost::Product { flops, attention }))
+            }
             None if !matches!(n.op, Op::Input { .. }) && written(i) => {
                 Some((i, NodeCost::Written { bytes: n.ty.size_bytes() as u64 }))
             }
