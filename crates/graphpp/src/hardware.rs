@@ -262,6 +262,21 @@ impl Hardware {
             .sum()
     }
 
+    /// Model FLOPs utilisation (PaLM's MFU, Chowdhery et al. 2022, appendix B): a step's model
+    /// FLOPs (`flops_per_token` × its tokens, no recomputation counted) over `world` devices'
+    /// peak for `dtype` during `step_seconds`. A fraction (0.5 is 50%).
+    pub fn mfu(
+        &self,
+        flops_per_token: f64,
+        tokens: usize,
+        world: usize,
+        dtype: DType,
+        step_seconds: f64,
+    ) -> f64 {
+        let peak = if dtype == DType::BF16 { self.device.flops_bf16 } else { self.device.flops_f32 };
+        flops_per_token * tokens as f64 / step_seconds / (world as f64 * peak)
+    }
+
     /// The device's rates for stage graphs computing in `dtype`: matmul FLOPs at its peak for
     /// the dtype (bf16's for bf16, f32's otherwise), other nodes' bytes at the memory bandwidth.
     pub fn speed(&self, dtype: DType) -> Speed {
@@ -683,6 +698,16 @@ mod tests {
         assert!(attention > 0);
         let want = before + attention as f64 * (1e-9 - 1e-10);
         assert!((h.graph_seconds(&g, DType::F32) - want).abs() < 1e-12 * want.max(1.0), "{want}");
+    }
+
+    /// MFU divides the step's model FLOPs by the world's peak in the step's dtype.
+    #[test]
+    fn mfu_is_model_flops_over_the_peak_of_the_dtype() {
+        let h = Hardware::load("h100-sxm").unwrap();
+        let bf16 = h.mfu(6e9, 1000, 8, DType::BF16, 0.5);
+        assert!((bf16 - 6e12 / 0.5 / (8.0 * 989.5e12)).abs() < 1e-15, "{bf16}");
+        let f32 = h.mfu(6e9, 1000, 8, DType::F32, 0.5);
+        assert!((f32 / bf16 - 989.5 / 67.0).abs() < 1e-9, "{f32}");
     }
 
     #[test]

@@ -146,10 +146,11 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
-/// One table row.
-fn row(i: usize, c: &Candidate) -> String {
+/// One table row; `mfu` the candidate's MFU on a cluster's device.
+fn row(i: usize, c: &Candidate, mfu: Option<f64>) -> String {
+    let mfu = mfu.map_or("-".to_string(), |m| format!("{:.1}%", 100.0 * m));
     format!(
-        "{:>3}  {:<20} {:>3} {:>3} {:>4} {:>3} {:>2} {:>4} {:>4}  {:<12} {:>10} {:>8.3} {:>12}  {}\n",
+        "{:>3}  {:<20} {:>3} {:>3} {:>4} {:>3} {:>2} {:>4} {:>4}  {:<12} {:>10} {:>8.3} {:>10} {:>6} {:>12}  {}\n",
         i + 1,
         c.kind.name(),
         c.pp,
@@ -162,6 +163,8 @@ fn row(i: usize, c: &Candidate) -> String {
         c.recompute.name(),
         milliseconds(c.step_seconds),
         c.bubble,
+        milliseconds(c.exposed_comm_seconds),
+        mfu,
         mib(c.peak_bytes),
         if c.fits { "yes" } else { "no" }
     )
@@ -235,13 +238,10 @@ fn compile_strategy(
     let prediction = predict(&schedule, &graphs, (&config.model, config.dp, config.ep), cost, links)?;
     // Model FLOPs per second over the world's peak (PaLM's MFU), on a cluster's device.
     let mfu = hardware.map(|h| {
-        let peak =
-            if config.dtype == graphpp_graph::DType::BF16 { h.device.flops_bf16 } else { h.device.flops_f32 };
-        let tokens = (config.microbatches * config.microbatch_size * config.seq_len) as f64;
-        let world = (config.ranks * config.dp * config.tp) as f64;
-        graphpp_models::Model::flops_per_token(&config.model, config.seq_len) * tokens
-            / prediction.step_seconds
-            / (world * peak)
+        let per_token = graphpp_models::Model::flops_per_token(&config.model, config.seq_len);
+        let tokens = config.microbatches * config.microbatch_size * config.seq_len;
+        let world = config.ranks * config.dp * config.tp;
+        h.mfu(per_token, tokens, world, config.dtype, prediction.step_seconds)
     });
     Ok(Compiled { config, dag, prediction, mfu })
 }
@@ -435,9 +435,12 @@ pub fn run(a: PlanArgs) -> Result<()> {
         all.len(),
         fitting
     );
-    text.push_str("  #  schedule              pp  dp fsdp  tp  v    m    B  recompute     step (ms)   bubble    peak/rank  fits\n");
+    text.push_str("  #  schedule              pp  dp fsdp  tp  v    m    B  recompute     step (ms)   bubble  comm (ms)    MFU    peak/rank  fits\n");
+    let per_token = graphpp_models::Model::flops_per_token(&req.model, req.seq_len);
     for (i, c) in all.iter().take(a.top).enumerate() {
-        text.push_str(&row(i, c));
+        let tokens = req.global_batch * req.seq_len;
+        let mfu = hardware.as_ref().map(|h| h.mfu(per_token, tokens, ranks, req.dtype, c.step_seconds));
+        text.push_str(&row(i, c, mfu));
     }
     if all.is_empty() {
         bail!(
