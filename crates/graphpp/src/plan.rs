@@ -98,6 +98,9 @@ pub struct PlanRequest {
     pub pp: Option<usize>,
     /// Only this tensor-parallel degree (`--tp`), when set: it must divide the ranks.
     pub tp: Option<usize>,
+    /// Only this expert-parallel degree (`--ep`), when set: it must divide the data-parallel
+    /// degree of a layout, and the model's routed experts.
+    pub ep: Option<usize>,
     /// Only this microbatch count m (`--microbatches`), when set, whatever `max_microbatches`
     /// says: it must divide the global batch.
     pub microbatches: Option<usize>,
@@ -111,10 +114,10 @@ pub struct PlanRequest {
 }
 
 impl PlanRequest {
-    /// The bandwidths of layout `(pp, dp, tp)`'s traffic (the search has no expert parallelism).
-    pub fn links(&self, (pp, dp, tp): (usize, usize, usize)) -> Links {
+    /// The bandwidths of layout `(pp, dp, tp, ep)`'s traffic.
+    pub fn links(&self, (pp, dp, tp, ep): (usize, usize, usize, usize)) -> Links {
         match &self.hardware {
-            Some(h) => h.links((pp, dp, tp, 1)),
+            Some(h) => h.links((pp, dp, tp, ep)),
             None => Links::uniform(self.link_bytes_per_second),
         }
     }
@@ -134,6 +137,8 @@ pub struct Candidate {
     pub fsdp: bool,
     /// Tensor-parallel degree of each pipeline position.
     pub tp: usize,
+    /// Expert-parallel degree: replicas sharing one layer's routed experts (1 for a dense model).
+    pub ep: usize,
     /// Stages per rank v.
     pub stages_per_rank: usize,
     /// m.
@@ -159,13 +164,14 @@ impl Candidate {
     /// The `graphpp train` flags that run this strategy.
     pub fn train_flags(&self, seq_len: usize) -> String {
         format!(
-            "--schedule {} --ranks {} --stages-per-rank {} --dp {}{} --tp {} --microbatches {} --microbatch-size {} --seq-len {} --recompute {}",
+            "--schedule {} --ranks {} --stages-per-rank {} --dp {}{} --tp {}{} --microbatches {} --microbatch-size {} --seq-len {} --recompute {}",
             self.kind.name(),
             self.pp,
             self.stages_per_rank,
             self.dp,
             if self.fsdp { " --fsdp" } else { "" },
             self.tp,
+            if self.ep > 1 { format!(" --ep {}", self.ep) } else { String::new() },
             self.microbatches,
             self.microbatch_size,
             seq_len,
@@ -206,18 +212,19 @@ pub enum PlanError {
 }
 
 /// The graphs of each schedule stage of `kind` at `shape`, `batch` sequences per replica, as
-/// tensor-parallel rank 0 of `tp` builds them.
+/// tensor-parallel rank 0 of `tp` and expert-parallel rank 0 of `ep` build them.
 fn schedule_graphs(
     req: &PlanRequest,
-    (kind, shape, tp): (Kind, &Shape, usize),
+    (kind, shape, tp, ep): (Kind, &Shape, usize, usize),
     batch: usize,
     recompute: Recompute,
     cache: &mut GraphCache,
 ) -> Result<Vec<Arc<StageGraphs>>, PlanError> {
     let build = |e: SetupError| PlanError::Build(e.to_string());
     let tp = graphpp_models::TensorShard::new(0, tp);
+    let ep = graphpp_models::ExpertShard { index: 0, size: ep };
     let specs = stage_specs(&req.model, kind, shape, None).map_err(build)?;
-    let specs: Vec<_> = specs.into_iter().map(|s| graphpp_models::StageSpec { tp, ..s }).collect();
+    let specs: Vec<_> = specs.into_iter().map(|s| graphpp_models::StageSpec { tp, ep, ..s }).collect();
     let opts = StageOptions { recompute, ..StageOptions::mixed(batch, req.seq_len, req.dtype) };
     specs.iter().map(|spec| cache.get(&req.model, spec, &opts).map_err(build)).collect()
 }
@@ -503,6 +510,7 @@ fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
     for (flag, pin, of, total) in [
         ("--pp", req.pp, "--ranks", req.ranks),
         ("--tp", req.tp, "--ranks", req.ranks),
+        ("--ep", req.ep, "--ranks", req.ranks),
         ("--microbatches", req.microbatches, "--global-batch", req.global_batch),
     ] {
         match pin {
@@ -521,10 +529,19 @@ fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
             });
         }
     }
-    // A pinned tp the model cannot take says why (rather than "no candidate").
+    // A pinned tp or ep the model cannot take says why (rather than "no candidate").
     if let Some(tp) = req.tp.filter(|&tp| tp > 0) {
         graphpp_models::Model::check_tp(&req.model, tp)
             .map_err(|e| PlanError::Build(format!("--tp {tp}: {e}")))?;
+    }
+    if let Some(ep) = req.ep.filter(|&ep| ep > 1) {
+        if graphpp_models::Model::routed_experts(&req.model) == 0 {
+            return Err(PlanError::Build(format!(
+                "--ep {ep}: expert parallelism needs a mixture-of-experts model"
+            )));
+        }
+        graphpp_models::Model::check_ep(&req.model, ep)
+            .map_err(|e| PlanError::Build(format!("--ep {ep}: {e}")))?;
     }
     for (what, value) in [
         ("seconds per FLOP", req.speed.seconds_per_flop),
@@ -570,6 +587,18 @@ fn candidates(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
     Ok(out)
 }
 
+/// How a layout's `dp` replicas can be arranged: `(fsdp, ep)` — plain replicas, FSDP (dp > 1;
+/// graphpp does not combine it with expert parallelism), and each expert-parallel degree ep
+/// dividing dp that a mixture-of-experts model's routed experts split over (only `req.ep` when
+/// pinned).
+fn replica_arrangements(req: &PlanRequest, dp: usize) -> Vec<(bool, usize)> {
+    let moe = graphpp_models::Model::routed_experts(&req.model) > 0;
+    let splits = |ep: usize| ep == 1 || (moe && graphpp_models::Model::check_ep(&req.model, ep).is_ok());
+    let eps = (1..=dp).filter(|&ep| dp.is_multiple_of(ep) && pinned(req.ep, ep) && splits(ep));
+    eps.flat_map(|ep| [(false, ep), (true, ep)].into_iter().filter(|&(f, ep)| !f || (dp > 1 && ep == 1)))
+        .collect()
+}
+
 /// The candidates of one layout `(pp, dp, tp)` (see [`candidates`]), appended to `out`.
 fn layout_candidates(
     req: &PlanRequest,
@@ -579,6 +608,7 @@ fn layout_candidates(
     out: &mut Vec<Candidate>,
 ) -> Result<(), PlanError> {
     let layers = graphpp_models::Model::num_layers(&req.model);
+    let arrangements = replica_arrangements(req, dp);
     for &kind in kinds {
         let v = kind.default_stages_per_rank();
         // One rank per pipeline is no pipeline: chunks on it only add hand-overs.
@@ -598,17 +628,18 @@ fn layout_candidates(
             }
             let shape = Shape::new(pp, v, m);
             let Ok(schedule) = generate(kind, &shape, &Options::default()) else { continue };
-            // Replicas run with and without FSDP, lowered as the runtime lowers them.
-            for fsdp in [false, true].into_iter().filter(|&f| !f || dp > 1) {
+            // Replicas with and without FSDP, lowered as the runtime lowers them.
+            for &(fsdp, ep) in &arrangements {
                 let opts = LowerOptions { fsdp_max_unsharded: fsdp.then_some(v), reduce_grad: dp > 1 };
                 let lowered = lower(&schedule, &opts).map_err(|e| PlanError::Build(e.to_string()))?;
                 for &recompute in policies {
-                    let graphs = schedule_graphs(req, (kind, &shape, tp), b / dp, recompute, cache)?;
+                    let graphs = schedule_graphs(req, (kind, &shape, tp, ep), b / dp, recompute, cache)?;
                     let cost = match &req.hardware {
                         Some(h) => Cost::Device(h, req.dtype),
                         None => Cost::Speed(&req.speed),
                     };
-                    let p = predict(&lowered, &graphs, (&req.model, dp, 1), cost, req.links((pp, dp, tp)))?;
+                    let links = req.links((pp, dp, tp, ep));
+                    let p = predict(&lowered, &graphs, (&req.model, dp, ep), cost, links)?;
                     let peak_bytes = p.peak_bytes.into_iter().max().unwrap_or(0);
                     out.push(Candidate {
                         kind,
@@ -616,6 +647,7 @@ fn layout_candidates(
                         dp,
                         fsdp,
                         tp,
+                        ep,
                         stages_per_rank: v,
                         microbatches: m,
                         microbatch_size: b,
@@ -648,7 +680,7 @@ fn rank(out: &mut Vec<Candidate>) {
     let mut seen = std::collections::HashSet::new();
     out.retain(|c| {
         seen.insert((
-            (c.pp, c.dp, c.fsdp, c.tp),
+            (c.pp, c.dp, c.fsdp, c.tp, c.ep),
             c.stages_per_rank,
             c.microbatches,
             c.recompute,
@@ -676,6 +708,7 @@ mod tests {
             max_microbatches: 8,
             pp: None,
             tp: None,
+            ep: None,
             microbatches: None,
             speed: Speed::default(),
             link_bytes_per_second: DEFAULT_LINK_BYTES_PER_SECOND,
@@ -703,6 +736,30 @@ mod tests {
         // Everything that fits is ranked before everything that does not.
         let first_out = capped.iter().position(|c| !c.fits).unwrap();
         assert!(capped[first_out..].iter().all(|c| !c.fits));
+    }
+
+    /// A mixture-of-experts model's replicas are searched with each expert-parallel degree its
+    /// routed experts split over: ep 2 holds half the experts (a lower peak than ep 1 at the same
+    /// layout), pays all-to-alls, never combines with FSDP, and its command says `--ep 2`; a
+    /// pinned ep on a dense model is refused.
+    #[test]
+    fn expert_parallel_layouts_are_searched_for_moe_models() {
+        let moe = ModelConfig::preset("moe-tiny").unwrap();
+        let req = PlanRequest { model: moe, pp: Some(1), tp: Some(1), ..request(u64::MAX) };
+        let all = plan(&req).unwrap();
+        let eps: std::collections::BTreeSet<usize> = all.iter().map(|c| c.ep).collect();
+        assert_eq!(eps.into_iter().collect::<Vec<_>>(), vec![1, 2]);
+        assert!(all.iter().all(|c| !(c.fsdp && c.ep > 1)));
+        let key = |c: &Candidate| (c.kind, c.microbatches, c.recompute, c.fsdp);
+        for c in all.iter().filter(|c| c.ep == 2) {
+            let one = all.iter().find(|o| o.ep == 1 && key(o) == key(c)).unwrap();
+            assert!(c.peak_bytes < one.peak_bytes, "{c:?} {one:?}");
+            assert!(c.exposed_comm_seconds > 0.0 && c.train_flags(16).contains("--tp 1 --ep 2"), "{c:?}");
+        }
+        let pinned = plan(&PlanRequest { ep: Some(2), ..req.clone() }).unwrap();
+        assert!(!pinned.is_empty() && pinned.iter().all(|c| c.ep == 2));
+        let e = plan(&PlanRequest { ep: Some(2), ..request(u64::MAX) }).unwrap_err().to_string();
+        assert!(e.contains("--ep 2: expert parallelism needs a mixture-of-experts model"), "{e}");
     }
 
     /// Replicas are searched with and without FSDP: under a cap below every replicated
@@ -767,7 +824,7 @@ mod tests {
         // full backward (Megatron's g and f), 2 layers per stage at B = 2, T = 16, D = 64.
         let graphs = schedule_graphs(
             &r,
-            (Kind::OneFOneB, &Shape::new(2, 1, 4), 2),
+            (Kind::OneFOneB, &Shape::new(2, 1, 4), 2, 1),
             2,
             Recompute::SaveAll,
             &mut GraphCache::default(),
@@ -835,7 +892,7 @@ mod tests {
         let shape = Shape::new(1, 1, 4);
         let graphs = schedule_graphs(
             &r,
-            (Kind::OneFOneB, &shape, 1),
+            (Kind::OneFOneB, &shape, 1, 1),
             2,
             Recompute::SaveAll,
             &mut GraphCache::default(),

@@ -114,8 +114,8 @@ fn plan_ranks_strategies_under_a_memory_cap() {
     let cap = format!("{:.3}MiB", peak * 0.9);
     let (capped, _) = plan(&cap, 0);
     let chosen = rows(&capped)[0].clone();
-    assert_ne!(chosen[1..10], first[1..10], "{capped}");
-    let same = rows(&capped).into_iter().find(|r| r[1..10] == first[1..10]).unwrap();
+    assert_ne!(chosen[1..11], first[1..11], "{capped}");
+    let same = rows(&capped).into_iter().find(|r| r[1..11] == first[1..11]).unwrap();
     assert_eq!(same.last().unwrap(), "no", "{capped}");
     // The chosen command trains.
     let cmd = capped.lines().find(|l| l.starts_with("best: graphpp train ")).unwrap();
@@ -282,6 +282,36 @@ fn plan_says_how_the_best_compares_with_a_given_strategy() {
         err.contains("the strategy runs 4 ranks and 8 sequences a step; the search is for --ranks 2"),
         "{err}"
     );
+}
+
+/// `plan --ep 2` searches expert-parallel layouts of a mixture-of-experts model; the best one's
+/// command trains with `--ep 2`.
+#[test]
+fn an_expert_parallel_plan_trains() {
+    let mut c = graphpp();
+    c.args(["plan", "--model", "moe-tiny", "--ranks", "2", "--memory-per-rank", "1GiB", "--ep", "2"]).args([
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "16",
+        "--max-microbatches",
+        "2",
+        "--top",
+        "1",
+    ]);
+    let (text, _) = output(c, 0);
+    let cmd =
+        text.lines().find(|l| l.starts_with("best: graphpp train ")).unwrap_or_else(|| panic!("{text}"));
+    assert!(cmd.contains("--dp 2 --tp 1 --ep 2"), "{cmd}");
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::corpus(dir.path(), 300);
+    let mut train = graphpp();
+    train
+        .args(cmd["best: graphpp ".len()..].split_whitespace())
+        .args(["--steps", "1", "--sample-bytes", "0", "--eval-every", "0", "--data"])
+        .arg(&data);
+    let (out, _) = output(train, 0);
+    assert!(out.contains("dp=2, ep=2") && out.contains("step      1  train loss"), "{out}");
 }
 
 /// `plan --hardware`: a preset plans at its device's rates and memory (no --memory-per-rank

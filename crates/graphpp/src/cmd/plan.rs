@@ -35,7 +35,7 @@ pub struct PlanArgs {
     /// global training DAG — every action of every rank's lowered program, the graph each
     /// compute action runs, every dependency — and its prediction (step time, bubble, peak
     /// bytes per rank).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["ranks", "memory_per_rank", "global_batch", "max_microbatches", "pp", "tp", "microbatches", "schedule", "recompute", "top"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["ranks", "memory_per_rank", "global_batch", "max_microbatches", "pp", "tp", "ep", "microbatches", "schedule", "recompute", "top"])]
     strategy: Option<PathBuf>,
     /// With a search: predict this strategy file too (it must use --ranks ranks and
     /// --global-batch sequences) and say how the best strategy compares with it — step, bubble,
@@ -60,6 +60,10 @@ pub struct PlanArgs {
     /// Only this tensor-parallel degree (train's --tp); it must divide --ranks.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     tp: Option<usize>,
+    /// Only this expert-parallel degree (train's --ep) for a mixture-of-experts model; it must
+    /// divide the routed experts (each layout's dp it does not divide is left out).
+    #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
+    ep: Option<usize>,
     /// Only this microbatch count m per step (train's --microbatches); it must divide
     /// --global-batch.
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
@@ -150,13 +154,14 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
 fn row(i: usize, c: &Candidate, mfu: Option<f64>) -> String {
     let mfu = mfu.map_or("-".to_string(), |m| format!("{:.1}%", 100.0 * m));
     format!(
-        "{:>3}  {:<20} {:>3} {:>3} {:>4} {:>3} {:>2} {:>4} {:>4}  {:<12} {:>10} {:>8.3} {:>10} {:>6} {:>12}  {}\n",
+        "{:>3}  {:<20} {:>3} {:>3} {:>4} {:>3} {:>3} {:>2} {:>4} {:>4}  {:<12} {:>10} {:>8.3} {:>10} {:>6} {:>12}  {}\n",
         i + 1,
         c.kind.name(),
         c.pp,
         c.dp,
         if c.fsdp { "yes" } else { "no" },
         c.tp,
+        c.ep,
         c.stages_per_rank,
         c.microbatches,
         c.microbatch_size,
@@ -406,6 +411,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         max_microbatches: a.max_microbatches,
         pp: a.pp,
         tp: a.tp,
+        ep: a.ep,
         microbatches: a.microbatches,
         speed,
         link_bytes_per_second: a.link_gbps * 1e9,
@@ -435,7 +441,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         all.len(),
         fitting
     );
-    text.push_str("  #  schedule              pp  dp fsdp  tp  v    m    B  recompute     step (ms)   bubble  comm (ms)    MFU    peak/rank  fits\n");
+    text.push_str("  #  schedule              pp  dp fsdp  tp  ep  v    m    B  recompute     step (ms)   bubble  comm (ms)    MFU    peak/rank  fits\n");
     let per_token = graphpp_models::Model::flops_per_token(&req.model, req.seq_len);
     for (i, c) in all.iter().take(a.top).enumerate() {
         let tokens = req.global_batch * req.seq_len;
