@@ -15,8 +15,9 @@ pub mod tensor_parallel;
 pub use config::{check_supported, HiddenAct, LlamaConfig, ModelError};
 pub use flops::flops_per_token;
 pub use llama::{
-    build_stage, check_shape, init_parameters, layer_checkpoints, split_layers, stage_buffer_shapes,
-    stage_buffers, stage_graph_set, stage_parameters, ExpertShard, StageOptions, StageSpec, EMBED, LM_HEAD,
+    balanced_split, build_stage, check_shape, init_parameters, layer_checkpoints, split_layers,
+    stage_buffer_shapes, stage_buffers, stage_graph_set, stage_parameters, ExpertShard, StageOptions,
+    StageSpec, EMBED, LM_HEAD,
 };
 pub use mla::{MlaConfig, Yarn};
 pub use model::{Model, ModelConfig};

@@ -132,6 +132,14 @@ impl StageSpec {
     }
 }
 
+/// The most even split of `num_layers` decoder layers over `stages` stages: each stage
+/// `num_layers / stages` layers, the first `num_layers % stages` one more (the last stage, which
+/// also runs the LM head and loss, is never among them); `stages` 0 is taken as 1.
+pub fn balanced_split(num_layers: usize, stages: usize) -> Vec<usize> {
+    let stages = stages.max(1);
+    (0..stages).map(|s| num_layers / stages + usize::from(s < num_layers % stages)).collect()
+}
+
 /// Splits `num_layers` into `stages` contiguous ranges: evenly, or by `layers_per_stage`
 /// (`--layers-per-stage 3,3,2`). Errors: [`ModelError::Split`] when the counts do not add up,
 /// `stages` is 0 or above `num_layers`, or no split is given and the layers do not divide evenly
@@ -167,9 +175,8 @@ pub fn split_layers(
                 )));
             }
             if !num_layers.is_multiple_of(stages) {
-                let hint: Vec<String> = (0..stages)
-                    .map(|s| (num_layers / stages + usize::from(s < num_layers % stages)).to_string())
-                    .collect();
+                let hint: Vec<String> =
+                    balanced_split(num_layers, stages).iter().map(ToString::to_string).collect();
                 return Err(ModelError::Split(format!(
                     "{num_layers} layers do not divide into {stages} stages; give an uneven split with \
                      --layers-per-stage (e.g. {}) or another stage count",

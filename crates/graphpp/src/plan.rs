@@ -15,8 +15,9 @@
 //! REDUCE_GRAD's all-reduce or reduce-scatter, ring volumes) take the data link on the rank's
 //! timeline ([`predict`]); the step time = the simulated makespan; peak bytes =
 //! [`graphpp_schedule::bytes`]' walk, with FSDP's sharded state in place of a replica's.
-//! A candidate fits when every rank's peak is within the memory per rank. Layer splits are even
-//! (a split that does not divide the layers is left out); with one rank per pipeline only the
+//! A candidate fits when every rank's peak is within the memory per rank. Layer splits are even,
+//! or where the layers do not divide the stages the most even one
+//! ([`graphpp_models::balanced_split`]: the first stages one layer more); with one rank per pipeline only the
 //! kinds of one stage per rank are listed (they differ there in memory: GPipe holds every
 //! microbatch, 1F1B one — gradient accumulation).
 
@@ -141,6 +142,9 @@ pub struct Candidate {
     pub ep: usize,
     /// Stages per rank v.
     pub stages_per_rank: usize,
+    /// Decoder layers of each model stage where they do not divide evenly
+    /// ([`graphpp_models::balanced_split`]); `None`: an even split.
+    pub layers_per_stage: Option<Vec<usize>>,
     /// m.
     pub microbatches: usize,
     /// B: sequences per microbatch over the replicas.
@@ -164,10 +168,14 @@ impl Candidate {
     /// The `graphpp train` flags that run this strategy.
     pub fn train_flags(&self, seq_len: usize) -> String {
         format!(
-            "--schedule {} --ranks {} --stages-per-rank {} --dp {}{} --tp {}{} --microbatches {} --microbatch-size {} --seq-len {} --recompute {}",
+            "--schedule {} --ranks {} --stages-per-rank {}{} --dp {}{} --tp {}{} --microbatches {} --microbatch-size {} --seq-len {} --recompute {}",
             self.kind.name(),
             self.pp,
             self.stages_per_rank,
+            self.layers_per_stage.as_ref().map_or(String::new(), |c| {
+                let c: Vec<String> = c.iter().map(ToString::to_string).collect();
+                format!(" --layers-per-stage {}", c.join(","))
+            }),
             self.dp,
             if self.fsdp { " --fsdp" } else { "" },
             self.tp,
@@ -216,6 +224,7 @@ pub enum PlanError {
 fn schedule_graphs(
     req: &PlanRequest,
     (kind, shape, tp, ep): (Kind, &Shape, usize, usize),
+    layers_per_stage: Option<&[usize]>,
     batch: usize,
     recompute: Recompute,
     cache: &mut GraphCache,
@@ -223,7 +232,7 @@ fn schedule_graphs(
     let build = |e: SetupError| PlanError::Build(e.to_string());
     let tp = graphpp_models::TensorShard::new(0, tp);
     let ep = graphpp_models::ExpertShard { index: 0, size: ep };
-    let specs = stage_specs(&req.model, kind, shape, None).map_err(build)?;
+    let specs = stage_specs(&req.model, kind, shape, layers_per_stage).map_err(build)?;
     let specs: Vec<_> = specs.into_iter().map(|s| graphpp_models::StageSpec { tp, ep, ..s }).collect();
     let opts = StageOptions { recompute, ..StageOptions::mixed(batch, req.seq_len, req.dtype) };
     specs.iter().map(|spec| cache.get(&req.model, spec, &opts).map_err(build)).collect()
@@ -478,8 +487,9 @@ fn pinned(pin: Option<usize>, x: usize) -> bool {
 }
 
 /// Every feasible candidate of `req`, ranked: those that fit first, each group by predicted step
-/// time, then peak bytes; kinds with the same figures at the same shape are listed once. A kind that cannot serve a shape (its generator's constraint) and a
-/// split that does not divide the layers are left out.
+/// time, then peak bytes; kinds with the same figures at the same shape are listed once. A kind
+/// that cannot serve a shape (its generator's constraint) and more stages than layers are left
+/// out; layers that do not divide the stages are split as evenly as they can be.
 ///
 /// # Errors
 /// [`PlanError::Zero`] for zero ranks, batch, sequence length or microbatches;
@@ -616,9 +626,10 @@ fn layout_candidates(
             continue;
         }
         let stages = kind.model_stages(&Shape::new(pp, v, 1));
-        if stages > layers || !layers.is_multiple_of(stages) {
+        if stages > layers {
             continue;
         }
+        let split = (!layers.is_multiple_of(stages)).then(|| graphpp_models::balanced_split(layers, stages));
         let most = req.microbatches.unwrap_or(req.max_microbatches).min(req.global_batch);
         let ms = (1..=most).filter(|&m| req.global_batch.is_multiple_of(m) && pinned(req.microbatches, m));
         for m in ms {
@@ -633,7 +644,8 @@ fn layout_candidates(
                 let opts = LowerOptions { fsdp_max_unsharded: fsdp.then_some(v), reduce_grad: dp > 1 };
                 let lowered = lower(&schedule, &opts).map_err(|e| PlanError::Build(e.to_string()))?;
                 for &recompute in policies {
-                    let graphs = schedule_graphs(req, (kind, &shape, tp, ep), b / dp, recompute, cache)?;
+                    let at = (kind, &shape, tp, ep);
+                    let graphs = schedule_graphs(req, at, split.as_deref(), b / dp, recompute, cache)?;
                     let cost = match &req.hardware {
                         Some(h) => Cost::Device(h, req.dtype),
                         None => Cost::Speed(&req.speed),
@@ -649,6 +661,7 @@ fn layout_candidates(
                         tp,
                         ep,
                         stages_per_rank: v,
+                        layers_per_stage: split.clone(),
                         microbatches: m,
                         microbatch_size: b,
                         recompute,
@@ -762,6 +775,17 @@ mod tests {
         assert!(e.contains("--ep 2: expert parallelism needs a mixture-of-experts model"), "{e}");
     }
 
+    /// Layers that do not divide the stages are split as evenly as they can be, the first stages
+    /// one layer more: tiny's 4 layers over a 3-rank pipeline run 2, 1, 1, and the command says
+    /// so (before, no 3-rank pipeline was planned).
+    #[test]
+    fn uneven_layer_splits_are_planned() {
+        let req = PlanRequest { ranks: 3, pp: Some(3), kinds: vec![Kind::OneFOneB], ..request(u64::MAX) };
+        let all = plan(&req).unwrap();
+        assert!(!all.is_empty() && all.iter().all(|c| c.layers_per_stage.as_deref() == Some(&[2, 1, 1][..])));
+        assert!(all[0].train_flags(16).contains("--stages-per-rank 1 --layers-per-stage 2,1,1 --dp 1"));
+    }
+
     /// Replicas are searched with and without FSDP: under a cap below every replicated
     /// layout's peak the planner chooses a sharded one, and its command says `--fsdp`.
     #[test]
@@ -825,6 +849,7 @@ mod tests {
         let graphs = schedule_graphs(
             &r,
             (Kind::OneFOneB, &Shape::new(2, 1, 4), 2, 1),
+            None,
             2,
             Recompute::SaveAll,
             &mut GraphCache::default(),
@@ -893,6 +918,7 @@ mod tests {
         let graphs = schedule_graphs(
             &r,
             (Kind::OneFOneB, &shape, 1, 1),
+            None,
             2,
             Recompute::SaveAll,
             &mut GraphCache::default(),
