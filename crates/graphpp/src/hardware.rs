@@ -551,49 +551,88 @@ fn least_squares(points: &[(f64, f64)]) -> (f64, f64) {
     (my - b * mx, b)
 }
 
-/// The threads communicator between two ranks: bytes per second of a 4 MiB message (best of
-/// 8 round trips, the reply one float) and the one-way latency of a one-float message (half a
-/// ping-pong, median of 200).
+/// Round trips of one link probe: 8 of a 4 MiB message (its bandwidth), then 200 of one float
+/// (its latency).
+const BIG_TRIPS: usize = 8;
+/// See [`BIG_TRIPS`].
+const PING_TRIPS: usize = 200;
+
+/// The threads communicator between two ranks of this process ([`link_between`] with an echo
+/// thread): `(bytes/s, µs)`.
 fn probe_link() -> Result<(f64, f64), Box<dyn std::error::Error + Send + Sync>> {
-    use candle_core::{Device as Cpu, Tensor};
-    use graphpp_comm::{Comm, Tag};
     let mut ends = graphpp_comm::ThreadComm::world(2).into_iter();
     let (a, b) = (ends.next().ok_or("no rank 0")?, ends.next().ok_or("no rank 1")?);
-    let timeout = std::time::Duration::from_secs(10);
-    let tag = |mb| Tag::Activation { stage: 0, mb };
-    let echo = std::thread::spawn(move || -> Result<(), graphpp_comm::CommError> {
-        for i in 0..208 {
-            b.recv(0, tag(i), timeout)?;
-            b.send(
-                0,
-                tag(i),
-                Tensor::zeros(1, candle_core::DType::F32, &Cpu::Cpu).map_err(|e| {
-                    graphpp_comm::CommError::Aborted { failed_rank: 1, reason: e.to_string() }
-                })?,
-            )?;
-        }
-        Ok(())
-    });
+    let echo = std::thread::spawn(move || echo(&b, 0));
+    let measured = link_between(&a, 1);
+    echo.join().map_err(|_| "the echo rank panicked")??;
+    measured
+}
+
+/// The link from this rank to `peer` (which runs [`echo`]): bytes per second of a 4 MiB message
+/// (best of [`BIG_TRIPS`] round trips, the reply one float) and the one-way latency of a
+/// one-float message (half a ping-pong, median of [`PING_TRIPS`]), µs.
+fn link_between(
+    comm: &dyn graphpp_comm::Comm,
+    peer: usize,
+) -> Result<(f64, f64), Box<dyn std::error::Error + Send + Sync>> {
+    use candle_core::{Device as Cpu, Tensor};
     let big = Tensor::zeros(1 << 20, candle_core::DType::F32, &Cpu::Cpu)?;
     let one = Tensor::zeros(1, candle_core::DType::F32, &Cpu::Cpu)?;
     let mut best = f64::INFINITY;
-    for i in 0..8 {
+    for i in 0..BIG_TRIPS {
         let t = std::time::Instant::now();
-        a.send(1, tag(i), big.clone())?;
-        a.recv(1, tag(i), timeout)?;
+        comm.send(peer, probe_tag(i), big.clone())?;
+        comm.recv(peer, probe_tag(i), PROBE_TIMEOUT)?;
         best = best.min(t.elapsed().as_secs_f64());
     }
-    let mut pings = Vec::with_capacity(200);
-    for i in 8..208 {
+    let mut pings = Vec::with_capacity(PING_TRIPS);
+    for i in BIG_TRIPS..BIG_TRIPS + PING_TRIPS {
         let t = std::time::Instant::now();
-        a.send(1, tag(i), one.clone())?;
-        a.recv(1, tag(i), timeout)?;
+        comm.send(peer, probe_tag(i), one.clone())?;
+        comm.recv(peer, probe_tag(i), PROBE_TIMEOUT)?;
         pings.push(t.elapsed().as_secs_f64() / 2.0);
     }
-    echo.join().map_err(|_| "the echo rank panicked")??;
     pings.sort_by(f64::total_cmp);
     let latency = pings[pings.len() / 2];
     Ok(((4 << 20) as f64 / (best - latency).max(1e-9), latency * 1e6))
+}
+
+/// The other end of [`link_between`]: answers each of its messages from `peer` with one float.
+fn echo(comm: &dyn graphpp_comm::Comm, peer: usize) -> Result<(), graphpp_comm::CommError> {
+    let one = candle_core::Tensor::zeros(1, candle_core::DType::F32, &candle_core::Device::Cpu)
+        .map_err(|e| graphpp_comm::CommError::Aborted { failed_rank: comm.rank(), reason: e.to_string() })?;
+    for i in 0..BIG_TRIPS + PING_TRIPS {
+        comm.recv(peer, probe_tag(i), PROBE_TIMEOUT)?;
+        comm.send(peer, probe_tag(i), one.clone())?;
+    }
+    Ok(())
+}
+
+/// How long a probe's message may take.
+const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The tag of a probe's `i`-th round trip.
+fn probe_tag(i: usize) -> graphpp_comm::Tag {
+    graphpp_comm::Tag::Activation { stage: 0, mb: i }
+}
+
+/// The link between ranks 0 and 1 of a run of several processes (`mpirun -n N graphpp hardware
+/// probe`): rank 0 measures it against rank 1 ([`link_between`]) and gets `Some`; rank 1
+/// echoes; the others do nothing. `None` on every rank but 0.
+///
+/// # Errors
+/// A communicator error.
+pub fn probe_process_link(
+    comm: &dyn graphpp_comm::Comm,
+) -> Result<Option<Link>, Box<dyn std::error::Error + Send + Sync>> {
+    match comm.rank() {
+        0 if comm.world() > 1 => {
+            let (bandwidth, latency_us) = link_between(comm, 1)?;
+            Ok(Some(Link { bandwidth, latency_us }))
+        }
+        1 => Ok(echo(comm, 0).map(|()| None)?),
+        _ => Ok(None),
+    }
 }
 
 #[cfg(test)]

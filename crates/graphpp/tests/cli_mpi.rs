@@ -507,3 +507,24 @@ fn processes_that_disagree_are_refused_before_step_1() {
     assert!(e.contains("ranks [1] differ from rank 0"), "{o}\n{e}");
     assert!(!o.contains("step      4"), "{o}");
 }
+
+/// `mpirun -n 2 graphpp hardware probe` measures the MPI link between its two processes (one
+/// host: both links of the file) beside the threads' link, rank 0 writing the file once.
+#[test]
+fn the_probe_measures_the_mpi_link_between_processes() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("here.toml");
+    let mut c = mpirun(2);
+    c.args(["hardware", "probe", "--output"]).arg(&file);
+    let (ok, out, err) = run(c);
+    assert!(ok, "{out}\n{err}");
+    assert_eq!(out.matches("probed in").count(), 1, "{out}");
+    assert!(
+        out.contains("; MPI between ranks 0 and 1: ") && out.contains("(intra_node and inter_node)"),
+        "{out}"
+    );
+    let h = graphpp::hardware::Hardware::load(file.to_str().unwrap()).unwrap();
+    assert!(h.source.contains("measured over MPI between ranks 0 and 1 of 2"), "{}", h.source);
+    assert_eq!(h.intra_node, h.inter_node);
+    assert!(h.intra_node.bandwidth > 1e6 && h.intra_node.latency_us > 0.0, "{h:?}");
+}

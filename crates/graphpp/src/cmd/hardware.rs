@@ -15,8 +15,9 @@ pub struct HardwareArgs {
 #[derive(Subcommand, Debug)]
 enum HardwareCommand {
     /// Measure this machine (each core a device: matmul FLOP/s in f32 and bf16, the bytes per
-    /// second of elementwise work, the threads communicator's bandwidth and latency) and write
-    /// it as a TOML file for `plan --hardware`.
+    /// second of elementwise work, the threads communicator's bandwidth and latency; under
+    /// `mpirun`, the MPI link between ranks 0 and 1) and write it as a TOML file for
+    /// `plan --hardware`.
     Probe {
         /// The TOML file to write.
         #[arg(long)]
@@ -35,31 +36,62 @@ enum HardwareCommand {
 /// A measurement, an unknown preset or an unreadable file; the output file cannot be written.
 pub fn run(a: HardwareArgs) -> Result<()> {
     match a.command {
-        HardwareCommand::Probe { output } => {
-            // Before seconds of measuring.
-            crate::cmd::train::check_output_file("--output", &output)?;
-            // One intra-op thread per core-rank, as a training run of that many ranks uses.
-            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-            crate::cmd::set_op_threads(cores, None);
-            let p = graphpp::hardware::probe().map_err(|e| anyhow::anyhow!("hardware probe: {e}"))?;
-            graphpp::checkpoint::write_file_atomic(&output, p.hardware.to_toml().as_bytes())
-                .with_context(|| format!("--output {}", output.display()))?;
-            let d = &p.hardware.device;
-            crate::cmd::emit(&format!(
-                "probed in {:.1} s: {:.1} GFLOP/s f32, {:.1} GFLOP/s bf16 matmuls, {:.2} GB/s elementwise, \
-                 links {:.2} GB/s and {:.1} µs, {} devices (cores): {}\n",
-                p.seconds,
-                d.flops_f32 / 1e9,
-                d.flops_bf16 / 1e9,
-                d.memory_bandwidth / 1e9,
-                p.hardware.intra_node.bandwidth / 1e9,
-                p.hardware.intra_node.latency_us,
-                p.hardware.devices_per_node,
-                output.display()
-            ))
-        }
+        HardwareCommand::Probe { output } => crate::cmd::launch(|_| false, |launch| probe(launch, &output)),
         HardwareCommand::Show { hardware } => {
             crate::cmd::emit(&graphpp::hardware::Hardware::load(&hardware)?.to_toml())
         }
     }
+}
+
+/// `graphpp hardware probe --output FILE`: this machine into FILE (every rank of a run under
+/// `mpirun` measures the MPI link between ranks 0 and 1 first — one process per host measures
+/// the network, several on one host the processes' link — and rank 0 alone the rest).
+fn probe(launch: &graphpp::launch::Launch, output: &std::path::Path) -> Result<()> {
+    // Before seconds of measuring.
+    crate::cmd::train::check_output_file("--output", output)?;
+    let process_link = match launch.comm() {
+        Some(c) => graphpp::hardware::probe_process_link(&*c)
+            .map_err(|e| anyhow::anyhow!("hardware probe: MPI link: {e}"))?,
+        None => None,
+    };
+    if !launch.is_leader() {
+        return Ok(());
+    }
+    // One intra-op thread per core-rank, as a training run of that many ranks uses.
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    crate::cmd::set_op_threads(cores, None);
+    let mut p = graphpp::hardware::probe().map_err(|e| anyhow::anyhow!("hardware probe: {e}"))?;
+    let threads = p.hardware.intra_node;
+    let mpi = process_link.map_or(String::new(), |link| {
+        let h = &mut p.hardware;
+        // One process per host: ranks 0 and 1 are on two hosts, their link the network's.
+        let across = graphpp::launch::local_processes() == 1;
+        h.inter_node = link;
+        if !across {
+            h.intra_node = link;
+        }
+        let which = if across { "inter_node" } else { "intra_node and inter_node" };
+        h.source
+            .push_str(&format!("; {which} measured over MPI between ranks 0 and 1 of {}", launch.world()));
+        format!(
+            "; MPI between ranks 0 and 1: {:.2} GB/s and {:.1} µs ({which})",
+            link.bandwidth / 1e9,
+            link.latency_us
+        )
+    });
+    graphpp::checkpoint::write_file_atomic(output, p.hardware.to_toml().as_bytes())
+        .with_context(|| format!("--output {}", output.display()))?;
+    let d = &p.hardware.device;
+    crate::cmd::emit(&format!(
+        "probed in {:.1} s: {:.1} GFLOP/s f32, {:.1} GFLOP/s bf16 matmuls, {:.2} GB/s elementwise, \
+         threads' links {:.2} GB/s and {:.1} µs{mpi}, {} devices (cores): {}\n",
+        p.seconds,
+        d.flops_f32 / 1e9,
+        d.flops_bf16 / 1e9,
+        d.memory_bandwidth / 1e9,
+        threads.bandwidth / 1e9,
+        threads.latency_us,
+        p.hardware.devices_per_node,
+        output.display()
+    ))
 }
