@@ -459,6 +459,9 @@ pub fn executor_rates(runs: usize) -> Result<ExecutorRates, Box<dyn std::error::
     })
 }
 
+/// Timed nodes: `(size, seconds)` pairs, the size a node's FLOPs or bytes.
+type Timed = Vec<(f64, f64)>;
+
 /// Times every node of one stage holding all of `cfg`'s layers (`batch` sequences, T = 64, f32,
 /// the pointwise policy), fw then full_bw, `runs` runs each, the median per node: appends products as
 /// `(flops, seconds)` and other written nodes as `(bytes, seconds)` ([`executor_rates`]).
@@ -466,8 +469,8 @@ fn time_stage_nodes(
     cfg: &graphpp_models::LlamaConfig,
     batch: usize,
     runs: usize,
-    (products, attention): (&mut Vec<(f64, f64)>, &mut Vec<(f64, f64)>),
-    written: &mut Vec<(f64, f64)>,
+    (products, attention): (&mut Timed, &mut Timed),
+    written: &mut Timed,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     use graphpp_models::{Model, StageOptions};
     use graphpp_runtime::exec::RunOptions;
