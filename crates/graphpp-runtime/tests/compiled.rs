@@ -127,6 +127,14 @@ fn check_llama(cfg: &LlamaConfig, stages: usize, opts: &StageOptions) {
             .count();
         let layers = spec.layers.len();
         assert_eq!(pairs(&sg.full_bw), linears, "{}: a pair per linear's gradients", sg.full_bw.name);
+        // In bf16 each linear's weight gradient is computed laid out transposed (the cast back
+        // to f32 then reads it in order); in f32 none is. The bits are checked above.
+        let transposed = |g: &Graph| {
+            let p = Program::compile(g);
+            (0..g.nodes.len()).filter(|&i| p.lays_out_transposed(i)).count()
+        };
+        let want = if opts.dtype == DType::BF16 { linears } else { 0 };
+        assert_eq!(transposed(&sg.full_bw), want, "{}", sg.full_bw.name);
         assert!(pairs(&sg.fw) >= 2 * layers, "{}: {} pairs for {layers} layers", sg.fw.name, pairs(&sg.fw));
     }
 }

@@ -13,7 +13,7 @@ use super::fusion::Fusion;
 use super::kernel::{eval, kernel_error};
 use super::liveness::{peak_in_order, released, Liveness};
 use super::{ordered_inputs, ExecError, ExecReport, ExecResult, RunOptions};
-use crate::kernels::matmul::{compiled_matmul, Threads};
+use crate::kernels::matmul::{compiled_matmul, compiled_matmul_transposed, Threads};
 use crate::kernels::tensor::candle_dtype;
 
 /// A graph compiled once for many runs (docs/ARCHITECTURE.md "Runtime" → Compiled executor): its
@@ -38,6 +38,9 @@ pub struct Program {
     kept: crate::exec::kept::Cache,
     /// The execution order and the matmuls that run side by side ([`crate::exec::pairs`]).
     pairs: crate::exec::pairs::Pairs,
+    /// `transposed[i]`: matmul `i` is computed laid out transposed
+    /// ([`transposed_products`]).
+    transposed: Vec<bool>,
 }
 
 impl Program {
@@ -71,12 +74,19 @@ impl Program {
         }
         let lone = |i: usize| fusion.member_of[i].is_some_and(|g| fusion.groups[g].members == [i]);
         let kept = crate::exec::kept::Cache::plan(graph, lone);
-        Program { nodes: n, fusion, frees, kept, pairs }
+        let transposed = transposed_products(graph);
+        Program { nodes: n, fusion, frees, kept, pairs, transposed }
     }
 
     /// The execution order and its side-by-side matmuls ([`crate::exec::pairs`]).
     pub fn pairs(&self) -> &crate::exec::pairs::Pairs {
         &self.pairs
+    }
+
+    /// Whether matmul `i` is computed laid out transposed (a bf16 product read only by its
+    /// transpose: a weight gradient; see `transposed_products`).
+    pub fn lays_out_transposed(&self, i: usize) -> bool {
+        self.transposed.get(i).copied().unwrap_or(false)
     }
 
     /// The fusion groups.
@@ -356,6 +366,31 @@ fn input_value(graph: &Graph, name: &str, ty: &TensorType, t: &Tensor) -> ExecRe
 /// The product of `p`'s matmul `i` from its `args`: beside its partner `j` where it has one
 /// (`j`'s product, from its operands in `vals`, goes to `early` for when `j` comes next in the
 /// order), else alone on the whole pool.
+/// Per node, whether it is a rank-2 bf16 matmul read only by its transpose (a `Permute`
+/// `[1, 0]`, not an output): autodiff's weight gradient, which the backward then casts back to
+/// f32 from the transposed view. Such a product is computed laid out transposed
+/// ([`compiled_matmul_transposed`]: the same bits), so the transpose is contiguous and the cast
+/// reads it in order instead of one element per cache line (it was 5.8 of `small`'s 52 ms of
+/// bf16 non-matmul time, docs/PERFORMANCE.md "bf16").
+fn transposed_products(graph: &Graph) -> Vec<bool> {
+    let users = graph.users();
+    let outputs: std::collections::HashSet<usize> = graph.outputs.iter().map(|o| o.value.0).collect();
+    graph
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let transposed_by =
+                |u: &ValueId| matches!(&graph.nodes[u.0].op, Op::Permute { perm } if perm == &[1, 0]);
+            matches!(n.op, Op::Matmul)
+                && n.ty.shape.len() == 2
+                && n.ty.dtype == graphpp_graph::DType::BF16
+                && !outputs.contains(&i)
+                && matches!(users[i].as_slice(), [u] if transposed_by(u))
+        })
+        .collect()
+}
+
 fn program_matmul(
     graph: &Graph,
     p: &Program,
@@ -366,12 +401,24 @@ fn program_matmul(
 ) -> ExecResult<Tensor> {
     match p.pairs.partner[i] {
         Some(j) => {
-            let (vi, vj) = matmul_pair(graph, [i, j], [args, &operands(vals, &graph.nodes[j].inputs)])?;
+            let args = [args, &operands(vals, &graph.nodes[j].inputs)];
+            let (vi, vj) = matmul_pair(graph, p, [i, j], args)?;
             *early = Some((j, vj));
             Ok(vi)
         }
-        None => compiled_matmul(args[0], args[1], Threads::Pool).map_err(|e| kernel_error(graph, i, e)),
+        None => product(p, i, args, Threads::Pool).map_err(|e| kernel_error(graph, i, e)),
     }
+}
+
+/// Matmul `i` of `p` from `args` on `threads`: laid out transposed where `p` says so
+/// ([`transposed_products`]), else [`compiled_matmul`].
+fn product(p: &Program, i: usize, args: &[&Tensor], threads: Threads) -> candle_core::Result<Tensor> {
+    if p.transposed[i] {
+        if let Some(t) = compiled_matmul_transposed(args[0], args[1], threads)? {
+            return Ok(t);
+        }
+    }
+    compiled_matmul(args[0], args[1], threads)
 }
 
 /// Completes `f` (waiting at most the communicator's timeout) and records its span.
@@ -402,9 +449,14 @@ fn operands<'a>(vals: &'a [Option<Value>], reads: &[ValueId]) -> Vec<&'a Tensor>
 
 /// The products of matmuls `nodes` from their `args`, side by side on one thread each where the
 /// pool has two or more ([`crate::exec::pairs`]), else one after the other.
-fn matmul_pair(graph: &Graph, nodes: [usize; 2], args: [&[&Tensor]; 2]) -> ExecResult<(Tensor, Tensor)> {
+fn matmul_pair(
+    graph: &Graph,
+    p: &Program,
+    nodes: [usize; 2],
+    args: [&[&Tensor]; 2],
+) -> ExecResult<(Tensor, Tensor)> {
     let product = |k: usize, threads: Threads| {
-        compiled_matmul(args[k][0], args[k][1], threads).map_err(|e| kernel_error(graph, nodes[k], e))
+        product(p, nodes[k], args[k], threads).map_err(|e| kernel_error(graph, nodes[k], e))
     };
     let (a, b) = if rayon::current_num_threads() > 1 {
         rayon::join(|| product(0, Threads::One), || product(1, Threads::One))

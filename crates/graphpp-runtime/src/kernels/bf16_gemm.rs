@@ -155,12 +155,46 @@ pub fn gemm(
     out: &mut [MaybeUninit<bf16>],
     parallel: bool,
 ) {
-    assert_eq!(out.len(), m * n, "bf16 gemm: output of {} for {m} × {n}", out.len());
+    gemm_into(path, (m, n, k), (a, b), Out { data: out, transposed: false }, parallel)
+}
+
+/// [`gemm`] writing the product transposed: `out` is `n × m` row-major, element `(j, i)` the
+/// sum `(i, j)` — the same sums, rounded alike, so the same bits as [`gemm`]'s, laid out as a
+/// transposed view of it is read contiguously (a weight gradient that autodiff transposes
+/// before casting it back to f32: `crate::exec`'s transposed products).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_transposed(
+    path: Bf16Gemm,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Strided,
+    b: Strided,
+    out: &mut [MaybeUninit<bf16>],
+    parallel: bool,
+) {
+    gemm_into(path, (m, n, k), (a, b), Out { data: out, transposed: true }, parallel)
+}
+
+/// Where a product's rounded sums go: `m × n` row-major, or `n × m` when `transposed`.
+struct Out<'a> {
+    data: &'a mut [MaybeUninit<bf16>],
+    transposed: bool,
+}
+
+fn gemm_into(
+    path: Bf16Gemm,
+    (m, n, k): (usize, usize, usize),
+    (a, b): (Strided, Strided),
+    out: Out,
+    parallel: bool,
+) {
+    assert_eq!(out.data.len(), m * n, "bf16 gemm: output of {} for {m} × {n}", out.data.len());
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
-        out.iter_mut().for_each(|o| {
+        out.data.iter_mut().for_each(|o| {
             o.write(bf16::ZERO);
         });
         return;
@@ -196,15 +230,7 @@ fn widen(s: Strided, rows: usize, cols: usize) -> (Vec<f32>, usize, usize) {
 
 /// The widened path: both operands widened to f32, the `gemm` crate's product on their
 /// strides, each sum rounded to bf16.
-fn widened(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: Strided,
-    b: Strided,
-    out: &mut [MaybeUninit<bf16>],
-    parallel: bool,
-) {
+fn widened(m: usize, n: usize, k: usize, a: Strided, b: Strided, out: Out, parallel: bool) {
     let ((wa, ra, ca), (wb, rb, cb)) = (widen(a, m, k), widen(b, k, n));
     // Not zeroed: gemm with `read_dst` false writes every element before it reads any.
     let mut c: Vec<f32> = Vec::with_capacity(m * n);
@@ -235,8 +261,16 @@ fn widened(
         );
         c.set_len(m * n);
     };
-    for (o, v) in out.iter_mut().zip(&c) {
-        o.write(round_bf16(*v));
+    if out.transposed {
+        for (j, row) in out.data.chunks_mut(m).enumerate() {
+            for (i, o) in row.iter_mut().enumerate() {
+                o.write(round_bf16(c[i * n + j]));
+            }
+        }
+    } else {
+        for (o, v) in out.data.iter_mut().zip(&c) {
+            o.write(round_bf16(*v));
+        }
     }
 }
 
@@ -244,7 +278,7 @@ fn widened(
 mod packed {
     //! The `vdpbf16ps` path: packing, the 8 × 32 register tile, and the loops around it.
 
-    use super::{bf16, MaybeUninit, Strided};
+    use super::{bf16, MaybeUninit, Out, Strided};
     use rayon::prelude::*;
     use std::arch::x86_64::*;
 
@@ -335,15 +369,7 @@ mod packed {
     }
 
     /// See [`super::gemm`]; the CPU has AVX-512 F and BF16.
-    pub(super) fn gemm(
-        m: usize,
-        n: usize,
-        k: usize,
-        a: Strided,
-        b: Strided,
-        out: &mut [MaybeUninit<bf16>],
-        parallel: bool,
-    ) {
+    pub(super) fn gemm(m: usize, n: usize, k: usize, a: Strided, b: Strided, out: Out, parallel: bool) {
         let pairs = k.div_ceil(2);
         let (pa, pb) = (pack_a(a, m, k), pack_b(b, k, n, parallel));
         // The sums, panel-major: column panel `j` holds its m × 32 block, row-major.
@@ -366,6 +392,31 @@ mod packed {
         } else {
             c.chunks_mut(m * NR).enumerate().for_each(panel);
         }
+        if out.transposed {
+            // Column panel j's sums become output rows 32j.. (the product's columns): each block
+            // of 16 rows of the panel is rounded in order, then written out column by column.
+            let transpose = |(j, rows): (usize, &mut [MaybeUninit<bf16>])| {
+                let width = rows.len() / m;
+                let mut block = [MaybeUninit::<bf16>::uninit(); 16 * NR];
+                for i0 in (0..m).step_by(16) {
+                    let h = 16.min(m - i0);
+                    let sums = &c[j * m * NR + i0 * NR..][..h * NR];
+                    // SAFETY: the CPU has AVX-512 F (the caller checked).
+                    unsafe { round_to_bf16(sums, &mut block[..h * NR]) };
+                    for col in 0..width {
+                        for r in 0..h {
+                            rows[col * m + i0 + r] = block[r * NR + col];
+                        }
+                    }
+                }
+            };
+            if parallel {
+                out.data.par_chunks_mut(NR * m).enumerate().for_each(transpose);
+            } else {
+                out.data.chunks_mut(NR * m).enumerate().for_each(transpose);
+            }
+            return;
+        }
         let round = |(i, row): (usize, &mut [MaybeUninit<bf16>])| {
             for (j, o) in row.chunks_mut(NR).enumerate() {
                 let sums = &c[j * m * NR + i * NR..][..o.len()];
@@ -374,9 +425,9 @@ mod packed {
             }
         };
         if parallel {
-            out.par_chunks_mut(n).enumerate().for_each(round);
+            out.data.par_chunks_mut(n).enumerate().for_each(round);
         } else {
-            out.chunks_mut(n).enumerate().for_each(round);
+            out.data.chunks_mut(n).enumerate().for_each(round);
         }
     }
 
@@ -568,6 +619,34 @@ mod tests {
             m in 1usize..40, n in 1usize..80, k in 1usize..300, ta: bool, tb: bool, seed in 0u64..1000
         ) {
             check(m, n, k, ta, tb, seed, false);
+        }
+
+        /// The transposed layout holds the plain product's bits, element (j, i) for (i, j), on
+        /// every available path, split over threads or not (m past a 16-row block, n past a
+        /// 32-column panel).
+        #[test]
+        fn the_transposed_layout_holds_the_same_bits(
+            m in 1usize..50, n in 1usize..80, k in 1usize..300, ta: bool, parallel: bool, seed in 0u64..1000
+        ) {
+            let (va, ra, ca) = matrix(m, k, ta, seed);
+            let (vb, rb, cb) = matrix(k, n, false, seed + 1);
+            let a = Strided { data: &va, row_stride: ra, col_stride: ca };
+            let b = Strided { data: &vb, row_stride: rb, col_stride: cb };
+            let pool = crate::kernels::threads::rank_pool(0, 2).unwrap();
+            for path in Bf16Gemm::ALL.into_iter().filter(|p| p.available()) {
+                let (mut plain, mut transposed) = (vec![MaybeUninit::uninit(); m * n], vec![MaybeUninit::uninit(); m * n]);
+                pool.install(|| {
+                    gemm(path, m, n, k, a, b, &mut plain, parallel);
+                    gemm_transposed(path, m, n, k, a, b, &mut transposed, parallel);
+                });
+                for i in 0..m {
+                    for j in 0..n {
+                        // SAFETY: both products write every element.
+                        let (x, y) = unsafe { (plain[i * n + j].assume_init(), transposed[j * m + i].assume_init()) };
+                        prop_assert_eq!(x.to_bits(), y.to_bits(), "{} ({}, {})", path, i, j);
+                    }
+                }
+            }
         }
     }
 }

@@ -71,6 +71,46 @@ pub(crate) fn compiled_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candl
     }
 }
 
+/// [`compiled_matmul`] of a rank-2 bf16 product laid out transposed: the `[m, n]` product as a
+/// view of its contiguous `[n, m]` transpose (strides `(1, m)`), with [`compiled_matmul`]'s
+/// bits (`bf16_gemm::gemm_transposed`), so that a transpose of it reads contiguously. `None`
+/// for any other product (the caller takes [`compiled_matmul`]).
+///
+/// # Errors
+/// The bf16 path's [`bf16_gemm::PathError`], as a candle error.
+pub(crate) fn compiled_matmul_transposed(
+    a: &Tensor,
+    b: &Tensor,
+    threads: Threads,
+) -> candle_core::Result<Option<Tensor>> {
+    let (da, db) = (a.dims(), b.dims());
+    let bf16s = a.dtype() == CDType::BF16 && b.dtype() == CDType::BF16;
+    let ([m, k], [k2, n]) = (da, db) else { return Ok(None) };
+    if !bf16s || composed(a) || k != k2 {
+        return Ok(None);
+    }
+    let (m, n, k) = (*m, *n, *k);
+    let path = bf16_gemm::chosen().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    let (candle_core::Storage::Cpu(CpuStorage::BF16(va)), candle_core::Storage::Cpu(CpuStorage::BF16(vb))) =
+        (&*sa, &*sb)
+    else {
+        candle_core::bail!("bf16 matmul takes CPU bf16 tensors")
+    };
+    let lhs =
+        Strided { data: &va[la.start_offset()..], row_stride: la.stride()[0], col_stride: la.stride()[1] };
+    let rhs =
+        Strided { data: &vb[lb.start_offset()..], row_stride: lb.stride()[0], col_stride: lb.stride()[1] };
+    let mut out: Vec<half::bf16> = Vec::with_capacity(m * n);
+    let parallel = matches!(threads, Threads::Pool);
+    bf16_gemm::gemm_transposed(path, m, n, k, lhs, rhs, &mut out.spare_capacity_mut()[..m * n], parallel);
+    // SAFETY: the product wrote all m · n elements.
+    unsafe { out.set_len(m * n) };
+    drop((sa, sb));
+    Tensor::from_vec(out, (n, m), &Device::Cpu)?.t().map(Some)
+}
+
 /// The operands [`batched_gemm`] reads for `a · b`, each as it is or its contiguous copy, or
 /// `None` for a product it does not take — not f32 of rank 2–4, an empty dim, batch or inner
 /// dims that do not match, or a stride-0 batch dim (an operand broadcast over the batch: left to
