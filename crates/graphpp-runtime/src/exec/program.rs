@@ -13,7 +13,7 @@ use super::fusion::Fusion;
 use super::kernel::{eval, kernel_error};
 use super::liveness::{peak_in_order, released, Liveness};
 use super::{ordered_inputs, ExecError, ExecReport, ExecResult, RunOptions};
-use crate::kernels::matmul::{compiled_matmul, compiled_matmul_transposed, Threads};
+use crate::kernels::matmul::{compiled_matmul, compiled_matmul_transposed_widened, Threads};
 use crate::kernels::tensor::candle_dtype;
 
 /// A graph compiled once for many runs (docs/ARCHITECTURE.md "Runtime" → Compiled executor): its
@@ -38,9 +38,9 @@ pub struct Program {
     kept: crate::exec::kept::Cache,
     /// The execution order and the matmuls that run side by side ([`crate::exec::pairs`]).
     pairs: crate::exec::pairs::Pairs,
-    /// `transposed[i]`: matmul `i` is computed laid out transposed
-    /// ([`transposed_products`]).
-    transposed: Vec<bool>,
+    /// The bf16 weight-gradient products computed with their transpose and cast
+    /// ([`TransposedProducts`]).
+    transposed: TransposedProducts,
 }
 
 impl Program {
@@ -74,7 +74,7 @@ impl Program {
         }
         let lone = |i: usize| fusion.member_of[i].is_some_and(|g| fusion.groups[g].members == [i]);
         let kept = crate::exec::kept::Cache::plan(graph, lone);
-        let transposed = transposed_products(graph);
+        let transposed = TransposedProducts::plan(graph, &fusion);
         Program { nodes: n, fusion, frees, kept, pairs, transposed }
     }
 
@@ -83,10 +83,10 @@ impl Program {
         &self.pairs
     }
 
-    /// Whether matmul `i` is computed laid out transposed (a bf16 product read only by its
-    /// transpose: a weight gradient; see `transposed_products`).
+    /// Whether matmul `i` computes the f32 cast of its transpose in one pass (a bf16 weight
+    /// gradient; see [`TransposedProducts`]).
     pub fn lays_out_transposed(&self, i: usize) -> bool {
-        self.transposed.get(i).copied().unwrap_or(false)
+        self.transposed.products.get(i).copied().unwrap_or(false)
     }
 
     /// The fusion groups.
@@ -279,6 +279,14 @@ impl<'a> Run<'a> {
         self.complete_reads(reads)?;
         let args = operands(&self.vals, reads);
         Ok(Some(match (&node.op, group) {
+            // A weight gradient's cast, whose operand its product computed already cast (when
+            // the product ran that way: its value is f32).
+            (_, Some(_))
+                if program.is_some_and(|p| p.transposed.casts[i])
+                    && args[0].dtype() == candle_core::DType::F32 =>
+            {
+                Value::Ready(args[0].clone())
+            }
             (_, Some(g)) if program.is_some_and(|p| p.kept.keeps(i)) => {
                 let p = program.expect("matched above");
                 Value::Ready(
@@ -366,29 +374,53 @@ fn input_value(graph: &Graph, name: &str, ty: &TensorType, t: &Tensor) -> ExecRe
 /// The product of `p`'s matmul `i` from its `args`: beside its partner `j` where it has one
 /// (`j`'s product, from its operands in `vals`, goes to `early` for when `j` comes next in the
 /// order), else alone on the whole pool.
-/// Per node, whether it is a rank-2 bf16 matmul read only by its transpose (a `Permute`
-/// `[1, 0]`, not an output): autodiff's weight gradient, which the backward then casts back to
-/// f32 from the transposed view. Such a product is computed laid out transposed
-/// ([`compiled_matmul_transposed`]: the same bits), so the transpose is contiguous and the cast
-/// reads it in order instead of one element per cache line (it was 5.8 of `small`'s 52 ms of
-/// bf16 non-matmul time, docs/PERFORMANCE.md "bf16").
-fn transposed_products(graph: &Graph) -> Vec<bool> {
-    let users = graph.users();
-    let outputs: std::collections::HashSet<usize> = graph.outputs.iter().map(|o| o.value.0).collect();
-    graph
-        .nodes
-        .iter()
-        .enumerate()
-        .map(|(i, n)| {
-            let transposed_by =
-                |u: &ValueId| matches!(&graph.nodes[u.0].op, Op::Permute { perm } if perm == &[1, 0]);
-            matches!(n.op, Op::Matmul)
-                && n.ty.shape.len() == 2
-                && n.ty.dtype == graphpp_graph::DType::BF16
-                && !outputs.contains(&i)
-                && matches!(users[i].as_slice(), [u] if transposed_by(u))
-        })
-        .collect()
+/// The bf16 weight-gradient chains `cast(permute(a · b, [1, 0]), f32)` of a graph — a rank-2
+/// bf16 matmul read only by its transpose, read only by a cast to f32 that runs alone (a group of
+/// its own), none of them an output but the cast — which a program computes in one pass: the
+/// product writes the cast's f32 values laid out transposed
+/// ([`compiled_matmul_transposed_widened`]: the same bits as the three steps), the transpose of
+/// that is the cast's value in order, and the cast passes it on. The cast had read the
+/// transposed view one element per cache line, and under two threads from the other core's cache
+/// (5.8 of `small`'s 52 ms of bf16 non-matmul time on one thread: docs/PERFORMANCE.md "bf16").
+#[derive(Clone, Debug, Default)]
+struct TransposedProducts {
+    /// Per node: a chain's matmul.
+    products: Vec<bool>,
+    /// Per node: a chain's cast, which passes its operand on.
+    casts: Vec<bool>,
+}
+
+impl TransposedProducts {
+    fn plan(graph: &Graph, fusion: &Fusion) -> TransposedProducts {
+        let n = graph.nodes.len();
+        let users = graph.users();
+        let outputs: std::collections::HashSet<usize> = graph.outputs.iter().map(|o| o.value.0).collect();
+        let only_reader = |i: usize| match users[i].as_slice() {
+            [u] if !outputs.contains(&i) => Some(u.0),
+            _ => None,
+        };
+        let mut plan = TransposedProducts { products: vec![false; n], casts: vec![false; n] };
+        for (i, node) in graph.nodes.iter().enumerate() {
+            let product = matches!(node.op, Op::Matmul)
+                && node.ty.shape.len() == 2
+                && node.ty.dtype == graphpp_graph::DType::BF16;
+            let transpose = only_reader(i)
+                .filter(|&t| matches!(&graph.nodes[t].op, Op::Permute { perm } if perm == &[1, 0]));
+            let cast = transpose.and_then(|t| match users[t].as_slice() {
+                [c] if !outputs.contains(&t) => Some(c.0),
+                _ => None,
+            });
+            let alone = |c: usize| fusion.member_of[c].is_some_and(|g| fusion.groups[g].members == [c]);
+            if let Some(c) = cast.filter(|&c| {
+                product
+                    && matches!(graph.nodes[c].op, Op::Cast { dtype: graphpp_graph::DType::F32 })
+                    && alone(c)
+            }) {
+                (plan.products[i], plan.casts[c]) = (true, true);
+            }
+        }
+        plan
+    }
 }
 
 fn program_matmul(
@@ -410,12 +442,13 @@ fn program_matmul(
     }
 }
 
-/// Matmul `i` of `p` from `args` on `threads`: laid out transposed where `p` says so
-/// ([`transposed_products`]), else [`compiled_matmul`].
+/// Matmul `i` of `p` from `args` on `threads`: where `p` computes its chain in one pass
+/// ([`TransposedProducts`]) the transposed f32 values viewed in the product's shape, else
+/// [`compiled_matmul`].
 fn product(p: &Program, i: usize, args: &[&Tensor], threads: Threads) -> candle_core::Result<Tensor> {
-    if p.transposed[i] {
-        if let Some(t) = compiled_matmul_transposed(args[0], args[1], threads)? {
-            return Ok(t);
+    if p.transposed.products[i] {
+        if let Some(t) = compiled_matmul_transposed_widened(args[0], args[1], threads)? {
+            return t.t();
         }
     }
     compiled_matmul(args[0], args[1], threads)

@@ -155,31 +155,43 @@ pub fn gemm(
     out: &mut [MaybeUninit<bf16>],
     parallel: bool,
 ) {
-    gemm_into(path, (m, n, k), (a, b), Out { data: out, transposed: false }, parallel)
+    gemm_into(path, (m, n, k), (a, b), Out::Rows(out), parallel)
 }
 
-/// [`gemm`] writing the product transposed: `out` is `n × m` row-major, element `(j, i)` the
-/// sum `(i, j)` — the same sums, rounded alike, so the same bits as [`gemm`]'s, laid out as a
-/// transposed view of it is read contiguously (a weight gradient that autodiff transposes
-/// before casting it back to f32: `crate::exec`'s transposed products).
+/// [`gemm`]'s product transposed and widened back to f32: `out` is `n × m` row-major, element
+/// `(j, i)` the bf16 value [`gemm`] gives at `(i, j)`, widened exactly — the bits of casting
+/// [`gemm`]'s product to f32 after transposing it (a weight gradient, which autodiff transposes
+/// before the cast back to its f32 master weight: `crate::exec`'s transposed products), written
+/// in the order the cast's output is read.
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_transposed(
+pub fn gemm_transposed_widened(
     path: Bf16Gemm,
     m: usize,
     n: usize,
     k: usize,
     a: Strided,
     b: Strided,
-    out: &mut [MaybeUninit<bf16>],
+    out: &mut [MaybeUninit<f32>],
     parallel: bool,
 ) {
-    gemm_into(path, (m, n, k), (a, b), Out { data: out, transposed: true }, parallel)
+    gemm_into(path, (m, n, k), (a, b), Out::WidenedTransposed(out), parallel)
 }
 
-/// Where a product's rounded sums go: `m × n` row-major, or `n × m` when `transposed`.
-struct Out<'a> {
-    data: &'a mut [MaybeUninit<bf16>],
-    transposed: bool,
+/// Where a product's rounded sums go.
+enum Out<'a> {
+    /// `m × n` row-major.
+    Rows(&'a mut [MaybeUninit<bf16>]),
+    /// `n × m` row-major (the transpose), each rounded sum widened to f32.
+    WidenedTransposed(&'a mut [MaybeUninit<f32>]),
+}
+
+impl Out<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Out::Rows(o) => o.len(),
+            Out::WidenedTransposed(o) => o.len(),
+        }
+    }
 }
 
 fn gemm_into(
@@ -189,14 +201,19 @@ fn gemm_into(
     out: Out,
     parallel: bool,
 ) {
-    assert_eq!(out.data.len(), m * n, "bf16 gemm: output of {} for {m} × {n}", out.data.len());
+    assert_eq!(out.len(), m * n, "bf16 gemm: output of {} for {m} × {n}", out.len());
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
-        out.data.iter_mut().for_each(|o| {
-            o.write(bf16::ZERO);
-        });
+        match out {
+            Out::Rows(o) => o.iter_mut().for_each(|o| {
+                o.write(bf16::ZERO);
+            }),
+            Out::WidenedTransposed(o) => o.iter_mut().for_each(|o| {
+                o.write(0.0);
+            }),
+        }
         return;
     }
     let parallel = parallel && m * n * k >= 48 * 48 * 256 && rayon::current_num_threads() > 1;
@@ -261,15 +278,18 @@ fn widened(m: usize, n: usize, k: usize, a: Strided, b: Strided, out: Out, paral
         );
         c.set_len(m * n);
     };
-    if out.transposed {
-        for (j, row) in out.data.chunks_mut(m).enumerate() {
-            for (i, o) in row.iter_mut().enumerate() {
-                o.write(round_bf16(c[i * n + j]));
+    match out {
+        Out::Rows(o) => {
+            for (o, v) in o.iter_mut().zip(&c) {
+                o.write(round_bf16(*v));
             }
         }
-    } else {
-        for (o, v) in out.data.iter_mut().zip(&c) {
-            o.write(round_bf16(*v));
+        Out::WidenedTransposed(o) => {
+            for (j, row) in o.chunks_mut(m).enumerate() {
+                for (i, o) in row.iter_mut().enumerate() {
+                    o.write(widen_bf16(round_bf16(c[i * n + j])));
+                }
+            }
         }
     }
 }
@@ -392,31 +412,10 @@ mod packed {
         } else {
             c.chunks_mut(m * NR).enumerate().for_each(panel);
         }
-        if out.transposed {
-            // Column panel j's sums become output rows 32j.. (the product's columns): each block
-            // of 16 rows of the panel is rounded in order, then written out column by column.
-            let transpose = |(j, rows): (usize, &mut [MaybeUninit<bf16>])| {
-                let width = rows.len() / m;
-                let mut block = [MaybeUninit::<bf16>::uninit(); 16 * NR];
-                for i0 in (0..m).step_by(16) {
-                    let h = 16.min(m - i0);
-                    let sums = &c[j * m * NR + i0 * NR..][..h * NR];
-                    // SAFETY: the CPU has AVX-512 F (the caller checked).
-                    unsafe { round_to_bf16(sums, &mut block[..h * NR]) };
-                    for col in 0..width {
-                        for r in 0..h {
-                            rows[col * m + i0 + r] = block[r * NR + col];
-                        }
-                    }
-                }
-            };
-            if parallel {
-                out.data.par_chunks_mut(NR * m).enumerate().for_each(transpose);
-            } else {
-                out.data.chunks_mut(NR * m).enumerate().for_each(transpose);
-            }
-            return;
-        }
+        let out = match out {
+            Out::Rows(o) => o,
+            Out::WidenedTransposed(o) => return widen_transposed(&c, m, o, parallel),
+        };
         let round = |(i, row): (usize, &mut [MaybeUninit<bf16>])| {
             for (j, o) in row.chunks_mut(NR).enumerate() {
                 let sums = &c[j * m * NR + i * NR..][..o.len()];
@@ -425,9 +424,37 @@ mod packed {
             }
         };
         if parallel {
-            out.data.par_chunks_mut(n).enumerate().for_each(round);
+            out.par_chunks_mut(n).enumerate().for_each(round);
         } else {
-            out.data.chunks_mut(n).enumerate().for_each(round);
+            out.chunks_mut(n).enumerate().for_each(round);
+        }
+    }
+
+    /// The panel-major sums `c` (`m` rows per 32-column panel) rounded to bf16 and widened back,
+    /// written transposed into `out` (`n × m`): each block of 16 rows of a panel is rounded in
+    /// order, then written out column by column (runs of 16 along the output's rows).
+    fn widen_transposed(c: &[f32], m: usize, out: &mut [MaybeUninit<f32>], parallel: bool) {
+        let transpose = |(j, rows): (usize, &mut [MaybeUninit<f32>])| {
+            let width = rows.len() / m;
+            let mut block = [MaybeUninit::<bf16>::uninit(); 16 * NR];
+            for i0 in (0..m).step_by(16) {
+                let h = 16.min(m - i0);
+                let sums = &c[j * m * NR + i0 * NR..][..h * NR];
+                // SAFETY: the CPU has AVX-512 F (the caller checked).
+                unsafe { round_to_bf16(sums, &mut block[..h * NR]) };
+                for col in 0..width {
+                    for r in 0..h {
+                        // SAFETY: `round_to_bf16` wrote the block's first h · 32 elements.
+                        let x = unsafe { block[r * NR + col].assume_init() };
+                        rows[col * m + i0 + r].write(super::widen_bf16(x));
+                    }
+                }
+            }
+        };
+        if parallel {
+            out.par_chunks_mut(NR * m).enumerate().for_each(transpose);
+        } else {
+            out.chunks_mut(NR * m).enumerate().for_each(transpose);
         }
     }
 
@@ -621,8 +648,8 @@ mod tests {
             check(m, n, k, ta, tb, seed, false);
         }
 
-        /// The transposed layout holds the plain product's bits, element (j, i) for (i, j), on
-        /// every available path, split over threads or not (m past a 16-row block, n past a
+        /// The transposed, widened layout holds the plain product's values widened, element
+        /// (j, i) for (i, j), on every available path, split over threads or not (m past a 16-row block, n past a
         /// 32-column panel).
         #[test]
         fn the_transposed_layout_holds_the_same_bits(
@@ -637,13 +664,13 @@ mod tests {
                 let (mut plain, mut transposed) = (vec![MaybeUninit::uninit(); m * n], vec![MaybeUninit::uninit(); m * n]);
                 pool.install(|| {
                     gemm(path, m, n, k, a, b, &mut plain, parallel);
-                    gemm_transposed(path, m, n, k, a, b, &mut transposed, parallel);
+                    gemm_transposed_widened(path, m, n, k, a, b, &mut transposed, parallel);
                 });
                 for i in 0..m {
                     for j in 0..n {
                         // SAFETY: both products write every element.
                         let (x, y) = unsafe { (plain[i * n + j].assume_init(), transposed[j * m + i].assume_init()) };
-                        prop_assert_eq!(x.to_bits(), y.to_bits(), "{} ({}, {})", path, i, j);
+                        prop_assert_eq!(x.to_f32().to_bits(), y.to_bits(), "{} ({}, {})", path, i, j);
                     }
                 }
             }

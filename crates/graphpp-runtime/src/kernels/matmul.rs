@@ -71,14 +71,14 @@ pub(crate) fn compiled_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candl
     }
 }
 
-/// [`compiled_matmul`] of a rank-2 bf16 product laid out transposed: the `[m, n]` product as a
-/// view of its contiguous `[n, m]` transpose (strides `(1, m)`), with [`compiled_matmul`]'s
-/// bits (`bf16_gemm::gemm_transposed`), so that a transpose of it reads contiguously. `None`
-/// for any other product (the caller takes [`compiled_matmul`]).
+/// The f32 cast of the transpose of a rank-2 bf16 product, `cast(transpose(a · b), f32)`, in
+/// one pass: the `[n, m]` f32 tensor of [`compiled_matmul`]'s bf16 values, transposed and
+/// widened (`bf16_gemm::gemm_transposed_widened`: the same bits as the three steps). `None` for
+/// any other product (the caller takes [`compiled_matmul`]).
 ///
 /// # Errors
 /// The bf16 path's [`bf16_gemm::PathError`], as a candle error.
-pub(crate) fn compiled_matmul_transposed(
+pub(crate) fn compiled_matmul_transposed_widened(
     a: &Tensor,
     b: &Tensor,
     threads: Threads,
@@ -102,13 +102,14 @@ pub(crate) fn compiled_matmul_transposed(
         Strided { data: &va[la.start_offset()..], row_stride: la.stride()[0], col_stride: la.stride()[1] };
     let rhs =
         Strided { data: &vb[lb.start_offset()..], row_stride: lb.stride()[0], col_stride: lb.stride()[1] };
-    let mut out: Vec<half::bf16> = Vec::with_capacity(m * n);
+    let mut out: Vec<f32> = Vec::with_capacity(m * n);
     let parallel = matches!(threads, Threads::Pool);
-    bf16_gemm::gemm_transposed(path, m, n, k, lhs, rhs, &mut out.spare_capacity_mut()[..m * n], parallel);
+    let dst = &mut out.spare_capacity_mut()[..m * n];
+    bf16_gemm::gemm_transposed_widened(path, m, n, k, lhs, rhs, dst, parallel);
     // SAFETY: the product wrote all m · n elements.
     unsafe { out.set_len(m * n) };
     drop((sa, sb));
-    Tensor::from_vec(out, (n, m), &Device::Cpu)?.t().map(Some)
+    Tensor::from_vec(out, (n, m), &Device::Cpu).map(Some)
 }
 
 /// The operands [`batched_gemm`] reads for `a · b`, each as it is or its contiguous copy, or
