@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{CpuStorage, DType as CDType, Device, Tensor};
+use candle_core::{CpuStorage, DType as CDType, Device, StridedBlocks, Tensor};
 use graphpp_graph::DType;
 use half::bf16;
 use rayon::prelude::*;
@@ -81,8 +81,11 @@ const CAST_PART: usize = 1 << 15;
 pub fn cast(t: &Tensor, dtype: CDType) -> candle_core::Result<Tensor> {
     let pair = (t.dtype(), dtype);
     let widen_or_round = matches!(pair, (CDType::BF16, CDType::F32) | (CDType::F32, CDType::BF16));
-    if !t.is_contiguous() || !widen_or_round || !t.device().is_cpu() {
+    if !widen_or_round || !t.device().is_cpu() {
         return t.to_dtype(dtype);
+    }
+    if !t.is_contiguous() {
+        return cast_runs(t);
     }
     let n = t.elem_count();
     let (storage, layout) = t.storage_and_layout();
@@ -93,6 +96,40 @@ pub fn cast(t: &Tensor, dtype: CDType) -> candle_core::Result<Tensor> {
         }
         candle_core::Storage::Cpu(CpuStorage::F32(v)) => {
             Tensor::from_vec(map(&v[range], round_bf16), t.shape(), &Device::Cpu)
+        }
+        _ => candle_core::bail!("cast: expected a CPU tensor"),
+    }
+}
+
+/// [`cast`] of a strided CPU bf16 or f32 tensor (a permuted view: heads split from `[B, T, H,
+/// E]`) to the other dtype, contiguous: run by run of the elements its layout keeps contiguous
+/// (candle's strided blocks), each in one vectorised loop, where candle converts element by
+/// element through a strided index. The same bits.
+fn cast_runs(t: &Tensor) -> candle_core::Result<Tensor> {
+    let (storage, _) = t.storage_and_layout();
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    match t.strided_blocks() {
+        StridedBlocks::SingleBlock { start_offset, len } => runs.push((start_offset, len)),
+        StridedBlocks::UniformBlocks { start_offset, block_len, count, src_stride } => {
+            runs.extend((0..count).map(|i| (start_offset + i * src_stride, block_len)))
+        }
+        StridedBlocks::MultipleBlocks { block_start_index, block_len } => {
+            runs.extend(block_start_index.map(|start| (start, block_len)))
+        }
+    }
+    fn convert<A: Copy, B>(v: &[A], runs: &[(usize, usize)], f: impl Fn(A) -> B) -> Vec<B> {
+        let mut out = Vec::with_capacity(runs.iter().map(|r| r.1).sum());
+        for &(start, len) in runs {
+            out.extend(v[start..start + len].iter().map(|&x| f(x)));
+        }
+        out
+    }
+    match &*storage {
+        candle_core::Storage::Cpu(CpuStorage::BF16(v)) => {
+            Tensor::from_vec(convert(v, &runs, widen_bf16), t.shape(), &Device::Cpu)
+        }
+        candle_core::Storage::Cpu(CpuStorage::F32(v)) => {
+            Tensor::from_vec(convert(v, &runs, round_bf16), t.shape(), &Device::Cpu)
         }
         _ => candle_core::bail!("cast: expected a CPU tensor"),
     }
@@ -166,6 +203,9 @@ mod tests {
             t.clone(),
             t.narrow(0, 3, 1000).unwrap(),
             t.narrow(0, 0, 1000).unwrap().reshape((10, 100)).unwrap().t().unwrap(),
+            // Heads split from [B, T, H, E]: runs of E contiguous elements (candle's strided
+            // blocks), as attention widens q, k and v.
+            t.narrow(0, 7, 960).unwrap().reshape((4, 6, 5, 8)).unwrap().permute((0, 2, 1, 3)).unwrap(),
         ] {
             let want = view.to_dtype(CDType::BF16).unwrap();
             let got = pool.install(|| cast(&view, CDType::BF16)).unwrap();
@@ -181,6 +221,18 @@ mod tests {
             assert_eq!(back.dtype(), CDType::F32);
             assert_eq!(bits(&back), bits(&want));
             assert_eq!(got.dims(), view.dims());
+            // A bf16 view of the same layout widens to candle's f32 bits too.
+            if let [a, b, ..] = view.dims() {
+                let (a, b) = (*a, *b);
+                let bf = want.flatten_all().unwrap();
+                let strided = if view.rank() == 4 {
+                    bf.reshape((4, 5, 6, 8)).unwrap().permute((0, 2, 1, 3)).unwrap()
+                } else {
+                    bf.reshape((b, a)).unwrap().t().unwrap()
+                };
+                let wide = pool.install(|| cast(&strided, CDType::F32)).unwrap();
+                assert_eq!(bits(&wide), bits(&strided.to_dtype(CDType::F32).unwrap()));
+            }
         }
     }
 }
