@@ -98,10 +98,7 @@ pub(crate) fn compiled_matmul_transposed_widened(
     else {
         candle_core::bail!("bf16 matmul takes CPU bf16 tensors")
     };
-    let lhs =
-        Strided { data: &va[la.start_offset()..], row_stride: la.stride()[0], col_stride: la.stride()[1] };
-    let rhs =
-        Strided { data: &vb[lb.start_offset()..], row_stride: lb.stride()[0], col_stride: lb.stride()[1] };
+    let (lhs, rhs) = (operand(va, la, &[], 0), operand(vb, lb, &[], 0));
     let mut out: Vec<f32> = Vec::with_capacity(m * n);
     let parallel = matches!(threads, Threads::Pool);
     let dst = &mut out.spare_capacity_mut()[..m * n];
@@ -295,19 +292,6 @@ fn bf16_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<
     else {
         candle_core::bail!("bf16 matmul takes CPU bf16 tensors")
     };
-    fn operand<'a>(
-        v: &'a [half::bf16],
-        l: &candle_core::Layout,
-        batch_dims: &[usize],
-        i: usize,
-    ) -> Strided<'a> {
-        let (s, r) = (l.stride(), l.stride().len());
-        Strided {
-            data: &v[l.start_offset() + batch_offset(batch_dims, s, i)..],
-            row_stride: s[r - 2],
-            col_stride: s[r - 1],
-        }
-    }
     let pool = matches!(threads, Threads::Pool);
     let element = |i: usize, dst: &mut [std::mem::MaybeUninit<half::bf16>], parallel: bool| {
         bf16_gemm::gemm(
@@ -324,6 +308,17 @@ fn bf16_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<
     let out = batch_products(batch, m * n, threads, |i, dst, split| element(i, dst, pool && !split));
     drop((sa, sb));
     Tensor::from_vec(out, da[..r - 1].iter().copied().chain([n]).collect::<Vec<_>>(), &Device::Cpu).map(Some)
+}
+
+/// Batch element `i` of a bf16 operand of layout `l` (batch dims `batch_dims`) as the bf16
+/// path reads it.
+fn operand<'a>(v: &'a [half::bf16], l: &candle_core::Layout, batch_dims: &[usize], i: usize) -> Strided<'a> {
+    let (s, r) = (l.stride(), l.stride().len());
+    Strided {
+        data: &v[l.start_offset() + batch_offset(batch_dims, s, i)..],
+        row_stride: s[r - 2],
+        col_stride: s[r - 1],
+    }
 }
 
 /// candle's refusal of operands whose batch dims do not collapse into one stride.
