@@ -15,7 +15,8 @@ layouts=("tiny 2 1f1b" "tiny 2 zbv" "tiny 2 dualpipev" "tiny 1 1f1b"
 predict() { # model pp kind: the first plain-replica row's step (ms)
   "$g" plan --model "$1" --ranks 2 --pp "$2" --microbatches 8 --global-batch 64 --schedule "$3" \
     --recompute pointwise --tp 1 --hardware "$dir/here.toml" --top 20 |
-    awk '$1 ~ /^[0-9]+$/ && $5 == "no" { print $11; exit }'
+    awk '$1 == "#" { for (i = 1; i <= NF; i++) col[$i] = i }
+         $1 ~ /^[0-9]+$/ && $col["fsdp"] == "no" { print $col["step"]; exit }'
 }
 measure() { # model pp kind: the median step (ms) of steps 3–10
   local layout=(--ranks "$2")

@@ -65,6 +65,19 @@ pub struct LowerOptions {
     pub reduce_grad: bool,
 }
 
+impl LowerOptions {
+    /// How a run with `dp` data-parallel replicas (FSDP when `fsdp` and dp > 1) and
+    /// `stages_per_rank` stages a rank is lowered: REDUCE_GRAD with dp > 1; under FSDP UNSHARD /
+    /// RESHARD too, every stage of a rank unsharded at once at most.
+    pub fn data_parallel(dp: usize, fsdp: bool, stages_per_rank: usize) -> LowerOptions {
+        let replicas = dp > 1;
+        LowerOptions {
+            fsdp_max_unsharded: (replicas && fsdp).then_some(stages_per_rank.max(1)),
+            reduce_grad: replicas,
+        }
+    }
+}
+
 /// The standard lowering pipeline: validate the input, then (when asked) [`add_unshard_reshard`]
 /// and [`add_reduce_grad`], then [`add_send_recv`] (the order of PyTorch's lowering, so an UNSHARD
 /// is issued before the RECV the compute waits on).

@@ -619,21 +619,40 @@ fn probe_tag(i: usize) -> graphpp_comm::Tag {
     graphpp_comm::Tag::Activation { stage: 0, mb: i }
 }
 
+/// The MPI link [`probe_process_link`] measured between ranks 0 and 1.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProcessLink {
+    /// Its bandwidth and latency.
+    pub link: Link,
+    /// Whether ranks 0 and 1 run on two hosts (rank 1 is the first process of its host), so
+    /// the link is the network's.
+    pub across_hosts: bool,
+}
+
 /// The link between ranks 0 and 1 of a run of several processes (`mpirun -n N graphpp hardware
-/// probe`): rank 0 measures it against rank 1 ([`link_between`]) and gets `Some`; rank 1
-/// echoes; the others do nothing. `None` on every rank but 0.
+/// probe`): rank 1 tells rank 0 its `local_rank` (its rank among its host's processes), then
+/// echoes while rank 0 measures ([`link_between`]); the others do nothing. `Some` on rank 0
+/// only.
 ///
 /// # Errors
 /// A communicator error.
 pub fn probe_process_link(
     comm: &dyn graphpp_comm::Comm,
-) -> Result<Option<Link>, Box<dyn std::error::Error + Send + Sync>> {
+    local_rank: usize,
+) -> Result<Option<ProcessLink>, Box<dyn std::error::Error + Send + Sync>> {
+    use candle_core::{Device as Cpu, Tensor};
+    let host_tag = probe_tag(BIG_TRIPS + PING_TRIPS);
     match comm.rank() {
         0 if comm.world() > 1 => {
+            let theirs: Vec<f32> = comm.recv(1, host_tag, PROBE_TIMEOUT)?.to_vec1()?;
             let (bandwidth, latency_us) = link_between(comm, 1)?;
-            Ok(Some(Link { bandwidth, latency_us }))
+            let across_hosts = theirs.first() == Some(&0.0);
+            Ok(Some(ProcessLink { link: Link { bandwidth, latency_us }, across_hosts }))
         }
-        1 => Ok(echo(comm, 0).map(|()| None)?),
+        1 => {
+            comm.send(0, host_tag, Tensor::new(&[local_rank as f32], &Cpu::Cpu)?)?;
+            Ok(echo(comm, 0).map(|()| None)?)
+        }
         _ => Ok(None),
     }
 }

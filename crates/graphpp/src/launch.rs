@@ -14,6 +14,8 @@ use graphpp_runtime::kernels::device::DeviceSpec;
 /// process its world size, and its number of processes on this host.
 const WORLD_SIZE_VARS: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"];
 const LOCAL_SIZE_VARS: [&str; 2] = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"];
+/// The variables launchers set to a process's rank among the run's processes on its host.
+const LOCAL_RANK_VARS: [&str; 2] = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"];
 
 /// Why this process cannot join its run.
 #[derive(Debug, thiserror::Error)]
@@ -107,6 +109,12 @@ pub fn launched_world_size() -> Option<usize> {
 /// Processes of this run on this host (1 without `mpirun`): they share its cores.
 pub fn local_processes() -> usize {
     env_count(&LOCAL_SIZE_VARS).unwrap_or(1).max(1)
+}
+
+/// This process's rank among the run's processes on its host (0 without `mpirun`): a process
+/// of local rank 0 is the first of its host.
+pub fn local_rank() -> usize {
+    env_count(&LOCAL_RANK_VARS).unwrap_or(0)
 }
 
 /// This process's place in its run.

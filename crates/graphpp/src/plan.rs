@@ -350,8 +350,9 @@ fn stage_traffic(g: &StageGraphs) -> PerKind<Traffic> {
 /// What the planner predicts for one strategy.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Prediction {
-    /// Step time, seconds: the simulated makespan (FSDP's all-gathers and reduce-scatters on the
-    /// ranks' timelines) plus the exposed gradient all-reduce without FSDP.
+    /// Step time, seconds: the simulated makespan (a lowered schedule's FSDP all-gathers and
+    /// gradient reductions on the ranks' timelines); for a compute-only schedule with replicas,
+    /// plus the fullest rank's gradient all-reduce after it.
     pub step_seconds: f64,
     /// In-iteration r_bubble of the simulated schedule.
     pub bubble: f64,
@@ -567,9 +568,11 @@ fn check_request(req: &PlanRequest) -> Result<(), PlanError> {
 
 /// Every feasible strategy of `req`, unranked, with its prediction: each split pp × dp × tp of
 /// the ranks (tp one the model accepts: [`graphpp_models::Model::check_tp`]; pp at most the
-/// layers; only `req.pp` when pinned), each kind (distinct) whose stages divide the layers, each
-/// microbatch count m (only `req.microbatches` when pinned) dividing the global batch into
-/// microbatches that split over the dp replicas, each recompute policy (distinct). Errors: [`PlanError::Build`].
+/// layers; only `req.pp` when pinned), each arrangement of the replicas
+/// ([`replica_arrangements`]: plain, FSDP, expert-parallel degrees), each kind (distinct) with at
+/// most one model stage per layer (uneven splits balanced), each microbatch count m (only
+/// `req.microbatches` when pinned) dividing the global batch into microbatches that split over
+/// the dp replicas, each recompute policy (distinct). Errors: [`PlanError::Build`].
 fn candidates(req: &PlanRequest) -> Result<Vec<Candidate>, PlanError> {
     let layers = graphpp_models::Model::num_layers(&req.model);
     let (mut kinds, mut policies) = (req.kinds.clone(), req.recompute.clone());
@@ -609,7 +612,8 @@ fn replica_arrangements(req: &PlanRequest, dp: usize) -> Vec<(bool, usize)> {
         .collect()
 }
 
-/// The candidates of one layout `(pp, dp, tp)` (see [`candidates`]), appended to `out`.
+/// The candidates of one layout `(pp, dp, tp)`, with each of its replica arrangements (see
+/// [`candidates`]), appended to `out`.
 fn layout_candidates(
     req: &PlanRequest,
     (pp, dp, tp): (usize, usize, usize),
@@ -641,7 +645,7 @@ fn layout_candidates(
             let Ok(schedule) = generate(kind, &shape, &Options::default()) else { continue };
             // Replicas with and without FSDP, lowered as the runtime lowers them.
             for &(fsdp, ep) in &arrangements {
-                let opts = LowerOptions { fsdp_max_unsharded: fsdp.then_some(v), reduce_grad: dp > 1 };
+                let opts = LowerOptions::data_parallel(dp, fsdp, v);
                 let lowered = lower(&schedule, &opts).map_err(|e| PlanError::Build(e.to_string()))?;
                 for &recompute in policies {
                     let at = (kind, &shape, tp, ep);
@@ -679,8 +683,8 @@ fn layout_candidates(
 }
 
 /// Ranks `out`: those that fit first, each group by step time, then peak bytes (a stable sort);
-/// of the candidates with the same layout (pp, dp, tp), shape (v, m), policy, step time and
-/// peak bytes (kinds that run alike) only the first is kept.
+/// of the candidates with the same layout (pp, dp, FSDP, tp, ep), shape (v, m), policy, step
+/// time and peak bytes (kinds that run alike) only the first is kept.
 fn rank(out: &mut Vec<Candidate>) {
     out.sort_by(|a, b| {
         b.fits

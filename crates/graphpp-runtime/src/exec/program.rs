@@ -74,7 +74,7 @@ impl Program {
         }
         let lone = |i: usize| fusion.member_of[i].is_some_and(|g| fusion.groups[g].members == [i]);
         let kept = crate::exec::kept::Cache::plan(graph, lone);
-        let transposed = TransposedProducts::plan(graph, &fusion);
+        let transposed = TransposedProducts::plan(graph, lone);
         Program { nodes: n, fusion, frees, kept, pairs, transposed }
     }
 
@@ -371,9 +371,6 @@ fn input_value(graph: &Graph, name: &str, ty: &TensorType, t: &Tensor) -> ExecRe
     Ok(Value::Ready(t))
 }
 
-/// The product of `p`'s matmul `i` from its `args`: beside its partner `j` where it has one
-/// (`j`'s product, from its operands in `vals`, goes to `early` for when `j` comes next in the
-/// order), else alone on the whole pool.
 /// The bf16 weight-gradient chains `cast(permute(a · b, [1, 0]), f32)` of a graph — a rank-2
 /// bf16 matmul read only by its transpose, read only by a cast to f32 that runs alone (a group of
 /// its own), none of them an output but the cast — which a program computes in one pass: the
@@ -382,6 +379,9 @@ fn input_value(graph: &Graph, name: &str, ty: &TensorType, t: &Tensor) -> ExecRe
 /// that is the cast's value in order, and the cast passes it on. The cast had read the
 /// transposed view one element per cache line, and under two threads from the other core's cache
 /// (5.8 of `small`'s 52 ms of bf16 non-matmul time on one thread: docs/PERFORMANCE.md "bf16").
+/// The product's value is then f32 where the graph (and so the live-byte accounting,
+/// [`Liveness`]) has bf16: until the cast passes it on, it holds 2 bytes an element more than
+/// the report counts.
 #[derive(Clone, Debug, Default)]
 struct TransposedProducts {
     /// Per node: a chain's matmul.
@@ -391,7 +391,8 @@ struct TransposedProducts {
 }
 
 impl TransposedProducts {
-    fn plan(graph: &Graph, fusion: &Fusion) -> TransposedProducts {
+    /// The chains of `graph`; `lone(c)`: node `c` is a fused group of its own.
+    fn plan(graph: &Graph, lone: impl Fn(usize) -> bool) -> TransposedProducts {
         let n = graph.nodes.len();
         let users = graph.users();
         let outputs: std::collections::HashSet<usize> = graph.outputs.iter().map(|o| o.value.0).collect();
@@ -406,15 +407,11 @@ impl TransposedProducts {
                 && node.ty.dtype == graphpp_graph::DType::BF16;
             let transpose = only_reader(i)
                 .filter(|&t| matches!(&graph.nodes[t].op, Op::Permute { perm } if perm == &[1, 0]));
-            let cast = transpose.and_then(|t| match users[t].as_slice() {
-                [c] if !outputs.contains(&t) => Some(c.0),
-                _ => None,
-            });
-            let alone = |c: usize| fusion.member_of[c].is_some_and(|g| fusion.groups[g].members == [c]);
+            let cast = transpose.and_then(only_reader);
             if let Some(c) = cast.filter(|&c| {
                 product
                     && matches!(graph.nodes[c].op, Op::Cast { dtype: graphpp_graph::DType::F32 })
-                    && alone(c)
+                    && lone(c)
             }) {
                 (plan.products[i], plan.casts[c]) = (true, true);
             }
@@ -423,6 +420,9 @@ impl TransposedProducts {
     }
 }
 
+/// The product of `p`'s matmul `i` from its `args`: beside its partner `j` where it has one
+/// (`j`'s product, from its operands in `vals`, goes to `early` for when `j` comes next in the
+/// order), else alone on the whole pool.
 fn program_matmul(
     graph: &Graph,
     p: &Program,
@@ -438,14 +438,14 @@ fn program_matmul(
             *early = Some((j, vj));
             Ok(vi)
         }
-        None => product(p, i, args, Threads::Pool).map_err(|e| kernel_error(graph, i, e)),
+        None => program_product(p, i, args, Threads::Pool).map_err(|e| kernel_error(graph, i, e)),
     }
 }
 
 /// Matmul `i` of `p` from `args` on `threads`: where `p` computes its chain in one pass
 /// ([`TransposedProducts`]) the transposed f32 values viewed in the product's shape, else
 /// [`compiled_matmul`].
-fn product(p: &Program, i: usize, args: &[&Tensor], threads: Threads) -> candle_core::Result<Tensor> {
+fn program_product(p: &Program, i: usize, args: &[&Tensor], threads: Threads) -> candle_core::Result<Tensor> {
     if p.transposed.products[i] {
         if let Some(t) = compiled_matmul_transposed_widened(args[0], args[1], threads)? {
             return t.t();
@@ -489,7 +489,7 @@ fn matmul_pair(
     args: [&[&Tensor]; 2],
 ) -> ExecResult<(Tensor, Tensor)> {
     let product = |k: usize, threads: Threads| {
-        product(p, nodes[k], args[k], threads).map_err(|e| kernel_error(graph, nodes[k], e))
+        program_product(p, nodes[k], args[k], threads).map_err(|e| kernel_error(graph, nodes[k], e))
     };
     let (a, b) = if rayon::current_num_threads() > 1 {
         rayon::join(|| product(0, Threads::One), || product(1, Threads::One))

@@ -71,10 +71,13 @@ pub fn widen_bf16(x: bf16) -> f32 {
 /// Elements per part when a cast is split over the rank's pool.
 const CAST_PART: usize = 1 << 15;
 
-/// `t` in `dtype`: candle's `to_dtype`, with the bits candle gives, but a contiguous CPU bf16 →
-/// f32 or f32 → bf16 cast runs as one vectorised loop (split over the current pool for large
-/// tensors) instead of candle's per-element conversion (a quarter of a bf16 `train` step in
-/// `perf`: docs/PERFORMANCE.md, "bf16").
+/// `t` in `dtype`: candle's `to_dtype`, with the bits candle gives, but a CPU bf16 → f32 or
+/// f32 → bf16 cast runs as one vectorised loop (split over the current pool for large
+/// contiguous tensors; run by run for a strided view) instead of candle's per-element
+/// conversion (a quarter of a bf16 `train` step in `perf`: docs/PERFORMANCE.md, "bf16"). One
+/// difference: a signalling-NaN bf16 widens to a signalling-NaN f32 here, where candle (through
+/// `half`) sets its quiet bit; graphpp's own bf16 values never hold one (every rounding to bf16
+/// quiets NaNs).
 ///
 /// # Errors
 /// candle's, from `to_dtype`.

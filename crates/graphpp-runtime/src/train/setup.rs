@@ -275,10 +275,6 @@ impl TrainSetup {
     /// FSDP, keeping every stage of a rank unsharded once gathered (one all-gather per stage
     /// and step, as FSDP2 without resharding after forward).
     pub fn lower_options(&self) -> LowerOptions {
-        let dp = self.dp > 1;
-        LowerOptions {
-            fsdp_max_unsharded: (dp && self.fsdp).then_some(self.shape.stages_per_rank.max(1)),
-            reduce_grad: dp,
-        }
+        LowerOptions::data_parallel(self.dp, self.fsdp, self.shape.stages_per_rank)
     }
 }

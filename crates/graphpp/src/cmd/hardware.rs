@@ -43,14 +43,16 @@ pub fn run(a: HardwareArgs) -> Result<()> {
     }
 }
 
-/// `graphpp hardware probe --output FILE`: this machine into FILE (every rank of a run under
-/// `mpirun` measures the MPI link between ranks 0 and 1 first — one process per host measures
-/// the network, several on one host the processes' link — and rank 0 alone the rest).
+/// `graphpp hardware probe --output FILE`: this machine into FILE (under `mpirun`, ranks 0 and 1
+/// measure the MPI link between them first — the network's where rank 1 is the first process of
+/// another host, else the processes' link in one host — and rank 0 alone the rest).
 fn probe(launch: &graphpp::launch::Launch, output: &std::path::Path) -> Result<()> {
-    // Before seconds of measuring.
-    crate::cmd::train::check_output_file("--output", output)?;
+    // Before seconds of measuring; the leader alone writes it.
+    if launch.is_leader() {
+        crate::cmd::train::check_output_file("--output", output)?;
+    }
     let process_link = match launch.comm() {
-        Some(c) => graphpp::hardware::probe_process_link(&*c)
+        Some(c) => graphpp::hardware::probe_process_link(&*c, graphpp::launch::local_rank())
             .map_err(|e| anyhow::anyhow!("hardware probe: MPI link: {e}"))?,
         None => None,
     };
@@ -62,10 +64,9 @@ fn probe(launch: &graphpp::launch::Launch, output: &std::path::Path) -> Result<(
     crate::cmd::set_op_threads(cores, None);
     let mut p = graphpp::hardware::probe().map_err(|e| anyhow::anyhow!("hardware probe: {e}"))?;
     let threads = p.hardware.intra_node;
-    let mpi = process_link.map_or(String::new(), |link| {
+    let mpi = process_link.map_or(String::new(), |measured| {
+        let (link, across) = (measured.link, measured.across_hosts);
         let h = &mut p.hardware;
-        // One process per host: ranks 0 and 1 are on two hosts, their link the network's.
-        let across = graphpp::launch::local_processes() == 1;
         h.inter_node = link;
         if !across {
             h.intra_node = link;

@@ -61,7 +61,7 @@ pub struct PlanArgs {
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     tp: Option<usize>,
     /// Only this expert-parallel degree (train's --ep) for a mixture-of-experts model; it must
-    /// divide the routed experts (each layout's dp it does not divide is left out).
+    /// divide --ranks and the routed experts (each layout's dp it does not divide is left out).
     #[arg(long, allow_hyphen_values = true, value_parser = count::<usize>)]
     ep: Option<usize>,
     /// Only this microbatch count m per step (train's --microbatches); it must divide
@@ -288,7 +288,8 @@ fn against(
     a: &PlanArgs,
     path: &std::path::Path,
     best: &Candidate,
-    (ranks, profile, hardware): (usize, Option<&Profile>, Option<&Hardware>),
+    (ranks, memory): (usize, u64),
+    (profile, hardware): (Option<&Profile>, Option<&Hardware>),
 ) -> Result<String> {
     let Compiled { config: c, prediction: p, .. } = compile_strategy(a, path, profile, hardware)?;
     let (world, batch) = (c.ranks * c.dp * c.tp, c.microbatches * c.microbatch_size);
@@ -301,15 +302,19 @@ fn against(
         );
     }
     let peak = p.peak_bytes.iter().copied().max().unwrap_or(0);
-    let memory = a.memory_per_rank.or(hardware.map(|h| h.device.memory_bytes)).unwrap_or(u64::MAX);
     let fits = if peak <= memory { "fits" } else { "does not fit" };
+    let split = c.layers_per_stage.as_ref().map_or(String::new(), |l| {
+        let l: Vec<String> = l.iter().map(ToString::to_string).collect();
+        format!(" (layers {})", l.join(","))
+    });
     let layout = format!(
-        "{} pp {} × dp {}{} × tp {}, v {}, m {}, B {}, recompute {}",
+        "{} pp {} × dp {}{} × tp {}{}, v {}{split}, m {}, B {}, recompute {}",
         c.kind.name(),
         c.ranks,
         c.dp,
         if c.fsdp { " (FSDP)" } else { "" },
         c.tp,
+        if c.ep > 1 { format!(", ep {}", c.ep) } else { String::new() },
         c.stages_per_rank,
         c.microbatches,
         c.microbatch_size,
@@ -450,8 +455,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
     }
     if all.is_empty() {
         bail!(
-            "no candidate strategy: no kind given serves {ranks} ranks with layers that divide evenly \
-             (try more --schedule kinds, another --ranks or --global-batch)"
+            "no candidate strategy: no kind given serves {ranks} ranks with at most one stage per layer \
+             under the pinned degrees (--pp, --tp, --ep, --microbatches) and a batch that splits \
+             over the replicas (try more --schedule kinds, fewer pins, another --ranks or --global-batch)"
         );
     }
     let Some(best) = all.first().filter(|c| c.fits) else {
@@ -463,7 +469,8 @@ pub fn run(a: PlanArgs) -> Result<()> {
         );
     };
     if let Some(path) = &a.against {
-        text.push_str(&against(&a, path, best, (ranks, profile.as_ref(), hardware.as_ref()))?);
+        let context = (profile.as_ref(), hardware.as_ref());
+        text.push_str(&against(&a, path, best, (ranks, memory_per_rank), context)?);
     }
     let mut extra = a.layers.map_or(String::new(), |l| format!(" --layers {l}"));
     if req.dtype != graphpp_graph::DType::F32 {
