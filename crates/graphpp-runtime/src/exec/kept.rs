@@ -14,10 +14,12 @@
 //!   group of that one cast, [`crate::exec::fusion`]), so the bf16 copy is made once a step, as
 //!   Megatron's and FSDP's mixed precision do, not once per microbatch.
 //!
-//! A value is keyed by the node and the source tensor's [`candle_core::TensorId`], which is never
-//! reused (the optimizer makes new tensors: a new id, a new value). Each node keeps one value (a
-//! program belongs to one stage of one rank), replaced when its source changes, so a weight has
-//! at most one kept value per node beside it; [`Cache::clear`] drops them all (a stage's RESHARD
+//! A value is keyed by what it is — the parameter's name and the derivation (the cast's dtype,
+//! the permutation) — and stamped with the source tensor's [`candle_core::TensorId`], which is
+//! never reused (the optimizer makes new tensors: a new id, a new value). The programs of one
+//! stage share one [`KeptStore`] (`Program::compile_with`), so the forward's and the backward's
+//! casts of a weight are one value made once a step, not once per program; each key holds one
+//! value, replaced when its source changes; [`Cache::clear`] drops them all (a stage's RESHARD
 //! does, so that FSDP keeps no full-size copy of a resharded stage). Under FSDP the full
 //! parameters are new tensors at each UNSHARD, so a transposed copy or a cast is made once per
 //! UNSHARD rather than once a step.
@@ -28,32 +30,50 @@ use std::sync::{Arc, Mutex};
 use candle_core::{Tensor, TensorId};
 use graphpp_graph::{Graph, InputKind, Op};
 
-/// Per node, its kept value and its source's id.
-type Copies = HashMap<usize, (TensorId, Tensor)>;
+/// How a kept value is made from its parameter.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Derivation {
+    /// Cast to a dtype.
+    Cast(graphpp_graph::DType),
+    /// Permuted (the last two axes swapped) and made row-major.
+    Permute(Vec<usize>),
+}
+
+/// What a kept value is: the parameter's name and its derivation.
+type Key = (String, Derivation);
+
+/// Per key, its kept value and its source's id.
+type Copies = HashMap<Key, (TensorId, Tensor)>;
+
+/// The kept values of the programs that share it (a stage's: `Program::compile_with`).
+#[derive(Clone, Debug, Default)]
+pub struct KeptStore(Arc<Mutex<Copies>>);
 
 /// The nodes whose value a [`Cache`] keeps, and the values.
 #[derive(Clone, Debug, Default)]
 pub struct Cache {
-    /// `kept[i]`: node i's value is kept ([`Cache::plan`]).
-    kept: Vec<bool>,
-    /// The values, shared by the program's clones.
-    copies: Arc<Mutex<Copies>>,
+    /// `kept[i]`: what node i's kept value is, when it is kept ([`Cache::plan`]).
+    kept: Vec<Option<Key>>,
+    /// The values, shared by the program's clones and the programs of its stage.
+    copies: KeptStore,
 }
 
 impl Cache {
-    /// The nodes of `graph` whose values are kept: a permute that swaps the last two axes of a
-    /// parameter input, every reader of which is a matmul reading it as its rhs; and a cast of
-    /// a parameter input that `lone_group` says runs as a fused group of its own.
-    pub fn plan(graph: &Graph, lone_group: impl Fn(usize) -> bool) -> Cache {
+    /// The nodes of `graph` whose values are kept in `store`: a permute that swaps the last two
+    /// axes of a parameter input, every reader of which is a matmul reading it as its rhs; and
+    /// a cast of a parameter input that `lone_group` says runs as a fused group of its own.
+    pub fn plan(graph: &Graph, lone_group: impl Fn(usize) -> bool, store: KeptStore) -> Cache {
         let users = graph.users();
-        let of_parameter = |n: &graphpp_graph::Node| {
-            matches!(graph.nodes[n.inputs[0].0].op, Op::Input { kind: InputKind::Parameter, .. })
+        let parameter = |n: &graphpp_graph::Node| match &graph.nodes[n.inputs[0].0].op {
+            Op::Input { kind: InputKind::Parameter, name, .. } => Some(name.clone()),
+            _ => None,
         };
         let kept = (0..graph.nodes.len())
             .map(|i| {
                 let n = &graph.nodes[i];
                 let output = graph.outputs.iter().any(|o| o.value.0 == i);
-                match &n.op {
+                let of_parameter = |n: &graphpp_graph::Node| parameter(n).is_some();
+                let keeps = match &n.op {
                     Op::Cast { .. } => of_parameter(n) && lone_group(i) && !output,
                     Op::Permute { perm } => {
                         let r = perm.len();
@@ -70,19 +90,26 @@ impl Cache {
                         swaps_last && of_parameter(n) && rhs_only && !output
                     }
                     _ => false,
-                }
+                };
+                let derivation = match &n.op {
+                    Op::Cast { dtype } => Derivation::Cast(*dtype),
+                    Op::Permute { perm } => Derivation::Permute(perm.clone()),
+                    _ => return None,
+                };
+                keeps.then(|| parameter(n).map(|name| (name, derivation))).flatten()
             })
             .collect();
-        Cache { kept, copies: Arc::default() }
+        Cache { kept, copies: store }
     }
 
     /// Whether node `i`'s value is kept.
     pub fn keeps(&self, i: usize) -> bool {
-        self.kept.get(i).copied().unwrap_or(false)
+        self.kept.get(i).is_some_and(Option::is_some)
     }
 
     /// Node `i`'s value from its one operand `source`: the value made from this source if
-    /// there is one, else `make(source)` (kept in place of the node's last one).
+    /// there is one (by this program or another sharing the store), else `make(source)` (kept in
+    /// place of the key's last one). A node that is not kept is made, and nothing is kept.
     ///
     /// # Errors
     /// `make`'s.
@@ -92,13 +119,14 @@ impl Cache {
         source: &Tensor,
         make: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Tensor> {
+        let Some(Some(key)) = self.kept.get(i) else { return make(source) };
         let id = source.id();
-        if let Some((_, t)) = self.lock().get(&i).filter(|(k, _)| *k == id) {
+        if let Some((_, t)) = self.lock().get(key).filter(|(k, _)| *k == id) {
             return Ok(t.clone());
         }
         // Made outside the lock (it may run on the pool).
         let t = make(source)?;
-        self.lock().insert(i, (id, t.clone()));
+        self.lock().insert(key.clone(), (id, t.clone()));
         Ok(t)
     }
 
@@ -118,7 +146,7 @@ impl Cache {
     /// The copies. A poisoned lock only means another run panicked while holding it: the map
     /// is still whole.
     fn lock(&self) -> std::sync::MutexGuard<'_, Copies> {
-        self.copies.lock().unwrap_or_else(|e| e.into_inner())
+        self.copies.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -145,7 +173,7 @@ mod tests {
     #[test]
     fn keeps_a_transposed_parameter_read_as_rhs_only() {
         let g = linear_graph();
-        let c = Cache::plan(&g, |_| true);
+        let c = Cache::plan(&g, |_| true, KeptStore::default());
         let kept: Vec<usize> = (0..g.nodes.len()).filter(|&i| c.keeps(i)).collect();
         assert_eq!(kept.len(), 1, "{kept:?}");
         let node = &g.nodes[kept[0]];
@@ -167,30 +195,53 @@ mod tests {
         let yf = b.cast(y, DType::F32).unwrap();
         b.output("y", yf);
         let g = b.finish().unwrap();
-        let plan = Cache::plan(&g, |_| true);
+        let plan = Cache::plan(&g, |_| true, KeptStore::default());
         let kept: Vec<usize> = (0..g.nodes.len()).filter(|&i| plan.keeps(i)).collect();
         assert_eq!(kept, [wb.0], "the weight's cast only");
-        assert!(!Cache::plan(&g, |i| i != wb.0).keeps(wb.0), "not when it runs inside a larger group");
+        assert!(
+            !Cache::plan(&g, |i| i != wb.0, KeptStore::default()).keeps(wb.0),
+            "not when it runs inside a larger group"
+        );
     }
 
     #[test]
-    fn copies_follow_the_source_one_per_node() {
-        let c = Cache::plan(&linear_graph(), |_| true);
+    fn copies_follow_the_source_one_per_key() {
+        let g = linear_graph();
+        let c = Cache::plan(&g, |_| true, KeptStore::default());
+        let node = (0..g.nodes.len()).find(|&i| c.keeps(i)).unwrap();
         let w = Tensor::arange(0f32, 15.0, &Device::Cpu).unwrap().reshape((5, 3)).unwrap();
-        let first = c.transposed(7, &w, &[1, 0]).unwrap();
+        let first = c.transposed(node, &w, &[1, 0]).unwrap();
         assert!(first.is_contiguous());
         assert_eq!(first.to_vec2::<f32>().unwrap(), w.t().unwrap().to_vec2::<f32>().unwrap());
         // The same source gives the copy made (same storage), a new source a new copy.
-        assert_eq!(c.transposed(7, &w, &[1, 0]).unwrap().id(), first.id());
+        assert_eq!(c.transposed(node, &w, &[1, 0]).unwrap().id(), first.id());
         let w2 = (&w + 1.0).unwrap();
-        assert_eq!(c.transposed(7, &w2, &[1, 0]).unwrap().to_vec2::<f32>().unwrap()[0][0], 1.0);
+        assert_eq!(c.transposed(node, &w2, &[1, 0]).unwrap().to_vec2::<f32>().unwrap()[0][0], 1.0);
         for k in 0..10 {
-            c.transposed(7, &(&w + f64::from(k)).unwrap(), &[1, 0]).unwrap();
+            c.transposed(node, &(&w + f64::from(k)).unwrap(), &[1, 0]).unwrap();
         }
         assert_eq!(c.lock().len(), 1);
         // The first source's copy is gone: asking again makes a new one.
-        assert_ne!(c.transposed(7, &w, &[1, 0]).unwrap().id(), first.id());
+        assert_ne!(c.transposed(node, &w, &[1, 0]).unwrap().id(), first.id());
+        // A node that is not kept is made each time and keeps nothing.
+        let other = (0..g.nodes.len()).find(|&i| !c.keeps(i)).unwrap();
+        let made = c.transposed(other, &w, &[1, 0]).unwrap();
+        assert_ne!(c.transposed(other, &w, &[1, 0]).unwrap().id(), made.id());
+        assert_eq!(c.lock().len(), 1);
         c.clear();
         assert!(c.lock().is_empty());
+    }
+
+    /// Two programs of a stage sharing a store (its forward and its backward) keep one value of
+    /// a weight's derivation: the second reads the first's.
+    #[test]
+    fn programs_sharing_a_store_make_a_value_once() {
+        let (g, store) = (linear_graph(), KeptStore::default());
+        let (fw, bw) = (Cache::plan(&g, |_| true, store.clone()), Cache::plan(&g, |_| true, store));
+        let node = (0..g.nodes.len()).find(|&i| fw.keeps(i)).unwrap();
+        let w = Tensor::arange(0f32, 15.0, &Device::Cpu).unwrap().reshape((5, 3)).unwrap();
+        let made = fw.transposed(node, &w, &[1, 0]).unwrap();
+        assert_eq!(bw.transposed(node, &w, &[1, 0]).unwrap().id(), made.id());
+        assert_eq!(bw.lock().len(), 1);
     }
 }

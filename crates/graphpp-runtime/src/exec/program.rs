@@ -45,8 +45,16 @@ pub struct Program {
 
 impl Program {
     /// Compiles `graph`: the fusion plan, the pairs (each candidate pair costs one pass of the
-    /// live-byte accounting over the graph) and the frees; nothing is run.
+    /// live-byte accounting over the graph) and the frees; nothing is run. Its kept values are
+    /// its own ([`Program::compile_with`] shares them).
     pub fn compile(graph: &Graph) -> Program {
+        Program::compile_with(graph, crate::exec::kept::KeptStore::default())
+    }
+
+    /// [`Program::compile`], keeping parameters' derived values (transposed copies, bf16 casts:
+    /// [`crate::exec::kept`]) in `kept`, which the other programs of the stage share: a weight's
+    /// cast is made once a step for the forward and the backward together.
+    pub fn compile_with(graph: &Graph, kept: crate::exec::kept::KeptStore) -> Program {
         let fusion = crate::exec::fusion::plan(graph);
         let n = graph.nodes.len();
         // A fused group's inner member is never computed on its own.
@@ -73,7 +81,7 @@ impl Program {
             frees[last_read[v].unwrap_or(v)].push(v);
         }
         let lone = |i: usize| fusion.member_of[i].is_some_and(|g| fusion.groups[g].members == [i]);
-        let kept = crate::exec::kept::Cache::plan(graph, lone);
+        let kept = crate::exec::kept::Cache::plan(graph, lone, kept);
         let transposed = TransposedProducts::plan(graph, lone);
         Program { nodes: n, fusion, frees, kept, pairs, transposed }
     }

@@ -178,11 +178,15 @@ impl Programs {
         }
     }
 
+    /// The stage's programs, sharing one store of kept values: a weight's bf16 cast (or
+    /// transposed copy) is made once a step for all of them.
     fn compile(g: &StageGraphs) -> Self {
+        let kept = crate::exec::kept::KeptStore::default();
+        let compile = |graph| Program::compile_with(graph, kept.clone());
         Programs {
-            fw: Program::compile(&g.fw),
-            full_bw: Program::compile(&g.full_bw),
-            di_dw: g.di_dw.as_ref().map(|(di, dw)| (Program::compile(di), Program::compile(dw))),
+            fw: compile(&g.fw),
+            full_bw: compile(&g.full_bw),
+            di_dw: g.di_dw.as_ref().map(|(di, dw)| (compile(di), compile(dw))),
         }
     }
 }
