@@ -92,7 +92,7 @@ pub enum HardwareError {
         /// The parser's message.
         message: String,
     },
-    /// A latency that is not a finite number ≥ 0.
+    /// A latency or a per-node overhead that is not a finite number ≥ 0.
     #[error("--hardware {path}: {field} is {value}: it must be a finite number of microseconds ≥ 0")]
     Latency {
         /// The file, or the preset's name.
@@ -230,6 +230,7 @@ impl Hardware {
         for (field, value) in [
             ("intra_node.latency_us", self.intra_node.latency_us),
             ("inter_node.latency_us", self.inter_node.latency_us),
+            ("device.node_overhead_us", d.node_overhead_us),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return Err(HardwareError::Latency { path: path.into(), field, value });
@@ -597,7 +598,10 @@ fn link_between(
     }
     pings.sort_by(f64::total_cmp);
     let latency = pings[pings.len() / 2];
-    Ok(((4 << 20) as f64 / (best - latency).max(1e-9), latency * 1e6))
+    // The 4 MiB trip's time less a ping's; where a noisy ping leaves less than half the trip,
+    // the whole trip (a bandwidth from one lucky trip would be unbounded).
+    let transfer = if best - latency > 0.5 * best { best - latency } else { best };
+    Ok(((4 << 20) as f64 / transfer, latency * 1e6))
 }
 
 /// The other end of [`link_between`]: answers each of its messages from `peer` with one float.
@@ -785,6 +789,12 @@ mod tests {
         std::fs::write(&path, h.to_toml()).unwrap();
         let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
         assert!(e.contains("intra_node.latency_us is -1"), "{e}");
+        // A negative per-node overhead made every predicted step 0 ms (and the MFU infinite).
+        let mut h = Hardware::load("h100-sxm").unwrap();
+        h.device.node_overhead_us = -5.0;
+        std::fs::write(&path, h.to_toml()).unwrap();
+        let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
+        assert!(e.contains("device.node_overhead_us is -5"), "{e}");
         std::fs::write(&path, "name = \"x\"\n").unwrap();
         let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
         assert!(e.contains("missing field"), "{e}");

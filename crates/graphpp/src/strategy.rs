@@ -159,7 +159,7 @@ pub struct RecomputeDirective {
 #[derive(Debug, thiserror::Error)]
 pub enum StrategyError {
     /// The file cannot be read.
-    #[error("--strategy {path}: {source}")]
+    #[error("strategy file {path}: {source}")]
     Read {
         /// The file.
         path: PathBuf,
@@ -168,7 +168,7 @@ pub enum StrategyError {
     },
     /// The file is not a strategy: bad syntax, an unknown directive or field, a missing one, a
     /// value of the wrong type (the parser's message names it, with its line).
-    #[error("--strategy {path}: {message}")]
+    #[error("strategy file {path}: {message}")]
     Parse {
         /// The file.
         path: PathBuf,
@@ -176,7 +176,7 @@ pub enum StrategyError {
         message: String,
     },
     /// A directive's field has an impossible value (in the file `path`, when read from one).
-    #[error("{}: {directive}.{field}: {reason}", path.as_ref().map_or("strategy".to_string(), |p| format!("--strategy {}", p.display())))]
+    #[error("{}: {directive}.{field}: {reason}", path.as_ref().map_or("strategy".to_string(), |p| format!("strategy file {}", p.display())))]
     Field {
         /// The strategy file, when the strategy came from one.
         path: Option<PathBuf>,

@@ -166,7 +166,7 @@ fn bad_strategy_files_are_refused_naming_the_directive() {
         assert!(err.contains(&format!("bad{i}.toml")), "case {i}: the file is named:\n{err}");
         // One prefix for every strategy error: the flag and the file.
         assert!(
-            err.contains(&format!("--strategy {}", d.path().join(format!("bad{i}.toml")).display())),
+            err.contains(&format!("strategy file {}", d.path().join(format!("bad{i}.toml")).display())),
             "case {i}: {err}"
         );
         assert!(!d.path().join("ck").exists(), "case {i}: no work before the error");
@@ -198,7 +198,7 @@ fn bad_strategy_files_are_refused_naming_the_directive() {
     let out = graphpp().args(["train", "--strategy", f.to_str().unwrap(), "--ranks", "4"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with '--ranks"));
     let out = graphpp().args(["train", "--strategy", "/nonexistent/s.toml"]).output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--strategy /nonexistent/s.toml"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("strategy file /nonexistent/s.toml"));
     // JSON works too, and verify runs a strategy.
     let json = r#"{"place": {"ranks": 2}, "split": {"microbatches": 4, "microbatch_size": 2}, "order": {"schedule": "zbv"}}"#;
     let f = file(d.path(), "s.json", json);

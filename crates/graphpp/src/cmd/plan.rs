@@ -455,9 +455,10 @@ pub fn run(a: PlanArgs) -> Result<()> {
     }
     if all.is_empty() {
         bail!(
-            "no candidate strategy: no kind given serves {ranks} ranks with at most one stage per layer \
-             under the pinned degrees (--pp, --tp, --ep, --microbatches) and a batch that splits \
-             over the replicas (try more --schedule kinds, fewer pins, another --ranks or --global-batch)"
+            "no candidate strategy for {ranks} ranks: every split the pins allow (--pp, --tp, --ep, \
+             --microbatches) leaves a schedule kind with more stages than layers, a batch that does \
+             not split over the replicas, or (with --ep) a data-parallel degree it does not divide \
+             (try more --schedule kinds, fewer pins, another --ranks or --global-batch)"
         );
     }
     let Some(best) = all.first().filter(|c| c.fits) else {
