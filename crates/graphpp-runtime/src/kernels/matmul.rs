@@ -83,13 +83,38 @@ pub(crate) fn compiled_matmul_transposed_widened(
     b: &Tensor,
     threads: Threads,
 ) -> candle_core::Result<Option<Tensor>> {
-    let (da, db) = (a.dims(), b.dims());
     let bf16s = a.dtype() == CDType::BF16 && b.dtype() == CDType::BF16;
-    let ([m, k], [k2, n]) = (da, db) else { return Ok(None) };
-    if !bf16s || composed(a) || k != k2 {
+    let rank2 = a.rank() == 2 && b.rank() == 2;
+    let Some((m, k, n)) = batched_shape(a.dims(), b.dims()).filter(|_| bf16s && rank2 && !composed(a)) else {
         return Ok(None);
-    }
-    let (m, n, k) = (*m, *n, *k);
+    };
+    let out = with_bf16_operands(a, b, |path, (va, la), (vb, lb)| {
+        let mut out: Vec<f32> = Vec::with_capacity(m * n);
+        let (lhs, rhs) = (operand(va, la, &[], 0), operand(vb, lb, &[], 0));
+        let parallel = matches!(threads, Threads::Pool);
+        let dst = &mut out.spare_capacity_mut()[..m * n];
+        bf16_gemm::gemm_transposed_widened(path, m, n, k, lhs, rhs, dst, parallel);
+        // SAFETY: the product wrote all m · n elements.
+        unsafe { out.set_len(m * n) };
+        out
+    })?;
+    Tensor::from_vec(out, (n, m), &Device::Cpu).map(Some)
+}
+
+/// `f` of the process's bf16 path and bf16 CPU tensors `a` and `b`'s elements and layouts.
+///
+/// # Errors
+/// The bf16 path's [`bf16_gemm::PathError`] (as a candle error); an operand that is not a CPU
+/// bf16 tensor.
+fn with_bf16_operands<R>(
+    a: &Tensor,
+    b: &Tensor,
+    f: impl FnOnce(
+        bf16_gemm::Bf16Gemm,
+        (&[half::bf16], &candle_core::Layout),
+        (&[half::bf16], &candle_core::Layout),
+    ) -> R,
+) -> candle_core::Result<R> {
     let path = bf16_gemm::chosen().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
     let (sa, la) = a.storage_and_layout();
     let (sb, lb) = b.storage_and_layout();
@@ -98,15 +123,7 @@ pub(crate) fn compiled_matmul_transposed_widened(
     else {
         candle_core::bail!("bf16 matmul takes CPU bf16 tensors")
     };
-    let (lhs, rhs) = (operand(va, la, &[], 0), operand(vb, lb, &[], 0));
-    let mut out: Vec<f32> = Vec::with_capacity(m * n);
-    let parallel = matches!(threads, Threads::Pool);
-    let dst = &mut out.spare_capacity_mut()[..m * n];
-    bf16_gemm::gemm_transposed_widened(path, m, n, k, lhs, rhs, dst, parallel);
-    // SAFETY: the product wrote all m · n elements.
-    unsafe { out.set_len(m * n) };
-    drop((sa, sb));
-    Tensor::from_vec(out, (n, m), &Device::Cpu).map(Some)
+    Ok(f(path, (va, la), (vb, lb)))
 }
 
 /// The operands [`batched_gemm`] reads for `a · b`, each as it is or its contiguous copy, or
@@ -282,31 +299,16 @@ fn bf16_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<
     let Some((m, k, n)) = batched_shape(da, db).filter(|_| bf16s) else {
         return Ok(None);
     };
-    let path = bf16_gemm::chosen().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
     let batch_dims = &da[..r - 2];
     let batch: usize = batch_dims.iter().product();
-    let (sa, la) = a.storage_and_layout();
-    let (sb, lb) = b.storage_and_layout();
-    let (candle_core::Storage::Cpu(CpuStorage::BF16(va)), candle_core::Storage::Cpu(CpuStorage::BF16(vb))) =
-        (&*sa, &*sb)
-    else {
-        candle_core::bail!("bf16 matmul takes CPU bf16 tensors")
-    };
     let pool = matches!(threads, Threads::Pool);
-    let element = |i: usize, dst: &mut [std::mem::MaybeUninit<half::bf16>], parallel: bool| {
-        bf16_gemm::gemm(
-            path,
-            m,
-            n,
-            k,
-            operand(va, la, batch_dims, i),
-            operand(vb, lb, batch_dims, i),
-            dst,
-            parallel,
-        )
-    };
-    let out = batch_products(batch, m * n, threads, |i, dst, split| element(i, dst, pool && !split));
-    drop((sa, sb));
+    let out = with_bf16_operands(a, b, |path, (va, la), (vb, lb)| {
+        let element = |i: usize, dst: &mut [std::mem::MaybeUninit<half::bf16>], parallel: bool| {
+            let (lhs, rhs) = (operand(va, la, batch_dims, i), operand(vb, lb, batch_dims, i));
+            bf16_gemm::gemm(path, m, n, k, lhs, rhs, dst, parallel)
+        };
+        batch_products(batch, m * n, threads, |i, dst, split| element(i, dst, pool && !split))
+    })?;
     Tensor::from_vec(out, da[..r - 1].iter().copied().chain([n]).collect::<Vec<_>>(), &Device::Cpu).map(Some)
 }
 
