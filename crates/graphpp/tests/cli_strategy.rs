@@ -319,10 +319,9 @@ fn a_dualpipe_order_is_told_by_its_routes() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("microbatch 0 visits stages 0..2 in the file"), "{err}");
-    let out = graphpp().args(["verify", "--schedule-file", order.to_str().unwrap()]).output().unwrap();
-    let o = String::from_utf8_lossy(&out.stdout);
+    let (ok, o, _) = verify_file(&order);
     let header = format!("verify dualpipe (order of {}) p=2 v=2 m=4", order.display());
-    assert!(out.status.success() && o.contains(&header) && o.contains("PASS"), "{o}");
+    assert!(ok && o.contains(&header) && o.contains("PASS"), "{o}");
     // DualPipeV's order (V placement, OVERLAP_F_B actions) is read as dualpipev, not zbv.
     let gen = graphpp()
         .args(["schedule", "generate", "--schedule", "dualpipev", "--ranks", "2", "--microbatches", "5"])
@@ -330,9 +329,15 @@ fn a_dualpipe_order_is_told_by_its_routes() {
         .output()
         .unwrap();
     let v = file(d.path(), "dualpipev.csv", &String::from_utf8_lossy(&gen.stdout));
-    let out = graphpp().args(["verify", "--schedule-file", v.to_str().unwrap()]).output().unwrap();
-    let o = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && o.contains("verify dualpipev (order of") && o.contains("PASS"), "{o}");
+    let (ok, o, _) = verify_file(&v);
+    assert!(ok && o.contains("verify dualpipev (order of") && o.contains("PASS"), "{o}");
+}
+
+/// `graphpp verify --schedule-file path`: (success, stdout, stderr).
+fn verify_file(path: &Path) -> (bool, String, String) {
+    let out = graphpp().args(["verify", "--schedule-file", path.to_str().unwrap()]).output().unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.success(), text(&out.stdout), text(&out.stderr))
 }
 
 /// A schedule file that does not parse is refused naming the cell and why, as `schedule
@@ -341,15 +346,10 @@ fn a_dualpipe_order_is_told_by_its_routes() {
 fn a_bad_schedule_file_cell_says_why() {
     let d = tempfile::tempdir().unwrap();
     let bad = file(d.path(), "bad.csv", "0F0,0XX2\n");
-    let out = graphpp().args(["verify", "--schedule-file", bad.to_str().unwrap()]).output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("cell 2") && err.contains("unknown action kind `XX2`"),
-        "{err}"
-    );
+    let (ok, _, err) = verify_file(&bad);
+    assert!(!ok && err.contains("cell 2") && err.contains("unknown action kind `XX2`"), "{err}");
     // A row that runs nothing gives no shape to read.
     let idle = file(d.path(), "idle.csv", "0F0,0B0\n,\n");
-    let out = graphpp().args(["verify", "--schedule-file", idle.to_str().unwrap()]).output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("rank(s) [1] run nothing"), "{err}");
+    let (ok, _, err) = verify_file(&idle);
+    assert!(!ok && err.contains("rank(s) [1] run nothing"), "{err}");
 }
