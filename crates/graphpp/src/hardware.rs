@@ -45,6 +45,17 @@ pub struct Device {
     pub node_overhead_us: f64,
 }
 
+impl Device {
+    /// Dense matmul FLOP/s in `dtype`: bf16's for bf16, f32's otherwise.
+    pub fn peak(&self, dtype: DType) -> f64 {
+        if dtype == DType::BF16 {
+            self.flops_bf16
+        } else {
+            self.flops_f32
+        }
+    }
+}
+
 /// A link class: bandwidth one way per device, and latency.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -246,7 +257,7 @@ impl Hardware {
     /// are computed in registers: not counted, as [`crate::profile::Work::of`]).
     pub fn graph_seconds(&self, g: &graphpp_graph::Graph, dtype: DType) -> f64 {
         let d = &self.device;
-        let peak = if dtype == DType::BF16 { d.flops_bf16 } else { d.flops_f32 };
+        let peak = d.peak(dtype);
         let scale = peak / d.flops_f32;
         let rate =
             |flops: f64, attention: bool| match (d.matmul_curve.as_slice(), d.attention_curve.as_slice()) {
@@ -274,14 +285,14 @@ impl Hardware {
         dtype: DType,
         step_seconds: f64,
     ) -> f64 {
-        let peak = if dtype == DType::BF16 { self.device.flops_bf16 } else { self.device.flops_f32 };
+        let peak = self.device.peak(dtype);
         flops_per_token * tokens as f64 / step_seconds / (world as f64 * peak)
     }
 
     /// The device's rates for stage graphs computing in `dtype`: matmul FLOPs at its peak for
     /// the dtype (bf16's for bf16, f32's otherwise), other nodes' bytes at the memory bandwidth.
     pub fn speed(&self, dtype: DType) -> Speed {
-        let peak = if dtype == DType::BF16 { self.device.flops_bf16 } else { self.device.flops_f32 };
+        let peak = self.device.peak(dtype);
         Speed { seconds_per_flop: 1.0 / peak, seconds_per_byte: 1.0 / self.device.memory_bandwidth }
     }
 

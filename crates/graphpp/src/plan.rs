@@ -432,21 +432,19 @@ pub fn predict(
     let compute: Vec<PerKind<f64>> = graphs.iter().map(|g| cost.stage(g)).collect();
     let traffic: Vec<PerKind<Traffic>> = graphs.iter().map(|g| stage_traffic(g)).collect();
     let hop = graphs.first().and_then(|g| g.fw.output_by_name(OUTPUT).map(|v| g.fw.node(v).ty.size_bytes()));
-    let has = |kind: StageOpKind| {
-        schedule.actions().any(|(_, a)| matches!(a, Action::StageOp { kind: k, .. } if *k == kind))
-    };
-    let (fsdp, reduced) = (has(StageOpKind::Unshard), has(StageOpKind::ReduceGrad));
+    let counts = graphpp_schedule::validate::ActionCounts::of(schedule);
+    let (fsdp, reduced) = (counts.unshard > 0, counts.reduce_grad > 0);
     let params: Vec<StageParams> = graphs.iter().map(|g| StageParams::of(g, model, fsdp)).collect();
     let of = |stage: usize| params.get(stage).copied().unwrap_or_default();
     // A compute-only schedule's replicas all-reduce their gradients after the step, the fullest
     // rank's last.
     let mut sent = vec![0f64; schedule.num_ranks()];
-    for (stage, ranks) in schedule.placement() {
+    for (stage, ranks) in schedule.placement().into_iter().filter(|_| !reduced) {
         for r in ranks {
             sent[r] += of(stage).reduced(2.0, (dp, ep));
         }
     }
-    let after = if reduced { 0.0 } else { sent.into_iter().fold(0.0, f64::max) };
+    let after = sent.into_iter().fold(0.0, f64::max);
     // The step and its bubble over `links`.
     let step = |links: &Links| -> Result<(f64, f64), PlanError> {
         // The lowered schedule's stage operations, on the rank's timeline: FSDP's all-gather

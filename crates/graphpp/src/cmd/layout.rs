@@ -10,7 +10,7 @@ use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use graphpp::strategy::Strategy;
 use graphpp_runtime::kernels::device::DeviceSpec;
-use graphpp_schedule::{Action, Kind, Placement, ValidateOptions};
+use graphpp_schedule::{Kind, Placement, ValidateOptions};
 
 use crate::cmd::value::count;
 
@@ -190,7 +190,7 @@ impl LayoutArgs {
         let v = found.stages / p;
         self.stages_per_rank.get_or_insert(v);
         let two_copies = order.route(0) != Some(0..found.stages);
-        let overlapped = order.actions().any(|(_, a)| matches!(a, Action::Overlap { .. }));
+        let overlapped = found.counts.overlap > 0;
         self.schedule = Some(match (found.placement, v) {
             _ if two_copies => Kind::DualPipe,
             _ if overlapped => Kind::DualPipeV,

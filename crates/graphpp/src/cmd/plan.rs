@@ -192,6 +192,11 @@ fn rate(value: f64, unit: &str) -> String {
     }
 }
 
+/// The compute dtype a plan asks for: `--dtype`, else the profile's; `None` leaves train's default.
+fn compute_dtype(a: &PlanArgs, profile: Option<&Profile>) -> Option<graphpp_graph::DType> {
+    a.dtype.or(profile.map(|p| p.dtype))
+}
+
 /// A strategy file compiled as `train --strategy` runs it: its run configuration, training DAG,
 /// prediction and (on a cluster's device) MFU.
 struct Compiled {
@@ -217,7 +222,7 @@ fn compile_strategy(
         flags.extend(["--layers", l.as_str()]);
     }
     // The compute dtype is train's flag, not a strategy directive: --dtype (or the profile's).
-    let dtype = a.dtype.or(profile.map(|p| p.dtype)).map(|d| d.name());
+    let dtype = compute_dtype(a, profile).map(|d| d.name());
     if let Some(d) = dtype {
         flags.extend(["--dtype", d]);
     }
@@ -244,7 +249,7 @@ fn compile_strategy(
     // Model FLOPs per second over the world's peak (PaLM's MFU), on a cluster's device.
     let mfu = hardware.map(|h| {
         let per_token = graphpp_models::Model::flops_per_token(&config.model, config.seq_len);
-        let tokens = config.microbatches * config.microbatch_size * config.seq_len;
+        let tokens = config.tokens_per_step();
         let world = config.ranks * config.dp * config.tp;
         h.mfu(per_token, tokens, world, config.dtype, prediction.step_seconds)
     });
@@ -399,7 +404,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         bail!("give --ranks and --memory-per-rank (or --strategy)");
     };
     let model = crate::cmd::model::with_layers(crate::cmd::model::load_config(&a.model)?, a.layers)?;
-    let dtype = a.dtype.or(profile.as_ref().map(|p| p.dtype)).unwrap_or(graphpp_graph::DType::F32);
+    let dtype = compute_dtype(&a, profile.as_ref()).unwrap_or(graphpp_graph::DType::F32);
     let speed = match &hardware {
         Some(h) => h.speed(dtype),
         None => profile.as_ref().and_then(Profile::speed).unwrap_or_default(),
