@@ -306,12 +306,7 @@ fn schedule_files_run_their_order() {
 #[test]
 fn a_dualpipe_order_is_told_by_its_routes() {
     let d = tempfile::tempdir().unwrap();
-    let gen = graphpp()
-        .args(["schedule", "generate", "--schedule", "dualpipe", "--ranks", "2", "--microbatches", "4"])
-        .args(["--format", "csv"])
-        .output()
-        .unwrap();
-    let order = file(d.path(), "dualpipe.csv", &String::from_utf8_lossy(&gen.stdout));
+    let order = generated(d.path(), "dualpipe", "4");
     let out = graphpp()
         .args(["verify", "--schedule", "zbv", "--ranks", "2", "--microbatches", "4"])
         .args(["--schedule-file", order.to_str().unwrap()])
@@ -323,14 +318,20 @@ fn a_dualpipe_order_is_told_by_its_routes() {
     let header = format!("verify dualpipe (order of {}) p=2 v=2 m=4", order.display());
     assert!(ok && o.contains(&header) && o.contains("PASS"), "{o}");
     // DualPipeV's order (V placement, OVERLAP_F_B actions) is read as dualpipev, not zbv.
+    let v = generated(d.path(), "dualpipev", "5");
+    let (ok, o, _) = verify_file(&v);
+    assert!(ok && o.contains("verify dualpipev (order of") && o.contains("PASS"), "{o}");
+}
+
+/// The CSV `graphpp schedule generate` writes for `kind` at 2 ranks and `m` microbatches, as
+/// `dir/<kind>.csv`.
+fn generated(dir: &Path, kind: &str, m: &str) -> PathBuf {
     let gen = graphpp()
-        .args(["schedule", "generate", "--schedule", "dualpipev", "--ranks", "2", "--microbatches", "5"])
+        .args(["schedule", "generate", "--schedule", kind, "--ranks", "2", "--microbatches", m])
         .args(["--format", "csv"])
         .output()
         .unwrap();
-    let v = file(d.path(), "dualpipev.csv", &String::from_utf8_lossy(&gen.stdout));
-    let (ok, o, _) = verify_file(&v);
-    assert!(ok && o.contains("verify dualpipev (order of") && o.contains("PASS"), "{o}");
+    file(dir, &format!("{kind}.csv"), &String::from_utf8_lossy(&gen.stdout))
 }
 
 /// `graphpp verify --schedule-file path`: (success, stdout, stderr).
