@@ -40,6 +40,9 @@ fn row(g: &Graph, i: usize) -> String {
         Op::Binary { f } => format!("Binary {f:?} {:?}", n.ty.shape),
         Op::Affine { .. } => format!("Affine {:?}", n.ty.shape),
         Op::Cast { dtype } => format!("Cast to {} {:?}", dtype.name(), n.ty.shape),
+        Op::Reshape { .. } => {
+            format!("Reshape {} to {:?} ({})", dims(n.inputs[0]), n.ty.shape, n.ty.dtype.name())
+        }
         op => format!("{op:?}").split([' ', '{', '(']).next().unwrap_or("?").to_string(),
     }
 }
