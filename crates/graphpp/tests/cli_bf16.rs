@@ -4,6 +4,7 @@
 
 mod common;
 
+use graphpp_runtime::kernels::bf16_gemm::Bf16Gemm;
 use std::path::{Path, PathBuf};
 
 use assert_cmd::Command;
@@ -160,15 +161,25 @@ fn the_bf16_path_is_chosen_by_the_environment_and_checked_at_setup() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains(", bf16 matmuls on widened,"), "{stdout}");
-    let out = run("amx", "bf16", "b");
+    let out = run("tiles", "bf16", "b");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
         stderr.contains(
-            "GRAPHPP_BF16_GEMM=\"amx\" names no bf16 matmul path (expected avx512-bf16 or widened)"
+            "GRAPHPP_BF16_GEMM=\"tiles\" names no bf16 matmul path (expected one of: amx, avx512-bf16, widened)"
         ),
         "{stderr}"
     );
     assert!(!stderr.contains("rank 0"), "refused before any rank ran: {stderr}");
-    assert!(run("amx", "f32", "c").status.success());
+    assert!(run("tiles", "f32", "c").status.success());
+    // A path this process cannot run is refused the same way, saying why.
+    if let Some(why) = Bf16Gemm::Amx.unavailable() {
+        let out = run("amx", "bf16", "d");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains(&format!("GRAPHPP_BF16_GEMM=amx: {why} (this process can run: ")),
+            "{stderr}"
+        );
+    }
 }

@@ -3,7 +3,10 @@
 //! even), as mixed-precision training on GPUs and CPUs computes it (cuBLAS's and oneDNN's bf16
 //! GEMMs accumulate in f32).
 //!
-//! Two paths, one chosen per process ([`chosen`]):
+//! Three paths, one chosen per process ([`chosen`]):
+//! - [`Bf16Gemm::Amx`]: Intel AMX's `tdpbf16ps` on tile registers (16 × 32 bf16 times 32 × 16
+//!   into 16 × 16 f32 sums an instruction), on Linux after the process asks for the tiles; the
+//!   loops are tested on every CPU through an emulation of the tile instructions (`amx`);
 //! - [`Bf16Gemm::Avx512Bf16`]: the AVX-512 BF16 dot product `vdpbf16ps`, which multiplies pairs of
 //!   bf16 values and adds both products to an f32 lane — twice the multiply-adds per instruction
 //!   of an f32 FMA, and no widening of the operands. Operands are packed into register-tile
@@ -13,14 +16,13 @@
 //!   the `gemm` crate's f32 kernel, as candle's CPU bf16 matmul does.
 //!
 //! The choice: the environment variable [`PATH_VAR`] names a path (to test each one, or to rule
-//! one out), else the fastest the CPU has. AMX tiles (`tdpbf16ps`) are not a path yet: no machine
-//! this was built on has them to test it (docs/ARCHITECTURE.md, "bf16 matrix products").
+//! one out), else the fastest the CPU has (docs/ARCHITECTURE.md, "bf16 matrix products").
 //!
 //! Each output's sum runs over `k` in the same order whatever the thread count, so the bits do
-//! not depend on how the work is split. The two paths sum in different orders, so their bits
-//! differ within f32 rounding; and `vdpbf16ps` treats subnormal inputs and results as zero
-//! (whatever MXCSR says), so below ~1e-38 the `avx512-bf16` path gives zeros where `widened`
-//! keeps subnormals.
+//! not depend on how the work is split. The paths sum in different orders, so their bits differ
+//! within f32 rounding; and `vdpbf16ps` and `tdpbf16ps` treat subnormal inputs and results as
+//! zero (whatever MXCSR says), so below ~1e-38 those paths give zeros where `widened` keeps
+//! subnormals.
 
 use super::tensor::{round_bf16, widen_bf16};
 use gemm::Parallelism;
@@ -28,12 +30,18 @@ use half::bf16;
 use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
-/// The environment variable that names the bf16 matmul path: `avx512-bf16` or `widened`.
+#[cfg(target_arch = "x86_64")]
+mod amx;
+
+/// The environment variable that names the bf16 matmul path: `amx`, `avx512-bf16` or `widened`.
 pub const PATH_VAR: &str = "GRAPHPP_BF16_GEMM";
 
 /// A way to compute a bf16 product (module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bf16Gemm {
+    /// AMX's `tdpbf16ps` on tile registers (x86-64 Linux with AMX-TILE, AMX-BF16, AVX-512 F and
+    /// BF16, once the kernel grants the tiles).
+    Amx,
     /// AVX-512 BF16's `vdpbf16ps` on packed panels (x86-64 with `avx512f` and `avx512bf16`).
     Avx512Bf16,
     /// Operands widened to f32 and multiplied by the `gemm` crate (every CPU).
@@ -42,23 +50,40 @@ pub enum Bf16Gemm {
 
 impl Bf16Gemm {
     /// Every path, fastest first.
-    pub const ALL: [Bf16Gemm; 2] = [Bf16Gemm::Avx512Bf16, Bf16Gemm::Widened];
+    pub const ALL: [Bf16Gemm; 3] = [Bf16Gemm::Amx, Bf16Gemm::Avx512Bf16, Bf16Gemm::Widened];
 
     /// The name [`PATH_VAR`] takes.
     pub fn name(self) -> &'static str {
         match self {
+            Bf16Gemm::Amx => "amx",
             Bf16Gemm::Avx512Bf16 => "avx512-bf16",
             Bf16Gemm::Widened => "widened",
         }
     }
 
-    /// Whether this CPU has the path's instructions.
+    /// Whether this process can run the path ([`Bf16Gemm::unavailable`] is `None`).
     pub fn available(self) -> bool {
+        self.unavailable().is_none()
+    }
+
+    /// Why this process cannot run the path — the CPU lacks its instructions, or (AMX) the OS
+    /// refused the tiles or the hardware failed the path's self-check — or `None` where it can.
+    /// AMX's answer is found once a process (it asks the kernel for the tiles).
+    pub fn unavailable(self) -> Option<String> {
         match self {
-            Bf16Gemm::Avx512Bf16 => has_avx512_bf16(),
-            Bf16Gemm::Widened => true,
+            #[cfg(target_arch = "x86_64")]
+            Bf16Gemm::Amx => amx::unavailable(),
+            #[cfg(not(target_arch = "x86_64"))]
+            Bf16Gemm::Amx => Some("AMX is an x86-64 path".into()),
+            Bf16Gemm::Avx512Bf16 => (!has_avx512_bf16()).then(|| "this CPU lacks AVX-512 BF16".into()),
+            Bf16Gemm::Widened => None,
         }
     }
+}
+
+/// Every path's name, comma-separated.
+fn path_names() -> String {
+    Bf16Gemm::ALL.map(Bf16Gemm::name).join(", ")
 }
 
 impl std::fmt::Display for Bf16Gemm {
@@ -71,11 +96,12 @@ impl std::fmt::Display for Bf16Gemm {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PathError {
     /// Not one of the names.
-    #[error("{PATH_VAR}={0:?} names no bf16 matmul path (expected avx512-bf16 or widened)")]
+    #[error("{PATH_VAR}={0:?} names no bf16 matmul path (expected one of: {names})", names = path_names())]
     Unknown(String),
-    /// A path whose instructions this CPU does not have.
-    #[error("{PATH_VAR}={0}: this CPU lacks its instructions (it has: {1})")]
-    Unavailable(Bf16Gemm, String),
+    /// A path this process cannot run: the path, why ([`Bf16Gemm::unavailable`]), the paths it
+    /// can.
+    #[error("{PATH_VAR}={0}: {1} (this process can run: {2})")]
+    Unavailable(Bf16Gemm, String, String),
 }
 
 /// The path named by `value` (a [`PATH_VAR`] setting), if this CPU has it.
@@ -87,9 +113,9 @@ pub fn parse_path(value: &str) -> Result<Bf16Gemm, PathError> {
         .into_iter()
         .find(|p| p.name().eq_ignore_ascii_case(value.trim()))
         .ok_or_else(|| PathError::Unknown(value.to_string()))?;
-    if !path.available() {
+    if let Some(why) = path.unavailable() {
         let has: Vec<_> = Bf16Gemm::ALL.into_iter().filter(|p| p.available()).map(Bf16Gemm::name).collect();
-        return Err(PathError::Unavailable(path, has.join(", ")));
+        return Err(PathError::Unavailable(path, why, has.join(", ")));
     }
     Ok(path)
 }
@@ -218,10 +244,36 @@ fn gemm_into(
     }
     let parallel = parallel && m * n * k >= 48 * 48 * 256 && rayon::current_num_threads() > 1;
     match path {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        Bf16Gemm::Amx if path.available() => amx::gemm::<amx::Amx>(m, n, k, a, b, out, parallel),
         #[cfg(target_arch = "x86_64")]
         Bf16Gemm::Avx512Bf16 if has_avx512_bf16() => packed::gemm(m, n, k, a, b, out, parallel),
         _ => widened(m, n, k, a, b, out, parallel),
     }
+}
+
+/// Whether `got` (`m × n` row-major) is `a · b` within bf16 rounding of the exact (f64) product:
+/// each f32 sum may differ from the exact one by `k · 2⁻²⁴` of the sum of its terms' magnitudes
+/// (a rounding per addition, two spare), and its bf16 value from the sum by half an ulp (2⁻⁹
+/// relative; 2⁻⁸ allowed). A path's self-check and its tests read this.
+///
+/// # Errors
+/// The first element outside the bound, its value and the exact one.
+fn within_rounding(m: usize, n: usize, k: usize, a: Strided, b: Strided, got: &[bf16]) -> Result<(), String> {
+    for i in 0..m {
+        for j in 0..n {
+            let terms = (0..k).map(|l| a.at(i, l).to_f64() * b.at(l, j).to_f64());
+            let (exact, size) = terms.fold((0.0, 0.0), |(s, z), t| (s + t, z + t.abs()));
+            let bound = exact.abs() * 2f64.powi(-8) + size * (k as f64 + 2.0) * 2f64.powi(-23);
+            let value = got[i * n + j].to_f64();
+            if (value - exact).abs() > bound {
+                return Err(format!(
+                    "({i}, {j}) of {m}×{k}·{k}×{n}: {value} against exact {exact} (bound {bound})"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// An operand widened to f32 (exact), with the strides of the copy: a run that is contiguous
@@ -305,7 +357,7 @@ mod packed {
     /// Rows of a register tile (and of an `A` panel).
     const MR: usize = 8;
     /// Columns of a register tile (and of a `B` panel): two 16-lane registers.
-    const NR: usize = 32;
+    pub(super) const NR: usize = 32;
     /// `k`-pairs per block: a `B` panel block is `KC · NR · 4` bytes (16 KiB), within L1 beside
     /// its `A` panel block (4 KiB).
     const KC: usize = 128;
@@ -318,17 +370,19 @@ mod packed {
         packed
     }
 
-    /// `B` (`k × n`) as `⌈n/32⌉` panels of `⌈k/2⌉` pairs × 32 columns (zero past `n` and `k`).
-    fn pack_b(b: Strided, k: usize, n: usize, parallel: bool) -> Vec<u32> {
-        let mut packed = vec![0u32; n.div_ceil(NR) * k.div_ceil(2) * NR];
+    /// `B` (`k × n`) as `⌈n/32⌉` panels of `pairs` k-pairs × 32 columns (`pairs ≥ ⌈k/2⌉`; zero
+    /// past `n` and `k`).
+    pub(super) fn pack_b(b: Strided, k: usize, n: usize, pairs: usize, parallel: bool) -> Vec<u32> {
+        let mut packed = vec![0u32; n.div_ceil(NR) * pairs * NR];
         pack::<NR>(b.data, b.row_stride, b.col_stride, k, n, &mut packed, parallel);
         packed
     }
 
     /// Packs a matrix given along two axes — `k` (the product's inner dim, `k_stride` apart) and
     /// `x` (`x_len` rows of `A` or columns of `B`, `x_stride` apart) — into panels of `W` along
-    /// `x`, each `⌈k/2⌉` pairs × `W` words: word `(p, w)` holds `(x0 + w, 2p)` in its low half and
-    /// `(x0 + w, 2p + 1)` in its high half. `dst` is zeroed and sized for it. Two layouts read
+    /// `x`, each `dst.len() / ⌈x_len/W⌉` pairs × `W` words (at least `⌈k/2⌉` pairs; the pairs past
+    /// `k` stay zero): word `(p, w)` holds `(x0 + w, 2p)` in its low half and `(x0 + w, 2p + 1)`
+    /// in its high half. `dst` is zeroed. Two layouts read
     /// whole runs: `k` contiguous (a row-major `A`, a transposed `B`: each pair is one word) and
     /// `x` contiguous (two runs of `W` interleaved); others go element by element.
     fn pack<const W: usize>(
@@ -341,6 +395,7 @@ mod packed {
         parallel: bool,
     ) {
         let pairs = k.div_ceil(2);
+        let panel_len = dst.len() / x_len.div_ceil(W);
         let at = |x: usize, l: usize| data[x * x_stride + l * k_stride].to_bits() as u32;
         let panel = |(t, dst): (usize, &mut [u32])| {
             let x0 = t * W;
@@ -359,7 +414,7 @@ mod packed {
                     }
                 }
             } else if x_stride == 1 {
-                for (p, d) in dst.chunks_mut(W).enumerate() {
+                for (p, d) in dst.chunks_mut(W).take(pairs).enumerate() {
                     let lo = &data[2 * p * k_stride + x0..][..width];
                     if 2 * p + 1 < k {
                         let hi = &data[(2 * p + 1) * k_stride + x0..][..width];
@@ -382,16 +437,16 @@ mod packed {
             }
         };
         if parallel {
-            dst.par_chunks_mut(pairs * W).enumerate().for_each(panel);
+            dst.par_chunks_mut(panel_len).enumerate().for_each(panel);
         } else {
-            dst.chunks_mut(pairs * W).enumerate().for_each(panel);
+            dst.chunks_mut(panel_len).enumerate().for_each(panel);
         }
     }
 
     /// See [`super::gemm`]; the CPU has AVX-512 F and BF16.
     pub(super) fn gemm(m: usize, n: usize, k: usize, a: Strided, b: Strided, out: Out, parallel: bool) {
         let pairs = k.div_ceil(2);
-        let (pa, pb) = (pack_a(a, m, k), pack_b(b, k, n, parallel));
+        let (pa, pb) = (pack_a(a, m, k), pack_b(b, k, n, pairs, parallel));
         // The sums, panel-major: column panel `j` holds its m × 32 block, row-major.
         let mut c = vec![0f32; n.div_ceil(NR) * m * NR];
         let panel = |(j, cj): (usize, &mut [f32])| {
@@ -412,15 +467,21 @@ mod packed {
         } else {
             c.chunks_mut(m * NR).enumerate().for_each(panel);
         }
+        write_out(&c, m, m, out, parallel);
+    }
+
+    /// Rounds the panel-major sums `c` — each 32-column panel `rows × 32`, row-major, of which
+    /// the first `m` rows are the product's — to bf16 into `out` (its layout: [`Out`]).
+    pub(super) fn write_out(c: &[f32], rows: usize, m: usize, out: Out, parallel: bool) {
         let out = match out {
             Out::Rows(o) => o,
-            Out::WidenedTransposed(o) => return widen_transposed(&c, m, o, parallel),
+            Out::WidenedTransposed(o) => return widen_transposed(c, rows, m, o, parallel),
         };
+        let n = out.len() / m;
         let round = |(i, row): (usize, &mut [MaybeUninit<bf16>])| {
             for (j, o) in row.chunks_mut(NR).enumerate() {
-                let sums = &c[j * m * NR + i * NR..][..o.len()];
-                // SAFETY: the CPU has AVX-512 F (the caller checked).
-                unsafe { round_to_bf16(sums, o) };
+                let sums = &c[j * rows * NR + i * NR..][..o.len()];
+                round(sums, o);
             }
         };
         if parallel {
@@ -430,23 +491,23 @@ mod packed {
         }
     }
 
-    /// The panel-major sums `c` (`m` rows per 32-column panel) rounded to bf16 and widened back,
-    /// written transposed into `out` (`n × m`): each block of 16 rows of a panel is rounded in
-    /// order, then written out column by column (runs of 16 along the output's rows).
-    fn widen_transposed(c: &[f32], m: usize, out: &mut [MaybeUninit<f32>], parallel: bool) {
-        let transpose = |(j, rows): (usize, &mut [MaybeUninit<f32>])| {
-            let width = rows.len() / m;
+    /// The panel-major sums `c` (`rows` rows per 32-column panel, the first `m` the product's)
+    /// rounded to bf16 and widened back, written transposed into `out` (`n × m`): each block of
+    /// 16 rows of a panel is rounded in order, then written out column by column (runs of 16
+    /// along the output's rows).
+    fn widen_transposed(c: &[f32], rows: usize, m: usize, out: &mut [MaybeUninit<f32>], parallel: bool) {
+        let transpose = |(j, cols): (usize, &mut [MaybeUninit<f32>])| {
+            let width = cols.len() / m;
             let mut block = [MaybeUninit::<bf16>::uninit(); 16 * NR];
             for i0 in (0..m).step_by(16) {
                 let h = 16.min(m - i0);
-                let sums = &c[j * m * NR + i0 * NR..][..h * NR];
-                // SAFETY: the CPU has AVX-512 F (the caller checked).
-                unsafe { round_to_bf16(sums, &mut block[..h * NR]) };
+                let sums = &c[j * rows * NR + i0 * NR..][..h * NR];
+                round(sums, &mut block[..h * NR]);
                 for col in 0..width {
                     for r in 0..h {
-                        // SAFETY: `round_to_bf16` wrote the block's first h · 32 elements.
+                        // SAFETY: `round` wrote the block's first h · 32 elements.
                         let x = unsafe { block[r * NR + col].assume_init() };
-                        rows[col * m + i0 + r].write(super::widen_bf16(x));
+                        cols[col * m + i0 + r].write(super::widen_bf16(x));
                     }
                 }
             }
@@ -455,6 +516,18 @@ mod packed {
             out.par_chunks_mut(NR * m).enumerate().for_each(transpose);
         } else {
             out.chunks_mut(NR * m).enumerate().for_each(transpose);
+        }
+    }
+
+    /// `out[i] = bf16(sums[i])` (`half`'s `bf16::from_f32`): [`round_to_bf16`] where the CPU has
+    /// AVX-512 F, else one at a time (the emulated AMX tiles' tests run on any CPU).
+    fn round(sums: &[f32], out: &mut [MaybeUninit<bf16>]) {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512 F (checked just above).
+            return unsafe { round_to_bf16(sums, out) };
+        }
+        for (o, v) in out.iter_mut().zip(sums) {
+            o.write(bf16::from_f32(*v));
         }
     }
 
@@ -538,37 +611,85 @@ mod tests {
         }
     }
 
-    /// Every available path's product against the f64 product of the same bf16 values: the
-    /// f32 sums may differ from the exact one by k · 2⁻²⁴ of the sum of |terms| (plus the final
-    /// bf16 rounding, half an ulp: 2⁻⁹ relative).
+    /// A product the tests run: a path this process has, or (x86-64) the AMX path's loops on
+    /// emulated tiles (`amx::SoftTiles`), which every CPU runs.
+    #[derive(Clone, Copy, Debug)]
+    enum Product {
+        Path(Bf16Gemm),
+        #[cfg(target_arch = "x86_64")]
+        EmulatedAmx,
+    }
+
+    impl std::fmt::Display for Product {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            match self {
+                Product::Path(p) => p.fmt(f),
+                #[cfg(target_arch = "x86_64")]
+                Product::EmulatedAmx => f.write_str("amx on emulated tiles"),
+            }
+        }
+    }
+
+    /// Every product this process can run.
+    fn products() -> Vec<Product> {
+        let paths = Bf16Gemm::ALL.into_iter().filter(|p| p.available()).map(Product::Path);
+        #[cfg(target_arch = "x86_64")]
+        let paths = paths.chain([Product::EmulatedAmx]);
+        paths.collect()
+    }
+
+    /// `product`'s `a · b` into `out` ([`gemm_into`]'s arguments).
+    fn run(
+        product: Product,
+        (m, n, k): (usize, usize, usize),
+        (a, b): (Strided, Strided),
+        out: Out,
+        parallel: bool,
+    ) {
+        match product {
+            Product::Path(path) => gemm_into(path, (m, n, k), (a, b), out, parallel),
+            #[cfg(target_arch = "x86_64")]
+            Product::EmulatedAmx => {
+                let parallel = parallel && rayon::current_num_threads() > 1;
+                amx::gemm::<amx::SoftTiles>(m, n, k, a, b, out, parallel)
+            }
+        }
+    }
+
+    /// `product`'s `a · b` rounded to bf16, `m × n` row-major.
+    fn rows(
+        product: Product,
+        mnk: (usize, usize, usize),
+        ab: (Strided, Strided),
+        parallel: bool,
+    ) -> Vec<bf16> {
+        let mut out = vec![MaybeUninit::uninit(); mnk.0 * mnk.1];
+        run(product, mnk, ab, Out::Rows(&mut out), parallel);
+        // SAFETY: a product writes every element.
+        out.iter().map(|o| unsafe { o.assume_init() }).collect()
+    }
+
+    /// Every product against the f64 product of the same bf16 values ([`within_rounding`]).
     fn check(m: usize, n: usize, k: usize, ta: bool, tb: bool, seed: u64, parallel: bool) {
         let (va, ra, ca) = matrix(m, k, ta, seed);
         let (vb, rb, cb) = matrix(k, n, tb, seed + 1);
         let a = Strided { data: &va, row_stride: ra, col_stride: ca };
         let b = Strided { data: &vb, row_stride: rb, col_stride: cb };
-        for path in Bf16Gemm::ALL.into_iter().filter(|p| p.available()) {
-            let mut out = vec![MaybeUninit::uninit(); m * n];
-            gemm(path, m, n, k, a, b, &mut out, parallel);
-            for i in 0..m {
-                for j in 0..n {
-                    // SAFETY: `gemm` writes every element.
-                    let got = unsafe { out[i * n + j].assume_init() }.to_f64();
-                    let terms = (0..k).map(|l| a.at(i, l).to_f64() * b.at(l, j).to_f64());
-                    let (exact, size) = terms.fold((0.0, 0.0), |(s, z), t| (s + t, z + t.abs()));
-                    let bound = exact.abs() * 2f64.powi(-8) + size * (k as f64 + 2.0) * 2f64.powi(-23);
-                    assert!(
-                        (got - exact).abs() <= bound,
-                        "{path}: ({i}, {j}) of {m}×{k}·{k}×{n}: {got} vs exact {exact} (bound {bound})"
-                    );
-                }
+        for product in products() {
+            let got = rows(product, (m, n, k), (a, b), parallel);
+            if let Err(e) = within_rounding(m, n, k, a, b, &got) {
+                panic!("{product}: {e}");
             }
         }
     }
 
     #[test]
     fn every_path_rounds_the_exact_product_of_small_shapes() {
-        // Odd k (a half-filled last pair), m not a multiple of 8, n not of 32, k past one block.
-        for (m, n, k) in [(1, 1, 1), (3, 5, 7), (9, 33, 17), (8, 32, 2), (17, 70, 300), (128, 64, 257)] {
+        // Odd k (a half-filled last pair), m not a multiple of 8 (or 16), n not of 32, k past one
+        // block (a tile's 32); m past two 16-row tiles (AMX's odd last block).
+        for (m, n, k) in
+            [(1, 1, 1), (3, 5, 7), (9, 33, 17), (8, 32, 2), (17, 70, 300), (128, 64, 257), (48, 32, 64)]
+        {
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
                 check(m, n, k, ta, tb, (m * n + k) as u64, false);
             }
@@ -583,15 +704,12 @@ mod tests {
         let (vb, _, _) = matrix(k, n, false, 6);
         let a = Strided { data: &va, row_stride: k, col_stride: 1 };
         let b = Strided { data: &vb, row_stride: n, col_stride: 1 };
-        for path in Bf16Gemm::ALL.into_iter().filter(|p| p.available()) {
-            let run = |parallel| {
-                let mut out = vec![MaybeUninit::uninit(); m * n];
-                gemm(path, m, n, k, a, b, &mut out, parallel);
-                // SAFETY: `gemm` writes every element.
-                out.iter().map(|o| unsafe { o.assume_init() }.to_bits()).collect::<Vec<_>>()
+        for product in products() {
+            let bits = |parallel| {
+                rows(product, (m, n, k), (a, b), parallel).iter().map(|x| x.to_bits()).collect::<Vec<_>>()
             };
-            let one = run(false);
-            assert_eq!(pool.install(|| run(true)), one, "{path}");
+            let one = bits(false);
+            assert_eq!(pool.install(|| bits(true)), one, "{product}");
         }
         pool.install(|| check(m, n, k, false, true, 9, true));
     }
@@ -601,12 +719,16 @@ mod tests {
         for p in Bf16Gemm::ALL.into_iter().filter(|p| p.available()) {
             assert_eq!(parse_path(p.name()), Ok(p));
         }
-        assert_eq!(parse_path("amx"), Err(PathError::Unknown("amx".into())));
+        assert_eq!(parse_path("tiles"), Err(PathError::Unknown("tiles".into())));
+        assert_eq!(
+            PathError::Unknown("tiles".into()).to_string(),
+            "GRAPHPP_BF16_GEMM=\"tiles\" names no bf16 matmul path (expected one of: amx, avx512-bf16, widened)"
+        );
         assert_eq!(parse_path(" WIDENED "), Ok(Bf16Gemm::Widened), "any case, spaces trimmed");
-        if !Bf16Gemm::Avx512Bf16.available() {
-            let e = parse_path("avx512-bf16").unwrap_err();
-            assert!(matches!(e, PathError::Unavailable(Bf16Gemm::Avx512Bf16, _)), "{e}");
-            eprintln!("this CPU has no AVX-512 BF16: only the widened path was tested");
+        for path in [Bf16Gemm::Amx, Bf16Gemm::Avx512Bf16].into_iter().filter(|p| !p.available()) {
+            let e = parse_path(path.name()).unwrap_err();
+            assert!(matches!(&e, PathError::Unavailable(p, why, _) if *p == path && !why.is_empty()), "{e}");
+            eprintln!("not tested on the hardware here: {e}");
         }
     }
 
@@ -660,17 +782,17 @@ mod tests {
             let a = Strided { data: &va, row_stride: ra, col_stride: ca };
             let b = Strided { data: &vb, row_stride: rb, col_stride: cb };
             let pool = crate::kernels::threads::rank_pool(0, 2).unwrap();
-            for path in Bf16Gemm::ALL.into_iter().filter(|p| p.available()) {
+            for product in products() {
                 let (mut plain, mut transposed) = (vec![MaybeUninit::uninit(); m * n], vec![MaybeUninit::uninit(); m * n]);
                 pool.install(|| {
-                    gemm(path, m, n, k, a, b, &mut plain, parallel);
-                    gemm_transposed_widened(path, m, n, k, a, b, &mut transposed, parallel);
+                    run(product, (m, n, k), (a, b), Out::Rows(&mut plain), parallel);
+                    run(product, (m, n, k), (a, b), Out::WidenedTransposed(&mut transposed), parallel);
                 });
                 for i in 0..m {
                     for j in 0..n {
                         // SAFETY: both products write every element.
                         let (x, y) = unsafe { (plain[i * n + j].assume_init(), transposed[j * m + i].assume_init()) };
-                        prop_assert_eq!(x.to_f32().to_bits(), y.to_bits(), "{} ({}, {})", path, i, j);
+                        prop_assert_eq!(x.to_f32().to_bits(), y.to_bits(), "{} ({}, {})", product, i, j);
                     }
                 }
             }
