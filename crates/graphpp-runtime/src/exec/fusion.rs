@@ -40,6 +40,12 @@ const INLINE_READERS: usize = 4;
 /// (measured: docs/PERFORMANCE.md, "Fused elementwise groups")
 const PARALLEL_MIN: usize = 1 << 18;
 
+/// [`PARALLEL_MIN`] for a bf16 group, which splits from 64k elements: it reads and writes half
+/// the bytes of an f32 group for the same math plus a rounding per member, so the other core's
+/// fetch costs it less against what the split saves (measured: docs/PERFORMANCE.md, "Fused
+/// elementwise groups"; the same threshold made f32 groups slower).
+const PARALLEL_MIN_BF16: usize = 1 << 16;
+
 /// One instruction over a block. Instruction `r` defines register `r` (emission order), so
 /// every source register is below its destination.
 #[derive(Clone, Debug, PartialEq)]
@@ -301,7 +307,8 @@ impl FusedGroup {
     /// The anchor's value from the external operands `args` (in [`FusedGroup::inputs`] order, f32
     /// or bf16 tensors on the CPU of shapes that broadcast to the anchor's), in the anchor's
     /// dtype. Splits the output over the
-    /// current rayon pool's threads when it has at least 256k elements (`PARALLEL_MIN`).
+    /// current rayon pool's threads when it has at least 256k elements (`PARALLEL_MIN`; bf16:
+    /// 64k, `PARALLEL_MIN_BF16`).
     ///
     /// # Errors
     /// candle's, for an operand that is not a CPU f32 or bf16 tensor or does not broadcast.
@@ -345,7 +352,7 @@ impl FusedGroup {
     }
 
     /// Every output element, in a vector of `T` that `wrap` views as an [`Out`]: split over the
-    /// current pool's threads for a large group (`PARALLEL_MIN`).
+    /// current pool's threads for a large group (`PARALLEL_MIN`, `PARALLEL_MIN_BF16`).
     fn fill<T: Send>(
         &self,
         dims: &[usize],
@@ -360,7 +367,8 @@ impl FusedGroup {
         // the pass is pure cost (measured: docs/PERFORMANCE.md, "Fused elementwise groups").
         let mut out: Vec<T> = Vec::with_capacity(numel);
         let spare = &mut out.spare_capacity_mut()[..numel];
-        if threads > 1 && numel >= PARALLEL_MIN {
+        let min = if self.dtype == DType::BF16 { PARALLEL_MIN_BF16 } else { PARALLEL_MIN };
+        if threads > 1 && numel >= min {
             let chunk = numel.div_ceil(threads).next_multiple_of(BLOCK);
             spare
                 .par_chunks_mut(chunk)
