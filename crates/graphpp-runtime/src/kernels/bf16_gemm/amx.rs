@@ -79,14 +79,18 @@ pub(super) struct Amx;
 impl Tiles for Amx {
     #[inline(always)]
     unsafe fn configure(&mut self) {
-        // Byte 0: palette 1; bytes 16–31: each tile's bytes a row (u16); 48–55: its rows.
-        let mut config = [0u8; 64];
-        config[0] = 1;
+        /// The 64-byte tile configuration `ldtilecfg` reads (Intel SDM vol. 2, "LDTILECFG").
+        #[repr(C, align(64))]
+        struct Config([u8; 64]);
+        // Byte 0: palette 1; bytes 16–31: each tile's bytes a row (u16); 48–55: its rows; the
+        // rest zero.
+        let mut config = Config([0; 64]);
+        config.0[0] = 1;
         for t in 0..8 {
-            config[16 + 2 * t..18 + 2 * t].copy_from_slice(&(4 * TP as u16).to_le_bytes());
-            config[48 + t] = TR as u8;
+            config.0[16 + 2 * t..18 + 2 * t].copy_from_slice(&(4 * TP as u16).to_le_bytes());
+            config.0[48 + t] = TR as u8;
         }
-        std::arch::asm!("ldtilecfg [{}]", in(reg) config.as_ptr(), options(nostack, readonly));
+        std::arch::asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(), options(nostack, readonly));
     }
 
     #[inline(always)]
