@@ -178,7 +178,7 @@ fn the_bf16_path_is_chosen_by_the_environment_and_checked_at_setup() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{stderr}");
         assert!(
-            stderr.contains(&format!("GRAPHPP_BF16_GEMM=amx: {why} (this process can run: ")),
+            stderr.contains(&format!("GRAPHPP_BF16_GEMM=amx: {why}; this process can run: ")),
             "{stderr}"
         );
     }

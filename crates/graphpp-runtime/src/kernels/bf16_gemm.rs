@@ -5,8 +5,9 @@
 //!
 //! Three paths, one chosen per process ([`chosen`]):
 //! - [`Bf16Gemm::Amx`]: Intel AMX's `tdpbf16ps` on tile registers (16 × 32 bf16 times 32 × 16
-//!   into 16 × 16 f32 sums an instruction), on Linux after the process asks for the tiles; the
-//!   loops are tested on every CPU through an emulation of the tile instructions (`amx`);
+//!   into 16 × 16 f32 sums: 8,192 multiply-adds an instruction), on Linux after the process asks
+//!   for the tiles; the loops are tested on every CPU through an emulation of the tile
+//!   instructions (`amx`);
 //! - [`Bf16Gemm::Avx512Bf16`]: the AVX-512 BF16 dot product `vdpbf16ps`, which multiplies pairs of
 //!   bf16 values and adds both products to an f32 lane — twice the multiply-adds per instruction
 //!   of an f32 FMA, and no widening of the operands. Operands are packed into register-tile
@@ -100,14 +101,15 @@ pub enum PathError {
     Unknown(String),
     /// A path this process cannot run: the path, why ([`Bf16Gemm::unavailable`]), the paths it
     /// can.
-    #[error("{PATH_VAR}={0}: {1} (this process can run: {2})")]
+    #[error("{PATH_VAR}={0}: {1}; this process can run: {2}")]
     Unavailable(Bf16Gemm, String, String),
 }
 
-/// The path named by `value` (a [`PATH_VAR`] setting), if this CPU has it.
+/// The path named by `value` (a [`PATH_VAR`] setting), if this process can run it
+/// ([`Bf16Gemm::unavailable`]).
 ///
 /// # Errors
-/// [`PathError`] for an unknown name or a path this CPU lacks.
+/// [`PathError`] for an unknown name or a path this process cannot run.
 pub fn parse_path(value: &str) -> Result<Bf16Gemm, PathError> {
     let path = Bf16Gemm::ALL
         .into_iter()
@@ -121,8 +123,9 @@ pub fn parse_path(value: &str) -> Result<Bf16Gemm, PathError> {
 }
 
 /// The process's bf16 matmul path: [`PATH_VAR`]'s (any case; set but empty counts as unset),
-/// else the first of [`Bf16Gemm::ALL`] this CPU has. Read once; later changes to the variable
-/// are not seen.
+/// else the first of [`Bf16Gemm::ALL`] this process can run. Read once; later changes to the
+/// variable are not seen. On a CPU with AMX the first call asks the kernel for the tiles and runs
+/// the AMX path's self-check (`amx`), so a run that needs no bf16 product should not call it.
 ///
 /// # Errors
 /// [`PathError`] where [`PATH_VAR`] is set to a name [`parse_path`] refuses.
@@ -245,7 +248,8 @@ fn gemm_into(
     let parallel = parallel && m * n * k >= 48 * 48 * 256 && rayon::current_num_threads() > 1;
     match path {
         #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-        Bf16Gemm::Amx if path.available() => amx::gemm::<amx::Amx>(m, n, k, a, b, out, parallel),
+        // SAFETY: the process can run the path: the CPU has AMX and the kernel granted the tiles.
+        Bf16Gemm::Amx if path.available() => unsafe { amx::gemm::<amx::Amx>(m, n, k, a, b, out, parallel) },
         #[cfg(target_arch = "x86_64")]
         Bf16Gemm::Avx512Bf16 if has_avx512_bf16() => packed::gemm(m, n, k, a, b, out, parallel),
         _ => widened(m, n, k, a, b, out, parallel),
@@ -253,12 +257,14 @@ fn gemm_into(
 }
 
 /// Whether `got` (`m × n` row-major) is `a · b` within bf16 rounding of the exact (f64) product:
-/// each f32 sum may differ from the exact one by `k · 2⁻²⁴` of the sum of its terms' magnitudes
-/// (a rounding per addition, two spare), and its bf16 value from the sum by half an ulp (2⁻⁹
-/// relative; 2⁻⁸ allowed). A path's self-check and its tests read this.
+/// each f32 sum may differ from the exact one by `(k + 2) · 2⁻²³` of the sum of its terms'
+/// magnitudes (up to two roundings of 2⁻²⁴ per term, in any order of summation, with room to
+/// spare), and its bf16 value from the sum by half an ulp (2⁻⁹ relative; 2⁻⁸ allowed). The AMX
+/// path's self-check and the tests read this.
 ///
 /// # Errors
 /// The first element outside the bound, its value and the exact one.
+#[cfg(any(test, target_arch = "x86_64"))]
 fn within_rounding(m: usize, n: usize, k: usize, a: Strided, b: Strided, got: &[bf16]) -> Result<(), String> {
     for i in 0..m {
         for j in 0..n {
@@ -651,7 +657,8 @@ mod tests {
             #[cfg(target_arch = "x86_64")]
             Product::EmulatedAmx => {
                 let parallel = parallel && rayon::current_num_threads() > 1;
-                amx::gemm::<amx::SoftTiles>(m, n, k, a, b, out, parallel)
+                // SAFETY: the emulated tiles run on any CPU.
+                unsafe { amx::gemm::<amx::SoftTiles>(m, n, k, a, b, out, parallel) }
             }
         }
     }

@@ -1,6 +1,7 @@
 //! The AMX path: Intel AMX's `tdpbf16ps` (Intel SDM vol. 2, "TDPBF16PS"), which multiplies a
 //! tile of 16 rows × 16 bf16 pairs of `A` by a tile of 16 pairs × 16 columns of `B` and adds the
-//! 16 × 16 products to an f32 tile: 512 bf16 multiply-adds an instruction, 16× a `vdpbf16ps`.
+//! 16 × 16 dot products of 32 terms to an f32 tile: 8,192 bf16 multiply-adds an instruction,
+//! where a `vdpbf16ps` on 512-bit registers does 32.
 //!
 //! **Blocking.** The eight tile registers hold four sums (a 32 × 32 block of `C`: `tmm0`–`tmm3`),
 //! two `A` tiles (`tmm4`, `tmm5`: rows `i..i+16` and `i+16..i+32`) and two `B` tiles (`tmm6`,
@@ -16,12 +17,17 @@
 //! `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)` (kernel 5.16 and later,
 //! Documentation/arch/x86/xstate.rst); the grant holds for every thread of the process.
 //!
-//! **Tests.** The loops are generic over [`Tiles`]. [`SoftTiles`] carries out the instructions
-//! in Rust, as the SDM's pseudocode for them reads (DAZ and FTZ included), so the packing, the
-//! blocking and the write-out are tested on every CPU against the f64 product. The hardware path
-//! ([`Amx`]) runs the module's product tests where the CPU has AMX, and the first time a process
-//! asks for it ([`unavailable`]) it must match the f64 product of a test shape, or it is not used
-//! (the reason is printed).
+//! **Tests.** The loops are generic over [`Tiles`]. `SoftTiles` (tests only) carries out the
+//! instructions in Rust, `tdpbf16ps` in one order it may sum in — the Intrinsics Guide's
+//! pseudocode for `_tile_dpbf16ps`: each k-pair's even product, then its odd one, added to the
+//! sum, subnormals as zero — so the packing, the blocking, the tails and the write-out are tested
+//! on every CPU against the f64 product. The hardware may sum in another order (the SDM's current
+//! text keeps the even and the odd products in separate chains), so it is held to the same f64
+//! bound, never to the emulation's bits: the hardware path ([`Amx`]) runs the crate's product
+//! tests where the CPU has AMX, and the first time a process asks for it ([`unavailable`]) its
+//! product of a test shape must lie within f32 rounding of the exact one, or the path is not
+//! used (the reason is printed). That check catches wrong sums, not a faulting instruction, which
+//! would end the process: `GRAPHPP_BF16_GEMM=avx512-bf16` rules the path out.
 
 use super::packed::{self, NR};
 use super::{bf16, MaybeUninit, Out, Strided};
@@ -73,6 +79,7 @@ pub(super) trait Tiles: Default {
 
 /// The hardware's tile registers.
 #[derive(Default)]
+#[cfg(target_os = "linux")]
 pub(super) struct Amx;
 
 #[cfg(target_os = "linux")]
@@ -131,10 +138,10 @@ impl Tiles for Amx {
     }
 }
 
-/// The tile instructions carried out in Rust, as Intel's SDM gives them: `tdpbf16ps` adds, for
-/// each k-pair in order, the even product and then the odd one to each f32 sum (each product of
-/// two bf16 is exact in f32), treats subnormal inputs as zero and flushes subnormal sums to zero.
-/// The tests' tiles (slow: scalar loops).
+/// The tile instructions carried out in Rust (module doc): `tdpbf16ps` adds, for each k-pair in
+/// order, the even product and then the odd one to each f32 sum (each product of two bf16 is
+/// exact in f32), treats subnormal inputs as zero and flushes subnormal sums to zero. The tests'
+/// tiles (slow: scalar loops).
 #[cfg(test)]
 pub(super) struct SoftTiles {
     /// Each register's 16 × 16 words (bf16 pairs or f32 bits).
@@ -244,8 +251,21 @@ fn pack_a(a: Strided, m: usize, k: usize, blocks: usize) -> Vec<u32> {
     packed
 }
 
-/// See [`super::gemm`], on the tiles `T`.
-pub(super) fn gemm<T: Tiles>(m: usize, n: usize, k: usize, a: Strided, b: Strided, out: Out, parallel: bool) {
+/// [`super::gemm`]'s product on the tiles `T`, `m`, `n` and `k` at least 1 (the caller returns
+/// early on an empty dim).
+///
+/// # Safety
+/// `T`'s instructions run on this CPU: for [`Amx`], [`unavailable`] is `None` (the process has
+/// the tile permission) or the call is its self-check, after the permission was granted.
+pub(super) unsafe fn gemm<T: Tiles>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Strided,
+    b: Strided,
+    out: Out,
+    parallel: bool,
+) {
     let blocks = k.div_ceil(2 * TP);
     let pairs = blocks * TP;
     let rows = m.div_ceil(TR) * TR;
@@ -255,8 +275,8 @@ pub(super) fn gemm<T: Tiles>(m: usize, n: usize, k: usize, a: Strided, b: Stride
     let panel = |(j, cj): (usize, &mut [f32])| {
         let bj = &pb[j * pairs * NR..][..pairs * NR];
         let mut tiles = T::default();
-        // SAFETY: `T` is the hardware's only where the process has the permission
-        // (`unavailable`); the tiles are configured before use and released after.
+        // SAFETY: `T`'s instructions run here (the caller's promise); the tiles are configured
+        // before use and released after.
         unsafe {
             tiles.configure();
             for i in (0..rows / TR).step_by(2) {
@@ -316,16 +336,47 @@ unsafe fn block<T: Tiles>(tiles: &mut T, a: &[u32], b: &[u32], blocks: usize, c:
     }
 }
 
-/// Why this process cannot use AMX tiles, or `None` where it can: the CPU lacks AMX-TILE,
-/// AMX-BF16 or the AVX-512 F and BF16 the write-out uses; the OS is not Linux or refused the
-/// tile permission; or the hardware's product of a test shape is not within f32 rounding of the
-/// exact one (printed on standard error once: a fault this path must not hide). Asked once a
-/// process.
+/// Why a process does not use AMX tiles.
+#[derive(Clone, Debug, PartialEq)]
+enum Refusal {
+    /// The CPU lacks AMX-TILE or AMX-BF16.
+    NoAmx,
+    /// Only Linux's permission request is written.
+    #[cfg(not(target_os = "linux"))]
+    NotLinux,
+    /// The kernel refused the tile permission (its error).
+    Permission(String),
+    /// The hardware's product of the test shape was not within f32 rounding of the exact one.
+    Check(String),
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::NoAmx => f.write_str("this CPU lacks AMX (AMX-TILE and AMX-BF16)"),
+            #[cfg(not(target_os = "linux"))]
+            Refusal::NotLinux => {
+                f.write_str("AMX tiles are asked for the Linux way, and this OS is not Linux")
+            }
+            Refusal::Permission(e) => write!(f, "the kernel refused the AMX tile permission: {e}"),
+            Refusal::Check(e) => write!(f, "the AMX product failed its self-check: {e}"),
+        }
+    }
+}
+
+/// Why this process cannot use AMX tiles, or `None` where it can: the CPU lacks AMX-TILE or
+/// AMX-BF16; the OS is not Linux or refused the tile permission; or the hardware's product of a
+/// test shape is not within f32 rounding of the exact one (printed on standard error once: a
+/// fault this path must not hide). Found once a process.
 pub(super) fn unavailable() -> Option<String> {
-    static WHY: OnceLock<Option<String>> = OnceLock::new();
+    refusal().map(|r| r.to_string())
+}
+
+fn refusal() -> Option<Refusal> {
+    static WHY: OnceLock<Option<Refusal>> = OnceLock::new();
     WHY.get_or_init(|| {
         let why = probe();
-        if let Some(fault) = why.as_deref().filter(|w| w.starts_with("the AMX product")) {
+        if let Some(fault @ Refusal::Check(_)) = &why {
             eprintln!("graphpp: {fault}; bf16 matmuls will not use AMX");
         }
         why
@@ -333,53 +384,57 @@ pub(super) fn unavailable() -> Option<String> {
     .clone()
 }
 
-fn probe() -> Option<String> {
-    if !super::has_avx512_bf16() || !has_amx() {
-        return Some("this CPU lacks AMX (AMX-TILE and AMX-BF16, beside AVX-512 BF16)".into());
+fn probe() -> Option<Refusal> {
+    if !has_amx() {
+        return Some(Refusal::NoAmx);
     }
-    if let Err(e) = request_tiles() {
-        return Some(format!("the kernel refused the AMX tile permission ({e})"));
-    }
+    #[cfg(not(target_os = "linux"))]
+    return Some(Refusal::NotLinux);
     #[cfg(target_os = "linux")]
-    if let Err(e) = self_check::<Amx>() {
-        return Some(format!("the AMX product failed its check: {e}"));
+    {
+        if let Err(e) = request_tiles() {
+            return Some(Refusal::Permission(e.to_string()));
+        }
+        // SAFETY: the CPU has AMX and the kernel granted the tiles (both checked above).
+        unsafe { self_check::<Amx>() }.err().map(Refusal::Check)
     }
-    None
 }
 
-/// CPUID leaf 7: AMX-BF16 is EDX bit 22, AMX-TILE bit 24.
+/// CPUID leaf 7 (where the CPU has it): AMX-BF16 is EDX bit 22, AMX-TILE bit 24.
 fn has_amx() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        // CPUID leaf 7 exists on every CPU with AVX-512 (checked by the caller).
-        let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+        use std::arch::x86_64::{__cpuid_count, __get_cpuid_max};
+        let edx = if __get_cpuid_max(0).0 >= 7 { __cpuid_count(7, 0).edx } else { 0 };
         edx >> 22 & 1 == 1 && edx >> 24 & 1 == 1
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
 
-/// `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`.
+/// `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`: the grant holds for every thread of the
+/// process (Linux 5.16 and later; older kernels answer `EINVAL`).
+#[cfg(target_os = "linux")]
 fn request_tiles() -> Result<(), std::io::Error> {
-    #[cfg(target_os = "linux")]
-    {
-        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
-        const XFEATURE_XTILEDATA: libc::c_long = 18;
-        // SAFETY: a plain system call with integer arguments.
-        let r = unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) };
-        if r == 0 {
-            Ok(())
-        } else {
-            Err(std::io::Error::last_os_error())
-        }
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: a plain system call with integer arguments.
+    let r = unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
-    #[cfg(not(target_os = "linux"))]
-    Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "not Linux"))
 }
 
 /// `T`'s product of a shape with a tail in every dim (m, n and k past whole tiles, odd k),
-/// against the f64 product.
-fn self_check<T: Tiles>() -> Result<(), String> {
+/// against the f64 product: one two-block and one one-block row step, two column panels (the
+/// second part-filled), three k-tiles.
+///
+/// # Safety
+/// As [`gemm`]'s.
+#[cfg(any(test, target_os = "linux"))]
+unsafe fn self_check<T: Tiles>() -> Result<(), String> {
     let (m, n, k) = (37, 45, 71);
     let values = |len: usize, seed: usize| -> Vec<bf16> {
         (0..len).map(|i| bf16::from_f32(((i * 7 + seed) % 23) as f32 / 8.0 - 1.4)).collect()
@@ -388,7 +443,8 @@ fn self_check<T: Tiles>() -> Result<(), String> {
     let a = Strided { data: &va, row_stride: k, col_stride: 1 };
     let b = Strided { data: &vb, row_stride: n, col_stride: 1 };
     let mut out = vec![MaybeUninit::uninit(); m * n];
-    gemm::<T>(m, n, k, a, b, Out::Rows(&mut out), false);
+    // SAFETY: `T`'s instructions run here (the caller's promise).
+    unsafe { gemm::<T>(m, n, k, a, b, Out::Rows(&mut out), false) };
     // SAFETY: `gemm` writes every element.
     let got: Vec<bf16> = out.iter().map(|o| unsafe { o.assume_init() }).collect();
     super::within_rounding(m, n, k, a, b, &got)
@@ -402,11 +458,12 @@ mod tests {
     /// the check on [`SoftTiles`] below is all that runs here).
     #[test]
     fn the_emulated_tiles_pass_the_self_check() {
-        assert_eq!(self_check::<SoftTiles>(), Ok(()));
-        match unavailable() {
+        // SAFETY: the emulated tiles run on any CPU.
+        assert_eq!(unsafe { self_check::<SoftTiles>() }, Ok(()));
+        match refusal() {
             None => eprintln!("this CPU has AMX: the hardware path passed its self-check"),
             Some(why) => {
-                assert!(!why.starts_with("the AMX product"), "{why}");
+                assert!(!matches!(why, Refusal::Check(_)), "{why}");
                 eprintln!("AMX not used here: {why}");
             }
         }
@@ -438,11 +495,11 @@ mod tests {
         assert_eq!(packs[0][WORDS + 2] >> 16, 0);
     }
 
-    /// A `tdpbf16ps` sum adds the even product, then the odd one, pair by pair: with a large
-    /// term first and its negation later, the small terms between are lost or kept as that
-    /// order says.
+    /// The emulated `tdpbf16ps` adds the even product, then the odd one, pair by pair (module
+    /// doc): with a large term first and its negation later, the small terms between are lost or
+    /// kept as that order says.
     #[test]
-    fn the_emulated_dot_product_sums_in_the_sdms_order() {
+    fn the_emulated_dot_product_sums_pair_by_pair() {
         let mut t = SoftTiles::default();
         let pair = |lo: f32, hi: f32| {
             bf16::from_f32(lo).to_bits() as u32 | (bf16::from_f32(hi).to_bits() as u32) << 16

@@ -347,12 +347,14 @@ pub(super) fn print_header(
     Ok(())
 }
 
-/// ", bf16 matmuls on PATH" for a bf16 run (the path checked at setup), else nothing.
+/// ", bf16 matmuls on PATH" for a bf16 run (the path checked at setup), else nothing — an f32
+/// run never asks for the path (AMX's asks the kernel for the tiles).
 fn bf16_path(dtype: graphpp_graph::DType) -> String {
-    match graphpp_runtime::kernels::bf16_gemm::chosen() {
-        Ok(path) if dtype == graphpp_graph::DType::BF16 => format!(", bf16 matmuls on {path}"),
-        _ => String::new(),
+    if dtype != graphpp_graph::DType::BF16 {
+        return String::new();
     }
+    graphpp_runtime::kernels::bf16_gemm::chosen()
+        .map_or(String::new(), |path| format!(", bf16 matmuls on {path}"))
 }
 
 pub(super) fn summarise(
