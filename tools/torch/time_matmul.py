@@ -3,7 +3,7 @@
 `cargo run --release -p graphpp-runtime --example matmul` (same shapes, same hot loop: each
 product --reps times after 50 warm-up products, operands in L2): PyTorch's matmul in --dtype
 (f32; or bf16, which PyTorch runs on oneDNN with f32 accumulation), and with --mkl LIB the oneMKL
-library at LIB (`libmkl_rt.so.2` from the PyPI `mkl` wheel): `cblas_sgemm`, or for bf16
+library at LIB (`libmkl_rt.so.3` from the PyPI `mkl` wheel): `cblas_sgemm`, or for bf16
 `cblas_gemm_bf16bf16f32` (bf16 operands, f32 result).
 
 Usage: python tools/torch/time_matmul.py [--threads 1] [--reps 400] [--dtype f32|bf16] [--mkl LIB]
@@ -60,7 +60,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=400)
     ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
-    ap.add_argument("--mkl", help="path of libmkl_rt.so.2 (PyPI `mkl`)")
+    ap.add_argument("--mkl", help="path of libmkl_rt.so.3 (PyPI `mkl`)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32

@@ -158,7 +158,10 @@ impl VerifySetup {
         self.train.check_sized(true).map_err(|e| match e {
             crate::train::TrainError::Size(e) => VerifyError::Setup(SetupError::Size(e)),
             e => VerifyError::Train(Box::new(e)),
-        })
+        })?;
+        // The reference step's bf16 path, checked before either step runs.
+        let path = self.train.bf16_path(self.reference_dtype).map_err(SetupError::from);
+        path.map(|_| ()).map_err(|e| VerifyError::Train(Box::new(e.into())))
     }
 }
 

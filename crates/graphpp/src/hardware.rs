@@ -364,6 +364,35 @@ pub struct Probed {
 }
 
 /// Runs `f` until `budget` has passed (at least 3 times) and returns the best time of one run.
+/// The best time of the bf16 product `a · b` (rank 2) as a bf16 run computes it: on the process's
+/// bf16 path ([`graphpp_runtime::kernels::bf16_gemm::chosen`]: AMX, AVX-512 BF16 or widened),
+/// or candle's product under `GRAPHPP_KERNELS=composed`.
+///
+/// # Errors
+/// `GRAPHPP_BF16_GEMM` naming a path this process cannot run; a tensor error.
+fn bf16_seconds(
+    a: &candle_core::Tensor,
+    b: &candle_core::Tensor,
+    budget: std::time::Duration,
+) -> Result<f64, Box<dyn std::error::Error + Send + Sync>> {
+    use graphpp_runtime::kernels::bf16_gemm::{chosen, gemm, Strided};
+    if graphpp_runtime::kernels::device::forced_composed() {
+        return Ok(best_of(budget, || a.matmul(b).map(drop))?);
+    }
+    let path = chosen()?;
+    let ((m, k), n) = (a.dims2()?, b.dims2()?.1);
+    let (va, vb) = (a.flatten_all()?.to_vec1()?, b.flatten_all()?.to_vec1()?);
+    let (sa, sb) = (
+        Strided { data: &va, row_stride: k, col_stride: 1 },
+        Strided { data: &vb, row_stride: n, col_stride: 1 },
+    );
+    let mut out = vec![std::mem::MaybeUninit::uninit(); m * n];
+    Ok(best_of(budget, || {
+        gemm(path, m, n, k, sa, sb, &mut out, true);
+        Ok(())
+    })?)
+}
+
 fn best_of(
     budget: std::time::Duration,
     mut f: impl FnMut() -> candle_core::Result<()>,
@@ -381,7 +410,8 @@ fn best_of(
 
 /// Measures this machine in the format of a cluster description, each rank a device with the
 /// intra-op threads the caller set (`graphpp hardware probe`): the peak matmul FLOP/s of a
-/// `[512, 256] · [256, 688]` product (the shape of `small`'s MLP at B·T = 512) in f32 and bf16;
+/// `[512, 256] · [256, 688]` product (the shape of `small`'s MLP at B·T = 512) in f32 and in bf16
+/// on the bf16 path a bf16 run takes ([`bf16_seconds`]);
 /// the matmul curve, the bytes per second other nodes write (at most an elementwise add's over
 /// 16 MiB) and the per-node overhead that graphpp's executor achieves on a stage's own ops
 /// ([`executor_rates`]); the threads communicator's bandwidth (a 4 MiB
@@ -400,8 +430,7 @@ pub fn probe() -> Result<Probed, Box<dyn std::error::Error + Send + Sync>> {
     let b = Tensor::randn(0f32, 1.0, (k, n), &Cpu::Cpu)?;
     let flops = 2.0 * (m * k * n) as f64;
     let f32_s = best_of(budget, || a.matmul(&b).map(drop))?;
-    let (a16, b16) = (a.to_dtype(C::BF16)?, b.to_dtype(C::BF16)?);
-    let bf16_s = best_of(budget, || a16.matmul(&b16).map(drop))?;
+    let bf16_s = bf16_seconds(&a.to_dtype(C::BF16)?, &b.to_dtype(C::BF16)?, budget)?;
     let x = Tensor::randn(0f32, 1.0, 4 << 20, &Cpu::Cpu)?;
     let add_s = best_of(budget, || (&x + &x).map(drop))?;
     // What the executor achieves on a stage's own ops: products by size, other nodes' bytes

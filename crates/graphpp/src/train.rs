@@ -641,10 +641,16 @@ fn describe_difference(saved: &RunConfig, now: &RunConfig) -> String {
     let (a, b) = (serde_json::to_value(saved.resume_key()), serde_json::to_value(now.resume_key()));
     if let (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) = (a, b) {
         if let Some((k, v)) = a.iter().find(|(k, v)| b.get(*k) != Some(v)) {
-            return format!(
-                "it was written with {k} = {v}, this run has {}",
-                b.get(k).unwrap_or(&serde_json::Value::Null)
-            );
+            let now = b.get(k).unwrap_or(&serde_json::Value::Null);
+            // A setting that is one flag's value: name the flag that resumes the run.
+            let flag = match v {
+                serde_json::Value::String(s) => Some(s.clone()),
+                serde_json::Value::Number(n) => Some(n.to_string()),
+                _ => None,
+            };
+            let hint =
+                flag.map_or(String::new(), |f| format!(" (pass --{} {f} to resume it)", k.replace('_', "-")));
+            return format!("it was written with {k} = {v}, this run has {now}{hint}");
         }
     }
     "its settings differ from this run's".into()

@@ -78,7 +78,12 @@ fn train_dtype_bf16_end_to_end() {
     let out = train(&data, &ck, &["--steps", "20", "--resume"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains(r#"it was written with dtype = "bf16", this run has "f32""#), "{err}");
+    assert!(
+        err.contains(
+            r#"it was written with dtype = "bf16", this run has "f32" (pass --dtype bf16 to resume it)"#
+        ),
+        "{err}"
+    );
 }
 
 /// A checkpoint whose sidecar has no `dtype` (written before `--dtype` existed) resumes as f32:
@@ -172,6 +177,39 @@ fn the_bf16_path_is_chosen_by_the_environment_and_checked_at_setup() {
     );
     assert!(!stderr.contains("rank 0"), "refused before any rank ran: {stderr}");
     assert!(run("tiles", "f32", "c").status.success());
+    // verify checks the reference step's path before either step runs.
+    let out = graphpp()
+        .env("GRAPHPP_BF16_GEMM", "tiles")
+        .args([
+            "verify",
+            "--reference-dtype",
+            "bf16",
+            "--schedule",
+            "1f1b",
+            "--ranks",
+            "2",
+            "--microbatches",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("GRAPHPP_BF16_GEMM=\"tiles\" names no bf16 matmul path"), "{stderr}");
+    assert!(!stderr.contains("single-device step"), "refused at setup, not by the step: {stderr}");
+    // On candle's kernels the variable names nothing that runs: not read, not named.
+    let out = graphpp()
+        .env("GRAPHPP_BF16_GEMM", "tiles")
+        .env("GRAPHPP_KERNELS", "composed")
+        .args(["train", "--data", data.to_str().unwrap(), "--checkpoint-dir"])
+        .arg(d.path().join("e"))
+        .args(SMALL)
+        .args(["--dtype", "bf16", "--steps", "1", "--eval-every", "0"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("composed kernels") && !stdout.contains("bf16 matmuls on"), "{stdout}");
     // A path this process cannot run is refused the same way, saying why.
     if let Some(why) = Bf16Gemm::Amx.unavailable() {
         let out = run("amx", "bf16", "d");

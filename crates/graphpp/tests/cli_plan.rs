@@ -441,6 +441,12 @@ fn a_probe_of_this_machine_plans() {
     let (toml, _) = output(c, 0);
     let back: graphpp::hardware::Hardware = toml::from_str(&toml).unwrap();
     assert_eq!(back, graphpp::hardware::Hardware::preset("h200-sxm").unwrap());
+    // The bf16 peak is the bf16 matmul path's, as a bf16 run computes (not candle's product):
+    // the probe reads GRAPHPP_BF16_GEMM and refuses a path it cannot run.
+    let mut c = graphpp();
+    c.env("GRAPHPP_BF16_GEMM", "tiles").args(["hardware", "probe", "--output"]).arg(d.path().join("x.toml"));
+    let (_, err) = output(c, 1);
+    assert!(err.contains("GRAPHPP_BF16_GEMM=\"tiles\" names no bf16 matmul path"), "{err}");
 }
 
 /// The seed's DeepSeek-V3 16B experiment planned on the H100 preset (tools/published): its

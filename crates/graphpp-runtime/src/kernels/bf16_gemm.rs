@@ -101,7 +101,7 @@ pub enum PathError {
     Unknown(String),
     /// A path this process cannot run: the path, why ([`Bf16Gemm::unavailable`]), the paths it
     /// can.
-    #[error("{PATH_VAR}={0}: {1}; this process can run: {2}")]
+    #[error("{PATH_VAR}={0}: {1}; this process can run: {2} (unset {PATH_VAR} to take the fastest)")]
     Unavailable(Bf16Gemm, String, String),
 }
 

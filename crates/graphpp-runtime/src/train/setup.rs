@@ -117,11 +117,28 @@ impl TrainSetup {
     /// Those of [`TrainSetup::check`].
     pub fn check_sized(&self, single_device: bool) -> Result<(), TrainError> {
         self.check_layout()?;
-        if self.dtype == graphpp_graph::DType::BF16 {
-            crate::kernels::bf16_gemm::chosen().map_err(SetupError::from)?;
-        }
         crate::kernels::device::kernels_choice().map_err(SetupError::from)?;
+        self.bf16_path(self.dtype).map_err(SetupError::from)?;
         self.check_step(single_device, None)
+    }
+
+    /// The bf16 matmul path a step computed in `dtype` runs on
+    /// ([`crate::kernels::bf16_gemm::chosen`]): `None` where it runs none — an f32 step, or one
+    /// on candle's kernels (a CUDA device, or `GRAPHPP_KERNELS=composed`), whose bf16 products
+    /// are candle's whatever `GRAPHPP_BF16_GEMM` says, so that variable is not read.
+    ///
+    /// # Errors
+    /// [`crate::kernels::bf16_gemm::PathError`] where `GRAPHPP_BF16_GEMM` names a path this
+    /// process cannot run.
+    pub fn bf16_path(
+        &self,
+        dtype: graphpp_graph::DType,
+    ) -> Result<Option<crate::kernels::bf16_gemm::Bf16Gemm>, crate::kernels::bf16_gemm::PathError> {
+        let own = self.device.is_cpu() && !crate::kernels::device::forced_composed();
+        if dtype != graphpp_graph::DType::BF16 || !own {
+            return Ok(None);
+        }
+        crate::kernels::bf16_gemm::chosen().map(Some)
     }
 
     /// Whether the model splits over the layout: [`TrainSetup::check_dp`],

@@ -180,7 +180,9 @@ pub struct TrainArgs {
     #[arg(long, default_value = "ROMEO:")]
     prompt: String,
     /// Compute dtype of the stage graphs: `f32`, or `bf16` mixed precision (f32 master weights,
-    /// gradients, AdamW state and loss; bf16 activations and messages between ranks).
+    /// gradients, AdamW state and loss; bf16 activations and messages between ranks). bf16
+    /// matmuls on the CPU take the fastest path the CPU has; the environment variable
+    /// GRAPHPP_BF16_GEMM=amx|avx512-bf16|widened picks one.
     #[arg(long, default_value = "f32", value_parser = crate::cmd::parse_compute_dtype)]
     dtype: graphpp_graph::DType,
     /// Run the strategy of a TOML (or .json) file: its directives place, replicate, shard, split,

@@ -336,7 +336,7 @@ pub(super) fn print_header(
         c.seq_len,
         c.tokens_per_step(),
         c.recompute,
-        bf16_path(c.dtype),
+        bf16_path(trainer.setup()),
         crate::cmd::plural(c.steps, "step", "steps")
             + &stop_after.filter(|&s| s < c.steps).map_or(String::new(), |s| format!(" (stopping after step {s})")),
         crate::cmd::plural(threads as u64, "thread", "threads"),
@@ -347,14 +347,13 @@ pub(super) fn print_header(
     Ok(())
 }
 
-/// ", bf16 matmuls on PATH" for a bf16 run (the path checked at setup), else nothing — an f32
-/// run never asks for the path (AMX's asks the kernel for the tiles).
-fn bf16_path(dtype: graphpp_graph::DType) -> String {
-    if dtype != graphpp_graph::DType::BF16 {
-        return String::new();
+/// ", bf16 matmuls on PATH" for a bf16 run on the CPU's own kernels (the path checked at setup:
+/// [`graphpp_runtime::train::TrainSetup::bf16_path`]), else nothing.
+fn bf16_path(setup: &graphpp_runtime::train::TrainSetup) -> String {
+    match setup.bf16_path(setup.dtype) {
+        Ok(Some(path)) => format!(", bf16 matmuls on {path}"),
+        _ => String::new(),
     }
-    graphpp_runtime::kernels::bf16_gemm::chosen()
-        .map_or(String::new(), |path| format!(", bf16 matmuls on {path}"))
 }
 
 pub(super) fn summarise(
