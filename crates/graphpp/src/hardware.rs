@@ -363,7 +363,6 @@ pub struct Probed {
     pub seconds: f64,
 }
 
-/// Runs `f` until `budget` has passed (at least 3 times) and returns the best time of one run.
 /// The best time of the bf16 product `a · b` (rank 2) as a bf16 run computes it: on the process's
 /// bf16 path ([`graphpp_runtime::kernels::bf16_gemm::chosen`]: AMX, AVX-512 BF16 or widened),
 /// or candle's product under `GRAPHPP_KERNELS=composed`.
@@ -393,6 +392,7 @@ fn bf16_seconds(
     })?)
 }
 
+/// Runs `f` until `budget` has passed (at least 3 times) and returns the best time of one run.
 fn best_of(
     budget: std::time::Duration,
     mut f: impl FnMut() -> candle_core::Result<()>,
