@@ -384,8 +384,9 @@ impl FusedGroup {
 
     /// [`FusedGroup::run`] compiled for AVX-512 F, else AVX2, where the CPU has it (16 or 8 lanes
     /// instead of SSE2's 4; the same operations in the same order, so the same bits: Rust never
-    /// fuses a multiply and an add on its own). AVX-512 over AVX2: `small`'s elementwise time 1.2
-    /// ms less in f32 and 1.7 in bf16 a fwbw (docs/PERFORMANCE.md, "Fused elementwise groups").
+    /// fuses a multiply and an add on its own). AVX-512 over AVX2: `small`'s non-matmul time
+    /// 0.5–1.6 ms less a fwbw in f32 and 1.2–1.9 in bf16, of 40 and 46 (docs/PERFORMANCE.md,
+    /// "Fused elementwise groups").
     fn dispatch(&self, dims: &[usize], ops: &[Operand], start: usize, out: Out) {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") {
