@@ -40,8 +40,8 @@ pub const PATH_VAR: &str = "GRAPHPP_BF16_GEMM";
 /// A way to compute a bf16 product (module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bf16Gemm {
-    /// AMX's `tdpbf16ps` on tile registers (x86-64 Linux with AMX-TILE, AMX-BF16, AVX-512 F and
-    /// BF16, once the kernel grants the tiles).
+    /// AMX's `tdpbf16ps` on tile registers (x86-64 Linux with AMX-TILE and AMX-BF16, once the
+    /// kernel grants the tiles and the hardware passes the path's self-check).
     Amx,
     /// AVX-512 BF16's `vdpbf16ps` on packed panels (x86-64 with `avx512f` and `avx512bf16`).
     Avx512Bf16,
