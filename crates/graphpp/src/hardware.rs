@@ -39,6 +39,15 @@ pub struct Device {
     /// same FLOPs); empty: they run at the matmul curve's rate (or the peak).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attention_curve: Vec<[f64; 2]>,
+    /// Measured bf16 matmul rates by size, as [`Device::matmul_curve`] but for stage graphs
+    /// computing in bf16 (the probe measures both: on a CPU a bf16 product's rate grows with its
+    /// size differently from an f32 one's); empty: the f32 curve scaled by the peaks' ratio.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bf16_matmul_curve: Vec<[f64; 2]>,
+    /// Measured bf16 attention rates by size, as [`Device::attention_curve`]; empty: as the f32
+    /// one, or (with a [`Device::bf16_matmul_curve`]) the bf16 matmul curve.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bf16_attention_curve: Vec<[f64; 2]>,
     /// Seconds every other node a compiled program writes costs besides its bytes (dispatch,
     /// small-tensor overheads; measured by the probe), microseconds.
     #[serde(default)]
@@ -155,6 +164,8 @@ fn h100(name: &str, memory_bandwidth: f64, memory_bytes: u64, source: &str) -> H
             memory_bytes,
             matmul_curve: Vec::new(),
             attention_curve: Vec::new(),
+            bf16_matmul_curve: Vec::new(),
+            bf16_attention_curve: Vec::new(),
             // A kernel launch and a small kernel's tail: a few microseconds per node on a GPU
             // (CUDA launch latency is ~2–5 µs); without it a small model's step is all FLOPs.
             node_overhead_us: 4.0,
@@ -222,9 +233,12 @@ impl Hardware {
                 return Err(HardwareError::Field { path: path.into(), field, value });
             }
         }
-        for (field, curve) in
-            [("device.matmul_curve", &d.matmul_curve), ("device.attention_curve", &d.attention_curve)]
-        {
+        for (field, curve) in [
+            ("device.matmul_curve", &d.matmul_curve),
+            ("device.attention_curve", &d.attention_curve),
+            ("device.bf16_matmul_curve", &d.bf16_matmul_curve),
+            ("device.bf16_attention_curve", &d.bf16_attention_curve),
+        ] {
             let curve_error = |point: usize, reason: &'static str| HardwareError::Curve {
                 path: path.into(),
                 field,
@@ -252,19 +266,23 @@ impl Hardware {
 
     /// Seconds of one run of `g` computing in `dtype`, node by node: each product at its size's
     /// rate ([`Device::matmul_curve`], an attention op's on [`Device::attention_curve`] where
-    /// there is one; else the peak for the dtype), each other node the compiled
+    /// there is one; in bf16 the bf16 curves where the file has them, else the f32 ones scaled by
+    /// the peaks' ratio; no curve: the peak for the dtype), each other node the compiled
     /// program writes at the memory bandwidth plus [`Device::node_overhead_us`] (fused members
     /// are computed in registers: not counted, as [`crate::profile::Work::of`]).
     pub fn graph_seconds(&self, g: &graphpp_graph::Graph, dtype: DType) -> f64 {
         let d = &self.device;
         let peak = d.peak(dtype);
-        let scale = peak / d.flops_f32;
-        let rate =
-            |flops: f64, attention: bool| match (d.matmul_curve.as_slice(), d.attention_curve.as_slice()) {
-                (_, curve @ [_, ..]) if attention => scale * interpolate(curve, flops),
-                ([], _) => peak,
-                (curve, _) => scale * interpolate(curve, flops),
-            };
+        let (matmul, attention, scale) = if dtype == DType::BF16 && !d.bf16_matmul_curve.is_empty() {
+            (&d.bf16_matmul_curve, &d.bf16_attention_curve, 1.0)
+        } else {
+            (&d.matmul_curve, &d.attention_curve, peak / d.flops_f32)
+        };
+        let rate = |flops: f64, fused: bool| match (matmul.as_slice(), attention.as_slice()) {
+            (_, curve @ [_, ..]) if fused => scale * interpolate(curve, flops),
+            ([], _) => peak,
+            (curve, _) => scale * interpolate(curve, flops),
+        };
         crate::profile::node_costs(g)
             .into_iter()
             .map(|c| match c {
@@ -451,6 +469,8 @@ pub fn probe() -> Result<Probed, Box<dyn std::error::Error + Send + Sync>> {
             memory_bytes: memory.max(1),
             matmul_curve: rates.matmul_curve,
             attention_curve: rates.attention_curve,
+            bf16_matmul_curve: rates.bf16_matmul_curve,
+            bf16_attention_curve: rates.bf16_attention_curve,
             node_overhead_us: rates.node_overhead_us,
         },
         intra_node: link,
@@ -466,6 +486,10 @@ pub struct ExecutorRates {
     pub matmul_curve: Vec<[f64; 2]>,
     /// Attention ops' FLOP/s by size, as `matmul_curve`.
     pub attention_curve: Vec<[f64; 2]>,
+    /// `matmul_curve` of the same stages computing in bf16 mixed precision.
+    pub bf16_matmul_curve: Vec<[f64; 2]>,
+    /// `attention_curve` in bf16.
+    pub bf16_attention_curve: Vec<[f64; 2]>,
     /// Bytes per second a node other than a product writes (the fitted line's slope).
     pub bandwidth: f64,
     /// Microseconds a node other than a product costs on top of its bytes (the line's intercept).
@@ -475,7 +499,8 @@ pub struct ExecutorRates {
 /// Rates of graphpp's own compiled executor, from every node of a stage's forward and backward
 /// — every layer of `tiny` at B = 8 sequences, then of `small` at B = 4 and 8 (products from 4
 /// to 400 MFLOP; the same shapes at two row counts, so a product's size is not confounded with
-/// its width), T = 64 tokens, f32, the pointwise recompute policy `train` defaults to — each node timed ([`graphpp_runtime::exec::RunOptions::time_nodes`])
+/// its width), T = 64 tokens, in f32 and again in bf16 mixed precision (the bf16 curves; the
+/// line below is f32's), the pointwise recompute policy `train` defaults to — each node timed ([`graphpp_runtime::exec::RunOptions::time_nodes`])
 /// over `runs` runs, its median kept: the matmuls' FLOP/s by size and the attention ops' apart (a pair run side by side
 /// counts as one product of both sizes, its time being the first's:
 /// [`graphpp_runtime::exec::pairs`]), and the least-squares line `t = overhead + bytes /
@@ -487,14 +512,20 @@ pub struct ExecutorRates {
 /// Building the stage or running it.
 pub fn executor_rates(runs: usize) -> Result<ExecutorRates, Box<dyn std::error::Error + Send + Sync>> {
     let (mut products, mut attention, mut written) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut bf16_products, mut bf16_attention) = (Vec::new(), Vec::new());
     let (tiny, small) = (graphpp_models::LlamaConfig::tiny(), graphpp_models::LlamaConfig::small());
     for (cfg, batch) in [(&tiny, 8), (&small, 4), (&small, 8)] {
-        time_stage_nodes(cfg, batch, runs, (&mut products, &mut attention), &mut written)?;
+        time_stage_nodes(cfg, (batch, DType::F32), runs, (&mut products, &mut attention), &mut written)?;
+        // bf16's products; its other nodes are left out of the bandwidth's fit (f32's).
+        let products = (&mut bf16_products, &mut bf16_attention);
+        time_stage_nodes(cfg, (batch, DType::BF16), runs, products, &mut Vec::new())?;
     }
     let (intercept, slope) = least_squares(&written);
     Ok(ExecutorRates {
         matmul_curve: binned_rates(&products),
         attention_curve: binned_rates(&attention),
+        bf16_matmul_curve: binned_rates(&bf16_products),
+        bf16_attention_curve: binned_rates(&bf16_attention),
         bandwidth: if slope > 0.0 { 1.0 / slope } else { f64::INFINITY },
         node_overhead_us: intercept.max(0.0) * 1e6,
     })
@@ -503,19 +534,20 @@ pub fn executor_rates(runs: usize) -> Result<ExecutorRates, Box<dyn std::error::
 /// Timed nodes: `(size, seconds)` pairs, the size a node's FLOPs or bytes.
 type Timed = Vec<(f64, f64)>;
 
-/// Times every node of one stage holding all of `cfg`'s layers (`batch` sequences, T = 64, f32,
-/// the pointwise policy), fw then full_bw, `runs` runs each, the median per node: appends products as
+/// Times every node of one stage holding all of `cfg`'s layers (`batch` sequences, T = 64,
+/// computing in `dtype`, the pointwise policy), fw then full_bw, `runs` runs each, the median per
+/// node: appends products as
 /// `(flops, seconds)` and other written nodes as `(bytes, seconds)` ([`executor_rates`]).
 fn time_stage_nodes(
     cfg: &graphpp_models::LlamaConfig,
-    batch: usize,
+    (batch, dtype): (usize, DType),
     runs: usize,
     (products, attention): (&mut Timed, &mut Timed),
     written: &mut Timed,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     use graphpp_models::{Model, StageOptions};
     use graphpp_runtime::exec::RunOptions;
-    let opts = StageOptions::mixed(batch, 64, DType::F32);
+    let opts = StageOptions::mixed(batch, 64, dtype);
     let spec = graphpp_models::split_layers(cfg.num_layers(), 1, None)?.remove(0);
     let stage = cfg.build_stage(&spec, &opts)?;
     let graphs = graphpp_graph::stage_graphs(&stage, &graphpp_models::Recompute::Pointwise.policy(&spec))?;
@@ -779,6 +811,10 @@ mod tests {
         // bf16 scales the curve by the peaks' ratio.
         let ratio = h.device.flops_bf16 / h.device.flops_f32;
         assert!((h.graph_seconds(&g, DType::BF16) - (1e-3 / ratio + 3e-6)).abs() < 1e-12);
+        // A bf16 curve of its own is read as it is (1e6 FLOPs at 4e9), for bf16 only.
+        h.device.bf16_matmul_curve = vec![[1e6, 4e9], [1e8, 4e10]];
+        assert!((h.graph_seconds(&g, DType::BF16) - (2.5e-4 + 3e-6)).abs() < 1e-12);
+        assert!((h.graph_seconds(&g, DType::F32) - want).abs() < 1e-12);
     }
 
     /// An attention curve charges the attention ops (and only them) at its rate: a stage's
@@ -843,10 +879,16 @@ mod tests {
             (vec![[1e6, -1e9]], "device.matmul_curve point 0: its FLOPs and FLOP/s must be positive"),
         ] {
             let mut h = Hardware::load("h100-sxm").unwrap();
-            h.device.matmul_curve = curve;
+            h.device.matmul_curve = curve.clone();
             std::fs::write(&path, h.to_toml()).unwrap();
             let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
             assert!(e.contains(want), "{e}");
+            // The bf16 curve is checked alike, under its own name.
+            let mut h = Hardware::load("h100-sxm").unwrap();
+            h.device.bf16_matmul_curve = curve;
+            std::fs::write(&path, h.to_toml()).unwrap();
+            let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
+            assert!(e.contains(&want.replace("device.matmul", "device.bf16_matmul")), "{e}");
         }
         let e = Hardware::load("/nonexistent/h.toml").unwrap_err().to_string();
         assert!(e.contains("/nonexistent/h.toml"), "{e}");

@@ -431,6 +431,9 @@ fn a_probe_of_this_machine_plans() {
         h.device.flops_f32 > 1e8 && h.device.memory_bandwidth > 1e8 && h.intra_node.bandwidth > 1e6,
         "{h:?}"
     );
+    // Both dtypes' products are measured on the executor (4× bins of sizes from tiny and small).
+    assert_eq!(h.device.bf16_matmul_curve.len(), h.device.matmul_curve.len(), "{h:?}");
+    assert!(h.device.bf16_matmul_curve.len() >= 2 && !h.device.bf16_attention_curve.is_empty(), "{h:?}");
     let mut c = graphpp();
     c.args(["plan", "--model", "tiny", "--ranks", "2", "--global-batch", "8", "--top", "1", "--hardware"])
         .arg(&file);
