@@ -117,10 +117,18 @@ fn verify_dtype_bf16() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("seed 0, pipelined bf16 vs single device f32)"), "{stdout}");
+    let path = graphpp_runtime::kernels::bf16_gemm::chosen().unwrap();
+    assert!(stdout.lines().next().unwrap().contains(&format!(", bf16 matmuls on {path} (model")), "{stdout}");
     assert!(stdout.contains("PASS (tolerance 5e-2 relative)"), "{stdout}");
     let out = graphpp().args(args).args(["--tolerance", "1e-5"]).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("FAIL: difference above tolerance 1e-5"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("FAIL: difference above tolerance 1e-5") && !stderr.contains("MoE"), "{stderr}");
+    // A MoE model in bf16 against f32 fails on rerouted tokens: the failure names the remedy.
+    let out = graphpp().args(args).args(["--model", "moe-tiny"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("compared against a bf16 reference (--reference-dtype bf16)"), "{stderr}");
     let out = graphpp()
         .args(["verify", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "1", "--dtype", "bf16"])
         .args(["--reference-dtype", "bf16"])

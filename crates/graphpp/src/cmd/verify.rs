@@ -68,10 +68,10 @@ pub struct VerifyArgs {
     strategy: Option<PathBuf>,
 }
 
-/// A difference above the tolerance: the step ran, so no rank failed.
+/// A difference above the tolerance (the step ran, so no rank failed), and what to try.
 #[derive(Debug, thiserror::Error)]
-#[error("FAIL: difference above tolerance {} relative", if *.0 == 0.0 { "0".to_string() } else { format!("{:e}", .0) })]
-struct AboveTolerance(f64);
+#[error("FAIL: difference above tolerance {} relative{}", if *.0 == 0.0 { "0".to_string() } else { format!("{:e}", .0) }, .1)]
+struct AboveTolerance(f64, String);
 
 /// Runs `graphpp verify`. Errors: bad shape or model (typed, with the numbers), a failing rank,
 /// or a difference above the tolerance.
@@ -121,7 +121,15 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     print_report(a, &setup, &name, launch.world(), &r);
     println!("wall time {:.2} s", t0.elapsed().as_secs_f64());
     if !r.passes(tolerance) {
-        return Err(AboveTolerance(tolerance).into());
+        // bf16 rounding flips some routing choices against an f32 reference (docs/cli/verify.md).
+        let routed = setup.train.model.routed_experts() > 0;
+        let hint = if routed && a.dtype == DType::BF16 && a.reference_dtype != DType::BF16 {
+            "; a MoE model in bf16 is compared against a bf16 reference (--reference-dtype bf16): \
+             against f32, bf16 rounding sends some tokens to other experts"
+        } else {
+            ""
+        };
+        return Err(AboveTolerance(tolerance, hint.into()).into());
     }
     println!("PASS (tolerance {tolerance:e} relative)");
     Ok(())
@@ -173,6 +181,10 @@ fn print_report(a: &VerifyArgs, setup: &VerifySetup, name: &str, world: usize, r
     }
     if graphpp_runtime::kernels::device::forced_composed() {
         layout.push_str(", composed kernels");
+    }
+    let bf16 = [a.dtype, a.reference_dtype].contains(&DType::BF16);
+    if let Ok(Some(path)) = t.bf16_path(if bf16 { DType::BF16 } else { DType::F32 }) {
+        layout.push_str(&format!(", bf16 matmuls on {path}"));
     }
     let layers = t.model.num_layers();
     println!(
