@@ -159,9 +159,26 @@ impl VerifySetup {
             crate::train::TrainError::Size(e) => VerifyError::Setup(SetupError::Size(e)),
             e => VerifyError::Train(Box::new(e)),
         })?;
-        // The reference step's bf16 path, checked before either step runs.
-        let path = self.train.bf16_path(self.reference_dtype).map_err(SetupError::from);
-        path.map(|_| ()).map_err(|e| VerifyError::Train(Box::new(e.into())))
+        // The reference step's bf16 path, checked before either step runs: it computes on the
+        // CPU's own kernels whatever the pipelined step's device and kernels
+        // (`single_device_step`).
+        self.reference_bf16_path()
+            .map(|_| ())
+            .map_err(|e| VerifyError::Train(Box::new(SetupError::from(e).into())))
+    }
+
+    /// The bf16 matmul path the reference step runs on: `None` for an f32 reference.
+    ///
+    /// # Errors
+    /// [`crate::kernels::bf16_gemm::PathError`] where `GRAPHPP_BF16_GEMM` names a path this
+    /// process cannot run.
+    pub fn reference_bf16_path(
+        &self,
+    ) -> Result<Option<crate::kernels::bf16_gemm::Bf16Gemm>, crate::kernels::bf16_gemm::PathError> {
+        if self.reference_dtype != DType::BF16 {
+            return Ok(None);
+        }
+        crate::kernels::bf16_gemm::chosen().map(Some)
     }
 }
 

@@ -22,7 +22,8 @@ use crate::profile::{NodeCost, Speed};
 pub struct Device {
     /// Dense f32 matmul FLOP/s (no tensor cores, no sparsity).
     pub flops_f32: f64,
-    /// Dense bf16 matmul FLOP/s (tensor cores, no sparsity).
+    /// Dense bf16 matmul FLOP/s (a GPU's tensor cores, no sparsity; a CPU's bf16 matmul path,
+    /// `graphpp_runtime::kernels::bf16_gemm`, as the probe measures it).
     pub flops_bf16: f64,
     /// Memory bandwidth, bytes/s.
     pub memory_bandwidth: f64,
@@ -30,8 +31,8 @@ pub struct Device {
     pub memory_bytes: u64,
     /// Measured matmul rates by size: pairs `[FLOPs of one product, achieved FLOP/s]` in f32,
     /// ascending (`graphpp hardware probe`); a product's rate is interpolated between them (in
-    /// log–log), clamped at the ends, and scaled to bf16 by `flops_bf16 / flops_f32`. Empty: every
-    /// product at the peak.
+    /// log–log), clamped at the ends, and scaled to bf16 by `flops_bf16 / flops_f32` where there is
+    /// no [`Device::bf16_matmul_curve`]. Empty: every product at the peak.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub matmul_curve: Vec<[f64; 2]>,
     /// Measured attention rates by size, as [`Device::matmul_curve`] but for the fused attention
@@ -44,8 +45,9 @@ pub struct Device {
     /// size differently from an f32 one's); empty: the f32 curve scaled by the peaks' ratio.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub bf16_matmul_curve: Vec<[f64; 2]>,
-    /// Measured bf16 attention rates by size, as [`Device::attention_curve`]; empty: as the f32
-    /// one, or (with a [`Device::bf16_matmul_curve`]) the bf16 matmul curve.
+    /// Measured bf16 attention rates by size, as [`Device::attention_curve`]; only beside a
+    /// [`Device::bf16_matmul_curve`]. Empty: the f32 attention curve scaled by the peaks' ratio,
+    /// else the bf16 matmul curve.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub bf16_attention_curve: Vec<[f64; 2]>,
     /// Seconds every other node a compiled program writes costs besides its bytes (dispatch,
@@ -122,7 +124,8 @@ pub enum HardwareError {
         /// Its value.
         value: f64,
     },
-    /// A point of a measured curve that is not positive, or out of order.
+    /// A point of a measured curve that is not positive, or out of order; a bf16 attention curve
+    /// without a bf16 matmul curve.
     #[error("--hardware {path}: {field} point {point}: {reason}")]
     Curve {
         /// The file, or the preset's name.
@@ -252,6 +255,14 @@ impl Hardware {
                 return Err(curve_error(i + 1, "the sizes must ascend"));
             }
         }
+        if !d.bf16_attention_curve.is_empty() && d.bf16_matmul_curve.is_empty() {
+            return Err(HardwareError::Curve {
+                path: path.into(),
+                field: "device.bf16_attention_curve",
+                point: 0,
+                reason: "it needs a device.bf16_matmul_curve beside it",
+            });
+        }
         for (field, value) in [
             ("intra_node.latency_us", self.intra_node.latency_us),
             ("inter_node.latency_us", self.inter_node.latency_us),
@@ -273,15 +284,21 @@ impl Hardware {
     pub fn graph_seconds(&self, g: &graphpp_graph::Graph, dtype: DType) -> f64 {
         let d = &self.device;
         let peak = d.peak(dtype);
-        let (matmul, attention, scale) = if dtype == DType::BF16 && !d.bf16_matmul_curve.is_empty() {
-            (&d.bf16_matmul_curve, &d.bf16_attention_curve, 1.0)
-        } else {
-            (&d.matmul_curve, &d.attention_curve, peak / d.flops_f32)
+        let (bf16, scale) = (dtype == DType::BF16 && !d.bf16_matmul_curve.is_empty(), peak / d.flops_f32);
+        let matmul = |flops: f64| match d.matmul_curve.as_slice() {
+            _ if bf16 => interpolate(&d.bf16_matmul_curve, flops),
+            [] => peak,
+            curve => scale * interpolate(curve, flops),
         };
-        let rate = |flops: f64, fused: bool| match (matmul.as_slice(), attention.as_slice()) {
-            (_, curve @ [_, ..]) if fused => scale * interpolate(curve, flops),
-            ([], _) => peak,
-            (curve, _) => scale * interpolate(curve, flops),
+        // An attention op: its own curve in the dtype, else f32's scaled, else a matmul's rate.
+        let rate = |flops: f64, attention: bool| match (
+            d.bf16_attention_curve.as_slice(),
+            d.attention_curve.as_slice(),
+        ) {
+            _ if !attention => matmul(flops),
+            (curve @ [_, ..], _) if bf16 => interpolate(curve, flops),
+            (_, curve @ [_, ..]) => scale * interpolate(curve, flops),
+            _ => matmul(flops),
         };
         crate::profile::node_costs(g)
             .into_iter()
@@ -381,35 +398,6 @@ pub struct Probed {
     pub seconds: f64,
 }
 
-/// The best time of the bf16 product `a · b` (rank 2) as a bf16 run computes it: on the process's
-/// bf16 path ([`graphpp_runtime::kernels::bf16_gemm::chosen`]: AMX, AVX-512 BF16 or widened),
-/// or candle's product under `GRAPHPP_KERNELS=composed`.
-///
-/// # Errors
-/// `GRAPHPP_BF16_GEMM` naming a path this process cannot run; a tensor error.
-fn bf16_seconds(
-    a: &candle_core::Tensor,
-    b: &candle_core::Tensor,
-    budget: std::time::Duration,
-) -> Result<f64, Box<dyn std::error::Error + Send + Sync>> {
-    use graphpp_runtime::kernels::bf16_gemm::{chosen, gemm, Strided};
-    if graphpp_runtime::kernels::device::forced_composed() {
-        return Ok(best_of(budget, || a.matmul(b).map(drop))?);
-    }
-    let path = chosen()?;
-    let ((m, k), n) = (a.dims2()?, b.dims2()?.1);
-    let (va, vb) = (a.flatten_all()?.to_vec1()?, b.flatten_all()?.to_vec1()?);
-    let (sa, sb) = (
-        Strided { data: &va, row_stride: k, col_stride: 1 },
-        Strided { data: &vb, row_stride: n, col_stride: 1 },
-    );
-    let mut out = vec![std::mem::MaybeUninit::uninit(); m * n];
-    Ok(best_of(budget, || {
-        gemm(path, m, n, k, sa, sb, &mut out, true);
-        Ok(())
-    })?)
-}
-
 /// Runs `f` until `budget` has passed (at least 3 times) and returns the best time of one run.
 fn best_of(
     budget: std::time::Duration,
@@ -429,7 +417,7 @@ fn best_of(
 /// Measures this machine in the format of a cluster description, each rank a device with the
 /// intra-op threads the caller set (`graphpp hardware probe`): the peak matmul FLOP/s of a
 /// `[512, 256] · [256, 688]` product (the shape of `small`'s MLP at B·T = 512) in f32 and in bf16
-/// on the bf16 path a bf16 run takes ([`bf16_seconds`]);
+/// on the bf16 path a bf16 run takes (`graphpp_runtime::kernels::matmul::matmul`);
 /// the matmul curve, the bytes per second other nodes write (at most an elementwise add's over
 /// 16 MiB) and the per-node overhead that graphpp's executor achieves on a stage's own ops
 /// ([`executor_rates`]); the threads communicator's bandwidth (a 4 MiB
@@ -448,7 +436,10 @@ pub fn probe() -> Result<Probed, Box<dyn std::error::Error + Send + Sync>> {
     let b = Tensor::randn(0f32, 1.0, (k, n), &Cpu::Cpu)?;
     let flops = 2.0 * (m * k * n) as f64;
     let f32_s = best_of(budget, || a.matmul(&b).map(drop))?;
-    let bf16_s = bf16_seconds(&a.to_dtype(C::BF16)?, &b.to_dtype(C::BF16)?, budget)?;
+    // bf16 as a bf16 run computes it: on the process's bf16 path (AMX, AVX-512 BF16 or widened;
+    // candle's product under GRAPHPP_KERNELS=composed).
+    let (a16, b16) = (a.to_dtype(C::BF16)?, b.to_dtype(C::BF16)?);
+    let bf16_s = best_of(budget, || graphpp_runtime::kernels::matmul::matmul(&a16, &b16).map(drop))?;
     let x = Tensor::randn(0f32, 1.0, 4 << 20, &Cpu::Cpu)?;
     let add_s = best_of(budget, || (&x + &x).map(drop))?;
     // What the executor achieves on a stage's own ops: products by size, other nodes' bytes
@@ -839,6 +830,27 @@ mod tests {
         assert!(attention > 0);
         let want = before + attention as f64 * (1e-9 - 1e-10);
         assert!((h.graph_seconds(&g, DType::F32) - want).abs() < 1e-12 * want.max(1.0), "{want}");
+        // In bf16 with a bf16 matmul curve but no bf16 attention curve, attention stays on the f32
+        // attention curve scaled by the peaks' ratio (not on the faster bf16 matmul curve).
+        h.device.bf16_matmul_curve = vec![[1e3, 4e10], [1e9, 4e10]];
+        let ratio = h.device.flops_bf16 / h.device.flops_f32;
+        let products: u64 = crate::profile::node_costs(&g)
+            .into_iter()
+            .filter_map(|c| match c {
+                NodeCost::Product { flops, attention: false } => Some(flops),
+                _ => None,
+            })
+            .sum();
+        // The other nodes' seconds, the same in either dtype here (the graph's bytes are f32's).
+        let written = before - (products + attention) as f64 * 1e-10;
+        let want = products as f64 / 4e10 + attention as f64 * 1e-9 / ratio + written;
+        let got = h.graph_seconds(&g, DType::BF16);
+        assert!((got - want).abs() < 1e-12 * want.max(1.0), "{got} against {want}");
+        // With its own bf16 attention curve, that.
+        h.device.bf16_attention_curve = vec![[1e3, 2e9], [1e9, 2e9]];
+        let want = products as f64 / 4e10 + attention as f64 * 5e-10 + written;
+        let got = h.graph_seconds(&g, DType::BF16);
+        assert!((got - want).abs() < 1e-12 * want.max(1.0), "{got} against {want}");
     }
 
     /// MFU divides the step's model FLOPs by the world's peak in the step's dtype.
@@ -890,6 +902,14 @@ mod tests {
             let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
             assert!(e.contains(&want.replace("device.matmul", "device.bf16_matmul")), "{e}");
         }
+        let mut h = Hardware::load("h100-sxm").unwrap();
+        h.device.bf16_attention_curve = vec![[1e6, 1e9]];
+        std::fs::write(&path, h.to_toml()).unwrap();
+        let e = Hardware::load(path.to_str().unwrap()).unwrap_err().to_string();
+        assert!(
+            e.contains("device.bf16_attention_curve point 0: it needs a device.bf16_matmul_curve beside it"),
+            "{e}"
+        );
         let e = Hardware::load("/nonexistent/h.toml").unwrap_err().to_string();
         assert!(e.contains("/nonexistent/h.toml"), "{e}");
         let e = Hardware::load("h100").unwrap_err().to_string();

@@ -642,10 +642,11 @@ fn describe_difference(saved: &RunConfig, now: &RunConfig) -> String {
     if let (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) = (a, b) {
         if let Some((k, v)) = a.iter().find(|(k, v)| b.get(*k) != Some(v)) {
             let now = b.get(k).unwrap_or(&serde_json::Value::Null);
-            // A setting that is one flag's value: name the flag that resumes the run.
+            // A setting that is one flag's value as written (a name, a path, a whole number): name
+            // the flag that resumes the run. A float may be derived (`min_lr` from `lr`): none.
             let flag = match v {
                 serde_json::Value::String(s) => Some(s.clone()),
-                serde_json::Value::Number(n) => Some(n.to_string()),
+                serde_json::Value::Number(n) if !n.is_f64() => Some(n.to_string()),
                 _ => None,
             };
             let hint =

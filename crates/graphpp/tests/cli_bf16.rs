@@ -128,7 +128,10 @@ fn verify_dtype_bf16() {
     let out = graphpp().args(args).args(["--model", "moe-tiny"]).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("compared against a bf16 reference (--reference-dtype bf16)"), "{stderr}");
+    assert!(
+        stderr.contains("compare a MoE model in one dtype (e.g. --dtype bf16 --reference-dtype bf16)"),
+        "{stderr}"
+    );
     let out = graphpp()
         .args(["verify", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "1", "--dtype", "bf16"])
         .args(["--reference-dtype", "bf16"])
@@ -185,26 +188,24 @@ fn the_bf16_path_is_chosen_by_the_environment_and_checked_at_setup() {
     );
     assert!(!stderr.contains("rank 0"), "refused before any rank ran: {stderr}");
     assert!(run("tiles", "f32", "c").status.success());
-    // verify checks the reference step's path before either step runs.
-    let out = graphpp()
-        .env("GRAPHPP_BF16_GEMM", "tiles")
-        .args([
-            "verify",
-            "--reference-dtype",
-            "bf16",
-            "--schedule",
-            "1f1b",
-            "--ranks",
-            "2",
-            "--microbatches",
-            "2",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("GRAPHPP_BF16_GEMM=\"tiles\" names no bf16 matmul path"), "{stderr}");
-    assert!(!stderr.contains("single-device step"), "refused at setup, not by the step: {stderr}");
+    // verify checks the reference step's path before either step runs, also where the pipelined
+    // step runs candle's kernels (the reference runs the CPU's own).
+    for kernels in ["compiled", "composed"] {
+        let out = graphpp()
+            .env("GRAPHPP_BF16_GEMM", "tiles")
+            .env("GRAPHPP_KERNELS", kernels)
+            .args(["verify", "--reference-dtype", "bf16", "--schedule", "1f1b", "--ranks", "2"])
+            .args(["--microbatches", "2"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{kernels}: {stderr}");
+        assert!(stderr.contains("GRAPHPP_BF16_GEMM=\"tiles\" names no bf16 matmul path"), "{stderr}");
+        assert!(
+            !stderr.contains("single-device step"),
+            "{kernels}: refused at setup, not by the step: {stderr}"
+        );
+    }
     // On candle's kernels the variable names nothing that runs: not read, not named.
     let out = graphpp()
         .env("GRAPHPP_BF16_GEMM", "tiles")

@@ -434,6 +434,9 @@ fn a_probe_of_this_machine_plans() {
     // Both dtypes' products are measured on the executor (4× bins of sizes from tiny and small).
     assert_eq!(h.device.bf16_matmul_curve.len(), h.device.matmul_curve.len(), "{h:?}");
     assert!(h.device.bf16_matmul_curve.len() >= 2 && !h.device.bf16_attention_curve.is_empty(), "{h:?}");
+    // Timed apart: the same sizes (the same graphs' FLOPs) at other rates.
+    let (f32s, bf16s) = (&h.device.matmul_curve, &h.device.bf16_matmul_curve);
+    assert!(f32s.iter().zip(bf16s).all(|(f, b)| f[0] == b[0] && f[1] != b[1]), "{h:?}");
     let mut c = graphpp();
     c.args(["plan", "--model", "tiny", "--ranks", "2", "--global-batch", "8", "--top", "1", "--hardware"])
         .arg(&file);

@@ -385,7 +385,7 @@ impl FusedGroup {
     /// [`FusedGroup::run`] compiled for AVX-512 F, else AVX2, where the CPU has it (16 or 8 lanes
     /// instead of SSE2's 4; the same operations in the same order, so the same bits: Rust never
     /// fuses a multiply and an add on its own). AVX-512 over AVX2: `small`'s non-matmul time
-    /// 0.5–1.6 ms less a fwbw in f32 and 1.2–1.9 in bf16, of 40 and 46 (docs/PERFORMANCE.md,
+    /// 0.5–1.6 ms less a fwbw in f32 and 1.2–1.9 in bf16 (per alternation), of 40 and 46 (docs/PERFORMANCE.md,
     /// "Fused elementwise groups").
     fn dispatch(&self, dims: &[usize], ops: &[Operand], start: usize, out: Out) {
         #[cfg(target_arch = "x86_64")]
@@ -720,8 +720,10 @@ fn coalesce<'a>(shape: &[usize], mut ops: Vec<Operand<'a>>) -> (Vec<usize>, Vec<
 mod tests {
     use super::*;
 
+    /// The loop compiled for each vector width this CPU has (AVX-512 F, AVX2) and the portable one
+    /// give the same bits, those of each op's f32 arithmetic in order.
     #[test]
-    fn the_avx2_and_the_portable_loop_give_the_same_bits() {
+    fn every_compiled_loop_gives_the_portable_loops_bits() {
         // x [3, 40] (rows shorter than a block), y [40] broadcast: z = sigmoid(x) * y / x + 0.5
         let mut b = graphpp_graph::GraphBuilder::new("g", DType::F32);
         let x = b.input("x", graphpp_graph::InputKind::Activation, vec![3, 40]).unwrap();
@@ -742,15 +744,27 @@ mod tests {
             ]
         };
         let (dims, a) = coalesce(&[3, 40], ops());
-        let (mut portable, mut dispatched) =
-            ([MaybeUninit::new(f32::NAN); 120], [MaybeUninit::new(f32::NAN); 120]);
-        group.run(&dims, &a, 0, Out::F32(&mut portable));
-        group.dispatch(&dims, &a, 0, Out::F32(&mut dispatched));
-        // SAFETY: initialised (NaN) above, then overwritten by the kernels.
-        let (portable, dispatched) =
-            unsafe { (portable.map(|v| v.assume_init()), dispatched.map(|v| v.assume_init())) };
+        let bits = |run: &dyn Fn(Out)| {
+            let mut out = [MaybeUninit::new(f32::NAN); 120];
+            run(Out::F32(&mut out));
+            // SAFETY: initialised (NaN) above, then overwritten by the kernel.
+            out.map(|v| unsafe { v.assume_init() }.to_bits()).to_vec()
+        };
+        let portable = bits(&|o| group.run(&dims, &a, 0, o));
+        assert_eq!(bits(&|o| group.dispatch(&dims, &a, 0, o)), portable);
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512 F (checked just above).
+                assert_eq!(bits(&|o| unsafe { group.run_avx512(&dims, &a, 0, o) }), portable, "AVX-512");
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2 (checked just above).
+                assert_eq!(bits(&|o| unsafe { group.run_avx2(&dims, &a, 0, o) }), portable, "AVX2");
+            }
+        }
+        let portable: Vec<f32> = portable.into_iter().map(f32::from_bits).collect();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&portable), bits(&dispatched));
         let expect: Vec<f32> =
             (0..120).map(|i| (1.0 / ((-xs[i]).exp() + 1.0)) * ys[i % 40] / xs[i] * 1.0 + 0.5).collect();
         assert_eq!(bits(&portable), bits(&expect), "each op's f32 arithmetic, in order");

@@ -11,8 +11,13 @@ use rayon::prelude::*;
 /// contiguous (a transposed weight) is copied first, as gemm reads it faster so and a compiled
 /// program reads its kept copy ([`crate::exec::kept`]: the same bits); operands whose layout
 /// candle's matmul cannot take (e.g. a permuted 4-D view) are made contiguous first. An operand
-/// [`composed`] names goes to candle's product as it is.
-pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+/// [`composed`] names goes to candle's product as it is. bf16 operands run on the process's bf16
+/// path ([`bf16_gemm::chosen`]), as a bf16 run computes them (the hardware probe times this).
+///
+/// # Errors
+/// candle's, for operands it cannot multiply; the bf16 path's [`bf16_gemm::PathError`] as a
+/// candle error.
+pub fn matmul(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     if composed(a) {
         // candle's product on the operands' device (cuBLAS on a GPU; bf16 sums in f32 there).
         // Its CUDA backend refuses views it cannot stride through with its own error

@@ -44,7 +44,7 @@ pub enum SetupError {
     /// The kind cannot serve the shape.
     #[error(transparent)]
     Generate(#[from] GenerateError),
-    /// A bf16 run whose `GRAPHPP_BF16_GEMM` names no bf16 matmul path this CPU has.
+    /// A bf16 run whose `GRAPHPP_BF16_GEMM` names no bf16 matmul path this process can run.
     #[error(transparent)]
     Bf16Path(#[from] crate::kernels::bf16_gemm::PathError),
     /// `GRAPHPP_KERNELS` names no choice of kernels, or a device cannot be opened.

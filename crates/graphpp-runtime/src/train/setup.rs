@@ -96,14 +96,14 @@ pub struct TrainSetup {
 impl TrainSetup {
     /// Every check of a run's setup that needs neither a tensor nor the schedule, in one place,
     /// cheapest first: dp divides the microbatch size, the expert- and tensor-parallel degrees
-    /// ([`TrainSetup::check_ep`], [`TrainSetup::check_tp`]), the bf16 matmul path a bf16 run takes
-    /// ([`crate::kernels::bf16_gemm::chosen`]), the step's size from estimates
+    /// ([`TrainSetup::check_ep`], [`TrainSetup::check_tp`]), the bf16 matmul path a bf16 run on
+    /// the CPU's own kernels takes ([`TrainSetup::bf16_path`]), the step's size from estimates
     /// ([`crate::check_step`]).
     ///
     /// # Errors
     /// [`TrainError::BatchNotDivisible`] when dp is 0 or does not divide the microbatch size;
     /// [`TrainError::ExpertParallel`]; [`TrainError::TensorParallel`]; [`SetupError::Bf16Path`] (in [`TrainError::Setup`]) when
-    /// `GRAPHPP_BF16_GEMM` names a path this CPU lacks; [`SetupError::Device`] when
+    /// `GRAPHPP_BF16_GEMM` names a path this process cannot run; [`SetupError::Device`] when
     /// `GRAPHPP_KERNELS` names no choice; [`TrainError::Size`] when the schedule
     /// or the step would be too large.
     pub fn check(&self) -> Result<(), TrainError> {

@@ -210,6 +210,12 @@ pub fn launch(
     })
 }
 
+/// ", bf16 matmuls on PATH" for a run's first line where bf16 products run on graphpp's CPU
+/// kernels (`path`: `TrainSetup::bf16_path`), else nothing.
+pub(crate) fn bf16_matmuls(path: Option<graphpp_runtime::kernels::bf16_gemm::Bf16Gemm>) -> String {
+    path.map_or(String::new(), |p| format!(", bf16 matmuls on {p}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -121,11 +121,11 @@ fn verify(a: &VerifyArgs, launch: &Launch) -> Result<()> {
     print_report(a, &setup, &name, launch.world(), &r);
     println!("wall time {:.2} s", t0.elapsed().as_secs_f64());
     if !r.passes(tolerance) {
-        // bf16 rounding flips some routing choices against an f32 reference (docs/cli/verify.md).
+        // bf16 rounding flips some routing choices against f32 (docs/cli/verify.md).
         let routed = setup.train.model.routed_experts() > 0;
-        let hint = if routed && a.dtype == DType::BF16 && a.reference_dtype != DType::BF16 {
-            "; a MoE model in bf16 is compared against a bf16 reference (--reference-dtype bf16): \
-             against f32, bf16 rounding sends some tokens to other experts"
+        let hint = if routed && a.dtype != a.reference_dtype {
+            "; compare a MoE model in one dtype (e.g. --dtype bf16 --reference-dtype bf16): \
+             bf16 rounding sends some tokens to other experts than f32 does"
         } else {
             ""
         };
@@ -182,10 +182,10 @@ fn print_report(a: &VerifyArgs, setup: &VerifySetup, name: &str, world: usize, r
     if graphpp_runtime::kernels::device::forced_composed() {
         layout.push_str(", composed kernels");
     }
-    let bf16 = [a.dtype, a.reference_dtype].contains(&DType::BF16);
-    if let Ok(Some(path)) = t.bf16_path(if bf16 { DType::BF16 } else { DType::F32 }) {
-        layout.push_str(&format!(", bf16 matmuls on {path}"));
-    }
+    // The pipelined step's path where it runs graphpp's CPU kernels, else the reference's (which
+    // always does).
+    let path = t.bf16_path(a.dtype).ok().flatten().or(setup.reference_bf16_path().ok().flatten());
+    layout.push_str(&crate::cmd::bf16_matmuls(path));
     let layers = t.model.num_layers();
     println!(
         "verify {}{} p={} v={} m={}{layout} (model {name}, {layers} layer{}, B={} T={}, seed {}, {})",

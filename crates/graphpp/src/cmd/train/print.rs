@@ -336,7 +336,7 @@ pub(super) fn print_header(
         c.seq_len,
         c.tokens_per_step(),
         c.recompute,
-        bf16_path(trainer.setup()),
+        crate::cmd::bf16_matmuls(trainer.setup().bf16_path(c.dtype).ok().flatten()),
         crate::cmd::plural(c.steps, "step", "steps")
             + &stop_after.filter(|&s| s < c.steps).map_or(String::new(), |s| format!(" (stopping after step {s})")),
         crate::cmd::plural(threads as u64, "thread", "threads"),
@@ -345,15 +345,6 @@ pub(super) fn print_header(
         data
     );
     Ok(())
-}
-
-/// ", bf16 matmuls on PATH" for a bf16 run on the CPU's own kernels (the path checked at setup:
-/// [`graphpp_runtime::train::TrainSetup::bf16_path`]), else nothing.
-fn bf16_path(setup: &graphpp_runtime::train::TrainSetup) -> String {
-    match setup.bf16_path(setup.dtype) {
-        Ok(Some(path)) => format!(", bf16 matmuls on {path}"),
-        _ => String::new(),
-    }
 }
 
 pub(super) fn summarise(
