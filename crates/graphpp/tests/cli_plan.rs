@@ -35,6 +35,16 @@ fn a_profile_predicts_its_own_run_and_other_schedules_of_the_same_stages() {
     assert!(out.contains("profile of 2 steps"), "{out}");
     let p = Profile::load(&path).unwrap();
     assert_eq!((p.ranks, p.microbatches, p.stages.len(), p.steps), (2, 4, 2, 2));
+    // An f32 profile's costs are f32's: a bf16 plan from it warns (the same dtype does not).
+    for (dtype, warns) in [("bf16", true), ("f32", false)] {
+        let mut c = graphpp();
+        c.args(["plan", "--ranks", "2", "--memory-per-rank", "1GiB", "--global-batch", "8"])
+            .args(["--seq-len", "16", "--top", "1", "--dtype", dtype, "--profile"])
+            .arg(&path);
+        let (_, err) = output(c, 0);
+        let warning = "warning: the profile was measured in f32, the plan is for bf16";
+        assert_eq!(err.contains(warning), warns, "{dtype}: {err}");
+    }
     assert_eq!(p.predicted_peak_bytes, p.measured_peak_bytes);
     // 1F1B measured F and B on both stages, never I or W; the last stage's F holds the head.
     let s1 = p.stages[1].seconds;

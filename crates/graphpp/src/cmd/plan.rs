@@ -392,6 +392,15 @@ pub fn run(a: PlanArgs) -> Result<()> {
             p.model, a.model
         );
     }
+    if let Some(p) = profile.as_ref().filter(|p| a.dtype.is_some_and(|d| d != p.dtype)) {
+        eprintln!(
+            "warning: the profile was measured in {}, the plan is for {}: its speed does not carry \
+             over (profile a run with --dtype {} for this plan)",
+            p.dtype,
+            a.dtype.unwrap_or(p.dtype),
+            a.dtype.unwrap_or(p.dtype)
+        );
+    }
     let hardware = a.hardware.as_deref().map(Hardware::load).transpose()?;
     if let Some(h) = hardware.as_ref().filter(|_| a.print_hardware) {
         return crate::cmd::emit(&h.to_toml());
