@@ -100,7 +100,7 @@ fn main() {
                     let ((va, ra, ca), (vb, rb, cb)) = &halves[i];
                     let a = Strided { data: va, row_stride: *ra, col_stride: *ca };
                     let b = Strided { data: vb, row_stride: *rb, col_stride: *cb };
-                    bf16_gemm::gemm(path, m, n, k, a, b, &mut out, true);
+                    bf16_gemm::gemm(path, (m, n, k), (a, b), bf16_gemm::Out::Rows(&mut out), true);
                 });
             }
             println!("{line}");

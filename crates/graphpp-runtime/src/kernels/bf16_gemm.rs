@@ -167,50 +167,14 @@ impl Strided<'_> {
     }
 }
 
-/// `out = a · b` rounded to bf16, `a` `m × k`, `b` `k × n`, `out` `m × n` row-major (every
-/// element written), on `path`; split over the current rayon pool when `parallel` and the
-/// product is large enough to gain. `path` must be available (else the widened path runs).
-///
-/// Panics if an operand's strides reach outside its data or `out` is not `m · n` long (the
-/// callers check both).
-#[allow(clippy::too_many_arguments)]
-pub fn gemm(
-    path: Bf16Gemm,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: Strided,
-    b: Strided,
-    out: &mut [MaybeUninit<bf16>],
-    parallel: bool,
-) {
-    gemm_into(path, (m, n, k), (a, b), Out::Rows(out), parallel)
-}
-
-/// [`gemm`]'s product transposed and widened back to f32: `out` is `n × m` row-major, element
-/// `(j, i)` the bf16 value [`gemm`] gives at `(i, j)`, widened exactly — the bits of casting
-/// [`gemm`]'s product to f32 after transposing it (a weight gradient, which autodiff transposes
-/// before the cast back to its f32 master weight: `crate::exec`'s transposed products), written
-/// in the order the cast's output is read.
-#[allow(clippy::too_many_arguments)]
-pub fn gemm_transposed_widened(
-    path: Bf16Gemm,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: Strided,
-    b: Strided,
-    out: &mut [MaybeUninit<f32>],
-    parallel: bool,
-) {
-    gemm_into(path, (m, n, k), (a, b), Out::WidenedTransposed(out), parallel)
-}
-
-/// Where a product's rounded sums go.
-enum Out<'a> {
-    /// `m × n` row-major.
+/// Where a product's sums go, each rounded to bf16 once.
+pub enum Out<'a> {
+    /// `m × n` row-major bf16.
     Rows(&'a mut [MaybeUninit<bf16>]),
-    /// `n × m` row-major (the transpose), each rounded sum widened to f32.
+    /// `n × m` row-major (the transpose), each rounded sum widened back to f32 exactly: the bits
+    /// of casting the `Rows` product to f32 after transposing it (a weight gradient, which
+    /// autodiff transposes before the cast back to its f32 master weight: `crate::exec`'s
+    /// transposed products), written in the order the cast's output is read.
     WidenedTransposed(&'a mut [MaybeUninit<f32>]),
 }
 
@@ -223,7 +187,13 @@ impl Out<'_> {
     }
 }
 
-fn gemm_into(
+/// `a · b`, `a` `m × k`, `b` `k × n`, into `out` (every element written; its layout: [`Out`]),
+/// on `path`; split over the current rayon pool when `parallel` and the product is large
+/// enough to gain. `path` must be available (else the widened path runs).
+///
+/// Panics if an operand's strides reach outside its data or `out` is not `m · n` long (the
+/// callers check both).
+pub fn gemm(
     path: Bf16Gemm,
     (m, n, k): (usize, usize, usize),
     (a, b): (Strided, Strided),
@@ -644,7 +614,7 @@ mod tests {
         paths.collect()
     }
 
-    /// `product`'s `a · b` into `out` ([`gemm_into`]'s arguments).
+    /// `product`'s `a · b` into `out` ([`gemm`]'s arguments).
     fn run(
         product: Product,
         (m, n, k): (usize, usize, usize),
@@ -653,7 +623,7 @@ mod tests {
         parallel: bool,
     ) {
         match product {
-            Product::Path(path) => gemm_into(path, (m, n, k), (a, b), out, parallel),
+            Product::Path(path) => gemm(path, (m, n, k), (a, b), out, parallel),
             #[cfg(target_arch = "x86_64")]
             Product::EmulatedAmx => {
                 let parallel = parallel && rayon::current_num_threads() > 1;
@@ -763,7 +733,7 @@ mod tests {
     fn a_zero_depth_product_is_zeros() {
         let mut out = vec![MaybeUninit::new(bf16::ONE); 6];
         let empty = Strided { data: &[], row_stride: 0, col_stride: 0 };
-        gemm(Bf16Gemm::Widened, 2, 3, 0, empty, empty, &mut out, false);
+        gemm(Bf16Gemm::Widened, (2, 3, 0), (empty, empty), Out::Rows(&mut out), false);
         assert!(out.iter().all(|o| unsafe { o.assume_init() } == bf16::ZERO));
     }
 

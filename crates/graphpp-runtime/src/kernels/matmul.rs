@@ -78,7 +78,7 @@ pub(crate) fn compiled_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candl
 
 /// The f32 cast of the transpose of a rank-2 bf16 product, `cast(transpose(a · b), f32)`, in
 /// one pass: the `[n, m]` f32 tensor of [`compiled_matmul`]'s bf16 values, transposed and
-/// widened (`bf16_gemm::gemm_transposed_widened`: the same bits as the three steps). `None` for
+/// widened (`bf16_gemm::Out::WidenedTransposed`: the same bits as the three steps). `None` for
 /// any other product (the caller takes [`compiled_matmul`]).
 ///
 /// # Errors
@@ -98,7 +98,7 @@ pub(crate) fn compiled_matmul_transposed_widened(
         let (lhs, rhs) = (operand(va, la, &[], 0), operand(vb, lb, &[], 0));
         let parallel = matches!(threads, Threads::Pool);
         let dst = &mut out.spare_capacity_mut()[..m * n];
-        bf16_gemm::gemm_transposed_widened(path, m, n, k, lhs, rhs, dst, parallel);
+        bf16_gemm::gemm(path, (m, n, k), (lhs, rhs), bf16_gemm::Out::WidenedTransposed(dst), parallel);
         // SAFETY: the product wrote all m · n elements.
         unsafe { out.set_len(m * n) };
         out
@@ -310,7 +310,7 @@ fn bf16_matmul(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<
     let out = with_bf16_operands(a, b, |path, (va, la), (vb, lb)| {
         let element = |i: usize, dst: &mut [std::mem::MaybeUninit<half::bf16>], parallel: bool| {
             let (lhs, rhs) = (operand(va, la, batch_dims, i), operand(vb, lb, batch_dims, i));
-            bf16_gemm::gemm(path, m, n, k, lhs, rhs, dst, parallel)
+            bf16_gemm::gemm(path, (m, n, k), (lhs, rhs), bf16_gemm::Out::Rows(dst), parallel)
         };
         batch_products(batch, m * n, threads, |i, dst, split| element(i, dst, pool && !split))
     })?;
