@@ -64,6 +64,7 @@ impl Cache {
     /// a cast of a parameter input that `lone_group` says runs as a fused group of its own.
     pub fn plan(graph: &Graph, lone_group: impl Fn(usize) -> bool, store: KeptStore) -> Cache {
         let users = graph.users();
+        // The parameter a node's one operand is.
         let parameter = |n: &graphpp_graph::Node| match &graph.nodes[n.inputs[0].0].op {
             Op::Input { kind: InputKind::Parameter, name, .. } => Some(name.clone()),
             _ => None,
@@ -71,10 +72,11 @@ impl Cache {
         let kept = (0..graph.nodes.len())
             .map(|i| {
                 let n = &graph.nodes[i];
-                let output = graph.outputs.iter().any(|o| o.value.0 == i);
-                let of_parameter = |n: &graphpp_graph::Node| parameter(n).is_some();
-                let keeps = match &n.op {
-                    Op::Cast { .. } => of_parameter(n) && lone_group(i) && !output,
+                if graph.outputs.iter().any(|o| o.value.0 == i) {
+                    return None;
+                }
+                let derivation = match &n.op {
+                    Op::Cast { dtype } if lone_group(i) => Derivation::Cast(*dtype),
                     Op::Permute { perm } => {
                         let r = perm.len();
                         let swaps_last = r >= 2
@@ -87,16 +89,14 @@ impl Cache {
                                     && reader.inputs[1].0 == i
                                     && reader.inputs[0].0 != i
                             });
-                        swaps_last && of_parameter(n) && rhs_only && !output
+                        if !(swaps_last && rhs_only) {
+                            return None;
+                        }
+                        Derivation::Permute(perm.clone())
                     }
-                    _ => false,
-                };
-                let derivation = match &n.op {
-                    Op::Cast { dtype } => Derivation::Cast(*dtype),
-                    Op::Permute { perm } => Derivation::Permute(perm.clone()),
                     _ => return None,
                 };
-                keeps.then(|| parameter(n).map(|name| (name, derivation))).flatten()
+                parameter(n).map(|name| (name, derivation))
             })
             .collect();
         Cache { kept, copies: store }
