@@ -820,13 +820,17 @@ mod tests {
         h.device.matmul_curve = vec![[1e3, 1e10], [1e9, 1e10]];
         let before = h.graph_seconds(&g, DType::F32);
         h.device.attention_curve = vec![[1e3, 1e9], [1e9, 1e9]];
-        let attention: u64 = crate::profile::node_costs(&g)
-            .into_iter()
-            .filter_map(|c| match c {
-                NodeCost::Product { flops, attention: true } => Some(flops),
-                _ => None,
-            })
-            .sum();
+        // The FLOPs of the graph's attention ops, and of its other products.
+        let flops = |of_attention: bool| -> u64 {
+            let costs = crate::profile::node_costs(&g).into_iter();
+            costs
+                .filter_map(|c| match c {
+                    NodeCost::Product { flops, attention } if attention == of_attention => Some(flops),
+                    _ => None,
+                })
+                .sum()
+        };
+        let attention = flops(true);
         assert!(attention > 0);
         let want = before + attention as f64 * (1e-9 - 1e-10);
         assert!((h.graph_seconds(&g, DType::F32) - want).abs() < 1e-12 * want.max(1.0), "{want}");
@@ -834,13 +838,7 @@ mod tests {
         // attention curve scaled by the peaks' ratio (not on the faster bf16 matmul curve).
         h.device.bf16_matmul_curve = vec![[1e3, 4e10], [1e9, 4e10]];
         let ratio = h.device.flops_bf16 / h.device.flops_f32;
-        let products: u64 = crate::profile::node_costs(&g)
-            .into_iter()
-            .filter_map(|c| match c {
-                NodeCost::Product { flops, attention: false } => Some(flops),
-                _ => None,
-            })
-            .sum();
+        let products = flops(false);
         // The other nodes' seconds, the same in either dtype here (the graph's bytes are f32's).
         let written = before - (products + attention) as f64 * 1e-10;
         let want = products as f64 / 4e10 + attention as f64 * 1e-9 / ratio + written;

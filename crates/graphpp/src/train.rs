@@ -302,6 +302,11 @@ impl RunConfig {
         self.microbatches * self.microbatch_size * self.seq_len
     }
 
+    /// Ranks of the whole run: pipeline ranks × data-parallel replicas × tensor-parallel degree.
+    pub fn world(&self) -> usize {
+        self.ranks * self.dp * self.tp
+    }
+
     /// What must match for a resumed run to continue the same loss sequence: everything but the
     /// pipeline layout (kind, ranks, v, layer split, dp replicas, ep, tp, sequence parallelism), the recompute policy, the emulated link, the device, the display name, the
     /// `--init-from` folder (the checkpoint's parameters replace the initial ones; the model must
@@ -700,7 +705,7 @@ pub fn ranks_in_process(world: usize) -> usize {
 /// [`RunError`] for a schedule file that cannot be read or a bad learning-rate schedule.
 pub fn train_setup(c: &RunConfig) -> Result<TrainSetup, RunError> {
     let launched = crate::launch::launched_world_size().filter(|&world| world > 1);
-    let ranks_in_process = ranks_in_process(c.ranks * c.dp * c.tp);
+    let ranks_in_process = ranks_in_process(c.world());
     Ok(TrainSetup {
         model: Arc::new(c.model.clone()),
         kind: c.kind,

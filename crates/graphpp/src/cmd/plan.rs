@@ -250,8 +250,7 @@ fn compile_strategy(
     let mfu = hardware.map(|h| {
         let per_token = graphpp_models::Model::flops_per_token(&config.model, config.seq_len);
         let tokens = config.tokens_per_step();
-        let world = config.ranks * config.dp * config.tp;
-        h.mfu(per_token, tokens, world, config.dtype, prediction.step_seconds)
+        h.mfu(per_token, tokens, config.world(), config.dtype, prediction.step_seconds)
     });
     Ok(Compiled { config, dag, prediction, mfu })
 }
@@ -297,7 +296,7 @@ fn against(
     (profile, hardware): (Option<&Profile>, Option<&Hardware>),
 ) -> Result<String> {
     let Compiled { config: c, prediction: p, .. } = compile_strategy(a, path, profile, hardware)?;
-    let (world, batch) = (c.ranks * c.dp * c.tp, c.microbatches * c.microbatch_size);
+    let (world, batch) = (c.world(), c.microbatches * c.microbatch_size);
     if (world, batch) != (ranks, a.global_batch) {
         bail!(
             "--against {}: the strategy runs {world} ranks and {batch} sequences a step; the search \
@@ -462,8 +461,8 @@ pub fn run(a: PlanArgs) -> Result<()> {
     );
     text.push_str("  #  schedule              pp  dp fsdp  tp  ep  v    m    B  recompute     step (ms)   bubble  comm (ms)    MFU    peak/rank  fits\n");
     let per_token = graphpp_models::Model::flops_per_token(&req.model, req.seq_len);
+    let tokens = req.global_batch * req.seq_len;
     for (i, c) in all.iter().take(a.top).enumerate() {
-        let tokens = req.global_batch * req.seq_len;
         let mfu = hardware.as_ref().map(|h| h.mfu(per_token, tokens, ranks, req.dtype, c.step_seconds));
         text.push_str(&row(i, c, mfu));
     }
