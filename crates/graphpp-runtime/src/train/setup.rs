@@ -118,12 +118,12 @@ impl TrainSetup {
     pub fn check_sized(&self, single_device: bool) -> Result<(), TrainError> {
         self.check_layout()?;
         crate::kernels::device::kernels_choice().map_err(SetupError::from)?;
-        self.bf16_path(self.dtype).map_err(SetupError::from)?;
+        self.bf16_path().map_err(SetupError::from)?;
         self.check_step(single_device, None)
     }
 
-    /// The bf16 matmul path a step computed in `dtype` runs on
-    /// ([`crate::kernels::bf16_gemm::chosen`]): `None` where it runs none — an f32 step, or one
+    /// The bf16 matmul path the run's steps take ([`crate::kernels::bf16_gemm::chosen`]): `None`
+    /// where they take none — an f32 run, or one
     /// on candle's kernels (a CUDA device, or `GRAPHPP_KERNELS=composed`), whose bf16 products
     /// are candle's whatever `GRAPHPP_BF16_GEMM` says, so that variable is not read.
     ///
@@ -132,10 +132,9 @@ impl TrainSetup {
     /// process cannot run.
     pub fn bf16_path(
         &self,
-        dtype: graphpp_graph::DType,
     ) -> Result<Option<crate::kernels::bf16_gemm::Bf16Gemm>, crate::kernels::bf16_gemm::PathError> {
         let own = self.device.is_cpu() && !crate::kernels::device::forced_composed();
-        if dtype != graphpp_graph::DType::BF16 || !own {
+        if self.dtype != graphpp_graph::DType::BF16 || !own {
             return Ok(None);
         }
         crate::kernels::bf16_gemm::chosen().map(Some)

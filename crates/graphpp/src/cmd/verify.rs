@@ -184,7 +184,7 @@ fn print_report(a: &VerifyArgs, setup: &VerifySetup, name: &str, world: usize, r
     }
     // The pipelined step's path where it runs graphpp's CPU kernels, else the reference's (which
     // always does).
-    let path = t.bf16_path(a.dtype).ok().flatten().or(setup.reference_bf16_path().ok().flatten());
+    let path = t.bf16_path().ok().flatten().or(setup.reference_bf16_path().ok().flatten());
     layout.push_str(&crate::cmd::bf16_matmuls(path));
     let layers = t.model.num_layers();
     println!(

@@ -336,7 +336,7 @@ pub(super) fn print_header(
         c.seq_len,
         c.tokens_per_step(),
         c.recompute,
-        crate::cmd::bf16_matmuls(trainer.setup().bf16_path(c.dtype).ok().flatten()),
+        crate::cmd::bf16_matmuls(trainer.setup().bf16_path().ok().flatten()),
         crate::cmd::plural(c.steps, "step", "steps")
             + &stop_after.filter(|&s| s < c.steps).map_or(String::new(), |s| format!(" (stopping after step {s})")),
         crate::cmd::plural(threads as u64, "thread", "threads"),
