@@ -172,10 +172,7 @@ impl Candidate {
             self.kind.name(),
             self.pp,
             self.stages_per_rank,
-            self.layers_per_stage.as_ref().map_or(String::new(), |c| {
-                let c: Vec<String> = c.iter().map(ToString::to_string).collect();
-                format!(" --layers-per-stage {}", c.join(","))
-            }),
+            self.layers_per_stage.as_deref().map_or(String::new(), |l| format!(" --layers-per-stage {}", layer_list(l))),
             self.dp,
             if self.fsdp { " --fsdp" } else { "" },
             self.tp,
@@ -186,6 +183,11 @@ impl Candidate {
             self.recompute.name()
         )
     }
+}
+
+/// A layer split as `--layers-per-stage` takes it: `4,4,3`.
+pub fn layer_list(layers: &[usize]) -> String {
+    layers.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")
 }
 
 /// Why no plan can be made.

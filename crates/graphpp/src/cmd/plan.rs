@@ -8,7 +8,7 @@ use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use graphpp::dag::TrainingDag;
 use graphpp::hardware::Hardware;
-use graphpp::plan::{plan, predict, Candidate, Cost, Links, PlanRequest};
+use graphpp::plan::{layer_list, plan, predict, Candidate, Cost, Links, PlanRequest};
 use graphpp::profile::Profile;
 use graphpp_models::Recompute;
 use graphpp_schedule::Kind;
@@ -307,10 +307,8 @@ fn against(
     }
     let peak = p.peak_bytes.iter().copied().max().unwrap_or(0);
     let fits = if peak <= memory { "fits" } else { "does not fit" };
-    let split = c.layers_per_stage.as_ref().map_or(String::new(), |l| {
-        let l: Vec<String> = l.iter().map(ToString::to_string).collect();
-        format!(" (layers {})", l.join(","))
-    });
+    let split =
+        c.layers_per_stage.as_deref().map_or(String::new(), |l| format!(" (layers {})", layer_list(l)));
     let layout = format!(
         "{} pp {} × dp {}{} × tp {}{}, v {}{split}, m {}, B {}, recompute {}",
         c.kind.name(),
